@@ -1,0 +1,218 @@
+"""``specdist bench engine``: batch-1 decoding, four systems side by side in one run.
+
+Systems (same fp32 target, same prompts, same sampling settings, same token count):
+- ``hf-plain``     transformers ``generate`` (target only)
+- ``hf-assisted``  transformers assisted generation with the same draft model
+- ``engine-target`` this engine, target only
+- ``engine-spec``  this engine, speculative with the draft
+Every request produces exactly ``--max-tokens`` tokens (EOS ignored / suppressed) so
+throughputs compare equal work. The analytical prediction uses the measured
+acceptance rate and the measured per-step costs of this very run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+PROMPTS = [
+    "Explain gravity to a ten-year-old.",
+    "Write a short poem about the sea.",
+    "What are three tips for staying productive when working from home?",
+    "Describe how a bicycle works.",
+    "Summarize the water cycle in a few sentences.",
+    "Give me a recipe for a simple tomato pasta.",
+    "Why is the sky blue?",
+    "Write a friendly email inviting a colleague to lunch.",
+    "What is the difference between a virus and a bacterium?",
+    "List some interesting facts about octopuses.",
+]
+SYSTEMS = ("hf-plain", "hf-assisted", "engine-target", "engine-spec")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
+    p.add_argument("--draft", default="self-w8", choices=("self-w8", "ngram"), help="draft method")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
+    p.add_argument("--prompts", type=int, default=8, help=f"how many chat prompts (max {len(PROMPTS)})")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 24 tokens")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+
+
+@dataclass
+class Result:
+    system: str
+    temperature: float
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    phase_s: dict = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # noqa: F401  (heavy: loaded only when the benchmark runs)
+
+    from specdist.config import load_config
+    from specdist.engine import Engine
+    from specdist.models.loader import load_model, load_tokenizer, resolve_model
+    from specdist.models.quant import quantized_copy
+
+    if args.quick:
+        args.prompts, args.max_tokens = 2, 24
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    temps = [float(t) for t in args.temperatures.split(",")]
+    n_prompts = max(1, min(args.prompts, len(PROMPTS)))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    log(f"loading {args.model} (fp32) and the {args.draft} draft ...")
+    src = resolve_model(args.model, "--model")
+    target = load_model(src, "float32")
+    tok = load_tokenizer(src)
+    draft_model = quantized_copy(target) if args.draft == "self-w8" else None
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)
+        for p in PROMPTS[:n_prompts]
+    ]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 8
+    base = {"target": {"model": args.model}, "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": "cpu"}}
+    engines = {
+        "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),
+        "engine-spec": Engine(
+            load_config({**base, "draft": {"method": args.draft, "num_speculative_tokens": args.k}}),
+            target,
+            tok,
+            draft_model,
+        ),
+    }
+
+    results: list[Result] = []
+    for temp in temps:
+        for system in systems:
+            res = Result(system, temp)
+            _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log, warmup=True)
+            _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log)
+            res.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            results.append(res)
+            log(f"  {system:14s} T={temp:<4} {res.tokens_per_s:6.1f} tok/s")
+
+    print(format_report(results, args, engines["engine-spec"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ | {"tokens_per_s": r.tokens_per_s} for r in results], f, indent=1)
+    return 0
+
+
+def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, engines, log, warmup=False):
+    import torch
+
+    from specdist.sampling_params import SamplingParams
+
+    todo = prompts[:1] if warmup else prompts
+    n_new = 8 if warmup else max_tokens
+    for i, ids in enumerate(todo):
+        if not warmup:
+            log(f"[{system} T={temp}] prompt {i + 1}/{len(todo)}")
+        torch.manual_seed(1000 + i)
+        if system.startswith("hf"):
+            x = torch.tensor([ids])
+            kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=temp > 0, top_k=0, top_p=1.0)
+            if temp > 0:
+                kw["temperature"] = temp
+            if system == "hf-assisted":
+                kw["assistant_model"] = draft_model
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kw)
+            dt = time.perf_counter() - t0
+            n = out.shape[1] - len(ids)
+        else:
+            eng = engines[system]
+            eng.stats.reset()
+            sp = SamplingParams(max_tokens=n_new, temperature=temp, seed=1000 + i, ignore_eos=True)
+            t0 = time.perf_counter()
+            o = eng.generate([ids], sp)[0]
+            dt = time.perf_counter() - t0
+            n = len(o.token_ids)
+            if not warmup:
+                res.drafted += o.metrics.drafted
+                res.accepted += o.metrics.accepted
+                res.steps += o.metrics.steps
+                for k, v in eng.stats.phase_s.items():
+                    res.phase_s[k] = res.phase_s.get(k, 0.0) + v
+        if not warmup:
+            res.tokens += n
+            res.seconds += dt
+
+
+def format_report(results: list[Result], args, spec_engine) -> str:
+    import torch
+
+    from specdist.cost_model import expected_tokens
+
+    lines = [
+        f"specdist bench engine: target {args.model} fp32, draft {args.draft}, k={args.k}, batch 1, "
+        f"{min(args.prompts, len(PROMPTS))} prompts x {args.max_tokens} new tokens, torch threads {torch.get_num_threads()}",
+        "",
+        "| T | system | tok/s | vs hf-plain | vs hf-assisted | acceptance | tokens/step | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by = {(r.system, r.temperature): r for r in results}
+    for r in results:
+        plain = by.get(("hf-plain", r.temperature))
+        assisted = by.get(("hf-assisted", r.temperature))
+        acc = f"{r.accepted / r.drafted:.1%}" if r.drafted else "-"
+        tps = f"{r.tokens / r.steps:.2f}" if r.steps else "-"
+        lines.append(
+            f"| {r.temperature:g} | {r.system} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} | {_ratio(r, assisted)} "
+            f"| {acc} | {tps} | {r.peak_rss_mb:.0f} |"
+        )
+    lines.append("")
+    for r in results:
+        if r.system != "engine-spec" or not r.steps:
+            continue
+        ph = r.phase_s
+        alpha = r.accepted / r.drafted if r.drafted else 0.0
+        k = args.k
+        t_verify = ph.get("verify", 0) / r.steps
+        t_draft_tok = ph.get("draft", 0) / max(r.drafted, 1)
+        t_over = (ph.get("sampling", 0) + ph.get("cache", 0) + ph.get("output", 0)) / r.steps
+        el = expected_tokens(min(alpha, 1.0), k)
+        predicted = el / (t_verify + k * t_draft_tok + t_over)
+        total = sum(ph.values()) or 1.0
+        lines.append(
+            f"T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, draft {t_draft_tok * 1e3:.1f} ms/token, "
+            f"sampling+cache+output {t_over * 1e3:.1f} ms; phase shares "
+            + ", ".join(f"{k_}: {v / total:.1%}" for k_, v in ph.items())
+        )
+        lines.append(
+            f"T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} (measured {r.tokens / r.steps:.2f} tokens/step), "
+            f"predicted {predicted:.1f} tok/s, measured {r.tokens_per_s:.1f} = {r.tokens_per_s / predicted:.0%} of prediction"
+        )
+    kv = spec_engine.target.cache.bytes_per_token
+    lines.append(f"KV cache: {kv} B/token target" + (
+        f", {spec_engine.proposer.cache.bytes_per_token} B/token draft" if hasattr(spec_engine.proposer, "cache") else ""))
+    return "\n".join(lines)
+
+
+def _ratio(r: Result, ref: Result | None) -> str:
+    if ref is None or ref is r or not ref.tokens_per_s:
+        return "-"
+    return f"{r.tokens_per_s / ref.tokens_per_s:.2f}x"

@@ -1,0 +1,179 @@
+"""Deployment config: YAML file or dict, validated at load.
+
+Every unknown key and every bad value is a one-line :class:`ConfigError` naming
+the dotted key (``draft.method``), so a typo never silently falls back to a default.
+
+Shape::
+
+    target:
+      model: smollm2-135m-instruct   # built-in name, local HF model directory, or a .gguf file
+      dtype: float32                 # float32 | bfloat16 | float16
+    draft:
+      method: self-w8                # model | self-w8 | ngram | none
+      model: null                    # local HF causal LM (method: model only), same vocabulary
+      dtype: float32
+      num_speculative_tokens: 4
+      ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
+      ngram_max: 3
+    engine:
+      max_model_len: 2048            # prompt + output tokens per request
+      max_batch_size: 8              # requests running at once (KV slots)
+      device: auto                   # auto | cpu | cuda | cuda:N
+      num_threads: null              # torch intra-op threads; null keeps torch's default
+      seed: 0                        # seeds requests that do not bring their own
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from specdist.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
+
+
+@dataclass
+class TargetConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+
+    def validate(self, key: str) -> None:
+        _check_nonempty(self.model, f"{key}.model")
+        _check_choice(self.dtype, DTYPES, f"{key}.dtype")
+
+
+@dataclass
+class DraftConfig:
+    method: str = "none"
+    model: str | None = None
+    dtype: str = "float32"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def validate(self, key: str) -> None:
+        _check_choice(self.method, DRAFT_METHODS, f"{key}.method")
+        _check_choice(self.dtype, DTYPES, f"{key}.dtype")
+        if self.method == "model":
+            _check_nonempty(self.model, f"{key}.model")
+        elif self.model is not None:
+            raise ConfigError(f"{key}.model", f"is only used with method 'model', not {self.method!r}")
+        _check_int(self.num_speculative_tokens, f"{key}.num_speculative_tokens", 1, 64)
+        _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)
+        _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 2048
+    max_batch_size: int = 8
+    device: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def validate(self, key: str) -> None:
+        _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
+        _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"{key}.device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.num_threads is not None:
+            _check_int(self.num_threads, f"{key}.num_threads", 1, 1024)
+        _check_int(self.seed, f"{key}.seed", 0, 2**63 - 1)
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> "Config":
+        self.target.validate("target")
+        self.draft.validate("draft")
+        self.engine.validate("engine")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(source: str | os.PathLike | dict | Config | None) -> Config:
+    """Build a validated :class:`Config` from a YAML path, a dict, a Config, or None (defaults)."""
+    if isinstance(source, Config):
+        return source.validate()
+    if source is None:
+        return Config().validate()
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ConfigError("<file>", f"config file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ConfigError("<file>", f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        data = {} if data is None else data
+    else:
+        data = source
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", f"must be a mapping, got {type(data).__name__}")
+    return _build(Config, data, "").validate()
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or "<root>", f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(dotted, f"unknown key (expected one of: {', '.join(sorted(names))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, dotted)
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(key, "must not be null")
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if base is str and not isinstance(value, str):
+        raise ConfigError(key, f"must be a string, got {value!r}")
+    return value
+
+
+def _check_choice(value: Any, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(value: Any, key: str, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _check_nonempty(value: Any, key: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"must be a non-empty string, got {value!r}")

@@ -1,0 +1,1 @@
+"""Model loading and the batched forward over a slot KV cache."""

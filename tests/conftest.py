@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-weight Llama models saved as real HF checkpoints.
+
+Weights are drawn with a large standard deviation so the next-token distributions
+are peaked and target and draft clearly disagree: statistical tests then have
+power. Each checkpoint also carries a real word-level tokenizer, so text prompts,
+detokenisation and stop strings go through the same code as with real models.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY_WORDS = ["a", "b", "c", "d", "e", "f", "g", "<eos>"]  # id 7 is EOS
+
+
+def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35, layers: int = 2) -> str:
+    """Write a random Llama checkpoint (safetensors + tokenizer) to ``path`` and return it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=7,
+        bos_token_id=0,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    words = TINY_WORDS + [f"w{i}" for i in range(len(TINY_WORDS), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words[:vocab_size])}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>" if vocab_size > 7 else None)
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Paths of a tiny target, a tiny draft (same vocabulary), and a draft with another vocabulary."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "target": save_tiny_llama(str(root / "target"), seed=1),
+        "draft": save_tiny_llama(str(root / "draft"), seed=2, layers=1),
+        "draft_vocab9": save_tiny_llama(str(root / "draft9"), seed=3, vocab_size=9, layers=1),
+    }
+
+
+def tiny_config(tiny_models, method: str = "model", k: int = 3, **engine) -> dict:
+    draft = {"method": method, "num_speculative_tokens": k}
+    if method == "model":
+        draft["model"] = tiny_models["draft"]
+    return {
+        "target": {"model": tiny_models["target"]},
+        "draft": draft,
+        "engine": {"max_model_len": 64, "max_batch_size": 8, "device": "cpu", **engine},
+    }

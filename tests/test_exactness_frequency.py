@@ -1,0 +1,407 @@
+"""Frequency tests of exactness through the real engine (spec-math.md section 2, test 2).
+
+For a fixed prompt, the exact law of the first ``W`` generated tokens is computed from
+the *target model alone*: the target checkpoint is loaded with plain
+``transformers.AutoModelForCausalLM`` (no specdist code), every continuation of length
+``W`` is scored in float64, and the sampling transform (temperature, top-k, top-p) is
+re-implemented here in numpy. ``N`` sequences are then drawn through
+``Engine.from_config(...).generate(...)`` with speculative decoding (k = 3, a model
+draft or n-gram prompt lookup) and compared with that law by a G-test.
+
+Statistics (every test): cells are the ``8**W`` sequences of positive target
+probability, sorted by expected count; cells with expected count < 5 are pooled (and
+the pool merged into the smallest kept cell if it is itself below 5); df = cells - 1;
+the threshold is the chi-square upper quantile at ``ALPHA = 1e-4``, so a correct sampler
+fails a given test with probability about 1e-4 (seeds are fixed, so each run is
+deterministic). Sequences of target probability 0 must never be drawn (checked
+separately: a single one fails the test). N, df, G and the threshold are printed.
+
+Power: the draft (a copy of the target with Gaussian noise on its weights, so that
+0.4-0.75 of draft tokens are accepted) is far enough from the target that a sampler
+returning draft samples would exceed the threshold almost surely (non-central
+chi-square power with the Pearson non-centrality ``N * sum (d - p)^2 / p`` over the
+same cells, asserted > 0.9999, and total variation asserted > 0.2). For every case the
+exact law of a *wrong* speculative sampler (resampling from ``p`` instead of the
+residual after a rejection), computed with the engine's own draft-length schedule and
+proposals, is also asserted to be detected with power > 0.99.
+The acceptance rate read from the outputs' metrics shows that the speculative path
+really rejected and resampled (and sometimes accepted everything and drew the bonus).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import tiny_config
+from specdist.engine import Engine
+from specdist.sampling_params import SamplingParams
+
+VOCAB = 8
+K = 3  # num_speculative_tokens
+ALPHA = 1e-4  # false-failure rate of each G-test for a correct sampler
+N = 6000  # sequences per case
+BATCH = 256  # engine max_batch_size: one generate() call per case, the engine streams N prompts through 256 slots
+MAX_MODEL_LEN = 32
+PROMPT_MODEL = [1, 2, 3]
+PROMPT_NGRAM = [1, 2, 3, 1, 2, 3]  # repeats, so prompt lookup proposes (first proposal: token 1)
+NGRAM_MIN, NGRAM_MAX = 1, 3  # the config defaults
+DRAFT_NOISE_STD = 0.1  # noise added to every target weight matrix to build the draft
+MIN_POWER_WRONG_RULE = 0.99  # asserted power against "resample from p instead of the residual"
+
+
+@dataclass(frozen=True)
+class Case:
+    method: str  # "model" | "ngram"
+    max_tokens: int
+    window: int  # the first `window` tokens are compared (window <= max_tokens)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def prompt(self) -> list[int]:
+        return PROMPT_MODEL if self.method == "model" else PROMPT_NGRAM
+
+    @property
+    def id(self) -> str:
+        s = f"{self.method}-T{self.temperature}-L{self.max_tokens}"
+        s += f"-top_k{self.top_k}" if self.top_k else ""
+        s += f"-top_p{self.top_p}" if self.top_p < 1 else ""
+        return s + (f"-first{self.window}" if self.window < self.max_tokens else "")
+
+
+# Every case: N = 6000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
+# merged cells; with the session's tiny target (conftest, seed 1) they are, per case:
+CASES = [
+    Case("model", 2, 2),  # df 37, threshold 77.8
+    Case("model", 2, 2, temperature=0.9, top_p=0.8),  # df 8, threshold 31.8
+    Case("model", 3, 3),  # df 109, threshold 172.6; drafts of 2, bonus at position 3
+    # max_tokens 4: the first step drafts all k = 3 tokens; the first 3 tokens are compared.
+    Case("model", 4, 3, temperature=1.2, top_k=5),  # df 85, threshold 142.2
+    Case("ngram", 2, 2),  # df 33, threshold 72.0
+    Case("ngram", 2, 2, temperature=0.9, top_p=0.8),  # df 3, threshold 21.1 (a peaked target)
+    Case("ngram", 3, 3),  # df 93, threshold 152.4
+]
+
+
+# ----------------------------------------------------------------------------- models
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """The tiny target, and a draft = target + N(0, 0.1^2) noise on every weight matrix.
+
+    The session's tiny draft (an independent random model) only reaches ~0.2 acceptance
+    on this target; the noisy copy gives 0.4-0.75, i.e. many rejections *and* many full
+    acceptances, while staying far enough from the target for the power checks below.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("freq") / "draft_noisy"
+    shutil.copytree(tiny_models["target"], path)  # same config and tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * DRAFT_NOISE_STD)
+    model.save_pretrained(path)
+    return {"target": tiny_models["target"], "draft": str(path)}
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_logits(path: str, prompt: tuple[int, ...], window: int) -> dict[tuple, np.ndarray]:
+    """Raw next-token logits (float64) after ``prompt + prefix`` for every prefix shorter than ``window``.
+
+    Plain Hugging Face forward over all ``8**window`` continuations at once.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).double().eval()
+    seqs = list(itertools.product(range(VOCAB), repeat=window))
+    ids = torch.tensor([list(prompt) + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.double().numpy()  # [S, P + W, V]
+    table: dict[tuple, np.ndarray] = {}
+    for si, s in enumerate(seqs):
+        for i in range(window):
+            table.setdefault(s[:i], logits[si, len(prompt) - 1 + i])
+    return table
+
+
+def transform(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """Temperature -> top-k -> top-p (nucleus), in float64. Returns (probs, decision margin).
+
+    top-k keeps every token whose scaled logit is >= the k-th largest; top-p keeps the
+    smallest set of most likely tokens whose mass reaches top_p (a token is kept iff the
+    mass of the tokens ranked strictly before it is < top_p). The margin is how far the
+    inputs are from flipping a keep/drop decision (gap at the k-th logit, distance of
+    every "mass before" from top_p); the engine computes in float32, so a margin of
+    1e-5 or more means its supports are the same as these.
+    """
+    z = logits / temperature
+    margin = np.inf
+    if top_k and top_k < len(z):
+        desc = np.sort(z)[::-1]
+        kth = desc[top_k - 1]
+        margin = min(margin, kth - desc[top_k])
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sp = p[order]
+        before = np.cumsum(sp) - sp
+        margin = min(margin, np.abs(before - top_p).min())
+        drop = order[before >= top_p]
+        p[drop] = 0.0
+        p /= p.sum()
+    return p, float(margin)
+
+
+def _prob_table(path: str, case: Case) -> tuple[dict[tuple, np.ndarray], float]:
+    raw = _hf_logits(path, tuple(case.prompt), case.window)
+    table, margin = {}, np.inf
+    for pre, lg in raw.items():
+        table[pre], m = transform(lg, case.temperature, case.top_k, case.top_p)
+        margin = min(margin, m)
+    return table, margin
+
+
+def joint(table: dict[tuple, np.ndarray], window: int) -> np.ndarray:
+    """P(y_1..y_W) = prod_i table[y_<i][y_i], in itertools.product order (index = base-8 number)."""
+    return np.array(
+        [
+            np.prod([table[y[:i]][y[i]] for i in range(window)])
+            for y in itertools.product(range(VOCAB), repeat=window)
+        ]
+    )
+
+
+def seq_index(tokens: list[int]) -> int:
+    idx = 0
+    for t in tokens:
+        idx = idx * VOCAB + t
+    return idx
+
+
+# ----------------------------------------------------------------------------- statistics
+def merge_cells(p: np.ndarray, n: int, min_expected: float = 5.0) -> list[np.ndarray]:
+    """Cells of positive probability; those with expected count < min_expected pooled."""
+    pos = np.nonzero(p > 0)[0]
+    order = pos[np.argsort(-p[pos], kind="stable")]
+    big = [np.array([i]) for i in order if n * p[i] >= min_expected]
+    small = np.array([i for i in order if n * p[i] < min_expected], dtype=int)
+    cells = big + ([small] if small.size else [])
+    if small.size and n * p[small].sum() < min_expected:
+        cells = big[:-1] + [np.concatenate([big[-1], small])]
+    return cells
+
+
+def g_statistic(counts: np.ndarray, p: np.ndarray, cells: list[np.ndarray]) -> float:
+    n = counts.sum()
+    obs = np.array([counts[c].sum() for c in cells], dtype=float)
+    exp = np.array([p[c].sum() for c in cells]) * n
+    nz = obs > 0
+    return float(2.0 * np.sum(obs[nz] * np.log(obs[nz] / exp[nz])))
+
+
+def power(alt: np.ndarray, p: np.ndarray, cells: list[np.ndarray], n: int) -> tuple[float, float]:
+    """(non-centrality, power) of the test at level ALPHA against samples from ``alt``."""
+    a = np.array([alt[c].sum() for c in cells])
+    e = np.array([p[c].sum() for c in cells])
+    lam = n * float(np.sum((a - e) ** 2 / e))
+    df = len(cells) - 1
+    return lam, float(stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, lam))
+
+
+# ----------------------------------------------------------------------------- the algorithm, analytically
+def ngram_lookup(seq: list[int], k: int) -> list[int]:
+    """Prompt lookup as documented: continuation of the latest earlier match of the longest suffix."""
+    length = len(seq)
+    for n in range(min(NGRAM_MAX, length - 1), NGRAM_MIN - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if seq[start : start + n] == seq[length - n :]:
+                return seq[start + n : start + n + k]
+    return []
+
+
+def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
+    """Exact law of the first ``window`` tokens under the engine's schedule and a verification rule.
+
+    ``rule``: "exact" (residual on rejection) or "resample_from_p" (a wrong sampler).
+    Draft length per step: min(k, max_tokens - 1 - emitted); model drafts are enumerated
+    with their q-probabilities, n-gram drafts are the lookup (q one-hot). Draft
+    positions past the window are dropped: they cannot change the first ``window`` tokens.
+    """
+    w = case.window
+    size = VOCAB**w
+    memo: dict[tuple, np.ndarray] = {}
+
+    def point(seq: tuple) -> np.ndarray:
+        v = np.zeros(size)
+        v[seq_index(list(seq[:w]))] = 1.0
+        return v
+
+    def dist_from(state: tuple) -> np.ndarray:
+        if len(state) >= w:
+            return point(state)
+        if state in memo:
+            return memo[state]
+        out = np.zeros(size)
+
+        def emit(seq: tuple, weight: float) -> None:
+            if weight > 0:
+                out[:] += weight * (point(seq) if len(seq) >= w else dist_from(seq))
+
+        kb = max(0, min(K, case.max_tokens - 1 - len(state)))
+        keep = w - len(state)
+        if qtab is None:
+            full = tuple(ngram_lookup(case.prompt + list(state), kb)) if kb else ()
+            drafts = [(full[:keep], 1.0, len(full))]
+        else:
+            drafts = []
+
+            def rec(x: tuple, wx: float) -> None:
+                if len(x) == min(kb, keep):
+                    drafts.append((x, wx, kb))
+                    return
+                q = qtab[state + x]
+                for t in np.nonzero(q)[0]:
+                    rec(x + (int(t),), wx * q[t])
+
+            rec((), 1.0)
+        for x, wx, n_full in drafts:
+            reach = 1.0
+            for j in range(len(x) + 1):
+                pre = state + x[:j]
+                if len(pre) >= w:
+                    emit(pre, wx * reach)
+                    break
+                p = ptab[pre]
+                if j == n_full:  # every draft accepted: bonus token from p
+                    for t in np.nonzero(p)[0]:
+                        emit(pre + (int(t),), wx * reach * p[t])
+                    break
+                q = qtab[pre] if qtab is not None else np.eye(VOCAB)[x[j]]
+                a = min(1.0, p[x[j]] / q[x[j]])
+                if reach * (1 - a) > 0:
+                    r = np.clip(p - q, 0, None)
+                    final = r / r.sum() if rule == "exact" else p
+                    for t in np.nonzero(final)[0]:
+                        emit(pre + (int(t),), wx * reach * (1 - a) * final[t])
+                reach *= a
+                if reach == 0:
+                    break
+        memo[state] = out
+        return out
+
+    return dist_from(())
+
+
+# ----------------------------------------------------------------------------- engine
+def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH):
+    eng = Engine.from_config(
+        tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
+    )
+    params = [
+        SamplingParams(
+            max_tokens=case.max_tokens,
+            temperature=case.temperature,
+            top_k=case.top_k,
+            top_p=case.top_p,
+            seed=seed0 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+    # One call: requests join the running batch as others finish (continuous batching),
+    # so batches mix requests at different positions and draft lengths.
+    return eng.generate([list(case.prompt)] * n, params)
+
+
+def check_outputs_and_acceptance(outs, case: Case) -> float:
+    assert len(outs) == N
+    assert all(len(o.token_ids) == case.max_tokens for o in outs), "an output does not have max_tokens tokens"
+    assert all(o.finish_reason == "length" for o in outs)
+    drafted = np.array([o.metrics.drafted for o in outs])
+    accepted = np.array([o.metrics.accepted for o in outs])
+    rate = accepted.sum() / max(1, drafted.sum())
+    all_accepted = int(((drafted > 0) & (accepted == drafted)).sum())  # bonus token drawn
+    none_accepted = int(((drafted > 0) & (accepted == 0)).sum())  # rejection at the first position
+    print(f"  acceptance {rate:.3f} over {drafted.sum()} draft tokens; "
+          f"requests with every draft accepted {all_accepted}, with none accepted {none_accepted}")
+    assert 0.2 <= rate <= 0.85, f"acceptance rate {rate:.3f}: the test would not exercise both paths"
+    assert all_accepted >= N // 50 and none_accepted >= N // 50
+    return rate
+
+
+def run_frequency_case(models: dict, case: Case, seed0: int) -> None:
+    ptab, margin = _prob_table(models["target"], case)
+    assert margin > 1e-5, f"top-k/top-p decision margin {margin:.2e} too small for float32 vs float64"
+    p = joint(ptab, case.window)
+    assert abs(p.sum() - 1) < 1e-9
+
+    t0 = time.perf_counter()
+    outs = sample_engine(models, case, N, seed0)
+    elapsed = time.perf_counter() - t0
+    print(f"\n{case.id}: N={N} sequences in {elapsed:.2f}s")
+    check_outputs_and_acceptance(outs, case)
+
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    impossible = np.nonzero((counts > 0) & (p == 0))[0]
+    assert impossible.size == 0, f"sequences of target probability 0 were drawn: {impossible[:5]}"
+    cells = merge_cells(p, N)
+    df = len(cells) - 1
+    assert df >= 3
+    threshold = stats.chi2.isf(ALPHA, df)
+    g = g_statistic(counts, p, cells)
+    print(f"  G = {g:.1f}, df = {df}, threshold (alpha {ALPHA:g}) = {threshold:.1f}")
+
+    # Power. The analytic law of the algorithm must be the target's (checks this harness)...
+    qtab = _prob_table(models["draft"], case)[0] if case.method == "model" else None
+    exact = speculative_law(ptab, qtab, case, "exact")
+    assert np.abs(exact - p).max() < 1e-9
+    # ...a sampler returning draft samples would fail...
+    if qtab is not None:
+        d = joint(qtab, case.window)
+        tv = 0.5 * np.abs(d - p).sum()
+        lam, pw = power(d, p, cells, N)
+        print(f"  draft-only sampler: TV {tv:.3f}, non-centrality {lam:.0f}, power {pw:.6f}")
+        assert tv > 0.2 and pw > 0.9999
+    # ...and so would resampling from p instead of the residual.
+    wrong = speculative_law(ptab, qtab, case, "resample_from_p")
+    lam, pw = power(wrong, p, cells, N)
+    tv = 0.5 * np.abs(wrong - p).sum()
+    print(f"  resample-from-p sampler: TV {tv:.3f}, non-centrality {lam:.0f}, power {pw:.4f}")
+    assert pw >= MIN_POWER_WRONG_RULE
+
+    assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f} (df {df}, N {N}): not the target distribution"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_engine_samples_target_distribution(models, case: Case) -> None:
+    """G-test, N = 6000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed)."""
+    run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1))
+
+
+def test_generate_with_more_prompts_than_slots(tiny_models) -> None:
+    """generate() must queue prompts beyond max_batch_size, not crash (continuous batching).
+
+    Regression: Engine._admit once popped every waiting request while ``num_free > 0``
+    without counting the ones already taken, so 10 prompts on 4 slots raised
+    ``RuntimeError: KV cache has no free slot``.
+    """
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3, max_batch_size=4))
+    params = SamplingParams(max_tokens=3, seed=0, ignore_eos=True)
+    outs = eng.generate([[1, 2, 3]] * 10, params)
+    assert len(outs) == 10
+    assert all(len(o.token_ids) == 3 and o.finish_reason == "length" for o in outs)
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8, quantized_copy
+
+
+@pytest.fixture
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 16 -> fallback path
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_close_to_float(in_features: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, 48, bias=bias)
+    q = Int8WeightOnlyLinear.from_linear(linear)
+    assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (48, in_features)
+    assert q.scales.dtype == torch.bfloat16 and q.scales.shape == (48,)
+    assert (q.in_features, q.out_features) == (in_features, 48)
+    x = torch.randn(2, 5, in_features)  # [batch, seq, in]
+    with torch.no_grad():
+        y, ref = q(x), linear(x)  # [2, 5, 48]
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert _rel_err(y, ref) < 0.02
+
+
+def test_zero_row() -> None:
+    linear = nn.Linear(32, 8, bias=False)
+    with torch.no_grad():
+        linear.weight[3].zero_()
+    q = Int8WeightOnlyLinear.from_linear(linear)
+    assert q.scales[3].item() == 1.0 and torch.all(q.weight_int8[3] == 0)
+    assert torch.isfinite(q.scales.float()).all()
+    with torch.no_grad():
+        y = q(torch.randn(4, 32))  # [4, 8]
+    assert torch.all(y[:, 3] == 0) and torch.isfinite(y).all()
+
+
+def test_quantized_copy_leaves_original(tiny_llama: LlamaForCausalLM) -> None:
+    before = {k: v.clone() for k, v in tiny_llama.state_dict().items()}
+    draft = quantized_copy(tiny_llama)
+    for k, v in tiny_llama.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert tiny_llama.lm_head.weight is tiny_llama.model.embed_tokens.weight
+    assert tiny_llama.config.tie_word_embeddings
+    assert not any(isinstance(m, Int8WeightOnlyLinear) for m in tiny_llama.modules())
+
+    assert not any(isinstance(m, nn.Linear) for m in draft.modules())
+    n_linear = sum(isinstance(m, nn.Linear) for m in tiny_llama.modules())
+    assert sum(isinstance(m, Int8WeightOnlyLinear) for m in draft.modules()) == n_linear
+    assert isinstance(draft.lm_head, Int8WeightOnlyLinear)
+    embed = draft.model.embed_tokens.weight
+    assert embed.dtype == torch.float32 and torch.equal(embed, tiny_llama.model.embed_tokens.weight)
+    assert embed.data_ptr() != tiny_llama.model.embed_tokens.weight.data_ptr()
+    draft.tie_weights()  # must not re-tie the int8 lm_head to the float embedding
+    assert not hasattr(draft.lm_head, "weight")
+
+
+def test_skip(tiny_llama: LlamaForCausalLM) -> None:
+    quantize_model_int8(tiny_llama, skip=lambda name: name == "lm_head")
+    assert type(tiny_llama.lm_head) is nn.Linear
+    assert isinstance(tiny_llama.model.layers[0].self_attn.q_proj, Int8WeightOnlyLinear)
+
+
+def test_hf_forward_and_generate(tiny_llama: LlamaForCausalLM) -> None:
+    draft = quantized_copy(tiny_llama)
+    ids = torch.randint(0, 64, (2, 12))  # [batch, seq]
+    with torch.inference_mode():
+        ref = tiny_llama(ids).logits  # [2, 12, vocab]
+        got = draft(ids).logits  # [2, 12, vocab]
+        assert got.shape == ref.shape
+        cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1), ref.flatten(0, 1), dim=-1)  # [24]
+        assert cos.min().item() > 0.99
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree >= 0.8
+        out = draft.generate(ids[:1], max_new_tokens=5, do_sample=False)  # [1, 17]
+    assert out.shape[0] == 1 and 12 < out.shape[1] <= 17  # may stop early at eos
