@@ -195,7 +195,9 @@ def format_report(results: list[Result], args, spec_engine) -> str:
         t_draft_tok = ph.get("draft", 0) / max(r.drafted, 1)
         t_over = (ph.get("sampling", 0) + ph.get("cache", 0) + ph.get("output", 0)) / r.steps
         el = expected_tokens(min(alpha, 1.0), k)
-        predicted = el / (t_verify + k * t_draft_tok + t_over)
+        # Toy model with measured costs: tokens / (prefill + (tokens / E[L]) * step cost).
+        step_cost = t_verify + k * t_draft_tok + t_over
+        predicted = r.tokens / (ph.get("prefill", 0.0) + r.tokens / el * step_cost)
         total = sum(ph.values()) or 1.0
         lines.append(
             f"T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, draft {t_draft_tok * 1e3:.1f} ms/token, "

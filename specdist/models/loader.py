@@ -66,6 +66,7 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
 def _quiet_transformers() -> None:
     """No progress bars or hub chatter: loading is local and logs go to stderr only on error."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantiser draws its own progress bar
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

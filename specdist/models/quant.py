@@ -87,4 +87,9 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
 
 def quantized_copy(model: nn.Module) -> nn.Module:
     """Deep-copy ``model`` and quantize the copy; the original is left untouched."""
-    return quantize_model_int8(copy.deepcopy(model))
+    from specdist.models.fusion import remove_fusion
+
+    clone = copy.deepcopy(model)
+    if hasattr(clone, "model") and hasattr(clone.model, "layers"):
+        remove_fusion(clone)  # quantize the original projections once; fuse again afterwards
+    return quantize_model_int8(clone)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specdist.kv_cache import SlotKVCache
+from specdist.models.fusion import fuse_projections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -33,13 +34,15 @@ class ForwardTimings:
 class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True):
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.model = model.eval()
+        if fuse:  # one matmul for q/k/v and one for gate/up; HF forward keeps working
+            fuse_projections(model)
         self.config = model.config
         self.vocab_size = int(model.config.vocab_size)
         self.max_len = max_len
@@ -53,6 +56,11 @@ class CausalLMRunner:
         with torch.inference_mode():  # local (possibly sharded) kv-head count, read off the projection
             probe = torch.zeros(1, model.config.hidden_size, dtype=self.dtype, device=self.device)
             n_kv_local = attn.k_proj(probe).shape[-1] // self.head_dim
+        # RoPE cos/sin for every position, computed once: [max_len + 1, hd] each (last row: scratch).
+        with torch.inference_mode():
+            pos = torch.arange(max_len + 1, device=self.device)[None]
+            cos, sin = model.model.rotary_emb(probe[None], pos)
+            self.rope_cos, self.rope_sin = cos[0], sin[0]
         self.cache = SlotKVCache(
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
@@ -91,19 +99,24 @@ class CausalLMRunner:
         s_len = int((start_t + n_t).max())  # keys attended: [0, S)
         # Key j is visible to query (b, t) iff j <= position(b, t). Padded queries see a
         # superset, which is harmless (their outputs are discarded) and avoids empty rows.
-        mask = (torch.arange(s_len)[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, T, S]
+        if bsz == 1 and t_max == 1:
+            mask = None  # one query that sees every cached key
+        else:
+            mask = (torch.arange(s_len)[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, T, S]
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         contiguous = slots == list(range(slots[0], slots[0] + bsz))
 
         h = self.model.model.embed_tokens(ids.to(dev))  # [B, T, D]
-        cos, sin = self.model.model.rotary_emb(h, positions.to(dev))  # [B, T, hd] each
+        rope_pos = write_pos  # padded tokens get the scratch row; their outputs are discarded
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # [B, T, hd] each
         write_s = 0.0
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hq, T, hd]
-            k = attn.k_proj(x).view(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-            v = attn.v_proj(x).view(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k, v = _qkv(attn, x)
+            q = q.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hq, T, hd]
+            k = k.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+            v = v.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
             q, k = _apply_rope(q, k, cos, sin)
             t0 = time.perf_counter()
             kc, vc = cache.k[i], cache.v[i]  # [N, Hkv, L+1, hd]
@@ -120,7 +133,7 @@ class CausalLMRunner:
                 q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != keys.shape[1]
             )  # [B, Hq, T, hd]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
         self.timings.cache_write_s += write_s
         for s, st, n in zip(slots, starts, n_new):
             cache.lengths[s] = st + n
@@ -133,11 +146,35 @@ class CausalLMRunner:
         idx = (n_t - offs)[:, None] + torch.arange(n_out)[None, :]  # [B, n_out]
         idx = idx.clamp(min=0, max=t_max - 1)
         hs = h.gather(1, idx.to(dev)[..., None].expand(-1, -1, h.shape[-1]))  # [B, n_out, D]
-        logits = self.model.lm_head(self.model.model.norm(hs)).float()  # [B, n_out, V]
+        logits = self.model.lm_head(_rms_norm(self.model.model.norm, hs)).float()  # [B, n_out, V]
         if min(num_logits) < n_out:
             keep = (torch.arange(n_out)[None, :] < offs[:, None]).to(dev)
             logits = logits * keep[..., None]
         return logits.cpu()
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The fused ``F.rms_norm`` for Llama-style RMSNorm modules; anything else runs its own forward."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or type(norm).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"):
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
+def _qkv(attn, x):
+    """q, k, v projections: one matmul when :mod:`specdist.models.fusion` fused them."""
+    fused = getattr(attn, "fused_qkv", None)
+    if fused is not None:
+        return fused(x)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def _mlp(mlp, x):
+    fused = getattr(mlp, "fused_gate_up", None)
+    if fused is not None:
+        gate, up = fused(x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+    return mlp(x)
 
 
 def _apply_rope(q, k, cos, sin):

@@ -1,0 +1,76 @@
+"""The command line: streaming generate, cost model, and one-line errors (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from specdist.cli import main
+
+from conftest import tiny_config
+
+
+def _write_config(tmp_path, cfg) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_generate_streams_text_and_prints_stats(tiny_models, tmp_path, capsys):
+    cfg = _write_config(tmp_path, tiny_config(tiny_models, "model", 3))
+    rc = main(["generate", "--config", cfg, "--max-tokens", "6", "--temperature", "0", "--raw", "a b c"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    words = out.strip().split()
+    assert 0 < len(words) <= 6 and all(w in "abcdefg" for w in words)
+    assert "acceptance=" in err and "tokens/s=" in err and "draft=model" in err
+
+
+def test_cost_model_prints_worked_example(capsys, tmp_path):
+    plot = tmp_path / "s.png"
+    assert main(["cost-model", "--alpha", "0.8", "--k", "4", "--draft-cost", "0.1", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "3.3616" in out and "2.401" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["cost-model", "--alpha", "1.5", "--k", "4"], "alpha"),
+        (["cost-model", "--alpha", "0.5", "--k", "-1"], "k"),
+        (["generate", "--config", "/nonexistent.yaml", "x"], "does not exist"),
+        (["generate", "--temperature", "-1", "x"], "temperature"),
+        (["generate", "--top-p", "0", "x"], "top_p"),
+        (["generate", "--max-tokens", "0", "x"], "max_tokens"),
+    ],
+)
+def test_errors_are_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdist: error:") and needle in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bad_config_value_names_the_key(tmp_path, capsys):
+    cfg = _write_config(tmp_path, {"draft": {"method": "medusa"}})
+    with pytest.raises(SystemExit) as ei:
+        main(["generate", "--config", cfg, "x"])
+    assert ei.value.code == 2
+    assert "draft.method" in capsys.readouterr().err
+
+
+def test_generate_respects_stop_string(tiny_models, tmp_path, capsys):
+    cfg = _write_config(tmp_path, tiny_config(tiny_models, "ngram", 3))
+    main(["generate", "--config", cfg, "--max-tokens", "12", "--temperature", "0", "--raw", "a b c"])
+    full = capsys.readouterr().out.strip()
+    words = full.split()
+    if len(words) >= 3:  # cut at the third word
+        main(["generate", "--config", cfg, "--max-tokens", "12", "--temperature", "0", "--raw",
+              "--stop", words[2], "a b c"])
+        cut = capsys.readouterr().out.strip()
+        assert cut == full[: full.index(words[2])].strip()
