@@ -12,7 +12,8 @@ Shape::
       method: self-w8                # model | self-w8 | ngram | none
       model: null                    # local HF causal LM (method: model only), same vocabulary
       dtype: float32
-      num_speculative_tokens: 4
+      num_speculative_tokens: 4      # draft length (the maximum, when confidence_threshold > 0)
+      confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
     engine:
@@ -55,6 +56,7 @@ class DraftConfig:
     model: str | None = None
     dtype: str = "float32"
     num_speculative_tokens: int = 4
+    confidence_threshold: float = 0.0
     ngram_min: int = 1
     ngram_max: int = 3
 
@@ -66,6 +68,8 @@ class DraftConfig:
         elif self.model is not None:
             raise ConfigError(f"{key}.model", f"is only used with method 'model', not {self.method!r}")
         _check_int(self.num_speculative_tokens, f"{key}.num_speculative_tokens", 1, 64)
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ConfigError(f"{key}.confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold!r}")
         _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)
         _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
 
@@ -159,6 +163,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(key, f"must be an integer, got {value!r}")
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"must be a number, got {value!r}")
+        return float(value)
     if base is str and not isinstance(value, str):
         raise ConfigError(key, f"must be a string, got {value!r}")
     return value

@@ -74,7 +74,9 @@ class Engine:
                     "draft.model",
                     f"vocabulary size {draft.config.vocab_size} differs from the target's {self.vocab_size}",
                 )
-            self.proposer = ModelProposer(CausalLMRunner(draft, ec.max_batch_size, ec.max_model_len))
+            self.proposer = ModelProposer(
+                CausalLMRunner(draft, ec.max_batch_size, ec.max_model_len), config.draft.confidence_threshold
+            )
         elif config.draft.enabled:
             raise ConfigError("draft.method", f"{config.draft.method!r} needs a draft model")
         self.waiting: deque[Request] = deque()

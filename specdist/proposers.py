@@ -39,10 +39,16 @@ def sampling_tensors(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class ModelProposer:
+    """Drafts with a model. With ``confidence_threshold > 0`` a request stops drafting early
+    once the draft's untempered probability of its latest token is below the threshold (the
+    token is still proposed). The rule looks only at the draft's own distribution, so the
+    draft length is decided before verification and exactness is unaffected."""
+
     returns_probs = True
 
-    def __init__(self, runner: CausalLMRunner):
+    def __init__(self, runner: CausalLMRunner, confidence_threshold: float = 0.0):
         self.runner = runner
+        self.confidence_threshold = confidence_threshold
 
     @property
     def cache(self):
@@ -68,8 +74,11 @@ class ModelProposer:
         probs = torch.zeros(bsz, kmax, vocab)
         temp, top_k, top_p = sampling_tensors(reqs)
         last: dict[int, int] = {}
+        ks = list(ks)  # shortened in place when a request stops early
         for j in range(kmax):
             rows = [b for b in range(bsz) if ks[b] > j]
+            if not rows:
+                break
             if j == 0:  # catch up on everything the draft cache has not seen yet (1 or 2 tokens usually)
                 inputs = [reqs[b].seq[self.cache.lengths[reqs[b].draft_state] :] for b in rows]
             else:
@@ -83,6 +92,13 @@ class ModelProposer:
             tokens[idx, j] = x
             for b, t in zip(rows, x.tolist()):
                 last[b] = t
+            if self.confidence_threshold > 0:
+                # Confidence = the draft's untempered (T = 1, unfiltered) probability of its token,
+                # so greedy requests (one-hot q) are judged too.
+                conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
+                for b, c in zip(rows, conf.tolist()):
+                    if c < self.confidence_threshold:
+                        ks[b] = j + 1
         return DraftBatch(tokens, probs, torch.tensor(ks, dtype=torch.long))
 
     def commit(self, req: Request, prev_seq_len: int, num_accepted: int) -> None:
