@@ -28,6 +28,7 @@ import torch
 
 from specdist.config import Config, load_config
 from specdist.errors import ConfigError, InvalidArgument
+from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner
 from specdist.proposers import DraftBatch, ModelProposer, NgramProposer, sampling_tensors
 from specdist.request import Request, RequestOutput, now
@@ -61,8 +62,6 @@ class Engine:
         self.max_model_len = ec.max_model_len
         self.target = CausalLMRunner(target, ec.max_batch_size, ec.max_model_len)
         self.vocab_size = self.target.vocab_size
-        from specdist.models.loader import eos_token_ids
-
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.k = config.draft.num_speculative_tokens if config.draft.enabled else 0
         self.proposer: ModelProposer | NgramProposer | None = None
@@ -161,8 +160,13 @@ class Engine:
             for r in reqs:
                 self.abort(r.request_id)
             raise
-        while any(not r.finished for r in reqs):
-            self.step()
+        try:
+            while any(not r.finished for r in reqs):
+                self.step()
+        finally:  # an exception or interrupt mid-run must not leave slots or queue entries behind
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.request_id)
         return [r.to_output() for r in reqs]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
