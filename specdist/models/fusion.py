@@ -31,8 +31,14 @@ class FusedLinear(nn.Module):
         return self.inner(x).split(self.split_sizes, dim=-1)
 
 
+def _plain_linear(p: nn.Module) -> bool:
+    """An unbiased ``x @ W.T``: nn.Linear, or DeepSpeed AutoTP's column shard ``LinearLayer``
+    (its forward is a plain matmul on the local rows; nothing is all-reduced)."""
+    return (type(p) is nn.Linear or type(p).__name__ == "LinearLayer") and getattr(p, "bias", None) is None
+
+
 def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
-    if all(type(p) is nn.Linear and p.bias is None for p in parts):
+    if all(_plain_linear(p) for p in parts):
         weight = torch.cat([p.weight.detach() for p in parts], 0)  # [sum(out), in]
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
         fused.weight = nn.Parameter(weight, requires_grad=False)

@@ -1,0 +1,193 @@
+"""Conversions between specdist's Python objects and the specdist.v1 wire messages.
+
+Pure: messages only, no gRPC server or channel code, so the coordinator, the workers
+and the tests share one definition of every conversion.
+
+Draft distributions (see ``DraftDistribution`` in proto/specdist/v1/common.proto):
+exactness needs the target to verify against exactly the q the draft sampled from.
+A draft that ships q as fp16 samples from ``r = fp16_exact(q)`` and sends
+``encode_distribution(q, fmt)`` (or, equally, of r); ``decode_distribution`` then
+returns r bit for bit, on any device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdist.errors import InvalidArgument
+from specdist.sampling_params import SamplingParams
+from specdist.v1 import common_pb2, draft_pb2
+
+DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
+SPARSE = common_pb2.DISTRIBUTION_FORMAT_SPARSE_FP16
+ONE_HOT = common_pb2.DISTRIBUTION_FORMAT_ONE_HOT
+_FP16_LE = np.dtype("<f2")  # the wire is little-endian whatever the host
+
+_FINISH = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+# ---------------------------------------------------------------- sampling params
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams, field: str = "params") -> SamplingParams:
+    """Validate a wire SamplingParams; unset optional fields take SamplingParams' defaults.
+
+    Raises InvalidArgument naming the wire field, ``f"{field}.{name}"`` (e.g.
+    ``params.top_p``): the proto fields carry SamplingParams' own field names.
+    """
+    kwargs = {name: getattr(msg, name) for name in ("top_k", "seed", "max_tokens") if msg.HasField(name)}
+    for name in ("temperature", "top_p"):
+        if msg.HasField(name):
+            kwargs[name] = _from_float32(getattr(msg, name))
+    try:
+        return SamplingParams(
+            **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
+        )
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{field}.{e.field}", e.message) from None
+
+
+def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field set explicitly (seed only when fixed); floats travel as float32."""
+    msg = common_pb2.SamplingParams(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        max_tokens=sp.max_tokens,
+        stop=sp.stop,
+        stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+def _from_float32(x: float) -> float:
+    # The shortest decimal that rounds to the same float32, so 0.8 comes back as 0.8 and
+    # not 0.800000011920929. Same float32 either way, which is what the samplers use.
+    return float(str(np.float32(x)))
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    """Engine finish reason ("stop" | "length" | "abort" | "error" | None) -> FinishReason."""
+    if reason not in _FINISH:
+        raise ValueError(f"unknown finish reason {reason!r}")
+    return _FINISH[reason]
+
+
+# ---------------------------------------------------------------- draft distributions
+
+
+def fp16_exact(q: torch.Tensor) -> torch.Tensor:  # [V] float -> [V] float32, same device
+    """The q a draft must sample from when it ships q as DENSE_FP16 or SPARSE_FP16.
+
+    q scaled so that its largest entry is 1.0, rounded to fp16, renormalised. Both
+    ``decode_distribution(encode_distribution(q, fmt))`` and
+    ``decode_distribution(encode_distribution(fp16_exact(q), fmt))`` return exactly
+    these float32 bits. q needs a positive entry.
+    """
+    return _normalise(_fp16_weights(q))
+
+
+def _fp16_weights(q: torch.Tensor) -> torch.Tensor:  # [V] float -> [V] float16 in [0, 1], max 1.0
+    # Scaling by the max makes this idempotent: _fp16_weights(_normalise(h)) == h, because
+    # h / sum(h) / (1 / sum(h)) is within 2**-22 of h, far inside h's fp16 rounding interval.
+    # Each step rounds once (float64 -> float32 -> float16), the same on every device.
+    w = q.double()
+    return (w / w.max()).float().to(torch.float16)
+
+
+def _normalise(h: torch.Tensor) -> torch.Tensor:  # [V] float16 in [0, 1] -> [V] float32, sums to 1
+    w = h.double()
+    # Every fp16 in [0, 1] is a multiple of 2**-24 and the partial sums stay far below
+    # 2**29, so this float64 sum is exact in any order: every device gets the same bits.
+    return (w / w.sum()).float()
+
+
+def encode_distribution(q: torch.Tensor, fmt: int) -> common_pb2.DraftDistribution:
+    """q: [V] processed draft probabilities -> message; the receiver decodes fp16_exact(q).
+
+    SPARSE_FP16 lists the entries nonzero in fp16 (ascending ids); ONE_HOT needs a q
+    with exactly one nonzero entry (it then carries no payload).
+    """
+    if q.dim() != 1:
+        raise ValueError(f"q must be one distribution of shape [V], got shape {tuple(q.shape)}")
+    if fmt == ONE_HOT:
+        if int((q != 0).sum()) != 1:
+            raise ValueError("ONE_HOT needs a one-hot q (exactly one nonzero entry)")
+        return common_pb2.DraftDistribution(format=ONE_HOT)
+    if not bool(q.max() > 0):
+        raise ValueError("q needs a positive entry")
+    h = _fp16_weights(q).cpu()  # [V]
+    if fmt == DENSE:
+        return common_pb2.DraftDistribution(format=DENSE, values=_fp16_bytes(h))
+    if fmt == SPARSE:
+        ids = h.nonzero().squeeze(-1)  # [S] ascending
+        return common_pb2.DraftDistribution(format=SPARSE, values=_fp16_bytes(h[ids]), token_ids=ids.tolist())
+    raise ValueError(f"cannot encode distribution format {fmt!r}")
+
+
+def _fp16_bytes(h: torch.Tensor) -> bytes:  # [N] float16 on CPU
+    return h.numpy().astype(_FP16_LE, copy=False).tobytes()
+
+
+def decode_distribution(
+    msg: common_pb2.DraftDistribution, vocab_size: int, drafted_token: int, field: str = "draft_probs"
+) -> torch.Tensor:  # [vocab_size] float32 on CPU, sums to 1
+    """The q the drafted token was sampled from. Raises InvalidArgument naming ``field.*``."""
+    if not 0 <= drafted_token < vocab_size:
+        raise InvalidArgument(field, f"drafted token {drafted_token} is outside the vocabulary [0, {vocab_size})")
+    if msg.format == ONE_HOT:
+        q = torch.zeros(vocab_size)
+        q[drafted_token] = 1.0
+        return q
+    if len(msg.values) % 2:
+        raise InvalidArgument(f"{field}.values", f"must hold whole fp16 values, got {len(msg.values)} bytes")
+    values = torch.from_numpy(np.frombuffer(msg.values, dtype=_FP16_LE).astype(np.float16))  # [N]
+    if msg.format == DENSE:
+        if len(values) != vocab_size:
+            raise InvalidArgument(f"{field}.values", f"DENSE_FP16 needs {vocab_size} fp16 values, got {len(values)}")
+        h = values  # [V]
+    elif msg.format == SPARSE:
+        ids = torch.tensor(msg.token_ids, dtype=torch.long)  # [N]
+        if len(ids) != len(values):
+            raise InvalidArgument(f"{field}.values", f"SPARSE_FP16 has {len(ids)} token_ids but {len(values)} values")
+        if len(ids) and (ids[0] < 0 or ids[-1] >= vocab_size or bool((ids.diff() <= 0).any())):
+            raise InvalidArgument(f"{field}.token_ids", f"must be strictly ascending ids in [0, {vocab_size})")
+        h = torch.zeros(vocab_size, dtype=torch.float16).index_copy_(0, ids, values)  # [V]
+    else:
+        raise InvalidArgument(f"{field}.format", f"must be DENSE_FP16, SPARSE_FP16 or ONE_HOT, got {msg.format}")
+    if not bool(((h >= 0) & (h <= 1)).all()):  # NaN fails this too
+        raise InvalidArgument(f"{field}.values", "probabilities must be finite and in [0, 1]")
+    if not h[drafted_token] > 0:
+        raise InvalidArgument(f"{field}.values", f"drafted token {drafted_token} has probability 0 in this q")
+    return _normalise(h)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def wire_bytes_per_step(vocab_size: int, k: int, support: int) -> dict[str, int]:
+    """Serialized ProposeResponse bytes for one request drafting k tokens, per format.
+
+    The request id is a 36-character UUID; token ids sit at the top of the vocabulary
+    (3-byte varints for V >= 16384); the sparse q has ``support`` entries spread over
+    the vocabulary. Keys: "DENSE_FP16", "SPARSE_FP16", "ONE_HOT".
+    """
+    ids = torch.linspace(vocab_size - 1, 0, support).round().long()  # [support], ids[0] = V - 1
+    spread = torch.zeros(vocab_size).index_fill_(0, ids, 1.0 / support)  # [V]
+    one_hot = torch.zeros(vocab_size).index_fill_(0, ids[:1], 1.0)  # [V]
+    sizes = {}
+    for name, fmt, q in (("DENSE_FP16", DENSE, spread), ("SPARSE_FP16", SPARSE, spread), ("ONE_HOT", ONE_HOT, one_hot)):
+        probs = [encode_distribution(q, fmt)] * k
+        proposal = draft_pb2.Proposal(request_id="0" * 36, token_ids=[vocab_size - 1] * k, probs=probs)
+        sizes[name] = draft_pb2.ProposeResponse(proposals=[proposal]).ByteSize()
+    return sizes
