@@ -10,6 +10,7 @@ Nothing is ever downloaded: every call passes ``local_files_only=True``.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 from dataclasses import dataclass
@@ -66,11 +67,18 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
 def _quiet_transformers() -> None:
     """No progress bars or hub chatter: loading is local and logs go to stderr only on error."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantiser draws its own progress bar
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # The GGUF de-quantiser draws its own tqdm bar, which ignores the switch above.
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if not isinstance(gguf_utils.tqdm, functools.partial):
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device | str = "cpu") -> torch.nn.Module:
