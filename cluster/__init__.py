@@ -1,0 +1,1 @@
+"""Bring-up on Ray: placement groups, worker start/stop, health, Ray job entrypoints."""
