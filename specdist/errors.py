@@ -7,13 +7,49 @@ class SpecDistError(Exception):
     """Base class of every error specdist raises deliberately."""
 
 
-class InvalidArgument(SpecDistError, ValueError):
-    """A request field has a bad value. `field` is its dotted name (e.g. ``top_p``)."""
+class FieldError(SpecDistError):
+    """An error about one request field. ``field`` is its dotted name (e.g. ``params.top_p``);
+    ``status`` names the gRPC status code servers answer it with."""
+
+    status = "INTERNAL"
 
     def __init__(self, field: str, message: str):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}")
+
+    def __str__(self) -> str:  # KeyError subclasses would otherwise repr() the message
+        return f"{self.field}: {self.message}"
+
+
+class InvalidArgument(FieldError, ValueError):
+    """A request field has a bad value."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class NotFound(FieldError, KeyError):
+    """An unknown request id."""
+
+    status = "NOT_FOUND"
+
+
+class AlreadyExists(FieldError):
+    """A request id that is already live."""
+
+    status = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(FieldError):
+    """The receiver's state does not match the call (e.g. a sequence-length mismatch)."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(FieldError):
+    """No room: no free KV slot, or the admission queue is full."""
+
+    status = "RESOURCE_EXHAUSTED"
 
 
 class ConfigError(SpecDistError, ValueError):

@@ -38,7 +38,15 @@ from typing import Any, Callable
 import grpc
 import torch
 
-from specdist.errors import InvalidArgument, SpecDistError
+from specdist.errors import (  # noqa: F401  (re-exported for the draft worker)
+    AlreadyExists,
+    FailedPrecondition,
+    FieldError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SpecDistError,
+)
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling import process_logits
 from specdist.sampling_params import SamplingParams
@@ -47,56 +55,9 @@ from specdist.verification import rejection_sample
 from specdist.wire import decode_distribution, sampling_params_from_proto
 
 
-# ---------------------------------------------------------------- errors (status-code specific)
-class NotFound(SpecDistError, KeyError):
-    """An unknown request id (gRPC NOT_FOUND)."""
-
-    def __init__(self, field: str, message: str):
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return f"{self.field}: {self.message}"
-
-
-class AlreadyExists(SpecDistError):
-    """A request id that is already admitted (gRPC ALREADY_EXISTS)."""
-
-    def __init__(self, field: str, message: str):
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
-
-
-class FailedPrecondition(SpecDistError):
-    """The worker's state does not match the call, e.g. a seq_len mismatch (FAILED_PRECONDITION)."""
-
-    def __init__(self, field: str, message: str):
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
-
-
-class ResourceExhausted(SpecDistError):
-    """No free KV slot for the requests to admit (RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, field: str, message: str):
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
-
-
-STATUS_FOR = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
-
-
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in STATUS_FOR:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The gRPC status for one of specdist's field errors; INTERNAL for anything else."""
+    return getattr(grpc.StatusCode, exc.status) if isinstance(exc, FieldError) else grpc.StatusCode.INTERNAL
 
 
 # ---------------------------------------------------------------- shared validation helpers
