@@ -21,6 +21,9 @@ class FieldError(SpecDistError):
     def __str__(self) -> str:  # KeyError subclasses would otherwise repr() the message
         return f"{self.field}: {self.message}"
 
+    def __reduce__(self):  # rebuild from (field, message) when Ray or pickle ships it
+        return (type(self), (self.field, self.message))
+
 
 class InvalidArgument(FieldError, ValueError):
     """A request field has a bad value."""
@@ -59,3 +62,6 @@ class ConfigError(SpecDistError, ValueError):
         self.key = key
         self.message = message
         super().__init__(f"config {key}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.message))

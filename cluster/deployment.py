@@ -1,0 +1,292 @@
+"""Bring a whole specdist deployment up on Ray, and take it down again.
+
+:class:`Deployment` places ``tensor_parallel_size`` :class:`~workers.actors.TargetRankActor`
+ranks in one STRICT_PACK placement group and each :class:`~workers.actors.DraftActor` in its
+own group (:func:`cluster.placement.create_placement`), then runs the bring-up phases, each
+in parallel over the actors and each bounded by what is left of ``timeout_s``:
+
+1. ``start``: every actor process answers ``ping``;
+2. ``rendezvous`` (TP > 1): rank 0's ``address()``, then ``init_distributed`` on every rank;
+3. ``load``: every rank loads and shards the target, every draft loads its model;
+4. ``follow``: ranks > 0 enter ``run_follower()`` (kept as background ObjectRefs);
+5. ``warmup``: rank 0 (followers replay it) and every draft;
+6. ``serve``: gRPC on rank 0 and on every draft.
+
+A phase that does not finish in time raises :class:`DeploymentError` naming the actors that
+did not come up (and the phase); any failure tears down everything created so far.
+:meth:`Deployment.stop` shuts every actor down (rank 0's shutdown broadcast releases the
+followers), ``ray.kill``s them, waits until they are gone and removes the placement groups.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdist.config import Config, load_config
+from specdist.errors import SpecDistError
+
+
+class DeploymentError(SpecDistError):
+    """The deployment did not come up (in time), or an actor failed during bring-up."""
+
+
+@dataclass
+class ClusterSpec:
+    """Deployment settings beyond :class:`specdist.config.Config` (to move into specdist/config.py)."""
+
+    tensor_parallel_size: int = 1
+    num_draft_workers: int = 1
+    cpus_per_rank: float = 1.0  # logical CPUs per target rank (its bundle and its actor)
+    cpus_per_draft: float = 1.0
+    gpus_per_draft: float = 1.0  # used only when the deployment runs on GPUs
+    use_gpu: bool | None = None  # None: from config.engine.device (auto: whether the cluster has GPUs)
+    target_port: int = 0  # rank 0's gRPC port; 0 = a free port
+    draft_ports: tuple[int, ...] = ()  # one per draft; missing or 0 = a free port
+    num_threads: int | None = 1  # torch intra-op threads per actor (None: torch's default)
+    max_concurrency: int = 4  # per actor: followers block in run_follower() and still answer health()
+    name: str = "specdist"  # placement-group name prefix
+    shutdown_timeout_s: float = 30.0
+
+    def validate(self) -> "ClusterSpec":
+        if int(self.tensor_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if int(self.num_draft_workers) < 0:
+            raise ValueError(f"num_draft_workers must be >= 0, got {self.num_draft_workers}")
+        if self.cpus_per_rank <= 0 or self.cpus_per_draft <= 0:
+            raise ValueError("cpus_per_rank and cpus_per_draft must be > 0")
+        if self.max_concurrency < 2:
+            raise ValueError("max_concurrency must be >= 2 (followers block in run_follower())")
+        if len(self.draft_ports) > self.num_draft_workers:
+            raise ValueError(f"{len(self.draft_ports)} draft ports for {self.num_draft_workers} draft workers")
+        return self
+
+
+@dataclass
+class _Handle:
+    name: str  # "target rank 1", "draft 0"
+    actor: object
+    kind: str  # "target" | "draft"
+    rank: int = 0
+    address: str | None = None
+
+
+@dataclass
+class Deployment:
+    spec: ClusterSpec = field(default_factory=ClusterSpec)
+    config: Config | None = None
+    placement: object = None
+    targets: list = field(default_factory=list)  # _Handle per rank, rank order
+    drafts: list = field(default_factory=list)  # _Handle per draft
+    follower_refs: dict = field(default_factory=dict)  # rank -> ObjectRef of run_follower()
+    target_address: str | None = None
+    draft_addresses: list = field(default_factory=list)
+    _owns_ray: bool = False
+
+    # ------------------------------------------------------------ bring-up
+    def start(
+        self, config, ray_address: str | None = None, host: str = "127.0.0.1", timeout_s: float = 300.0
+    ) -> tuple[str, list[str]]:
+        """Bring the deployment up; returns (target "host:port", [draft "host:port", ...])."""
+        import ray
+
+        from cluster.placement import create_placement
+
+        if self.targets or self.drafts:
+            raise RuntimeError("this Deployment is already started; stop() it first")
+        spec = self.spec.validate()
+        cfg = self.config = load_config(config)
+        if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "ngram"):
+            raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8 or ngram")
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
+        deadline = time.monotonic() + timeout_s
+        use_gpu = self._use_gpu(cfg)
+        device = "cuda" if use_gpu else "cpu"
+        try:
+            self.placement = create_placement(
+                spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
+                cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
+                gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()), name=spec.name,
+            )
+            self._create_actors(use_gpu)
+            self._bring_up(cfg, host, device, deadline, timeout_s)
+        except BaseException as e:
+            self.stop()
+            if isinstance(e, DeploymentError):
+                raise
+            if isinstance(e, SpecDistError):  # PlacementError: already a clear message
+                raise
+            raise DeploymentError(f"deployment bring-up failed: {type(e).__name__}: {e}") from e
+        return self.target_address, list(self.draft_addresses)
+
+    def _use_gpu(self, cfg: Config) -> bool:
+        import ray
+
+        if self.spec.use_gpu is not None:
+            return bool(self.spec.use_gpu)
+        dev = cfg.engine.device
+        if dev == "auto":
+            return ray.cluster_resources().get("GPU", 0) > 0
+        return dev.startswith("cuda")
+
+    def _create_actors(self, use_gpu: bool) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.actors import DraftActor, TargetRankActor
+
+        spec = self.spec
+        tp = spec.tensor_parallel_size
+        for r in range(tp):
+            cls = ray.remote(TargetRankActor).options(
+                num_cpus=spec.cpus_per_rank, num_gpus=1 if use_gpu else 0, max_concurrency=spec.max_concurrency,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement.target, placement_group_bundle_index=r),
+            )
+            self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads), "target", r))
+        for i, pg in enumerate(self.placement.drafts):
+            cls = ray.remote(DraftActor).options(
+                num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if use_gpu else 0,
+                max_concurrency=spec.max_concurrency, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
+            )
+            self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads), "draft", i))
+
+    def _bring_up(self, cfg: Config, host: str, device: str, deadline: float, timeout_s: float) -> None:
+        spec = self.spec
+        ec, dc = cfg.engine, cfg.draft
+        everyone = self.targets + self.drafts
+        wait = lambda phase, calls: self._wait(phase, calls, deadline, timeout_s)  # noqa: E731
+
+        wait("start", {h.name: h.actor.ping.remote() for h in everyone})
+        if spec.tensor_parallel_size > 1:
+            (ip, port), = wait("rendezvous", {self.targets[0].name: self.targets[0].actor.address.remote()}).values()
+        else:
+            ip, port = "127.0.0.1", 0
+        wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in self.targets})
+        loads = {h.name: h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len)
+                 for h in self.targets}
+        for h in self.drafts:
+            loads[h.name] = h.actor.load.remote(
+                dc.method, cfg.target.model, dc.model, dc.dtype, dc.num_speculative_tokens, ec.max_batch_size,
+                ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, device)
+        wait("load", loads)
+        for h in self.targets[1:]:
+            self.follower_refs[h.rank] = h.actor.run_follower.remote()
+        warm = [self.targets[0]] + self.drafts
+        self._wait("warmup", {h.name: h.actor.warmup.remote() for h in warm}, deadline, timeout_s,
+                   watch_followers=True)
+        ports = list(spec.draft_ports) + [0] * (len(self.drafts) - len(spec.draft_ports))
+        calls = {self.targets[0].name: self.targets[0].actor.start_grpc.remote(host, spec.target_port)}
+        for h, p in zip(self.drafts, ports):
+            calls[h.name] = h.actor.start_grpc.remote(host, p)
+        addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=True)
+        self.targets[0].address = self.target_address = addrs[self.targets[0].name]
+        for h in self.drafts:
+            h.address = addrs[h.name]
+        self.draft_addresses = [h.address for h in self.drafts]
+
+    def _wait(self, phase: str, calls: dict, deadline: float, timeout_s: float, watch_followers: bool = False) -> dict:
+        """ray.get every call by the deadline; raise DeploymentError naming what did not come up."""
+        import ray
+
+        pending = {ref: name for name, ref in calls.items()}
+        followers = {ref: f"target rank {r} (run_follower)" for r, ref in self.follower_refs.items()} \
+            if watch_followers else {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(sorted(pending.values()))
+                raise DeploymentError(
+                    f"deployment did not come up within {timeout_s:g}s: phase {phase!r} still waiting for {names}")
+            done, _ = ray.wait(list(pending) + list(followers), num_returns=1, timeout=min(left, 1.0))
+            for ref in done:
+                if ref in followers:  # a follower must block until shutdown; returning now is a failure
+                    try:
+                        ray.get(ref)
+                        why = "returned early"
+                    except Exception as e:  # noqa: BLE001
+                        why = f"failed: {e}"
+                    raise DeploymentError(f"{followers[ref]} {why} during phase {phase!r}")
+                name = pending.pop(ref)
+                try:
+                    calls[name] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001  (RayTaskError / RayActorError)
+                    cause = getattr(e, "cause", None) or e  # the actor-side exception, without Ray's traceback
+                    raise DeploymentError(f"{name} failed in phase {phase!r}: {cause}") from e
+        return calls
+
+    # ------------------------------------------------------------ operations
+    def actors(self) -> list:
+        return [h.actor for h in self.targets + self.drafts]
+
+    def health(self, timeout_s: float = 30.0) -> dict:
+        """{actor name: its health() dict}; an actor that does not answer gets {"ok": False, "error": ...}."""
+        import ray
+
+        refs = {h.name: h.actor.health.remote() for h in self.targets + self.drafts}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return out
+
+    def drain(self, timeout_s: float = 30.0) -> dict:
+        """Every gRPC-serving actor stops admitting requests and waits for its in-flight ones."""
+        import ray
+
+        hs = self.targets[:1] + self.drafts
+        refs = {h.name: h.actor.drain.remote(timeout_s) for h in hs}
+        return {name: ray.get(ref, timeout=timeout_s + 30) for name, ref in refs.items()}
+
+    # ------------------------------------------------------------ tear-down
+    def stop(self) -> None:
+        """Shut every actor down, kill it, wait until it is gone, remove the placement groups. Idempotent."""
+        import ray
+
+        from cluster.placement import remove_placement
+
+        handles = self.targets + self.drafts
+        if handles and ray.is_initialized():
+            t = self.spec.shutdown_timeout_s
+            # in parallel: rank 0's shutdown broadcast is what releases the followers' shutdown
+            release = bool(self.follower_refs)
+            refs = [h.actor.shutdown.remote(release_followers=release) if h.kind == "target" and h.rank == 0
+                    else h.actor.shutdown.remote() for h in handles]
+            ray.wait(refs, num_returns=len(refs), timeout=t)
+            if self.follower_refs:
+                ray.wait(list(self.follower_refs.values()), num_returns=len(self.follower_refs), timeout=t)
+            for h in handles:
+                try:
+                    ray.kill(h.actor, no_restart=True)
+                except Exception:  # noqa: BLE001  (already dead)
+                    pass
+            _wait_dead([h.actor for h in handles], timeout_s=t)
+        if self.placement is not None and ray.is_initialized():
+            remove_placement(self.placement)
+        self.targets, self.drafts, self.follower_refs = [], [], {}
+        self.placement, self.target_address, self.draft_addresses = None, None, []
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _wait_dead(actors: list, timeout_s: float) -> None:
+    """Until every actor refuses calls (killed actors answer RayActorError)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(a.ping.remote(), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001  (RayActorError: dead)
+                break
+            time.sleep(0.05)

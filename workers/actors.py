@@ -1,0 +1,482 @@
+"""Ray actors hosting the target ranks and the draft workers, with an explicit lifecycle.
+
+Both classes are plain Python classes; wrap them with ``ray.remote(...)``, e.g.
+``ray.remote(num_cpus=0.5, max_concurrency=4)(TargetRankActor)``. ``max_concurrency > 1``
+is required for tensor-parallel followers: ``run_follower()`` blocks for the life of the
+deployment, and ``health()`` / ``shutdown()`` must still be answered meanwhile.
+
+Lifecycle (Ray Serve style), driven by :class:`cluster.deployment.Deployment`::
+
+    TargetRankActor:  address() [rank 0] -> init_distributed() [all ranks] -> load() [all ranks,
+                      in parallel: sharding is collective] -> run_follower() [ranks > 0, kept as a
+                      background ObjectRef] -> warmup() [rank 0; followers replay it]
+                      -> start_grpc() [rank 0] -> ... -> drain() -> shutdown()
+    DraftActor:       load() -> warmup() -> start_grpc() -> ... -> drain() -> shutdown()
+
+Every call into a worker (warm-up, RPCs, shutdown) runs on ONE executor thread per actor
+(models and collectives are not thread-safe); the gRPC server runs on the actor's own asyncio
+loop thread. The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started,
+NOT_SERVING while draining or shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from specdist.sampling_params import SamplingParams
+from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.wire import ONE_HOT, sampling_params_to_proto
+
+WARMUP_ID = "__specdist_warmup__"
+
+
+class ActorError(RuntimeError):
+    """An actor-side failure re-raised in a form Ray can ship back (specdist's FieldError and
+    ConfigError take two constructor arguments and do not unpickle)."""
+
+
+def _shippable_errors(fn):
+    """Re-raise exceptions that would not survive pickling as ActorError with the same message."""
+    import functools
+    import pickle
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            try:
+                pickle.loads(pickle.dumps(e))
+            except Exception:  # noqa: BLE001
+                raise ActorError(f"{type(e).__name__}: {e}") from None
+            raise
+
+    return wrapper
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray
+        return "127.0.0.1"
+
+
+def _device(device: str) -> torch.device:
+    if device in ("auto", None):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class _GrpcHost:
+    """A grpc.aio server (+ health service) on its own asyncio loop thread."""
+
+    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...]):
+        from grpc_health.v1 import health_pb2_grpc
+        from grpc_health.v1.health import aio as health_aio
+
+        self.service_names = ("",) + tuple(service_names)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self.thread.start()
+
+        async def start():
+            server = grpc.aio.server()
+            for add in add_fns:
+                add(server)
+            health = health_aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            bound = server.add_insecure_port(f"{host}:{port}")
+            if bound == 0:
+                raise OSError(f"cannot listen on {host}:{port}")
+            await server.start()
+            return server, health, bound
+
+        try:
+            self.server, self.health, self.port = self._run(start(), 30)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.address = f"{host}:{self.port}"
+        self.set_serving(True)
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def set_all():
+            for name in self.service_names:
+                await self.health.set(name, status)
+
+        self._run(set_all(), 10)
+
+    def stop(self, grace: float = 1.0) -> None:
+        try:
+            self.set_serving(False)
+            self._run(self.server.stop(grace), grace + 30)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
+    """A subclass of ``base`` whose ``admit_rpc`` answers UNAVAILABLE while ``draining`` is set."""
+
+    async def admit(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is draining: no new requests")
+        return await getattr(base, admit_rpc)(self, request, context)
+
+    return type(f"Draining{base.__name__}", (base,), {"draining": False, admit_rpc: admit})
+
+
+class _ActorBase:
+    role = "actor"
+
+    def __init__(self, num_threads: int | None = 1):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.worker = None
+        self.servicer = None
+        self.grpc: _GrpcHost | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-worker")
+        self.state = "created"  # created -> loaded -> warm -> serving -> draining -> shut down
+        self.draining = False
+        self.warmup_s: float | None = None
+        self.load_s: float | None = None
+
+    def _on_worker_thread(self, fn, *args):
+        return self.executor.submit(fn, *args).result()
+
+    def _require(self, *states: str) -> None:
+        if self.state not in states:
+            raise RuntimeError(f"{self.role}: called in state {self.state!r}; expected one of {states}")
+
+    def _base_health(self) -> dict:
+        out = {
+            "role": self.role,
+            "state": self.state,
+            "pid": os.getpid(),
+            "node_ip": _node_ip(),
+            "address": self.grpc.address if self.grpc else None,
+            "draining": self.draining,
+            "load_s": self.load_s,
+            "warmup_s": self.warmup_s,
+        }
+        if self.worker is not None:
+            out.update(self.worker.health())
+        out["ok"] = self.state in ("loaded", "warm", "serving", "following", "draining") and out.get("ok", True)
+        return out
+
+    def _drain(self, timeout_s: float) -> dict:
+        """Refuse new requests; wait (up to ``timeout_s``) for the in-flight ones to be released."""
+        self.draining = True
+        if self.servicer is not None:
+            self.servicer.draining = True
+        if self.grpc is not None:
+            self.grpc.set_serving(False)
+        if self.state != "shut down":
+            self.state = "draining"
+        deadline = time.monotonic() + timeout_s
+        while self.worker is not None and self.worker.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = len(self.worker.requests) if self.worker is not None else 0
+        return {"drained": left == 0, "in_flight": left}
+
+    def _stop_grpc(self) -> None:
+        if self.grpc is not None:
+            self.grpc.stop()
+            self.grpc = None
+
+    def ping(self) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------- target
+class TargetRankActor(_ActorBase):
+    """One rank of the (possibly tensor-parallel) target. Rank 0 serves gRPC; ranks > 0 follow it."""
+
+    role = "target"
+
+    def __init__(self, rank: int, world_size: int, num_threads: int | None = 1):
+        self.rank, self.world_size = int(rank), int(world_size)
+        super().__init__(num_threads)
+        self.device = torch.device("cpu")
+        self.dist_ready = False
+        self._follow_done = threading.Event()
+        self.forwards_followed: int | None = None
+
+    # ------------------------------------------------------------ process group
+    def address(self) -> tuple[str, int]:
+        """(ip, free port) for the process-group rendezvous (call on rank 0)."""
+        return _node_ip(), _free_port()
+
+    @_shippable_errors
+    def init_distributed(self, master_addr: str, master_port: int, device: str = "auto") -> None:
+        self.device = _device(device)
+        if self.world_size == 1:
+            return
+        from workers.tensor_parallel import init_process_group
+
+        init_process_group(self.rank, self.world_size, master_addr, int(master_port), self.device)
+        self.dist_ready = True
+
+    # ------------------------------------------------------------ model
+    @_shippable_errors
+    def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048) -> dict:
+        self._require("created")
+        t0 = time.perf_counter()
+        from specdist.models.loader import load_model, resolve_model
+        from workers.target_worker import TargetWorker
+
+        if self.world_size > 1 and not self.dist_ready:
+            raise RuntimeError("init_distributed() must come before load() when world_size > 1")
+        model = load_model(resolve_model(model_spec, "target.model"), dtype, self.device)
+        if self.world_size > 1:
+            from workers.tensor_parallel import shard_model
+
+            model = shard_model(model, self.world_size)
+        self.worker = TargetWorker(model, max_batch_size, max_model_len, rank=self.rank, world_size=self.world_size)
+        self.load_s = time.perf_counter() - t0
+        self.state = "loaded"
+        return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
+
+    @_shippable_errors
+    def warmup(self) -> float:
+        """Rank 0: one short prefill / verify / release (followers replay it). Ranks > 0: no-op."""
+        self._require("loaded", "following", "warm")
+        if self.rank != 0:
+            return 0.0
+        t0 = time.perf_counter()
+        self._on_worker_thread(self._warmup_calls)
+        self.warmup_s = time.perf_counter() - t0
+        self.state = "warm"
+        return self.warmup_s
+
+    def _warmup_calls(self) -> None:
+        w = self.worker
+        sp = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+        prompt = [0, 1 % w.vocab_size] if w.max_model_len > 4 else [0]
+        try:
+            w.prefill(target_pb2.PrefillRequest(items=[
+                target_pb2.PrefillItem(request_id=WARMUP_ID, prompt_token_ids=prompt, params=sp, seed=0)]))
+            onehot = common_pb2.DraftDistribution(format=ONE_HOT)
+            w.verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                request_id=WARMUP_ID, seq_len=len(prompt), draft_token_ids=[0], draft_probs=[onehot])]))
+        finally:
+            w.release(target_pb2.TargetReleaseRequest(request_ids=[WARMUP_ID]))
+
+    # ------------------------------------------------------------ serving
+    @_shippable_errors
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port); returns "host:port"."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 serves gRPC; ranks > 0 run run_follower()")
+        self._require("loaded", "warm")
+        from workers.target_worker import TargetServicer
+
+        cls = _draining_servicer(TargetServicer, "Prefill", "target")
+        self.servicer = cls(self.worker, self.executor)
+        servicer = self.servicer
+        self.grpc = _GrpcHost([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], host, port,
+                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,))
+        self.state = "serving"
+        return self.grpc.address
+
+    @_shippable_errors
+    def run_follower(self) -> int:
+        """Ranks > 0: replay rank 0's operations until it shuts down (blocks). Returns the forwards run."""
+        if self.rank == 0:
+            raise RuntimeError("run_follower() is for ranks > 0")
+        self._require("loaded")
+        self.state = "following"
+        try:
+            self.forwards_followed = self._on_worker_thread(self.worker.follow)
+            return self.forwards_followed
+        finally:
+            self._follow_done.set()
+            if self.state == "following":
+                self.state = "stopped"
+
+    def health(self) -> dict:
+        out = self._base_health()
+        out.update(rank=self.rank, world_size=self.world_size, device=str(self.device),
+                   following=self.state == "following")
+        if self.forwards_followed is not None:
+            out["forwards_followed"] = self.forwards_followed
+        return out
+
+    @_shippable_errors
+    def drain(self, timeout_s: float = 30.0) -> dict:
+        if self.rank != 0:
+            return {"drained": True, "in_flight": 0}
+        return self._drain(timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0, release_followers: bool = True) -> dict:
+        """Rank 0: stop gRPC, release the followers (shutdown broadcast), destroy the process group.
+        Ranks > 0: wait for run_follower() to return, then destroy the process group. Idempotent.
+        ``release_followers=False`` (bring-up failed before the followers started) skips the broadcast."""
+        if self.state == "shut down":
+            return {"rank": self.rank, "ok": True}
+        ok = True
+        if self.rank == 0:
+            self._stop_grpc()
+            if self.worker is not None and (release_followers or self.world_size == 1):
+                self._on_worker_thread(self.worker.shutdown)  # broadcasts ("shutdown",) to the followers
+            elif self.worker is not None:  # followers never started: a broadcast would wait for them forever
+                self.worker._closed = True
+        elif self.state in ("following", "stopped") or self._follow_done.is_set():
+            ok = self._follow_done.wait(timeout_s)
+        self.executor.shutdown(wait=ok)
+        if self.dist_ready and ok:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.dist_ready = False
+        self.state = "shut down"
+        return {"rank": self.rank, "ok": ok, "forwards_followed": self.forwards_followed}
+
+
+# ---------------------------------------------------------------- draft
+class DraftActor(_ActorBase):
+    """One draft worker (method ``model`` / ``self-w8`` / ``ngram``) served over gRPC."""
+
+    role = "draft"
+
+    def __init__(self, index: int = 0, num_threads: int | None = 1):
+        self.index = int(index)
+        super().__init__(num_threads)
+        self.method: str | None = None
+        self.k = 0
+
+    @_shippable_errors
+    def load(
+        self,
+        method: str,
+        target_model_spec: str,
+        draft_model_spec: str | None = None,
+        dtype: str = "float32",
+        k: int = 4,
+        max_batch_size: int = 8,
+        max_model_len: int = 2048,
+        confidence_threshold: float = 0.0,
+        ngram_min: int = 1,
+        ngram_max: int = 3,
+        device: str = "auto",
+    ) -> dict:
+        self._require("created")
+        t0 = time.perf_counter()
+        from specdist.errors import ConfigError
+        from specdist.models.loader import load_model, resolve_model
+        from workers.draft_worker import DraftWorker
+
+        dev = _device(device)
+        if method == "model":
+            if not draft_model_spec:
+                raise ConfigError("draft.model", "method 'model' needs a draft model")
+            model = load_model(resolve_model(draft_model_spec, "draft.model"), dtype, dev)
+            self.worker = DraftWorker.from_model(model, max_batch_size, max_model_len, confidence_threshold)
+        elif method == "self-w8":
+            from specdist.models.quant import quantized_copy
+
+            target = load_model(resolve_model(target_model_spec, "target.model"), dtype, dev)
+            self.worker = DraftWorker.from_model(quantized_copy(target), max_batch_size, max_model_len,
+                                                 confidence_threshold)
+            del target
+        elif method == "ngram":
+            vocab = _vocab_size(target_model_spec)
+            self.worker = DraftWorker.ngram(vocab, max_model_len, ngram_min, ngram_max)
+        else:
+            raise ConfigError("draft.method", f"a draft actor runs model, self-w8 or ngram, not {method!r}")
+        self.method, self.k = method, int(k)
+        self.load_s = time.perf_counter() - t0
+        self.state = "loaded"
+        return {"index": self.index, "method": method, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
+
+    @_shippable_errors
+    def warmup(self) -> float:
+        self._require("loaded", "warm")
+        t0 = time.perf_counter()
+        self._on_worker_thread(self._warmup_calls)
+        self.warmup_s = time.perf_counter() - t0
+        self.state = "warm"
+        return self.warmup_s
+
+    def _warmup_calls(self) -> None:
+        w = self.worker
+        sp = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+        prompt = [0, 1 % w.vocab_size]
+        try:
+            w.start(draft_pb2.StartRequest(items=[
+                draft_pb2.StartItem(request_id=WARMUP_ID, prompt_token_ids=prompt, params=sp, seed=1)]))
+            n = max(0, min(self.k, w.max_model_len - len(prompt) - 1))
+            w.propose(draft_pb2.ProposeRequest(items=[
+                draft_pb2.ProposeItem(request_id=WARMUP_ID, num_tokens=n, seq_len=len(prompt))]))
+        finally:
+            w.release(draft_pb2.DraftReleaseRequest(request_ids=[WARMUP_ID]))
+
+    @_shippable_errors
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._require("loaded", "warm")
+        from workers.draft_worker import DraftServicer
+
+        cls = _draining_servicer(DraftServicer, "Start", "draft")
+        self.servicer = cls(self.worker, self.executor)
+        servicer = self.servicer
+        self.grpc = _GrpcHost([lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], host, port,
+                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,))
+        self.state = "serving"
+        return self.grpc.address
+
+    def health(self) -> dict:
+        out = self._base_health()
+        out.update(index=self.index, draft_method=self.method, k=self.k)
+        return out
+
+    @_shippable_errors
+    def drain(self, timeout_s: float = 30.0) -> dict:
+        return self._drain(timeout_s)
+
+    def shutdown(self) -> dict:
+        if self.state != "shut down":
+            self._stop_grpc()
+            self.executor.shutdown(wait=True)
+            self.state = "shut down"
+        return {"index": self.index, "ok": True}
+
+
+def _vocab_size(model_spec: str) -> int:
+    """The target's vocabulary size without loading its weights (n-gram drafts need only that)."""
+    from specdist.models.loader import _quiet_transformers, resolve_model
+
+    src = resolve_model(model_spec, "target.model")
+    _quiet_transformers()
+    from transformers import AutoConfig
+
+    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    return int(AutoConfig.from_pretrained(src.directory, local_files_only=True, **kwargs).vocab_size)
