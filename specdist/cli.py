@@ -1,6 +1,8 @@
 """The ``specdist`` command line.
 
     specdist generate --config configs/local.yaml "Explain gravity."   # streams text; stats on stderr
+    specdist serve --config configs/local.yaml --port 50051            # gRPC server (specdist.v1.SpecDecode)
+    specdist generate --server 127.0.0.1:50051 "Explain gravity."      # stream from a running server
     specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png]
     specdist bench engine [--quick]
 
@@ -22,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="generate on a running `specdist serve` instead of loading the model here")
     gen.add_argument("--config", default=None, help="YAML config (default: built-in model, self-w8 draft)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.8)
@@ -36,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--k", type=int, required=True, help="draft length")
     cm.add_argument("--draft-cost", type=float, default=0.1, help="draft cost per token, verification = 1")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
+
+    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode) until SIGINT/SIGTERM")
+    from specdist.serve_cli import add_serve_arguments
+
+    add_serve_arguments(srv)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -52,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from specdist.serve_cli import run_serve
+
+            return run_serve(args)
         if args.command == "cost-model":
             return _cost_model(args)
         if args.command == "bench" and args.bench_command == "engine":
@@ -68,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.server:
+        from specdist.serve_cli import run_remote_generate
+
+        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+        return run_remote_generate(args.server, args.prompt, kwargs, args.raw)
     from specdist import Engine, SamplingParams
 
     params = SamplingParams(

@@ -136,7 +136,7 @@ class Engine:
         for req in list(self.waiting) + self.running:
             if req.request_id == request_id:
                 req.output.finish("abort")
-                self._finish(req)
+                self.release(req)
                 return True
         return False
 
@@ -257,7 +257,7 @@ class Engine:
             if not r.finished and len(r.seq) >= self.max_model_len:
                 r.output.finish("length")
             if r.finished:
-                self._finish(r)
+                self.release(r)
         self.stats.steps += 1
         t["output"] += now() - t4
         return reqs
@@ -285,8 +285,8 @@ class Engine:
         self.running.extend(new)
         self.stats.phase_s["prefill"] += now() - t0
 
-    def _finish(self, r: Request) -> None:
-        """Release everything the request holds. Idempotent."""
+    def release(self, r: Request) -> None:
+        """Free everything the request holds (queue entry, KV slots). Idempotent."""
         if r in self.waiting:
             self.waiting.remove(r)
         if r in self.running:

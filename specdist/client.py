@@ -1,0 +1,204 @@
+"""A synchronous Python client of the ``specdist.v1.SpecDecode`` service.
+
+    with SpecDistClient("127.0.0.1:50051") as client:
+        for chunk in client.generate("Explain gravity.", max_tokens=64, temperature=0):
+            print(chunk.text, end="")
+        text, ids, finish_reason, stats = client.generate_text([1, 2, 3], max_tokens=8)
+
+Every gRPC error becomes a :class:`RemoteError` carrying the status code and the
+server's message. Closing a ``generate()`` iterator early (``break``, ``.close()``)
+cancels the call, which aborts the request on the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdist.errors import SpecDistError
+from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class RemoteError(SpecDistError):
+    """A call failed on the server (or could not reach it). ``code`` is a ``grpc.StatusCode``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code.name}: {message}")
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> "RemoteError":
+        return cls(err.code(), err.details() or "")
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    output_tokens: int
+    drafted: int
+    accepted: int
+    steps: int
+    time_to_first_token_s: float
+    total_time_s: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class GenerateChunk:
+    """One GenerateResponse; the last one of a stream has ``finish_reason`` and ``stats``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class ServerInfo:
+    target_model: str
+    draft_method: str
+    draft_model: str
+    tensor_parallel_size: int
+    draft_replicas: int
+    num_speculative_tokens: int
+    max_model_len: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class SpecDistClient:
+    """Blocking client; ``target`` is ``"host:port"`` or an existing ``grpc.Channel``."""
+
+    def __init__(self, target: str | grpc.Channel, timeout: float | None = None):
+        self._own = isinstance(target, str)
+        self.channel = grpc.insecure_channel(target) if isinstance(target, str) else target
+        self.timeout = timeout
+        self._stub = specdist_pb2_grpc.SpecDecodeStub(self.channel)
+
+    def __enter__(self) -> "SpecDistClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._own:
+            self.channel.close()
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        apply_chat_template: bool = False,
+    ) -> Iterator[GenerateChunk]:
+        """Stream a generation. Unset (None) sampling fields take the server's defaults."""
+        params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+        for name, value in (
+            ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)
+        ):
+            if value is not None:
+                setattr(params, name, value)
+        req = specdist_pb2.GenerateRequest(
+            params=params, request_id=request_id or "", apply_chat_template=apply_chat_template
+        )
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        return self._stream(req)
+
+    def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
+        call = self._stub.Generate(req, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as e:
+            raise RemoteError.from_rpc(e) from None
+        finally:
+            call.cancel()  # a no-op once the stream is complete; otherwise aborts the request
+
+    def generate_text(
+        self, prompt: str | Sequence[int], **kwargs
+    ) -> tuple[str, list[int], str | None, RequestStats | None]:
+        """Run to completion: (text, token_ids, finish_reason, stats)."""
+        text, ids, last = [], [], None
+        for chunk in self.generate(prompt, **kwargs):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return "".join(text), ids, last and last.finish_reason, last and last.stats
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a running request; RemoteError NOT_FOUND if no running request has that id."""
+        try:
+            self._stub.Cancel(specdist_pb2.CancelRequest(request_id=request_id), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise RemoteError.from_rpc(e) from None
+
+    def server_info(self) -> ServerInfo:
+        try:
+            msg = self._stub.GetServerInfo(specdist_pb2.GetServerInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise RemoteError.from_rpc(e) from None
+        counters = {f.name: getattr(msg.counters, f.name) for f in msg.counters.DESCRIPTOR.fields}
+        return ServerInfo(
+            msg.target_model,
+            msg.draft_method,
+            msg.draft_model,
+            msg.tensor_parallel_size,
+            msg.draft_replicas,
+            msg.num_speculative_tokens,
+            msg.max_model_len,
+            counters,
+        )
+
+    def health(self, service: str = "") -> str:
+        """The health service's status name: "SERVING", "NOT_SERVING", ... (needs grpcio-health-checking)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            stub = health_pb2_grpc.HealthStub(self.channel)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise RemoteError.from_rpc(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def _chunk(msg: specdist_pb2.GenerateResponse) -> GenerateChunk:
+    kind = msg.WhichOneof("stop_reason")
+    stats = None
+    if msg.HasField("stats"):
+        s = msg.stats
+        stats = RequestStats(
+            s.prompt_tokens, s.output_tokens, s.drafted, s.accepted, s.steps, s.time_to_first_token_s, s.total_time_s
+        )
+    return GenerateChunk(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        finish_reason=_FINISH.get(msg.finish_reason),
+        stop_reason=getattr(msg, kind) if kind else None,
+        stats=stats,
+    )

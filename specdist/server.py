@@ -1,0 +1,230 @@
+"""The public gRPC service ``specdist.v1.SpecDecode`` (grpc.aio) over a :class:`Coordinator`.
+
+Status codes: a bad field is INVALID_ARGUMENT with the proto field name first in the
+details (``params.top_p: must be in (0, 1]``); a request id already in use is
+ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
+server UNAVAILABLE; Cancel of an id no running request has NOT_FOUND. A request that
+fails inside a step gets a last message with FINISH_REASON_ERROR and the stream then
+ends with INTERNAL.
+
+``serve()`` also registers the standard ``grpc.health.v1.Health`` service (SERVING
+once the engine has warmed up, NOT_SERVING while draining) and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from specdist.coordinator import Coordinator, Delta, DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.engine import Engine
+from specdist.errors import InvalidArgument
+from specdist.request import RequestMetrics
+from specdist.sampling_params import SamplingParams
+from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
+from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = specdist_pb2.DESCRIPTOR.services_by_name["SpecDecode"].full_name  # "specdist.v1.SpecDecode"
+_PARAM_FIELDS = frozenset(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
+
+
+class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
+    """Generate / Cancel / GetServerInfo, each a thin translation onto the coordinator."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+        self.engine: Engine = coordinator.engine
+
+    async def Generate(
+        self, request: specdist_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[specdist_pb2.GenerateResponse]:
+        try:
+            prompt = self._prompt(request)
+            params = sampling_params_from_proto(request.params)
+            stream = await self.coordinator.open(prompt, params, request.request_id or None)
+        except DuplicateRequestId as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _wire_message(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ShuttingDown as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # noqa: BLE001 - not the client's fault: say so, keep serving
+            log.exception("Generate failed before streaming")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+        try:
+            async for delta in stream:
+                yield _response(delta)
+                if delta.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error or "request failed")
+        finally:  # also on client disconnect (the handler task is cancelled): aborts the request
+            stream.close()
+
+    async def Cancel(
+        self, request: specdist_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> specdist_pb2.CancelResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        if not await self.coordinator.cancel(request.request_id):
+            message = f"request_id: no running request has id {request.request_id!r}"
+            await context.abort(grpc.StatusCode.NOT_FOUND, message)
+        return specdist_pb2.CancelResponse()
+
+    async def GetServerInfo(
+        self, request: specdist_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> specdist_pb2.ServerInfo:
+        cfg, c = self.engine.config, self.coordinator.counters()
+        counters = specdist_pb2.ServerInfo.Counters(
+            running_requests=c["running"],
+            queued_requests=c["queued"],
+            target_kv_slots_used=c["target_kv_slots_used"],
+            draft_kv_slots_used=c["draft_kv_slots_used"],
+            requests_total=c["requests_total"],
+            requests_finished=c["requests_finished"],
+            requests_cancelled=c["requests_cancelled"],
+            requests_failed=c["requests_failed"],
+            active_streams=c["active_streams"],
+        )
+        return specdist_pb2.ServerInfo(
+            target_model=cfg.target.model,
+            draft_method=cfg.draft.method,
+            draft_model=cfg.draft.model or "",
+            tensor_parallel_size=1,
+            draft_replicas=1 if self.engine.proposer is not None else 0,
+            num_speculative_tokens=self.engine.k,
+            max_model_len=self.engine.max_model_len,
+            counters=counters,
+        )
+
+    def _prompt(self, request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidArgument("prompt", "must be set (text or token_ids)")
+        if kind == "token_ids":
+            if request.apply_chat_template:
+                raise InvalidArgument("apply_chat_template", "needs a text prompt, not token_ids")
+            return list(request.token_ids.ids)
+        if not request.apply_chat_template:
+            return request.text
+        tok = self.engine.tokenizer
+        if not request.text:
+            raise InvalidArgument("prompt", "is empty")
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidArgument("apply_chat_template", "the model has no chat template")
+        try:
+            messages = [{"role": "user", "content": request.text}]
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that cannot render this input
+            raise InvalidArgument("apply_chat_template", f"the chat template failed: {e}") from None
+
+
+def _wire_message(e: InvalidArgument) -> str:
+    """The engine names SamplingParams fields bare ("stop"); on the wire they live under ``params.``."""
+    if e.field in _PARAM_FIELDS:
+        return f"params.{e.field}: {e.message}"
+    return str(e)
+
+
+def _response(d: Delta) -> specdist_pb2.GenerateResponse:
+    msg = specdist_pb2.GenerateResponse(
+        request_id=d.request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        finish_reason=finish_reason_to_proto(d.finish_reason),
+    )
+    if isinstance(d.stop_reason, str):
+        msg.stop_reason_text = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        msg.stop_reason_token = d.stop_reason
+    if d.metrics is not None:
+        msg.stats.CopyFrom(_stats(d.metrics))
+    return msg
+
+
+def _stats(m: RequestMetrics) -> common_pb2.RequestStats:
+    return common_pb2.RequestStats(
+        prompt_tokens=m.prompt_tokens,
+        output_tokens=m.output_tokens,
+        drafted=m.drafted,
+        accepted=m.accepted,
+        steps=m.steps,
+        time_to_first_token_s=m.time_to_first_token or 0.0,
+        total_time_s=m.total_time or 0.0,
+    )
+
+
+class SpecDistServer:
+    """A started gRPC server with its coordinator; ``stop()`` drains, then shuts down."""
+
+    def __init__(
+        self,
+        grpc_server: grpc.aio.Server,
+        coordinator: Coordinator,
+        health: health_aio.HealthServicer,
+        port: int,
+        drain_seconds: float,
+    ):
+        self.grpc_server = grpc_server
+        self.coordinator = coordinator
+        self.health = health
+        self.port = port
+        self.drain_seconds = drain_seconds
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, drain_seconds: float | None = None) -> None:
+        """NOT_SERVING, refuse new requests, let running ones finish (up to the drain time),
+        abort the rest (their streams end with ABORT), then stop the gRPC server."""
+        await self.set_serving(False)
+        wait = self.drain_seconds if drain_seconds is None else drain_seconds
+        if not await self.coordinator.drain(wait):
+            live = self.coordinator.counters()["live_requests"]
+            log.warning("drain time (%.1fs) over; aborting %d requests", wait, live)
+        await self.coordinator.close()
+        await self.grpc_server.stop(grace=1.0)
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def serve(
+    engine: Engine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0
+) -> tuple[SpecDistServer, Coordinator]:
+    """Start SpecDecode + health + reflection on ``host:port`` (0 picks a free port: see ``.port``).
+
+    Health is NOT_SERVING until the engine has warmed up, then SERVING.
+    """
+    coordinator = Coordinator(engine, max_queued=max_queued)
+    coordinator.start()
+    server = grpc.aio.server()
+    specdist_pb2_grpc.add_SpecDecodeServicer_to_server(SpecDecodeServicer(coordinator), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    wrapped = SpecDistServer(server, coordinator, health, bound, drain_seconds)
+    await wrapped.set_serving(False)
+    await server.start()
+    try:
+        await coordinator.warm_up()
+    except BaseException:
+        await wrapped.stop(0)
+        raise
+    await wrapped.set_serving(True)
+    return wrapped, coordinator

@@ -1,0 +1,459 @@
+"""The gRPC front end, in process: serve() on a free localhost port over the tiny models.
+
+The server's asyncio loop runs on a background thread; the tests drive it with the
+blocking SpecDistClient (and the raw stub where a malformed or abandoned call is needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from conftest import tiny_config
+from specdist import Engine, SamplingParams
+from specdist.client import RemoteError, SpecDistClient
+from specdist.server import serve
+from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g{% endfor %}"
+GAUGES = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_kv_slots_used", "active_streams")
+
+
+class Gate:
+    """Wraps engine.step: optional delay, a closable gate, and one injected failure."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.real_step = engine, engine.step
+        self.open_event = threading.Event()
+        self.open_event.set()
+        self.delay = 0.0
+        self.fail_when = None  # callable(engine) -> bool: raise once when it returns True
+        engine.step = self.step
+
+    def step(self):
+        self.open_event.wait()
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_when is not None and self.fail_when(self.engine):
+            self.fail_when = None
+            raise RuntimeError("injected step failure")
+        return self.real_step()
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread; ``run(coro)`` waits for the result."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def start_server(loop_thread, tiny_models, chat_template=None, **serve_kwargs) -> SimpleNamespace:
+    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
+    if chat_template:
+        engine.tokenizer.chat_template = chat_template
+    gate = Gate(engine)
+    server, coordinator = loop_thread.run(serve(engine, "127.0.0.1", 0, **serve_kwargs))
+    address = f"127.0.0.1:{server.port}"
+    channel = grpc.insecure_channel(address)
+    return SimpleNamespace(
+        server=server,
+        coordinator=coordinator,
+        gate=gate,
+        address=address,
+        channel=channel,
+        stub=specdist_pb2_grpc.SpecDecodeStub(channel),
+        client=SpecDistClient(channel),
+    )
+
+
+@pytest.fixture(scope="module")
+def srv(loop_thread, tiny_models):
+    s = start_server(loop_thread, tiny_models, chat_template=CHAT_TEMPLATE, drain_seconds=2)
+    yield s
+    s.gate.open_event.set()
+    loop_thread.run(s.server.stop())
+    s.channel.close()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_models):
+    """Engine.generate on the same config, one prompt at a time."""
+    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
+    return lambda prompt, **kw: engine.generate([prompt], SamplingParams(**kw))[0]
+
+
+def wait_idle(client: SpecDistClient, timeout: float = 5.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = client.server_info().counters
+        if all(counters[g] == 0 for g in GAUGES) or time.monotonic() > deadline:
+            assert {g: counters[g] for g in GAUGES} == dict.fromkeys(GAUGES, 0)
+            return counters
+        time.sleep(0.02)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def check_against_engine(client, ref, prompt, **kw) -> None:
+    chunks = list(client.generate(prompt, **kw))
+    want = ref(prompt, **kw)
+    last = chunks[-1]
+    assert all(c.finish_reason is None for c in chunks[:-1]) and last.finish_reason == want.finish_reason
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert "".join(c.text for c in chunks) == want.text
+    assert last.stop_reason == want.stop_reason
+    s = last.stats
+    assert s.output_tokens == len(want.token_ids) and s.prompt_tokens == want.metrics.prompt_tokens
+    assert s.steps == want.metrics.steps and 0 <= s.accepted <= s.drafted
+    assert 0 < s.time_to_first_token_s <= s.total_time_s
+
+
+# ---------------------------------------------------------------- service basics
+
+
+def test_health_reflection_and_server_info(srv):
+    assert srv.client.health() == "SERVING"
+    assert srv.client.health("specdist.v1.SpecDecode") == "SERVING"
+    services = ProtoReflectionDescriptorDatabase(srv.channel).get_services()
+    assert "specdist.v1.SpecDecode" in services and "grpc.health.v1.Health" in services
+    info = srv.client.server_info()
+    assert (info.draft_method, info.num_speculative_tokens, info.max_model_len) == ("model", 3, 64)
+    assert (info.tensor_parallel_size, info.draft_replicas) == (1, 1)
+    assert info.target_model.endswith("target") and info.draft_model.endswith("draft")
+
+
+@pytest.mark.parametrize(
+    "prompt, kw",
+    [
+        ("a b c", dict(max_tokens=20)),
+        ("g f", dict(max_tokens=40)),
+        ("d", dict(max_tokens=12, stop=["c e"])),
+        ([1, 2, 3], dict(max_tokens=20)),
+        ([5], dict(max_tokens=30, ignore_eos=True)),
+        ([0, 6, 6, 2], dict(max_tokens=25, stop_token_ids=[4])),
+    ],
+)
+def test_greedy_matches_engine(srv, ref, prompt, kw):
+    check_against_engine(srv.client, ref, prompt, temperature=0, **kw)
+
+
+def test_chat_template(srv, ref):
+    got = srv.client.generate_text("a b", max_tokens=10, temperature=0, apply_chat_template=True)
+    want = ref("a b g", max_tokens=10, temperature=0)  # CHAT_TEMPLATE rendered by hand
+    assert got[:3] == (want.text, want.token_ids, want.finish_reason) and got[3].prompt_tokens == 3
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_sixteen_concurrent_streams(srv, ref):
+    rng = random.Random(0)
+    jobs = []
+    for i in range(16):
+        prompt = [rng.randrange(7) for _ in range(rng.randint(1, 5))]
+        if i % 3 == 1:
+            prompt = " ".join("abcdefg"[t] for t in prompt)  # text prompts too
+        n = rng.randint(5, 40)
+        if i % 2 == 0:
+            kw = dict(max_tokens=n, temperature=0)
+            jobs.append((prompt, kw, ref(prompt, **kw)))
+        else:
+            kw = dict(max_tokens=n, temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([0.8, 1.0]),
+                      top_k=rng.choice([0, 3]), seed=i, ignore_eos=True)
+            jobs.append((prompt, kw, None))
+    results: list = [None] * len(jobs)
+    barrier = threading.Barrier(len(jobs))
+
+    def worker(i: int) -> None:
+        prompt, kw, _ = jobs[i]
+        barrier.wait()
+        results[i] = list(srv.client.generate(prompt, **kw))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for (prompt, kw, want), chunks in zip(jobs, results):
+        assert chunks, f"no result for {prompt!r}"
+        ids = [t for c in chunks for t in c.token_ids]
+        if want is not None:
+            assert ids == want.token_ids and "".join(c.text for c in chunks) == want.text
+            assert chunks[-1].finish_reason == want.finish_reason
+        else:
+            assert len(ids) == kw["max_tokens"] and chunks[-1].finish_reason == "length"
+            assert all(0 <= t < 8 for t in ids)
+        assert chunks[-1].stats.output_tokens == len(ids)
+    assert max(len(c) for c in results) > 2  # really streamed, step by step
+    wait_idle(srv.client)
+
+
+def test_coordinator_generate_api(srv, loop_thread, ref):
+    """The asyncio API itself: a full stream, an early close (aborts), a duplicate id."""
+    from specdist.coordinator import DuplicateRequestId
+    from specdist.errors import InvalidArgument
+
+    coord = srv.coordinator
+
+    async def scenario():
+        deltas = [d async for d in coord.generate([2, 3], SamplingParams(max_tokens=9, temperature=0))]
+        early = coord.generate([4], SamplingParams(max_tokens=60, ignore_eos=True), request_id="early")
+        await early.__anext__()
+        with pytest.raises(DuplicateRequestId):
+            await coord.generate([4], request_id="early").__anext__()
+        await early.aclose()
+        with pytest.raises(InvalidArgument, match="^prompt"):
+            await coord.generate([99]).__anext__()
+        return deltas
+
+    deltas = loop_thread.run(scenario())
+    want = ref([2, 3], max_tokens=9, temperature=0)
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids and deltas[-1].finish_reason == want.finish_reason
+    assert deltas[-1].metrics.output_tokens == len(want.token_ids)
+    wait_idle(srv.client)
+
+
+def test_remote_generate_cli(srv, ref, capsys):
+    from specdist.serve_cli import run_remote_generate
+
+    assert run_remote_generate(srv.address, "a b", dict(max_tokens=8, temperature=0), raw=False) == 0
+    out = capsys.readouterr()
+    assert out.out == ref("a b g", max_tokens=8, temperature=0).text + "\n"  # chat template applied
+    assert "tokens=" in out.err and "finish=" in out.err
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+def test_cancel_and_disconnect_free_everything(srv, ref):
+    before = srv.client.server_info().counters
+    srv.gate.delay = 0.004  # slow steps a little so cancellations land mid-stream
+    rng = random.Random(1)
+    outcomes: list = [None] * 24
+
+    def via_cancel(i: int, after: int) -> None:
+        rid = f"cancel-{i}"
+        gen = srv.client.generate([i % 7, 3], max_tokens=60, temperature=1.0, seed=i, ignore_eos=True, request_id=rid)
+        chunks = [next(gen) for _ in range(after)]
+        try:
+            srv.client.cancel(rid)
+        except RemoteError as e:  # only if it already ended on its own
+            assert e.code == grpc.StatusCode.NOT_FOUND
+        chunks += list(gen)
+        outcomes[i] = chunks[-1].finish_reason
+
+    def via_disconnect(i: int, after: int) -> None:
+        req = specdist_pb2.GenerateRequest(token_ids=specdist_pb2.TokenIds(ids=[i % 7]), request_id=f"drop-{i}")
+        req.params.max_tokens, req.params.ignore_eos = 60, True
+        call = srv.stub.Generate(req)
+        for _ in range(after):
+            next(call)
+        time.sleep(rng.random() * 0.01)
+        call.cancel()
+        outcomes[i] = "dropped"
+
+    threads = []
+    for i in range(24):
+        fn = via_cancel if i % 2 == 0 else via_disconnect
+        threads.append(threading.Thread(target=fn, args=(i, rng.randint(1 if fn is via_cancel else 0, 6))))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        srv.gate.delay = 0.0
+    assert all(o in ("abort", "length", "dropped") for o in outcomes), outcomes
+    assert outcomes.count("abort") >= 6
+    after = wait_idle(srv.client)
+    assert after["requests_total"] - before["requests_total"] >= 12  # a dropped call may never reach the server
+    ended = sum(after[k] - before[k] for k in ("requests_finished", "requests_cancelled", "requests_failed"))
+    assert ended == after["requests_total"] - before["requests_total"]
+    check_against_engine(srv.client, ref, "b a d", max_tokens=20, temperature=0)
+
+
+def test_cancel_unknown_id(srv):
+    with pytest.raises(RemoteError) as e:
+        srv.client.cancel("no-such-request")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(RemoteError) as e:
+        srv.client.cancel("")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.message
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _req(**kw) -> specdist_pb2.GenerateRequest:
+    params = kw.pop("params", {})
+    return specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(**params), **kw)
+
+
+def _ids(*ids: int) -> specdist_pb2.TokenIds:
+    return specdist_pb2.TokenIds(ids=list(ids))
+
+
+BAD_REQUESTS = [
+    ("prompt", _req()),
+    ("prompt", _req(text="")),
+    ("prompt", _req(token_ids=_ids())),
+    ("prompt", _req(token_ids=_ids(1, 8))),
+    ("prompt", _req(token_ids=_ids(-1))),
+    ("prompt", _req(token_ids=_ids(*[1] * 64))),
+    ("prompt", _req(text=" ".join(["a"] * 70))),
+    ("params.temperature", _req(text="a", params=dict(temperature=-1))),
+    ("params.temperature", _req(text="a", params=dict(temperature=math.nan))),
+    ("params.temperature", _req(text="a", params=dict(temperature=math.inf))),
+    ("params.top_p", _req(text="a", params=dict(top_p=0))),
+    ("params.top_p", _req(text="a", params=dict(top_p=1.5))),
+    ("params.top_p", _req(text="a", params=dict(top_p=math.nan))),
+    ("params.top_k", _req(text="a", params=dict(top_k=-1))),
+    ("params.max_tokens", _req(text="a", params=dict(max_tokens=0))),
+    ("params.max_tokens", _req(text="a", params=dict(max_tokens=-5))),
+    ("params.stop", _req(text="a", params=dict(stop=["c", ""]))),
+    ("params.stop_token_ids", _req(text="a", params=dict(stop_token_ids=[3, -1]))),
+    ("apply_chat_template", _req(token_ids=_ids(1, 2), apply_chat_template=True)),
+    ("request_id", _req(text="a", request_id="x" * 300)),
+]
+
+
+def test_bad_input_matrix(srv, ref):
+    before = srv.client.server_info().counters
+    for field, request in BAD_REQUESTS:
+        with pytest.raises(grpc.RpcError) as e:
+            list(srv.stub.Generate(request))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, request)
+        assert e.value.details().startswith(f"{field}: "), (field, e.value.details())
+
+    # a request id in use by a live request: ALREADY_EXISTS (specdist.proto), naming request_id
+    srv.gate.open_event.clear()  # hold the first request live
+    try:
+        first = srv.client.generate([1], max_tokens=5, temperature=0, request_id="dup")
+        holder = threading.Thread(target=lambda: list(first))
+        holder.start()
+        wait_for(lambda: srv.client.server_info().counters["requests_total"] > before["requests_total"])
+        with pytest.raises(RemoteError) as e:
+            srv.client.generate_text([2], request_id="dup")
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS and e.value.message.startswith("request_id: ")
+    finally:
+        srv.gate.open_event.set()
+    holder.join(10)
+
+    after = wait_idle(srv.client)
+    assert after["requests_total"] == before["requests_total"] + 1  # refused requests are never admitted
+    assert after["requests_failed"] == before["requests_failed"]
+    for prompt in ("c c", [4, 1]):
+        check_against_engine(srv.client, ref, prompt, max_tokens=15, temperature=0)
+
+
+# ---------------------------------------------------------------- failures, admission, drain
+
+
+def test_failed_step_fails_only_the_batch(srv, ref):
+    srv.gate.delay = 0.003
+    srv.gate.fail_when = lambda eng: len(eng.running) == 8 and len(eng.waiting) == 2
+    results: list = [None] * 10
+
+    def worker(i: int) -> None:
+        chunks = []
+        try:
+            for c in srv.client.generate([i % 7], max_tokens=50, ignore_eos=True, seed=i):
+                chunks.append(c)
+            results[i] = chunks[-1].finish_reason
+        except RemoteError as e:
+            results[i] = (e.code, chunks[-1].finish_reason if chunks else None)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(10)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        srv.gate.delay, srv.gate.fail_when = 0.0, None
+    assert results.count((grpc.StatusCode.INTERNAL, "error")) == 8, results
+    assert results.count("length") == 2, results
+    wait_idle(srv.client)
+    check_against_engine(srv.client, ref, "e f", max_tokens=10, temperature=0)
+
+
+def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
+    from specdist.serve_cli import run_remote_generate
+
+    s = start_server(loop_thread, tiny_models, max_queued=2, drain_seconds=5)
+    try:
+        with pytest.raises(RemoteError) as e:  # no chat template on this model
+            s.client.generate_text("a", apply_chat_template=True)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith("apply_chat_template")
+        assert run_remote_generate(s.address, "a", dict(max_tokens=5, temperature=0), raw=False) == 0
+        assert capsys.readouterr().out == ref("a", max_tokens=5, temperature=0).text + "\n"  # raw, like local
+
+        s.gate.delay = 0.05  # each request below takes >= 1 s
+
+        outcomes = {}
+
+        def run(rid: str, n: int) -> None:
+            try:
+                outcomes[rid] = s.client.generate_text([1], max_tokens=n, ignore_eos=True, request_id=rid)[2]
+            except RemoteError as err:
+                outcomes[rid] = err.code
+
+        slow = [threading.Thread(target=run, args=(f"slow-{i}", 60)) for i in range(2)]
+        for t in slow:
+            t.start()
+        wait_for(lambda: s.client.server_info().counters["requests_total"] == 2)
+        with pytest.raises(RemoteError) as e:
+            s.client.generate_text([2], max_tokens=2)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for rid in ("slow-0", "slow-1"):
+            s.client.cancel(rid)
+        for t in slow:
+            t.join(10)
+        assert outcomes == {"slow-0": "abort", "slow-1": "abort"}
+        wait_idle(s.client)
+
+        # graceful stop: NOT_SERVING, new requests refused, the running one finishes normally
+        short = threading.Thread(target=run, args=("short", 6))
+        short.start()
+        wait_for(lambda: s.client.server_info().counters["running_requests"] == 1)
+        stopping = asyncio.run_coroutine_threadsafe(s.server.stop(), loop_thread.loop)
+        wait_for(lambda: s.client.health() == "NOT_SERVING")
+        with pytest.raises(RemoteError) as e:
+            s.client.generate_text([2], max_tokens=2)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        stopping.result(30)
+        short.join(10)
+        assert outcomes["short"] == "length"
+    finally:
+        s.gate.delay = 0.0
+        loop_thread.run(s.server.stop())
+        s.channel.close()
