@@ -57,6 +57,7 @@ async def _serve_until_signalled(engine: Any, args: argparse.Namespace) -> None:
             loop.remove_signal_handler(sig)
     print(f"[specdist] draining (up to {args.drain_seconds:g}s)", file=sys.stderr, flush=True)
     await server.stop()
+    print("[specdist] stopped", file=sys.stderr, flush=True)
 
 
 def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dict[str, Any], raw: bool) -> int:
