@@ -378,7 +378,8 @@ class Coordinator:
             return Delta(rid, new_ids, text) if new_ids or text else None
         del self._tracked[rid]
         metrics = dataclasses.replace(t.req.metrics, output_tokens=len(out.token_ids))
-        return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, t.error)
+        error = t.error or getattr(t.req, "error", None)  # a RemoteEngine records worker errors on the request
+        return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, error)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -191,3 +191,16 @@ def wire_bytes_per_step(vocab_size: int, k: int, support: int) -> dict[str, int]
         proposal = draft_pb2.Proposal(request_id="0" * 36, token_ids=[vocab_size - 1] * k, probs=probs)
         sizes[name] = draft_pb2.ProposeResponse(proposals=[proposal]).ByteSize()
     return sizes
+
+
+# The draft's random stream must differ from the target's (else draft samples and acceptance
+# uniforms could be correlated, which breaks exactness). The caller that admits a request
+# seeds the target with ``seed`` and the draft with ``draft_seed(seed)``: XOR with a fixed odd
+# 64-bit constant is a bijection on uint64 without fixed points, so the two always differ and
+# a fixed request seed still reproduces the whole run.
+DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
+
+
+def draft_seed(target_seed: int) -> int:
+    """The draft's seed for a request whose target generator is seeded with ``target_seed``."""
+    return (int(target_seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF

@@ -41,7 +41,16 @@ from specdist.proposers import ModelProposer, NgramProposer
 from specdist.sampling import process_logits, sample_from
 from specdist.sampling_params import SamplingParams
 from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdist.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, fp16_exact, sampling_params_from_proto
+from specdist.wire import (  # noqa: F401  (draft_seed re-exported for callers)
+    DENSE,
+    ONE_HOT,
+    SPARSE,
+    DRAFT_SEED_XOR,
+    draft_seed,
+    encode_distribution,
+    fp16_exact,
+    sampling_params_from_proto,
+)
 from workers.target_worker import (
     AlreadyExists,
     BlockingCallRunner,
@@ -54,13 +63,8 @@ from workers.target_worker import (
     sampling_tensors_of,
 )
 
-DRAFT_SEED_XOR = 0x9E3779B97F4A7C15  # 2**64 / golden ratio; any nonzero constant keeps seeds distinct
 SPARSE_MAX_FRACTION = 0.4  # sparse costs ~5 bytes per entry (fp16 + varint id), dense 2 per vocab entry
 
-
-def draft_seed(target_seed: int) -> int:
-    """The draft's seed for a request whose target generator is seeded with ``target_seed``."""
-    return (int(target_seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
 
 
 @dataclass

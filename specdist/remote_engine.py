@@ -1,0 +1,567 @@
+"""An :class:`~specdist.engine.Engine` look-alike that runs on remote workers over gRPC.
+
+:class:`RemoteEngine` has the interface the :class:`~specdist.coordinator.Coordinator`
+(and ``generate`` / ``stream`` callers) use — ``add_request``, ``abort``, ``release``,
+``step``, ``running``, ``waiting``, ``has_unfinished``, ``kv_slots_in_use``, ``stats``,
+``generate``, ``stream``, ``tokenizer``, ``vocab_size``, ``eos_ids``, ``max_model_len``,
+``k``, ``config`` — but the models live in a target worker (``TargetWorker`` service,
+possibly tensor-parallel behind its rank 0) and any number of draft workers
+(``DraftWorker`` service), driven through synchronous stubs. It only imports
+``specdist.v1`` (never ``workers/`` or ``cluster/``).
+
+One ``step()``:
+
+1. admit waiting requests: ``Prefill`` on the target (its seed = the request seed, as in
+   ``Engine``: ``params.seed`` or one drawn from ``config.engine.seed``'s stream) and
+   ``Start`` on the assigned draft replica with ``draft_seed(seed)`` (see below);
+2. ``k_b`` per request with the engine's own rule (``Engine._draft_len``);
+3. ``Propose`` on every replica in parallel (a thread pool; ONE RPC per replica with all
+   its requests), passing ``num_accepted`` / ``new_token_ids`` of the previous step;
+4. ONE ``Verify`` on the target for the whole batch (the draft q's are forwarded as they
+   came, no re-encoding);
+5. the emitted tokens go through :class:`~specdist.stopping.OutputState` exactly like
+   ``Engine.step`` (stop tokens / strings, max_tokens, then the context limit);
+   finished requests are released on the target and their draft (one batched
+   ``Release`` per worker).
+
+Replica assignment (at admission, per request, in arrival order): the replica with the
+fewest live requests (started and not yet released by this engine) among those below
+``draft_max_batch_size``; ties go to the lower measured mean ``Propose`` latency per
+drafted token (a replica not yet measured counts as 0, so each gets tried), then to the
+lower index. A request stays on its replica for its whole life.
+
+Seeds: the draft's seed is ``seed XOR DRAFT_SEED_XOR`` — the rule of
+:func:`specdist.wire.draft_seed`, shared with the draft worker; it is a fixed-point-free
+bijection, so the two seeds always differ.
+
+Errors: the worker RPCs are all-or-nothing and name the failing item
+(``items[i].field: ...``). A failure naming an item fails only that request
+(``finish_reason="error"``, message in ``request.error``) and the call is retried
+without it; a failure naming no item (a worker down) fails only the requests of that
+call; ``RESOURCE_EXHAUSTED`` at admission puts the requests back in the queue.
+``step()`` itself does not raise for worker errors.
+
+Timing (``stats.phase_s``): "prefill" (Prefill + Start), "draft" and "verify" (the RPC
+wall time minus its network share), "network", "output" (client bookkeeping), "cache"
+(Release RPCs). "sampling" stays 0: rejection sampling runs inside Verify on the target.
+The network share of an RPC is ``wall - server compute`` when the worker reports its
+compute time in the ``specdist-compute-s`` trailing metadata, else an estimate: the
+minimum round trip of empty ``Release`` calls to that worker, measured on first use
+(:meth:`calibrate_network`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from specdist.config import Config, load_config
+from specdist.engine import PHASES, Engine
+from specdist.errors import InvalidArgument
+from specdist.request import Request, now
+from specdist.sampling_params import SamplingParams
+from specdist.stopping import OutputState
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.wire import draft_seed, sampling_params_to_proto
+
+log = logging.getLogger(__name__)
+
+COMPUTE_METADATA_KEY = "specdist-compute-s"
+REMOTE_PHASES = PHASES + ("network",)
+_ITEM = re.compile(r"^items\[(\d+)\]")
+_PER_ITEM_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+
+@dataclass
+class RemoteEngineStats:
+    """Like EngineStats, plus the "network" phase and RPC counters."""
+
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REMOTE_PHASES, 0.0))
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    rpcs: int = 0
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class _Remote:
+    """Per-request state of the remote engine (``Request.draft_state``)."""
+
+    wire_id: str
+    seed: int
+    replica: int | None = None
+    prefilled: bool = False  # holds a target slot
+    started: bool = False  # holds a draft slot
+    num_accepted: int = 0  # of the last proposal, for the next Propose
+    new_tokens: list[int] = field(default_factory=list)
+    proposal: object = None  # the last draft_pb2.Proposal
+
+
+class _Replica:
+    def __init__(self, address: str, channel: grpc.Channel):
+        self.address = address
+        self.channel = channel
+        self.stub = draft_pb2_grpc.DraftWorkerStub(channel)
+        self.live = 0
+        self.propose_s = 0.0
+        self.proposed_tokens = 0
+        self.rtt_s: float | None = None
+
+    @property
+    def latency_per_token(self) -> float:
+        return self.propose_s / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+class RemoteEngine:
+    """Engine interface over a remote target worker and draft workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: str | dict | Config | None,
+        target_address: str,
+        draft_addresses: Sequence[str] = (),
+        tokenizer=None,
+        vocab_size: int | None = None,
+        eos_ids: frozenset[int] | Sequence[int] = frozenset(),
+        draft_max_batch_size: int | None = None,
+        rpc_timeout_s: float = 120.0,
+    ):
+        self.config = cfg = load_config(config)
+        ec = cfg.engine
+        if vocab_size is None:
+            if tokenizer is None:
+                raise InvalidArgument("vocab_size", "is required without a tokenizer")
+            vocab_size = len(tokenizer)
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_model_len = ec.max_model_len
+        self.max_batch_size = ec.max_batch_size
+        self.draft_max_batch_size = draft_max_batch_size or ec.max_batch_size
+        self.rpc_timeout_s = rpc_timeout_s
+        self.target_address = target_address
+        self._target_channel = grpc.insecure_channel(target_address, options=_CHANNEL_OPTIONS)
+        self.target = target_pb2_grpc.TargetWorkerStub(self._target_channel)
+        self._target_rtt_s: float | None = None
+        use_drafts = cfg.draft.enabled and len(draft_addresses) > 0
+        self.replicas = [
+            _Replica(a, grpc.insecure_channel(a, options=_CHANNEL_OPTIONS)) for a in (draft_addresses if use_drafts else ())
+        ]
+        self.k = cfg.draft.num_speculative_tokens if self.replicas else 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.replicas)), thread_name_prefix="specdist-propose")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = RemoteEngineStats()
+        self._ids = itertools.count()
+        self._wire_ids = itertools.count()
+        self._uid = uuid.uuid4().hex[:8]
+        self._seeds = torch.Generator().manual_seed(ec.seed)
+        self._target_live = 0
+        self._count_lock = threading.Lock()  # Propose/Start RPCs run on the pool
+
+    @classmethod
+    def from_addresses(
+        cls, config: str | dict | Config | None, target_address: str, draft_addresses: Sequence[str] = (), **kwargs
+    ) -> "RemoteEngine":
+        """Load only the target's tokenizer and config (vocabulary size, EOS ids); no weights."""
+        from transformers import AutoConfig
+
+        from specdist.models.loader import eos_token_ids, load_tokenizer, resolve_model
+
+        cfg = load_config(config)
+        src = resolve_model(cfg.target.model, "target.model")
+        tokenizer = load_tokenizer(src)
+        extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+        mcfg = AutoConfig.from_pretrained(src.directory, local_files_only=True, **extra)
+        gen = None
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_model_config(mcfg)
+            gen = GenerationConfig.from_pretrained(src.directory, local_files_only=True, **extra)
+        except Exception:  # no generation_config.json: the model config's values (from_model_config) stand
+            pass
+
+        class _Meta:  # what eos_token_ids reads from a model
+            config = mcfg
+            generation_config = gen
+
+        vocab = int(getattr(mcfg, "vocab_size", None) or getattr(mcfg.get_text_config(), "vocab_size"))
+        return cls(cfg, target_address, draft_addresses, tokenizer=tokenizer, vocab_size=vocab,
+                   eos_ids=eos_token_ids(_Meta, tokenizer), **kwargs)
+
+    def close(self) -> None:
+        """Release everything still live, then close the channels and the thread pool."""
+        for r in list(self.waiting) + list(self.running):
+            self.abort(r.request_id)
+        self._pool.shutdown(wait=True)
+        self._target_channel.close()
+        for rep in self.replicas:
+            rep.channel.close()
+
+    def __enter__(self) -> "RemoteEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- requests (Engine's semantics)
+    _tokenize = Engine._tokenize
+    _draft_len = Engine._draft_len
+    generate = Engine.generate
+    stream = Engine.stream
+    abort = Engine.abort
+    has_unfinished = Engine.has_unfinished
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        req = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt=text,
+            prompt_ids=ids,
+            params=params,
+            generator=torch.Generator(),  # unused here: the target worker draws the uniforms
+            output=OutputState(params, self.eos_ids, self.tokenizer),
+            draft_state=_Remote(f"{self._uid}-{next(self._wire_ids)}", int(seed)),
+        )
+        req.metrics.prompt_tokens = len(ids)
+        req.metrics.arrival_time = now()
+        self.waiting.append(req)
+        return req
+
+    def release(self, r: Request) -> None:
+        """Free everything the request holds (queue entry, remote slots). Idempotent."""
+        self._release_many([r])
+
+    def kv_slots_in_use(self) -> dict[str, int]:
+        """Live requests on the workers as this engine knows them (admitted, not yet released)."""
+        used = {"target": self._target_live}
+        if self.replicas:
+            used["draft"] = sum(rep.live for rep in self.replicas)
+            for i, rep in enumerate(self.replicas):
+                used[f"draft/{i}"] = rep.live
+        return used
+
+    def replica_of(self, r: Request) -> int | None:
+        return r.draft_state.replica
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[Request]:
+        """One verification for every running request. Returns the requests that advanced."""
+        self._admit()
+        if not self.running:
+            return []
+        if self._target_rtt_s is None:
+            self.calibrate_network()
+        t = self.stats.phase_s
+        reqs = list(self.running)
+        ks = {id(r): self._draft_len(r) for r in reqs}
+
+        # ---- Propose: one RPC per replica, in parallel
+        t0 = now()
+        if self.replicas:
+            by_rep: dict[int, list[Request]] = {}
+            for r in reqs:
+                by_rep.setdefault(r.draft_state.replica, []).append(r)
+            futs = [(i, self._pool.submit(self._propose, i, rs, ks)) for i, rs in by_rep.items()]
+            net = 0.0
+            for i, f in futs:
+                net = max(net, f.result())
+            wall = now() - t0
+            t["network"] += min(net, wall)
+            t["draft"] += wall - min(net, wall)
+        reqs = [r for r in reqs if not r.finished]
+        if not reqs:
+            self._release_finished(self.running[:])
+            return []
+
+        # ---- Verify: one RPC for the whole batch
+        t1 = now()
+        items = []
+        for r in reqs:
+            st: _Remote = r.draft_state
+            p = st.proposal
+            items.append(target_pb2.VerifyItem(
+                request_id=st.wire_id, seq_len=len(r.seq),
+                draft_token_ids=p.token_ids if p is not None else [], draft_probs=p.probs if p is not None else []))
+        results, failed, net = self._call_isolating(
+            self.target.Verify, items, lambda its: target_pb2.VerifyRequest(items=its), self._target_rtt_s)
+        self._fail(reqs, failed, "verify")
+        wall = now() - t1
+        t["network"] += min(net, wall)
+        t["verify"] += wall - min(net, wall)
+
+        # ---- outputs, exactly like Engine.step
+        t2 = now()
+        advanced = []
+        res_by_idx = dict(zip([i for i in range(len(reqs)) if i not in failed], results.results if results else []))
+        for b, r in enumerate(reqs):
+            res = res_by_idx.get(b)
+            if res is None:
+                continue
+            st = r.draft_state
+            drafted = list(st.proposal.token_ids) if st.proposal is not None else []
+            n_acc = int(res.num_accepted)
+            new = drafted[:n_acc] + [int(res.next_token_id)]
+            st.num_accepted, st.new_tokens, st.proposal = n_acc, [int(res.next_token_id)], None
+            kept = r.output.append(new)
+            m = r.metrics
+            m.steps += 1
+            m.drafted += len(drafted)
+            m.accepted += n_acc
+            self.stats.drafted += len(drafted)
+            self.stats.accepted += n_acc
+            self.stats.emitted += kept
+            if m.first_token_time is None and (kept or r.finished):
+                m.first_token_time = now()
+            if not r.finished and len(r.seq) >= self.max_model_len:
+                r.output.finish("length")
+            advanced.append(r)
+        self.stats.steps += 1
+        t["output"] += now() - t2
+        self._release_finished(self.running[:])
+        return advanced
+
+    # ---------------------------------------------------------------- internals
+    def _propose(self, i: int, rs: list[Request], ks: dict[int, int]) -> float:
+        """Propose for one replica's requests (runs on the pool). Returns the estimated network time."""
+        rep = self.replicas[i]
+        items = []
+        for r in rs:
+            st: _Remote = r.draft_state
+            items.append(draft_pb2.ProposeItem(
+                request_id=st.wire_id, num_accepted=st.num_accepted, new_token_ids=st.new_tokens,
+                num_tokens=ks[id(r)], seq_len=len(r.seq)))
+        t0 = now()
+        resp, failed, net = self._call_isolating(
+            rep.stub.Propose, items, lambda its: draft_pb2.ProposeRequest(items=its), rep.rtt_s)
+        wall = now() - t0
+        ok = [r for j, r in enumerate(rs) if j not in failed]
+        ntok = 0
+        for r, p in zip(ok, resp.proposals if resp is not None else []):
+            st = r.draft_state
+            st.proposal = p
+            st.num_accepted, st.new_tokens = 0, []  # committed on the draft
+            ntok += len(p.token_ids)
+        if ntok:
+            rep.propose_s += wall
+            rep.proposed_tokens += ntok
+        for j, msg in failed.items():  # finished here, released by the step (engine thread) afterwards
+            self._mark_error(rs[j], f"draft worker {rep.address}: {msg}")
+        return net
+
+    def _call_isolating(self, method, items: list, build, rtt: float | None):
+        """Call ``method(build(items))``; a failure naming ``items[i]`` drops that item and retries.
+
+        Returns (response or None, {original index: error message}, estimated network seconds).
+        A failure naming no item fails every remaining item.
+        """
+        idx = list(range(len(items)))
+        failed: dict[int, str] = {}
+        net = 0.0
+        while idx:
+            t0 = now()
+            try:
+                resp, call = method.with_call(build([items[i] for i in idx]), timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                net += now() - t0
+                self._count_rpc()
+                details = e.details() or ""
+                m = _ITEM.match(details)
+                if m and e.code() in _PER_ITEM_CODES and int(m.group(1)) < len(idx):
+                    failed[idx.pop(int(m.group(1)))] = f"{e.code().name}: {details}"
+                    continue
+                for i in idx:
+                    failed[i] = f"{e.code().name}: {details}"
+                return None, failed, net
+            wall = now() - t0
+            self._count_rpc()
+            net += _network_share(wall, call, rtt)
+            return resp, failed, net
+        return None, failed, net
+
+    def _admit(self) -> None:
+        new: list[Request] = []
+        cap = [self.draft_max_batch_size - rep.live for rep in self.replicas]
+        while self.waiting and self._target_live + len(new) < self.max_batch_size:
+            r = self.waiting[0]
+            if self.replicas:
+                free = [i for i in range(len(self.replicas)) if cap[i] > 0]
+                if not free:
+                    break
+                # live requests incl. this admission's = capacity - remaining room
+                i = min(free, key=lambda i: (self.draft_max_batch_size - cap[i], self.replicas[i].latency_per_token, i))
+                cap[i] -= 1
+                r.draft_state.replica = i
+            new.append(self.waiting.popleft())
+        if not new:
+            return
+        t0 = now()
+        # target first: all or nothing per call, bad items failed alone
+        items = [target_pb2.PrefillItem(request_id=r.draft_state.wire_id, prompt_token_ids=r.prompt_ids,
+                                        params=sampling_params_to_proto(r.params), seed=r.draft_state.seed)
+                 for r in new]
+        resp, failed, _ = self._call_isolating(
+            self.target.Prefill, items, lambda its: target_pb2.PrefillRequest(items=its), None)
+        requeue = []
+        for j, r in enumerate(new):
+            if j in failed:
+                if failed[j].startswith("RESOURCE_EXHAUSTED"):
+                    requeue.append(r)
+                else:
+                    self._mark_error(r, f"target worker: {failed[j]}")
+            else:
+                r.draft_state.prefilled = True
+                self._target_live += 1
+        admitted = [r for j, r in enumerate(new) if j not in failed]
+        if self.replicas and admitted:
+            by_rep: dict[int, list[Request]] = {}
+            for r in admitted:
+                by_rep.setdefault(r.draft_state.replica, []).append(r)
+            futs = [(i, rs, self._pool.submit(self._start, i, rs)) for i, rs in by_rep.items()]
+            for i, rs, f in futs:
+                for r, err in zip(rs, f.result()):
+                    if err is None:
+                        r.draft_state.started = True
+                        self.replicas[i].live += 1
+                    elif err.startswith("RESOURCE_EXHAUSTED"):
+                        requeue.append(r)
+                    else:
+                        self._mark_error(r, f"draft worker {self.replicas[i].address}: {err}")
+        for r in reversed(requeue):  # back to the queue front, slots freed
+            self._release_remote([r])
+            r.draft_state.replica = None
+            self.waiting.appendleft(r)
+        self.running.extend(r for r in admitted if r not in requeue)
+        self._release_finished([r for r in new if r.finished])
+        self.stats.phase_s["prefill"] += now() - t0
+
+    def _start(self, i: int, rs: list[Request]) -> list[str | None]:
+        items = [draft_pb2.StartItem(request_id=r.draft_state.wire_id, prompt_token_ids=r.prompt_ids,
+                                     params=sampling_params_to_proto(r.params), seed=draft_seed(r.draft_state.seed))
+                 for r in rs]
+        _, failed, _ = self._call_isolating(
+            self.replicas[i].stub.Start, items, lambda its: draft_pb2.StartRequest(items=its), None)
+        return [failed.get(j) for j in range(len(rs))]
+
+    def _count_rpc(self) -> None:
+        with self._count_lock:
+            self.stats.rpcs += 1
+
+    def _mark_error(self, r: Request, message: str) -> None:
+        if not r.finished:
+            r.error = message
+            r.output.finish("error")
+        log.warning("request %s failed: %s", r.request_id, message)
+
+    def _fail(self, reqs: list[Request], failed: dict[int, str], what: str) -> None:
+        for j, msg in failed.items():
+            self._mark_error(reqs[j], f"target worker ({what}): {msg}")
+
+    def _release_finished(self, reqs: list[Request]) -> None:
+        done = [r for r in reqs if r.finished]
+        if done:
+            t0 = now()
+            self._release_many(done)
+            self.stats.phase_s["cache"] += now() - t0
+
+    def _release_many(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if r in self.running:
+                self.running.remove(r)
+            if r.metrics.finish_time is None:
+                r.metrics.finish_time = now()
+        self._release_remote(reqs)
+
+    def _release_remote(self, reqs: list[Request]) -> None:
+        """Release on the target and each draft (one RPC per worker). Best effort: Release is idempotent."""
+        tgt = [r for r in reqs if r.draft_state.prefilled]
+        if tgt:
+            try:
+                self.target.Release(target_pb2.TargetReleaseRequest(request_ids=[r.draft_state.wire_id for r in tgt]),
+                                    timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                log.warning("target Release failed (%s); the worker may keep %d slots", e.code(), len(tgt))
+            self._count_rpc()
+            for r in tgt:
+                r.draft_state.prefilled = False
+                self._target_live -= 1
+        by_rep: dict[int, list[Request]] = {}
+        for r in reqs:
+            if r.draft_state.started:
+                by_rep.setdefault(r.draft_state.replica, []).append(r)
+        for i, rs in by_rep.items():
+            rep = self.replicas[i]
+            try:
+                rep.stub.Release(draft_pb2.DraftReleaseRequest(request_ids=[r.draft_state.wire_id for r in rs]),
+                                 timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                log.warning("draft %s Release failed (%s)", rep.address, e.code())
+            self._count_rpc()
+            for r in rs:
+                r.draft_state.started = False
+                rep.live -= 1
+
+    def calibrate_network(self, tries: int = 5) -> dict[str, float]:
+        """Minimum round trip of an empty Release to each worker (the network estimate's unit)."""
+
+        def rtt(call) -> float:
+            best = float("inf")
+            for _ in range(tries):
+                t0 = now()
+                try:
+                    call()
+                except grpc.RpcError:
+                    return 0.0
+                best = min(best, now() - t0)
+            return best
+
+        self._target_rtt_s = rtt(lambda: self.target.Release(target_pb2.TargetReleaseRequest(),
+                                                              timeout=self.rpc_timeout_s))
+        out = {"target": self._target_rtt_s}
+        for i, rep in enumerate(self.replicas):
+            rep.rtt_s = rtt(lambda rep=rep: rep.stub.Release(draft_pb2.DraftReleaseRequest(),
+                                                              timeout=self.rpc_timeout_s))
+            out[f"draft/{i}"] = rep.rtt_s
+        return out
+
+
+def _network_share(wall: float, call, rtt: float | None) -> float:
+    try:
+        for key, value in call.trailing_metadata() or ():
+            if key == COMPUTE_METADATA_KEY:
+                return max(0.0, wall - float(value))
+    except Exception:  # noqa: BLE001 - metadata is optional
+        pass
+    return min(wall, rtt or 0.0)

@@ -1,0 +1,205 @@
+"""RemoteEngine: the Engine interface on one target + two draft workers over real gRPC.
+
+The worker servicers run in-process on grpc.aio servers (test_workers.AioServer), like
+tests/test_workers.py, and the RemoteEngine drives them through synchronous stubs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import tiny_config
+from test_exactness_frequency import (  # noqa: F401  (models is a fixture)
+    ALPHA,
+    K as FREQ_K,
+    MAX_MODEL_LEN as FREQ_MAX_LEN,
+    N,
+    VOCAB,
+    Case,
+    _prob_table,
+    g_statistic,
+    joint,
+    merge_cells,
+    models,
+    seq_index,
+)
+from test_workers import AioServer
+from specdist.coordinator import Coordinator
+from specdist.engine import Engine
+from specdist.models.loader import ModelSource, load_model
+from specdist.remote_engine import RemoteEngine
+from specdist.sampling_params import SamplingParams
+from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
+from workers.draft_worker import DraftServicer, DraftWorker
+from workers.target_worker import TargetServicer, TargetWorker
+
+MAX_LEN, SLOTS, K = 64, 8, 3
+PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5], [2, 3], [6, 6, 6], [0, 1], [3, 4, 5, 6, 0, 1, 2], [7, 2]]
+MAX_TOKENS = [20, 9, 30, 14, 5, 25, 11, 17]
+
+
+def greedy_params():
+    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i, m in enumerate(MAX_TOKENS)]
+
+
+class Cluster:
+    """One target and two model drafts, each behind its own gRPC server."""
+
+    def __init__(self, target_path: str, draft_path: str, slots: int, max_len: int):
+        self.target = TargetWorker(load_model(ModelSource(target_path, None), "float32"), slots, max_len)
+        self.drafts = [DraftWorker.from_model(load_model(ModelSource(draft_path, None), "float32"), slots, max_len)
+                       for _ in range(2)]
+        self.servicers = [TargetServicer(self.target)] + [DraftServicer(d) for d in self.drafts]
+        ts = self.servicers[0]
+        self.servers = [AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(ts, s)])] + [
+            AioServer([lambda s, sv=sv: draft_pb2_grpc.add_DraftWorkerServicer_to_server(sv, s)])
+            for sv in self.servicers[1:]]
+        self.target_address = f"127.0.0.1:{self.servers[0].port}"
+        self.draft_addresses = [f"127.0.0.1:{s.port}" for s in self.servers[1:]]
+
+    def slots_in_use(self) -> list[int]:
+        return [self.target.kv_slots_in_use()] + [d.kv_slots_in_use() for d in self.drafts]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for s in self.servicers:
+            s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    c = Cluster(tiny_models["target"], tiny_models["draft"], SLOTS, MAX_LEN)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(cluster, tiny_models):
+    eng = RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K), cluster.target_address,
+                                      cluster.draft_addresses)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
+    return [o.token_ids for o in eng.generate(PROMPTS, greedy_params())]
+
+
+def test_greedy_matches_engine_across_two_drafts(remote, cluster, expected):
+    assert remote.vocab_size == 8 and remote.eos_ids == frozenset({7}) and remote.k == K
+    remote.stats.reset()
+    t0 = time.perf_counter()
+    outs = remote.generate(PROMPTS, greedy_params())
+    wall = time.perf_counter() - t0
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert all(rep.proposed_tokens > 0 for rep in remote.replicas)  # both drafts served requests
+    s = remote.stats
+    assert s.steps > 0 and 0 < s.accepted < s.drafted
+    per_step = {k: f"{1e3 * v / s.steps:.2f}ms" for k, v in s.phase_s.items() if v}
+    print(f"\n8 prompts in {wall:.3f}s, {s.steps} steps, {s.rpcs} RPCs; per step: {per_step}")
+    assert remote.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
+    assert cluster.slots_in_use() == [0, 0, 0]
+
+
+def test_replica_assignment_balances(remote, cluster):
+    reqs = [remote.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=2)) for _ in range(5)]
+    remote.step()
+    counts = [sum(r.draft_state.replica == i for r in reqs) for i in range(2)]
+    assert sorted(counts) == [2, 3]
+    assert remote.kv_slots_in_use()["draft/0"] + remote.kv_slots_in_use()["draft/1"] == remote.kv_slots_in_use()[
+        "target"] == 5 - sum(r.finished for r in reqs)
+    while remote.has_unfinished():
+        remote.step()
+    assert cluster.slots_in_use() == [0, 0, 0]
+
+
+def test_worker_error_fails_only_that_request(cluster, tiny_models):
+    """The engine allows a longer context than the workers: the target rejects that one prompt."""
+    eng = RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K, max_model_len=2 * MAX_LEN),
+                                      cluster.target_address, cluster.draft_addresses)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        outs = eng.generate([[1, 2], [1] * (MAX_LEN + 1), [3]], params)
+        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+        assert [len(o.token_ids) for o in outs] == [4, 0, 4]
+        assert cluster.slots_in_use() == [0, 0, 0] and eng.kv_slots_in_use()["target"] == 0
+    finally:
+        eng.close()
+
+
+def test_coordinator_runs_on_remote_engine(remote, cluster, expected):
+    async def run():
+        async with Coordinator(remote) as coord:
+            deltas = [d async for d in coord.generate(PROMPTS[2], greedy_params()[2])]
+            return deltas, coord.counters()
+
+    deltas, counters = asyncio.run(run())
+    assert deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == expected[2]
+    assert counters["target_kv_slots_used"] == 0 and counters["draft_kv_slots_used"] == 0
+    assert cluster.slots_in_use() == [0, 0, 0]
+
+
+def test_abort_mid_run_releases_remote_slots(remote, cluster):
+    r = remote.add_request([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3))
+    remote.step()
+    remote.step()
+    assert not r.finished and len(r.output.token_ids) >= 2
+    rep = r.draft_state.replica
+    assert cluster.target.kv_slots_in_use() == 1 and cluster.drafts[rep].kv_slots_in_use() == 1
+    assert remote.kv_slots_in_use()["target"] == 1 and remote.kv_slots_in_use()[f"draft/{rep}"] == 1
+    assert remote.abort(r.request_id)
+    assert r.to_output().finish_reason == "abort"
+    assert cluster.slots_in_use() == [0, 0, 0]
+    assert remote.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
+    assert not remote.has_unfinished() and not remote.abort(r.request_id)
+
+
+def test_remote_samples_target_distribution(models):
+    """G-test through the distributed path: N = 6000 sequences of 2 tokens, temperature 1.
+
+    alpha = 1e-4 (false-failure rate of a correct sampler); with the session's tiny target
+    the merged cells give df = 37, threshold = 77.8 (as for Case("model", 2, 2) in
+    test_exactness_frequency.py, whose power checks cover this same law).
+    """
+    case = Case("model", 2, 2)
+    ptab, _ = _prob_table(models["target"], case)
+    p = joint(ptab, case.window)
+    batch = 256
+    c = Cluster(models["target"], models["draft"], batch, FREQ_MAX_LEN)
+    try:
+        eng = RemoteEngine.from_addresses(
+            tiny_config(models, method="model", k=FREQ_K, max_batch_size=batch, max_model_len=FREQ_MAX_LEN),
+            c.target_address, c.draft_addresses)
+        params = [SamplingParams(max_tokens=case.max_tokens, temperature=1.0, seed=7_000_000 + i, ignore_eos=True)
+                  for i in range(N)]
+        t0 = time.perf_counter()
+        outs = eng.generate([list(case.prompt)] * N, params)
+        elapsed = time.perf_counter() - t0
+        assert all(len(o.token_ids) == case.max_tokens and o.finish_reason == "length" for o in outs)
+        drafted = sum(o.metrics.drafted for o in outs)
+        rate = sum(o.metrics.accepted for o in outs) / drafted
+        assert 0.2 <= rate <= 0.85  # both the accept and the reject/residual paths ran
+        assert all(rep.proposed_tokens > 0 for rep in eng.replicas)
+        assert c.slots_in_use() == [0, 0, 0]
+        eng.close()
+    finally:
+        c.stop()
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    assert not np.any((counts > 0) & (p == 0)), "a sequence of target probability 0 was drawn"
+    cells = merge_cells(p, N)
+    df = len(cells) - 1
+    threshold = stats.chi2.isf(ALPHA, df)
+    g = g_statistic(counts, p, cells)
+    print(f"\nremote: N={N} in {elapsed:.2f}s, acceptance {rate:.3f}, G = {g:.1f}, df = {df}, "
+          f"threshold = {threshold:.1f}")
+    assert g <= threshold, f"G = {g:.1f} > {threshold:.1f} (df {df}, N {N}): not the target distribution"
