@@ -16,6 +16,10 @@ A phase that does not finish in time raises :class:`DeploymentError` naming the 
 did not come up (and the phase); any failure tears down everything created so far.
 :meth:`Deployment.stop` shuts every actor down (rank 0's shutdown broadcast releases the
 followers), ``ray.kill``s them, waits until they are gone and removes the placement groups.
+
+Its shape comes from the config's ``cluster:`` section (:class:`specdist.config.ClusterConfig`):
+``Deployment().start(config)`` or ``Deployment.from_config(config, target_port=...)``;
+an explicit :class:`ClusterSpec` still overrides it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ class DeploymentError(SpecDistError):
 
 @dataclass
 class ClusterSpec:
-    """Deployment settings beyond :class:`specdist.config.Config` (to move into specdist/config.py)."""
+    """Resolved deployment settings.
+
+    The shape of the deployment (TP size, draft workers, CPUs/GPUs, use_gpu) comes from the
+    config's ``cluster:`` section (:class:`specdist.config.ClusterConfig`, see
+    :meth:`from_config`); ports, the name, actor threads/concurrency and the shutdown timeout
+    are deployment arguments (they depend on where and how it is started, not on the model).
+    """
 
     tensor_parallel_size: int = 1
     num_draft_workers: int = 1
@@ -47,6 +57,24 @@ class ClusterSpec:
     max_concurrency: int = 4  # per actor: followers block in run_follower() and still answer health()
     name: str = "specdist"  # placement-group name prefix
     shutdown_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, config, **deployment) -> "ClusterSpec":
+        """From a Config's (or a ClusterConfig's) ``cluster:`` section plus deployment arguments
+        (``target_port``, ``draft_ports``, ``num_threads``, ``max_concurrency``, ``name``,
+        ``shutdown_timeout_s``)."""
+        from specdist.config import ClusterConfig
+
+        cc = config if isinstance(config, ClusterConfig) else load_config(config).cluster
+        allowed = {"target_port", "draft_ports", "num_threads", "max_concurrency", "name", "shutdown_timeout_s"}
+        unknown = set(deployment) - allowed
+        if unknown:
+            raise TypeError(f"not deployment arguments: {sorted(unknown)} (the cluster: config section sets those)")
+        return cls(
+            tensor_parallel_size=cc.tensor_parallel_size, num_draft_workers=cc.num_draft_workers,
+            cpus_per_rank=cc.cpus_per_rank, cpus_per_draft=cc.cpus_per_draft, gpus_per_draft=cc.gpus_per_draft,
+            use_gpu=cc.gpu, **deployment,
+        ).validate()
 
     def validate(self) -> "ClusterSpec":
         if int(self.tensor_parallel_size) < 1:
@@ -73,7 +101,7 @@ class _Handle:
 
 @dataclass
 class Deployment:
-    spec: ClusterSpec = field(default_factory=ClusterSpec)
+    spec: ClusterSpec | None = None  # None: ClusterSpec.from_config(config passed to start())
     config: Config | None = None
     placement: object = None
     targets: list = field(default_factory=list)  # _Handle per rank, rank order
@@ -82,6 +110,11 @@ class Deployment:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     _owns_ray: bool = False
+
+    @classmethod
+    def from_config(cls, config, **deployment) -> "Deployment":
+        """A Deployment shaped by ``config``'s ``cluster:`` section; ``deployment``: see ClusterSpec.from_config."""
+        return cls(ClusterSpec.from_config(config, **deployment))
 
     # ------------------------------------------------------------ bring-up
     def start(
@@ -94,8 +127,10 @@ class Deployment:
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
-        spec = self.spec.validate()
         cfg = self.config = load_config(config)
+        if self.spec is None:
+            self.spec = ClusterSpec.from_config(cfg.cluster)
+        spec = self.spec.validate()
         if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "ngram"):
             raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8 or ngram")
         if not ray.is_initialized():
@@ -253,7 +288,7 @@ class Deployment:
 
         handles = self.targets + self.drafts
         if handles and ray.is_initialized():
-            t = self.spec.shutdown_timeout_s
+            t = self.spec.shutdown_timeout_s if self.spec is not None else 30.0
             # in parallel: rank 0's shutdown broadcast is what releases the followers' shutdown
             release = bool(self.follower_refs)
             refs = [h.actor.shutdown.remote(release_followers=release) if h.kind == "target" and h.rank == 0

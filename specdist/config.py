@@ -22,6 +22,16 @@ Shape::
       device: auto                   # auto | cpu | cuda | cuda:N
       num_threads: null              # torch intra-op threads; null keeps torch's default
       seed: 0                        # seeds requests that do not bring their own
+    cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
+      enabled: false                 # false: today's single-process engine; true: Ray actors over gRPC
+      tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
+                                     #   attention and KV head counts (checked at bring-up by shard_model)
+      num_draft_workers: 1           # draft replicas, one actor each; >= 1 unless draft.method is none (then 0)
+      cpus_per_rank: 1.0             # Ray logical CPUs per target rank (may be fractional)
+      cpus_per_draft: 1.0            # Ray logical CPUs per draft worker
+      gpus_per_draft: 1.0            # GPUs per draft worker when the deployment runs on GPUs
+      use_gpu: auto                  # auto (engine.device, auto: whether the cluster has GPUs) | true | false
+      bringup_timeout_s: 300.0       # placement + start + load + warm-up + serve, all together
 """
 
 from __future__ import annotations
@@ -97,15 +107,59 @@ class EngineConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """How ``specdist serve`` runs the models: in process (``enabled: false``) or as a Ray deployment."""
+
+    enabled: bool = False
+    tensor_parallel_size: int = 1
+    num_draft_workers: int = 1
+    cpus_per_rank: float = 1.0
+    cpus_per_draft: float = 1.0
+    gpus_per_draft: float = 1.0
+    use_gpu: bool | str = "auto"
+    bringup_timeout_s: float = 300.0
+
+    def validate(self, key: str) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{key}.enabled", f"must be true or false, got {self.enabled!r}")
+        _check_int(self.tensor_parallel_size, f"{key}.tensor_parallel_size", 1, 1024)
+        _check_int(self.num_draft_workers, f"{key}.num_draft_workers", 0, 1024)
+        for name in ("cpus_per_rank", "cpus_per_draft", "bringup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key}.{name}", f"must be a number > 0, got {value!r}")
+        if isinstance(self.gpus_per_draft, bool) or not isinstance(self.gpus_per_draft, (int, float)) \
+                or not 0 < self.gpus_per_draft <= 1024:
+            raise ConfigError(f"{key}.gpus_per_draft", f"must be a number > 0, got {self.gpus_per_draft!r}")
+        if self.use_gpu not in ("auto", True, False) or (isinstance(self.use_gpu, int) and not isinstance(self.use_gpu, bool)):
+            raise ConfigError(f"{key}.use_gpu", f"must be auto, true or false, got {self.use_gpu!r}")
+
+    @property
+    def gpu(self) -> bool | None:
+        """use_gpu as a tri-state: None = auto."""
+        return None if self.use_gpu == "auto" else bool(self.use_gpu)
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         self.target.validate("target")
         self.draft.validate("draft")
         self.engine.validate("engine")
+        self.cluster.validate("cluster")
+        if self.cluster.enabled:  # cross-section rules only matter for a deployment
+            n = self.cluster.num_draft_workers
+            if self.draft.enabled and n < 1:
+                raise ConfigError(
+                    "cluster.num_draft_workers", f"must be >= 1 when draft.method is {self.draft.method!r}, got {n}")
+            if not self.draft.enabled and n > 0:
+                raise ConfigError(
+                    "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +215,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return None
         raise ConfigError(key, "must not be null")
     base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(key, f"must be an integer, got {value!r}")
     if base is float:

@@ -98,8 +98,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             target_model=cfg.target.model,
             draft_method=cfg.draft.method,
             draft_model=cfg.draft.model or "",
-            tensor_parallel_size=1,
-            draft_replicas=1 if self.engine.proposer is not None else 0,
+            tensor_parallel_size=getattr(self.engine, "tensor_parallel_size", 1),
+            draft_replicas=_draft_replicas(self.engine),
             num_speculative_tokens=self.engine.k,
             max_model_len=self.engine.max_model_len,
             counters=counters,
@@ -125,6 +125,14 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template that cannot render this input
             raise InvalidArgument("apply_chat_template", f"the chat template failed: {e}") from None
+
+
+def _draft_replicas(engine) -> int:
+    """RemoteEngine: its draft workers; Engine: 1 with a proposer, else 0."""
+    replicas = getattr(engine, "replicas", None)
+    if replicas is not None:
+        return len(replicas)
+    return 1 if getattr(engine, "proposer", None) is not None else 0
 
 
 def _wire_message(e: InvalidArgument) -> str:
