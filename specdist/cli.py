@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench.engine_bench import add_arguments
 
     add_arguments(be)
+    bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off")
+    from specdist.bench import cluster_bench
+
+    cluster_bench.add_arguments(bc)
     return parser
 
 
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cost_model(args)
         if args.command == "bench" and args.bench_command == "engine":
             from specdist.bench.engine_bench import run
+
+            return run(args)
+        if args.command == "bench" and args.bench_command == "cluster":
+            from specdist.bench.cluster_bench import run
 
             return run(args)
     except SpecDistError as e:

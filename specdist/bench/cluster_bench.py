@@ -1,0 +1,205 @@
+"""``specdist bench cluster``: concurrent gRPC streams against a server, speculation on and off.
+
+For every server variant and every concurrency level C, ``requests`` streaming
+``Generate`` calls run through C client threads (closed loop: a thread starts its next
+request when the previous one ends). Per request we record the time to first token
+(TTFT), the time per output token after the first (TPOT) and every inter-token gap
+(ITL: the gap between two response messages, divided evenly over the tokens the later
+one carried); per level, output tokens/s over the level's wall time and the acceptance
+rate from the servers' own per-request stats.
+
+Variants: ``--server HOST:PORT`` (repeatable) measures running servers; ``--config C``
+starts in-process servers one after another from C as given ("spec") and from C with
+``draft.method: none`` ("no-spec"), and also prints the engine's per-phase time shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specdist.bench.engine_bench import PROMPTS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT", help="measure a running server")
+    p.add_argument("--config", default=None, help="start in-process servers from this config (spec and no-spec)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    total: float
+    tokens: int
+    gaps: list[float]
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class LevelResult:
+    variant: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    timings: list[RequestTiming] = field(default_factory=list)
+    phase_share: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        toks = sum(t.tokens for t in self.timings)
+        gaps = sorted(g for t in self.timings for g in t.gaps)
+        ttft = sorted(t.ttft for t in self.timings)
+        tpot = sorted((t.total - t.ttft) / (t.tokens - 1) for t in self.timings if t.tokens > 1)
+        drafted = sum(t.drafted for t in self.timings)
+        return {
+            "variant": self.variant,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "output_tokens_per_s": toks / self.wall_s if self.wall_s else 0.0,
+            "ttft_p50_ms": _pct(ttft, 50) * 1e3,
+            "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+            "tpot_p50_ms": _pct(tpot, 50) * 1e3,
+            "itl_p50_ms": _pct(gaps, 50) * 1e3,
+            "itl_p99_ms": _pct(gaps, 99) * 1e3,
+            "acceptance": sum(t.accepted for t in self.timings) / drafted if drafted else None,
+            "phase_share": self.phase_share,
+        }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def one_request(address: str, prompt: str, max_tokens: int, temperature: float, seed: int, chat: bool) -> RequestTiming:
+    from specdist.client import SpecDistClient
+
+    with SpecDistClient(address) as client:
+        t0 = time.perf_counter()
+        first, last, gaps, tokens, stats = None, None, [], 0, None
+        for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                     ignore_eos=True, apply_chat_template=chat):
+            now = time.perf_counter()
+            n = len(chunk.token_ids)
+            if n:
+                if first is None:
+                    first = now
+                elif last is not None:
+                    gaps.extend([(now - last) / n] * n)
+                last = now
+                tokens += n
+            stats = chunk.stats or stats
+        end = time.perf_counter()
+    t = RequestTiming((first or end) - t0, end - t0, tokens, gaps)
+    if stats is not None:
+        t.drafted, t.accepted = stats.drafted, stats.accepted
+    return t
+
+
+def run_level(address: str, variant: str, concurrency: int, requests: int, args, log) -> LevelResult:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        futs = [pool.submit(one_request, address, p, args.max_tokens, args.temperature, 1000 + i, not args.raw)
+                for i, p in enumerate(prompts)]
+        timings = []
+        for i, f in enumerate(futs):
+            timings.append(f.result())
+            log(f"  [{variant} C={concurrency}] {i + 1}/{requests} done")
+    return LevelResult(variant, concurrency, requests, time.perf_counter() - t0, timings)
+
+
+class InProcessServer:
+    """A ``specdist.server.serve`` instance on a background event loop (free port)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        from specdist.server import serve
+
+        self.server, self.coordinator = asyncio.run_coroutine_threadsafe(
+            serve(engine, "127.0.0.1", 0), self.loop
+        ).result(timeout=300)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def run(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency: need positive integers, got {args.concurrency!r}")
+    if not args.server and not args.config:
+        raise ValueError("--server or --config: say what to measure")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    results: list[LevelResult] = []
+    for address in args.server:
+        for c in levels:
+            n = args.requests or max(8, 2 * c)
+            results.append(run_level(address, address, c, n, args, log))
+    if args.config:
+        from specdist.config import load_config
+        from specdist.engine import Engine
+
+        base = load_config(args.config).to_dict()
+        off = {**base, "draft": {**base["draft"], "method": "none", "model": None}}
+        for variant, cfg in (("spec", base), ("no-spec", off)):
+            log(f"starting in-process server: {variant}")
+            srv = InProcessServer(Engine.from_config(cfg))
+            try:
+                for c in levels:
+                    n = args.requests or max(8, 2 * c)
+                    srv.engine.stats.reset()
+                    res = run_level(srv.address, variant, c, n, args, log)
+                    total = sum(srv.engine.stats.phase_s.values()) or 1.0
+                    res.phase_share = {k: v / total for k, v in srv.engine.stats.phase_s.items()}
+                    results.append(res)
+            finally:
+                srv.close()
+    rows = [r.summary() for r in results]
+    print(format_table(rows, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def format_table(rows: list[dict], args) -> str:
+    lines = [
+        f"specdist bench cluster: {args.max_tokens} new tokens per request, temperature {args.temperature:g}",
+        "",
+        "| variant | C | requests | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
+        lines.append(
+            f"| {r['variant']} | {r['concurrency']} | {r['requests']} | {r['output_tokens_per_s']:.1f} "
+            f"| {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} "
+            f"| {r['itl_p99_ms']:.1f} | {acc} |"
+        )
+    shares = [r for r in rows if r["phase_share"]]
+    if shares:
+        lines += ["", "Engine time shares per level (of the engine's own step time):"]
+        for r in shares:
+            lines.append(f"- {r['variant']} C={r['concurrency']}: " + ", ".join(
+                f"{k} {v:.1%}" for k, v in r["phase_share"].items() if v > 0))
+    return "\n".join(lines)
