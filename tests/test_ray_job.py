@@ -1,0 +1,80 @@
+"""`python -m cluster.job` submitted as a real Ray job to a `ray start --head` cluster.
+
+Ray 2.60 turns token authentication on by default (``ray start`` writes ~/.ray/auth_token);
+the ``ray job`` commands then need ``RAY_AUTH_MODE=token`` in their environment. The
+finaliser always runs ``ray stop --force``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from conftest import tiny_config
+
+# The jobs CLI/SDK and the dashboard that serves it come with ray[default] (the `distributed` extra).
+import aiohttp  # noqa: F401,E402
+import ray.dashboard.modules.job.sdk  # noqa: F401,E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DASHBOARD = "http://127.0.0.1:8265"
+
+
+def _ray_cli() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "ray")
+    return here if os.path.exists(here) else "ray"
+
+
+def _env() -> dict:
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _ray(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([_ray_cli(), *args], env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"ray {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+@pytest.fixture
+def ray_head():
+    import ray
+
+    if ray.is_initialized():  # an in-process cluster from another module would be in the way
+        ray.shutdown()
+    try:
+        _ray("start", "--head", "--num-cpus", "4", "--disable-usage-stats", timeout=180)
+        yield DASHBOARD
+    finally:
+        _ray("stop", "--force", timeout=120, check=False)
+
+
+def test_ray_job_brings_up_serves_and_tears_down(ray_head, tiny_models, tmp_path):
+    cfg = tiny_config(tiny_models, method="model", k=3)  # checkpoint paths are absolute
+    assert os.path.isabs(cfg["target"]["model"]) and os.path.isabs(cfg["draft"]["model"])
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
+                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sid = f"specdist-test-{uuid.uuid4().hex[:8]}"
+    _ray("job", "submit", "--address", ray_head, "--submission-id", sid, "--no-wait", "--working-dir", REPO, "--",
+         "python", "-m", "cluster.job", "--config", str(path), "--requests", "4", "--prompt", "a b c",
+         "--max-tokens", "6", timeout=180)
+    deadline = time.monotonic() + 240
+    status = ""
+    while time.monotonic() < deadline:
+        status = _ray("job", "status", "--address", ray_head, sid, timeout=60).stdout.upper()
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(1)
+    logs = _ray("job", "logs", "--address", ray_head, sid, timeout=60, check=False).stdout
+    assert "SUCCEEDED" in status, f"{status}\n--- job logs ---\n{logs}"
+    assert "[specdist-job] done: requests=4 tensor_parallel_size=2 draft_replicas=1" in logs, logs
+    assert "acceptance=" in logs and "tokens/s=" in logs, logs
+    assert "tearing down the deployment" in logs, logs
