@@ -89,6 +89,12 @@ def load_model(source: ModelSource, dtype: str, device: torch.device | str = "cp
     model = AutoModelForCausalLM.from_pretrained(
         source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
     )
+    if source.gguf_file:
+        # transformers de-quantises GGUF tensors to `dtype` at load time but keeps the model
+        # flagged as quantized, which makes `.float()` / `.half()` (used by DeepSpeed AutoTP)
+        # refuse. The weights are ordinary float tensors now: drop the flags.
+        model.is_quantized = False
+        model.hf_quantizer = None
     return model.to(device).eval()
 
 
