@@ -111,13 +111,7 @@ class Engine:
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        params, text, ids, seed = self._check_request(prompt, params)
         req = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt=text,
@@ -130,6 +124,19 @@ class Engine:
         req.metrics.arrival_time = now()
         self.waiting.append(req)
         return req
+
+    def _check_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None
+    ) -> tuple[SamplingParams, str | None, list[int], int]:
+        """Validate a new request: (params, prompt text, prompt ids, seed). Shared with RemoteEngine."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        return params, text, ids, seed
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free everything it holds. False if it is unknown or done."""

@@ -228,6 +228,7 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- requests (Engine's semantics)
     _tokenize = Engine._tokenize
+    _check_request = Engine._check_request
     _draft_len = Engine._draft_len
     generate = Engine.generate
     stream = Engine.stream
@@ -237,13 +238,7 @@ class RemoteEngine:
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        params, text, ids, seed = self._check_request(prompt, params)
         req = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt=text,
