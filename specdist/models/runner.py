@@ -126,8 +126,8 @@ class CausalLMRunner:
                 keys = kc[slots[0] : slots[0] + bsz, :, :s_len]  # view, no copy: [B, Hkv, S, hd]
                 vals = vc[slots[0] : slots[0] + bsz, :, :s_len]
             else:
-                keys = kc.index_select(0, slot_t)[:, :, :s_len]
-                vals = vc.index_select(0, slot_t)[:, :, :s_len]
+                keys = kc[:, :, :s_len].index_select(0, slot_t)  # copies only the attended prefix
+                vals = vc[:, :, :s_len].index_select(0, slot_t)
             write_s += time.perf_counter() - t0
             o = F.scaled_dot_product_attention(
                 q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != keys.shape[1]
