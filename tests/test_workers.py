@@ -410,3 +410,16 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
 if __name__ == "__main__":  # one TP rank: <rank> <world_size> <dist_port> <grpc_port> <checkpoint>
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _tp_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+def test_wildcard_bind_reports_a_dialable_address() -> None:
+    """Workers bound on 0.0.0.0 (Kubernetes pods) must report an address others can dial."""
+    import ipaddress
+
+    from workers.actors import _node_ip, _reachable_host
+
+    for wildcard in ("0.0.0.0", "::"):
+        host = _reachable_host(wildcard)
+        assert host == _node_ip() and not ipaddress.ip_address(host).is_unspecified
+    assert _reachable_host("10.1.2.3") == "10.1.2.3"
+    assert _reachable_host("127.0.0.1") == "127.0.0.1"

@@ -77,6 +77,13 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+def _reachable_host(bind_host: str) -> str:
+    """The host others dial: the node's IP when listening on a wildcard (0.0.0.0 / ::), else as bound."""
+    if bind_host in ("0.0.0.0", "::", "[::]", ""):
+        return _node_ip()
+    return bind_host
+
+
 def _device(device: str) -> torch.device:
     if device in ("auto", None):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,7 +119,7 @@ class _GrpcHost:
         except BaseException:
             self._stop_loop()
             raise
-        self.address = f"{host}:{self.port}"
+        self.address = f"{_reachable_host(host)}:{self.port}"
         self.set_serving(True)
 
     def _run(self, coro, timeout: float):

