@@ -12,7 +12,9 @@ Shape::
       method: self-w8                # model | self-w8 | ngram | none
       model: null                    # local HF causal LM (method: model only), same vocabulary
       dtype: float32
-      num_speculative_tokens: 4      # draft length (the maximum, when confidence_threshold > 0)
+      num_speculative_tokens: 4      # draft length k (the maximum under adaptive or confidence_threshold > 0)
+      length_policy: fixed           # fixed: every request drafts k | adaptive: per request and step, from its
+                                     #   observed acceptance and the measured step costs (specdist/draft_length.py)
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
@@ -48,6 +50,7 @@ from specdist.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
+LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 
 
 @dataclass
@@ -67,6 +70,7 @@ class DraftConfig:
     dtype: str = "float32"
     num_speculative_tokens: int = 4
     confidence_threshold: float = 0.0
+    length_policy: str = "fixed"
     ngram_min: int = 1
     ngram_max: int = 3
 
@@ -78,6 +82,7 @@ class DraftConfig:
         elif self.model is not None:
             raise ConfigError(f"{key}.model", f"is only used with method 'model', not {self.method!r}")
         _check_int(self.num_speculative_tokens, f"{key}.num_speculative_tokens", 1, 64)
+        _check_choice(self.length_policy, LENGTH_POLICIES, f"{key}.length_policy")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ConfigError(f"{key}.confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold!r}")
         _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)

@@ -4,8 +4,10 @@ One ``step()`` advances every running request by one verification:
 
 1. admit waiting requests into free KV slots and prefill target and draft caches
    with all prompt tokens but the last (which is fed with the first draft);
-2. choose each request's draft length ``k_b`` (capped so neither ``max_tokens`` nor
-   the context limit can be overrun inside a draft);
+2. choose each request's draft length ``k_b`` with the configured rule
+   (:mod:`specdist.draft_length`: a fixed k, or adaptive from its observed acceptance and
+   the measured step costs), capped so neither ``max_tokens`` nor the context limit can
+   be overrun inside a draft;
 3. ``propose``: the draft guesses ``k_b`` tokens per request;
 4. ``verify``: one target forward over ``[last token, d_1..d_kb]`` per request (a
    ragged batch), processed with the same sampling transform as the draft;
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdist.config import Config, load_config
+from specdist.draft_length import DraftLengthPolicy
 from specdist.errors import ConfigError, InvalidArgument
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner
@@ -64,6 +67,7 @@ class Engine:
         self.vocab_size = self.target.vocab_size
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.k = config.draft.num_speculative_tokens if config.draft.enabled else 0
+        self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy)
         self.proposer: ModelProposer | NgramProposer | None = None
         if config.draft.method == "ngram":
             self.proposer = NgramProposer(config.draft.ngram_min, config.draft.ngram_max)
@@ -201,7 +205,8 @@ class Engine:
             return []
         t = self.stats.phase_s
         reqs = sorted(self.running, key=lambda r: r.target_slot)  # contiguous slots attend via views
-        ks = [self._draft_len(r) for r in reqs]
+        tc = now()
+        ks = self.length_policy.choose([self._draft_len(r) for r in reqs], [r.acceptance for r in reqs])
         bsz = len(reqs)
 
         t0 = now()
@@ -238,6 +243,9 @@ class Engine:
         res = rejection_sample(probs, draft.probs, draft.tokens, draft.num_draft, acc_u, smp_u)
         t3 = now()
         t["sampling"] += t3 - t2
+        policy = self.length_policy
+        policy.observe_draft(0, kdim, sum(nd), t1 - t0)
+        policy.observe_verify(sum(nd) + bsz, t3 - t1)
 
         n_acc = res.num_accepted.tolist()
         emitted_rows = res.tokens.tolist()
@@ -256,6 +264,7 @@ class Engine:
             m.steps += 1
             m.drafted += nd[b]
             m.accepted += n_acc[b]
+            policy.observe_acceptance(r.acceptance, nd[b], n_acc[b])
             self.stats.drafted += nd[b]
             self.stats.accepted += n_acc[b]
             self.stats.emitted += kept
@@ -266,7 +275,10 @@ class Engine:
             if r.finished:
                 self.release(r)
         self.stats.steps += 1
-        t["output"] += now() - t4
+        t5 = now()
+        t["output"] += t5 - t4
+        policy.end_step()
+        policy.observe_overhead((t0 - tc) + (t5 - t3))  # everything but draft, verify and sampling
         return reqs
 
     # ---------------------------------------------------------------- internals
@@ -286,7 +298,9 @@ class Engine:
             r.target_slot = self.target.cache.allocate()
         todo = [r for r in new if len(r.prompt_ids) > 1]
         if todo:
+            t1 = now()
             self.target.forward([r.target_slot for r in todo], [r.prompt_ids[:-1] for r in todo], [0] * len(todo))
+            self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in todo), now() - t1)
         if self.proposer is not None:
             self.proposer.start(new)
         self.running.extend(new)

@@ -14,9 +14,13 @@ One ``step()``:
 1. admit waiting requests: ``Prefill`` on the target (its seed = the request seed, as in
    ``Engine``: ``params.seed`` or one drawn from ``config.engine.seed``'s stream) and
    ``Start`` on the assigned draft replica with ``draft_seed(seed)`` (see below);
-2. ``k_b`` per request with the engine's own rule (``Engine._draft_len``);
+2. ``k_b`` per request: the engine's caps (``Engine._draft_len``) and its draft-length
+   rule (:mod:`specdist.draft_length`; adaptive costs are measured per replica, so the
+   requests of a slower replica draft less, or nothing, instead of holding up the step);
 3. ``Propose`` on every replica in parallel (a thread pool; ONE RPC per replica with all
-   its requests), passing ``num_accepted`` / ``new_token_ids`` of the previous step;
+   its requests that draft this step), passing ``num_accepted`` / ``new_token_ids``
+   accumulated since their last proposal; a replica none of whose requests drafts is
+   not called;
 4. ONE ``Verify`` on the target for the whole batch (the draft q's are forwarded as they
    came, no re-encoding);
 5. the emitted tokens go through :class:`~specdist.stopping.OutputState` exactly like
@@ -24,11 +28,15 @@ One ``step()``:
    finished requests are released on the target and their draft (one batched
    ``Release`` per worker).
 
-Replica assignment (at admission, per request, in arrival order): the replica with the
-fewest live requests (started and not yet released by this engine) among those below
-``draft_max_batch_size``; ties go to the lower measured mean ``Propose`` latency per
-drafted token (a replica not yet measured counts as 0, so each gets tried), then to the
-lower index. A request stays on its replica for its whole life.
+Replica assignment (at admission, per request, in arrival order; among the replicas below
+``draft_max_batch_size``): by measured speed, then load. Each replica's predicted time for
+a full draft with one more request comes from the draft-length rule's cost fit (a
+replica not yet measured counts as 0, so each gets tried); those within
+``REPLICA_SPEED_SLACK`` (2x) of the fastest compete on the fewest live requests (started
+and not yet released by this engine), then the lower measured mean ``Propose`` latency per
+drafted token, then the lower index. A request stays on its replica for its whole life;
+with the adaptive rule, a replica that turns slow afterwards gets shorter drafts (down to
+none: its requests then decode without drafts, and the step does not wait for it).
 
 Seeds: the draft's seed is ``seed XOR DRAFT_SEED_XOR`` — the rule of
 :func:`specdist.wire.draft_seed`, shared with the draft worker; it is a fixed-point-free
@@ -66,6 +74,7 @@ import grpc
 import torch
 
 from specdist.config import Config, load_config
+from specdist.draft_length import DraftLengthPolicy
 from specdist.engine import PHASES, Engine
 from specdist.errors import InvalidArgument
 from specdist.request import Request, now
@@ -78,6 +87,7 @@ log = logging.getLogger(__name__)
 
 COMPUTE_METADATA_KEY = "specdist-compute-s"
 REMOTE_PHASES = PHASES + ("network",)
+REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
 _ITEM = re.compile(r"^items\[(\d+)\]")
 _PER_ITEM_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -169,6 +179,7 @@ class RemoteEngine:
             _Replica(a, grpc.insecure_channel(a, options=_CHANNEL_OPTIONS)) for a in (draft_addresses if use_drafts else ())
         ]
         self.k = cfg.draft.num_speculative_tokens if self.replicas else 0
+        self.length_policy = DraftLengthPolicy(self.k, cfg.draft.length_policy, num_replicas=max(1, len(self.replicas)))
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.replicas)), thread_name_prefix="specdist-propose")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -279,14 +290,19 @@ class RemoteEngine:
             self.calibrate_network()
         t = self.stats.phase_s
         reqs = list(self.running)
-        ks = {id(r): self._draft_len(r) for r in reqs}
+        policy = self.length_policy
+        tc = now()
+        chosen = policy.choose([self._draft_len(r) for r in reqs], [r.acceptance for r in reqs],
+                               [r.draft_state.replica or 0 for r in reqs])
+        ks = {id(r): k for r, k in zip(reqs, chosen)}
 
-        # ---- Propose: one RPC per replica, in parallel
+        # ---- Propose: one RPC per replica, in parallel, for the requests that draft
         t0 = now()
         if self.replicas:
             by_rep: dict[int, list[Request]] = {}
             for r in reqs:
-                by_rep.setdefault(r.draft_state.replica, []).append(r)
+                if ks[id(r)] > 0:
+                    by_rep.setdefault(r.draft_state.replica, []).append(r)
             futs = [(i, self._pool.submit(self._propose, i, rs, ks)) for i, rs in by_rep.items()]
             net = 0.0
             for i, f in futs:
@@ -314,6 +330,7 @@ class RemoteEngine:
         wall = now() - t1
         t["network"] += min(net, wall)
         t["verify"] += wall - min(net, wall)
+        policy.observe_verify(sum(len(it.draft_token_ids) + 1 for it in items), wall)
 
         # ---- outputs, exactly like Engine.step
         t2 = now()
@@ -327,7 +344,11 @@ class RemoteEngine:
             drafted = list(st.proposal.token_ids) if st.proposal is not None else []
             n_acc = int(res.num_accepted)
             new = drafted[:n_acc] + [int(res.next_token_id)]
-            st.num_accepted, st.new_tokens, st.proposal = n_acc, [int(res.next_token_id)], None
+            if st.proposal is not None:  # the draft holds this proposal: tell it how much survived
+                st.num_accepted = n_acc
+            st.new_tokens.append(int(res.next_token_id))  # since the last proposal (several if it skipped)
+            st.proposal = None
+            policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
             kept = r.output.append(new)
             m = r.metrics
             m.steps += 1
@@ -342,7 +363,10 @@ class RemoteEngine:
                 r.output.finish("length")
             advanced.append(r)
         self.stats.steps += 1
-        t["output"] += now() - t2
+        t3 = now()
+        t["output"] += t3 - t2
+        policy.end_step()
+        policy.observe_overhead((t0 - tc) + (t3 - t2))
         self._release_finished(self.running[:])
         return advanced
 
@@ -370,6 +394,8 @@ class RemoteEngine:
         if ntok:
             rep.propose_s += wall
             rep.proposed_tokens += ntok
+            passes = max(len(p.token_ids) for p in resp.proposals)
+            self.length_policy.observe_draft(i, passes, ntok, wall)
         for j, msg in failed.items():  # finished here, released by the step (engine thread) afterwards
             self._mark_error(rs[j], f"draft worker {rep.address}: {msg}")
         return net
@@ -404,6 +430,22 @@ class RemoteEngine:
             return resp, failed, net
         return None, failed, net
 
+    def _pick_replica(self, free: list[int], live: list[int]) -> int:
+        """The replica for a new request (``live``: its requests incl. this admission's so far).
+
+        Predicted time of a full draft (k passes) with one more request, from the fitted
+        per-replica costs (0 while unmeasured, so every replica gets tried); the replicas within
+        ``REPLICA_SPEED_SLACK`` of the fastest compete on fewest live requests, then the lower
+        measured Propose time per token, then the lower index. A replica slower by more than
+        the slack gets new requests only once the fast ones' growing batches catch up with it.
+        """
+        fits = self.length_policy.draft_cost
+        k = max(1, self.k)  # a full draft: one call, k passes, k rows per request
+        pred = {i: fits[i].predict(1, k, k * (live[i] + 1)) if fits[i].ready else 0.0 for i in free}
+        best = min(pred.values())
+        near = [i for i in free if pred[i] <= best * REPLICA_SPEED_SLACK + 1e-9]
+        return min(near, key=lambda i: (live[i], self.replicas[i].latency_per_token, i))
+
     def _admit(self) -> None:
         new: list[Request] = []
         cap = [self.draft_max_batch_size - rep.live for rep in self.replicas]
@@ -413,8 +455,7 @@ class RemoteEngine:
                 free = [i for i in range(len(self.replicas)) if cap[i] > 0]
                 if not free:
                     break
-                # live requests incl. this admission's = capacity - remaining room
-                i = min(free, key=lambda i: (self.draft_max_batch_size - cap[i], self.replicas[i].latency_per_token, i))
+                i = self._pick_replica(free, [self.draft_max_batch_size - c for c in cap])
                 cap[i] -= 1
                 r.draft_state.replica = i
             new.append(self.waiting.popleft())

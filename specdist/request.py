@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdist.draft_length import Acceptance
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
 
@@ -67,6 +68,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     target_slot: int | None = None
     draft_state: object = None  # owned by the proposer
+    acceptance: Acceptance = field(default_factory=Acceptance)  # observed, for the draft-length rule
 
     @property
     def seq(self) -> list[int]:

@@ -307,10 +307,12 @@ def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- engine
-def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH):
+def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH, setup=None):
     eng = Engine.from_config(
         tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
     )
+    if setup is not None:
+        setup(eng)
     params = [
         SamplingParams(
             max_tokens=case.max_tokens,
@@ -343,14 +345,14 @@ def check_outputs_and_acceptance(outs, case: Case) -> float:
     return rate
 
 
-def run_frequency_case(models: dict, case: Case, seed0: int) -> None:
+def run_frequency_case(models: dict, case: Case, seed0: int, setup=None) -> None:
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5, f"top-k/top-p decision margin {margin:.2e} too small for float32 vs float64"
     p = joint(ptab, case.window)
     assert abs(p.sum() - 1) < 1e-9
 
     t0 = time.perf_counter()
-    outs = sample_engine(models, case, N, seed0)
+    outs = sample_engine(models, case, N, seed0, setup=setup)
     elapsed = time.perf_counter() - t0
     print(f"\n{case.id}: N={N} sequences in {elapsed:.2f}s")
     check_outputs_and_acceptance(outs, case)
@@ -405,3 +407,41 @@ def test_generate_with_more_prompts_than_slots(tiny_models) -> None:
     assert len(outs) == 10
     assert all(len(o.token_ids) == 3 and o.finish_reason == "length" for o in outs)
     assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
+def test_adaptive_draft_length_samples_target_distribution(models) -> None:
+    """The adaptive rule picks k per request from its past acceptances; the output law must not
+    change. Costs are frozen at synthetic values (real wall times would make the run, though not
+    its law, nondeterministic), chosen so that k ranges over 0..K with the observed acceptance.
+    G-test as above: N = 6000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 85, threshold 142.2)."""
+    from specdist.draft_length import DraftLengthPolicy
+
+    chosen: list[int] = []
+
+    def setup(eng) -> None:
+        pol = DraftLengthPolicy(K, "adaptive")
+        for _ in range(20):  # draft 4 ms per pass + 25 us per row; verify 60 ms + 25 us per token
+            pol.observe_draft(0, 1, 1, 0.004025)
+            pol.observe_draft(0, 2, 6, 0.00815)
+            pol.observe_draft(0, 3, 4, 0.0121)
+            pol.observe_verify(1, 0.060025)
+            pol.observe_verify(9, 0.060225)
+        pol.observe_overhead(0.0)
+        pol.last_drafted = [10**9]  # no probing either
+        for name in ("observe_draft", "observe_verify", "observe_overhead"):
+            setattr(pol, name, lambda *a: None)  # frozen costs: the choices depend on acceptances only
+        inner = pol.choose
+
+        def choose(caps, accs, replicas=None):
+            ks = inner(caps, accs, replicas)
+            chosen.extend(ks)
+            return ks
+
+        pol.choose = choose
+        eng.length_policy = pol
+
+    case = CASES[3]  # 4 tokens, so a first step may draft up to K = 3
+    run_frequency_case(models, case, seed0=77_000_000, setup=setup)
+    counts = np.bincount(chosen, minlength=K + 1)
+    print(f"  draft lengths chosen (k = 0..{K}): {counts.tolist()}")
+    assert (counts > len(chosen) // 100).sum() >= 3, f"the rule should use several draft lengths: {counts}"

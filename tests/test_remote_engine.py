@@ -47,6 +47,34 @@ def greedy_params():
     return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i, m in enumerate(MAX_TOKENS)]
 
 
+class SlowableDraftServicer(DraftServicer):
+    """A draft servicer whose Propose can be made slower (``delay_s``) and counts its calls."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.delay_s = 0.0
+        self.propose_calls = 0
+
+    async def Propose(self, request, context):
+        self.propose_calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await super().Propose(request, context)
+
+
+class SlowableTargetServicer(TargetServicer):
+    """A target servicer whose Verify can be made slower (a bigger target, relative to the draft)."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.delay_s = 0.0
+
+    async def Verify(self, request, context):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await super().Verify(request, context)
+
+
 class Cluster:
     """One target and two model drafts, each behind its own gRPC server."""
 
@@ -54,7 +82,7 @@ class Cluster:
         self.target = TargetWorker(load_model(ModelSource(target_path, None), "float32"), slots, max_len)
         self.drafts = [DraftWorker.from_model(load_model(ModelSource(draft_path, None), "float32"), slots, max_len)
                        for _ in range(2)]
-        self.servicers = [TargetServicer(self.target)] + [DraftServicer(d) for d in self.drafts]
+        self.servicers = [SlowableTargetServicer(self.target)] + [SlowableDraftServicer(d) for d in self.drafts]
         ts = self.servicers[0]
         self.servers = [AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(ts, s)])] + [
             AioServer([lambda s, sv=sv: draft_pb2_grpc.add_DraftWorkerServicer_to_server(sv, s)])
@@ -120,6 +148,61 @@ def test_replica_assignment_balances(remote, cluster):
     while remote.has_unfinished():
         remote.step()
     assert cluster.slots_in_use() == [0, 0, 0]
+
+
+def test_survives_a_replica_turning_slow(tiny_models):
+    """Replica 1 becomes 100 ms slower per Propose mid-run. With the adaptive rule its requests
+    stop drafting (the step no longer waits for it) and still finish with the exact greedy
+    output, while the fast replica's requests keep drafting; new requests go to the fast
+    replica. The fixed rule, as a control, keeps calling it. So that drafting pays on the fast
+    replica, the drafts are copies of the target (greedy drafts always accepted) and the
+    target's Verify takes 20 ms more (a tiny target is otherwise as cheap as its draft)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in PROMPTS]
+    expected = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, k=K)).generate(PROMPTS, params)]
+    c = Cluster(tiny_models["target"], tiny_models["target"], SLOTS, MAX_LEN)  # draft = target: drafts pay
+    c.servicers[0].delay_s = 0.02
+    try:
+        calls_after = {}
+        for policy in ("adaptive", "fixed"):
+            cfg = tiny_config(tiny_models, method="model", k=K)
+            cfg["draft"]["length_policy"] = policy
+            with RemoteEngine.from_addresses(cfg, c.target_address, c.draft_addresses) as eng:
+                slow = c.servicers[2]
+                slow.delay_s = 0.0
+                reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+                for _ in range(3):
+                    eng.step()
+                assert {r.draft_state.replica for r in reqs} == {0, 1}  # unmeasured: spread by load
+                slow.delay_s = 0.1
+                before, steps = slow.propose_calls, 0
+                marks = {id(r): (r.metrics.drafted, r.metrics.steps) for r in reqs}
+                while eng.has_unfinished():
+                    eng.step()
+                    steps += 1
+                calls_after[policy] = slow.propose_calls - before
+                mean_k = []  # draft tokens per request-step after the slowdown, per replica
+                for i in (0, 1):
+                    mine = [r for r in reqs if r.draft_state.replica == i]
+                    drafted = sum(r.metrics.drafted - marks[id(r)][0] for r in mine)
+                    mean_k.append(drafted / max(1, sum(r.metrics.steps - marks[id(r)][1] for r in mine)))
+                print(f"\n{policy}: {steps} steps after the slowdown, draft tokens per request-step "
+                      f"fast {mean_k[0]:.2f} / slow {mean_k[1]:.2f}")
+                assert [list(r.output.token_ids) for r in reqs] == expected
+                assert c.slots_in_use() == [0, 0, 0]
+                if policy == "adaptive":
+                    assert steps >= 12
+                    assert calls_after[policy] <= 4, f"{calls_after[policy]} calls to the slow replica in {steps} steps"
+                    assert mean_k[0] >= 1.0 and mean_k[1] <= 0.5, f"draft tokens per step, fast / slow: {mean_k}"
+                    late = [eng.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=3)) for _ in range(4)]
+                    eng.step()
+                    assert [r.draft_state.replica for r in late] == [0, 0, 0, 0]
+                    while eng.has_unfinished():
+                        eng.step()
+        assert calls_after["fixed"] >= 2 * calls_after["adaptive"]  # fixed: every step until its requests end
+        print(f"\nProposes to the slow replica after it slowed: adaptive {calls_after['adaptive']}, "
+              f"fixed {calls_after['fixed']}")
+    finally:
+        c.stop()
 
 
 def test_worker_error_fails_only_that_request(cluster, tiny_models):

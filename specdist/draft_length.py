@@ -1,0 +1,323 @@
+"""How many tokens each request drafts this step: a fixed k, or the adaptive rule below.
+
+Pure arithmetic on measured numbers (no torch, Ray or gRPC), shared by
+:class:`~specdist.engine.Engine` and :class:`~specdist.remote_engine.RemoteEngine`.
+
+``fixed`` (``draft.length_policy: fixed``): every request drafts
+``k_b = min(k, cap_b)``, where ``k = draft.num_speculative_tokens`` and ``cap_b`` keeps
+``max_tokens`` and the context limit from being overrun inside a draft. Seeded requests
+reproduce exactly.
+
+``adaptive``: ``k`` becomes the maximum, and each step picks the vector ``k_1..k_B``
+(``0 <= k_b <= cap_b``) that maximises the predicted goodput
+``sum_b E(alpha_b, k_b) / T(k)`` (expected emitted tokens per second of step), where
+
+- ``E(a, k) = 1 + a + ... + a^k`` is the expected number of tokens a request emits in a
+  step with ``k`` drafts when each position is accepted with probability ``a``
+  (spec-math: the i.i.d. acceptance model);
+- ``alpha_b`` is the request's observed acceptance: its accepted and tried draft
+  positions, decayed by ``REQUEST_DECAY`` per step and pulled towards the draft's global
+  acceptance (decayed by ``GLOBAL_DECAY`` per step) with ``PRIOR_WEIGHT`` pseudo-positions.
+  A position is *tried* when it is accepted or is the first rejected one. A request that
+  drafts nothing for a while drifts back to the global rate, so it is tried again;
+- ``T(k) = overhead + max_r D_r + V`` is the step time predicted from measured costs:
+  draft replica ``r`` (one for the in-process engine) costs
+  ``D_r = a_r * passes_r + b_r * rows_r`` (``passes_r = max k_b`` of its requests, one
+  sequential draft forward each; ``rows_r = sum k_b``; 0 when nobody on it drafts, as no
+  call is made; ``D_r`` also has a per-call term, e.g. the network round trip, so
+  ``D_r = e_r + a_r * passes_r + b_r * rows_r``), the verification costs
+  ``V = c_0 + c_1 * N`` with ``N = sum (k_b + 1)``
+  tokens, and ``overhead`` is the rest of a step. Replicas draft in parallel, so the
+  slowest one sets the draft time. The coefficients are exponentially weighted least-squares
+  fits (forgetting ``COST_DECAY`` per sample) of the measured wall times, with a ridge of
+  ``RIDGE`` pseudo-samples towards a prior that puts most of the first sample on the
+  per-pass / fixed terms (small batches are bound by reading the weights).
+
+The maximisation: the draft phase lasts as long as its slowest replica, so we enumerate
+the draft-time budget ``tau`` over every value ``D_r(K)`` (``K = 1..k``) plus 0; under a
+budget each replica may run the most passes ``K_r`` that fit, and inside that each request
+keeps the draft positions worth their marginal cost: position ``j`` stays when
+``alpha_b^j >= lambda * (b_r + c_1)``, where ``lambda`` is the goodput itself (Dinkelbach's
+iteration, a few rounds). The best budget wins; all zeros (no drafting) is always a
+candidate, so under load, with a poor draft or a slow replica, requests fall back to
+``k_b = 0`` (plain decoding) instead of slowing the batch.
+
+Before the first cost measurements the rule drafts ``min(k, cap_b)``. On the steps in
+``EXPLORE_EARLY`` and every ``EXPLORE_EVERY``-th step it caps its choice at the next value
+of ``EXPLORE_CAPS`` (in units of ``k``) so that the cost fits see several draft lengths
+even at batch size 1 (about 6% of steps); a replica that has not drafted for
+``PROBE_EVERY`` steps (its drafts were not worth their cost) drafts one token per request
+once, so a replica that was slow and recovered is noticed; prefills also feed the verification fit (many
+tokens in one target forward), which pins its per-token slope early.
+The chosen lengths depend on wall times, so a seeded request reproduces its output
+*distribution* exactly (speculative decoding is exact for any k) but not its exact tokens;
+use ``fixed`` for token-for-token reproducibility.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+POLICIES = ("fixed", "adaptive")
+
+REQUEST_DECAY = 0.8  # per step: a request's acceptance memory is ~5 steps
+GLOBAL_DECAY = 0.98  # per step: the draft's overall acceptance memory is ~50 steps
+PRIOR_WEIGHT = 2.0  # pseudo-positions of the global rate in each request's estimate
+GLOBAL_PRIOR = 0.7  # the global rate before any draft was verified
+ALPHA_MIN, ALPHA_MAX = 0.01, 0.99
+COST_DECAY = 0.9  # per sample: cost fits remember ~10 steps (a replica turning slow shows within a few)
+RIDGE = 0.01  # pseudo-samples (the first sample's size) pulling the fit towards the first-sample prior
+EXPLORE_EVERY = 16
+EXPLORE_EARLY = (3, 6, 9, 12)
+EXPLORE_CAPS = (0.5, 0.0, 0.25, 1.0)  # fractions of k, cycled
+PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
+DINKELBACH_ROUNDS = 4
+
+
+@dataclass
+class Acceptance:
+    """A request's decayed count of accepted / tried draft positions (on ``Request.acceptance``)."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.accepted *= REQUEST_DECAY
+        self.tried *= REQUEST_DECAY
+        self.accepted += accepted
+        self.tried += accepted + (1 if accepted < drafted else 0)
+
+
+class LinearFit:
+    """``t ~ w . x`` over a few features, exponentially weighted least squares with a ridge of
+    ``RIDGE`` pseudo-samples (each the size of the first sample) towards the first sample's
+    time split by ``prior_shares``. Weights stay >= 0 (a negative one is dropped and the
+    rest refitted)."""
+
+    def __init__(self, prior_shares: tuple[float, ...]):
+        self.shares = prior_shares
+        self.dim = len(prior_shares)
+        self.n = 0
+        self.xx = [[0.0] * self.dim for _ in range(self.dim)]
+        self.xt = [0.0] * self.dim
+        self.prior = [0.0] * self.dim
+        self.ridge = [0.0] * self.dim
+        self.w = tuple([0.0] * self.dim)
+
+    @property
+    def ready(self) -> bool:
+        return self.n > 0
+
+    def add(self, *args: float) -> None:
+        *x, t = args
+        if not math.isfinite(t) or t < 0 or all(v <= 0 for v in x):
+            return
+        if self.n == 0:
+            self.ridge = [RIDGE * max(v * v, 1e-12) for v in x]
+            self.prior = [sh * t / v if v > 0 else 0.0 for sh, v in zip(self.shares, x)]
+        g = COST_DECAY
+        for a in range(self.dim):
+            self.xt[a] = g * self.xt[a] + x[a] * t
+            for b in range(self.dim):
+                self.xx[a][b] = g * self.xx[a][b] + x[a] * x[b]
+        self.n += 1
+        self.w = self._solve()
+
+    def _solve(self) -> tuple[float, ...]:
+        active = list(range(self.dim))
+        while True:
+            m = [[self.xx[a][b] + (self.ridge[a] if a == b else 0.0) for b in active] for a in active]
+            rhs = [self.xt[a] + self.ridge[a] * self.prior[a] for a in active]
+            sol = _solve_linear(m, rhs)
+            if all(v >= 0 for v in sol) or len(active) == 1:
+                w = [0.0] * self.dim
+                for a, v in zip(active, sol):
+                    w[a] = max(0.0, v)
+                return tuple(w)
+            active = [a for a, v in zip(active, sol) if v >= 0] or [active[max(range(len(sol)), key=sol.__getitem__)]]
+
+    def predict(self, *x: float) -> float:
+        return sum(w * v for w, v in zip(self.w, x))
+
+
+def _solve_linear(m: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for the few-by-few systems above."""
+    n = len(rhs)
+    a = [row[:] + [r] for row, r in zip(m, rhs)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(a[i][c]))
+        a[c], a[p] = a[p], a[c]
+        if abs(a[c][c]) < 1e-300:
+            continue
+        for i in range(c + 1, n):
+            f = a[i][c] / a[c][c]
+            for j in range(c, n + 1):
+                a[i][j] -= f * a[c][j]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i] if abs(a[i][i]) > 1e-300 else 0.0
+    return x
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Chooses ``k_b`` per request (see the module docstring) and learns from each step."""
+
+    k: int
+    mode: str = "fixed"
+    num_replicas: int = 1
+    draft_cost: list[LinearFit] = field(init=False)  # per replica: (1, passes, rows) -> seconds
+    verify_cost: LinearFit = field(init=False)  # (1, tokens) -> seconds
+    overhead_s: float | None = None
+    global_accepted: float = 0.0
+    global_tried: float = 0.0
+    steps: int = 0
+    explored: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"length policy must be one of {POLICIES}, got {self.mode!r}")
+        self.draft_cost = [LinearFit((0.1, 0.8, 0.1)) for _ in range(max(1, self.num_replicas))]
+        self.verify_cost = LinearFit((0.9, 0.1))
+        self.last_drafted = [0] * max(1, self.num_replicas)
+
+    # ------------------------------------------------------------------ estimates
+    @property
+    def global_alpha(self) -> float:
+        return (self.global_accepted + PRIOR_WEIGHT * GLOBAL_PRIOR) / (self.global_tried + PRIOR_WEIGHT)
+
+    def alpha(self, acc: Acceptance) -> float:
+        a = (acc.accepted + PRIOR_WEIGHT * self.global_alpha) / (acc.tried + PRIOR_WEIGHT)
+        return min(ALPHA_MAX, max(ALPHA_MIN, a))
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, caps: Sequence[int], accs: Sequence[Acceptance], replicas: Sequence[int] | None = None) -> list[int]:
+        """Draft lengths for one step. ``caps[b]``: the most request b may draft (limits);
+        ``replicas[b]``: the draft replica it lives on (default 0)."""
+        self.steps += 1
+        caps = [max(0, min(self.k, c)) for c in caps]
+        if self.mode == "fixed" or not caps:
+            return caps
+        reps = list(replicas) if replicas is not None else [0] * len(caps)
+        if not (self.verify_cost.ready and all(self.draft_cost[r].ready for r in set(reps))):
+            return caps  # no measurements yet: draft fully, which measures the costs
+        alphas = [self.alpha(a) for a in accs]
+        ks = self._maximise(caps, alphas, reps)
+        if self.steps % EXPLORE_EVERY == 0 or self.steps in EXPLORE_EARLY:
+            self.explored += 1
+            limit = int(round(EXPLORE_CAPS[self.explored % len(EXPLORE_CAPS)] * self.k))
+            ks = [min(k, limit) for k in ks]
+        for r in set(reps):  # re-measure a replica left idle for PROBE_EVERY steps: one token each
+            if self.steps - self.last_drafted[r] >= PROBE_EVERY:
+                ks = [max(k, min(1, c)) if rr == r else k for k, c, rr in zip(ks, caps, reps)]
+        return ks
+
+    def _maximise(self, caps: list[int], alphas: list[float], reps: list[int]) -> list[int]:
+        bsz = len(caps)
+        rset = sorted(set(reps))
+        c1 = self.verify_cost.w[1]
+        marginal = {r: self.draft_cost[r].w[2] + c1 for r in rset}
+
+        def rows_upto(r: int, K: int) -> int:
+            return sum(min(K, caps[b]) for b in range(bsz) if reps[b] == r)
+
+        budgets = {0.0}
+        for r in rset:
+            for K in range(1, max((caps[b] for b in range(bsz) if reps[b] == r), default=0) + 1):
+                budgets.add(self.draft_cost[r].predict(1, K, rows_upto(r, K)))
+        best_ks, best_rate = [0] * bsz, self.rate([0] * bsz, alphas, reps)
+        for tau in sorted(budgets):
+            kr = {}
+            for r in rset:
+                K = 0
+                while K < self.k and self.draft_cost[r].predict(1, K + 1, rows_upto(r, K + 1)) <= tau * (1 + 1e-9):
+                    K += 1
+                kr[r] = K
+            lim = [min(caps[b], kr[reps[b]]) for b in range(bsz)]
+            ks = lim
+            for _ in range(DINKELBACH_ROUNDS):
+                lam = self.rate(ks, alphas, reps)
+                new = [_keep(alphas[b], lim[b], lam * marginal[reps[b]]) for b in range(bsz)]
+                if new == ks:
+                    break
+                ks = new
+            rate = self.rate(ks, alphas, reps)
+            if rate > best_rate * (1 + 1e-9):
+                best_ks, best_rate = ks, rate
+        return best_ks
+
+    def step_time(self, ks: Sequence[int], reps: Sequence[int]) -> float:
+        """Predicted seconds of a step with these draft lengths."""
+        draft = 0.0
+        for r in set(reps):
+            mine = [k for k, rr in zip(ks, reps) if rr == r]
+            if mine and max(mine) > 0:
+                draft = max(draft, self.draft_cost[r].predict(1, max(mine), sum(mine)))
+        verify = self.verify_cost.predict(1, sum(ks) + len(ks))
+        return (self.overhead_s or 0.0) + draft + verify
+
+    def rate(self, ks: Sequence[int], alphas: Sequence[float], reps: Sequence[int]) -> float:
+        """Predicted emitted tokens per second."""
+        tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
+        return tokens / max(self.step_time(ks, reps), 1e-9)
+
+    # ------------------------------------------------------------------ learning
+    def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int) -> None:
+        """One request's verification result (call once per request per step)."""
+        if drafted <= 0:
+            acc.update(0, 0)
+            return
+        acc.update(drafted, accepted)
+        self.global_accepted += accepted
+        self.global_tried += accepted + (1 if accepted < drafted else 0)
+
+    def end_step(self) -> None:
+        """Decay the global acceptance once per step."""
+        self.global_accepted *= GLOBAL_DECAY
+        self.global_tried *= GLOBAL_DECAY
+
+    def observe_draft(self, replica: int, passes: int, rows: int, seconds: float) -> None:
+        if passes > 0 and rows > 0:
+            self.draft_cost[replica].add(1, passes, rows, seconds)
+            self.last_drafted[replica] = self.steps
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.verify_cost.add(1, tokens, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        if seconds >= 0:
+            self.overhead_s = seconds if self.overhead_s is None else 0.9 * self.overhead_s + 0.1 * seconds
+
+    def snapshot(self) -> dict:
+        """The policy's current estimates, for logs and benchmarks."""
+        return {
+            "mode": self.mode,
+            "k_max": self.k,
+            "global_alpha": round(self.global_alpha, 4),
+            "draft_s_per_call": [round(f.w[0], 6) for f in self.draft_cost],
+            "draft_s_per_pass": [round(f.w[1], 6) for f in self.draft_cost],
+            "draft_s_per_row": [round(f.w[2], 6) for f in self.draft_cost],
+            "verify_s_fixed": round(self.verify_cost.w[0], 6),
+            "verify_s_per_token": round(self.verify_cost.w[1], 6),
+            "overhead_s": round(self.overhead_s or 0.0, 6),
+        }
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(alpha, k) = 1 + alpha + ... + alpha^k: tokens emitted per step with k drafts."""
+    if k <= 0:
+        return 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _keep(alpha: float, limit: int, threshold: float) -> int:
+    """The most positions j <= limit with alpha^j >= threshold (alpha^j is decreasing)."""
+    if limit <= 0 or threshold >= 1.0:
+        return 0
+    if threshold <= 0.0:
+        return limit
+    j = int(math.floor(math.log(threshold) / math.log(alpha) + 1e-9))
+    return max(0, min(limit, j))

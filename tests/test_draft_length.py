@@ -1,0 +1,182 @@
+"""The draft-length rule (specdist/draft_length.py) on synthetic, noise-free costs.
+
+Every expected choice below is checked against a brute-force maximisation of the same
+predicted goodput, so the tests pin the documented rule, not a particular implementation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specdist import draft_length as dl
+from specdist.draft_length import Acceptance, DraftLengthPolicy, LinearFit, expected_tokens
+
+
+def policy_with_costs(k: int, draft: list[tuple[float, float]], verify: tuple[float, float], overhead: float = 0.0,
+                      alpha: float | None = None) -> DraftLengthPolicy:
+    """A policy whose fits return exactly these coefficients; steps past the exploration ones."""
+    pol = DraftLengthPolicy(k, "adaptive", num_replicas=len(draft))
+    for r, (a, b) in enumerate(draft):  # samples that pin (call 0, pass a, row b): three independent points
+        for _ in range(20):
+            pol.observe_draft(r, 1, 1, a + b)
+            pol.observe_draft(r, 2, 6, 2 * a + 6 * b)
+            pol.observe_draft(r, 3, 4, 3 * a + 4 * b)
+    for _ in range(20):
+        pol.verify_cost.add(1, 1, verify[0] + verify[1])
+        pol.verify_cost.add(1, 9, verify[0] + 9 * verify[1])
+    pol.observe_overhead(overhead)
+    pol.steps = 100  # not an exploration step next (101)
+    pol.last_drafted = [100] * len(draft)  # every replica measured just now: no probe
+    if alpha is not None:
+        pol.global_accepted, pol.global_tried = 1e6 * alpha, 1e6
+    return pol
+
+
+def accs(*alphas: float) -> list[Acceptance]:
+    """Acceptance records whose estimate is alpha (heavy weight, so the prior does not matter)."""
+    return [Acceptance(accepted=1e6 * a, tried=1e6) for a in alphas]
+
+
+def brute_force(pol: DraftLengthPolicy, caps, alphas, reps) -> float:
+    best = 0.0
+    for ks in itertools.product(*[range(c + 1) for c in caps]):
+        best = max(best, pol.rate(ks, alphas, reps))
+    return best
+
+
+def test_linear_fit_recovers_coefficients_and_stays_nonnegative() -> None:
+    f = LinearFit((0.9, 0.1))
+    for x in range(1, 30):
+        f.add(1, x, 0.05 + 0.002 * x)
+    assert f.w == pytest.approx((0.05, 0.002), rel=0.03)  # the ridge: one pseudo-sample of the first size
+    g = LinearFit((0.5, 0.5))
+    for x in range(1, 30):
+        g.add(1, x, 0.1 - 0.001 * x)  # a decreasing cost: the slope is clamped at 0
+    assert g.w[1] == 0.0 and g.w[0] > 0
+    h = LinearFit((0.1, 0.8, 0.1))  # a per-call constant, as a slow network adds
+    for p, r in [(1, 1), (2, 6), (3, 4), (1, 3), (4, 8)] * 10:
+        h.add(1, p, r, 0.1 + 0.003 * p + 0.001 * r)
+    assert h.w == pytest.approx((0.1, 0.003, 0.001), rel=0.1)
+
+
+def test_fixed_mode_returns_the_caps() -> None:
+    pol = DraftLengthPolicy(4, "fixed")
+    assert pol.choose([9, 4, 2, 0], accs(0.1, 0.9, 0.5, 0.9)) == [4, 4, 2, 0]
+
+
+def test_unknown_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match="length policy"):
+        DraftLengthPolicy(4, "sometimes")
+
+
+def test_without_measurements_it_drafts_fully() -> None:
+    pol = DraftLengthPolicy(4, "adaptive")
+    assert pol.choose([4, 3], accs(0.1, 0.1)) == [4, 3]
+
+
+def test_cheap_draft_and_high_acceptance_draft_the_maximum() -> None:
+    # batch 1, draft pass 10 ms, verify 50 ms + 2 ms/token: the shape of self-w8 on one CPU request
+    pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002))
+    ks = pol.choose([4], accs(0.9))
+    assert ks == [4]
+    assert pol.rate(ks, [0.9], [0]) == pytest.approx(brute_force(pol, [4], [0.9], [0]))
+
+
+def test_poor_acceptance_or_expensive_draft_falls_back_to_plain_decoding() -> None:
+    pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002))
+    assert pol.choose([4], accs(0.05)) == [0]
+    pol = policy_with_costs(4, [(0.060, 0.0)], (0.050, 0.002))  # a draft as slow as the target
+    assert pol.choose([4], accs(0.6)) == [0]
+
+
+def test_per_request_lengths_follow_acceptance() -> None:
+    # draft costs per row (a batch), so low-acceptance requests drop out first
+    pol = policy_with_costs(6, [(0.004, 0.004)], (0.060, 0.003))
+    alphas = [0.95, 0.7, 0.3]
+    ks = pol.choose([6, 6, 6], accs(*alphas))
+    assert ks[0] > ks[1] > ks[2], ks
+    assert pol.rate(ks, alphas, [0] * 3) == pytest.approx(brute_force(pol, [6, 6, 6], alphas, [0] * 3), rel=1e-6)
+
+
+def test_under_load_drafts_shrink() -> None:
+    """The same request drafts less in a big batch, where verification costs more per token."""
+    pol = policy_with_costs(4, [(0.005, 0.002)], (0.050, 0.002))
+    alone = pol.choose([4], accs(0.8))
+    crowd = pol.choose([4] * 16, accs(*[0.8] * 16))
+    assert alone == [4] and max(crowd) < 2, (alone, crowd)
+    assert pol.rate(crowd, [0.8] * 16, [0] * 16) > 1.2 * pol.rate([4] * 16, [0.8] * 16, [0] * 16)
+
+
+def test_a_slow_replica_gets_shorter_drafts() -> None:
+    """Replica 1 is 8x slower per pass: its requests draft less (or not at all), so the step
+    does not wait on it; brute force over both requests agrees."""
+    pol = policy_with_costs(4, [(0.005, 0.0), (0.040, 0.0)], (0.050, 0.002))
+    alphas, reps = [0.85, 0.85], [0, 1]
+    ks = pol.choose([4, 4], accs(*alphas), reps)
+    assert ks[0] == 4 and ks[1] < ks[0], ks
+    assert pol.rate(ks, alphas, reps) == pytest.approx(brute_force(pol, [4, 4], alphas, reps), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_choice_matches_brute_force_on_random_instances(seed: int) -> None:
+    import random
+
+    rnd = random.Random(seed)
+    nrep = rnd.choice([1, 2])
+    draft = [(rnd.uniform(0.001, 0.05), rnd.uniform(0, 0.01)) for _ in range(nrep)]
+    pol = policy_with_costs(4, draft, (rnd.uniform(0.02, 0.1), rnd.uniform(0, 0.01)), rnd.uniform(0, 0.01))
+    bsz = rnd.randint(1, 4)
+    alphas = [rnd.uniform(0.05, 0.97) for _ in range(bsz)]
+    caps = [rnd.randint(0, 4) for _ in range(bsz)]
+    reps = [rnd.randrange(nrep) for _ in range(bsz)]
+    ks = pol.choose(caps, accs(*alphas), reps)
+    assert all(0 <= k <= c for k, c in zip(ks, caps))
+    best = brute_force(pol, caps, alphas, reps)
+    # the enumeration + Dinkelbach rule finds the optimum or comes within 2% of it
+    assert pol.rate(ks, alphas, reps) >= 0.98 * best
+
+
+def test_exploration_steps_cap_the_drafts() -> None:
+    pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002))
+    seen = []
+    for _ in range(2 * dl.EXPLORE_EVERY):
+        pol.observe_draft(0, 1, 1, 0.010)  # the replica keeps drafting: no probe
+        seen.append(pol.choose([4], accs(0.9))[0])
+    assert set(seen) > {4}, "exploration must try shorter drafts"
+    assert seen.count(4) >= 2 * dl.EXPLORE_EVERY - 2
+
+
+def test_an_idle_replica_is_probed() -> None:
+    """A replica whose drafts were not worth it gets one-token drafts every PROBE_EVERY steps."""
+    pol = policy_with_costs(4, [(0.005, 0.0), (0.5, 0.0)], (0.050, 0.002))
+    probes = 0
+    for _ in range(3 * dl.PROBE_EVERY):
+        ks = pol.choose([4, 4], accs(0.85, 0.85), [0, 1])
+        pol.observe_draft(0, ks[0], ks[0], 0.005 * ks[0])
+        if ks[1]:
+            probes += 1
+            assert ks[1] == 1
+            pol.observe_draft(1, 1, 1, 0.5)
+    assert probes == 3
+
+
+def test_acceptance_estimate_decays_towards_the_global_rate() -> None:
+    pol = DraftLengthPolicy(4, "adaptive")
+    for _ in range(50):  # the draft is good overall
+        pol.observe_acceptance(Acceptance(), 4, 4)
+        pol.end_step()
+    a = Acceptance()
+    for _ in range(3):  # this request was rejected at the first position three times
+        pol.observe_acceptance(a, 4, 0)
+    low = pol.alpha(a)
+    assert low < 0.5 < pol.global_alpha
+    for _ in range(20):  # it drafts nothing for a while: its estimate returns to the global one
+        pol.observe_acceptance(a, 0, 0)
+    assert pol.alpha(a) > 0.9 * pol.global_alpha
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
