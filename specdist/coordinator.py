@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,30 @@ class RequestStream:
             self._coord._abort_soon(self.request_id)
 
 
+@dataclass
+class SchedulingTiming:
+    """Where the coordinator's time goes, besides ``engine.step`` (seconds since the last reset).
+
+    ``tick_s``: engine-thread ticks (queued commands + step + collecting deltas);
+    ``step_s``: the ``engine.step`` part of them; ``gap_s``: while requests were running,
+    the time between one tick's end and the next one's start (dispatching deltas to the
+    streams, event-loop work, the hop to the engine thread). Scheduling overhead =
+    ``tick_s - step_s + gap_s``.
+    """
+
+    tick_s: float = 0.0
+    step_s: float = 0.0
+    gap_s: float = 0.0
+    ticks: int = 0
+
+    @property
+    def scheduling_s(self) -> float:
+        return self.tick_s - self.step_s + self.gap_s
+
+    def reset(self) -> None:
+        self.__init__()
+
+
 class Coordinator:
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
@@ -143,6 +168,7 @@ class Coordinator:
         self._draining = False
         self._stopping = False
         self._closed = False
+        self.timing = SchedulingTiming()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -292,13 +318,18 @@ class Coordinator:
 
     async def _run(self) -> None:
         busy = False
+        last_end: float | None = None
         while not self._stopping:
             if not busy and self._commands.empty():
                 self._wake.clear()
                 await self._wake.wait()
+                last_end = None
                 continue
+            if busy and last_end is not None:
+                self.timing.gap_s += time.perf_counter() - last_end
             try:
                 deltas, busy = await self._loop.run_in_executor(self._executor, self._tick)
+                last_end = time.perf_counter()
             except Exception as e:  # a bug outside engine.step(): fail everyone, keep serving
                 log.exception("specdist coordinator tick failed")
                 deltas, busy = self._fail_everyone(e), False
@@ -343,20 +374,25 @@ class Coordinator:
                 self.engine.release(t.req)  # idempotent release of whatever it still holds
 
     def _tick(self) -> tuple[list[Delta], bool]:
+        t0 = time.perf_counter()
         while True:
             try:
                 self._commands.get_nowait()()
             except queue.Empty:
                 break
         if self.engine.has_unfinished():
+            ts = time.perf_counter()
             try:
                 self.engine.step()
             except Exception as e:
                 log.exception("engine step failed")
                 self._fail_batch(e)
+            self.timing.step_s += time.perf_counter() - ts
         deltas = [d for rid, t in list(self._tracked.items()) if (d := self._collect(rid, t)) is not None]
         eng = self.engine
         self._snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
+        self.timing.tick_s += time.perf_counter() - t0
+        self.timing.ticks += 1
         return deltas, eng.has_unfinished()
 
     def _fail_batch(self, exc: Exception) -> None:

@@ -9,8 +9,15 @@ one carried); per level, output tokens/s over the level's wall time and the acce
 rate from the servers' own per-request stats.
 
 Variants: ``--server HOST:PORT`` (repeatable) measures running servers; ``--config C``
-starts in-process servers one after another from C as given ("spec") and from C with
-``draft.method: none`` ("no-spec"), and also prints the engine's per-phase time shares.
+starts servers one after another from C as given ("spec") and from C with
+``draft.method: none`` ("no-spec"): the single-process engine when ``cluster.enabled`` is
+false, else the whole Ray deployment (tensor-parallel target and draft workers over gRPC,
+local Ray cluster or ``--ray-address``), with the same gRPC server and coordinator in
+front. For these it also prints the per-step breakdown, in ms per step and as shares of
+the coordinator's busy time: prefill, draft, verify (worker compute), network +
+serialization (RPC wall time minus the worker's reported compute), scheduling (the
+coordinator's own work between and around steps) and the rest (output bookkeeping,
+releases, sampling). Orchestration overhead = network + serialization + scheduling.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
+    p.add_argument("--variants", default="spec,no-spec", help="with --config: which of spec,no-spec to run")
 
 
 @dataclass
@@ -56,6 +65,7 @@ class LevelResult:
     wall_s: float
     timings: list[RequestTiming] = field(default_factory=list)
     phase_share: dict = field(default_factory=dict)
+    phase_ms_per_step: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         toks = sum(t.tokens for t in self.timings)
@@ -75,6 +85,7 @@ class LevelResult:
             "itl_p99_ms": _pct(gaps, 99) * 1e3,
             "acceptance": sum(t.accepted for t in self.timings) / drafted if drafted else None,
             "phase_share": self.phase_share,
+            "phase_ms_per_step": self.phase_ms_per_step,
         }
 
 
@@ -125,8 +136,9 @@ def run_level(address: str, variant: str, concurrency: int, requests: int, args,
 class InProcessServer:
     """A ``specdist.server.serve`` instance on a background event loop (free port)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, backend=None):
         self.engine = engine
+        self.backend = backend  # a serve_cli.Backend (Ray deployment) closed with the server
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -138,9 +150,31 @@ class InProcessServer:
         self.address = f"127.0.0.1:{self.server.port}"
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(timeout=60)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+
+
+def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
+    """(ms per step, share of busy time) per phase; see the module docstring."""
+    ph = dict(engine.stats.phase_s)
+    tm = coordinator.timing
+    busy = tm.tick_s + tm.gap_s
+    parts = {
+        "prefill": ph.get("prefill", 0.0),
+        "draft": ph.get("draft", 0.0),
+        "verify": ph.get("verify", 0.0),
+        "network+serialization": ph.get("network", 0.0),
+        "scheduling": tm.scheduling_s,
+    }
+    parts["other"] = max(0.0, busy - sum(parts.values()))
+    steps = max(1, steps)
+    return ({k: 1e3 * v / steps for k, v in parts.items()},
+            {k: v / busy if busy else 0.0 for k, v in parts.items()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,20 +191,30 @@ def run(args: argparse.Namespace) -> int:
             results.append(run_level(address, address, c, n, args, log))
     if args.config:
         from specdist.config import load_config
-        from specdist.engine import Engine
+        from specdist.serve_cli import start_backend
 
         base = load_config(args.config).to_dict()
         off = {**base, "draft": {**base["draft"], "method": "none", "model": None}}
+        if base["cluster"]["enabled"]:
+            off["cluster"] = {**base["cluster"], "num_draft_workers": 0}
+        wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+        if not wanted or set(wanted) - {"spec", "no-spec"}:
+            raise ValueError(f"--variants: a comma-separated subset of spec,no-spec; got {args.variants!r}")
         for variant, cfg in (("spec", base), ("no-spec", off)):
-            log(f"starting in-process server: {variant}")
-            srv = InProcessServer(Engine.from_config(cfg))
+            if variant not in wanted:
+                continue
+            where = "a Ray deployment" if cfg["cluster"]["enabled"] else "the in-process engine"
+            log(f"starting a server on {where}: {variant}")
+            backend = start_backend(cfg, args.ray_address, log=log)
+            srv = InProcessServer(backend.engine, backend)
             try:
                 for c in levels:
                     n = args.requests or max(8, 2 * c)
                     srv.engine.stats.reset()
+                    srv.coordinator.timing.reset()
                     res = run_level(srv.address, variant, c, n, args, log)
-                    total = sum(srv.engine.stats.phase_s.values()) or 1.0
-                    res.phase_share = {k: v / total for k, v in srv.engine.stats.phase_s.items()}
+                    res.phase_ms_per_step, res.phase_share = breakdown(
+                        srv.engine, srv.coordinator, srv.engine.stats.steps)
                     results.append(res)
             finally:
                 srv.close()
@@ -198,8 +242,14 @@ def format_table(rows: list[dict], args) -> str:
         )
     shares = [r for r in rows if r["phase_share"]]
     if shares:
-        lines += ["", "Engine time shares per level (of the engine's own step time):"]
+        names = list(shares[0]["phase_ms_per_step"])
+        lines += ["", "Per-step breakdown, ms per step (share of the coordinator's busy time); "
+                      "orchestration = network+serialization + scheduling:", "",
+                  "| variant | C | " + " | ".join(names) + " | orchestration |",
+                  "|---|---|" + "---|" * (len(names) + 1)]
         for r in shares:
-            lines.append(f"- {r['variant']} C={r['concurrency']}: " + ", ".join(
-                f"{k} {v:.1%}" for k, v in r["phase_share"].items() if v > 0))
+            ms, sh = r["phase_ms_per_step"], r["phase_share"]
+            orch = sh["network+serialization"] + sh["scheduling"]
+            lines.append(f"| {r['variant']} | {r['concurrency']} | " + " | ".join(
+                f"{ms[k]:.1f} ({sh[k]:.1%})" for k in names) + f" | {orch:.1%} |")
     return "\n".join(lines)
