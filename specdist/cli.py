@@ -1,5 +1,6 @@
 """The ``specdist`` command line.
 
+    specdist demo --config configs/default.yaml    # Ray deployment up, 3 gRPC streams, counters, clean stop
     specdist generate --config configs/local.yaml "Explain gravity."   # streams text; stats on stderr
     specdist serve --config configs/local.yaml --port 50051            # gRPC server (specdist.v1.SpecDecode)
     specdist generate --server 127.0.0.1:50051 "Explain gravity."      # stream from a running server
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(srv)
 
+    demo = sub.add_parser("demo", help="bring the deployment up, stream a few requests through gRPC, stop")
+    from specdist import demo as demo_mod
+
+    demo_mod.add_arguments(demo)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     be = bsub.add_parser("engine", help="batch-1 engine vs transformers generate / assisted generation")
@@ -71,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "cost-model":
             return _cost_model(args)
+        if args.command == "demo":
+            from specdist.demo import run as run_demo
+
+            return run_demo(args)
         if args.command == "bench" and args.bench_command == "engine":
             from specdist.bench.engine_bench import run
 

@@ -3,7 +3,8 @@
 One ``step()`` advances every running request by one verification:
 
 1. admit waiting requests into free KV slots and prefill target and draft caches
-   with all prompt tokens but the last (which is fed with the first draft);
+   with all prompt tokens but the last (which is fed with the first draft); a
+   ``self-w8`` draft copies the target's prompt K/V instead of a second prefill;
 2. choose each request's draft length ``k_b`` with the configured rule
    (:mod:`specdist.draft_length`: a fixed k, or adaptive from its observed acceptance and
    the measured step costs), capped so neither ``max_tokens`` nor the context limit can
@@ -82,6 +83,12 @@ class Engine:
             )
         elif config.draft.enabled:
             raise ConfigError("draft.method", f"{config.draft.method!r} needs a draft model")
+        # self-w8: the draft is the target's own int8 copy, so the target's prompt K/V (same layout)
+        # stand in for the draft's own: one prefill instead of two (ModelProposer.start)
+        self.share_prompt_kv = (
+            config.draft.method == "self-w8" and isinstance(self.proposer, ModelProposer)
+            and _same_layout(self.target.cache, self.proposer.cache)
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -301,7 +308,9 @@ class Engine:
             t1 = now()
             self.target.forward([r.target_slot for r in todo], [r.prompt_ids[:-1] for r in todo], [0] * len(todo))
             self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in todo), now() - t1)
-        if self.proposer is not None:
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.start(new, self.target.cache if self.share_prompt_kv else None)
+        elif self.proposer is not None:
             self.proposer.start(new)
         self.running.extend(new)
         self.stats.phase_s["prefill"] += now() - t0
@@ -350,6 +359,10 @@ class Engine:
         if isinstance(self.proposer, ModelProposer):
             used["draft"] = self.proposer.cache.num_used
         return used
+
+
+def _same_layout(a, b) -> bool:
+    return len(a.k) == len(b.k) and a.k[0].shape == b.k[0].shape and a.k[0].dtype == b.k[0].dtype
 
 
 def _device(name: str) -> torch.device:

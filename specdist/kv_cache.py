@@ -76,3 +76,14 @@ class SlotKVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self.lengths[slot]}")
         self.lengths[slot] = length
+
+    def copy_prefix(self, src: "SlotKVCache", src_slot: int, dst_slot: int, length: int) -> None:
+        """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout)."""
+        if len(src.k) != len(self.k) or src.k[0].shape[1:] != self.k[0].shape[1:] or src.k[0].dtype != self.k[0].dtype:
+            raise ValueError("copy_prefix needs caches of the same layout (layers, kv heads, length, head_dim, dtype)")
+        if not 0 <= length <= src.lengths[src_slot]:
+            raise ValueError(f"slot {src_slot} holds {src.lengths[src_slot]} tokens, cannot copy {length}")
+        for i in range(len(self.k)):
+            self.k[i][dst_slot, :, :length] = src.k[i][src_slot, :, :length]
+            self.v[i][dst_slot, :, :length] = src.v[i][src_slot, :, :length]
+        self.lengths[dst_slot] = length

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdist.kv_cache import SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.request import Request
 from specdist.sampling import process_logits, sample_from
@@ -54,12 +55,21 @@ class ModelProposer:
     def cache(self):
         return self.runner.cache
 
-    def start(self, reqs: list[Request]) -> None:
-        """Take a slot per request and prefill it with all prompt tokens but the last."""
+    def start(self, reqs: list[Request], prefilled: "SlotKVCache | None" = None) -> None:
+        """Take a slot per request and prefill it with all prompt tokens but the last.
+
+        ``prefilled``: a cache of the same layout where each request's ``target_slot`` already
+        holds those tokens (the target's, when the draft is its own quantized copy): their K/V
+        are copied instead of computed. Exactness does not depend on it (the draft samples
+        from the q it reports, whatever its cache holds); it saves a second prefill.
+        """
         for r in reqs:
             r.draft_state = self.cache.allocate()
         todo = [r for r in reqs if len(r.prompt_ids) > 1]
-        if todo:
+        if todo and prefilled is not None:
+            for r in todo:
+                self.cache.copy_prefix(prefilled, r.target_slot, r.draft_state, len(r.prompt_ids) - 1)
+        elif todo:
             self.runner.forward([r.draft_state for r in todo], [r.prompt_ids[:-1] for r in todo], [0] * len(todo))
 
     def release(self, req: Request) -> None:

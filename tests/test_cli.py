@@ -74,3 +74,31 @@ def test_generate_respects_stop_string(tiny_models, tmp_path, capsys):
               "--stop", words[2], "a b c"])
         cut = capsys.readouterr().out.strip()
         assert cut == full[: full.index(words[2])].strip()
+
+
+def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, capsys):
+    """`specdist demo` (the README's first command, here on tiny models): a Ray deployment with a
+    2-rank target and a draft worker, concurrent gRPC streams, counters back to 0, nothing left."""
+    import ray
+
+    from test_distributed_serve import _raylets
+
+    cfg = tiny_config(tiny_models, "model", 3)
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
+                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["demo", "--config", str(path), "--requests", "3", "--max-tokens", "5", "--raw"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("    tokens=") == 3 and "tokens/s" in out and "acceptance" in out
+    assert "tensor_parallel=2 draft_replicas=1" in out
+    assert "running=0 queued=0 target_kv_slots=0 draft_kv_slots=0" in out
+    assert "stopped cleanly" in err
+    assert not ray.is_initialized() and _raylets() == 0
+
+
+def test_demo_bad_arguments_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--requests", "0"])
+    assert e.value.code == 2
+    assert "--requests must be >= 1" in capsys.readouterr().err

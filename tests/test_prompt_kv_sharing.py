@@ -1,0 +1,69 @@
+"""self-w8 in process: the draft takes the target's prompt K/V instead of running its own prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from specdist.engine import Engine
+from specdist.kv_cache import SlotKVCache
+from specdist.sampling_params import SamplingParams
+
+
+def test_copy_prefix_copies_exactly_and_checks_layout() -> None:
+    src = SlotKVCache(2, 3, 2, 4, 16)
+    dst = SlotKVCache(2, 3, 2, 4, 16)
+    torch.manual_seed(0)
+    for t in src.k + src.v:
+        t.normal_()
+    src.lengths[1] = 9
+    dst.copy_prefix(src, 1, 2, 7)
+    assert dst.lengths[2] == 7
+    for a, b in zip(src.k + src.v, dst.k + dst.v):
+        assert torch.equal(a[1, :, :7], b[2, :, :7])
+        assert not b[2, :, 7:].any()  # nothing past the prefix
+    with pytest.raises(ValueError, match="holds 9 tokens"):
+        dst.copy_prefix(src, 1, 0, 10)
+    with pytest.raises(ValueError, match="same layout"):
+        SlotKVCache(2, 3, 1, 4, 16).copy_prefix(src, 1, 0, 3)
+
+
+def _self_w8_engine(tiny_models) -> Engine:
+    return Engine.from_config(tiny_config(tiny_models, method="self-w8", k=3))
+
+
+def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
+    eng = _self_w8_engine(tiny_models)
+    assert eng.share_prompt_kv
+    calls = []
+    runner = eng.proposer.runner
+    inner = runner.forward
+
+    def forward(slots, tokens, num_logits):
+        calls.append([len(t) for t in tokens])
+        return inner(slots, tokens, num_logits)
+
+    runner.forward = forward
+    prompts = [[1, 2, 3, 4, 5, 6], [3], [2, 2, 2, 2]]
+    reqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p in prompts]
+    eng._admit()
+    assert calls == []  # no draft prefill
+    for r in reqs:
+        n = len(r.prompt_ids) - 1
+        assert eng.proposer.cache.lengths[r.draft_state] == n
+        for a, b in zip(eng.target.cache.k, eng.proposer.cache.k):
+            assert torch.equal(a[r.target_slot, :, :n], b[r.draft_state, :, :n])
+    while eng.has_unfinished():
+        eng.step()
+    assert calls and all(max(c) <= 2 for c in calls)  # only decode-sized draft passes
+    # greedy output is the target's own, whatever the draft's cache holds
+    ref = Engine.from_config(tiny_config(tiny_models, method="none", k=3))
+    want = ref.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [r.output.token_ids for r in reqs] == [o.token_ids for o in want]
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
+def test_model_draft_still_runs_its_own_prefill(tiny_models) -> None:
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3))
+    assert not eng.share_prompt_kv  # a different model: its K/V are its own
