@@ -15,11 +15,14 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys):
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     out_json = tmp_path / "r.json"
     rc = main(["bench", "cluster", "--config", str(cfg), "--concurrency", "1,3", "--requests", "3",
-               "--max-tokens", "6", "--raw", "--json", str(out_json)])
+               "--max-tokens", "6", "--raw", "--json", str(out_json), "--hf-baseline", "2"])
     assert rc == 0
     rows = json.loads(out_json.read_text())
+    hf = rows.pop()
+    assert hf["variant"] == "hf-plain" and hf["requests"] == 2 and hf["output_tokens_per_s"] > 0
     assert [(r["variant"], r["concurrency"]) for r in rows] == [("spec", 1), ("spec", 3), ("no-spec", 1), ("no-spec", 3)]
     for r in rows:
+        assert abs(r["vs_hf_plain"] * hf["output_tokens_per_s"] - r["output_tokens_per_s"]) < 1e-6
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0
         assert (r["acceptance"] is None) == (r["variant"] == "no-spec")
         assert r["phase_share"]["verify"] > 0
@@ -27,7 +30,7 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys):
         assert r["phase_share"]["scheduling"] > 0 and r["phase_share"]["network+serialization"] == 0  # in process
     table = capsys.readouterr().out
     assert "| spec | 3 | 3 |" in table and "| no-spec | 1 | 3 |" in table
-    assert "orchestration" in table
+    assert "orchestration" in table and "transformers generate, one request at a time" in table
 
 
 def test_bench_cluster_over_a_ray_deployment(tiny_models, tmp_path, capsys):

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
     p.add_argument("--variants", default="spec,no-spec", help="with --config: which of spec,no-spec to run")
+    p.add_argument("--hf-baseline", type=int, default=0, metavar="N",
+                   help="with --config: also run transformers generate on the same target, one request at a "
+                        "time, over N of the prompts, and print every level's tokens/s as a multiple of it")
 
 
 @dataclass
@@ -219,11 +222,50 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 srv.close()
     rows = [r.summary() for r in results]
+    if args.config and args.hf_baseline > 0:
+        hf = hf_plain_tokens_per_s(args.config, args.hf_baseline, args, log)
+        for r in rows:
+            r["vs_hf_plain"] = r["output_tokens_per_s"] / hf
+        rows.append({"variant": "hf-plain", "concurrency": 1, "requests": args.hf_baseline,
+                     "output_tokens_per_s": hf})
     print(format_table(rows, args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
+    """transformers ``generate`` on the config's target, one request at a time (the reference)."""
+    import torch
+
+    from specdist.config import load_config
+    from specdist.models.loader import load_model, load_tokenizer, resolve_model
+
+    cfg = load_config(config)
+    src = resolve_model(cfg.target.model, "target.model")
+    model = load_model(src, cfg.target.dtype, torch.device("cpu"))
+    tok = load_tokenizer(src)
+    sample = args.temperature > 0
+    kw = dict(do_sample=sample, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=0)
+    if sample:
+        kw.update(temperature=args.temperature, top_k=0, top_p=1.0)
+    tokens, seconds = 0, 0.0
+    for i in range(n + 1):  # the first one warms up and is not counted
+        p = PROMPTS[i % len(PROMPTS)]
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) if not args.raw \
+            else tok.encode(p, add_special_tokens=False)
+        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        x = torch.tensor([ids])
+        torch.manual_seed(1000 + i)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+        if i:
+            seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - x.shape[1]
+        log(f"  [hf-plain] {i}/{n} done")
+    return tokens / seconds
 
 
 def format_table(rows: list[dict], args) -> str:
@@ -233,6 +275,8 @@ def format_table(rows: list[dict], args) -> str:
         "| variant | C | requests | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms | acceptance |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    hf = next((r for r in rows if r["variant"] == "hf-plain"), None)
+    rows = [r for r in rows if r is not hf]
     for r in rows:
         acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
         lines.append(
@@ -240,6 +284,10 @@ def format_table(rows: list[dict], args) -> str:
             f"| {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} "
             f"| {r['itl_p99_ms']:.1f} | {acc} |"
         )
+    if hf is not None:
+        lines += ["", f"transformers generate, one request at a time on the same target ({hf['requests']} requests): "
+                      f"{hf['output_tokens_per_s']:.1f} tokens/s. Each level as a multiple of it: " + ", ".join(
+                          f"{r['variant']} C={r['concurrency']} {r['vs_hf_plain']:.2f}x" for r in rows)]
     shares = [r for r in rows if r["phase_share"]]
     if shares:
         names = list(shares[0]["phase_ms_per_step"])
