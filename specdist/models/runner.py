@@ -146,11 +146,23 @@ class CausalLMRunner:
         idx = (n_t - offs)[:, None] + torch.arange(n_out)[None, :]  # [B, n_out]
         idx = idx.clamp(min=0, max=t_max - 1)
         hs = h.gather(1, idx.to(dev)[..., None].expand(-1, -1, h.shape[-1]))  # [B, n_out, D]
-        logits = self.model.lm_head(_rms_norm(self.model.model.norm, hs)).float()  # [B, n_out, V]
+        logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()  # [B, n_out, V]
         if min(num_logits) < n_out:
             keep = (torch.arange(n_out)[None, :] < offs[:, None]).to(dev)
             logits = logits * keep[..., None]
         return logits.cpu()
+
+
+def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]
+    """The output projection. On CPU an fp32 GEMM whose row count is 2 or 3 mod 4 takes the
+    row-by-row path: measured here for [M, 576] x [576, 49152], M = 1..8: 10.5, 22.6, 33.9, 17.3,
+    17.4, 24.2, 35.2, 18.1 ms. Zero rows pad M to the next multiple of 4 (results sliced off)."""
+    bsz, n, dim = hs.shape
+    m = bsz * n
+    if hs.device.type != "cpu" or type(head) is not torch.nn.Linear or m % 4 < 2:
+        return head(hs)
+    flat = torch.cat([hs.reshape(m, dim), hs.new_zeros(4 - m % 4, dim)])  # [M', D]
+    return head(flat)[:m].reshape(bsz, n, -1)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
