@@ -25,8 +25,10 @@ reproduce exactly.
   ``D_r = a_r * passes_r + b_r * rows_r`` (``passes_r = max k_b`` of its requests, one
   sequential draft forward each; ``rows_r = sum k_b``; 0 when nobody on it drafts, as no
   call is made; ``D_r`` also has a per-call term, e.g. the network round trip, so
-  ``D_r = e_r + a_r * passes_r + b_r * rows_r``), the verification costs
-  ``V = c_0 + c_1 * N`` with ``N = sum (k_b + 1)``
+  ``D_r = e_r + a_r * passes_r + b_r * rows_r``), the verification of ``N = sum (k_b + 1)``
+  tokens for ``B`` requests costs its measured time for that ``(B, N)`` (an EMA) when one was
+  seen, else ``V = c_0 + c_1 * N`` (GEMM times are far from linear at small sizes on CPU:
+  3 tokens can cost more than 5)
   tokens, and ``overhead`` is the rest of a step. Replicas draft in parallel, so the
   slowest one sets the draft time. The coefficients are exponentially weighted least-squares
   fits (forgetting ``COST_DECAY`` per sample) of the measured wall times, with a ridge of
@@ -72,6 +74,7 @@ RIDGE = 0.01  # pseudo-samples (the first sample's size) pulling the fit towards
 EXPLORE_EVERY = 16
 EXPLORE_EARLY = (3, 6, 9, 12)
 EXPLORE_CAPS = (0.5, 0.0, 0.25, 1.0)  # fractions of k, cycled
+TABLE_WEIGHT = 0.3  # EMA weight of a new verification time in the (batch, tokens) table
 PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
 DINKELBACH_ROUNDS = 4
 
@@ -171,6 +174,7 @@ class DraftLengthPolicy:
     draft_cost: list[LinearFit] = field(init=False)  # per replica: (1, passes, rows) -> seconds
     verify_cost: LinearFit = field(init=False)  # (1, tokens) -> seconds
     overhead_s: float | None = None
+    verify_table: dict = field(default_factory=dict)  # (batch, tokens) -> seconds, measured (EMA)
     global_accepted: float = 0.0
     global_tried: float = 0.0
     steps: int = 0
@@ -255,7 +259,9 @@ class DraftLengthPolicy:
             mine = [k for k, rr in zip(ks, reps) if rr == r]
             if mine and max(mine) > 0:
                 draft = max(draft, self.draft_cost[r].predict(1, max(mine), sum(mine)))
-        verify = self.verify_cost.predict(1, sum(ks) + len(ks))
+        n = sum(ks) + len(ks)
+        seen = self.verify_table.get((len(ks), n))
+        verify = seen if seen is not None else self.verify_cost.predict(1, n)
         return (self.overhead_s or 0.0) + draft + verify
 
     def rate(self, ks: Sequence[int], alphas: Sequence[float], reps: Sequence[int]) -> float:
@@ -283,9 +289,15 @@ class DraftLengthPolicy:
             self.draft_cost[replica].add(1, passes, rows, seconds)
             self.last_drafted[replica] = self.steps
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
+    def observe_verify(self, tokens: int, seconds: float, batch: int | None = None) -> None:
+        """A target forward over ``tokens`` tokens; ``batch``: its request count when it was a
+        verification (then it also updates the measured table), None for a prefill."""
         if tokens > 0:
             self.verify_cost.add(1, tokens, seconds)
+            if batch is not None and math.isfinite(seconds) and seconds >= 0:
+                key = (batch, tokens)
+                old = self.verify_table.get(key)
+                self.verify_table[key] = seconds if old is None else (1 - TABLE_WEIGHT) * old + TABLE_WEIGHT * seconds
 
     def observe_overhead(self, seconds: float) -> None:
         if seconds >= 0:

@@ -252,7 +252,7 @@ class Engine:
         t["sampling"] += t3 - t2
         policy = self.length_policy
         policy.observe_draft(0, kdim, sum(nd), t1 - t0)
-        policy.observe_verify(sum(nd) + bsz, t3 - t1)
+        policy.observe_verify(sum(nd) + bsz, t3 - t1, bsz)
 
         n_acc = res.num_accepted.tolist()
         emitted_rows = res.tokens.tolist()

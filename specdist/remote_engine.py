@@ -330,7 +330,7 @@ class RemoteEngine:
         wall = now() - t1
         t["network"] += min(net, wall)
         t["verify"] += wall - min(net, wall)
-        policy.observe_verify(sum(len(it.draft_token_ids) + 1 for it in items), wall)
+        policy.observe_verify(sum(len(it.draft_token_ids) + 1 for it in items), wall, len(items))
 
         # ---- outputs, exactly like Engine.step
         t2 = now()

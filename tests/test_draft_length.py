@@ -180,3 +180,15 @@ def test_acceptance_estimate_decays_towards_the_global_rate() -> None:
 def test_expected_tokens() -> None:
     assert expected_tokens(0.5, 0) == 1.0
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_measured_verify_times_override_the_linear_fit() -> None:
+    """Where a (batch, tokens) verification was measured, its time is used: here 2 tokens cost
+    more than 5 (as fp32 GEMMs do on CPU), so a poor draft is not tried with k = 1."""
+    pol = policy_with_costs(4, [(0.0001, 0.0)], (0.050, 0.002))
+    assert pol.choose([4], accs(0.3)) != [0]  # the linear fit alone: a cheap extra token is worth it
+    pol.observe_verify(1, 0.050, 1)
+    for n, t in [(2, 0.090), (3, 0.100), (4, 0.080), (5, 0.070)]:
+        pol.observe_verify(n, t, 1)
+    assert pol.step_time([1], [0]) == pytest.approx(0.090 + pol.overhead_s + pol.draft_cost[0].predict(1, 1, 1))
+    assert pol.choose([4], accs(0.3)) == [0]
