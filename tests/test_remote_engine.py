@@ -192,13 +192,14 @@ def test_survives_a_replica_turning_slow(tiny_models):
                 if policy == "adaptive":
                     assert steps >= 12
                     assert calls_after[policy] <= 4, f"{calls_after[policy]} calls to the slow replica in {steps} steps"
-                    assert mean_k[0] >= 1.0 and mean_k[1] <= 0.5, f"draft tokens per step, fast / slow: {mean_k}"
+                    # the slow replica drafts only until its cost is measured (a few calls), the fast one on
+                    assert mean_k[0] >= 1.0 and mean_k[1] <= 0.4 * mean_k[0], f"draft tokens per step, fast / slow: {mean_k}"
                     late = [eng.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=3)) for _ in range(4)]
                     eng.step()
                     assert [r.draft_state.replica for r in late] == [0, 0, 0, 0]
                     while eng.has_unfinished():
                         eng.step()
-        assert calls_after["fixed"] >= 2 * calls_after["adaptive"]  # fixed: every step until its requests end
+        assert calls_after["fixed"] >= calls_after["adaptive"] + 3  # fixed: every step until its requests end
         print(f"\nProposes to the slow replica after it slowed: adaptive {calls_after['adaptive']}, "
               f"fixed {calls_after['fixed']}")
     finally:
