@@ -213,7 +213,8 @@ class Engine:
         t = self.stats.phase_s
         reqs = sorted(self.running, key=lambda r: r.target_slot)  # contiguous slots attend via views
         tc = now()
-        ks = self.length_policy.choose([self._draft_len(r) for r in reqs], [r.acceptance for r in reqs])
+        ks = self.length_policy.choose([self._draft_len(r) for r in reqs], [r.acceptance for r in reqs],
+                                       first=[r.metrics.steps == 0 and not self.waiting for r in reqs])
         bsz = len(reqs)
 
         t0 = now()

@@ -293,7 +293,8 @@ class RemoteEngine:
         policy = self.length_policy
         tc = now()
         chosen = policy.choose([self._draft_len(r) for r in reqs], [r.acceptance for r in reqs],
-                               [r.draft_state.replica or 0 for r in reqs])
+                               [r.draft_state.replica or 0 for r in reqs],
+                               [r.metrics.steps == 0 and not self.waiting for r in reqs])
         ks = {id(r): k for r, k in zip(reqs, chosen)}
 
         # ---- Propose: one RPC per replica, in parallel, for the requests that draft

@@ -192,3 +192,9 @@ def test_measured_verify_times_override_the_linear_fit() -> None:
         pol.observe_verify(n, t, 1)
     assert pol.step_time([1], [0]) == pytest.approx(0.090 + pol.overhead_s + pol.draft_cost[0].predict(1, 1, 1))
     assert pol.choose([4], accs(0.3)) == [0]
+
+
+def test_first_step_drafts_nothing_under_adaptive_only() -> None:
+    pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002))
+    assert pol.choose([4, 4], accs(0.9, 0.9), first=[True, False]) == [0, 4]
+    assert DraftLengthPolicy(4, "fixed").choose([4, 4], accs(0.9, 0.9), first=[True, False]) == [4, 4]

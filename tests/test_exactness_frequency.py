@@ -432,8 +432,8 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
             setattr(pol, name, lambda *a: None)  # frozen costs: the choices depend on acceptances only
         inner = pol.choose
 
-        def choose(caps, accs, replicas=None):
-            ks = inner(caps, accs, replicas)
+        def choose(caps, accs, replicas=None, first=None):
+            ks = inner(caps, accs, replicas, first)
             chosen.extend(ks)
             return ks
 
