@@ -136,7 +136,6 @@ class SchedulingTiming:
     tick_s: float = 0.0
     step_s: float = 0.0
     gap_s: float = 0.0
-    ticks: int = 0
 
     @property
     def scheduling_s(self) -> float:
@@ -392,7 +391,6 @@ class Coordinator:
         eng = self.engine
         self._snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
         self.timing.tick_s += time.perf_counter() - t0
-        self.timing.ticks += 1
         return deltas, eng.has_unfinished()
 
     def _fail_batch(self, exc: Exception) -> None:

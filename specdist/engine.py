@@ -87,7 +87,7 @@ class Engine:
         # stand in for the draft's own: one prefill instead of two (ModelProposer.start)
         self.share_prompt_kv = (
             config.draft.method == "self-w8" and isinstance(self.proposer, ModelProposer)
-            and _same_layout(self.target.cache, self.proposer.cache)
+            and self.target.cache.same_layout(self.proposer.cache)
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -360,10 +360,6 @@ class Engine:
         if isinstance(self.proposer, ModelProposer):
             used["draft"] = self.proposer.cache.num_used
         return used
-
-
-def _same_layout(a, b) -> bool:
-    return len(a.k) == len(b.k) and a.k[0].shape == b.k[0].shape and a.k[0].dtype == b.k[0].dtype
 
 
 def _device(name: str) -> torch.device:

@@ -77,9 +77,14 @@ class SlotKVCache:
             raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self.lengths[slot]}")
         self.lengths[slot] = length
 
+    def same_layout(self, other: "SlotKVCache") -> bool:
+        """Same layers, kv heads, length, head_dim and dtype (slot counts may differ)."""
+        return len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:] \
+            and other.k[0].dtype == self.k[0].dtype
+
     def copy_prefix(self, src: "SlotKVCache", src_slot: int, dst_slot: int, length: int) -> None:
         """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout)."""
-        if len(src.k) != len(self.k) or src.k[0].shape[1:] != self.k[0].shape[1:] or src.k[0].dtype != self.k[0].dtype:
+        if not self.same_layout(src):
             raise ValueError("copy_prefix needs caches of the same layout (layers, kv heads, length, head_dim, dtype)")
         if not 0 <= length <= src.lengths[src_slot]:
             raise ValueError(f"slot {src_slot} holds {src.lengths[src_slot]} tokens, cannot copy {length}")
