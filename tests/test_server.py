@@ -430,7 +430,11 @@ def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
         slow = [threading.Thread(target=run, args=(f"slow-{i}", 60)) for i in range(2)]
         for t in slow:
             t.start()
-        wait_for(lambda: s.client.server_info().counters["requests_total"] == 2)
+        def both_live() -> bool:  # requests_total also counts the earlier request, so watch the gauges
+            c = s.client.server_info().counters
+            return c["running_requests"] + c["queued_requests"] == 2
+
+        wait_for(both_live)
         with pytest.raises(RemoteError) as e:
             s.client.generate_text([2], max_tokens=2)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
