@@ -1,0 +1,50 @@
+"""Incremental n-gram index for prompt-lookup drafting.
+
+Prompt lookup guesses the next tokens by finding the latest earlier occurrence of
+the sequence's last n tokens (longest n first, ``ngram_max`` down to ``ngram_min``)
+and copying what followed it. Scanning the sequence for that occurrence costs
+O(len) Python work per step; this index keeps, for every n-gram, the latest start
+at which it occurs *with at least one token after it*, so a lookup is
+O(ngram_max + k) dictionary work and appending a token is O(ngram_max²).
+
+An n-gram ending at position i is recorded only once the token at i + 1 exists,
+so the sequence's own suffix never matches itself.
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    """The tokens of one sequence, with the latest start of each n-gram (n in ngram_min..ngram_max)."""
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.seq: list[int] = []  # read-only for callers
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start with a token after it
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append committed tokens. O(len(tokens) * ngram_max²)."""
+        seq, latest = self.seq, self._latest
+        for tok in tokens:
+            end = len(seq)  # n-grams ending just before position `end` now have a token after them
+            seq.append(tok)
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                latest[tuple(seq[end - n : end])] = end - n
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram.
+
+        Same answer as scanning the sequence backwards for each n, longest first, in
+        O(ngram_max + k).
+        """
+        seq, length = self.seq, len(self.seq)
+        for n in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+            start = self._latest.get(tuple(seq[length - n :]))
+            if start is not None:
+                return seq[start + n : start + n + k]
+        return []
