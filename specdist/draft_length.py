@@ -1,7 +1,7 @@
 """How many tokens each request drafts this step: a fixed k, or the adaptive rule below.
 
-Pure arithmetic on measured numbers (no torch, Ray or gRPC), shared by
-:class:`~specdist.engine.Engine` and :class:`~specdist.remote_engine.RemoteEngine`.
+Pure arithmetic on measured numbers (no torch, Ray or gRPC), used by the scheduler
+(:mod:`specdist.scheduler`) whatever the transports.
 
 ``fixed`` (``draft.length_policy: fixed``): every request drafts
 ``k_b = min(k, cap_b)``, where ``k = draft.num_speculative_tokens`` and ``cap_b`` keeps
@@ -45,9 +45,8 @@ candidate, so under load, with a poor draft or a slow replica, requests fall bac
 ``k_b = 0`` (plain decoding) instead of slowing the batch.
 
 While no request waits for a slot, a request's first step drafts nothing: its first token
-then costs one plain target step after the prefill, as without speculation (time to first
-token: 194 against 345 ms at one client in the bench), and the draft catches up on the
-prompt's last token with its next pass. Under a backlog (requests queued) this costs more
+then costs one plain target step after the prefill, as without speculation, and the draft
+catches up on the prompt's last token with its next pass. Under a backlog (requests queued) this costs more
 throughput than it saves latency, so it is off. Before the first cost measurements the rule
 drafts ``min(k, cap_b)``. On the steps in
 ``EXPLORE_EARLY`` and every ``EXPLORE_EVERY``-th step it caps its choice at the next value
@@ -66,6 +65,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from specdist.cost_model import expected_tokens
 
 POLICIES = ("fixed", "adaptive")
 
@@ -326,13 +327,6 @@ class DraftLengthPolicy:
             "verify_s_per_token": round(self.verify_cost.w[1], 6),
             "overhead_s": round(self.overhead_s or 0.0, 6),
         }
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(alpha, k) = 1 + alpha + ... + alpha^k: tokens emitted per step with k drafts."""
-    if k <= 0:
-        return 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def _keep(alpha: float, limit: int, threshold: float) -> int:

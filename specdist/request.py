@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specdist.draft_length import Acceptance
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
@@ -19,6 +17,7 @@ class RequestMetrics:
     drafted: int = 0  # draft tokens proposed and verified
     accepted: int = 0  # of those, accepted by the target
     steps: int = 0  # target verification steps
+    emitted: int = 0  # tokens the target emitted into the output, counting a stop token that ended it
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -30,7 +29,7 @@ class RequestMetrics:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verification step (accepted drafts + the target's own token)."""
-        return self.output_tokens / self.steps if self.steps else 0.0
+        return self.emitted / self.steps if self.steps else 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -59,28 +58,38 @@ class RequestOutput:
 
 @dataclass
 class Request:
+    """A request as the scheduler tracks it. The cores (target, drafts) know it by ``core_id``."""
+
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
     output: OutputState
+    seed: int = 0  # the target's generator seed; the draft's is transport.draft_seed(seed)
+    core_id: str = ""  # this request's id on the target and draft cores (unique per scheduler)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    target_slot: int | None = None
-    draft_state: object = None  # owned by the proposer
     acceptance: Acceptance = field(default_factory=Acceptance)  # observed, for the draft-length rule
+    replica: int | None = None  # the draft replica it is assigned to; None: no drafts
+    on_target: bool = False  # holds target state (prefilled, not yet released)
+    on_drafter: bool = False  # holds state on its draft replica
+    num_accepted: int = 0  # of its drafter's last proposal, for the next ProposeItem
+    new_tokens: list[int] = field(default_factory=list)  # target tokens since the last proposal
+    proposal: object = None  # this step's transport.Proposal, until verified
+    error: str | None = None  # with finish_reason "error": what failed
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens so far (prompt + output); the last one is not yet in the target's cache."""
+        return len(self.prompt_ids) + len(self.output.token_ids)
 
     @property
     def seq(self) -> list[int]:
-        """Every token so far: prompt then output. The last one is not yet in the target cache."""
+        """Every token so far: prompt then output (a copy: O(length))."""
         return self.prompt_ids + self.output.token_ids
 
     @property
     def finished(self) -> bool:
         return self.output.finished
-
-    def uniforms(self, n: int) -> torch.Tensor:  # [n] in [0, 1) from this request's own stream
-        return torch.rand(n, generator=self.generator, dtype=torch.float64)
 
     def to_output(self) -> RequestOutput:
         self.metrics.output_tokens = len(self.output.token_ids)

@@ -1,7 +1,8 @@
 """Conversions between specdist's Python objects and the specdist.v1 wire messages.
 
-Pure: messages only, no gRPC server or channel code, so the coordinator, the workers
-and the tests share one definition of every conversion.
+Pure: messages only, no gRPC server or channel code, so the remote transports
+(:mod:`specdist.remote`), the workers' servicers and the tests share one definition of
+every conversion between the dataclasses of :mod:`specdist.transport` and protobuf.
 
 Draft distributions (see ``DraftDistribution`` in proto/specdist/v1/common.proto):
 exactness needs the target to verify against exactly the q the draft sampled from.
@@ -17,7 +18,8 @@ import torch
 
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import common_pb2, draft_pb2
+from specdist.transport import Proposal, ProposeItem, StartItem, Verified, VerifyItem
+from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
 DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
 SPARSE = common_pb2.DISTRIBUTION_FORMAT_SPARSE_FP16
@@ -86,30 +88,30 @@ def finish_reason_to_proto(reason: str | None) -> int:
 # ---------------------------------------------------------------- draft distributions
 
 
-def fp16_exact(q: torch.Tensor) -> torch.Tensor:  # [V] float -> [V] float32, same device
+def fp16_exact(q: torch.Tensor) -> torch.Tensor:  # [..., V] float -> [..., V] float32, same device
     """The q a draft must sample from when it ships q as DENSE_FP16 or SPARSE_FP16.
 
     q scaled so that its largest entry is 1.0, rounded to fp16, renormalised. Both
     ``decode_distribution(encode_distribution(q, fmt))`` and
     ``decode_distribution(encode_distribution(fp16_exact(q), fmt))`` return exactly
-    these float32 bits. q needs a positive entry.
+    these float32 bits (row by row). Each row needs a positive entry.
     """
     return _normalise(_fp16_weights(q))
 
 
-def _fp16_weights(q: torch.Tensor) -> torch.Tensor:  # [V] float -> [V] float16 in [0, 1], max 1.0
+def _fp16_weights(q: torch.Tensor) -> torch.Tensor:  # [..., V] float -> [..., V] float16 in [0, 1], max 1.0
     # Scaling by the max makes this idempotent: _fp16_weights(_normalise(h)) == h, because
     # h / sum(h) / (1 / sum(h)) is within 2**-22 of h, far inside h's fp16 rounding interval.
     # Each step rounds once (float64 -> float32 -> float16), the same on every device.
     w = q.double()
-    return (w / w.max()).float().to(torch.float16)
+    return (w / w.amax(-1, keepdim=True)).float().to(torch.float16)
 
 
-def _normalise(h: torch.Tensor) -> torch.Tensor:  # [V] float16 in [0, 1] -> [V] float32, sums to 1
+def _normalise(h: torch.Tensor) -> torch.Tensor:  # [..., V] float16 in [0, 1] -> [..., V] float32, rows sum to 1
     w = h.double()
     # Every fp16 in [0, 1] is a multiple of 2**-24 and the partial sums stay far below
     # 2**29, so this float64 sum is exact in any order: every device gets the same bits.
-    return (w / w.sum()).float()
+    return (w / w.sum(-1, keepdim=True)).float()
 
 
 def encode_distribution(q: torch.Tensor, fmt: int) -> common_pb2.DraftDistribution:
@@ -193,14 +195,93 @@ def wire_bytes_per_step(vocab_size: int, k: int, support: int) -> dict[str, int]
     return sizes
 
 
-# The draft's random stream must differ from the target's (else draft samples and acceptance
-# uniforms could be correlated, which breaks exactness). The caller that admits a request
-# seeds the target with ``seed`` and the draft with ``draft_seed(seed)``: XOR with a fixed odd
-# 64-bit constant is a bijection on uint64 without fixed points, so the two always differ and
-# a fixed request seed still reproduces the whole run.
-DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
+
+# ---------------------------------------------------------------- transport dataclasses <-> messages
+# ``*_to_proto`` run on the caller's side (trusted dataclasses); ``*_from_proto`` run in the
+# servicers and validate what only the wire can get wrong, naming the field (items[i].params...).
 
 
-def draft_seed(target_seed: int) -> int:
-    """The draft's seed for a request whose target generator is seeded with ``target_seed``."""
-    return (int(target_seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
+def start_items_to_proto(items: list[StartItem], message):
+    """[StartItem] -> PrefillRequest or StartRequest (both carry the same item shape)."""
+    item = target_pb2.PrefillItem if message is target_pb2.PrefillRequest else draft_pb2.StartItem
+    return message(items=[item(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
+                               params=sampling_params_to_proto(it.params), seed=it.seed) for it in items])
+
+
+def start_items_from_proto(msg) -> list[StartItem]:
+    return [StartItem(it.request_id, list(it.prompt_token_ids),
+                      sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed))
+            for i, it in enumerate(msg.items)]
+
+
+def propose_items_to_proto(items: list[ProposeItem]) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+        request_id=it.request_id, num_accepted=it.num_accepted, new_token_ids=it.new_token_ids,
+        num_tokens=it.num_tokens, seq_len=it.seq_len, preferred_format=it.preferred_format) for it in items])
+
+
+def propose_items_from_proto(msg: draft_pb2.ProposeRequest) -> list[ProposeItem]:
+    out = []
+    for i, it in enumerate(msg.items):
+        if it.preferred_format not in (0, DENSE, SPARSE, ONE_HOT):
+            raise InvalidArgument(f"items[{i}].preferred_format", f"unknown format {it.preferred_format}")
+        out.append(ProposeItem(it.request_id, int(it.num_accepted), list(it.new_token_ids), int(it.num_tokens),
+                               int(it.seq_len), int(it.preferred_format)))
+    return out
+
+
+SPARSE_MAX_FRACTION = 0.4  # sparse costs ~5 bytes per entry (fp16 + varint id), dense 2 per vocab entry
+
+
+def proposal_to_proto(p: Proposal, vocab_size: int, preferred: int = 0) -> draft_pb2.Proposal:
+    """One proposal as a message: ONE_HOT rows carry no payload, the others SPARSE or DENSE fp16."""
+    if p.wire is not None:
+        dists = list(p.wire)
+    elif p.q is None:
+        dists = [common_pb2.DraftDistribution(format=ONE_HOT) for _ in p.token_ids]
+    else:
+        dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in p.q]
+    return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists)
+
+
+def proposal_from_proto(msg: draft_pb2.Proposal) -> Proposal:
+    """Keeps the distributions encoded (``wire``): a verifier decodes them, a remote one forwards them."""
+    return Proposal(msg.request_id, list(msg.token_ids), wire=list(msg.probs))
+
+
+def _choose_format(r: torch.Tensor, preferred: int, vocab_size: int) -> int:
+    """A format that carries r (already fp16-exact) exactly; the preference when it can."""
+    support = int((r > 0).sum())
+    if support == 1 and preferred in (0, ONE_HOT):
+        return ONE_HOT
+    if preferred in (DENSE, SPARSE):
+        return preferred
+    return SPARSE if support < SPARSE_MAX_FRACTION * vocab_size else DENSE
+
+
+def verify_items_to_proto(items: list[VerifyItem], vocab_size: int) -> target_pb2.VerifyRequest:
+    out = target_pb2.VerifyRequest()
+    for it in items:
+        p = it.proposal
+        if p is None:
+            out.items.add(request_id=it.request_id, seq_len=it.seq_len)
+        else:
+            msg = proposal_to_proto(p, vocab_size)
+            out.items.add(request_id=it.request_id, seq_len=it.seq_len, draft_token_ids=msg.token_ids,
+                          draft_probs=msg.probs)
+    return out
+
+
+def verify_items_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyItem]:
+    return [VerifyItem(it.request_id, int(it.seq_len),
+                       Proposal(it.request_id, list(it.draft_token_ids), wire=list(it.draft_probs)))
+            for it in msg.items]
+
+
+def verified_to_proto(results: list[Verified]) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
+        request_id=r.request_id, num_accepted=r.num_accepted, next_token_id=r.next_token) for r in results])
+
+
+def verified_from_proto(msg: target_pb2.VerifyResponse) -> list[Verified]:
+    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id)) for r in msg.results]

@@ -62,8 +62,10 @@ def tiny_models(tmp_path_factory):
     }
 
 
-def tiny_config(tiny_models, method: str = "model", k: int = 3, **engine) -> dict:
-    draft = {"method": method, "num_speculative_tokens": k}
+def tiny_config(tiny_models, method: str = "model", k: int = 3, length_policy: str = "fixed", **engine) -> dict:
+    """A config over the tiny models. ``fixed`` draft lengths by default: seeded runs then
+    reproduce token for token, which most tests compare (the adaptive rule has its own tests)."""
+    draft = {"method": method, "num_speculative_tokens": k, "length_policy": length_policy}
     if method == "model":
         draft["model"] = tiny_models["draft"]
     return {
@@ -71,3 +73,67 @@ def tiny_config(tiny_models, method: str = "model", k: int = 3, **engine) -> dic
         "draft": draft,
         "engine": {"max_model_len": 64, "max_batch_size": 8, "device": "cpu", **engine},
     }
+
+
+class ServedCores:
+    """A VerifierCore and DrafterCores served over real gRPC on 127.0.0.1 (free ports), on one
+    background asyncio loop: what a deployment's workers do, without Ray. ``close()`` stops all."""
+
+    def __init__(self, target_core, draft_cores=()):
+        import asyncio
+        import threading
+
+        import grpc
+
+        from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
+        from workers.draft_worker import DraftServicer
+        from workers.target_worker import TargetServicer
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servicers = [TargetServicer(target_core)] + [DraftServicer(c) for c in draft_cores]
+
+        async def start(servicer, add):
+            server = grpc.aio.server()
+            add(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, f"127.0.0.1:{port}"
+
+        adds = [target_pb2_grpc.add_TargetWorkerServicer_to_server] + \
+            [draft_pb2_grpc.add_DraftWorkerServicer_to_server] * len(draft_cores)
+        started = [self._run(start(s, a)) for s, a in zip(self.servicers, adds)]
+        self.servers = [s for s, _ in started]
+        self.target_address = started[0][1]
+        self.draft_addresses = [a for _, a in started[1:]]
+
+    def _run(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        for server in self.servers:
+            self._run(server.stop(0))
+        for s in self.servicers:
+            s.runner.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def __enter__(self) -> "ServedCores":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def remote_engine_like(engine, **kwargs):
+    """(RemoteEngine, ServedCores): ``engine``'s own target and draft cores behind gRPC, driven by
+    the same scheduler over the remote transports, with ``engine``'s config."""
+    from specdist.remote_engine import RemoteEngine
+
+    served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [])
+    remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
+                          vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, **kwargs)
+    return remote, served

@@ -1,33 +1,39 @@
-"""A whole deployment on a local Ray cluster: a 2-rank tensor-parallel target + 2 draft workers.
+"""A whole deployment on a local Ray cluster, driven by the same scheduler as the in-process Engine.
 
-Greedy generation driven over the real gRPC stubs (the coordinator loop of test_workers.py),
-a ragged batch split across the two drafts and run concurrently against the one target,
-must equal the single-process Engine token for token. Then health, drain, and a stop that
-leaves no actor, no actor process and no placement group behind.
+- A 2-rank tensor-parallel target + 2 draft workers: greedy generation through RemoteEngine
+  (requests spread over both drafts, one batch on the one target) equals the Engine token for
+  token; then health, drain, and a stop that leaves no actor, no actor process and no
+  placement group behind.
+- A 1-rank target + 1 draft worker: seeded sampled requests give the Engine's tokens bit for bit
+  (one seed rule, one step, the same cores; only tensor parallelism may change float sums).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import grpc
 import pytest
 import ray
+import torch
 
 from conftest import tiny_config
-from test_workers import K, MAX_TOKENS, PROMPTS, run_generation
 from cluster.deployment import ClusterSpec, Deployment
+from specdist.engine import Engine
+from specdist.remote_engine import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdist.v1 import draft_pb2, draft_pb2_grpc
 
 BRING_UP_TIMEOUT_S = 180
+K = 3
+PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5], [2, 3]]
+MAX_TOKENS = [20, 9, 30, 14]
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 
@@ -61,9 +67,6 @@ def _pid_alive(pid: int) -> bool:
 def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_models):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from specdist.engine import Engine
-    from specdist.models.loader import eos_token_ids
-
     dep, target_addr, draft_addrs = deployment
     assert len(draft_addrs) == 2 and len(set(draft_addrs + [target_addr])) == 3
 
@@ -78,42 +81,23 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
     assert len({h["pid"] for h in health.values()}) == 4  # one process per actor
     pids = [h["pid"] for h in health.values()]
 
-    # ---- the reference: single-process engine
+    # ---- the reference: the in-process engine; then the same scheduler over the deployment
+    cfg = tiny_config(tiny_models, method="model", k=K)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i, m in enumerate(MAX_TOKENS)]
-    engine = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
-    want = [o.token_ids for o in engine.generate(PROMPTS, params)]
-    eos = eos_token_ids(engine.target.model, engine.tokenizer)
-
-    # ---- over gRPC: requests 0, 2 on draft 0 and 1, 3 on draft 1, both batches at once on the one target
+    want = [o.token_ids for o in Engine.from_config(cfg).generate(PROMPTS, params)]
     chans = [grpc.insecure_channel(a) for a in [target_addr, *draft_addrs]]
     try:
         for ch in chans:
             grpc.channel_ready_future(ch).result(timeout=30)
             hstub = health_pb2_grpc.HealthStub(ch)
             assert hstub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
-        tstub = target_pb2_grpc.TargetWorkerStub(chans[0])
-        dstubs = [draft_pb2_grpc.DraftWorkerStub(ch) for ch in chans[1:]]
-        split = [[0, 2], [1, 3]]
-        got: list = [None] * len(PROMPTS)
-        errors: list = []
-
-        def drive(d: int) -> None:
-            try:
-                idx = split[d]
-                outs, _ = run_generation(tstub, dstubs[d], [PROMPTS[i] for i in idx], [params[i] for i in idx], eos,
-                                         prefix=f"dep{d}-")
-                for i, o in zip(idx, outs):
-                    got[i] = o
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=drive, args=(d,)) for d in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
-        assert got == want
+        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs) as remote:
+            reqs = [remote.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+            while remote.has_unfinished():
+                remote.step()
+            assert sorted(r.replica for r in reqs) == [0, 0, 1, 1]  # both drafts served the one batch
+            assert [r.output.token_ids for r in reqs] == want
+            assert remote.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
 
         health = dep.health()
         assert all(h["ok"] and h["requests"] == 0 for h in health.values()), health
@@ -126,7 +110,7 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
         drained = dep.drain(timeout_s=5)
         assert all(d["drained"] for d in drained.values()), drained
         with pytest.raises(grpc.RpcError) as ei:
-            dstubs[1].Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(request_id="late", prompt_token_ids=[1])]))
+            draft_pb2_grpc.DraftWorkerStub(chans[2]).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(request_id="late", prompt_token_ids=[1])]))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         hstub = health_pb2_grpc.HealthStub(chans[0])
         assert hstub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -162,6 +146,31 @@ def _assert_nothing_left():
     while ray.available_resources().get("CPU", 0) < 4.0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == pytest.approx(4.0)
+
+
+def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tiny_models):
+    """Seeded sampling (T 0.8, top-p 0.9), 4 prompts in one batch, fixed draft lengths: the
+    in-process Engine and a 1-rank target + 1 draft worker deployment emit the same tokens."""
+    cfg = tiny_config(tiny_models, method="model", k=K)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the actors: the same GEMM kernels and summation order
+    try:
+        want = [o.token_ids for o in Engine.from_config(cfg).generate(PROMPTS, params)]
+    finally:
+        torch.set_num_threads(threads)
+    spec = ClusterSpec(tensor_parallel_size=1, num_draft_workers=1, cpus_per_rank=0.5, cpus_per_draft=0.5)
+    dep = Deployment(spec)
+    try:
+        target_addr, draft_addrs = dep.start(cfg, timeout_s=BRING_UP_TIMEOUT_S)
+        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs) as remote:
+            outs = remote.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.metrics.accepted for o in outs) > 0 and any(o.metrics.accepted < o.metrics.drafted for o in outs)
+    finally:
+        dep.stop()
+    _assert_nothing_left()
 
 
 def test_failed_and_timed_out_bring_up_name_the_culprit_and_clean_up(local_ray, tiny_models, tmp_path):

@@ -11,7 +11,8 @@ import itertools
 import pytest
 
 from specdist import draft_length as dl
-from specdist.draft_length import Acceptance, DraftLengthPolicy, LinearFit, expected_tokens
+from specdist.cost_model import expected_tokens
+from specdist.draft_length import Acceptance, DraftLengthPolicy, LinearFit
 
 
 def policy_with_costs(k: int, draft: list[tuple[float, float]], verify: tuple[float, float], overhead: float = 0.0,

@@ -41,7 +41,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import tiny_config
+from conftest import remote_engine_like, tiny_config
 from specdist.engine import Engine
 from specdist.sampling_params import SamplingParams
 
@@ -307,10 +307,16 @@ def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- engine
-def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH, setup=None):
+def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH, setup=None,
+                  transport: str = "local"):
+    """N seeded samples from the scheduler over local transports (Engine) or over gRPC
+    (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1)."""
     eng = Engine.from_config(
         tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
     )
+    served = None
+    if transport == "remote":
+        eng, served = remote_engine_like(eng)
     if setup is not None:
         setup(eng)
     params = [
@@ -326,7 +332,12 @@ def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: 
     ]
     # One call: requests join the running batch as others finish (continuous batching),
     # so batches mix requests at different positions and draft lengths.
-    return eng.generate([list(case.prompt)] * n, params)
+    try:
+        return eng.generate([list(case.prompt)] * n, params)
+    finally:
+        if served is not None:
+            eng.close()
+            served.close()
 
 
 def check_outputs_and_acceptance(outs, case: Case) -> float:
@@ -345,16 +356,16 @@ def check_outputs_and_acceptance(outs, case: Case) -> float:
     return rate
 
 
-def run_frequency_case(models: dict, case: Case, seed0: int, setup=None) -> None:
+def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transport: str = "local") -> None:
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5, f"top-k/top-p decision margin {margin:.2e} too small for float32 vs float64"
     p = joint(ptab, case.window)
     assert abs(p.sum() - 1) < 1e-9
 
     t0 = time.perf_counter()
-    outs = sample_engine(models, case, N, seed0, setup=setup)
+    outs = sample_engine(models, case, N, seed0, setup=setup, transport=transport)
     elapsed = time.perf_counter() - t0
-    print(f"\n{case.id}: N={N} sequences in {elapsed:.2f}s")
+    print(f"\n{case.id} ({transport}): N={N} sequences in {elapsed:.2f}s")
     check_outputs_and_acceptance(outs, case)
 
     counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
@@ -392,6 +403,16 @@ def run_frequency_case(models: dict, case: Case, seed0: int, setup=None) -> None
 def test_engine_samples_target_distribution(models, case: Case) -> None:
     """G-test, N = 6000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed)."""
     run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1))
+
+
+REMOTE_CASES = [CASES[1], CASES[3], CASES[5]]  # sampled model drafts (DENSE/SPARSE q on the wire), top-k, n-gram
+
+
+@pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
+def test_remote_transport_samples_target_distribution(models, case: Case) -> None:
+    """The same G-test through the gRPC transports (q encoded, sent, decoded; seeds derived on the
+    workers): N = 6000, alpha 1e-4 per case, other seeds than the local run."""
+    run_frequency_case(models, case, seed0=500_000_000 + 1_000_000 * CASES.index(case), transport="remote")
 
 
 def test_generate_with_more_prompts_than_slots(tiny_models) -> None:

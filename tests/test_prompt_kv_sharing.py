@@ -35,9 +35,9 @@ def _self_w8_engine(tiny_models) -> Engine:
 
 def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
     eng = _self_w8_engine(tiny_models)
-    assert eng.share_prompt_kv
+    assert eng.draft_core.prefix_source is not None
     calls = []
-    runner = eng.proposer.runner
+    runner = eng.draft_core.runner
     inner = runner.forward
 
     def forward(slots, tokens, num_logits):
@@ -51,9 +51,10 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
     assert calls == []  # no draft prefill
     for r in reqs:
         n = len(r.prompt_ids) - 1
-        assert eng.proposer.cache.lengths[r.draft_state] == n
-        for a, b in zip(eng.target.cache.k, eng.proposer.cache.k):
-            assert torch.equal(a[r.target_slot, :, :n], b[r.draft_state, :, :n])
+        tslot, dslot = eng.target_core.requests[r.core_id].slot, eng.draft_core.requests[r.core_id].slot
+        assert eng.draft_core.cache.lengths[dslot] == n
+        for a, b in zip(eng.target_core.cache.k, eng.draft_core.cache.k):
+            assert torch.equal(a[tslot, :, :n], b[dslot, :, :n])
     while eng.has_unfinished():
         eng.step()
     assert calls and all(max(c) <= 2 for c in calls)  # only decode-sized draft passes
@@ -66,4 +67,4 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
 
 def test_model_draft_still_runs_its_own_prefill(tiny_models) -> None:
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3))
-    assert not eng.share_prompt_kv  # a different model: its K/V are its own
+    assert eng.draft_core.prefix_source is None  # a different model: its K/V are its own

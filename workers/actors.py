@@ -32,8 +32,8 @@ import grpc
 import torch
 
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.wire import ONE_HOT, sampling_params_to_proto
+from specdist.transport import ProposeItem, Proposal, StartItem, VerifyItem
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 WARMUP_ID = "__specdist_warmup__"
 
@@ -82,12 +82,6 @@ def _reachable_host(bind_host: str) -> str:
     if bind_host in ("0.0.0.0", "::", "[::]", ""):
         return _node_ip()
     return bind_host
-
-
-def _device(device: str) -> torch.device:
-    if device in ("auto", None):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class _GrpcHost:
@@ -244,7 +238,9 @@ class TargetRankActor(_ActorBase):
 
     @_shippable_errors
     def init_distributed(self, master_addr: str, master_port: int, device: str = "auto") -> None:
-        self.device = _device(device)
+        from specdist.engine import device_for
+
+        self.device = device_for(device)
         if self.world_size == 1:
             return
         from workers.tensor_parallel import init_process_group
@@ -258,16 +254,20 @@ class TargetRankActor(_ActorBase):
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import load_model, resolve_model
-        from workers.target_worker import TargetWorker
+        from specdist.models.runner import CausalLMRunner
+        from specdist.verifying import VerifierCore
 
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
         model = load_model(resolve_model(model_spec, "target.model"), dtype, self.device)
+        broadcast = None
         if self.world_size > 1:
-            from workers.tensor_parallel import shard_model
+            from workers.tensor_parallel import broadcast_object, shard_model
 
             model = shard_model(model, self.world_size)
-        self.worker = TargetWorker(model, max_batch_size, max_model_len, rank=self.rank, world_size=self.world_size)
+            broadcast = broadcast_object
+        self.worker = VerifierCore(CausalLMRunner(model, max_batch_size, max_model_len), rank=self.rank,
+                                   world_size=self.world_size, broadcast=broadcast)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
         return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
@@ -286,16 +286,13 @@ class TargetRankActor(_ActorBase):
 
     def _warmup_calls(self) -> None:
         w = self.worker
-        sp = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+        sp = SamplingParams(temperature=0.0, max_tokens=2)
         prompt = [0, 1 % w.vocab_size] if w.max_model_len > 4 else [0]
         try:
-            w.prefill(target_pb2.PrefillRequest(items=[
-                target_pb2.PrefillItem(request_id=WARMUP_ID, prompt_token_ids=prompt, params=sp, seed=0)]))
-            onehot = common_pb2.DraftDistribution(format=ONE_HOT)
-            w.verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                request_id=WARMUP_ID, seq_len=len(prompt), draft_token_ids=[0], draft_probs=[onehot])]))
+            w.prefill([StartItem(WARMUP_ID, prompt, sp, 0)])
+            w.verify([VerifyItem(WARMUP_ID, len(prompt), Proposal(WARMUP_ID, [0]))])
         finally:
-            w.release(target_pb2.TargetReleaseRequest(request_ids=[WARMUP_ID]))
+            w.release([WARMUP_ID])
 
     # ------------------------------------------------------------ serving
     @_shippable_errors
@@ -355,7 +352,7 @@ class TargetRankActor(_ActorBase):
             if self.worker is not None and (release_followers or self.world_size == 1):
                 self._on_worker_thread(self.worker.shutdown)  # broadcasts ("shutdown",) to the followers
             elif self.worker is not None:  # followers never started: a broadcast would wait for them forever
-                self.worker._closed = True
+                self.worker.closed = True
         elif self.state in ("following", "stopped") or self._follow_done.is_set():
             ok = self._follow_done.wait(timeout_s)
         self.executor.shutdown(wait=ok)
@@ -398,26 +395,29 @@ class DraftActor(_ActorBase):
     ) -> dict:
         self._require("created")
         t0 = time.perf_counter()
+        from specdist.drafting import DrafterCore
+        from specdist.engine import device_for
         from specdist.errors import ConfigError
         from specdist.models.loader import load_model, resolve_model
-        from workers.draft_worker import DraftWorker
 
-        dev = _device(device)
+        dev = device_for(device)
         if method == "model":
             if not draft_model_spec:
                 raise ConfigError("draft.model", "method 'model' needs a draft model")
             model = load_model(resolve_model(draft_model_spec, "draft.model"), dtype, dev)
-            self.worker = DraftWorker.from_model(model, max_batch_size, max_model_len, confidence_threshold)
+            self.worker = DrafterCore.from_model(model, max_batch_size, max_model_len, confidence_threshold)
         elif method == "self-w8":
             from specdist.models.quant import quantized_copy
 
             target = load_model(resolve_model(target_model_spec, "target.model"), dtype, dev)
-            self.worker = DraftWorker.from_model(quantized_copy(target), max_batch_size, max_model_len,
+            self.worker = DrafterCore.from_model(quantized_copy(target), max_batch_size, max_model_len,
                                                  confidence_threshold)
             del target
         elif method == "ngram":
-            vocab = _vocab_size(target_model_spec)
-            self.worker = DraftWorker.ngram(vocab, max_model_len, ngram_min, ngram_max)
+            from specdist.models.metadata import model_metadata
+
+            _, vocab, _ = model_metadata(target_model_spec, "target.model")
+            self.worker = DrafterCore.from_ngram(vocab, max_model_len, ngram_min, ngram_max)
         else:
             raise ConfigError("draft.method", f"a draft actor runs model, self-w8 or ngram, not {method!r}")
         self.method, self.k = method, int(k)
@@ -436,16 +436,14 @@ class DraftActor(_ActorBase):
 
     def _warmup_calls(self) -> None:
         w = self.worker
-        sp = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+        sp = SamplingParams(temperature=0.0, max_tokens=2)
         prompt = [0, 1 % w.vocab_size]
         try:
-            w.start(draft_pb2.StartRequest(items=[
-                draft_pb2.StartItem(request_id=WARMUP_ID, prompt_token_ids=prompt, params=sp, seed=1)]))
+            w.start([StartItem(WARMUP_ID, prompt, sp, 1)])
             n = max(0, min(self.k, w.max_model_len - len(prompt) - 1))
-            w.propose(draft_pb2.ProposeRequest(items=[
-                draft_pb2.ProposeItem(request_id=WARMUP_ID, num_tokens=n, seq_len=len(prompt))]))
+            w.propose([ProposeItem(WARMUP_ID, 0, [], n, len(prompt))])
         finally:
-            w.release(draft_pb2.DraftReleaseRequest(request_ids=[WARMUP_ID]))
+            w.release([WARMUP_ID])
 
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -476,14 +474,3 @@ class DraftActor(_ActorBase):
             self.state = "shut down"
         return {"index": self.index, "ok": True}
 
-
-def _vocab_size(model_spec: str) -> int:
-    """The target's vocabulary size without loading its weights (n-gram drafts need only that)."""
-    from specdist.models.loader import _quiet_transformers, resolve_model
-
-    src = resolve_model(model_spec, "target.model")
-    _quiet_transformers()
-    from transformers import AutoConfig
-
-    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    return int(AutoConfig.from_pretrained(src.directory, local_files_only=True, **kwargs).vocab_size)

@@ -208,9 +208,9 @@ def format_report(results: list[Result], args, spec_engine) -> str:
             f"T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} (measured {r.tokens / r.steps:.2f} tokens/step), "
             f"predicted {predicted:.1f} tok/s, measured {r.tokens_per_s:.1f} = {r.tokens_per_s / predicted:.0%} of prediction"
         )
-    kv = spec_engine.target.cache.bytes_per_token
+    kv = spec_engine.target_core.cache.bytes_per_token
     lines.append(f"KV cache: {kv} B/token target" + (
-        f", {spec_engine.proposer.cache.bytes_per_token} B/token draft" if hasattr(spec_engine.proposer, "cache") else ""))
+        f", {spec_engine.draft_core.cache.bytes_per_token} B/token draft" if getattr(spec_engine.draft_core, "cache", None) is not None else ""))
     return "\n".join(lines)
 
 

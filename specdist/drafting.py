@@ -1,0 +1,267 @@
+"""The drafting core: proposes tokens and returns the exact q each one was sampled from.
+
+:class:`DrafterCore` takes and returns the dataclasses of :mod:`specdist.transport`. The
+in-process engine calls it directly (:class:`LocalDrafter`); a draft worker hosts the same
+class behind gRPC (``workers/draft_worker.py``). Two methods:
+
+- ``model``: a small causal LM (a separate draft model, or the target's int8 ``self-w8``
+  copy) over its own slot KV cache. Each draft token is sampled from the *processed* draft
+  distribution (:func:`specdist.sampling.process_logits`, the transform the target applies to
+  p) after rounding it to ``r = fp16_exact(q)``, the distribution the wire can carry exactly:
+  the proposal reports r, the target verifies against r, so exactness holds on either
+  transport and both give the same tokens. Greedy requests have a one-hot q (no tensor).
+- ``ngram`` (prompt lookup): the continuation of the latest earlier occurrence of the
+  sequence's last n tokens (:class:`specdist.ngram.NgramIndex`); q is one-hot.
+
+Per request the core keeps the committed token sequence, the SamplingParams, its own
+generator (seeded with the StartItem seed, i.e. ``draft_seed(request seed)``), the tokens
+of its last proposal and, for model drafts, a KV slot. ``propose`` first commits what the
+target kept (``num_accepted`` of the last proposal, then ``new_token_ids``), rolling the
+cache back to the accepted prefix in O(1), then drafts ``num_tokens`` tokens.
+
+With ``confidence_threshold > 0`` a request stops drafting early once the draft's
+untempered probability of its latest token is below the threshold (that token is still
+proposed). The rule looks only at the draft's own distribution, so the draft length is
+fixed before verification and exactness is unaffected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdist.kv_cache import SlotKVCache
+from specdist.models.runner import CausalLMRunner
+from specdist.ngram import NgramIndex
+from specdist.request import now
+from specdist.sampling import process_logits, sample_from
+from specdist.sampling_params import SamplingParams
+from specdist.transport import (
+    CallTiming,
+    Proposal,
+    ProposeItem,
+    StartItem,
+    check_prompt,
+    check_request_ids,
+    call_local,
+    check_token_ids,
+    generator,
+    sampling_tensors,
+)
+from specdist.wire import fp16_exact
+
+# where the prompt K/V of a request already sit: (cache, slot) or None
+PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
+
+
+@dataclass
+class _DraftRequest:
+    seq: list[int]  # committed tokens (prompt + output)
+    params: SamplingParams
+    generator: torch.Generator = field(repr=False)
+    slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
+    index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
+    proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
+
+
+class DrafterCore:
+    """Not thread-safe: one call at a time."""
+
+    def __init__(self, runner: CausalLMRunner | None, vocab_size: int, max_model_len: int,
+                 confidence_threshold: float = 0.0, ngram: tuple[int, int] | None = None,
+                 prefix_source: PrefixSource | None = None):
+        if (runner is None) == (ngram is None):
+            raise ValueError("a drafter has either a model runner or n-gram settings")
+        self.runner = runner
+        self.ngram = ngram
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = max_model_len
+        self.confidence_threshold = confidence_threshold
+        self.prefix_source = prefix_source
+        self.requests: dict[str, _DraftRequest] = {}
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
+                   confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None) -> "DrafterCore":
+        """A model draft (``specdist.models.quant.quantized_copy(target)`` for self-w8)."""
+        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source)
+
+    @classmethod
+    def from_ngram(cls, vocab_size: int, max_model_len: int, ngram_min: int = 1, ngram_max: int = 3) -> "DrafterCore":
+        return cls(None, vocab_size, max_model_len, ngram=(ngram_min, ngram_max))
+
+    @property
+    def method(self) -> str:
+        return "ngram" if self.runner is None else "model"
+
+    @property
+    def cache(self) -> SlotKVCache | None:
+        return self.runner.cache if self.runner is not None else None
+
+    # ------------------------------------------------------------ calls
+    def start(self, items: list[StartItem]) -> CallTiming:
+        check_request_ids([it.request_id for it in items])
+        parsed = []
+        for i, it in enumerate(items):
+            if it.request_id in self.requests:
+                raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already started")
+            parsed.append((it, check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len,
+                                            f"items[{i}].prompt_token_ids")))
+        cache = self.cache
+        if cache is not None and len(items) > cache.num_free:
+            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {cache.num_free} are free")
+        t0 = now()
+        new = []
+        for it, prompt in parsed:
+            r = _DraftRequest(prompt, it.params, generator(it.seed))
+            if cache is not None:
+                r.slot = cache.allocate()
+                new.append((it.request_id, r))
+            else:
+                r.index = NgramIndex(*self.ngram)
+                r.index.extend(prompt)
+            self.requests[it.request_id] = r
+        todo = [(rid, r) for rid, r in new if len(r.seq) > 1]
+        computed = []
+        for rid, r in todo:  # prompt K/V another cache of the same layout already holds (self-w8)
+            src = self.prefix_source(rid) if self.prefix_source is not None else None
+            if src is not None and cache.same_layout(src[0]) and src[0].lengths[src[1]] >= len(r.seq) - 1:
+                cache.copy_prefix(src[0], src[1], r.slot, len(r.seq) - 1)
+            else:
+                computed.append(r)
+        if computed:
+            self.runner.forward([r.slot for r in computed], [r.seq[:-1] for r in computed], [0] * len(computed))
+        return CallTiming({"prefill": now() - t0})
+
+    def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        check_request_ids([it.request_id for it in items])
+        plan = []
+        for i, it in enumerate(items):
+            r = self.requests.get(it.request_id)
+            if r is None:
+                raise NotFound(f"items[{i}].request_id", f"unknown request {it.request_id!r}")
+            if not 0 <= it.num_accepted <= len(r.proposal):
+                raise InvalidArgument(
+                    f"items[{i}].num_accepted", f"is {it.num_accepted}; the last proposal had {len(r.proposal)} tokens")
+            new = check_token_ids(it.new_token_ids, self.vocab_size, f"items[{i}].new_token_ids")
+            seq_len = len(r.seq) + it.num_accepted + len(new)
+            if it.seq_len != seq_len:
+                raise FailedPrecondition(
+                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} would hold {seq_len} tokens")
+            if it.num_tokens < 0 or (it.num_tokens and seq_len + it.num_tokens + 1 > self.max_model_len):
+                raise InvalidArgument(
+                    f"items[{i}].num_tokens",
+                    f"{it.num_tokens} draft tokens after {seq_len} would pass the context limit {self.max_model_len}")
+            plan.append((r, int(it.num_accepted), new, int(it.num_tokens)))
+
+        t0 = now()
+        # ---- commit (everything validated: nothing below can fail on the inputs)
+        for r, n_acc, new, _ in plan:
+            prev = len(r.seq)
+            kept = r.proposal[:n_acc] + new
+            r.seq.extend(kept)
+            r.proposal = []
+            if r.index is not None:
+                r.index.extend(kept)
+            if r.slot is not None:  # the cache holds the accepted drafts, then stale ones: drop those
+                self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], prev + n_acc))
+        reqs = [p[0] for p in plan]
+        ks = [p[3] for p in plan]
+        if self.runner is None:
+            proposals = [Proposal(it.request_id, r.index.lookup(k) if k > 0 else []) for it, r, k in zip(items, reqs, ks)]
+        else:
+            toks, qs = self._draft_model(reqs, ks)
+            proposals = [Proposal(it.request_id, t, q) for it, t, q in zip(items, toks, qs)]
+        for r, p in zip(reqs, proposals):
+            r.proposal = list(p.token_ids)
+        return proposals, CallTiming({"draft": now() - t0})
+
+    def _draft_model(self, reqs: list[_DraftRequest], ks: list[int]):
+        """Sequential draft passes over the requests still drafting: (tokens, q [n, V] or None) per request."""
+        runner, cache = self.runner, self.cache
+        bsz = len(reqs)
+        toks: list[list[int]] = [[] for _ in range(bsz)]
+        rows_q: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
+        ks = list(ks)  # shortened when the confidence threshold stops a request early
+        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])
+        greedy = [r.params.temperature <= 0 for r in reqs]
+        for j in range(max(ks, default=0)):
+            rows = sorted((b for b in range(bsz) if ks[b] > j), key=lambda b: reqs[b].slot)  # contiguous slots: views
+            if not rows:
+                break
+            if j == 0:  # everything the cache has not seen yet (usually 1 or 2 tokens)
+                inputs = [reqs[b].seq[cache.lengths[reqs[b].slot]:] for b in rows]
+            else:
+                inputs = [[toks[b][-1]] for b in rows]
+            logits = runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V]
+            idx = torch.tensor(rows)
+            q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
+            sampled = [n for n, b in enumerate(rows) if not greedy[b]]
+            x = q.argmax(-1)  # [n]: greedy rows (one-hot q)
+            if sampled:
+                s = torch.tensor(sampled)
+                r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
+                u = torch.cat([torch.rand(1, generator=reqs[rows[n]].generator, dtype=torch.float64) for n in sampled])
+                x[s] = sample_from(r16, u)
+                for m, n in enumerate(sampled):
+                    rows_q[rows[n]].append(r16[m])
+            for b, t in zip(rows, x.tolist()):
+                toks[b].append(t)
+            if self.confidence_threshold > 0:
+                # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
+                conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
+                for b, c in zip(rows, conf.tolist()):
+                    if c < self.confidence_threshold:
+                        ks[b] = j + 1
+        qs = [torch.stack(rq) if rq else None for rq in rows_q]
+        return toks, qs
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            r = self.requests.pop(rid, None)
+            if r is not None and r.slot is not None:
+                self.cache.free(r.slot)
+
+    # ------------------------------------------------------------ introspection
+    def kv_slots_in_use(self) -> int:
+        return self.cache.num_used if self.cache is not None else 0
+
+    def health(self) -> dict:
+        return {
+            "ok": True,
+            "method": self.method,
+            "requests": len(self.requests),
+            "kv_slots_in_use": self.kv_slots_in_use(),
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+        }
+
+
+class LocalDrafter:
+    """The drafter transport for a core in this process: direct calls, field errors as TransportError."""
+
+    is_remote = False
+
+    def __init__(self, core: DrafterCore, name: str = "draft/0"):
+        self.core = core
+        self.name = name
+
+    def start(self, items: list[StartItem]) -> CallTiming:
+        return call_local(self.core.start, items)
+
+    def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        return call_local(self.core.propose, items)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.core.release(request_ids)
+
+    def kv_slots_in_use(self) -> int:
+        return self.core.kv_slots_in_use()
+
+    def close(self) -> None:
+        pass
+

@@ -1,0 +1,123 @@
+"""The remote transports: gRPC stubs to the workers that host the verifying and drafting cores.
+
+:class:`RemoteVerifier` calls a target worker (``TargetWorker`` service, the rank 0 of a
+possibly tensor-parallel target) and :class:`RemoteDrafter` a draft worker (``DraftWorker``
+service). They speak the dataclasses of :mod:`specdist.transport`, converted by
+:mod:`specdist.wire`; a draft's q travels as it came (the proposal keeps the messages and
+the verifier forwards them, no re-encoding).
+
+Errors: every gRPC failure becomes a :class:`~specdist.transport.TransportError`. The cores
+name the item they blame in the status details (``items[i].field: ...``); that item's
+request id goes on the error, otherwise every request of the call does.
+
+Timing: the worker reports the seconds its core spent, by phase, in the
+``specdist-timing`` trailing metadata (``forward=0.012,sampling=0.001``); the scheduler books
+the rest of each call's wall time as network.
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+from specdist.transport import (
+    CallTiming,
+    Proposal,
+    ProposeItem,
+    StartItem,
+    TransportError,
+    Verified,
+    VerifyItem,
+)
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.wire import (
+    proposal_from_proto,
+    propose_items_to_proto,
+    start_items_to_proto,
+    verified_from_proto,
+    verify_items_to_proto,
+)
+
+TIMING_METADATA_KEY = "specdist-timing"
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_ITEM = re.compile(r"^items\[(\d+)\]")
+
+
+def timing_metadata(timing: CallTiming) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a worker sends with a call's core timing."""
+    return ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in timing.phases.items())),)
+
+
+def _timing_of(call) -> CallTiming:
+    try:
+        for key, value in call.trailing_metadata() or ():
+            if key == TIMING_METADATA_KEY:
+                return CallTiming({k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)})
+    except (ValueError, AttributeError):  # absent or malformed: the whole call counts as network
+        pass
+    return CallTiming()
+
+
+class _Remote:
+    is_remote = True
+
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    def _call(self, method, request, request_ids: list[str]):
+        """(response, core timing); gRPC errors as TransportError naming the blamed request."""
+        try:
+            resp, call = method.with_call(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            details = e.details() or ""
+            m = _ITEM.match(details)
+            item = int(m.group(1)) if m and int(m.group(1)) < len(request_ids) else None
+            ids = [request_ids[item]] if item is not None else request_ids
+            raise TransportError(f"{self.address}: {details}", ids, e.code().name, item) from None
+        return resp, _timing_of(call)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteVerifier(_Remote):
+    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0):
+        super().__init__(address, timeout_s)
+        self.vocab_size = int(vocab_size)
+        self.name = f"target {address}"
+        self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+
+    def prefill(self, items: list[StartItem]) -> CallTiming:
+        _, timing = self._call(self.stub.Prefill, start_items_to_proto(items, target_pb2.PrefillRequest),
+                               [it.request_id for it in items])
+        return timing
+
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
+        resp, timing = self._call(self.stub.Verify, verify_items_to_proto(items, self.vocab_size),
+                                  [it.request_id for it in items])
+        return verified_from_proto(resp), timing
+
+    def release(self, request_ids: list[str]) -> None:
+        self._call(self.stub.Release, target_pb2.TargetReleaseRequest(request_ids=request_ids), request_ids)
+
+
+class RemoteDrafter(_Remote):
+    def __init__(self, address: str, timeout_s: float = 120.0):
+        super().__init__(address, timeout_s)
+        self.name = address
+        self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
+
+    def start(self, items: list[StartItem]) -> CallTiming:
+        _, timing = self._call(self.stub.Start, start_items_to_proto(items, draft_pb2.StartRequest),
+                               [it.request_id for it in items])
+        return timing
+
+    def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        resp, timing = self._call(self.stub.Propose, propose_items_to_proto(items), [it.request_id for it in items])
+        return [proposal_from_proto(p) for p in resp.proposals], timing
+
+    def release(self, request_ids: list[str]) -> None:
+        self._call(self.stub.Release, draft_pb2.DraftReleaseRequest(request_ids=request_ids), request_ids)

@@ -1,0 +1,532 @@
+"""The speculative step, written once, over a verifier and drafter replicas on any transport.
+
+:class:`Scheduler` holds the requests and runs one ``step()`` at a time:
+
+1. **admit** waiting requests while the target has room: pick a draft replica (by measured
+   speed, then load), ``verifier.prefill`` (every prompt token but the last goes into the
+   target's cache), ``drafter.start`` with :func:`~specdist.transport.draft_seed` of the
+   request seed;
+2. **choose** each request's draft length ``k_b`` (:mod:`specdist.draft_length`: a fixed k, or
+   adaptive from its observed acceptance and the measured costs, down to 0), capped so
+   neither ``max_tokens`` nor the context limit can be overrun inside a draft;
+3. **propose**: one call per replica with its requests that draft (replicas in parallel),
+   each item carrying what the target emitted since that request's last proposal;
+4. **verify**: one call for the whole batch; the verifier runs the target forward, the
+   rejection sampler and the KV rollback, and returns accepted counts and next tokens;
+5. **output**: stop tokens / strings, ``max_tokens`` and the context limit cut the output
+   (:class:`~specdist.stopping.OutputState`); finished requests are released everywhere.
+
+The scheduler never knows which transport it talks to (:mod:`specdist.transport`). A
+transport failure names the requests it concerns: a verifier failure ends them with
+``finish_reason="error"`` (the call is retried without an item the core blamed); a
+drafter failure detaches them from their drafter, and they go on without drafts (k = 0),
+so the output stays exact; no room (RESOURCE_EXHAUSTED) at admission puts requests back in
+the queue. ``step()`` does not raise for transport failures.
+
+Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "sampling"
+(logits processing and rejection sampling, inside the verifier), "cache" (rollback,
+releases), "output" (this process's bookkeeping) and, for remote transports, "network"
+(each call's wall time minus the compute its core reports).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from specdist.config import Config
+from specdist.draft_length import DraftLengthPolicy
+from specdist.errors import InvalidArgument
+from specdist.prompts import encode_prompt
+from specdist.request import Request, RequestOutput, now
+from specdist.sampling_params import SamplingParams
+from specdist.stopping import OutputState
+from specdist.transport import (
+    CallTiming,
+    Drafter,
+    ProposeItem,
+    StartItem,
+    TransportError,
+    Verifier,
+    VerifyItem,
+    draft_seed,
+)
+
+log = logging.getLogger(__name__)
+
+PHASES = ("prefill", "draft", "verify", "sampling", "cache", "output", "network")
+REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
+_PER_ITEM_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS")
+
+
+@dataclass
+class EngineStats:
+    """Wall time per phase (seconds), token counters and transport calls since the last reset."""
+
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class _Replica:
+    drafter: Drafter
+    live: int = 0  # requests started on it and not yet released
+    propose_s: float = 0.0
+    proposed_tokens: int = 0
+
+    @property
+    def latency_per_token(self) -> float:
+        return self.propose_s / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+class Scheduler:
+    """Continuous batching of speculative decoding over one verifier and any drafter replicas."""
+
+    def __init__(
+        self,
+        config: Config,
+        verifier: Verifier,
+        drafters: Sequence[Drafter] = (),
+        tokenizer=None,
+        eos_ids: frozenset[int] | Sequence[int] = frozenset(),
+        draft_max_batch_size: int | None = None,
+    ):
+        ec = config.engine
+        self.config = config
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.vocab_size = int(verifier.vocab_size)
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_model_len = ec.max_model_len
+        self.max_batch_size = ec.max_batch_size
+        self.draft_max_batch_size = draft_max_batch_size or ec.max_batch_size
+        self.replicas = [_Replica(d) for d in (drafters if config.draft.enabled else ())]
+        self.k = config.draft.num_speculative_tokens if self.replicas else 0
+        self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
+                                               num_replicas=max(1, len(self.replicas)))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._target_live = 0
+        self._ids = itertools.count()
+        self._core_ids = itertools.count()
+        self._uid = uuid.uuid4().hex[:8]
+        self._seeds = torch.Generator().manual_seed(ec.seed)
+        self._pool: ThreadPoolExecutor | None = None  # parallel Propose when several replicas draft
+        self._lock = threading.Lock()  # counters touched from the pool
+
+    @property
+    def num_draft_replicas(self) -> int:
+        return len(self.replicas)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, chat: bool = False) -> Request:
+        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.prompts)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
+        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len, chat=chat)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        req = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt=text,
+            prompt_ids=ids,
+            params=params,
+            output=OutputState(params, self.eos_ids, self.tokenizer),
+            seed=int(seed),
+            core_id=f"{self._uid}-{next(self._core_ids)}",
+        )
+        req.metrics.prompt_tokens = len(ids)
+        req.metrics.arrival_time = now()
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free everything it holds. False if it is unknown or done."""
+        for req in list(self.waiting) + self.running:
+            if req.request_id == request_id:
+                req.output.finish("abort")
+                self.release(req)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Run a batch of prompts together to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise InvalidArgument("prompts", "must be a list of prompts (text or token-id lists)")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidArgument("params", f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(self.add_request(p, sp, chat=chat))
+            while any(not r.finished for r in reqs):
+                self.step()
+        finally:  # an exception or interrupt mid-run must not leave slots or queue entries behind
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.request_id)
+        return [r.to_output() for r in reqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[str]:
+        """Yield text pieces as they are produced; the final output is then ``self.last_output``."""
+        req = self.add_request(prompt, params, chat=chat)
+        try:
+            while not req.finished:
+                self.step()
+                delta = req.output.take_delta()
+                if delta:
+                    yield delta
+            tail = req.output.take_delta()
+            if tail:
+                yield tail
+        finally:
+            if not req.finished:
+                self.abort(req.request_id)
+        self.last_output = req.to_output()
+
+    def release(self, r: Request) -> None:
+        """Free everything the request holds (queue entry, target and draft state). Idempotent."""
+        self._release([r])
+
+    def kv_slots_in_use(self) -> dict[str, int]:
+        """Requests admitted on the target and on each draft replica (each holds a slot there)."""
+        used = {"target": self._target_live}
+        if self.replicas:
+            used["draft"] = sum(rep.live for rep in self.replicas)
+            if len(self.replicas) > 1:
+                for i, rep in enumerate(self.replicas):
+                    used[f"draft/{i}"] = rep.live
+        return used
+
+    def replica_of(self, r: Request) -> int | None:
+        return r.replica
+
+    def close(self) -> None:
+        """Release every live request, then close the transports."""
+        for r in list(self.waiting) + list(self.running):
+            self.abort(r.request_id)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.verifier.close()
+        for rep in self.replicas:
+            rep.drafter.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[Request]:
+        """One verification for every running request. Returns the requests that advanced."""
+        self._admit()
+        if not self.running:
+            return []
+        t = self.stats.phase_s
+        policy = self.length_policy
+        tc = now()
+        reqs = list(self.running)
+        caps = [self._draft_len(r) for r in reqs]
+        ks = policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs],
+                           [r.metrics.steps == 0 and not self.waiting for r in reqs])
+
+        t0 = now()
+        self._propose(reqs, ks)
+        t1 = now()
+
+        items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
+        results, failed, timing, wall = self._call_isolating(self.verifier, self.verifier.verify, items)
+        self._account(timing, wall, self.verifier.is_remote, main="verify")
+        for i, msg in failed.items():
+            self._fail(reqs[i], f"target: {msg}")
+        ntok = sum(len(it.proposal or ()) + 1 for it in items)
+        policy.observe_verify(ntok, wall, len(items))
+        t2 = now()
+
+        advanced = []
+        done = [i for i in range(len(reqs)) if i not in failed]
+        for i, res in zip(done, results or []):
+            r = reqs[i]
+            advanced.append(r)
+            self._apply(r, res.num_accepted, res.next_token)
+        self.stats.steps += 1
+        t3 = now()
+        t["output"] += t3 - t2
+        policy.end_step()
+        policy.observe_overhead((t0 - tc) + (t3 - t2))
+        self._release([r for r in self.running if r.finished])
+        return advanced
+
+    def _apply(self, r: Request, n_acc: int, next_token: int) -> None:
+        """Fold one verification result into the request: output, counters, the next ProposeItem."""
+        p = r.proposal
+        drafted = list(p.token_ids) if p is not None else []
+        if p is not None:  # its drafter holds this proposal: the next ProposeItem says how much survived
+            r.num_accepted = n_acc
+        r.new_tokens.append(next_token)  # emitted since the last proposal (several when it skipped steps)
+        r.proposal = None
+        self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
+        out = r.output
+        kept = out.append(drafted[:n_acc] + [next_token])
+        # tokens of this step the output consumed: the kept ones, plus a stop token that ended it
+        used = kept + (1 if out.finished and isinstance(out.stop_reason, int) else 0)
+        # draft positions that counted: all of them, unless the output ended inside the draft
+        tried = min(len(drafted), used) if out.finished else len(drafted)
+        accepted = min(n_acc, used)
+        m = r.metrics
+        m.steps += 1
+        m.drafted += tried
+        m.accepted += accepted
+        m.emitted += used
+        self.stats.drafted += tried
+        self.stats.accepted += accepted
+        self.stats.emitted += kept
+        if m.first_token_time is None and (kept or r.finished):
+            m.first_token_time = now()
+        if not r.finished and r.seq_len >= self.max_model_len:
+            out.finish("length")
+
+    def _draft_len(self, r: Request) -> int:
+        """The most request r may draft: max_tokens and the context limit hold even if all are accepted."""
+        if r.replica is None:
+            return 0
+        remaining = r.params.max_tokens - len(r.output.token_ids)  # tokens it may still emit
+        room = self.max_model_len - r.seq_len  # context left
+        return max(0, min(self.k, remaining - 1, room - 1))
+
+    # ---------------------------------------------------------------- propose
+    def _propose(self, reqs: list[Request], ks: list[int]) -> None:
+        by_rep: dict[int, list[tuple[Request, int]]] = {}
+        for r, k in zip(reqs, ks):
+            if k > 0:
+                by_rep.setdefault(r.replica, []).append((r, k))
+        if not by_rep:
+            return
+        t0 = now()
+        if len(by_rep) == 1:
+            [(i, work)] = by_rep.items()
+            spans = [self._propose_on(i, work)]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="specdist-propose")
+            futures = [self._pool.submit(self._propose_on, i, work) for i, work in by_rep.items()]
+            spans = [f.result() for f in futures]
+        wall = now() - t0
+        compute = max((c for c, _ in spans), default=0.0)  # replicas draft in parallel: the slowest counts
+        remote = any(rem for _, rem in spans)
+        self.stats.phase_s["draft"] += min(compute, wall) if remote else wall
+        if remote:
+            self.stats.phase_s["network"] += wall - min(compute, wall)
+
+    def _propose_on(self, i: int, work: list[tuple[Request, int]]) -> tuple[float, bool]:
+        """Propose on replica i (may run on the pool). Returns (its compute seconds, is remote)."""
+        rep = self.replicas[i]
+        items = [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len) for r, k in work]
+        proposals, failed, timing, wall = self._call_isolating(rep.drafter, rep.drafter.propose, items)
+        ok = [r for j, (r, _) in enumerate(work) if j not in failed]
+        ntok = 0
+        for r, p in zip(ok, proposals or []):
+            r.proposal = p
+            r.num_accepted, r.new_tokens = 0, []  # committed on the drafter
+            ntok += len(p)
+        if ntok:
+            rep.propose_s += wall
+            rep.proposed_tokens += ntok
+            self.length_policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall)
+        for j, msg in failed.items():  # detached from the drafter; released by the step afterwards
+            self._detach(work[j][0], f"draft {rep.drafter.name}: {msg}")
+        compute = timing.total if rep.drafter.is_remote else wall
+        return min(compute, wall), rep.drafter.is_remote
+
+    # ---------------------------------------------------------------- admission
+    def _pick_replica(self, free: list[int], live: list[int]) -> int:
+        """The replica for a new request (``live``: its requests incl. this admission's so far).
+
+        Predicted time of a full draft (k passes) with one more request, from the fitted
+        per-replica costs (0 while unmeasured, so every replica gets tried); the replicas within
+        ``REPLICA_SPEED_SLACK`` of the fastest compete on fewest live requests, then the lower
+        measured Propose time per token, then the lower index.
+        """
+        fits = self.length_policy.draft_cost
+        k = max(1, self.k)
+        pred = {i: fits[i].predict(1, k, k * (live[i] + 1)) if fits[i].ready else 0.0 for i in free}
+        best = min(pred.values())
+        near = [i for i in free if pred[i] <= best * REPLICA_SPEED_SLACK + 1e-9]
+        return min(near, key=lambda i: (live[i], self.replicas[i].latency_per_token, i))
+
+    def _admit(self) -> None:
+        new: list[Request] = []
+        cap = [self.draft_max_batch_size - rep.live for rep in self.replicas]
+        while self.waiting and self._target_live + len(new) < self.max_batch_size:
+            r = self.waiting[0]
+            if self.replicas:
+                free = [i for i in range(len(self.replicas)) if cap[i] > 0]
+                if not free:
+                    break
+                i = self._pick_replica(free, [self.draft_max_batch_size - c for c in cap])
+                cap[i] -= 1
+                r.replica = i
+            new.append(self.waiting.popleft())
+        if not new:
+            return
+        t0 = now()
+        items = [StartItem(r.core_id, r.prompt_ids, r.params, r.seed) for r in new]
+        _, failed, timing, wall = self._call_isolating(self.verifier, self.verifier.prefill, items)
+        if timing.phases.get("prefill"):
+            self.length_policy.observe_verify(sum(len(it.prompt_ids) - 1 for it in items), timing.phases["prefill"])
+        requeue = []
+        for j, r in enumerate(new):
+            if j not in failed:
+                r.on_target = True
+                self._target_live += 1
+            elif failed[j].startswith("RESOURCE_EXHAUSTED"):
+                requeue.append(r)
+            else:
+                self._fail(r, f"target: {failed[j]}")
+        admitted = [r for j, r in enumerate(new) if j not in failed]
+        by_rep: dict[int, list[Request]] = {}
+        for r in admitted:
+            if r.replica is not None:
+                by_rep.setdefault(r.replica, []).append(r)
+        for i, rs in by_rep.items():
+            rep = self.replicas[i]
+            items = [StartItem(r.core_id, r.prompt_ids, r.params, draft_seed(r.seed)) for r in rs]
+            _, dfailed, _, _ = self._call_isolating(rep.drafter, rep.drafter.start, items)
+            for j, r in enumerate(rs):
+                if j not in dfailed:
+                    r.on_drafter = True
+                    rep.live += 1
+                elif dfailed[j].startswith("RESOURCE_EXHAUSTED"):
+                    requeue.append(r)
+                else:
+                    self._detach(r, f"draft {rep.drafter.name}: {dfailed[j]}")
+        for r in reversed(requeue):  # back to the queue front, everything it took freed
+            self._release_remote([r])
+            r.replica = None
+            self.waiting.appendleft(r)
+        self.running.extend(r for r in admitted if r not in requeue and not r.finished)
+        self._release([r for r in new if r.finished])
+        self.stats.phase_s["prefill"] += now() - t0
+
+    # ---------------------------------------------------------------- calls and failures
+    def _call_isolating(self, transport, method, items: list):
+        """``method(items)``; a failure blaming one item drops that item and retries the rest.
+
+        Returns (results or None, {index: "CODE: message"}, the core's timing, wall seconds).
+        A failure naming no single item fails every remaining item.
+        """
+        idx = list(range(len(items)))
+        failed: dict[int, str] = {}
+        t0 = now()
+        while idx:
+            with self._lock:
+                self.stats.calls += 1
+            try:
+                out = method([items[i] for i in idx])
+            except TransportError as e:
+                if e.item is not None and e.code in _PER_ITEM_CODES and e.item < len(idx):
+                    failed[idx.pop(e.item)] = f"{e.code}: {e}"
+                    continue
+                for i in idx:
+                    failed[i] = f"{e.code}: {e}"
+                return None, failed, CallTiming(), now() - t0
+            results, timing = out if isinstance(out, tuple) else (None, out)
+            return results, failed, timing, now() - t0
+        return None, failed, CallTiming(), now() - t0
+
+    def _account(self, timing: CallTiming, wall: float, remote: bool, main: str) -> None:
+        """Book a call's wall time: the core's own phases, the rest to the network (remote) or ``main``."""
+        t = self.stats.phase_s
+        core = 0.0
+        for name, s in timing.phases.items():
+            key = "verify" if name == "forward" else name
+            s = min(s, wall - core)
+            t[key] = t.get(key, 0.0) + s
+            core += s
+        t["network" if remote else main] += max(0.0, wall - core)
+
+    def _fail(self, r: Request, message: str) -> None:
+        if not r.finished:
+            r.error = message
+            r.output.finish("error")
+        log.warning("request %s failed: %s", r.request_id, message)
+
+    def _detach(self, r: Request, message: str) -> None:
+        """Its drafter failed: release it there (best effort) and go on without drafts."""
+        log.warning("request %s continues without drafts: %s", r.request_id, message)
+        r.proposal = None
+        self._release_drafter([r])
+        r.replica = None
+
+    # ---------------------------------------------------------------- release
+    def _release(self, reqs: list[Request]) -> None:
+        if not reqs:
+            return
+        t0 = now()
+        for r in reqs:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if r in self.running:
+                self.running.remove(r)
+            if r.metrics.finish_time is None:
+                r.metrics.finish_time = now()
+        self._release_remote(reqs)
+        self.stats.phase_s["cache"] += now() - t0
+
+    def _release_remote(self, reqs: list[Request]) -> None:
+        """Release on the target and each drafter (one call per core). Best effort: release is idempotent."""
+        tgt = [r for r in reqs if r.on_target]
+        if tgt:
+            try:
+                self.verifier.release([r.core_id for r in tgt])
+            except TransportError as e:
+                log.warning("target release failed (%s); it may keep %d slots", e, len(tgt))
+            self.stats.calls += 1
+            for r in tgt:
+                r.on_target = False
+                self._target_live -= 1
+        self._release_drafter(reqs)
+
+    def _release_drafter(self, reqs: list[Request]) -> None:
+        by_rep: dict[int, list[Request]] = {}
+        for r in reqs:
+            if r.on_drafter:
+                by_rep.setdefault(r.replica, []).append(r)
+        for i, rs in by_rep.items():
+            rep = self.replicas[i]
+            try:
+                rep.drafter.release([r.core_id for r in rs])
+            except TransportError as e:
+                log.warning("draft %s release failed (%s)", rep.drafter.name, e)
+            self.stats.calls += 1
+            for r in rs:
+                r.on_drafter = False
+                rep.live -= 1

@@ -1,0 +1,219 @@
+"""What the scheduler and its drafters / verifier exchange: typed batches, results, one error type.
+
+The scheduler (:mod:`specdist.scheduler`) talks to one :class:`Verifier` (the target) and a
+list of :class:`Drafter` replicas. Each has two transports: local (direct calls on the cores
+of :mod:`specdist.verifying` and :mod:`specdist.drafting`, in this process) and remote (gRPC
+stubs to the workers that host the same cores, :mod:`specdist.remote`). Both move these
+dataclasses; the gRPC servicers convert them to and from protobuf (:mod:`specdist.wire`).
+
+A request lives on a core under a ``request_id`` chosen by the scheduler. Its life:
+
+    verifier.prefill([StartItem])   drafter.start([StartItem])           (admission)
+    drafter.propose([ProposeItem])  -> [Proposal]                         (per step, k > 0)
+    verifier.verify([VerifyItem])   -> [Verified]                         (per step)
+    verifier.release([id])          drafter.release([id])                (finish / abort)
+
+Every call is all or nothing: the core validates the whole batch before it changes any
+state. A failure raises :class:`TransportError` carrying the request ids it concerns (one
+item, or the whole call when no item is to blame); the scheduler decides what that means.
+
+Seeds: a request's seed gives the verifier's generator directly and the drafter's through
+:func:`draft_seed`, on either transport, so one seed gives one output wherever it runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdist.errors import FieldError, InvalidArgument, SpecDistError
+from specdist.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- batches and results
+@dataclass
+class StartItem:
+    """Admit a request: the verifier prefills it, a drafter starts it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the generator seed of the core that receives it (drafters: draft_seed(request seed))
+
+
+@dataclass
+class ProposeItem:
+    """Draft for one request, after committing what the target emitted since its last proposal."""
+
+    request_id: str
+    num_accepted: int  # tokens of the drafter's previous proposal that the target accepted
+    new_token_ids: list[int]  # tokens the target emitted after those (one per step since then)
+    num_tokens: int  # draft length k_b for this step (0: commit only)
+    seq_len: int  # tokens the request holds once that is committed (a consistency check)
+    preferred_format: int = 0  # wire encoding the caller prefers for q (DistributionFormat; 0: any)
+
+
+@dataclass
+class Proposal:
+    """The drafted tokens and the exact distributions they were sampled from.
+
+    ``q`` and ``wire`` are two encodings of the same distributions (bit for bit): ``q`` as a
+    tensor, ``wire`` as the ``DraftDistribution`` messages a remote drafter sent. Neither set
+    means every q row is one-hot on its token (greedy requests, n-gram drafts).
+    """
+
+    request_id: str
+    token_ids: list[int]  # [n]
+    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.wire.fp16_exact)
+    wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class VerifyItem:
+    request_id: str
+    seq_len: int  # tokens the request holds (prompt + output) before this step
+    proposal: Proposal | None = None  # None: no drafts this step (the target emits one token)
+
+
+@dataclass
+class Verified:
+    request_id: str
+    num_accepted: int  # leading draft tokens accepted
+    next_token: int  # the residual or bonus token sampled after them
+
+
+@dataclass
+class CallTiming:
+    """Seconds a core spent on one call, by phase ("forward", "sampling", "draft", ...)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+
+class TransportError(SpecDistError):
+    """A drafter or verifier call failed for ``request_ids`` (all of the call's when none is named).
+
+    ``code`` is the gRPC status name ("INVALID_ARGUMENT", "UNAVAILABLE", ...); ``item`` is the
+    index of the one item the core blamed, or None.
+    """
+
+    def __init__(self, message: str, request_ids: Sequence[str], code: str = "INTERNAL", item: int | None = None):
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+        self.code = code
+        self.item = item
+
+
+# ---------------------------------------------------------------- the interfaces
+class Verifier(Protocol):
+    vocab_size: int
+    is_remote: bool
+
+    def prefill(self, items: list[StartItem]) -> CallTiming: ...
+
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Drafter(Protocol):
+    name: str
+    is_remote: bool
+
+    def start(self, items: list[StartItem]) -> CallTiming: ...
+
+    def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- seeds
+# The draft's random stream must differ from the target's (else draft samples and acceptance
+# uniforms could be correlated, which breaks exactness). XOR with a fixed odd 64-bit constant is
+# a bijection on uint64 without fixed points, so the two seeds always differ and a fixed request
+# seed still reproduces the whole run.
+DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
+
+
+def draft_seed(seed: int) -> int:
+    """The drafter's generator seed for a request whose verifier generator is seeded with ``seed``."""
+    return (int(seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
+
+
+def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed) & 0xFFFFFFFFFFFFFFFF)
+
+
+# ---------------------------------------------------------------- checks the cores share
+def check_request_ids(ids: Sequence[str], field: str = "items") -> None:
+    """Non-empty and distinct within one call."""
+    seen: set[str] = set()
+    for i, rid in enumerate(ids):
+        if not rid:
+            raise InvalidArgument(f"{field}[{i}].request_id", "must be non-empty")
+        if rid in seen:
+            raise InvalidArgument(f"{field}[{i}].request_id", f"duplicate request id {rid!r} in one call")
+        seen.add(rid)
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
+    out = [operator.index(t) for t in ids]
+    for t in out:
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(field, f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def check_prompt(ids, vocab_size: int, max_model_len: int, field: str) -> list[int]:
+    out = check_token_ids(ids, vocab_size, field)
+    if not out:
+        raise InvalidArgument(field, "is empty")
+    if len(out) >= max_model_len:
+        raise InvalidArgument(field, f"has {len(out)} tokens; the context limit is {max_model_len} (prompt + output)")
+    return out
+
+
+def sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str = "cpu"):
+    """Per-request (temperature [B] float32, top_k [B] long, top_p [B] float32) for process_logits."""
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return temp, top_k, top_p
+
+
+_ITEM_PREFIX = "items["
+
+
+def error_for_items(e: FieldError, request_ids: Sequence[str]) -> TransportError:
+    """A core's field error as a TransportError: the item it names, or the whole call."""
+    item = None
+    if e.field.startswith(_ITEM_PREFIX):
+        try:
+            item = int(e.field[len(_ITEM_PREFIX):e.field.index("]")])
+        except ValueError:
+            item = None
+    if item is not None and 0 <= item < len(request_ids):
+        return TransportError(str(e), [request_ids[item]], e.status, item)
+    return TransportError(str(e), request_ids, e.status)
+
+
+def call_local(fn, items: list):
+    """Call a core in this process; its field errors become TransportErrors, as over gRPC."""
+    try:
+        return fn(items)
+    except FieldError as e:
+        raise error_for_items(e, [it.request_id for it in items]) from None

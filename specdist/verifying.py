@@ -1,0 +1,315 @@
+"""The verifying core: holds the target model (or one tensor-parallel shard) and verifies drafts.
+
+:class:`VerifierCore` takes and returns the dataclasses of :mod:`specdist.transport`. The
+in-process engine calls it directly (:class:`LocalVerifier`); a target worker hosts the same
+class behind gRPC (``workers/target_worker.py``). Per request it keeps a KV slot, the token
+sequence (prompt + emitted tokens; all but the last are in the cache), the SamplingParams
+and its own generator seeded with the request seed.
+
+- ``prefill``: take a slot per request and write every prompt token but the last (the last
+  one is fed with the first draft);
+- ``verify``: one ragged forward over ``[last token, d_1..d_k]`` per request, the logits
+  processed with each request's params (:func:`specdist.sampling.process_logits`, the same
+  transform the draft used for q), ``num_draft + 1`` uniforms per request from its generator,
+  :func:`specdist.verification.rejection_sample`, then the cache rolled back to the accepted
+  prefix (O(1)) and ``accepted + next`` appended to the sequence;
+- ``release``: free the slot. Idempotent.
+
+Tensor parallelism (``world_size > 1``): only rank 0 is called. Cache operations that need
+no collective (allocate, free, rollback) are applied on rank 0 at once and queued; right
+before every forward rank 0 broadcasts ``queued ops + the forward`` with the ``broadcast``
+function it was given, and ranks > 0, inside :meth:`follow`, replay them in the same order
+on their shard. At every forward (where the all-reduces happen) every rank's cache
+bookkeeping is therefore identical. :meth:`shutdown` flushes the queue and ends the
+followers' loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdist.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from specdist.models.runner import CausalLMRunner
+from specdist.request import now
+from specdist.sampling import process_logits
+from specdist.sampling_params import SamplingParams
+from specdist.transport import (
+    CallTiming,
+    StartItem,
+    Verified,
+    VerifyItem,
+    check_prompt,
+    check_request_ids,
+    call_local,
+    check_token_ids,
+    generator,
+    sampling_tensors,
+)
+from specdist.verification import rejection_sample
+from specdist.wire import ONE_HOT, decode_distribution
+
+
+@dataclass
+class _TargetRequest:
+    slot: int
+    seq: list[int]  # prompt + emitted tokens; all but the last are in the cache
+    params: SamplingParams
+    generator: torch.Generator = field(repr=False)
+
+
+def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
+    """Apply one cache / forward operation; the same code on every tensor-parallel rank."""
+    kind = op[0]
+    if kind == "forward":
+        return runner.forward(op[1], op[2], op[3])
+    if kind == "allocate":
+        slot = runner.cache.allocate()
+        if slot != op[1]:
+            raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
+        return slot
+    if kind == "free":
+        runner.cache.free(op[1])
+    elif kind == "rollback":
+        runner.cache.rollback(op[1], op[2])
+    elif kind != "shutdown":
+        raise ValueError(f"unknown operation {kind!r}")
+    return None
+
+
+class VerifierCore:
+    """One target model (or one tensor-parallel shard of it). Not thread-safe: one call at a time."""
+
+    def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
+                 broadcast: Callable[[Any], Any] | None = None):
+        if world_size > 1 and broadcast is None:
+            raise ValueError("a tensor-parallel verifier needs a broadcast function")
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_model_len = runner.max_len
+        self.rank, self.world_size = rank, world_size
+        self._broadcast = broadcast
+        self.requests: dict[str, _TargetRequest] = {}
+        self._pending: list[tuple] = []  # ops applied on rank 0, not yet sent to the followers
+        self.closed = False
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    # ------------------------------------------------------------ op plumbing
+    def _local(self, op: tuple) -> Any:
+        """A collective-free op: apply now, replay on the followers before the next forward."""
+        out = apply_op(self.runner, op)
+        if self.world_size > 1:
+            self._pending.append(op)
+        return out
+
+    def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        op = ("forward", slots, tokens, num_logits)
+        if self.world_size > 1:
+            self._broadcast(self._pending + [op])
+            self._pending = []
+        return apply_op(self.runner, op)
+
+    def _check_leader(self) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 of a tensor-parallel target serves calls; other ranks run follow()")
+        if self.closed:
+            raise FailedPrecondition("worker", "is shut down")
+
+    def follow(self) -> int:
+        """Ranks > 0: replay rank 0's operations until it shuts down. Returns the forwards run."""
+        if self.rank == 0:
+            raise RuntimeError("follow() is for ranks > 0")
+        forwards = 0
+        while True:
+            for op in self._broadcast(None):
+                apply_op(self.runner, op)
+                if op[0] == "forward":
+                    forwards += 1
+                elif op[0] == "shutdown":
+                    return forwards
+
+    def shutdown(self) -> None:
+        """Rank 0: flush queued ops and release the followers from follow(). Idempotent."""
+        if self.rank != 0 or self.closed:
+            return
+        self.closed = True
+        if self.world_size > 1:
+            self._broadcast(self._pending + [("shutdown",)])
+            self._pending = []
+
+    # ------------------------------------------------------------ calls
+    def prefill(self, items: list[StartItem]) -> CallTiming:
+        self._check_leader()
+        check_request_ids([it.request_id for it in items])
+        parsed = []
+        for i, it in enumerate(items):
+            if it.request_id in self.requests:
+                raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already admitted")
+            prompt = check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len, f"items[{i}].prompt_token_ids")
+            parsed.append((it, prompt))
+        if len(items) > self.cache.num_free:
+            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.cache.num_free} are free")
+        t0 = now()
+        admitted = []
+        for it, prompt in parsed:
+            slot = self.cache.allocate()  # lowest free slot: the followers get the same one
+            if self.world_size > 1:
+                self._pending.append(("allocate", slot))
+            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, generator(it.seed))
+            admitted.append(r)
+        todo = [r for r in admitted if len(r.seq) > 1]
+        if todo:
+            self._forward([r.slot for r in todo], [r.seq[:-1] for r in todo], [0] * len(todo))
+        return CallTiming({"prefill": now() - t0})
+
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
+        self._check_leader()
+        check_request_ids([it.request_id for it in items])
+        if not items:
+            return [], CallTiming()
+        reqs, drafts, qs = self._check_verify(items)
+        bsz, vocab = len(reqs), self.vocab_size
+        nd = [len(d) for d in drafts]
+        kdim = max(nd)
+
+        t0 = now()
+        order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # contiguous slots attend through views
+        logits_sorted = self._forward(
+            [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order]
+        )  # [B, kdim + 1, V] in slot order
+        logits = torch.empty_like(logits_sorted)
+        logits[torch.tensor(order)] = logits_sorted
+        t1 = now()
+
+        num_draft = torch.tensor(nd, dtype=torch.long)  # [B]
+        pos_valid = torch.arange(kdim + 1)[None, :] <= num_draft[:, None]  # [B, K+1]
+        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])
+        rows = pos_valid.nonzero()[:, 0]  # request index of each valid (request, position)
+        probs = torch.zeros(bsz, kdim + 1, vocab)  # [B, K+1, V]
+        probs[pos_valid] = process_logits(logits[:, : kdim + 1][pos_valid], temp[rows], top_k[rows], top_p[rows])
+        tokens = torch.full((bsz, kdim), -1, dtype=torch.long)  # [B, K]
+        q = None
+        if any(x is not None for x in qs):
+            q = torch.zeros(bsz, kdim, vocab)  # [B, K, V]
+        acc_u = torch.ones(bsz, kdim, dtype=torch.float64)  # [B, K]
+        smp_u = torch.empty(bsz, dtype=torch.float64)  # [B]
+        for b, r in enumerate(reqs):
+            if nd[b]:
+                tokens[b, : nd[b]] = torch.tensor(drafts[b])
+                if q is not None:
+                    if qs[b] is None:  # one-hot rows
+                        q[b, torch.arange(nd[b]), tokens[b, : nd[b]]] = 1.0
+                    else:
+                        q[b, : nd[b]] = qs[b]
+            u = torch.rand(nd[b] + 1, generator=r.generator, dtype=torch.float64)
+            acc_u[b, : nd[b]] = u[:-1]
+            smp_u[b] = u[-1]
+        res = rejection_sample(probs, q, tokens, num_draft, acc_u, smp_u)
+        n_acc = res.num_accepted.tolist()
+        final = res.tokens[torch.arange(bsz), res.num_accepted].tolist()
+        t2 = now()
+
+        out = []
+        for b, (it, r) in enumerate(zip(items, reqs)):
+            prev = len(r.seq)
+            self._local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
+            r.seq.extend(drafts[b][: n_acc[b]])
+            r.seq.append(final[b])
+            out.append(Verified(it.request_id, n_acc[b], final[b]))
+        return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
+
+    def _check_verify(self, items: list[VerifyItem]):
+        """Validate a whole verify batch: (requests, draft token lists, q [n, V] or None per item)."""
+        reqs, drafts, qs = [], [], []
+        for i, it in enumerate(items):
+            r = self.requests.get(it.request_id)
+            if r is None:
+                raise NotFound(f"items[{i}].request_id", f"unknown request {it.request_id!r}")
+            if it.seq_len != len(r.seq):
+                raise FailedPrecondition(
+                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} holds {len(r.seq)} tokens")
+            p = it.proposal
+            d = check_token_ids(p.token_ids, self.vocab_size, f"items[{i}].draft_token_ids") if p else []
+            if len(r.seq) + len(d) + 1 > self.max_model_len:
+                raise InvalidArgument(
+                    f"items[{i}].draft_token_ids",
+                    f"{len(d)} draft tokens after {len(r.seq)} would pass the context limit {self.max_model_len}")
+            q = None
+            if p is not None and p.wire is not None:
+                if len(p.wire) != len(d):
+                    raise InvalidArgument(f"items[{i}].draft_probs",
+                                          f"has {len(p.wire)} entries for {len(d)} draft tokens")
+                if d and any(m.format != ONE_HOT for m in p.wire):  # all one-hot: no tensor needed
+                    q = torch.stack([decode_distribution(m, self.vocab_size, t, f"items[{i}].draft_probs[{j}]")
+                                     for j, (m, t) in enumerate(zip(p.wire, d))])
+            elif p is not None and p.q is not None:
+                if tuple(p.q.shape) != (len(d), self.vocab_size):
+                    raise InvalidArgument(f"items[{i}].draft_probs",
+                                          f"has shape {tuple(p.q.shape)}, want ({len(d)}, {self.vocab_size})")
+                q = p.q.float().cpu()
+            reqs.append(r)
+            drafts.append(d)
+            qs.append(q)
+        return reqs, drafts, qs
+
+    def release(self, request_ids: list[str]) -> None:
+        self._check_leader()
+        for rid in request_ids:
+            r = self.requests.pop(rid, None)
+            if r is not None:
+                self._local(("free", r.slot))
+
+    # ------------------------------------------------------------ introspection
+    def kv_slots_in_use(self) -> int:
+        return self.cache.num_used
+
+    def health(self) -> dict:
+        return {
+            "ok": not self.closed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "requests": len(self.requests),
+            "kv_slots_in_use": self.kv_slots_in_use(),
+            "kv_slots_total": self.cache.num_slots,
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+        }
+
+
+class LocalVerifier:
+    """The verifier transport for a core in this process: direct calls, field errors as TransportError."""
+
+    is_remote = False
+
+    def __init__(self, core: VerifierCore):
+        self.core = core
+        self.vocab_size = core.vocab_size
+        self.name = "target"
+
+    def prefill(self, items: list[StartItem]) -> CallTiming:
+        return call_local(self.core.prefill, items)
+
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
+        return call_local(self.core.verify, items)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.core.release(request_ids)
+
+    def kv_slots_in_use(self) -> int:
+        return self.core.kv_slots_in_use()
+
+    def close(self) -> None:
+        pass
+

@@ -1,0 +1,48 @@
+"""What the target and draft servicers share: one thread for the core, errors as gRPC statuses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specdist.errors import FieldError, SpecDistError
+from specdist.remote import timing_metadata
+from specdist.transport import CallTiming
+
+
+def status_code_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status for one of specdist's field errors; INTERNAL for anything else."""
+    return getattr(grpc.StatusCode, exc.status) if isinstance(exc, FieldError) else grpc.StatusCode.INTERNAL
+
+
+class BlockingCallRunner:
+    """Runs a core's blocking calls on ONE thread (models and collectives are not thread-safe).
+
+    ``fn(request)`` returns ``(response, CallTiming or None)``; the timing goes back in the
+    trailing metadata. specdist errors become their status code, anything else INTERNAL.
+    """
+
+    def __init__(self, name: str, executor: ThreadPoolExecutor | None = None):
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def call(self, fn: Callable, request, context):
+        loop = asyncio.get_running_loop()
+        try:
+            response, timing = await loop.run_in_executor(self.executor, fn, request)
+        except SpecDistError as e:
+            await context.abort(status_code_for(e), str(e))
+        except Exception as e:  # a bug or a broken model: say so instead of hanging the caller
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        if isinstance(timing, CallTiming) and timing.phases:
+            context.set_trailing_metadata(timing_metadata(timing))
+        return response
+
+    def run(self, fn: Callable, *args):
+        """Run ``fn`` on the core's thread from outside gRPC (warm-up, shutdown) and wait."""
+        return self.executor.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
