@@ -13,8 +13,9 @@ Shape::
       model: null                    # local HF causal LM (method: model only), same vocabulary
       dtype: float32
       num_speculative_tokens: 4      # draft length k (the maximum under adaptive or confidence_threshold > 0)
-      length_policy: fixed           # fixed: every request drafts k | adaptive: per request and step, from its
-                                     #   observed acceptance and the measured step costs (specdist/draft_length.py)
+      length_policy: adaptive        # adaptive: per request and step, from its observed acceptance and the
+                                     #   measured step costs, down to 0 under load (specdist/draft_length.py)
+                                     #   | fixed: every request drafts k (seeded runs reproduce token for token)
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
@@ -25,7 +26,7 @@ Shape::
       num_threads: null              # torch intra-op threads; null keeps torch's default
       seed: 0                        # seeds requests that do not bring their own
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
-      enabled: false                 # false: today's single-process engine; true: Ray actors over gRPC
+      enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
                                      #   attention and KV head counts (checked at bring-up by shard_model)
       num_draft_workers: 1           # draft replicas, one actor each; >= 1 unless draft.method is none (then 0)
@@ -65,12 +66,12 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
-    method: str = "none"
+    method: str = "self-w8"
     model: str | None = None
     dtype: str = "float32"
     num_speculative_tokens: int = 4
     confidence_threshold: float = 0.0
-    length_policy: str = "fixed"
+    length_policy: str = "adaptive"
     ngram_min: int = 1
     ngram_max: int = 3
 
