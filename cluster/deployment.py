@@ -13,7 +13,9 @@ in parallel over the actors and each bounded by what is left of ``timeout_s``:
 6. ``serve``: gRPC on rank 0 and on every draft.
 
 A phase that does not finish in time raises :class:`DeploymentError` naming the actors that
-did not come up (and the phase); any failure tears down everything created so far.
+did not come up (and the phase); any failure tears down everything created so far. Each
+phase that completes is logged (``specdist.load`` logger, INFO) with the time since ``start``:
+bring-up takes a minute on a small machine, and the log says where it is.
 :meth:`Deployment.stop` shuts every actor down (rank 0's shutdown broadcast releases the
 followers), ``ray.kill``s them, waits until they are gone and removes the placement groups.
 
@@ -24,11 +26,15 @@ an explicit :class:`ClusterSpec` still overrides it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from specdist.config import Config, load_config
 from specdist.errors import SpecDistError
+
+
+log = logging.getLogger("specdist.load")
 
 
 class DeploymentError(SpecDistError):
@@ -110,6 +116,7 @@ class Deployment:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     _owns_ray: bool = False
+    _t0: float = 0.0  # monotonic time start() began: the bring-up log's clock
 
     @classmethod
     def from_config(cls, config, **deployment) -> "Deployment":
@@ -137,6 +144,7 @@ class Deployment:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
         deadline = time.monotonic() + timeout_s
+        self._t0 = time.monotonic()
         use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
@@ -145,6 +153,7 @@ class Deployment:
                 cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
                 gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()), name=spec.name,
             )
+            self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
             self._create_actors(use_gpu)
             self._bring_up(cfg, host, device, deadline, timeout_s)
         except BaseException as e:
@@ -197,11 +206,13 @@ class Deployment:
         wait = lambda phase, calls: self._wait(phase, calls, deadline, timeout_s)  # noqa: E731
 
         wait("start", {h.name: h.actor.ping.remote() for h in everyone})
+        self._done("start", f"{len(everyone)} actor(s) up")
         if spec.tensor_parallel_size > 1:
             (ip, port), = wait("rendezvous", {self.targets[0].name: self.targets[0].actor.address.remote()}).values()
         else:
             ip, port = "127.0.0.1", 0
         wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in self.targets})
+        self._done("rendezvous", f"{len(self.targets)} target rank(s) joined")
         loads = {h.name: h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len)
                  for h in self.targets}
         for h in self.drafts:
@@ -209,11 +220,15 @@ class Deployment:
                 dc.method, cfg.target.model, dc.model, dc.dtype, dc.num_speculative_tokens, ec.max_batch_size,
                 ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, device)
         wait("load", loads)
+        self._done("load", f"{cfg.target.model} on {len(self.targets)} rank(s), "
+                           f"{len(self.drafts)} {dc.method} draft(s)")
         for h in self.targets[1:]:
             self.follower_refs[h.rank] = h.actor.run_follower.remote()
+        self._done("follow", f"{len(self.follower_refs)} follower rank(s)")
         warm = [self.targets[0]] + self.drafts
         self._wait("warmup", {h.name: h.actor.warmup.remote() for h in warm}, deadline, timeout_s,
                    watch_followers=True)
+        self._done("warmup", f"{len(warm)} actor(s)")
         ports = list(spec.draft_ports) + [0] * (len(self.drafts) - len(spec.draft_ports))
         calls = {self.targets[0].name: self.targets[0].actor.start_grpc.remote(host, spec.target_port)}
         for h, p in zip(self.drafts, ports):
@@ -223,6 +238,10 @@ class Deployment:
         for h in self.drafts:
             h.address = addrs[h.name]
         self.draft_addresses = [h.address for h in self.drafts]
+        self._done("serve", f"target at {self.target_address}, drafts at {', '.join(self.draft_addresses) or '-'}")
+
+    def _done(self, phase: str, what: str) -> None:
+        log.info("bring-up: %s done after %.1f s (%s)", phase, time.monotonic() - self._t0, what)
 
     def _wait(self, phase: str, calls: dict, deadline: float, timeout_s: float, watch_followers: bool = False) -> dict:
         """ray.get every call by the deadline; raise DeploymentError naming what did not come up."""

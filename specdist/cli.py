@@ -7,67 +7,142 @@
     specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png]
     specdist bench engine [--quick]
 
-Bad input is a one-line ``specdist: error: ...`` on stderr and exit status 2.
+Bad input is a one-line ``specdist: error: ...`` on stderr and exit status 2 (a request the
+server aborted or failed: exit status 1). Whatever can be checked without the weights (the
+prompt against the tokenizer and the context limit, a free ``--port``, installed optional
+dependencies) is checked before loading them. Progress (what loads, how big, how long; each
+phase of a deployment's bring-up) goes to stderr as ``[specdist] ...`` lines: the ``specdist``
+logger tree at INFO, configured here only, so library users stay quiet by default.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
+from collections.abc import Iterator
 
 from specdist.errors import SpecDistError
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless there is none to show or the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if not _shows_default(action) or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    d = action.default
+    return not (d is None or d is False or d == argparse.SUPPRESS or d == [] or d == ())
+
+
+def _help_for_every_default(parser: argparse.ArgumentParser) -> None:
+    """argparse prints no help line, hence no default, for options added without help: give them one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _help_for_every_default(child)
+        elif action.option_strings and not action.help and _shows_default(action):
+            action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdist", description="Exact speculative decoding runtime")
+    fmt = {"formatter_class": _HelpFormatter}
+    parser = argparse.ArgumentParser(prog="specdist", description="Exact speculative decoding runtime", **fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    from specdist.serve_cli import add_serve_arguments, default_config_help
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **fmt)
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--server", default=None, metavar="HOST:PORT",
                      help="generate on a running `specdist serve` instead of loading the model here")
-    gen.add_argument("--config", default=None, help="YAML config (default: built-in model, self-w8 draft)")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--config", default=None,
+                     help=default_config_help() + "; with cluster.enabled it runs on a Ray deployment started here")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 = off")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="random seed of the request (default: drawn)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--ray-address", default=None,
+                     help="cluster.enabled: join this Ray cluster (e.g. auto) instead of starting a local one")
 
-    cm = sub.add_parser("cost-model", help="idealised speedup of speculative decoding (not a measurement)")
+    cm = sub.add_parser("cost-model", help="idealised speedup of speculative decoding (not a measurement)", **fmt)
     cm.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate in [0, 1]")
     cm.add_argument("--k", type=int, required=True, help="draft length")
     cm.add_argument("--draft-cost", type=float, default=0.1, help="draft cost per token, verification = 1")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
 
-    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode) until SIGINT/SIGTERM")
-    from specdist.serve_cli import add_serve_arguments
-
+    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode) until SIGINT/SIGTERM", **fmt)
     add_serve_arguments(srv)
 
-    demo = sub.add_parser("demo", help="bring the deployment up, stream a few requests through gRPC, stop")
+    demo = sub.add_parser("demo", help="bring the deployment up, stream a few requests through gRPC, stop", **fmt)
     from specdist import demo as demo_mod
 
     demo_mod.add_arguments(demo)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks", **fmt)
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    be = bsub.add_parser("engine", help="batch-1 engine vs transformers generate / assisted generation")
+    be = bsub.add_parser("engine", help="batch-1 engine vs transformers generate / assisted generation", **fmt)
     from specdist.bench.engine_bench import add_arguments
 
     add_arguments(be)
-    bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off")
+    bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off",
+                         **fmt)
     from specdist.bench import cluster_bench
 
     cluster_bench.add_arguments(bc)
+    _help_for_every_default(parser)
     return parser
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (tests swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("[specdist] %(message)s"))
+
+    @property
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stderr_logging(level: int = logging.INFO) -> Iterator[None]:
+    """Show the ``specdist`` logger tree on stderr as ``[specdist] message`` lines while inside."""
+    logger = logging.getLogger("specdist")
+    handler, previous = _StderrHandler(), logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with stderr_logging():
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
@@ -90,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run(args)
     except SpecDistError as e:
-        parser.exit(2, f"specdist: error: {e}\n")
+        parser.exit(getattr(e, "exit_status", 2), f"specdist: error: {e}\n")
     except ValueError as e:  # argument checks of the pure-maths helpers
         parser.exit(2, f"specdist: error: {e}\n")
     except KeyboardInterrupt:
@@ -105,7 +180,9 @@ def _generate(args: argparse.Namespace) -> int:
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
         return run_remote_generate(args.server, args.prompt, kwargs, args.raw)
-    from specdist import Engine, SamplingParams
+    from specdist.config import load_config
+    from specdist.sampling_params import SamplingParams
+    from specdist.serve_cli import check_dependencies, describe, shut_down, start_backend
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -115,31 +192,58 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    cfg = load_config(args.config)
+    check_dependencies(cfg)
+    if cfg.cluster.enabled:
+        _log(f"running on a Ray deployment: TP={cfg.cluster.tensor_parallel_size}, "
+             f"{cfg.cluster.num_draft_workers} draft worker(s) (bring-up takes a while)")
+    else:
+        _log(f"running in process: {cfg.target.model}, draft={cfg.draft.method}")
+    chat, tokenizer = _check_prompt(cfg, args.prompt, raw=args.raw)  # the tokenizer only: before any weights
     t0 = time.perf_counter()
-    engine = Engine.from_config(args.config)
-    load_s = time.perf_counter() - t0
-    prompt = args.prompt
-    tok = engine.tokenizer
-    if not args.raw and tok is not None and getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    t1 = time.perf_counter()
-    for piece in engine.stream(prompt, params):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    elapsed = time.perf_counter() - t1
-    out = engine.last_output
-    m = out.metrics
-    cfg = engine.config.draft
-    ttft = m.time_to_first_token or 0.0
-    print(
-        f"[specdist] draft={cfg.method} k={engine.k} tokens={len(out.token_ids)} finish={out.finish_reason} "
-        f"steps={m.steps} drafted={m.drafted} accepted={m.accepted} acceptance={m.acceptance_rate:.1%} "
-        f"tokens/step={m.mean_accepted_length:.2f} tokens/s={len(out.token_ids) / elapsed:.1f} "
-        f"ttft={ttft * 1000:.0f}ms load={load_s:.1f}s",
-        file=sys.stderr,
-    )
+    backend = start_backend(cfg, args.ray_address, log=_log, tokenizer=tokenizer)
+    try:
+        load_s = time.perf_counter() - t0
+        engine = backend.engine
+        _log(f"ready in {load_s:.1f}s ({describe(backend)})")
+        t1 = time.perf_counter()
+        for piece in engine.stream(args.prompt, params, chat=chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        elapsed = time.perf_counter() - t1
+        out = engine.last_output
+        m = out.metrics
+        ttft = m.time_to_first_token or 0.0
+        print(
+            f"[specdist] draft={cfg.draft.method} k={engine.k} tokens={len(out.token_ids)} "
+            f"finish={out.finish_reason} steps={m.steps} drafted={m.drafted} accepted={m.accepted} "
+            f"acceptance={m.acceptance_rate:.1%} tokens/step={m.mean_accepted_length:.2f} "
+            f"tokens/s={len(out.token_ids) / max(elapsed, 1e-9):.1f} ttft={ttft * 1000:.0f}ms load={load_s:.1f}s",
+            file=sys.stderr,
+        )
+    finally:  # also on Ctrl-C: a deployment's actors and placement groups must not outlive the command
+        shut_down(backend)
     return 0
+
+
+def _check_prompt(cfg, prompt: str, raw: bool):
+    """Check the prompt with the target's tokenizer alone: (whether to apply the chat template, tokenizer).
+
+    A model without a chat template gets the raw prompt. Raises InvalidArgument (empty, too long).
+    """
+    from specdist.models.loader import load_tokenizer, resolve_model
+    from specdist.prompts import encode_prompt
+
+    tokenizer = load_tokenizer(resolve_model(cfg.target.model, "target.model"))
+    chat = not raw and tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    encode_prompt(tokenizer, prompt, vocab_size=len(tokenizer) if tokenizer is not None else 0,
+                  max_model_len=cfg.engine.max_model_len, chat=chat)
+    return chat, tokenizer
+
+
+def _log(msg: str) -> None:
+    print(f"[specdist] {msg}", file=sys.stderr, flush=True)
 
 
 def _cost_model(args: argparse.Namespace) -> int:

@@ -27,11 +27,12 @@ DEMO_PROMPTS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/default.yaml", help="deployment config (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=3, help="concurrent client requests (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--config", default="configs/default.yaml", help="deployment config")
+    p.add_argument("--requests", type=int, default=3, help="concurrent client requests")
+    p.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per request")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto) instead of starting a local one")
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from specdist.serve_cli import start_backend
+    from specdist.serve_cli import shut_down, start_backend
 
     t0 = time.perf_counter()
     backend = start_backend(args.config, args.ray_address, log=_log)
@@ -48,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_serve_and_query(backend, args))
     finally:
-        if backend.deployment is not None:
-            _log("stopping the deployment")
-        backend.close()
+        shut_down(backend, log=_log)
     _log("stopped cleanly")
     return 0
 

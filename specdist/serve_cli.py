@@ -1,32 +1,72 @@
-"""Command-line glue for the gRPC server and the remote ``generate``.
+"""Command-line glue for the gRPC server, the backends behind it, and the remote ``generate``.
 
     specdist serve --config configs/local.yaml --port 50051     # until SIGINT/SIGTERM, then drains
     specdist serve --config configs/default.yaml                # cluster.enabled: a local Ray deployment
     specdist serve --config configs/default.yaml --ray-address auto   # ... on a running Ray cluster
+    specdist generate --server 127.0.0.1:50051 "prompt"         # streams text; stats on stderr
 
 With ``cluster.enabled`` the target ranks and draft workers run as Ray actors
 (:mod:`cluster.deployment`, imported lazily) behind a :class:`~specdist.remote_engine.RemoteEngine`,
 and the same public server fronts it. On SIGINT/SIGTERM: drain, stop the server, stop the
 deployment (actors, placement groups), shut down Ray if this process started it.
-    specdist generate --server 127.0.0.1:50051 "prompt"         # streams text; stats on stderr
+
+Everything that can be checked cheaply is checked before the model loads (which takes
+seconds, a deployment a minute or more): that ``--port`` is free, and that the optional
+dependencies the config needs (Ray, DeepSpeed: the ``[distributed]`` extra) are installed.
+Each failure is one line naming the fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import importlib.util
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdist.errors import SpecDistError
+
+INSTALL_DISTRIBUTED = 'pip install -e ".[distributed]"'
+
+
+class MissingDependency(SpecDistError):
+    """An optional dependency the config needs is not installed."""
+
+
+class ListenError(SpecDistError):
+    """The server cannot listen on the requested address."""
+
+
+class RequestFailed(SpecDistError):
+    """The server ended the request without finishing it (finish reason abort or error)."""
+
+    exit_status = 1
+
+
+def default_config_help() -> str:
+    """What running without ``--config`` means, read from the config defaults (so it stays true)."""
+    from specdist.config import Config
+
+    cfg = Config()
+    d = cfg.draft
+    if d.enabled:
+        draft = f"{d.method} draft, {d.length_policy} draft length up to k={d.num_speculative_tokens}"
+    else:
+        draft = "no draft (target only)"
+    where = "a Ray deployment" if cfg.cluster.enabled else "in process"
+    return f"YAML config (default: the built-in {cfg.target.model} {where}, {draft})"
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="YAML config (default: built-in model, self-w8 draft)")
+    parser.add_argument("--config", default=None, help=default_config_help())
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
     parser.add_argument("--max-queued", type=int, default=256, help="most requests running + waiting at once")
@@ -46,6 +86,68 @@ def _log(msg: str) -> None:
     print(f"[specdist] {msg}", file=sys.stderr, flush=True)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise ListenError unless ``host:port`` can be bound now.
+
+    Binds (and closes) a socket per address ``host`` resolves to, with SO_REUSEADDR as grpc
+    sets it, so a port in TIME_WAIT passes and a port someone listens on does not. (grpc also
+    sets SO_REUSEPORT; this check does not, so a second server on the port of a running one is
+    refused here instead of silently sharing its port.)
+    """
+    if not 0 <= port <= 65535:
+        raise ListenError(f"cannot listen on {host}:{port}: the port must be in [0, 65535]")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    errors: list[OSError] = []
+    bound = 0
+    for family, type_, proto, _, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+                bound += 1
+        except OSError as e:
+            errors.append(e)
+    busy = [e for e in errors if e.errno == errno.EADDRINUSE]
+    if busy or not bound:
+        e = (busy or errors)[0]
+        why = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise ListenError(f"cannot listen on {host}:{port}: {why}")
+
+
+def check_dependencies(cfg: Any) -> None:
+    """Raise MissingDependency naming the extra when the config needs one that is not installed."""
+    if not cfg.cluster.enabled:
+        return
+    if not _importable("ray"):
+        raise MissingDependency(f"cluster.enabled needs Ray: {INSTALL_DISTRIBUTED}")
+    if cfg.cluster.tensor_parallel_size > 1 and not _importable("deepspeed"):
+        raise MissingDependency(
+            f"cluster.tensor_parallel_size > 1 needs DeepSpeed: {INSTALL_DISTRIBUTED}")
+
+
+def _importable(module: str) -> bool:
+    """Whether ``import module`` would find it (without importing it: DeepSpeed takes seconds)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def describe(backend: "Backend") -> str:
+    """Where a backend runs, for the command line's stderr."""
+    if backend.deployment is None:
+        return "in process"
+    cfg = backend.engine.config
+    return (f"on a Ray deployment: TP={cfg.cluster.tensor_parallel_size} target at {backend.target_address}, "
+            f"{len(backend.draft_addresses)} draft worker(s)")
+
+
 @dataclass
 class Backend:
     """What serves the requests: the in-process Engine, or a RemoteEngine over a Ray deployment."""
@@ -56,6 +158,20 @@ class Backend:
     draft_addresses: list = field(default_factory=list)
     owns_ray: bool = False  # ray.init was called here: ray.shutdown() on close
     _closed: bool = False
+    _actors_stopped: int = 0
+
+    def close_and_report(self, log: Callable[[str], None] = _log) -> None:
+        """close(), then say what was stopped (a deployment's actors and placement groups)."""
+        if self.deployment is None:
+            self.close()
+            return
+        if not self._closed:
+            log("stopping the deployment")
+        t0 = time.perf_counter()
+        self.close()
+        ray_note = ", Ray shut down" if self.owns_ray else ""
+        log(f"deployment stopped in {time.perf_counter() - t0:.1f}s "
+            f"({self._actors_stopped} actors, placement groups removed{ray_note})")
 
     def close(self) -> None:
         """Close the engine, stop the deployment (actors + placement groups), shut down Ray if ours. Idempotent."""
@@ -64,6 +180,7 @@ class Backend:
         self._closed = True
         try:
             if self.deployment is not None:
+                self._actors_stopped = len(self.deployment.targets) + len(self.deployment.drafts)
                 try:
                     self.engine.close()  # RemoteEngine: channels + thread pool
                 finally:
@@ -77,18 +194,21 @@ class Backend:
 
 
 def start_backend(config: Any, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                  log: Callable[[str], None] = _log) -> Backend:
+                  log: Callable[[str], None] = _log, tokenizer: Any = None) -> Backend:
     """Load the engine (cluster.enabled false), or bring a Ray deployment up and connect a RemoteEngine to it.
+
+    ``tokenizer``: the target's, when the caller already loaded it (the in-process engine then reuses it).
 
     Blocking. On any failure (also KeyboardInterrupt) everything created here is torn down again.
     """
     from specdist.config import load_config
 
     cfg = load_config(config)
+    check_dependencies(cfg)
     if not cfg.cluster.enabled:
         from specdist.engine import Engine
 
-        return Backend(Engine.from_config(cfg))
+        return Backend(Engine.from_config(cfg, tokenizer=tokenizer))
 
     import ray  # lazily: only a deployment needs Ray, cluster/ and workers/
 
@@ -176,25 +296,53 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued must be >= 1, got {args.max_queued}")
     if args.drain_seconds < 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    from specdist.config import load_config
+
+    cfg = load_config(args.config)
+    check_dependencies(cfg)
+    check_listen(args.host, args.port)  # before the minutes of loading, not after them
     # bring-up can take minutes: SIGTERM then interrupts it like Ctrl-C, so it tears down what it made
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        backend = start_backend(args.config, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"))
+        backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"))
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
         asyncio.run(_serve_until_signalled(backend, args))
+    except (RuntimeError, OSError) as e:
+        if not _is_bind_error(e):
+            raise
+        raise ListenError(f"cannot listen on {args.host}:{args.port}: {_first_line(e)}") from None
     finally:
-        # a second signal must not cut the tear-down short (it is bounded by the deployment's timeouts)
-        old = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            if backend.deployment is not None:
-                _log("stopping the deployment")
-            backend.close()
-        finally:
-            for sig, h in old.items():
-                signal.signal(sig, h)
+        shut_down(backend)
     return 0
+
+
+def shut_down(backend: Backend, log: Callable[[str], None] = _log) -> None:
+    """``backend.close_and_report()`` with SIGINT/SIGTERM held off (main thread only): a second
+    Ctrl-C must not cut a deployment's tear-down short (it is bounded by the deployment's timeouts)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        backend.close_and_report(log)
+        return
+    old = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        backend.close_and_report(log)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _is_bind_error(e: BaseException) -> bool:
+    """grpc's add_insecure_port failure (RuntimeError "Failed to bind to address ...") or the server's OSError."""
+    text = str(e)
+    return "Failed to bind" in text or "cannot listen on" in text or getattr(e, "errno", None) == errno.EADDRINUSE
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).split(";")[0].strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -210,9 +358,8 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
                                   drain_seconds=args.drain_seconds, backend=backend)
     engine = backend.engine
     cfg = engine.config
-    where = (f"Ray deployment: TP={cfg.cluster.tensor_parallel_size} target at {backend.target_address}, "
-             f"{len(backend.draft_addresses)} draft worker(s)" if backend.deployment is not None else "in process")
-    _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {where}) on {serving.address}")
+    _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
+         f"on {serving.address}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -232,7 +379,8 @@ def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dic
 
     ``params_kwargs``: SpecDistClient.generate keywords (max_tokens, temperature, top_p,
     top_k, seed, stop, ...). Without ``raw`` a text prompt is wrapped in the model's
-    chat template by the server. Server errors raise RemoteError (a SpecDistError).
+    chat template by the server. Server errors raise RemoteError (a SpecDistError); a request
+    the server aborted or failed raises RequestFailed (exit status 1) naming the finish reason.
     """
     import grpc
 
@@ -243,11 +391,17 @@ def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dic
     with SpecDistClient(server) as client:
         chat = not raw and isinstance(prompt, str)
         try:
-            last = _stream_to_stdout(client.generate(prompt, apply_chat_template=chat, **params_kwargs))
-        except RemoteError as e:  # like the local CLI: a model without a chat template gets the raw prompt
-            if not (chat and e.code == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.message):
+            try:
+                last = _stream_to_stdout(client.generate(prompt, apply_chat_template=chat, **params_kwargs))
+            except RemoteError as e:  # like the local CLI: a model without a chat template gets the raw prompt
+                if not (chat and e.code == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.message):
+                    raise
+                last = _stream_to_stdout(client.generate(prompt, **params_kwargs))
+        except RemoteError as e:
+            if e.code != grpc.StatusCode.INTERNAL:  # bad input, unreachable, overloaded: exit 2 as before
                 raise
-            last = _stream_to_stdout(client.generate(prompt, **params_kwargs))
+            sys.stdout.write("\n")
+            raise RequestFailed(f"the request failed on the server (finish_reason=error): {e.message}") from None
     sys.stdout.write("\n")
     elapsed = time.perf_counter() - t0
     if last is not None and last.stats is not None:
@@ -258,6 +412,11 @@ def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dic
             f"tokens/s={s.output_tokens / max(elapsed, 1e-9):.1f} ttft={s.time_to_first_token_s * 1000:.0f}ms",
             file=sys.stderr,
         )
+    reason = last.finish_reason if last is not None else None
+    if reason not in ("stop", "length"):
+        what = {"abort": "was aborted by the server", "error": "failed on the server"}.get(
+            reason, "ended without a finish reason")
+        raise RequestFailed(f"the request {what} (finish_reason={reason or 'none'})")
     return 0
 
 

