@@ -46,7 +46,7 @@ from specdist.transport import (
     StartItem,
     check_prompt,
     check_request_ids,
-    call_local,
+    LocalTransport,
     check_token_ids,
     generator,
     sampling_tensors,
@@ -241,27 +241,14 @@ class DrafterCore:
         }
 
 
-class LocalDrafter:
-    """The drafter transport for a core in this process: direct calls, field errors as TransportError."""
-
-    is_remote = False
+class LocalDrafter(LocalTransport):
+    """The drafter transport for a core in this process."""
 
     def __init__(self, core: DrafterCore, name: str = "draft/0"):
-        self.core = core
-        self.name = name
+        super().__init__(core, name)
 
     def start(self, items: list[StartItem]) -> CallTiming:
-        return call_local(self.core.start, items)
+        return self._call(self.core.start, items)
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
-        return call_local(self.core.propose, items)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.core.release(request_ids)
-
-    def kv_slots_in_use(self) -> int:
-        return self.core.kv_slots_in_use()
-
-    def close(self) -> None:
-        pass
-
+        return self._call(self.core.propose, items)

@@ -263,7 +263,7 @@ class Scheduler:
         t1 = now()
 
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
-        results, failed, timing, wall = self._call_isolating(self.verifier, self.verifier.verify, items)
+        results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
         self._account(timing, wall, self.verifier.is_remote, main="verify")
         for i, msg in failed.items():
             self._fail(reqs[i], f"target: {msg}")
@@ -350,7 +350,7 @@ class Scheduler:
         """Propose on replica i (may run on the pool). Returns (its compute seconds, is remote)."""
         rep = self.replicas[i]
         items = [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len) for r, k in work]
-        proposals, failed, timing, wall = self._call_isolating(rep.drafter, rep.drafter.propose, items)
+        proposals, failed, timing, wall = self._call_isolating(rep.drafter.propose, items)
         ok = [r for j, (r, _) in enumerate(work) if j not in failed]
         ntok = 0
         for r, p in zip(ok, proposals or []):
@@ -398,36 +398,28 @@ class Scheduler:
         if not new:
             return
         t0 = now()
-        items = [StartItem(r.core_id, r.prompt_ids, r.params, r.seed) for r in new]
-        _, failed, timing, wall = self._call_isolating(self.verifier, self.verifier.prefill, items)
+        ok, requeue, errors, timing = self._start_on(self.verifier.prefill, new, int)
         if timing.phases.get("prefill"):
-            self.length_policy.observe_verify(sum(len(it.prompt_ids) - 1 for it in items), timing.phases["prefill"])
-        requeue = []
-        for j, r in enumerate(new):
-            if j not in failed:
-                r.on_target = True
-                self._target_live += 1
-            elif failed[j].startswith("RESOURCE_EXHAUSTED"):
-                requeue.append(r)
-            else:
-                self._fail(r, f"target: {failed[j]}")
-        admitted = [r for j, r in enumerate(new) if j not in failed]
+            self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in new), timing.phases["prefill"])
+        for r in ok:
+            r.on_target = True
+            self._target_live += 1
+        for r, msg in errors:
+            self._fail(r, f"target: {msg}")
+        admitted = ok
         by_rep: dict[int, list[Request]] = {}
         for r in admitted:
             if r.replica is not None:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            items = [StartItem(r.core_id, r.prompt_ids, r.params, draft_seed(r.seed)) for r in rs]
-            _, dfailed, _, _ = self._call_isolating(rep.drafter, rep.drafter.start, items)
-            for j, r in enumerate(rs):
-                if j not in dfailed:
-                    r.on_drafter = True
-                    rep.live += 1
-                elif dfailed[j].startswith("RESOURCE_EXHAUSTED"):
-                    requeue.append(r)
-                else:
-                    self._detach(r, f"draft {rep.drafter.name}: {dfailed[j]}")
+            started, full, errors, _ = self._start_on(rep.drafter.start, rs, draft_seed)
+            for r in started:
+                r.on_drafter = True
+                rep.live += 1
+            requeue += full
+            for r, msg in errors:
+                self._detach(r, f"draft {rep.drafter.name}: {msg}")
         for r in reversed(requeue):  # back to the queue front, everything it took freed
             self._release_remote([r])
             r.replica = None
@@ -436,8 +428,16 @@ class Scheduler:
         self._release([r for r in new if r.finished])
         self.stats.phase_s["prefill"] += now() - t0
 
+    def _start_on(self, method, rs: list[Request], seed_of):
+        """Start requests on one core: (started, out of room (to requeue), [(request, error)], timing)."""
+        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed)) for r in rs]
+        _, failed, timing, _ = self._call_isolating(method, items)
+        full = [r for j, r in enumerate(rs) if failed.get(j, "").startswith("RESOURCE_EXHAUSTED")]
+        errors = [(rs[j], m) for j, m in failed.items() if not m.startswith("RESOURCE_EXHAUSTED")]
+        return [r for j, r in enumerate(rs) if j not in failed], full, errors, timing
+
     # ---------------------------------------------------------------- calls and failures
-    def _call_isolating(self, transport, method, items: list):
+    def _call_isolating(self, method, items: list):
         """``method(items)``; a failure blaming one item drops that item and retries the rest.
 
         Returns (results or None, {index: "CODE: message"}, the core's timing, wall seconds).

@@ -217,3 +217,22 @@ def call_local(fn, items: list):
         return fn(items)
     except FieldError as e:
         raise error_for_items(e, [it.request_id for it in items]) from None
+
+
+class LocalTransport:
+    """A core in this process behind the transport interface: direct calls, errors as over gRPC."""
+
+    is_remote = False
+
+    def __init__(self, core, name: str):
+        self.core = core
+        self.name = name
+
+    def _call(self, method, items: list):
+        return call_local(method, items)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.core.release(request_ids)
+
+    def close(self) -> None:
+        pass

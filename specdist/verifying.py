@@ -50,7 +50,7 @@ from specdist.transport import (
     VerifyItem,
     check_prompt,
     check_request_ids,
-    call_local,
+    LocalTransport,
     check_token_ids,
     generator,
     sampling_tensors,
@@ -288,28 +288,15 @@ class VerifierCore:
         }
 
 
-class LocalVerifier:
-    """The verifier transport for a core in this process: direct calls, field errors as TransportError."""
-
-    is_remote = False
+class LocalVerifier(LocalTransport):
+    """The verifier transport for a core in this process."""
 
     def __init__(self, core: VerifierCore):
-        self.core = core
+        super().__init__(core, "target")
         self.vocab_size = core.vocab_size
-        self.name = "target"
 
     def prefill(self, items: list[StartItem]) -> CallTiming:
-        return call_local(self.core.prefill, items)
+        return self._call(self.core.prefill, items)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        return call_local(self.core.verify, items)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.core.release(request_ids)
-
-    def kv_slots_in_use(self) -> int:
-        return self.core.kv_slots_in_use()
-
-    def close(self) -> None:
-        pass
-
+        return self._call(self.core.verify, items)
