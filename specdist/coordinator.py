@@ -1,18 +1,25 @@
 """An asyncio front end over an :class:`~specdist.engine.Engine`: continuous batching for many streams.
 
-Threading model: the engine is only ever touched by ONE dedicated thread. The event
-loop never calls the engine directly; it puts commands (add a request, abort one) on
-a thread-safe queue and runs "ticks" on that thread with ``loop.run_in_executor``.
-A tick first runs every queued command, then one ``engine.step()``, then collects
-each request's new tokens and text as :class:`Delta` objects, which the event loop
-hands to the request's stream. So requests join and leave the running batch between
-steps, and an aborted request (``cancel()``, or a consumer that went away) frees its
-KV slots at the start of the next tick, i.e. within one step.
+Threading model: the engine is only ever touched by ONE dedicated thread, which runs
+free of the event loop. While there is work it loops: take every queued command (add a
+request, abort one, a warm-up run), run them, run one ``engine.step()``, collect each
+request's new tokens and text as :class:`Delta` objects, and post them, with a snapshot
+of the engine's gauges, to the event loop in one ``loop.call_soon_threadsafe`` call.
+Then it goes straight on to the next step: the event loop hands deltas to the streams
+while the next step is already running, so its latency is off the step's critical path.
+With no request in the engine and no command queued, the thread sleeps on a
+``threading.Condition`` until a command arrives (no polling). The event loop never calls
+the engine; it queues commands, which run before the next step. So requests join and
+leave the running batch between steps, and an aborted request (``cancel()``, or a
+consumer that went away) frees its KV slots within one step.
 
 Admission: at most ``max_queued`` requests are live (running + waiting) at once;
 one more raises :class:`Overloaded`. A step that raises fails only the requests that
 were in the batch (they get a final ``finish_reason="error"`` delta and their slots
-are released); waiting requests carry on, and the loop keeps serving.
+are released); waiting requests carry on, and the thread keeps serving. A failure
+outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) fails
+every request the engine holds, and the thread keeps serving. ``close()`` aborts every
+request, stops the thread and joins it.
 """
 
 from __future__ import annotations
@@ -20,22 +27,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specdist.engine import Engine
 from specdist.errors import InvalidArgument, SpecDistError
-from specdist.request import Request, RequestMetrics
 from specdist.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engine, RemoteEngine)
+    from specdist.engine import Engine
+    from specdist.request import Request, RequestMetrics
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
+JOIN_TIMEOUT_S = 30.0  # close(): how long to wait for the engine thread to exit once it said it would
 
 
 class Overloaded(SpecDistError):
@@ -55,7 +65,7 @@ class DuplicateRequestId(InvalidArgument):
 
 @dataclass
 class Delta:
-    """What one tick produced for one request. The last delta has ``finish_reason`` set."""
+    """What one engine step produced for one request. The last delta has ``finish_reason`` set."""
 
     request_id: str
     token_ids: list[int]
@@ -81,7 +91,7 @@ class _Tracked:
 
 @dataclass
 class _Snapshot:
-    """Engine gauges, taken on the engine thread at the end of every tick."""
+    """Engine gauges, taken on the engine thread at the end of every pass."""
 
     running: int = 0
     waiting: int = 0
@@ -124,13 +134,18 @@ class RequestStream:
 
 @dataclass
 class SchedulingTiming:
-    """Where the coordinator's time goes, besides ``engine.step`` (seconds since the last reset).
+    """Where the engine thread's time goes, besides ``engine.step`` (seconds since the last reset).
 
-    ``tick_s``: engine-thread ticks (queued commands + step + collecting deltas);
-    ``step_s``: the ``engine.step`` part of them; ``gap_s``: while requests were running,
-    the time between one tick's end and the next one's start (dispatching deltas to the
-    streams, event-loop work, the hop to the engine thread). Scheduling overhead =
-    ``tick_s - step_s + gap_s``.
+    A *pass* is one turn of the engine thread's loop while it has work: run the queued
+    commands, ``engine.step()``, collect the deltas, snapshot the gauges, post them to
+    the event loop. ``tick_s``: the passes; ``step_s``: the ``engine.step`` part of them;
+    ``gap_s``: while work remained, the time between one pass's end and the next one's
+    start (taking the command queue's lock, waiting for the GIL). ``tick_s + gap_s`` is
+    the thread's busy wall time, and ``scheduling_s = tick_s - step_s + gap_s`` is the
+    coordinator's own time per step besides ``engine.step``: everything on the step's
+    critical path that is not the engine. Dispatching deltas to the streams runs on the
+    event loop concurrently with the next step and is not counted, except as the GIL
+    contention it causes (which lands in ``gap_s``, or inside ``step_s``).
     """
 
     tick_s: float = 0.0
@@ -153,29 +168,36 @@ class Coordinator:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
         self.max_queued = max_queued
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdist-engine")
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._live: dict[str, RequestStream] = {}  # event loop only
+        # shared between the event loop and the engine thread, under _cond
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stop_requested = False
+        # engine thread only
+        self._tracked: dict[str, _Tracked] = {}
+        # event loop only
+        self._live: dict[str, RequestStream] = {}
         self._snapshot = _Snapshot(kv=dict.fromkeys(engine.kv_slots_in_use(), 0))
         totals = ("requests_total", "requests_finished", "requests_cancelled", "requests_failed")
         self._totals = dict.fromkeys(totals, 0)
         self._active_streams = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future | None = None  # settled by the engine thread's last post
         self._draining = False
-        self._stopping = False
         self._closed = False
         self.timing = SchedulingTiming()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the step loop on the running event loop (idempotent)."""
-        if self._task is None:
-            self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            self._task = self._loop.create_task(self._run(), name="specdist-step-loop")
+        """Start the engine thread, posting to the running event loop (idempotent)."""
+        if self._thread is not None:
+            return
+        if self._closed:
+            raise ShuttingDown("the coordinator is closed")
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._thread = threading.Thread(target=self._engine_main, name="specdist-engine", daemon=True)
+        self._thread.start()
 
     async def __aenter__(self) -> "Coordinator":
         self.start()
@@ -206,28 +228,36 @@ class Coordinator:
         return not self._live
 
     async def close(self) -> None:
-        """Abort every request (their streams end with "abort"), stop the loop, join the thread."""
+        """Abort every request (their streams end with "abort"), stop the engine thread, join it."""
         if self._closed:
             return
         self._closed = self._draining = True
-        if self._task is not None and not self._task.done():
-            await self._call(self._abort_all)
-            self._stopping = True
-            self._wake.set()
-            await self._task
-        self._executor.shutdown(wait=True)
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stop_requested = True
+            self._cond.notify()
+        await asyncio.shield(self._stopped)  # after the thread's final deltas were dispatched
+        self._thread.join(JOIN_TIMEOUT_S)  # it has nothing left to do but return
+        if self._thread.is_alive():
+            log.error("the specdist engine thread did not exit within %.0fs of close()", JOIN_TIMEOUT_S)
 
     # ---------------------------------------------------------------- requests
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
     ) -> AsyncIterator[Delta]:
         """Stream the request's deltas; the last one has ``finish_reason`` set.
 
+        ``chat=True`` wraps a text prompt in the model's chat template (the engine does it).
         Raises (on the first iteration) :class:`Overloaded`, :class:`ShuttingDown`,
         ``InvalidArgument`` (bad prompt/params; :class:`DuplicateRequestId`). Closing
         the generator early, or cancelling the task consuming it, aborts the request.
         """
-        stream = await self.open(prompt, params, request_id)
+        stream = await self.open(prompt, params, request_id, chat=chat)
         try:
             async for delta in stream:
                 yield delta
@@ -235,13 +265,16 @@ class Coordinator:
             stream.close()
 
     async def open(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
     ) -> RequestStream:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end)."""
-        if self._task is None:
-            self.start()
         if self._draining:
             raise ShuttingDown("the server is shutting down")
+        self.start()
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -252,7 +285,7 @@ class Coordinator:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
         stream = RequestStream(self, request_id)
         self._live[request_id] = stream  # reserved before the await: admission and ids stay race-free
-        added = self._call(lambda: self._add(prompt, params, request_id))
+        added = self._call(lambda: self._add(prompt, params, request_id, chat))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:  # the caller went away; undo the add once it has run
@@ -268,10 +301,12 @@ class Coordinator:
         """Abort a live request; its stream ends with "abort". False if no live request has that id."""
         if request_id not in self._live:
             return False
+        if self._closed:  # close() is aborting every request already
+            return True
         return await self._call(lambda: self._abort(request_id))
 
     def counters(self) -> dict[str, int]:
-        """Gauges (engine: as of the last tick) and totals since start."""
+        """Gauges (engine: as of the last delivered pass) and totals since start."""
         snap = self._snapshot
         return {
             "running": snap.running,
@@ -286,6 +321,7 @@ class Coordinator:
     # ---------------------------------------------------------------- event-loop side
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Queue ``fn`` for the engine thread (run before the next step); a future of its result."""
+        self.start()
         loop = self._loop
         fut = loop.create_future()
 
@@ -293,12 +329,15 @@ class Coordinator:
             try:
                 result = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, fut, None, e)
+                self._post(_settle, fut, None, e)
             else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
+                self._post(_settle, fut, result, None)
 
-        self._commands.put(run)
-        self._wake.set()
+        with self._cond:
+            if self._stop_requested:
+                raise ShuttingDown("the coordinator is closed")
+            self._commands.append(run)
+            self._cond.notify()
         return fut
 
     def _admitted(self, stream: RequestStream, added: asyncio.Future) -> bool:
@@ -312,28 +351,15 @@ class Coordinator:
 
     def _abort_soon(self, request_id: str) -> None:
         """Fire-and-forget abort (a consumer went away); safe from ``finally`` blocks."""
-        if self._loop is not None and not self._loop.is_closed() and not self._stopping:
+        if self._loop is not None and not self._loop.is_closed() and not self._closed:
             self._call(lambda: self._abort(request_id))
 
-    async def _run(self) -> None:
-        busy = False
-        last_end: float | None = None
-        while not self._stopping:
-            if not busy and self._commands.empty():
-                self._wake.clear()
-                await self._wake.wait()
-                last_end = None
-                continue
-            if busy and last_end is not None:
-                self.timing.gap_s += time.perf_counter() - last_end
-            try:
-                deltas, busy = await self._loop.run_in_executor(self._executor, self._tick)
-                last_end = time.perf_counter()
-            except Exception as e:  # a bug outside engine.step(): fail everyone, keep serving
-                log.exception("specdist coordinator tick failed")
-                deltas, busy = self._fail_everyone(e), False
-            for d in deltas:
-                self._dispatch(d)
+    def _deliver(self, deltas: list[Delta], snapshot: _Snapshot | None) -> None:
+        """One engine pass's results, on the event loop."""
+        if snapshot is not None:
+            self._snapshot = snapshot
+        for d in deltas:
+            self._dispatch(d)
 
     def _dispatch(self, delta: Delta) -> None:
         stream = self._live.get(delta.request_id)
@@ -346,21 +372,77 @@ class Coordinator:
             if not stream.closed:
                 stream._queue.put_nowait(delta)
 
-    def _fail_everyone(self, exc: BaseException) -> list[Delta]:
-        ids = list(self._live)
-
-        def drop() -> None:  # on the engine thread, before the next step: release them without deltas
-            for rid in ids:
-                if (t := self._tracked.pop(rid, None)) is not None:
-                    t.req.output.finish("error")
-                    self.engine.release(t.req)
-
-        self._call(drop)
-        return [Delta(rid, [], "", "error", error=f"internal error: {exc!r}") for rid in ids]
-
     # ---------------------------------------------------------------- engine thread
-    def _add(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> None:
-        req = self.engine.add_request(prompt, params, request_id)
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Hand ``fn(*args)`` to the event loop; False if the loop is closed (nobody to tell)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
+
+    def _engine_main(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # noqa: BLE001 - a bug in the loop itself: say so, let close() return
+            log.exception("the specdist engine thread died")
+        finally:
+            self._post(_settle, self._stopped, None, None)
+
+    def _serve(self) -> None:
+        """The engine thread's loop: passes while there is work, asleep on ``_cond`` otherwise."""
+        busy = False
+        last_end: float | None = None  # end of the previous pass, while work remained
+        while True:
+            with self._cond:
+                while not (busy or self._commands or self._stop_requested):
+                    last_end = None
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stop_requested
+            t0 = time.perf_counter()
+            if last_end is not None:
+                self.timing.gap_s += t0 - last_end
+            deltas, snapshot, busy = self._pass(commands, stopping)
+            delivered = self._post(self._deliver, deltas, snapshot)
+            last_end = time.perf_counter()
+            self.timing.tick_s += last_end - t0
+            if stopping:
+                return
+            if not delivered:  # the event loop is gone without close(): free the engine and stop
+                log.error("the event loop closed under a running coordinator; aborting its requests")
+                self._abort_all()
+                return
+
+    def _pass(self, commands: list[Callable[[], None]], stopping: bool) -> tuple[list[Delta], _Snapshot | None, bool]:
+        """Queued commands, then one step (or, when stopping, abort everything); (deltas, gauges, busy)."""
+        for run in commands:
+            run()  # never raises: the outcome goes to the command's future
+        try:
+            if stopping:
+                self._abort_all()
+            elif self.engine.has_unfinished():
+                ts = time.perf_counter()
+                try:
+                    self.engine.step()
+                except Exception as e:
+                    log.exception("engine step failed")
+                    self._fail_batch(e)
+                self.timing.step_s += time.perf_counter() - ts
+            deltas = [d for rid, t in list(self._tracked.items()) if (d := self._collect(rid, t)) is not None]
+            eng = self.engine
+            snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
+            return deltas, snapshot, eng.has_unfinished() and not stopping
+        except Exception as e:  # a bug outside engine.step(): fail everyone, keep serving
+            log.exception("specdist coordinator pass failed")
+            return self._fail_everyone(e), None, False
+
+    def _add(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str, chat: bool) -> None:
+        if chat:
+            req = self.engine.add_request(prompt, params, request_id, chat=True)
+        else:
+            req = self.engine.add_request(prompt, params, request_id)
         self._tracked[request_id] = _Tracked(req)
 
     def _abort(self, request_id: str) -> bool:
@@ -372,27 +454,6 @@ class Coordinator:
                 t.req.output.finish("abort")
                 self.engine.release(t.req)  # idempotent release of whatever it still holds
 
-    def _tick(self) -> tuple[list[Delta], bool]:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                self._commands.get_nowait()()
-            except queue.Empty:
-                break
-        if self.engine.has_unfinished():
-            ts = time.perf_counter()
-            try:
-                self.engine.step()
-            except Exception as e:
-                log.exception("engine step failed")
-                self._fail_batch(e)
-            self.timing.step_s += time.perf_counter() - ts
-        deltas = [d for rid, t in list(self._tracked.items()) if (d := self._collect(rid, t)) is not None]
-        eng = self.engine
-        self._snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
-        self.timing.tick_s += time.perf_counter() - t0
-        return deltas, eng.has_unfinished()
-
     def _fail_batch(self, exc: Exception) -> None:
         """Fail the requests the failed step touched (everything not still waiting) and release them."""
         waiting = {id(r) for r in self.engine.waiting}
@@ -402,6 +463,20 @@ class Coordinator:
                 t.error = f"engine step failed: {exc!r}"
                 t.req.output.finish("error")
             self.engine.release(t.req)  # idempotent; frees slots even for a request caught mid-admission
+
+    def _fail_everyone(self, exc: BaseException) -> list[Delta]:
+        """Fail and release every request the engine holds; their final error deltas."""
+        deltas = []
+        for rid, t in list(self._tracked.items()):
+            del self._tracked[rid]
+            try:
+                if not t.req.finished:
+                    t.req.output.finish("error")
+                self.engine.release(t.req)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("releasing request %r after an internal error failed", rid)
+            deltas.append(Delta(rid, [], "", "error", error=f"internal error: {exc!r}"))
+        return deltas
 
     def _collect(self, rid: str, t: _Tracked) -> Delta | None:
         out = t.req.output

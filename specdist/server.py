@@ -49,7 +49,9 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         try:
             prompt = self._prompt(request)
             params = sampling_params_from_proto(request.params)
-            stream = await self.coordinator.open(prompt, params, request.request_id or None)
+            stream = await self.coordinator.open(
+                prompt, params, request.request_id or None, chat=request.apply_chat_template
+            )
         except DuplicateRequestId as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except InvalidArgument as e:
@@ -105,30 +107,23 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             counters=counters,
         )
 
-    def _prompt(self, request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
+    @staticmethod
+    def _prompt(request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
+        """The prompt as sent: text, or token ids. The engine checks it (specdist.prompts), chat template included."""
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidArgument("prompt", "must be set (text or token_ids)")
         if kind == "token_ids":
-            if request.apply_chat_template:
-                raise InvalidArgument("apply_chat_template", "needs a text prompt, not token_ids")
             return list(request.token_ids.ids)
-        if not request.apply_chat_template:
-            return request.text
-        tok = self.engine.tokenizer
-        if not request.text:
-            raise InvalidArgument("prompt", "is empty")
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidArgument("apply_chat_template", "the model has no chat template")
-        try:
-            messages = [{"role": "user", "content": request.text}]
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template that cannot render this input
-            raise InvalidArgument("apply_chat_template", f"the chat template failed: {e}") from None
+        return request.text
 
 
 def _draft_replicas(engine) -> int:
-    """RemoteEngine: its draft workers; Engine: 1 with a proposer, else 0."""
+    """``engine.num_draft_replicas`` where the engine says; else RemoteEngine: its draft workers,
+    Engine: 1 with a proposer, 0 without."""
+    n = getattr(engine, "num_draft_replicas", None)
+    if n is not None:
+        return int(n)
     replicas = getattr(engine, "replicas", None)
     if replicas is not None:
         return len(replicas)

@@ -2,6 +2,9 @@
 
 The server's asyncio loop runs on a background thread; the tests drive it with the
 blocking SpecDistClient (and the raw stub where a malformed or abandoned call is needed).
+Where a test needs the server in a particular state (requests live, a batch of a given
+shape, a request unable to finish before it is cancelled), it holds the engine with the
+Gate and waits on that state (counters, the gate's own events), never on a sleep.
 """
 
 from __future__ import annotations
@@ -28,20 +31,35 @@ GAUGES = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_
 
 
 class Gate:
-    """Wraps engine.step: optional delay, a closable gate, and one injected failure."""
+    """Wraps engine.step (which only the coordinator's engine thread calls).
+
+    ``open_event``: when cleared, a step waits for it (``blocked`` is set meanwhile), and so
+    does the whole engine thread: queued commands (adds, aborts) wait too.
+    ``hold_when``: callable(engine) -> bool; while it returns True a step does nothing (no
+    admission, no token) and returns after 1 ms, so commands still run between such steps:
+    requests can be added and aborted, but none advances.
+    ``fail_when``: callable(engine) -> bool; the first step for which it returns True raises
+    (before the real step), and ``fail_when`` is reset to None.
+    """
 
     def __init__(self, engine: Engine):
         self.engine, self.real_step = engine, engine.step
         self.open_event = threading.Event()
         self.open_event.set()
-        self.delay = 0.0
-        self.fail_when = None  # callable(engine) -> bool: raise once when it returns True
+        self.blocked = threading.Event()
+        self.hold_when = None
+        self.fail_when = None
         engine.step = self.step
 
     def step(self):
-        self.open_event.wait()
-        if self.delay:
-            time.sleep(self.delay)
+        if not self.open_event.is_set():
+            self.blocked.set()
+            self.open_event.wait()
+            self.blocked.clear()
+        hold = self.hold_when
+        if hold is not None and hold(self.engine):
+            time.sleep(0.001)
+            return []
         if self.fail_when is not None and self.fail_when(self.engine):
             self.fail_when = None
             raise RuntimeError("injected step failure")
@@ -121,6 +139,20 @@ def wait_for(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def coordinator_counters(loop_thread, coordinator) -> dict[str, int]:
+    """Coordinator.counters() read on its event loop (live_requests included, unlike ServerInfo)."""
+
+    async def read() -> dict[str, int]:
+        return coordinator.counters()
+
+    return loop_thread.run(read())
+
+
+def running_ids(*ids: str):
+    """A hold_when predicate: any of these request ids is in the running batch with output already."""
+    return lambda eng: any(r.request_id in ids and r.output.token_ids for r in eng.running)
 
 
 def check_against_engine(client, ref, prompt, **kw) -> None:
@@ -227,7 +259,7 @@ def test_coordinator_generate_api(srv, loop_thread, ref):
     async def scenario():
         deltas = [d async for d in coord.generate([2, 3], SamplingParams(max_tokens=9, temperature=0))]
         early = coord.generate([4], SamplingParams(max_tokens=60, ignore_eos=True), request_id="early")
-        await early.__anext__()
+        await early.__anext__()  # after its first step "early" is held: it is live for the checks below
         with pytest.raises(DuplicateRequestId):
             await coord.generate([4], request_id="early").__anext__()
         await early.aclose()
@@ -235,7 +267,11 @@ def test_coordinator_generate_api(srv, loop_thread, ref):
             await coord.generate([99]).__anext__()
         return deltas
 
-    deltas = loop_thread.run(scenario())
+    srv.gate.hold_when = running_ids("early")
+    try:
+        deltas = loop_thread.run(scenario())
+    finally:
+        srv.gate.hold_when = None
     want = ref([2, 3], max_tokens=9, temperature=0)
     assert [t for d in deltas for t in d.token_ids] == want.token_ids and deltas[-1].finish_reason == want.finish_reason
     assert deltas[-1].metrics.output_tokens == len(want.token_ids)
@@ -256,7 +292,12 @@ def test_remote_generate_cli(srv, ref, capsys):
 
 def test_cancel_and_disconnect_free_everything(srv, ref):
     before = srv.client.server_info().counters
-    srv.gate.delay = 0.004  # slow steps a little so cancellations land mid-stream
+    # A "cancel-" request cannot finish before its client cancels it: once it holds 50 of its
+    # 60 tokens (>= 13 steps, so >= 13 chunks: more than its client reads first) the engine
+    # stops advancing until the abort has run. Disconnects land wherever they land.
+    cancel_ids = [f"cancel-{i}" for i in range(0, 24, 2)]
+    srv.gate.hold_when = lambda eng: any(r.request_id in cancel_ids and len(r.output.token_ids) >= 50
+                                         for r in eng.running)
     rng = random.Random(1)
     outcomes: list = [None] * 24
 
@@ -264,36 +305,34 @@ def test_cancel_and_disconnect_free_everything(srv, ref):
         rid = f"cancel-{i}"
         gen = srv.client.generate([i % 7, 3], max_tokens=60, temperature=1.0, seed=i, ignore_eos=True, request_id=rid)
         chunks = [next(gen) for _ in range(after)]
-        try:
-            srv.client.cancel(rid)
-        except RemoteError as e:  # only if it already ended on its own
-            assert e.code == grpc.StatusCode.NOT_FOUND
+        srv.client.cancel(rid)
         chunks += list(gen)
         outcomes[i] = chunks[-1].finish_reason
 
-    def via_disconnect(i: int, after: int) -> None:
+    def via_disconnect(i: int, after: int, jitter: float) -> None:
         req = specdist_pb2.GenerateRequest(token_ids=specdist_pb2.TokenIds(ids=[i % 7]), request_id=f"drop-{i}")
         req.params.max_tokens, req.params.ignore_eos = 60, True
         call = srv.stub.Generate(req)
         for _ in range(after):
             next(call)
-        time.sleep(rng.random() * 0.01)
+        time.sleep(jitter)  # where the disconnect lands varies on purpose; any outcome is right
         call.cancel()
         outcomes[i] = "dropped"
 
     threads = []
     for i in range(24):
-        fn = via_cancel if i % 2 == 0 else via_disconnect
-        threads.append(threading.Thread(target=fn, args=(i, rng.randint(1 if fn is via_cancel else 0, 6))))
+        if i % 2 == 0:
+            threads.append(threading.Thread(target=via_cancel, args=(i, rng.randint(1, 6))))
+        else:
+            threads.append(threading.Thread(target=via_disconnect, args=(i, rng.randint(0, 6), rng.random() * 0.01)))
     try:
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
     finally:
-        srv.gate.delay = 0.0
-    assert all(o in ("abort", "length", "dropped") for o in outcomes), outcomes
-    assert outcomes.count("abort") >= 6
+        srv.gate.hold_when = None
+    assert outcomes[0::2] == ["abort"] * 12 and outcomes[1::2] == ["dropped"] * 12, outcomes
     after = wait_idle(srv.client)
     assert after["requests_total"] - before["requests_total"] >= 12  # a dropped call may never reach the server
     ended = sum(after[k] - before[k] for k in ("requests_finished", "requests_cancelled", "requests_failed"))
@@ -378,9 +417,17 @@ def test_bad_input_matrix(srv, ref):
 # ---------------------------------------------------------------- failures, admission, drain
 
 
-def test_failed_step_fails_only_the_batch(srv, ref):
-    srv.gate.delay = 0.003
-    srv.gate.fail_when = lambda eng: len(eng.running) == 8 and len(eng.waiting) == 2
+def test_failed_step_fails_only_the_batch(srv, loop_thread, ref):
+    """A step fails with 8 requests running (max_batch_size) and 2 waiting: the 8 end with
+    FINISH_REASON_ERROR and INTERNAL, the 2 waiting ones run to the end.
+
+    The shape is made certain: the gate is closed, request 0 is added and the engine thread
+    waits at the gate in the step that admits it; the other 9 are then queued behind that
+    step (live_requests == 10). Opening the gate runs that step (0 running, 1 waiting), the
+    9 adds, the step that admits 7 more (1 running, 9 waiting), and then the first step with
+    8 running and 2 waiting: the one that fails. The requests need 50 tokens (>= 13 steps)
+    and none finishes before.
+    """
     results: list = [None] * 10
 
     def worker(i: int) -> None:
@@ -393,13 +440,21 @@ def test_failed_step_fails_only_the_batch(srv, ref):
             results[i] = (e.code, chunks[-1].finish_reason if chunks else None)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(10)]
+    srv.gate.open_event.clear()
     try:
-        for t in threads:
+        threads[0].start()
+        wait_for(srv.gate.blocked.is_set)
+        for t in threads[1:]:
             t.start()
+        wait_for(lambda: coordinator_counters(loop_thread, srv.coordinator)["live_requests"] == 10)
+        srv.gate.fail_when = lambda eng: len(eng.running) == 8 and len(eng.waiting) == 2
+        srv.gate.open_event.set()
         for t in threads:
             t.join(60)
+        assert srv.gate.fail_when is None, "no step ran with 8 running and 2 waiting"
     finally:
-        srv.gate.delay, srv.gate.fail_when = 0.0, None
+        srv.gate.fail_when = None
+        srv.gate.open_event.set()
     assert results.count((grpc.StatusCode.INTERNAL, "error")) == 8, results
     assert results.count("length") == 2, results
     wait_idle(srv.client)
@@ -409,7 +464,7 @@ def test_failed_step_fails_only_the_batch(srv, ref):
 def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
     from specdist.serve_cli import run_remote_generate
 
-    s = start_server(loop_thread, tiny_models, max_queued=2, drain_seconds=5)
+    s = start_server(loop_thread, tiny_models, max_queued=2, drain_seconds=60)  # a deadline, not a wait
     try:
         with pytest.raises(RemoteError) as e:  # no chat template on this model
             s.client.generate_text("a", apply_chat_template=True)
@@ -417,7 +472,7 @@ def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
         assert run_remote_generate(s.address, "a", dict(max_tokens=5, temperature=0), raw=False) == 0
         assert capsys.readouterr().out == ref("a", max_tokens=5, temperature=0).text + "\n"  # raw, like local
 
-        s.gate.delay = 0.05  # each request below takes >= 1 s
+        s.gate.hold_when = lambda eng: True  # the two requests below stay live until cancelled
 
         outcomes = {}
 
@@ -430,6 +485,7 @@ def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
         slow = [threading.Thread(target=run, args=(f"slow-{i}", 60)) for i in range(2)]
         for t in slow:
             t.start()
+
         def both_live() -> bool:  # requests_total also counts the earlier request, so watch the gauges
             c = s.client.server_info().counters
             return c["running_requests"] + c["queued_requests"] == 2
@@ -443,9 +499,12 @@ def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
         for t in slow:
             t.join(10)
         assert outcomes == {"slow-0": "abort", "slow-1": "abort"}
+        s.gate.hold_when = None
         wait_idle(s.client)
 
-        # graceful stop: NOT_SERVING, new requests refused, the running one finishes normally
+        # graceful stop: NOT_SERVING, new requests refused, the running one finishes normally.
+        # "short" runs one step (at most 4 of its 6 tokens), then is held until the checks are done.
+        s.gate.hold_when = running_ids("short")
         short = threading.Thread(target=run, args=("short", 6))
         short.start()
         wait_for(lambda: s.client.server_info().counters["running_requests"] == 1)
@@ -454,10 +513,12 @@ def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
         with pytest.raises(RemoteError) as e:
             s.client.generate_text([2], max_tokens=2)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "short" not in outcomes  # still running, held
+        s.gate.hold_when = None
         stopping.result(30)
         short.join(10)
         assert outcomes["short"] == "length"
     finally:
-        s.gate.delay = 0.0
+        s.gate.hold_when = None
         loop_thread.run(s.server.stop())
         s.channel.close()
