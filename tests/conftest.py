@@ -8,7 +8,10 @@ detokenisation and stop strings go through the same code as with real models.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import threading
 
 import pytest
 import torch
@@ -137,3 +140,52 @@ def remote_engine_like(engine, **kwargs):
     remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
                           vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, **kwargs)
     return remote, served
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread; ``run(coro)`` waits for the result."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def raylets() -> int:
+    """How many raylet processes run on this machine (0 once every local Ray cluster is down)."""
+    out = subprocess.run("ps aux | grep -c '[r]aylet'", shell=True, capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+DRAFT_NOISE_STD = 0.1  # the noisy draft's weight perturbation (see the models fixture)
+
+
+@pytest.fixture(scope="session")
+def models(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """The tiny target, and a draft = target + N(0, 0.1^2) noise on every weight matrix.
+
+    The session's tiny draft (an independent random model) only reaches ~0.2 acceptance
+    on this target; the noisy copy gives 0.4-0.75, i.e. many rejections *and* many full
+    acceptances, while staying far enough from the target for the power checks below.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("freq") / "draft_noisy"
+    shutil.copytree(tiny_models["target"], path)  # same config and tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * DRAFT_NOISE_STD)
+    model.save_pretrained(path)
+    return {"target": tiny_models["target"], "draft": str(path)}

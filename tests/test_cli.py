@@ -81,7 +81,7 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     2-rank target and a draft worker, concurrent gRPC streams, counters back to 0, nothing left."""
     import ray
 
-    from test_distributed_serve import _raylets
+    from conftest import raylets
 
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
@@ -97,7 +97,7 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     for phase in ("placement", "start", "rendezvous", "load", "follow", "warmup", "serve"):  # bring-up progress
         assert f"[specdist] bring-up: {phase} done after " in err, phase
     assert "deployment stopped in " in err and "(3 actors, placement groups removed" in err
-    assert not ray.is_initialized() and _raylets() == 0
+    assert not ray.is_initialized() and raylets() == 0
 
 
 def test_demo_bad_arguments_are_one_line_errors(capsys):

@@ -38,7 +38,7 @@ def test_bench_cluster_over_a_ray_deployment(tiny_models, tmp_path, capsys):
     draft worker over gRPC), measures it, reports the network share, and tears everything down."""
     import ray
 
-    from test_distributed_serve import _raylets
+    from conftest import raylets
 
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
@@ -54,4 +54,4 @@ def test_bench_cluster_over_a_ray_deployment(tiny_models, tmp_path, capsys):
     share = row["phase_share"]
     assert share["network+serialization"] > 0 and share["draft"] > 0 and share["verify"] > 0
     assert abs(sum(share.values()) - 1) < 1e-6
-    assert not ray.is_initialized() and _raylets() == 0  # the bench's own local Ray is gone
+    assert not ray.is_initialized() and raylets() == 0  # the bench's own local Ray is gone

@@ -16,8 +16,7 @@ import time
 import pytest
 import ray
 
-from conftest import tiny_config
-from test_server import LoopThread
+from conftest import LoopThread, raylets, tiny_config
 from specdist.client import SpecDistClient
 from specdist.sampling_params import SamplingParams
 
@@ -26,21 +25,16 @@ MAX_TOKENS = [8, 5, 12, 7, 9, 4, 10, 6]
 GAUGES = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_kv_slots_used", "active_streams")
 
 
-def _raylets() -> int:
-    out = subprocess.run("ps aux | grep -c '[r]aylet'", shell=True, capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
-
-
 @pytest.fixture(scope="module")
 def local_ray():
     assert not ray.is_initialized()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
     deadline = time.monotonic() + 20
-    while _raylets() and time.monotonic() < deadline:
+    while raylets() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _raylets() == 0
+    assert raylets() == 0
 
 
 def _cluster_config(tiny_models) -> dict:

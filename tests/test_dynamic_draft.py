@@ -13,7 +13,7 @@ from scipy import stats
 
 from conftest import tiny_config
 from specdist import Engine, SamplingParams
-from test_exactness_frequency import (  # noqa: F401  (models is a fixture)
+from test_exactness_frequency import (
     ALPHA,
     N,
     VOCAB,
@@ -22,7 +22,6 @@ from test_exactness_frequency import (  # noqa: F401  (models is a fixture)
     g_statistic,
     joint,
     merge_cells,
-    models,
     seq_index,
 )
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -54,7 +53,6 @@ MAX_MODEL_LEN = 32
 PROMPT_MODEL = [1, 2, 3]
 PROMPT_NGRAM = [1, 2, 3, 1, 2, 3]  # repeats, so prompt lookup proposes (first proposal: token 1)
 NGRAM_MIN, NGRAM_MAX = 1, 3  # the config defaults
-DRAFT_NOISE_STD = 0.1  # noise added to every target weight matrix to build the draft
 MIN_POWER_WRONG_RULE = 0.99  # asserted power against "resample from p instead of the residual"
 
 
@@ -94,28 +92,6 @@ CASES = [
 
 
 # ----------------------------------------------------------------------------- models
-@pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, str]:
-    """The tiny target, and a draft = target + N(0, 0.1^2) noise on every weight matrix.
-
-    The session's tiny draft (an independent random model) only reaches ~0.2 acceptance
-    on this target; the noisy copy gives 0.4-0.75, i.e. many rejections *and* many full
-    acceptances, while staying far enough from the target for the power checks below.
-    """
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("freq") / "draft_noisy"
-    shutil.copytree(tiny_models["target"], path)  # same config and tokenizer
-    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"])
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * DRAFT_NOISE_STD)
-    model.save_pretrained(path)
-    return {"target": tiny_models["target"], "draft": str(path)}
-
-
 @functools.lru_cache(maxsize=None)
 def _hf_logits(path: str, prompt: tuple[int, ...], window: int) -> dict[tuple, np.ndarray]:
     """Raw next-token logits (float64) after ``prompt + prefix`` for every prefix shorter than ``window``.

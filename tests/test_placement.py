@@ -10,7 +10,7 @@ from cluster.placement import PlacementError, bundle, create_placement, remove_p
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 

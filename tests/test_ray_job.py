@@ -49,7 +49,7 @@ def ray_head():
     if ray.is_initialized():  # an in-process cluster from another module would be in the way
         ray.shutdown()
     try:
-        _ray("start", "--head", "--num-cpus", "4", "--disable-usage-stats", timeout=180)
+        _ray("start", "--head", "--node-ip-address", "127.0.0.1", "--num-cpus", "4", "--disable-usage-stats", timeout=180)
         yield DASHBOARD
     finally:
         _ray("stop", "--force", timeout=120, check=False)

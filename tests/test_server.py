@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import tiny_config
+from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import RemoteError, SpecDistClient
 from specdist.server import serve
@@ -64,22 +64,6 @@ class Gate:
             self.fail_when = None
             raise RuntimeError("injected step failure")
         return self.real_step()
-
-
-class LoopThread:
-    """An asyncio event loop on a daemon thread; ``run(coro)`` waits for the result."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
