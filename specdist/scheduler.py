@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 PHASES = ("prefill", "draft", "verify", "sampling", "cache", "output", "network")
 REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
 _PER_ITEM_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS")
+_DEFINITE_CODES = _PER_ITEM_CODES + ("RESOURCE_EXHAUSTED",)  # the core refused the call before changing state
 
 
 @dataclass
@@ -260,7 +261,6 @@ class Scheduler:
 
         t0 = now()
         self._propose(reqs, ks)
-        t1 = now()
 
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
         results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
@@ -398,7 +398,7 @@ class Scheduler:
         if not new:
             return
         t0 = now()
-        ok, requeue, errors, timing = self._start_on(self.verifier.prefill, new, int)
+        ok, requeue, errors, timing = self._start_on(self.verifier, self.verifier.prefill, new, int)
         if timing.phases.get("prefill"):
             self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in new), timing.phases["prefill"])
         for r in ok:
@@ -413,7 +413,7 @@ class Scheduler:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            started, full, errors, _ = self._start_on(rep.drafter.start, rs, draft_seed)
+            started, full, errors, _ = self._start_on(rep.drafter, rep.drafter.start, rs, draft_seed)
             for r in started:
                 r.on_drafter = True
                 rep.live += 1
@@ -428,10 +428,20 @@ class Scheduler:
         self._release([r for r in new if r.finished])
         self.stats.phase_s["prefill"] += now() - t0
 
-    def _start_on(self, method, rs: list[Request], seed_of):
-        """Start requests on one core: (started, out of room (to requeue), [(request, error)], timing)."""
+    def _start_on(self, transport, method, rs: list[Request], seed_of):
+        """Start requests on one core: (started, out of room (to requeue), [(request, error)], timing).
+
+        A call that failed without blaming an item (a worker down, a deadline) may have started
+        them before it failed: they are released there, best effort.
+        """
         items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed)) for r in rs]
         _, failed, timing, _ = self._call_isolating(method, items)
+        unknown = [items[j].request_id for j, m in failed.items() if not m.startswith(_DEFINITE_CODES)]
+        if unknown:
+            try:
+                transport.release(unknown)
+            except TransportError as e:
+                log.warning("%s: release after a failed start failed too (%s)", transport.name, e)
         full = [r for j, r in enumerate(rs) if failed.get(j, "").startswith("RESOURCE_EXHAUSTED")]
         errors = [(rs[j], m) for j, m in failed.items() if not m.startswith("RESOURCE_EXHAUSTED")]
         return [r for j, r in enumerate(rs) if j not in failed], full, errors, timing
@@ -526,7 +536,8 @@ class Scheduler:
                 rep.drafter.release([r.core_id for r in rs])
             except TransportError as e:
                 log.warning("draft %s release failed (%s)", rep.drafter.name, e)
-            self.stats.calls += 1
+            with self._lock:  # also runs on the propose pool (a detach)
+                self.stats.calls += 1
             for r in rs:
                 r.on_drafter = False
                 rep.live -= 1

@@ -13,7 +13,6 @@ once the engine has warmed up, NOT_SERVING while draining) and server reflection
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -26,7 +25,6 @@ from specdist.coordinator import Coordinator, Delta, DuplicateRequestId, Overloa
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
 from specdist.request import RequestMetrics
-from specdist.sampling_params import SamplingParams
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 

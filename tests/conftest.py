@@ -13,6 +13,7 @@ import os
 import subprocess
 import threading
 
+import grpc
 import pytest
 import torch
 
@@ -189,3 +190,28 @@ def models(tiny_models, tmp_path_factory) -> dict[str, str]:
                 p.add_(torch.randn(p.shape, generator=gen) * DRAFT_NOISE_STD)
     model.save_pretrained(path)
     return {"target": tiny_models["target"], "draft": str(path)}
+
+
+class AioServer:
+    """A grpc.aio server on its own event loop thread, on a free localhost port."""
+
+    def __init__(self, add_fns, port: int = 0):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def start():
+            server = grpc.aio.server()
+            for add in add_fns:
+                add(server)
+            bound = server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            return server, bound
+
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

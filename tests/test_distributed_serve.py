@@ -9,7 +9,6 @@ removed, and after ray.shutdown no raylet left.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 

@@ -13,7 +13,7 @@ from scipy import stats
 
 from conftest import tiny_config
 from specdist import Engine, SamplingParams
-from test_exactness_frequency import (
+from gtest import (
     ALPHA,
     N,
     VOCAB,

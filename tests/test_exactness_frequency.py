@@ -30,52 +30,33 @@ really rejected and resampled (and sometimes accepted everything and drew the bo
 
 from __future__ import annotations
 
-import functools
-import itertools
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 from conftest import remote_engine_like, tiny_config
+from gtest import (  # noqa: F401  (constants used below)
+    ALPHA,
+    BATCH,
+    K,
+    MAX_MODEL_LEN,
+    MIN_POWER_WRONG_RULE,
+    N,
+    NGRAM_MAX,
+    NGRAM_MIN,
+    VOCAB,
+    Case,
+    _prob_table,
+    g_statistic,
+    joint,
+    merge_cells,
+    power,
+    seq_index,
+)
 from specdist.engine import Engine
 from specdist.sampling_params import SamplingParams
-
-VOCAB = 8
-K = 3  # num_speculative_tokens
-ALPHA = 1e-4  # false-failure rate of each G-test for a correct sampler
-N = 6000  # sequences per case
-BATCH = 256  # engine max_batch_size: one generate() call per case, the engine streams N prompts through 256 slots
-MAX_MODEL_LEN = 32
-PROMPT_MODEL = [1, 2, 3]
-PROMPT_NGRAM = [1, 2, 3, 1, 2, 3]  # repeats, so prompt lookup proposes (first proposal: token 1)
-NGRAM_MIN, NGRAM_MAX = 1, 3  # the config defaults
-MIN_POWER_WRONG_RULE = 0.99  # asserted power against "resample from p instead of the residual"
-
-
-@dataclass(frozen=True)
-class Case:
-    method: str  # "model" | "ngram"
-    max_tokens: int
-    window: int  # the first `window` tokens are compared (window <= max_tokens)
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def prompt(self) -> list[int]:
-        return PROMPT_MODEL if self.method == "model" else PROMPT_NGRAM
-
-    @property
-    def id(self) -> str:
-        s = f"{self.method}-T{self.temperature}-L{self.max_tokens}"
-        s += f"-top_k{self.top_k}" if self.top_k else ""
-        s += f"-top_p{self.top_p}" if self.top_p < 1 else ""
-        return s + (f"-first{self.window}" if self.window < self.max_tokens else "")
-
 
 # Every case: N = 6000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
 # merged cells; with the session's tiny target (conftest, seed 1) they are, per case:
@@ -91,114 +72,7 @@ CASES = [
 ]
 
 
-# ----------------------------------------------------------------------------- models
-@functools.lru_cache(maxsize=None)
-def _hf_logits(path: str, prompt: tuple[int, ...], window: int) -> dict[tuple, np.ndarray]:
-    """Raw next-token logits (float64) after ``prompt + prefix`` for every prefix shorter than ``window``.
-
-    Plain Hugging Face forward over all ``8**window`` continuations at once.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path).double().eval()
-    seqs = list(itertools.product(range(VOCAB), repeat=window))
-    ids = torch.tensor([list(prompt) + list(s) for s in seqs])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.double().numpy()  # [S, P + W, V]
-    table: dict[tuple, np.ndarray] = {}
-    for si, s in enumerate(seqs):
-        for i in range(window):
-            table.setdefault(s[:i], logits[si, len(prompt) - 1 + i])
-    return table
-
-
-def transform(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
-    """Temperature -> top-k -> top-p (nucleus), in float64. Returns (probs, decision margin).
-
-    top-k keeps every token whose scaled logit is >= the k-th largest; top-p keeps the
-    smallest set of most likely tokens whose mass reaches top_p (a token is kept iff the
-    mass of the tokens ranked strictly before it is < top_p). The margin is how far the
-    inputs are from flipping a keep/drop decision (gap at the k-th logit, distance of
-    every "mass before" from top_p); the engine computes in float32, so a margin of
-    1e-5 or more means its supports are the same as these.
-    """
-    z = logits / temperature
-    margin = np.inf
-    if top_k and top_k < len(z):
-        desc = np.sort(z)[::-1]
-        kth = desc[top_k - 1]
-        margin = min(margin, kth - desc[top_k])
-        z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        sp = p[order]
-        before = np.cumsum(sp) - sp
-        margin = min(margin, np.abs(before - top_p).min())
-        drop = order[before >= top_p]
-        p[drop] = 0.0
-        p /= p.sum()
-    return p, float(margin)
-
-
-def _prob_table(path: str, case: Case) -> tuple[dict[tuple, np.ndarray], float]:
-    raw = _hf_logits(path, tuple(case.prompt), case.window)
-    table, margin = {}, np.inf
-    for pre, lg in raw.items():
-        table[pre], m = transform(lg, case.temperature, case.top_k, case.top_p)
-        margin = min(margin, m)
-    return table, margin
-
-
-def joint(table: dict[tuple, np.ndarray], window: int) -> np.ndarray:
-    """P(y_1..y_W) = prod_i table[y_<i][y_i], in itertools.product order (index = base-8 number)."""
-    return np.array(
-        [
-            np.prod([table[y[:i]][y[i]] for i in range(window)])
-            for y in itertools.product(range(VOCAB), repeat=window)
-        ]
-    )
-
-
-def seq_index(tokens: list[int]) -> int:
-    idx = 0
-    for t in tokens:
-        idx = idx * VOCAB + t
-    return idx
-
-
-# ----------------------------------------------------------------------------- statistics
-def merge_cells(p: np.ndarray, n: int, min_expected: float = 5.0) -> list[np.ndarray]:
-    """Cells of positive probability; those with expected count < min_expected pooled."""
-    pos = np.nonzero(p > 0)[0]
-    order = pos[np.argsort(-p[pos], kind="stable")]
-    big = [np.array([i]) for i in order if n * p[i] >= min_expected]
-    small = np.array([i for i in order if n * p[i] < min_expected], dtype=int)
-    cells = big + ([small] if small.size else [])
-    if small.size and n * p[small].sum() < min_expected:
-        cells = big[:-1] + [np.concatenate([big[-1], small])]
-    return cells
-
-
-def g_statistic(counts: np.ndarray, p: np.ndarray, cells: list[np.ndarray]) -> float:
-    n = counts.sum()
-    obs = np.array([counts[c].sum() for c in cells], dtype=float)
-    exp = np.array([p[c].sum() for c in cells]) * n
-    nz = obs > 0
-    return float(2.0 * np.sum(obs[nz] * np.log(obs[nz] / exp[nz])))
-
-
-def power(alt: np.ndarray, p: np.ndarray, cells: list[np.ndarray], n: int) -> tuple[float, float]:
-    """(non-centrality, power) of the test at level ALPHA against samples from ``alt``."""
-    a = np.array([alt[c].sum() for c in cells])
-    e = np.array([p[c].sum() for c in cells])
-    lam = n * float(np.sum((a - e) ** 2 / e))
-    df = len(cells) - 1
-    return lam, float(stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, lam))
-
-
-# ----------------------------------------------------------------------------- the algorithm, analytically
+# ----------------------------------------------------------------------------- laws
 def ngram_lookup(seq: list[int], k: int) -> list[int]:
     """Prompt lookup as documented: continuation of the latest earlier match of the longest suffix."""
     length = len(seq)

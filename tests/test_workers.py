@@ -1,64 +1,45 @@
 """Target and draft workers over real gRPC (grpc.aio servers in a background thread).
 
-A small coordinator loop in this file drives Prefill -> Start -> Propose -> Verify ->
-Propose ... -> Release, applying the engine's own stop rules (OutputState) and draft-length
-rule, and the greedy output must equal the single-process Engine's token for token.
+The workers are the cores the in-process engine uses (:class:`~specdist.verifying.VerifierCore`,
+:class:`~specdist.drafting.DrafterCore`) behind their servicers (``workers/target_worker.py``,
+``workers/draft_worker.py``). A small coordinator loop in this file drives Prefill -> Start ->
+Propose -> Verify -> Propose ... -> Release with raw protobuf stubs, applying the engine's own
+stop rules (OutputState) and draft-length rule, and the greedy output must equal the
+single-process Engine's token for token. Other tests call the cores directly with the
+dataclasses of :mod:`specdist.transport`, or the remote transports (:mod:`specdist.remote`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import AioServer, tiny_config
+from specdist.drafting import DrafterCore
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
+from specdist.models.runner import CausalLMRunner
 from specdist.sampling import process_logits
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
+from specdist.transport import draft_seed
 from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.verifying import VerifierCore
 from specdist.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, sampling_params_to_proto
-from workers.draft_worker import DraftServicer, DraftWorker, draft_seed
-from workers.target_worker import TargetServicer, TargetWorker
+from workers.draft_worker import DraftServicer
+from workers.target_worker import TargetServicer
 
 MAX_LEN, SLOTS, K = 64, 8, 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------- servers
-class AioServer:
-    """A grpc.aio server on its own event loop thread, on a free localhost port."""
-
-    def __init__(self, add_fns, port: int = 0):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def start():
-            server = grpc.aio.server()
-            for add in add_fns:
-                add(server)
-            bound = server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            return server, bound
-
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 def _target_model(tiny_models):
     return load_model(ModelSource(tiny_models["target"], None), "float32")
 
@@ -66,11 +47,11 @@ def _target_model(tiny_models):
 @pytest.fixture(scope="module")
 def workers(tiny_models):
     """Target worker + a model draft worker + an n-gram draft worker, all served over gRPC."""
-    target = TargetWorker(_target_model(tiny_models), SLOTS, MAX_LEN)
-    model_draft = DraftWorker.from_model(load_model(ModelSource(tiny_models["draft"], None), "float32"), SLOTS, MAX_LEN)
-    ngram_draft = DraftWorker.ngram(target.vocab_size, MAX_LEN)
+    target = VerifierCore(CausalLMRunner(_target_model(tiny_models), SLOTS, MAX_LEN))
+    model_draft = DrafterCore.from_model(load_model(ModelSource(tiny_models["draft"], None), "float32"), SLOTS, MAX_LEN)
+    ngram_draft = DrafterCore.from_ngram(target.vocab_size, MAX_LEN)
     # the target's own weights as the draft: greedy drafts are then all accepted (the accept path)
-    self_draft = DraftWorker.from_model(_target_model(tiny_models), SLOTS, MAX_LEN)
+    self_draft = DrafterCore.from_model(_target_model(tiny_models), SLOTS, MAX_LEN)
     ts = TargetServicer(target)
     ds = {name: DraftServicer(w) for name, w in (("model", model_draft), ("ngram", ngram_draft), ("self", self_draft))}
     srv_t = AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(ts, s)])
@@ -78,9 +59,11 @@ def workers(tiny_models):
             for name, sv in ds.items()}
     chans = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in [srv_t, *srvs.values()]]
     out = {"target": target, "model": model_draft, "ngram": ngram_draft, "self": self_draft,
-           "target_stub": target_pb2_grpc.TargetWorkerStub(chans[0]), "eos": eos_token_ids(target.runner.model)}
+           "target_stub": target_pb2_grpc.TargetWorkerStub(chans[0]), "eos": eos_token_ids(target.runner.model),
+           "target_address": f"127.0.0.1:{srv_t.port}"}
     for name, ch in zip(srvs, chans[1:]):
         out[f"{name}_stub"] = draft_pb2_grpc.DraftWorkerStub(ch)
+        out[f"{name}_address"] = f"127.0.0.1:{srvs[name].port}"
     yield out
     for c in chans:
         c.close()
@@ -304,26 +287,180 @@ def test_bad_inputs_get_status_codes(workers):
 
 
 def test_shipped_q_is_the_sampled_q(workers):
-    """A sampled model draft ships fp16_exact(processed q), which decodes bit for bit on the target side."""
+    """A sampled model draft ships fp16_exact(processed q), which decodes bit for bit on the target side.
+
+    Over gRPC with the caller's preferred format (DENSE, SPARSE); the same core called directly
+    with the same seed drafts the same token from a q (``Proposal.q``) that the shipped message
+    decodes to exactly, bit for bit.
+    """
+    from specdist.transport import ProposeItem, StartItem
     from specdist.wire import decode_distribution, fp16_exact
 
-    d = workers["model"]
+    stub, core = workers["model_stub"], workers["model"]
     prompt = [3, 1, 4]
     for top_k, fmt in ((0, DENSE), (2, SPARSE)):
-        sp = sampling_params_to_proto(SamplingParams(temperature=0.7, top_k=top_k))
-        d.start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(request_id="q", prompt_token_ids=prompt,
-                                                                  params=sp, seed=3)]))
-        prop = d.propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+        params = SamplingParams(temperature=0.7, top_k=top_k)
+        stub.Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
+            request_id="q", prompt_token_ids=prompt, params=sampling_params_to_proto(params), seed=3)]))
+        prop = stub.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
             request_id="q", num_tokens=1, seq_len=len(prompt), preferred_format=fmt)])).proposals[0]
-        d.release(draft_pb2.DraftReleaseRequest(request_ids=["q"]))
+        stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["q"]))
         with torch.inference_mode():
-            logits = d.proposer.runner.model(torch.tensor([prompt])).logits[0, -1:]
+            logits = core.runner.model(torch.tensor([prompt])).logits[0, -1:]
         q = process_logits(logits, torch.tensor([0.7]), torch.tensor([top_k]), torch.ones(1))[0]
-        got = decode_distribution(prop.probs[0], d.vocab_size, prop.token_ids[0])
+        got = decode_distribution(prop.probs[0], core.vocab_size, prop.token_ids[0])
         assert prop.probs[0].format == fmt
         assert torch.allclose(got, fp16_exact(q), atol=2e-3)  # batched vs HF forward: rounding only
         assert got[prop.token_ids[0]] > 0
-    assert d.kv_slots_in_use() == 0
+
+        # the core itself, same seed: same token, and the q it sampled from is what the wire decodes to
+        core.start([StartItem("q-direct", prompt, params, 3)])
+        try:
+            [direct], timing = core.propose([ProposeItem("q-direct", 0, [], 1, len(prompt))])
+        finally:
+            core.release(["q-direct"])
+        assert direct.token_ids == list(prop.token_ids) and direct.wire is None
+        assert direct.q is not None and direct.q.dtype == torch.float32 and tuple(direct.q.shape) == (1, core.vocab_size)
+        assert torch.equal(got, direct.q[0])  # bit for bit
+        assert torch.equal(direct.q, fp16_exact(direct.q))  # already fp16-exact: the wire carries it unchanged
+        assert timing.phases.get("draft", 0) > 0
+    assert core.kv_slots_in_use() == 0 and not core.requests
+
+
+def _timing_metadata(call) -> dict[str, float]:
+    """The core's per-phase seconds a servicer sent in the ``specdist-timing`` trailing metadata."""
+    from specdist.remote import TIMING_METADATA_KEY
+
+    values = [v for k, v in (call.trailing_metadata() or ()) if k == TIMING_METADATA_KEY]
+    if not values:
+        return {}
+    assert len(values) == 1
+    return {k: float(v) for k, v in (kv.split("=") for kv in values[0].split(","))}
+
+
+def test_servicers_report_core_timing_in_trailing_metadata(workers):
+    """Each call's core seconds travel back as ``specdist-timing`` (the engine books the rest of
+    the wall time as network); Release does no timed work and sends none."""
+    t, d = workers["target_stub"], workers["model_stub"]
+    sp = sampling_params_to_proto(SamplingParams(temperature=0.0))
+    _, call = t.Prefill.with_call(target_pb2.PrefillRequest(items=[
+        target_pb2.PrefillItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=1)]))
+    assert set(_timing_metadata(call)) == {"prefill"}
+    _, call = d.Start.with_call(draft_pb2.StartRequest(items=[
+        draft_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=draft_seed(1))]))
+    assert set(_timing_metadata(call)) == {"prefill"}
+    prop, call = d.Propose.with_call(draft_pb2.ProposeRequest(items=[
+        draft_pb2.ProposeItem(request_id="tm", num_tokens=2, seq_len=3)]))
+    assert set(_timing_metadata(call)) == {"draft"} and _timing_metadata(call)["draft"] > 0
+    p = prop.proposals[0]
+    _, call = t.Verify.with_call(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+        request_id="tm", seq_len=3, draft_token_ids=p.token_ids, draft_probs=p.probs)]))
+    phases = _timing_metadata(call)
+    assert set(phases) == {"forward", "sampling", "cache"} and phases["forward"] > 0
+    assert all(v >= 0 for v in phases.values())
+    _, call = t.Release.with_call(target_pb2.TargetReleaseRequest(request_ids=["tm"]))
+    assert _timing_metadata(call) == {}
+    _, call = d.Release.with_call(draft_pb2.DraftReleaseRequest(request_ids=["tm"]))
+    assert _timing_metadata(call) == {}
+    assert workers["target"].kv_slots_in_use() == 0 and workers["model"].kv_slots_in_use() == 0
+
+
+def test_cores_take_dataclasses_and_validate_whole_batches(workers):
+    """The cores themselves, called with the transport dataclasses: field errors name
+    ``items[i]...`` and the status the servicers answer with; a failed call changes nothing."""
+    from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+    from specdist.transport import Proposal, ProposeItem, StartItem, Verified, VerifyItem
+
+    target, draft = workers["target"], workers["model"]
+    sp = SamplingParams(temperature=0.0)
+
+    def raises(exc, field, fn, *args):
+        with pytest.raises(exc) as ei:
+            fn(*args)
+        assert ei.value.field == field, (field, str(ei.value))
+
+    for core in (target, draft):
+        start = core.prefill if core is target else core.start
+        raises(InvalidArgument, "items[1].request_id", start, [StartItem("c", [1], sp, 1), StartItem("c", [2], sp, 1)])
+        raises(InvalidArgument, "items[1].prompt_token_ids", start, [StartItem("c", [1], sp, 1),
+                                                                     StartItem("c2", [1, 8], sp, 1)])
+        raises(ResourceExhausted, "items", start, [StartItem(f"c{i}", [1], sp, 1) for i in range(SLOTS + 1)])
+        assert core.kv_slots_in_use() == 0 and not core.requests  # all or nothing: "c" was not admitted
+
+    target.prefill([StartItem("c", [1, 2, 3], sp, 1)])
+    draft.start([StartItem("c", [1, 2, 3], sp, draft_seed(1))])
+    raises(AlreadyExists, "items[0].request_id", target.prefill, [StartItem("c", [1], sp, 1)])
+    raises(AlreadyExists, "items[0].request_id", draft.start, [StartItem("c", [1], sp, 1)])
+    raises(NotFound, "items[1].request_id", draft.propose, [ProposeItem("c", 0, [], 1, 3), ProposeItem("x", 0, [], 1, 1)])
+    raises(FailedPrecondition, "items[0].seq_len", draft.propose, [ProposeItem("c", 0, [], 1, 4)])
+    raises(InvalidArgument, "items[0].num_accepted", draft.propose, [ProposeItem("c", 1, [], 1, 3)])
+    [p], _ = draft.propose([ProposeItem("c", 0, [], 2, 3)])
+    assert len(p) == 2 and p.q is None  # greedy: one-hot q, no tensor
+    raises(NotFound, "items[1].request_id", target.verify, [VerifyItem("c", 3, p), VerifyItem("x", 1)])
+    raises(FailedPrecondition, "items[0].seq_len", target.verify, [VerifyItem("c", 2, p)])
+    raises(InvalidArgument, "items[0].draft_token_ids", target.verify,
+           [VerifyItem("c", 3, Proposal("c", [1, 8]))])
+    raises(InvalidArgument, "items[0].draft_probs", target.verify,
+           [VerifyItem("c", 3, Proposal("c", [1, 2], q=torch.full((1, target.vocab_size), 0.125)))])
+    # nothing advanced: the valid call still sees seq_len 3 on both sides
+    [v], timing = target.verify([VerifyItem("c", 3, p)])
+    assert isinstance(v, Verified) and v.request_id == "c" and 0 <= v.num_accepted <= 2
+    assert set(timing.phases) == {"forward", "sampling", "cache"} and timing.total > 0
+    seq_len = 3 + v.num_accepted + 1
+    [p2], _ = draft.propose([ProposeItem("c", v.num_accepted, [v.next_token], 0, seq_len)])  # commit only
+    assert len(p2) == 0
+    assert target.requests["c"].seq == draft.requests["c"].seq and len(draft.requests["c"].seq) == seq_len
+    target.release(["c", "never-existed"])
+    draft.release(["c", "never-existed"])
+    target.release(["c"])  # idempotent
+    assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
+
+
+def test_local_and_remote_transports_raise_the_same_errors(workers):
+    """LocalVerifier / LocalDrafter (direct calls) and RemoteVerifier / RemoteDrafter (gRPC to the
+    servicers of the same cores) turn a core's field error into one TransportError: the gRPC
+    code, the blamed item and its request id; errors naming no item blame the whole call."""
+    from specdist.drafting import LocalDrafter
+    from specdist.remote import RemoteDrafter, RemoteVerifier
+    from specdist.transport import ProposeItem, StartItem, TransportError
+    from specdist.verifying import LocalVerifier
+
+    sp = SamplingParams(temperature=0.0)
+    target, draft = workers["target"], workers["model"]
+    remote_v = RemoteVerifier(workers["target_address"], target.vocab_size, timeout_s=30)
+    remote_d = RemoteDrafter(workers["model_address"], timeout_s=30)
+    pairs = [(LocalVerifier(target), remote_v, "prefill"), (LocalDrafter(draft), remote_d, "start")]
+    try:
+        for local, remote, start in pairs:
+            cases = [
+                ([StartItem("e0", [1], sp, 1), StartItem("e1", [1, 99], sp, 1)], "INVALID_ARGUMENT", 1, ["e1"]),
+                ([StartItem(f"e{i}", [1], sp, 1) for i in range(SLOTS + 1)], "RESOURCE_EXHAUSTED", None,
+                 [f"e{i}" for i in range(SLOTS + 1)]),
+            ]
+            for items, code, item, ids in cases:
+                errs = []
+                for transport in (local, remote):
+                    with pytest.raises(TransportError) as ei:
+                        getattr(transport, start)(items)
+                    errs.append(ei.value)
+                for e in errs:
+                    assert (e.code, e.item, e.request_ids) == (code, item, ids), (e.code, e.item, e.request_ids, str(e))
+                assert str(errs[0]) in str(errs[1])  # the remote message is the core's, after the address
+        # a remote call that succeeds returns the core's timing from the trailing metadata
+        assert set(remote_v.prefill([StartItem("ok", [1, 2], sp, 1)]).phases) == {"prefill"}
+        assert set(remote_d.start([StartItem("ok", [1, 2], sp, draft_seed(1))]).phases) == {"prefill"}
+        for transport in (LocalDrafter(draft), remote_d):
+            with pytest.raises(TransportError) as ei:
+                transport.propose([ProposeItem("ok", 0, [], 1, 2), ProposeItem("gone", 0, [], 1, 2)])
+            assert (ei.value.code, ei.value.item, ei.value.request_ids) == ("NOT_FOUND", 1, ["gone"])
+        [p], timing = remote_d.propose([ProposeItem("ok", 0, [], 1, 2)])
+        assert len(p) == 1 and p.wire is not None and set(timing.phases) == {"draft"}
+    finally:
+        remote_v.release(["ok"])
+        remote_d.release(["ok"])
+        remote_v.close()
+        remote_d.close()
+    assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
 
 
 # ---------------------------------------------------------------- tensor parallel (2 ranks)
@@ -392,17 +529,20 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
     model = load_model(ModelSource(ckpt, None), "float32")
     init_process_group(rank, world_size, "127.0.0.1", dist_port, "cpu")
     model = shard_model(model, world_size)
-    worker = TargetWorker(model, SLOTS, MAX_LEN, rank=rank, world_size=world_size)
+    from workers.tensor_parallel import broadcast_object
+
+    core = VerifierCore(CausalLMRunner(model, SLOTS, MAX_LEN), rank, world_size, broadcast=broadcast_object)
     if rank == 0:
-        servicer = TargetServicer(worker)
+        servicer = TargetServicer(core)
         server = AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], grpc_port)
         sys.stdin.read()  # serve until the parent closes our stdin
         server.stop()
         servicer.shutdown()
-        assert worker.kv_slots_in_use() == 0
+        assert core.kv_slots_in_use() == 0 and core.closed
     else:
-        worker.follow()
-        assert worker.kv_slots_in_use() == 0  # releases reached the follower before shutdown
+        forwards = core.follow()
+        assert forwards > 0  # it replayed rank 0's forwards (the all-reduces need every rank)
+        assert core.kv_slots_in_use() == 0  # releases reached the follower before shutdown
     dist.barrier()
     dist.destroy_process_group()
 
