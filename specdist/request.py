@@ -56,7 +56,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues and batches look requests up by object, in O(1) per comparison
 class Request:
     """A request as the scheduler tracks it. The cores (target, drafts) know it by ``core_id``."""
 
