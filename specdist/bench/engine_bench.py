@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
     p.add_argument("--draft", default="self-w8", choices=("self-w8", "ngram"), help="draft method")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
+    p.add_argument("--length-policy", choices=("fixed", "adaptive"), default="fixed",
+                   help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)")
     p.add_argument("--prompts", type=int, default=8, help=f"how many chat prompts (max {len(PROMPTS)})")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy")
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     engines = {
         "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),
         "engine-spec": Engine(
-            load_config({**base, "draft": {"method": args.draft, "num_speculative_tokens": args.k}}),
+            load_config({**base, "draft": {"method": args.draft, "num_speculative_tokens": args.k,
+                                           "length_policy": args.length_policy}}),
             target,
             tok,
             draft_model,
