@@ -83,11 +83,6 @@ class Request:
         return len(self.prompt_ids) + len(self.output.token_ids)
 
     @property
-    def seq(self) -> list[int]:
-        """Every token so far: prompt then output (a copy: O(length))."""
-        return self.prompt_ids + self.output.token_ids
-
-    @property
     def finished(self) -> bool:
         return self.output.finished
 

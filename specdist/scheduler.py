@@ -226,9 +226,6 @@ class Scheduler:
                     used[f"draft/{i}"] = rep.live
         return used
 
-    def replica_of(self, r: Request) -> int | None:
-        return r.replica
-
     def close(self) -> None:
         """Release every live request, then close the transports."""
         for r in list(self.waiting) + list(self.running):
