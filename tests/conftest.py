@@ -17,13 +17,12 @@ import grpc
 import pytest
 import torch
 
-TINY_WORDS = ["a", "b", "c", "d", "e", "f", "g", "<eos>"]  # id 7 is EOS
+from model_zoo import TINY_WORDS, save_word_tokenizer  # noqa: F401 (TINY_WORDS: id 7 is EOS)
 
 
 def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35, layers: int = 2) -> str:
     """Write a random Llama checkpoint (safetensors + tokenizer) to ``path`` and return it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -46,12 +45,7 @@ def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35
                 p.normal_(0.0, std)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    words = TINY_WORDS + [f"w{i}" for i in range(len(TINY_WORDS), vocab_size)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words[:vocab_size])}, unk_token="a"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>" if vocab_size > 7 else None)
-    fast.save_pretrained(path)
+    save_word_tokenizer(path, vocab_size)
     return path
 
 
