@@ -181,13 +181,18 @@ class DrafterCore:
         return proposals, CallTiming({"draft": now() - t0})
 
     def _draft_model(self, reqs: list[_DraftRequest], ks: list[int]):
-        """Sequential draft passes over the requests still drafting: (tokens, q [n, V] or None) per request."""
+        """Sequential draft passes over the requests still drafting: (tokens, q [n, V] or None) per request.
+
+        Logits processing and sampling run on the model's device and each q stays there; per
+        pass only the drafted token ids (and, with a confidence threshold, their confidences)
+        come to the host, in one copy. The uniforms come from each request's host generator.
+        """
         runner, cache = self.runner, self.cache
         bsz = len(reqs)
         toks: list[list[int]] = [[] for _ in range(bsz)]
         rows_q: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
         ks = list(ks)  # shortened when the confidence threshold stops a request early
-        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])
+        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])  # [B] each, host
         greedy = [r.params.temperature <= 0 for r in reqs]
         for j in range(max(ks, default=0)):
             rows = sorted((b for b in range(bsz) if ks[b] > j), key=lambda b: reqs[b].slot)  # contiguous slots: views
@@ -197,27 +202,32 @@ class DrafterCore:
                 inputs = [reqs[b].seq[cache.lengths[reqs[b].slot]:] for b in rows]
             else:
                 inputs = [[toks[b][-1]] for b in rows]
-            logits = runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V]
+            logits = runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V] on the device
+            dev = logits.device
             idx = torch.tensor(rows)
             q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
             sampled = [n for n, b in enumerate(rows) if not greedy[b]]
             x = q.argmax(-1)  # [n]: greedy rows (one-hot q)
             if sampled:
-                s = torch.tensor(sampled)
+                s = torch.tensor(sampled, device=dev)
                 r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
                 u = torch.cat([torch.rand(1, generator=reqs[rows[n]].generator, dtype=torch.float64) for n in sampled])
-                x[s] = sample_from(r16, u)
+                x[s] = sample_from(r16, u.to(dev))
                 for m, n in enumerate(sampled):
                     rows_q[rows[n]].append(r16[m])
-            for b, t in zip(rows, x.tolist()):
-                toks[b].append(t)
             if self.confidence_threshold > 0:
                 # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
                 conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
-                for b, c in zip(rows, conf.tolist()):
+                # token ids < 2**53 are exact in float64: ids and confidences come over in one copy
+                step = torch.stack([x.double(), conf.double()], 1).tolist()  # [n, 2]
+                for b, (t, c) in zip(rows, step):
+                    toks[b].append(int(t))
                     if c < self.confidence_threshold:
                         ks[b] = j + 1
-        qs = [torch.stack(rq) if rq else None for rq in rows_q]
+            else:
+                for b, t in zip(rows, x.tolist()):
+                    toks[b].append(t)
+        qs = [torch.stack(rq) if rq else None for rq in rows_q]  # on the device
         return toks, qs
 
     def release(self, request_ids: list[str]) -> None:

@@ -9,6 +9,11 @@ Order: temperature -> top-k -> top-p, then renormalise. A row with temperature 0
 rule on one-hot ``p`` and ``q`` is exactly "accept while the draft token equals
 the target argmax", so greedy needs no separate verification code.
 
+Device-agnostic: the logits stay on their device and every tensor made here is made
+there. The per-request settings may be host tensors (the callers build them from
+SamplingParams): which optional stages run is then decided on the host without a
+device sync, and the settings are copied to the logits' device once.
+
 Pure maths: no Ray, no gRPC.
 """
 
@@ -18,30 +23,35 @@ import torch
 
 
 def process_logits(
-    logits: torch.Tensor,  # [N, V] any float dtype
-    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    logits: torch.Tensor,  # [N, V] any float dtype, on any device
+    temperature: torch.Tensor,  # [N] float, 0 = greedy (host or logits' device)
     top_k: torch.Tensor,  # [N] long, 0 = off
     top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
-) -> torch.Tensor:  # [N, V] float32 probabilities, each row sums to 1
+) -> torch.Tensor:  # [N, V] float32 probabilities on the logits' device, each row sums to 1
     """Turn raw logits into the sampling distribution each row's request uses."""
     logits = logits.float()
     n, vocab = logits.shape
+    # Which stages run, read off the settings where they live (host tensors: no device sync).
+    use_top_k, use_top_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+    any_greedy = bool((temperature <= 0).any())
+    kmax = int(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).max()) if use_top_k else vocab
+    dev = logits.device
+    temperature, top_k, top_p = (x.to(dev, non_blocking=True) for x in (temperature, top_k, top_p))
     greedy = temperature <= 0  # [N]
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     # Subtract the row max first: a tiny temperature then sends non-max entries to -inf
     # instead of overflowing the max itself to +inf (which would make softmax NaN).
     scaled = (logits - logits.max(-1, keepdim=True).values) / safe_t[:, None]  # [N, V], max entry 0
 
-    if bool((top_k > 0).any()):
+    if use_top_k:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [N]
-        kmax = int(k.max())
         top_vals = scaled.topk(kmax, dim=-1).values  # [N, kmax] descending
         kth = top_vals.gather(-1, (k - 1)[:, None])  # [N, 1] k-th largest value
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties at the k-th value are kept
 
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
 
-    if bool((top_p < 1).any()):
+    if use_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
         mass_before = sorted_p.cumsum(-1) - sorted_p  # [N, V] mass of strictly better-ranked tokens
         keep_sorted = mass_before < top_p.float()[:, None]  # smallest prefix whose mass reaches top_p
@@ -49,7 +59,7 @@ def process_logits(
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
 
-    if bool(greedy.any()):
+    if any_greedy:
         onehot = torch.zeros_like(probs)
         onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)

@@ -68,7 +68,7 @@ class Proposal:
 
     request_id: str
     token_ids: list[int]  # [n]
-    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.wire.fp16_exact)
+    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.wire.fp16_exact), drafter's device
     wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
 
     def __len__(self) -> int:

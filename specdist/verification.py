@@ -11,7 +11,9 @@ is distributed exactly as the target's (Leviathan et al. 2022, Chen et al. 2023)
 
 Randomness is supplied by the caller as uniforms (one per draft position plus one
 for the final sample) so that every request can use its own seeded generator and
-this module stays pure and testable. Pure maths: no Ray, no gRPC.
+this module stays pure and testable. Device-agnostic: every input lives on one device
+(the uniforms too) and every tensor made here is made there; nothing leaves it.
+Pure maths: no Ray, no gRPC.
 """
 
 from __future__ import annotations
@@ -78,12 +80,13 @@ def rejection_sample(
 ) -> VerifyResult:
     """Verify a batch of drafts of different lengths in one vectorised pass."""
     bsz, k = draft_tokens.shape
-    rows = torch.arange(bsz)
+    dev = target_probs.device
+    rows = torch.arange(bsz, device=dev)
     if k == 0:
         final = sample_from(target_probs[:, 0], sample_uniforms)
-        return VerifyResult(final[:, None], torch.zeros(bsz, dtype=torch.long))
+        return VerifyResult(final[:, None], torch.zeros(bsz, dtype=torch.long, device=dev))
 
-    valid = torch.arange(k)[None, :] < num_draft[:, None]  # [B, K]
+    valid = torch.arange(k, device=dev)[None, :] < num_draft[:, None]  # [B, K]
     tok = draft_tokens.clamp(min=0)  # [B, K]
     p_x = target_probs[:, :k].gather(-1, tok[..., None]).squeeze(-1)  # [B, K]
     q_x = draft_probs.gather(-1, tok[..., None]).squeeze(-1) if draft_probs is not None else torch.ones_like(p_x)
@@ -101,8 +104,8 @@ def rejection_sample(
     final_dist = torch.where(rejected, residual_distribution(p_n, q_n), p_n)  # [B, V]
     final = sample_from(final_dist, sample_uniforms)  # [B]
 
-    out = torch.full((bsz, k + 1), -1, dtype=torch.long)
-    keep = torch.arange(k)[None, :] < n[:, None]
+    out = torch.full((bsz, k + 1), -1, dtype=torch.long, device=dev)
+    keep = torch.arange(k, device=dev)[None, :] < n[:, None]
     out[:, :k] = torch.where(keep, draft_tokens, out[:, :k])
     out[rows, n] = final
     return VerifyResult(out, n)

@@ -186,39 +186,38 @@ class VerifierCore:
 
         t0 = now()
         order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # contiguous slots attend through views
-        logits_sorted = self._forward(
+        logits = self._forward(
             [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order]
-        )  # [B, kdim + 1, V] in slot order
-        logits = torch.empty_like(logits_sorted)
-        logits[torch.tensor(order)] = logits_sorted
+        )  # [B, K+1, V] in slot order, on the model's device
         t1 = now()
 
-        num_draft = torch.tensor(nd, dtype=torch.long)  # [B]
-        pos_valid = torch.arange(kdim + 1)[None, :] <= num_draft[:, None]  # [B, K+1]
-        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])
-        rows = pos_valid.nonzero()[:, 0]  # request index of each valid (request, position)
-        probs = torch.zeros(bsz, kdim + 1, vocab)  # [B, K+1, V]
-        probs[pos_valid] = process_logits(logits[:, : kdim + 1][pos_valid], temp[rows], top_k[rows], top_p[rows])
-        tokens = torch.full((bsz, kdim), -1, dtype=torch.long)  # [B, K]
-        q = None
-        if any(x is not None for x in qs):
-            q = torch.zeros(bsz, kdim, vocab)  # [B, K, V]
-        acc_u = torch.ones(bsz, kdim, dtype=torch.float64)  # [B, K]
-        smp_u = torch.empty(bsz, dtype=torch.float64)  # [B]
+        # The valid (request, position) pairs in request order, as row indices built on the host:
+        # src into the slot-ordered logits, dst into probs (request order).
+        dev = logits.device
+        rank = {b: i for i, b in enumerate(order)}
+        pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]
+        src = torch.tensor([rank[b] * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
+        dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
+        rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
+        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])  # [B] each, host
+        p_valid = process_logits(logits.reshape(-1, vocab).index_select(0, src), temp[rows], top_k[rows], top_p[rows])
+        probs = torch.zeros(bsz * (kdim + 1), vocab, device=dev).index_copy_(0, dst, p_valid)
+        probs = probs.view(bsz, kdim + 1, vocab)  # [B, K+1, V]; rows past a request's drafts stay 0
+
+        tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
+        tokens = tokens.to(dev)  # [B, K]
+        q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
+        # num_draft + 1 uniforms per request from its own (host) generator: acceptance, then the final sample
+        u = torch.ones(bsz, kdim + 1, dtype=torch.float64)  # [B, K+1]
         for b, r in enumerate(reqs):
-            if nd[b]:
-                tokens[b, : nd[b]] = torch.tensor(drafts[b])
-                if q is not None:
-                    if qs[b] is None:  # one-hot rows
-                        q[b, torch.arange(nd[b]), tokens[b, : nd[b]]] = 1.0
-                    else:
-                        q[b, : nd[b]] = qs[b]
-            u = torch.rand(nd[b] + 1, generator=r.generator, dtype=torch.float64)
-            acc_u[b, : nd[b]] = u[:-1]
-            smp_u[b] = u[-1]
-        res = rejection_sample(probs, q, tokens, num_draft, acc_u, smp_u)
-        n_acc = res.num_accepted.tolist()
-        final = res.tokens[torch.arange(bsz), res.num_accepted].tolist()
+            x = torch.rand(nd[b] + 1, generator=r.generator, dtype=torch.float64)
+            u[b, : nd[b]] = x[:-1]
+            u[b, kdim] = x[-1]
+        u = u.to(dev)
+        num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
+        res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim])
+        final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
+        n_acc, final = zip(*torch.cat([res.num_accepted[:, None], final], 1).tolist())  # the one copy to the host
         t2 = now()
 
         out = []
@@ -230,8 +229,31 @@ class VerifierCore:
             out.append(Verified(it.request_id, n_acc[b], final[b]))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
 
+    def _draft_q(self, qs: list, tokens: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [B, K, V] on the device
+        """The batch's q: one-hot rows scattered on the device where a request brought none; rows
+        already on the device (an in-process drafter's) copied there; rows decoded on the host
+        (they came over the wire) moved together, in one copy."""
+        bsz, kdim = tokens.shape
+        dev = tokens.device
+        q = torch.zeros(bsz, kdim, self.vocab_size, device=dev)  # [B, K, V]
+        flat = q.view(bsz * kdim, self.vocab_size)
+        one_hot = [b * kdim + j for b in range(bsz) if qs[b] is None for j in range(nd[b])]
+        if one_hot:
+            idx = torch.tensor(one_hot, device=dev)  # [n]
+            flat[idx, tokens.view(-1)[idx]] = 1.0
+        moved = [b for b in range(bsz) if qs[b] is not None and qs[b].device != dev]
+        if moved:
+            idx = torch.tensor([b * kdim + j for b in moved for j in range(nd[b])], device=dev)  # [m]
+            flat.index_copy_(0, idx, torch.cat([qs[b] for b in moved]).to(dev))
+        for b in range(bsz):
+            if qs[b] is not None and qs[b].device == dev:
+                q[b, : nd[b]] = qs[b]
+        return q
+
     def _check_verify(self, items: list[VerifyItem]):
-        """Validate a whole verify batch: (requests, draft token lists, q [n, V] or None per item)."""
+        """Validate a whole verify batch: (requests, draft token lists, q [n, V] or None per item).
+
+        A q decoded from the wire is on the host; a q an in-process drafter made is on its device."""
         reqs, drafts, qs = [], [], []
         for i, it in enumerate(items):
             r = self.requests.get(it.request_id)
@@ -258,7 +280,7 @@ class VerifierCore:
                 if tuple(p.q.shape) != (len(d), self.vocab_size):
                     raise InvalidArgument(f"items[{i}].draft_probs",
                                           f"has shape {tuple(p.q.shape)}, want ({len(d)}, {self.vocab_size})")
-                q = p.q.float().cpu()
+                q = p.q.float()  # stays where the drafter made it
             reqs.append(r)
             drafts.append(d)
             qs.append(q)

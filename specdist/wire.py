@@ -240,7 +240,8 @@ def proposal_to_proto(p: Proposal, vocab_size: int, preferred: int = 0) -> draft
     elif p.q is None:
         dists = [common_pb2.DraftDistribution(format=ONE_HOT) for _ in p.token_ids]
     else:
-        dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in p.q]
+        q = p.q.cpu()  # [n, V]: the rows travel, so this is where they come to the host (one copy)
+        dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in q]
     return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists)
 
 

@@ -72,7 +72,7 @@ class CausalLMRunner:
         slots: list[int],
         tokens: list[list[int]],
         num_logits: list[int],
-    ) -> torch.Tensor:  # [B, max(num_logits), V] float32 logits of each request's last tokens
+    ) -> torch.Tensor:  # [B, max(num_logits), V] float32 logits of each request's last tokens, on the model's device
         """Append ``tokens[b]`` to ``slots[b]`` and return logits for the last ``num_logits[b]`` of them.
 
         Row ``b`` of the result holds its logits left-aligned; rows with fewer than the
@@ -140,7 +140,7 @@ class CausalLMRunner:
 
         n_out = max(num_logits)
         if n_out == 0:
-            return torch.zeros(bsz, 0, self.vocab_size)
+            return torch.zeros(bsz, 0, self.vocab_size, device=dev)
         # Gather the hidden states whose logits are wanted: the last num_logits[b] valid tokens.
         offs = torch.tensor(num_logits, dtype=torch.long)
         idx = (n_t - offs)[:, None] + torch.arange(n_out)[None, :]  # [B, n_out]
@@ -150,7 +150,7 @@ class CausalLMRunner:
         if min(num_logits) < n_out:
             keep = (torch.arange(n_out)[None, :] < offs[:, None]).to(dev)
             logits = logits * keep[..., None]
-        return logits.cpu()
+        return logits  # stays on the device: sampling and verification run there
 
 
 def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]
