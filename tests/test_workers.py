@@ -524,12 +524,11 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from workers.tensor_parallel import init_process_group, shard_model
+    from specdist.models.sharding import load_sharded
+    from workers.tensor_parallel import broadcast_object, init_process_group
 
-    model = load_model(ModelSource(ckpt, None), "float32")
     init_process_group(rank, world_size, "127.0.0.1", dist_port, "cpu")
-    model = shard_model(model, world_size)
-    from workers.tensor_parallel import broadcast_object
+    model = load_sharded(ModelSource(ckpt, None), "float32", "cpu", rank, world_size)
 
     core = VerifierCore(CausalLMRunner(model, SLOTS, MAX_LEN), rank, world_size, broadcast=broadcast_object)
     if rank == 0:

@@ -253,18 +253,19 @@ class TargetRankActor(_ActorBase):
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048) -> dict:
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.models.loader import load_model, resolve_model
+        from specdist.models.loader import resolve_model
         from specdist.models.runner import CausalLMRunner
+        from specdist.models.sharding import load_sharded
         from specdist.verifying import VerifierCore
 
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
-        model = load_model(resolve_model(model_spec, "target.model"), dtype, self.device)
+        # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
+        model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size)
         broadcast = None
         if self.world_size > 1:
-            from workers.tensor_parallel import broadcast_object, shard_model
+            from workers.tensor_parallel import broadcast_object
 
-            model = shard_model(model, self.world_size)
             broadcast = broadcast_object
         self.worker = VerifierCore(CausalLMRunner(model, max_batch_size, max_model_len), rank=self.rank,
                                    world_size=self.world_size, broadcast=broadcast)
