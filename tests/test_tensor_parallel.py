@@ -87,8 +87,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S) -> list:
-    """Run ``script <rank> <world_size> <port> <out> *args`` as WORLD_SIZE processes; their saved outputs."""
+def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True) -> list:
+    """Run ``script <rank> <world_size> <port> <out> *args`` as WORLD_SIZE processes; their outputs
+    (``torch.load``-ed, or the paths with ``load=False``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
@@ -97,7 +98,7 @@ def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEO
         outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(WORLD_SIZE)]
         logs = [open(tmp_path / f"rank{r}_{attempt}.log", "w+") for r in range(WORLD_SIZE)]
         procs = [
-            subprocess.Popen([sys.executable, script, str(r), str(WORLD_SIZE), str(port), outs[r], *args],
+            subprocess.Popen([sys.executable, os.path.abspath(script), str(r), str(WORLD_SIZE), str(port), outs[r], *args],
                              cwd=root, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
             for r in range(WORLD_SIZE)
         ]
@@ -118,7 +119,7 @@ def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEO
             texts.append(f.read())
             f.close()
         if all(p.returncode == 0 for p in procs):
-            return [torch.load(o, weights_only=False) for o in outs]
+            return [torch.load(o, weights_only=False) for o in outs] if load else outs
         if attempt == 0 and any("address already in use" in t.lower() for t in texts):
             continue
         report = "\n".join(
@@ -130,14 +131,15 @@ def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEO
 
 def _family_cases() -> list[str]:
     """The model-zoo families the runner serves whose head counts split over WORLD_SIZE ranks."""
-    from model_zoo import FAMILIES, build_tiny
+    from model_zoo import FAMILIES, _family_config
 
     from specdist.models.runner import SUPPORTED_MODEL_TYPES
     from specdist.models.sharding import check_shardable
 
     out = []
     for family in FAMILIES:
-        config = build_tiny(family).config
+        config_cls, _, kwargs = _family_config(family, 16, {})
+        config = config_cls(**kwargs)
         try:
             check_shardable(config, WORLD_SIZE)
         except ValueError:
