@@ -7,8 +7,9 @@ concatenation of the originals; afterwards each original module's weight is made
 ``forward`` (used by transformers' own generate) still works on the same model.
 
 Works on ``nn.Linear`` and on :class:`~specdist.models.quant.Int8WeightOnlyLinear`
-(per-output-channel scales concatenate exactly). Layers whose projections have
-biases or mixed types are left alone.
+(per-output-channel scales concatenate exactly), with biases (Qwen2's q/k/v) when every
+part has one. Projections of mixed types, or with a bias on some parts only, are left
+alone; so are models whose projections come fused already (Phi-3).
 """
 
 from __future__ import annotations
@@ -32,31 +33,42 @@ class FusedLinear(nn.Module):
 
 
 def _plain_linear(p: nn.Module) -> bool:
-    """An unbiased ``x @ W.T``: nn.Linear, or DeepSpeed AutoTP's column shard ``LinearLayer``
+    """``x @ W.T + b``: nn.Linear, or DeepSpeed AutoTP's column shard ``LinearLayer``
     (its forward is a plain matmul on the local rows; nothing is all-reduced)."""
-    return (type(p) is nn.Linear or type(p).__name__ == "LinearLayer") and getattr(p, "bias", None) is None
+    return type(p) is nn.Linear or type(p).__name__ == "LinearLayer"
 
 
 def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
+    biases = [getattr(p, "bias", None) for p in parts]
+    biased = biases[0] is not None
+    if any((b is not None) != biased for b in biases):
+        return None
+    bias = torch.cat([b.detach() for b in biases], 0) if biased else None  # [sum(out)]
     if all(_plain_linear(p) for p in parts):
         weight = torch.cat([p.weight.detach() for p in parts], 0)  # [sum(out), in]
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biased, dtype=weight.dtype, device=weight.device)
         fused.weight = nn.Parameter(weight, requires_grad=False)
+        if biased:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
         sizes, off = [], 0
         for p in parts:
             n = p.weight.shape[0]
             p.weight = nn.Parameter(weight[off : off + n], requires_grad=False)  # view, shares storage
+            if biased:
+                p.bias = nn.Parameter(bias[off : off + n], requires_grad=False)
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
-    if all(type(p) is Int8WeightOnlyLinear and p.bias is None for p in parts):
+    if all(type(p) is Int8WeightOnlyLinear for p in parts):
         w = torch.cat([p.weight_int8 for p in parts], 0)  # [sum(out), in] int8
         s = torch.cat([p.scales for p in parts], 0)  # [sum(out)]
-        fused = Int8WeightOnlyLinear(w, s)
+        fused = Int8WeightOnlyLinear(w, s, bias)
         sizes, off = [], 0
         for p in parts:
             n = p.out_features
             p.weight_int8, p.scales = fused.weight_int8[off : off + n], fused.scales[off : off + n]
+            if biased:
+                p.bias = fused.bias[off : off + n]
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
@@ -69,7 +81,7 @@ def fuse_projections(model: nn.Module) -> int:
     count = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(attn, "fused_qkv"):
+        if not hasattr(attn, "fused_qkv") and hasattr(attn, "q_proj"):
             fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             if fused is not None:
                 attn.fused_qkv = fused

@@ -1,11 +1,49 @@
-"""Batched forward of a Llama-family HF model over a :class:`SlotKVCache`.
+"""Batched forward of a decoder-only HF model over a :class:`SlotKVCache`.
 
 We keep the HF modules (so loading, GGUF de-quantisation, int8 replacement and
-DeepSpeed AutoTP sharding all act on the real ``nn.Module`` tree) and replace only
+tensor-parallel sharding all act on the real ``nn.Module`` tree) and replace only
 the outer loop: each request in the batch brings its own new tokens and its own
 cache slot, tokens are written into the slot at the slot's current length, and
 attention masks out everything past each request's own length. Ragged batches are
 right-padded; padded positions write to the cache's scratch column.
+
+One loop serves every family of :mod:`specdist.models.families`. Where they differ is
+read once in ``__init__``, from the config and the modules:
+
+- q/k/v: three linears, one fused matmul (:mod:`specdist.models.fusion`, biases included),
+  or Phi-3's own ``qkv_proj`` split in the config's q:kv head ratio.
+- q/k norms over each head (Qwen3, Gemma 3) when the attention module has ``q_norm``.
+- Gemma's sandwich norms (the layer has ``pre_feedforward_layernorm``): attention and MLP
+  outputs are normed before their residual adds, the MLP input by the pre-feedforward norm.
+- RMS norms: ``F.rms_norm`` for Llama-style modules, the module's own forward otherwise
+  (Gemma's ``1 + w``).
+- MLP: the fused gate/up matmul where fused, else the module's own forward (Phi-3's fused
+  ``gate_up_proj``, a mixture-of-experts block with its router and 3D experts).
+- The attention scale is the module's ``scaling`` (Gemma: ``query_pre_attn_scalar``); Gemma 2
+  soft-caps attention scores and logits, Gemma 3 the logits (``tanh(x / cap) * cap``).
+- Embeddings go through the model's own module (Gemma scales them by sqrt(hidden) there).
+- RoPE: cos/sin for every position from the model's own rotary module, one table per layer
+  type where the model has several (Gemma 3's local base on sliding layers).
+- Sliding windows, per layer: key ``j`` is visible to the query at position ``p`` iff
+  ``p - window < j <= p`` (transformers' ``sliding_window_overlay``). The cache keeps every
+  position (a rollback stays a length change); the window is a mask, or a slice of the keys.
+
+RoPE types whose frequencies transformers derives from the length of each call ("dynamic"
+NTK scaling, "longrope") are computed per position: the query or key at position ``p`` is
+rotated as transformers rotates it in a call whose last position is ``p``, i.e. in
+token-by-token decoding with a cache. The logits at a position are then a function of the
+tokens up to it alone, whatever the batch and however the sequence is cut into calls
+(prefill, verification of k drafts, rollback), which exact speculative decoding needs. They
+equal transformers' forward of the whole sequence while it fits in the original context
+(dynamic: ``max_position_embeddings``; longrope: ``original_max_position_embeddings``), and
+its greedy ``generate`` whenever the prompt fits there; past it, transformers' own results
+depend on how the sequence was cut into calls.
+
+Attention runs through ``F.scaled_dot_product_attention`` in forms that let PyTorch pick its
+fused kernels: no mask when every request has one query at one common position (a window
+then slices the keys), ``is_causal`` for a one-request prefill from position 0 that the window
+does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
+attention (:func:`_softcap_attention`): no fused kernel applies the cap.
 
 Works unchanged on tensor-parallel shards: local head counts are read off the
 projections' output sizes, and the row-parallel ``o_proj`` / ``down_proj`` do
@@ -14,16 +52,21 @@ their own all-reduce.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdist.errors import ConfigError
 from specdist.kv_cache import SlotKVCache
+from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models.fusion import fuse_projections
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["CausalLMRunner", "ForwardTimings", "SUPPORTED_MODEL_TYPES"]
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -35,32 +78,48 @@ class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True):
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = check_supported(model.config, "model")
+        cfg = model.config
+        odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+        if odd or getattr(cfg, "use_bidirectional_attention", False):
+            raise ConfigError("model", f"{cfg.model_type}: only causal full / sliding-window attention is "
+                                       f"supported, got {'layer types ' + ', '.join(odd) if odd else 'bidirectional'}")
         self.model = model.eval()
         if fuse:  # one matmul for q/k/v and one for gate/up; HF forward keeps working
             fuse_projections(model)
-        self.config = model.config
-        self.vocab_size = int(model.config.vocab_size)
+        self.config = cfg
+        self.vocab_size = int(cfg.vocab_size)
         self.max_len = max_len
         base = model.model
         self.layers = list(base.layers)
         attn = self.layers[0].self_attn
-        self.head_dim = int(attn.head_dim)
+        self.head_dim = hd = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        with torch.inference_mode():  # local (possibly sharded) kv-head count, read off the projection
-            probe = torch.zeros(1, model.config.hidden_size, dtype=self.dtype, device=self.device)
-            n_kv_local = attn.k_proj(probe).shape[-1] // self.head_dim
-        # RoPE cos/sin for every position, computed once: [max_len + 1, hd] each (last row: scratch).
+        with torch.inference_mode():  # local (possibly sharded) head counts, read off the projections
+            probe = torch.zeros(1, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            if hasattr(attn, "qkv_proj"):  # Phi-3: the rank's q, k and v rows, in the config's q:kv ratio
+                n_local = attn.qkv_proj(probe).shape[-1] // hd
+                n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+                n_kv_local = n_local * n_kv // (n_q + 2 * n_kv)
+                self.qkv_split: list[int] | None = [(n_local - 2 * n_kv_local) * hd, n_kv_local * hd, n_kv_local * hd]
+            else:
+                n_kv_local = attn.k_proj(probe).shape[-1] // hd
+                self.qkv_split = None
+        # The family's switches.
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        self.attn_softcap = cfg.attn_logit_softcapping if family.attn_softcap else None
+        self.final_softcap = cfg.final_logit_softcapping if family.final_softcap else None
+        self.windows = [_window(family, cfg, layer.self_attn) for layer in self.layers]
+        # RoPE cos/sin for every position, computed once: [max_len + 1, rd] each (last row: scratch),
+        # one table per layer type where the rotary module keeps several (Gemma 3).
+        rotary = base.rotary_emb
+        typed = isinstance(getattr(rotary, "rope_type", None), dict)
+        self.rope_keys = [cfg.layer_types[i] if typed else None for i in range(len(self.layers))]
         with torch.inference_mode():
-            pos = torch.arange(max_len + 1, device=self.device)[None]
-            cos, sin = model.model.rotary_emb(probe[None], pos)
-            self.rope_cos, self.rope_sin = cos[0], sin[0]
+            self.rope_tables = {key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)}
         self.cache = SlotKVCache(
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
@@ -97,43 +156,65 @@ class CausalLMRunner:
         valid = ar[None, :] < n_t[:, None]  # [B, T]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch)).to(dev)  # [B, T]
         s_len = int((start_t + n_t).max())  # keys attended: [0, S)
-        # Key j is visible to query (b, t) iff j <= position(b, t). Padded queries see a
-        # superset, which is harmless (their outputs are discarded) and avoids empty rows.
-        if bsz == 1 and t_max == 1:
-            mask = None  # one query that sees every cached key
-        else:
-            mask = (torch.arange(s_len)[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, T, S]
+        # Padded queries take their row's last valid position: their outputs are discarded, and so
+        # every query sees at least one key whatever the window.
+        last = (start_t + n_t - 1).clamp(min=0)  # [B]
+        query_pos = torch.minimum(positions, last[:, None]).to(dev)  # [B, T]
+        one_position = t_max == 1 and min(starts) == max(starts)  # one query per request, all at one position
+        prefill = bsz == 1 and starts[0] == 0
+        plans: dict[int | None, tuple] = {}  # window -> (first key, mask, is_causal), made at first use
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         contiguous = slots == list(range(slots[0], slots[0] + bsz))
 
         h = self.model.model.embed_tokens(ids.to(dev))  # [B, T, D]
         rope_pos = write_pos  # padded tokens get the scratch row; their outputs are discarded
-        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]  # [B, T, hd] each
+        ropes = {key: (cos[rope_pos], sin[rope_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
+        hd = self.head_dim
         write_s = 0.0
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
-            q, k, v = _qkv(attn, x)
-            q = q.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hq, T, hd]
-            k = k.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-            v = v.reshape(bsz, t_max, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+            q, k, v = _qkv(attn, x, self.qkv_split)
+            q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
+            k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
+            if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
+            v = v.reshape(bsz, t_max, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            cos, sin = ropes[self.rope_keys[i]]
             q, k = _apply_rope(q, k, cos, sin)
             t0 = time.perf_counter()
             kc, vc = cache.k[i], cache.v[i]  # [N, Hkv, L+1, hd]
             kc[slot_t[:, None], :, write_pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, Hkv, hd]
             vc[slot_t[:, None], :, write_pos] = v.transpose(1, 2).to(vc.dtype)
+            window = self.windows[i]
+            plan = plans.get(window)
+            if plan is None:
+                plan = plans[window] = _attention_plan(window, query_pos, min(starts), s_len, one_position,
+                                                       prefill and (window is None or t_max <= window))
+            lo, mask, causal = plan
             if contiguous:
-                keys = kc[slots[0] : slots[0] + bsz, :, :s_len]  # view, no copy: [B, Hkv, S, hd]
-                vals = vc[slots[0] : slots[0] + bsz, :, :s_len]
+                keys = kc[slots[0] : slots[0] + bsz, :, lo:s_len]  # view, no copy: [B, Hkv, S', hd]
+                vals = vc[slots[0] : slots[0] + bsz, :, lo:s_len]
             else:
-                keys = kc[:, :, :s_len].index_select(0, slot_t)  # copies only the attended prefix
-                vals = vc[:, :, :s_len].index_select(0, slot_t)
+                keys = kc[:, :, lo:s_len].index_select(0, slot_t)  # copies only the attended keys
+                vals = vc[:, :, lo:s_len].index_select(0, slot_t)
             write_s += time.perf_counter() - t0
-            o = F.scaled_dot_product_attention(
-                q, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != keys.shape[1]
-            )  # [B, Hq, T, hd]
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1))
-            h = h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
+            if self.attn_softcap is None:
+                o = F.scaled_dot_product_attention(
+                    q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                    enable_gqa=q.shape[1] != keys.shape[1],
+                )  # [B, Hq, T, hd]
+            else:
+                o = _softcap_attention(q, keys, vals, mask, causal, self.scaling, self.attn_softcap)
+            a = attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1))  # [B, T, D]
+            if self.sandwich:  # Gemma: each block's output is normed before its residual add
+                h = h + _rms_norm(layer.post_attention_layernorm, a)
+                m = _mlp(layer.mlp, _rms_norm(layer.pre_feedforward_layernorm, h))
+                h = h + _rms_norm(layer.post_feedforward_layernorm, m)
+            else:
+                h = h + a
+                h = h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
         self.timings.cache_write_s += write_s
         for s, st, n in zip(slots, starts, n_new):
             cache.lengths[s] = st + n
@@ -147,6 +228,7 @@ class CausalLMRunner:
         idx = idx.clamp(min=0, max=t_max - 1)
         hs = h.gather(1, idx.to(dev)[..., None].expand(-1, -1, h.shape[-1]))  # [B, n_out, D]
         logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()  # [B, n_out, V]
+        logits = _softcap(logits, self.final_softcap)  # Gemma: tanh soft-cap of the logits
         if min(num_logits) < n_out:
             keep = (torch.arange(n_out)[None, :] < offs[:, None]).to(dev)
             logits = logits * keep[..., None]
@@ -165,19 +247,108 @@ def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n,
     return head(flat)[:m].reshape(bsz, n, -1)
 
 
+def _window(family: Family, config, attn) -> int | None:
+    """A layer's sliding window as transformers applies it (None: full attention)."""
+    if family.window == "config":
+        window = getattr(config, "sliding_window", None)
+    elif family.window == "layer":
+        window = getattr(attn, "sliding_window", None)
+    else:
+        window = None
+    return int(window) if window else None
+
+
+def _attention_plan(window, query_pos, first_query, s_len, one_position, causal_prefill):
+    """How one call attends under one window: ``(lo, mask, is_causal)``, keys ``[lo, s_len)``.
+
+    ``query_pos`` [B, T] (on the device) holds each query's position, ``first_query`` the lowest.
+    No mask where slicing or ``is_causal`` expresses the visible keys; else a [B, 1, T, S - lo]
+    boolean mask: key j visible iff ``p - window < j <= p``.
+    """
+    lo = 0 if window is None else max(0, first_query - window + 1)  # no query sees a key before lo
+    if one_position:
+        return lo, None, False  # one query per request at position s_len - 1: it sees all of [lo, s_len)
+    if causal_prefill:
+        return 0, None, True
+    j = torch.arange(lo, s_len, device=query_pos.device)  # [S']
+    p = query_pos[:, :, None]  # [B, T, 1]
+    visible = j <= p
+    if window is not None:
+        visible &= j > p - window
+    return lo, visible[:, None], False  # [B, 1, T, S']
+
+
+def _softcap_attention(q, k, v, mask, causal, scale, cap):  # [B, Hq, T, hd], [B, Hkv, S, hd] -> [B, Hq, T, hd]
+    """Attention whose scores are soft-capped (Gemma 2), computed as transformers' eager
+    attention does: scores scaled, capped by ``tanh(s / cap) * cap``, masked, softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, T, S]
+    scores = _softcap(scores, cap)
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # [T, S], T == S
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def _rope_table(rotary, probe, n: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, rd] of positions 0..n-1 from the model's own rotary module.
+
+    Length-dependent types (see the module docstring) give position ``p`` what transformers
+    computes in a call whose last position is ``p``: the original frequencies up to the original
+    context; past it, "longrope" its long factors and "dynamic" one NTK base per length.
+    """
+    rope_type = rotary.rope_type if layer_type is None else rotary.rope_type[layer_type]
+    length_dependent = "dynamic" in rope_type or rope_type == "longrope"
+    module = copy.deepcopy(rotary) if length_dependent else rotary  # those forwards update their module
+    extra = () if layer_type is None else (layer_type,)
+
+    def call(first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:  # positions [first, stop), one call
+        cos, sin = module(probe[None], torch.arange(first, stop, device=probe.device)[None], *extra)
+        return cos[0], sin[0]
+
+    if not length_dependent:
+        return call(0, n)
+    if rope_type == "longrope":
+        params = module.config.rope_parameters
+        short = int((params if layer_type is None else params[layer_type])["original_max_position_embeddings"])
+        parts = [call(0, min(short, n))] + ([call(short, n)] if n > short else [])
+    else:
+        short = int(module.original_max_seq_len)
+        call(0, 1)  # a short call resets frequencies that an earlier long call grew
+        parts = [call(0, min(short, n))] + [call(p, p + 1) for p in range(short, n)]
+    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+# RMS norms computing weight * normalize(x) (transformers' LlamaRMSNorm and its copies)
+_LLAMA_STYLE_NORMS = frozenset(
+    ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm")
+)
+
+
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The fused ``F.rms_norm`` for Llama-style RMSNorm modules; anything else runs its own forward."""
+    """The fused ``F.rms_norm`` for Llama-style RMSNorm modules; anything else (Gemma's
+    ``(1 + w)`` norm) runs its own forward."""
     eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or type(norm).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"):
+    if eps is None or type(norm).__name__ not in _LLAMA_STYLE_NORMS:
         return norm(x)
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
-def _qkv(attn, x):
-    """q, k, v projections: one matmul when :mod:`specdist.models.fusion` fused them."""
+def _qkv(attn, x, split: list[int] | None):
+    """q, k, v projections: one matmul when :mod:`specdist.models.fusion` fused them, or the
+    model's own fused ``qkv_proj`` cut at ``split`` (Phi-3)."""
     fused = getattr(attn, "fused_qkv", None)
     if fused is not None:
         return fused(x)
+    if split is not None:
+        return attn.qkv_proj(x).split(split, dim=-1)
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
@@ -190,11 +361,16 @@ def _mlp(mlp, x):
 
 
 def _apply_rope(q, k, cos, sin):
-    """Rotary embedding (half-rotation convention used by Llama-family HF models)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
+    """Rotary embedding (half-rotation convention of the HF models); a table narrower than the
+    head rotates its first ``rd`` dims and passes the rest (partial rotary)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, rd]
+    rd = cos.shape[-1]
+    if rd == q.shape[-1]:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return (torch.cat((_rotate(q[..., :rd], cos, sin), q[..., rd:]), dim=-1),
+            torch.cat((_rotate(k[..., :rd], cos, sin), k[..., rd:]), dim=-1))
 
-    def rot(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
 
-    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
