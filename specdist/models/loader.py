@@ -27,6 +27,7 @@ import torch
 
 from specdist.errors import ConfigError
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
+from specdist.models.families import check_supported, source_model_type
 
 BUILTIN_MODELS = {
     # name: (distribution, file inside it)
@@ -148,6 +149,8 @@ def load_model(
 
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
+    # an architecture the runner cannot serve is refused before any weight is read
+    check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)  # auto: the device's choice
     report = _reporter(progress)
     size, fmt = source.checkpoint_bytes()
