@@ -163,6 +163,22 @@ def test_rank_holds_its_slices(tmp_path, case):
             assert head.shape[0] == (8, 7)[r]
 
 
+def test_rank_slices_in_bfloat16(tmp_path):
+    """An fp32 checkpoint loaded as bfloat16: each slice is read, then converted (round to nearest)."""
+    from model_zoo import save_tiny
+
+    from specdist.models.loader import ModelSource
+    from specdist.models.sharding import load_sharded
+
+    ckpt = save_tiny(str(tmp_path / "qwen2"), "qwen2", seed=7)
+    full, _ = _full_and_ranks(ckpt)
+    model = load_sharded(ModelSource(ckpt, None), "bfloat16", "cpu", 1, WORLD_SIZE)
+    state = model.state_dict()
+    for name, want in full.items():
+        assert state[name].dtype == torch.bfloat16, name
+        assert torch.equal(state[name], _want(name, want, 1, model.config).to(torch.bfloat16)), name
+
+
 def test_load_reports_progress(tmp_path):
     from model_zoo import save_tiny
 

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from specdist.models.loader import ModelSource, TORCH_DTYPES, _quiet_transformers, _reporter, format_bytes, load_model
+from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
+from specdist.models.loader import ModelSource, _quiet_transformers, _reporter, format_bytes, load_model
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
 ROW = ("o_proj", "down_proj")  # nn.Linear: the rank's input columns, all-reduced output
@@ -443,7 +444,8 @@ def load_sharded(
     source: ModelSource, dtype: str, device: torch.device | str, rank: int, world_size: int, group=None,
     progress: Callable[[str], None] | None = None,
 ) -> nn.Module:
-    """Rank ``rank``'s shard of the model, in eval mode, on ``device``; ``world_size == 1``: :func:`load_model`.
+    """Rank ``rank``'s shard of the model in ``dtype`` (``auto`` resolved for ``device``), in eval mode, on
+    ``device``; ``world_size == 1``: :func:`load_model`.
 
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
@@ -453,6 +455,7 @@ def load_sharded(
     """
     if world_size == 1:
         return load_model(source, dtype, device, progress)
+    dtype = resolve_dtype(dtype, device)
     report = _reporter(progress)
     _quiet_transformers()
     from transformers import AutoConfig, GenerationConfig
