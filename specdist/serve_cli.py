@@ -12,7 +12,7 @@ deployment (actors, placement groups), shut down Ray if this process started it.
 
 Everything that can be checked cheaply is checked before the model loads (which takes
 seconds, a deployment a minute or more): that ``--port`` is free, and that the optional
-dependencies the config needs (Ray, DeepSpeed: the ``[distributed]`` extra) are installed.
+dependencies the config needs (Ray: the ``[distributed]`` extra) are installed.
 Each failure is one line naming the fix.
 """
 
@@ -124,13 +124,10 @@ def check_dependencies(cfg: Any) -> None:
         return
     if not _importable("ray"):
         raise MissingDependency(f"cluster.enabled needs Ray: {INSTALL_DISTRIBUTED}")
-    if cfg.cluster.tensor_parallel_size > 1 and not _importable("deepspeed"):
-        raise MissingDependency(
-            f"cluster.tensor_parallel_size > 1 needs DeepSpeed: {INSTALL_DISTRIBUTED}")
 
 
 def _importable(module: str) -> bool:
-    """Whether ``import module`` would find it (without importing it: DeepSpeed takes seconds)."""
+    """Whether ``import module`` would find it (without importing it: Ray takes seconds)."""
     if module in sys.modules:
         return sys.modules[module] is not None  # None: imports of it are blocked
     try:

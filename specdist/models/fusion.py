@@ -33,9 +33,8 @@ class FusedLinear(nn.Module):
 
 
 def _plain_linear(p: nn.Module) -> bool:
-    """``x @ W.T + b``: nn.Linear, or DeepSpeed AutoTP's column shard ``LinearLayer``
-    (its forward is a plain matmul on the local rows; nothing is all-reduced)."""
-    return type(p) is nn.Linear or type(p).__name__ == "LinearLayer"
+    """``x @ W.T + b``: an nn.Linear (a tensor-parallel column shard is one too, holding the rank's rows)."""
+    return type(p) is nn.Linear
 
 
 def _fuse(parts: list[nn.Module]) -> FusedLinear | None:

@@ -165,7 +165,7 @@ def load_model(
     )
     if source.gguf_file:
         # transformers de-quantises GGUF tensors to `dtype` at load time but keeps the model
-        # flagged as quantized, which makes `.float()` / `.half()` (used by DeepSpeed AutoTP)
+        # flagged as quantized, which makes `.float()` / `.half()`
         # refuse. The weights are ordinary float tensors now: drop the flags.
         model.is_quantized = False
         model.hf_quantizer = None
