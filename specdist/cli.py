@@ -5,7 +5,8 @@
     specdist serve --config configs/local.yaml --port 50051            # gRPC server (specdist.v1.SpecDecode)
     specdist generate --server 127.0.0.1:50051 "Explain gravity."      # stream from a running server
     specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png]
-    specdist bench engine [--quick]
+    specdist bench engine [--quick] [--dtype float32,bfloat16]
+    specdist bench runner                     # forward per dtype: what dtype auto means on the CPU
 
 Bad input is a one-line ``specdist: error: ...`` on stderr and exit status 2 (a request the
 server aborted or failed: exit status 1). Whatever can be checked without the weights (the
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench.engine_bench import add_arguments
 
     add_arguments(be)
+    br = bsub.add_parser("runner", help="CausalLMRunner.forward per dtype (what dtype auto means on the CPU)", **fmt)
+    from specdist.bench import runner_bench
+
+    runner_bench.add_arguments(br)
     bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off",
                          **fmt)
     from specdist.bench import cluster_bench
@@ -158,6 +163,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return run_demo(args)
         if args.command == "bench" and args.bench_command == "engine":
             from specdist.bench.engine_bench import run
+
+            return run(args)
+        if args.command == "bench" and args.bench_command == "runner":
+            from specdist.bench.runner_bench import run
 
             return run(args)
         if args.command == "bench" and args.bench_command == "cluster":

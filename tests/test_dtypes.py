@@ -208,3 +208,47 @@ def test_draft_actor_loads_in_the_dtype_it_is_given(tiny_models):
             assert actor.worker.cache.k[0].dtype == TORCH_DTYPES[dtype]
         finally:
             actor.executor.shutdown()
+
+
+# ---------------------------------------------------------------- benchmarks (smoke runs: numbers are not checked)
+@pytest.fixture(scope="module")
+def chat_models(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """The tiny target with a chat template (the benchmarks' prompts are chats), and the tiny draft."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("chat") / "target")
+    shutil.copytree(tiny_models["target"], path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(path)
+    return {"target": path, "draft": tiny_models["draft"]}
+
+
+def test_bench_engine_runs_every_dtype_side_by_side(chat_models, capsys):
+    from specdist.cli import main
+
+    rc = main(["bench", "engine", "--model", chat_models["target"], "--draft", "model", "--draft-model",
+               chat_models["draft"], "--dtype", "float32,bfloat16", "--prompts", "1", "--max-tokens", "4",
+               "--temperatures", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for dtype in ("float32", "bfloat16"):
+        rows = [line for line in out.splitlines() if line.startswith(f"| {dtype} | 0 |")]
+        assert len(rows) == 4, out  # hf-plain, hf-assisted, engine-target, engine-spec
+        assert f"KV cache ({dtype})" in out
+    assert "| vs float32 |" in out
+
+
+def test_bench_runner_times_each_dtype_and_chooses(chat_models, capsys):
+    from specdist.bench.runner_bench import choose_auto
+    from specdist.cli import main
+
+    rc = main(["bench", "runner", "--model", chat_models["target"], "--dtypes", "float32,bfloat16",
+               "--tokens", "1,3", "--context", "4", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| 1 | " in out and "| 3 | " in out and "auto on this device: " in out
+    assert choose_auto({"float32": {1: 2.0, 9: 3.0}, "bfloat16": {1: 1.0, 9: 2.0}}) == "bfloat16"
+    assert choose_auto({"float32": {1: 2.0, 9: 1.0}, "bfloat16": {1: 1.0, 9: 2.0}}) == "float32"  # split: keep fp32
+    assert choose_auto({"float32": {1: 1.0, 9: 1.0}, "bfloat16": {1: 2.0, 9: 2.0}}) == "float32"

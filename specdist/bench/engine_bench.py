@@ -1,6 +1,7 @@
 """``specdist bench engine``: batch-1 decoding, four systems side by side in one run.
 
-Systems (same fp32 target, same prompts, same sampling settings, same token count):
+Systems (same target, same prompts, same sampling settings, same token count), once per
+``--dtype`` (several dtypes: every system in each, side by side in one report):
 - ``hf-plain``     transformers ``generate`` (target only)
 - ``hf-assisted``  transformers assisted generation with the same draft model
 - ``engine-target`` this engine, target only
@@ -36,7 +37,11 @@ SYSTEMS = ("hf-plain", "hf-assisted", "engine-target", "engine-spec")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=("self-w8", "ngram"), help="draft method")
+    p.add_argument("--draft", default="self-w8", choices=("self-w8", "ngram", "model"), help="draft method")
+    p.add_argument("--draft-model", default=None, help="draft model spec for --draft model (same vocabulary)")
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
     p.add_argument("--length-policy", choices=("fixed", "adaptive"), default="fixed",
                    help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)")
@@ -52,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Result:
     system: str
     temperature: float
+    dtype: str = "float32"
     tokens: int = 0
     seconds: float = 0.0
     drafted: int = 0
@@ -69,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: F401  (heavy: loaded only when the benchmark runs)
 
     from specdist.config import load_config
-    from specdist.engine import Engine
+    from specdist.engine import Engine, device_for
+    from specdist.models.dtypes import DTYPE_CHOICES, resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.quant import quantized_copy
 
@@ -79,48 +86,79 @@ def run(args: argparse.Namespace) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if (args.draft == "model") != (args.draft_model is not None):
+        raise ValueError("--draft-model: needed with --draft model, and only then")
+    device = device_for(args.device)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPE_CHOICES)}")
+    dtypes = list(dict.fromkeys(resolve_dtype(d, device) for d in dtypes))  # auto: this device's choice
     temps = [float(t) for t in args.temperatures.split(",")]
     n_prompts = max(1, min(args.prompts, len(PROMPTS)))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
-    log(f"loading {args.model} (fp32) and the {args.draft} draft ...")
     src = resolve_model(args.model, "--model")
-    target = load_model(src, "float32")
     tok = load_tokenizer(src)
-    draft_model = quantized_copy(target) if args.draft == "self-w8" else None
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)
         for p in PROMPTS[:n_prompts]
     ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
-    base = {"target": {"model": args.model}, "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": "cpu"}}
-    engines = {
-        "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),
-        "engine-spec": Engine(
-            load_config({**base, "draft": {"method": args.draft, "num_speculative_tokens": args.k,
-                                           "length_policy": args.length_policy}}),
-            target,
-            tok,
-            draft_model,
-        ),
-    }
-
     results: list[Result] = []
-    for temp in temps:
-        for system in systems:
-            res = Result(system, temp)
-            _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log, warmup=True)
-            _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log)
-            res.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            results.append(res)
-            log(f"  {system:14s} T={temp:<4} {res.tokens_per_s:6.1f} tok/s")
+    kv_lines: list[str] = []
+    for dtype in dtypes:
+        log(f"loading {args.model} ({dtype}, {device}) and the {args.draft} draft ...")
+        target = load_model(src, dtype, device)
+        if args.draft == "self-w8":
+            draft_model = quantized_copy(target)
+        elif args.draft == "model":
+            draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
+        else:
+            draft_model = None
+        base = {"target": {"model": args.model, "dtype": dtype},
+                "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device)}}
+        draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
+                     "dtype": dtype}
+        if args.draft == "model":
+            draft_cfg["model"] = args.draft_model
+        engines = {
+            "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),
+            "engine-spec": Engine(load_config({**base, "draft": draft_cfg}), target, tok, draft_model),
+        }
+        for temp in temps:
+            for system in systems:
+                res = Result(system, temp, dtype)
+                _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log,
+                            warmup=True)
+                _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log)
+                res.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                results.append(res)
+                log(f"  {dtype:8s} {system:14s} T={temp:<4} {res.tokens_per_s:6.1f} tok/s")
+        kv_lines.append(_kv_line(engines["engine-spec"], dtype))
+        del engines, target, draft_model
 
-    print(format_report(results, args, engines["engine-spec"]))
+    print(format_report(results, args, kv_lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.__dict__ | {"tokens_per_s": r.tokens_per_s} for r in results], f, indent=1)
     return 0
+
+
+def _kv_line(spec_engine, dtype: str) -> str:
+    kv = spec_engine.target_core.cache.bytes_per_token
+    draft_cache = getattr(spec_engine.draft_core, "cache", None)
+    return f"KV cache ({dtype}): {kv} B/token target" + (
+        f", {draft_cache.bytes_per_token} B/token draft" if draft_cache is not None else "")
+
+
+def _sync(device) -> None:
+    """Wait for the device, so a timer stops after the work (a CUDA call returns before it)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, engines, log, warmup=False):
@@ -135,15 +173,17 @@ def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, eng
             log(f"[{system} T={temp}] prompt {i + 1}/{len(todo)}")
         torch.manual_seed(1000 + i)
         if system.startswith("hf"):
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=target.device)
             kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=temp > 0, top_k=0, top_p=1.0)
             if temp > 0:
                 kw["temperature"] = temp
             if system == "hf-assisted":
                 kw["assistant_model"] = draft_model
+            _sync(target.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kw)
+            _sync(target.device)
             dt = time.perf_counter() - t0
             n = out.shape[1] - len(ids)
         else:
@@ -165,28 +205,35 @@ def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, eng
             res.seconds += dt
 
 
-def format_report(results: list[Result], args, spec_engine) -> str:
+def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
     import torch
 
     from specdist.cost_model import expected_tokens
 
+    dtypes = list(dict.fromkeys(r.dtype for r in results))
+    draft = args.draft + (f" {args.draft_model}" if args.draft_model else "")
     lines = [
-        f"specdist bench engine: target {args.model} fp32, draft {args.draft}, k={args.k}, batch 1, "
-        f"{min(args.prompts, len(PROMPTS))} prompts x {args.max_tokens} new tokens, torch threads {torch.get_num_threads()}",
+        f"specdist bench engine: target {args.model} {', '.join(dtypes)} on {args.device}, draft {draft}, "
+        f"k={args.k}, batch 1, {min(args.prompts, len(PROMPTS))} prompts x {args.max_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}",
         "",
-        "| T | system | tok/s | vs hf-plain | vs hf-assisted | acceptance | tokens/step | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| dtype | T | system | tok/s | vs hf-plain | vs hf-assisted | vs {dtypes[0] if dtypes else '-'} "
+        "| acceptance | tokens/step | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(r.system, r.temperature): r for r in results}
+    by = {(r.dtype, r.system, r.temperature): r for r in results}
     for r in results:
-        plain = by.get(("hf-plain", r.temperature))
-        assisted = by.get(("hf-assisted", r.temperature))
+        plain = by.get((r.dtype, "hf-plain", r.temperature))
+        assisted = by.get((r.dtype, "hf-assisted", r.temperature))
+        first = by.get((dtypes[0], r.system, r.temperature))
         acc = f"{r.accepted / r.drafted:.1%}" if r.drafted else "-"
         tps = f"{r.tokens / r.steps:.2f}" if r.steps else "-"
         lines.append(
-            f"| {r.temperature:g} | {r.system} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} | {_ratio(r, assisted)} "
-            f"| {acc} | {tps} | {r.peak_rss_mb:.0f} |"
+            f"| {r.dtype} | {r.temperature:g} | {r.system} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} "
+            f"| {_ratio(r, assisted)} | {_ratio(r, first)} | {acc} | {tps} | {r.peak_rss_mb:.0f} |"
         )
+    if len(dtypes) > 1:
+        lines.append("(peak RSS is the process's so far: a later dtype's rows include the earlier ones' peak)")
     lines.append("")
     for r in results:
         if r.system != "engine-spec" or not r.steps:
@@ -203,17 +250,15 @@ def format_report(results: list[Result], args, spec_engine) -> str:
         predicted = r.tokens / (ph.get("prefill", 0.0) + r.tokens / el * step_cost)
         total = sum(ph.values()) or 1.0
         lines.append(
-            f"T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, draft {t_draft_tok * 1e3:.1f} ms/token, "
+            f"{r.dtype} T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, draft {t_draft_tok * 1e3:.1f} ms/token, "
             f"sampling+cache+output {t_over * 1e3:.1f} ms; phase shares "
             + ", ".join(f"{k_}: {v / total:.1%}" for k_, v in ph.items())
         )
         lines.append(
-            f"T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} (measured {r.tokens / r.steps:.2f} tokens/step), "
+            f"{r.dtype} T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} (measured {r.tokens / r.steps:.2f} tokens/step), "
             f"predicted {predicted:.1f} tok/s, measured {r.tokens_per_s:.1f} = {r.tokens_per_s / predicted:.0%} of prediction"
         )
-    kv = spec_engine.target_core.cache.bytes_per_token
-    lines.append(f"KV cache: {kv} B/token target" + (
-        f", {spec_engine.draft_core.cache.bytes_per_token} B/token draft" if getattr(spec_engine.draft_core, "cache", None) is not None else ""))
+    lines += kv_lines
     return "\n".join(lines)
 
 
