@@ -24,6 +24,8 @@ VOCAB = 97
 BATCH = 4
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11, 12]]
 _WATCHED = ("cpu", "to", "tolist", "numpy", "item", "__array__")
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def _names_a_device(args, kwargs) -> bool:
@@ -62,13 +64,13 @@ def vocab97(tmp_path_factory) -> dict[str, str]:
             "draft": save_tiny_llama(str(root / "draft"), seed=2, vocab_size=VOCAB, layers=1)}
 
 
-def _engine(models, method: str, threshold: float = 0.0) -> Engine:
+def _engine(models, method: str, threshold: float = 0.0, device: str = "cpu") -> Engine:
     draft = {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed",
              "confidence_threshold": threshold}
     if method == "model":
         draft["model"] = models["draft"]
     return Engine.from_config({"target": {"model": models["target"]}, "draft": draft,
-                               "engine": {"max_model_len": 64, "max_batch_size": BATCH, "device": "cpu"}})
+                               "engine": {"max_model_len": 64, "max_batch_size": BATCH, "device": device}})
 
 
 def _params(temperature: float) -> list[SamplingParams]:
@@ -76,14 +78,17 @@ def _params(temperature: float) -> list[SamplingParams]:
             for i in range(BATCH)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method,temperature,threshold", [
     ("model", 0.8, 0.0),  # sampled model drafts: q rows made and verified on the device
     ("model", 0.0, 0.0),  # greedy: one-hot q
     ("model", 0.8, 0.2),  # the confidence rule reads the draft's distribution on the device
     ("self-w8", 0.8, 0.0),
 ])
-def test_steps_keep_vocabulary_sized_tensors_on_the_device(vocab97, monkeypatch, method, temperature, threshold):
-    eng = _engine(vocab97, method, threshold)
+def test_steps_keep_vocabulary_sized_tensors_on_the_device(vocab97, monkeypatch, method, temperature, threshold,
+                                                           device):
+    eng = _engine(vocab97, method, threshold, device)
+    assert eng.target_core.runner.device.type == device
     spy = TransferSpy(monkeypatch, VOCAB)
     reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, _params(temperature))]
     steps = 0
