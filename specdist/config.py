@@ -31,7 +31,7 @@ Shape::
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
       enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
-                                     #   attention and KV head counts (checked at bring-up by shard_model)
+                                     #   attention and KV head counts (checked at bring-up, before loading)
       num_draft_workers: 1           # draft replicas, one actor each; >= 1 unless draft.method is none (then 0)
       cpus_per_rank: 1.0             # Ray logical CPUs per target rank (may be fractional)
       cpus_per_draft: 1.0            # Ray logical CPUs per draft worker

@@ -195,9 +195,10 @@ def test_load_reports_progress(tmp_path):
     assert 0 < rep.bytes_read < rep.bytes_total
 
 
-def test_indivisible_heads_are_refused_before_reading(tmp_path):
+def test_unsupported_checkpoints_are_refused_before_reading(tmp_path):
     from model_zoo import save_tiny
 
+    from specdist.errors import ConfigError
     from specdist.models.loader import ModelSource
     from specdist.models.sharding import load_sharded
 
@@ -205,6 +206,10 @@ def test_indivisible_heads_are_refused_before_reading(tmp_path):
     os.remove(os.path.join(ckpt, "model.safetensors"))  # nothing to read: the check must come first
     with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by 3"):
         load_sharded(ModelSource(ckpt, None), "float32", "cpu", 0, 3)
+    with open(os.path.join(ckpt, "config.json"), "w") as f:  # an architecture the runner does not serve
+        json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, f)
+    with pytest.raises(ConfigError, match=r"target\.model: model type 'gpt2' is not supported"):
+        load_sharded(ModelSource(ckpt, None), "float32", "cpu", 0, 2)
 
 
 if __name__ == "__main__":  # one rank: <rank> <world_size> <port> <out.json> <checkpoint>

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
+from specdist.models.families import check_supported, source_model_type
 from specdist.models.loader import ModelSource, _quiet_transformers, _reporter, format_bytes, load_model
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
@@ -449,12 +450,14 @@ def load_sharded(
 
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
-    loaded whole on the host by transformers, then sliced. The head counts are checked against
-    ``world_size`` before any weight is read. The model carries a :class:`LoadReport` as ``load_report``;
+    loaded whole on the host by transformers, then sliced. The architecture and the head counts
+    (against ``world_size``) are checked before any weight is read. The model carries a :class:`LoadReport` as ``load_report``;
     ``progress`` (default: the ``specdist.load`` logger) gets a line before and after.
     """
     if world_size == 1:
         return load_model(source, dtype, device, progress)
+    # an architecture the runner cannot serve is refused before any weight is read, as by load_model
+    check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)
     report = _reporter(progress)
     _quiet_transformers()
