@@ -49,6 +49,14 @@ def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35
     return path
 
 
+def devices(min_gpus: int = 1) -> list:
+    """``pytest.mark.parametrize("device", devices())``: the CPU case CI runs, and its CUDA twin
+    (marker ``cuda``: skipped with the reason here, run by ``python -m specdist.bench.gpu_check``)."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = f"needs {min_gpus} CUDA GPU(s), found {have}"
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(have < min_gpus, reason=why)])]
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Paths of a tiny target, a tiny draft (same vocabulary), and a draft with another vocabulary."""
