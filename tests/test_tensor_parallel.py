@@ -98,8 +98,10 @@ def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEO
         outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(WORLD_SIZE)]
         logs = [open(tmp_path / f"rank{r}_{attempt}.log", "w+") for r in range(WORLD_SIZE)]
         procs = [
-            subprocess.Popen([sys.executable, os.path.abspath(script), str(r), str(WORLD_SIZE), str(port), outs[r], *args],
-                             cwd=root, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(script), str(r), str(WORLD_SIZE), str(port), outs[r], *args],
+                cwd=root, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
+            )
             for r in range(WORLD_SIZE)
         ]
         try:

@@ -157,7 +157,8 @@ def _all_reduce_output(group):
 @contextmanager
 def meta_parameters() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device; buffers stay real (the model's
-    constructor computes them: rotary ``inv_freq``, Gemma's ``embed_scale``)."""
+    constructor computes them: rotary ``inv_freq``, Gemma's ``embed_scale``). The switch is
+    process-wide while it lasts: build one skeleton at a time."""
     register = nn.Module.register_parameter
 
     def register_meta(module, name, param):
@@ -355,7 +356,8 @@ class SafetensorsFiles:
             return out
         shape, dim = e.shape, cut.dim
         if shape[dim] != sum(cut.parts):
-            raise ValueError(f"{name}: size {shape[dim]} along dim {dim} on disk, the partition expects {sum(cut.parts)}")
+            raise ValueError(f"{name}: size {shape[dim]} along dim {dim} on disk, "
+                             f"the partition expects {sum(cut.parts)}")
         ranges = cut.ranges(rank, world_size)
         local = sum(b - a for a, b in ranges)
         out = torch.empty(shape[:dim] + (local,) + shape[dim + 1:], dtype=e.dtype)
@@ -451,8 +453,9 @@ def load_sharded(
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
     loaded whole on the host by transformers, then sliced. The architecture and the head counts
-    (against ``world_size``) are checked before any weight is read. The model carries a :class:`LoadReport` as ``load_report``;
-    ``progress`` (default: the ``specdist.load`` logger) gets a line before and after.
+    (against ``world_size``) are checked before any weight is read. The model carries a
+    :class:`LoadReport` as ``load_report``; ``progress`` (default: the ``specdist.load`` logger)
+    gets a line before and after.
     """
     if world_size == 1:
         return load_model(source, dtype, device, progress)
