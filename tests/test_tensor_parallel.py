@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[st
     from specdist.models.loader import ModelSource
     from specdist.models.runner import CausalLMRunner
     from specdist.models.sharding import load_sharded
-    from workers.tensor_parallel import broadcast_object, init_process_group
+    from workers.tensor_parallel import broadcast_object, control_group, init_process_group
 
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu")
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu")  # idempotent
@@ -75,7 +75,8 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[st
         tied = model.lm_head.weight.untyped_storage().data_ptr() == \
             model.model.embed_tokens.weight.untyped_storage().data_ptr()
         results.append({"logits": logits, "shapes": _shapes(model, runner), "report": model.load_report,
-                        "head_shares_embedding": tied})
+                        "head_shares_embedding": tied, "control": (dist.get_backend(control_group()),
+                                                                   control_group() is dist.group.WORLD)})
     torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
@@ -229,6 +230,7 @@ def test_two_rank_llama_matches_unsharded(two_ranks):
                    "lm_head": (8, 32), "cache": (2, 1, 33, 8)}
     replicated, sharded, _ = _expected_reads(ckpt)
     for res in ranks:
+        assert res["control"] == ("gloo", False)  # broadcast_object travels on its own gloo group
         assert res["shapes"] == want_shapes
         assert not res["head_shares_embedding"]
         rep = res["report"]
