@@ -20,8 +20,10 @@ TINY_WORDS = ["a", "b", "c", "d", "e", "f", "g", "<eos>"]  # id 7 is EOS
 
 FAMILIES = [
     "llama", "llama-linear", "llama3-rope", "llama-yarn", "llama-dynamic", "mistral", "qwen2", "qwen3",
-    "gemma2", "gemma3", "phi3", "qwen3_moe",
+    "gemma2", "gemma3", "phi3", "phi3-longrope", "qwen3_moe",
 ]
+# families whose RoPE frequencies transformers derives from the length of each call
+LENGTH_DEPENDENT_ROPE = ("llama-dynamic", "phi3-longrope")
 
 _LAYERS = 2
 _COMMON = dict(
@@ -79,6 +81,12 @@ def _family_config(family: str, vocab_size: int, overrides: dict):
         return tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, kw
     if family == "phi3":  # fused qkv_proj and gate_up_proj; the window applies to every layer
         kw.update(sliding_window=5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        return tf.Phi3Config, tf.Phi3ForCausalLM, kw
+    if family == "phi3-longrope":  # long factors past 16 positions, short ones before
+        kw.update(max_position_embeddings=64, original_max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attention_dropout=0.0)
+        kw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                                 "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.0, 4.0, 8.0]}
         return tf.Phi3Config, tf.Phi3ForCausalLM, kw
     if family == "qwen3_moe":  # layer 0 dense (mlp_only_layers), the others 4 experts, top-2
         kw.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import tiny_config
-from model_zoo import FAMILIES, build_tiny, save_tiny
+from model_zoo import FAMILIES, LENGTH_DEPENDENT_ROPE, build_tiny, save_tiny
 from specdist import Engine, SamplingParams
 from specdist.errors import ConfigError
 from specdist.models.families import SUPPORTED_MODEL_TYPES
@@ -29,7 +29,7 @@ from specdist.models.loader import load_model, resolve_model
 from specdist.models import runner as runner_module
 from specdist.models.runner import CausalLMRunner
 
-SEQ_LEN = 24  # windows are 4-5 tokens; llama-dynamic's original context is 16
+SEQ_LEN = 24  # windows are 4-5 tokens; the original context of llama-dynamic and phi3-longrope is 16
 # (request, new tokens, rejected drafts appended then rolled back): every attention form runs
 SCHEDULE = [
     [(0, 9, 0)],  # one request from position 0: is_causal (full layers), mask (window layers)
@@ -48,10 +48,10 @@ MAX_TOKENS = 30
 
 def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T, V]
     with torch.inference_mode():
-        if family != "llama-dynamic":
+        if family not in LENGTH_DEPENDENT_ROPE:
             return model(torch.tensor([seq])).logits[0]
-        # Dynamic NTK RoPE depends on the length of each call in transformers; the runner rotates
-        # position p as a call ending at p does (see specdist/models/runner.py): token by token.
+        # Dynamic and longrope RoPE depend on the length of each call in transformers; the runner
+        # rotates position p as a call ending at p does (see specdist/models/runner.py): token by token.
         cache = DynamicCache(config=model.config)
         return torch.cat([model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0] for t in seq])
 
@@ -124,11 +124,18 @@ def _hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 1], [2, 9, 4, 11, 6]]  # both inside llama-dynamic's original 16 positions
+PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 1], [2, 9, 4, 11, 6]]  # both inside the original 16 positions (LENGTH_DEPENDENT_ROPE)
+
+
+# Phi-3's own generate recomputes the whole sequence with the long RoPE factors once it passes
+# the original context (Phi3ForCausalLM.prepare_inputs_for_generation drops its cache there); the
+# runner keeps per-position rotations (see its docstring), so past that point the two differ by
+# design. Its logits are checked above against transformers' token-by-token forward.
+GENERATE_FAMILIES = [f for f in FAMILIES if f != "phi3-longrope"]
 
 
 @pytest.mark.parametrize("method", ["model", "self-w8"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GENERATE_FAMILIES)
 def test_greedy_speculative_equals_transformers_generate(zoo, family: str, method: str) -> None:
     paths = zoo(family)
     cfg = tiny_config(paths, method=method, k=3)

@@ -35,9 +35,11 @@ token-by-token decoding with a cache. The logits at a position are then a functi
 tokens up to it alone, whatever the batch and however the sequence is cut into calls
 (prefill, verification of k drafts, rollback), which exact speculative decoding needs. They
 equal transformers' forward of the whole sequence while it fits in the original context
-(dynamic: ``max_position_embeddings``; longrope: ``original_max_position_embeddings``), and
-its greedy ``generate`` whenever the prompt fits there; past it, transformers' own results
-depend on how the sequence was cut into calls.
+(dynamic: ``max_position_embeddings``; longrope: ``original_max_position_embeddings``); past
+it, transformers' own results depend on how the sequence was cut into calls. Dynamic: equal
+to its greedy ``generate`` whenever the prompt fits in the original context. Longrope (Phi-3):
+its ``generate`` recomputes the whole sequence with the long factors once it passes the
+original context, which a KV cache cannot follow; past that point the two differ.
 
 Attention runs through ``F.scaled_dot_product_attention`` in forms that let PyTorch pick its
 fused kernels: no mask when every request has one query at one common position (a window
