@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from conftest import devices, save_tiny_llama
 from specdist.engine import Engine
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
@@ -24,8 +24,6 @@ VOCAB = 97
 BATCH = 4
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11, 12]]
 _WATCHED = ("cpu", "to", "tolist", "numpy", "item", "__array__")
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def _names_a_device(args, kwargs) -> bool:
@@ -78,7 +76,7 @@ def _params(temperature: float) -> list[SamplingParams]:
             for i in range(BATCH)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("method,temperature,threshold", [
     ("model", 0.8, 0.0),  # sampled model drafts: q rows made and verified on the device
     ("model", 0.0, 0.0),  # greedy: one-hot q

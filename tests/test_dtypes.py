@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import devices, tiny_config
 from specdist import config as config_module
 from specdist.config import Config, load_config
 from specdist.drafting import DrafterCore
@@ -31,8 +31,6 @@ from specdist.transport import ProposeItem, StartItem
 from specdist.wire import DENSE, SPARSE, decode_distribution, encode_distribution, fp16_exact
 
 REDUCED = ("bfloat16", "float16")
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 # How far two computations of the same logits may drift apart, as a fraction of the float32 logit
 # scale: a few roundings of 2**-9 (bf16) / 2**-12 (fp16) relative error per layer. Measured on these
 # models: up to 1.6% (bf16) and 0.3% (fp16) between a 4-token chunk and one token at a time.
@@ -79,7 +77,7 @@ def _check_greedy(ref: torch.Tensor, out: list[int], tie: float) -> int:
     return clear
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_greedy_speculation_matches_plain_decoding(tiny_models, dtype, device):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -107,7 +105,7 @@ def test_greedy_speculation_matches_plain_decoding(tiny_models, dtype, device):
     assert clear >= 0.6 * total  # most positions are clear: the argmax is checked exactly there
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_runner_logits_match_transformers(tiny_models, dtype, device):
     """A ragged batch (prefill, then a 3-token chunk and single tokens) against transformers'
