@@ -12,7 +12,9 @@ and its own generator seeded with the request seed.
   processed with each request's params (:func:`specdist.sampling.process_logits`, the same
   transform the draft used for q), ``num_draft + 1`` uniforms per request from its generator,
   :func:`specdist.verification.rejection_sample`, then the cache rolled back to the accepted
-  prefix (O(1)) and ``accepted + next`` appended to the sequence;
+  prefix (O(1)) and ``accepted + next`` appended to the sequence. Logits, p, q and the
+  sampling stay on the model's device; the uniforms (drawn on the host) go there, and the
+  accepted counts and final tokens come back in one ``[B, 2]`` copy;
 - ``release``: free the slot. Idempotent.
 
 Tensor parallelism (``world_size > 1``): only rank 0 is called. Cache operations that need
@@ -244,7 +246,10 @@ class VerifierCore:
         moved = [b for b in range(bsz) if qs[b] is not None and qs[b].device != dev]
         if moved:
             idx = torch.tensor([b * kdim + j for b in moved for j in range(nd[b])], device=dev)  # [m]
-            flat.index_copy_(0, idx, torch.cat([qs[b] for b in moved]).to(dev))
+            rows = [qs[b] for b in moved]
+            if len({r.device for r in rows}) > 1:  # from several devices: each to this one first
+                rows = [r.to(dev) for r in rows]
+            flat.index_copy_(0, idx, torch.cat(rows).to(dev))
         for b in range(bsz):
             if qs[b] is not None and qs[b].device == dev:
                 q[b, : nd[b]] = qs[b]
