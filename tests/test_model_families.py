@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import tiny_config
+from conftest import devices, tiny_config
 from model_zoo import FAMILIES, LENGTH_DEPENDENT_ROPE, build_tiny, save_tiny
 from specdist import Engine, SamplingParams
 from specdist.errors import ConfigError
@@ -49,15 +49,17 @@ MAX_TOKENS = 30
 def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T, V]
     with torch.inference_mode():
         if family not in LENGTH_DEPENDENT_ROPE:
-            return model(torch.tensor([seq])).logits[0]
+            return model(torch.tensor([seq], device=model.device)).logits[0].cpu()
         # Dynamic and longrope RoPE depend on the length of each call in transformers; the runner
         # rotates position p as a call ending at p does (see specdist/models/runner.py): token by token.
         cache = DynamicCache(config=model.config)
-        return torch.cat([model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0] for t in seq])
+        return torch.cat([model(torch.tensor([[t]], device=model.device), cache=cache, use_cache=True).logits[0]
+                          for t in seq]).cpu()
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers(family: str, monkeypatch) -> None:
+def test_logits_match_transformers(family: str, device: str, monkeypatch) -> None:
     forms = set()  # the attention forms the schedule ran: "none" (no mask), "causal", "mask"
     plan = runner_module._attention_plan
 
@@ -67,7 +69,7 @@ def test_logits_match_transformers(family: str, monkeypatch) -> None:
         return lo, mask, causal
 
     monkeypatch.setattr(runner_module, "_attention_plan", spy)
-    model = build_tiny(family, seed=1)
+    model = build_tiny(family, seed=1).to(device)
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, model.config.vocab_size, (SEQ_LEN,), generator=gen).tolist() for _ in SLOTS]
     refs = [_reference_logits(model, s, family) for s in seqs]
@@ -114,9 +116,9 @@ def zoo(tmp_path_factory):
     return get
 
 
-def _hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    ids = torch.tensor([prompt])
+def _hf_greedy(path: str, prompt: list[int], n: int, device: str = "cpu") -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=0,
                              do_sample=False, eos_token_id=None, pad_token_id=0, top_k=None, top_p=None,
@@ -134,15 +136,16 @@ PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 1], [2, 9, 4, 11, 6]]  # both inside the origin
 GENERATE_FAMILIES = [f for f in FAMILIES if f != "phi3-longrope"]
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("method", ["model", "self-w8"])
 @pytest.mark.parametrize("family", GENERATE_FAMILIES)
-def test_greedy_speculative_equals_transformers_generate(zoo, family: str, method: str) -> None:
+def test_greedy_speculative_equals_transformers_generate(zoo, family: str, method: str, device: str) -> None:
     paths = zoo(family)
-    cfg = tiny_config(paths, method=method, k=3)
+    cfg = tiny_config(paths, method=method, k=3, device=device)
     engine = Engine.from_config(cfg)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == _hf_greedy(paths["target"], prompt, MAX_TOKENS), f"{family} / {method}"
+        assert out.token_ids == _hf_greedy(paths["target"], prompt, MAX_TOKENS, device), f"{family} / {method}"
     assert sum(o.metrics.drafted for o in outs) > 0  # speculation ran
     assert engine.kv_slots_in_use() == {"target": 0, "draft": 0}
 
