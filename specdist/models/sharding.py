@@ -453,9 +453,9 @@ def load_sharded(
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
     loaded whole on the host by transformers, then sliced. The architecture and the head counts
-    (against ``world_size``) are checked before any weight is read. The model carries a
-    :class:`LoadReport` as ``load_report``; ``progress`` (default: the ``specdist.load`` logger)
-    gets a line before and after.
+    (against ``world_size``) are checked before any weight is read (a GGUF's head counts right
+    after: its config is parsed with its weights). The model carries a :class:`LoadReport` as
+    ``load_report``; ``progress`` (default: the ``specdist.load`` logger) gets a line before and after.
     """
     if world_size == 1:
         return load_model(source, dtype, device, progress)
@@ -466,14 +466,15 @@ def load_sharded(
     _quiet_transformers()
     from transformers import AutoConfig, GenerationConfig
 
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    config = AutoConfig.from_pretrained(source.directory, local_files_only=True, **kwargs)
-    check_shardable(config, world_size)
     size, fmt = source.checkpoint_bytes()
     who = f"rank {rank} of {world_size}"
     t0 = time.perf_counter()
-    model = build_skeleton(config, TORCH_DTYPES[dtype])
-    files = None if source.gguf_file else SafetensorsFiles.find(source.directory)
+    files = model = None
+    if not source.gguf_file:  # a GGUF's config comes with its weights (its header alone parses as slowly)
+        config = AutoConfig.from_pretrained(source.directory, local_files_only=True)
+        check_shardable(config, world_size)
+        model = build_skeleton(config, TORCH_DTYPES[dtype])
+        files = SafetensorsFiles.find(source.directory)
     if files is not None and not files.mismatches(model):
         report(f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}): "
                f"{who} reads its shards ...")
@@ -490,6 +491,8 @@ def load_sharded(
                f"{who} loads the full checkpoint on the host, then keeps its slices "
                "(this path holds the full checkpoint once)")
         full = load_model(source, dtype, "cpu", progress)
+        check_shardable(full.config, world_size)
+        model = build_skeleton(full.config, TORCH_DTYPES[dtype])
         cuts = partition(model, rank, world_size, group)
         materialise(model, cuts, InMemoryTensors(full.state_dict()), rank, world_size, device)
         model.generation_config = full.generation_config
