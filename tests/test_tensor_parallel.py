@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from conftest import devices
+
 WORLD_SIZE = 2
 TIMEOUT_S = 150
 
@@ -65,11 +67,13 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[st
     from specdist.models.sharding import load_sharded
     from workers.tensor_parallel import broadcast_object, control_group, init_process_group
 
-    init_process_group(rank, world_size, "127.0.0.1", port, "cpu")
-    init_process_group(rank, world_size, "127.0.0.1", port, "cpu")  # idempotent
+    # SPECDIST_TEST_DEVICE=cuda: one GPU per rank, NCCL collectives (the same code, chosen by device)
+    device = f"cuda:{rank}" if os.environ.get("SPECDIST_TEST_DEVICE") == "cuda" else "cpu"
+    init_process_group(rank, world_size, "127.0.0.1", port, device)
+    init_process_group(rank, world_size, "127.0.0.1", port, device)  # idempotent
     results = []
     for ckpt in ckpts:
-        model = load_sharded(ModelSource(ckpt, None), "float32", "cpu", rank, world_size)
+        model = load_sharded(ModelSource(ckpt, None), "float32", device, rank, world_size)
         runner = CausalLMRunner(model, num_slots=2, max_len=32)
         logits = run_ops(runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
         tied = model.lm_head.weight.untyped_storage().data_ptr() == \
@@ -88,12 +92,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True) -> list:
+def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
+                env_extra: dict | None = None) -> list:
     """Run ``script <rank> <world_size> <port> <out> *args`` as WORLD_SIZE processes; their outputs
     (``torch.load``-ed, or the paths with ``load=False``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
     for attempt in range(2):  # a second try if another process grabbed the port meanwhile
         port = _free_port()
         outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(WORLD_SIZE)]
@@ -260,6 +265,22 @@ def test_two_rank_family_matches_unsharded(two_ranks, family):
                 os.path.join(ckpt, "model.safetensors"))
     if one_to_one:
         assert sum(res["report"].bytes_read for res in ranks) == WORLD_SIZE * replicated + sharded
+
+
+@pytest.mark.parametrize("device", devices(min_gpus=2)[1:])  # the CPU twin: test_two_rank_llama_matches_unsharded
+def test_two_rank_nccl_matches_unsharded(tmp_path, device):
+    """Two GPUs, NCCL collectives, control messages on gloo: rank 0's logits equal the unsharded runner's."""
+    from conftest import save_tiny_llama
+
+    from specdist.models.loader import ModelSource, load_model
+    from specdist.models.runner import CausalLMRunner
+
+    ckpt = save_tiny_llama(str(tmp_path / "llama"), seed=11, vocab_size=16)
+    ref = run_ops(CausalLMRunner(load_model(ModelSource(ckpt, None), "float32"), num_slots=2, max_len=32), OPS)
+    ranks = [r[0] for r in spawn_ranks(os.path.abspath(__file__), [ckpt], tmp_path,
+                                       env_extra={"SPECDIST_TEST_DEVICE": "cuda"})]
+    assert all(res["control"] == ("gloo", False) for res in ranks)
+    _check_logits("llama on NCCL", ref, ranks)
 
 
 def test_indivisible_heads_raise():
