@@ -1,5 +1,5 @@
 """The GPU check script (``python -m specdist.bench.gpu_check``), run here as far as a CPU allows:
-the one-line refusal without CUDA, and its benchmark step with tiny random checkpoints."""
+the one-line refusal without CUDA, the random checkpoints, and the benchmark command it builds."""
 
 from __future__ import annotations
 
@@ -34,9 +34,30 @@ def test_random_checkpoint_has_the_requested_size_and_loads(tmp_path):
     assert os.path.getsize(tmp_path / "config.json") > 0
 
 
-def test_cpu_smoke_run_of_the_benchmark_step(tmp_path, capfd):
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--skip-tests", "--prompts", "1", "--max-tokens", "4",
-                         "--workdir", str(tmp_path)])
-    out = capfd.readouterr().out
-    assert rc == 0, out
-    assert "| float32 | 0 | engine-spec |" in out and "gpu_check: all steps passed" in out
+def test_benchmark_step_writes_checkpoints_and_calls_bench_engine_with_valid_flags(tmp_path, monkeypatch, capsys):
+    """The benchmark step on the CPU (``--device cpu --tiny``) up to the bench command, which is
+    parsed by the bench's own argument parser instead of run (tests/test_dtypes.py runs the bench
+    with a model draft and several dtypes)."""
+    import argparse
+
+    from model_zoo import save_word_tokenizer
+    from specdist.bench import engine_bench
+
+    from transformers import AutoTokenizer
+
+    save_word_tokenizer(str(tmp_path / "tok"), 40)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    monkeypatch.setattr("specdist.models.loader.load_tokenizer", lambda source, progress=None: tok)
+    calls = []
+    monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--skip-tests", "--workdir", str(tmp_path / "work")])
+    assert rc == 0 and "gpu_check: all steps passed" in capsys.readouterr().out
+    (cmd,) = calls
+    assert cmd[1:5] == ["-m", "specdist.cli", "bench", "engine"]
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(cmd[5:])
+    assert (args.draft, args.dtype, args.device) == ("model", "float32", "cpu")
+    for path in (args.model, args.draft_model):  # both checkpoints load, with the tokenizer's vocabulary
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        assert cfg["vocab_size"] == len(tok) and os.path.isfile(os.path.join(path, "tokenizer.json"))
