@@ -196,9 +196,10 @@ def test_auto_resolves_per_device(monkeypatch, tiny_models):
     with pytest.raises(ValueError, match="'fp8'"):
         resolve_dtype("fp8")
     # the loader resolves auto: the engine's models (target, draft) take the CPU's choice
-    monkeypatch.setattr(dtypes, "CPU_AUTO_DTYPE", "bfloat16")
-    eng = Engine.from_config(_config(tiny_models, "model", "auto"))
-    assert eng.target_core.runner.dtype == eng.draft_core.runner.dtype == torch.bfloat16
+    for choice in ("bfloat16", "float32"):
+        monkeypatch.setattr(dtypes, "CPU_AUTO_DTYPE", choice)
+        eng = Engine.from_config(_config(tiny_models, "model", "auto"))
+        assert eng.target_core.runner.dtype == eng.draft_core.runner.dtype == TORCH_DTYPES[choice]
 
 
 def test_draft_actor_loads_in_the_dtype_it_is_given(tiny_models):

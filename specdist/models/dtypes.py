@@ -16,9 +16,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 DTYPE_CHOICES = (*TORCH_DTYPES, "auto")
 
 # `auto` on the CPU: the dtype in which CausalLMRunner.forward of the default model runs faster
-# for 1, 5 and 9 tokens, decided by `specdist bench runner` on a quiet machine and recorded in
-# BENCHMARKS.md (float32 until that measurement says otherwise).
-CPU_AUTO_DTYPE = "float32"
+# for 1, 5 and 9 tokens, measured by `specdist bench runner` (BENCHMARKS.md, "Dtypes"). The
+# development CPU has AVX-512 BF16, where bf16 wins at every size; a CPU without native bf16
+# should rerun the measurement and use float32 explicitly if it loses.
+CPU_AUTO_DTYPE = "bfloat16"
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
