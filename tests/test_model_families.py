@@ -43,7 +43,7 @@ SCHEDULE = [
 ]
 SLOTS = [1, 2, 4]  # requests 0 and 1 are adjacent (a view of the cache), request 2 is not
 JUNK = [3, 5, 1]
-MAX_TOKENS = 30
+MAX_TOKENS = 20
 
 
 def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T, V]
