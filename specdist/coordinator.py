@@ -20,6 +20,9 @@ are released); waiting requests carry on, and the thread keeps serving. A failur
 outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) fails
 every request the engine holds, and the thread keeps serving. ``close()`` aborts every
 request, stops the thread and joins it.
+
+``metrics`` (:class:`~specdist.metrics.Metrics`): the engine's Prometheus series, from its
+step events (the warm-up request is not counted); its gauges read the last pass's snapshot.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdist.errors import InvalidArgument, SpecDistError
+from specdist.metrics import Metrics
 from specdist.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engine, RemoteEngine)
@@ -186,6 +190,7 @@ class Coordinator:
         self._draining = False
         self._closed = False
         self.timing = SchedulingTiming()
+        self.metrics = Metrics(engine, lambda: self._snapshot)  # Prometheus series of this engine
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -210,7 +215,8 @@ class Coordinator:
         """Run one tiny greedy request on the engine thread (first-call costs), then reset the stats."""
 
         def run() -> None:
-            self.engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
+            with self.metrics.paused():
+                self.engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True))
             self.engine.stats.reset()
 
         await self._call(run)
@@ -233,6 +239,7 @@ class Coordinator:
             return
         self._closed = self._draining = True
         if self._thread is None:
+            self.metrics.close()
             return
         with self._cond:
             self._stop_requested = True
@@ -241,6 +248,8 @@ class Coordinator:
         self._thread.join(JOIN_TIMEOUT_S)  # it has nothing left to do but return
         if self._thread.is_alive():
             log.error("the specdist engine thread did not exit within %.0fs of close()", JOIN_TIMEOUT_S)
+        else:
+            self.metrics.close()
 
     # ---------------------------------------------------------------- requests
     async def generate(
@@ -285,7 +294,8 @@ class Coordinator:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
         stream = RequestStream(self, request_id)
         self._live[request_id] = stream  # reserved before the await: admission and ids stay race-free
-        added = self._call(lambda: self._add(prompt, params, request_id, chat))
+        arrival = time.perf_counter()  # metrics: it arrived now, not when the engine thread adds it
+        added = self._call(lambda: self._add(prompt, params, request_id, chat, arrival))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:  # the caller went away; undo the add once it has run
@@ -438,11 +448,13 @@ class Coordinator:
             log.exception("specdist coordinator pass failed")
             return self._fail_everyone(e), None, False
 
-    def _add(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str, chat: bool) -> None:
+    def _add(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str, chat: bool,
+             arrival: float) -> None:
         if chat:
             req = self.engine.add_request(prompt, params, request_id, chat=True)
         else:
             req = self.engine.add_request(prompt, params, request_id)
+        req.metrics.arrival_time = arrival
         self._tracked[request_id] = _Tracked(req)
 
     def _abort(self, request_id: str) -> bool:

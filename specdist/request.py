@@ -11,6 +11,20 @@ from specdist.stopping import OutputState
 
 
 @dataclass
+class RequestStep:
+    """One request's part of one step: what RequestMetrics, EngineStats and the metrics add up."""
+
+    request_id: str
+    replica: int | None  # the draft replica that drafted for it; None: no drafts
+    drafted: int  # draft positions verified that counted (none past the end of the output)
+    accepted: int  # of those, accepted by the target: positions 0 .. accepted - 1
+    emitted: int  # target tokens the output consumed, counting a stop token that ended it
+    kept: int  # tokens added to the output
+    ttft_s: float | None = None  # this step gave the request its first token: seconds since arrival
+    inter_step_s: float | None = None  # seconds since the previous step that gave it tokens
+
+
+@dataclass
 class RequestMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -18,9 +32,24 @@ class RequestMetrics:
     accepted: int = 0  # of those, accepted by the target
     steps: int = 0  # target verification steps
     emitted: int = 0  # tokens the target emitted into the output, counting a stop token that ended it
+    drafts: int = 0  # steps that verified at least one draft token
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps that accepted draft position i
     arrival_time: float = 0.0
+    scheduled_time: float | None = None  # admitted on the target (out of the queue)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # the last step that gave it tokens
     finish_time: float | None = None
+
+    def add_step(self, s: RequestStep) -> None:
+        self.steps += 1
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.emitted += s.emitted
+        self.drafts += s.drafted > 0
+        if len(self.accepted_per_pos) < s.accepted:
+            self.accepted_per_pos.extend([0] * (s.accepted - len(self.accepted_per_pos)))
+        for i in range(s.accepted):
+            self.accepted_per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,6 +67,10 @@ class RequestMetrics:
     @property
     def total_time(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
 
 @dataclass

@@ -27,16 +27,25 @@ Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "
 (logits processing and rejection sampling, inside the verifier), "cache" (rollback,
 releases), "output" (this process's bookkeeping) and, for remote transports, "network"
 (each call's wall time minus the compute its core reports).
+
+Step events: after every step that verified something, each callable in ``listeners`` gets
+one :class:`StepEvent` (this step's phase times, batch, and per request a
+:class:`~specdist.request.RequestStep`), and once per finished request a
+:class:`RequestFinished` (its final metrics), on the thread that runs the step. The
+per-request metrics and ``stats`` are summed from the same records; Prometheus
+(:mod:`specdist.metrics`) and benchmarks read the events instead of timing anything
+themselves. A listener that raises is logged and the step goes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,7 +55,7 @@ from specdist.config import Config
 from specdist.draft_length import DraftLengthPolicy
 from specdist.errors import InvalidArgument
 from specdist.prompts import encode_prompt
-from specdist.request import Request, RequestOutput, now
+from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep, now
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
 from specdist.transport import (
@@ -81,6 +90,31 @@ class EngineStats:
 
     def reset(self) -> None:
         self.__init__()
+
+    def add_step(self, s: RequestStep) -> None:
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.emitted += s.kept
+
+
+@dataclass
+class StepEvent:
+    """What one step did, emitted once after it (see the module docstring)."""
+
+    batch_size: int  # requests verified
+    phase_s: dict[str, float]  # seconds per phase (PHASES) spent in this step, its admissions included
+    step_s: float  # wall seconds of the step after admission: choose, propose, verify, output, release
+    plain_step_s: float  # predicted seconds of a step without drafts for this batch (the measured costs)
+    requests: list[RequestStep]  # the verified requests, in batch order
+
+
+@dataclass
+class RequestFinished:
+    """A request ended (any finish reason) and was released; ``metrics`` are final."""
+
+    request_id: str
+    finish_reason: str
+    metrics: RequestMetrics
 
 
 @dataclass
@@ -123,6 +157,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
+        self.listeners: list[Callable[[StepEvent | RequestFinished], None]] = []  # step events
         self._target_live = 0
         self._ids = itertools.count()
         self._core_ids = itertools.count()
@@ -245,10 +280,11 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
     def step(self) -> list[Request]:
         """One verification for every running request. Returns the requests that advanced."""
+        t = self.stats.phase_s
+        phase0 = dict(t)
         self._admit()
         if not self.running:
             return []
-        t = self.stats.phase_s
         policy = self.length_policy
         tc = now()
         reqs = list(self.running)
@@ -268,21 +304,31 @@ class Scheduler:
         policy.observe_verify(ntok, wall, len(items))
         t2 = now()
 
-        advanced = []
+        advanced, records = [], []
         done = [i for i in range(len(reqs)) if i not in failed]
         for i, res in zip(done, results or []):
             r = reqs[i]
             advanced.append(r)
-            self._apply(r, res.num_accepted, res.next_token)
+            records.append(self._apply(r, res.num_accepted, res.next_token))
         self.stats.steps += 1
         t3 = now()
         t["output"] += t3 - t2
         policy.end_step()
         policy.observe_overhead((t0 - tc) + (t3 - t2))
         self._release([r for r in self.running if r.finished])
+        plain = policy.step_time([0] * len(reqs), [0] * len(reqs))
+        phases = {name: t.get(name, 0.0) - phase0.get(name, 0.0) for name in t}
+        self._emit(StepEvent(len(reqs), phases, now() - tc, plain, records))
         return advanced
 
-    def _apply(self, r: Request, n_acc: int, next_token: int) -> None:
+    def _emit(self, event: StepEvent | RequestFinished) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - an observer must not break the step
+                log.exception("step-event listener %r failed", listener)
+
+    def _apply(self, r: Request, n_acc: int, next_token: int) -> RequestStep:
         """Fold one verification result into the request: output, counters, the next ProposeItem."""
         p = r.proposal
         drafted = list(p.token_ids) if p is not None else []
@@ -299,17 +345,20 @@ class Scheduler:
         tried = min(len(drafted), used) if out.finished else len(drafted)
         accepted = min(n_acc, used)
         m = r.metrics
-        m.steps += 1
-        m.drafted += tried
-        m.accepted += accepted
-        m.emitted += used
-        self.stats.drafted += tried
-        self.stats.accepted += accepted
-        self.stats.emitted += kept
-        if m.first_token_time is None and (kept or r.finished):
-            m.first_token_time = now()
+        step = RequestStep(r.request_id, r.replica, tried, accepted, used, kept)
+        if kept or r.finished:
+            t = now()
+            if m.first_token_time is None:
+                m.first_token_time = t
+                step.ttft_s = t - m.arrival_time
+            elif m.last_token_time is not None:
+                step.inter_step_s = t - m.last_token_time
+            m.last_token_time = t
+        m.add_step(step)
+        self.stats.add_step(step)
         if not r.finished and r.seq_len >= self.max_model_len:
             out.finish("length")
+        return step
 
     def _draft_len(self, r: Request) -> int:
         """The most request r may draft: max_tokens and the context limit hold even if all are accepted."""
@@ -421,7 +470,10 @@ class Scheduler:
             self._release_remote([r])
             r.replica = None
             self.waiting.appendleft(r)
-        self.running.extend(r for r in admitted if r not in requeue and not r.finished)
+        for r in admitted:
+            if r not in requeue and not r.finished:
+                r.metrics.scheduled_time = t0
+                self.running.append(r)
         self._release([r for r in new if r.finished])
         self.stats.phase_s["prefill"] += now() - t0
 
@@ -498,6 +550,7 @@ class Scheduler:
         if not reqs:
             return
         t0 = now()
+        ended = []
         for r in reqs:
             if r in self.waiting:
                 self.waiting.remove(r)
@@ -505,8 +558,13 @@ class Scheduler:
                 self.running.remove(r)
             if r.metrics.finish_time is None:
                 r.metrics.finish_time = now()
+                ended.append(r)
         self._release_remote(reqs)
         self.stats.phase_s["cache"] += now() - t0
+        for r in ended:
+            if r.finished:
+                r.metrics.output_tokens = len(r.output.token_ids)
+                self._emit(RequestFinished(r.request_id, r.output.finish_reason, dataclasses.replace(r.metrics)))
 
     def _release_remote(self, reqs: list[Request]) -> None:
         """Release on the target and each drafter (one call per core). Best effort: release is idempotent."""

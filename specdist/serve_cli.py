@@ -1,6 +1,7 @@
 """Command-line glue for the gRPC server, the backends behind it, and the remote ``generate``.
 
     specdist serve --config configs/local.yaml --port 50051     # until SIGINT/SIGTERM, then drains
+    specdist serve --config configs/local.yaml --metrics-port 9400   # ... and Prometheus /metrics on 9400
     specdist serve --config configs/default.yaml                # cluster.enabled: a local Ray deployment
     specdist serve --config configs/default.yaml --ray-address auto   # ... on a running Ray cluster
     specdist generate --server 127.0.0.1:50051 "prompt"         # streams text; stats on stderr
@@ -70,6 +71,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
     parser.add_argument("--max-queued", type=int, default=256, help="most requests running + waiting at once")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     parser.add_argument("--drain-seconds", type=float, default=5.0, help="on shutdown, wait this long for requests")
     parser.add_argument(
         "--ray-address", default=None,
@@ -258,36 +261,62 @@ class Serving:
     server: Any  # specdist.server.SpecDistServer
     backend: Backend
     host: str = "127.0.0.1"
+    metrics_server: Any = None  # prometheus-client's WSGI server with --metrics-port
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_server is None else self.metrics_server.server_port
 
     async def stop(self, drain_seconds: float | None = None) -> None:
         """Drain and stop the server, then the backend (deployment, Ray if ours)."""
         try:
             await self.server.stop(drain_seconds)
         finally:
+            self.stop_metrics()
             await asyncio.to_thread(self.backend.close)
+
+    def stop_metrics(self) -> None:
+        """Stop the --metrics-port server (idempotent)."""
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
 
 
 async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int = 0, max_queued: int = 256,
                         drain_seconds: float = 5.0, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                        backend: Backend | None = None) -> Serving:
+                        backend: Backend | None = None, metrics_port: int | None = None) -> Serving:
     """Everything ``specdist serve`` does before waiting for a signal; returns the handle to stop it.
 
     Without ``backend`` it is brought up here (:func:`start_backend`, blocking this event loop).
+    ``metrics_port``: also serve the coordinator's Prometheus registry there (0: any free port).
     """
+    from prometheus_client import start_http_server
+
     from specdist.server import serve
 
     if backend is None:
         backend = start_backend(config, ray_address, worker_host)
     try:
-        server, _ = await serve(backend.engine, host, port, max_queued, drain_seconds)
+        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds)
     except BaseException:
         await asyncio.to_thread(backend.close)
         raise
-    return Serving(server, backend, host)
+    serving = Serving(server, backend, host)
+    if metrics_port is not None:
+        try:
+            serving.metrics_server, _ = start_http_server(metrics_port, addr=host,
+                                                          registry=coordinator.metrics.registry)
+        except BaseException as e:
+            await serving.stop(0)
+            if isinstance(e, OSError):
+                raise ListenError(f"cannot listen on {host}:{metrics_port} (--metrics-port): {e.strerror}") from None
+            raise
+    return serving
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -301,6 +330,8 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     check_dependencies(cfg)
     check_listen(args.host, args.port)  # before the minutes of loading, not after them
+    if getattr(args, "metrics_port", None) is not None:
+        check_listen(args.host, args.metrics_port)
     # bring-up can take minutes: SIGTERM then interrupts it like Ctrl-C, so it tears down what it made
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -355,11 +386,14 @@ def _ignore(signum: int, frame: Any) -> None:
 
 async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> None:
     serving = await start_serving(host=args.host, port=args.port, max_queued=args.max_queued,
-                                  drain_seconds=args.drain_seconds, backend=backend)
+                                  drain_seconds=args.drain_seconds, backend=backend,
+                                  metrics_port=getattr(args, "metrics_port", None))
     engine = backend.engine
     cfg = engine.config
     _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
          f"on {serving.address}")
+    if serving.metrics_port is not None:
+        _log(f"Prometheus metrics on http://{serving.host}:{serving.metrics_port}/metrics")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -371,6 +405,7 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
             loop.remove_signal_handler(sig)
     _log(f"draining (up to {args.drain_seconds:g}s)")
     await serving.server.stop()  # the backend is closed by run_serve, with signals held off
+    serving.stop_metrics()
     _log("stopped")
 
 
