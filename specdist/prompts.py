@@ -6,6 +6,8 @@
   - ``chat=True``: wrapped as one user message in the model's chat template (with the
     generation prompt), then encoded *without* special tokens: the template writes its
     own BOS, and adding another would double it.
+- With ``chat=True`` the prompt may also be a conversation: a list of messages
+  (``{"role": ..., "content": ...}`` dicts), rendered by the template the same way.
 - A token-id prompt is used as given: integers inside the vocabulary, at least one.
 - Either way the prompt must leave room for one generated token within ``max_model_len``.
 
@@ -21,13 +23,18 @@ from collections.abc import Sequence
 from specdist.errors import InvalidArgument
 
 
-def render_chat(tokenizer, text: str) -> str:
-    """``text`` as one user turn in the model's chat template, ending with the assistant's prompt."""
+def is_conversation(prompt: object) -> bool:
+    """Whether ``prompt`` is a list of chat messages (dicts) rather than text or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def render_chat(tokenizer, conversation: str | Sequence[dict]) -> str:
+    """A conversation (text: one user turn) in the model's chat template, ending with the assistant's prompt."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidArgument("apply_chat_template", "the model has no chat template")
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
     try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - a template that cannot render this input
         raise InvalidArgument("apply_chat_template", f"the chat template failed: {e}") from None
 
@@ -36,7 +43,8 @@ def encode_prompt(
     tokenizer, prompt: str | Sequence[int], *, vocab_size: int, max_model_len: int, chat: bool = False
 ) -> tuple[str | None, list[int]]:
     """(prompt text or None, prompt token ids), checked as the module docstring says."""
-    if isinstance(prompt, str):
+    conversation = chat and is_conversation(prompt)
+    if isinstance(prompt, str) or conversation:
         if tokenizer is None:
             raise InvalidArgument("prompt", "text prompts need a model with a tokenizer; pass token ids")
         if not prompt:

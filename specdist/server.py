@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdist.coordinator import Coordinator, Delta, DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
-from specdist.request import RequestMetrics
+from specdist.frontend import refusal_status, request_stats, server_info
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -50,17 +50,10 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             stream = await self.coordinator.open(
                 prompt, params, request.request_id or None, chat=request.apply_chat_template
             )
-        except DuplicateRequestId as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _wire_message(e))
-        except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ShuttingDown as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except Exception as e:  # noqa: BLE001 - not the client's fault: say so, keep serving
-            log.exception("Generate failed before streaming")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+        except Exception as e:  # noqa: BLE001 - each refusal has its status; INTERNAL: not the client's fault
+            status = refusal_status(e, "Generate")
+            message = f"internal error: {e!r}" if status == "INTERNAL" else _wire_message(e)
+            await context.abort(grpc.StatusCode[status], message)
         try:
             async for delta in stream:
                 yield _response(delta)
@@ -82,7 +75,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     async def GetServerInfo(
         self, request: specdist_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> specdist_pb2.ServerInfo:
-        cfg, c = self.engine.config, self.coordinator.counters()
+        c = self.coordinator.counters()
         counters = specdist_pb2.ServerInfo.Counters(
             running_requests=c["running"],
             queued_requests=c["queued"],
@@ -94,16 +87,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             requests_failed=c["requests_failed"],
             active_streams=c["active_streams"],
         )
-        return specdist_pb2.ServerInfo(
-            target_model=cfg.target.model,
-            draft_method=cfg.draft.method,
-            draft_model=cfg.draft.model or "",
-            tensor_parallel_size=getattr(self.engine, "tensor_parallel_size", 1),
-            draft_replicas=_draft_replicas(self.engine),
-            num_speculative_tokens=self.engine.k,
-            max_model_len=self.engine.max_model_len,
-            counters=counters,
-        )
+        return specdist_pb2.ServerInfo(**server_info(self.engine), counters=counters)
 
     @staticmethod
     def _prompt(request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
@@ -116,21 +100,9 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         return request.text
 
 
-def _draft_replicas(engine) -> int:
-    """``engine.num_draft_replicas`` where the engine says; else RemoteEngine: its draft workers,
-    Engine: 1 with a proposer, 0 without."""
-    n = getattr(engine, "num_draft_replicas", None)
-    if n is not None:
-        return int(n)
-    replicas = getattr(engine, "replicas", None)
-    if replicas is not None:
-        return len(replicas)
-    return 1 if getattr(engine, "proposer", None) is not None else 0
-
-
-def _wire_message(e: InvalidArgument) -> str:
+def _wire_message(e: Exception) -> str:
     """The engine names SamplingParams fields bare ("stop"); on the wire they live under ``params.``."""
-    if e.field in _PARAM_FIELDS:
+    if isinstance(e, InvalidArgument) and e.field in _PARAM_FIELDS:
         return f"params.{e.field}: {e.message}"
     return str(e)
 
@@ -147,20 +119,8 @@ def _response(d: Delta) -> specdist_pb2.GenerateResponse:
     elif isinstance(d.stop_reason, int):
         msg.stop_reason_token = d.stop_reason
     if d.metrics is not None:
-        msg.stats.CopyFrom(_stats(d.metrics))
+        msg.stats.CopyFrom(common_pb2.RequestStats(**request_stats(d.metrics)))
     return msg
-
-
-def _stats(m: RequestMetrics) -> common_pb2.RequestStats:
-    return common_pb2.RequestStats(
-        prompt_tokens=m.prompt_tokens,
-        output_tokens=m.output_tokens,
-        drafted=m.drafted,
-        accepted=m.accepted,
-        steps=m.steps,
-        time_to_first_token_s=m.time_to_first_token or 0.0,
-        total_time_s=m.total_time or 0.0,
-    )
 
 
 class SpecDistServer:
