@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--draft-cost", type=float, default=0.1, help="draft cost per token, verification = 1")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
 
-    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode) until SIGINT/SIGTERM", **fmt)
+    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode; with --http-port also the "
+                                       "OpenAI-compatible HTTP API) until SIGINT/SIGTERM", **fmt)
     add_serve_arguments(srv)
 
     demo = sub.add_parser("demo", help="bring the deployment up, stream a few requests through gRPC, stop", **fmt)

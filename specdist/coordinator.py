@@ -221,6 +221,11 @@ class Coordinator:
 
         await self._call(run)
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are admitted (False once draining or closed)."""
+        return not self._draining
+
     def start_draining(self) -> None:
         """Refuse new requests from now on (ShuttingDown); running ones carry on."""
         self._draining = True

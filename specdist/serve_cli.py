@@ -1,6 +1,7 @@
 """Command-line glue for the gRPC server, the backends behind it, and the remote ``generate``.
 
     specdist serve --config configs/local.yaml --port 50051     # until SIGINT/SIGTERM, then drains
+    specdist serve --config configs/local.yaml --http-port 8000 # ... and the OpenAI-compatible HTTP API
     specdist serve --config configs/local.yaml --metrics-port 9400   # ... and Prometheus /metrics on 9400
     specdist serve --config configs/default.yaml                # cluster.enabled: a local Ray deployment
     specdist serve --config configs/default.yaml --ray-address auto   # ... on a running Ray cluster
@@ -8,12 +9,15 @@
 
 With ``cluster.enabled`` the target ranks and draft workers run as Ray actors
 (:mod:`cluster.deployment`, imported lazily) behind a :class:`~specdist.remote_engine.RemoteEngine`,
-and the same public server fronts it. On SIGINT/SIGTERM: drain, stop the server, stop the
-deployment (actors, placement groups), shut down Ray if this process started it.
+and the same public server fronts it. ``--http-port`` adds the OpenAI-compatible HTTP API
+(:mod:`specdist.http_server`) over the same coordinator, on the same event loop. On
+SIGINT/SIGTERM: drain, stop the servers, stop the deployment (actors, placement groups),
+shut down Ray if this process started it.
 
 Everything that can be checked cheaply is checked before the model loads (which takes
-seconds, a deployment a minute or more): that ``--port`` is free, and that the optional
-dependencies the config needs (Ray: the ``[distributed]`` extra) are installed.
+seconds, a deployment a minute or more): that ``--port`` (and ``--http-port``) is free, and
+that the optional dependencies needed (Ray: the ``[distributed]`` extra; FastAPI and uvicorn
+for ``--http-port``: the ``[http]`` extra) are installed.
 Each failure is one line naming the fix.
 """
 
@@ -36,6 +40,7 @@ from typing import Any
 from specdist.errors import SpecDistError
 
 INSTALL_DISTRIBUTED = 'pip install -e ".[distributed]"'
+INSTALL_HTTP = 'pip install -e ".[http]"'
 
 
 class MissingDependency(SpecDistError):
@@ -70,6 +75,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help=default_config_help())
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; "
+                             "default: off; needs the [http] extra)")
+    parser.add_argument("--http-host", default=None, help="address the HTTP API listens on (default: --host)")
     parser.add_argument("--max-queued", type=int, default=256, help="most requests running + waiting at once")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
@@ -127,6 +136,13 @@ def check_dependencies(cfg: Any) -> None:
         return
     if not _importable("ray"):
         raise MissingDependency(f"cluster.enabled needs Ray: {INSTALL_DISTRIBUTED}")
+
+
+def check_http_dependencies() -> None:
+    """Raise MissingDependency naming the extra unless FastAPI and uvicorn are installed."""
+    missing = [m for m in ("fastapi", "uvicorn") if not _importable(m)]
+    if missing:
+        raise MissingDependency(f"--http-port needs {' and '.join(missing)}: {INSTALL_HTTP}")
 
 
 def _importable(module: str) -> bool:
@@ -262,6 +278,7 @@ class Serving:
     backend: Backend
     host: str = "127.0.0.1"
     metrics_server: Any = None  # prometheus-client's WSGI server with --metrics-port
+    http: Any = None  # specdist.http_server.HttpServer, with --http-port
 
     @property
     def address(self) -> str:
@@ -271,10 +288,19 @@ class Serving:
     def metrics_port(self) -> int | None:
         return None if self.metrics_server is None else self.metrics_server.server_port
 
-    async def stop(self, drain_seconds: float | None = None) -> None:
-        """Drain and stop the server, then the backend (deployment, Ray if ours)."""
+    async def stop_servers(self, drain_seconds: float | None = None) -> None:
+        """Drain the coordinator (gRPC and HTTP refuse new requests; running ones finish, up to the
+        drain time, then are aborted), stop the gRPC server, then the HTTP server."""
         try:
             await self.server.stop(drain_seconds)
+        finally:
+            if self.http is not None:
+                await self.http.stop()
+
+    async def stop(self, drain_seconds: float | None = None) -> None:
+        """Drain and stop the servers, then the backend (deployment, Ray if ours)."""
+        try:
+            await self.stop_servers(drain_seconds)
         finally:
             self.stop_metrics()
             await asyncio.to_thread(self.backend.close)
@@ -289,16 +315,20 @@ class Serving:
 
 async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int = 0, max_queued: int = 256,
                         drain_seconds: float = 5.0, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                        backend: Backend | None = None, metrics_port: int | None = None) -> Serving:
+                        backend: Backend | None = None, metrics_port: int | None = None,
+                        http_port: int | None = None, http_host: str | None = None) -> Serving:
     """Everything ``specdist serve`` does before waiting for a signal; returns the handle to stop it.
 
     Without ``backend`` it is brought up here (:func:`start_backend`, blocking this event loop).
     ``metrics_port``: also serve the coordinator's Prometheus registry there (0: any free port).
+    ``http_port``: also serve the OpenAI-compatible HTTP API there (on ``http_host``, default ``host``).
     """
     from prometheus_client import start_http_server
 
     from specdist.server import serve
 
+    if http_port is not None:
+        check_http_dependencies()
     if backend is None:
         backend = start_backend(config, ray_address, worker_host)
     try:
@@ -316,6 +346,14 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
             if isinstance(e, OSError):
                 raise ListenError(f"cannot listen on {host}:{metrics_port} (--metrics-port): {e.strerror}") from None
             raise
+    if http_port is not None:
+        try:
+            from specdist.http_server import start_http
+
+            serving.http = await start_http(coordinator, http_host or host, http_port)
+        except BaseException:
+            await serving.stop(0)
+            raise
     return serving
 
 
@@ -329,7 +367,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     check_dependencies(cfg)
+    http_port = getattr(args, "http_port", None)
+    if http_port is not None:
+        check_http_dependencies()
+        if http_port == args.port and http_port != 0:
+            raise ListenError(f"--http-port {http_port}: the gRPC server listens on that port (--port)")
     check_listen(args.host, args.port)  # before the minutes of loading, not after them
+    if http_port is not None:
+        check_listen(getattr(args, "http_host", None) or args.host, http_port)
     if getattr(args, "metrics_port", None) is not None:
         check_listen(args.host, args.metrics_port)
     # bring-up can take minutes: SIGTERM then interrupts it like Ctrl-C, so it tears down what it made
@@ -387,11 +432,14 @@ def _ignore(signum: int, frame: Any) -> None:
 async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> None:
     serving = await start_serving(host=args.host, port=args.port, max_queued=args.max_queued,
                                   drain_seconds=args.drain_seconds, backend=backend,
-                                  metrics_port=getattr(args, "metrics_port", None))
+                                  metrics_port=getattr(args, "metrics_port", None),
+                                  http_port=getattr(args, "http_port", None), http_host=getattr(args, "http_host", None))
     engine = backend.engine
     cfg = engine.config
     _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
          f"on {serving.address}")
+    if serving.http is not None:
+        _log(f"OpenAI-compatible HTTP API on http://{serving.http.address}/v1")
     if serving.metrics_port is not None:
         _log(f"Prometheus metrics on http://{serving.host}:{serving.metrics_port}/metrics")
     stop = asyncio.Event()
@@ -404,7 +452,7 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     _log(f"draining (up to {args.drain_seconds:g}s)")
-    await serving.server.stop()  # the backend is closed by run_serve, with signals held off
+    await serving.stop_servers()  # the backend is closed by run_serve, with signals held off
     serving.stop_metrics()
     _log("stopped")
 

@@ -1,0 +1,548 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn) over a :class:`Coordinator`.
+
+A second client of the coordinator next to the gRPC service (:mod:`specdist.server`); both
+share the refusal statuses and per-request statistics of :mod:`specdist.frontend`. uvicorn
+runs as a task on the coordinator's own event loop (:func:`start_http`).
+
+Endpoints:
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or with ``"stream": true``
+  Server-Sent Events, one ``data: {chunk}`` per engine step and request, ending with
+  ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage``.
+- ``GET /v1/models``: the served model; ``GET /health``: 200 while requests are admitted,
+  503 once draining; ``GET /metrics``: ``coordinator.metrics.render()`` when the coordinator
+  has metrics, else 404.
+
+Request fields:
+- ``model``: optional; when given it must be the served model's id (``GET /v1/models``:
+  the config's ``target.model``), else 404 ``model_not_found``.
+- ``prompt`` (completions): text or token ids, one prompt per request (a batch of one is
+  accepted). ``messages`` (chat): rendered by the model's chat template; a message's content
+  is text, or a list of text parts (joined with newlines).
+- ``max_tokens`` (completions: default 16); chat: ``max_completion_tokens`` (or
+  ``max_tokens``; the former wins), default: up to the context limit. ``temperature``,
+  ``top_p``, ``stop``, ``seed`` as OpenAI defines them; ``top_k``, ``stop_token_ids`` and
+  ``ignore_eos`` as extra body fields.
+- ``n``: n independent requests, run concurrently; with a ``seed`` the i-th samples with
+  ``seed + i``, so a request with a seed reproduces all n choices.
+- ``logprobs`` / ``top_logprobs``: refused (400): the engine does not compute them.
+- ``user``: accepted and ignored. Any other field is refused with a 400 naming it: a field
+  this server does not implement (a penalty, ``logit_bias``, tools) would otherwise be
+  silently ignored.
+
+``usage``: ``prompt_tokens`` (the prompt once), ``completion_tokens`` and ``total_tokens``
+(all choices), and ``speculative``: ``drafted``, ``accepted``, ``steps`` (summed over the
+choices; with n = 1 exactly the gRPC API's per-request stats), ``acceptance_rate``
+(accepted / drafted) and ``mean_acceptance_length`` (tokens emitted per verification step).
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
+``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
+another model, 503 when the server is full or shutting down, 500 for a request that
+failed on the server. Once a stream has started, a failure is sent as one
+``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
+
+A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
+requests: their KV slots are free within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdist.coordinator import Coordinator, Delta, RequestStream
+from specdist.errors import InvalidArgument
+from specdist.frontend import refusal_status, server_info
+from specdist.request import RequestMetrics
+from specdist.sampling_params import SamplingParams
+
+GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
+_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503}
+
+
+# ---------------------------------------------------------------- request bodies
+class _Strict(BaseModel):
+    # strict: "0.5" is not a temperature and true is not an n; forbid: an unknown field is an error
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields both endpoints take."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+def _schema_error(e: ValidationError) -> APIError:
+    """The first schema error, named by its field path (``messages[0].content``)."""
+    err = e.errors()[0]
+    path = ""
+    for part in err["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not path or part.isidentifier() and part not in ("str", "int", "float", "bool"):
+            path += f".{part}" if path else part
+        else:  # a union member's tag (list[str], ...): not a field
+            break
+    if err["type"] == "extra_forbidden":
+        return _bad(path, "unknown or unsupported field")
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {err['msg']}")
+    return _bad(path, err["msg"])
+
+
+# ---------------------------------------------------------------- one API call
+@dataclass
+class _Call:
+    """One request to an endpoint, parsed: what to open on the coordinator, how to answer."""
+
+    chat: bool
+    prompt: Any  # text, token ids, or messages (chat)
+    params: list[SamplingParams]  # one per choice
+    stream: bool
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_tokens_field: str = "max_tokens"
+
+    @property
+    def object(self) -> str:
+        return ("chat.completion.chunk" if self.stream else "chat.completion") if self.chat else "text_completion"
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def param(self, engine_field: str) -> str:
+        """The request field an engine error names (the engine says "prompt" for the messages, ...)."""
+        if self.chat and engine_field in ("prompt", "apply_chat_template"):
+            return "messages"
+        return self.max_tokens_field if engine_field == "max_tokens" else engine_field
+
+
+def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
+    """Refuse what cannot be served; SamplingParams per choice (their own checks name the field)."""
+    if (body.logprobs is not None and body.logprobs is not False) or getattr(body, "top_logprobs", None) is not None:
+        raise _bad("logprobs", "not supported: the engine does not compute log probabilities")
+    if body.stream_options is not None and not body.stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    if chat:
+        prompt = [_message(i, m) for i, m in enumerate(body.messages)]
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    else:
+        prompt, given, max_tokens = _one_prompt(body.prompt), "max_tokens", body.max_tokens
+    call = _Call(chat, prompt, [], body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                 max_tokens_field=given)
+    kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=body.stop or (),
+                  stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos)
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    try:
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            if seed is not None and i and seed >= 2**64:
+                raise InvalidArgument("seed", f"seed + n - 1 must be < 2**64, got seed={body.seed}, n={body.n}")
+            call.params.append(SamplingParams(**kwargs, seed=seed))
+    except InvalidArgument as e:
+        raise _bad(call.param(e.field), e.message) from None
+    return call
+
+
+def _one_prompt(prompt: str | list) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch
+        if len(prompt) != 1:
+            raise _bad("prompt", f"one prompt per request (got a batch of {len(prompt)}); send one request each")
+        return prompt[0]
+    return prompt
+
+
+def _message(i: int, m: ChatMessage) -> dict[str, str]:
+    content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+    msg = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg
+
+
+# ---------------------------------------------------------------- responses
+def _finish_reason(d: Delta | None) -> str:
+    """"stop" / "length"; a request the server aborted (or ended without a final delta) or
+    failed is an error to the client."""
+    if d is None or d.finish_reason == "abort":
+        raise APIError(503, "the request was aborted: the server is shutting down", type="server_error",
+                       code="aborted")
+    if d.finish_reason == "error":
+        raise APIError(500, f"the request failed on the server: {d.error or 'unknown error'}", type="server_error",
+                       code="internal_error")
+    return d.finish_reason
+
+
+def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
+    """``usage`` of one API call over its choices' final metrics (module docstring)."""
+    total = RequestMetrics(
+        prompt_tokens=metrics[0].prompt_tokens,
+        output_tokens=sum(m.output_tokens for m in metrics),
+        drafted=sum(m.drafted for m in metrics),
+        accepted=sum(m.accepted for m in metrics),
+        steps=sum(m.steps for m in metrics),
+        emitted=sum(m.emitted for m in metrics),
+    )
+    return {
+        "prompt_tokens": total.prompt_tokens,
+        "completion_tokens": total.output_tokens,
+        "total_tokens": total.prompt_tokens + total.output_tokens,
+        "speculative": {
+            "drafted": total.drafted,
+            "accepted": total.accepted,
+            "steps": total.steps,
+            "acceptance_rate": total.acceptance_rate,
+            "mean_acceptance_length": total.mean_accepted_length,
+        },
+    }
+
+
+def _choice(call: _Call, index: int, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    if not call.chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if not call.stream:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    delta: dict[str, str] = {"role": "assistant"} if first else {}
+    if text or first:
+        delta["content"] = text or ""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) of several request streams, as they arrive; closes them all at the end."""
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, delta
+                if not delta.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        for s in streams:
+            s.close()  # aborts a request that has not finished
+
+
+class _OpenAIFrontEnd:
+    """The endpoints' logic over one coordinator (the routes of :func:`create_app` call it)."""
+
+    def __init__(self, coordinator: Coordinator, model_name: str | None = None):
+        self.coordinator = coordinator
+        self.engine = coordinator.engine
+        self.info = server_info(self.engine)
+        self.model = model_name or self.info["target_model"]
+        self.created = int(time.time())
+
+    async def open(self, call: _Call) -> list[RequestStream]:
+        """Admit one engine request per choice; on a refusal close those already open."""
+        streams: list[RequestStream] = []
+        try:
+            for i, params in enumerate(call.params):
+                rid = f"{call.response_id}-{i}"
+                streams.append(await self.coordinator.open(call.prompt, params, rid, chat=call.chat))
+        except Exception as e:  # noqa: BLE001 - each refusal has its status
+            for s in streams:
+                s.close()
+            status = refusal_status(e, "HTTP " + call.object)
+            if status == "INVALID_ARGUMENT":
+                raise _bad(call.param(e.field), e.message) from None
+            if status == "INTERNAL":
+                raise APIError(500, f"internal error: {e!r}", type="server_error", code="internal_error") from None
+            raise APIError(_HTTP_STATUS[status], str(e), type="server_error", code=status.lower()) from None
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    def check_model(self, body: _Common) -> None:
+        if body.model is not None and body.model != self.model:
+            raise APIError(404, f"model: the model {body.model!r} does not exist; this server serves {self.model!r}",
+                           "model", code="model_not_found")
+
+    def envelope(self, call: _Call, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": call.response_id, "object": call.object, "created": call.created, "model": self.model,
+                "choices": choices, **extra}
+
+    async def complete(self, call: _Call, streams: list[RequestStream]) -> dict[str, Any]:
+        """Every choice to its end: the JSON response."""
+        texts = [[] for _ in streams]
+        finals: list[Delta | None] = [None] * len(streams)
+        async with contextlib.aclosing(_merged(streams)) as merged:
+            async for i, d in merged:
+                texts[i].append(d.text)
+                if d.finished:
+                    finals[i] = d
+        choices = [_choice(call, i, "".join(t), _finish_reason(d)) for i, (t, d) in enumerate(zip(texts, finals))]
+        return self.envelope(call, choices, usage=usage([d.metrics for d in finals]))
+
+    async def events(self, call: _Call, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+        """The Server-Sent Events of a streamed response."""
+        extra = {"usage": None} if call.include_usage else {}
+        finals: list[Delta | None] = [None] * len(streams)
+        try:
+            if call.chat:  # the first chunk of each choice names the role
+                yield _event(self.envelope(call, [_choice(call, i, "", None, first=True) for i in range(len(streams))],
+                                           **extra))
+            async with contextlib.aclosing(_merged(streams)) as merged:
+                async for i, d in merged:
+                    finish = _finish_reason(d) if d.finished else None
+                    if d.finished:
+                        finals[i] = d
+                    if d.text or finish:
+                        yield _event(self.envelope(call, [_choice(call, i, d.text, finish)], **extra))
+            for d in finals:
+                _finish_reason(d)  # a stream that ended without its final delta
+            if call.include_usage:
+                yield _event(self.envelope(call, [], usage=usage([d.metrics for d in finals])))
+            yield b"data: [DONE]\n\n"
+        except APIError as e:
+            yield _event(e.body())
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- the app
+def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring)."""
+    front = _OpenAIFrontEnd(coordinator, model_name)
+    app = FastAPI(title="specdist", description="OpenAI-compatible API over speculative decoding",
+                  docs_url=None, redoc_url=None)
+    app.state.front = front
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    async def generate(request: Request, model: type[_Common], chat: bool, default_max_tokens: int) -> Response:
+        try:
+            body = model.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise _schema_error(e) from None
+        front.check_model(body)
+        call = _parse(body, chat, default_max_tokens)
+        streams = await front.open(call)
+        if call.stream:
+            return _EventStream(front.events(call, streams))
+        result = await _unless_disconnected(request.receive, front.complete(call, streams))
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, chat=False, default_max_tokens=SamplingParams.max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatRequest, chat=True, default_max_tokens=front.engine.max_model_len)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": front.model, "object": "model", "created": front.created, "owned_by": "specdist",
+                "max_model_len": front.info["max_model_len"], "specdist": front.info}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if coordinator.accepting:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        m = getattr(coordinator, "metrics", None)
+        if m is None:
+            raise APIError(404, "metrics are not enabled on this server", type="not_found_error")
+        body, content_type = m.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    return app
+
+
+async def _until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Return once the client has gone (call it after the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> Any:
+    """``await work``, cancelled (None) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(task, gone, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response whose sending stops (and whose events generator is
+    closed, aborting its requests) as soon as the client disconnects, whether or not an event
+    is due."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
+        self.events = events
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_all() -> None:
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await self.events.aclose()
+
+        with contextlib.suppress(OSError):  # the client went away while a chunk was being sent
+            await _unless_disconnected(receive, send_all())
+
+
+# ---------------------------------------------------------------- serving
+class _Server(uvicorn.Server):
+    """uvicorn, minus its signal handling: the serve process's own handlers drain both protocols."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
+@dataclass
+class HttpServer:
+    """A started HTTP server (a task on the event loop); ``stop()`` ends it."""
+
+    server: uvicorn.Server
+    task: asyncio.Task
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses end (within GRACEFUL_SHUTDOWN_S), close connections."""
+        self.server.should_exit = True
+        await asyncio.shield(self.task)
+
+
+async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
+                     model_name: str | None = None) -> HttpServer:
+    """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
+
+    The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
+    """
+    from specdist.serve_cli import ListenError
+
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    try:
+        sock = socket.create_server((bare, port), family=family)
+    except OSError as e:
+        raise ListenError(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}") from None
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(coordinator, model_name), log_config=None, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"specdist-http-{bound}")
+    while not server.started:  # startup takes a few event-loop turns; the socket already queues connections
+        if task.done():
+            sock.close()
+            task.result()
+            raise RuntimeError("the HTTP server exited during startup")
+        await asyncio.sleep(0.005)
+    return HttpServer(server, task, host, bound)
