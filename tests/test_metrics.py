@@ -15,8 +15,9 @@ from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.metrics import FINISH_REASONS, Metrics
-from specdist.scheduler import PHASES, RequestFinished, StepEvent
+from specdist.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
 from specdist.serve_cli import start_serving
+from specdist.verifying import LocalVerifier
 
 K = 3
 TIME_TOL = 1e-9  # histogram sums against the same floats summed in another order
@@ -129,6 +130,39 @@ def test_counter_deltas_equal_the_per_request_stats(tiny_models) -> None:
     for name in ("specdist_num_requests_running", "specdist_num_requests_waiting", "specdist_target_kv_slots_used"):
         assert value(after, name) == 0, name
     assert value(after, "specdist_draft_kv_slots_used", replica="0") == 0
+
+
+def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
+    """The scheduler over one target and two in-process draft replicas (a copy of the draft each)."""
+    from specdist.drafting import DrafterCore, LocalDrafter
+    from specdist.models.loader import load_model, resolve_model
+
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
+    cfg = eng.config
+    src = resolve_model(tiny_models["draft"], "draft.model")
+    cores = [DrafterCore.from_model(load_model(src, cfg.draft.dtype), cfg.engine.max_batch_size,
+                                    cfg.engine.max_model_len, cfg.draft.confidence_threshold) for _ in range(2)]
+    sched = Scheduler(cfg, LocalVerifier(eng.target_core), [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
+                      eng.tokenizer, eng.eos_ids)
+    metrics = Metrics(sched)
+    reqs = [sched.add_request([1 + i, 2, 3], SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True))
+            for i in range(4)]
+    sched.step()
+    mid = scrape(metrics)
+    assert sorted(r.replica for r in reqs) == [0, 0, 1, 1]  # unmeasured replicas: spread by load
+    for i in ("0", "1"):
+        assert value(mid, "specdist_draft_kv_slots_used", replica=i) == 2
+    while sched.has_unfinished():
+        sched.step()
+    after = scrape(metrics)
+    sd = "specdist_spec_decode_"
+    for i in (0, 1):
+        mine = [r.metrics for r in reqs if r.replica == i]
+        assert value(after, sd + "num_draft_tokens_total", replica=str(i)) == sum(m.drafted for m in mine) > 0
+        assert value(after, sd + "num_accepted_tokens_total", replica=str(i)) == sum(m.accepted for m in mine)
+        assert value(after, sd + "num_drafts_total", replica=str(i)) == sum(m.drafts for m in mine)
+        assert value(after, "specdist_draft_kv_slots_used", replica=str(i)) == 0
+    sched.close()
 
 
 def test_a_failing_listener_is_logged_and_the_step_goes_on(tiny_models, caplog) -> None:
