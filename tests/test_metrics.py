@@ -4,7 +4,9 @@ observation per request or per step."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import socket
 import urllib.request
 from collections import Counter as Tally
 
@@ -16,7 +18,7 @@ from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.metrics import FINISH_REASONS, Metrics
 from specdist.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
-from specdist.serve_cli import start_serving
+from specdist.serve_cli import ListenError, run_serve, start_serving
 from specdist.verifying import LocalVerifier
 
 K = 3
@@ -212,3 +214,14 @@ def test_served_metrics_count_the_grpc_requests_and_not_the_warm_up(tiny_models)
         lt.run(serving.stop(0))
         lt.close()
     assert serving.metrics_server is None  # stopped with the server
+
+
+def test_serve_refuses_a_busy_metrics_port_before_loading(tiny_models) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        args = argparse.Namespace(config=tiny_config(tiny_models), host="127.0.0.1", port=0, metrics_port=busy,
+                                  max_queued=4, drain_seconds=0.0)
+        with pytest.raises(ListenError, match=f"127.0.0.1:{busy}: the port is in use"):
+            run_serve(args)
