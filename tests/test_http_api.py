@@ -308,3 +308,40 @@ def test_events_are_sse(srv):
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_serve_process_runs_both_protocols_and_stops_on_sigint(tiny_models, tmp_path):
+    """`specdist serve --http-port` as a process: gRPC and HTTP up on one coordinator giving the
+    same text, and SIGINT drains and stops both, exit status 0."""
+    import os
+    import signal
+    import subprocess
+
+    import yaml
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdist.cli", "serve", "--config", str(cfg), "--port", "0", "--http-port", "0"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        while not any("OpenAI-compatible HTTP API on" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)  # the process ended before serving
+            lines.append(line)
+        base = lines[-1].split(" on ")[-1].strip().removesuffix("/v1")
+        grpc_address = next(line for line in lines if line.startswith("[specdist] serving")).split(" on ")[-1].strip()
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            assert http.get(base + "/health").json() == {"status": "ok"}
+            r = http.post(base + "/v1/completions", json={"prompt": "a b", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        with SpecDistClient(grpc_address) as c:
+            assert c.generate_text("a b", max_tokens=4, temperature=0)[0] == r.json()["choices"][0]["text"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

