@@ -34,10 +34,11 @@ GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "a
 
 class Hold:
     """While ``when(engine)`` is true, engine.step does nothing and returns after 1 ms: requests
-    neither advance nor finish, but queued commands (adds, aborts) still run between steps."""
+    neither advance nor finish, but queued commands (adds, aborts) still run between steps.
+    ``fail_next``: the next step raises (the coordinator then fails the batch's requests)."""
 
     def __init__(self, engine):
-        self.engine, self.real_step, self.when = engine, engine.step, None
+        self.engine, self.real_step, self.when, self.fail_next = engine, engine.step, None, False
         engine.step = self.step
 
     def step(self):
@@ -45,6 +46,9 @@ class Hold:
         if when is not None and when(self.engine):
             time.sleep(0.001)
             return []
+        if self.fail_next and self.engine.waiting:  # once the request is there: fail the step admitting it
+            self.fail_next = False
+            raise RuntimeError("injected step failure")
         return self.real_step()
 
 
@@ -260,6 +264,35 @@ def test_disconnect_mid_stream_frees_every_slot(srv):
         srv.hold.when = None
     assert counters["requests_cancelled"] == before + 1
     assert srv.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
+def test_full_server_is_503_and_a_refused_choice_frees_the_others(srv):
+    max_queued = srv.coordinator.max_queued
+    srv.hold.when = lambda engine: True  # nothing advances: the first choice stays live while the second is refused
+    try:
+        srv.coordinator.max_queued = 1
+        with pytest.raises(openai.InternalServerError) as e:
+            srv.client.completions.create(model=srv.model, prompt="a", n=2, max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "resource_exhausted"
+        assert e.value.body["type"] == "server_error" and "max_queued=1" in e.value.body["message"]
+        counters = wait_idle(srv.coordinator)  # the admitted first choice was aborted
+    finally:
+        srv.coordinator.max_queued = max_queued
+        srv.hold.when = None
+    assert counters["requests_cancelled"] >= 1
+
+
+def test_a_failed_request_is_a_500_or_an_error_event(srv):
+    srv.hold.fail_next = True
+    with pytest.raises(openai.InternalServerError) as e:
+        srv.client.completions.create(model=srv.model, prompt="a", max_tokens=4)
+    assert e.value.status_code == 500 and "injected step failure" in e.value.body["message"]
+    srv.hold.fail_next = True
+    with pytest.raises(openai.APIError) as e:
+        list(srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a"}],
+                                                max_tokens=4, stream=True))
+    assert e.value.body["code"] == "internal_error" and "injected step failure" in e.value.body["message"]
+    wait_idle(srv.coordinator)
 
 
 def test_metrics_endpoint_serves_the_coordinators_metrics(srv):
