@@ -266,6 +266,28 @@ def test_disconnect_mid_stream_frees_every_slot(srv):
     assert srv.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
 
 
+def test_disconnect_while_waiting_for_json_frees_every_slot(srv):
+    import socket
+
+    before = wait_idle(srv.coordinator)["requests_cancelled"]
+    srv.hold.when = lambda engine: any(r.output.token_ids for r in engine.running)  # admitted, then held
+    body = json.dumps({"prompt": "a b", "max_tokens": 40, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {srv.serving.http.address}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        with socket.create_connection((srv.serving.http.host, srv.serving.http.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            deadline = time.monotonic() + 10
+            while srv.coordinator.counters()["running"] != 1:  # the request holds its slots now
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        counters = wait_idle(srv.coordinator)  # the socket is closed: no response will be read
+    finally:
+        srv.hold.when = None
+    assert counters["requests_cancelled"] == before + 1
+    assert srv.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
 def test_full_server_is_503_and_a_refused_choice_frees_the_others(srv):
     max_queued = srv.coordinator.max_queued
     srv.hold.when = lambda engine: True  # nothing advances: the first choice stays live while the second is refused
