@@ -195,7 +195,7 @@ def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options", "only allowed with stream: true")
     if chat:
-        prompt = [_message(i, m) for i, m in enumerate(body.messages)]
+        prompt = [_message(m) for m in body.messages]
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
@@ -207,12 +207,11 @@ def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
+    seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
     try:
-        for i in range(body.n):
-            seed = None if body.seed is None else body.seed + i
-            if seed is not None and i and seed >= 2**64:
-                raise InvalidArgument("seed", f"seed + n - 1 must be < 2**64, got seed={body.seed}, n={body.n}")
-            call.params.append(SamplingParams(**kwargs, seed=seed))
+        if body.n > 1 and body.seed is not None and body.seed < 2**64 <= seeds[-1]:
+            raise InvalidArgument("seed", "seed + n - 1 must be < 2**64 (choice i samples with seed + i)")
+        call.params = [SamplingParams(**kwargs, seed=seed) for seed in seeds]
     except InvalidArgument as e:
         raise _bad(call.param(e.field), e.message) from None
     return call
@@ -226,7 +225,7 @@ def _one_prompt(prompt: str | list) -> str | list[int]:
     return prompt
 
 
-def _message(i: int, m: ChatMessage) -> dict[str, str]:
+def _message(m: ChatMessage) -> dict[str, str]:
     content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
     msg = {"role": m.role, "content": content or ""}
     if m.name is not None:

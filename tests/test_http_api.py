@@ -213,6 +213,9 @@ def test_n2(srv):
     ("completions", dict(extra_body={"top_k": -2}), "top_k"),
     ("completions", dict(extra_body={"frequency_penalty_x": 1}), "frequency_penalty_x"),
     ("completions", dict(logprobs=2), "logprobs"),
+    ("completions", dict(seed=-1), "seed"),
+    ("completions", dict(n=2, seed=2**64 - 1), "seed"),  # choice 1 would sample with seed + 1 = 2**64
+    ("completions", dict(n=0), "n"),
     ("completions", dict(prompt=[0, 99]), "prompt"),
     ("completions", dict(prompt=["a", "b"]), "prompt"),
     ("completions", dict(stream_options={"include_usage": True}), "stream_options"),
