@@ -3,7 +3,8 @@
 start_serving (specdist.serve_cli) with cluster.enabled: Deployment (2-rank tensor-parallel
 tiny target + 2 draft workers on a local Ray) -> RemoteEngine -> the public server. Through
 SpecDistClient: greedy output equal to the single-process Engine, 8 concurrent clients,
-GetServerInfo, counters back to zero; then stop(): no actor alive, placement groups
+GetServerInfo, the OpenAI-compatible HTTP API over the same coordinator, counters back to zero;
+then stop(): no actor alive, placement groups
 removed, and after ray.shutdown no raylet left.
 """
 
@@ -55,7 +56,7 @@ def test_serve_on_ray_deployment_matches_engine_and_stops_clean(local_ray, tiny_
     lt = LoopThread()
     serving = None
     try:
-        serving = lt.run(start_serving(cfg, "127.0.0.1", 0), timeout=240)
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0, http_port=0), timeout=240)
         backend = serving.backend
         assert backend.deployment is not None and not backend.owns_ray  # Ray was already up: not ours to stop
         assert len(backend.draft_addresses) == 2
@@ -69,10 +70,23 @@ def test_serve_on_ray_deployment_matches_engine_and_stops_clean(local_ray, tiny_
             assert info.draft_method == "model" and info.num_speculative_tokens == 3
             # several prompts one after another
             for i in (0, 1, 2):
-                _, ids, _, stats = client.generate_text(PROMPTS[i], temperature=0.0, max_tokens=MAX_TOKENS[i],
-                                                        ignore_eos=(i % 2 == 0))
+                text, ids, _, stats = client.generate_text(PROMPTS[i], temperature=0.0, max_tokens=MAX_TOKENS[i],
+                                                           ignore_eos=(i % 2 == 0))
                 assert ids == want[i], i
                 assert stats.drafted > 0
+                if i == 0:  # the same request through the HTTP API: the same text and stats
+                    import openai
+
+                    http = openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused",
+                                         max_retries=0, timeout=120)
+                    got_http = http.completions.create(model=cfg["target"]["model"], prompt=PROMPTS[0],
+                                                       temperature=0.0, max_tokens=MAX_TOKENS[0],
+                                                       extra_body={"ignore_eos": True})
+                    http.close()
+                    assert got_http.choices[0].text == text
+                    spec = got_http.usage.model_extra["speculative"]
+                    assert (got_http.usage.completion_tokens, spec["drafted"], spec["accepted"]) == (
+                        stats.output_tokens, stats.drafted, stats.accepted)
 
         # 8 concurrent clients, each its own channel
         got: list = [None] * len(PROMPTS)
@@ -102,7 +116,7 @@ def test_serve_on_ray_deployment_matches_engine_and_stops_clean(local_ray, tiny_
                     break
                 time.sleep(0.1)
             assert all(counters[g] == 0 for g in GAUGES), counters
-            assert counters["requests_finished"] == 3 + len(PROMPTS) and counters["requests_failed"] == 0, counters
+            assert counters["requests_finished"] == 3 + 1 + len(PROMPTS) and counters["requests_failed"] == 0, counters
         health = dep.health()
         assert all(h["ok"] and h["requests"] == 0 for h in health.values()), health
 

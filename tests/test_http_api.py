@@ -110,6 +110,9 @@ def test_models_and_health(srv):
     assert card["max_model_len"] == 64 and card["specdist"]["num_speculative_tokens"] == 3
     r = srv.http.get(srv.base + "/health")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    r = srv.http.get(srv.base + "/metrics")  # the coordinator's Prometheus metrics (tests/test_metrics.py)
+    assert r.status_code == 200 and r.headers["content-type"] == srv.coordinator.metrics.render()[1]
+    assert b"specdist_spec_decode_num_draft_tokens_total" in r.content
 
 
 def test_completion_equals_grpc_and_seed_reproduces(srv):
