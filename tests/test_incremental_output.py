@@ -79,10 +79,8 @@ def tokenizers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from specdist.models.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+def smollm2(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 class CountingTokenizer:
