@@ -38,6 +38,17 @@ Shape::
       gpus_per_draft: 1.0            # GPUs per draft worker when the deployment runs on GPUs
       use_gpu: auto                  # auto (engine.device, auto: whether the cluster has GPUs) | true | false
       bringup_timeout_s: 300.0       # placement + start + load + warm-up + serve, all together
+    limits:                          # what one public request may ask for (gRPC and HTTP alike); beyond a
+                                     #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/frontend.py)
+      max_message_bytes: 4194304     # largest gRPC message either way and HTTP request body (gRPC:
+                                     #   RESOURCE_EXHAUSTED, HTTP: 413)
+      max_prompt_chars: 1048576      # characters of a text prompt (chat: of all messages together)
+      max_prompt_tokens: null        # token ids of a token-id prompt; null: engine.max_model_len - 1
+      max_tokens: null               # largest max_tokens (>= 16, the default); null: engine.max_model_len
+      max_stop: 16                   # stop strings per request
+      max_stop_chars: 256            # characters of each stop string
+      max_stop_token_ids: 64         # stop_token_ids per request
+      max_request_id_chars: 256      # request_id length (at most 256); visible ASCII only (it is logged)
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from typing import Any
 import yaml
 
 from specdist.errors import ConfigError
+from specdist.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
 DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
@@ -150,17 +162,45 @@ class ClusterConfig:
 
 
 @dataclass
+class LimitsConfig:
+    """What one public request may ask for; :mod:`specdist.frontend` applies it to gRPC and HTTP."""
+
+    max_message_bytes: int = 4 << 20
+    max_prompt_chars: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 256
+
+    def validate(self, key: str) -> None:
+        from specdist.coordinator import MAX_REQUEST_ID_LEN  # the coordinator's own bound on any id
+
+        _check_int(self.max_message_bytes, f"{key}.max_message_bytes", 1024, 2**31 - 1)
+        for name in ("max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids"):
+            _check_int(getattr(self, name), f"{key}.{name}", 1, 2**31 - 1)
+        if self.max_prompt_tokens is not None:
+            _check_int(self.max_prompt_tokens, f"{key}.max_prompt_tokens", 1, 2**31 - 1)
+        if self.max_tokens is not None:  # at least the default a request without max_tokens gets
+            _check_int(self.max_tokens, f"{key}.max_tokens", SamplingParams.max_tokens, 2**31 - 1)
+        _check_int(self.max_request_id_chars, f"{key}.max_request_id_chars", 1, MAX_REQUEST_ID_LEN)
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def validate(self) -> "Config":
         self.target.validate("target")
         self.draft.validate("draft")
         self.engine.validate("engine")
         self.cluster.validate("cluster")
+        self.limits.validate("limits")
         if self.cluster.enabled:  # cross-section rules only matter for a deployment
             n = self.cluster.num_draft_workers
             if self.draft.enabled and n < 1:

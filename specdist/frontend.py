@@ -1,6 +1,10 @@
 """What the public front ends share: the gRPC service (:mod:`specdist.server`) and the
 OpenAI-compatible HTTP API (:mod:`specdist.http_server`), both clients of one Coordinator.
 
+- :class:`Limits` and :func:`check_request`: what one request may ask for (the config's
+  ``limits`` section), checked before the coordinator sees the request; a field beyond its
+  limit is :class:`~specdist.errors.InvalidArgument` named as SamplingParams and the engine
+  name it (``max_tokens``, ``stop[2]``), which each front door maps onto its own names;
 - :func:`refusal_status`: the status a request refused before streaming gets (named as gRPC
   names it; the HTTP API maps each to an HTTP status);
 - :func:`request_stats`: the per-request statistics both report at the end of a request;
@@ -10,13 +14,88 @@ OpenAI-compatible HTTP API (:mod:`specdist.http_server`), both clients of one Co
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specdist.coordinator import DuplicateRequestId, Overloaded, ShuttingDown
 from specdist.errors import InvalidArgument
+from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
+from specdist.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_REQUEST_ID_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: an id is logged, so no newline or escape
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The config's ``limits`` section, with its nulls resolved against the served engine."""
+
+    max_message_bytes: int
+    max_prompt_chars: int
+    max_prompt_tokens: int
+    max_tokens: int
+    max_stop: int
+    max_stop_chars: int
+    max_stop_token_ids: int
+    max_request_id_chars: int
+
+    @classmethod
+    def of(cls, engine) -> "Limits":
+        c = engine.config.limits
+        return cls(
+            max_message_bytes=c.max_message_bytes,
+            max_prompt_chars=c.max_prompt_chars,
+            max_prompt_tokens=engine.max_model_len - 1 if c.max_prompt_tokens is None else c.max_prompt_tokens,
+            max_tokens=engine.max_model_len if c.max_tokens is None else c.max_tokens,
+            max_stop=c.max_stop,
+            max_stop_chars=c.max_stop_chars,
+            max_stop_token_ids=c.max_stop_token_ids,
+            max_request_id_chars=c.max_request_id_chars,
+        )
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """grpc server options: a larger message either way is refused by grpc (RESOURCE_EXHAUSTED)."""
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
+
+
+def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None) -> None:
+    """Refuse a request beyond ``limits`` (InvalidArgument naming the field; module docstring).
+
+    ``prompt``: text, token ids or a conversation (chat messages), as the coordinator takes it.
+    """
+    if isinstance(prompt, str) or is_conversation(prompt):
+        chars = len(prompt) if isinstance(prompt, str) else sum(
+            len(v) for m in prompt for v in m.values() if isinstance(v, str))
+        if chars > limits.max_prompt_chars:
+            raise InvalidArgument("prompt", f"has {chars} characters; the limit is {limits.max_prompt_chars}")
+    elif isinstance(prompt, Sequence) and len(prompt) > limits.max_prompt_tokens:
+        raise InvalidArgument("prompt", f"has {len(prompt)} token ids; the limit is {limits.max_prompt_tokens}")
+    if params.max_tokens > limits.max_tokens:
+        raise InvalidArgument("max_tokens", f"must be <= {limits.max_tokens}, got {params.max_tokens}")
+    if len(params.stop) > limits.max_stop:
+        raise InvalidArgument("stop", f"has {len(params.stop)} strings; the limit is {limits.max_stop}")
+    for i, s in enumerate(params.stop):
+        if len(s) > limits.max_stop_chars:
+            raise InvalidArgument(f"stop[{i}]", f"has {len(s)} characters; the limit is {limits.max_stop_chars}")
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument(
+            "stop_token_ids", f"has {len(params.stop_token_ids)} ids; the limit is {limits.max_stop_token_ids}")
+    if request_id is not None:
+        check_request_id(limits, request_id)
+
+
+def check_request_id(limits: Limits, request_id: str) -> None:
+    """A client's request id: 1 to ``max_request_id_chars`` visible ASCII characters."""
+    if not request_id or len(request_id) > limits.max_request_id_chars:
+        raise InvalidArgument(
+            "request_id", f"must have 1 to {limits.max_request_id_chars} characters, got {len(request_id)}")
+    if not _REQUEST_ID_CHARS.fullmatch(request_id):
+        raise InvalidArgument("request_id", "must be visible ASCII characters (no spaces or control characters)")
 
 # checked in order: DuplicateRequestId is an InvalidArgument
 _STATUS = (

@@ -19,7 +19,8 @@ Request fields:
   accepted). ``messages`` (chat): rendered by the model's chat template; a message's content
   is text, or a list of text parts (joined with newlines).
 - ``max_tokens`` (completions: default 16); chat: ``max_completion_tokens`` (or
-  ``max_tokens``; the former wins), default: up to the context limit. ``temperature``,
+  ``max_tokens``; the former wins), default: up to ``limits.max_tokens`` (the context limit
+  unless the config sets it). ``temperature``,
   ``top_p``, ``stop``, ``seed`` as OpenAI defines them; ``top_k``, ``stop_token_ids`` and
   ``ignore_eos`` as extra body fields.
 - ``n``: n independent requests, run concurrently; with a ``seed`` the i-th samples with
@@ -36,8 +37,9 @@ choices; with n = 1 exactly the gRPC API's per-request stats), ``acceptance_rate
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
-another model, 503 when the server is full or shutting down, 500 for a request that
-failed on the server. Once a stream has started, a failure is sent as one
+another model, 413 for a body over ``limits.max_message_bytes``, 503 when the server is
+full or shutting down, 500 for a request that failed on the server. A field beyond its
+limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 400 naming it. Once a stream has started, a failure is sent as one
 ``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
 
 A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
@@ -63,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdist.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import InvalidArgument
-from specdist.frontend import refusal_status, server_info
+from specdist.frontend import Limits, check_request, refusal_status, server_info
 from specdist.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
 
@@ -172,6 +174,7 @@ class _Call:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     max_tokens_field: str = "max_tokens"
+    stop_is_text: bool = False  # "stop": "x" rather than a list: its limit names "stop", not "stop[0]"
 
     @property
     def object(self) -> str:
@@ -185,11 +188,14 @@ class _Call:
         """The request field an engine error names (the engine says "prompt" for the messages, ...)."""
         if self.chat and engine_field in ("prompt", "apply_chat_template"):
             return "messages"
+        if self.stop_is_text and engine_field == "stop[0]":
+            return "stop"
         return self.max_tokens_field if engine_field == "max_tokens" else engine_field
 
 
-def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
-    """Refuse what cannot be served; SamplingParams per choice (their own checks name the field)."""
+def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
+    """Refuse what cannot be served; SamplingParams per choice (their own checks and the
+    limits name the field). Default max_tokens: completions 16, chat up to the limit."""
     if (body.logprobs is not None and body.logprobs is not False) or getattr(body, "top_logprobs", None) is not None:
         raise _bad("logprobs", "not supported: the engine does not compute log probabilities")
     if body.stream_options is not None and not body.stream:
@@ -201,8 +207,10 @@ def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
     else:
         prompt, given, max_tokens = _one_prompt(body.prompt), "max_tokens", body.max_tokens
     call = _Call(chat, prompt, [], body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                 max_tokens_field=given)
-    kwargs = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=body.stop or (),
+                 max_tokens_field=given, stop_is_text=isinstance(body.stop, str))
+    if max_tokens is None:
+        max_tokens = limits.max_tokens if chat else SamplingParams.max_tokens
+    kwargs = dict(max_tokens=max_tokens, stop=body.stop or (),
                   stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos)
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
@@ -212,6 +220,7 @@ def _parse(body: _Common, chat: bool, default_max_tokens: int) -> _Call:
         if body.n > 1 and body.seed is not None and body.seed < 2**64 <= seeds[-1]:
             raise InvalidArgument("seed", "seed + n - 1 must be < 2**64 (choice i samples with seed + i)")
         call.params = [SamplingParams(**kwargs, seed=seed) for seed in seeds]
+        check_request(limits, prompt, call.params[0])  # the choices differ only in their seeds
     except InvalidArgument as e:
         raise _bad(call.param(e.field), e.message) from None
     return call
@@ -311,6 +320,7 @@ class _OpenAIFrontEnd:
         self.coordinator = coordinator
         self.engine = coordinator.engine
         self.info = server_info(self.engine)
+        self.limits = Limits.of(self.engine)
         self.model = model_name or self.info["target_model"]
         self.created = int(time.time())
 
@@ -397,13 +407,13 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
 
-    async def generate(request: Request, model: type[_Common], chat: bool, default_max_tokens: int) -> Response:
+    async def generate(request: Request, model: type[_Common], chat: bool) -> Response:
         try:
-            body = model.model_validate_json(await request.body())
+            body = model.model_validate_json(await _body(request, front.limits.max_message_bytes))
         except ValidationError as e:
             raise _schema_error(e) from None
         front.check_model(body)
-        call = _parse(body, chat, default_max_tokens)
+        call = _parse(body, chat, front.limits)
         streams = await front.open(call)
         if call.stream:
             return _EventStream(front.events(call, streams))
@@ -412,11 +422,11 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, CompletionRequest, chat=False, default_max_tokens=SamplingParams.max_tokens)
+        return await generate(request, CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, ChatRequest, chat=True, default_max_tokens=front.engine.max_model_len)
+        return await generate(request, ChatRequest, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -439,6 +449,21 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
         return Response(body, headers={"Content-Type": content_type})
 
     return app
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body; 413 once it is over ``limit`` bytes (``limits.max_message_bytes``)."""
+    too_large = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:

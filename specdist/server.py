@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
-from specdist.frontend import refusal_status, request_stats, server_info
+from specdist.frontend import Limits, check_request, check_request_id, refusal_status, request_stats, server_info
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -40,6 +40,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
         self.engine: Engine = coordinator.engine
+        self.limits = Limits.of(self.engine)
 
     async def Generate(
         self, request: specdist_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -47,6 +48,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         try:
             prompt = self._prompt(request)
             params = sampling_params_from_proto(request.params)
+            check_request(self.limits, prompt, params, request.request_id or None)
             stream = await self.coordinator.open(
                 prompt, params, request.request_id or None, chat=request.apply_chat_template
             )
@@ -65,8 +67,10 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     async def Cancel(
         self, request: specdist_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> specdist_pb2.CancelResponse:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        try:
+            check_request_id(self.limits, request.request_id)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not await self.coordinator.cancel(request.request_id):
             message = f"request_id: no running request has id {request.request_id!r}"
             await context.abort(grpc.StatusCode.NOT_FOUND, message)
@@ -102,7 +106,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
 
 def _wire_message(e: Exception) -> str:
     """The engine names SamplingParams fields bare ("stop"); on the wire they live under ``params.``."""
-    if isinstance(e, InvalidArgument) and e.field in _PARAM_FIELDS:
+    if isinstance(e, InvalidArgument) and e.field.split("[", 1)[0] in _PARAM_FIELDS:  # stop[2]: params.stop[2]
         return f"params.{e.field}: {e.message}"
     return str(e)
 
@@ -169,7 +173,7 @@ async def serve(
     """
     coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=Limits.of(engine).grpc_options())
     specdist_pb2_grpc.add_SpecDecodeServicer_to_server(SpecDecodeServicer(coordinator), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
