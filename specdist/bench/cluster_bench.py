@@ -1,23 +1,73 @@
-"""``specdist bench cluster``: concurrent gRPC streams against a server, speculation on and off.
+"""``specdist bench cluster``: streaming requests against a server, speculation on and off.
 
-For every server variant and every concurrency level C, ``requests`` streaming
-``Generate`` calls run through C client threads (closed loop: a thread starts its next
-request when the previous one ends). Per request we record the time to first token
-(TTFT), the time per output token after the first (TPOT) and every inter-token gap
-(ITL: the gap between two response messages, divided evenly over the tokens the later
-one carried); per level, output tokens/s over the level's wall time and the acceptance
-rate from the servers' own per-request stats.
+Load levels. ``--concurrency C1,C2,..`` runs closed-loop levels: ``requests`` streaming
+requests through C client threads (a thread starts its next request when its previous one
+ends). ``--request-rate R1,R2,..`` runs open-loop levels, as ``vllm bench serve`` does:
+request i is sent at time t_i whatever is still running, with exponential inter-arrival
+times of mean 1/R (a Poisson process of R requests/s; ``inf``: all at t = 0), drawn from
+``random.Random(--seed)`` (every rate level scales the same unit-rate draws, so a run is
+reproducible). Each flag that is given runs its levels (concurrency levels first); with
+neither, ``--concurrency 1,4,16``. Requests per level: ``--requests``, else max(8, 2 x C)
+for a concurrency level and 16 for a rate level. Request i of a level uses prompt i of
+:data:`specdist.bench.engine_bench.PROMPTS` (cyclically), sampling seed 1000 + i, and
+``ignore_eos``, so every request makes ``--max-tokens`` tokens.
 
-Variants: ``--server HOST:PORT`` (repeatable) measures running servers; ``--config C``
-starts servers one after another from C as given ("spec") and from C with
-``draft.method: none`` ("no-spec"): the single-process engine when ``cluster.enabled`` is
-false, else the whole Ray deployment (tensor-parallel target and draft workers over gRPC,
-local Ray cluster or ``--ray-address``), with the same gRPC server and coordinator in
-front. For these it also prints the per-step breakdown, in ms per step and as shares of
-the coordinator's busy time: prefill, draft, verify (worker compute), network +
-serialization (RPC wall time minus the worker's reported compute), scheduling (the
-coordinator's own work between and around steps) and the rest (output bookkeeping,
-releases, sampling). Orchestration overhead = network + serialization + scheduling.
+Measured per request: the time to first token (TTFT), the time per output token after the
+first (TPOT), the end-to-end latency, and every inter-token gap (ITL: the gap between two
+response messages, divided evenly over the tokens the later one carried); per level: output
+tokens/s and completed requests/s over the level's wall time (first send to last end), and
+the acceptance rate from the server's own per-request statistics.
+
+Targets (any mix; each is one "variant" of the results):
+- ``--server HOST:PORT`` (repeatable): a running gRPC server (``specdist serve``).
+- ``--http URL`` (repeatable): a running OpenAI-compatible HTTP server
+  (``specdist serve --http-port``, base URL such as ``http://127.0.0.1:8000``): streaming
+  ``/v1/chat/completions`` (``/v1/completions`` with ``--raw``) with
+  ``stream_options.include_usage``; the token counts and drafted / accepted numbers come from
+  the final ``usage``. SSE chunks carry text, not token ids, so there a chunk's gap is divided
+  by the request's mean tokens per chunk (usage.completion_tokens / chunks) and counted once;
+  a token whose text is held back (a partial character) arrives with the next chunk.
+- ``--config C``: starts servers one after another, one per entry of :data:`VARIANTS` named
+  by ``--variants``, each from C with that entry's overrides deep-merged in: the
+  single-process engine when ``cluster.enabled`` is false, else the whole Ray deployment
+  (local Ray cluster or ``--ray-address``), with the same coordinator in front, reached over
+  gRPC or, with ``--protocol http``, over the HTTP API. For these it also prints the per-step
+  breakdown, in ms per step and as shares of the coordinator's busy time: prefill, draft,
+  verify (worker compute), network + serialization (RPC wall time minus the worker's reported
+  compute), scheduling (the coordinator's own work between and around steps) and the rest
+  (output bookkeeping, releases, sampling). Orchestration overhead = network +
+  serialization + scheduling.
+
+``--json PATH`` writes one object (strict JSON: no NaN or Infinity), schema
+``specdist.bench.cluster/1``; a new key may be added, none is renamed or removed::
+
+    {"schema": "specdist.bench.cluster/1",
+     "settings": {"max_tokens", "temperature", "raw", "seed", "requests" (0: per-level default),
+                  "concurrency": [int], "request_rate": [float | "inf"], "protocol"},
+     "variants": [{"name", "source": "config" | "server", "protocol": "grpc" | "http",
+                   "address" (host:port or base URL; null for config variants),
+                   "overrides" (config variants: the VARIANTS entry, else null),
+                   "config" (config variants: the whole config, else null),
+                   "server_info" (target_model, draft_method, ... as GetServerInfo says)}],
+     "levels": [{"variant", "mode": "concurrency" | "request_rate", "label" ("C=4", "R=2/s"),
+                 "concurrency": int | null, "request_rate": float | "inf" | null,
+                 "requests", "wall_s", "output_tokens", "output_tokens_per_s",
+                 "request_throughput" (completed requests/s),
+                 "{ttft,tpot,itl,e2e}_{mean,p50,p90,p99}_ms", "acceptance" (null: nothing drafted),
+                 "phase_ms_per_step", "phase_share" (config variants, else {}),
+                 "vs_hf_plain" (with --hf-baseline),
+                 "per_request": [{"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted",
+                                  "accepted", "itl_s": [float]}]  # in request order (seed 1000 + i)
+                }],
+     "hf_plain": {"requests", "output_tokens_per_s"} | null}
+
+``--plot PREFIX`` draws PREFIX-throughput.png (output tokens/s against each load level, one
+line per variant) and PREFIX-latency.png (CDFs of TTFT and ITL per variant and level) from
+that object (:mod:`specdist.bench.bench_plot`; ``python -m specdist.bench.bench_plot
+results.json PREFIX`` redraws them from a ``--json`` file). The default deployment's plots::
+
+    specdist bench cluster --config configs/default.yaml --concurrency 1,4,16 \\
+        --request-rate 0.5,1,2,inf --max-tokens 64 --json cluster.json --plot docs/cluster
 """
 
 from __future__ import annotations
@@ -25,31 +75,132 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
+import random
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from specdist.bench.engine_bench import PROMPTS
+from specdist.errors import SpecDistError
+
+SCHEMA = "specdist.bench.cluster/1"
+
+# Server variants of --config: name -> config overrides, deep-merged into the config
+# (a mapping merges key by key, any other value replaces). Listed in run order.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "spec": {},  # the config as given
+    "no-spec": {"draft": {"method": "none", "model": None}, "cluster": {"num_draft_workers": 0}},
+}
+
+DEFAULT_CONCURRENCY = "1,4,16"
+RATE_LEVEL_REQUESTS = 16
+HTTP_TIMEOUT_S = 600.0  # one streamed request, connect to [DONE]
+_PCTS = (50, 90, 99)
+
+
+class BenchError(SpecDistError):
+    """A bench target failed or a flag is wrong (one line on the command line)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT", help="measure a running server")
-    p.add_argument("--config", default=None, help="start in-process servers from this config (spec and no-spec)")
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
-    p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT", help="measure a running gRPC server")
+    p.add_argument("--http", action="append", default=[], metavar="URL",
+                   help="measure a running OpenAI-compatible HTTP server (base URL, e.g. http://127.0.0.1:8000)")
+    p.add_argument("--config", default=None, help="start in-process servers from this config (one per --variants)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="with --config: reach the in-process servers over gRPC or the HTTP API")
+    p.add_argument("--concurrency", default=None,
+                   help=f"comma-separated closed-loop concurrency levels (default {DEFAULT_CONCURRENCY} "
+                        "unless --request-rate is given)")
+    p.add_argument("--request-rate", default=None, metavar="R1,R2,..",
+                   help="comma-separated open-loop Poisson request rates in requests/s (inf: all at once)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    p.add_argument("--requests", type=int, default=0,
+                   help=f"requests per level (default: max(8, 2 x C); {RATE_LEVEL_REQUESTS} per rate level)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
-    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file (schema: module docstring)")
+    p.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="draw PREFIX-throughput.png and PREFIX-latency.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
-    p.add_argument("--variants", default="spec,no-spec", help="with --config: which of spec,no-spec to run")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"with --config: which of {','.join(VARIANTS)} to run")
     p.add_argument("--hf-baseline", type=int, default=0, metavar="N",
                    help="with --config: also run transformers generate on the same target, one request at a "
                         "time, over N of the prompts, and print every level's tokens/s as a multiple of it")
 
 
+# ---------------------------------------------------------------- load levels
+@dataclass(frozen=True)
+class Level:
+    mode: str  # "concurrency" | "request_rate"
+    value: float  # clients, or requests/s (math.inf: all at once)
+
+    @property
+    def label(self) -> str:
+        if self.mode == "concurrency":
+            return f"C={int(self.value)}"
+        return "R=inf" if math.isinf(self.value) else f"R={self.value:g}/s"
+
+    def requests(self, given: int) -> int:
+        if given:
+            return given
+        return max(8, 2 * int(self.value)) if self.mode == "concurrency" else RATE_LEVEL_REQUESTS
+
+
+def parse_levels(concurrency: str | None, request_rate: str | None) -> list[Level]:
+    """The load levels of the two flags (module docstring); ValueError naming the flag."""
+    if concurrency is None and request_rate is None:
+        concurrency = DEFAULT_CONCURRENCY
+    levels = []
+    for c in _items(concurrency, "--concurrency"):
+        if not c.isdigit() or int(c) < 1:
+            raise ValueError(f"--concurrency: need positive integers, got {concurrency!r}")
+        levels.append(Level("concurrency", int(c)))
+    for r in _items(request_rate, "--request-rate"):
+        try:
+            rate = float(r)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0:  # also NaN
+            raise ValueError(f"--request-rate: need positive requests/s or inf, got {request_rate!r}")
+        levels.append(Level("request_rate", rate))
+    return levels
+
+
+def _items(flag_value: str | None, flag: str) -> list[str]:
+    if flag_value is None:
+        return []
+    items = [x.strip() for x in flag_value.split(",")]
+    if not any(items) or not all(items):
+        raise ValueError(f"{flag}: a comma-separated list without empty items, got {flag_value!r}")
+    return items
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the first) of ``n`` requests: exponential gaps of mean 1/rate, first at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(1.0) / rate  # unit-rate draws scaled: every rate reuses the same draws
+    return times
+
+
+# ---------------------------------------------------------------- one request
 @dataclass
 class RequestTiming:
     ttft: float
@@ -58,54 +209,31 @@ class RequestTiming:
     gaps: list[float]
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: int = 0
+
+    def record(self) -> dict:
+        return {"ttft_s": round(self.ttft, 6), "e2e_s": round(self.total, 6), "tokens": self.tokens,
+                "prompt_tokens": self.prompt_tokens, "drafted": self.drafted, "accepted": self.accepted,
+                "itl_s": [round(g, 6) for g in self.gaps]}
 
 
 @dataclass
-class LevelResult:
-    variant: str
-    concurrency: int
-    requests: int
-    wall_s: float
-    timings: list[RequestTiming] = field(default_factory=list)
-    phase_share: dict = field(default_factory=dict)
-    phase_ms_per_step: dict = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        toks = sum(t.tokens for t in self.timings)
-        gaps = sorted(g for t in self.timings for g in t.gaps)
-        ttft = sorted(t.ttft for t in self.timings)
-        tpot = sorted((t.total - t.ttft) / (t.tokens - 1) for t in self.timings if t.tokens > 1)
-        drafted = sum(t.drafted for t in self.timings)
-        return {
-            "variant": self.variant,
-            "concurrency": self.concurrency,
-            "requests": self.requests,
-            "output_tokens_per_s": toks / self.wall_s if self.wall_s else 0.0,
-            "ttft_p50_ms": _pct(ttft, 50) * 1e3,
-            "ttft_p99_ms": _pct(ttft, 99) * 1e3,
-            "tpot_p50_ms": _pct(tpot, 50) * 1e3,
-            "itl_p50_ms": _pct(gaps, 50) * 1e3,
-            "itl_p99_ms": _pct(gaps, 99) * 1e3,
-            "acceptance": sum(t.accepted for t in self.timings) / drafted if drafted else None,
-            "phase_share": self.phase_share,
-            "phase_ms_per_step": self.phase_ms_per_step,
-        }
+class RequestSpec:
+    prompt: str
+    max_tokens: int
+    temperature: float
+    seed: int
+    chat: bool
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
-def one_request(address: str, prompt: str, max_tokens: int, temperature: float, seed: int, chat: bool) -> RequestTiming:
+def grpc_request(address: str, r: RequestSpec) -> RequestTiming:
     from specdist.client import SpecDistClient
 
     with SpecDistClient(address) as client:
         t0 = time.perf_counter()
         first, last, gaps, tokens, stats = None, None, [], 0, None
-        for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                     ignore_eos=True, apply_chat_template=chat):
+        for chunk in client.generate(r.prompt, max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed,
+                                     ignore_eos=True, apply_chat_template=r.chat):
             now = time.perf_counter()
             n = len(chunk.token_ids)
             if n:
@@ -119,47 +247,227 @@ def one_request(address: str, prompt: str, max_tokens: int, temperature: float, 
         end = time.perf_counter()
     t = RequestTiming((first or end) - t0, end - t0, tokens, gaps)
     if stats is not None:
-        t.drafted, t.accepted = stats.drafted, stats.accepted
+        t.drafted, t.accepted, t.prompt_tokens = stats.drafted, stats.accepted, stats.prompt_tokens
     return t
 
 
-def run_level(address: str, variant: str, concurrency: int, requests: int, args, log) -> LevelResult:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the bench talks to its target directly
+
+
+def http_base(url: str) -> str:
+    """A ``--http`` base URL without its trailing slash (and without a trailing /v1)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--http: need a base URL like http://127.0.0.1:8000, got {url!r}")
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def _http_call(url: str, body: dict | None = None, timeout: float = 30.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        return _NO_PROXY.open(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read())["error"]["message"]
+        except Exception:  # noqa: BLE001 - not an OpenAI-shaped error: the status line says enough
+            msg = e.reason
+        raise BenchError(f"{url}: HTTP {e.code}: {msg}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise BenchError(f"{url}: cannot connect: {getattr(e, 'reason', e)}") from None
+
+
+def http_request(base: str, r: RequestSpec, model: str | None = None) -> RequestTiming:
+    """One streamed completion (chat completion unless raw); see the module docstring for ITL."""
+    body: dict[str, Any] = {"max_tokens": r.max_tokens, "temperature": r.temperature, "seed": r.seed,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    if r.chat:
+        body["messages"], path = [{"role": "user", "content": r.prompt}], "/v1/chat/completions"
+    else:
+        body["prompt"], path = r.prompt, "/v1/completions"
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        futs = [pool.submit(one_request, address, p, args.max_tokens, args.temperature, 1000 + i, not args.raw)
-                for i, p in enumerate(prompts)]
-        timings = []
-        for i, f in enumerate(futs):
-            timings.append(f.result())
-            log(f"  [{variant} C={concurrency}] {i + 1}/{requests} done")
-    return LevelResult(variant, concurrency, requests, time.perf_counter() - t0, timings)
+    chunk_times, usage, done = [], None, False
+    with _http_call(base + path, body, HTTP_TIMEOUT_S) as resp:
+        for line in resp:  # Server-Sent Events: "data: {json}" lines and blank separators
+            if not line.startswith(b"data:"):
+                continue
+            now = time.perf_counter()
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise BenchError(f"{base + path}: {event['error'].get('message')}")
+            usage = event.get("usage") or usage
+            for c in event.get("choices") or ():
+                text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                if text or c.get("finish_reason"):  # a final chunk without text may still end tokens
+                    chunk_times.append(now)
+    end = time.perf_counter()
+    if not done:
+        raise BenchError(f"{base + path}: the stream ended without data: [DONE]")
+    usage = usage or {}
+    tokens = usage.get("completion_tokens", len(chunk_times))
+    per_chunk = tokens / len(chunk_times) if chunk_times else 1.0
+    gaps = [(b - a) / per_chunk for a, b in zip(chunk_times, chunk_times[1:])]
+    spec = usage.get("speculative") or {}
+    return RequestTiming((chunk_times[0] if chunk_times else end) - t0, end - t0, tokens, gaps,
+                         spec.get("drafted", 0), spec.get("accepted", 0), usage.get("prompt_tokens", 0))
+
+
+def http_server_info(base: str) -> tuple[str | None, dict]:
+    """(model id, specdist server info or {}) from ``GET /v1/models``; fails fast when unreachable."""
+    with _http_call(base + "/v1/models") as resp:
+        cards = json.loads(resp.read()).get("data") or [{}]
+    return cards[0].get("id"), cards[0].get("specdist") or {}
+
+
+# ---------------------------------------------------------------- one level
+@dataclass
+class LevelResult:
+    variant: str
+    level: Level
+    requests: int
+    wall_s: float
+    timings: list[RequestTiming] = field(default_factory=list)
+    phase_share: dict = field(default_factory=dict)
+    phase_ms_per_step: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """One entry of the JSON's ``levels`` (module docstring)."""
+        lv, ts = self.level, self.timings
+        toks = sum(t.tokens for t in ts)
+        drafted = sum(t.drafted for t in ts)
+        rate = None if lv.mode != "request_rate" else ("inf" if math.isinf(lv.value) else lv.value)
+        row = {
+            "variant": self.variant,
+            "mode": lv.mode,
+            "label": lv.label,
+            "concurrency": int(lv.value) if lv.mode == "concurrency" else None,
+            "request_rate": rate,
+            "requests": self.requests,
+            "wall_s": self.wall_s,
+            "output_tokens": toks,
+            "output_tokens_per_s": toks / self.wall_s if self.wall_s else 0.0,
+            "request_throughput": len(ts) / self.wall_s if self.wall_s else 0.0,
+        }
+        series = {
+            "ttft": [t.ttft for t in ts],
+            "tpot": [(t.total - t.ttft) / (t.tokens - 1) for t in ts if t.tokens > 1],
+            "itl": [g for t in ts for g in t.gaps],
+            "e2e": [t.total for t in ts],
+        }
+        for name, xs in series.items():
+            xs = sorted(xs)
+            row[f"{name}_mean_ms"] = 1e3 * sum(xs) / len(xs) if xs else 0.0
+            for q in _PCTS:
+                row[f"{name}_p{q}_ms"] = _pct(xs, q) * 1e3
+        row["acceptance"] = sum(t.accepted for t in ts) / drafted if drafted else None
+        row["phase_share"] = self.phase_share
+        row["phase_ms_per_step"] = self.phase_ms_per_step
+        row["per_request"] = [t.record() for t in ts]
+        return row
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar over a level's requests on stderr, or None."""
+    if not enabled:
+        return None
+    return _tqdm()(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
+
+
+def _tqdm():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise BenchError("the progress bar needs tqdm: pip install tqdm (or pass --no-progress)") from None
+    return tqdm
+
+
+def run_level(send: Callable[[RequestSpec], RequestTiming], variant: str, level: Level, args,
+              log: Callable[[str], None]) -> LevelResult:
+    """``send`` every request of one level (closed or open loop) and time it."""
+    n = level.requests(args.requests)
+    specs = [RequestSpec(PROMPTS[i % len(PROMPTS)], args.max_tokens, args.temperature, 1000 + i, not args.raw)
+             for i in range(n)]
+    bar = _progress(n, f"{variant} {level.label}", not args.no_progress)
+    if level.mode == "concurrency":
+        workers, arrivals = int(level.value), None
+    else:
+        workers, arrivals = n, poisson_arrivals(n, level.value, args.seed)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            t0 = time.perf_counter()
+            futs = []
+            for i, spec in enumerate(specs):
+                if arrivals is not None:
+                    delay = t0 + arrivals[i] - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)  # open loop: send at the arrival time, whatever is running
+                fut = pool.submit(send, spec)
+                if bar is not None:
+                    fut.add_done_callback(lambda _: bar.update(1))
+                futs.append(fut)
+            timings = [f.result() for f in futs]
+            wall = time.perf_counter() - t0
+    finally:
+        if bar is not None:
+            bar.close()
+    if bar is None:
+        log(f"  [{variant} {level.label}] {n} requests in {wall:.1f}s")
+    return LevelResult(variant, level, n, wall, timings)
+
+
+# ---------------------------------------------------------------- in-process servers
+def apply_overrides(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` deep-merged in (a mapping merges key by key, any other value replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = apply_overrides(base.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
 
 
 class InProcessServer:
-    """A ``specdist.server.serve`` instance on a background event loop (free port)."""
+    """``start_serving`` (gRPC, and the HTTP API with ``http``) over a backend, on a background event loop."""
 
-    def __init__(self, engine, backend=None):
-        self.engine = engine
-        self.backend = backend  # a serve_cli.Backend (Ray deployment) closed with the server
+    def __init__(self, backend, http: bool = False):
+        from specdist.serve_cli import start_serving
+
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        from specdist.server import serve
-
-        self.server, self.coordinator = asyncio.run_coroutine_threadsafe(
-            serve(engine, "127.0.0.1", 0), self.loop
-        ).result(timeout=300)
-        self.address = f"127.0.0.1:{self.server.port}"
+        try:
+            self.serving = asyncio.run_coroutine_threadsafe(
+                start_serving(backend=backend, host="127.0.0.1", port=0, drain_seconds=1,
+                              http_port=0 if http else None), self.loop).result(timeout=300)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.engine = backend.engine
+        self.coordinator = self.serving.server.coordinator
+        self.address = self.serving.address
+        self.http_base = f"http://{self.serving.http.address}" if http else None
 
     def close(self) -> None:
+        """Stop the servers and the backend (deployment, Ray if ours)."""
         try:
-            asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(timeout=60)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
+            asyncio.run_coroutine_threadsafe(self.serving.stop(0), self.loop).result(timeout=120)
         finally:
-            if self.backend is not None:
-                self.backend.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
@@ -180,59 +488,119 @@ def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
             {k: v / busy if busy else 0.0 for k, v in parts.items()})
 
 
+# ---------------------------------------------------------------- the command
+def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[str]]:
+    """(levels, config variants, --http base URLs); ValueError naming the flag, before anything starts."""
+    levels = parse_levels(args.concurrency, args.request_rate)
+    if not args.server and not args.http and not args.config:
+        raise ValueError("--server, --http or --config: say what to measure")
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not wanted or set(wanted) - set(VARIANTS):
+        raise ValueError(f"--variants: a comma-separated subset of {','.join(VARIANTS)}; got {args.variants!r}")
+    if args.requests < 0:
+        raise ValueError(f"--requests: must be >= 0 (0: the per-level default), got {args.requests}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag}: the directory of {path!r} does not exist")
+    if not args.no_progress:
+        _tqdm()
+    if args.plot is not None:
+        from specdist.bench.bench_plot import check_matplotlib
+
+        check_matplotlib()
+    if args.config and args.protocol == "http":
+        from specdist.serve_cli import check_http_dependencies
+
+        check_http_dependencies()
+    return levels, [v for v in VARIANTS if v in wanted], [http_base(u) for u in args.http]
+
+
 def run(args: argparse.Namespace) -> int:
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency: need positive integers, got {args.concurrency!r}")
-    if not args.server and not args.config:
-        raise ValueError("--server or --config: say what to measure")
+    levels, variants, bases = check_args(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     results: list[LevelResult] = []
+    described: list[dict] = []
+
+    def measure(name: str, send: Callable[[RequestSpec], RequestTiming], srv: InProcessServer | None = None):
+        for lv in levels:
+            if srv is not None:
+                srv.engine.stats.reset()
+                srv.coordinator.timing.reset()
+            res = run_level(send, name, lv, args, log)
+            if srv is not None:
+                res.phase_ms_per_step, res.phase_share = breakdown(srv.engine, srv.coordinator, srv.engine.stats.steps)
+            results.append(res)
+
     for address in args.server:
-        for c in levels:
-            n = args.requests or max(8, 2 * c)
-            results.append(run_level(address, address, c, n, args, log))
+        from specdist.client import RemoteError, SpecDistClient
+
+        try:
+            with SpecDistClient(address, timeout=30) as c:
+                info = asdict(c.server_info())
+        except RemoteError as e:
+            raise BenchError(f"--server {address}: {e}") from None
+        info.pop("counters", None)
+        described.append(_variant(address, "server", "grpc", address, info))
+        measure(address, lambda r, a=address: grpc_request(a, r))
+    for base in bases:
+        model, info = http_server_info(base)
+        described.append(_variant(base, "server", "http", base, info))
+        measure(base, lambda r, b=base, m=model: http_request(b, r, m))
     if args.config:
         from specdist.config import load_config
+        from specdist.frontend import server_info
         from specdist.serve_cli import start_backend
 
-        base = load_config(args.config).to_dict()
-        off = {**base, "draft": {**base["draft"], "method": "none", "model": None}}
-        if base["cluster"]["enabled"]:
-            off["cluster"] = {**base["cluster"], "num_draft_workers": 0}
-        wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-        if not wanted or set(wanted) - {"spec", "no-spec"}:
-            raise ValueError(f"--variants: a comma-separated subset of spec,no-spec; got {args.variants!r}")
-        for variant, cfg in (("spec", base), ("no-spec", off)):
-            if variant not in wanted:
-                continue
+        base_cfg = load_config(args.config).to_dict()
+        for name in variants:
+            cfg = load_config(apply_overrides(base_cfg, VARIANTS[name])).to_dict()
             where = "a Ray deployment" if cfg["cluster"]["enabled"] else "the in-process engine"
-            log(f"starting a server on {where}: {variant}")
-            backend = start_backend(cfg, args.ray_address, log=log)
-            srv = InProcessServer(backend.engine, backend)
+            log(f"starting a server on {where}: {name}")
+            srv = InProcessServer(start_backend(cfg, args.ray_address, log=log), http=args.protocol == "http")
             try:
-                for c in levels:
-                    n = args.requests or max(8, 2 * c)
-                    srv.engine.stats.reset()
-                    srv.coordinator.timing.reset()
-                    res = run_level(srv.address, variant, c, n, args, log)
-                    res.phase_ms_per_step, res.phase_share = breakdown(
-                        srv.engine, srv.coordinator, srv.engine.stats.steps)
-                    results.append(res)
+                described.append(_variant(name, "config", args.protocol, None, server_info(srv.engine),
+                                          VARIANTS[name], cfg))
+                if args.protocol == "http":
+                    send = lambda r, b=srv.http_base: http_request(b, r)  # noqa: E731
+                else:
+                    send = lambda r, a=srv.address: grpc_request(a, r)  # noqa: E731
+                measure(name, send, srv)
             finally:
                 srv.close()
-    rows = [r.summary() for r in results]
+    doc = {
+        "schema": SCHEMA,
+        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "raw": args.raw,
+                     "seed": args.seed, "requests": args.requests,
+                     "concurrency": [int(lv.value) for lv in levels if lv.mode == "concurrency"],
+                     "request_rate": [lv.value if math.isfinite(lv.value) else "inf"
+                                      for lv in levels if lv.mode == "request_rate"],
+                     "protocol": args.protocol},
+        "variants": described,
+        "levels": [r.summary() for r in results],
+        "hf_plain": None,
+    }
     if args.config and args.hf_baseline > 0:
         hf = hf_plain_tokens_per_s(args.config, args.hf_baseline, args, log)
-        for r in rows:
+        for r in doc["levels"]:
             r["vs_hf_plain"] = r["output_tokens_per_s"] / hf
-        rows.append({"variant": "hf-plain", "concurrency": 1, "requests": args.hf_baseline,
-                     "output_tokens_per_s": hf})
-    print(format_table(rows, args))
+        doc["hf_plain"] = {"requests": args.hf_baseline, "output_tokens_per_s": hf}
+    print(format_table(doc))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(doc, f, indent=1, allow_nan=False)
+    if args.plot:
+        from specdist.bench.bench_plot import plot_results
+
+        for path in plot_results(doc, args.plot):
+            print(f"wrote {path}")
     return 0
+
+
+def _variant(name, source, protocol, address, info, overrides=None, config=None) -> dict:
+    return {"name": name, "source": source, "protocol": protocol, "address": address,
+            "overrides": overrides, "config": config, "server_info": info}
 
 
 def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
@@ -268,36 +636,38 @@ def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
     return tokens / seconds
 
 
-def format_table(rows: list[dict], args) -> str:
+def format_table(doc: dict) -> str:
+    s = doc["settings"]
+    rows = doc["levels"]
     lines = [
-        f"specdist bench cluster: {args.max_tokens} new tokens per request, temperature {args.temperature:g}",
+        f"specdist bench cluster: {s['max_tokens']} new tokens per request, temperature {s['temperature']:g}",
         "",
-        "| variant | C | requests | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms | acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | load | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms "
+        "| ITL p99 ms | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    hf = next((r for r in rows if r["variant"] == "hf-plain"), None)
-    rows = [r for r in rows if r is not hf]
     for r in rows:
         acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
         lines.append(
-            f"| {r['variant']} | {r['concurrency']} | {r['requests']} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} "
-            f"| {r['itl_p99_ms']:.1f} | {acc} |"
+            f"| {r['variant']} | {r['label']} | {r['requests']} | {r['request_throughput']:.2f} "
+            f"| {r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
+            f"| {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {acc} |"
         )
+    hf = doc["hf_plain"]
     if hf is not None:
         lines += ["", f"transformers generate, one request at a time on the same target ({hf['requests']} requests): "
                       f"{hf['output_tokens_per_s']:.1f} tokens/s. Each level as a multiple of it: " + ", ".join(
-                          f"{r['variant']} C={r['concurrency']} {r['vs_hf_plain']:.2f}x" for r in rows)]
+                          f"{r['variant']} {r['label']} {r['vs_hf_plain']:.2f}x" for r in rows)]
     shares = [r for r in rows if r["phase_share"]]
     if shares:
         names = list(shares[0]["phase_ms_per_step"])
         lines += ["", "Per-step breakdown, ms per step (share of the coordinator's busy time); "
                       "orchestration = network+serialization + scheduling:", "",
-                  "| variant | C | " + " | ".join(names) + " | orchestration |",
+                  "| variant | load | " + " | ".join(names) + " | orchestration |",
                   "|---|---|" + "---|" * (len(names) + 1)]
         for r in shares:
             ms, sh = r["phase_ms_per_step"], r["phase_share"]
             orch = sh["network+serialization"] + sh["scheduling"]
-            lines.append(f"| {r['variant']} | {r['concurrency']} | " + " | ".join(
+            lines.append(f"| {r['variant']} | {r['label']} | " + " | ".join(
                 f"{ms[k]:.1f} ({sh[k]:.1%})" for k in names) + f" | {orch:.1%} |")
     return "\n".join(lines)
