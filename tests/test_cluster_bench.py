@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import LoopThread, tiny_config
+from specdist.bench import cluster_bench
 from specdist.bench.cluster_bench import VARIANTS, poisson_arrivals
 from specdist.cli import main
 
@@ -40,9 +41,10 @@ def test_poisson_arrivals_are_reproducible_exponential_with_the_right_mean():
     assert poisson_arrivals(5, math.inf, 7) == [0.0] * 5
 
 
-def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys):
+def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monkeypatch):
     """Closed-loop and Poisson levels through in-process servers of both variants; --json, --plot,
-    --hf-baseline and the progress bar in one run."""
+    --hf-baseline and the progress bar (stderr taken for a terminal) in one run."""
+    monkeypatch.setattr(cluster_bench, "_stderr_is_tty", lambda: True)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     out_json, prefix = tmp_path / "r.json", tmp_path / "fig"
@@ -83,6 +85,7 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys):
     out = capsys.readouterr()
     assert "| spec | C=3 | 3 |" in out.out and "| no-spec | R=inf | 3 |" in out.out and "| spec | R=40/s |" in out.out
     assert "orchestration" in out.out and "transformers generate, one request at a time" in out.out
+    assert "spec C=3: 100%" in out.err and "no-spec R=inf: 100%" in out.err and "3/3" in out.err  # tqdm's bars
     import matplotlib.image
 
     for kind in ("throughput", "latency"):

@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write all results to this JSON file (schema: module docstring)")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="draw PREFIX-throughput.png and PREFIX-latency.png")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (there is none when stderr is not a terminal)")
     p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"with --config: which of {','.join(VARIANTS)} to run")
@@ -379,9 +380,13 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def _stderr_is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
 def _progress(total: int, desc: str, enabled: bool):
-    """A tqdm bar over a level's requests on stderr, or None."""
-    if not enabled:
+    """A tqdm bar over a level's requests on stderr (a terminal; in a log file a line per level), or None."""
+    if not enabled or not _stderr_is_tty():
         return None
     return _tqdm()(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
 
