@@ -41,6 +41,27 @@ def test_poisson_arrivals_are_reproducible_exponential_with_the_right_mean():
     assert poisson_arrivals(5, math.inf, 7) == [0.0] * 5
 
 
+def test_variants_are_config_overrides(tiny_models):
+    """Every VARIANTS entry merged into a config is a valid config; no-spec drafts nothing, in
+    process and on a deployment (where it also starts no draft worker); the rest is kept."""
+    from specdist.bench.cluster_bench import apply_overrides
+    from specdist.config import load_config
+
+    base = tiny_config(tiny_models, "model", 3)
+    deployment = {**base, "cluster": {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1}}
+    for cfg in (base, deployment):
+        full = load_config(cfg).to_dict()
+        assert load_config(apply_overrides(full, VARIANTS["spec"])).to_dict() == full
+        off = load_config(apply_overrides(full, VARIANTS["no-spec"])).to_dict()
+        assert (off["draft"]["method"], off["draft"]["model"], off["cluster"]["num_draft_workers"]) == ("none", None, 0)
+        assert off["target"] == full["target"] and off["engine"] == full["engine"]
+        assert off["cluster"]["tensor_parallel_size"] == full["cluster"]["tensor_parallel_size"]
+        for overrides in VARIANTS.values():
+            load_config(apply_overrides(full, overrides))  # raises ConfigError if a variant is invalid
+    assert apply_overrides({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5}, "d": {"e": 1}}) == {
+        "a": {"b": 5, "c": 2}, "d": {"e": 1}}  # mappings merge, anything else is replaced
+
+
 def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monkeypatch):
     """Closed-loop and Poisson levels through in-process servers of both variants; --json, --plot,
     --hf-baseline and the progress bar (stderr taken for a terminal) in one run."""

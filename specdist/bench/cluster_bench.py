@@ -103,7 +103,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 DEFAULT_CONCURRENCY = "1,4,16"
 RATE_LEVEL_REQUESTS = 16
-HTTP_TIMEOUT_S = 600.0  # one streamed request, connect to [DONE]
+HTTP_TIMEOUT_S = 600.0  # a streamed request: the longest wait for its connection or its next event
 _PCTS = (50, 90, 99)
 
 
@@ -438,7 +438,10 @@ def apply_overrides(base: dict, overrides: dict) -> dict:
     """``base`` with ``overrides`` deep-merged in (a mapping merges key by key, any other value replaces)."""
     out = dict(base)
     for key, value in overrides.items():
-        out[key] = apply_overrides(base.get(key) or {}, value) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            below = base.get(key)
+            value = apply_overrides(below if isinstance(below, dict) else {}, value)
+        out[key] = value
     return out
 
 
@@ -538,9 +541,9 @@ def run(args: argparse.Namespace) -> int:
                 res.phase_ms_per_step, res.phase_share = breakdown(srv.engine, srv.coordinator, srv.engine.stats.steps)
             results.append(res)
 
-    for address in args.server:
+    if args.server:
         from specdist.client import RemoteError, SpecDistClient
-
+    for address in args.server:
         try:
             with SpecDistClient(address, timeout=30) as c:
                 info = asdict(c.server_info())
@@ -603,7 +606,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _variant(name, source, protocol, address, info, overrides=None, config=None) -> dict:
+def _variant(name: str, source: str, protocol: str, address: str | None, info: dict,
+             overrides: dict | None = None, config: dict | None = None) -> dict:
+    """One entry of the JSON's ``variants`` (module docstring)."""
     return {"name": name, "source": source, "protocol": protocol, "address": address,
             "overrides": overrides, "config": config, "server_info": info}
 
