@@ -114,6 +114,12 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monk
         assert f"wrote {path}" in out.out
         img = matplotlib.image.imread(path)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0  # drawn, not blank
+    from specdist.bench import bench_plot
+
+    assert bench_plot.main([str(out_json), str(tmp_path / "again")]) == 0  # redrawn from the --json file
+    for kind in ("throughput", "latency"):
+        assert matplotlib.image.imread(tmp_path / f"again-{kind}.png").shape == \
+            matplotlib.image.imread(tmp_path / f"fig-{kind}.png").shape
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ that object (:mod:`specdist.bench.bench_plot`; ``python -m specdist.bench.bench_
 results.json PREFIX`` redraws them from a ``--json`` file). The default deployment's plots::
 
     specdist bench cluster --config configs/default.yaml --concurrency 1,4,16 \\
-        --request-rate 0.5,1,2,inf --max-tokens 64 --json cluster.json --plot docs/cluster
+        --request-rate 0.5,1,2,inf --max-tokens 64 --json cluster.json --plot cluster
 """
 
 from __future__ import annotations
