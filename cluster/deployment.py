@@ -218,7 +218,8 @@ class Deployment:
         for h in self.drafts:
             loads[h.name] = h.actor.load.remote(
                 dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
-                ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, device)
+                ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, device,
+                pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss)
         wait("load", loads)
         self._done("load", f"{cfg.target.model} on {len(self.targets)} rank(s), "
                            f"{len(self.drafts)} {dc.method} draft(s)")

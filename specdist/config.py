@@ -22,6 +22,10 @@ Shape::
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
+      pipeline: off                  # on: model drafts prepare each request's next drafts while the target
+                                     #   verifies (specdist/pipeline.py); off: draft, then verify
+      pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
+                                     #   redraft (draft it now) | skip (no drafts this step)
     engine:
       max_model_len: 2048            # prompt + output tokens per request
       max_batch_size: 8              # requests running at once (KV slots)
@@ -67,6 +71,7 @@ from specdist.sampling_params import SamplingParams
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
 DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
+PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
 
 
 @dataclass
@@ -89,9 +94,12 @@ class DraftConfig:
     length_policy: str = "adaptive"
     ngram_min: int = 1
     ngram_max: int = 3
+    pipeline: bool = False  # YAML on/off read as booleans
+    pipeline_miss: str = "redraft"
 
     def validate(self, key: str) -> None:
         _check_choice(self.method, DRAFT_METHODS, f"{key}.method")
+        _check_choice(self.pipeline_miss, PIPELINE_MISS, f"{key}.pipeline_miss")
         _check_choice(self.dtype, DTYPES, f"{key}.dtype")
         if self.method == "model":
             _check_nonempty(self.model, f"{key}.model")
@@ -107,6 +115,11 @@ class DraftConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def pipelined(self) -> bool:
+        """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
+        return self.pipeline and self.method in ("model", "self-w8")
 
 
 @dataclass
@@ -269,8 +282,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return None
         raise ConfigError(key, "must not be null")
     base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if hint is bool and value in ("on", "off"):  # YAML 1.1 reads bare on/off as booleans; quoted, they are strings
+        return value == "on"
     if hint is bool and not isinstance(value, bool):
-        raise ConfigError(key, f"must be true or false, got {value!r}")
+        raise ConfigError(key, f"must be true or false (on or off), got {value!r}")
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(key, f"must be an integer, got {value!r}")
     if base is float:

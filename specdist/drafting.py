@@ -13,11 +13,13 @@ class behind gRPC (``workers/draft_worker.py``). Two methods:
 - ``ngram`` (prompt lookup): the continuation of the latest earlier occurrence of the
   sequence's last n tokens (:class:`specdist.ngram.NgramIndex`); q is one-hot.
 
-Per request the core keeps the committed token sequence, the SamplingParams, its own
-generator (seeded with the StartItem seed, i.e. ``draft_seed(request seed)``), the tokens
-of its last proposal and, for model drafts, a KV slot. ``propose`` first commits what the
-target kept (``num_accepted`` of the last proposal, then ``new_token_ids``), rolling the
-cache back to the accepted prefix in O(1), then drafts ``num_tokens`` tokens.
+Per request the core keeps the committed token sequence, the SamplingParams, its seed (the
+StartItem seed, i.e. ``draft_seed(request seed)``), the tokens of its last proposal and, for
+model drafts, a KV slot. ``propose`` first commits what the target kept (``num_accepted`` of
+the last proposal, then ``new_token_ids``), rolling the cache back to the accepted prefix in
+O(1), then drafts ``num_tokens`` tokens. The token at sequence position ``n`` is sampled with
+the uniform :func:`~specdist.transport.draft_uniform` ``(seed, n)``, so the tokens depend on
+the positions drafted, not on how often the request drafted before.
 
 With ``confidence_threshold > 0`` a request stops drafting early once the draft's
 untempered probability of its latest token is below the threshold (that token is still
@@ -27,8 +29,10 @@ fixed before verification and exactness is unaffected.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,10 +52,13 @@ from specdist.transport import (
     check_request_ids,
     LocalTransport,
     check_token_ids,
-    generator,
+    draft_uniform,
     sampling_tensors,
 )
 from specdist.wire import fp16_exact
+
+if TYPE_CHECKING:
+    from specdist.pipeline import DraftPipeline
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
@@ -61,10 +68,25 @@ PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
 class _DraftRequest:
     seq: list[int]  # committed tokens (prompt + output)
     params: SamplingParams
-    generator: torch.Generator = field(repr=False)
+    seed: int  # draft_uniform(seed, n) samples the token at position n
     slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
     index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
     proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
+
+
+@dataclass
+class _Drafting:
+    """The state of one :meth:`DrafterCore._draft_model` call, per request b."""
+
+    reqs: list[_DraftRequest]
+    ahead: list[list[int]]  # tokens assumed after the committed sequence
+    base: list[int]  # sequence position of the first token drafted (the guess, if any)
+    passes: list[int]  # draft passes (the guess's included); shortened by the confidence threshold
+    guess: bool
+    sampling: tuple  # (temperature [B], top_k [B], top_p [B]) on the host
+    toks: list[list[int]]
+    rows_q: list[list[torch.Tensor]]  # [V] rows of the sampled tokens, on the device
+    guesses: list[int | None]
 
 
 class DrafterCore:
@@ -117,7 +139,7 @@ class DrafterCore:
         t0 = now()
         new = []
         for it, prompt in parsed:
-            r = _DraftRequest(prompt, it.params, generator(it.seed))
+            r = _DraftRequest(prompt, it.params, int(it.seed))
             if cache is not None:
                 r.slot = cache.allocate()
                 new.append((it.request_id, r))
@@ -138,6 +160,15 @@ class DrafterCore:
         return CallTiming({"prefill": now() - t0})
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        plan = self._check(items)
+        t0 = now()
+        for r, n_acc, new, _ in plan:
+            self._commit(r, n_acc, new)
+        proposals = self._draft(items, [p[0] for p in plan], [p[3] for p in plan])
+        return proposals, CallTiming({"draft": now() - t0})
+
+    def _check(self, items: list[ProposeItem]) -> list[tuple[_DraftRequest, int, list[int], int]]:
+        """Validate a whole Propose call: (request, num_accepted, new tokens, k) per item."""
         check_request_ids([it.request_id for it in items])
         plan = []
         for i, it in enumerate(items):
@@ -157,78 +188,111 @@ class DrafterCore:
                     f"items[{i}].num_tokens",
                     f"{it.num_tokens} draft tokens after {seq_len} would pass the context limit {self.max_model_len}")
             plan.append((r, int(it.num_accepted), new, int(it.num_tokens)))
+        return plan
 
-        t0 = now()
-        # ---- commit (everything validated: nothing below can fail on the inputs)
-        for r, n_acc, new, _ in plan:
-            prev = len(r.seq)
-            kept = r.proposal[:n_acc] + new
-            r.seq.extend(kept)
-            r.proposal = []
-            if r.index is not None:
-                r.index.extend(kept)
-            if r.slot is not None:  # the cache holds the accepted drafts, then stale ones: drop those
-                self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], prev + n_acc))
-        reqs = [p[0] for p in plan]
-        ks = [p[3] for p in plan]
+    def _commit(self, r: _DraftRequest, n_acc: int, new: list[int]) -> None:
+        """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them."""
+        prev = len(r.seq)
+        kept = r.proposal[:n_acc] + new
+        r.seq.extend(kept)
+        r.proposal = []
+        if r.index is not None:
+            r.index.extend(kept)
+        if r.slot is not None:  # the cache holds the accepted drafts, then stale ones: drop those
+            self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], prev + n_acc))
+
+    def _draft(self, items: list[ProposeItem], reqs: list[_DraftRequest], ks: list[int]) -> list[Proposal]:
+        """Draft ``ks[b]`` tokens after each request's committed sequence; they become its proposal."""
         if self.runner is None:
             proposals = [Proposal(it.request_id, r.index.lookup(k) if k > 0 else []) for it, r, k in zip(items, reqs, ks)]
         else:
-            toks, qs = self._draft_model(reqs, ks)
+            toks, qs, _ = self._draft_model(reqs, ks)
             proposals = [Proposal(it.request_id, t, q) for it, t, q in zip(items, toks, qs)]
         for r, p in zip(reqs, proposals):
             r.proposal = list(p.token_ids)
-        return proposals, CallTiming({"draft": now() - t0})
+        return proposals
 
-    def _draft_model(self, reqs: list[_DraftRequest], ks: list[int]):
-        """Sequential draft passes over the requests still drafting: (tokens, q [n, V] or None) per request.
+    def _draft_model(self, reqs: list[_DraftRequest], ks: list[int], ahead: list[list[int]] | None = None,
+                     guess: bool = False, gate: "Callable[[int], bool] | None" = None, each_pass=None):
+        """Sequential draft passes: (tokens, q [n, V] or None, guesses) per request.
+
+        Request b drafts after ``seq + ahead[b]`` (``ahead``: tokens not committed yet, which the
+        pipelined drafter assumes the target will keep; default none). With ``guess`` the first
+        pass picks the mode of q as a guess of the target's next token (no uniform drawn, not
+        part of the tokens; see :mod:`specdist.pipeline`) and the ``ks[b]`` tokens follow it.
+        The token at sequence position n is sampled with ``draft_uniform(seed, n)``.
+        ``each_pass``: a context manager (a lock) held around every pass; ``gate(b)``, called
+        inside it before the pass, drops request b from the remaining passes when it is False.
 
         Logits processing and sampling run on the model's device and each q stays there; per
         pass only the drafted token ids (and, with a confidence threshold, their confidences)
-        come to the host, in one copy. The uniforms come from each request's host generator.
+        come to the host, in one copy.
         """
-        runner, cache = self.runner, self.cache
         bsz = len(reqs)
-        toks: list[list[int]] = [[] for _ in range(bsz)]
-        rows_q: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
-        ks = list(ks)  # shortened when the confidence threshold stops a request early
-        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])  # [B] each, host
-        greedy = [r.params.temperature <= 0 for r in reqs]
-        for j in range(max(ks, default=0)):
-            rows = sorted((b for b in range(bsz) if ks[b] > j), key=lambda b: reqs[b].slot)  # contiguous slots: views
-            if not rows:
-                break
-            if j == 0:  # everything the cache has not seen yet (usually 1 or 2 tokens)
-                inputs = [reqs[b].seq[cache.lengths[reqs[b].slot]:] for b in rows]
-            else:
-                inputs = [[toks[b][-1]] for b in rows]
-            logits = runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V] on the device
-            dev = logits.device
-            idx = torch.tensor(rows)
-            q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
-            sampled = [n for n, b in enumerate(rows) if not greedy[b]]
-            x = q.argmax(-1)  # [n]: greedy rows (one-hot q)
-            if sampled:
-                s = torch.tensor(sampled, device=dev)
-                r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
-                u = torch.cat([torch.rand(1, generator=reqs[rows[n]].generator, dtype=torch.float64) for n in sampled])
-                x[s] = sample_from(r16, u.to(dev))
-                for m, n in enumerate(sampled):
-                    rows_q[rows[n]].append(r16[m])
-            if self.confidence_threshold > 0:
-                # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
-                conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
-                # token ids < 2**53 are exact in float64: ids and confidences come over in one copy
-                step = torch.stack([x.double(), conf.double()], 1).tolist()  # [n, 2]
-                for b, (t, c) in zip(rows, step):
-                    toks[b].append(int(t))
-                    if c < self.confidence_threshold:
-                        ks[b] = j + 1
-            else:
-                for b, t in zip(rows, x.tolist()):
-                    toks[b].append(t)
-        qs = [torch.stack(rq) if rq else None for rq in rows_q]  # on the device
-        return toks, qs
+        ahead = ahead if ahead is not None else [[] for _ in range(bsz)]
+        g0 = 1 if guess else 0  # passes before the sampled tokens
+        d = _Drafting(
+            reqs=reqs,
+            ahead=ahead,
+            base=[len(r.seq) + len(a) for r, a in zip(reqs, ahead)],
+            passes=[k + g0 if k > 0 or guess else 0 for k in ks],
+            guess=guess,
+            sampling=sampling_tensors([r.params for r in reqs]),
+            toks=[[] for _ in range(bsz)],
+            rows_q=[[] for _ in range(bsz)],
+            guesses=[None] * bsz,
+        )
+        alive = [True] * bsz
+        held = each_pass if each_pass is not None else contextlib.nullcontext()
+        for j in range(max(d.passes, default=0)):
+            with held:
+                if gate is not None:
+                    alive = [alive[b] and gate(b) for b in range(bsz)]
+                rows = sorted((b for b in range(bsz) if d.passes[b] > j and alive[b]), key=lambda b: reqs[b].slot)
+                if not rows:  # (sorted by slot: contiguous slots are cache views)
+                    break
+                self._draft_pass(d, j, rows)
+        qs = [torch.stack(rq) if rq else None for rq in d.rows_q]  # on the device
+        return d.toks, qs, d.guesses
+
+    def _draft_pass(self, d: "_Drafting", j: int, rows: list[int]) -> None:
+        """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``)."""
+        reqs = d.reqs
+        if j == 0:  # everything the cache has not seen yet (usually 1 or 2 tokens)
+            inputs = [(reqs[b].seq + d.ahead[b])[self.cache.lengths[reqs[b].slot]:] for b in rows]
+        else:
+            inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
+        logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
+        dev = logits.device
+        idx = torch.tensor(rows)
+        temp, top_k, top_p = d.sampling
+        q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
+        x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and guesses
+        if j == 0 and d.guess:
+            for b, t in zip(rows, x.tolist()):
+                d.guesses[b] = t
+            return
+        sampled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0]
+        if sampled:
+            s = torch.tensor(sampled, device=dev)
+            r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
+            u = torch.tensor([draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled],
+                             dtype=torch.float64)  # [m]
+            x[s] = sample_from(r16, u.to(dev))
+            for m, n in enumerate(sampled):
+                d.rows_q[rows[n]].append(r16[m])
+        if self.confidence_threshold > 0:
+            # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
+            conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
+            # token ids < 2**53 are exact in float64: ids and confidences come over in one copy
+            step = torch.stack([x.double(), conf.double()], 1).tolist()  # [n, 2]
+            for b, (t, c) in zip(rows, step):
+                d.toks[b].append(int(t))
+                if c < self.confidence_threshold:
+                    d.passes[b] = j + 1
+        else:
+            for b, t in zip(rows, x.tolist()):
+                d.toks[b].append(t)
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -251,6 +315,15 @@ class DrafterCore:
         }
 
 
+def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
+    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model."""
+    if not pipeline or core.runner is None:
+        return core
+    from specdist.pipeline import DraftPipeline
+
+    return DraftPipeline(core, miss)
+
+
 class LocalDrafter(LocalTransport):
     """The drafter transport for a core in this process."""
 
@@ -262,3 +335,8 @@ class LocalDrafter(LocalTransport):
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         return self._call(self.core.propose, items)
+
+    def close(self) -> None:
+        close = getattr(self.core, "close", None)  # a DraftPipeline stops its preparation thread
+        if close is not None:
+            close()

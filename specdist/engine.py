@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config
-from specdist.drafting import DrafterCore, LocalDrafter
+from specdist.drafting import DrafterCore, LocalDrafter, pipelined
 from specdist.errors import ConfigError
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner
@@ -40,7 +40,7 @@ class Engine(Scheduler):
                                                      dc.confidence_threshold, prefix_source=share)
         elif dc.enabled:
             raise ConfigError("draft.method", f"{dc.method!r} needs a draft model")
-        drafters = [LocalDrafter(self.draft_core)] if self.draft_core is not None else []
+        drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 
     def _target_prefix(self, core_id: str):

@@ -44,16 +44,24 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 _ITEM = re.compile(r"^items\[(\d+)\]")
 
 
+_HIDDEN = "hidden"  # CallTiming.hidden_s in the timing metadata (not a phase of the call)
+
+
 def timing_metadata(timing: CallTiming) -> tuple[tuple[str, str], ...]:
     """The trailing metadata a worker sends with a call's core timing."""
-    return ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in timing.phases.items())),)
+    phases = dict(timing.phases)
+    if timing.hidden_s:
+        phases[_HIDDEN] = timing.hidden_s
+    return ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in phases.items())),)
 
 
 def _timing_of(call) -> CallTiming:
     try:
         for key, value in call.trailing_metadata() or ():
             if key == TIMING_METADATA_KEY:
-                return CallTiming({k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)})
+                phases = {k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)}
+                hidden = phases.pop(_HIDDEN, 0.0)
+                return CallTiming(phases, hidden_s=hidden)
     except (ValueError, AttributeError):  # absent or malformed: the whole call counts as network
         pass
     return CallTiming()

@@ -20,6 +20,7 @@ class RequestStep:
     accepted: int  # of those, accepted by the target: positions 0 .. accepted - 1
     emitted: int  # target tokens the output consumed, counting a stop token that ended it
     kept: int  # tokens added to the output
+    pipeline: str | None = None  # pipelined drafting: "hit" (drafts prepared during the last verify) or "miss"
     ttft_s: float | None = None  # this step gave the request its first token: seconds since arrival
     inter_step_s: float | None = None  # seconds since the previous step that gave it tokens
 
@@ -34,6 +35,8 @@ class RequestMetrics:
     emitted: int = 0  # tokens the target emitted into the output, counting a stop token that ended it
     drafts: int = 0  # steps that verified at least one draft token
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps that accepted draft position i
+    pipeline_hits: int = 0  # steps whose drafts were prepared during the previous verification
+    pipeline_misses: int = 0  # steps whose prepared drafts assumed a prefix that did not hold
     arrival_time: float = 0.0
     scheduled_time: float | None = None  # admitted on the target (out of the queue)
     first_token_time: float | None = None
@@ -46,6 +49,8 @@ class RequestMetrics:
         self.accepted += s.accepted
         self.emitted += s.emitted
         self.drafts += s.drafted > 0
+        self.pipeline_hits += s.pipeline == "hit"
+        self.pipeline_misses += s.pipeline == "miss"
         if len(self.accepted_per_pos) < s.accepted:
             self.accepted_per_pos.extend([0] * (s.accepted - len(self.accepted_per_pos)))
         for i in range(s.accepted):

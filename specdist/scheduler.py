@@ -87,6 +87,9 @@ class EngineStats:
     accepted: int = 0
     emitted: int = 0
     calls: int = 0
+    pipeline_hits: int = 0  # request steps whose drafts were prepared during the previous verification
+    pipeline_misses: int = 0
+    draft_hidden_s: float = 0.0  # pipelined drafting done under verification (not in phase_s: no step waited)
 
     def reset(self) -> None:
         self.__init__()
@@ -95,6 +98,8 @@ class EngineStats:
         self.drafted += s.drafted
         self.accepted += s.accepted
         self.emitted += s.kept
+        self.pipeline_hits += s.pipeline == "hit"
+        self.pipeline_misses += s.pipeline == "miss"
 
 
 @dataclass
@@ -345,7 +350,8 @@ class Scheduler:
         tried = min(len(drafted), used) if out.finished else len(drafted)
         accepted = min(n_acc, used)
         m = r.metrics
-        step = RequestStep(r.request_id, r.replica, tried, accepted, used, kept)
+        step = RequestStep(r.request_id, r.replica, tried, accepted, used, kept,
+                           pipeline=p.pipeline if p is not None else None)
         if kept or r.finished:
             t = now()
             if m.first_token_time is None:
@@ -403,6 +409,9 @@ class Scheduler:
             r.proposal = p
             r.num_accepted, r.new_tokens = 0, []  # committed on the drafter
             ntok += len(p)
+        if timing.hidden_s:
+            with self._lock:
+                self.stats.draft_hidden_s += timing.hidden_s
         if ntok:
             rep.propose_s += wall
             rep.proposed_tokens += ntok

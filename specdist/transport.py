@@ -17,8 +17,12 @@ Every call is all or nothing: the core validates the whole batch before it chang
 state. A failure raises :class:`TransportError` carrying the request ids it concerns (one
 item, or the whole call when no item is to blame); the scheduler decides what that means.
 
-Seeds: a request's seed gives the verifier's generator directly and the drafter's through
-:func:`draft_seed`, on either transport, so one seed gives one output wherever it runs.
+Seeds: a request's seed gives the verifier's generator directly and the drafter's seed through
+:func:`draft_seed`, on either transport, so one seed gives one output wherever it runs. The
+drafter draws the uniform of the draft token at sequence position ``n`` as
+:func:`draft_uniform` ``(draft seed, n)``: a function of the position, not of how many draws
+came before, so drafting the same positions ahead of time (pipelined drafting,
+:mod:`specdist.pipeline`) or again after a rejection gives the tokens sequential drafting gives.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Proposal:
     token_ids: list[int]  # [n]
     q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.wire.fp16_exact), drafter's device
     wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
+    pipeline: str | None = None  # pipelined drafter: HIT (prepared during the last verify) or MISS; None: not prepared
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -89,11 +94,20 @@ class Verified:
     next_token: int  # the residual or bonus token sampled after them
 
 
+HIT, MISS = "hit", "miss"  # Proposal.pipeline
+
+
 @dataclass
 class CallTiming:
-    """Seconds a core spent on one call, by phase ("forward", "sampling", "draft", ...)."""
+    """Seconds a core spent on one call, by phase ("forward", "sampling", "draft", ...).
+
+    ``hidden_s``: seconds of background drafting (:mod:`specdist.pipeline`) for this call's
+    requests that ran before the call arrived, i.e. under the previous verification; not part
+    of the call's wall time.
+    """
 
     phases: dict[str, float] = field(default_factory=dict)
+    hidden_s: float = 0.0
 
     @property
     def total(self) -> float:
@@ -152,6 +166,27 @@ DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
 def draft_seed(seed: int) -> int:
     """The drafter's generator seed for a request whose verifier generator is seeded with ``seed``."""
     return (int(seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
+
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    """The SplitMix64 output function (a bijection on uint64 with full avalanche)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def draft_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) (53 bits) that samples the draft token at sequence ``position``.
+
+    Element ``position`` of a SplitMix64 stream whose start is the mixed ``seed``. Counter-based,
+    so any position can be drawn in any order, any number of times, with the same result.
+    """
+    x = (_mix64(int(seed) & _M64) + (int(position) + 1) * _GOLDEN) & _M64
+    return (_mix64(x) >> 11) * 2.0**-53
 
 
 def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

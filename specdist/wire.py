@@ -18,7 +18,7 @@ import torch
 
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
-from specdist.transport import Proposal, ProposeItem, StartItem, Verified, VerifyItem
+from specdist.transport import HIT, MISS, Proposal, ProposeItem, StartItem, Verified, VerifyItem
 from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
 DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
@@ -242,12 +242,19 @@ def proposal_to_proto(p: Proposal, vocab_size: int, preferred: int = 0) -> draft
     else:
         q = p.q.cpu()  # [n, V]: the rows travel, so this is where they come to the host (one copy)
         dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in q]
-    return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists)
+    return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists,
+                              pipeline=_PIPELINE_TO_PROTO[p.pipeline])
 
 
 def proposal_from_proto(msg: draft_pb2.Proposal) -> Proposal:
     """Keeps the distributions encoded (``wire``): a verifier decodes them, a remote one forwards them."""
-    return Proposal(msg.request_id, list(msg.token_ids), wire=list(msg.probs))
+    return Proposal(msg.request_id, list(msg.token_ids), wire=list(msg.probs),
+                    pipeline=_PIPELINE_FROM_PROTO.get(msg.pipeline))
+
+
+_PIPELINE_TO_PROTO = {None: draft_pb2.PIPELINE_OUTCOME_UNSPECIFIED, HIT: draft_pb2.PIPELINE_OUTCOME_HIT,
+                      MISS: draft_pb2.PIPELINE_OUTCOME_MISS}
+_PIPELINE_FROM_PROTO = {v: k for k, v in _PIPELINE_TO_PROTO.items()}
 
 
 def _choose_format(r: torch.Tensor, preferred: int, vocab_size: int) -> int:

@@ -393,10 +393,12 @@ class DraftActor(_ActorBase):
         ngram_min: int = 1,
         ngram_max: int = 3,
         device: str = "auto",
+        pipeline: bool = False,  # draft.pipeline (model drafts): prepare next drafts during verification
+        pipeline_miss: str = "redraft",
     ) -> dict:
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.drafting import DrafterCore
+        from specdist.drafting import DrafterCore, pipelined
         from specdist.engine import device_for
         from specdist.errors import ConfigError
         from specdist.models.loader import load_model, resolve_model
@@ -421,6 +423,7 @@ class DraftActor(_ActorBase):
             self.worker = DrafterCore.from_ngram(vocab, max_model_len, ngram_min, ngram_max)
         else:
             raise ConfigError("draft.method", f"a draft actor runs model, self-w8 or ngram, not {method!r}")
+        self.worker = pipelined(self.worker, pipeline, pipeline_miss)
         self.method, self.k = method, int(k)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
@@ -472,6 +475,9 @@ class DraftActor(_ActorBase):
         if self.state != "shut down":
             self._stop_grpc()
             self.executor.shutdown(wait=True)
+            close = getattr(self.worker, "close", None)  # a DraftPipeline stops its preparation thread
+            if close is not None:
+                close()
             self.state = "shut down"
         return {"index": self.index, "ok": True}
 

@@ -1,11 +1,21 @@
 from specdist.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PipelineOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PIPELINE_OUTCOME_UNSPECIFIED: _ClassVar[PipelineOutcome]
+    PIPELINE_OUTCOME_HIT: _ClassVar[PipelineOutcome]
+    PIPELINE_OUTCOME_MISS: _ClassVar[PipelineOutcome]
+PIPELINE_OUTCOME_UNSPECIFIED: PipelineOutcome
+PIPELINE_OUTCOME_HIT: PipelineOutcome
+PIPELINE_OUTCOME_MISS: PipelineOutcome
 
 class StartRequest(_message.Message):
     __slots__ = ("items",)
@@ -60,14 +70,16 @@ class ProposeResponse(_message.Message):
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "token_ids", "probs")
+    __slots__ = ("request_id", "token_ids", "probs", "pipeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ...) -> None: ...
+    pipeline: PipelineOutcome
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., pipeline: _Optional[_Union[PipelineOutcome, str]] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -1,0 +1,302 @@
+"""Pipelined drafting: the drafter drafts the next step while the target verifies this one.
+
+:class:`DraftPipeline` wraps a model :class:`~specdist.drafting.DrafterCore` and keeps its
+interface (``start`` / ``propose`` / ``release``), so the scheduler, the local transport and
+the draft worker's servicer host it unchanged. After answering ``propose`` with drafts
+``d_1..d_k`` for a request, it keeps working on a background thread while the target
+verifies them:
+
+1. **guess**: one draft pass over ``d_k`` gives ``q(. | x, d_1..d_k)`` (``x``: the committed
+   sequence); the guess ``g`` is its mode, the draft's best bet for the target's bonus token;
+2. **prepare**: ``k`` more passes sample ``d'_1..d'_k`` after ``x, d_1..d_k, g``, exactly as
+   sequential drafting would after that prefix (same q, same uniforms: position keyed,
+   :func:`~specdist.transport.draft_uniform`).
+
+The next ``propose`` says what the target kept. When it accepted all ``k`` drafts and then
+emitted ``g`` (a **hit**), the true prefix is the assumed one and ``d'`` is returned at once
+(cut to the length asked). Otherwise (a **miss**) the cache rolls back to the true prefix,
+and the request is either drafted now (``miss="redraft"``) or gets no drafts this step
+(``miss="skip"``: the target emits one token for it, and its preparation for the step after
+runs during that verify, so a miss does not hold up the other requests' step). A request that
+was never prepared (its first step) drafts as usual.
+
+Exactness (``../shared/docs/spec-math.md``: the verifier keeps the target's law for any
+proposal ``(d, q)`` whose tokens are sampled from the q rows it sends, with randomness
+independent of the target's acceptance and residual draws, and whose length is fixed before
+verification):
+
+- A prepared token ``d'_i`` is sampled from ``r_i = fp16_exact(q(. | y, d'_1..d'_{i-1}))``,
+  where ``y = x, d, g`` is the prefix it assumes, with ``draft_uniform(seed, position)``:
+  independent of the target's generator and of everything the target has seen.
+- It is proposed only on a hit, i.e. when the committed sequence *is* ``y``. Conditioned on
+  the history up to that step (which fixes ``y``), the uniforms that made ``d'`` were not
+  used by anything that shaped the history: ``g`` is a deterministic function of ``q`` (no
+  uniform), and whether the step hit depends on ``d``, ``g`` and the target's draws only.
+  So ``d'`` has exactly the law sequential drafting gives after ``y``, with the same q rows
+  sent, and the verifier's guarantee applies unchanged.
+- On a miss ``d'`` is discarded; the redrafted tokens use the uniforms of their positions,
+  which only discarded tokens used before (a position drafted in a step that rejected an
+  earlier position leaves no trace in the output), so they too are independent of the history.
+- The draft length of a step (``k``, the prepared length, or 0 on a skipped miss) is a
+  function of the history only, fixed before the step's verification.
+
+Reusing ``d'`` after a partial acceptance (``y`` is not the committed sequence) sends q rows of
+the wrong prefix and breaks this; ``tests/test_pipeline.py`` shows the frequency test catches it.
+The hit rule is :func:`prepared_prefix_holds`, the one place that decides.
+
+Cost model (per request, one draft replica, draft forward ``c_d`` per pass, verification
+``c_v``, per-position acceptance ``a``, guess hit rate ``b = P(bonus == g | all accepted)``):
+
+- sequential step: ``T_seq = k c_d + c_v``, emitting ``E(a, k) = 1 + a + ... + a^k`` tokens;
+- the next step hits with ``h = a^k b``;
+- redraft: ``T_pipe = max(c_v, (k + 1) c_d) + (1 - h) k c_d``, ``E(a, k)`` tokens a step;
+- skip: every step costs about ``max(c_v, (k + 1) c_d)``; a step has drafts with the
+  stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens.
+
+:func:`pipelined_step_time` evaluates these (``specdist cost-model --pipeline``). Preparing
+for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual
+token) would add rows to every prepared pass to win ``k c_d`` with the probability of that
+outcome; BENCHMARKS.md ("Pipelined drafting") has the measured ``a``, ``b`` and hit rates
+that this choice rests on.
+
+Timing: ``CallTiming.phases["draft"]`` of a ``propose`` is what the caller waited for
+(drafting now, plus the part of the preparation still running when the call arrived);
+``CallTiming.hidden_s`` is the preparation that finished under the previous verification.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from specdist.cost_model import expected_tokens
+from specdist.drafting import DrafterCore
+from specdist.request import now
+from specdist.transport import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem
+
+log = logging.getLogger(__name__)
+
+MISS_POLICIES = ("redraft", "skip")
+
+
+def prepared_prefix_holds(proposed: int, num_accepted: int, new_token_ids: list[int], guess: int) -> bool:
+    """The committed sequence is the prefix a preparation assumed: all ``proposed`` drafts were
+    accepted and the target's one token after them is the guess."""
+    return num_accepted == proposed and list(new_token_ids) == [guess]
+
+
+@dataclass
+class _Prepared:
+    guess: int  # the token assumed after the proposal
+    tokens: list[int]  # drafts after proposal + guess
+    q: torch.Tensor | None  # [len(tokens), V] fp16-exact rows; None: greedy (one-hot)
+
+
+@dataclass
+class _Job:
+    """One background preparation, over the requests of one propose call."""
+
+    request_ids: list[str]
+    abort: set[str] = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=now)
+    finished: float = 0.0
+
+
+@dataclass
+class PipelineCounters:
+    hits: int = 0  # proposals answered from a preparation
+    misses: int = 0  # prepared requests whose assumed prefix did not hold
+    prepare_s: float = 0.0  # seconds of background preparation
+    hidden_s: float = 0.0  # of those, done before the next propose arrived
+    draft_s: float = 0.0  # seconds of drafting inside propose calls (cold requests, redrafted misses)
+
+    @property
+    def overlap(self) -> float:
+        """Draft time hidden under verification / all draft time."""
+        total = self.prepare_s + self.draft_s
+        return self.hidden_s / total if total > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+class DraftPipeline:
+    """A model drafter that prepares each request's next drafts in the background (see module doc).
+
+    Thread safety: ``start`` / ``propose`` / ``release`` come from one caller thread at a time
+    (the scheduler, or the worker's call thread); the preparation thread and those calls take
+    the core one draft pass or one call at a time.
+    """
+
+    def __init__(self, core: DrafterCore, miss: str = "redraft"):
+        if core.runner is None:
+            raise ValueError("pipelined drafting needs a model drafter (n-gram drafts cost nothing to prepare)")
+        if miss not in MISS_POLICIES:
+            raise ValueError(f"miss policy must be one of {MISS_POLICIES}, got {miss!r}")
+        self.core = core
+        self.miss = miss
+        self.prepared: dict[str, _Prepared] = {}
+        self.counters = PipelineCounters()
+        self._lock = threading.Lock()  # the core's state: one pass or call at a time
+        self._job: _Job | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="specdist-prepare")
+
+    # the DrafterCore surface its hosts read
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def method(self) -> str:
+        return self.core.method
+
+    @property
+    def requests(self) -> dict:
+        return self.core.requests
+
+    def kv_slots_in_use(self) -> int:
+        return self.core.kv_slots_in_use()
+
+    def health(self) -> dict:
+        out = self.core.health()
+        c = self.counters
+        out.update(pipeline=True, pipeline_miss=self.miss, prepared=len(self.prepared),
+                   preparing=self._job is not None and not self._job.done.is_set(),
+                   pipeline_hits=c.hits, pipeline_misses=c.misses, overlap=round(c.overlap, 4))
+        return out
+
+    # ------------------------------------------------------------ calls
+    def start(self, items: list[StartItem]) -> CallTiming:
+        with self._lock:
+            return self.core.start(items)
+
+    def release(self, request_ids: list[str]) -> None:
+        job = self._job
+        if job is not None:
+            job.abort.update(request_ids)  # its next pass skips them
+        with self._lock:
+            self.core.release(request_ids)
+            for rid in request_ids:
+                self.prepared.pop(rid, None)
+
+    def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        arrived = now()
+        waited = hidden = 0.0
+        job, self._job = self._job, None
+        if job is not None:
+            for it in items:  # certain misses stop preparing now
+                r = self.core.requests.get(it.request_id)
+                if r is None or it.num_accepted != len(r.proposal) or len(it.new_token_ids) != 1:
+                    job.abort.add(it.request_id)
+            job.done.wait()
+            waited = max(0.0, job.finished - arrived)
+            hidden = max(0.0, min(job.finished, arrived) - job.started)
+            self.counters.hidden_s += hidden
+        with self._lock:
+            core = self.core
+            plan = core._check(items)
+            t0 = now()
+            out: list[Proposal | None] = [None] * len(items)
+            todo: list[int] = []  # items drafted now
+            status: list[str | None] = [None] * len(items)
+            for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
+                prep = self.prepared.pop(it.request_id, None)
+                if prep is not None and prepared_prefix_holds(len(r.proposal), n_acc, new, prep.guess):
+                    r.seq.extend(r.proposal + new)  # the cache already holds them and the prepared drafts
+                    n = min(k, len(prep.tokens))
+                    # as after drafting n tokens: the cache ends before the last one (a shorter cut drops the rest)
+                    core.cache.rollback(r.slot, min(core.cache.lengths[r.slot], len(r.seq) + n - 1))
+                    q = prep.q[:n] if prep.q is not None and n else None
+                    out[i] = Proposal(it.request_id, prep.tokens[:n], q, pipeline=HIT)
+                    r.proposal = prep.tokens[:n]
+                    self.counters.hits += 1
+                    continue
+                core._commit(r, n_acc, new)
+                if prep is not None:
+                    status[i] = MISS
+                    self.counters.misses += 1
+                    if self.miss == "skip":
+                        out[i] = Proposal(it.request_id, [], pipeline=MISS)
+                        continue
+                todo.append(i)
+            if todo:
+                drafted = core._draft([items[i] for i in todo], [plan[i][0] for i in todo], [plan[i][3] for i in todo])
+                for i, p in zip(todo, drafted):
+                    p.pipeline = status[i]
+                    out[i] = p
+            draft_s = now() - t0
+            self.counters.draft_s += draft_s
+            self._schedule([(it.request_id, r, it.num_tokens) for it, (r, *_) in zip(items, plan) if it.num_tokens > 0])
+        return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden)
+
+    def close(self) -> None:
+        job = self._job
+        if job is not None:
+            job.abort.update(job.request_ids)
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ preparation
+    def _schedule(self, work: list[tuple[str, object, int]]) -> None:
+        """Prepare each request's next drafts after its proposal and a guess (lock held)."""
+        core = self.core
+        todo = []
+        for rid, r, k in work:
+            # room for the guess and k drafts after the proposal (each drafted token's successor fits)
+            k = min(k, core.max_model_len - len(r.seq) - len(r.proposal) - 2)
+            if k >= 0:
+                todo.append((rid, r, k))
+        if not todo:
+            return
+        job = _Job([rid for rid, _, _ in todo])
+        self._job = job
+        self._executor.submit(self._prepare, job, todo)
+
+    def _prepare(self, job: _Job, todo: list) -> None:
+        core = self.core
+        ids = [rid for rid, _, _ in todo]
+        reqs = [r for _, r, _ in todo]
+        try:
+            def alive(b: int) -> bool:
+                return ids[b] not in job.abort and core.requests.get(ids[b]) is reqs[b]
+
+            toks, qs, guesses = core._draft_model(reqs, [k for _, _, k in todo], ahead=[list(r.proposal) for r in reqs],
+                                                  guess=True, gate=alive, each_pass=self._lock)
+            with self._lock:
+                for b, rid in enumerate(ids):
+                    if guesses[b] is not None and alive(b):
+                        self.prepared[rid] = _Prepared(guesses[b], toks[b], qs[b])
+        except Exception:  # noqa: BLE001 - a failed preparation only costs its hits
+            log.exception("pipelined drafting: preparing %d requests failed; they draft on demand", len(ids))
+        finally:
+            job.finished = now()
+            self.counters.prepare_s += job.finished - job.started
+            job.done.set()
+
+
+def pipelined_step_time(alpha: float, k: int, hit_guess: float, draft_pass: float, verify: float,
+                        miss: str = "redraft") -> tuple[float, float, float]:
+    """The cost model above: (expected seconds per step, expected tokens per step, next-step hit rate)."""
+    h = alpha**k * hit_guess
+    e = expected_tokens(alpha, k)
+    overlapped = max(verify, (k + 1) * draft_pass)
+    if miss == "redraft":
+        return overlapped + (1 - h) * k * draft_pass, e, h
+    pi = hit_guess / (hit_guess + 1 - h) if hit_guess + 1 - h > 0 else 1.0
+    return overlapped, pi * e + (1 - pi), h
+
+
+def sequential_step_time(alpha: float, k: int, draft_pass: float, verify: float) -> tuple[float, float]:
+    """(seconds per step, expected tokens per step) without pipelining."""
+    return k * draft_pass + verify, expected_tokens(alpha, k)
+
