@@ -129,8 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
-    p.add_argument("--json", default=None, help="also write all results to this JSON file (schema specdist.bench.cluster/1: the docstring of "
-                        "specdist/bench/cluster_bench.py)")
+    p.add_argument("--json", default=None,
+                   help="also write all results to this JSON file (schema specdist.bench.cluster/1: the "
+                        "docstring of specdist/bench/cluster_bench.py)")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="draw PREFIX-throughput.png and PREFIX-latency.png")
     p.add_argument("--no-progress", action="store_true",
