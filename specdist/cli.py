@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdist", description="Exact speculative decoding runtime", **fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from specdist.serve_cli import add_serve_arguments, default_config_help
+    from specdist.serve_cli import add_serve_arguments, add_tls_arguments, default_config_help
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **fmt)
     gen.add_argument("prompt", help="the prompt text")
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--ray-address", default=None,
                      help="cluster.enabled: join this Ray cluster (e.g. auto) instead of starting a local one")
+    add_tls_arguments(gen, ca=True)
 
     cm = sub.add_parser("cost-model", help="idealised speedup of speculative decoding (not a measurement)", **fmt)
     cm.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate in [0, 1]")
@@ -189,7 +190,10 @@ def _generate(args: argparse.Namespace) -> int:
 
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-        return run_remote_generate(args.server, args.prompt, kwargs, args.raw)
+        return run_remote_generate(args.server, args.prompt, kwargs, args.raw, _client_security(args))
+    given = [f for f in ("tls_ca", "tls_cert", "tls_key", "auth_token_file") if getattr(args, f) is not None]
+    if given:
+        raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
     from specdist.config import load_config
     from specdist.sampling_params import SamplingParams
     from specdist.serve_cli import check_dependencies, describe, shut_down, start_backend
@@ -235,6 +239,13 @@ def _generate(args: argparse.Namespace) -> int:
     finally:  # also on Ctrl-C: a deployment's actors and placement groups must not outlive the command
         shut_down(backend)
     return 0
+
+
+def _client_security(args: argparse.Namespace) -> dict:
+    """SpecDistClient's TLS and token keywords from ``generate --server``'s flags (files read now)."""
+    from specdist.security import client_kwargs_from_files
+
+    return client_kwargs_from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
 
 
 def _check_prompt(cfg, prompt: str, raw: bool):

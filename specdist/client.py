@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdist.errors import SpecDistError
+from specdist.security import client_channel
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 _FINISH = {
@@ -81,12 +82,24 @@ class ServerInfo:
 
 
 class SpecDistClient:
-    """Blocking client; ``target`` is ``"host:port"`` or an existing ``grpc.Channel``."""
+    """Blocking client; ``target`` is ``"host:port"`` or an existing ``grpc.Channel``.
 
-    def __init__(self, target: str | grpc.Channel, timeout: float | None = None):
+    TLS (with ``"host:port"``): ``root_certificates`` (PEM bytes of the CA to trust; None: the
+    system's roots), ``certificate_chain`` and ``private_key`` (a client certificate, for servers
+    that require one), or ``tls=True`` alone. ``token``: sent as ``authorization: Bearer <token>``
+    metadata on every call (:mod:`specdist.security`).
+    """
+
+    def __init__(self, target: str | grpc.Channel, timeout: float | None = None, *,
+                 root_certificates: bytes | None = None, certificate_chain: bytes | None = None,
+                 private_key: bytes | None = None, tls: bool = False, token: str | None = None):
         self._own = isinstance(target, str)
-        self.channel = grpc.insecure_channel(target) if isinstance(target, str) else target
+        if isinstance(target, str):
+            self.channel = client_channel(target, root_certificates, certificate_chain, private_key, tls)
+        else:
+            self.channel = target
         self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = specdist_pb2_grpc.SpecDecodeStub(self.channel)
 
     def __enter__(self) -> "SpecDistClient":
@@ -130,7 +143,7 @@ class SpecDistClient:
         return self._stream(req)
 
     def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
-        call = self._stub.Generate(req, timeout=self.timeout)
+        call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -153,13 +166,15 @@ class SpecDistClient:
     def cancel(self, request_id: str) -> None:
         """Abort a running request; RemoteError NOT_FOUND if no running request has that id."""
         try:
-            self._stub.Cancel(specdist_pb2.CancelRequest(request_id=request_id), timeout=self.timeout)
+            self._stub.Cancel(specdist_pb2.CancelRequest(request_id=request_id), timeout=self.timeout,
+                              metadata=self._metadata)
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
 
     def server_info(self) -> ServerInfo:
         try:
-            msg = self._stub.GetServerInfo(specdist_pb2.GetServerInfoRequest(), timeout=self.timeout)
+            msg = self._stub.GetServerInfo(specdist_pb2.GetServerInfoRequest(), timeout=self.timeout,
+                                           metadata=self._metadata)
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
         counters = {f.name: getattr(msg.counters, f.name) for f in msg.counters.DESCRIPTOR.fields}
@@ -180,7 +195,8 @@ class SpecDistClient:
 
         try:
             stub = health_pb2_grpc.HealthStub(self.channel)
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout,
+                              metadata=self._metadata)
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

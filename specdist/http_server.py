@@ -44,6 +44,10 @@ limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 40
 
 A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
 requests: their KV slots are free within one engine step.
+
+With a token (``specdist serve --auth-token-file``, :mod:`specdist.security`), /v1/* and
+/metrics answer 401 (``type`` ``authentication_error``, ``code`` ``invalid_api_key``) without
+``Authorization: Bearer <token>``; ``GET /health`` stays open for probes.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -67,6 +71,7 @@ from specdist.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import InvalidArgument
 from specdist.frontend import Limits, check_request, refusal_status, server_info
 from specdist.request import RequestMetrics
+from specdist.security import ServerSecurity, bearer_ok, unauthenticated_message
 from specdist.sampling_params import SamplingParams
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
@@ -396,12 +401,16 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------- the app
-def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring)."""
+def create_app(coordinator: Coordinator, model_name: str | None = None, token: str | None = None) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring).
+
+    ``token``: /v1/* and /metrics answer 401 without ``Authorization: Bearer <token>``.
+    """
     front = _OpenAIFrontEnd(coordinator, model_name)
     app = FastAPI(title="specdist", description="OpenAI-compatible API over speculative decoding",
                   docs_url=None, redoc_url=None)
     app.state.front = front
+    auth = [Depends(_bearer_auth(token))] if token else []
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -420,15 +429,15 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
         result = await _unless_disconnected(request.receive, front.complete(call, streams))
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatRequest, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
         card = {"id": front.model, "object": "model", "created": front.created, "owned_by": "specdist",
                 "max_model_len": front.info["max_model_len"], "specdist": front.info}
@@ -440,7 +449,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "shutting down"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
         m = getattr(coordinator, "metrics", None)
         if m is None:
@@ -449,6 +458,17 @@ def create_app(coordinator: Coordinator, model_name: str | None = None) -> FastA
         return Response(body, headers={"Content-Type": content_type})
 
     return app
+
+
+def _bearer_auth(token: str) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 (OpenAI's ``invalid_api_key`` shape) unless the request carries the token."""
+
+    async def check(request: Request) -> None:
+        header = request.headers.get("authorization")
+        if not bearer_ok(header, token):
+            raise APIError(401, unauthenticated_message(header), type="authentication_error", code="invalid_api_key")
+
+    return check
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -545,8 +565,11 @@ class HttpServer:
 
 
 async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                     model_name: str | None = None) -> HttpServer:
+                     model_name: str | None = None, security: ServerSecurity | None = None) -> HttpServer:
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
+
+    ``security``: HTTPS with its certificate (a client certificate required with a client CA),
+    and its token on /v1/* and /metrics (:mod:`specdist.security`).
 
     The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
     """
@@ -559,8 +582,10 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     except OSError as e:
         raise ListenError(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}") from None
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(coordinator, model_name), log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    security = security or ServerSecurity()
+    tls = security.tls.uvicorn_kwargs() if security.tls is not None else {}
+    config = uvicorn.Config(create_app(coordinator, model_name, security.token), log_config=None, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"specdist-http-{bound}")
     while not server.started:  # startup takes a few event-loop turns; the socket already queues connections

@@ -92,6 +92,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-host", default="127.0.0.1",
         help="cluster.enabled: address the target/draft workers listen on (must be reachable from this process)",
     )
+    add_tls_arguments(parser)
+    parser.add_argument("--tls-client-ca", default=None, metavar="PATH",
+                        help="require client certificates signed by this CA (PEM; needs --tls-cert)")
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, ca: bool = False) -> None:
+    """The TLS and token flags ``serve`` (the server's certificate) and ``generate --server`` (the client's) share."""
+    who = "client" if ca else "server"
+    if ca:
+        parser.add_argument("--tls-ca", default=None, metavar="PATH",
+                            help="with --server: TLS, trusting this CA (PEM; default: plaintext, or the system's "
+                                 "roots with --tls-cert)")
+    parser.add_argument("--tls-cert", default=None, metavar="PATH",
+                        help=f"TLS: the {who} certificate chain (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", default=None, metavar="PATH", help=f"TLS: the {who} private key (PEM)")
+    parser.add_argument("--auth-token-file", default=None, metavar="PATH",
+                        help="bearer token file: " + ("sent with every call" if ca else
+                                                      "required on every call except health checks"))
 
 
 def _log(msg: str) -> None:
@@ -316,15 +334,16 @@ class Serving:
 async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int = 0, max_queued: int = 256,
                         drain_seconds: float = 5.0, ray_address: str | None = None, worker_host: str = "127.0.0.1",
                         backend: Backend | None = None, metrics_port: int | None = None,
-                        http_port: int | None = None, http_host: str | None = None) -> Serving:
+                        http_port: int | None = None, http_host: str | None = None,
+                        security: Any = None) -> Serving:
     """Everything ``specdist serve`` does before waiting for a signal; returns the handle to stop it.
 
     Without ``backend`` it is brought up here (:func:`start_backend`, blocking this event loop).
     ``metrics_port``: also serve the coordinator's Prometheus registry there (0: any free port).
     ``http_port``: also serve the OpenAI-compatible HTTP API there (on ``http_host``, default ``host``).
+    ``security``: a :class:`specdist.security.ServerSecurity` (TLS, token) for every one of these ports.
     """
-    from prometheus_client import start_http_server
-
+    from specdist.security import start_metrics_server
     from specdist.server import serve
 
     if http_port is not None:
@@ -332,15 +351,14 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
     if backend is None:
         backend = start_backend(config, ray_address, worker_host)
     try:
-        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds)
+        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds, security)
     except BaseException:
         await asyncio.to_thread(backend.close)
         raise
     serving = Serving(server, backend, host)
     if metrics_port is not None:
         try:
-            serving.metrics_server, _ = start_http_server(metrics_port, addr=host,
-                                                          registry=coordinator.metrics.registry)
+            serving.metrics_server = start_metrics_server(metrics_port, host, coordinator.metrics.registry, security)
         except BaseException as e:
             await serving.stop(0)
             if isinstance(e, OSError):
@@ -350,7 +368,7 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
         try:
             from specdist.http_server import start_http
 
-            serving.http = await start_http(coordinator, http_host or host, http_port)
+            serving.http = await start_http(coordinator, http_host or host, http_port, security=security)
         except BaseException:
             await serving.stop(0)
             raise
@@ -364,7 +382,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.drain_seconds < 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     from specdist.config import load_config
+    from specdist.security import ServerSecurity
 
+    args.security = ServerSecurity.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                                             getattr(args, "tls_client_ca", None),
+                                             getattr(args, "auth_token_file", None))
     cfg = load_config(args.config)
     check_dependencies(cfg)
     http_port = getattr(args, "http_port", None)
@@ -433,15 +455,20 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
     serving = await start_serving(host=args.host, port=args.port, max_queued=args.max_queued,
                                   drain_seconds=args.drain_seconds, backend=backend,
                                   metrics_port=getattr(args, "metrics_port", None),
-                                  http_port=getattr(args, "http_port", None), http_host=getattr(args, "http_host", None))
+                                  http_port=getattr(args, "http_port", None),
+                                  http_host=getattr(args, "http_host", None), security=args.security)
     engine = backend.engine
     cfg = engine.config
+    sec = args.security
+    _log(describe_security(sec))
     _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
          f"on {serving.address}")
+    if sec.token is not None and sec.tls is None:
+        _log("warning: --auth-token-file without --tls-cert: the token crosses the network in cleartext")
     if serving.http is not None:
-        _log(f"OpenAI-compatible HTTP API on http://{serving.http.address}/v1")
+        _log(f"OpenAI-compatible HTTP API on {sec.scheme}://{serving.http.address}/v1")
     if serving.metrics_port is not None:
-        _log(f"Prometheus metrics on http://{serving.host}:{serving.metrics_port}/metrics")
+        _log(f"Prometheus metrics on {sec.scheme}://{serving.host}:{serving.metrics_port}/metrics")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -457,13 +484,25 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
     _log("stopped")
 
 
-def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dict[str, Any], raw: bool) -> int:
+def describe_security(security: Any) -> str:
+    """TLS / mutual TLS / plaintext, and whether a token is required, for the serve log line."""
+    if security.tls is None:
+        tls = "plaintext"
+    else:
+        tls = "mutual TLS" if security.tls.client_ca is not None else "TLS"
+    return "public ports: " + tls + (", bearer token required" if security.token is not None else
+                                     ", no authentication")
+
+
+def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dict[str, Any], raw: bool,
+                        client_kwargs: dict[str, Any] | None = None) -> int:
     """Stream one generation from a running server to stdout; stats on stderr.
 
     ``params_kwargs``: SpecDistClient.generate keywords (max_tokens, temperature, top_p,
     top_k, seed, stop, ...). Without ``raw`` a text prompt is wrapped in the model's
     chat template by the server. Server errors raise RemoteError (a SpecDistError); a request
     the server aborted or failed raises RequestFailed (exit status 1) naming the finish reason.
+    ``client_kwargs``: SpecDistClient's TLS and token keywords.
     """
     import grpc
 
@@ -471,7 +510,7 @@ def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dic
 
     t0 = time.perf_counter()
     last = None
-    with SpecDistClient(server) as client:
+    with SpecDistClient(server, **(client_kwargs or {})) as client:
         chat = not raw and isinstance(prompt, str)
         try:
             try:

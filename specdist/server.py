@@ -9,6 +9,8 @@ ends with INTERNAL.
 
 ``serve()`` also registers the standard ``grpc.health.v1.Health`` service (SERVING
 once the engine has warmed up, NOT_SERVING while draining) and server reflection.
+With a token (:mod:`specdist.security`) every method except the health service's is
+UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
 from specdist.frontend import Limits, check_request, check_request_id, refusal_status, request_stats, server_info
+from specdist.security import ServerSecurity, TokenAuthInterceptor
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -165,22 +168,30 @@ class SpecDistServer:
 
 
 async def serve(
-    engine: Engine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0
+    engine: Engine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0,
+    security: ServerSecurity | None = None,
 ) -> tuple[SpecDistServer, Coordinator]:
     """Start SpecDecode + health + reflection on ``host:port`` (0 picks a free port: see ``.port``).
 
-    Health is NOT_SERVING until the engine has warmed up, then SERVING.
+    Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
+    credentials for the port, and a token every method but the health service requires
+    (:mod:`specdist.security`).
     """
+    security = security or ServerSecurity()
     coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
-    server = grpc.aio.server(options=Limits.of(engine).grpc_options())
+    interceptors = [TokenAuthInterceptor(security.token)] if security.token else None
+    server = grpc.aio.server(options=Limits.of(engine).grpc_options(), interceptors=interceptors)
     specdist_pb2_grpc.add_SpecDecodeServicer_to_server(SpecDecodeServicer(coordinator), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", security.tls.grpc_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     wrapped = SpecDistServer(server, coordinator, health, bound, drain_seconds)

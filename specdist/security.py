@@ -1,0 +1,253 @@
+"""TLS and bearer-token authentication of the public ports (gRPC, the HTTP API, ``--metrics-port``).
+
+Server side (``specdist serve``):
+- ``--tls-cert`` / ``--tls-key``: PEM certificate chain and private key; every public port then
+  speaks TLS. ``--tls-client-ca``: clients must also present a certificate signed by this CA
+  (mutual TLS).
+- ``--auth-token-file``: a file holding one token (surrounding whitespace stripped), read once
+  at start. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
+  header), except the probes: the gRPC health service and ``GET /health``. A missing or wrong
+  token is gRPC UNAUTHENTICATED / HTTP 401; the token is never echoed, and it is compared in
+  constant time (``hmac.compare_digest``).
+
+Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
+CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
+
+Every file is checked when the command starts: a missing, unreadable or empty one is a one-line
+:class:`SecurityConfigError` naming its flag.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from specdist.errors import SpecDistError
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes: open without a token
+
+
+class SecurityConfigError(SpecDistError):
+    """A TLS or token file (or flag combination) is unusable; the message names the flag."""
+
+
+def read_file(path: str, flag: str) -> bytes:
+    """The bytes of ``path``; SecurityConfigError naming ``flag`` if it cannot be read or is empty."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SecurityConfigError(f"{flag} {path}: {e.strerror or e}") from None
+    if not data.strip():
+        raise SecurityConfigError(f"{flag} {path}: the file is empty")
+    return data
+
+
+def read_token(path: str, flag: str = "--auth-token-file") -> str:
+    """The token in ``path``, surrounding whitespace stripped; it must be one printable ASCII word."""
+    try:
+        token = read_file(path, flag).decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise SecurityConfigError(f"{flag} {path}: the token must be ASCII") from None
+    if not token.isprintable() or any(c.isspace() for c in token):
+        raise SecurityConfigError(f"{flag} {path}: the token must be one word of printable characters")
+    return token
+
+
+def _check_pair(tls_cert: str | None, tls_key: str | None) -> None:
+    """A certificate and its key come together."""
+    if (tls_cert is None) != (tls_key is None):
+        given, missing = ("--tls-cert", "--tls-key") if tls_key is None else ("--tls-key", "--tls-cert")
+        raise SecurityConfigError(f"{given} needs {missing}")
+
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <token>`` (scheme case-insensitive, constant-time compare)."""
+    if not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def unauthenticated_message(header: str | None) -> str:
+    """One line saying what was wrong, without repeating what was sent."""
+    if not header:
+        return "missing bearer token: send 'authorization: Bearer <token>'"
+    return "invalid bearer token"
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """The server's certificate chain and key (and, for mutual TLS, the client CA), as paths and bytes."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    cert: bytes = b""
+    key: bytes = b""
+    client_ca: bytes | None = None
+
+    @classmethod
+    def load(cls, cert_file: str, key_file: str, client_ca_file: str | None = None) -> "ServerTLS":
+        return cls(cert_file, key_file, client_ca_file, read_file(cert_file, "--tls-cert"),
+                   read_file(key_file, "--tls-key"),
+                   None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"))
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.client_ca, require_client_auth=self.client_ca is not None
+        )
+
+    def uvicorn_kwargs(self) -> dict:
+        """uvicorn.Config's TLS arguments: the same files; with a client CA a client certificate is required."""
+        import ssl
+
+        kw = dict(ssl_certfile=self.cert_file, ssl_keyfile=self.key_file)
+        if self.client_ca_file is not None:
+            kw.update(ssl_ca_certs=self.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return kw
+
+    def ssl_context(self):
+        """A server-side ``ssl.SSLContext`` with the same files (the ``--metrics-port`` server)."""
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file is not None:
+            ctx.load_verify_locations(self.client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What ``specdist serve`` was given: TLS (or None) and the token (or None)."""
+
+    tls: ServerTLS | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_args(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+                  auth_token_file: str | None = None) -> "ServerSecurity":
+        """Check the flag combination and read every file (before any model loads)."""
+        _check_pair(tls_cert, tls_key)
+        if tls_client_ca is not None and tls_cert is None:
+            raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key (client certificates need TLS)")
+        tls = None if tls_cert is None else ServerTLS.load(tls_cert, tls_key, tls_client_ca)
+        token = None if auth_token_file is None else read_token(auth_token_file)
+        return cls(tls, token)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the health service."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
+        header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        if isinstance(header, bytes):
+            header = header.decode("latin-1")
+        if bearer_ok(header, self._token):
+            return await continuation(details)
+        handler = await continuation(details)  # only for its kind (streaming or not); it is not run
+        return _refusal(handler, unauthenticated_message(header))
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED, reading nothing."""
+
+    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    streaming = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[streaming]
+    return make(refuse)
+
+
+def client_channel(target: str, root_certificates: bytes | None = None, certificate_chain: bytes | None = None,
+                   private_key: bytes | None = None, tls: bool = False) -> grpc.Channel:
+    """A blocking channel: TLS when ``tls`` or any PEM is given (no root CA: the system's roots), else plaintext."""
+    if (certificate_chain is None) != (private_key is None):
+        raise SecurityConfigError("certificate_chain and private_key: a client certificate needs its key")
+    if not (tls or root_certificates or certificate_chain):
+        return grpc.insecure_channel(target)
+    creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+    return grpc.secure_channel(target, creds)
+
+
+def client_kwargs_from_files(tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                             auth_token_file: str | None = None) -> dict:
+    """SpecDistClient keywords read from the ``generate --server`` flags' files."""
+    _check_pair(tls_cert, tls_key)
+    kw: dict = {}
+    if tls_ca is not None:
+        kw["root_certificates"] = read_file(tls_ca, "--tls-ca")
+    if tls_cert is not None:
+        kw["certificate_chain"] = read_file(tls_cert, "--tls-cert")
+        kw["private_key"] = read_file(tls_key, "--tls-key")
+    if auth_token_file is not None:
+        kw["token"] = read_token(auth_token_file)
+    return kw
+
+
+def start_metrics_server(port: int, addr: str, registry, security: ServerSecurity | None = None):
+    """Prometheus ``/metrics`` (any path, as prometheus-client serves it) on a thread: HTTPS with
+    the server's TLS, and the token required when one is set. Returns the WSGI server
+    (``server_port``, ``shutdown()``, ``server_close()``)."""
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    security = security or ServerSecurity()
+    app = make_wsgi_app(registry)
+    if security.token is not None:
+        app = _wsgi_bearer(app, security.token)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
+            pass
+
+    httpd = make_server(addr.strip("[]"), port, app, Server, handler_class=QuietHandler)
+    if security.tls is not None:
+        httpd.socket = security.tls.ssl_context().wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, name=f"specdist-metrics-{httpd.server_port}", daemon=True).start()
+    return httpd
+
+
+def _wsgi_bearer(app, token: str):
+    """A WSGI app answering 401 unless the request carries ``Authorization: Bearer <token>``."""
+
+    def guarded(environ, start_response):
+        header = environ.get("HTTP_AUTHORIZATION")
+        if bearer_ok(header, token):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [unauthenticated_message(header).encode() + b"\n"]
+
+    return guarded
