@@ -28,6 +28,12 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/* The Service's labels a ServiceMonitor selects on (stable across chart versions). */}}
+{{- define "specdist.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdist.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
 {{- define "specdist.podLabels" -}}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/part-of: specdist
@@ -60,11 +66,24 @@ app.kubernetes.io/part-of: specdist
 {{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $full) -}}
 {{- fail (printf "fullnameOverride / release name: %q is not a DNS-1035 label (KubeRay names the RayCluster after it; start with a letter)" $full) -}}
 {{- end -}}
-{{- if .Values.serve.auth.tokenSecret -}}
-{{- fail "serve.auth.tokenSecret: `specdist serve` has no token auth on its public port yet; leave it empty and restrict the Service (NetworkPolicy) instead" -}}
+{{- $ports := dict (toString (int .Values.serve.port)) "serve.port" -}}
+{{- range $p := list (list .Values.serve.http.enabled "serve.http.port" .Values.serve.http.port) (list .Values.metrics.enabled "metrics.port" .Values.metrics.port) -}}
+{{- if index $p 0 -}}
+{{- $port := toString (int (index $p 2)) -}}
+{{- if hasKey $ports $port -}}
+{{- fail (printf "%s: port %s is already %s's" (index $p 1) $port (get $ports $port)) -}}
 {{- end -}}
-{{- if .Values.serve.tls.secretName -}}
-{{- fail "serve.tls.secretName: `specdist serve` has no TLS on its public port yet; leave it empty and terminate TLS in front of the Service" -}}
+{{- $_ := set $ports $port (index $p 1) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) -}}
+{{- fail "metrics.serviceMonitor.enabled: needs metrics.enabled (the port it scrapes)" -}}
+{{- end -}}
+{{- if and .Values.bench.enabled (or .Values.serve.tls.secretName .Values.serve.auth.tokenSecretName) -}}
+{{- fail "bench.enabled: `specdist bench cluster` has no TLS or token flags; the bench job cannot reach a server with serve.tls or serve.auth" -}}
+{{- end -}}
+{{- if and .Values.serve.tls.clientCA (not .Values.serve.tls.secretName) -}}
+{{- fail "serve.tls.clientCA: needs serve.tls.secretName (client certificates need TLS)" -}}
 {{- end -}}
 {{- if and (eq .Values.ray.auth.mode "disabled") .Values.ray.auth.secretName -}}
 {{- fail "ray.auth.secretName: only used with ray.auth.mode token" -}}
@@ -143,4 +162,81 @@ affinity:
 {{- end -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* Where the TLS Secret and the token Secret are mounted in the head (read-only). */}}
+{{- define "specdist.tlsDir" -}}/var/run/secrets/specdist/tls{{- end -}}
+{{- define "specdist.authDir" -}}/var/run/secrets/specdist/auth{{- end -}}
+
+{{/* The flags of `specdist serve` beyond the gRPC port: HTTP API, metrics, TLS, token (one line). */}}
+{{- define "specdist.serveExtraArgs" -}}
+{{- $tls := include "specdist.tlsDir" . -}}
+{{- with .Values.serve.http }}{{ if .enabled }} --http-port {{ .port | int }}{{ end }}{{ end -}}
+{{- with .Values.metrics }}{{ if .enabled }} --metrics-port {{ .port | int }}{{ end }}{{ end -}}
+{{- with .Values.serve.tls }}{{ if .secretName }} --tls-cert {{ $tls }}/tls.crt --tls-key {{ $tls }}/tls.key{{ if .clientCA }} --tls-client-ca {{ $tls }}/ca.crt{{ end }}{{ end }}{{ end -}}
+{{- with .Values.serve.auth }}{{ if .tokenSecretName }} --auth-token-file {{ include "specdist.authDir" $ }}/{{ .tokenKey }}{{ end }}{{ end -}}
+{{- end -}}
+
+{{/* The head's Secret volumes (TLS, token) and their read-only mounts. */}}
+{{- define "specdist.secretVolumes" -}}
+{{- with .Values.serve.tls.secretName }}
+- name: specdist-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with .Values.serve.auth }}{{ if .tokenSecretName }}
+- name: specdist-auth
+  secret:
+    secretName: {{ .tokenSecretName }}
+    items:
+      - key: {{ .tokenKey }}
+        path: {{ .tokenKey }}
+{{- end }}{{ end }}
+{{- end -}}
+
+{{- define "specdist.secretVolumeMounts" -}}
+{{- if .Values.serve.tls.secretName }}
+- name: specdist-tls
+  mountPath: {{ include "specdist.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.serve.auth.tokenSecretName }}
+- name: specdist-auth
+  mountPath: {{ include "specdist.authDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* One probe of the head and its timeout (dict "root" $ "service" <grpc health service or ""> "timeout" <s>).
+     The script gets 2 s less, for the Python start, so it fails with its own message. Plaintext: the kubelet's
+     gRPC probe. With TLS the kubelet's gRPC probe cannot connect (it speaks plaintext only), so an exec
+     probe runs files/grpc_health_probe.py over TLS in the container instead. Health needs no token. */}}
+{{- define "specdist.probe" -}}
+{{- $v := .root.Values -}}
+{{- if $v.serve.tls.secretName -}}
+exec:
+  command:
+    - python
+    - {{ include "specdist.configDir" .root }}/grpc_health_probe.py
+    - --port
+    - {{ $v.serve.port | int | quote }}
+    - --tls-dir
+    - {{ include "specdist.tlsDir" .root }}
+    {{- if $v.serve.tls.clientCA }}
+    - --client-cert
+    {{- end }}
+    {{- with .service }}
+    - --service
+    - {{ . }}
+    {{- end }}
+    - --timeout
+    - {{ sub .timeout 2 | quote }}
+{{- else -}}
+grpc:
+  port: {{ $v.serve.port | int }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end }}
+timeoutSeconds: {{ .timeout }}
 {{- end -}}
