@@ -53,9 +53,6 @@ RELEASE, NAMESPACE = "specdist", "specdist-test"
 API_SERVICE = specdist_pb2.DESCRIPTOR.services_by_name["SpecDecode"].full_name
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
-TLS_VALUES = {"serve": {"tls": {"secretName": "specdist-tls", "clientCA": True},
-                        "auth": {"tokenSecretName": "specdist-token", "tokenKey": "token"}},
-              "metrics": {"serviceMonitor": {"enabled": True}}}
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -81,7 +78,6 @@ CASES = {"defaults": {}} | {f.name: yaml.safe_load(f.read_text()) or {} for f in
     "monitoring": {"serve": {"http": {"enabled": True}},
                    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                                "grafanaDashboard": {"enabled": True}}},
-    "tls + token": TLS_VALUES,
 }
 
 
@@ -576,7 +572,7 @@ def test_core_validation_catches_bad_objects():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_kuberay_objects_validate_against_crds(case):
+def test_custom_resources_validate_against_crds(case):
     docs = [d for d in rendered(case) if d["kind"] in CRD_FILES]
     assert docs
     errors = [e for d in docs for e in crd_errors(d)]
@@ -595,10 +591,24 @@ def test_crd_validation_catches_bad_objects():
     bad = copy.deepcopy(job)
     bad["spec"]["clusterSelector"]["ray.io/cluster"] = 3
     assert crd_errors(bad)
+    sm = one(rendered("monitoring"), "ServiceMonitor")
+    assert crd_errors(sm) == []
+    bad = copy.deepcopy(sm)
+    bad["spec"]["endpoints"][0]["intervall"] = "30s"  # misspelt
+    assert any("intervall" in e for e in crd_errors(bad))
+    bad = copy.deepcopy(sm)
+    bad["spec"]["endpoints"][0]["interval"] = "30 seconds"  # the CRD's duration pattern
+    assert crd_errors(bad)
+
+
+def _secure(case: str) -> bool:
+    serve = CASES[case].get("serve", {})
+    return bool(serve.get("tls", {}).get("secretName") or serve.get("auth", {}).get("tokenSecretName"))
 
 
 def _params(names, case_of=lambda n: n):
-    return [pytest.param(n, marks=NEEDS_SECURITY_FLAGS) if case_of(n) == "tls + token" else n for n in names]
+    """pytest params of ``names``; those whose values file turns TLS or a token on need the serve flags."""
+    return [pytest.param(n, marks=NEEDS_SECURITY_FLAGS) if _secure(case_of(n)) else n for n in names]
 
 
 @pytest.mark.parametrize("case", _params(CASES))
@@ -710,26 +720,26 @@ MUTATIONS = {
     "ServiceMonitor selecting nothing": ("monitoring",
                                          lambda d: one(d, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
                                          .update({"app.kubernetes.io/instance": "other"}), "does not select the Service"),
-    "ServiceMonitor plaintext to TLS": ("tls + token", lambda d: _endpoint(d).update(scheme="http"),
+    "ServiceMonitor plaintext to TLS": ("secure-values.yaml", lambda d: _endpoint(d).update(scheme="http"),
                                         "scheme http but the metrics port speaks TLS"),
-    "ServiceMonitor without client cert": ("tls + token", lambda d: _endpoint(d)["tlsConfig"].pop("cert"),
+    "ServiceMonitor without client cert": ("secure-values.yaml", lambda d: _endpoint(d)["tlsConfig"].pop("cert"),
                                            "tlsConfig has none"),
-    "ServiceMonitor with another token": ("tls + token",
+    "ServiceMonitor with another token": ("secure-values.yaml",
                                           lambda d: _endpoint(d)["authorization"]["credentials"].update(key="x"),
                                           "is not the server's token"),
-    "gRPC probe with TLS": ("tls + token",
+    "gRPC probe with TLS": ("secure-values.yaml",
                             lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"].update(
                                 grpc={"port": 50051}, exec=None), "cannot speak TLS"),
-    "TLS probe without client cert": ("tls + token",
+    "TLS probe without client cert": ("secure-values.yaml",
                                       lambda d: _head(d)["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
                                       .remove("--client-cert"), "--client-cert False"),
-    "TLS probe on another port": ("tls + token", lambda d: _probe_arg(d, "--port", "50052"), "port 50052"),
-    "TLS probe slower than its timeout": ("tls + token", lambda d: _probe_arg(d, "--timeout", "9"), "waits 9s"),
-    "writable Secret mount": ("tls + token", lambda d: _mount(d, "specdist-tls").update(readOnly=False),
+    "TLS probe on another port": ("secure-values.yaml", lambda d: _probe_arg(d, "--port", "50052"), "port 50052"),
+    "TLS probe slower than its timeout": ("secure-values.yaml", lambda d: _probe_arg(d, "--timeout", "9"), "waits 9s"),
+    "writable Secret mount": ("secure-values.yaml", lambda d: _mount(d, "specdist-tls").update(readOnly=False),
                               "mounted writable"),
-    "token file off the mount": ("tls + token",
+    "token file off the mount": ("secure-values.yaml",
                                  lambda d: _edit_serve(d, "/auth/token", "/auth/other"), "the Secret mount has no other"),
-    "TLS file on no Secret": ("tls + token", lambda d: _edit_serve(d, "tls/tls.key", "x/tls.key"),
+    "TLS file on no Secret": ("secure-values.yaml", lambda d: _edit_serve(d, "tls/tls.key", "x/tls.key"),
                               "is on no read-only Secret mount"),
 }
 
@@ -1029,7 +1039,7 @@ def test_metrics_off_renders_none_of_it():
 
 @NEEDS_SECURITY_FLAGS
 def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
-    docs = rendered("tls + token")
+    docs = rendered("secure-values.yaml")
     assert check_invariants(docs) == []
     tpl = _head(docs)
     head = tpl["spec"]["containers"][0]
