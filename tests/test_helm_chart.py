@@ -55,23 +55,6 @@ CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.
              "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
-
-
-def _serve_has_security_flags() -> bool:
-    """Whether ``specdist serve`` takes the TLS and token flags (issue 11's server side) in this tree."""
-    argv = ["serve", "--tls-cert", "c", "--tls-key", "k", "--tls-client-ca", "a", "--auth-token-file", "t"]
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            build_parser().parse_args(argv)
-    except SystemExit:
-        return False
-    return True
-
-
-# The chart passes these flags with serve.tls / serve.auth; the checks that parse them need a server that
-# has them (this mark goes once specdist/security.py and its serve flags are in the tree).
-NEEDS_SECURITY_FLAGS = pytest.mark.skipif(not _serve_has_security_flags(),
-                                          reason="specdist serve has no --tls-cert / --auth-token-file yet")
 CI_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
 CASES = {"defaults": {}} | {f.name: yaml.safe_load(f.read_text()) or {} for f in CI_FILES} | {
     "metrics off": {"metrics": {"enabled": False}},
@@ -272,7 +255,7 @@ def check_invariants(docs: list[dict]) -> list[str]:
     secret_of = {}
     if args is not None:
         for flag in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
-            path = getattr(args, flag, None)
+            path = getattr(args, flag)
             if path is None:
                 continue
             d, _, f = path.rpartition("/")
@@ -284,7 +267,7 @@ def check_invariants(docs: list[dict]) -> list[str]:
                 p.append(f"head: --{flag.replace('_', '-')} {path}: the Secret mount has no {f}")
             else:
                 secret_of[flag] = (sec["secretName"], next((i["key"] for i in items or [] if i["path"] == f), f))
-    tls = args is not None and getattr(args, "tls_cert", None) is not None
+    tls = args is not None and args.tls_cert is not None
     if tls and secret_of.get("tls_cert", (0,))[0] != secret_of.get("tls_key", (1,))[0]:
         p.append("head: --tls-cert and --tls-key come from different Secrets")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -313,9 +296,8 @@ def check_invariants(docs: list[dict]) -> list[str]:
                 p.append(f"head: {probe} checks {pargs.service!r}, not {service!r}")
             if not tls or pargs.tls_dir != args.tls_cert.rpartition("/")[0]:
                 p.append(f"head: {probe} --tls-dir {pargs.tls_dir} is not where --tls-cert is")
-            if pargs.client_cert != (getattr(args, "tls_client_ca", None) is not None):
-                p.append(f"head: {probe} --client-cert {pargs.client_cert} but --tls-client-ca "
-                         f"{getattr(args, 'tls_client_ca', None)}")
+            if pargs.client_cert != (args.tls_client_ca is not None):
+                p.append(f"head: {probe} --client-cert {pargs.client_cert} but --tls-client-ca {args.tls_client_ca}")
             if pargs.timeout >= pr.get("timeoutSeconds", 1):  # the script must answer before the kubelet gives up
                 p.append(f"head: {probe} waits {pargs.timeout:g}s, its timeoutSeconds is {pr.get('timeoutSeconds', 1)}")
         else:
@@ -342,7 +324,7 @@ def check_invariants(docs: list[dict]) -> list[str]:
                 p.append(f"ServiceMonitor: scheme {scheme} but the metrics port speaks {'TLS' if tls else 'plaintext'}")
             if tls and not ep.get("tlsConfig"):
                 p.append("ServiceMonitor: https without a tlsConfig")
-            if getattr(args, "tls_client_ca", None) and not (ep.get("tlsConfig") or {}).get("cert"):
+            if args is not None and args.tls_client_ca and not (ep.get("tlsConfig") or {}).get("cert"):
                 p.append("ServiceMonitor: the server wants a client certificate; tlsConfig has none")
             token = secret_of.get("auth_token_file")  # (Secret, key) or None
             cred = (ep.get("authorization") or {}).get("credentials") or {}
@@ -601,17 +583,7 @@ def test_crd_validation_catches_bad_objects():
     assert crd_errors(bad)
 
 
-def _secure(case: str) -> bool:
-    serve = CASES[case].get("serve", {})
-    return bool(serve.get("tls", {}).get("secretName") or serve.get("auth", {}).get("tokenSecretName"))
-
-
-def _params(names, case_of=lambda n: n):
-    """pytest params of ``names``; those whose values file turns TLS or a token on need the serve flags."""
-    return [pytest.param(n, marks=NEEDS_SECURITY_FLAGS) if _secure(case_of(n)) else n for n in names]
-
-
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", CASES)
 def test_invariants(case):
     assert check_invariants(rendered(case)) == []
 
@@ -757,7 +729,7 @@ def _probe_arg(docs, flag, value):
     cmd[cmd.index(flag) + 1] = value
 
 
-@pytest.mark.parametrize("name", _params(MUTATIONS, lambda n: MUTATIONS[n][0]))
+@pytest.mark.parametrize("name", MUTATIONS)
 def test_invariant_checker_catches(name):
     case, mutate, expected = MUTATIONS[name]
     docs = rendered(case)
@@ -845,6 +817,15 @@ def test_schema_choices_match_the_config_loader():
     chain = schema["properties"]["target"]["allOf"]  # one if/then per tensor-parallel size
     assert [c["if"]["properties"]["tensorParallelSize"]["const"] for c in chain] == \
         list(range(1, schema["properties"]["target"]["properties"]["tensorParallelSize"]["maximum"] + 1))
+
+
+def test_pipeline_values_reach_the_config():
+    assert _chart().schema["properties"]["draft"]["properties"]["pipelineMiss"]["enum"] == list(specdist_config.PIPELINE_MISS)
+    cfg = yaml.safe_load(config_map(render({"draft": {"pipeline": True, "pipelineMiss": "skip"}}))["data"]["config.yaml"])
+    d = specdist_config.load_config(cfg).draft
+    assert (d.pipeline, d.pipeline_miss) == (True, "skip")
+    d = specdist_config.load_config(yaml.safe_load(config_map(rendered("defaults"))["data"]["config.yaml"])).draft
+    assert (d.pipeline, d.pipeline_miss) == (False, "redraft")
 
 
 def test_length_policy_choices_match_the_config_loader():
@@ -1037,7 +1018,6 @@ def test_metrics_off_renders_none_of_it():
 
 # ---------------------------------------------------------------- TLS and token
 
-@NEEDS_SECURITY_FLAGS
 def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
     docs = rendered("secure-values.yaml")
     assert check_invariants(docs) == []
