@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -186,6 +187,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     if args.server:
+        # before grpc loads: its C core would also log a failed TLS handshake on stderr, next to the error line
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         from specdist.serve_cli import run_remote_generate
 
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

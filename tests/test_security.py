@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import grpc
@@ -121,9 +123,9 @@ def secured(loop_thread, tiny_models, pki):
 
 @pytest.fixture(scope="module")
 def mutual(loop_thread, tiny_models, pki):
-    """Mutual TLS, no token."""
+    """Mutual TLS, no token, gRPC and the HTTP API."""
     sec = ServerSecurity.from_args(pki.server, pki.server_key, pki.ca)
-    serving = _serve(loop_thread, tiny_models, sec)
+    serving = _serve(loop_thread, tiny_models, sec, http_port=0)
     yield serving
     loop_thread.run(serving.stop())
 
@@ -246,6 +248,21 @@ def test_metrics_port_is_https_with_the_token(secured, https) -> None:
     assert r.status_code == 200 and "specdist_request_success_total" in r.text
 
 
+def test_http_api_requires_a_client_certificate_with_a_client_ca(mutual, pki) -> None:
+    url = f"https://{mutual.http.address}/v1/models"
+    for cert in (None, "other_client"):  # none, or one the client CA did not sign
+        ctx = ssl.create_default_context(cafile=pki.ca)
+        if cert is not None:
+            ctx.load_cert_chain(getattr(pki, cert), getattr(pki, cert + "_key"))
+        with httpx.Client(verify=ctx, trust_env=False, timeout=10) as http:
+            with pytest.raises(httpx.TransportError):  # the TLS handshake (or its first read) fails
+                http.get(url)
+    ctx = ssl.create_default_context(cafile=pki.ca)
+    ctx.load_cert_chain(pki.client, pki.client_key)
+    with httpx.Client(verify=ctx, trust_env=False, timeout=10) as http:
+        assert http.get(url).status_code == 200  # no token configured: the certificate is the authentication
+
+
 # ---------------------------------------------------------------- command line
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err
@@ -289,3 +306,14 @@ def test_generate_server_flags(secured, pki, capsys, reference) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--tls-ca", pki.ca, "a"])  # TLS flags without --server
     assert "--tls-ca only applies with --server" in _one_line_error(capsys)
+
+
+def test_generate_server_handshake_failure_is_one_line_on_stderr(secured, pki) -> None:
+    """In a fresh process: gRPC's C core must not add its own log line about the failed handshake."""
+    proc = subprocess.run([sys.executable, "-m", "specdist.cli", "generate", "--server", secured.address,
+                           "--tls-ca", pki.other_ca, "--auth-token-file", pki.token, "a"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdist: error: UNAVAILABLE:"), proc.stderr
+    assert "CERTIFICATE_VERIFY_FAILED" in lines[0]
