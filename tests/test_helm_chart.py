@@ -1051,27 +1051,50 @@ def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
     assert "cert" not in ep["tlsConfig"] and "authorization" not in ep
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    import subprocess
+def _pem_cert(subject: str, key, issuer: str, issuer_key, san: str, ca: bool = False):
+    """A PEM certificate for ``subject`` (DNS name ``san``; server and client usages unless a CA)."""
+    import datetime
 
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder()
+         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+         .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = (b.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
+             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                            critical=False))
+    return b.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
 
 
 @pytest.fixture(scope="module")
 def tls_dirs(tmp_path_factory):
-    """kubernetes.io/tls Secret layouts: ``ca/`` (tls.crt signed by ca.crt, server and client usages)
-    and ``self/`` (a self-signed tls.crt, no ca.crt); EC P-256 keys (fast to make)."""
+    """kubernetes.io/tls Secret layouts: ``ca/`` (tls.crt signed by ca.crt, server and client usages, for
+    the Service's name, as cert-manager writes it) and ``self/`` (a self-signed tls.crt, no ca.crt)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     root = tmp_path_factory.mktemp("tls")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     ca, own = root / "ca", root / "self"
     ca.mkdir(), own.mkdir()
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=test-ca", cwd=ca)
-    _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=specdist", cwd=ca)
-    (ca / "ext.cnf").write_text(f"subjectAltName=DNS:{RELEASE}.{NAMESPACE}.svc\nextendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf", cwd=ca)
-    _openssl("req", "-x509", *ec, "-keyout", "tls.key", "-out", "tls.crt", "-days", "1", "-subj", "/CN=specdist",
-             "-addext", "subjectAltName=DNS:specdist.test", cwd=own)
+    ca_key, key, own_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    (ca / "ca.crt").write_bytes(_pem_cert("test-ca", ca_key, "test-ca", ca_key, "", ca=True))
+    (ca / "tls.crt").write_bytes(_pem_cert("specdist", key, "test-ca", ca_key, f"{RELEASE}.{NAMESPACE}.svc"))
+    (ca / "tls.key").write_bytes(_pem_key(key))
+    (own / "tls.crt").write_bytes(_pem_cert("specdist", own_key, "specdist", own_key, "specdist.test"))
+    (own / "tls.key").write_bytes(_pem_key(own_key))
     return {"ca": ca, "self": own}
 
 
