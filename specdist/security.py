@@ -92,9 +92,12 @@ class ServerTLS:
 
     @classmethod
     def load(cls, cert_file: str, key_file: str, client_ca_file: str | None = None) -> "ServerTLS":
-        return cls(cert_file, key_file, client_ca_file, read_file(cert_file, "--tls-cert"),
-                   read_file(key_file, "--tls-key"),
-                   None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"))
+        """Read the files and check their contents (grpc would only fail to bind, after the model loaded)."""
+        tls = cls(cert_file, key_file, client_ca_file, read_file(cert_file, "--tls-cert"),
+                  read_file(key_file, "--tls-key"),
+                  None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"))
+        tls.ssl_context()
+        return tls
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -111,13 +114,24 @@ class ServerTLS:
         return kw
 
     def ssl_context(self):
-        """A server-side ``ssl.SSLContext`` with the same files (the ``--metrics-port`` server)."""
+        """A server-side ``ssl.SSLContext`` with the same files (the ``--metrics-port`` server);
+        SecurityConfigError naming the flag when a file is not what it should be."""
         import ssl
 
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(self.cert_file, self.key_file)
+        try:  # password b"": an encrypted key fails here instead of prompting on the terminal
+            ctx.load_cert_chain(self.cert_file, self.key_file, password=b"")
+        except (ssl.SSLError, OSError) as e:
+            if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":
+                raise SecurityConfigError(f"--tls-key {self.key_file}: not the private key of --tls-cert "
+                                          f"{self.cert_file}") from None
+            raise SecurityConfigError(f"--tls-cert {self.cert_file} / --tls-key {self.key_file}: cannot load a PEM "
+                                      "certificate chain and its unencrypted private key") from None
         if self.client_ca_file is not None:
-            ctx.load_verify_locations(self.client_ca_file)
+            try:
+                ctx.load_verify_locations(self.client_ca_file)
+            except (ssl.SSLError, OSError):
+                raise SecurityConfigError(f"--tls-client-ca {self.client_ca_file}: no PEM CA certificate in it") from None
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 

@@ -91,8 +91,9 @@ def pki(tmp_path_factory) -> SimpleNamespace:
     (d / "token").write_text(f"  {TOKEN}\n")  # surrounding whitespace is stripped
     (d / "wrong_token").write_text(WRONG)
     (d / "empty").write_text(" \n")
+    (d / "garbage.pem").write_text("not a certificate\n")
     paths.update(token=str(d / "token"), wrong_token=str(d / "wrong_token"), empty=str(d / "empty"),
-                 missing=str(d / "missing.pem"))
+                 missing=str(d / "missing.pem"), garbage=str(d / "garbage.pem"))
     paths = SimpleNamespace(**paths)
     paths.read = lambda p: open(p, "rb").read()
     return paths
@@ -278,6 +279,9 @@ def _one_line_error(capsys) -> str:
     (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert"),
     (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{missing}"], "--tls-client-ca"),
     (["--auth-token-file", "{empty}"], "--auth-token-file"),
+    (["--tls-cert", "{garbage}", "--tls-key", "{server_key}"], "--tls-cert"),
+    (["--tls-cert", "{server}", "--tls-key", "{client_key}"], "not the private key of --tls-cert"),
+    (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{garbage}"], "--tls-client-ca"),
 ])
 def test_serve_refuses_unusable_files_in_one_line(pki, capsys, monkeypatch, flags, named) -> None:
     import specdist.serve_cli as serve_cli
