@@ -195,9 +195,10 @@ class DraftPipeline:
         waited = hidden = 0.0
         job, self._job = self._job, None
         if job is not None:
-            for it in items:  # certain misses stop preparing now
+            for it in items:  # certain misses (whatever the guess) stop preparing now
                 r = self.core.requests.get(it.request_id)
-                if r is None or it.num_accepted != len(r.proposal) or len(it.new_token_ids) != 1:
+                new = list(it.new_token_ids)
+                if r is None or len(new) != 1 or not self._holds(len(r.proposal), it.num_accepted, new, new[0]):
                     job.abort.add(it.request_id)
             job.done.wait()
             waited = max(0.0, job.finished - arrived)
@@ -212,14 +213,9 @@ class DraftPipeline:
             status: list[str | None] = [None] * len(items)
             for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
                 prep = self.prepared.pop(it.request_id, None)
-                if prep is not None and prepared_prefix_holds(len(r.proposal), n_acc, new, prep.guess):
-                    r.seq.extend(r.proposal + new)  # the cache already holds them and the prepared drafts
-                    n = min(k, len(prep.tokens))
-                    # as after drafting n tokens: the cache ends before the last one (a shorter cut drops the rest)
-                    core.cache.rollback(r.slot, min(core.cache.lengths[r.slot], len(r.seq) + n - 1))
-                    q = prep.q[:n] if prep.q is not None and n else None
-                    out[i] = Proposal(it.request_id, prep.tokens[:n], q, pipeline=HIT)
-                    r.proposal = prep.tokens[:n]
+                if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
+                    out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k)
+                    r.proposal = list(out[i].token_ids)
                     self.counters.hits += 1
                     continue
                 core._commit(r, n_acc, new)
@@ -239,6 +235,18 @@ class DraftPipeline:
             self.counters.draft_s += draft_s
             self._schedule([(it.request_id, r, it.num_tokens) for it, (r, *_) in zip(items, plan) if it.num_tokens > 0])
         return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden)
+
+    _holds = staticmethod(prepared_prefix_holds)
+
+    def _use_prepared(self, rid: str, r, prep: _Prepared, n_acc: int, new: list[int], k: int) -> Proposal:
+        """Commit a hit and propose its prepared drafts, cut to ``k`` (lock held)."""
+        cache = self.core.cache
+        r.seq.extend(r.proposal[:n_acc] + new)  # = proposal + guess: the cache holds them and the prepared drafts
+        n = min(k, len(prep.tokens))
+        # as after drafting n tokens: the cache ends before the last one (a shorter cut drops the rest)
+        cache.rollback(r.slot, min(cache.lengths[r.slot], len(r.seq) + n - 1))
+        q = prep.q[:n] if prep.q is not None and n else None
+        return Proposal(rid, prep.tokens[:n], q, pipeline=HIT)
 
     def close(self) -> None:
         job = self._job
