@@ -13,7 +13,8 @@ Server side (``specdist serve``):
 Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
 CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
 
-Every file is checked when the command starts: a missing, unreadable or empty one is a one-line
+Every file is checked when the command starts: a missing, unreadable or empty one, a certificate
+or key that does not load, or a key that does not match its certificate is a one-line
 :class:`SecurityConfigError` naming its flag.
 """
 
