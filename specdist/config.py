@@ -53,6 +53,7 @@ Shape::
       max_stop_chars: 256            # characters of each stop string
       max_stop_token_ids: 64         # stop_token_ids per request
       max_request_id_chars: 256      # request_id length (at most 256); visible ASCII only (it is logged)
+      max_n: 16                      # choices per HTTP request (n): each is one engine request
 """
 
 from __future__ import annotations
@@ -186,12 +187,13 @@ class LimitsConfig:
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
+    max_n: int = 16
 
     def validate(self, key: str) -> None:
         from specdist.coordinator import MAX_REQUEST_ID_LEN  # the coordinator's own bound on any id
 
         _check_int(self.max_message_bytes, f"{key}.max_message_bytes", 1024, 2**31 - 1)
-        for name in ("max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids"):
+        for name in ("max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_n"):
             _check_int(getattr(self, name), f"{key}.{name}", 1, 2**31 - 1)
         if self.max_prompt_tokens is not None:
             _check_int(self.max_prompt_tokens, f"{key}.max_prompt_tokens", 1, 2**31 - 1)

@@ -42,6 +42,7 @@ class Limits:
     max_stop_chars: int
     max_stop_token_ids: int
     max_request_id_chars: int
+    max_n: int
 
     @classmethod
     def of(cls, engine) -> "Limits":
@@ -55,6 +56,7 @@ class Limits:
             max_stop_chars=c.max_stop_chars,
             max_stop_token_ids=c.max_stop_token_ids,
             max_request_id_chars=c.max_request_id_chars,
+            max_n=c.max_n,
         )
 
     def grpc_options(self) -> list[tuple[str, int]]:
@@ -63,11 +65,15 @@ class Limits:
                 ("grpc.max_send_message_length", self.max_message_bytes)]
 
 
-def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None) -> None:
+def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                  n: int = 1) -> None:
     """Refuse a request beyond ``limits`` (InvalidArgument naming the field; module docstring).
 
-    ``prompt``: text, token ids or a conversation (chat messages), as the coordinator takes it.
+    ``prompt``: text, token ids or a conversation (chat messages), as the coordinator takes it;
+    ``n``: how many choices (the HTTP API's ``n``: that many engine requests with these params).
     """
+    if n > limits.max_n:
+        raise InvalidArgument("n", f"must be <= {limits.max_n}, got {n}")
     if isinstance(prompt, str) or is_conversation(prompt):
         chars = len(prompt) if isinstance(prompt, str) else sum(
             len(v) for m in prompt for v in m.values() if isinstance(v, str))

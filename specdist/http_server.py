@@ -163,6 +163,8 @@ def _schema_error(e: ValidationError) -> APIError:
         return _bad(path, "unknown or unsupported field")
     if err["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {err['msg']}")
+    if not path:  # the body itself: JSON, but not an object
+        return APIError(400, f"the body: {err['msg']}")
     return _bad(path, err["msg"])
 
 
@@ -220,12 +222,13 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
-    seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
     try:
-        if body.n > 1 and body.seed is not None and body.seed < 2**64 <= seeds[-1]:
+        first = SamplingParams(**kwargs, seed=body.seed)
+        check_request(limits, prompt, first, n=body.n)  # the choices differ only in their seeds
+        seeds = [None if body.seed is None else body.seed + i for i in range(1, body.n)]
+        if body.seed is not None and seeds and body.seed < 2**64 <= seeds[-1]:
             raise InvalidArgument("seed", "seed + n - 1 must be < 2**64 (choice i samples with seed + i)")
-        call.params = [SamplingParams(**kwargs, seed=seed) for seed in seeds]
-        check_request(limits, prompt, call.params[0])  # the choices differ only in their seeds
+        call.params = [first] + [SamplingParams(**kwargs, seed=seed) for seed in seeds]
     except InvalidArgument as e:
         raise _bad(call.param(e.field), e.message) from None
     return call

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from specdist.errors import InvalidArgument
 
+INT32_END = 2**31  # max_tokens, top_k and token ids travel as int32 (common.proto); larger ones are refused
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,12 +33,13 @@ class SamplingParams:
         # Accept lists from callers but store tuples so the object stays hashable.
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidArgument("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or not 1 <= self.max_tokens < INT32_END:
+            raise InvalidArgument("max_tokens", f"must be an integer >= 1 (and < 2**31), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < INT32_END:
+            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it; < 2**31), got {self.top_k!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (
@@ -47,8 +50,8 @@ class SamplingParams:
             if s == "":
                 raise InvalidArgument("stop", "stop strings must be non-empty")
         for t in self.stop_token_ids:
-            if t < 0:
-                raise InvalidArgument("stop_token_ids", f"token ids must be >= 0, got {t}")
+            if not 0 <= t < INT32_END:
+                raise InvalidArgument("stop_token_ids", f"token ids must be >= 0 (and < 2**31), got {t}")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,10 @@
 """The public gRPC service ``specdist.v1.SpecDecode`` (grpc.aio) over a :class:`Coordinator`.
 
 Status codes: a bad field is INVALID_ARGUMENT with the proto field name first in the
-details (``params.top_p: must be in (0, 1]``); a request id already in use is
+details (``params.top_p: must be in (0, 1]``), as is a field beyond the config's
+``limits`` (``params.stop[2]: ...``, :func:`specdist.frontend.check_request`) and a
+message that does not parse (``request: ...``); a message over
+``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id already in use is
 ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
 server UNAVAILABLE; Cancel of an id no running request has NOT_FOUND. A request that
 fails inside a step gets a last message with FINISH_REASON_ERROR and the stream then
@@ -19,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -130,6 +134,42 @@ def _response(d: Delta) -> specdist_pb2.GenerateResponse:
     return msg
 
 
+def add_servicer(servicer: SpecDecodeServicer, server: grpc.aio.Server) -> None:
+    """Register SpecDecode on ``server`` with each request parsed inside its handler: bytes that
+    are not a valid message (corrupt wire format, bad UTF-8 in a string) are INVALID_ARGUMENT
+    naming ``request``, where grpc's own deserializer would answer UNKNOWN."""
+    handlers = {}
+    for method in specdist_pb2.DESCRIPTOR.services_by_name["SpecDecode"].methods:
+        request_cls = getattr(specdist_pb2, method.input_type.name)
+        response_cls = getattr(specdist_pb2, method.output_type.name)
+        behavior = _parsing(getattr(servicer, method.name), request_cls, method.server_streaming)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(behavior, response_serializer=response_cls.SerializeToString)  # bytes in
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _parsing(method, request_cls, streaming: bool):
+    """``method`` (a servicer method) taking the request's bytes, parsed first."""
+
+    async def parse(data: bytes, context: grpc.aio.ServicerContext):
+        try:
+            return request_cls.FromString(data)
+        except DecodeError as e:
+            why = str(e).rsplit(": ", 1)[-1]  # "Wire format was corrupt", "String field had bad UTF-8"
+            message = f"request: not a valid {request_cls.DESCRIPTOR.full_name} ({why})"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    if streaming:
+        async def handler(data: bytes, context: grpc.aio.ServicerContext):
+            async for response in method(await parse(data, context), context):
+                yield response
+    else:
+        async def handler(data: bytes, context: grpc.aio.ServicerContext):
+            return await method(await parse(data, context), context)
+    return handler
+
+
 class SpecDistServer:
     """A started gRPC server with its coordinator; ``stop()`` drains, then shuts down."""
 
@@ -182,7 +222,7 @@ async def serve(
     coordinator.start()
     interceptors = [TokenAuthInterceptor(security.token)] if security.token else None
     server = grpc.aio.server(options=Limits.of(engine).grpc_options(), interceptors=interceptors)
-    specdist_pb2_grpc.add_SpecDecodeServicer_to_server(SpecDecodeServicer(coordinator), server)
+    add_servicer(SpecDecodeServicer(coordinator), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -29,7 +29,7 @@ from specdist.serve_cli import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 LIMITS = dict(max_message_bytes=4096, max_prompt_chars=20, max_prompt_tokens=10, max_tokens=20, max_stop=3,
-              max_stop_chars=5, max_stop_token_ids=4, max_request_id_chars=12)
+              max_stop_chars=5, max_stop_token_ids=4, max_request_id_chars=12, max_n=3)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
 GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "active_streams", "live_requests")
 
@@ -132,6 +132,8 @@ HTTP_CASES = [
     ("completions", dict(stop=["a", "b", "c" * 5]), dict(stop=["a", "b", "c" * 6]), "stop[2]"),
     ("completions", dict(stop="a" * 5), dict(stop="a" * 6), "stop"),
     ("completions", dict(stop_token_ids=[1, 2, 3, 4]), dict(stop_token_ids=[1] * 5), "stop_token_ids"),
+    ("completions", dict(n=3), dict(n=4), "n"),
+    ("chat", dict(n=3), dict(n=10**9), "n"),  # refused before anything is built for its choices
     ("chat", dict(messages=[{"role": "user", "content": "a b " * 4}]),  # 4 + 16 characters
      dict(messages=[{"role": "user", "content": "a b " * 4 + "c"}]), "messages"),
     ("chat", dict(max_completion_tokens=20), dict(max_completion_tokens=21), "max_completion_tokens"),
@@ -185,7 +187,7 @@ def test_http_body_over_the_size_limit(srv):
 
 @pytest.mark.parametrize("key, value", [
     ("max_message_bytes", 100), ("max_prompt_chars", 0), ("max_tokens", 15), ("max_stop", -1),
-    ("max_request_id_chars", 257), ("max_prompt_tokens", "many"), ("max_stop_chars", True),
+    ("max_request_id_chars", 257), ("max_prompt_tokens", "many"), ("max_stop_chars", True), ("max_n", 0),
 ])
 def test_bad_limits_config(key, value):
     with pytest.raises(ConfigError) as e:
