@@ -51,6 +51,8 @@ class RequestStats:
     steps: int
     time_to_first_token_s: float
     total_time_s: float
+    pipeline_hits: int = 0  # steps whose drafts were prepared during the previous verification
+    pipeline_misses: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -79,6 +81,8 @@ class ServerInfo:
     num_speculative_tokens: int
     max_model_len: int
     counters: dict[str, int] = field(default_factory=dict)
+    draft_pipeline: bool = False  # drafts prepared while the target verifies (draft.pipeline)
+    draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip"
 
 
 class SpecDistClient:
@@ -187,6 +191,8 @@ class SpecDistClient:
             msg.num_speculative_tokens,
             msg.max_model_len,
             counters,
+            msg.draft_pipeline,
+            msg.draft_pipeline_miss,
         )
 
     def health(self, service: str = "") -> str:
@@ -208,7 +214,8 @@ def _chunk(msg: specdist_pb2.GenerateResponse) -> GenerateChunk:
     if msg.HasField("stats"):
         s = msg.stats
         stats = RequestStats(
-            s.prompt_tokens, s.output_tokens, s.drafted, s.accepted, s.steps, s.time_to_first_token_s, s.total_time_s
+            s.prompt_tokens, s.output_tokens, s.drafted, s.accepted, s.steps, s.time_to_first_token_s, s.total_time_s,
+            s.pipeline_hits, s.pipeline_misses,
         )
     return GenerateChunk(
         request_id=msg.request_id,

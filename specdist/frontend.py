@@ -132,6 +132,8 @@ def request_stats(m: RequestMetrics) -> dict[str, Any]:
         steps=m.steps,
         time_to_first_token_s=m.time_to_first_token or 0.0,
         total_time_s=m.total_time or 0.0,
+        pipeline_hits=m.pipeline_hits,
+        pipeline_misses=m.pipeline_misses,
     )
 
 
@@ -146,6 +148,8 @@ def server_info(engine) -> dict[str, Any]:
         draft_replicas=draft_replicas(engine),
         num_speculative_tokens=engine.k,
         max_model_len=engine.max_model_len,
+        draft_pipeline=cfg.draft.pipelined,
+        draft_pipeline_miss=cfg.draft.pipeline_miss if cfg.draft.pipelined else "",
     )
 
 

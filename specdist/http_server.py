@@ -33,7 +33,9 @@ Request fields:
 ``usage``: ``prompt_tokens`` (the prompt once), ``completion_tokens`` and ``total_tokens``
 (all choices), and ``speculative``: ``drafted``, ``accepted``, ``steps`` (summed over the
 choices; with n = 1 exactly the gRPC API's per-request stats), ``acceptance_rate``
-(accepted / drafted) and ``mean_acceptance_length`` (tokens emitted per verification step).
+(accepted / drafted), ``mean_acceptance_length`` (tokens emitted per verification step) and,
+with pipelined drafting, ``pipeline_hits`` / ``pipeline_misses`` (steps whose drafts were
+prepared during the previous verification / whose prepared prefix did not hold).
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
@@ -272,6 +274,8 @@ def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
         accepted=sum(m.accepted for m in metrics),
         steps=sum(m.steps for m in metrics),
         emitted=sum(m.emitted for m in metrics),
+        pipeline_hits=sum(m.pipeline_hits for m in metrics),
+        pipeline_misses=sum(m.pipeline_misses for m in metrics),
     )
     return {
         "prompt_tokens": total.prompt_tokens,
@@ -283,6 +287,8 @@ def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
             "steps": total.steps,
             "acceptance_rate": total.acceptance_rate,
             "mean_acceptance_length": total.mean_accepted_length,
+            "pipeline_hits": total.pipeline_hits,
+            "pipeline_misses": total.pipeline_misses,
         },
     }
 

@@ -24,6 +24,11 @@ Names follow vLLM's (``vllm:x`` is ``specdist_x``) where vLLM has the metric, wi
   ``specdist_time_per_output_token_seconds`` (per request: first to last token over the tokens
   after the first), ``specdist_inter_step_latency_seconds`` (between two steps that gave a
   request tokens: one step emits several tokens, so this is not vLLM's inter-token latency);
+- pipelined drafting (``draft.pipeline``): ``specdist_spec_decode_pipeline_total{replica,outcome}``
+  (request-steps whose drafts were prepared during the previous verification, ``hit``, or
+  whose prepared prefix did not hold, ``miss``) and
+  ``specdist_spec_decode_draft_hidden_seconds_total`` (draft worker time spent preparing
+  under verification, which no step waited for);
 - per step: ``specdist_step_duration_seconds``, ``specdist_step_phase_seconds{phase}`` (draft,
   verify, network, ... as ``EngineStats.phase_s``), ``specdist_step_batch_size``;
 - ``specdist_spec_decode_realized_speedup``: over the last ``SPEEDUP_WINDOW`` steps, output
@@ -93,6 +98,13 @@ class Metrics:
         self.accepted_per_pos = Counter(sd + "num_accepted_tokens_per_pos_total",
                                         "Draft tokens accepted, by draft position (0-based)",
                                         ["replica", "position"], registry=r)
+        self.pipeline = Counter(sd + "pipeline_total",
+                                "Pipelined drafting: request-steps whose drafts were prepared during the previous "
+                                "verification (hit) or whose prepared prefix did not hold (miss)",
+                                ["replica", "outcome"], registry=r)
+        self.draft_hidden = Counter(sd + "draft_hidden_seconds_total",
+                                    "Seconds of pipelined drafting done while the target verified (no step waited)",
+                                    registry=r)
         self.speedup = Gauge(sd + "realized_speedup",
                              f"Output tokens/s over the last {SPEEDUP_WINDOW} steps divided by the tokens/s "
                              "of the same batches without drafts (the measured non-speculative step cost)",
@@ -158,9 +170,13 @@ class Metrics:
         self.batch_size.observe(e.batch_size)
         for phase in PHASES:
             self.step_phase.labels(phase).observe(e.phase_s.get(phase, 0.0))
+        if e.draft_hidden_s:
+            self.draft_hidden.inc(e.draft_hidden_s)
         kept = 0
         for s in e.requests:
             kept += s.kept
+            if s.pipeline is not None:
+                self.pipeline.labels(str(s.replica), s.pipeline).inc()
             if s.ttft_s is not None:
                 self.ttft.observe(s.ttft_s)
             if s.inter_step_s is not None:

@@ -40,9 +40,14 @@ verification):
 - The draft length of a step (``k``, the prepared length, or 0 on a skipped miss) is a
   function of the history only, fixed before the step's verification.
 
-Reusing ``d'`` after a partial acceptance (``y`` is not the committed sequence) sends q rows of
-the wrong prefix and breaks this; ``tests/test_pipeline.py`` shows the frequency test catches it.
-The hit rule is :func:`prepared_prefix_holds`, the one place that decides.
+What exactness rests on is therefore "the tokens come from the rows sent, with uniforms the
+target never sees", not the hit rule itself: reusing ``d'`` after a partial acceptance *with the
+rows it was sampled from* would still be exact (the verifier's guarantee holds for any proposal
+law), only accepted less often, with the drafter's cache holding K/V of a prefix that is not the
+request's. Reusing it with q of the *true* prefix (re-scoring prepared tokens) is not exact.
+``tests/test_pipeline.py`` enumerates both laws, and runs the second through the engine, where
+the frequency test fails it. The hit rule is :func:`prepared_prefix_holds`, the one place that
+decides.
 
 Cost model (per request, one draft replica, draft forward ``c_d`` per pass, verification
 ``c_v``, per-position acceptance ``a``, guess hit rate ``b = P(bonus == g | all accepted)``):

@@ -111,6 +111,7 @@ class StepEvent:
     step_s: float  # wall seconds of the step after admission: choose, propose, verify, output, release
     plain_step_s: float  # predicted seconds of a step without drafts for this batch (the measured costs)
     requests: list[RequestStep]  # the verified requests, in batch order
+    draft_hidden_s: float = 0.0  # pipelined drafting for this step that ran under the previous verification
 
 
 @dataclass
@@ -287,6 +288,7 @@ class Scheduler:
         """One verification for every running request. Returns the requests that advanced."""
         t = self.stats.phase_s
         phase0 = dict(t)
+        hidden0 = self.stats.draft_hidden_s
         self._admit()
         if not self.running:
             return []
@@ -323,7 +325,7 @@ class Scheduler:
         self._release([r for r in self.running if r.finished])
         plain = policy.step_time([0] * len(reqs), [0] * len(reqs))
         phases = {name: t.get(name, 0.0) - phase0.get(name, 0.0) for name in t}
-        self._emit(StepEvent(len(reqs), phases, now() - tc, plain, records))
+        self._emit(StepEvent(len(reqs), phases, now() - tc, plain, records, self.stats.draft_hidden_s - hidden0))
         return advanced
 
     def _emit(self, event: StepEvent | RequestFinished) -> None:

@@ -352,3 +352,44 @@ def test_release_during_preparation_frees_everything(tiny_models) -> None:
         go.set()
         core.runner.forward = forward
         pipe.close()
+
+
+# --------------------------------------------------------------------------- 5. reported
+def test_pipeline_counts_reach_stats_metrics_and_server_info(models) -> None:
+    """Per-request hits / misses, the engine's totals, the Prometheus counters and the wire's
+    RequestStats / ServerInfo fields all count the same proposals."""
+    from specdist.frontend import request_stats, server_info
+    from specdist.metrics import Metrics
+    from specdist.v1 import common_pb2
+
+    cfg = tiny_config(models, method="model", k=3)
+    cfg["draft"].update(pipeline=True, pipeline_miss="skip")
+    eng = Engine.from_config(cfg)
+    metrics = Metrics(eng)
+    try:
+        outs = eng.generate(PROMPTS, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(PROMPTS))
+        hits = sum(o.metrics.pipeline_hits for o in outs)
+        misses = sum(o.metrics.pipeline_misses for o in outs)
+        assert hits > 0 and misses > 0
+        assert (hits, misses) == (eng.stats.pipeline_hits, eng.stats.pipeline_misses)
+        c = eng.replicas[0].drafter.core.counters
+        assert (hits, misses) == (c.hits, c.misses)
+        reg = metrics.registry
+        assert reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "hit"}) == hits
+        assert reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "miss"}) == misses
+        hidden = reg.get_sample_value("specdist_spec_decode_draft_hidden_seconds_total")
+        assert hidden == pytest.approx(eng.stats.draft_hidden_s) and hidden > 0
+        wire = common_pb2.RequestStats(**request_stats(outs[0].metrics))
+        assert (wire.pipeline_hits, wire.pipeline_misses) == (outs[0].metrics.pipeline_hits,
+                                                              outs[0].metrics.pipeline_misses)
+        info = server_info(eng)
+        assert info["draft_pipeline"] is True and info["draft_pipeline_miss"] == "skip"
+    finally:
+        metrics.close()
+        eng.close()
+    cfg["draft"]["pipeline"] = False
+    off = Engine.from_config(cfg)
+    try:
+        assert server_info(off)["draft_pipeline"] is False and server_info(off)["draft_pipeline_miss"] == ""
+    finally:
+        off.close()

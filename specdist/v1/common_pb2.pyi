@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "output_tokens", "drafted", "accepted", "steps", "time_to_first_token_s", "total_time_s")
+    __slots__ = ("prompt_tokens", "output_tokens", "drafted", "accepted", "steps", "time_to_first_token_s", "total_time_s", "pipeline_hits", "pipeline_misses")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class RequestStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_MISSES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     output_tokens: int
     drafted: int
@@ -67,7 +69,9 @@ class RequestStats(_message.Message):
     steps: int
     time_to_first_token_s: float
     total_time_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ...) -> None: ...
+    pipeline_hits: int
+    pipeline_misses: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ...) -> None: ...
 
 class DraftDistribution(_message.Message):
     __slots__ = ("format", "values", "token_ids")
