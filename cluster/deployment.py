@@ -57,6 +57,7 @@ class ClusterSpec:
     cpus_per_draft: float = 1.0
     gpus_per_draft: float = 1.0  # used only when the deployment runs on GPUs
     use_gpu: bool | None = None  # None: from config.engine.device (auto: whether the cluster has GPUs)
+    pin_cpus: bool = False  # rank r on core r, draft i on core tensor_parallel_size + i (modulo the node's cores)
     target_port: int = 0  # rank 0's gRPC port; 0 = a free port
     draft_ports: tuple[int, ...] = ()  # one per draft; missing or 0 = a free port
     num_threads: int | None = 1  # torch intra-op threads per actor (None: torch's default)
@@ -79,7 +80,7 @@ class ClusterSpec:
         return cls(
             tensor_parallel_size=cc.tensor_parallel_size, num_draft_workers=cc.num_draft_workers,
             cpus_per_rank=cc.cpus_per_rank, cpus_per_draft=cc.cpus_per_draft, gpus_per_draft=cc.gpus_per_draft,
-            use_gpu=cc.gpu, **deployment,
+            use_gpu=cc.gpu, pin_cpus=cc.pin_cpus, **deployment,
         ).validate()
 
     def validate(self) -> "ClusterSpec":
@@ -190,14 +191,16 @@ class Deployment:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement.target, placement_group_bundle_index=r),
             )
-            self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads), "target", r))
+            cpu = r if spec.pin_cpus else None
+            self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads, cpu), "target", r))
         for i, pg in enumerate(self.placement.drafts):
             cls = ray.remote(DraftActor).options(
                 num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if use_gpu else 0,
                 max_concurrency=spec.max_concurrency, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
             )
-            self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads), "draft", i))
+            cpu = tp + i if spec.pin_cpus else None
+            self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
 
     def _bring_up(self, cfg: Config, host: str, device: str, deadline: float, timeout_s: float) -> None:
         spec = self.spec

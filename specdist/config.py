@@ -41,6 +41,9 @@ Shape::
       cpus_per_draft: 1.0            # Ray logical CPUs per draft worker
       gpus_per_draft: 1.0            # GPUs per draft worker when the deployment runs on GPUs
       use_gpu: auto                  # auto (engine.device, auto: whether the cluster has GPUs) | true | false
+      pin_cpus: false                # pin each worker process to one core of its node (rank r: core r, draft i:
+                                     #   core tensor_parallel_size + i, modulo the cores): with one torch thread
+                                     #   each, the target and the drafts never share a core
       bringup_timeout_s: 300.0       # placement + start + load + warm-up + serve, all together
     limits:                          # what one public request may ask for (gRPC and HTTP alike); beyond a
                                      #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/frontend.py)
@@ -152,6 +155,7 @@ class ClusterConfig:
     cpus_per_draft: float = 1.0
     gpus_per_draft: float = 1.0
     use_gpu: bool | str = "auto"
+    pin_cpus: bool = False
     bringup_timeout_s: float = 300.0
 
     def validate(self, key: str) -> None:

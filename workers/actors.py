@@ -62,6 +62,19 @@ def _shippable_errors(fn):
     return wrapper
 
 
+def pin_process(cpu: int) -> int:
+    """Pin every thread of this process (threads started later inherit it) to one core:
+    ``cpu`` modulo the cores this process may use. Returns the core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[int(cpu) % len(allowed)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return core
+
+
 def _free_port(host: str = "") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -158,9 +171,10 @@ def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
 class _ActorBase:
     role = "actor"
 
-    def __init__(self, num_threads: int | None = 1):
+    def __init__(self, num_threads: int | None = 1, cpu: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
+        self.cpu = pin_process(cpu) if cpu is not None else None
         self.worker = None
         self.servicer = None
         self.grpc: _GrpcHost | None = None
@@ -182,6 +196,7 @@ class _ActorBase:
             "role": self.role,
             "state": self.state,
             "pid": os.getpid(),
+            "cpu": self.cpu,  # the core it is pinned to (cluster.pin_cpus), else None
             "node_ip": _node_ip(),
             "address": self.grpc.address if self.grpc else None,
             "draining": self.draining,
@@ -223,9 +238,9 @@ class TargetRankActor(_ActorBase):
 
     role = "target"
 
-    def __init__(self, rank: int, world_size: int, num_threads: int | None = 1):
+    def __init__(self, rank: int, world_size: int, num_threads: int | None = 1, cpu: int | None = None):
         self.rank, self.world_size = int(rank), int(world_size)
-        super().__init__(num_threads)
+        super().__init__(num_threads, cpu)
         self.device = torch.device("cpu")
         self.dist_ready = False
         self._follow_done = threading.Event()
@@ -373,9 +388,9 @@ class DraftActor(_ActorBase):
 
     role = "draft"
 
-    def __init__(self, index: int = 0, num_threads: int | None = 1):
+    def __init__(self, index: int = 0, num_threads: int | None = 1, cpu: int | None = None):
         self.index = int(index)
-        super().__init__(num_threads)
+        super().__init__(num_threads, cpu)
         self.method: str | None = None
         self.k = 0
 

@@ -99,6 +99,8 @@ SCHEMA = "specdist.bench.cluster/1"
 VARIANTS: dict[str, dict[str, Any]] = {
     "spec": {},  # the config as given
     "no-spec": {"draft": {"method": "none", "model": None}, "cluster": {"num_draft_workers": 0}},
+    "pipelined": {"draft": {"pipeline": True}},  # drafts prepared during verification (specdist/pipeline.py)
+    "sequential": {"draft": {"pipeline": False}},  # draft, then verify
 }
 
 DEFAULT_CONCURRENCY = "1,4,16"
