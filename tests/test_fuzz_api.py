@@ -385,11 +385,17 @@ def test_random_http_bodies(srv, ref):
         body = json.dumps(rand_body(rng, chat=bool(i % 2))).encode()
         if i % 5 == 4:
             body = mutate(rng, body)
-        cases.append((path, body))
+        cases.append((path, body, rng.random() < 0.1))
 
     def post(case):
-        path, body = case
-        return check_http(srv.http.post(srv.base + path, content=body, headers={"Content-Type": "application/json"}))
+        path, body, hang_up = case
+        headers = {"Content-Type": "application/json"}
+        if not hang_up:
+            return check_http(srv.http.post(srv.base + path, content=body, headers=headers))
+        with srv.http.stream("POST", srv.base + path, content=body, headers=headers) as r:  # leaves after 1 chunk
+            assert r.status_code < 500
+            next(r.iter_raw(), None)
+            return r.status_code
 
     with ThreadPoolExecutor(4) as pool:
         statuses = list(pool.map(post, cases))
