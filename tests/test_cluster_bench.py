@@ -17,9 +17,10 @@ from specdist.cli import main
 
 LEVEL_KEYS = {"variant", "mode", "label", "concurrency", "request_rate", "requests", "wall_s", "output_tokens",
               "output_tokens_per_s", "request_throughput", "acceptance", "phase_share", "phase_ms_per_step",
-              "per_request"} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e")
+              "per_request", "pipeline_hit_rate", "draft_overlap"} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e")
                                 for s in ("mean", "p50", "p90", "p99")}
-REQUEST_KEYS = {"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted", "accepted", "itl_s"}
+REQUEST_KEYS = {"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted", "accepted", "pipeline_hits",
+                "pipeline_misses", "itl_s"}
 
 
 def test_poisson_arrivals_are_reproducible_exponential_with_the_right_mean():
@@ -60,6 +61,27 @@ def test_variants_are_config_overrides(tiny_models):
             load_config(apply_overrides(full, overrides))  # raises ConfigError if a variant is invalid
     assert apply_overrides({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5}, "d": {"e": 1}}) == {
         "a": {"b": 5, "c": 2}, "d": {"e": 1}}  # mappings merge, anything else is replaced
+
+
+def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, tmp_path):
+    """The pipelined variant reports its hit rate (from the per-request stats over gRPC) and the
+    draft overlap (hidden / all draft time, from the engine); the sequential one reports neither."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
+    out_json = tmp_path / "r.json"
+    assert main(["bench", "cluster", "--config", str(cfg), "--variants", "pipelined,sequential", "--concurrency", "2",
+                 "--requests", "2", "--max-tokens", "12", "--raw", "--temperature", "0", "--json", str(out_json),
+                 "--no-progress"]) == 0
+    doc = json.loads(out_json.read_text())
+    assert [v["server_info"]["draft_pipeline"] for v in doc["variants"]] == [True, False]
+    piped, seq = doc["levels"]
+    hits = sum(p["pipeline_hits"] for p in piped["per_request"])
+    misses = sum(p["pipeline_misses"] for p in piped["per_request"])
+    assert hits + misses > 0 and piped["pipeline_hit_rate"] == hits / (hits + misses)
+    assert 0 < piped["draft_overlap"] <= 1
+    assert seq["pipeline_hit_rate"] is None and seq["draft_overlap"] is None
+    # greedy: the same tokens either way
+    assert [p["tokens"] for p in piped["per_request"]] == [p["tokens"] for p in seq["per_request"]]
 
 
 def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monkeypatch):

@@ -54,10 +54,13 @@ Targets (any mix; each is one "variant" of the results):
                  "requests", "wall_s", "output_tokens", "output_tokens_per_s",
                  "request_throughput" (completed requests/s),
                  "{ttft,tpot,itl,e2e}_{mean,p50,p90,p99}_ms", "acceptance" (null: nothing drafted),
+                 "pipeline_hit_rate" (pipelined drafting: hits / (hits + misses), else null),
+                 "draft_overlap" (config variants with pipelined drafting: draft time hidden
+                                  under verification / all draft time, else null),
                  "phase_ms_per_step", "phase_share" (config variants, else {}),
                  "vs_hf_plain" (with --hf-baseline),
                  "per_request": [{"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted",
-                                  "accepted", "itl_s": [float]}]  # in request order (seed 1000 + i)
+                                  "accepted", "pipeline_hits", "pipeline_misses", "itl_s": [float]}]  # in request order (seed 1000 + i)
                 }],
      "hf_plain": {"requests", "output_tokens_per_s"} | null}
 
@@ -139,8 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (there is none when stderr is not a terminal)")
     p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"with --config: which of {','.join(VARIANTS)} to run")
+    p.add_argument("--variants", default="spec,no-spec",
+                   help=f"with --config: which of {','.join(VARIANTS)} to run (pipelined / sequential: "
+                        "draft.pipeline on / off)")
     p.add_argument("--hf-baseline", type=int, default=0, metavar="N",
                    help="with --config: also run transformers generate on the same target, one request at a "
                         "time, over N of the prompts, and print every level's tokens/s as a multiple of it")
@@ -215,10 +219,13 @@ class RequestTiming:
     drafted: int = 0
     accepted: int = 0
     prompt_tokens: int = 0
+    pipeline_hits: int = 0  # pipelined drafting: steps with drafts prepared during the previous verification
+    pipeline_misses: int = 0
 
     def record(self) -> dict:
         return {"ttft_s": round(self.ttft, 6), "e2e_s": round(self.total, 6), "tokens": self.tokens,
                 "prompt_tokens": self.prompt_tokens, "drafted": self.drafted, "accepted": self.accepted,
+                "pipeline_hits": self.pipeline_hits, "pipeline_misses": self.pipeline_misses,
                 "itl_s": [round(g, 6) for g in self.gaps]}
 
 
@@ -253,6 +260,7 @@ def grpc_request(address: str, r: RequestSpec) -> RequestTiming:
     t = RequestTiming((first or end) - t0, end - t0, tokens, gaps)
     if stats is not None:
         t.drafted, t.accepted, t.prompt_tokens = stats.drafted, stats.accepted, stats.prompt_tokens
+        t.pipeline_hits, t.pipeline_misses = stats.pipeline_hits, stats.pipeline_misses
     return t
 
 
@@ -321,7 +329,8 @@ def http_request(base: str, r: RequestSpec, model: str | None = None) -> Request
     gaps = [(b - a) / per_chunk for a, b in zip(chunk_times, chunk_times[1:])]
     spec = usage.get("speculative") or {}
     return RequestTiming((chunk_times[0] if chunk_times else end) - t0, end - t0, tokens, gaps,
-                         spec.get("drafted", 0), spec.get("accepted", 0), usage.get("prompt_tokens", 0))
+                         spec.get("drafted", 0), spec.get("accepted", 0), usage.get("prompt_tokens", 0),
+                         spec.get("pipeline_hits", 0), spec.get("pipeline_misses", 0))
 
 
 def http_server_info(base: str) -> tuple[str | None, dict]:
@@ -341,6 +350,7 @@ class LevelResult:
     timings: list[RequestTiming] = field(default_factory=list)
     phase_share: dict = field(default_factory=dict)
     phase_ms_per_step: dict = field(default_factory=dict)
+    draft_overlap: float | None = None  # config variants with pipelined drafting: hidden / all draft time
 
     def summary(self) -> dict:
         """One entry of the JSON's ``levels`` (module docstring)."""
@@ -372,6 +382,9 @@ class LevelResult:
             for q in _PCTS:
                 row[f"{name}_p{q}_ms"] = _pct(xs, q) * 1e3
         row["acceptance"] = sum(t.accepted for t in ts) / drafted if drafted else None
+        hits, misses = sum(t.pipeline_hits for t in ts), sum(t.pipeline_misses for t in ts)
+        row["pipeline_hit_rate"] = hits / (hits + misses) if hits + misses else None
+        row["draft_overlap"] = self.draft_overlap
         row["phase_share"] = self.phase_share
         row["phase_ms_per_step"] = self.phase_ms_per_step
         row["per_request"] = [t.record() for t in ts]
@@ -500,6 +513,15 @@ def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
             {k: v / busy if busy else 0.0 for k, v in parts.items()})
 
 
+def draft_overlap(stats) -> float | None:
+    """Pipelined drafting: draft time hidden under verification / all draft time (hidden + what
+    steps waited for); None without pipelined drafting."""
+    hidden, exposed = stats.draft_hidden_s, stats.phase_s.get("draft", 0.0)
+    if not (stats.pipeline_hits or stats.pipeline_misses):
+        return None
+    return hidden / (hidden + exposed) if hidden + exposed > 0 else 0.0
+
+
 # ---------------------------------------------------------------- the command
 def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[str]]:
     """(levels, config variants, --http base URLs); ValueError naming the flag, before anything starts."""
@@ -543,6 +565,7 @@ def run(args: argparse.Namespace) -> int:
             res = run_level(send, name, lv, args, log)
             if srv is not None:
                 res.phase_ms_per_step, res.phase_share = breakdown(srv.engine, srv.coordinator, srv.engine.stats.steps)
+                res.draft_overlap = draft_overlap(srv.engine.stats)
             results.append(res)
 
     if args.server:
@@ -657,15 +680,19 @@ def format_table(doc: dict) -> str:
         f"specdist bench cluster: {s['max_tokens']} new tokens per request, temperature {s['temperature']:g}",
         "",
         "| variant | load | requests | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms "
-        "| ITL p99 ms | acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p99 ms | acceptance | pipeline hits | draft overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def pct(x: float | None) -> str:
+        return f"{x:.1%}" if x is not None else "-"
+
     for r in rows:
-        acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
         lines.append(
             f"| {r['variant']} | {r['label']} | {r['requests']} | {r['request_throughput']:.2f} "
             f"| {r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
-            f"| {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {acc} |"
+            f"| {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {pct(r['acceptance'])} "
+            f"| {pct(r['pipeline_hit_rate'])} | {pct(r['draft_overlap'])} |"
         )
     hf = doc["hf_plain"]
     if hf is not None:
