@@ -20,11 +20,10 @@ Request fields:
   is text, or a list of text parts (joined with newlines).
 - ``max_tokens`` (completions: default 16); chat: ``max_completion_tokens`` (or
   ``max_tokens``; the former wins), default: up to ``limits.max_tokens`` (the context limit
-  unless the config sets it). ``temperature``,
-  ``top_p``, ``stop``, ``seed`` as OpenAI defines them; ``top_k``, ``stop_token_ids`` and
-  ``ignore_eos`` as extra body fields.
-- ``n``: n independent requests, run concurrently; with a ``seed`` the i-th samples with
-  ``seed + i``, so a request with a seed reproduces all n choices.
+  unless the config sets it). ``temperature``, ``top_p``, ``stop``, ``seed`` as OpenAI
+  defines them; ``top_k``, ``stop_token_ids`` and ``ignore_eos`` as extra body fields.
+- ``n``: n independent requests (at most ``limits.max_n``), run concurrently; with a ``seed``
+  the i-th samples with ``seed + i``, so a request with a seed reproduces all n choices.
 - ``logprobs`` / ``top_logprobs``: refused (400): the engine does not compute them.
 - ``user``: accepted and ignored. Any other field is refused with a 400 naming it: a field
   this server does not implement (a penalty, ``logit_bias``, tools) would otherwise be
@@ -41,8 +40,9 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, w
 ``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
 another model, 413 for a body over ``limits.max_message_bytes``, 503 when the server is
 full or shutting down, 500 for a request that failed on the server. A field beyond its
-limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 400 naming it. Once a stream has started, a failure is sent as one
-``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
+limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 400 naming
+it. Once a stream has started, a failure is sent as one ``data: {"error": ...}`` event
+and the stream ends without ``[DONE]``.
 
 A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
 requests: their KV slots are free within one engine step.

@@ -4,8 +4,8 @@ Status codes: a bad field is INVALID_ARGUMENT with the proto field name first in
 details (``params.top_p: must be in (0, 1]``), as is a field beyond the config's
 ``limits`` (``params.stop[2]: ...``, :func:`specdist.frontend.check_request`) and a
 message that does not parse (``request: ...``); a message over
-``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id already in use is
-ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
+``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id
+already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
 server UNAVAILABLE; Cancel of an id no running request has NOT_FOUND. A request that
 fails inside a step gets a last message with FINISH_REASON_ERROR and the stream then
 ends with INTERNAL.
