@@ -4,7 +4,7 @@
     specdist generate --config configs/local.yaml "Explain gravity."   # streams text; stats on stderr
     specdist serve --config configs/local.yaml --port 50051            # gRPC server (specdist.v1.SpecDecode)
     specdist generate --server 127.0.0.1:50051 "Explain gravity."      # stream from a running server
-    specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png]
+    specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png] [--pipeline --guess-hit 0.8]
     specdist bench engine [--quick] [--dtype float32,bfloat16]
     specdist bench runner                     # forward per dtype: what dtype auto means on the CPU
 
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate in [0, 1]")
     cm.add_argument("--k", type=int, required=True, help="draft length")
     cm.add_argument("--draft-cost", type=float, default=0.1, help="draft cost per token, verification = 1")
+    cm.add_argument("--pipeline", action="store_true",
+                    help="also compare pipelined drafting (next drafts prepared during verification)")
+    cm.add_argument("--guess-hit", type=float, default=None,
+                    help="with --pipeline: probability that the draft's guess of the bonus token is right "
+                         "(default: alpha)")
+    cm.add_argument("--miss", choices=("redraft", "skip"), default="redraft",
+                    help="with --pipeline: what a request whose prepared prefix did not hold does")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
 
     srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode; with --http-port also the "
@@ -271,9 +278,13 @@ def _log(msg: str) -> None:
 
 
 def _cost_model(args: argparse.Namespace) -> int:
-    from specdist.cost_model import report
+    from specdist.cost_model import pipelined_report, report
 
     print(report(args.alpha, args.k, args.draft_cost).format())
+    if args.pipeline:
+        guess = args.alpha if args.guess_hit is None else args.guess_hit
+        print()
+        print(pipelined_report(args.alpha, args.k, args.draft_cost, guess, args.miss).format())
     if args.plot:
         from specdist.cost_plot import plot_speedup
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CostReport",
+    "PipelinedReport",
+    "pipelined_report",
     "acceptance_rate_from_distributions",
     "best_k",
     "expected_tokens",
@@ -195,3 +197,68 @@ def report(alpha: float, k: int, draft_cost: float) -> CostReport:
     e_l = expected_tokens(alpha, k)
     cost = step_cost(k, draft_cost)
     return CostReport(float(alpha), k, float(draft_cost), e_l, cost, e_l / cost)
+
+
+@dataclass(frozen=True)
+class PipelinedReport:
+    """Sequential against pipelined drafting (:mod:`specdist.pipeline`), costs in units of one
+    verification: a draft pass costs ``draft_cost``, the guess of the target's bonus token (the
+    mode of q) is right with probability ``guess_hit`` when every draft was accepted."""
+
+    alpha: float
+    k: int
+    draft_cost: float
+    guess_hit: float
+    miss: str
+    hit_rate: float  # h = alpha^k * guess_hit: the next step's drafts are ready
+    sequential_time: float  # k c + 1
+    sequential_tokens: float  # E(alpha, k)
+    pipelined_time: float
+    pipelined_tokens: float
+
+    @property
+    def gain(self) -> float:
+        """Pipelined over sequential tokens per unit time."""
+        return (self.pipelined_tokens / self.pipelined_time) / (self.sequential_tokens / self.sequential_time)
+
+    def format(self) -> str:
+        return "\n".join([
+            f"alpha={self.alpha:g}, k={self.k}, c={self.draft_cost:g}, guess hit={self.guess_hit:g}, "
+            f"miss={self.miss}",
+            f"next-step hit rate h = alpha^k * guess hit = {self.hit_rate:.4f}",
+            f"sequential: {self.sequential_tokens:.4f} tokens per step of {self.sequential_time:.3f}",
+            f"pipelined:  {self.pipelined_tokens:.4f} tokens per step of {self.pipelined_time:.3f}",
+            f"pipelined / sequential tokens per time = {self.gain:.3f}",
+            "Reminder: this is a toy ratio, not a measured speedup.",
+        ])
+
+
+def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
+                     miss: str = "redraft") -> PipelinedReport:
+    """Expected step time and tokens with and without pipelined drafting (specdist.pipeline).
+
+    While the target verifies step t (cost 1) the drafter guesses the bonus token and drafts
+    the next k tokens after it: k + 1 passes, so a step lasts ``max(1, (k + 1) c)`` when the
+    next drafts were ready. The next step hits with ``h = alpha^k * guess_hit``.
+    ``redraft``: a miss drafts k tokens before verifying, ``T = max(1, (k+1) c) + (1 - h) k c``,
+    ``E(alpha, k)`` tokens a step. ``skip``: a miss verifies no drafts, every step lasts
+    ``max(1, (k+1) c)``; a step has drafts with the stationary probability
+    ``pi = guess_hit / (guess_hit + 1 - h)`` and emits ``pi E + (1 - pi)`` tokens.
+    """
+    alpha = _check_alpha(alpha)
+    k = _check_int("k", k)
+    c = _check_nonneg("draft_cost", draft_cost)
+    if isinstance(guess_hit, bool) or not isinstance(guess_hit, (int, float)) or not 0.0 <= guess_hit <= 1.0:
+        raise ValueError(f"guess_hit must be in [0, 1], got {guess_hit!r}")
+    b = float(guess_hit)
+    if miss not in ("redraft", "skip"):
+        raise ValueError(f"miss must be redraft or skip, got {miss!r}")
+    h = alpha**k * b
+    e = expected_tokens(alpha, k)
+    overlapped = max(1.0, (k + 1) * c)
+    if miss == "redraft":
+        t, tokens = overlapped + (1 - h) * k * c, e
+    else:
+        pi = b / (b + 1 - h) if b + 1 - h > 0 else 1.0
+        t, tokens = overlapped, pi * e + (1 - pi)
+    return PipelinedReport(alpha, k, c, b, miss, h, step_cost(k, c), e, t, tokens)

@@ -58,7 +58,7 @@ Cost model (per request, one draft replica, draft forward ``c_d`` per pass, veri
 - skip: every step costs about ``max(c_v, (k + 1) c_d)``; a step has drafts with the
   stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens.
 
-:func:`pipelined_step_time` evaluates these (``specdist cost-model --pipeline``). Preparing
+:func:`specdist.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
 for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual
 token) would add rows to every prepared pass to win ``k c_d`` with the probability of that
 outcome; BENCHMARKS.md ("Pipelined drafting") has the measured ``a``, ``b`` and hit rates
@@ -78,7 +78,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdist.cost_model import expected_tokens
 from specdist.drafting import DrafterCore
 from specdist.request import now
 from specdist.transport import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem
@@ -295,21 +294,3 @@ class DraftPipeline:
             job.finished = now()
             self.counters.prepare_s += job.finished - job.started
             job.done.set()
-
-
-def pipelined_step_time(alpha: float, k: int, hit_guess: float, draft_pass: float, verify: float,
-                        miss: str = "redraft") -> tuple[float, float, float]:
-    """The cost model above: (expected seconds per step, expected tokens per step, next-step hit rate)."""
-    h = alpha**k * hit_guess
-    e = expected_tokens(alpha, k)
-    overlapped = max(verify, (k + 1) * draft_pass)
-    if miss == "redraft":
-        return overlapped + (1 - h) * k * draft_pass, e, h
-    pi = hit_guess / (hit_guess + 1 - h) if hit_guess + 1 - h > 0 else 1.0
-    return overlapped, pi * e + (1 - pi), h
-
-
-def sequential_step_time(alpha: float, k: int, draft_pass: float, verify: float) -> tuple[float, float]:
-    """(seconds per step, expected tokens per step) without pipelining."""
-    return k * draft_pass + verify, expected_tokens(alpha, k)
-

@@ -126,3 +126,48 @@ def test_plot_writes_png(tmp_path) -> None:
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(data) > 1000
+
+
+# ----------------------------------------------------------------------------- pipelined drafting
+def test_pipelined_report_by_hand() -> None:
+    from specdist.cost_model import pipelined_report
+
+    # alpha 0.9, k 3, c 0.25, guess 0.9: h = 0.729 * 0.9 = 0.6561; the k + 1 = 4 prepared passes
+    # take exactly one verification; a miss adds 3 * 0.25
+    r = pipelined_report(0.9, 3, 0.25, 0.9)
+    assert r.hit_rate == pytest.approx(0.6561)
+    assert r.sequential_time == pytest.approx(1.75) and r.sequential_tokens == pytest.approx(3.439)
+    assert r.pipelined_time == pytest.approx(1.0 + (1 - 0.6561) * 0.75)
+    assert r.pipelined_tokens == pytest.approx(3.439)
+    assert r.gain == pytest.approx(1.75 / (1.0 + 0.3439 * 0.75))
+    # preparation longer than verification: the step waits for it
+    assert pipelined_report(0.9, 3, 0.5, 0.9).pipelined_time == pytest.approx(2.0 + 0.3439 * 1.5)
+    # skip: pi = b / (b + 1 - h) of the steps have drafts, the others emit one token
+    s = pipelined_report(0.9, 3, 0.25, 0.9, miss="skip")
+    pi = 0.9 / (0.9 + 1 - 0.6561)
+    assert s.pipelined_time == pytest.approx(1.0) and s.pipelined_tokens == pytest.approx(pi * 3.439 + 1 - pi)
+    # nothing to hide (free drafts) or nothing ever hit: no gain from pipelining with redraft, and a
+    # loss when the preparation outlasts the verification
+    assert pipelined_report(0.9, 3, 0.0, 0.9).gain == pytest.approx(1.0)
+    assert pipelined_report(0.9, 3, 0.25, 0.0).gain == pytest.approx(1.0)
+    assert pipelined_report(0.9, 3, 0.5, 0.0).gain < 1.0
+
+
+def test_pipelined_report_rejects_bad_input() -> None:
+    from specdist.cost_model import pipelined_report
+
+    with pytest.raises(ValueError, match="guess_hit"):
+        pipelined_report(0.9, 3, 0.25, 1.5)
+    with pytest.raises(ValueError, match="miss"):
+        pipelined_report(0.9, 3, 0.25, 0.5, miss="later")
+
+
+def test_cost_model_cli_pipeline(capsys) -> None:
+    from specdist.cli import main
+
+    assert main(["cost-model", "--alpha", "0.9", "--k", "3", "--draft-cost", "0.25", "--pipeline"]) == 0
+    out = capsys.readouterr().out
+    assert "pipelined / sequential tokens per time = 1.391" in out
+    with pytest.raises(SystemExit) as e:
+        main(["cost-model", "--alpha", "0.9", "--k", "3", "--pipeline", "--guess-hit", "2"])
+    assert e.value.code == 2 and "guess_hit must be in [0, 1]" in capsys.readouterr().err
