@@ -10,8 +10,8 @@
    drafter's cache on the true prefix).
 2. Frequency: N = 6000 sequences through the engine with the pipeline on, G-test against the
    target law at alpha = 1e-4 (false-failure rate 1e-4); the faulty pipeline above, run through
-   the same engine, must exceed the threshold, and its exact law (enumerated from the tiny
-   models' own tables) is detected with power > 0.99.
+   the same engine (N = 1500), must exceed the threshold, and its exact law (enumerated from the
+   tiny models' own tables) is detected with power > 0.99.
 3. Greedy (and, with redrafted misses and fixed k, seeded sampled) outputs equal the
    sequential drafter's, in process and over gRPC.
 4. Releasing a request while its drafts are being prepared frees everything on the drafter.
@@ -147,7 +147,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(key, 0.0) - b.get(key, 0.0)) for key in set(a) | set(b))
 
 
-@pytest.mark.parametrize("vocab,k,m,seed", [(3, 1, 4, 1), (3, 2, 5, 2), (2, 3, 6, 3), (4, 2, 4, 4)])
+@pytest.mark.parametrize("vocab,k,m,seed", [(3, 1, 4, 1), (3, 2, 5, 2), (2, 3, 6, 3)])
 def test_pipelined_law_is_the_target_law(vocab: int, k: int, m: int, seed: int) -> None:
     P, Q = random_tables(vocab, m + 2 * k + 1, seed)
     want = target_law(P, vocab, m)
@@ -231,10 +231,13 @@ def laws(models):
     return p, wrong
 
 
+N_FAULTY = 1500  # the faulty pipeline is far off: fewer sequences keep its power above 0.99
+
+
 def g_test(outs, p: np.ndarray) -> tuple[float, float, list]:
     counts = np.bincount([seq_index(o.token_ids[:CASE.window]) for o in outs], minlength=VOCAB**CASE.window)
     assert not np.any((counts > 0) & (p == 0)), "a sequence of target probability 0 was drawn"
-    cells = merge_cells(p, N)
+    cells = merge_cells(p, len(outs))
     threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
     return g_statistic(counts, p, cells), threshold, cells
 
@@ -254,14 +257,14 @@ def test_pipelined_engine_samples_target_distribution(models, laws) -> None:
 
 
 def test_faulty_pipeline_fails_the_frequency_test(models, laws) -> None:
-    """The negative control through the same engine: its exact law is detected with power > 0.99
-    (non-central chi-square over the same cells), and the run exceeds the threshold."""
+    """The negative control through the same engine, N = 1500, alpha 1e-4: its exact law is detected
+    with power > 0.99 (non-central chi-square over the same cells), and the run exceeds the threshold."""
     p, wrong = laws
-    cells = merge_cells(p, N)
-    lam, pw = power(wrong, p, cells, N)
+    cells = merge_cells(p, N_FAULTY)
+    lam, pw = power(wrong, p, cells, N_FAULTY)
     print(f"\nfaulty pipeline: TV {0.5 * np.abs(wrong - p).sum():.3f}, non-centrality {lam:.0f}, power {pw:.6f}")
     assert pw > 0.99
-    outs, pipe = sample_pipelined(models, N, seed0=910_000_000, pipeline_cls=RescoredReuse)
+    outs, pipe = sample_pipelined(models, N_FAULTY, seed0=910_000_000, pipeline_cls=RescoredReuse)
     g, threshold, _ = g_test(outs, p)
     print(f"  hits {pipe.counters.hits}; G = {g:.1f} > threshold {threshold:.1f}")
     assert g > threshold
