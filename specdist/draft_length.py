@@ -55,6 +55,15 @@ even at batch size 1 (about 6% of steps); a replica that has not drafted for
 ``PROBE_EVERY`` steps (its drafts were not worth their cost) drafts one token per request
 once, so a replica that was slow and recovered is noticed; prefills also feed the verification fit (many
 tokens in one target forward), which pins its per-token slope early.
+With pipelined drafting (``draft.pipeline``, :mod:`specdist.pipeline`) a drafter prepares the
+next step's drafts (a guess pass, then ``K`` passes) while the target verifies, and a request
+whose prepared prefix holds (probability ``h_b = alpha_b^k_b * beta``, ``beta`` the measured
+rate at which the drafter's guess of the bonus token was right) needs no drafting in its step.
+The rule then predicts ``T(k) = overhead + max(V, P) + (1 - prod_b h_b) * max_r D_r``, where
+``P = max_r D_r(K_r + 1 passes, rows_r + requests_r)`` is the preparation, hidden under the
+verification up to ``V``, and the last term the redrafting of misses; the draft-cost fits
+learn from the drafter's own compute of each preparation and redraft (reported with each
+call), not from the wall time of a call, most of which the preparation hid.
 The chosen lengths depend on wall times, so a seeded request reproduces its output
 *distribution* exactly (speculative decoding is exact for any k) but not its exact tokens;
 use ``fixed`` for token-for-token reproducibility.
@@ -82,6 +91,7 @@ EXPLORE_EARLY = (3, 6, 9, 12)
 EXPLORE_CAPS = (0.5, 0.0, 0.25, 1.0)  # fractions of k, cycled
 TABLE_WEIGHT = 0.3  # EMA weight of a new verification time in the (batch, tokens) table
 PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
+GUESS_PRIOR = 0.5  # pipelined drafting: the guess hit rate before any was observed (PRIOR_WEIGHT samples)
 DINKELBACH_ROUNDS = 4
 
 
@@ -177,12 +187,15 @@ class DraftLengthPolicy:
     k: int
     mode: str = "fixed"
     num_replicas: int = 1
+    pipelined: bool = False  # drafters prepare the next drafts during verification (module docstring)
     draft_cost: list[LinearFit] = field(init=False)  # per replica: (1, passes, rows) -> seconds
     verify_cost: LinearFit = field(init=False)  # (1, tokens) -> seconds
     overhead_s: float | None = None
     verify_table: dict = field(default_factory=dict)  # (batch, tokens) -> seconds, measured (EMA)
     global_accepted: float = 0.0
     global_tried: float = 0.0
+    guess_hits: float = 0.0  # pipelined: prepared prefixes that held, after an all-accepted step (decayed)
+    guess_tries: float = 0.0
     steps: int = 0
     explored: int = 0
 
@@ -197,6 +210,11 @@ class DraftLengthPolicy:
     @property
     def global_alpha(self) -> float:
         return (self.global_accepted + PRIOR_WEIGHT * GLOBAL_PRIOR) / (self.global_tried + PRIOR_WEIGHT)
+
+    @property
+    def guess_hit(self) -> float:
+        """Pipelined drafting: P(the drafter's guess of the bonus token is right | every draft accepted)."""
+        return (self.guess_hits + PRIOR_WEIGHT * GUESS_PRIOR) / (self.guess_tries + PRIOR_WEIGHT)
 
     def alpha(self, acc: Acceptance) -> float:
         a = (acc.accepted + PRIOR_WEIGHT * self.global_alpha) / (acc.tried + PRIOR_WEIGHT)
@@ -263,22 +281,27 @@ class DraftLengthPolicy:
                 best_ks, best_rate = ks, rate
         return best_ks
 
-    def step_time(self, ks: Sequence[int], reps: Sequence[int]) -> float:
-        """Predicted seconds of a step with these draft lengths."""
-        draft = 0.0
+    def step_time(self, ks: Sequence[int], reps: Sequence[int], alphas: Sequence[float] | None = None) -> float:
+        """Predicted seconds of a step with these draft lengths (pipelined: given the requests' alphas)."""
+        draft = prepare = 0.0
         for r in set(reps):
             mine = [k for k, rr in zip(ks, reps) if rr == r]
             if mine and max(mine) > 0:
-                draft = max(draft, self.draft_cost[r].predict(1, max(mine), sum(mine)))
+                fit = self.draft_cost[r]
+                draft = max(draft, fit.predict(1, max(mine), sum(mine)))
+                prepare = max(prepare, fit.predict(1, max(mine) + 1, sum(mine) + sum(k > 0 for k in mine)))
         n = sum(ks) + len(ks)
         seen = self.verify_table.get((len(ks), n))
         verify = seen if seen is not None else self.verify_cost.predict(1, n)
+        if self.pipelined and alphas is not None:
+            held = math.prod(a**k * self.guess_hit for a, k in zip(alphas, ks) if k > 0)
+            return (self.overhead_s or 0.0) + max(verify, prepare) + (1.0 - held) * draft
         return (self.overhead_s or 0.0) + draft + verify
 
     def rate(self, ks: Sequence[int], alphas: Sequence[float], reps: Sequence[int]) -> float:
         """Predicted emitted tokens per second."""
         tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
-        return tokens / max(self.step_time(ks, reps), 1e-9)
+        return tokens / max(self.step_time(ks, reps, alphas), 1e-9)
 
     # ------------------------------------------------------------------ learning
     def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int) -> None:
@@ -290,10 +313,17 @@ class DraftLengthPolicy:
         self.global_accepted += accepted
         self.global_tried += accepted + (1 if accepted < drafted else 0)
 
+    def observe_guess(self, held: bool) -> None:
+        """Pipelined drafting: after a step that accepted every draft, whether the prepared prefix held."""
+        self.guess_hits += held
+        self.guess_tries += 1
+
     def end_step(self) -> None:
-        """Decay the global acceptance once per step."""
+        """Decay the global acceptance (and guess hit rate) once per step."""
         self.global_accepted *= GLOBAL_DECAY
         self.global_tried *= GLOBAL_DECAY
+        self.guess_hits *= GLOBAL_DECAY
+        self.guess_tries *= GLOBAL_DECAY
 
     def observe_draft(self, replica: int, passes: int, rows: int, seconds: float) -> None:
         if passes > 0 and rows > 0:
@@ -320,6 +350,8 @@ class DraftLengthPolicy:
             "mode": self.mode,
             "k_max": self.k,
             "global_alpha": round(self.global_alpha, 4),
+            "pipelined": self.pipelined,
+            "guess_hit": round(self.guess_hit, 4),
             "draft_s_per_call": [round(f.w[0], 6) for f in self.draft_cost],
             "draft_s_per_pass": [round(f.w[1], 6) for f in self.draft_cost],
             "draft_s_per_row": [round(f.w[2], 6) for f in self.draft_cost],

@@ -105,6 +105,8 @@ class _Job:
     """One background preparation, over the requests of one propose call."""
 
     request_ids: list[str]
+    passes: int  # draft passes it runs (the guess pass included)
+    rows: int  # request-passes over all its requests
     abort: set[str] = field(default_factory=set)
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=now)
@@ -197,6 +199,7 @@ class DraftPipeline:
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         arrived = now()
         waited = hidden = 0.0
+        runs: list[tuple[int, int, float]] = []
         job, self._job = self._job, None
         if job is not None:
             for it in items:  # certain misses (whatever the guess) stop preparing now
@@ -208,6 +211,8 @@ class DraftPipeline:
             waited = max(0.0, job.finished - arrived)
             hidden = max(0.0, min(job.finished, arrived) - job.started)
             self.counters.hidden_s += hidden
+            if not job.abort:  # a whole preparation: its cost, for the caller's draft-cost fit
+                runs.append((job.passes, job.rows, job.finished - job.started))
         with self._lock:
             core = self.core
             plan = core._check(items)
@@ -231,14 +236,18 @@ class DraftPipeline:
                         continue
                 todo.append(i)
             if todo:
-                drafted = core._draft([items[i] for i in todo], [plan[i][0] for i in todo], [plan[i][3] for i in todo])
+                t1 = now()
+                ks = [plan[i][3] for i in todo]
+                drafted = core._draft([items[i] for i in todo], [plan[i][0] for i in todo], ks)
                 for i, p in zip(todo, drafted):
                     p.pipeline = status[i]
                     out[i] = p
+                if max(ks) > 0:
+                    runs.append((max(ks), sum(ks), now() - t1))
             draft_s = now() - t0
             self.counters.draft_s += draft_s
             self._schedule([(it.request_id, r, it.num_tokens) for it, (r, *_) in zip(items, plan) if it.num_tokens > 0])
-        return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden)
+        return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden, runs=runs)
 
     _holds = staticmethod(prepared_prefix_holds)
 
@@ -270,7 +279,7 @@ class DraftPipeline:
                 todo.append((rid, r, k))
         if not todo:
             return
-        job = _Job([rid for rid, _, _ in todo])
+        job = _Job([rid for rid, _, _ in todo], 1 + max(k for _, _, k in todo), sum(1 + k for _, _, k in todo))
         self._job = job
         self._executor.submit(self._prepare, job, todo)
 

@@ -45,6 +45,7 @@ _ITEM = re.compile(r"^items\[(\d+)\]")
 
 
 _HIDDEN = "hidden"  # CallTiming.hidden_s in the timing metadata (not a phase of the call)
+RUNS_METADATA_KEY = "specdist-draft-runs"  # CallTiming.runs: "passes:rows:seconds;..."
 
 
 def timing_metadata(timing: CallTiming) -> tuple[tuple[str, str], ...]:
@@ -52,16 +53,22 @@ def timing_metadata(timing: CallTiming) -> tuple[tuple[str, str], ...]:
     phases = dict(timing.phases)
     if timing.hidden_s:
         phases[_HIDDEN] = timing.hidden_s
-    return ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in phases.items())),)
+    out = ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in phases.items())),)
+    if timing.runs:
+        out += ((RUNS_METADATA_KEY, ";".join(f"{p}:{r}:{s:.9f}" for p, r, s in timing.runs)),)
+    return out
 
 
 def _timing_of(call) -> CallTiming:
     try:
-        for key, value in call.trailing_metadata() or ():
-            if key == TIMING_METADATA_KEY:
-                phases = {k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)}
-                hidden = phases.pop(_HIDDEN, 0.0)
-                return CallTiming(phases, hidden_s=hidden)
+        meta = dict(call.trailing_metadata() or ())
+        value = meta.get(TIMING_METADATA_KEY)
+        if value is not None:
+            phases = {k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)}
+            hidden = phases.pop(_HIDDEN, 0.0)
+            runs = [(int(p), int(r), float(s)) for p, r, s in
+                    (run.split(":") for run in meta.get(RUNS_METADATA_KEY, "").split(";") if run)]
+            return CallTiming(phases, hidden_s=hidden, runs=runs)
     except (ValueError, AttributeError):  # absent or malformed: the whole call counts as network
         pass
     return CallTiming()

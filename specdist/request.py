@@ -113,6 +113,7 @@ class Request:
     num_accepted: int = 0  # of its drafter's last proposal, for the next ProposeItem
     new_tokens: list[int] = field(default_factory=list)  # target tokens since the last proposal
     proposal: object = None  # this step's transport.Proposal, until verified
+    full_accept: bool = False  # its last verified proposal was accepted whole (pipelined drafting's guess test)
     error: str | None = None  # with finish_reason "error": what failed
 
     @property

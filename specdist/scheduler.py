@@ -59,6 +59,7 @@ from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
 from specdist.transport import (
+    HIT,
     CallTiming,
     Drafter,
     ProposeItem,
@@ -159,7 +160,8 @@ class Scheduler:
         self.replicas = [_Replica(d) for d in (drafters if config.draft.enabled else ())]
         self.k = config.draft.num_speculative_tokens if self.replicas else 0
         self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
-                                               num_replicas=max(1, len(self.replicas)))
+                                               num_replicas=max(1, len(self.replicas)),
+                                               pipelined=config.draft.pipelined and bool(self.replicas))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -341,6 +343,7 @@ class Scheduler:
         drafted = list(p.token_ids) if p is not None else []
         if p is not None:  # its drafter holds this proposal: the next ProposeItem says how much survived
             r.num_accepted = n_acc
+        r.full_accept = p is not None and n_acc == len(drafted)  # a pipelined drafter's guess is tested next
         r.new_tokens.append(next_token)  # emitted since the last proposal (several when it skipped steps)
         r.proposal = None
         self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
@@ -407,7 +410,10 @@ class Scheduler:
         proposals, failed, timing, wall = self._call_isolating(rep.drafter.propose, items)
         ok = [r for j, (r, _) in enumerate(work) if j not in failed]
         ntok = 0
+        policy = self.length_policy
         for r, p in zip(ok, proposals or []):
+            if p.pipeline is not None and r.full_accept and len(r.new_tokens) == 1:
+                policy.observe_guess(p.pipeline == HIT)  # the guess of its bonus token was tested
             r.proposal = p
             r.num_accepted, r.new_tokens = 0, []  # committed on the drafter
             ntok += len(p)
@@ -417,7 +423,11 @@ class Scheduler:
         if ntok:
             rep.propose_s += wall
             rep.proposed_tokens += ntok
-            self.length_policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall)
+        if timing.runs:  # a pipelined drafter reports its draft compute: most of it was hidden
+            for passes, rows, seconds in timing.runs:
+                policy.observe_draft(i, passes, rows, seconds)
+        elif ntok:
+            policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall)
         for j, msg in failed.items():  # detached from the drafter; released by the step afterwards
             self._detach(work[j][0], f"draft {rep.drafter.name}: {msg}")
         compute = timing.total if rep.drafter.is_remote else wall

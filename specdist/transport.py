@@ -103,11 +103,14 @@ class CallTiming:
 
     ``hidden_s``: seconds of background drafting (:mod:`specdist.pipeline`) for this call's
     requests that ran before the call arrived, i.e. under the previous verification; not part
-    of the call's wall time.
+    of the call's wall time. ``runs``: the draft compute behind the call, run by run.
     """
 
     phases: dict[str, float] = field(default_factory=dict)
     hidden_s: float = 0.0
+    # pipelined drafting: (passes, rows, seconds) of each draft run the core finished for this call
+    # (the preparation it used, drafting inside the call), for the draft-cost fits
+    runs: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def total(self) -> float:

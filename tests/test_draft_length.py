@@ -199,3 +199,43 @@ def test_first_step_drafts_nothing_under_adaptive_only() -> None:
     pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002))
     assert pol.choose([4, 4], accs(0.9, 0.9), first=[True, False]) == [0, 4]
     assert DraftLengthPolicy(4, "fixed").choose([4, 4], accs(0.9, 0.9), first=[True, False]) == [4, 4]
+
+
+def test_pipelined_step_time_hides_the_preparation_under_the_verification() -> None:
+    """T = overhead + max(V, P) + (1 - prod h_b) D: P = the preparation (K + 1 passes), h_b = alpha^k * beta."""
+    pol = policy_with_costs(4, [(0.010, 0.0)], (0.050, 0.002), overhead=0.001)
+    pol.pipelined = True
+    for _ in range(200):
+        pol.observe_guess(True)
+    pol.observe_guess(False)
+    beta = pol.guess_hit
+    assert 0.9 < beta < 1
+    v = pol.verify_cost.predict(1, 4)  # one request verifying 3 drafts + 1: about 58 ms
+    d, p = pol.draft_cost[0].predict(1, 3, 3), pol.draft_cost[0].predict(1, 4, 4)  # about 30 and 40 ms
+    h = 0.9**3 * beta
+    assert p < v
+    assert pol.step_time([3], [0], [0.9]) == pytest.approx(pol.overhead_s + v + (1 - h) * d, rel=1e-9)
+    assert pol.step_time([3], [0]) == pytest.approx(pol.overhead_s + d + v, rel=1e-9)  # no alphas: sequential
+    # a preparation longer than the verification shows: 5 passes of 20 ms
+    slow = policy_with_costs(4, [(0.020, 0.0)], (0.050, 0.002), overhead=0.001)
+    slow.pipelined = True
+    v4 = slow.verify_cost.predict(1, 5)
+    d4, p4 = slow.draft_cost[0].predict(1, 4, 4), slow.draft_cost[0].predict(1, 5, 5)  # about 80 and 100 ms
+    h4 = 0.9**4 * slow.guess_hit
+    assert v4 < p4
+    assert slow.step_time([4], [0], [0.9]) == pytest.approx(slow.overhead_s + p4 + (1 - h4) * d4, rel=1e-9)
+
+
+def test_pipelined_rule_drafts_more_when_drafts_hide() -> None:
+    """Draft pass 25 ms, verification 100 ms: sequentially k = 2 is best for alpha 0.9; pipelined, the
+    preparation of k = 3 (4 passes) still hides under the verification, so it drafts 3."""
+    seq = policy_with_costs(3, [(0.025, 0.0)], (0.100, 0.0))
+    piped = policy_with_costs(3, [(0.025, 0.0)], (0.100, 0.0))
+    piped.pipelined = True
+    for _ in range(50):
+        piped.observe_guess(True)
+    a = [0.9]
+    ks_seq, ks_piped = seq.choose([3], accs(0.9)), piped.choose([3], accs(0.9))
+    assert ks_piped == [3]
+    assert piped.rate(ks_piped, a, [0]) > seq.rate(ks_seq, a, [0])
+    assert piped.rate(ks_piped, a, [0]) == pytest.approx(brute_force(piped, [3], a, [0]))
