@@ -396,3 +396,33 @@ def test_pipeline_counts_reach_stats_metrics_and_server_info(models) -> None:
         assert server_info(off)["draft_pipeline"] is False and server_info(off)["draft_pipeline_miss"] == ""
     finally:
         off.close()
+
+
+# --------------------------------------------------------------------------- 6. deployment settings
+def test_every_shipped_config_loads_and_pipelined_yaml_pins_and_pipelines() -> None:
+    from pathlib import Path
+
+    from specdist.config import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        load_config(str(path))  # raises ConfigError naming the key
+    cfg = load_config(str(configs[0].parent / "pipelined.yaml"))
+    assert cfg.draft.pipelined and cfg.cluster.pin_cpus and cfg.cluster.enabled
+
+
+def test_pin_process_pins_every_thread_to_one_core() -> None:
+    """workers.actors.pin_process (cluster.pin_cpus), in a child process so this one stays unpinned."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, threading, time; from workers.actors import pin_process; "
+            "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start(); "  # a thread started before
+            "core = pin_process(7); tids = os.listdir('/proc/self/task'); "
+            "print(core, len(tids), all(os.sched_getaffinity(int(i)) == {core} for i in tids)); stop.set()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    core, threads, all_pinned = out.stdout.split()
+    allowed = sorted(os.sched_getaffinity(0))
+    assert int(core) == allowed[7 % len(allowed)] and int(threads) >= 2 and all_pinned == "True", out.stdout
