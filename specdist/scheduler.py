@@ -20,8 +20,12 @@ The scheduler never knows which transport it talks to (:mod:`specdist.transport`
 transport failure names the requests it concerns: a verifier failure ends them with
 ``finish_reason="error"`` (the call is retried without an item the core blamed); a
 drafter failure detaches them from their drafter, and they go on without drafts (k = 0),
-so the output stays exact; no room (RESOURCE_EXHAUSTED) at admission puts requests back in
-the queue. ``step()`` does not raise for transport failures.
+so the output stays exact; a drafter call that failed as a whole (the worker down, hung past
+its deadline, erroring) also **ejects** the replica: new requests go to the others (or run
+without drafts), and at the start of a step an ejected replica is probed (a ``release`` of
+the requests whose release failed meanwhile, after ``PROBE_FIRST_S``, backing off to
+``PROBE_MAX_S``) and re-admitted when it answers. No room (RESOURCE_EXHAUSTED) at admission puts requests back in the queue.
+``step()`` does not raise for transport failures.
 
 Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "sampling"
 (logits processing and rejection sampling, inside the verifier), "cache" (rollback,
@@ -73,6 +77,7 @@ from specdist.transport import (
 log = logging.getLogger(__name__)
 
 PHASES = ("prefill", "draft", "verify", "sampling", "cache", "output", "network")
+PROBE_FIRST_S, PROBE_MAX_S = 0.5, 30.0  # an ejected draft replica is probed after 0.5 s, backing off x2 to 30 s
 REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
 _PER_ITEM_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS")
 _DEFINITE_CODES = _PER_ITEM_CODES + ("RESOURCE_EXHAUSTED",)  # the core refused the call before changing state
@@ -130,6 +135,10 @@ class _Replica:
     live: int = 0  # requests started on it and not yet released
     propose_s: float = 0.0
     proposed_tokens: int = 0
+    ejected_at: float | None = None  # a whole call failed: no new requests until a probe succeeds
+    next_probe: float = 0.0
+    probe_backoff: float = 0.0
+    orphans: set[str] = field(default_factory=set)  # core ids whose release failed: released again by the probe
 
     @property
     def latency_per_token(self) -> float:
@@ -291,6 +300,7 @@ class Scheduler:
         t = self.stats.phase_s
         phase0 = dict(t)
         hidden0 = self.stats.draft_hidden_s
+        self._probe_ejected()
         self._admit()
         if not self.running:
             return []
@@ -428,6 +438,8 @@ class Scheduler:
                 policy.observe_draft(i, passes, rows, seconds)
         elif ntok:
             policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall)
+        if failed and len(failed) == len(items) and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values()):
+            self._eject(i, next(iter(failed.values())))
         for j, msg in failed.items():  # detached from the drafter; released by the step afterwards
             self._detach(work[j][0], f"draft {rep.drafter.name}: {msg}")
         compute = timing.total if rep.drafter.is_remote else wall
@@ -455,12 +467,16 @@ class Scheduler:
         while self.waiting and self._target_live + len(new) < self.max_batch_size:
             r = self.waiting[0]
             if self.replicas:
-                free = [i for i in range(len(self.replicas)) if cap[i] > 0]
-                if not free:
-                    break
-                i = self._pick_replica(free, [self.draft_max_batch_size - c for c in cap])
-                cap[i] -= 1
-                r.replica = i
+                healthy = [i for i, rep in enumerate(self.replicas) if rep.ejected_at is None]
+                free = [i for i in healthy if cap[i] > 0]
+                if healthy and not free:
+                    break  # wait for room on a healthy replica
+                if free:
+                    i = self._pick_replica(free, [self.draft_max_batch_size - c for c in cap])
+                    cap[i] -= 1
+                    r.replica = i
+                else:  # every replica is ejected: decode without drafts
+                    r.replica = None
             new.append(self.waiting.popleft())
         if not new:
             return
@@ -481,6 +497,8 @@ class Scheduler:
         for i, rs in by_rep.items():
             rep = self.replicas[i]
             started, full, errors, _ = self._start_on(rep.drafter, rep.drafter.start, rs, draft_seed)
+            if errors and len(errors) == len(rs) and not any(m.startswith(_PER_ITEM_CODES) for _, m in errors):
+                self._eject(i, errors[0][1])
             for r in started:
                 r.on_drafter = True
                 rep.live += 1
@@ -559,6 +577,37 @@ class Scheduler:
             r.output.finish("error")
         log.warning("request %s failed: %s", r.request_id, message)
 
+    def _eject(self, i: int, message: str) -> None:
+        """Replica i failed a whole call: no new requests until it answers a probe."""
+        rep = self.replicas[i]
+        with self._lock:  # also runs on the propose pool
+            if rep.ejected_at is None:
+                rep.ejected_at = now()
+                rep.probe_backoff = PROBE_FIRST_S
+                rep.next_probe = rep.ejected_at + rep.probe_backoff
+                log.warning("draft %s ejected (%s); its requests continue without drafts", rep.drafter.name, message)
+
+    def _probe_ejected(self) -> None:
+        """Probe the ejected replicas that are due (an empty release); re-admit those that answer."""
+        t = now()
+        for rep in self.replicas:
+            if rep.ejected_at is None or t < rep.next_probe:
+                continue
+            try:
+                rep.drafter.release(sorted(rep.orphans))  # a worker that was hung may still hold them
+            except TransportError as e:
+                rep.probe_backoff = min(PROBE_MAX_S, 2 * rep.probe_backoff)
+                rep.next_probe = now() + rep.probe_backoff
+                log.info("draft %s still down (%s); next probe in %.1f s", rep.drafter.name, e, rep.probe_backoff)
+                continue
+            log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, now() - rep.ejected_at)
+            rep.ejected_at = None
+            rep.orphans.clear()
+
+    def healthy_replicas(self) -> int:
+        """Draft replicas not ejected."""
+        return sum(rep.ejected_at is None for rep in self.replicas)
+
     def _detach(self, r: Request, message: str) -> None:
         """Its drafter failed: release it there (best effort) and go on without drafts."""
         log.warning("request %s continues without drafts: %s", r.request_id, message)
@@ -612,6 +661,8 @@ class Scheduler:
                 rep.drafter.release([r.core_id for r in rs])
             except TransportError as e:
                 log.warning("draft %s release failed (%s)", rep.drafter.name, e)
+                with self._lock:
+                    rep.orphans.update(r.core_id for r in rs)
             with self._lock:  # also runs on the propose pool (a detach)
                 self.stats.calls += 1
             for r in rs:

@@ -1,0 +1,99 @@
+"""A draft replica that fails is ejected, its requests go on without drafts (exact output), new
+requests avoid it, and it is re-admitted once it answers a probe (specdist/scheduler.py)."""
+
+from __future__ import annotations
+
+from conftest import tiny_config
+from specdist import scheduler as scheduler_mod
+from specdist.engine import Engine
+from specdist.sampling_params import SamplingParams
+from specdist.transport import TransportError
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 1, 2], [3, 3, 3]]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+class Flaky:
+    """A drafter transport that fails every call (as a dead or hung worker does) while ``down``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name, self.is_remote = inner.name, inner.is_remote
+        self.down = False
+        self.calls = {"start": 0, "propose": 0, "release": 0}
+
+    def _check(self, method: str, ids: list[str]) -> None:
+        self.calls[method] += 1
+        if self.down:
+            raise TransportError("UNAVAILABLE: draft worker unreachable", ids, "UNAVAILABLE")
+
+    def start(self, items):
+        self._check("start", [it.request_id for it in items])
+        return self.inner.start(items)
+
+    def propose(self, items):
+        self._check("propose", [it.request_id for it in items])
+        return self.inner.propose(items)
+
+    def release(self, request_ids):
+        self._check("release", request_ids)
+        self.inner.release(request_ids)
+
+    def close(self):
+        self.inner.close()
+
+
+def engine(models, flaky: bool):
+    eng = Engine.from_config(tiny_config(models, method="model", k=3))
+    if flaky:
+        eng.replicas[0].drafter = Flaky(eng.replicas[0].drafter)
+    return eng
+
+
+def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> None:
+    want = engine(models, False)
+    try:
+        expected = [o.token_ids for o in want.generate(PROMPTS, GREEDY)]
+    finally:
+        want.close()
+
+    eng = engine(models, True)
+    flaky = eng.replicas[0].drafter
+    t = [1000.0]
+    monkeypatch.setattr(scheduler_mod, "now", lambda: t[0])  # the probe schedule on a clock of our own
+    try:
+        reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
+        eng.step()
+        eng.step()
+        assert eng.stats.drafted > 0
+        flaky.down = True  # the worker dies mid-generation
+        while any(not r.finished for r in reqs):
+            eng.step()
+        assert [r.output.token_ids for r in reqs] == expected  # greedy: exact, without drafts after the fault
+        assert all(r.finished and r.output.finish_reason == "length" and r.error is None for r in reqs)
+        assert eng.healthy_replicas() == 0
+        # new requests decode without drafts while it is down; the probe before 0.5 s is not sent
+        probes = flaky.calls["release"]
+        late = eng.add_request(PROMPTS[0], GREEDY)
+        eng.step()
+        assert late.replica is None and flaky.calls["release"] == probes
+        t[0] += 0.6
+        eng.step()  # due: probed, still down (backoff to 1 s)
+        assert flaky.calls["release"] == probes + 1 and eng.healthy_replicas() == 0
+        flaky.down = False  # restarted
+        t[0] += 0.5
+        eng.step()  # not yet due
+        assert eng.healthy_replicas() == 0
+        t[0] += 0.6
+        while not late.finished:
+            eng.step()  # the first of these probes it: re-admitted
+        assert eng.healthy_replicas() == 1
+        assert late.output.token_ids == expected[0]
+        again = eng.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in again] == expected[:2]
+        assert all(o.metrics.drafted > 0 and o.metrics.accepted > 0 for o in again)  # it drafts again
+        assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+        # what the failed releases left on the worker was released by the probe that re-admitted it
+        assert eng.draft_core.requests == {} and eng.draft_core.kv_slots_in_use() == 0
+    finally:
+        eng.close()
