@@ -10,7 +10,13 @@ in parallel over the actors and each bounded by what is left of ``timeout_s``:
 3. ``load``: every rank loads and shards the target, every draft loads its model;
 4. ``follow``: ranks > 0 enter ``run_follower()`` (kept as background ObjectRefs);
 5. ``warmup``: rank 0 (followers replay it) and every draft;
-6. ``serve``: gRPC on rank 0 and on every draft.
+6. ``serve``: gRPC on rank 0 and on every draft, each requiring the deployment's worker secret.
+
+The worker secret (:attr:`Deployment.worker_secret`, 32 random bytes in hex, fresh at every
+bring-up, never logged) is handed to the actors with ``start_grpc``; every worker call but the
+health service's must carry it as ``authorization: Bearer <secret>``, so a process that can
+reach a worker port cannot call ``Verify`` or ``Propose``. The coordinator's
+:class:`~specdist.remote_engine.RemoteEngine` sends it (``worker_secret=``).
 
 A phase that does not finish in time raises :class:`DeploymentError` naming the actors that
 did not come up (and the phase); any failure tears down everything created so far. Each
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 
 from specdist.config import Config, load_config
 from specdist.errors import SpecDistError
+from specdist.security import new_worker_secret
 
 
 log = logging.getLogger("specdist.load")
@@ -116,6 +123,7 @@ class Deployment:
     follower_refs: dict = field(default_factory=dict)  # rank -> ObjectRef of run_follower()
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
+    worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
     _owns_ray: bool = False
     _t0: float = 0.0  # monotonic time start() began: the bring-up log's clock
 
@@ -146,6 +154,7 @@ class Deployment:
             self._owns_ray = True
         deadline = time.monotonic() + timeout_s
         self._t0 = time.monotonic()
+        self.worker_secret = new_worker_secret()
         use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
@@ -234,9 +243,10 @@ class Deployment:
                    watch_followers=True)
         self._done("warmup", f"{len(warm)} actor(s)")
         ports = list(spec.draft_ports) + [0] * (len(self.drafts) - len(spec.draft_ports))
-        calls = {self.targets[0].name: self.targets[0].actor.start_grpc.remote(host, spec.target_port)}
+        secret = self.worker_secret
+        calls = {self.targets[0].name: self.targets[0].actor.start_grpc.remote(host, spec.target_port, secret)}
         for h, p in zip(self.drafts, ports):
-            calls[h.name] = h.actor.start_grpc.remote(host, p)
+            calls[h.name] = h.actor.start_grpc.remote(host, p, secret)
         addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=True)
         self.targets[0].address = self.target_address = addrs[self.targets[0].name]
         for h in self.drafts:
@@ -329,6 +339,7 @@ class Deployment:
             remove_placement(self.placement)
         self.targets, self.drafts, self.follower_refs = [], [], {}
         self.placement, self.target_address, self.draft_addresses = None, None, []
+        self.worker_secret = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False

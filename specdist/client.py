@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdist.errors import SpecDistError
-from specdist.security import client_channel
+from specdist.security import bearer_metadata, client_channel
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 _FINISH = {
@@ -103,7 +103,7 @@ class SpecDistClient:
         else:
             self.channel = target
         self.timeout = timeout
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = bearer_metadata(token)
         self._stub = specdist_pb2_grpc.SpecDecodeStub(self.channel)
 
     def __enter__(self) -> "SpecDistClient":

@@ -10,6 +10,10 @@ Errors: every gRPC failure becomes a :class:`~specdist.transport.TransportError`
 name the item they blame in the status details (``items[i].field: ...``); that item's
 request id goes on the error, otherwise every request of the call does.
 
+Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.security`)
+every call carries it as ``authorization: Bearer <secret>`` metadata; a worker that requires
+it refuses calls without it (UNAUTHENTICATED).
+
 Timing: the worker reports the seconds its core spent, by phase, in the
 ``specdist-timing`` trailing metadata (``forward=0.012,sampling=0.001``); the scheduler books
 the rest of each call's wall time as network.
@@ -21,6 +25,7 @@ import re
 
 import grpc
 
+from specdist.security import bearer_metadata
 from specdist.transport import (
     CallTiming,
     Proposal,
@@ -77,15 +82,16 @@ def _timing_of(call) -> CallTiming:
 class _Remote:
     is_remote = True
 
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = bearer_metadata(secret)
 
     def _call(self, method, request, request_ids: list[str]):
         """(response, core timing); gRPC errors as TransportError naming the blamed request."""
         try:
-            resp, call = method.with_call(request, timeout=self.timeout_s)
+            resp, call = method.with_call(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             details = e.details() or ""
             m = _ITEM.match(details)
@@ -99,8 +105,8 @@ class _Remote:
 
 
 class RemoteVerifier(_Remote):
-    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
         self.vocab_size = int(vocab_size)
         self.name = f"target {address}"
         self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
@@ -120,8 +126,8 @@ class RemoteVerifier(_Remote):
 
 
 class RemoteDrafter(_Remote):
-    def __init__(self, address: str, timeout_s: float = 120.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
         self.name = address
         self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
 

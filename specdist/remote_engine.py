@@ -4,7 +4,8 @@
 rank 0 of a possibly tensor-parallel target) and any number of draft workers through
 :mod:`specdist.remote`. It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
 target's tokenizer and config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
-never ``workers/`` or ``cluster/``.
+never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
+(:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class RemoteEngine(Scheduler):
         eos_ids: frozenset[int] | Sequence[int] = frozenset(),
         draft_max_batch_size: int | None = None,
         rpc_timeout_s: float = 120.0,
+        worker_secret: str | None = None,
     ):
         cfg = load_config(config)
         if vocab_size is None:
@@ -36,8 +38,9 @@ class RemoteEngine(Scheduler):
             vocab_size = len(tokenizer)
         self.target_address = target_address
         self.tensor_parallel_size = cfg.cluster.tensor_parallel_size
-        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s)
-        drafters = [RemoteDrafter(a, rpc_timeout_s) for a in draft_addresses] if cfg.draft.enabled else []
+        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret)
+        addresses = draft_addresses if cfg.draft.enabled else ()
+        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret) for a in addresses]
         super().__init__(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
 
     @classmethod

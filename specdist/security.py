@@ -13,6 +13,11 @@ Server side (``specdist serve``):
 Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
 CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
 
+Worker ports of a Ray deployment (:mod:`cluster.deployment`): the deployment generates a fresh
+secret at bring-up (:func:`new_worker_secret`), hands it to every worker actor, and each worker
+port requires it as a bearer token (the same interceptor, health open); the coordinator's stubs
+(:mod:`specdist.remote`) send it on every call.
+
 Every file is checked when the command starts: a missing, unreadable or empty one, a certificate
 or key that does not load, or a key that does not match its certificate is a one-line
 :class:`SecurityConfigError` naming its flag.
@@ -21,6 +26,7 @@ or key that does not load, or a key that does not match its certificate is a one
 from __future__ import annotations
 
 import hmac
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -71,6 +77,16 @@ def bearer_ok(header: str | None, token: str) -> bool:
         return False
     scheme, _, given = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """gRPC call metadata carrying ``token`` (None without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def new_worker_secret() -> str:
+    """A fresh shared secret for a deployment's worker ports: 32 random bytes, hex."""
+    return secrets.token_hex(32)
 
 
 def unauthenticated_message(header: str | None) -> str:
@@ -158,6 +174,11 @@ class ServerSecurity:
     @property
     def scheme(self) -> str:
         return "https" if self.tls is not None else "http"
+
+
+def auth_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor] | None:
+    """``grpc.aio.server(interceptors=...)``: the token check when a token is set, else none."""
+    return [TokenAuthInterceptor(token)] if token else None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -272,7 +272,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
         target, drafts = backend.deployment.start(cfg, host=worker_host, timeout_s=cc.bringup_timeout_s)
         backend.target_address, backend.draft_addresses = target, list(drafts)
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
-        engine = RemoteEngine.from_addresses(cfg, target, drafts)
+        engine = RemoteEngine.from_addresses(cfg, target, drafts, worker_secret=backend.deployment.worker_secret)
         engine.tensor_parallel_size = cc.tensor_parallel_size  # reported by GetServerInfo
         backend.engine = engine
     except BaseException:

@@ -31,7 +31,7 @@ from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
 from specdist.frontend import Limits, check_request, check_request_id, refusal_status, request_stats, server_info
-from specdist.security import ServerSecurity, TokenAuthInterceptor
+from specdist.security import ServerSecurity, auth_interceptors
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -220,8 +220,7 @@ async def serve(
     security = security or ServerSecurity()
     coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
-    interceptors = [TokenAuthInterceptor(security.token)] if security.token else None
-    server = grpc.aio.server(options=Limits.of(engine).grpc_options(), interceptors=interceptors)
+    server = grpc.aio.server(options=Limits.of(engine).grpc_options(), interceptors=auth_interceptors(security.token))
     add_servicer(SpecDecodeServicer(coordinator), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -91,14 +91,16 @@ def tiny_config(tiny_models, method: str = "model", k: int = 3, length_policy: s
 
 class ServedCores:
     """A VerifierCore and DrafterCores served over real gRPC on 127.0.0.1 (free ports), on one
-    background asyncio loop: what a deployment's workers do, without Ray. ``close()`` stops all."""
+    background asyncio loop: what a deployment's workers do, without Ray. ``close()`` stops all.
+    ``secret``: every port requires it as a bearer token, as a deployment's worker ports do."""
 
-    def __init__(self, target_core, draft_cores=()):
+    def __init__(self, target_core, draft_cores=(), secret: str | None = None):
         import asyncio
         import threading
 
         import grpc
 
+        from specdist.security import auth_interceptors
         from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
         from workers.draft_worker import DraftServicer
         from workers.target_worker import TargetServicer
@@ -106,10 +108,11 @@ class ServedCores:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        self.secret = secret
         self.servicers = [TargetServicer(target_core)] + [DraftServicer(c) for c in draft_cores]
 
         async def start(servicer, add):
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=auth_interceptors(secret))
             add(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -142,14 +145,15 @@ class ServedCores:
         self.close()
 
 
-def remote_engine_like(engine, **kwargs):
+def remote_engine_like(engine, secret: str | None = None, **kwargs):
     """(RemoteEngine, ServedCores): ``engine``'s own target and draft cores behind gRPC, driven by
-    the same scheduler over the remote transports, with ``engine``'s config."""
+    the same scheduler over the remote transports, with ``engine``'s config (and ``secret`` on
+    both sides)."""
     from specdist.remote_engine import RemoteEngine
 
-    served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [])
+    served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [], secret)
     remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
-                          vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, **kwargs)
+                          vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, worker_secret=secret, **kwargs)
     return remote, served
 
 

@@ -3,7 +3,8 @@
 - A 2-rank tensor-parallel target + 2 draft workers: greedy generation through RemoteEngine
   (requests spread over both drafts, one batch on the one target) equals the Engine token for
   token; then health, drain, and a stop that leaves no actor, no actor process and no
-  placement group behind.
+  placement group behind. A raw call to a worker port without the deployment's worker secret
+  (or with a wrong one) is UNAUTHENTICATED.
 - A 1-rank target + 1 draft worker: seeded sampled requests give the Engine's tokens bit for bit
   (one seed rule, one step, the same cores; only tensor parallelism may change float sums).
 """
@@ -23,7 +24,8 @@ from cluster.deployment import ClusterSpec, Deployment
 from specdist.engine import Engine
 from specdist.remote_engine import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import draft_pb2, draft_pb2_grpc
+from specdist.security import bearer_metadata, new_worker_secret
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 BRING_UP_TIMEOUT_S = 180
 K = 3
@@ -91,7 +93,19 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
             grpc.channel_ready_future(ch).result(timeout=30)
             hstub = health_pb2_grpc.HealthStub(ch)
             assert hstub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
-        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs) as remote:
+        # ---- the worker ports need the deployment's secret (health above did not)
+        intruder = [
+            (target_pb2_grpc.TargetWorkerStub(chans[0]).Verify, target_pb2.VerifyRequest(items=[
+                target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[1], seq_len=1)])),
+            (draft_pb2_grpc.DraftWorkerStub(chans[1]).Propose, draft_pb2.ProposeRequest(items=[
+                draft_pb2.ProposeItem(request_id="intruder", num_tokens=1, seq_len=1)])),
+        ]
+        for method, request in intruder:
+            for metadata in (None, bearer_metadata(new_worker_secret())):
+                with pytest.raises(grpc.RpcError) as ei:
+                    method(request, timeout=30, metadata=metadata)
+                assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value.details()
+        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret) as remote:
             reqs = [remote.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
             while remote.has_unfinished():
                 remote.step()
@@ -110,7 +124,8 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
         drained = dep.drain(timeout_s=5)
         assert all(d["drained"] for d in drained.values()), drained
         with pytest.raises(grpc.RpcError) as ei:
-            draft_pb2_grpc.DraftWorkerStub(chans[2]).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(request_id="late", prompt_token_ids=[1])]))
+            draft_pb2_grpc.DraftWorkerStub(chans[2]).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
+                request_id="late", prompt_token_ids=[1])]), metadata=bearer_metadata(dep.worker_secret))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         hstub = health_pb2_grpc.HealthStub(chans[0])
         assert hstub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -164,7 +179,7 @@ def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tin
     dep = Deployment(spec)
     try:
         target_addr, draft_addrs = dep.start(cfg, timeout_s=BRING_UP_TIMEOUT_S)
-        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs) as remote:
+        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret) as remote:
             outs = remote.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == want
         assert sum(o.metrics.accepted for o in outs) > 0 and any(o.metrics.accepted < o.metrics.drafted for o in outs)

@@ -16,7 +16,9 @@ Lifecycle (Ray Serve style), driven by :class:`cluster.deployment.Deployment`::
 Every call into a worker (warm-up, RPCs, shutdown) runs on ONE executor thread per actor
 (models and collectives are not thread-safe); the gRPC server runs on the actor's own asyncio
 loop thread. The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started,
-NOT_SERVING while draining or shut down.
+NOT_SERVING while draining or shut down. With a ``secret`` (the deployment's worker secret,
+given to ``start_grpc``) every call but the health service's needs ``authorization: Bearer
+<secret>`` metadata, else UNAUTHENTICATED (:func:`specdist.security.auth_interceptors`).
 """
 
 from __future__ import annotations
@@ -98,11 +100,14 @@ def _reachable_host(bind_host: str) -> str:
 
 
 class _GrpcHost:
-    """A grpc.aio server (+ health service) on its own asyncio loop thread."""
+    """A grpc.aio server (+ health service) on its own asyncio loop thread; with a ``secret``
+    every call but health's must carry it as a bearer token."""
 
-    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...]):
+    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...], secret: str | None = None):
         from grpc_health.v1 import health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
+
+        from specdist.security import auth_interceptors
 
         self.service_names = ("",) + tuple(service_names)
         self.loop = asyncio.new_event_loop()
@@ -110,7 +115,7 @@ class _GrpcHost:
         self.thread.start()
 
         async def start():
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=auth_interceptors(secret))
             for add in add_fns:
                 add(server)
             health = health_aio.HealthServicer()
@@ -312,8 +317,9 @@ class TargetRankActor(_ActorBase):
 
     # ------------------------------------------------------------ serving
     @_shippable_errors
-    def start_grpc(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port); returns "host:port"."""
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
+        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port); returns "host:port".
+        ``secret``: required of every caller (the deployment's worker secret)."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 serves gRPC; ranks > 0 run run_follower()")
         self._require("loaded", "warm")
@@ -323,7 +329,7 @@ class TargetRankActor(_ActorBase):
         self.servicer = cls(self.worker, self.executor)
         servicer = self.servicer
         self.grpc = _GrpcHost([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], host, port,
-                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,))
+                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,), secret)
         self.state = "serving"
         return self.grpc.address
 
@@ -465,7 +471,9 @@ class DraftActor(_ActorBase):
             w.release([WARMUP_ID])
 
     @_shippable_errors
-    def start_grpc(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
+        """Serve DraftWorker + health on ``host:port`` (0 = a free port); returns "host:port".
+        ``secret``: required of every caller (the deployment's worker secret)."""
         self._require("loaded", "warm")
         from workers.draft_worker import DraftServicer
 
@@ -473,7 +481,7 @@ class DraftActor(_ActorBase):
         self.servicer = cls(self.worker, self.executor)
         servicer = self.servicer
         self.grpc = _GrpcHost([lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], host, port,
-                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,))
+                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,), secret)
         self.state = "serving"
         return self.grpc.address
 
