@@ -66,6 +66,15 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_model():
+    """The built-in model in float32 on the CPU, de-quantised from its GGUF file once per session
+    (tens of seconds each time). Engines over it keep their own KV caches; none changes its weights."""
+    from specdist.models.loader import load_model, resolve_model
+
+    return load_model(resolve_model("smollm2-135m-instruct"), "float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Paths of a tiny target, a tiny draft (same vocabulary), and a draft with another vocabulary."""
     root = tmp_path_factory.mktemp("tiny")

