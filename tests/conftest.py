@@ -238,3 +238,81 @@ class AioServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+# ---------------------------------------------------------------- one local Ray cluster
+LOCAL_RAY_CPUS = 4
+
+
+def stop_local_ray() -> None:
+    """Shut this process's Ray cluster down, if one is up, and wait until no raylet is left."""
+    import time
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    deadline = time.monotonic() + 20
+    while raylets() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert raylets() == 0, "a raylet outlived ray.shutdown()"
+
+
+def assert_nothing_left_on_ray() -> None:
+    """Every placement group removed, every actor dead, and all LOCAL_RAY_CPUS free again
+    (resources come back asynchronously after the groups are removed: polled for up to 20 s)."""
+    import time
+
+    import ray
+    from ray._private.state import actors as actor_table
+
+    table = ray.util.placement_group_table()
+    assert all(pg["state"] == "REMOVED" for pg in table.values()), table
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (any(a["State"] != "DEAD" for a in actor_table().values())
+                                           or ray.available_resources().get("CPU", 0) < LOCAL_RAY_CPUS):
+        time.sleep(0.2)
+    assert all(a["State"] == "DEAD" for a in actor_table().values()), actor_table()
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(LOCAL_RAY_CPUS)
+
+
+@pytest.fixture
+def local_ray():
+    """A local Ray cluster (LOCAL_RAY_CPUS logical CPUs, node address 127.0.0.1) shared by the tests
+    that ask for it: the first starts it, and it is stopped (no raylet left) after the last of a run
+    of such tests (pytest_collection_modifyitems puts them next to each other). Whatever a test
+    placed on it must be gone when it ends (assert_nothing_left_on_ray), so each test finds the
+    cluster as empty as a fresh one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield
+    try:
+        assert_nothing_left_on_ray()
+    except BaseException:
+        stop_local_ray()  # the next test gets a fresh cluster instead of this one's leftovers
+        raise
+
+
+def _uses_local_ray(item) -> bool:
+    return "local_ray" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items):
+    """The tests on the shared local Ray cluster run one after another, where the first of them was
+    collected, so the cluster comes up once (each bring-up and shutdown costs seconds)."""
+    on_ray = [item for item in items if _uses_local_ray(item)]
+    if on_ray:
+        first = items.index(on_ray[0])
+        others = [item for item in items if not _uses_local_ray(item)]
+        items[:] = others[:first] + on_ray + others[first:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a run on the shared local Ray cluster (its fixtures torn down): stop it."""
+    result = yield
+    if _uses_local_ray(item) and (nextitem is None or not _uses_local_ray(nextitem)):
+        stop_local_ray()
+    return result

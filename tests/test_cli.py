@@ -80,8 +80,9 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     2-rank target and a draft worker, concurrent gRPC streams, counters back to 0, nothing left."""
     import ray
 
-    from conftest import raylets
+    from conftest import raylets, stop_local_ray
 
+    stop_local_ray()  # the demo starts its own local Ray (and must stop it): none may be running before
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
                       "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}

@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 
-from conftest import tiny_config
+from conftest import assert_nothing_left_on_ray, tiny_config
 from cluster.deployment import ClusterSpec, Deployment
 from specdist.engine import Engine
 from specdist.remote_engine import RemoteEngine
@@ -33,14 +33,7 @@ PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5], [2, 3]]
 MAX_TOKENS = [20, 9, 30, 14]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def deployment(local_ray, tiny_models):
     spec = ClusterSpec(tensor_parallel_size=2, num_draft_workers=2, cpus_per_rank=0.5, cpus_per_draft=0.5)
     dep = Deployment(spec)
@@ -155,12 +148,7 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
 
 
 def _assert_nothing_left():
-    table = ray.util.placement_group_table()
-    assert all(pg["state"] == "REMOVED" for pg in table.values()), table
-    deadline = time.monotonic() + 20
-    while ray.available_resources().get("CPU", 0) < 4.0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == pytest.approx(4.0)
+    assert_nothing_left_on_ray()  # groups removed, actors dead, the cluster's 4 CPUs free again
 
 
 def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tiny_models):

@@ -5,7 +5,8 @@ tiny target + 2 draft workers on a local Ray) -> RemoteEngine -> the public serv
 SpecDistClient: greedy output equal to the single-process Engine, 8 concurrent clients,
 GetServerInfo, the OpenAI-compatible HTTP API over the same coordinator, counters back to zero;
 then stop(): no actor alive, placement groups
-removed, and after ray.shutdown no raylet left.
+removed, and after ray.shutdown no raylet left (conftest's shared local_ray cluster checks that when
+it stops).
 """
 
 from __future__ import annotations
@@ -16,25 +17,13 @@ import time
 import pytest
 import ray
 
-from conftest import LoopThread, raylets, tiny_config
+from conftest import LoopThread, tiny_config
 from specdist.client import SpecDistClient
 from specdist.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
 MAX_TOKENS = [8, 5, 12, 7, 9, 4, 10, 6]
 GAUGES = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_kv_slots_used", "active_streams")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    assert not ray.is_initialized()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
-    deadline = time.monotonic() + 20
-    while raylets() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert raylets() == 0
 
 
 def _cluster_config(tiny_models) -> dict:

@@ -1,4 +1,5 @@
-"""Placement groups on a local Ray cluster (CPU bundles; GPU bundles are the same code path)."""
+"""Placement groups on a local Ray cluster (conftest's shared ``local_ray``, 4 logical CPUs; CPU
+bundles; GPU bundles are the same code path)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,6 @@ import pytest
 import ray
 
 from cluster.placement import PlacementError, bundle, create_placement, remove_placement
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
 
 
 def test_target_ranks_packed_and_drafts_separate(local_ray):
