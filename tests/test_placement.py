@@ -3,6 +3,8 @@ bundles; GPU bundles are the same code path)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -16,6 +18,9 @@ def test_target_ranks_packed_and_drafts_separate(local_ray):
         assert [d.bundle_specs for d in p.drafts] == [[{"CPU": 0.5}], [{"CPU": 0.5}]]
         table = ray.util.placement_group_table(p.target)
         assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
+        deadline = time.monotonic() + 10  # the groups are ready; the resource view follows asynchronously
+        while ray.available_resources().get("CPU", 0) > 1.0 + 1e-6 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert ray.available_resources().get("CPU", 0) == pytest.approx(1.0)
     finally:
         remove_placement(p)
