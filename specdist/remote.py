@@ -14,6 +14,11 @@ Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.
 every call carries it as ``authorization: Bearer <secret>`` metadata; a worker that requires
 it refuses calls without it (UNAUTHENTICATED).
 
+Deadlines: a call may take ``timeout_s``, except a drafter's Propose and Release: the larger
+of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's recent wall time (capped at
+``timeout_s``), so a hung draft worker fails its call (DEADLINE_EXCEEDED) within a few of its
+normal latencies and the scheduler ejects it instead of waiting.
+
 Timing: the worker reports the seconds its core spent, by phase, in the
 ``specdist-timing`` trailing metadata (``forward=0.012,sampling=0.001``); the scheduler books
 the rest of each call's wall time as network.
@@ -22,6 +27,7 @@ the rest of each call's wall time as network.
 from __future__ import annotations
 
 import re
+import time
 
 import grpc
 
@@ -79,6 +85,11 @@ def _timing_of(call) -> CallTiming:
     return CallTiming()
 
 
+DEADLINE_FLOOR_S = 2.0  # a draft worker call may always take this long ...
+DEADLINE_FACTOR = 8.0  # ... or this many times its method's recent wall time (EMA), up to timeout_s
+DEADLINE_EMA = 0.2  # weight of the newest call in that EMA
+
+
 class _Remote:
     is_remote = True
 
@@ -87,11 +98,28 @@ class _Remote:
         self.timeout_s = timeout_s
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._metadata = bearer_metadata(secret)
+        self._latency: dict[object, float] = {}  # stub method -> EMA of successful calls' wall seconds
+        self._adaptive: set = set()  # stub methods with a deadline from measured latency
+
+    def deadline(self, method) -> float:
+        """Seconds a call of ``method`` may take: ``timeout_s``, or for a drafter's Propose and
+        Release ``min(timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * recent wall time))``."""
+        if method not in self._adaptive:
+            return self.timeout_s
+        # a method not measured yet takes the slowest measured one's (none yet: timeout_s, the warm-up)
+        ema = self._latency.get(method, max((self._latency.get(m, 0.0) for m in self._adaptive), default=0.0))
+        if not ema:
+            return self.timeout_s
+        return min(self.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * ema))
 
     def _call(self, method, request, request_ids: list[str]):
         """(response, core timing); gRPC errors as TransportError naming the blamed request."""
+        t0 = time.perf_counter()
         try:
-            resp, call = method.with_call(request, timeout=self.timeout_s, metadata=self._metadata)
+            resp, call = method.with_call(request, timeout=self.deadline(method), metadata=self._metadata)
+            wall = time.perf_counter() - t0
+            ema = self._latency.get(method)
+            self._latency[method] = wall if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * wall
         except grpc.RpcError as e:
             details = e.details() or ""
             m = _ITEM.match(details)
@@ -130,6 +158,8 @@ class RemoteDrafter(_Remote):
         super().__init__(address, timeout_s, secret)
         self.name = address
         self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
+        # Propose and Release take about the same time call after call; Start scales with the prompt
+        self._adaptive = {self.stub.Propose, self.stub.Release}
 
     def start(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call(self.stub.Start, start_items_to_proto(items, draft_pb2.StartRequest),

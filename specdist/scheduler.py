@@ -181,6 +181,8 @@ class Scheduler:
         self._uid = uuid.uuid4().hex[:8]
         self._seeds = torch.Generator().manual_seed(ec.seed)
         self._pool: ThreadPoolExecutor | None = None  # parallel Propose when several replicas draft
+        self._probe_pool: ThreadPoolExecutor | None = None  # probes of ejected draft replicas
+        self._probes: dict[int, tuple] = {}  # replica -> (future of its probe, ids it releases)
         self._lock = threading.Lock()  # counters touched from the pool
 
     @property
@@ -282,8 +284,9 @@ class Scheduler:
         """Release every live request, then close the transports."""
         for r in list(self.waiting) + list(self.running):
             self.abort(r.request_id)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._probe_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.verifier.close()
         for rep in self.replicas:
             rep.drafter.close()
@@ -588,21 +591,33 @@ class Scheduler:
                 log.warning("draft %s ejected (%s); its requests continue without drafts", rep.drafter.name, message)
 
     def _probe_ejected(self) -> None:
-        """Probe the ejected replicas that are due (an empty release); re-admit those that answer."""
+        """Probe the ejected replicas that are due, off the step's thread (a probe may wait for its
+        deadline): a release of the ids whose release failed, which a worker that was hung may
+        still hold. Re-admit those whose probe came back."""
         t = now()
-        for rep in self.replicas:
-            if rep.ejected_at is None or t < rep.next_probe:
+        for i, rep in enumerate(self.replicas):
+            if rep.ejected_at is None:
                 continue
-            try:
-                rep.drafter.release(sorted(rep.orphans))  # a worker that was hung may still hold them
-            except TransportError as e:
+            probe = self._probes.get(i)
+            if probe is not None:
+                future, sent = probe
+                if not future.done():
+                    continue
+                del self._probes[i]
+                error = future.exception()
+                if error is None:
+                    log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, t - rep.ejected_at)
+                    rep.ejected_at = None
+                    rep.orphans.difference_update(sent)
+                    continue
                 rep.probe_backoff = min(PROBE_MAX_S, 2 * rep.probe_backoff)
-                rep.next_probe = now() + rep.probe_backoff
-                log.info("draft %s still down (%s); next probe in %.1f s", rep.drafter.name, e, rep.probe_backoff)
-                continue
-            log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, now() - rep.ejected_at)
-            rep.ejected_at = None
-            rep.orphans.clear()
+                rep.next_probe = t + rep.probe_backoff
+                log.info("draft %s still down (%s); next probe in %.1f s", rep.drafter.name, error, rep.probe_backoff)
+            elif t >= rep.next_probe:
+                if self._probe_pool is None:
+                    self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdist-probe")
+                sent = sorted(rep.orphans)
+                self._probes[i] = (self._probe_pool.submit(rep.drafter.release, sent), sent)
 
     def healthy_replicas(self) -> int:
         """Draft replicas not ejected."""

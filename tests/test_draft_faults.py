@@ -78,16 +78,21 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
         eng.step()
         assert late.replica is None and flaky.calls["release"] == probes
         t[0] += 0.6
-        eng.step()  # due: probed, still down (backoff to 1 s)
-        assert flaky.calls["release"] == probes + 1 and eng.healthy_replicas() == 0
+        eng.step()  # due: a probe goes out (on the probe thread) and fails
+        eng._probes[0][0].exception(timeout=30)  # wait for the probe itself
+        eng.step()  # its failure is read: backoff to 1 s
+        assert flaky.calls["release"] == probes + 1 and eng.healthy_replicas() == 0 and not eng._probes
         flaky.down = False  # restarted
         t[0] += 0.5
         eng.step()  # not yet due
-        assert eng.healthy_replicas() == 0
+        assert eng.healthy_replicas() == 0 and not eng._probes
         t[0] += 0.6
-        while not late.finished:
-            eng.step()  # the first of these probes it: re-admitted
+        eng.step()  # due: probed
+        eng._probes[0][0].exception(timeout=30)
+        eng.step()  # answered: re-admitted
         assert eng.healthy_replicas() == 1
+        while not late.finished:
+            eng.step()
         assert late.output.token_ids == expected[0]
         again = eng.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in again] == expected[:2]
@@ -97,3 +102,62 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
         assert eng.draft_core.requests == {} and eng.draft_core.kv_slots_in_use() == 0
     finally:
         eng.close()
+
+
+def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypatch) -> None:
+    """Over gRPC: the draft worker stops answering (its Propose blocks, as a SIGSTOPped process
+    would); the call fails at its deadline (DEADLINE_FLOOR_S, set to 0.5 s here), the replica is
+    ejected and the requests finish without drafts, exactly; once it answers again, a probe
+    re-admits it and new requests draft."""
+    import threading
+
+    from conftest import remote_engine_like
+    from specdist import remote
+
+    monkeypatch.setattr(remote, "DEADLINE_FLOOR_S", 0.5)
+    want = engine(models, False)
+    try:
+        expected = [o.token_ids for o in want.generate(PROMPTS, GREEDY)]
+    finally:
+        want.close()
+    local = engine(models, False)
+    core = local.draft_core
+    hang, entered = threading.Event(), threading.Event()
+    propose = core.propose
+
+    def stuck_propose(items):
+        if hang.is_set():
+            entered.set()
+            for _ in range(6000):  # held until the test clears hang (at most 60 s)
+                if not hang.is_set():
+                    break
+                threading.Event().wait(0.01)
+        return propose(items)
+
+    core.propose = stuck_propose
+    eng, served = remote_engine_like(local)
+    try:
+        reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
+        for _ in range(3):
+            eng.step()
+        assert eng.stats.drafted > 0
+        assert eng.replicas[0].drafter.deadline(eng.replicas[0].drafter.stub.Propose) == 0.5
+        hang.set()
+        while any(not r.finished for r in reqs):
+            eng.step()
+        assert entered.is_set() and eng.healthy_replicas() == 0
+        assert [r.output.token_ids for r in reqs] == expected and all(r.error is None for r in reqs)
+        hang.clear()  # it answers again (the blocked call returns to nobody)
+        for _ in range(300):  # the probe is due 0.5 s after the ejection: poll on the state
+            if eng.healthy_replicas() == 1:
+                break
+            eng.step()
+            threading.Event().wait(0.01)
+        assert eng.healthy_replicas() == 1
+        again = eng.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in again] == expected[:2] and all(o.metrics.drafted > 0 for o in again)
+        assert core.requests == {} and core.kv_slots_in_use() == 0  # the probe released what moved on
+    finally:
+        hang.clear()
+        eng.close()
+        served.close()
