@@ -50,12 +50,17 @@ def engine(models, flaky: bool):
     return eng
 
 
-def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> None:
+def fault_free(models) -> list[list[int]]:
+    """The greedy outputs of PROMPTS without faults."""
     want = engine(models, False)
     try:
-        expected = [o.token_ids for o in want.generate(PROMPTS, GREEDY)]
+        return [o.token_ids for o in want.generate(PROMPTS, GREEDY)]
     finally:
         want.close()
+
+
+def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> None:
+    expected = fault_free(models)
 
     eng = engine(models, True)
     flaky = eng.replicas[0].drafter
@@ -115,11 +120,7 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
     from specdist import remote
 
     monkeypatch.setattr(remote, "DEADLINE_FLOOR_S", 0.5)
-    want = engine(models, False)
-    try:
-        expected = [o.token_ids for o in want.generate(PROMPTS, GREEDY)]
-    finally:
-        want.close()
+    expected = fault_free(models)
     local = engine(models, False)
     core = local.draft_core
     hang, entered = threading.Event(), threading.Event()
