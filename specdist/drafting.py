@@ -258,8 +258,11 @@ class DrafterCore:
     def _draft_pass(self, d: "_Drafting", j: int, rows: list[int]) -> None:
         """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``)."""
         reqs = d.reqs
-        if j == 0:  # everything the cache has not seen yet (usually 1 or 2 tokens)
-            inputs = [(reqs[b].seq + d.ahead[b])[self.cache.lengths[reqs[b].slot]:] for b in rows]
+        if j == 0:  # everything of seq + ahead the cache has not seen yet (usually 1 or 2 tokens)
+            inputs = []
+            for b in rows:
+                seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
+                inputs.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
         else:
             inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
         logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
