@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench import cluster_bench
 
     cluster_bench.add_arguments(bc)
+    bs = bsub.add_parser("soak", help="a long mixed load: memory, threads, fds and slots must stay flat", **fmt)
+    from specdist.bench import soak
+
+    soak.add_arguments(bs)
     _help_for_every_default(parser)
     return parser
 
@@ -181,6 +185,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return run(args)
         if args.command == "bench" and args.bench_command == "cluster":
             from specdist.bench.cluster_bench import run
+
+            return run(args)
+        if args.command == "bench" and args.bench_command == "soak":
+            from specdist.bench.soak import run
 
             return run(args)
     except SpecDistError as e:

@@ -131,20 +131,10 @@ class SpecDistClient:
         apply_chat_template: bool = False,
     ) -> Iterator[GenerateChunk]:
         """Stream a generation. Unset (None) sampling fields take the server's defaults."""
-        params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-        for name, value in (
-            ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)
-        ):
-            if value is not None:
-                setattr(params, name, value)
-        req = specdist_pb2.GenerateRequest(
-            params=params, request_id=request_id or "", apply_chat_template=apply_chat_template
-        )
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        return self._stream(req)
+        return self._stream(generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+            apply_chat_template=apply_chat_template))
 
     def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
@@ -206,6 +196,36 @@ class SpecDistClient:
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def generate_request(
+    prompt: str | Sequence[int],
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    request_id: str | None = None,
+    apply_chat_template: bool = False,
+) -> specdist_pb2.GenerateRequest:
+    """The ``GenerateRequest`` that :meth:`SpecDistClient.generate` sends (for callers of the stub itself)."""
+    params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (
+        ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)
+    ):
+        if value is not None:
+            setattr(params, name, value)
+    req = specdist_pb2.GenerateRequest(
+        params=params, request_id=request_id or "", apply_chat_template=apply_chat_template
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
 
 
 def _chunk(msg: specdist_pb2.GenerateResponse) -> GenerateChunk:

@@ -401,14 +401,15 @@ def _stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    """A tqdm bar over a level's requests on stderr (a terminal; in a log file a line per level), or None."""
+def progress(total: int, desc: str, enabled: bool, unit: str = "req"):
+    """A tqdm bar on stderr (a terminal; in a log file the caller logs a line instead), or None."""
     if not enabled or not _stderr_is_tty():
         return None
-    return _tqdm()(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
+    return tqdm_class()(total=total, desc=desc, unit=unit, file=sys.stderr, leave=True, dynamic_ncols=True)
 
 
-def _tqdm():
+def tqdm_class():
+    """tqdm's bar class; a one-line BenchError when tqdm is not installed."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -422,7 +423,7 @@ def run_level(send: Callable[[RequestSpec], RequestTiming], variant: str, level:
     n = level.requests(args.requests)
     specs = [RequestSpec(PROMPTS[i % len(PROMPTS)], args.max_tokens, args.temperature, 1000 + i, not args.raw)
              for i in range(n)]
-    bar = _progress(n, f"{variant} {level.label}", not args.no_progress)
+    bar = progress(n, f"{variant} {level.label}", not args.no_progress)
     if level.mode == "concurrency":
         workers, arrivals = int(level.value), None
     else:
@@ -539,7 +540,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag}: the directory of {path!r} does not exist")
     if not args.no_progress:
-        _tqdm()
+        tqdm_class()
     if args.plot is not None:
         from specdist.bench.bench_plot import check_matplotlib
 
