@@ -136,11 +136,14 @@ def test_every_request_kind_gets_its_expected_outcome(served):
 class FakeDeployment:
     """What the sampler asks a Deployment: health() per actor (VerifierCore / DrafterCore fields)."""
 
-    def __init__(self, held_requests: int = 0):
-        self.held_requests = held_requests
+    def __init__(self, held_requests: int = 0, follower_slots: int = 0):
+        self.held_requests, self.follower_slots = held_requests, follower_slots
 
     def health(self) -> dict:
-        return {"target/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "requests": 0, "kv_slots_in_use": 0},
+        return {"target/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "rank": 0, "requests": 0,
+                             "kv_slots_in_use": 0},
+                "target/1": {"pid": os.getpid(), "node_ip": "127.0.0.1", "rank": 1, "requests": 0,
+                             "kv_slots_in_use": self.follower_slots},
                 "draft/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "requests": self.held_requests,
                             "kv_slots_in_use": 0},
                 "draft/1": {"pid": 1, "node_ip": "192.0.2.1", "requests": 0, "kv_slots_in_use": 0},
@@ -149,12 +152,23 @@ class FakeDeployment:
 
 def test_deployment_processes_and_worker_counters():
     procs, skipped = soak.deployment_processes(FakeDeployment())
-    assert procs == [("server", os.getpid()), ("target/0", os.getpid()), ("draft/0", os.getpid())]
+    assert procs == [("server", os.getpid()), ("target/0", os.getpid()), ("target/1", os.getpid()),
+                     ("draft/0", os.getpid())]
     assert [s["name"] for s in skipped] == ["draft/1", "draft/2"]  # another node; no answer
     assert "192.0.2.1" in skipped[0]["reason"] and "GetTimeoutError" in skipped[1]["reason"]
     workers = soak.worker_counters(FakeDeployment(held_requests=2))
-    assert workers["draft/0"] == {"requests": 2, "kv_slots_in_use": 0}
-    assert workers["draft/2"] == {"requests": -1, "kv_slots_in_use": -1}  # no answer: unknown, never 0
+    assert workers["draft/0"] == {"requests": 2, "kv_slots_in_use": 0, "follower": False}
+    assert workers["draft/2"] == {"requests": -1, "kv_slots_in_use": -1, "follower": False}  # no answer: never 0
+    assert workers["target/1"]["follower"] and not workers["target/0"]["follower"]
+    zero = dict.fromkeys(GAUGES, 0)
+    # a follower replays rank 0's frees with the next forward: up to one batch (here 8) may wait there
+    for slots, expect in ((0, []), (8, []), (9, ["target/1 kv_slots_in_use = 9"])):
+        sample = {"counters": zero, "workers": soak.worker_counters(FakeDeployment(follower_slots=slots))}
+        assert soak.held(sample, deferred_frees=8) == [*expect, "draft/2 requests = -1",
+                                                      "draft/2 kv_slots_in_use = -1"]
+    sample = {"counters": {**zero, "running": 1}, "workers": {"draft/0": {"requests": 0, "kv_slots_in_use": 1,
+                                                                          "follower": False}}}
+    assert soak.held(sample, deferred_frees=8) == ["running = 1", "draft/0 kv_slots_in_use = 1"]
     assert soak.deployment_processes(None) == ([("server", os.getpid())], [])
     assert soak.worker_counters(None) == {}
 
@@ -208,7 +222,8 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
         return {**s, "rss_bytes": s["rss_bytes"] + int(64 * MIB * (time.monotonic() - t0))}
 
     monkeypatch.setattr(soak, "process_stats", growing)
-    monkeypatch.setattr(soak, "worker_counters", lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0}})
+    monkeypatch.setattr(soak, "worker_counters",
+                        lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0, "follower": False}})
     monkeypatch.setattr(soak, "IDLE_TIMEOUT_S", 0.5)
     out = tmp_path / "soak.json"
     rc = main(["bench", "soak", "--config", config_file, "--minutes", "0.05", "--sample-interval", "0.2",
@@ -221,7 +236,7 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
     assert not doc["ok"] and doc["failure"] == line.removeprefix("specdist: bench soak failed: ")
     assert [r["verdict"] for r in doc["series"]] == ["grows", "flat", "flat"]
     assert doc["final"] == {"idle": False, "counters": dict.fromkeys(GAUGES, 0),
-                            "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0}},
+                            "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0, "follower": False}},
                             "held": ["draft/0 requests = 1"]}
 
 
