@@ -213,7 +213,10 @@ def test_bench_soak_short_run_is_flat_and_idle(config_file, tmp_path, capsys):
 
 def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys, monkeypatch):
     """This process's RSS made to grow 64 MiB/s and a draft worker that keeps a request: exit 1
-    and one line naming both."""
+    and one line naming both. Also the progress bar (stderr taken for a terminal)."""
+    from specdist.bench import cluster_bench
+
+    monkeypatch.setattr(cluster_bench, "_stderr_is_tty", lambda: True)
     t0 = time.monotonic()
     real = soak.process_stats
 
@@ -227,9 +230,10 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
     monkeypatch.setattr(soak, "IDLE_TIMEOUT_S", 0.5)
     out = tmp_path / "soak.json"
     rc = main(["bench", "soak", "--config", config_file, "--minutes", "0.05", "--sample-interval", "0.2",
-               "--concurrency", "2", "--json", str(out), "--no-progress"])
+               "--concurrency", "2", "--json", str(out)])
     err = capsys.readouterr().err
     assert rc == 1
+    assert "soak: 100%" in err and "3/3" in err and "unexpected=0" in err  # tqdm's bar: 3 s, its postfix
     [line] = [x for x in err.splitlines() if x.startswith("specdist: bench soak failed: ")]
     assert "server rss_bytes grows" in line and "not idle after 0.5s: draft/0 requests = 1" in line, line
     doc = json.loads(out.read_text())

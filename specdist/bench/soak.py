@@ -574,6 +574,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             sampler.stop()
             if bar is not None:
+                bar.n = min(bar.total, round(time.monotonic() - t0))
                 bar.close()
         stuck = [th.name for th in clients if th.is_alive()]
         batch = cfg["engine"]["max_batch_size"]
