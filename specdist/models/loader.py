@@ -15,12 +15,14 @@ command line prints the ``specdist`` logger tree on stderr).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.metadata
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +143,54 @@ def _quiet_transformers() -> None:
         pass
 
 
+# path -> parsed gguf.GGUFReader, inside _gguf_parsed_once (None outside: every reader is new)
+_GGUF_READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdist_gguf_readers", default=None)
+
+
+def _install_gguf_caches() -> None:
+    """Make transformers' GGUF loading parse less (idempotent).
+
+    Transformers parses a GGUF file's header (with its whole tokenizer vocabulary, seconds) once
+    for the config and again for the weights: inside :func:`_gguf_parsed_once` the second use gets
+    the first parse. It also rebuilds gguf's tensor-name table (all architectures' aliases) once
+    per submodule: that table depends only on (architecture, number of blocks), so it is built
+    once per pair. Both are read only by transformers, so the loaded tensors are the same.
+    """
+    import gguf
+
+    if getattr(gguf, "_specdist_caches", False):
+        return
+    reader_cls = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        cache = _GGUF_READERS.get()
+        if cache is None or mode != "r":
+            return reader_cls(path, mode)
+        key = os.path.realpath(path)
+        if key not in cache:
+            cache[key] = reader_cls(path, mode)
+        return cache[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf at each load
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    gguf._specdist_caches = True
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within: each GGUF file is parsed at most once (the parses are dropped on exit: they map the file)."""
+    try:
+        _install_gguf_caches()
+    except ImportError:  # transformers raises its own error naming the missing gguf package
+        yield
+        return
+    token = _GGUF_READERS.set({})
+    try:
+        yield
+    finally:
+        _GGUF_READERS.reset(token)
+
+
 def load_model(
     source: ModelSource, dtype: str, device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
@@ -160,9 +210,10 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
-    )
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
+        )
     if source.gguf_file:
         # transformers de-quantises GGUF tensors to `dtype` at load time but keeps the model
         # flagged as quantized, which makes `.float()` / `.half()`
@@ -191,7 +242,8 @@ def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None =
     if source.gguf_file:  # rebuilt from the GGUF file: seconds, so say so before
         report(f"loading the tokenizer of {source.short_name} ...")
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
     report(f"loaded the tokenizer of {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return tokenizer
 
