@@ -55,6 +55,12 @@ class ResourceExhausted(FieldError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class Unavailable(FieldError):
+    """The receiver cannot serve now (a worker or the target group failed); retry later."""
+
+    status = "UNAVAILABLE"
+
+
 class ConfigError(SpecDistError, ValueError):
     """A deployment config is invalid. `key` is the dotted path of the bad setting."""
 

@@ -20,10 +20,20 @@ and its own generator seeded with the request seed.
 Tensor parallelism (``world_size > 1``): only rank 0 is called. Cache operations that need
 no collective (allocate, free, rollback) are applied on rank 0 at once and queued; right
 before every forward rank 0 broadcasts ``queued ops + the forward`` with the ``broadcast``
-function it was given, and ranks > 0, inside :meth:`follow`, replay them in the same order
+function it was given (and the queued ops alone when its last request is released, so an
+idle group holds no slot), and ranks > 0, inside :meth:`follow`, replay them in the same order
 on their shard. At every forward (where the all-reduces happen) every rank's cache
 bookkeeping is therefore identical. :meth:`shutdown` flushes the queue and ends the
 followers' loops.
+
+Collective timeouts (``world_size > 1``): a rank that died makes the others' collectives fail
+at once (the connection closes); a rank that hangs would hold them until the process group's
+timeout. :class:`CollectiveDeadline` sizes that timeout to the measured forwards (at least
+``collective_timeout_s``, else ``COLLECTIVE_FACTOR`` times the time the coming forward is
+expected to take). Rank 0 sets it with the ``set_timeout`` function it was given and sends it
+ahead of the forward (op ``("timeout", seconds)``), so every rank waits the same. A forward
+that fails on rank 0 marks the core broken: later calls fail at once (UNAVAILABLE), since
+the group cannot be trusted after a failed collective; the deployment rebuilds it.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 from specdist.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Unavailable,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -69,6 +80,35 @@ class _TargetRequest:
     generator: torch.Generator = field(repr=False)
 
 
+COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
+SMALL_FORWARD_TOKENS = 8  # forwards of at most this many tokens cost about their fixed overhead
+
+
+class CollectiveDeadline:
+    """The timeout a tensor-parallel forward's collectives get, from the forwards measured so far.
+
+    Expected seconds of a forward of ``n`` tokens: ``overhead + rate * n``, where ``overhead`` is
+    the slowest forward of at most ``SMALL_FORWARD_TOKENS`` tokens and ``rate`` the highest seconds
+    per token of a larger one (before any: ``overhead / SMALL_FORWARD_TOKENS``). Both only grow,
+    so the timeout errs long. Timeout: ``max(floor_s, COLLECTIVE_FACTOR * expected)``.
+    """
+
+    def __init__(self, floor_s: float):
+        self.floor_s = float(floor_s)
+        self.overhead = 0.0
+        self.rate = 0.0
+
+    def timeout_for(self, n_tokens: int) -> float:
+        rate = self.rate or self.overhead / SMALL_FORWARD_TOKENS
+        return max(self.floor_s, COLLECTIVE_FACTOR * (self.overhead + rate * n_tokens))
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= SMALL_FORWARD_TOKENS:
+            self.overhead = max(self.overhead, seconds)
+        else:
+            self.rate = max(self.rate, seconds / n_tokens)
+
+
 def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
     """Apply one cache / forward operation; the same code on every tensor-parallel rank."""
     kind = op[0]
@@ -92,7 +132,8 @@ class VerifierCore:
     """One target model (or one tensor-parallel shard of it). Not thread-safe: one call at a time."""
 
     def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
-                 broadcast: Callable[[Any], Any] | None = None):
+                 broadcast: Callable[[Any], Any] | None = None,
+                 set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0):
         if world_size > 1 and broadcast is None:
             raise ValueError("a tensor-parallel verifier needs a broadcast function")
         self.runner = runner
@@ -103,6 +144,10 @@ class VerifierCore:
         self.requests: dict[str, _TargetRequest] = {}
         self._pending: list[tuple] = []  # ops applied on rank 0, not yet sent to the followers
         self.closed = False
+        self._set_timeout = set_timeout  # (seconds) -> None: this rank's collective timeout
+        self.deadline = CollectiveDeadline(collective_timeout_s)
+        self._timeout_s = 0.0  # the collective timeout in force (0: the process group's own)
+        self.broken: str | None = None  # why the tensor-parallel group failed (rank 0)
 
     @property
     def cache(self):
@@ -118,16 +163,37 @@ class VerifierCore:
 
     def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         op = ("forward", slots, tokens, num_logits)
-        if self.world_size > 1:
-            self._broadcast(self._pending + [op])
-            self._pending = []
-        return apply_op(self.runner, op)
+        if self.world_size == 1:
+            return apply_op(self.runner, op)
+        n = sum(len(t) for t in tokens)
+        ops = self._pending + [op]
+        timeout = self.deadline.timeout_for(n)
+        # raise it for a larger forward; lower it only when it is over twice what is needed
+        if self._set_timeout is not None and not timeout <= self._timeout_s <= 2 * timeout:
+            self._set_timeout(timeout)
+            self._timeout_s = timeout
+            ops.insert(0, ("timeout", timeout))
+        t0 = now()
+        self._pending = []
+        out = self._collective(lambda: (self._broadcast(ops), apply_op(self.runner, op))[1])
+        self.deadline.observe(n, now() - t0)
+        return out
+
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (broadcasts, a forward); a failed or timed-out collective breaks the core."""
+        try:
+            return fn()
+        except RuntimeError as e:  # the group cannot be trusted after a failed collective
+            self.broken = f"tensor-parallel collective failed: {e}"
+            raise Unavailable("worker", self.broken) from None
 
     def _check_leader(self) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 of a tensor-parallel target serves calls; other ranks run follow()")
         if self.closed:
             raise FailedPrecondition("worker", "is shut down")
+        if self.broken:
+            raise Unavailable("worker", self.broken)
 
     def follow(self) -> int:
         """Ranks > 0: replay rank 0's operations until it shuts down. Returns the forwards run."""
@@ -136,6 +202,10 @@ class VerifierCore:
         forwards = 0
         while True:
             for op in self._broadcast(None):
+                if op[0] == "timeout":
+                    if self._set_timeout is not None:
+                        self._set_timeout(op[1])
+                    continue
                 apply_op(self.runner, op)
                 if op[0] == "forward":
                     forwards += 1
@@ -297,6 +367,9 @@ class VerifierCore:
             r = self.requests.pop(rid, None)
             if r is not None:
                 self._local(("free", r.slot))
+        if not self.requests and self._pending:  # going idle: the followers free their slots now too
+            ops, self._pending = self._pending, []
+            self._collective(lambda: self._broadcast(ops))
 
     # ------------------------------------------------------------ introspection
     def kv_slots_in_use(self) -> int:
@@ -304,7 +377,9 @@ class VerifierCore:
 
     def health(self) -> dict:
         return {
-            "ok": not self.closed,
+            "ok": not self.closed and not self.broken,
+            "broken": self.broken,
+            "collective_timeout_s": self._timeout_s or None,
             "rank": self.rank,
             "world_size": self.world_size,
             "requests": len(self.requests),

@@ -11,6 +11,11 @@ experts of a mixture-of-experts layer), and one gather of the local logits to ra
 the same (batch, token) shapes: rank 0 decides a step and sends its inputs to the others
 with :func:`broadcast_object`, then all ranks call the runner. That control message goes
 over a separate gloo group, so it stays a host-side message when the collectives use NCCL.
+
+Timeouts: both groups start with ``_TIMEOUT``; :func:`set_collective_timeout` then bounds how long
+a collective waits for a rank that died or hangs. Rank 0 bounds both groups; the other ranks
+only the collectives of a forward, since they wait on the control group, idle, for rank 0's
+next message.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from specdist.models.sharding import check_shardable  # noqa: F401  (the bring-up check, re-exported)
 
@@ -73,3 +79,11 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """This rank's collective timeout: the forward's group, and on rank 0 also the control group."""
+    timeout = datetime.timedelta(seconds=float(seconds))
+    _set_pg_timeout(timeout, dist.group.WORLD)
+    if dist.get_rank() == 0:
+        _set_pg_timeout(timeout, control_group())
