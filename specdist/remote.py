@@ -14,10 +14,14 @@ Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.
 every call carries it as ``authorization: Bearer <secret>`` metadata; a worker that requires
 it refuses calls without it (UNAUTHENTICATED).
 
-Deadlines: a call may take ``timeout_s``, except a drafter's Propose and Release: the larger
-of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's recent wall time (capped at
-``timeout_s``), so a hung draft worker fails its call (DEADLINE_EXCEEDED) within a few of its
-normal latencies and the scheduler ejects it instead of waiting.
+Deadlines: a call may take ``timeout_s``, except a drafter's Start and Propose and a Release:
+the larger of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's recent wall time
+(per prompt token for Start), capped at ``timeout_s``, so a hung worker fails its call
+(DEADLINE_EXCEEDED) within a few of its normal latencies and the scheduler ejects a draft, or
+fails its requests, instead of waiting.
+
+Restarts: channels retry connecting at least every second, and :meth:`_Remote.reconnect`
+points a transport at a worker that was restarted or moved (a fresh channel).
 
 Timing: the worker reports the seconds its core spent, by phase, in the
 ``specdist-timing`` trailing metadata (``forward=0.012,sampling=0.001``); the scheduler books
@@ -51,7 +55,15 @@ from specdist.wire import (
 )
 
 TIMING_METADATA_KEY = "specdist-timing"
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # a worker that restarts is back within seconds: retry connecting at least every second
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # a channel of its own: a reconnect() must not inherit the old connection's failure backoff
+    ("grpc.use_local_subchannel_pool", 1),
+]
 _ITEM = re.compile(r"^items\[(\d+)\]")
 
 
@@ -93,33 +105,54 @@ DEADLINE_EMA = 0.2  # weight of the newest call in that EMA
 class _Remote:
     is_remote = True
 
-    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
-        self.address = address
+    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None):
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._metadata = bearer_metadata(secret)
-        self._latency: dict[object, float] = {}  # stub method -> EMA of successful calls' wall seconds
-        self._adaptive: set = set()  # stub methods with a deadline from measured latency
+        self.channel = None
+        self.reconnect(address)
 
-    def deadline(self, method) -> float:
-        """Seconds a call of ``method`` may take: ``timeout_s``, or for a drafter's Propose and
-        Release ``min(timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * recent wall time))``."""
-        if method not in self._adaptive:
-            return self.timeout_s
-        # a method not measured yet takes the slowest measured one's (none yet: timeout_s, the warm-up)
-        ema = self._latency.get(method, max((self._latency.get(m, 0.0) for m in self._adaptive), default=0.0))
-        if not ema:
-            return self.timeout_s
-        return min(self.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * ema))
+    def reconnect(self, address: str) -> None:
+        """A fresh channel to ``address`` (a worker restarted or moved); the old one is closed.
+        Latencies are measured anew: the new worker may be slower or faster."""
+        if self.channel is not None:
+            self.channel.close()
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._latency: dict[str, float] = {}  # method name -> EMA of successful calls' wall seconds
+        self._bind(self.channel)
 
-    def _call(self, method, request, request_ids: list[str]):
-        """(response, core timing); gRPC errors as TransportError naming the blamed request."""
+    def _bind(self, channel) -> None:
+        """Make the stub on ``channel``."""
+        raise NotImplementedError
+
+    # method name -> what its time scales with: "call" (about the same every call) or "token"
+    # (the prompt tokens it carries); methods not named wait up to timeout_s
+    _adaptive: dict[str, str] = {}
+
+    def deadline(self, method: str, tokens: int = 1) -> float:
+        """Seconds a call of ``method`` (carrying ``tokens`` prompt tokens) may take: for a method
+        in ``_adaptive`` that was measured, ``min(timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR
+        * its recent time per call or per token * (1 or tokens)))``, where a per-call method not
+        measured yet takes the slowest measured one's time; otherwise ``timeout_s``."""
+        kind = self._adaptive.get(method)
+        rate = self._latency.get(method)
+        if kind == "call" and rate is None:  # not measured yet: the slowest measured per-call method's
+            rate = max((r for m, r in self._latency.items() if self._adaptive.get(m) == "call"), default=None)
+        if not rate:  # not adaptive, or nothing measured (the first calls: the warm-up)
+            return self.timeout_s
+        size = max(1, tokens) if kind == "token" else 1
+        return min(self.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * rate * size))
+
+    def _call(self, method: str, request, request_ids: list[str], tokens: int = 1):
+        """(response, core timing) of the stub's ``method``; gRPC errors as TransportError naming
+        the blamed request."""
         t0 = time.perf_counter()
         try:
-            resp, call = method.with_call(request, timeout=self.deadline(method), metadata=self._metadata)
-            wall = time.perf_counter() - t0
+            resp, call = getattr(self.stub, method).with_call(request, timeout=self.deadline(method, tokens),
+                                                              metadata=self._metadata)
+            rate = (time.perf_counter() - t0) / (max(1, tokens) if self._adaptive.get(method) == "token" else 1)
             ema = self._latency.get(method)
-            self._latency[method] = wall if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * wall
+            self._latency[method] = rate if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * rate
         except grpc.RpcError as e:
             details = e.details() or ""
             m = _ITEM.match(details)
@@ -133,42 +166,47 @@ class _Remote:
 
 
 class RemoteVerifier(_Remote):
+    # a Release takes about the same time call after call; Prefill and Verify scale with the batch
+    _adaptive = {"Release": "call"}
+
     def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None):
-        super().__init__(address, timeout_s, secret)
         self.vocab_size = int(vocab_size)
-        self.name = f"target {address}"
-        self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+        super().__init__(address, timeout_s, secret)
+
+    def _bind(self, channel) -> None:
+        self.name = f"target {self.address}"
+        self.stub = target_pb2_grpc.TargetWorkerStub(channel)
 
     def prefill(self, items: list[StartItem]) -> CallTiming:
-        _, timing = self._call(self.stub.Prefill, start_items_to_proto(items, target_pb2.PrefillRequest),
+        _, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
                                [it.request_id for it in items])
         return timing
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        resp, timing = self._call(self.stub.Verify, verify_items_to_proto(items, self.vocab_size),
+        resp, timing = self._call("Verify", verify_items_to_proto(items, self.vocab_size),
                                   [it.request_id for it in items])
         return verified_from_proto(resp), timing
 
     def release(self, request_ids: list[str]) -> None:
-        self._call(self.stub.Release, target_pb2.TargetReleaseRequest(request_ids=request_ids), request_ids)
+        self._call("Release", target_pb2.TargetReleaseRequest(request_ids=request_ids), request_ids)
 
 
 class RemoteDrafter(_Remote):
-    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None):
-        super().__init__(address, timeout_s, secret)
-        self.name = address
-        self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
-        # Propose and Release take about the same time call after call; Start scales with the prompt
-        self._adaptive = {self.stub.Propose, self.stub.Release}
+    # Propose and Release take about the same time call after call; Start scales with the prompt
+    _adaptive = {"Propose": "call", "Release": "call", "Start": "token"}
+
+    def _bind(self, channel) -> None:
+        self.name = self.address
+        self.stub = draft_pb2_grpc.DraftWorkerStub(channel)
 
     def start(self, items: list[StartItem]) -> CallTiming:
-        _, timing = self._call(self.stub.Start, start_items_to_proto(items, draft_pb2.StartRequest),
-                               [it.request_id for it in items])
+        _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),
+                               [it.request_id for it in items], sum(len(it.prompt_ids) for it in items))
         return timing
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
-        resp, timing = self._call(self.stub.Propose, propose_items_to_proto(items), [it.request_id for it in items])
+        resp, timing = self._call("Propose", propose_items_to_proto(items), [it.request_id for it in items])
         return [proposal_from_proto(p) for p in resp.proposals], timing
 
     def release(self, request_ids: list[str]) -> None:
-        self._call(self.stub.Release, draft_pb2.DraftReleaseRequest(request_ids=request_ids), request_ids)
+        self._call("Release", draft_pb2.DraftReleaseRequest(request_ids=request_ids), request_ids)

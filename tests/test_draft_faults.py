@@ -142,7 +142,7 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
         for _ in range(3):
             eng.step()
         assert eng.stats.drafted > 0
-        assert eng.replicas[0].drafter.deadline(eng.replicas[0].drafter.stub.Propose) == 0.5
+        assert eng.replicas[0].drafter.deadline("Propose") == 0.5
         hang.set()
         while any(not r.finished for r in reqs):
             eng.step()
