@@ -21,6 +21,12 @@ outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) f
 every request the engine holds, and the thread keeps serving. ``close()`` aborts every
 request, stops the thread and joins it.
 
+Target faults: :meth:`target_down` (thread-safe, e.g. from a deployment's supervisor) ends
+every request with ``finish_reason="error"`` and the given reason, and refuses new ones with
+:class:`TargetDown` (gRPC UNAVAILABLE, HTTP 503) until :meth:`target_up`. Each change is
+reported to ``availability_listeners`` on the event loop (the servers' health checks).
+:meth:`call_soon` runs any function on the engine thread from any thread.
+
 ``metrics`` (:class:`~specdist.metrics.Metrics`): the engine's Prometheus series, from its
 step events (the warm-up request is not counted); its gauges read the last pass's snapshot.
 """
@@ -28,6 +34,7 @@ step events (the warm-up request is not counted); its gauges read the last pass'
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -58,6 +65,10 @@ class Overloaded(SpecDistError):
 
 class ShuttingDown(SpecDistError):
     """The coordinator is draining or closed and takes no new requests (gRPC: UNAVAILABLE)."""
+
+
+class TargetDown(SpecDistError):
+    """The target failed and is being rebuilt; no new requests until it is back (gRPC: UNAVAILABLE)."""
 
 
 class DuplicateRequestId(InvalidArgument):
@@ -189,6 +200,8 @@ class Coordinator:
         self._stopped: asyncio.Future | None = None  # settled by the engine thread's last post
         self._draining = False
         self._closed = False
+        self._target_down: str | None = None  # why the target is down (target_down), until target_up
+        self.availability_listeners: list[Callable[[bool], None]] = []  # (accepting), on the event loop
         self.timing = SchedulingTiming()
         self.metrics = Metrics(engine, lambda: self._snapshot)  # Prometheus series of this engine
 
@@ -223,8 +236,52 @@ class Coordinator:
 
     @property
     def accepting(self) -> bool:
-        """Whether new requests are admitted (False once draining or closed)."""
-        return not self._draining
+        """Whether new requests are admitted (False once draining or closed, or while the target is down)."""
+        return not self._draining and self._target_down is None
+
+    @property
+    def target_is_down(self) -> bool:
+        return self._target_down is not None
+
+    # ---------------------------------------------------------------- target faults (any thread)
+    def target_down(self, reason: str) -> None:
+        """The target failed: fail every request with ``reason``, refuse new ones until :meth:`target_up`."""
+        self._target_down = reason
+        self.call_soon(lambda: self._fail_all(f"target unavailable: {reason}"))
+        self._post(self._availability_changed)
+
+    def target_up(self, prepare: Callable[[], None] | None = None) -> concurrent.futures.Future:
+        """The target is back: run ``prepare`` on the engine thread (e.g. reconnect), then admit again."""
+
+        def run() -> None:
+            if prepare is not None:
+                prepare()
+            self._target_down = None
+            self._post(self._availability_changed)
+
+        return self.call_soon(run)
+
+    def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Thread-safe: run ``fn`` on the engine thread before its next step; a future of its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the outcome goes to the future
+                fut.set_exception(e)
+
+        with self._cond:
+            self._commands.append(run)
+            self._cond.notify()
+        return fut
+
+    def _availability_changed(self) -> None:
+        for listener in list(self.availability_listeners):
+            try:
+                listener(self.accepting)
+            except Exception:  # noqa: BLE001 - a listener must not break the loop
+                log.exception("availability listener failed")
 
     def start_draining(self) -> None:
         """Refuse new requests from now on (ShuttingDown); running ones carry on."""
@@ -288,6 +345,8 @@ class Coordinator:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end)."""
         if self._draining:
             raise ShuttingDown("the server is shutting down")
+        if self._target_down is not None:
+            raise TargetDown(f"the target is down ({self._target_down}); it is being rebuilt, retry later")
         self.start()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -480,6 +539,15 @@ class Coordinator:
                 t.error = f"engine step failed: {exc!r}"
                 t.req.output.finish("error")
             self.engine.release(t.req)  # idempotent; frees slots even for a request caught mid-admission
+
+    def _fail_all(self, message: str) -> None:
+        """Fail and release every request the engine holds (running and waiting) with ``message``."""
+        tracked = list(self._tracked.values())
+        for t in tracked:
+            if not t.req.finished:
+                t.error = message
+                t.req.output.finish("error")
+        self.engine.release([t.req for t in tracked])  # one call per worker: a dead one fails it once
 
     def _fail_everyone(self, exc: BaseException) -> list[Delta]:
         """Fail and release every request the engine holds; their final error deltas."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdist.coordinator import DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.coordinator import DuplicateRequestId, Overloaded, ShuttingDown, TargetDown
 from specdist.errors import InvalidArgument
 from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
@@ -109,6 +109,7 @@ _STATUS = (
     (InvalidArgument, "INVALID_ARGUMENT"),
     (Overloaded, "RESOURCE_EXHAUSTED"),
     (ShuttingDown, "UNAVAILABLE"),
+    (TargetDown, "UNAVAILABLE"),
 )
 
 

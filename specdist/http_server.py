@@ -456,7 +456,8 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
     async def health() -> JSONResponse:
         if coordinator.accepting:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "target down" if coordinator.target_is_down else "shutting down"},
+                            status_code=503)
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:

@@ -24,7 +24,11 @@ so the output stays exact; a drafter call that failed as a whole (the worker dow
 its deadline, erroring) also **ejects** the replica: new requests go to the others (or run
 without drafts), and at the start of a step an ejected replica is probed (a ``release`` of
 the requests whose release failed meanwhile, after ``PROBE_FIRST_S``, backing off to
-``PROBE_MAX_S``) and re-admitted when it answers. No room (RESOURCE_EXHAUSTED) at admission puts requests back in the queue.
+``PROBE_MAX_S``) and re-admitted when it answers; :meth:`Scheduler.readmit` probes a replica
+at once (a deployment restarted its worker). No room (RESOURCE_EXHAUSTED) at admission puts
+requests back in the queue. A verifier call that failed as a whole asks ``target_diagnosis``
+(when set: a deployment's check of its target ranks) what failed, and the requests' error
+names it.
 ``step()`` does not raise for transport failures.
 
 Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "sampling"
@@ -184,6 +188,8 @@ class Scheduler:
         self._probe_pool: ThreadPoolExecutor | None = None  # probes of ejected draft replicas
         self._probes: dict[int, tuple] = {}  # replica -> (future of its probe, ids it releases)
         self._lock = threading.Lock()  # counters touched from the pool
+        # () -> what failed ("target rank 1 died: ...") or None: asked when a target call fails as a whole
+        self.target_diagnosis: Callable[[], str | None] | None = None
 
     @property
     def num_draft_replicas(self) -> int:
@@ -266,9 +272,10 @@ class Scheduler:
                 self.abort(req.request_id)
         self.last_output = req.to_output()
 
-    def release(self, r: Request) -> None:
-        """Free everything the request holds (queue entry, target and draft state). Idempotent."""
-        self._release([r])
+    def release(self, r: Request | Sequence[Request]) -> None:
+        """Free everything the request(s) hold (queue entry, target and draft state), one call per
+        worker. Idempotent."""
+        self._release([r] if isinstance(r, Request) else list(r))
 
     def kv_slots_in_use(self) -> dict[str, int]:
         """Requests admitted on the target and on each draft replica (each holds a slot there)."""
@@ -320,8 +327,8 @@ class Scheduler:
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
         results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
         self._account(timing, wall, self.verifier.is_remote, main="verify")
-        for i, msg in failed.items():
-            self._fail(reqs[i], f"target: {msg}")
+        for i, msg in self._target_errors(failed, len(items)).items():
+            self._fail(reqs[i], msg)
         ntok = sum(len(it.proposal or ()) + 1 for it in items)
         policy.observe_verify(ntok, wall, len(items))
         t2 = now()
@@ -490,8 +497,9 @@ class Scheduler:
         for r in ok:
             r.on_target = True
             self._target_live += 1
-        for r, msg in errors:
-            self._fail(r, f"target: {msg}")
+        messages = self._target_errors({j: m for j, (_, m) in enumerate(errors)}, len(new))
+        for j, (r, _) in enumerate(errors):
+            self._fail(r, messages[j])
         admitted = ok
         by_rep: dict[int, list[Request]] = {}
         for r in admitted:
@@ -574,6 +582,18 @@ class Scheduler:
             core += s
         t["network" if remote else main] += max(0.0, wall - core)
 
+    def _target_errors(self, failed: dict[int, str], n: int) -> dict[int, str]:
+        """The error of each request a target call failed (of ``n``). A call that failed as a whole
+        (no item blamed) also names what failed, when ``target_diagnosis`` can tell."""
+        whole = len(failed) == n and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values())
+        why = None
+        if failed and whole and self.target_diagnosis is not None:
+            try:
+                why = self.target_diagnosis()
+            except Exception:  # noqa: BLE001 - the diagnosis is a courtesy; the failure stands
+                log.exception("target diagnosis failed")
+        return {i: f"target: {why} ({m})" if why else f"target: {m}" for i, m in failed.items()}
+
     def _fail(self, r: Request, message: str) -> None:
         if not r.finished:
             r.error = message
@@ -618,6 +638,27 @@ class Scheduler:
                     self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdist-probe")
                 sent = sorted(rep.orphans)
                 self._probes[i] = (self._probe_pool.submit(rep.drafter.release, sent), sent)
+
+    def readmit(self, i: int, address: str | None = None) -> bool:
+        """Draft replica i's worker was restarted (at ``address``, when it moved): probe it now.
+        Returns whether it answered (then it is admitted again; else probing goes on)."""
+        rep = self.replicas[i]
+        reconnect = getattr(rep.drafter, "reconnect", None)  # remote transports: a fresh channel
+        if reconnect is not None:
+            reconnect(address or rep.drafter.address)
+        self._probes.pop(i, None)  # an older probe's outcome says nothing of the new worker
+        sent = sorted(rep.orphans)
+        try:
+            rep.drafter.release(sent)
+        except TransportError as e:
+            log.warning("draft %s restarted but does not answer (%s)", rep.drafter.name, e)
+            self._eject(i, str(e))
+            return False
+        rep.orphans.difference_update(sent)
+        if rep.ejected_at is not None:
+            log.warning("draft %s restarted: re-admitted", rep.drafter.name)
+        rep.ejected_at = None
+        return True
 
     def healthy_replicas(self) -> int:
         """Draft replicas not ejected."""

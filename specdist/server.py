@@ -11,12 +11,14 @@ fails inside a step gets a last message with FINISH_REASON_ERROR and the stream 
 ends with INTERNAL.
 
 ``serve()`` also registers the standard ``grpc.health.v1.Health`` service (SERVING
-once the engine has warmed up, NOT_SERVING while draining) and server reflection.
+once the engine has warmed up, NOT_SERVING while draining and while the target is down) and server reflection.
 With a token (:mod:`specdist.security`) every method except the health service's is
 UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -242,4 +244,7 @@ async def serve(
         await wrapped.stop(0)
         raise
     await wrapped.set_serving(True)
+    # NOT_SERVING while the target is down (Coordinator.target_down), SERVING again once it is back
+    coordinator.availability_listeners.append(
+        lambda accepting: asyncio.ensure_future(wrapped.set_serving(accepting)))
     return wrapped, coordinator

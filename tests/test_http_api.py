@@ -333,7 +333,7 @@ def test_metrics_endpoint_serves_the_coordinators_metrics(srv):
         def render(self):
             return b"specdist_requests_total 3\n", "text/plain; version=0.0.4; charset=utf-8"
 
-    coordinator = SimpleNamespace(engine=srv.engine, accepting=True)
+    coordinator = SimpleNamespace(engine=srv.engine, accepting=True, target_is_down=False)
     with TestClient(create_app(coordinator)) as c:
         r = c.get("/metrics")
         assert r.status_code == 404 and r.json()["error"]["message"].startswith("metrics are not enabled")
@@ -342,7 +342,11 @@ def test_metrics_endpoint_serves_the_coordinators_metrics(srv):
         assert (r.status_code, r.content) == (200, b"specdist_requests_total 3\n")
         assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         coordinator.accepting = False
-        assert c.get("/health").status_code == 503
+        r = c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "shutting down"})
+        coordinator.target_is_down = True  # a deployment's target is being rebuilt
+        r = c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "target down"})
 
 
 def test_cli_http_port_without_the_extra(monkeypatch, capsys):
