@@ -25,6 +25,13 @@ bring-up takes a minute on a small machine, and the log says where it is.
 :meth:`Deployment.stop` shuts every actor down (rank 0's shutdown broadcast releases the
 followers), ``ray.kill``s them, waits until they are gone and removes the placement groups.
 
+Faults: once up, a :class:`~cluster.supervisor.Supervisor` thread checks the workers every
+``health_interval_s`` and tells ``listeners`` what it found (:class:`~cluster.supervisor.WorkerEvent`).
+Draft actors are created with ``max_restarts``: Ray restarts a dead one and
+:meth:`Deployment.recover_draft` brings it up again (the same phases, on its old port). Target
+ranks are never restarted alone: :meth:`Deployment.diagnose_target` names a rank that died or
+hangs, and :meth:`Deployment.rebuild_target` replaces the whole group in its placement group.
+
 Its shape comes from the config's ``cluster:`` section (:class:`specdist.config.ClusterConfig`):
 ``Deployment().start(config)`` or ``Deployment.from_config(config, target_port=...)``;
 an explicit :class:`ClusterSpec` still overrides it.
@@ -33,6 +40,7 @@ an explicit :class:`ClusterSpec` still overrides it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +79,11 @@ class ClusterSpec:
     max_concurrency: int = 4  # per actor: followers block in run_follower() and still answer health()
     name: str = "specdist"  # placement-group name prefix
     shutdown_timeout_s: float = 30.0
+    max_restarts: int = 3  # Ray restarts of a dead draft actor (-1: unlimited); the supervisor reloads it
+    health_interval_s: float = 1.0  # the supervisor's period (0: no supervisor)
+    health_timeout_s: float = 5.0  # a worker not answering health() within this is hung
+    rebuild_attempts: int = 3  # target group rebuilds in a row before giving up
+    collective_timeout_s: float = 10.0  # floor of the target ranks' collective timeout
 
     @classmethod
     def from_config(cls, config, **deployment) -> "ClusterSpec":
@@ -87,7 +100,9 @@ class ClusterSpec:
         return cls(
             tensor_parallel_size=cc.tensor_parallel_size, num_draft_workers=cc.num_draft_workers,
             cpus_per_rank=cc.cpus_per_rank, cpus_per_draft=cc.cpus_per_draft, gpus_per_draft=cc.gpus_per_draft,
-            use_gpu=cc.gpu, pin_cpus=cc.pin_cpus, **deployment,
+            use_gpu=cc.gpu, pin_cpus=cc.pin_cpus, max_restarts=cc.max_restarts,
+            health_interval_s=cc.health_interval_s, health_timeout_s=cc.health_timeout_s,
+            rebuild_attempts=cc.rebuild_attempts, collective_timeout_s=cc.collective_timeout_s, **deployment,
         ).validate()
 
     def validate(self) -> "ClusterSpec":
@@ -109,8 +124,14 @@ class _Handle:
     name: str  # "target rank 1", "draft 0"
     actor: object
     kind: str  # "target" | "draft"
-    rank: int = 0
+    rank: int = 0  # a target's rank, a draft's index
     address: str | None = None
+    pid: int | None = None  # of its process, as last seen by a health check
+
+    @property
+    def port(self) -> int:
+        """Its gRPC port (0 before it serves): a restarted worker asks for the same one."""
+        return int(self.address.rsplit(":", 1)[1]) if self.address else 0
 
 
 @dataclass
@@ -124,8 +145,13 @@ class Deployment:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
+    listeners: list = field(default_factory=list)  # callables given each WorkerEvent (supervisor thread)
+    supervisor: object = None  # cluster.supervisor.Supervisor, while started
     _owns_ray: bool = False
     _t0: float = 0.0  # monotonic time start() began: the bring-up log's clock
+    _host: str = "127.0.0.1"  # where the workers listen
+    _gpu: bool = False
+    _stopping: threading.Event = field(default_factory=threading.Event)  # stop() began: bring-up waits end
 
     @classmethod
     def from_config(cls, config, **deployment) -> "Deployment":
@@ -154,8 +180,10 @@ class Deployment:
             self._owns_ray = True
         deadline = time.monotonic() + timeout_s
         self._t0 = time.monotonic()
+        self._stopping.clear()
         self.worker_secret = new_worker_secret()
-        use_gpu = self._use_gpu(cfg)
+        self._host = host
+        self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
             self.placement = create_placement(
@@ -164,8 +192,16 @@ class Deployment:
                 gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()), name=spec.name,
             )
             self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
-            self._create_actors(use_gpu)
-            self._bring_up(cfg, host, device, deadline, timeout_s)
+            self._create_targets()
+            self._create_drafts()
+            ports = {h.name: p for h, p in zip(self.drafts, spec.draft_ports)}
+            ports[self.targets[0].name] = spec.target_port
+            self._bring_up(self.targets + self.drafts, ports, deadline, timeout_s)
+            if spec.health_interval_s > 0:
+                from cluster.supervisor import Supervisor
+
+                self.supervisor = Supervisor(self)
+                self.supervisor.start()
         except BaseException as e:
             self.stop()
             if isinstance(e, DeploymentError):
@@ -185,72 +221,88 @@ class Deployment:
             return ray.cluster_resources().get("GPU", 0) > 0
         return dev.startswith("cuda")
 
-    def _create_actors(self, use_gpu: bool) -> None:
+    def _create_targets(self) -> None:
+        """One TargetRankActor per rank in the target placement group (not restarted by Ray: a
+        lost rank breaks the group, which the supervisor rebuilds whole)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.actors import DraftActor, TargetRankActor
+        from workers.actors import TargetRankActor
 
         spec = self.spec
         tp = spec.tensor_parallel_size
         for r in range(tp):
             cls = ray.remote(TargetRankActor).options(
-                num_cpus=spec.cpus_per_rank, num_gpus=1 if use_gpu else 0, max_concurrency=spec.max_concurrency,
+                num_cpus=spec.cpus_per_rank, num_gpus=1 if self._gpu else 0, max_concurrency=spec.max_concurrency,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement.target, placement_group_bundle_index=r),
             )
             cpu = r if spec.pin_cpus else None
             self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads, cpu), "target", r))
+
+    def _create_drafts(self) -> None:
+        """One DraftActor per draft placement group; Ray restarts a dead one (``max_restarts``)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.actors import DraftActor
+
+        spec = self.spec
         for i, pg in enumerate(self.placement.drafts):
             cls = ray.remote(DraftActor).options(
-                num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if use_gpu else 0,
-                max_concurrency=spec.max_concurrency, max_restarts=0,
+                num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if self._gpu else 0,
+                max_concurrency=spec.max_concurrency, max_restarts=spec.max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
             )
-            cpu = tp + i if spec.pin_cpus else None
+            cpu = spec.tensor_parallel_size + i if spec.pin_cpus else None
             self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
 
-    def _bring_up(self, cfg: Config, host: str, device: str, deadline: float, timeout_s: float) -> None:
-        spec = self.spec
-        ec, dc = cfg.engine, cfg.draft
-        everyone = self.targets + self.drafts
+    def _load_call(self, h: _Handle):
+        cfg, ec, dc = self.config, self.config.engine, self.config.draft
+        if h.kind == "target":
+            return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
+                                       self.spec.collective_timeout_s)
+        return h.actor.load.remote(
+            dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
+            ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
+            pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss)
+
+    def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
+        """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to
+        serving, phase by phase, each phase in parallel over them. ``ports``: name -> gRPC port
+        (missing or 0: a free one)."""
+        targets = [h for h in handles if h.kind == "target"]
+        drafts = [h for h in handles if h.kind == "draft"]
+        device = "cuda" if self._gpu else "cpu"
         wait = lambda phase, calls: self._wait(phase, calls, deadline, timeout_s)  # noqa: E731
 
-        wait("start", {h.name: h.actor.ping.remote() for h in everyone})
-        self._done("start", f"{len(everyone)} actor(s) up")
-        if spec.tensor_parallel_size > 1:
-            (ip, port), = wait("rendezvous", {self.targets[0].name: self.targets[0].actor.address.remote()}).values()
-        else:
-            ip, port = "127.0.0.1", 0
-        wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in self.targets})
-        self._done("rendezvous", f"{len(self.targets)} target rank(s) joined")
-        loads = {h.name: h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len)
-                 for h in self.targets}
-        for h in self.drafts:
-            loads[h.name] = h.actor.load.remote(
-                dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
-                ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, device,
-                pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss)
-        wait("load", loads)
-        self._done("load", f"{cfg.target.model} on {len(self.targets)} rank(s), "
-                           f"{len(self.drafts)} {dc.method} draft(s)")
-        for h in self.targets[1:]:
+        wait("start", {h.name: h.actor.ping.remote() for h in handles})
+        self._done("start", f"{len(handles)} actor(s) up")
+        if targets:
+            if len(targets) > 1:
+                (ip, port), = wait("rendezvous", {targets[0].name: targets[0].actor.address.remote()}).values()
+            else:
+                ip, port = "127.0.0.1", 0
+            wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in targets})
+            self._done("rendezvous", f"{len(targets)} target rank(s) joined")
+        wait("load", {h.name: self._load_call(h) for h in handles})
+        cfg = self.config
+        self._done("load", f"{cfg.target.model} on {len(targets)} rank(s), {len(drafts)} {cfg.draft.method} draft(s)")
+        for h in targets[1:]:
             self.follower_refs[h.rank] = h.actor.run_follower.remote()
-        self._done("follow", f"{len(self.follower_refs)} follower rank(s)")
-        warm = [self.targets[0]] + self.drafts
+        if targets:
+            self._done("follow", f"{len(targets) - 1} follower rank(s)")
+        warm = targets[:1] + drafts
         self._wait("warmup", {h.name: h.actor.warmup.remote() for h in warm}, deadline, timeout_s,
-                   watch_followers=True)
+                   watch_followers=bool(targets))
         self._done("warmup", f"{len(warm)} actor(s)")
-        ports = list(spec.draft_ports) + [0] * (len(self.drafts) - len(spec.draft_ports))
-        secret = self.worker_secret
-        calls = {self.targets[0].name: self.targets[0].actor.start_grpc.remote(host, spec.target_port, secret)}
-        for h, p in zip(self.drafts, ports):
-            calls[h.name] = h.actor.start_grpc.remote(host, p, secret)
-        addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=True)
-        self.targets[0].address = self.target_address = addrs[self.targets[0].name]
-        for h in self.drafts:
+        calls = {h.name: h.actor.start_grpc.remote(self._host, ports.get(h.name) or 0, self.worker_secret)
+                 for h in warm}
+        addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=bool(targets))
+        for h in warm:
             h.address = addrs[h.name]
+        self.target_address = self.targets[0].address
         self.draft_addresses = [h.address for h in self.drafts]
         self._done("serve", f"target at {self.target_address}, drafts at {', '.join(self.draft_addresses) or '-'}")
 
@@ -266,6 +318,8 @@ class Deployment:
             if watch_followers else {}
         while pending:
             left = deadline - time.monotonic()
+            if self._stopping.is_set():
+                raise DeploymentError(f"deployment stopped during phase {phase!r}")
             if left <= 0:
                 names = ", ".join(sorted(pending.values()))
                 raise DeploymentError(
@@ -304,6 +358,77 @@ class Deployment:
                 out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return out
 
+    def diagnose_target(self, timeout_s: float | None = None) -> str | None:
+        """What is wrong with the target group, naming the rank, or None when none is.
+
+        A rank is wrong when its process died, when it does not answer ``health()`` within
+        ``timeout_s`` (default: the spec's ``health_timeout_s``; it hangs), when a follower's
+        ``run_follower()`` returned, or when it reports itself not ok (rank 0 after a failed
+        collective). Dead and hung ranks are named before ranks that only report the failure.
+        """
+        import ray
+
+        timeout_s = self.spec.health_timeout_s if timeout_s is None else timeout_s
+        targets, followers = list(self.targets), dict(self.follower_refs)
+        refs = {h.rank: h.actor.health.remote() for h in targets}
+        deadline = time.monotonic() + timeout_s
+        causes, symptoms = [], []
+        for h in targets:
+            pid = f" (pid {h.pid})" if h.pid else ""
+            try:
+                health = ray.get(refs[h.rank], timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                causes.append(f"target rank {h.rank}{pid} does not answer its health check within {timeout_s:g}s")
+                continue
+            except ray.exceptions.RayActorError:
+                causes.append(f"target rank {h.rank}{pid} died")
+                continue
+            h.pid = health.get("pid", h.pid)
+            if not health.get("ok"):
+                symptoms.append(f"target rank {h.rank} is {health.get('broken') or health.get('state')}")
+        done, _ = ray.wait(list(followers.values()), num_returns=len(followers), timeout=0) if followers else ([], [])
+        for rank, ref in followers.items():
+            if ref in done and not any(c.startswith(f"target rank {rank} ") for c in causes):
+                causes.append(f"target rank {rank} stopped following rank 0")
+        return "; ".join(causes or symptoms) or None
+
+    def rebuild_target(self, timeout_s: float | None = None, same_port: bool = True) -> str:
+        """Replace the whole target group: kill every rank, create them anew in the same placement
+        group, bring them up (rank 0 on its old port when ``same_port``). Returns rank 0's address."""
+        import ray
+
+        timeout_s = self.config.cluster.bringup_timeout_s if timeout_s is None else timeout_s
+        old = self.targets[0] if self.targets else None
+        port = old.port if old is not None and same_port else self.spec.target_port
+        for h in self.targets:
+            try:
+                ray.kill(h.actor, no_restart=True)
+            except Exception:  # noqa: BLE001  (already dead)
+                pass
+        _wait_dead([h.actor for h in self.targets], timeout_s=self.spec.shutdown_timeout_s)
+        self.targets, self.follower_refs = [], {}
+        self._t0 = time.monotonic()
+        self._create_targets()
+        self._bring_up(self.targets, {self.targets[0].name: port}, time.monotonic() + timeout_s, timeout_s)
+        return self.target_address
+
+    def recover_draft(self, index: int, timeout_s: float | None = None) -> str:
+        """Bring draft ``index`` up again after Ray restarted its actor (load, warm up, serve on its
+        old port if it can have it, else a free one). Returns its address."""
+        timeout_s = self.config.cluster.bringup_timeout_s if timeout_s is None else timeout_s
+        h = self.drafts[index]
+        self._t0 = time.monotonic()
+        try:
+            self._bring_up([h], {h.name: h.port}, time.monotonic() + timeout_s, timeout_s)
+        except DeploymentError as e:
+            if "phase 'serve'" not in str(e) or not h.port:
+                raise
+            log.warning("%s: its old port is taken (%s); serving on a free one", h.name, e)
+            call = {h.name: h.actor.start_grpc.remote(self._host, 0, self.worker_secret)}
+            h.address = self._wait("serve", call, time.monotonic() + timeout_s, timeout_s)[h.name]
+            self.draft_addresses = [d.address for d in self.drafts]
+        return h.address
+
     def drain(self, timeout_s: float = 30.0) -> dict:
         """Every gRPC-serving actor stops admitting requests and waits for its in-flight ones."""
         import ray
@@ -319,6 +444,10 @@ class Deployment:
 
         from cluster.placement import remove_placement
 
+        self._stopping.set()  # a rebuild or recovery under way ends at its next wait
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         handles = self.targets + self.drafts
         if handles and ray.is_initialized():
             t = self.spec.shutdown_timeout_s if self.spec is not None else 30.0

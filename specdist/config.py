@@ -45,6 +45,14 @@ Shape::
                                      #   core tensor_parallel_size + i, modulo the cores): with one torch thread
                                      #   each, the target and the drafts never share a core
       bringup_timeout_s: 300.0       # placement + start + load + warm-up + serve, all together
+      max_restarts: 3                # Ray restarts of a dead draft worker (then reloaded, warmed up and
+                                     #   re-admitted); -1: without limit
+      health_interval_s: 1.0         # the supervisor checks every worker this often (cluster/supervisor.py)
+      health_timeout_s: 5.0          # a worker that does not answer its health check within this is hung
+      rebuild_attempts: 3            # a failed target group is rebuilt up to this many times in a row,
+                                     #   1 s apart, doubling; then the server stays NOT_SERVING
+      collective_timeout_s: 10.0     # least time a tensor-parallel collective may wait for a rank; grows to
+                                     #   20 x the measured forward time for larger forwards
     limits:                          # what one public request may ask for (gRPC and HTTP alike); beyond a
                                      #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/frontend.py)
       max_message_bytes: 4194304     # largest gRPC message either way and HTTP request body (gRPC:
@@ -157,13 +165,21 @@ class ClusterConfig:
     use_gpu: bool | str = "auto"
     pin_cpus: bool = False
     bringup_timeout_s: float = 300.0
+    max_restarts: int = 3
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    rebuild_attempts: int = 3
+    collective_timeout_s: float = 10.0
 
     def validate(self, key: str) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{key}.enabled", f"must be true or false, got {self.enabled!r}")
         _check_int(self.tensor_parallel_size, f"{key}.tensor_parallel_size", 1, 1024)
         _check_int(self.num_draft_workers, f"{key}.num_draft_workers", 0, 1024)
-        for name in ("cpus_per_rank", "cpus_per_draft", "bringup_timeout_s"):
+        _check_int(self.max_restarts, f"{key}.max_restarts", -1, 1000)
+        _check_int(self.rebuild_attempts, f"{key}.rebuild_attempts", 0, 100)
+        for name in ("cpus_per_rank", "cpus_per_draft", "bringup_timeout_s", "health_interval_s", "health_timeout_s",
+                     "collective_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{key}.{name}", f"must be a number > 0, got {value!r}")

@@ -356,6 +356,8 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
         await asyncio.to_thread(backend.close)
         raise
     serving = Serving(server, backend, host)
+    if backend.deployment is not None:
+        watch_deployment(backend.deployment, coordinator)
     if metrics_port is not None:
         try:
             serving.metrics_server = start_metrics_server(metrics_port, host, coordinator.metrics.registry, security)
@@ -373,6 +375,28 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
             await serving.stop(0)
             raise
     return serving
+
+
+def watch_deployment(deployment: Any, coordinator: Any) -> None:
+    """Connect a deployment's supervisor (cluster/supervisor.py) to the coordinator serving it.
+
+    ``target_down``: every request fails with the reason and new ones get UNAVAILABLE (health
+    NOT_SERVING); ``target_up``: the verifier reconnects to rank 0, then requests are admitted
+    again; ``draft_up``: the scheduler probes that replica and re-admits it. A failed target call
+    asks the deployment which rank failed, so the requests' error names it.
+    """
+    engine = coordinator.engine
+
+    def on_event(event: Any) -> None:
+        if event.kind == "target_down":
+            coordinator.target_down(event.message)
+        elif event.kind == "target_up":
+            coordinator.target_up(lambda: engine.verifier.reconnect(event.address))
+        elif event.kind == "draft_up" and event.index < engine.num_draft_replicas:
+            coordinator.call_soon(lambda: engine.readmit(event.index, event.address))
+
+    engine.target_diagnosis = deployment.diagnose_target
+    deployment.listeners.append(on_event)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -270,7 +270,8 @@ class TargetRankActor(_ActorBase):
 
     # ------------------------------------------------------------ model
     @_shippable_errors
-    def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048) -> dict:
+    def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
+             collective_timeout_s: float = 10.0) -> dict:
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
@@ -282,13 +283,14 @@ class TargetRankActor(_ActorBase):
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
         # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
         model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size)
-        broadcast = None
+        broadcast = set_timeout = None
         if self.world_size > 1:
-            from workers.tensor_parallel import broadcast_object
+            from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
-            broadcast = broadcast_object
+            broadcast, set_timeout = broadcast_object, set_collective_timeout
         self.worker = VerifierCore(CausalLMRunner(model, max_batch_size, max_model_len), rank=self.rank,
-                                   world_size=self.world_size, broadcast=broadcast)
+                                   world_size=self.world_size, broadcast=broadcast, set_timeout=set_timeout,
+                                   collective_timeout_s=collective_timeout_s)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
         return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}

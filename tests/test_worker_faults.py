@@ -1,0 +1,219 @@
+"""Worker faults on a real Ray deployment, through the public gRPC server (issue 11's must-shows).
+
+One deployment (a 2-rank tensor-parallel tiny target + 1 model draft worker, on the shared local
+Ray cluster, with the supervisor checking every 0.2 s) goes through, in order:
+
+1. SIGSTOP of the draft worker's process: the requests finish, exactly, while it is still
+   stopped (the step stopped waiting for it at its call deadline); after SIGCONT the supervisor
+   sees it answer, it is re-admitted and new requests draft again.
+2. SIGKILL of the draft worker in the middle of 8 streaming greedy requests: all 8 finish with
+   the fault-free output; Ray restarts the process, the supervisor reloads and warms it up, it
+   is re-admitted and new requests draft again (acceptance above 0).
+3. SIGKILL of target rank 1 (a follower) in the middle of 8 streams: each ends with ERROR and a
+   message naming rank 1 within 10 s; health turns NOT_SERVING and Generate answers
+   UNAVAILABLE; after the rebuild health is SERVING again and a new request gets the same
+   output as before the fault.
+
+The engine is paused at chosen points with a command on its own thread or a step listener
+(``Coordinator.call_soon``, ``engine.listeners``), so "in the middle" is a state, not a time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+
+from conftest import LoopThread, tiny_config
+from specdist.client import RemoteError, SpecDistClient
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
+MAX_TOKENS = 40  # ~10 steps at k = 3: room to stop the engine in the middle
+POLL_S, POLL_LIMIT_S = 0.02, 120.0  # every wait below polls state, bounded
+
+
+def _config(tiny_models) -> dict:
+    cfg = tiny_config(tiny_models, method="model", k=3)
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
+                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180,
+                      "health_interval_s": 0.2, "health_timeout_s": 2.0, "max_restarts": 2}
+    return cfg
+
+
+def _until(what: str, cond, limit_s: float = POLL_LIMIT_S):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
+
+
+def _greedy(client: SpecDistClient, prompt) -> tuple[list[int], object]:
+    _, ids, finish, stats = client.generate_text(prompt, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert finish == "length"
+    return ids, stats
+
+
+class Streams:
+    """8 greedy streams, one thread and channel each; ``results[i]``: (token ids, last chunk, error)."""
+
+    def __init__(self, address: str):
+        self.results: list = [None] * len(PROMPTS)
+        self.ended_at: list = [None] * len(PROMPTS)
+        self.threads = [threading.Thread(target=self._run, args=(address, i), daemon=True) for i in range(len(PROMPTS))]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, address: str, i: int) -> None:
+        ids, last, error = [], None, None
+        with SpecDistClient(address, timeout=POLL_LIMIT_S) as c:
+            try:
+                for chunk in c.generate(PROMPTS[i], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True):
+                    ids.extend(chunk.token_ids)
+                    last = chunk
+            except RemoteError as e:
+                error = e
+        self.ended_at[i] = time.monotonic()
+        self.results[i] = (ids, last, error)
+
+    def join(self) -> list:
+        for t in self.threads:
+            t.join(POLL_LIMIT_S)
+        assert all(r is not None for r in self.results)
+        return self.results
+
+
+def _start_paused(serving) -> Streams:
+    """Start the 8 streams with the engine held, so one pass admits them all together."""
+    coordinator = serving.server.coordinator
+    release = threading.Event()
+    coordinator.call_soon(lambda: release.wait(POLL_LIMIT_S))
+    streams = Streams(serving.address)
+    _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
+    release.set()
+    return streams
+
+
+def _pause_after_steps(engine, steps: int) -> tuple[threading.Event, threading.Event]:
+    """A step listener that holds the engine once all 8 requests ran ``steps`` steps (returns
+    (paused, resume)); the listener removes itself when resumed."""
+    paused, resume = threading.Event(), threading.Event()
+
+    def gate(event) -> None:
+        running = list(engine.running)
+        if len(running) == len(PROMPTS) and min(r.metrics.steps for r in running) >= steps:
+            engine.listeners.remove(gate)
+            paused.set()
+            resume.wait(POLL_LIMIT_S)
+
+    engine.listeners.append(gate)
+    return paused, resume
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
+    from specdist.serve_cli import start_serving
+
+    lt = LoopThread()
+    serving = None
+    try:
+        serving = lt.run(start_serving(_config(tiny_models), "127.0.0.1", 0), timeout=240)
+        dep, engine = serving.backend.deployment, serving.backend.engine
+        supervisor = dep.supervisor
+        events = []
+        dep.listeners.append(events.append)
+        client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
+        reference = [_greedy(client, p) for p in PROMPTS]  # fault-free outputs
+        want = [ids for ids, _ in reference]
+        assert all(stats.drafted > 0 for _, stats in reference)
+        draft_pid = dep.health()["draft 0"]["pid"]
+
+        # 1. SIGSTOP the draft worker: left behind at its Propose deadline, re-admitted after SIGCONT
+        os.kill(draft_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            stopped = [_greedy(client, p)[0] for p in PROMPTS[:2]]
+            waited = time.monotonic() - t0
+            assert stopped == want[:2]
+            assert engine.healthy_replicas() == 0
+            assert psutil.Process(draft_pid).status() == psutil.STATUS_STOPPED  # finished while it was stopped
+            # one deadline (DEADLINE_FLOOR_S = 2 s, or 8 x its latency), not one per step (~10 steps)
+            assert waited < 10, waited
+        finally:
+            os.kill(draft_pid, signal.SIGCONT)
+        _until("the draft re-admitted after SIGCONT", lambda: engine.healthy_replicas() == 1)
+        ids, stats = _greedy(client, PROMPTS[0])
+        assert ids == want[0] and stats.drafted > 0
+
+        # 2. SIGKILL the draft worker in the middle of 8 streams
+        paused, resume = _pause_after_steps(engine, 2)
+        streams = _start_paused(serving)
+        _until("the engine paused mid-generation", paused.is_set)
+        os.kill(draft_pid, signal.SIGKILL)
+        _until("the draft process gone", lambda: _dead(draft_pid))
+        resume.set()
+        results = streams.join()
+        assert [r[0] for r in results] == want  # all 8 finished, exactly as without the fault
+        assert all(r[2] is None and r[1].finish_reason == "length" for r in results)
+        _until("the restarted draft re-admitted", lambda: supervisor.recoveries == 1 and engine.healthy_replicas() == 1)
+        assert dep.health()["draft 0"]["pid"] != draft_pid  # a new process, restarted by Ray
+        ids, stats = _greedy(client, PROMPTS[2])
+        assert ids == want[2] and stats.drafted > 0 and stats.accepted > 0  # it drafts again
+        assert [e.kind for e in events if e.worker == "draft 0"][-2:] == ["draft_down", "draft_up"]
+
+        # 3. SIGKILL target rank 1 in the middle of 8 streams
+        follower_pid = dep.health()["target rank 1"]["pid"]
+        hold_rebuild, rebuild_held = threading.Event(), threading.Event()
+
+        def hold(event) -> None:  # runs on the supervisor thread, after the server was told
+            if event.kind == "target_down":
+                rebuild_held.set()
+                hold_rebuild.wait(POLL_LIMIT_S)
+
+        dep.listeners.append(hold)
+        paused, resume = _pause_after_steps(engine, 2)
+        streams = _start_paused(serving)
+        _until("the engine paused mid-generation", paused.is_set)
+        os.kill(follower_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        resume.set()
+        results = streams.join()
+        for ids, last, error in results:
+            assert last is not None and last.finish_reason == "error"
+            assert error is not None and "target rank 1" in error.message, error
+        assert max(streams.ended_at) - killed_at < 10
+        _until("the rebuild held", rebuild_held.is_set)
+        assert client.health() == "NOT_SERVING"
+        try:
+            _greedy(client, PROMPTS[0])
+            raise AssertionError("Generate succeeded while the target was down")
+        except RemoteError as e:
+            assert e.code == grpc.StatusCode.UNAVAILABLE and "target rank 1" in e.message
+        hold_rebuild.set()
+        _until("SERVING after the rebuild", lambda: client.health() == "SERVING")
+        assert supervisor.rebuilds == 1
+        assert dep.health()["target rank 1"]["pid"] != follower_pid
+        ids, stats = _greedy(client, PROMPTS[3])
+        assert ids == want[3]
+        assert [e.kind for e in events if e.worker == "target"] == ["target_down", "target_up"]
+        counters = serving.server.coordinator.counters()
+        assert counters["live_requests"] == 0 and counters["target_kv_slots_used"] == 0
+        # every worker, follower rank included, holds nothing once idle
+        assert all(h["requests"] == 0 and h["kv_slots_in_use"] == 0 for h in dep.health().values()), dep.health()
+        client.close()
+    finally:
+        if serving is not None:
+            lt.run(serving.stop(0), timeout=120)
+        lt.close()
