@@ -372,7 +372,7 @@ def _help(argv, capsys, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("argv", [["generate"], ["serve"], ["demo"], ["cost-model"], ["bench", "engine"],
-                                  ["bench", "cluster"]])
+                                  ["bench", "cluster"], ["bench", "soak"]])
 def test_help_shows_every_default(argv, capsys, monkeypatch):
     from specdist.cli import _shows_default, build_parser
 

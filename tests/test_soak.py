@@ -157,18 +157,15 @@ def test_deployment_processes_and_worker_counters():
     assert [s["name"] for s in skipped] == ["draft/1", "draft/2"]  # another node; no answer
     assert "192.0.2.1" in skipped[0]["reason"] and "GetTimeoutError" in skipped[1]["reason"]
     workers = soak.worker_counters(FakeDeployment(held_requests=2))
-    assert workers["draft/0"] == {"requests": 2, "kv_slots_in_use": 0, "follower": False}
-    assert workers["draft/2"] == {"requests": -1, "kv_slots_in_use": -1, "follower": False}  # no answer: never 0
-    assert workers["target/1"]["follower"] and not workers["target/0"]["follower"]
+    assert workers["draft/0"] == {"requests": 2, "kv_slots_in_use": 0}
+    assert workers["draft/2"] == {"requests": -1, "kv_slots_in_use": -1}  # no answer: never 0
     zero = dict.fromkeys(GAUGES, 0)
-    # a follower replays rank 0's frees with the next forward: up to one batch (here 8) may wait there
-    for slots, expect in ((0, []), (8, []), (9, ["target/1 kv_slots_in_use = 9"])):
+    # an idle target group frees its slots on every rank (VerifierCore flushes when it goes idle)
+    for slots, expect in ((0, []), (1, ["target/1 kv_slots_in_use = 1"])):
         sample = {"counters": zero, "workers": soak.worker_counters(FakeDeployment(follower_slots=slots))}
-        assert soak.held(sample, deferred_frees=8) == [*expect, "draft/2 requests = -1",
-                                                      "draft/2 kv_slots_in_use = -1"]
-    sample = {"counters": {**zero, "running": 1}, "workers": {"draft/0": {"requests": 0, "kv_slots_in_use": 1,
-                                                                          "follower": False}}}
-    assert soak.held(sample, deferred_frees=8) == ["running = 1", "draft/0 kv_slots_in_use = 1"]
+        assert soak.held(sample) == [*expect, "draft/2 requests = -1", "draft/2 kv_slots_in_use = -1"]
+    sample = {"counters": {**zero, "running": 1}, "workers": {"draft/0": {"requests": 0, "kv_slots_in_use": 1}}}
+    assert soak.held(sample) == ["running = 1", "draft/0 kv_slots_in_use = 1"]
     assert soak.deployment_processes(None) == ([("server", os.getpid())], [])
     assert soak.worker_counters(None) == {}
 
@@ -226,7 +223,7 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
 
     monkeypatch.setattr(soak, "process_stats", growing)
     monkeypatch.setattr(soak, "worker_counters",
-                        lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0, "follower": False}})
+                        lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0}})
     monkeypatch.setattr(soak, "IDLE_TIMEOUT_S", 0.5)
     out = tmp_path / "soak.json"
     rc = main(["bench", "soak", "--config", config_file, "--minutes", "0.05", "--sample-interval", "0.2",
@@ -240,7 +237,7 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
     assert not doc["ok"] and doc["failure"] == line.removeprefix("specdist: bench soak failed: ")
     assert [r["verdict"] for r in doc["series"]] == ["grows", "flat", "flat"]
     assert doc["final"] == {"idle": False, "counters": dict.fromkeys(GAUGES, 0),
-                            "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0, "follower": False}},
+                            "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0}},
                             "held": ["draft/0 requests = 1"]}
 
 

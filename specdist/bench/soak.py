@@ -26,8 +26,7 @@ gauges (:data:`GAUGES`) and, with a deployment, each worker's in-flight requests
 At the end the load stops (clients finish the request they are in), the command waits (up to
 :data:`IDLE_TIMEOUT_S`) until every counter is 0, samples once more, and judges:
 
-- every counter back at 0 (except a follower rank's KV slots: it replays rank 0's frees with
-  the next forward, so at most one batch of them, ``engine.max_batch_size``, may wait there);
+- every counter back at 0, on every target rank and draft worker too;
 - every process series flat: least squares over the samples under load after the warm-up (the
   first 20% of the run or its first minute, whichever is shorter: start-up allocations, lazily
   started thread pools and first-use caches settle there); a series *grows* when its fitted growth
@@ -49,7 +48,7 @@ may be added, none is renamed or removed::
                   "unexpected_examples": [str]},  # at most 20
      "samples": [{"t_s", "processes": {name: {"rss_bytes", "threads", "fds"} | null},
                   "counters": {gauge: n},
-                  "workers": {name: {"requests", "kv_slots_in_use", "follower" (rank > 0 of the target)}}}],
+                  "workers": {name: {"requests", "kv_slots_in_use"}}}],
      "series": [{"process", "metric", "samples", "start", "end", "slope_per_min", "slope_se_per_min",
                  "growth", "tolerance", "verdict": "flat" | "grows" | "too few samples",
                  "idle" (the value in the sample after the load)}],
@@ -319,15 +318,14 @@ def deployment_processes(deployment) -> tuple[list[tuple[str, int]], list[dict]]
 
 
 def worker_counters(deployment) -> dict[str, dict[str, int]]:
-    """Each worker's in-flight requests and KV slots in use (VerifierCore / DrafterCore health()),
-    and whether it is a follower rank (rank > 0 of the target); {} without a deployment."""
+    """Each worker's in-flight requests and KV slots in use (VerifierCore / DrafterCore health());
+    {} without a deployment."""
     if deployment is None:
         return {}
     out = {}
     for name, h in deployment.health().items():
         # an actor that does not answer holds what it held: -1 marks it unknown (never 0)
         out[name] = {g: int(h.get(g, -1)) for g in WORKER_GAUGES}
-        out[name]["follower"] = int(h.get("rank") or 0) > 0
     return out
 
 
@@ -339,18 +337,11 @@ def take_sample(t_s: float, procs: list[tuple[str, int]], coordinator, deploymen
             "workers": worker_counters(deployment)}
 
 
-def held(sample: dict, deferred_frees: int = 0) -> list[str]:
-    """Every counter of ``sample`` that is not 0, as "name = value".
-
-    A follower rank replays rank 0's slot frees with the next forward (specdist/verifying.py),
-    so once idle it still holds the slots of the requests that ended after the last forward: at
-    most one batch, ``deferred_frees`` (engine.max_batch_size). More than that is held."""
+def held(sample: dict) -> list[str]:
+    """Every counter of ``sample`` that is not 0, as "name = value"."""
     out = [f"{g} = {v}" for g, v in sample["counters"].items() if v]
     for w, gs in sample["workers"].items():
-        for g in WORKER_GAUGES:
-            v = gs[g]
-            if v and not (gs.get("follower") and g == "kv_slots_in_use" and 0 <= v <= deferred_frees):
-                out.append(f"{w} {g} = {v}")
+        out += [f"{w} {g} = {gs[g]}" for g in WORKER_GAUGES if gs[g]]
     return out
 
 
@@ -513,14 +504,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchError("bench soak needs psutil: pip install psutil") from None
 
 
-def wait_idle(read: Callable[[], dict], timeout_s: float | None = None, deferred_frees: int = 0
-              ) -> tuple[bool, dict]:
+def wait_idle(read: Callable[[], dict], timeout_s: float | None = None) -> tuple[bool, dict]:
     """Poll ``read()`` (a sample) until no counter is held (:func:`held`) or ``timeout_s`` (default
     :data:`IDLE_TIMEOUT_S`) passes: (idle, last sample)."""
     deadline = time.monotonic() + (IDLE_TIMEOUT_S if timeout_s is None else timeout_s)
     while True:
         s = read()
-        if not held(s, deferred_frees):
+        if not held(s):
             return True, s
         if time.monotonic() >= deadline:
             return False, s
@@ -577,8 +567,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.n = min(bar.total, round(time.monotonic() - t0))
                 bar.close()
         stuck = [th.name for th in clients if th.is_alive()]
-        batch = cfg["engine"]["max_batch_size"]
-        idle, last = wait_idle(lambda: read(time.monotonic() - t0), deferred_frees=batch)
+        idle, last = wait_idle(lambda: read(time.monotonic() - t0))
         samples = sampler.samples + [last]
         rows = trends(samples, procs, warm, duration, last)
         requests = tally.record()
@@ -586,7 +575,7 @@ def run(args: argparse.Namespace) -> int:
             requests["unexpected"] += len(stuck)
             requests["unexpected_examples"].append(f"{', '.join(stuck)} still in a request after its deadline")
         gone = [name for name, _ in procs if last["processes"].get(name) is None]
-        final_held = held(last, batch)
+        final_held = held(last)
         failure = failure_line(rows, final_held, idle, requests, gone, sampler.errors)
     finally:
         srv.close()
@@ -628,11 +617,6 @@ def format_report(doc: dict, rows: list[dict]) -> str:
            f"fitted after a {s['warmup_s']:g}s warm-up; grows = fitted growth > tolerance and slope > "
            f"{SIGMAS:g} standard errors above 0", "", format_table(rows), "",
            "counters at the end: " + (", ".join(doc["final"]["held"]) or "all 0")]
-    waiting = [f"{w} {gs['kv_slots_in_use']}" for w, gs in doc["final"]["workers"].items()
-               if gs.get("follower") and gs["kv_slots_in_use"] > 0 and f"{w} kv_slots_in_use" not in
-               " ".join(doc["final"]["held"])]
-    if waiting:
-        out.append("follower KV slots whose frees wait for the next forward: " + ", ".join(waiting))
     for skip in doc["not_sampled"]:
         out.append(f"not sampled: {skip['name']} ({skip['reason']})")
     return "\n".join(out)
