@@ -1,15 +1,19 @@
 """`python -m cluster.job` submitted as a real Ray job to a `ray start --head` cluster.
 
 Ray 2.60 turns token authentication on by default (``ray start`` writes ~/.ray/auth_token);
-the ``ray job`` commands then need ``RAY_AUTH_MODE=token`` in their environment. The
-finaliser always runs ``ray stop --force``.
+the ``ray job`` commands then need ``RAY_AUTH_MODE=token`` in their environment. The cluster
+is ``ray start --head --block``: SIGTERM to that process stops what it started, and nothing else
+(``ray stop`` would also stop every other Ray cluster on the machine).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -30,6 +34,13 @@ def _ray_cli() -> str:
     return here if os.path.exists(here) else "ray"
 
 
+def _free_port() -> int:
+    """A free localhost port: the job agent's (its fixed default may be taken by another cluster here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _env() -> dict:
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -47,11 +58,30 @@ def ray_head():
 
     if ray.is_initialized():  # an in-process cluster from another module would be in the way
         ray.shutdown()
+    proc = subprocess.Popen(
+        [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "4",
+         "--disable-usage-stats", "--dashboard-agent-listen-port", str(_free_port())],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
     try:
-        _ray("start", "--head", "--node-ip-address", "127.0.0.1", "--num-cpus", "4", "--disable-usage-stats", timeout=180)
+        for line in proc.stdout:  # until the cluster is up (the same line plain `ray start` ends with)
+            lines.append(line)
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise AssertionError(f"ray start --head exited ({proc.wait()}):\n{''.join(lines)}")
+        # the rest of its output is drained, so the blocked process never waits on a full pipe
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        drain.start()
         yield DASHBOARD
     finally:
-        _ray("stop", "--force", timeout=120, check=False)
+        proc.send_signal(signal.SIGTERM)  # --block: stops the cluster's processes, then exits
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"ray start --block did not stop on SIGTERM:\n{''.join(lines)[-3000:]}")
 
 
 def test_ray_job_brings_up_serves_and_tears_down(ray_head, tiny_models, tmp_path):
