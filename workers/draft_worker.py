@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         return await self.runner.call(self._propose, request, context)
 
     async def Release(self, request, context):
-        return await self.runner.call(self._release, request, context)
+        return await self.runner.call(self._release, request, context, always_run=True)
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -28,10 +28,18 @@ class BlockingCallRunner:
     def __init__(self, name: str, executor: ThreadPoolExecutor | None = None):
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
-    async def call(self, fn: Callable, request, context):
+    async def call(self, fn: Callable, request, context, always_run: bool = False):
+        """``always_run``: the call runs even when its caller is gone (cancelled or past its
+        deadline) before its turn on the core's thread: a Release must free what it names. Other
+        calls still waiting for the thread are dropped with their caller (they have not changed
+        anything yet)."""
         loop = asyncio.get_running_loop()
         try:
-            response, timing = await loop.run_in_executor(self.executor, fn, request)
+            if always_run:
+                job = asyncio.wrap_future(self.executor.submit(fn, request))
+                response, timing = await asyncio.shield(job)
+            else:
+                response, timing = await loop.run_in_executor(self.executor, fn, request)
         except SpecDistError as e:
             await context.abort(status_code_for(e), str(e))
         except Exception as e:  # a bug or a broken model: say so instead of hanging the caller

@@ -45,7 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         return await self.runner.call(self._verify, request, context)
 
     async def Release(self, request, context):
-        return await self.runner.call(self._release, request, context)
+        return await self.runner.call(self._release, request, context, always_run=True)
 
     def shutdown(self) -> None:
         """Shut the core down on its own thread (tensor-parallel followers exit), then stop the pool."""
