@@ -194,6 +194,8 @@ class Deployment:
             self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
             self._create_targets()
             self._create_drafts()
+            if spec.tensor_parallel_size > 1:  # here, while the actor processes start
+                _check_shardable(cfg, spec.tensor_parallel_size)
             ports = {h.name: p for h, p in zip(self.drafts, spec.draft_ports)}
             ports[self.targets[0].name] = spec.target_port
             self._bring_up(self.targets + self.drafts, ports, deadline, timeout_s)
@@ -389,7 +391,7 @@ class Deployment:
         done, _ = ray.wait(list(followers.values()), num_returns=len(followers), timeout=0) if followers else ([], [])
         for rank, ref in followers.items():
             if ref in done and not any(c.startswith(f"target rank {rank} ") for c in causes):
-                causes.append(f"target rank {rank} stopped following rank 0")
+                causes.append(f"target rank {rank} stopped following rank 0 ({_outcome(ref)})")
         return "; ".join(causes or symptoms) or None
 
     def rebuild_target(self, timeout_s: float | None = None, same_port: bool = True) -> str:
@@ -472,6 +474,31 @@ class Deployment:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def _check_shardable(cfg: Config, world_size: int) -> None:
+    """DeploymentError unless the target's head counts split over ``world_size`` ranks (read from
+    its config on the driver, before any rank loads weights)."""
+    from specdist.models.metadata import model_config
+    from specdist.models.sharding import check_shardable
+
+    try:
+        check_shardable(model_config(cfg.target.model, "target.model"), world_size)
+    except ValueError as e:
+        raise DeploymentError(f"target.model: {e}") from None
+
+
+def _outcome(ref) -> str:
+    """How a finished task ended, in one line: its error's last line, or "returned"."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+        return "returned"
+    except Exception as e:  # noqa: BLE001
+        cause = getattr(e, "cause", None) or e
+        lines = [x for x in str(cause).splitlines() if x.strip()]
+        return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
 def _wait_dead(actors: list, timeout_s: float) -> None:

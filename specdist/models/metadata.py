@@ -5,16 +5,27 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 
-def model_metadata(spec: str, key: str = "target.model"):
-    """(tokenizer or None, vocabulary size, EOS ids) of a model spec, reading only its config files."""
-    from specdist.models.loader import _quiet_transformers, eos_token_ids, load_tokenizer, resolve_model
+def model_config(spec: str, key: str = "target.model"):
+    """The transformers config of a model spec (no weights read)."""
+    from specdist.models.loader import _quiet_transformers, resolve_model
 
     src = resolve_model(spec, key)
     _quiet_transformers()
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    config = AutoConfig.from_pretrained(src.directory, local_files_only=True, **extra)
+    return AutoConfig.from_pretrained(src.directory, local_files_only=True, **extra)
+
+
+def model_metadata(spec: str, key: str = "target.model"):
+    """(tokenizer or None, vocabulary size, EOS ids) of a model spec, reading only its config files."""
+    from specdist.models.loader import eos_token_ids, load_tokenizer, resolve_model
+
+    src = resolve_model(spec, key)
+    config = model_config(spec, key)
+    from transformers import GenerationConfig
+
+    extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     try:
         gen = GenerationConfig.from_pretrained(src.directory, local_files_only=True, **extra)
     except Exception:  # noqa: BLE001 - no generation_config.json: the model config's values stand
