@@ -108,17 +108,18 @@ class _Remote:
     def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None):
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(secret)
+        self._latency: dict[str, float] = {}  # method name -> EMA of its calls' wall seconds (per token)
         self.channel = None
         self.reconnect(address)
 
     def reconnect(self, address: str) -> None:
         """A fresh channel to ``address`` (a worker restarted or moved); the old one is closed.
-        Latencies are measured anew: the new worker may be slower or faster."""
+        The measured latencies stay: a restarted worker runs the same model, and its first calls
+        keep short deadlines."""
         if self.channel is not None:
             self.channel.close()
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._latency: dict[str, float] = {}  # method name -> EMA of successful calls' wall seconds
         self._bind(self.channel)
 
     def _bind(self, channel) -> None:
