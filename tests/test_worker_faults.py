@@ -13,6 +13,8 @@ Ray cluster, with the supervisor checking every 0.2 s) goes through, in order:
    message naming rank 1 within 10 s; health turns NOT_SERVING and Generate answers
    UNAVAILABLE; after the rebuild health is SERVING again and a new request gets the same
    output as before the fault.
+4. SIGSTOP of target rank 1 in the middle of 8 streams (a hang, not a death): the same, through
+   the collective timeout and the unanswered health check, and a second rebuild.
 
 The engine is paused at chosen points with a command on its own thread or a step listener
 (``Coordinator.call_soon``, ``engine.listeners``), so "in the middle" is a state, not a time.
@@ -40,7 +42,8 @@ def _config(tiny_models) -> dict:
     cfg = tiny_config(tiny_models, method="model", k=3)
     cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
                       "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180,
-                      "health_interval_s": 0.2, "health_timeout_s": 2.0, "max_restarts": 2}
+                      "health_interval_s": 0.2, "health_timeout_s": 2.0, "max_restarts": 2,
+                      "collective_timeout_s": 3.0}
     return cfg
 
 
@@ -208,6 +211,25 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
         ids, stats = _greedy(client, PROMPTS[3])
         assert ids == want[3]
         assert [e.kind for e in events if e.worker == "target"] == ["target_down", "target_up"]
+
+        # 4. SIGSTOP target rank 1 in the middle of 8 streams: rank 0's collective times out (3 s
+        # here) and rank 1 does not answer its health check (2 s): the same ERROR, and a rebuild
+        follower_pid = dep.health()["target rank 1"]["pid"]
+        paused, resume = _pause_after_steps(engine, 2)
+        streams = _start_paused(serving)
+        _until("the engine paused mid-generation", paused.is_set)
+        os.kill(follower_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        resume.set()
+        results = streams.join()
+        for ids, last, error in results:
+            assert last is not None and last.finish_reason == "error"
+            assert error is not None and "target rank 1" in error.message, error
+        assert max(streams.ended_at) - stopped_at < 10
+        _until("SERVING after the second rebuild", lambda: supervisor.rebuilds == 2 and client.health() == "SERVING")
+        assert not psutil.pid_exists(follower_pid) or _dead(follower_pid)  # the stopped process was killed
+        ids, _ = _greedy(client, PROMPTS[4])
+        assert ids == want[4]
         counters = serving.server.coordinator.counters()
         assert counters["live_requests"] == 0 and counters["target_kv_slots_used"] == 0
         # every worker, follower rank included, holds nothing once idle
@@ -217,3 +239,17 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
         if serving is not None:
             lt.run(serving.stop(0), timeout=120)
         lt.close()
+
+
+def test_collective_timeout_follows_the_measured_forwards():
+    """CollectiveDeadline: the floor until forwards are measured, then 20 x (overhead + rate x n)."""
+    from specdist.verifying import COLLECTIVE_FACTOR, CollectiveDeadline
+
+    d = CollectiveDeadline(floor_s=3.0)
+    assert d.timeout_for(1) == d.timeout_for(4096) == 3.0  # nothing measured yet
+    d.observe(4, 0.5)  # a small forward: its fixed overhead
+    assert d.timeout_for(1) == COLLECTIVE_FACTOR * (0.5 + 0.5 / 8)  # rate guessed from the overhead
+    d.observe(1000, 2.0)  # a large one: 2 ms per token
+    assert d.timeout_for(2000) == COLLECTIVE_FACTOR * (0.5 + 0.002 * 2000)
+    d.observe(1000, 1.0)  # faster forwards never shorten it: it errs long
+    assert d.rate == 0.002 and d.overhead == 0.5
