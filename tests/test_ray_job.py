@@ -8,11 +8,13 @@ is ``ray start --head --block``: SIGTERM to that process stops what it started, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 
@@ -82,6 +84,11 @@ def ray_head():
             proc.kill()
             proc.wait()
             raise AssertionError(f"ray start --block did not stop on SIGTERM:\n{''.join(lines)[-3000:]}")
+        finally:
+            # `ray start` records its cluster here and only `ray stop` removes the record; a later
+            # ray.init() would otherwise try to join this stopped cluster instead of starting one
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster"))
 
 
 def test_ray_job_brings_up_serves_and_tears_down(ray_head, tiny_models, tmp_path):
