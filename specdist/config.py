@@ -29,6 +29,9 @@ Shape::
     engine:
       max_model_len: 2048            # prompt + output tokens per request
       max_batch_size: 8              # requests running at once (KV slots)
+      max_prefill_tokens: null       # prompt tokens admitted in one step (at least one request); a long
+                                     #   prefill holds up every running request's next token; null:
+                                     #   max_model_len
       device: auto                   # auto | cpu | cuda | cuda:N
       num_threads: null              # torch intra-op threads; null keeps torch's default
       seed: 0                        # seeds requests that do not bring their own
@@ -138,6 +141,7 @@ class DraftConfig:
 class EngineConfig:
     max_model_len: int = 2048
     max_batch_size: int = 8
+    max_prefill_tokens: int | None = None
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
@@ -145,6 +149,8 @@ class EngineConfig:
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
         _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
+        if self.max_prefill_tokens is not None:
+            _check_int(self.max_prefill_tokens, f"{key}.max_prefill_tokens", 1, 1 << 30)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{key}.device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads is not None:

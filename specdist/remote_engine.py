@@ -6,6 +6,9 @@ rank 0 of a possibly tensor-parallel target) and any number of draft workers thr
 target's tokenizer and config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
 never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
+``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
+hung workers are found sooner: drafts by their measured-latency deadlines, target ranks by a
+deployment's supervisor and the collective timeouts.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class RemoteEngine(Scheduler):
         vocab_size: int | None = None,
         eos_ids: frozenset[int] | Sequence[int] = frozenset(),
         draft_max_batch_size: int | None = None,
-        rpc_timeout_s: float = 120.0,
+        rpc_timeout_s: float = 600.0,
         worker_secret: str | None = None,
     ):
         cfg = load_config(config)

@@ -2,7 +2,8 @@
 
 :class:`Scheduler` holds the requests and runs one ``step()`` at a time:
 
-1. **admit** waiting requests while the target has room: pick a draft replica (by measured
+1. **admit** waiting requests while the target has room (and, after the first, while their
+   prompts fit ``engine.max_prefill_tokens``): pick a draft replica (by measured
    speed, then load), ``verifier.prefill`` (every prompt token but the last goes into the
    target's cache), ``drafter.start`` with :func:`~specdist.transport.draft_seed` of the
    request seed;
@@ -169,6 +170,7 @@ class Scheduler:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_model_len = ec.max_model_len
         self.max_batch_size = ec.max_batch_size
+        self.max_prefill_tokens = ec.max_prefill_tokens or ec.max_model_len
         self.draft_max_batch_size = draft_max_batch_size or ec.max_batch_size
         self.replicas = [_Replica(d) for d in (drafters if config.draft.enabled else ())]
         self.k = config.draft.num_speculative_tokens if self.replicas else 0
@@ -474,8 +476,12 @@ class Scheduler:
     def _admit(self) -> None:
         new: list[Request] = []
         cap = [self.draft_max_batch_size - rep.live for rep in self.replicas]
+        tokens = 0  # prompt tokens admitted this step: at most max_prefill_tokens (or one request)
         while self.waiting and self._target_live + len(new) < self.max_batch_size:
             r = self.waiting[0]
+            tokens += len(r.prompt_ids)
+            if new and tokens > self.max_prefill_tokens:
+                break
             if self.replicas:
                 healthy = [i for i, rep in enumerate(self.replicas) if rep.ejected_at is None]
                 free = [i for i in healthy if cap[i] > 0]

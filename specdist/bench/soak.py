@@ -135,8 +135,10 @@ class SoakRequest:
 
 def max_prompt_words(limits) -> int:
     """Longest prompt in words: a quarter of the prompt-token limit (a word is at most a few
-    tokens in the tokenizers served, so prompt + one output token stay within the context), at most 256."""
-    return max(1, min(256, limits.max_prompt_tokens // 4))
+    tokens in the tokenizers served, so prompt + one output token stay within the context), at
+    most 64: the soak looks for leaks over many requests, and on a CPU deployment long prompts
+    would make them few."""
+    return max(1, min(64, limits.max_prompt_tokens // 4))
 
 
 def draw_request(rng: random.Random, limits, max_tokens: int) -> SoakRequest:
