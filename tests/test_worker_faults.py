@@ -119,6 +119,27 @@ def _pause_after_steps(engine, steps: int) -> tuple[threading.Event, threading.E
     return paused, resume
 
 
+def _signal_mid_generation(serving, pid: int, sig: int, wait_dead: bool = False) -> tuple[list, float]:
+    """Send ``sig`` to ``pid`` while 8 streams are paused mid-generation, then let them run on.
+    Returns (each stream's result, monotonic time of the signal)."""
+    paused, resume = _pause_after_steps(serving.backend.engine, 2)
+    streams = _start_paused(serving)
+    _until("the engine paused mid-generation", paused.is_set)
+    os.kill(pid, sig)
+    sent_at = time.monotonic()
+    if wait_dead:
+        _until(f"process {pid} gone", lambda: _dead(pid))
+    resume.set()
+    results = streams.join()
+    return results, max(streams.ended_at) - sent_at
+
+
+def _assert_failed_naming_rank_1(results: list) -> None:
+    for ids, last, error in results:
+        assert last is not None and last.finish_reason == "error"
+        assert error is not None and "target rank 1" in error.message, error
+
+
 def _dead(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -161,13 +182,7 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
         assert ids == want[0] and stats.drafted > 0
 
         # 2. SIGKILL the draft worker in the middle of 8 streams
-        paused, resume = _pause_after_steps(engine, 2)
-        streams = _start_paused(serving)
-        _until("the engine paused mid-generation", paused.is_set)
-        os.kill(draft_pid, signal.SIGKILL)
-        _until("the draft process gone", lambda: _dead(draft_pid))
-        resume.set()
-        results = streams.join()
+        results, _ = _signal_mid_generation(serving, draft_pid, signal.SIGKILL, wait_dead=True)
         assert [r[0] for r in results] == want  # all 8 finished, exactly as without the fault
         assert all(r[2] is None and r[1].finish_reason == "length" for r in results)
         _until("the restarted draft re-admitted", lambda: supervisor.recoveries == 1 and engine.healthy_replicas() == 1)
@@ -186,17 +201,9 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
                 hold_rebuild.wait(POLL_LIMIT_S)
 
         dep.listeners.append(hold)
-        paused, resume = _pause_after_steps(engine, 2)
-        streams = _start_paused(serving)
-        _until("the engine paused mid-generation", paused.is_set)
-        os.kill(follower_pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        resume.set()
-        results = streams.join()
-        for ids, last, error in results:
-            assert last is not None and last.finish_reason == "error"
-            assert error is not None and "target rank 1" in error.message, error
-        assert max(streams.ended_at) - killed_at < 10
+        results, ended_after = _signal_mid_generation(serving, follower_pid, signal.SIGKILL)
+        _assert_failed_naming_rank_1(results)
+        assert ended_after < 10
         _until("the rebuild held", rebuild_held.is_set)
         assert client.health() == "NOT_SERVING"
         try:
@@ -215,17 +222,9 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
         # 4. SIGSTOP target rank 1 in the middle of 8 streams: rank 0's collective times out (3 s
         # here) and rank 1 does not answer its health check (2 s): the same ERROR, and a rebuild
         follower_pid = dep.health()["target rank 1"]["pid"]
-        paused, resume = _pause_after_steps(engine, 2)
-        streams = _start_paused(serving)
-        _until("the engine paused mid-generation", paused.is_set)
-        os.kill(follower_pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        resume.set()
-        results = streams.join()
-        for ids, last, error in results:
-            assert last is not None and last.finish_reason == "error"
-            assert error is not None and "target rank 1" in error.message, error
-        assert max(streams.ended_at) - stopped_at < 10
+        results, ended_after = _signal_mid_generation(serving, follower_pid, signal.SIGSTOP)
+        _assert_failed_naming_rank_1(results)
+        assert ended_after < 10
         _until("SERVING after the second rebuild", lambda: supervisor.rebuilds == 2 and client.health() == "SERVING")
         assert not psutil.pid_exists(follower_pid) or _dead(follower_pid)  # the stopped process was killed
         ids, _ = _greedy(client, PROMPTS[4])
