@@ -30,8 +30,7 @@ Shape::
       max_model_len: 2048            # prompt + output tokens per request
       max_batch_size: 8              # requests running at once (KV slots)
       max_prefill_tokens: null       # prompt tokens admitted in one step (at least one request); a long
-                                     #   prefill holds up every running request's next token; null:
-                                     #   max_model_len
+                                     #   prefill holds up every running request's next token; null: no bound
       device: auto                   # auto | cpu | cuda | cuda:N
       num_threads: null              # torch intra-op threads; null keeps torch's default
       seed: 0                        # seeds requests that do not bring their own

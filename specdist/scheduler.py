@@ -170,7 +170,7 @@ class Scheduler:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_model_len = ec.max_model_len
         self.max_batch_size = ec.max_batch_size
-        self.max_prefill_tokens = ec.max_prefill_tokens or ec.max_model_len
+        self.max_prefill_tokens = ec.max_prefill_tokens  # None: no bound
         self.draft_max_batch_size = draft_max_batch_size or ec.max_batch_size
         self.replicas = [_Replica(d) for d in (drafters if config.draft.enabled else ())]
         self.k = config.draft.num_speculative_tokens if self.replicas else 0
@@ -480,7 +480,7 @@ class Scheduler:
         while self.waiting and self._target_live + len(new) < self.max_batch_size:
             r = self.waiting[0]
             tokens += len(r.prompt_ids)
-            if new and tokens > self.max_prefill_tokens:
+            if new and self.max_prefill_tokens is not None and tokens > self.max_prefill_tokens:
                 break
             if self.replicas:
                 healthy = [i for i, rep in enumerate(self.replicas) if rep.ejected_at is None]
