@@ -120,11 +120,11 @@ class _Remote:
             self.channel.close()
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._bind(self.channel)
+        self.stub = self.stub_class(self.channel)
+        self.name = f"{self.name_prefix}{address}"
 
-    def _bind(self, channel) -> None:
-        """Make the stub on ``channel``."""
-        raise NotImplementedError
+    stub_class: type  # the service's generated stub
+    name_prefix = ""  # logs name the worker "<prefix><address>"
 
     # method name -> what its time scales with: "call" (about the same every call) or "token"
     # (the prompt tokens it carries); methods not named wait up to timeout_s
@@ -169,14 +169,12 @@ class _Remote:
 class RemoteVerifier(_Remote):
     # a Release takes about the same time call after call; Prefill and Verify scale with the batch
     _adaptive = {"Release": "call"}
+    stub_class = target_pb2_grpc.TargetWorkerStub
+    name_prefix = "target "
 
     def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None):
         self.vocab_size = int(vocab_size)
         super().__init__(address, timeout_s, secret)
-
-    def _bind(self, channel) -> None:
-        self.name = f"target {self.address}"
-        self.stub = target_pb2_grpc.TargetWorkerStub(channel)
 
     def prefill(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
@@ -195,10 +193,7 @@ class RemoteVerifier(_Remote):
 class RemoteDrafter(_Remote):
     # Propose and Release take about the same time call after call; Start scales with the prompt
     _adaptive = {"Propose": "call", "Release": "call", "Start": "token"}
-
-    def _bind(self, channel) -> None:
-        self.name = self.address
-        self.stub = draft_pb2_grpc.DraftWorkerStub(channel)
+    stub_class = draft_pb2_grpc.DraftWorkerStub
 
     def start(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),
