@@ -165,6 +165,7 @@ class Deployment:
         """Bring the deployment up; returns (target "host:port", [draft "host:port", ...])."""
         import ray
 
+        from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement
 
         if self.targets or self.drafts:
@@ -176,7 +177,10 @@ class Deployment:
         if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "ngram"):
             raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8 or ngram")
         if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+            if ray_address:
+                ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+            else:  # a cluster of this machine, on loopback when the workers are
+                init_local_ray(loopback=host in LOOPBACK_HOSTS)
             self._owns_ray = True
         deadline = time.monotonic() + timeout_s
         self._t0 = time.monotonic()

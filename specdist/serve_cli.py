@@ -247,6 +247,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     import ray  # lazily: only a deployment needs Ray, cluster/ and workers/
 
     from cluster.deployment import Deployment
+    from cluster.local import LOOPBACK_HOSTS, init_local_ray
     from specdist.remote_engine import RemoteEngine
 
     cc = cfg.cluster
@@ -262,10 +263,9 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
                 num_cpus = max(os.cpu_count() or 1, math.ceil(need))
                 log(f"starting a local Ray cluster with {num_cpus} logical CPUs")
                 backend.owns_ray = True
-                # a cluster of this one machine: its node address is loopback, as are the workers'
-                # (unless --worker-host says otherwise)
-                node_ip = "127.0.0.1" if worker_host in ("127.0.0.1", "localhost") else None
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address=node_ip)
+                # a cluster of this one machine: on loopback, as are the workers (unless
+                # --worker-host says otherwise)
+                init_local_ray(num_cpus, loopback=worker_host in LOOPBACK_HOSTS)
         log(f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
             f"(timeout {cc.bringup_timeout_s:g}s)")
         backend.deployment = Deployment.from_config(cfg)

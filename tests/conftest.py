@@ -17,7 +17,12 @@ import grpc
 import pytest
 import torch
 
+from cluster.local import init_local_ray, use_loopback_ray
 from model_zoo import TINY_WORDS, save_word_tokenizer  # noqa: F401 (TINY_WORDS: id 7 is EOS)
+
+# Every Ray cluster of the tests (in process, `ray start`, the demo's) listens on loopback only.
+# Set before any test module imports Ray, which reads it at import.
+use_loopback_ray()
 
 
 def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35, layers: int = 2) -> str:
@@ -286,7 +291,7 @@ def local_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        init_local_ray(LOCAL_RAY_CPUS)
     yield
     try:
         assert_nothing_left_on_ray()

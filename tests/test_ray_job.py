@@ -21,6 +21,7 @@ import uuid
 import pytest
 import yaml
 
+from cluster.local import SINGLE_MACHINE_ENV
 from conftest import tiny_config
 
 # The jobs CLI/SDK and the dashboard that serves it come with ray[default] (the `distributed` extra).
@@ -44,7 +45,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    # SINGLE_MACHINE_ENV: the cluster listens on loopback only (cluster/local.py says why)
+    return {**os.environ, **SINGLE_MACHINE_ENV, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _ray(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,7 +63,7 @@ def ray_head():
     if ray.is_initialized():  # an in-process cluster from another module would be in the way
         ray.shutdown()
     proc = subprocess.Popen(
-        [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "4",
+        [_ray_cli(), "start", "--head", "--block", "--num-cpus", "4",
          "--disable-usage-stats", "--dashboard-agent-listen-port", str(_free_port())],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
