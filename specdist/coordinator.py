@@ -479,9 +479,9 @@ class Coordinator:
             if last_end is not None:
                 self.timing.gap_s += t0 - last_end
             deltas, snapshot, busy = self._pass(commands, stopping)
-            delivered = self._post(self._deliver, deltas, snapshot)
             last_end = time.perf_counter()
-            self.timing.tick_s += last_end - t0
+            self.timing.tick_s += last_end - t0  # before the results are posted: a reader who saw them sees it
+            delivered = self._post(self._deliver, deltas, snapshot)
             if stopping:
                 return
             if not delivered:  # the event loop is gone without close(): free the engine and stop

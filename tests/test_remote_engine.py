@@ -50,7 +50,7 @@ MAX_TOKENS = [20, 9, 30, 14, 5, 25, 11, 17]
 
 
 # Propose delay of the replica that turns slow (test-controlled, in the fake servicer)
-SLOW_DELAY_S = 0.1
+SLOW_DELAY_S = 0.3
 
 
 def greedy_params():
@@ -219,11 +219,12 @@ def test_replica_assignment_balances(remote, cluster):
 
 
 def test_survives_a_replica_turning_slow(tiny_models):
-    """Replica 1 becomes 100 ms slower per Propose mid-run. With the adaptive rule its requests
-    stop drafting (the step no longer waits for it) and still finish with the exact greedy
-    output, while the fast replica's requests keep drafting; new requests go to the fast
-    replica. The fixed rule, as a control, keeps calling it. So that drafting pays on the fast
-    replica, the drafts are copies of the target (greedy drafts always accepted) and the
+    """Replica 1 becomes 300 ms slower per Propose mid-run (about ten times a step, so that one
+    measured call outweighs the step overhead however loaded the machine is). With the adaptive
+    rule its requests stop drafting (the step no longer waits for it) and still finish with the
+    exact greedy output, while the fast replica's requests keep drafting; new requests go to the
+    fast replica. The fixed rule, as a control, keeps calling it. So that drafting pays on the
+    fast replica, the drafts are copies of the target (greedy drafts always accepted) and the
     target's Verify takes 20 ms more (a tiny target is otherwise as cheap as its draft)."""
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in PROMPTS]
     expected = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, k=K)).generate(PROMPTS, params)]
