@@ -108,6 +108,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     acceptance: Acceptance = field(default_factory=Acceptance)  # observed, for the draft-length rule
     replica: int | None = None  # the draft replica it is assigned to; None: no drafts
+    queued: bool = False  # in the scheduler's waiting queue
     on_target: bool = False  # holds target state (prefilled, not yet released)
     on_drafter: bool = False  # holds state on its draft replica
     num_accepted: int = 0  # of its drafter's last proposal, for the next ProposeItem

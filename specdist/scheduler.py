@@ -220,6 +220,7 @@ class Scheduler:
         )
         req.metrics.prompt_tokens = len(ids)
         req.metrics.arrival_time = now()
+        req.queued = True
         self.waiting.append(req)
         return req
 
@@ -248,12 +249,17 @@ class Scheduler:
         try:
             for p, sp in zip(prompts, plist):
                 reqs.append(self.add_request(p, sp, chat=chat))
-            while any(not r.finished for r in reqs):
-                self.step()
+            done = 0  # reqs[:done] are finished (a scan of every request per step would be quadratic)
+            while done < len(reqs):
+                if reqs[done].finished:
+                    done += 1
+                else:
+                    self.step()
         finally:  # an exception or interrupt mid-run must not leave slots or queue entries behind
-            for r in reqs:
-                if not r.finished:
-                    self.abort(r.request_id)
+            left = [r for r in reqs if not r.finished]
+            for r in left:
+                r.output.finish("abort")
+            self.release(left)
         return [r.to_output() for r in reqs]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -291,8 +297,10 @@ class Scheduler:
 
     def close(self) -> None:
         """Release every live request, then close the transports."""
-        for r in list(self.waiting) + list(self.running):
-            self.abort(r.request_id)
+        live = list(self.waiting) + list(self.running)
+        for r in live:
+            r.output.finish("abort")
+        self.release(live)
         for pool in (self._pool, self._probe_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -494,6 +502,7 @@ class Scheduler:
                 else:  # every replica is ejected: decode without drafts
                     r.replica = None
             new.append(self.waiting.popleft())
+            r.queued = False
         if not new:
             return
         t0 = now()
@@ -525,6 +534,7 @@ class Scheduler:
         for r in reversed(requeue):  # back to the queue front, everything it took freed
             self._release_remote([r])
             r.replica = None
+            r.queued = True
             self.waiting.appendleft(r)
         for r in admitted:
             if r not in requeue and not r.finished:
@@ -683,11 +693,14 @@ class Scheduler:
             return
         t0 = now()
         ended = []
+        gone = {id(r) for r in reqs}  # one pass over each queue, whatever their lengths
+        if any(r.queued for r in reqs):
+            kept = [r for r in self.waiting if id(r) not in gone]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+        self.running[:] = [r for r in self.running if id(r) not in gone]
         for r in reqs:
-            if r in self.waiting:
-                self.waiting.remove(r)
-            if r in self.running:
-                self.running.remove(r)
+            r.queued = False
             if r.metrics.finish_time is None:
                 r.metrics.finish_time = now()
                 ended.append(r)

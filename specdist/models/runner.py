@@ -148,9 +148,7 @@ class CausalLMRunner:
             if st + n > cache.max_len:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
         dev = self.device
-        ids = torch.zeros(bsz, t_max, dtype=torch.long)
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ids = torch.tensor([list(t) + [0] * (t_max - len(t)) for t in tokens], dtype=torch.long)  # [B, T], 0-padded
         ar = torch.arange(t_max)
         start_t = torch.tensor(starts, dtype=torch.long)
         n_t = torch.tensor(n_new, dtype=torch.long)
