@@ -1,17 +1,20 @@
 """A whole deployment on a local Ray cluster, driven by the same scheduler as the in-process Engine.
 
-- A 2-rank tensor-parallel target + 2 draft workers: greedy generation through RemoteEngine
-  (requests spread over both drafts, one batch on the one target) equals the Engine token for
-  token; then health, drain, and a stop that leaves no actor, no actor process and no
-  placement group behind. A raw call to a worker port without the deployment's worker secret
-  (or with a wrong one) is UNAUTHENTICATED.
+- `specdist serve` on a 2-rank tensor-parallel target + 2 draft workers (start_serving, as
+  run_serve does it): every actor healthy and on loopback; a raw call to a worker port without
+  the deployment's worker secret (or with a wrong one) is UNAUTHENTICATED; through the public
+  gRPC server, the HTTP API and 8 concurrent clients, greedy output equals the Engine's token
+  for token, with both drafts serving; counters and slots back to 0; drain; then a stop that
+  leaves no actor, no actor process and no placement group behind.
 - A 1-rank target + 1 draft worker: seeded sampled requests give the Engine's tokens bit for bit
   (one seed rule, one step, the same cores; only tensor parallelism may change float sums).
+- A bring-up that fails (a missing model) or times out names the culprit and cleans up.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import grpc
@@ -29,19 +32,8 @@ from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 BRING_UP_TIMEOUT_S = 180
 K = 3
-PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5], [2, 3]]
-MAX_TOKENS = [20, 9, 30, 14]
-
-
-@pytest.fixture
-def deployment(local_ray, tiny_models):
-    spec = ClusterSpec(tensor_parallel_size=2, num_draft_workers=2, cpus_per_rank=0.5, cpus_per_draft=0.5)
-    dep = Deployment(spec)
-    target_addr, draft_addrs = dep.start(tiny_config(tiny_models, method="model", k=K), timeout_s=BRING_UP_TIMEOUT_S)
-    try:
-        yield dep, target_addr, draft_addrs
-    finally:
-        dep.stop()
+PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
+MAX_TOKENS = [8, 5, 12, 7, 9, 4, 10, 6]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -59,29 +51,43 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_models):
+def test_served_deployment_matches_engine_then_drains_and_stops_clean(local_ray, tiny_models):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    dep, target_addr, draft_addrs = deployment
-    assert len(draft_addrs) == 2 and len(set(draft_addrs + [target_addr])) == 3
+    from conftest import LoopThread
+    from specdist.client import SpecDistClient
+    from specdist.serve_cli import start_serving
 
-    # ---- health of every actor, before any traffic
-    health = dep.health()
-    assert set(health) == {"target rank 0", "target rank 1", "draft 0", "draft 1"}
-    assert all(h["ok"] for h in health.values()), health
-    assert health["target rank 0"]["state"] == "serving" and health["target rank 0"]["address"] == target_addr
-    assert health["target rank 1"]["following"] and health["target rank 1"]["world_size"] == 2
-    assert [health[f"draft {i}"]["address"] for i in range(2)] == draft_addrs
-    assert all(health[n]["warmup_s"] is not None for n in ("target rank 0", "draft 0", "draft 1"))
-    assert len({h["pid"] for h in health.values()}) == 4  # one process per actor
-    pids = [h["pid"] for h in health.values()]
-
-    # ---- the reference: the in-process engine; then the same scheduler over the deployment
     cfg = tiny_config(tiny_models, method="model", k=K)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i, m in enumerate(MAX_TOKENS)]
     want = [o.token_ids for o in Engine.from_config(cfg).generate(PROMPTS, params)]
-    chans = [grpc.insecure_channel(a) for a in [target_addr, *draft_addrs]]
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 2,
+                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": BRING_UP_TIMEOUT_S}
+
+    lt = LoopThread()
+    serving = chans = None
     try:
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0, http_port=0), timeout=BRING_UP_TIMEOUT_S + 60)
+        backend = serving.backend
+        assert backend.deployment is not None and not backend.owns_ray  # Ray was already up: not ours to stop
+        dep, target_addr, draft_addrs = backend.deployment, backend.target_address, backend.draft_addresses
+        assert len(draft_addrs) == 2 and len(set(draft_addrs + [target_addr])) == 3
+
+        # ---- health of every actor, before any traffic; Ray and every worker on loopback
+        health = dep.health()
+        assert set(health) == {"target rank 0", "target rank 1", "draft 0", "draft 1"}
+        assert all(h["ok"] for h in health.values()), health
+        assert health["target rank 0"]["state"] == "serving" and health["target rank 0"]["address"] == target_addr
+        assert health["target rank 1"]["following"] and health["target rank 1"]["world_size"] == 2
+        assert [health[f"draft {i}"]["address"] for i in range(2)] == draft_addrs
+        assert all(health[n]["warmup_s"] is not None for n in ("target rank 0", "draft 0", "draft 1"))
+        assert len({h["pid"] for h in health.values()}) == 4  # one process per actor
+        pids = [h["pid"] for h in health.values()]
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        assert all(h["node_ip"] == "127.0.0.1" for h in health.values()), health
+        assert all(a.startswith("127.0.0.1:") for a in [target_addr, *draft_addrs])
+
+        chans = [grpc.insecure_channel(a) for a in [target_addr, *draft_addrs]]
         for ch in chans:
             grpc.channel_ready_future(ch).result(timeout=30)
             hstub = health_pb2_grpc.HealthStub(ch)
@@ -98,20 +104,57 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
                 with pytest.raises(grpc.RpcError) as ei:
                     method(request, timeout=30, metadata=metadata)
                 assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value.details()
-        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret) as remote:
-            reqs = [remote.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
-            while remote.has_unfinished():
-                remote.step()
-            assert sorted(r.replica for r in reqs) == [0, 0, 1, 1]  # both drafts served the one batch
-            assert [r.output.token_ids for r in reqs] == want
-            assert remote.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
 
+        # ---- the public server over the deployment: one client, then the HTTP API, then 8 at once
+        with SpecDistClient(serving.address, timeout=120) as client:
+            info = client.server_info()
+            assert info.tensor_parallel_size == 2 and info.draft_replicas == 2
+            assert info.draft_method == "model" and info.num_speculative_tokens == K
+            text, ids, _, stats = client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS[0],
+                                                       ignore_eos=True)
+            assert ids == want[0] and stats.drafted > 0
+        import openai
+
+        http = openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
+        got_http = http.completions.create(model=cfg["target"]["model"], prompt=PROMPTS[0], temperature=0.0,
+                                           max_tokens=MAX_TOKENS[0], extra_body={"ignore_eos": True})
+        http.close()
+        assert got_http.choices[0].text == text
+        spec = got_http.usage.model_extra["speculative"]
+        assert (got_http.usage.completion_tokens, spec["drafted"], spec["accepted"]) == (
+            stats.output_tokens, stats.drafted, stats.accepted)
+
+        got: list = [None] * len(PROMPTS)
+        errors: list = []
+
+        def one(i: int) -> None:
+            try:
+                with SpecDistClient(serving.address, timeout=120) as c:
+                    got[i] = c.generate_text(PROMPTS[i], temperature=0.0, max_tokens=MAX_TOKENS[i],
+                                             ignore_eos=(i % 2 == 0))[1]
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert got == want
+        assert all(rep.proposed_tokens > 0 for rep in backend.engine.replicas)  # both drafts served requests
+
+        coordinator = serving.server.coordinator
+        deadline = time.monotonic() + 10
+        while coordinator.counters()["live_requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counters = coordinator.counters()
+        assert counters["live_requests"] == 0 and counters["target_kv_slots_used"] == 0, counters
+        assert counters["requests_finished"] == 2 + len(PROMPTS) and counters["requests_failed"] == 0, counters
         health = dep.health()
         assert all(h["ok"] and h["requests"] == 0 for h in health.values()), health
-        # rank 1 replays rank 0's frees with the next forward (or the shutdown broadcast), so only
-        # the serving actors are checked for free KV slots here
-        assert all(health[n]["kv_slots_in_use"] == 0 for n in ("target rank 0", "draft 0", "draft 1")), health
-        assert health["target rank 1"]["following"]
+        assert all(h["kv_slots_in_use"] == 0 for h in health.values()), health  # followers included
 
         # ---- drain: no new requests (UNAVAILABLE), health NOT_SERVING
         drained = dep.drain(timeout_s=5)
@@ -122,29 +165,33 @@ def test_deployment_generates_like_engine_then_stops_clean(deployment, tiny_mode
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         hstub = health_pb2_grpc.HealthStub(chans[0])
         assert hstub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    finally:
-        for ch in chans:
-            ch.close()
 
-    # ---- stop: every actor dead, its process gone, the placement groups removed
-    actors = dep.actors()
-    pgs = list(dep.placement.groups)
-    follower_refs = list(dep.follower_refs.values())
-    dep.stop()
-    forwards = ray.get(follower_refs, timeout=10)  # run_follower() returned normally: released, not killed
-    assert len(forwards) == 1 and forwards[0] > 0
-    for a in actors:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(a.ping.remote(), timeout=30)
-    table = ray.util.placement_group_table()
-    for pg in pgs:
-        assert table[pg.id.hex()]["state"] == "REMOVED"
-    deadline = time.monotonic() + 20
-    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_pid_alive(p) for p in pids), [p for p in pids if _pid_alive(p)]
-    _assert_nothing_left()  # resources come back asynchronously after the groups are removed
-    dep.stop()  # idempotent
+        # ---- stop: every actor dead, its process gone, the placement groups removed
+        actors = dep.actors()
+        pgs = list(dep.placement.groups)
+        follower_refs = list(dep.follower_refs.values())
+        lt.run(serving.stop(drain_seconds=2), timeout=120)
+        serving = None
+        forwards = ray.get(follower_refs, timeout=10)  # run_follower() returned normally: released, not killed
+        assert len(forwards) == 1 and forwards[0] > 0
+        for a in actors:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(a.ping.remote(), timeout=30)
+        table = ray.util.placement_group_table()
+        for pg in pgs:
+            assert table[pg.id.hex()]["state"] == "REMOVED"
+        deadline = time.monotonic() + 20
+        while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_pid_alive(p) for p in pids), [p for p in pids if _pid_alive(p)]
+        _assert_nothing_left()  # resources come back asynchronously after the groups are removed
+        dep.stop()  # idempotent
+    finally:
+        for ch in chans or ():
+            ch.close()
+        if serving is not None:
+            lt.run(serving.stop(drain_seconds=0), timeout=120)
+        lt.close()
 
 
 def _assert_nothing_left():
@@ -152,7 +199,7 @@ def _assert_nothing_left():
 
 
 def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tiny_models):
-    """Seeded sampling (T 0.8, top-p 0.9), 4 prompts in one batch, fixed draft lengths: the
+    """Seeded sampling (T 0.8, top-p 0.9), 8 prompts in one batch, fixed draft lengths: the
     in-process Engine and a 1-rank target + 1 draft worker deployment emit the same tokens."""
     cfg = tiny_config(tiny_models, method="model", k=K)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
