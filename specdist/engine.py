@@ -50,22 +50,23 @@ class Engine(Scheduler):
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None) -> "Engine":
         """Load the models a config names. ``tokenizer``: the target's, if the caller already has it."""
-        from specdist.models.loader import load_model, load_tokenizer, resolve_model
+        from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 
         cfg = load_config(source)
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         device = device_for(cfg.engine.device)
         src = resolve_model(cfg.target.model, "target.model")
-        if tokenizer is None:
-            tokenizer = load_tokenizer(src)
-        target = load_model(src, cfg.target.dtype, device)
-        draft = None
-        if cfg.draft.method == "model":
-            dsrc = resolve_model(cfg.draft.model, "draft.model")
-            draft = load_model(dsrc, cfg.draft.dtype, device)
-            check_same_vocab(target, tokenizer, draft, load_tokenizer(dsrc))
-        elif cfg.draft.method == "self-w8":
+        with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
+            if tokenizer is None:
+                tokenizer = load_tokenizer(src)
+            target = load_model(src, cfg.target.dtype, device)
+            draft = None
+            if cfg.draft.method == "model":
+                dsrc = resolve_model(cfg.draft.model, "draft.model")
+                draft = load_model(dsrc, cfg.draft.dtype, device)
+                check_same_vocab(target, tokenizer, draft, load_tokenizer(dsrc))
+        if cfg.draft.method == "self-w8":
             from specdist.models.quant import quantized_copy
 
             draft = quantized_copy(target)

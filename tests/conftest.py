@@ -63,20 +63,25 @@ def devices(min_gpus: int = 1) -> list:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """The built-in model's tokenizer, rebuilt from its GGUF file once per session (seconds each time)."""
-    from specdist.models.loader import load_tokenizer, resolve_model
+def smollm2_loaded():
+    """The built-in model's (tokenizer, model in float32 on the CPU), rebuilt and de-quantised from
+    its GGUF file once per session, from one parse of the file (tens of seconds). Engines over the
+    model keep their own KV caches; none changes its weights."""
+    from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 
-    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+    src = resolve_model("smollm2-135m-instruct")
+    with gguf_parsed_once():
+        return load_tokenizer(src), load_model(src, "float32")
 
 
 @pytest.fixture(scope="session")
-def smollm2_model():
-    """The built-in model in float32 on the CPU, de-quantised from its GGUF file once per session
-    (tens of seconds each time). Engines over it keep their own KV caches; none changes its weights."""
-    from specdist.models.loader import load_model, resolve_model
+def smollm2_tokenizer(smollm2_loaded):
+    return smollm2_loaded[0]
 
-    return load_model(resolve_model("smollm2-135m-instruct"), "float32")
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_loaded):
+    return smollm2_loaded[1]
 
 
 @pytest.fixture(scope="session")

@@ -646,12 +646,13 @@ def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
     import torch
 
     from specdist.config import load_config
-    from specdist.models.loader import load_model, load_tokenizer, resolve_model
+    from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 
     cfg = load_config(config)
     src = resolve_model(cfg.target.model, "target.model")
-    model = load_model(src, cfg.target.dtype, torch.device("cpu"))
-    tok = load_tokenizer(src)
+    with gguf_parsed_once():
+        model = load_model(src, cfg.target.dtype, torch.device("cpu"))
+        tok = load_tokenizer(src)
     sample = args.temperature > 0
     kw = dict(do_sample=sample, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=0)
     if sample:

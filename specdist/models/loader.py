@@ -143,7 +143,7 @@ def _quiet_transformers() -> None:
         pass
 
 
-# path -> parsed gguf.GGUFReader, inside _gguf_parsed_once (None outside: every reader is new)
+# path -> parsed gguf.GGUFReader, inside gguf_parsed_once (None outside: every reader is new)
 _GGUF_READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdist_gguf_readers", default=None)
 
 
@@ -151,7 +151,7 @@ def _install_gguf_caches() -> None:
     """Make transformers' GGUF loading parse less (idempotent).
 
     Transformers parses a GGUF file's header (with its whole tokenizer vocabulary, seconds) once
-    for the config and again for the weights: inside :func:`_gguf_parsed_once` the second use gets
+    for the config and again for the weights: inside :func:`gguf_parsed_once` the second use gets
     the first parse. It also rebuilds gguf's tensor-name table (all architectures' aliases) once
     per submodule: that table depends only on (architecture, number of blocks), so it is built
     once per pair. Both are read only by transformers, so the loaded tensors are the same.
@@ -177,11 +177,16 @@ def _install_gguf_caches() -> None:
 
 
 @contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
-    """Within: each GGUF file is parsed at most once (the parses are dropped on exit: they map the file)."""
+def gguf_parsed_once() -> Iterator[None]:
+    """Within: each GGUF file is parsed at most once, by every load inside (a tokenizer and its
+    model share one parse of the header). The parses are dropped on exit of the outermost: they
+    map the file. Nested uses share the outer one."""
     try:
         _install_gguf_caches()
     except ImportError:  # transformers raises its own error naming the missing gguf package
+        yield
+        return
+    if _GGUF_READERS.get() is not None:
         yield
         return
     token = _GGUF_READERS.set({})
@@ -210,7 +215,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    with _gguf_parsed_once():
+    with gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(
             source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
         )
@@ -242,7 +247,7 @@ def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None =
     if source.gguf_file:  # rebuilt from the GGUF file: seconds, so say so before
         report(f"loading the tokenizer of {source.short_name} ...")
     t0 = time.perf_counter()
-    with _gguf_parsed_once():
+    with gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
     report(f"loaded the tokenizer of {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return tokenizer
