@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 
 import pytest
@@ -33,7 +32,8 @@ def _status() -> dict[str, int]:
     return {k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def _rss_worker(rank: int, world_size: int, port: int, out_path: str, ckpt: str) -> None:
+def _rss_worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[str]) -> None:
+    [ckpt] = ckpts
     torch.set_num_threads(1)
     import resource
 
@@ -79,7 +79,7 @@ def test_two_ranks_peak_memory_is_their_share(tmp_path):
     budget = 1.10 * share  # the bound: the rank's share plus 10%
     try:
         t1 = time.perf_counter()
-        ranks = [json.load(open(p)) for p in spawn_ranks(__file__, [ckpt], tmp_path, load=False)]
+        ranks = [json.load(open(p)) for p in spawn_ranks(_rss_worker, [ckpt], tmp_path, load=False)]
         load_wall = time.perf_counter() - t1
     finally:
         for name in os.listdir(ckpt):  # 440 MB: gone before the next test
@@ -210,7 +210,3 @@ def test_unsupported_checkpoints_are_refused_before_reading(tmp_path):
         json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, f)
     with pytest.raises(ConfigError, match=r"target\.model: model type 'gpt2' is not supported"):
         load_sharded(ModelSource(ckpt, None), "float32", "cpu", 0, 2)
-
-
-if __name__ == "__main__":  # one rank: <rank> <world_size> <port> <out.json> <checkpoint>
-    _rss_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

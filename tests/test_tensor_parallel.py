@@ -1,7 +1,7 @@
 """Tensor-parallel target (specdist.models.sharding over gloo): 2 ranks reproduce the unsharded logits.
 
-Each rank is a fresh ``python`` subprocess running this file as a script; the parent picks a
-free localhost port, waits with a timeout and kills stragglers. No Ray. One pair of rank
+Each rank is a process forked from a server that imported torch once (tests/rank_procs.py); the
+parent picks a free localhost port, waits with a timeout and kills stragglers. No Ray. One pair of rank
 processes serves the whole module: it loads every checkpoint in turn (sharded), runs the same
 ragged ops on each and saves what it saw; the tests compare that with the unsharded runner.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import devices
+from rank_procs import join_ranks, start_ranks
 
 WORLD_SIZE = 2
 TIMEOUT_S = 150
@@ -92,46 +91,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(script: str, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
+def spawn_ranks(fn, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
                 env_extra: dict | None = None) -> list:
-    """Run ``script <rank> <world_size> <port> <out> *args`` as WORLD_SIZE processes; their outputs
-    (``torch.load``-ed, or the paths with ``load=False``)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    """Run ``fn(rank, WORLD_SIZE, port, out, args)`` in WORLD_SIZE rank processes (tests/rank_procs.py);
+    their outputs (``torch.load``-ed, or the paths with ``load=False``)."""
     for attempt in range(2):  # a second try if another process grabbed the port meanwhile
         port = _free_port()
         outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(WORLD_SIZE)]
-        logs = [open(tmp_path / f"rank{r}_{attempt}.log", "w+") for r in range(WORLD_SIZE)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, os.path.abspath(script), str(r), str(WORLD_SIZE), str(port), outs[r], *args],
-                cwd=root, env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-            )
-            for r in range(WORLD_SIZE)
-        ]
-        try:
-            deadline = time.monotonic() + timeout_s
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        texts = []
-        for f in logs:
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
-        if all(p.returncode == 0 for p in procs):
+        logs = [str(tmp_path / f"rank{r}_{attempt}.log") for r in range(WORLD_SIZE)]
+        procs = start_ranks(fn, lambda r: (r, WORLD_SIZE, port, outs[r], list(args)), WORLD_SIZE, logs, env_extra)
+        join_ranks(procs, timeout_s)
+        texts = [open(f).read() for f in logs]
+        if all(p.exitcode == 0 for p in procs):
             return [torch.load(o, weights_only=False) for o in outs] if load else outs
         if attempt == 0 and any("address already in use" in t.lower() for t in texts):
             continue
         report = "\n".join(
-            f"--- rank {r} rc={p.returncode} ---\n{t[-3000:]}" for r, (p, t) in enumerate(zip(procs, texts))
+            f"--- rank {r} exit code {p.exitcode} ---\n{t[-3000:]}" for r, (p, t) in enumerate(zip(procs, texts))
         )
         pytest.fail(f"tensor-parallel ranks failed:\n{report}")
     raise AssertionError("unreachable")
@@ -179,7 +155,7 @@ def two_ranks(tmp_path_factory):
     for family in FAMILY_CASES:
         ckpts[f"zoo-{family}"] = save_tiny(str(root / family), family, seed=13)
     t0 = time.perf_counter()
-    results = spawn_ranks(os.path.abspath(__file__), list(ckpts.values()), root)
+    results = spawn_ranks(_worker, list(ckpts.values()), root)
     print(f"\n2 ranks over {len(ckpts)} checkpoints: {time.perf_counter() - t0:.1f} s")
     out = {}
     for i, (case, ckpt) in enumerate(ckpts.items()):
@@ -277,7 +253,7 @@ def test_two_rank_nccl_matches_unsharded(tmp_path, device):
 
     ckpt = save_tiny_llama(str(tmp_path / "llama"), seed=11, vocab_size=16)
     ref = run_ops(CausalLMRunner(load_model(ModelSource(ckpt, None), "float32"), num_slots=2, max_len=32), OPS)
-    ranks = [r[0] for r in spawn_ranks(os.path.abspath(__file__), [ckpt], tmp_path,
+    ranks = [r[0] for r in spawn_ranks(_worker, [ckpt], tmp_path,
                                        env_extra={"SPECDIST_TEST_DEVICE": "cuda"})]
     assert all(res["control"] == ("gloo", False) for res in ranks)
     _check_logits("llama on NCCL", ref, ranks)
@@ -295,7 +271,3 @@ def test_indivisible_heads_raise():
     with pytest.raises(ValueError, match="num_attention_heads"):
         check_shardable(cfg, 3)
     check_shardable(cfg, 2)
-
-
-if __name__ == "__main__":  # one rank: <rank> <world_size> <port> <out.pt> <checkpoint>...
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

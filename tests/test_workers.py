@@ -11,16 +11,13 @@ dataclasses of :mod:`specdist.transport`, or the remote transports (:mod:`specdi
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
 import torch
 
+import rank_procs
 from conftest import AioServer, tiny_config
 from specdist.drafting import DrafterCore
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
@@ -36,7 +33,6 @@ from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 
 MAX_LEN, SLOTS, K = 64, 8, 3
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------- servers
@@ -480,47 +476,30 @@ def test_tensor_parallel_target_over_grpc(workers, tiny_models, tmp_path):
     want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=K)).generate(
         PROMPTS, params)]
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
     dist_port, grpc_port = _free_port(), _free_port()
-    logs = [open(tmp_path / f"tp_rank{r}.log", "w+") for r in range(2)]
-    procs = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r), "2", str(dist_port), str(grpc_port),
-                          tiny_models["target"]],
-                         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=logs[r], stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
+    logs = [str(tmp_path / f"tp_rank{r}.log") for r in range(2)]
+    stop = rank_procs.event()
+    procs = rank_procs.start_ranks(_tp_rank, lambda r: (r, 2, dist_port, grpc_port, tiny_models["target"], stop), 2,
+                                   logs)
     chan = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     try:
         grpc.channel_ready_future(chan).result(timeout=TP_TIMEOUT_S)
         got, _ = run_generation(target_pb2_grpc.TargetWorkerStub(chan), workers["model_stub"], PROMPTS, params,
                                 workers["eos"], prefix="tp")
         assert got == want
-        for p in procs:
-            p.stdin.close()  # rank 0 shuts down on EOF and releases rank 1
-        deadline = time.monotonic() + 30
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        assert [p.returncode for p in procs] == [0, 0]
+        stop.set()  # rank 0 shuts down and releases rank 1
+        rank_procs.join_ranks(procs, 30)
+        assert [p.exitcode for p in procs] == [0, 0]
     except BaseException:
-        texts = []
-        for f in logs:
-            f.seek(0)
-            texts.append(f.read()[-3000:])
-        print("\n".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(texts)))
+        print("\n".join(f"--- rank {r} ---\n{open(f).read()[-3000:]}" for r, f in enumerate(logs)))
         raise
     finally:
         chan.close()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        rank_procs.join_ranks(procs, 0)  # kills what is still running
     assert workers["model"].kv_slots_in_use() == 0
 
 
-def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: str) -> None:
+def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: str, stop) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -534,7 +513,7 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
     if rank == 0:
         servicer = TargetServicer(core)
         server = AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], grpc_port)
-        sys.stdin.read()  # serve until the parent closes our stdin
+        stop.wait()  # serve until the test sets it
         server.stop()
         servicer.shutdown()
         assert core.kv_slots_in_use() == 0 and core.closed
@@ -544,21 +523,3 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
         assert core.kv_slots_in_use() == 0  # releases reached the follower before shutdown
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":  # one TP rank: <rank> <world_size> <dist_port> <grpc_port> <checkpoint>
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    _tp_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-
-
-def test_wildcard_bind_reports_a_dialable_address() -> None:
-    """Workers bound on 0.0.0.0 (Kubernetes pods) must report an address others can dial."""
-    import ipaddress
-
-    from workers.actors import _node_ip, _reachable_host
-
-    for wildcard in ("0.0.0.0", "::"):
-        host = _reachable_host(wildcard)
-        assert host == _node_ip() and not ipaddress.ip_address(host).is_unspecified
-    assert _reachable_host("10.1.2.3") == "10.1.2.3"
-    assert _reachable_host("127.0.0.1") == "127.0.0.1"
