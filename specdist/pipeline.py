@@ -201,6 +201,7 @@ class DraftPipeline:
         waited = hidden = 0.0
         runs: list[tuple[int, int, float]] = []
         job, self._job = self._job, None
+        prepared_for = set(job.request_ids) if job is not None else set()  # whatever became of them
         if job is not None:
             for it in items:  # certain misses (whatever the guess) stop preparing now
                 r = self.core.requests.get(it.request_id)
@@ -228,7 +229,9 @@ class DraftPipeline:
                     self.counters.hits += 1
                     continue
                 core._commit(r, n_acc, new)
-                if prep is not None:
+                # a miss whether its preparation finished or was cut short as a certain miss, so
+                # that the counts (and the skip policy) do not depend on when the preparation ended
+                if prep is not None or it.request_id in prepared_for:
                     status[i] = MISS
                     self.counters.misses += 1
                     if self.miss == "skip":
