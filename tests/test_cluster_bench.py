@@ -241,17 +241,17 @@ def test_a_missing_optional_package_is_a_one_line_error(module, flags, monkeypat
 
 
 def test_bench_cluster_over_a_ray_deployment(local_ray, tiny_models, tmp_path, capsys):
-    """--config with cluster.enabled: the bench brings the Ray deployment up (1 target rank + 1
-    draft worker over gRPC; test_deployment and test_cli's demo test run tensor-parallel ones) on
-    the running local Ray cluster, measures it, reports the network share, and tears its
-    deployment down, leaving Ray up (not the bench's to stop). A local Ray the command starts
-    itself is shut down by the same Backend.close: test_cli's demo test."""
+    """--config with cluster.enabled: the bench brings the Ray deployment up (1 target rank + 2
+    draft workers over gRPC; test_worker_faults and test_cli's demo test run tensor-parallel
+    ones) on the running local Ray cluster, measures it, reports the network share, and tears
+    its deployment down, leaving Ray up (not the bench's to stop). A local Ray the command
+    starts itself is shut down by the same Backend.close: test_cli's demo test."""
     import ray
 
     from conftest import assert_nothing_left_on_ray
 
     cfg = tiny_config(tiny_models, "model", 3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 2,
                       "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -259,7 +259,9 @@ def test_bench_cluster_over_a_ray_deployment(local_ray, tiny_models, tmp_path, c
     rc = main(["bench", "cluster", "--config", str(path), "--concurrency", "2", "--requests", "2",
                "--max-tokens", "5", "--raw", "--variants", "spec", "--json", str(out_json)])
     assert rc == 0
-    [row] = json.loads(out_json.read_text())["levels"]
+    doc = json.loads(out_json.read_text())
+    assert doc["variants"][0]["server_info"]["draft_replicas"] == 2
+    [row] = doc["levels"]
     assert row["variant"] == "spec" and row["output_tokens_per_s"] > 0 and row["acceptance"] is not None
     share = row["phase_share"]
     assert share["network+serialization"] > 0 and share["draft"] > 0 and share["verify"] > 0

@@ -1,8 +1,12 @@
-"""Worker faults on a real Ray deployment, through the public gRPC server (issue 11's must-shows).
+"""A served Ray deployment from bring-up to a clean stop, through worker faults (issue 11's must-shows).
 
 One deployment (a 2-rank tensor-parallel tiny target + 1 model draft worker, on the shared local
-Ray cluster, with the supervisor checking every 0.2 s) goes through, in order:
+Ray cluster, with the supervisor checking every 0.2 s), served by ``start_serving`` as
+``specdist serve`` does it, goes through, in order:
 
+0. Up: every actor healthy and on loopback; a raw call to a worker port without the deployment's
+   worker secret (or with a wrong one) is UNAUTHENTICATED; 8 concurrent gRPC streams give the
+   in-process Engine's greedy tokens, and the HTTP API the same text and stats as gRPC.
 1. SIGSTOP of the draft worker's process: the requests finish, exactly, while it is still
    stopped (the step stopped waiting for it at its call deadline); after SIGCONT the supervisor
    sees it answer, it is re-admitted and new requests draft again.
@@ -15,6 +19,8 @@ Ray cluster, with the supervisor checking every 0.2 s) goes through, in order:
    output as before the fault.
 4. SIGSTOP of target rank 1 in the middle of 8 streams (a hang, not a death): the same, through
    the collective timeout and the unanswered health check, and a second rebuild.
+5. Down: counters and every worker's slots at 0; drain (no new requests, NOT_SERVING); a stop
+   that leaves no actor, no actor process and no placement group behind.
 
 The engine is paused at chosen points with a command on its own thread or a step listener
 (``Coordinator.call_soon``, ``engine.listeners``), so "in the middle" is a state, not a time.
@@ -30,9 +36,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psutil
+import pytest
+import ray
 
-from conftest import LoopThread, tiny_config
+from conftest import LoopThread, assert_nothing_left_on_ray, tiny_config
 from specdist.client import RemoteError, SpecDistClient
+from specdist.engine import Engine
+from specdist.sampling_params import SamplingParams
+from specdist.security import bearer_metadata, new_worker_secret
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
 MAX_TOKENS = 40  # ~10 steps at k = 3: room to stop the engine in the middle
@@ -148,22 +160,116 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
+def _check_up(dep, target_addr: str, draft_addrs: list[str]) -> None:
+    """Every actor healthy and on loopback; the worker ports answer health to anyone, and Verify
+    and Propose only with the deployment's worker secret."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = dep.health()
+    assert set(health) == {"target rank 0", "target rank 1", "draft 0"}
+    assert all(h["ok"] for h in health.values()), health
+    assert health["target rank 0"]["state"] == "serving" and health["target rank 0"]["address"] == target_addr
+    assert health["target rank 1"]["following"] and health["target rank 1"]["world_size"] == 2
+    assert health["draft 0"]["address"] == draft_addrs[0]
+    assert all(health[n]["warmup_s"] is not None for n in ("target rank 0", "draft 0"))
+    assert len({h["pid"] for h in health.values()}) == 3  # one process per actor
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    assert all(h["node_ip"] == "127.0.0.1" for h in health.values()), health
+    assert all(a.startswith("127.0.0.1:") for a in [target_addr, *draft_addrs])
+    chans = [grpc.insecure_channel(a) for a in [target_addr, *draft_addrs]]
+    try:
+        for ch in chans:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="")).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        intruder = [
+            (target_pb2_grpc.TargetWorkerStub(chans[0]).Verify, target_pb2.VerifyRequest(items=[
+                target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[1], seq_len=1)])),
+            (draft_pb2_grpc.DraftWorkerStub(chans[1]).Propose, draft_pb2.ProposeRequest(items=[
+                draft_pb2.ProposeItem(request_id="intruder", num_tokens=1, seq_len=1)])),
+        ]
+        for method, request in intruder:
+            for metadata in (None, bearer_metadata(new_worker_secret())):
+                with pytest.raises(grpc.RpcError) as ei:
+                    method(request, timeout=30, metadata=metadata)
+                assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value.details()
+    finally:
+        for ch in chans:
+            ch.close()
+
+
+def _drain_and_stop(lt, serving) -> None:
+    """Drain (no new requests, NOT_SERVING), then stop: every actor dead, its process gone, the
+    placement groups removed, the cluster's CPUs free."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    dep, backend = serving.backend.deployment, serving.backend
+    drained = dep.drain(timeout_s=5)
+    assert all(d["drained"] for d in drained.values()), drained
+    with grpc.insecure_channel(backend.draft_addresses[0]) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            draft_pb2_grpc.DraftWorkerStub(ch).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
+                request_id="late", prompt_token_ids=[1])]), metadata=bearer_metadata(dep.worker_secret), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(backend.target_address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    actors, pgs = dep.actors(), list(dep.placement.groups)
+    pids = [h["pid"] for h in dep.health().values()]
+    follower_refs = list(dep.follower_refs.values())
+    lt.run(serving.stop(drain_seconds=2), timeout=120)
+    forwards = ray.get(follower_refs, timeout=10)  # run_follower() returned normally: released, not killed
+    assert len(forwards) == 1 and forwards[0] > 0
+    for a in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.ping.remote(), timeout=30)
+    table = ray.util.placement_group_table()
+    assert all(table[pg.id.hex()]["state"] == "REMOVED" for pg in pgs)
+    _until("every actor process gone", lambda: all(_dead(p) for p in pids), limit_s=20)
+    assert_nothing_left_on_ray()  # resources come back asynchronously after the groups are removed
+    dep.stop()  # idempotent
+
+
+def test_served_deployment_through_faults(local_ray, tiny_models):
+    import openai
+
     from specdist.serve_cli import start_serving
 
+    cfg = _config(tiny_models)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=3)).generate(
+        PROMPTS, params)]
     lt = LoopThread()
     serving = None
     try:
-        serving = lt.run(start_serving(_config(tiny_models), "127.0.0.1", 0), timeout=240)
-        dep, engine = serving.backend.deployment, serving.backend.engine
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0, http_port=0), timeout=240)
+        backend = serving.backend
+        dep, engine = backend.deployment, backend.engine
+        assert not backend.owns_ray  # Ray was already up: not ours to stop
         supervisor = dep.supervisor
         events = []
         dep.listeners.append(events.append)
+
+        # 0. up: health, loopback, the worker secret; the Engine's tokens over gRPC, HTTP alike
+        _check_up(dep, backend.target_address, backend.draft_addresses)
         client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # fault-free outputs, as one batch
+        info = client.server_info()
+        assert (info.tensor_parallel_size, info.draft_replicas, info.draft_method) == (2, 1, "model")
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # 8 concurrent streams
             reference = list(pool.map(lambda p: _greedy(client, p), PROMPTS))
-        want = [ids for ids, _ in reference]
+        assert [ids for ids, _ in reference] == want
         assert all(stats.drafted > 0 for _, stats in reference)
+        http = openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
+                             timeout=POLL_LIMIT_S)
+        got = http.completions.create(model=cfg["target"]["model"], prompt=PROMPTS[0], temperature=0.0,
+                                      max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        http.close()
+        text, ids, _, stats = client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)
+        assert got.choices[0].text == text and ids == want[0]
+        spec = got.usage.model_extra["speculative"]
+        assert (got.usage.completion_tokens, spec["drafted"], spec["accepted"]) == (
+            stats.output_tokens, stats.drafted, stats.accepted)
         draft_pid = dep.health()["draft 0"]["pid"]
 
         # 1. SIGSTOP the draft worker: left behind at its Propose deadline, re-admitted after SIGCONT
@@ -236,6 +342,10 @@ def test_draft_and_target_faults_on_a_deployment(local_ray, tiny_models):
         # every worker, follower rank included, holds nothing once idle
         assert all(h["requests"] == 0 and h["kv_slots_in_use"] == 0 for h in dep.health().values()), dep.health()
         client.close()
+
+        # 5. down: drain, then a stop that leaves nothing behind
+        _drain_and_stop(lt, serving)
+        serving = None
     finally:
         if serving is not None:
             lt.run(serving.stop(0), timeout=120)
