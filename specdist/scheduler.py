@@ -228,10 +228,15 @@ class Scheduler:
         """Stop a request now and free everything it holds. False if it is unknown or done."""
         for req in list(self.waiting) + self.running:
             if req.request_id == request_id:
-                req.output.finish("abort")
-                self.release(req)
+                self._abort([req])
                 return True
         return False
+
+    def _abort(self, reqs: list[Request]) -> None:
+        """End ``reqs`` with finish_reason "abort" and free everything they hold."""
+        for r in reqs:
+            r.output.finish("abort")
+        self.release(reqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -256,10 +261,7 @@ class Scheduler:
                 else:
                     self.step()
         finally:  # an exception or interrupt mid-run must not leave slots or queue entries behind
-            left = [r for r in reqs if not r.finished]
-            for r in left:
-                r.output.finish("abort")
-            self.release(left)
+            self._abort([r for r in reqs if not r.finished])
         return [r.to_output() for r in reqs]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -297,10 +299,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Release every live request, then close the transports."""
-        live = list(self.waiting) + list(self.running)
-        for r in live:
-            r.output.finish("abort")
-        self.release(live)
+        self._abort(list(self.waiting) + list(self.running))
         for pool in (self._pool, self._probe_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
