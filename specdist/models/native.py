@@ -1,0 +1,151 @@
+"""Run a GGUF model on its own quantized blocks instead of de-quantized floats.
+
+transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
+92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1 or Q8_0 by an
+:class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
+bit for bit, scales in bf16: see :mod:`specdist.models.quant`). Other tensors (norms,
+embeddings, F16/F32 or K-quant linears, and linears whose output rows the int4 kernel cannot tile,
+``out_features % 16 != 0``) keep the float weights transformers loaded.
+
+Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
+permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF mapping: the
+row order comes from running its tensor processor on a column of row indices. Each block
+tensor is then checked against the float weight transformers loaded: the file's blocks,
+de-quantized here in float32, must equal it to float32 rounding (Q4_1's ``m + 8 d`` rounds once
+more than gguf's ``d * c + m``), or the load fails naming the tensor. A row permutation leaves blocks whole: a block spans 32 columns of one row.
+
+A tied output head (``lm_head`` sharing the embedding's weight) gets its own native copy of
+the embedding's blocks; the embedding keeps its float table for the token lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdist.errors import ConfigError
+from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, _untie, quantized_copy, unfused_copy
+
+log = logging.getLogger("specdist.load")
+
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF block types that run natively
+
+
+def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One GGUF tensor's blocks as int4 groups: ``(codes [rows, r * cols], scales, zeros [rows, r * cols / 32], r)``.
+
+    ``raw`` is the tensor's bytes, ``[rows, bytes per row]`` uint8 (gguf's ``ReaderTensor.data``).
+    Dequantized weight ``w[o, j] = (codes[o, j] - 8) * scales[o, j // 32] + zeros[o, j // 32]``, with
+    the input repeated ``r`` times (Q8_0: r = 2, its codes split into a high and a low int4 half).
+    """
+    rows = raw.shape[0]
+    nb = cols // GROUP
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # bytes per block of 32
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
+    if kind == "Q8_0":
+        c8 = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int32)  # [rows, nb, 32]
+        high, low = c8 >> 4, c8 & 15  # c8 = 16 * high + low, high in -8..7, low in 0..15
+        codes = torch.cat([(high + 8).reshape(rows, cols), low.reshape(rows, cols)], 1)  # [rows, 2 * cols]
+        scales = torch.cat([16 * d, d], 1)  # [rows, 2 * nb]
+        zeros = torch.cat([torch.zeros_like(d), 8 * d], 1)
+        return codes, scales, zeros, 2
+    qs = torch.from_numpy(blocks[..., -16:].copy())  # [rows, nb, 16]: element j low nibble, j + 16 high
+    codes = torch.cat([qs & 15, qs >> 4], -1).to(torch.int32).reshape(rows, cols)  # [rows, cols]
+    if kind == "Q4_0":  # w = d * (c - 8)
+        return codes, d, torch.zeros_like(d), 1
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
+    return codes, d, m + 8 * d, 1  # Q4_1: w = d * c + m = d * (c - 8) + (m + 8 d)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
+    """The float32 weight ``[rows, cols]`` of :func:`decode_blocks`' output (gguf's, to float32 rounding)."""
+    rows, n = codes.shape
+    g = codes.reshape(rows, n // GROUP, GROUP).to(torch.float32)
+    w = ((g - 8) * scales[..., None] + zeros[..., None]).reshape(rows, n)  # [rows, r * cols]
+    return w.reshape(rows, repeat, n // repeat).sum(1)  # the halves add up (Q8_0)
+
+
+def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> nn.Module:
+    """The target's own low-bit copy for a self draft (``draft.method``).
+
+    ``self-w8``: int8 per output channel. ``self-w4``: int4 groups of 32; where the target comes
+    from a GGUF file (``gguf_path``), the file's own blocks; where the target already runs on
+    int4 groups (``target.weights: native``), the target itself (its modules are shared; the
+    draft then proposes what the target computes, at the target's cost).
+    """
+    if method == "self-w8":
+        return quantized_copy(target)
+    if method != "self-w4":
+        raise ValueError(f"not a self draft: {method!r}")
+    if any(type(m) is Int4GroupLinear for m in target.modules()):
+        return target
+    if gguf_path is None:
+        return quantized_copy(target, Int4GroupLinear)
+    clone = unfused_copy(target)
+    use_native_blocks(clone, gguf_path, "draft.method")
+    return clone
+
+
+def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor:
+    """Row ``i`` of transformers' weight is row ``order[i]`` of the GGUF tensor."""
+    index = np.arange(rows, dtype=np.int64)[:, None]
+    return torch.from_numpy(np.ascontiguousarray(processor.process(index, gguf_name).weights[:, 0]))
+
+
+@torch.no_grad()
+def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights") -> dict[str, int]:
+    """Replace the model's block-quantized linears (in place) by int4 groups from ``gguf_path``.
+
+    Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when
+    the file holds none, or when a tensor's blocks do not reproduce the loaded weight.
+    """
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = gguf.GGUFReader(gguf_path)  # the cached parse inside loader.gguf_parsed_once
+    config = model.config
+    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
+    name_map = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> transformers parameter name
+    modules = dict(model.named_modules(remove_duplicate=False))
+    tied_head = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.get_input_embeddings().weight
+    replaced: dict[str, int] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        hf_name = name_map.get(tensor.name)
+        if kind not in NATIVE_TYPES or hf_name is None or not hf_name.endswith(".weight"):
+            continue
+        owners = [hf_name[: -len(".weight")]]
+        if tied_head and modules.get(owners[0]) is model.get_input_embeddings():
+            owners = ["lm_head"]  # the embedding keeps its table; the head gets the blocks
+        target = modules.get(owners[0])
+        if type(target) is not nn.Linear:
+            continue
+        rows, cols = target.weight.shape
+        if rows % INT4_ROWS:  # the int4 kernel cannot tile these rows: the float weight stays
+            continue
+        codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, cols)
+        if codes.shape[0] != rows:
+            raise ConfigError(key, f"{tensor.name}: {codes.shape[0]} rows in the file, {rows} in the model")
+        order = _row_order(processor, tensor.name, rows)
+        codes, scales, zeros = codes[order], scales[order], zeros[order]
+        loaded = target.weight.detach().cpu()
+        eps = max(torch.finfo(loaded.dtype).eps, 1e-6)  # a bf16 / fp16 load rounded the floats once more
+        if not torch.allclose(dequantize(codes, scales, zeros, repeat).to(loaded.dtype).float(), loaded.float(),
+                              rtol=2 * eps, atol=1e-6):
+            raise ConfigError(key, f"{tensor.name} ({kind}): its blocks do not reproduce the weight transformers "
+                                   f"loaded for {owners[0]}; load it with weights: float")
+        dev = target.weight.device
+        native = Int4GroupLinear(codes.to(dev), scales.to(dev), zeros.to(dev), target.bias, repeat)
+        parent, _, attr = owners[0].rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, native)
+        replaced[kind] = replaced.get(kind, 0) + 1
+    if not replaced:
+        raise ConfigError(key, f"{gguf_path} holds no {'/'.join(NATIVE_TYPES)} linear weights to run natively")
+    _untie(model)
+    log.info("native GGUF blocks: %s", ", ".join(f"{n} {k}" for k, n in sorted(replaced.items())))
+    return replaced
