@@ -39,6 +39,7 @@ an explicit :class:`ClusterSpec` still overrides it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -174,8 +175,10 @@ class Deployment:
         if self.spec is None:
             self.spec = ClusterSpec.from_config(cfg.cluster)
         spec = self.spec.validate()
-        if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "ngram"):
-            raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8 or ngram")
+        if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "self-w4", "ngram", "suffix",
+                                                               "hybrid"):
+            raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8, "
+                                  "self-w4, ngram, suffix or hybrid")
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -268,11 +271,12 @@ class Deployment:
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
         if h.kind == "target":
             return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
-                                       self.spec.collective_timeout_s)
+                                       self.spec.collective_timeout_s, weights=cfg.target.weights)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
-            pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss)
+            pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
+            suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")})
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to

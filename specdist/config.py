@@ -10,8 +10,14 @@ Shape::
       dtype: float32                 # float32 | bfloat16 | float16 | auto: weights, activations and KV cache;
                                      #   auto = bfloat16 on CUDA GPUs that run it natively, float16 on other
                                      #   CUDA GPUs, on the CPU the measured choice (specdist.models.dtypes)
+      weights: auto                  # native: a GGUF file's Q4_0 / Q4_1 / Q8_0 linears run on their own
+                                     #   blocks (int4 groups, specdist/models/native.py), not de-quantized;
+                                     #   float: every weight in dtype; auto: native for a GGUF file on one
+                                     #   rank, float otherwise (native does not shard across ranks yet)
     draft:
-      method: self-w8                # model | self-w8 | ngram | none
+      method: self-w8                # model | self-w8 | self-w4 | ngram | suffix | hybrid | none (self-w4: the
+                                     #   target's own 4-bit copy, a GGUF file's own blocks where it is one;
+                                     #   hybrid: self-w8 and the suffix index, the suffix draft when confident)
       model: null                    # local HF causal LM (method: model only), same vocabulary
       dtype: float32                 # as target.dtype, for method model; self-w8 (the target's own int8
                                      #   copy) runs in target.dtype; q is float32 and fp16-exact in any dtype
@@ -22,6 +28,14 @@ Shape::
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
+      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/suffix.py): longest substring
+                                     #   counted in the index of every request's prompt and output
+      suffix_min_prob: 0.1           # a suffix draft stops before its path probability (product of the
+                                     #   continuation frequencies) falls below this
+      suffix_max_spec_factor: 1.0    # a suffix draft has at most factor x (matched suffix length) tokens
+      suffix_cache_requests: 256     # finished requests kept in the index (oldest evicted); 0: live ones only
+      suffix_min_score: 2.0          # hybrid: the suffix draft when its score (expected accepted tokens by
+                                     #   the counts) is >= min(this, k), else the self-w8 model draft
       pipeline: off                  # on: model drafts prepare each request's next drafts while the target
                                      #   verifies (specdist/pipeline.py); off: draft, then verify
       pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
@@ -83,19 +97,28 @@ from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
-DRAFT_METHODS = ("model", "self-w8", "ngram", "none")
+DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "none")
+SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
+WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+
+
+def target_copy(method: str) -> str | None:
+    """The self draft (copy of the target) a draft method drafts with: hybrid drafts with self-w8's."""
+    return "self-w8" if method == "hybrid" else method if method in SELF_DRAFTS else None
 
 
 @dataclass
 class TargetConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"
+    weights: str = "auto"
 
     def validate(self, key: str) -> None:
         _check_nonempty(self.model, f"{key}.model")
         _check_choice(self.dtype, DTYPES, f"{key}.dtype")
+        _check_choice(self.weights, WEIGHTS, f"{key}.weights")
 
 
 @dataclass
@@ -108,6 +131,11 @@ class DraftConfig:
     length_policy: str = "adaptive"
     ngram_min: int = 1
     ngram_max: int = 3
+    suffix_max_depth: int = 24
+    suffix_min_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
+    suffix_cache_requests: int = 256
+    suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
 
@@ -125,6 +153,15 @@ class DraftConfig:
             raise ConfigError(f"{key}.confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold!r}")
         _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)
         _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
+        _check_int(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256)
+        _check_int(self.suffix_cache_requests, f"{key}.suffix_cache_requests", 0, 1 << 20)
+        if not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ConfigError(f"{key}.suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob!r}")
+        if not 0.0 < self.suffix_max_spec_factor <= 256.0:
+            raise ConfigError(f"{key}.suffix_max_spec_factor",
+                              f"must be in (0, 256], got {self.suffix_max_spec_factor!r}")
+        if not 0.0 <= self.suffix_min_score <= 64.0:
+            raise ConfigError(f"{key}.suffix_min_score", f"must be in [0, 64], got {self.suffix_min_score!r}")
 
     @property
     def enabled(self) -> bool:
@@ -133,7 +170,7 @@ class DraftConfig:
     @property
     def pipelined(self) -> bool:
         """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
-        return self.pipeline and self.method in ("model", "self-w8")
+        return self.pipeline and self.method in ("model", *SELF_DRAFTS)
 
 
 @dataclass
@@ -249,12 +286,15 @@ class Config:
             if not self.draft.enabled and n > 0:
                 raise ConfigError(
                     "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}")
+            if self.target.weights == "native" and self.cluster.tensor_parallel_size > 1:
+                raise ConfigError("target.weights", "native runs on one rank; with tensor_parallel_size "
+                                  f"{self.cluster.tensor_parallel_size} use auto or float")
         return self
 
     @property
     def draft_dtype(self) -> str:
-        """The dtype the draft runs in: draft.dtype for a separate model; self-w8 is the target's copy."""
-        return self.target.dtype if self.draft.method == "self-w8" else self.draft.dtype
+        """The dtype the draft runs in: draft.dtype for a separate model; self drafts are the target's copy."""
+        return self.target.dtype if target_copy(self.draft.method) else self.draft.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,7 +2,7 @@
 
 :class:`DrafterCore` takes and returns the dataclasses of :mod:`specdist.transport`. The
 in-process engine calls it directly (:class:`LocalDrafter`); a draft worker hosts the same
-class behind gRPC (``workers/draft_worker.py``). Two methods:
+class behind gRPC (``workers/draft_worker.py``). The methods:
 
 - ``model``: a small causal LM (a separate draft model, or the target's int8 ``self-w8``
   copy) over its own slot KV cache. Each draft token is sampled from the *processed* draft
@@ -12,6 +12,18 @@ class behind gRPC (``workers/draft_worker.py``). Two methods:
   transport and both give the same tokens. Greedy requests have a one-hot q (no tensor).
 - ``ngram`` (prompt lookup): the continuation of the latest earlier occurrence of the
   sequence's last n tokens (:class:`specdist.ngram.NgramIndex`); q is one-hot.
+- ``suffix`` (SuffixDecoding): the most frequent continuation of the longest suffix that
+  occurred before in any sequence of this core, live or recently finished
+  (:class:`specdist.suffix.SuffixIndex`, one per core); q is one-hot.
+- ``hybrid``: a model runner (the target's int8 copy) *and* the suffix index. Per request and
+  step the suffix draft is taken when its score (expected accepted tokens by the counts) is at
+  least ``min(min_score, k)`` (k: the tokens asked for; a score of k means every token certain by
+  the counts), otherwise the model drafts. Both choices depend on committed tokens
+  only, so they are fixed before verification. A request whose suffix draft was taken skips
+  the model: its KV cache catches up on every committed token at its next model pass.
+
+:func:`build_drafter_core` is the one place that turns a ``draft:`` config into a core (the
+engine and the draft worker actor both call it).
 
 Per request the core keeps the committed token sequence, the SamplingParams, its seed (the
 StartItem seed, i.e. ``draft_seed(request seed)``), the tokens of its last proposal and, for
@@ -43,6 +55,7 @@ from specdist.ngram import NgramIndex
 from specdist.request import now
 from specdist.sampling import process_logits, sample_from
 from specdist.sampling_params import SamplingParams
+from specdist.suffix import SuffixIndex, SuffixSettings, SuffixState
 from specdist.transport import (
     CallTiming,
     Proposal,
@@ -58,6 +71,7 @@ from specdist.transport import (
 from specdist.wire import fp16_exact
 
 if TYPE_CHECKING:
+    from specdist.config import DraftConfig
     from specdist.pipeline import DraftPipeline
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
@@ -71,6 +85,7 @@ class _DraftRequest:
     seed: int  # draft_uniform(seed, n) samples the token at position n
     slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
     index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
+    suffix: SuffixState | None = None  # suffix / hybrid drafts: seq's place in the core's suffix index
     proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
 
 
@@ -94,11 +109,16 @@ class DrafterCore:
 
     def __init__(self, runner: CausalLMRunner | None, vocab_size: int, max_model_len: int,
                  confidence_threshold: float = 0.0, ngram: tuple[int, int] | None = None,
-                 prefix_source: PrefixSource | None = None):
-        if (runner is None) == (ngram is None):
-            raise ValueError("a drafter has either a model runner or n-gram settings")
+                 prefix_source: PrefixSource | None = None, suffix: SuffixSettings | None = None):
+        kinds = (runner is not None, ngram is not None, suffix is not None)
+        if kinds not in ((True, False, False), (False, True, False), (False, False, True), (True, False, True)):
+            raise ValueError("a drafter has a model runner, n-gram settings, suffix settings, or a runner and "
+                             "suffix settings (hybrid)")
         self.runner = runner
         self.ngram = ngram
+        self.suffix_settings = suffix
+        self.suffix = SuffixIndex(suffix.max_depth, suffix.cache_requests) if suffix is not None else None
+        self.drafts_by_source = {"suffix": 0, "model": 0}  # hybrid: request steps drafted by each
         self.vocab_size = int(vocab_size)
         self.max_model_len = max_model_len
         self.confidence_threshold = confidence_threshold
@@ -116,8 +136,23 @@ class DrafterCore:
     def from_ngram(cls, vocab_size: int, max_model_len: int, ngram_min: int = 1, ngram_max: int = 3) -> "DrafterCore":
         return cls(None, vocab_size, max_model_len, ngram=(ngram_min, ngram_max))
 
+    @classmethod
+    def from_suffix(cls, vocab_size: int, max_model_len: int, settings: SuffixSettings | None = None) -> "DrafterCore":
+        return cls(None, vocab_size, max_model_len, suffix=settings or SuffixSettings())
+
+    @classmethod
+    def hybrid(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
+               settings: SuffixSettings | None = None, confidence_threshold: float = 0.0,
+               prefix_source: PrefixSource | None = None) -> "DrafterCore":
+        """A model draft (the target's self-w8 copy) and the suffix index, chosen per request and step."""
+        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
+                   suffix=settings or SuffixSettings())
+
     @property
     def method(self) -> str:
+        if self.suffix is not None:
+            return "suffix" if self.runner is None else "hybrid"
         return "ngram" if self.runner is None else "model"
 
     @property
@@ -143,9 +178,11 @@ class DrafterCore:
             if cache is not None:
                 r.slot = cache.allocate()
                 new.append((it.request_id, r))
-            else:
+            elif self.ngram is not None:
                 r.index = NgramIndex(*self.ngram)
                 r.index.extend(prompt)
+            if self.suffix is not None:
+                r.suffix = self.suffix.start(prompt)  # O(len(prompt) * max_depth)
             self.requests[it.request_id] = r
         todo = [(rid, r) for rid, r in new if len(r.seq) > 1]
         computed = []
@@ -198,12 +235,17 @@ class DrafterCore:
         r.proposal = []
         if r.index is not None:
             r.index.extend(kept)
+        if r.suffix is not None:
+            self.suffix.extend(r.suffix, kept)
         if r.slot is not None:  # the cache holds the accepted drafts, then stale ones: drop those
+            # (after a hybrid's suffix proposal it holds a prefix of the old seq: kept as it is)
             self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], prev + n_acc))
 
     def _draft(self, items: list[ProposeItem], reqs: list[_DraftRequest], ks: list[int]) -> list[Proposal]:
         """Draft ``ks[b]`` tokens after each request's committed sequence; they become its proposal."""
-        if self.runner is None:
+        if self.suffix is not None:
+            proposals = self._draft_suffix(items, reqs, ks)
+        elif self.runner is None:
             proposals = [Proposal(it.request_id, r.index.lookup(k) if k > 0 else []) for it, r, k in zip(items, reqs, ks)]
         else:
             toks, qs, _ = self._draft_model(reqs, ks)
@@ -211,6 +253,23 @@ class DrafterCore:
         for r, p in zip(reqs, proposals):
             r.proposal = list(p.token_ids)
         return proposals
+
+    def _draft_suffix(self, items: list[ProposeItem], reqs: list[_DraftRequest], ks: list[int]) -> list[Proposal]:
+        """Suffix drafts (q one-hot); hybrid: the model drafts the requests whose suffix score is low."""
+        st = self.suffix_settings
+        drafts = [self.suffix.lookup(r.suffix, k, st.min_prob, st.max_spec_factor) if k > 0 else None
+                  for r, k in zip(reqs, ks)]
+        out = [Proposal(it.request_id, d.tokens if d is not None else []) for it, d in zip(items, drafts)]
+        if self.runner is not None:  # confident: expected accepted >= min_score, or all k tokens certain
+            rows = [b for b, (d, k) in enumerate(zip(drafts, ks))
+                    if k > 0 and not (d.tokens and d.score >= min(st.min_score, k))]
+            self.drafts_by_source["model"] += len(rows)
+            self.drafts_by_source["suffix"] += sum(k > 0 for k in ks) - len(rows)
+            if rows:
+                toks, qs, _ = self._draft_model([reqs[b] for b in rows], [ks[b] for b in rows])
+                for b, t, q in zip(rows, toks, qs):
+                    out[b] = Proposal(items[b].request_id, t, q)
+        return out
 
     def _draft_model(self, reqs: list[_DraftRequest], ks: list[int], ahead: list[list[int]] | None = None,
                      guess: bool = False, gate: "Callable[[int], bool] | None" = None, each_pass=None):
@@ -302,13 +361,15 @@ class DrafterCore:
             r = self.requests.pop(rid, None)
             if r is not None and r.slot is not None:
                 self.cache.free(r.slot)
+            if r is not None and r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
+                self.suffix.finish(r.suffix)
 
     # ------------------------------------------------------------ introspection
     def kv_slots_in_use(self) -> int:
         return self.cache.num_used if self.cache is not None else 0
 
     def health(self) -> dict:
-        return {
+        out = {
             "ok": True,
             "method": self.method,
             "requests": len(self.requests),
@@ -316,11 +377,57 @@ class DrafterCore:
             "vocab_size": self.vocab_size,
             "max_model_len": self.max_model_len,
         }
+        if self.suffix is not None:
+            s = self.suffix.stats()
+            out.update(suffix_nodes=s["nodes"], suffix_cached_requests=s["cached"])
+            if self.runner is not None:
+                out.update(hybrid_suffix_drafts=self.drafts_by_source["suffix"],
+                           hybrid_model_drafts=self.drafts_by_source["model"])
+        return out
+
+
+def suffix_settings(dc: "DraftConfig") -> SuffixSettings:
+    """The ``draft.suffix_*`` keys of a config."""
+    return SuffixSettings(dc.suffix_max_depth, dc.suffix_min_prob, dc.suffix_max_spec_factor,
+                          dc.suffix_cache_requests, dc.suffix_min_score)
+
+
+MODEL_FREE_METHODS = ("ngram", "suffix")  # draft methods without a model
+
+
+def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, max_model_len: int,
+                       model: torch.nn.Module | None = None,
+                       prefix_source: PrefixSource | None = None) -> DrafterCore | None:
+    """The drafter core of a ``draft:`` config section (None for method ``none``).
+
+    ``model``: the loaded draft model for the methods that draft with one: a separate model
+    (``model``), the target's low-precision copy (``self-w8`` and other self drafts, and
+    ``hybrid``, whose suffix index comes with it). ``prefix_source``: where the target's prompt
+    K/V sit, for a copy of the target (same layout) to take instead of its own prefill."""
+    from specdist.errors import ConfigError
+
+    method = dc.method
+    if method == "none":
+        return None
+    if method == "ngram":
+        return DrafterCore.from_ngram(vocab_size, max_model_len, dc.ngram_min, dc.ngram_max)
+    if method == "suffix":
+        return DrafterCore.from_suffix(vocab_size, max_model_len, suffix_settings(dc))
+    if model is None:
+        raise ConfigError("draft.method", f"{method!r} needs a draft model")
+    if int(model.config.vocab_size) != int(vocab_size):
+        raise ConfigError("draft.model",
+                          f"vocabulary size {model.config.vocab_size} differs from the target's {vocab_size}")
+    if method == "hybrid":
+        return DrafterCore.hybrid(model, max_batch_size, max_model_len, suffix_settings(dc), dc.confidence_threshold,
+                                  prefix_source=prefix_source)
+    return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
+                                  prefix_source=prefix_source)
 
 
 def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
-    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model."""
-    if not pipeline or core.runner is None:
+    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only."""
+    if not pipeline or core.method != "model":
         return core
     from specdist.pipeline import DraftPipeline
 

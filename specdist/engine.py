@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specdist.config import Config, load_config
-from specdist.drafting import DrafterCore, LocalDrafter, pipelined
+from specdist.config import Config, load_config, target_copy
+from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core, pipelined
 from specdist.errors import ConfigError
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner
@@ -27,19 +27,11 @@ class Engine(Scheduler):
         ec = config.engine
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len))
         vocab = self.target_core.vocab_size
-        self.draft_core: DrafterCore | None = None
         dc = config.draft
-        if dc.method == "ngram":
-            self.draft_core = DrafterCore.from_ngram(vocab, ec.max_model_len, dc.ngram_min, dc.ngram_max)
-        elif draft is not None:
-            if int(draft.config.vocab_size) != vocab:
-                raise ConfigError("draft.model", f"vocabulary size {draft.config.vocab_size} differs from the target's {vocab}")
-            # self-w8: the target's prompt K/V (same layout) stand in for the draft's own prefill
-            share = self._target_prefix if dc.method == "self-w8" else None
-            self.draft_core = DrafterCore.from_model(draft, ec.max_batch_size, ec.max_model_len,
-                                                     dc.confidence_threshold, prefix_source=share)
-        elif dc.enabled:
-            raise ConfigError("draft.method", f"{dc.method!r} needs a draft model")
+        # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
+        share = self._target_prefix if target_copy(dc.method) else None
+        self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
+                                                                 prefix_source=share)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 
@@ -60,16 +52,16 @@ class Engine(Scheduler):
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
             if tokenizer is None:
                 tokenizer = load_tokenizer(src)
-            target = load_model(src, cfg.target.dtype, device)
+            target = load_model(src, cfg.target.dtype, device, weights=cfg.target.weights)
             draft = None
             if cfg.draft.method == "model":
                 dsrc = resolve_model(cfg.draft.model, "draft.model")
                 draft = load_model(dsrc, cfg.draft.dtype, device)
                 check_same_vocab(target, tokenizer, draft, load_tokenizer(dsrc))
-        if cfg.draft.method == "self-w8":
-            from specdist.models.quant import quantized_copy
+            elif target_copy(cfg.draft.method):
+                from specdist.models.native import self_draft
 
-            draft = quantized_copy(target)
+                draft = self_draft(target, target_copy(cfg.draft.method), src.gguf_path)
         return cls(cfg, target, tokenizer, draft)
 
 

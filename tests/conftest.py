@@ -64,14 +64,19 @@ def devices(min_gpus: int = 1) -> list:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    """The built-in model's (tokenizer, model in float32 on the CPU), rebuilt and de-quantised from
-    its GGUF file once per session, from one parse of the file (tens of seconds). Engines over the
+    """The built-in model's (tokenizer, model in float32 on the CPU, model on its native blocks), rebuilt
+    from its GGUF file once per session, from one parse of the file (tens of seconds). Engines over the
     model keep their own KV caches; none changes its weights."""
     from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
+    from specdist.models.native import use_native_blocks
+    from specdist.models.quant import unfused_copy
 
     src = resolve_model("smollm2-135m-instruct")
     with gguf_parsed_once():
-        return load_tokenizer(src), load_model(src, "float32")
+        tokenizer, model = load_tokenizer(src), load_model(src, "float32")
+        native = unfused_copy(model)  # on its own GGUF blocks, as `target.weights: native` loads it
+        use_native_blocks(native, src.gguf_path)
+        return tokenizer, model, native
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +87,12 @@ def smollm2_tokenizer(smollm2_loaded):
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_loaded):
     return smollm2_loaded[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_native_model(smollm2_loaded):
+    """The built-in model on its own GGUF blocks (``target.weights: native``)."""
+    return smollm2_loaded[2]
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,7 @@ def greedy(max_tokens: int, ignore_eos: bool = True, **kw) -> SamplingParams:
 # --------------------------------------------------------------------------- greedy equality
 @pytest.mark.parametrize("ignore_eos", [True, False])
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("method", ["model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["model", "ngram", "suffix", "hybrid", "none"])
 def test_greedy_ragged_batch_equals_target_only(make_engine, greedy_ref, method, k, ignore_eos):
     eng = make_engine(method, k)
     params = [greedy(m, ignore_eos) for m in MAX_TOKENS]
@@ -245,7 +245,7 @@ def _prompt_with_eos_inside(greedy_ref, k: int):
     raise AssertionError("no prompt whose greedy output has EOS inside the first draft run")
 
 
-@pytest.mark.parametrize("method", ["self", "model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["self", "model", "ngram", "suffix", "hybrid", "none"])
 def test_eos_inside_accepted_run(make_engine, greedy_ref, method):
     k = 5
     eng = make_engine("model", k, self_draft=True) if method == "self" else make_engine(method, k)
@@ -305,7 +305,7 @@ def test_max_tokens_inside_draft(make_engine, greedy_ref, max_tokens, temperatur
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 4, 6])
-@pytest.mark.parametrize("method", ["model", "ngram"])
+@pytest.mark.parametrize("method", ["model", "ngram", "suffix", "hybrid"])
 def test_max_tokens_inside_draft_with_rejections(make_engine, greedy_ref, method, max_tokens):
     eng = make_engine(method, 5)
     outs = eng.generate(PROMPTS, greedy(max_tokens))
@@ -319,7 +319,7 @@ def test_max_tokens_inside_draft_with_rejections(make_engine, greedy_ref, method
 
 # --------------------------------------------------------------------------- context limit
 @pytest.mark.parametrize("plen", [9, 10, 11])
-@pytest.mark.parametrize("method", ["self", "model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["self", "model", "ngram", "suffix", "hybrid", "none"])
 def test_context_limit_inside_draft(make_engine, method, plen):
     limit = 12
     if method == "self":
@@ -404,11 +404,11 @@ def test_multiple_stop_strings_earliest_wins(make_engine, greedy_ref):
 
 
 # --------------------------------------------------------------------------- KV slots and batching
-@pytest.mark.parametrize("method", ["self", "model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["self", "model", "ngram", "suffix", "hybrid", "none"])
 def test_kv_slots_free_after_every_finish_and_abort(make_engine, method):
     eng = make_engine("model" if method == "self" else method, 3, method == "self", max_batch_size=4)
     assert eng.kv_slots_in_use()["target"] == 0
-    if method in ("self", "model"):
+    if method in ("self", "model", "hybrid"):
         assert set(eng.kv_slots_in_use()) == {"target", "draft"}
 
     # Every finish reason in one batch: length, EOS stop, stop token, stop string.
@@ -461,6 +461,8 @@ def test_kv_slots_free_after_every_finish_and_abort(make_engine, method):
     out = eng.generate([[0]], greedy(6))[0]
     assert len(out.token_ids) == 6
     assert_idle(eng)
+    if method in ("suffix", "hybrid"):  # every finished or aborted request's live index state is gone
+        assert not eng.draft_core.requests and eng.draft_core.suffix.live == 0
 
 
 @pytest.mark.parametrize("method", ["self", "model", "ngram", "none"])
@@ -571,7 +573,7 @@ def test_tiny_positive_temperature_is_greedy(make_engine, greedy_ref, method, te
 @pytest.mark.parametrize(
     "top_k,top_p", [(2, 0.5), (2, 1.0), (0, 0.5), (3, 0.8)], ids=["k2p05", "k2", "p05", "k3p08"]
 )
-@pytest.mark.parametrize("method", ["model", "ngram"])
+@pytest.mark.parametrize("method", ["model", "ngram", "suffix", "hybrid"])
 def test_emitted_tokens_inside_target_support(make_engine, hf_target, greedy_ref, method, top_k, top_p):
     eng = make_engine(method, 3)
     prompts = [PROMPTS[s % len(PROMPTS)] for s in range(40)]

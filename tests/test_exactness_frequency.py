@@ -26,6 +26,10 @@ residual after a rejection), computed with the engine's own draft-length schedul
 proposals, is also asserted to be detected with power > 0.99.
 The acceptance rate read from the outputs' metrics shows that the speculative path
 really rejected and resampled (and sometimes accepted everything and drew the bonus).
+
+Suffix and hybrid drafts (end of the file) depend on every earlier request's output, so no
+closed-form law of their speculative chain exists: the same G-test against the target's law,
+and as negative control a deliberately wrong verifier that the same harness must reject.
 """
 
 from __future__ import annotations
@@ -316,3 +320,79 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
     counts = np.bincount(chosen, minlength=K + 1)
     print(f"  draft lengths chosen (k = 0..{K}): {counts.tolist()}")
     assert (counts > len(chosen) // 100).sum() >= 3, f"the rule should use several draft lengths: {counts}"
+
+
+# ----------------------------------------------------------------------------- suffix and hybrid drafts
+# The suffix index is shared by every request of the drafter, so a request's drafts depend on what the
+# requests before it emitted (6000 requests, one prompt: the drafts follow the most frequent earlier
+# continuations, with ``suffix_cache_requests`` of them held, the older ones evicted as the run goes).
+# No closed-form law of the speculative chain exists for that (speculative_law does not apply); the
+# output law must still be the target's. Same G-test: N = 6000, alpha 1e-4 (false-failure rate).
+SUFFIX_CASES = [
+    # df 93, threshold 152.4 (the cells of ngram-T1.0-L3: same prompt, same window)
+    (Case("suffix", 3, 3), {"suffix_cache_requests": 64}),
+    # hybrid: the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both are used
+    (Case("hybrid", 4, 3, temperature=1.2, top_k=5), {"suffix_min_score": 1.0, "suffix_cache_requests": 64}),
+]
+
+
+def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: dict):
+    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
+    cfg["draft"].update(draft)
+    eng = Engine.from_config(cfg)
+    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
+                             top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+    return eng.generate([list(case.prompt)] * n, params), eng
+
+
+def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[float, float, dict]:
+    """(G, threshold, stats) of n engine samples against the target's exact law of the window."""
+    ptab, margin = _prob_table(models["target"], case)
+    assert margin > 1e-5
+    p = joint(ptab, case.window)
+    t0 = time.perf_counter()
+    outs, eng = sample_suffix_engine(models, case, n, seed0, draft)
+    assert all(len(o.token_ids) == case.max_tokens and o.finish_reason == "length" for o in outs)
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+    drafted = np.array([o.metrics.drafted for o in outs])
+    accepted = np.array([o.metrics.accepted for o in outs])
+    h = eng.draft_core.health()
+    st = {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
+          "all": int(((drafted > 0) & (accepted == drafted)).sum()),
+          "none": int(((drafted > 0) & (accepted == 0)).sum()), **h}
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
+    cells = merge_cells(p, n)
+    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
+    g = g_statistic(counts, p, cells)
+    print(f"\n{case.id}: N={n} in {time.perf_counter() - t0:.1f}s; acceptance {st['acceptance']:.3f} over "
+          f"{st['drafted']} draft tokens, every draft accepted {st['all']}, none {st['none']}; "
+          f"G = {g:.1f}, df = {len(cells) - 1}, threshold {threshold:.1f}; drafter {h}")
+    return g, threshold, st
+
+
+@pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id for c, _ in SUFFIX_CASES])
+def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict) -> None:
+    """G-test, N = 6000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed)."""
+    seed0 = 300_000_000 + 1_000_000 * SUFFIX_CASES.index((case, draft))
+    g, threshold, st = suffix_g_test(models, case, N, seed0, draft)
+    # the speculative path really ran: drafts proposed, rejected at the first position and accepted whole
+    assert st["drafted"] >= N and st["all"] >= N // 50 and st["none"] >= N // 50, st
+    if case.method == "hybrid":
+        assert st["hybrid_suffix_drafts"] >= N // 20 and st["hybrid_model_drafts"] >= N // 20, st
+    assert st["suffix_cached_requests"] == 64  # the index evicted as it went
+    assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f}: not the target distribution"
+
+
+def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch) -> None:
+    """Negative control through the same harness: the verifier resamples from p instead of the
+    residual after a rejection (tests/test_exactness_enumeration.py's wrong rule). With suffix
+    drafts (mostly the target's likely tokens) that over-weights them; N = 1500 sequences,
+    alpha 1e-4: G must exceed the threshold (seeds fixed: deterministic)."""
+    from test_exactness_enumeration import _wrong_verifier
+
+    monkeypatch.setattr("specdist.verifying.rejection_sample", _wrong_verifier("resample_from_p"))
+    case, draft = SUFFIX_CASES[0]
+    g, threshold, st = suffix_g_test(models, case, 1500, 310_000_000, draft)
+    assert st["none"] >= 1500 // 50, st  # rejections happened: the wrong rule was exercised
+    assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"

@@ -775,6 +775,12 @@ BAD_VALUES = {
     "GPU drafts next to a CPU target": ({"draft": {"gpusPerReplica": 1}}, "/draft/gpusPerReplica"),
     "hub model id": ({"model": {"target": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, "/model/target"),
     "unknown dtype": ({"target": {"dtype": "fp8"}}, "/target/dtype"),
+    "unknown weights": ({"target": {"weights": "int4"}}, "/target/weights"),
+    "native weights across ranks": ({"target": {"weights": "native"}},
+                                    "target.weights: native runs on one rank"),
+    "suffix depth below 2": ({"draft": {"suffixMaxDepth": 1}}, "/draft/suffixMaxDepth"),
+    "suffix spec factor 0": ({"draft": {"suffixMaxSpecFactor": 0}}, "/draft/suffixMaxSpecFactor"),
+    "suffix key left out": ({"draft": {"suffixMinScore": None}}, "suffixMinScore"),
     "misspelt key": ({"target": {"tensorParalelSize": 3}}, "tensorParalelSize"),
     "GPUs in resources": ({"target": {"resources": {"limits": {"nvidia.com/gpu": 8}}}}, "/target/resources/limits"),
     "port out of range": ({"serve": {"port": 70000}}, "/serve/port"),
@@ -835,6 +841,70 @@ def test_length_policy_choices_match_the_config_loader():
     assert choices[0] == ""  # "": the key is left out of the rendered config
     if hasattr(specdist_config, "LENGTH_POLICIES"):
         assert choices[1:] == list(specdist_config.LENGTH_POLICIES)
+
+
+def test_weights_choices_match_the_config_loader():
+    assert _chart().schema["properties"]["target"]["properties"]["weights"]["enum"] == list(specdist_config.WEIGHTS)
+    assert _chart().values["target"]["weights"] == specdist_config.TargetConfig.weights == "auto"
+
+
+def test_native_weights_render_on_one_rank_only():
+    """target.weights reaches the config; native, which the loader refuses across ranks, renders with one rank
+    and fails with a message naming the value (and why) with more."""
+    for weights in specdist_config.WEIGHTS:
+        docs = render({"target": {"weights": weights, "tensorParallelSize": 1}})
+        assert check_invariants(docs) == []
+        cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
+        assert (cfg.target.weights, cfg.cluster.tensor_parallel_size) == (weights, 1)
+    for weights in ("auto", "float"):
+        cfg = specdist_config.load_config(yaml.safe_load(config_map(
+            render({"target": {"weights": weights}}))["data"]["config.yaml"]))
+        assert (cfg.target.weights, cfg.cluster.tensor_parallel_size) == (weights, 3)
+    with pytest.raises(helm.HelmError) as e:
+        render({"target": {"weights": "native", "tensorParallelSize": 2}})
+    assert "target.weights: native runs on one rank" in str(e.value) and "tensorParallelSize 2" in str(e.value)
+    # the rule the chart mirrors: the loader refuses the same config
+    with pytest.raises(ConfigError, match="target.weights"):
+        specdist_config.load_config({"target": {"weights": "native"},
+                                     "cluster": {"enabled": True, "tensor_parallel_size": 2}})
+
+
+SUFFIX_VALUES = {"suffixMaxDepth": "suffix_max_depth", "suffixMinProb": "suffix_min_prob",
+                 "suffixMaxSpecFactor": "suffix_max_spec_factor", "suffixCacheRequests": "suffix_cache_requests",
+                 "suffixMinScore": "suffix_min_score"}
+
+
+def test_suffix_values_match_the_config_loader():
+    """Each draft.suffix* value: the chart's default is the config's, and the schema accepts exactly what the
+    loader does at and around both ends of its range."""
+    schema = _chart().schema["properties"]["draft"]["properties"]
+    defaults = specdist_config.DraftConfig()
+    for name, key in SUFFIX_VALUES.items():
+        assert _chart().values["draft"][name] == getattr(defaults, key), name
+        sub = schema[name]
+        lo = sub.get("minimum", sub.get("exclusiveMinimum"))
+        hi = sub.get("maximum", sub.get("exclusiveMaximum"))
+        step = 1 if sub["type"] == "integer" else 1e-6
+        for value in (lo - step, lo, lo + step, hi - step, hi, hi + step):
+            in_schema = jsonschema.Draft202012Validator(sub).is_valid(value)
+            try:
+                specdist_config.load_config({"draft": {key: value}})
+                in_loader = True
+            except ConfigError:
+                in_loader = False
+            assert in_schema == in_loader, (name, value, in_schema, in_loader)
+
+
+def test_suffix_values_reach_the_config():
+    """Set values reach the config as set, zeros and small floats included (no template `default` swaps 0)."""
+    values = {"suffixMaxDepth": 2, "suffixMinProb": 0, "suffixMaxSpecFactor": 0.5, "suffixCacheRequests": 0,
+              "suffixMinScore": 0}
+    for draft in (values, {**values, "suffixMinProb": 0.00001, "suffixMaxSpecFactor": 256, "suffixMinScore": 64}):
+        docs = render({"draft": {"method": "hybrid", **draft}})
+        assert check_invariants(docs) == []
+        cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"])).draft
+        assert cfg.method == "hybrid"
+        assert {name: getattr(cfg, key) for name, key in SUFFIX_VALUES.items()} == draft
 
 
 def test_chart_renders_every_config_key():

@@ -33,7 +33,8 @@ def test_readme_has_python_blocks() -> None:
     assert len(blocks) >= 2 and "Engine.from_config" in blocks[0] and "SpecDistClient" in blocks[1]
 
 
-def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smollm2_tokenizer) -> None:
+def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smollm2_native_model,
+                                               smollm2_tokenizer) -> None:
     pytest.importorskip("gguf")
     from specdist.models import loader
 
@@ -41,12 +42,12 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
     builtin = loader.resolve_model("smollm2-135m-instruct")
     load_model, load_tokenizer, reused = loader.load_model, loader.load_tokenizer, []
 
-    def session_model(source, dtype, device="cpu", progress=None):
+    def session_model(source, dtype, device="cpu", progress=None, weights="float"):
         if (source.directory, source.gguf_file, dtype, str(device)) == (builtin.directory, builtin.gguf_file,
                                                                          "float32", "cpu"):
             reused.append("model")
-            return smollm2_model
-        return load_model(source, dtype, device, progress)
+            return smollm2_model if weights == "float" else smollm2_native_model
+        return load_model(source, dtype, device, progress, weights)
 
     def session_tokenizer(source, progress=None):
         if (source.directory, source.gguf_file) == (builtin.directory, builtin.gguf_file):

@@ -271,7 +271,7 @@ class TargetRankActor(_ActorBase):
     # ------------------------------------------------------------ model
     @_shippable_errors
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
-             collective_timeout_s: float = 10.0) -> dict:
+             collective_timeout_s: float = 10.0, weights: str = "float") -> dict:
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
@@ -282,7 +282,8 @@ class TargetRankActor(_ActorBase):
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
         # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
-        model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size)
+        model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size,
+                             weights=weights)
         broadcast = set_timeout = None
         if self.world_size > 1:
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
@@ -392,7 +393,8 @@ class TargetRankActor(_ActorBase):
 
 # ---------------------------------------------------------------- draft
 class DraftActor(_ActorBase):
-    """One draft worker (method ``model`` / ``self-w8`` / ``ngram``) served over gRPC."""
+    """One draft worker (method ``model`` / ``self-w8`` / ``self-w4`` / ``ngram`` / ``suffix`` / ``hybrid``)
+    served over gRPC."""
 
     role = "draft"
 
@@ -408,7 +410,7 @@ class DraftActor(_ActorBase):
         method: str,
         target_model_spec: str,
         draft_model_spec: str | None = None,
-        dtype: str = "float32",  # the draft's: Config.draft_dtype (self-w8: the target's); auto resolved here
+        dtype: str = "float32",  # the draft's: Config.draft_dtype (self drafts: the target's); auto resolved here
         k: int = 4,
         max_batch_size: int = 8,
         max_model_len: int = 2048,
@@ -418,34 +420,42 @@ class DraftActor(_ActorBase):
         device: str = "auto",
         pipeline: bool = False,  # draft.pipeline (model drafts): prepare next drafts during verification
         pipeline_miss: str = "redraft",
+        suffix: dict | None = None,  # the draft.suffix_* keys (methods suffix and hybrid; defaults if None)
     ) -> dict:
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.drafting import DrafterCore, pipelined
+        from specdist.config import DraftConfig, target_copy
+        from specdist.drafting import MODEL_FREE_METHODS, build_drafter_core, pipelined
         from specdist.engine import device_for
         from specdist.errors import ConfigError
         from specdist.models.loader import load_model, resolve_model
 
         dev = device_for(device)
+        dc = DraftConfig(method=method, confidence_threshold=confidence_threshold, ngram_min=ngram_min,
+                         ngram_max=ngram_max, **(suffix or {}))
+        model = None
         if method == "model":
             if not draft_model_spec:
                 raise ConfigError("draft.model", "method 'model' needs a draft model")
             model = load_model(resolve_model(draft_model_spec, "draft.model"), dtype, dev)
-            self.worker = DrafterCore.from_model(model, max_batch_size, max_model_len, confidence_threshold)
-        elif method == "self-w8":
-            from specdist.models.quant import quantized_copy
+        elif target_copy(method):  # self-w8, self-w4, hybrid (self-w8 + the suffix index)
+            from specdist.models.native import self_draft
 
-            target = load_model(resolve_model(target_model_spec, "target.model"), dtype, dev)
-            self.worker = DrafterCore.from_model(quantized_copy(target), max_batch_size, max_model_len,
-                                                 confidence_threshold)
+            src = resolve_model(target_model_spec, "target.model")
+            # self-w4 of a GGUF target: the file's blocks, loaded as such; self-w8: the floats, quantized
+            target = load_model(src, dtype, dev, weights="native" if target_copy(method) == "self-w4" else "float")
+            model = self_draft(target, target_copy(method), src.gguf_path)
             del target
-        elif method == "ngram":
+        elif method not in MODEL_FREE_METHODS:
+            raise ConfigError("draft.method", f"a draft actor runs model, self-w8, self-w4, ngram, suffix or hybrid, "
+                                              f"not {method!r}")
+        if model is None:
             from specdist.models.metadata import model_metadata
 
             _, vocab, _ = model_metadata(target_model_spec, "target.model")
-            self.worker = DrafterCore.from_ngram(vocab, max_model_len, ngram_min, ngram_max)
         else:
-            raise ConfigError("draft.method", f"a draft actor runs model, self-w8 or ngram, not {method!r}")
+            vocab = int(model.config.vocab_size)
+        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model)
         self.worker = pipelined(self.worker, pipeline, pipeline_miss)
         self.method, self.k = method, int(k)
         self.load_s = time.perf_counter() - t0

@@ -50,6 +50,12 @@ app.kubernetes.io/part-of: specdist
 {{- if gt (int .Values.target.gpusPerPod) 0 }}true{{ else }}false{{ end -}}
 {{- end -}}
 
+{{/* A number as a YAML float PyYAML reads as one: Go writes 0.00001 as 1e-05, which YAML 1.1 (no dot)
+     reads as a string; 1.0e-05 it reads as a float. */}}
+{{- define "specdist.yamlFloat" -}}
+{{- regexReplaceAll "^(-?[0-9]+)e" (toString (float64 .)) "${1}.0e" -}}
+{{- end -}}
+
 {{/* Worker pods the head waits for before bring-up: the target pod and one pod per draft. */}}
 {{- define "specdist.expectedWorkers" -}}
 {{- add 1 (int .Values.draft.replicas) -}}
@@ -60,7 +66,8 @@ app.kubernetes.io/part-of: specdist
 {{- add (int .Values.serve.drainSeconds) (int .Values.serve.teardownSeconds) -}}
 {{- end -}}
 
-{{/* Checks the values schema cannot express; each fails with the value's key first. */}}
+{{/* Checks the values schema cannot express (or not with a message saying why); each fails with the
+     value's key first. */}}
 {{- define "specdist.validate" -}}
 {{- $full := include "specdist.fullname" . -}}
 {{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $full) -}}
@@ -84,6 +91,9 @@ app.kubernetes.io/part-of: specdist
 {{- end -}}
 {{- if and .Values.serve.tls.clientCA (not .Values.serve.tls.secretName) -}}
 {{- fail "serve.tls.clientCA: needs serve.tls.secretName (client certificates need TLS)" -}}
+{{- end -}}
+{{- if and (eq (toString .Values.target.weights) "native") (gt (int .Values.target.tensorParallelSize) 1) -}}
+{{- fail (printf "target.weights: native runs on one rank (its quantized blocks are not sharded); with target.tensorParallelSize %d use auto or float" (int .Values.target.tensorParallelSize)) -}}
 {{- end -}}
 {{- if and (eq .Values.ray.auth.mode "disabled") .Values.ray.auth.secretName -}}
 {{- fail "ray.auth.secretName: only used with ray.auth.mode token" -}}
