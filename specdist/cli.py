@@ -7,6 +7,7 @@
     specdist cost-model --alpha 0.8 --k 4 --draft-cost 0.1 [--plot out.png] [--pipeline --guess-hit 0.8]
     specdist bench engine [--quick] [--dtype float32,bfloat16]
     specdist bench runner                     # forward per dtype: what dtype auto means on the CPU
+    specdist bench tasks [--quick] [--drafts none,self-w8,ngram]   # per task: acceptance, tokens/step, speedup
 
 Bad input is a one-line ``specdist: error: ...`` on stderr and exit status 2 (a request the
 server aborted or failed: exit status 1). Whatever can be checked without the weights (the
@@ -119,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench import soak
 
     soak.add_arguments(bs)
+    bt = bsub.add_parser("tasks", help="Spec-Bench-style tasks (chat, code edit, summarize, QA, multi-turn): "
+                                       "acceptance, tokens/step and speedup per draft", **fmt)
+    from specdist.bench import tasks as tasks_bench
+
+    tasks_bench.add_arguments(bt)
     _help_for_every_default(parser)
     return parser
 
@@ -189,6 +195,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return run(args)
         if args.command == "bench" and args.bench_command == "soak":
             from specdist.bench.soak import run
+
+            return run(args)
+        if args.command == "bench" and args.bench_command == "tasks":
+            from specdist.bench.tasks import run
 
             return run(args)
     except SpecDistError as e:

@@ -1,0 +1,424 @@
+"""``specdist bench tasks``: a Spec-Bench-style suite: per task and draft, acceptance, tokens per step
+and speedup over plain decoding, measured side by side in one run.
+
+Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` (open questions),
+``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
+repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
+a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each, about
+140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
+model's chat template by :func:`specdist.prompts.encode_prompt`, what ``Engine.generate(...,
+chat=True)`` does, once before anything is timed (a model without a chat template gets the
+conversation as plain ``User: ... Assistant:`` text).
+
+Variants (``--drafts``): one in-process :class:`~specdist.engine.Engine` per name, built from
+``--config`` with ``draft.method`` set to that name (``none``: no draft). Any method the config
+accepts is a variant; a name it refuses is a one-line error before any weight loads. The
+config is otherwise kept, except: ``cluster.enabled`` is false (this bench runs in process),
+``engine.max_model_len`` is the longest prompt + ``--max-tokens`` + 8 (the KV caches sized to
+the work: attention reads only each sequence's own prefix, so this changes no step's cost) and
+``engine.max_batch_size`` is at least the largest ``--concurrency``. Every engine is loaded
+once, before any measurement, and all stay in memory: the engines share one copy of the
+target's weights (and of a ``model`` draft's), each with its own KV cache.
+
+Load (``--concurrency``, repeatable or comma-separated, default 1): at concurrency C, a task's
+prompts are cut into ceil(n / C) batches of C requests (prompt i of batch b is the task's
+prompt ``(b * C + i) mod n``: prompts repeat to fill a batch), each submitted at once to the
+engine (``Engine.generate``), which runs them as one continuously batched set. C = 1 runs
+prompts one at a time. Request i of batch b has seed ``1000 + b * C + i``, in every variant.
+
+Interleaving: every batch runs on each variant in turn before the next batch starts, and the
+order of the variants rotates by one from batch to batch (over all tasks), so slow drift of the
+machine (heat, other processes) spreads over the variants instead of falling on one. Before
+each concurrency level, every engine runs one untimed warm-up batch (C requests, 8 tokens).
+
+Measured per batch: the wall time of ``generate`` (CUDA synchronised) and, from each request's
+own metrics (:class:`~specdist.request.RequestMetrics`), its tokens, verification steps,
+drafted and accepted tokens. Reported per task, variant and concurrency, and over all tasks:
+acceptance (accepted / drafted), tokens per step (tokens the target emitted per verification
+step: accepted drafts + 1), output tokens/s (all the requests' tokens / the batches' wall time:
+at C > 1 the aggregate throughput), and the speedup: tokens/s over the ``none`` variant's
+tokens/s on the same task and concurrency in the same run. Generation stops at EOS (as in
+Spec-Bench) unless ``--ignore-eos``; at temperature 0 (the default) every variant then does
+the same work, since exact speculative decoding reproduces the target's greedy tokens (the
+report counts the requests whose tokens equal the ``none`` variant's: a forward of another
+shape may differ in its last bits and flip a near tie). The wall time includes each request's
+prefill, as Spec-Bench's does.
+
+``--json PATH`` writes one object (strict JSON), schema ``specdist.bench.tasks/1``::
+
+    {"schema": "specdist.bench.tasks/1",
+     "settings": {"config", "tasks", "drafts", "concurrency": [int], "max_tokens", "temperature",
+                  "ignore_eos", "prompts_per_task" (null: all), "quick", "chat_template",
+                  "device", "torch_threads", "max_model_len", "max_batch_size"},
+     "variants": [{"name", "config" (the whole config the engine was built from)}],
+     "tasks": {name: {"prompts", "prompt_tokens": [int]}},
+     "results": [{"concurrency", "task" (a task name, or "all" for all tasks together), "variant",
+                  "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted", "drafted",
+                  "accepted", "acceptance" (null: nothing drafted), "tokens_per_step" (emitted / steps),
+                  "speedup" (tokens_per_s / the none variant's; null without a none variant),
+                  "same_tokens_as_none" (requests whose tokens equal none's; null without none),
+                  "phase_s" (the engine's seconds per phase), "batch_s": [float] (task rows),
+                  "per_request": [{"prompt", "batch", "seed", "prompt_tokens", "tokens", "finish_reason",
+                                   "steps", "emitted", "drafted", "accepted"}] (task rows)}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from specdist.bench.cluster_bench import _items, apply_overrides
+from specdist.bench.engine_bench import _ratio, _sync
+from specdist.bench.tasks_data import TASKS
+
+SCHEMA = "specdist.bench.tasks/1"
+DEFAULT_DRAFTS = "none,self-w8,ngram"
+BASELINE = "none"
+ALL = "all"  # the task name of the rows over all tasks
+QUICK_PROMPTS, QUICK_TOKENS = 1, 16
+WARMUP_TOKENS = 8
+SEED_BASE = 1000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="config the engines are built from (default: the built-in defaults); each variant "
+                        "overrides its draft.method")
+    p.add_argument("--drafts", default=DEFAULT_DRAFTS,
+                   help="comma-separated draft methods to compare, each a draft.method the config accepts "
+                        "(none: no draft, the baseline of the speedups)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
+    p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-8)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    p.add_argument("--concurrency", action="append", default=None, metavar="C",
+                   help="requests submitted at once (repeatable or comma-separated; default 1: one at a time)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens past EOS too (default: stop at EOS, as Spec-Bench does)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: {QUICK_PROMPTS} prompt per task, {QUICK_TOKENS} new tokens")
+    p.add_argument("--json", default=None,
+                   help="also write all results to this JSON file (schema specdist.bench.tasks/1: the docstring "
+                        "of specdist/bench/tasks.py)")
+
+
+# ---------------------------------------------------------------- results
+@dataclass
+class Cell:
+    """One task (or all tasks), variant and concurrency: sums over its batches."""
+
+    concurrency: int
+    task: str
+    variant: str
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    emitted: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    same_tokens_as_none: int = 0
+    phase_s: dict = field(default_factory=dict)
+    batch_s: list = field(default_factory=list)
+    per_request: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def add(self, other: "Cell") -> None:
+        for name in ("requests", "tokens", "seconds", "steps", "emitted", "drafted", "accepted",
+                     "same_tokens_as_none"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.phase_s.items():
+            self.phase_s[k] = self.phase_s.get(k, 0.0) + v
+
+
+@dataclass
+class Plan:
+    tasks: list[str]
+    drafts: list[str]
+    concurrency: list[int]
+    prompts: int  # per task
+    max_tokens: int
+    base: dict  # the config, as a full dict
+
+
+# ---------------------------------------------------------------- setup
+def variant_config(base: dict, method: str, **engine) -> dict:
+    """``base`` (a full config dict) with ``draft.method`` = ``method``, in process, ``engine`` merged in."""
+    keep_model = method == "model"
+    overrides = {"draft": {"method": method, "model": base["draft"].get("model") if keep_model else None},
+                 "cluster": {"enabled": False}}
+    if engine:
+        overrides["engine"] = engine
+    return apply_overrides(base, overrides)
+
+
+def check_args(args: argparse.Namespace) -> Plan:
+    """The run's plan; ValueError naming the flag (ConfigError for the config), before any weight loads."""
+    from specdist.config import load_config
+    from specdist.errors import ConfigError
+
+    tasks = list(dict.fromkeys(_items(args.tasks, "--tasks")))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    drafts = _items(args.drafts, "--drafts")
+    if len(set(drafts)) != len(drafts):
+        raise ValueError(f"--drafts: a draft is named twice in {args.drafts!r}")
+    levels: list[int] = []
+    for value in args.concurrency or ["1"]:
+        for c in _items(value, "--concurrency"):
+            if not c.isdigit() or int(c) < 1:
+                raise ValueError(f"--concurrency: need positive integers, got {value!r}")
+            levels.append(int(c))
+    levels = list(dict.fromkeys(levels))
+    max_tokens, prompts = (QUICK_TOKENS, QUICK_PROMPTS) if args.quick else (args.max_tokens, args.prompts)
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens: must be >= 1, got {max_tokens}")
+    if prompts < 0:
+        raise ValueError(f"--prompts: must be >= 0 (0: all of them), got {prompts}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
+    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json: the directory of {args.json!r} does not exist")
+    base = load_config(args.config).to_dict()
+    for name in drafts:
+        try:
+            load_config(variant_config(base, name))
+        except ConfigError as e:
+            raise ValueError(f"--drafts {name!r}: {e}") from None
+    return Plan(tasks, drafts, levels, prompts, max_tokens, base)
+
+
+@contextlib.contextmanager
+def load_each_model_once() -> Iterator[None]:
+    """Inside, ``specdist.models.loader.load_model`` returns the same module for the same arguments:
+    the engines built inside share one copy of each model's weights (each keeps its own KV cache;
+    no engine changes its model's weights, see tests/conftest.py)."""
+    import specdist.models.loader as loader
+
+    original = loader.load_model
+    loaded: dict = {}
+
+    def load_once(source, dtype, device="cpu", *args, **kwargs):
+        key = (source, str(dtype), str(device), repr(args), repr(sorted(kwargs.items(), key=lambda kv: kv[0])))
+        if key not in loaded:
+            loaded[key] = original(source, dtype, device, *args, **kwargs)
+        return loaded[key]
+
+    loader.load_model = load_once
+    try:
+        yield
+    finally:
+        loader.load_model = original
+
+
+def plain_text(conversation: list[dict]) -> str:
+    """A conversation for a model without a chat template: ``User: ...`` / ``Assistant: ...`` turns."""
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in conversation]
+    return "\n\n".join(turns + ["Assistant:"])
+
+
+def encode_tasks(tokenizer, tasks: list[str], n: int) -> tuple[dict[str, list[list[int]]], bool]:
+    """({task: prompt token ids}, whether the chat template was used): what generate(chat=True) would encode."""
+    from specdist.errors import SpecDistError
+    from specdist.prompts import encode_prompt
+
+    if tokenizer is None:
+        raise SpecDistError("bench tasks: the target model has no tokenizer (the prompts are text)")
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    out = {}
+    for task in tasks:
+        convs = TASKS[task][:n] if n else TASKS[task]
+        out[task] = [encode_prompt(tokenizer, c if chat else plain_text(c), vocab_size=len(tokenizer),
+                                   max_model_len=1 << 30, chat=chat)[1] for c in convs]
+    return out, chat
+
+
+def batches(n: int, c: int) -> list[list[int]]:
+    """Prompt indices of each batch at concurrency ``c`` over ``n`` prompts (module docstring)."""
+    return [[(b * c + i) % n for i in range(c)] for b in range(math.ceil(n / c))]
+
+
+# ---------------------------------------------------------------- the command
+def run(args: argparse.Namespace) -> int:
+    plan = check_args(args)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    import torch
+
+    from specdist.engine import Engine, device_for
+    from specdist.models.loader import gguf_parsed_once, load_tokenizer, resolve_model
+    from specdist.sampling_params import SamplingParams
+
+    engines: dict = {}
+    configs: dict[str, dict] = {}
+    try:
+        with gguf_parsed_once(), load_each_model_once():
+            tok = load_tokenizer(resolve_model(plan.base["target"]["model"], "target.model"))
+            prompts, chat = encode_tasks(tok, plan.tasks, plan.prompts)
+            if not chat:
+                log("[bench tasks] the model has no chat template: prompts go in as plain User:/Assistant: text")
+            longest = max(len(p) for ps in prompts.values() for p in ps)
+            engine_cfg = {"max_model_len": longest + plan.max_tokens + 8,
+                          "max_batch_size": max(plan.base["engine"]["max_batch_size"], *plan.concurrency)}
+            for name in plan.drafts:
+                cfg = variant_config(plan.base, name, **engine_cfg)
+                log(f"[bench tasks] building the {name} engine")
+                engines[name] = Engine.from_config(cfg, tokenizer=tok)
+                configs[name] = engines[name].config.to_dict()
+        device = device_for(plan.base["engine"]["device"])
+        cells: dict[tuple[int, str, str], Cell] = {}
+        for c in plan.concurrency:
+            for name in plan.drafts:  # untimed: first calls, allocator, the adaptive policy's cost estimates
+                warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature, seed=0, ignore_eos=True)
+                engines[name].generate([prompts[plan.tasks[0]][0]] * c, warm)
+            rnd = 0
+            for task in plan.tasks:
+                ps = prompts[task]
+                for name in plan.drafts:
+                    cells[(c, task, name)] = Cell(c, task, name)
+                for b, idx in enumerate(batches(len(ps), c)):
+                    params = [SamplingParams(max_tokens=plan.max_tokens, temperature=args.temperature,
+                                             seed=SEED_BASE + b * c + i, ignore_eos=args.ignore_eos)
+                              for i in range(c)]
+                    order = plan.drafts[rnd % len(plan.drafts):] + plan.drafts[:rnd % len(plan.drafts)]
+                    rnd += 1
+                    outs = {}
+                    for name in order:
+                        eng = engines[name]
+                        eng.stats.reset()
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        outs[name] = eng.generate([ps[i] for i in idx], params)
+                        _sync(device)
+                        dt = time.perf_counter() - t0
+                        _record(cells[(c, task, name)], b, idx, params, outs[name], dt, eng.stats.phase_s)
+                    if BASELINE in outs:
+                        for name, got in outs.items():
+                            cells[(c, task, name)].same_tokens_as_none += sum(
+                                o.token_ids == ref.token_ids for o, ref in zip(got, outs[BASELINE]))
+                log(f"[bench tasks] C={c} {task}: " + ", ".join(
+                    _progress_item(cells[(c, task, n)], cells.get((c, task, BASELINE))) for n in plan.drafts))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    doc = _document(args, plan, cells, configs, prompts, chat, str(device), torch.get_num_threads(), engine_cfg)
+    print(format_report(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+    return 0
+
+
+def _record(cell: Cell, b: int, idx: list[int], params, outs, seconds: float, phase_s: dict) -> None:
+    cell.seconds += seconds
+    cell.batch_s.append(seconds)
+    for k, v in phase_s.items():
+        cell.phase_s[k] = cell.phase_s.get(k, 0.0) + v
+    for i, (p, sp, o) in enumerate(zip(idx, params, outs)):
+        m = o.metrics
+        cell.requests += 1
+        cell.tokens += len(o.token_ids)
+        cell.steps += m.steps
+        cell.emitted += m.emitted
+        cell.drafted += m.drafted
+        cell.accepted += m.accepted
+        cell.per_request.append({"prompt": p, "batch": b, "seed": sp.seed, "prompt_tokens": len(o.prompt_token_ids),
+                                 "tokens": len(o.token_ids), "finish_reason": o.finish_reason, "steps": m.steps,
+                                 "emitted": m.emitted, "drafted": m.drafted, "accepted": m.accepted})
+
+
+def _progress_item(cell: Cell, base: Cell | None) -> str:
+    ratio = _ratio(cell, base)
+    return f"{cell.variant} {cell.tokens_per_s:.1f} tok/s" + ("" if ratio == "-" else f" ({ratio})")
+
+
+def _row(cell: Cell, base: Cell | None, detail: bool) -> dict:
+    row = {"concurrency": cell.concurrency, "task": cell.task, "variant": cell.variant, "requests": cell.requests,
+           "tokens": cell.tokens, "seconds": cell.seconds, "tokens_per_s": cell.tokens_per_s, "steps": cell.steps,
+           "emitted": cell.emitted, "drafted": cell.drafted, "accepted": cell.accepted,
+           "acceptance": cell.acceptance, "tokens_per_step": cell.tokens_per_step,
+           "speedup": cell.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None,
+           "same_tokens_as_none": cell.same_tokens_as_none if base is not None else None,
+           "phase_s": dict(cell.phase_s)}
+    if detail:
+        row["batch_s"] = list(cell.batch_s)
+        row["per_request"] = list(cell.per_request)
+    return row
+
+
+def _document(args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat: bool, device: str,
+              threads: int, engine_cfg: dict) -> dict:
+    results = []
+    for c in plan.concurrency:
+        totals = {name: Cell(c, ALL, name) for name in plan.drafts}
+        for task in plan.tasks:
+            for name in plan.drafts:
+                cell = cells[(c, task, name)]
+                totals[name].add(cell)
+                results.append(_row(cell, cells.get((c, task, BASELINE)), detail=True))
+        for name in plan.drafts:
+            results.append(_row(totals[name], totals.get(BASELINE), detail=False))
+    return {
+        "schema": SCHEMA,
+        "settings": {"config": args.config, "tasks": plan.tasks, "drafts": plan.drafts,
+                     "concurrency": plan.concurrency, "max_tokens": plan.max_tokens, "temperature": args.temperature,
+                     "ignore_eos": args.ignore_eos, "prompts_per_task": plan.prompts or None, "quick": args.quick,
+                     "chat_template": chat, "device": device, "torch_threads": threads, **engine_cfg},
+        "variants": [{"name": name, "config": configs[name]} for name in plan.drafts],
+        "tasks": {task: {"prompts": len(ps), "prompt_tokens": [len(p) for p in ps]} for task, ps in prompts.items()},
+        "results": results,
+    }
+
+
+def format_report(doc: dict) -> str:
+    s = doc["settings"]
+    base = doc["variants"][0]["config"]
+    d = next((v["config"]["draft"] for v in doc["variants"] if v["name"] != BASELINE), base["draft"])
+    counts = [t["prompts"] for t in doc["tasks"].values()]
+    lo, hi = min(counts), max(counts)
+    lines = [
+        f"specdist bench tasks: target {base['target']['model']} {base['target']['dtype']} on {s['device']}, "
+        f"drafts {', '.join(s['drafts'])} (k={d['num_speculative_tokens']}, {d['length_policy']}), "
+        f"{len(s['tasks'])} tasks x {lo if lo == hi else f'{lo}-{hi}'} prompt{'s' if hi > 1 else ''}, "
+        f"up to {s['max_tokens']} new tokens, temperature {s['temperature']:g}, "
+        f"{'EOS ignored' if s['ignore_eos'] else 'stops at EOS'}, torch threads {s['torch_threads']}",
+    ]
+    has_none = any(v["name"] == BASELINE for v in doc["variants"])
+    for c in s["concurrency"]:
+        rows = [r for r in doc["results"] if r["concurrency"] == c]
+        how = "one request at a time" if c == 1 else f"{c} requests submitted at once, aggregate tokens/s"
+        lines += ["", f"Concurrency {c} ({how}):", "",
+                  "| task | variant | requests | tokens | acceptance | tokens/step | tok/s | speedup vs none |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
+            speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None and r["variant"] != BASELINE else "-"
+            task = "all tasks" if r["task"] == ALL else r["task"]
+            lines.append(f"| {task} | {r['variant']} | {r['requests']} | {r['tokens']} | {acc} "
+                         f"| {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {speedup} |")
+        if has_none and s["temperature"] == 0:
+            same = [r for r in rows if r["task"] == ALL and r["variant"] != BASELINE]
+            if same:
+                lines.append("Greedy, same tokens as none: " + ", ".join(
+                    f"{r['variant']} {r['same_tokens_as_none']}/{r['requests']}" for r in same))
+    if not has_none:
+        lines += ["", "(no 'none' variant in --drafts: no speedups)"]
+    return "\n".join(lines)

@@ -1,0 +1,755 @@
+"""The prompts of ``specdist bench tasks`` (:mod:`specdist.bench.tasks`): five workloads, written here.
+
+Every prompt is a conversation (a list of ``{"role", "content"}`` messages ending with a user
+turn) for the model's chat template. The texts are original to this file (no downloads), in
+English, 100 to 600 tokens each once rendered:
+
+- ``chat``: open questions with some context;
+- ``code-edit``: a Python function of 20-40 lines to rewrite with one change (rename a
+  variable, add type hints, add a docstring, ...): the answer mostly repeats the input;
+- ``summarize``: a text of a few paragraphs to summarize;
+- ``qa``: a passage and a question whose answer is a span of the passage (extractive);
+- ``multi-turn``: a chat history of two or three exchanges, answer the last user turn.
+
+The structured sources (:data:`CODE_EDIT`, :data:`SUMMARIZE`, :data:`QA`, ...) stay
+available so tests can check them (each code-edit prompt holds the code it asks to edit, each
+QA answer is in its passage).
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- chat: open questions
+CHAT: list[str] = [
+    "I have been learning to play the acoustic guitar for about six months. I practise most evenings for "
+    "twenty or thirty minutes, usually by playing along with songs I like, and I can now switch between the "
+    "basic open chords without stopping. Lately I feel stuck: I play the same handful of songs, my strumming "
+    "sounds stiff, and I do not really understand why certain chords sound good together. How should I "
+    "structure my practice time over the next few months so that I keep improving? Please suggest a weekly "
+    "routine and explain what each part of it is meant to develop.",
+
+    "I am moving to a new city next month for a job, and I will not know anyone there. I work from home "
+    "three days a week, I am fairly introverted, and in my current town most of my friends are people I "
+    "met at university years ago. I would like to build a social life in the new place without forcing "
+    "myself into situations I hate, such as loud bars or large networking events. What are some practical "
+    "ways to meet people and turn acquaintances into actual friends over the first year? I would also like "
+    "to know how to keep in touch with my old friends without it feeling like a chore.",
+
+    "My apartment has a small balcony that faces south-west and gets direct sun from about noon until "
+    "evening. It is roughly two metres by one metre, on the fourth floor, and it can be quite windy. I "
+    "have never grown anything before, but I would like to grow some of my own vegetables and herbs this "
+    "summer. What would you recommend growing in containers in a space like this, what kind of pots and "
+    "soil should I buy, and what are the most common mistakes beginners make? I can spend about fifteen "
+    "minutes a day on it.",
+
+    "I am a junior backend developer and I keep hearing that some services use TCP while others, such as "
+    "video calls or online games, prefer UDP. I understand that TCP is reliable and UDP is not, but I do not "
+    "have a good mental model of what that actually means in practice, or of what a developer gives up or "
+    "gains by choosing one over the other. Could you explain the differences between the two protocols as "
+    "if you were teaching a colleague, with a few concrete examples of applications and why each one picked "
+    "the protocol it uses? Please also mention where newer protocols fit in.",
+
+    "My partner and I are trying to decide whether we should keep renting or buy a home in the next two "
+    "years. We both have stable jobs, some savings, and no children yet, although we might have them later. "
+    "House prices in our area have risen a lot, and friends keep telling us that renting is throwing money "
+    "away, but we also like the flexibility of being able to move. What factors should we consider when "
+    "making this decision, and how can we compare the real costs of renting and owning in a fair way? We "
+    "are not looking for a single answer, just a clear way to think about it.",
+
+    "We are planning a five-day family holiday in a coastal town during a season when it rains a lot. We "
+    "will travel with two children, aged six and nine, who get bored quickly and have a lot of energy. We "
+    "will have a car, a modest budget, and a rented cottage with a small kitchen. I would like a rough "
+    "plan with ideas for indoor and rainy-day activities, a few things we could do outside when the weather "
+    "clears, and some tips for keeping everyone in a good mood when plans change at the last minute. What "
+    "would you suggest?",
+
+    "I have a job interview next week for a data analyst position at a mid-sized retail company. I have "
+    "a degree in economics, I know SQL and some Python, and I have built a few dashboards in my current "
+    "role, but this would be my first job with analyst in the title. The posting mentions stakeholder "
+    "communication, A/B testing and forecasting. How should I prepare during the coming week? I would like "
+    "to know what kinds of questions I am likely to be asked, how to talk about my previous projects, and "
+    "what questions I should ask the interviewers at the end.",
+
+    "I lead a team of seven engineers, and our weekly planning meeting has turned into a ninety-minute "
+    "session that most people seem to dread. People join late, the discussion often drifts into technical "
+    "details that concern only two or three people, and at the end we are not always sure what was decided. "
+    "A few team members have started keeping their cameras off and working on other things during the "
+    "call. How can I restructure this meeting so that it is shorter and more useful? Please give concrete "
+    "suggestions about the agenda, the roles, and what should happen before and after the meeting.",
+]
+
+# ---------------------------------------------------------------- code editing: (instruction, code)
+CODE_EDIT: list[tuple[str, str]] = [
+    (
+        "Rename the variable `d` to `counts_by_level` everywhere in this function. Do not change anything "
+        "else, and return the complete rewritten function.",
+        '''def summarize_log(lines, min_count=1):
+    d = {}
+    first_seen = {}
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(maxsplit=2)
+        if len(parts) < 3:
+            continue
+        timestamp, level, message = parts
+        level = level.strip("[]").upper()
+        if level not in d:
+            d[level] = 0
+            first_seen[level] = (number, timestamp)
+        d[level] += 1
+    report = []
+    for level in sorted(d, key=lambda name: -d[name]):
+        count = d[level]
+        if count < min_count:
+            continue
+        number, timestamp = first_seen[level]
+        report.append(f"{level}: {count} (first on line {number} at {timestamp})")
+    if not report:
+        return "no entries"
+    return "\\n".join(report)
+''',
+    ),
+    (
+        "Add type hints to the parameters and return values of these three functions (intervals are pairs of "
+        "integers). Keep the logic exactly as it is, and return the complete rewritten code.",
+        '''def merge_intervals(intervals, gap=0):
+    if gap < 0:
+        raise ValueError("gap must be >= 0")
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: (pair[0], pair[1]))
+    merged = [list(ordered[0])]
+    for start, end in ordered:
+        if start > end:
+            raise ValueError(f"interval ({start}, {end}) ends before it starts")
+        last = merged[-1]
+        if start <= last[1] + gap:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def total_length(intervals, gap=0):
+    total = 0
+    for start, end in merge_intervals(intervals, gap):
+        total += end - start
+    return total
+
+
+def find_free_slots(busy, day_start, day_end, min_length=1):
+    free = []
+    cursor = day_start
+    for start, end in merge_intervals(busy):
+        if start - cursor >= min_length:
+            free.append((cursor, start))
+        cursor = max(cursor, end)
+    if day_end - cursor >= min_length:
+        free.append((cursor, day_end))
+    return free
+''',
+    ),
+    (
+        "Add a docstring to this function that explains what it does, its arguments, what it returns and "
+        "what it raises. Do not change the code itself, and return the complete function with the docstring.",
+        '''import time
+
+
+def retry(func, attempts=3, delay=0.5, backoff=2.0, exceptions=(Exception,), on_error=None):
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
+    if delay < 0 or backoff < 1:
+        raise ValueError("delay must be >= 0 and backoff >= 1")
+    wait = delay
+    last_error = None
+    for attempt in range(1, attempts + 1):
+        try:
+            return func()
+        except exceptions as error:
+            last_error = error
+            if on_error is not None:
+                on_error(attempt, error)
+            if attempt == attempts:
+                break
+            time.sleep(wait)
+            wait *= backoff
+    raise RuntimeError(f"gave up after {attempts} attempts") from last_error
+''',
+    ),
+    (
+        "Rename the function `calc` to `invoice_total` and update every call to it in this module. Change "
+        "nothing else, and return the complete rewritten module.",
+        '''TAX_RATES = {"standard": 0.2, "reduced": 0.05, "zero": 0.0}
+
+
+def calc(items, discount=0.0):
+    subtotal = 0.0
+    tax = 0.0
+    for item in items:
+        line = item["price"] * item["quantity"]
+        rate = TAX_RATES[item.get("tax_class", "standard")]
+        subtotal += line
+        tax += line * rate
+    if not 0.0 <= discount < 1.0:
+        raise ValueError("discount must be in [0, 1)")
+    subtotal *= 1.0 - discount
+    tax *= 1.0 - discount
+    return round(subtotal + tax, 2)
+
+
+def print_invoice(customer, items, discount=0.0):
+    print(f"Invoice for {customer}")
+    for item in items:
+        print(f"  {item['name']}: {item['quantity']} x {item['price']:.2f}")
+    total = calc(items, discount)
+    if discount:
+        print(f"  discount: {discount:.0%}")
+    print(f"Total: {total:.2f}")
+    return total
+
+
+def average_invoice(invoices):
+    totals = [calc(items, discount) for items, discount in invoices]
+    return sum(totals) / len(totals) if totals else 0.0
+''',
+    ),
+    (
+        "Replace every `print` call in this function with a call on a module-level logger "
+        "(`logger = logging.getLogger(__name__)`), using `info` for progress and `warning` for problems. "
+        "Keep everything else as it is and return the complete rewritten code.",
+        '''import os
+import shutil
+
+
+def sync_directory(source, destination, dry_run=False):
+    if not os.path.isdir(source):
+        print(f"source {source} is not a directory")
+        return 0
+    os.makedirs(destination, exist_ok=True)
+    copied = 0
+    for root, _dirs, files in os.walk(source):
+        relative = os.path.relpath(root, source)
+        target_root = os.path.join(destination, relative)
+        if not dry_run:
+            os.makedirs(target_root, exist_ok=True)
+        for name in files:
+            src_path = os.path.join(root, name)
+            dst_path = os.path.join(target_root, name)
+            if os.path.exists(dst_path) and os.path.getmtime(dst_path) >= os.path.getmtime(src_path):
+                continue
+            print(f"copying {src_path} -> {dst_path}")
+            if not dry_run:
+                try:
+                    shutil.copy2(src_path, dst_path)
+                except OSError as error:
+                    print(f"could not copy {src_path}: {error}")
+                    continue
+            copied += 1
+    print(f"{copied} files copied")
+    return copied
+''',
+    ),
+    (
+        "Rewrite every string built with `%` formatting or `str.format` in this function as an f-string. "
+        "Keep the output exactly the same and return the complete rewritten function.",
+        '''def format_report(title, rows, currency="EUR"):
+    lines = []
+    lines.append("=" * 40)
+    lines.append("Report: %s" % title)
+    lines.append("%d rows" % len(rows))
+    lines.append("=" * 40)
+    total = 0.0
+    best_name, best_amount = None, None
+    for index, row in enumerate(rows, start=1):
+        name = row["name"]
+        amount = row["amount"]
+        share = row.get("share", 0.0)
+        total += amount
+        if best_amount is None or amount > best_amount:
+            best_name, best_amount = name, amount
+        lines.append("{:>3}. {:<20} {:>10.2f} {}".format(index, name, amount, currency))
+        if share:
+            lines.append("     share of budget: {:.1%}".format(share))
+    lines.append("-" * 40)
+    lines.append("Total: %.2f %s" % (total, currency))
+    if best_name is not None:
+        lines.append("Largest item: {} ({:.2f} {})".format(best_name, best_amount, currency))
+    if rows:
+        lines.append("Average: %.2f %s" % (total / len(rows), currency))
+    return "\\n".join(lines)
+''',
+    ),
+    (
+        "Rename the parameter `cfg` to `config` everywhere in this function, including inside the nested "
+        "helper. Do not change anything else, and return the complete rewritten function.",
+        '''def build_connection_string(cfg, include_password=False):
+    def get(key, default=None):
+        value = cfg.get(key, default)
+        if value is None:
+            raise KeyError(f"missing setting: {key}")
+        return value
+
+    driver = get("driver", "postgresql")
+    host = get("host", "localhost")
+    port = int(get("port", 5432))
+    database = get("database")
+    user = get("user")
+    if not 0 < port < 65536:
+        raise ValueError(f"invalid port {port}")
+    credentials = user
+    if include_password and cfg.get("password"):
+        credentials = f"{user}:{cfg['password']}"
+    options = []
+    for key in sorted(cfg.get("options", {})):
+        options.append(f"{key}={cfg['options'][key]}")
+    query = "?" + "&".join(options) if options else ""
+    url = f"{driver}://{credentials}@{host}:{port}/{database}{query}"
+    if cfg.get("read_only"):
+        url += ("&" if query else "?") + "readonly=true"
+    return url
+''',
+    ),
+    (
+        "Rewrite this function to use `pathlib.Path` instead of `os.path` and `open` with string paths. "
+        "Keep its behaviour and its signature, and return the complete rewritten function.",
+        '''import json
+import os
+
+
+def load_settings(directory, name="settings.json", defaults=None):
+    settings = dict(defaults or {})
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return settings
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must contain a JSON object")
+    settings.update(data)
+    local_path = os.path.join(directory, "local_" + name)
+    if os.path.isfile(local_path):
+        with open(local_path, encoding="utf-8") as handle:
+            settings.update(json.load(handle))
+    for key, value in list(settings.items()):
+        if isinstance(value, str) and value.startswith("./"):
+            settings[key] = os.path.normpath(os.path.join(directory, value))
+    backup = path + ".bak"
+    if not os.path.exists(backup):
+        with open(backup, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+    return settings
+''',
+    ),
+]
+
+# ---------------------------------------------------------------- summarizing: (instruction, text)
+SUMMARIZE: list[tuple[str, str]] = [
+    (
+        "Summarize the following incident report in four or five sentences for a non-technical manager.",
+        """On Tuesday morning the payment service of our online shop was unavailable for about forty minutes, \
+from 09:12 to 09:51. During that time customers could browse the catalogue and fill their baskets, but every \
+attempt to pay ended with an error page. Around 1,300 checkout attempts failed, and the support team received \
+more than two hundred messages.
+
+The cause was an expired TLS certificate on the internal gateway that connects our payment service to the card \
+processor. The certificate had been renewed automatically in the certificate store two weeks earlier, but the \
+gateway only reads certificates when it starts, and it had not been restarted since the renewal. When the old \
+certificate expired at 09:12, the card processor refused every connection.
+
+The on-call engineer was paged at 09:15 by the checkout error alarm. It took about twenty minutes to find the \
+cause, because the gateway's own health check kept reporting that it was healthy: it only checked that the \
+process was running, not that it could reach the processor. Once the expired certificate was identified, the \
+gateway was restarted and payments recovered within a minute.
+
+We have taken three actions. The gateway now reloads certificates without a restart, its health check now makes \
+a real test connection to the card processor, and we added an alert that fires thirty days before any \
+certificate in production expires. Customers whose payments failed received an email with a discount code.""",
+    ),
+    (
+        "Write a short summary of these meeting notes, listing the decisions that were taken.",
+        """The Millbrook town council met on Thursday evening to discuss the proposed cycle lanes on Station Road \
+and the High Street. About sixty residents attended, which the chair noted was the largest audience of the year.
+
+The transport officer presented the results of the consultation. Of the 842 responses, 58 percent supported \
+protected cycle lanes on Station Road, while opinion on the High Street was split almost evenly. Shop owners on \
+the High Street were worried that removing twenty-two parking spaces would reduce the number of customers, \
+while parents from the primary school argued that the current road is too dangerous for children to cycle to \
+school.
+
+After a long discussion, the council voted seven to two to build the Station Road lanes next spring, funded by \
+the regional transport grant. For the High Street, the council decided not to remove any parking for now. \
+Instead, it will run a six-month trial of a 20 mph speed limit and two new pedestrian crossings, and the \
+transport officer will count cyclists, pedestrians and parking use before and after the trial.
+
+Councillor Ahmed asked for a separate study of delivery vehicles, which often park on the pavement in the \
+mornings. The council agreed to add this to the agenda of the next meeting in two months. The chair closed the \
+meeting by thanking the residents and reminding them that the full consultation report is available at the \
+library and on the council website.""",
+    ),
+    (
+        "Summarize the following text in one paragraph.",
+        """Sourdough bread is leavened by a culture of wild yeasts and lactic acid bacteria rather than by \
+commercial baker's yeast. The culture, usually called a starter, is a mixture of flour and water that has been \
+left to ferment and is then fed regularly with fresh flour and water. A healthy starter rises and falls in a \
+predictable rhythm after each feeding, and bakers use it when it is near its peak.
+
+The yeasts in the starter produce carbon dioxide, which is trapped by the gluten network in the dough and makes \
+the bread rise. The bacteria produce lactic and acetic acids, which give sourdough its characteristic tang. The \
+balance between the two acids depends on temperature and on how firm the starter is: a warm, wet starter tends \
+to produce a milder, more yoghurt-like flavour, while a cool, stiff starter favours the sharper acetic acid.
+
+Because the wild culture works more slowly than commercial yeast, sourdough usually needs a long fermentation, \
+often overnight in the refrigerator. Many bakers believe this slow process improves both the flavour and the \
+texture of the crust. The acidity also helps the bread stay fresh for longer, since it slows the growth of mould.
+
+Maintaining a starter takes some discipline. If it is not fed, the culture becomes too acidic and sluggish, and \
+a grey liquid often collects on top. Most starters can be revived with a few regular feedings, which is why \
+some families keep the same culture going for many years.""",
+    ),
+    (
+        "Summarize these release notes in three bullet points for our users.",
+        """Version 4.2 of Notebook, our note-taking app, is available today on all platforms. This release \
+focuses on search, offline use and sharing, the three areas users asked about most in last quarter's survey.
+
+Search has been rebuilt from the ground up. It now finds words inside attached PDF files and images with \
+printed text, it tolerates small spelling mistakes, and results appear as you type instead of after you press \
+enter. On a collection of ten thousand notes, the first results now appear in under a tenth of a second on a \
+typical laptop.
+
+Offline mode is now available on the free plan. Notes you have opened in the last thirty days are kept on your \
+device, and any changes you make without a connection are synchronised when you are back online. If the same \
+note was edited on two devices while offline, Notebook keeps both versions and asks you which one to keep, \
+instead of silently choosing the latest one as before.
+
+Sharing is simpler. You can now share a single note or a whole folder with a link, choose whether people with \
+the link can only read or also edit, and set the link to expire after a day, a week or a month. Shared folders \
+show who made each change.
+
+This release also fixes more than forty bugs, including the one that sometimes duplicated checklists when they \
+were edited on a phone. Version 4.1 will continue to receive security updates until the end of the year.""",
+    ),
+    (
+        "Give a concise summary of the following passage, suitable for a newsletter.",
+        """Scientists have long suspected that sleep does more than simply rest the body. Over the last few \
+decades, many studies have suggested that sleep plays an active role in memory, helping the brain to keep what \
+it has learned during the day and to discard some of what it does not need.
+
+In a typical experiment, volunteers learn a list of word pairs or a simple motor task, such as typing a \
+sequence of keys, in the evening. Half of them then sleep normally, while the other half stay awake. When both \
+groups are tested the next day, those who slept usually remember more, even when the experiment is arranged so \
+that both groups are tested at the same time of day and are equally alert.
+
+Researchers think that during deep sleep the brain replays recent experiences, strengthening the connections \
+that represent them and gradually moving the memories into long-term storage. Dream sleep may play a different \
+role, for example in linking new information to older memories or in processing emotions, although this is \
+still debated.
+
+These findings have practical consequences. Students who stay up all night before an exam may remember less \
+than those who study less but sleep well. Some researchers are also exploring whether gentle sounds played \
+during deep sleep can strengthen specific memories. The results so far are interesting, but most studies are \
+small, and scientists caution that much remains to be understood.""",
+    ),
+    (
+        "Summarize this internal memo in a few sentences, keeping every date and number.",
+        """To all staff: from the first of March, the company will move to a new hybrid working policy. This \
+memo explains what will change and why.
+
+Over the past year we have asked every team how they prefer to work. Most people told us that they value the \
+flexibility of working from home, but that some tasks, such as planning, onboarding new colleagues and solving \
+difficult problems together, work better in person. The new policy tries to keep the best of both.
+
+Each team will choose two anchor days per week when everyone is expected in the office. Teams should agree on \
+their anchor days with their manager by the fifteenth of February, and the days should stay the same for at \
+least three months so that colleagues from other teams can plan around them. On the other three days, people \
+can work from home or from the office as they prefer.
+
+To make the office more useful on anchor days, we will convert the third floor into meeting rooms and open \
+collaboration areas, and reduce the number of fixed desks from 240 to 180. Desks can be booked up to two weeks \
+in advance through the usual booking system.
+
+We will also increase the home office allowance from 300 to 450 euros per year, paid in January. The policy \
+will be reviewed in September, based on a survey and on office usage data. Please send any questions to your \
+manager or to the people team.""",
+    ),
+    (
+        "Summarize the history told in this text in five sentences or fewer.",
+        """The lighthouse at Gull Point was built in 1871, after a winter in which three ships were wrecked on \
+the rocks below the headland. The local fishing community had asked for a light for many years, and the \
+disasters finally persuaded the harbour authority to pay for it. The tower was built from granite quarried a few \
+miles inland and carried to the site on carts.
+
+For its first sixty years the light was kept by families who lived in the small cottage at the foot of the \
+tower. The keepers trimmed the wicks, cleaned the great lens every morning and wound the clockwork that turned \
+it through the night. In storms they sometimes stayed awake for two or three days in a row. The logbooks they \
+kept record not only the weather and passing ships but also births, weddings and the occasional rescue.
+
+In 1932 the lamp was converted to electricity, and in 1978 the light was fully automated, so the last keeper \
+and his wife moved to the village. For some years the empty cottage was used only to store equipment, and the \
+building slowly fell into disrepair.
+
+In 2009 a group of volunteers formed a trust to save the site. With money from donations and a heritage grant, \
+they repaired the roof, restored the keepers' rooms and opened a small museum displaying the original logbooks. \
+The light itself still works and is maintained by the national lighthouse service.""",
+    ),
+]
+
+# ---------------------------------------------------------------- extractive QA: (passage, question, answer span)
+QA: list[tuple[str, str, str]] = [
+    (
+        """The Riverside Community Library is open from 9 a.m. to 7 p.m. on weekdays and from 10 a.m. to 4 p.m. \
+on Saturdays; it is closed on Sundays and public holidays. Membership is free for anyone who lives, works or \
+studies in the district, and a library card can be issued on the spot with proof of address. Members may \
+borrow up to twelve items at a time, of which no more than four may be DVDs or video games. Books are lent for \
+three weeks and can be renewed twice online or by phone, unless another member has reserved them. DVDs and \
+games are lent for one week and cannot be renewed. Late returns are charged at 20 cents per item per day for \
+adults, while children's accounts are never charged. The library also offers free Wi-Fi, six public computers \
+that can be booked for one hour at a time, and a quiet study room on the first floor.""",
+        "How many items can a member borrow at the same time?",
+        "up to twelve items",
+    ),
+    (
+        """The Halden Marsh nature reserve covers about 340 hectares of reed beds, wet meadows and shallow lakes \
+on the edge of the estuary. It was established in 1987, when the regional water authority stopped draining the \
+land for farming and allowed it to flood again in winter. Since then the reserve has become an important \
+stopping place for migrating birds. In autumn, up to 15,000 geese rest on the lakes before continuing south, \
+and the reed beds are home to one of the few breeding populations of bitterns in the region. The reserve is \
+managed by a small team of four rangers with the help of volunteers, who cut back the reeds in rotation so that \
+the habitat stays varied. Visitors can follow a five-kilometre boardwalk that starts at the visitor centre and \
+passes three bird hides. Dogs are not allowed on the boardwalk between March and July, during the nesting \
+season.""",
+        "When are dogs not allowed on the boardwalk?",
+        "between March and July",
+    ),
+    (
+        """Trains on the Coastal Line run every thirty minutes between Northport and Saltham from 6:00 in the \
+morning until 20:00, and every hour after that. The journey takes 52 minutes, with stops at Elm Bridge, \
+Carrow and the airport. On Sundays the first train leaves Northport at 8:15, and the service runs hourly all \
+day. The last train from Northport to Saltham leaves at 23:40 every day of the week, while the last train in \
+the other direction leaves Saltham at 23:10. Bicycles can be carried free of charge outside the morning peak, \
+which runs from 7:00 to 9:30 on weekdays, but space is limited to six bicycles per train. Tickets bought on the \
+train cost more than tickets bought at a station machine or in the app, except at Carrow, which has no ticket \
+machine.""",
+        "When does the last train from Northport to Saltham leave?",
+        "23:40",
+    ),
+    (
+        """The Alto 3 coffee grinder comes with a two-year warranty that covers defects in materials and \
+workmanship when the grinder is used in a household. The warranty starts on the date of purchase shown on the \
+receipt. During the warranty period, the manufacturer will repair or replace a faulty grinder free of charge; \
+if the same model is no longer available, it may be replaced with a model of equal or higher value. The \
+warranty does not cover the grinding burrs, which wear with use and should be replaced after roughly 500 \
+kilograms of coffee, nor damage caused by grinding anything other than roasted coffee beans. Commercial use, \
+for example in a café or an office with more than ten people, reduces the warranty to six months. To make a \
+claim, customers should contact the support team with the serial number, which is printed under the base of the \
+grinder, and a copy of the receipt.""",
+        "Where is the serial number of the grinder printed?",
+        "under the base of the grinder",
+    ),
+    (
+        """The harbour town of Port Evering holds its lantern festival on the last weekend of September. The \
+tradition began in 1952, when the fishing fleet returned safely from a storm that had been expected to sink \
+several boats, and the families lit lanterns along the harbour wall to guide them in. Today the festival lasts \
+two days. On Saturday afternoon, children make paper lanterns in workshops held in the old fish market, and in \
+the evening a procession carries them from the church square down to the harbour. The highlight comes on \
+Sunday night, when around three thousand floating lanterns are released onto the water of the inner harbour. \
+The organisers ask visitors not to bring their own lanterns, because only biodegradable ones made from rice \
+paper and bamboo are allowed. Parking in the town centre is closed for the whole weekend, and a free shuttle \
+bus runs from the car park at the leisure centre.""",
+        "What happens on Sunday night of the festival?",
+        "around three thousand floating lanterns are released onto the water of the inner harbour",
+    ),
+    (
+        """Tides are the regular rise and fall of the sea surface caused mainly by the gravitational pull of \
+the Moon, and to a lesser extent of the Sun, combined with the rotation of the Earth. Most coastlines see two \
+high tides and two low tides roughly every 24 hours and 50 minutes, which is why high tide arrives about fifty \
+minutes later each day. When the Sun, the Moon and the Earth are roughly in line, at new moon and full moon, \
+their pulls add up and produce spring tides, which have the largest difference between high and low water. \
+When the Sun and the Moon are at right angles to each other, at the first and last quarter of the Moon, the \
+difference is smallest; these are called neap tides. The shape of the coast and of the sea floor has a strong \
+effect on the height of the tide, so that some narrow bays see a range of more than ten metres while some \
+enclosed seas have almost no tide at all.""",
+        "What are the tides with the largest difference between high and low water called?",
+        "spring tides",
+    ),
+    (
+        """Our team's deployment tool, Shipyard, reads its settings from a file called shipyard.toml at the \
+root of each repository. The file must define a service name and at least one environment; every environment \
+needs a cluster and a number of replicas. If the replicas setting is missing, Shipyard refuses to deploy rather \
+than guessing a default. Deployments to the staging environment start automatically after every merge to the \
+main branch, while deployments to production must be approved by a member of the owning team in the chat \
+channel. A production deployment rolls out to one replica first and waits ten minutes, watching the error rate; \
+if the error rate stays below one percent, the remaining replicas are updated in batches of twenty-five \
+percent. Any deployment can be rolled back with the command shipyard rollback followed by the environment name, \
+which restores the previous version within about two minutes.""",
+        "How long does a production deployment wait after updating the first replica?",
+        "ten minutes",
+    ),
+]
+
+# ---------------------------------------------------------------- multi-turn: histories ending with a user turn
+MULTI_TURN: list[list[dict[str, str]]] = [
+    [
+        {"role": "user", "content": "I want to start running. I am 35, a bit overweight, and I have not done "
+                                    "any sport for years. Where should I begin?"},
+        {"role": "assistant", "content": "A good place to begin is a walk-run plan. Go out three times a week "
+                                         "for about thirty minutes, alternating one minute of easy running with "
+                                         "two minutes of brisk walking. Over eight to ten weeks, slowly increase "
+                                         "the running intervals and shorten the walks, until you can run for "
+                                         "thirty minutes without stopping. Run slowly enough that you could hold "
+                                         "a conversation, and take a rest day between sessions."},
+        {"role": "user", "content": "That sounds doable. What kind of shoes should I buy? The sports shop near "
+                                    "me has dozens of models and the prices range from 40 to 200 euros."},
+        {"role": "assistant", "content": "You do not need the most expensive pair. Look for a neutral running "
+                                         "shoe with moderate cushioning from a specialist shop, where staff can "
+                                         "watch you walk or jog and let you try several models. Choose the pair "
+                                         "that feels comfortable straight away, with about a thumb's width of "
+                                         "space in front of your longest toe. Shoes in the 80 to 120 euro range "
+                                         "are usually more than good enough for a beginner."},
+        {"role": "user", "content": "Thanks. After two weeks my knees sometimes ache a little after a run. Should "
+                                    "I stop, or is that normal when you start?"},
+    ],
+    [
+        {"role": "user", "content": "Can you explain what a Python list comprehension is?"},
+        {"role": "assistant", "content": "A list comprehension is a compact way to build a list from another "
+                                         "iterable. Instead of writing a loop that appends to a list, you write "
+                                         "the expression and the loop in one line, for example "
+                                         "`squares = [n * n for n in range(10)]`. You can also add a condition: "
+                                         "`evens = [n for n in numbers if n % 2 == 0]` keeps only the even "
+                                         "numbers."},
+        {"role": "user", "content": "Nice. Is there something similar for dictionaries? I have a list of user "
+                                    "records, each a dict with 'id' and 'name', and I want a dict from id to "
+                                    "name."},
+        {"role": "assistant", "content": "Yes, a dictionary comprehension works the same way with a key and a "
+                                         "value: `names_by_id = {user['id']: user['name'] for user in users}`. "
+                                         "If two records share an id, the later one wins, because each new "
+                                         "assignment to the same key replaces the previous value."},
+        {"role": "user", "content": "And when should I not use a comprehension? My colleague says they make "
+                                    "code harder to read."},
+    ],
+    [
+        {"role": "user", "content": "I'm writing a cover letter for a job as a museum education officer. I have "
+                                    "worked as a primary school teacher for six years. How should I open the "
+                                    "letter?"},
+        {"role": "assistant", "content": "Open with a sentence that connects your teaching experience directly "
+                                         "to the role, rather than a generic statement. For example: 'For six "
+                                         "years I have designed lessons that turn curious eight-year-olds into "
+                                         "confident investigators, and I would love to bring that experience to "
+                                         "the learning programme at the City Museum.' Then briefly say why this "
+                                         "museum in particular interests you."},
+        {"role": "user", "content": "Good. The posting asks for experience with community groups, and I have "
+                                    "run an after-school history club and organised two trips to the local "
+                                    "archive. How do I present that?"},
+        {"role": "assistant", "content": "Give those activities their own short paragraph and describe results, "
+                                         "not just duties. Mention how many children took part in the club, what "
+                                         "they produced, and how you worked with the archive staff to plan the "
+                                         "visits. If parents or other teachers became involved, say so, because "
+                                         "that shows you can work with groups beyond your classroom."},
+        {"role": "user", "content": "Could you now write a closing paragraph for the letter, in a warm but "
+                                    "professional tone, of about four sentences?"},
+    ],
+    [
+        {"role": "user", "content": "Our small web shop stores orders in a single PostgreSQL database. Pages "
+                                    "that list a customer's orders have become slow. What should I look at "
+                                    "first?"},
+        {"role": "assistant", "content": "Start by finding the slow queries. Enable the pg_stat_statements "
+                                         "extension or the slow query log, then run EXPLAIN ANALYZE on the query "
+                                         "that loads a customer's orders. Very often the problem is a missing "
+                                         "index: if the plan shows a sequential scan over the whole orders table "
+                                         "filtered by customer_id, an index on that column will help a lot."},
+        {"role": "user", "content": "You were right, there was no index on customer_id. I added one and the "
+                                    "page is fast again. But the query also sorts by created_at descending and "
+                                    "only shows the latest 20 orders. Can the index help with that too?"},
+        {"role": "assistant", "content": "Yes. A composite index on (customer_id, created_at DESC) lets "
+                                         "PostgreSQL read the latest orders of one customer directly in the "
+                                         "right order and stop after 20 rows, with no separate sort step. Once "
+                                         "you have it, the single-column index on customer_id is usually "
+                                         "redundant and can be dropped."},
+        {"role": "user", "content": "Great. Is it safe to create that index on the live database during the "
+                                    "day, while customers are placing orders?"},
+    ],
+    [
+        {"role": "user", "content": "I'd like to cook a vegetarian dinner for six people on Saturday. One guest "
+                                    "cannot eat nuts. Can you suggest a main course?"},
+        {"role": "assistant", "content": "A mushroom and lentil shepherd's pie works well for a group. Cook "
+                                         "onions, carrots and garlic, add chopped mushrooms and cooked green "
+                                         "lentils, then simmer them with tomato paste, thyme and vegetable stock "
+                                         "until thick. Top with mashed potatoes and bake until golden. It "
+                                         "contains no nuts and can be prepared a day ahead."},
+        {"role": "user", "content": "Sounds good. What could I serve as a starter that is light and can be "
+                                    "prepared in advance?"},
+        {"role": "assistant", "content": "A chilled cucumber and yoghurt soup with dill is light and can be made "
+                                         "the day before. Alternatively, a salad of roasted beetroot, orange "
+                                         "slices and soft goat's cheese with a simple vinaigrette is colourful "
+                                         "and takes little work on the day. Both are nut-free, as long as you "
+                                         "check the labels of any store-bought cheese or dressing."},
+        {"role": "user", "content": "I'll do the beetroot salad. Can you give me a shopping list for all three "
+                                    "parts, starter, main course and a simple dessert of your choice, for six "
+                                    "people?"},
+    ],
+    [
+        {"role": "user", "content": "What is the difference between weather and climate?"},
+        {"role": "assistant", "content": "Weather describes the state of the atmosphere at a particular place "
+                                         "and time: today's temperature, rain, wind and cloud. Climate describes "
+                                         "the typical weather of a region over a long period, usually thirty "
+                                         "years or more, including averages and how much conditions vary. A "
+                                         "common way to put it is that climate is what you expect and weather is "
+                                         "what you get."},
+        {"role": "user", "content": "So if we have an unusually cold winter, does that mean the climate is not "
+                                    "getting warmer?"},
+        {"role": "assistant", "content": "No. A single cold winter is weather, and one season can be colder or "
+                                         "warmer than average for many reasons, such as ocean patterns or a "
+                                         "blocked jet stream. Climate trends are measured over decades and over "
+                                         "the whole planet. A warming climate still has cold winters, they just "
+                                         "become less frequent, while very hot periods become more common."},
+        {"role": "user", "content": "How can I explain this to my ten-year-old daughter in a simple way, maybe "
+                                    "with an example from everyday life?"},
+    ],
+    [
+        {"role": "user", "content": "I manage a support team of five people and we use a shared inbox. Emails "
+                                    "sometimes get answered twice, and sometimes not at all. Any ideas?"},
+        {"role": "assistant", "content": "The usual cause is that nobody clearly owns each message. Most help "
+                                         "desk tools let you assign every incoming email to one person, either "
+                                         "automatically in rotation or by whoever clicks first. Combine that "
+                                         "with a rule that an unassigned email older than one hour is picked up "
+                                         "by the person on triage duty that day, and add a few shared statuses "
+                                         "such as waiting for customer and solved."},
+        {"role": "user", "content": "We are switching to a help desk tool next month. How should we measure "
+                                    "whether the new setup actually works better?"},
+        {"role": "assistant", "content": "Measure a few things before and after the switch: the time to first "
+                                         "response, the time to resolution, the share of tickets that are "
+                                         "reopened, and the number of messages that receive two answers or none. "
+                                         "Also ask customers one short satisfaction question when a ticket is "
+                                         "closed. Record two or three weeks of data with the old inbox first, so "
+                                         "you have a baseline to compare against."},
+        {"role": "user", "content": "My team is worried that these numbers will be used to judge them "
+                                    "individually. How should I introduce the measurements to them?"},
+    ],
+]
+
+
+def _code_edit_prompt(instruction: str, code: str) -> str:
+    return f"{instruction}\n\n```python\n{code.rstrip()}\n```"
+
+
+def _summarize_prompt(instruction: str, text: str) -> str:
+    return f"{instruction}\n\n{text}"
+
+
+def _qa_prompt(passage: str, question: str) -> str:
+    return ("Answer the question using only the passage below. Quote the words of the passage that answer it.\n\n"
+            f"Passage:\n{passage}\n\nQuestion: {question}")
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# task name -> its prompts, each a conversation (messages ending with a user turn), in a fixed order
+TASKS: dict[str, list[list[dict[str, str]]]] = {
+    "chat": [_user(q) for q in CHAT],
+    "code-edit": [_user(_code_edit_prompt(i, c)) for i, c in CODE_EDIT],
+    "summarize": [_user(_summarize_prompt(i, t)) for i, t in SUMMARIZE],
+    "qa": [_user(_qa_prompt(p, q)) for p, q, _ in QA],
+    "multi-turn": [list(m) for m in MULTI_TURN],
+}

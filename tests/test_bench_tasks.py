@@ -1,0 +1,186 @@
+"""`specdist bench tasks`: its prompt data is well-formed, a --quick run on the tiny models reports
+every task x variant x concurrency with speedups over `none` (a smoke run: it measures, it does not
+judge), and bad flags are one-line errors before any model loads."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+
+import pytest
+import yaml
+
+from conftest import tiny_config
+from specdist.bench import tasks as tasks_bench
+from specdist.bench.tasks_data import CHAT, CODE_EDIT, MULTI_TURN, QA, SUMMARIZE, TASKS
+from specdist.cli import main
+
+TASK_NAMES = ["chat", "code-edit", "summarize", "qa", "multi-turn"]
+ROW_KEYS = {"concurrency", "task", "variant", "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted",
+            "drafted", "accepted", "acceptance", "tokens_per_step", "speedup", "same_tokens_as_none", "phase_s"}
+REQUEST_KEYS = {"prompt", "batch", "seed", "prompt_tokens", "tokens", "finish_reason", "steps", "emitted", "drafted",
+                "accepted"}
+
+
+def _words(conversation: list[dict]) -> int:
+    return sum(len(m["content"].split()) for m in conversation)
+
+
+def test_task_data_is_well_formed():
+    assert list(TASKS) == TASK_NAMES
+    for name, prompts in TASKS.items():
+        assert len(prompts) >= 6, name
+        for conv in prompts:
+            roles = [m["role"] for m in conv]
+            assert all(set(m) == {"role", "content"} and m["content"].strip() for m in conv)
+            assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"], (name, roles)
+            # 100-600 tokens rendered (the default model's tokenizer: about 1.3 tokens per word, plus the
+            # template's ~25; measured 139-396): a word count keeps the test free of the 10 s tokenizer load
+            assert 90 <= _words(conv) <= 400, (name, _words(conv))
+        assert len({json.dumps(c) for c in prompts}) == len(prompts), f"{name}: a prompt is repeated"
+    assert [len(c) for c in TASKS["chat"]] == [1] * len(CHAT)
+    for (instruction, code), conv in zip(CODE_EDIT, TASKS["code-edit"], strict=True):
+        ast.parse(code)  # real Python
+        assert 20 <= len(code.strip().splitlines()) <= 40
+        assert code.strip() in conv[0]["content"] and conv[0]["content"].startswith(instruction)
+        assert "return the complete" in instruction.lower()  # the answer repeats the (changed) input
+    for (_, text), conv in zip(SUMMARIZE, TASKS["summarize"], strict=True):
+        assert text in conv[0]["content"] and len(text.split("\n\n")) >= 3  # a few paragraphs
+    for (passage, question, answer), conv in zip(QA, TASKS["qa"], strict=True):
+        assert answer in passage, answer  # extractive: the answer is a span of the passage
+        assert passage in conv[0]["content"] and conv[0]["content"].endswith(question)
+    assert [len(c) for c in TASKS["multi-turn"]] == [len(m) for m in MULTI_TURN]
+    assert all(len(c) >= 5 for c in TASKS["multi-turn"])  # at least 2 exchanges before the last turn
+
+
+def test_plain_text_and_batches():
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}]
+    assert tasks_bench.plain_text(conv) == "User: hi\n\nAssistant: hello\n\nUser: bye\n\nAssistant:"
+    assert tasks_bench.batches(3, 1) == [[0], [1], [2]]
+    assert tasks_bench.batches(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]  # prompts repeat to fill a batch
+    assert tasks_bench.batches(2, 5) == [[0, 1, 0, 1, 0]]
+
+
+@pytest.fixture
+def chat_model(tiny_models, tmp_path):
+    """The tiny target with a chat template (conversations, multi-turn included, go through it)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "chat-target"
+    shutil.copytree(tiny_models["target"], path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_quick_run_reports_every_task_and_variant(tiny_models, chat_model, tmp_path, capsys):
+    cfg = tiny_config(tiny_models, "model", 3)
+    cfg["target"]["model"] = chat_model
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out_json = tmp_path / "r.json"
+    drafts = ["none", "ngram", "model", "self-w8"]
+    assert main(["bench", "tasks", "--config", str(path), "--drafts", ",".join(drafts), "--quick",
+                 "--concurrency", "1", "--concurrency", "3", "--ignore-eos", "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["schema"] == "specdist.bench.tasks/1"
+    s = doc["settings"]
+    assert (s["tasks"], s["drafts"], s["concurrency"], s["max_tokens"], s["prompts_per_task"], s["quick"]) == (
+        TASK_NAMES, drafts, [1, 3], 16, 1, True)
+    assert s["chat_template"] is True and s["temperature"] == 0 and s["ignore_eos"] is True
+    assert s["max_batch_size"] == 8  # the config's, already >= 3
+    assert [v["name"] for v in doc["variants"]] == drafts
+    assert [v["config"]["draft"]["method"] for v in doc["variants"]] == drafts
+    assert [v["config"]["draft"]["model"] is not None for v in doc["variants"]] == [False, False, True, False]
+    assert all(v["config"]["engine"]["max_model_len"] == s["max_model_len"] for v in doc["variants"])
+    assert set(doc["tasks"]) == set(TASK_NAMES) and all(t["prompts"] == 1 for t in doc["tasks"].values())
+    assert s["max_model_len"] == max(t["prompt_tokens"][0] for t in doc["tasks"].values()) + 16 + 8
+    rows = doc["results"]
+    assert [(r["concurrency"], r["task"], r["variant"]) for r in rows] == [
+        (c, t, v) for c in (1, 3) for t in TASK_NAMES + ["all"] for v in drafts]
+    by = {(r["concurrency"], r["task"], r["variant"]): r for r in rows}
+    for r in rows:
+        c, task = r["concurrency"], r["task"]
+        assert ROW_KEYS <= set(r)
+        assert r["requests"] == (c if task != "all" else c * len(TASK_NAMES))
+        assert r["tokens"] == 16 * r["requests"] and r["tokens_per_s"] > 0  # EOS ignored: equal work
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-12)
+        none = by[(c, task, "none")]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / none["tokens_per_s"], rel=1e-12)
+        assert r["tokens_per_step"] == pytest.approx(r["emitted"] / r["steps"], rel=1e-12)
+        if r["variant"] == "none":
+            assert r["drafted"] == 0 and r["acceptance"] is None and r["tokens_per_step"] == 1.0
+        else:
+            assert r["drafted"] > 0 and r["acceptance"] == pytest.approx(r["accepted"] / r["drafted"], rel=1e-12)
+        assert r["same_tokens_as_none"] == r["requests"]  # greedy exact speculative decoding: the same tokens
+        if task == "all":
+            parts = [by[(c, t, r["variant"])] for t in TASK_NAMES]
+            assert r["tokens"] == sum(p["tokens"] for p in parts)
+            assert r["seconds"] == pytest.approx(sum(p["seconds"] for p in parts), rel=1e-9)
+        else:
+            assert len(r["batch_s"]) == 1 and r["seconds"] == pytest.approx(sum(r["batch_s"]), rel=1e-12)
+            reqs = r["per_request"]
+            assert len(reqs) == c and all(set(q) == REQUEST_KEYS for q in reqs)
+            assert [q["seed"] for q in reqs] == [1000 + i for i in range(c)]  # the same in every variant
+            assert sum(q["tokens"] for q in reqs) == r["tokens"] and sum(q["steps"] for q in reqs) == r["steps"]
+            assert all(q["prompt_tokens"] == doc["tasks"][task]["prompt_tokens"][0] for q in reqs)
+    out = capsys.readouterr()
+    assert "Concurrency 1 (one request at a time):" in out.out
+    assert "Concurrency 3 (3 requests submitted at once, aggregate tokens/s):" in out.out
+    assert "| code-edit | ngram | 1 | 16 |" in out.out and "| all tasks | model | 15 | 240 |" in out.out
+    assert "Greedy, same tokens as none: ngram 5/5, model 5/5, self-w8 5/5" in out.out
+    assert "[bench tasks] C=3 multi-turn: none " in out.err
+
+
+def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
+    """The tiny tokenizer has no chat template: conversations become User:/Assistant: text."""
+    from specdist.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(tiny_models["target"]))
+    prompts, chat = tasks_bench.encode_tasks(tok, ["multi-turn", "qa"], 2)
+    assert chat is False and [len(prompts[t]) for t in ("multi-turn", "qa")] == [2, 2]
+    want = tok.encode(tasks_bench.plain_text(TASKS["multi-turn"][1]), add_special_tokens=True)
+    assert prompts["multi-turn"][1] == list(want)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tasks", "chat,poetry"], "--tasks: unknown task 'poetry'; choose from chat, code-edit, summarize, qa, "
+                                 "multi-turn"),
+    (["--drafts", "none,eagle"], "--drafts 'eagle': config draft.method: must be one of "),
+    (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
+    (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
+    (["--concurrency", "0"], "--concurrency: need positive integers"),
+    (["--tasks", "chat,,qa"], "--tasks: a comma-separated list without empty items"),
+    (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
+])
+def test_bad_flags_are_one_line_errors_before_loading(flags, message, capsys, monkeypatch):
+    from specdist.engine import Engine
+
+    def never(*args, **kwargs):
+        raise AssertionError("no engine may be built")
+
+    monkeypatch.setattr(Engine, "from_config", never)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "tasks", "--quick", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdist: error: {message}") and err.count("\n") == 1, err
+
+
+def test_help_shows_every_default(capsys, monkeypatch):
+    from specdist.cli import _shows_default, build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "tasks", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices["bench"]
+    sub = next(a for a in sub._actions if a.__class__.__name__ == "_SubParsersAction").choices["tasks"]
+    for action in sub._actions:
+        if action.option_strings and _shows_default(action):
+            assert f"default: {action.default}" in text or "default" in action.help, action.option_strings
+    assert "(default: none,self-w8,ngram)" in text and "most new tokens per request (default: 128)" in text
