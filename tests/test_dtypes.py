@@ -242,7 +242,7 @@ def test_bench_engine_runs_every_dtype_side_by_side(chat_models, capsys):
     assert rc == 0
     for dtype in ("float32", "bfloat16"):
         rows = [line for line in out.splitlines() if line.startswith(f"| {dtype} | 0 |")]
-        assert len(rows) == 4, out  # hf-plain, hf-assisted, engine-target, engine-spec
+        assert len(rows) == 5, out  # hf-plain, hf-assisted, hf-lookup, engine-target, engine-spec
         assert f"KV cache ({dtype})" in out
     assert "| vs float32 |" in out
 

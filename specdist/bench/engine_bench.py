@@ -3,7 +3,9 @@
 Systems (same target, same prompts, same sampling settings, same token count), once per
 ``--dtype`` (several dtypes: every system in each, side by side in one report):
 - ``hf-plain``     transformers ``generate`` (target only)
-- ``hf-assisted``  transformers assisted generation with the same draft model
+- ``hf-assisted``  transformers assisted generation; the assistant is the ``--draft model`` draft,
+                   else the target's int8 copy (the ``self-w8`` draft)
+- ``hf-lookup``    transformers prompt-lookup decoding (``prompt_lookup_num_tokens``)
 - ``engine-target`` this engine, target only
 - ``engine-spec``  this engine, speculative with the draft
 Every request produces exactly ``--max-tokens`` tokens (EOS ignored / suppressed) so
@@ -32,12 +34,15 @@ PROMPTS = [
     "What is the difference between a virus and a bacterium?",
     "List some interesting facts about octopuses.",
 ]
-SYSTEMS = ("hf-plain", "hf-assisted", "engine-target", "engine-spec")
+SYSTEMS = ("hf-plain", "hf-assisted", "hf-lookup", "engine-target", "engine-spec")
+HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative options: "best hf" is the faster
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=("self-w8", "ngram", "model"), help="draft method")
+    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "model"), help="draft method")
+    p.add_argument("--weights", default="float", choices=("float", "native"),
+                   help="the target's weights (target.weights); transformers' systems always run the floats")
     p.add_argument("--draft-model", default=None, help="draft model spec for --draft model (same vocabulary)")
     p.add_argument("--dtype", default="float32",
                    help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from specdist.engine import Engine, device_for
     from specdist.models.dtypes import DTYPE_CHOICES, resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
-    from specdist.models.quant import quantized_copy
+    from specdist.models.native import self_draft, use_native_blocks
+    from specdist.models.quant import quantized_copy, unfused_copy
 
     if args.quick:
         args.prompts, args.max_tokens = 2, 24
@@ -110,14 +116,19 @@ def run(args: argparse.Namespace) -> int:
     kv_lines: list[str] = []
     for dtype in dtypes:
         log(f"loading {args.model} ({dtype}, {device}) and the {args.draft} draft ...")
-        target = load_model(src, dtype, device)
-        if args.draft == "self-w8":
-            draft_model = quantized_copy(target)
+        hf_target = load_model(src, dtype, device)  # transformers' systems: the float weights
+        target = hf_target
+        if args.weights == "native" and src.gguf_path:
+            target = unfused_copy(hf_target)
+            use_native_blocks(target, src.gguf_path)
+        if args.draft in ("self-w8", "self-w4"):
+            draft_model = self_draft(target, args.draft, src.gguf_path)
         elif args.draft == "model":
             draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
         else:
             draft_model = None
-        base = {"target": {"model": args.model, "dtype": dtype},
+        assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
+        base = {"target": {"model": args.model, "dtype": dtype, "weights": args.weights},
                 "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device)}}
         draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
                      "dtype": dtype}
@@ -130,14 +141,14 @@ def run(args: argparse.Namespace) -> int:
         for temp in temps:
             for system in systems:
                 res = Result(system, temp, dtype)
-                _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log,
+                _run_system(system, res, prompts, args.max_tokens, temp, hf_target, assistant, engines, log,
                             warmup=True)
-                _run_system(system, res, prompts, args.max_tokens, temp, target, draft_model, engines, log)
+                _run_system(system, res, prompts, args.max_tokens, temp, hf_target, assistant, engines, log)
                 res.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 results.append(res)
                 log(f"  {dtype:8s} {system:14s} T={temp:<4} {res.tokens_per_s:6.1f} tok/s")
         kv_lines.append(_kv_line(engines["engine-spec"], dtype))
-        del engines, target, draft_model
+        del engines, target, hf_target, draft_model, assistant
 
     print(format_report(results, args, kv_lines))
     if args.json:
@@ -179,6 +190,8 @@ def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, eng
                 kw["temperature"] = temp
             if system == "hf-assisted":
                 kw["assistant_model"] = draft_model
+            elif system == "hf-lookup":
+                kw["prompt_lookup_num_tokens"] = 10  # transformers' documented default
             _sync(target.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -217,14 +230,15 @@ def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
         f"k={args.k}, batch 1, {min(args.prompts, len(PROMPTS))} prompts x {args.max_tokens} new tokens, "
         f"torch threads {torch.get_num_threads()}",
         "",
-        f"| dtype | T | system | tok/s | vs hf-plain | vs hf-assisted | vs {dtypes[0] if dtypes else '-'} "
+        f"| dtype | T | system | tok/s | vs hf-plain | vs best hf speculative | vs {dtypes[0] if dtypes else '-'} "
         "| acceptance | tokens/step | peak RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r.dtype, r.system, r.temperature): r for r in results}
     for r in results:
         plain = by.get((r.dtype, "hf-plain", r.temperature))
-        assisted = by.get((r.dtype, "hf-assisted", r.temperature))
+        hf_spec = [by[key] for key in ((r.dtype, s_, r.temperature) for s_ in HF_SPECULATIVE) if key in by]
+        assisted = max(hf_spec, key=lambda x: x.tokens_per_s, default=None)
         first = by.get((dtypes[0], r.system, r.temperature))
         acc = f"{r.accepted / r.drafted:.1%}" if r.drafted else "-"
         tps = f"{r.tokens / r.steps:.2f}" if r.steps else "-"

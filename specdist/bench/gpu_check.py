@@ -6,7 +6,9 @@
 2. ``specdist bench engine`` with a random-weight bf16 Llama of about 1 B parameters as the
    target and a random 4-layer draft (same tokenizer), target alone against speculation,
    printing tokens/s. Random weights make acceptance meaningless; the numbers are the
-   step's throughput on the device.
+   step's throughput on the device;
+3. the same with the target's own int4 copy as the draft (``--draft self-w4``: the int4
+   weight-only kernel on the device, :class:`specdist.models.quant.Int4GroupLinear`).
 
 ``--device cpu --tiny`` runs step 2 with small models on the CPU (how CI checks the script).
 Exit status: 0 when every step passed, 1 otherwise; a one-line reason when CUDA is missing.
@@ -21,7 +23,7 @@ import sys
 import tempfile
 import time
 
-CUDA_TEST_FILES = ("tests/test_model_families.py", "tests/test_dtypes.py",
+CUDA_TEST_FILES = ("tests/test_model_families.py", "tests/test_dtypes.py", "tests/test_native_weights.py",
                    "tests/test_device_resident.py", "tests/test_tensor_parallel.py")
 TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2)
@@ -73,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
                                **(TINY_DRAFT if args.tiny else LLAMA_DRAFT))
     print(f"\n== random checkpoints in {work}: target {target.num_params / 1e9:.2f} B params, "
           f"draft {draft.num_params / 1e9:.3f} B, {dtype}, written in {time.perf_counter() - t0:.0f} s", flush=True)
-    bench = [sys.executable, "-m", "specdist.cli", "bench", "engine", "--model", target.path,
-             "--draft", "model", "--draft-model", draft.path, "--dtype", dtype, "--device", args.device,
-             "--systems", "engine-target,engine-spec", "--temperatures", "0,0.8",
-             "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
-    print("== " + " ".join(bench[2:]), flush=True)
-    rc = subprocess.call(bench, cwd=root)
-    if rc != 0:
-        failed.append(f"bench engine (exit {rc})")
+    common = ["--dtype", dtype, "--device", args.device, "--systems", "engine-target,engine-spec",
+              "--temperatures", "0,0.8", "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
+    for draft_args in (["--draft", "model", "--draft-model", draft.path], ["--draft", "self-w4"]):
+        bench = [sys.executable, "-m", "specdist.cli", "bench", "engine", "--model", target.path, *draft_args, *common]
+        print("== " + " ".join(bench[2:]), flush=True)
+        rc = subprocess.call(bench, cwd=root)
+        if rc != 0:
+            failed.append(f"bench engine {' '.join(draft_args[:2])} (exit {rc})")
 
     print("\ngpu_check: " + ("all steps passed" if not failed else "FAILED: " + "; ".join(failed)))
     return 1 if failed else 0
