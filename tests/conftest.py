@@ -62,6 +62,16 @@ def devices(min_gpus: int = 1) -> list:
     return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(have < min_gpus, reason=why)])]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is several times faster (and steadier on a shared 2-core box).
+    A module takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_loaded():
     """The built-in model's (tokenizer, model in float32 on the CPU, model on its native blocks), rebuilt

@@ -12,7 +12,6 @@ import math
 import os
 
 import pytest
-import torch
 
 import specdist
 from conftest import tiny_config
@@ -21,12 +20,7 @@ from specdist import ConfigError, Engine, InvalidArgument, SamplingParams
 MAX_LEN = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

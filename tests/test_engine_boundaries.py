@@ -29,13 +29,7 @@ MAX_TOKENS = [20, 7, 13, 17, 1, 9, 2, 11]
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster (and steadier on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

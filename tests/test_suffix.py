@@ -19,7 +19,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
 from conftest import ServedCores, tiny_config
 from specdist.config import load_config
@@ -31,12 +30,7 @@ from specdist.suffix import SuffixIndex, SuffixSettings
 from specdist.transport import ProposeItem, StartItem
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 # ---------------------------------------------------------------- reference
