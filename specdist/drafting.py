@@ -27,7 +27,11 @@ engine and the draft worker actor both call it).
 
 Per request the core keeps the committed token sequence, the SamplingParams, its seed (the
 StartItem seed, i.e. ``draft_seed(request seed)``), the tokens of its last proposal and, for
-model drafts, a KV slot. ``propose`` first commits what the target kept (``num_accepted`` of
+model drafts, a KV slot. In process ``start`` runs no draft forward: a self draft copies the
+target's prompt K/V, and any other prompt is prefilled by the request's first draft pass, so a
+request that never drafts (the length rule gave it k = 0 throughout) costs the drafter nothing
+but its slot. A draft worker prefills in ``start`` (``defer_prefill=False``), where its call
+deadline scales with the prompt. ``propose`` first commits what the target kept (``num_accepted`` of
 the last proposal, then ``new_token_ids``), rolling the cache back to the accepted prefix in
 O(1), then drafts ``num_tokens`` tokens. The token at sequence position ``n`` is sampled with
 the uniform :func:`~specdist.transport.draft_uniform` ``(seed, n)``, so the tokens depend on
@@ -76,6 +80,8 @@ if TYPE_CHECKING:
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
+# unseen tokens a draft pass feeds per row; more (a prompt's first draft) go through a forward first
+CATCH_UP_IN_PASS = 2
 
 
 @dataclass
@@ -109,7 +115,8 @@ class DrafterCore:
 
     def __init__(self, runner: CausalLMRunner | None, vocab_size: int, max_model_len: int,
                  confidence_threshold: float = 0.0, ngram: tuple[int, int] | None = None,
-                 prefix_source: PrefixSource | None = None, suffix: SuffixSettings | None = None):
+                 prefix_source: PrefixSource | None = None, suffix: SuffixSettings | None = None,
+                 defer_prefill: bool = True):
         kinds = (runner is not None, ngram is not None, suffix is not None)
         if kinds not in ((True, False, False), (False, True, False), (False, False, True), (True, False, True)):
             raise ValueError("a drafter has a model runner, n-gram settings, suffix settings, or a runner and "
@@ -124,13 +131,19 @@ class DrafterCore:
         self.confidence_threshold = confidence_threshold
         self.prefix_source = prefix_source
         self.requests: dict[str, _DraftRequest] = {}
+        self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
+        # False: start prefills the prompt (a draft worker: its Start deadline scales with the prompt,
+        # its Propose deadline with the recent Propose time)
+        self.defer_prefill = defer_prefill
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
-                   confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None) -> "DrafterCore":
+                   confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None,
+                   defer_prefill: bool = True) -> "DrafterCore":
         """A model draft (``specdist.models.quant.quantized_copy(target)`` for self-w8)."""
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
-        return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source)
+        return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
+                   defer_prefill=defer_prefill)
 
     @classmethod
     def from_ngram(cls, vocab_size: int, max_model_len: int, ngram_min: int = 1, ngram_max: int = 3) -> "DrafterCore":
@@ -143,11 +156,11 @@ class DrafterCore:
     @classmethod
     def hybrid(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                settings: SuffixSettings | None = None, confidence_threshold: float = 0.0,
-               prefix_source: PrefixSource | None = None) -> "DrafterCore":
+               prefix_source: PrefixSource | None = None, defer_prefill: bool = True) -> "DrafterCore":
         """A model draft (the target's self-w8 copy) and the suffix index, chosen per request and step."""
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
-                   suffix=settings or SuffixSettings())
+                   suffix=settings or SuffixSettings(), defer_prefill=defer_prefill)
 
     @property
     def method(self) -> str:
@@ -184,25 +197,31 @@ class DrafterCore:
             if self.suffix is not None:
                 r.suffix = self.suffix.start(prompt)  # O(len(prompt) * max_depth)
             self.requests[it.request_id] = r
-        todo = [(rid, r) for rid, r in new if len(r.seq) > 1]
         computed = []
-        for rid, r in todo:  # prompt K/V another cache of the same layout already holds (self-w8)
-            src = self.prefix_source(rid) if self.prefix_source is not None else None
+        for rid, r in new:  # prompt K/V another cache of the same layout already holds (self drafts)
+            src = self.prefix_source(rid) if self.prefix_source is not None and len(r.seq) > 1 else None
             if src is not None and cache.same_layout(src[0]) and src[0].lengths[src[1]] >= len(r.seq) - 1:
                 cache.copy_prefix(src[0], src[1], r.slot, len(r.seq) - 1)
-            else:
+            elif len(r.seq) > 1:
                 computed.append(r)
-        if computed:
+        # Deferred: the other prompts' K/V are computed at the request's first draft pass (_catch_up),
+        # so a request the length rule never gives a draft (k = 0) costs no draft forward at all.
+        if computed and not self.defer_prefill:
             self.runner.forward([r.slot for r in computed], [r.seq[:-1] for r in computed], [0] * len(computed))
         return CallTiming({"prefill": now() - t0})
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
+        """Commit what the target kept, then draft. Timing: "draft", and "prefill" for prompts whose
+        K/V this call computed first (a request's first draft), which the draft-cost fits leave out."""
         plan = self._check(items)
         t0 = now()
+        self.catch_up_s = 0.0
         for r, n_acc, new, _ in plan:
             self._commit(r, n_acc, new)
         proposals = self._draft(items, [p[0] for p in plan], [p[3] for p in plan])
-        return proposals, CallTiming({"draft": now() - t0})
+        prefill = self.catch_up_s
+        phases = {"draft": now() - t0 - prefill} | ({"prefill": prefill} if prefill else {})
+        return proposals, CallTiming(phases)
 
     def _check(self, items: list[ProposeItem]) -> list[tuple[_DraftRequest, int, list[int], int]]:
         """Validate a whole Propose call: (request, num_accepted, new tokens, k) per item."""
@@ -322,6 +341,7 @@ class DrafterCore:
             for b in rows:
                 seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
                 inputs.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
+            inputs = self._catch_up([reqs[b].slot for b in rows], inputs)
         else:
             inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
         logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
@@ -355,6 +375,18 @@ class DrafterCore:
         else:
             for b, t in zip(rows, x.tolist()):
                 d.toks[b].append(t)
+
+    def _catch_up(self, slots: list[int], inputs: list[list[int]]) -> list[list[int]]:
+        """Feed all but the last ``CATCH_UP_IN_PASS`` unseen tokens of long rows (a prompt not
+        prefilled yet, see ``start``) in a forward of their own, so the draft pass stays decode-sized
+        for every row instead of padding each to the longest. Returns what the pass still feeds."""
+        long = [n for n, toks in enumerate(inputs) if len(toks) > CATCH_UP_IN_PASS]
+        if not long:
+            return inputs
+        t0 = now()
+        self.runner.forward([slots[n] for n in long], [inputs[n][:-CATCH_UP_IN_PASS] for n in long], [0] * len(long))
+        self.catch_up_s += now() - t0
+        return [toks[-CATCH_UP_IN_PASS:] for toks in inputs]
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -397,13 +429,14 @@ MODEL_FREE_METHODS = ("ngram", "suffix")  # draft methods without a model
 
 def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
-                       prefix_source: PrefixSource | None = None) -> DrafterCore | None:
+                       prefix_source: PrefixSource | None = None, defer_prefill: bool = True) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model
     (``model``), the target's low-precision copy (``self-w8`` and other self drafts, and
     ``hybrid``, whose suffix index comes with it). ``prefix_source``: where the target's prompt
-    K/V sit, for a copy of the target (same layout) to take instead of its own prefill."""
+    K/V sit, for a copy of the target (same layout) to take instead of its own prefill.
+    ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``."""
     from specdist.errors import ConfigError
 
     method = dc.method
@@ -420,9 +453,9 @@ def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, 
                           f"vocabulary size {model.config.vocab_size} differs from the target's {vocab_size}")
     if method == "hybrid":
         return DrafterCore.hybrid(model, max_batch_size, max_model_len, suffix_settings(dc), dc.confidence_threshold,
-                                  prefix_source=prefix_source)
+                                  prefix_source=prefix_source, defer_prefill=defer_prefill)
     return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
-                                  prefix_source=prefix_source)
+                                  prefix_source=prefix_source, defer_prefill=defer_prefill)
 
 
 def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":

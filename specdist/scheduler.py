@@ -455,8 +455,8 @@ class Scheduler:
         if timing.runs:  # a pipelined drafter reports its draft compute: most of it was hidden
             for passes, rows, seconds in timing.runs:
                 policy.observe_draft(i, passes, rows, seconds)
-        elif ntok:
-            policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall)
+        elif ntok:  # a first draft's prompt prefill ("prefill") is not a cost of drafting
+            policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall - timing.phases.get("prefill", 0.0))
         if failed and len(failed) == len(items) and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values()):
             self._eject(i, next(iter(failed.values())))
         for j, msg in failed.items():  # detached from the drafter; released by the step afterwards

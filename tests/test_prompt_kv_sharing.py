@@ -68,3 +68,39 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
 def test_model_draft_still_runs_its_own_prefill(tiny_models) -> None:
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3))
     assert eng.draft_core.prefix_source is None  # a different model: its K/V are its own
+
+
+def test_model_draft_prefills_at_its_first_draft_only(tiny_models) -> None:
+    """A separate draft model computes a prompt's K/V at the request's first draft pass, in a forward
+    of its own (the pass itself stays decode-sized); a request that never drafts costs it no forward."""
+    from specdist.transport import ProposeItem, StartItem
+
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3))
+    core = eng.draft_core
+    calls = []
+    inner = core.runner.forward
+
+    def forward(slots, tokens, num_logits):
+        calls.append(([len(t) for t in tokens], list(num_logits)))
+        return inner(slots, tokens, num_logits)
+
+    core.runner.forward = forward
+    # max_tokens 1: the length rule's cap is 0, so the request never drafts
+    eng.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert calls == [] and eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    core.start([StartItem("a", [1, 2, 3, 4, 5, 6], sp, 1), StartItem("b", [3], sp, 2)])
+    assert calls == []  # start computes nothing
+    _, timing = core.propose([ProposeItem("a", 0, [], 2, 6), ProposeItem("b", 0, [], 2, 1)])
+    # the prompt's first 4 tokens in a forward of their own, then every pass feeds at most 2 tokens a row
+    assert calls[0] == ([4], [0]) and all(max(n) <= 2 for n, _ in calls[1:])
+    assert timing.phases["prefill"] > 0 and timing.phases["draft"] > 0
+    assert core.cache.lengths[core.requests["a"].slot] == 6 + 1  # the prompt and the first draft token fed
+    core.release(["a", "b"])
+
+    ref = Engine.from_config(tiny_config(tiny_models, method="none", k=3))
+    prompts = [[1, 2, 3, 4, 5, 6], [3], [2, 2, 2, 2]]
+    want = [o.token_ids for o in ref.generate(prompts, sp)]
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert eng.stats.accepted > 0
