@@ -40,7 +40,8 @@ HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative optio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "model"), help="draft method")
+    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "suffix", "model"),
+                   help="draft method")
     p.add_argument("--weights", default="float", choices=("float", "native"),
                    help="the target's weights (target.weights); transformers' systems always run the floats")
     p.add_argument("--draft-model", default=None, help="draft model spec for --draft model (same vocabulary)")
