@@ -30,8 +30,8 @@ StartItem seed, i.e. ``draft_seed(request seed)``), the tokens of its last propo
 model drafts, a KV slot. In process ``start`` runs no draft forward: a self draft copies the
 target's prompt K/V, and any other prompt is prefilled by the request's first draft pass, so a
 request that never drafts (the length rule gave it k = 0 throughout) costs the drafter nothing
-but its slot. A draft worker prefills in ``start`` (``defer_prefill=False``), where its call
-deadline scales with the prompt. ``propose`` first commits what the target kept (``num_accepted`` of
+but its slot (``defer_prefill=True``, what the engine builds). A draft worker prefills in
+``start``, where its call deadline scales with the prompt. ``propose`` first commits what the target kept (``num_accepted`` of
 the last proposal, then ``new_token_ids``), rolling the cache back to the accepted prefix in
 O(1), then drafts ``num_tokens`` tokens. The token at sequence position ``n`` is sampled with
 the uniform :func:`~specdist.transport.draft_uniform` ``(seed, n)``, so the tokens depend on
@@ -116,7 +116,7 @@ class DrafterCore:
     def __init__(self, runner: CausalLMRunner | None, vocab_size: int, max_model_len: int,
                  confidence_threshold: float = 0.0, ngram: tuple[int, int] | None = None,
                  prefix_source: PrefixSource | None = None, suffix: SuffixSettings | None = None,
-                 defer_prefill: bool = True):
+                 defer_prefill: bool = False):
         kinds = (runner is not None, ngram is not None, suffix is not None)
         if kinds not in ((True, False, False), (False, True, False), (False, False, True), (True, False, True)):
             raise ValueError("a drafter has a model runner, n-gram settings, suffix settings, or a runner and "
@@ -132,14 +132,14 @@ class DrafterCore:
         self.prefix_source = prefix_source
         self.requests: dict[str, _DraftRequest] = {}
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
-        # False: start prefills the prompt (a draft worker: its Start deadline scales with the prompt,
-        # its Propose deadline with the recent Propose time)
+        # True (the in-process engine): a prompt's K/V wait for the request's first draft. False: start
+        # prefills them (a draft worker: its Start deadline scales with the prompt, Propose's does not)
         self.defer_prefill = defer_prefill
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                    confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None,
-                   defer_prefill: bool = True) -> "DrafterCore":
+                   defer_prefill: bool = False) -> "DrafterCore":
         """A model draft (``specdist.models.quant.quantized_copy(target)`` for self-w8)."""
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
@@ -156,7 +156,7 @@ class DrafterCore:
     @classmethod
     def hybrid(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                settings: SuffixSettings | None = None, confidence_threshold: float = 0.0,
-               prefix_source: PrefixSource | None = None, defer_prefill: bool = True) -> "DrafterCore":
+               prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> "DrafterCore":
         """A model draft (the target's self-w8 copy) and the suffix index, chosen per request and step."""
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
@@ -429,7 +429,7 @@ MODEL_FREE_METHODS = ("ngram", "suffix")  # draft methods without a model
 
 def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
-                       prefix_source: PrefixSource | None = None, defer_prefill: bool = True) -> DrafterCore | None:
+                       prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model

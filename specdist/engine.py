@@ -30,8 +30,9 @@ class Engine(Scheduler):
         dc = config.draft
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
         share = self._target_prefix if target_copy(dc.method) else None
+        # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
-                                                                 prefix_source=share)
+                                                                 prefix_source=share, defer_prefill=True)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 

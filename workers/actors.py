@@ -455,8 +455,8 @@ class DraftActor(_ActorBase):
             _, vocab, _ = model_metadata(target_model_spec, "target.model")
         else:
             vocab = int(model.config.vocab_size)
-        # prefill in Start: the transport's Start deadline scales with the prompt, Propose's does not
-        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model, defer_prefill=False)
+        # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
+        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model)
         self.worker = pipelined(self.worker, pipeline, pipeline_miss)
         self.method, self.k = method, int(k)
         self.load_s = time.perf_counter() - t0
