@@ -77,6 +77,22 @@ def _check_greedy(ref: torch.Tensor, out: list[int], tie: float) -> int:
     return clear
 
 
+def _compare_with_plain(runner, prompts, spec, plain, refs, tie: float, label: str) -> tuple[int, int, int]:
+    """Speculative greedy outputs against plain decoding's: every token checked by
+    :func:`_check_greedy`, and each output identical to plain decoding's up to plain decoding's
+    first near tie. Returns (clear positions, positions, outputs identical to plain decoding)."""
+    clear = total = whole = 0
+    for p, out, base, base_ref in zip(prompts, spec, plain, refs):
+        clear += _check_greedy(_reference_logits(runner, p, out), out, tie)
+        total += len(out)
+        top2 = base_ref.topk(2, -1).values
+        near = [i for i in range(len(base)) if float(top2[i, 0] - top2[i, 1]) < tie]
+        first_tie = near[0] if near else len(base)
+        assert out[:first_tie] == base[:first_tie], (label, p)  # identical up to the first near tie
+        whole += out == base
+    return clear, total, whole
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_greedy_speculation_matches_plain_decoding(tiny_models, dtype, device):
@@ -94,14 +110,8 @@ def test_greedy_speculation_matches_plain_decoding(tiny_models, dtype, device):
         eng = Engine.from_config(_config(tiny_models, method, dtype, device))
         spec = [o.token_ids for o in eng.generate(PROMPTS, params)]
         assert eng.stats.drafted > 0 and eng.stats.accepted > 0, method
-        for p, out, base, base_ref in zip(PROMPTS, spec, plain, refs):
-            clear += _check_greedy(_reference_logits(runner, p, out), out, tie)
-            total += len(out)
-            top2 = base_ref.topk(2, -1).values
-            near = [i for i in range(len(base)) if float(top2[i, 0] - top2[i, 1]) < tie]
-            first_tie = near[0] if near else len(base)
-            assert out[:first_tie] == base[:first_tie], (method, p)  # identical up to the first near tie
-            whole += out == base
+        c, t, w = _compare_with_plain(runner, PROMPTS, spec, plain, refs, tie, method)
+        clear, total, whole = clear + c, total + t, whole + w
     total += sum(len(o) for o in plain)
     assert clear >= 0.6 * total  # most positions are clear: the argmax is checked exactly there
     print(f"{dtype}: {whole} of {2 * len(PROMPTS)} speculative outputs identical to plain decoding")

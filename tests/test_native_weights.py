@@ -36,7 +36,7 @@ from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer,
 from specdist.models.native import decode_blocks, dequantize, self_draft, use_native_blocks
 from specdist.models.quant import GROUP, Int4GroupLinear, Int8WeightOnlyLinear, quantized_copy, unfused_copy
 from specdist.sampling_params import SamplingParams
-from test_dtypes import PROMPTS, TIE, _check_greedy, _reference_logits
+from test_dtypes import PROMPTS, TIE, _check_greedy, _compare_with_plain, _reference_logits
 from test_exactness_frequency import sample_engine, speculative_law
 
 gguf = pytest.importorskip("gguf")
@@ -567,14 +567,8 @@ def test_native_target_with_self_drafts_matches_plain_decoding(tiny_gguf, gguf_m
         spec = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
         print(f"{method}: acceptance {eng.stats.accepted / eng.stats.drafted:.3f}")
         assert eng.stats.drafted > 0 and eng.stats.accepted > (0.9 if method == "self-w4" else 0.5) * eng.stats.drafted
-        for p, out, b, ref in zip(PROMPTS, spec, base, refs):
-            clear += _check_greedy(_reference_logits(runner, p, out), out, tie)
-            total += len(out)
-            top2 = ref.topk(2, -1).values
-            near = [i for i in range(len(b)) if float(top2[i, 0] - top2[i, 1]) < tie]
-            first_tie = near[0] if near else len(b)
-            assert out[:first_tie] == b[:first_tie], (method, p)
-            whole += out == b
+        c, t, w = _compare_with_plain(runner, PROMPTS, spec, base, refs, tie, method)
+        clear, total, whole = clear + c, total + t, whole + w
         assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
     print(f"native target: {clear} of {total} positions clear of near ties (tie {tie:.3f}); "
           f"{whole} of {2 * len(PROMPTS)} speculative outputs identical to plain decoding")
