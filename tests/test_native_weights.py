@@ -143,6 +143,8 @@ def test_fused_int4_projections_equal_their_parts():
             assert (attn.q_proj.bias is not None) == (family == "qwen2")
             for got, p in zip(attn.fused_qkv(x), parts):
                 assert torch.equal(got, p(x))
+                # the part's packed rows are a view of the fused ones: the weights are held once
+                assert p.packed.untyped_storage().data_ptr() == attn.fused_qkv.inner.packed.untyped_storage().data_ptr()
             for got, p in zip(mlp.fused_gate_up(x), (mlp.gate_proj, mlp.up_proj)):
                 assert torch.equal(got, p(x))
     # hidden 32: k/v have 16 rows, half of the CPU kernel's 32-row tile: q/k/v stay apart, gate/up fuse

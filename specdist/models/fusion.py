@@ -8,8 +8,9 @@ concatenation of the originals; afterwards each original module's weight is made
 
 Works on ``nn.Linear``, on :class:`~specdist.models.quant.Int8WeightOnlyLinear`
 (per-output-channel scales concatenate exactly) and on :class:`~specdist.models.quant.Int4GroupLinear`
-(packed rows and per-row group scales concatenate along the output rows), with biases (Qwen2's q/k/v) when every
-part has one. Projections of mixed types, or with a bias on some parts only, are left
+(packed rows and per-row group scales concatenate along the output rows, in the kernels' tiles of
+whole rows: every part a multiple of 32 rows; a part keeps its own small contiguous scales), with
+biases (Qwen2's q/k/v) when every part has one. Projections of mixed types, or with a bias on some parts only, are left
 alone; so are models whose projections come fused already (Phi-3).
 """
 
@@ -83,6 +84,13 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
         fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], 1)  # [G, sum(out), 2]
         fused.bias = bias
         fused.out_features = sum(p.out_features for p in parts)
+        off = 0
+        for p in parts:  # each part's packed rows become a view of the fused ones (no second copy); its
+            # (scale, zero) pairs stay its own: the kernel needs them contiguous, and they are 1/16 of the bytes
+            p.packed = fused.packed[off : off + p.out_features]
+            if biased:
+                p.bias = fused.bias[off : off + p.out_features]
+            off += p.out_features
         return FusedLinear(fused, [p.out_features for p in parts])
     return None
 
