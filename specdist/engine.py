@@ -41,8 +41,11 @@ class Engine(Scheduler):
         return (self.target_core.cache, r.slot) if r is not None else None
 
     @classmethod
-    def from_config(cls, source: str | dict | Config | None = None, tokenizer=None) -> "Engine":
-        """Load the models a config names. ``tokenizer``: the target's, if the caller already has it."""
+    def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,
+                    target: torch.nn.Module | None = None) -> "Engine":
+        """Load the models a config names. ``tokenizer``: the target's, if the caller already has it;
+        ``target``: the target model as the config's ``target`` section loads it, if the caller
+        already has it (engines over one model share its weights; each keeps its own KV cache)."""
         from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 
         cfg = load_config(source)
@@ -53,7 +56,8 @@ class Engine(Scheduler):
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
             if tokenizer is None:
                 tokenizer = load_tokenizer(src)
-            target = load_model(src, cfg.target.dtype, device, weights=cfg.target.weights)
+            if target is None:
+                target = load_model(src, cfg.target.dtype, device, weights=cfg.target.weights)
             draft = None
             if cfg.draft.method == "model":
                 dsrc = resolve_model(cfg.draft.model, "draft.model")

@@ -18,7 +18,7 @@ config is otherwise kept, except: ``cluster.enabled`` is false (this bench runs 
 the work: attention reads only each sequence's own prefix, so this changes no step's cost) and
 ``engine.max_batch_size`` is at least the largest ``--concurrency``. Every engine is loaded
 once, before any measurement, and all stay in memory: the engines share one copy of the
-target's weights (and of a ``model`` draft's), each with its own KV cache.
+target's weights (``Engine.from_config(..., target=)``), each with its own KV cache.
 
 Load (``--concurrency``, repeatable or comma-separated, default 1): at concurrency C, a task's
 prompts are cut into ceil(n / C) batches of C requests (prompt i of batch b is the task's
@@ -65,13 +65,11 @@ prefill, as Spec-Bench's does.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specdist.bench.cluster_bench import _items, apply_overrides
@@ -207,29 +205,6 @@ def check_args(args: argparse.Namespace) -> Plan:
     return Plan(tasks, drafts, levels, prompts, max_tokens, base)
 
 
-@contextlib.contextmanager
-def load_each_model_once() -> Iterator[None]:
-    """Inside, ``specdist.models.loader.load_model`` returns the same module for the same arguments:
-    the engines built inside share one copy of each model's weights (each keeps its own KV cache;
-    no engine changes its model's weights, see tests/conftest.py)."""
-    import specdist.models.loader as loader
-
-    original = loader.load_model
-    loaded: dict = {}
-
-    def load_once(source, dtype, device="cpu", *args, **kwargs):
-        key = (source, str(dtype), str(device), repr(args), repr(sorted(kwargs.items(), key=lambda kv: kv[0])))
-        if key not in loaded:
-            loaded[key] = original(source, dtype, device, *args, **kwargs)
-        return loaded[key]
-
-    loader.load_model = load_once
-    try:
-        yield
-    finally:
-        loader.load_model = original
-
-
 def plain_text(conversation: list[dict]) -> str:
     """A conversation for a model without a chat template: ``User: ...`` / ``Assistant: ...`` turns."""
     turns = [f"{m['role'].capitalize()}: {m['content']}" for m in conversation]
@@ -270,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     engines: dict = {}
     configs: dict[str, dict] = {}
     try:
-        with gguf_parsed_once(), load_each_model_once():
+        with gguf_parsed_once():
             tok = load_tokenizer(resolve_model(plan.base["target"]["model"], "target.model"))
             prompts, chat = encode_tasks(tok, plan.tasks, plan.prompts)
             if not chat:
@@ -281,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
             for name in plan.drafts:
                 cfg = variant_config(plan.base, name, **engine_cfg)
                 log(f"[bench tasks] building the {name} engine")
-                engines[name] = Engine.from_config(cfg, tokenizer=tok)
+                shared = next(iter(engines.values())).target_core.runner.model if engines else None
+                engines[name] = Engine.from_config(cfg, tokenizer=tok, target=shared)  # one copy of the target
                 configs[name] = engines[name].config.to_dict()
         device = device_for(plan.base["engine"]["device"])
         cells: dict[tuple[int, str, str], Cell] = {}
