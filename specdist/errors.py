@@ -49,6 +49,12 @@ class FailedPrecondition(FieldError):
     status = "FAILED_PRECONDITION"
 
 
+class NonFiniteLogits(FailedPrecondition):
+    """A model's logits for one request hold a NaN or leave no positive finite probability, so no
+    token can be sampled. The core undoes the call first: that request fails, the others can be
+    retried without it (a per-item status)."""
+
+
 class ResourceExhausted(FieldError):
     """No room: no free KV slot, or the admission queue is full."""
 

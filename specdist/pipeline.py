@@ -27,7 +27,7 @@ verification):
 
 - A prepared token ``d'_i`` is sampled from ``r_i = fp16_exact(q(. | y, d'_1..d'_{i-1}))``,
   where ``y = x, d, g`` is the prefix it assumes, with ``draft_uniform(seed, position)``:
-  independent of the target's generator and of everything the target has seen.
+  independent of the target's uniforms and of everything the target has seen.
 - It is proposed only on a hit, i.e. when the committed sequence *is* ``y``. Conditioned on
   the history up to that step (which fixes ``y``), the uniforms that made ``d'`` were not
   used by anything that shaped the history: ``g`` is a deterministic function of ``q`` (no

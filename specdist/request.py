@@ -103,7 +103,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     output: OutputState
-    seed: int = 0  # the target's generator seed; the draft's is transport.draft_seed(seed)
+    seed: int = 0  # keys the target's uniforms; the draft's seed is transport.draft_seed(seed)
     core_id: str = ""  # this request's id on the target and draft cores (unique per scheduler)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     acceptance: Acceptance = field(default_factory=Acceptance)  # observed, for the draft-length rule

@@ -32,7 +32,8 @@ def process_logits(
     logits = logits.float()
     n, vocab = logits.shape
     # Which stages run, read off the settings where they live (host tensors: no device sync).
-    use_top_k, use_top_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+    use_top_k = bool((top_k > 0).any())
+    top_p_rows = (top_p < 1).nonzero().squeeze(-1)  # [M] the rows top-p cuts
     any_greedy = bool((temperature <= 0).any())
     kmax = int(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).max()) if use_top_k else vocab
     dev = logits.device
@@ -51,19 +52,38 @@ def process_logits(
 
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
 
-    if use_top_p:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # [N, V] mass of strictly better-ranked tokens
-        keep_sorted = mass_before < top_p.float()[:, None]  # smallest prefix whose mass reaches top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(-1, keepdim=True)
+    if len(top_p_rows):  # only those rows: the others keep their probabilities bit for bit
+        idx = top_p_rows.to(dev, non_blocking=True)  # [M]
+        probs = probs.index_copy(0, idx, _top_p(probs.index_select(0, idx), top_p.index_select(0, idx)))
 
     if any_greedy:
         onehot = torch.zeros_like(probs)
         onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
+
+
+def _top_p(
+    probs: torch.Tensor,  # [M, V] float32, rows sum to 1
+    top_p: torch.Tensor,  # [M] float in (0, 1)
+) -> torch.Tensor:  # [M, V] the smallest best-ranked prefix whose mass reaches top_p, renormalised
+    # A stable sort ranks equal probabilities by token id, so a cut-off among ties keeps the lowest ids.
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [M, V]
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # [M, V] mass of strictly better-ranked tokens
+    keep_sorted = mass_before < top_p.float()[:, None]  # [M, V]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def unusable_rows(
+    logits: torch.Tensor,  # [N, V] the logits given to process_logits
+    probs: torch.Tensor,  # [N, V] what it returned
+) -> torch.Tensor:  # [N] bool, on their device
+    """Rows no token can be sampled from: a NaN logit (a greedy row would otherwise take the NaN's
+    position as its argmax) or probabilities without positive finite mass."""
+    mass = probs.sum(-1)  # [N]
+    return logits.isnan().any(-1) | ~(torch.isfinite(mass) & (mass > 0))
 
 
 def sample_from(

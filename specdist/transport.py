@@ -17,18 +17,21 @@ Every call is all or nothing: the core validates the whole batch before it chang
 state. A failure raises :class:`TransportError` carrying the request ids it concerns (one
 item, or the whole call when no item is to blame); the scheduler decides what that means.
 
-Seeds: a request's seed gives the verifier's generator directly and the drafter's seed through
-:func:`draft_seed`, on either transport, so one seed gives one output wherever it runs. The
-drafter draws the uniform of the draft token at sequence position ``n`` as
-:func:`draft_uniform` ``(draft seed, n)``: a function of the position, not of how many draws
-came before, so drafting the same positions ahead of time (pipelined drafting,
-:mod:`specdist.pipeline`) or again after a rejection gives the tokens sequential drafting gives.
+Seeds: the verifier gets a request's seed itself, the drafter :func:`draft_seed` of it, on either
+transport, so one seed gives one output wherever it runs. Every uniform is counter-based (an
+element of a SplitMix64 stream, all 64 seed bits used): the drafter samples the draft token at
+sequence position ``n`` with :func:`draft_uniform` ``(draft seed, n)``; the verifier accepts or
+rejects the draft token at position ``n`` with :func:`target_uniforms` ``(seed, ACCEPT_ROLE, [n])``
+and samples the residual or bonus token at position ``n`` with ``(seed, SAMPLE_ROLE, [n])``. They are
+functions of the position, not of how many draws came before, so drafting the same positions
+ahead of time (pipelined drafting, :mod:`specdist.pipeline`) or again after a rejection gives the
+tokens sequential drafting gives, and the target's draws do not depend on the draft lengths.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,7 +49,7 @@ class StartItem:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int  # the generator seed of the core that receives it (drafters: draft_seed(request seed))
+    seed: int  # the uniforms' seed on the core that receives it (drafters: draft_seed(request seed))
 
 
 @dataclass
@@ -165,9 +168,18 @@ class Drafter(Protocol):
 # seed still reproduces the whole run.
 DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
 
+# The target's two streams of a request: the uniforms that accept or reject draft tokens and
+# those that sample the final (residual or bonus) token. Each is keyed by ``seed ^ role``. The
+# drafter keeps its own key ``draft_seed(seed) = seed ^ DRAFT_SEED_XOR`` (its cores only ever see
+# that seed, and a remote drafter must not need to know the roles); the three constants are
+# distinct and nonzero, so one request's three keys are pairwise distinct and its three streams
+# are distinct SplitMix64 streams.
+ACCEPT_ROLE = 0xD1B54A32D192ED03
+SAMPLE_ROLE = 0x8CB92BA72F3D8DD7
+
 
 def draft_seed(seed: int) -> int:
-    """The drafter's generator seed for a request whose verifier generator is seeded with ``seed``."""
+    """The drafter's seed for a request whose verifier gets ``seed``."""
     return (int(seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
 
 
@@ -182,18 +194,22 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _stream_uniforms(key: int, positions: Iterable[int]) -> list[float]:
+    """Elements ``positions`` of the SplitMix64 stream that starts at the mixed ``key``, as uniforms
+    in [0, 1) (53 bits). Counter-based: any position, in any order, any number of times."""
+    start = _mix64(int(key) & _M64)
+    return [(_mix64((start + (int(n) + 1) * _GOLDEN) & _M64) >> 11) * 2.0**-53 for n in positions]
+
+
 def draft_uniform(seed: int, position: int) -> float:
-    """The uniform in [0, 1) (53 bits) that samples the draft token at sequence ``position``.
-
-    Element ``position`` of a SplitMix64 stream whose start is the mixed ``seed``. Counter-based,
-    so any position can be drawn in any order, any number of times, with the same result.
-    """
-    x = (_mix64(int(seed) & _M64) + (int(position) + 1) * _GOLDEN) & _M64
-    return (_mix64(x) >> 11) * 2.0**-53
+    """The uniform that samples the draft token at sequence ``position`` (``seed``: the drafter's)."""
+    return _stream_uniforms(seed, (position,))[0]
 
 
-def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(int(seed) & 0xFFFFFFFFFFFFFFFF)
+def target_uniforms(seed: int, role: int, positions: Iterable[int]) -> list[float]:
+    """The target's uniforms of one ``role`` (ACCEPT_ROLE or SAMPLE_ROLE) for the tokens at sequence
+    ``positions`` of the request with ``seed``: pure functions of (seed, position, role)."""
+    return _stream_uniforms(int(seed) ^ role, positions)
 
 
 # ---------------------------------------------------------------- checks the cores share

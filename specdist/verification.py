@@ -9,9 +9,10 @@ is discarded; if all ``k`` are accepted a bonus token is drawn from ``p_{k+1}``.
 Each request therefore emits between 1 and ``k+1`` tokens, and every emitted token
 is distributed exactly as the target's (Leviathan et al. 2022, Chen et al. 2023).
 
-Randomness is supplied by the caller as uniforms (one per draft position plus one
-for the final sample) so that every request can use its own seeded generator and
-this module stays pure and testable. Device-agnostic: every input lives on one device
+Randomness is supplied by the caller as uniforms (one per draft position, and for the
+final sample either one per request or one per position the final token can land on)
+so that every request can use its own seeded uniforms and this module stays pure and
+testable. Device-agnostic: every input lives on one device
 (the uniforms too) and every tensor made here is made there; nothing leaves it.
 Pure maths: no Ray, no gRPC.
 """
@@ -60,6 +61,14 @@ def one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return accepted + rejected_mass * residual_distribution(p, q)
 
 
+def final_uniforms(sample_uniforms: torch.Tensor, n: torch.Tensor) -> torch.Tensor:  # [B]
+    """The uniform that samples each request's final token, which lands at index ``n`` [B] (its
+    accepted drafts): ``sample_uniforms`` [B] as it is, or [B, K+1] at column ``n``."""
+    if sample_uniforms.dim() == 1:
+        return sample_uniforms
+    return sample_uniforms.gather(1, n[:, None]).squeeze(1)
+
+
 @dataclass
 class VerifyResult:
     tokens: torch.Tensor  # [B, K+1] long: accepted drafts then the final sample; -1 after it
@@ -76,14 +85,14 @@ def rejection_sample(
     draft_tokens: torch.Tensor,  # [B, K] long; entries at or past num_draft are ignored
     num_draft: torch.Tensor,  # [B] long: how many of the K positions each request really drafted
     accept_uniforms: torch.Tensor,  # [B, K] in [0, 1)
-    sample_uniforms: torch.Tensor,  # [B] in [0, 1)
+    sample_uniforms: torch.Tensor,  # [B], or [B, K+1]: one for each index the final token can land on
 ) -> VerifyResult:
     """Verify a batch of drafts of different lengths in one vectorised pass."""
     bsz, k = draft_tokens.shape
     dev = target_probs.device
     rows = torch.arange(bsz, device=dev)
     if k == 0:
-        final = sample_from(target_probs[:, 0], sample_uniforms)
+        final = sample_from(target_probs[:, 0], final_uniforms(sample_uniforms, torch.zeros_like(rows)))
         return VerifyResult(final[:, None], torch.zeros(bsz, dtype=torch.long, device=dev))
 
     valid = torch.arange(k, device=dev)[None, :] < num_draft[:, None]  # [B, K]
@@ -102,7 +111,7 @@ def rejection_sample(
         q_n = torch.zeros_like(p_n).scatter_(-1, tok[rows, at][:, None], 1.0)
     rejected = (n < num_draft)[:, None]  # [B, 1] False means all drafts accepted: bonus from p
     final_dist = torch.where(rejected, residual_distribution(p_n, q_n), p_n)  # [B, V]
-    final = sample_from(final_dist, sample_uniforms)  # [B]
+    final = sample_from(final_dist, final_uniforms(sample_uniforms, n))  # [B]
 
     out = torch.full((bsz, k + 1), -1, dtype=torch.long, device=dev)
     keep = torch.arange(k, device=dev)[None, :] < n[:, None]

@@ -4,18 +4,36 @@
 in-process engine calls it directly (:class:`LocalVerifier`); a target worker hosts the same
 class behind gRPC (``workers/target_worker.py``). Per request it keeps a KV slot, the token
 sequence (prompt + emitted tokens; all but the last are in the cache), the SamplingParams
-and its own generator seeded with the request seed.
+and the request seed.
 
 - ``prefill``: take a slot per request and write every prompt token but the last (the last
   one is fed with the first draft);
 - ``verify``: one ragged forward over ``[last token, d_1..d_k]`` per request, the logits
   processed with each request's params (:func:`specdist.sampling.process_logits`, the same
-  transform the draft used for q), ``num_draft + 1`` uniforms per request from its generator,
-  :func:`specdist.verification.rejection_sample`, then the cache rolled back to the accepted
-  prefix (O(1)) and ``accepted + next`` appended to the sequence. Logits, p, q and the
-  sampling stay on the model's device; the uniforms (drawn on the host) go there, and the
-  accepted counts and final tokens come back in one ``[B, 2]`` copy;
+  transform the draft used for q), :func:`specdist.verification.rejection_sample`, then the
+  cache rolled back to the accepted prefix (O(1)) and ``accepted + next`` appended to the
+  sequence. Logits, p, q and the sampling stay on the model's device; the uniforms (computed
+  on the host) go there, and the accepted counts, final tokens and unusable-logits flags come
+  back in one ``[B, 3]`` copy;
 - ``release``: free the slot. Idempotent.
+
+Uniforms: a request holding ``L`` tokens (``len(seq)``, prompt + emitted) before a step has its
+draft token ``d_j`` (j = 0..k-1) at sequence position ``L + j`` and its final (residual or
+bonus) token at ``L + accepted``. ``d_j`` is accepted or rejected with
+:func:`~specdist.transport.target_uniforms` ``(seed, ACCEPT_ROLE, [L + j])``; the final token is
+sampled with ``(seed, SAMPLE_ROLE, [L + accepted])``, so the sample uniform of every position it
+can land on (``L .. L + k``) goes to the sampler. Each is a pure function of (seed, position,
+role): it depends neither on the draft lengths nor on the steps before, all 64 seed bits count,
+a position's uniform of one role is used at most once (later steps start past it), and the
+roles' streams are distinct from each other and from the drafter's.
+
+Checks that need the forward's output: a request whose logits have a NaN, or whose processed
+distribution has no positive finite mass, at any of its positions cannot be sampled. The call
+then undoes its forward (every request's cache rolled back, nothing appended) and fails with
+:class:`~specdist.errors.NonFiniteLogits` naming that item (FAILED_PRECONDITION, per item), so
+the caller can retry the call without it. A draft token whose own q gives it no positive
+probability is refused before the forward (INVALID_ARGUMENT naming ``items[i].draft_probs[j]``),
+for in-process and wire-decoded q alike.
 
 Tensor parallelism (``world_size > 1``): only rank 0 is called. Cache operations that need
 no collective (allocate, free, rollback) are applied on rank 0 at once and queued; right
@@ -39,7 +57,7 @@ the group cannot be trusted after a failed collective; the deployment rebuilds i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,14 +67,17 @@ from specdist.errors import (
     FailedPrecondition,
     Unavailable,
     InvalidArgument,
+    NonFiniteLogits,
     NotFound,
     ResourceExhausted,
 )
 from specdist.models.runner import CausalLMRunner
 from specdist.request import now
-from specdist.sampling import process_logits
+from specdist.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
 from specdist.transport import (
+    ACCEPT_ROLE,
+    SAMPLE_ROLE,
     CallTiming,
     StartItem,
     Verified,
@@ -65,8 +86,8 @@ from specdist.transport import (
     check_request_ids,
     LocalTransport,
     check_token_ids,
-    generator,
     sampling_tensors,
+    target_uniforms,
 )
 from specdist.verification import rejection_sample
 from specdist.wire import ONE_HOT, decode_distribution
@@ -77,7 +98,7 @@ class _TargetRequest:
     slot: int
     seq: list[int]  # prompt + emitted tokens; all but the last are in the cache
     params: SamplingParams
-    generator: torch.Generator = field(repr=False)
+    seed: int  # keys the target's uniforms (transport.target_uniforms)
 
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
@@ -239,7 +260,7 @@ class VerifierCore:
             slot = self.cache.allocate()  # lowest free slot: the followers get the same one
             if self.world_size > 1:
                 self._pending.append(("allocate", slot))
-            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, generator(it.seed))
+            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed))
             admitted.append(r)
         todo = [r for r in admitted if len(r.seq) > 1]
         if todo:
@@ -272,24 +293,24 @@ class VerifierCore:
         dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
         rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
         temp, top_k, top_p = sampling_tensors([r.params for r in reqs])  # [B] each, host
-        p_valid = process_logits(logits.reshape(-1, vocab).index_select(0, src), temp[rows], top_k[rows], top_p[rows])
+        raw = logits.reshape(-1, vocab).index_select(0, src)  # [N, V]
+        p_valid = process_logits(raw, temp[rows], top_k[rows], top_p[rows])  # [N, V]
         probs = torch.zeros(bsz * (kdim + 1), vocab, device=dev).index_copy_(0, dst, p_valid)
         probs = probs.view(bsz, kdim + 1, vocab)  # [B, K+1, V]; rows past a request's drafts stay 0
+        unusable = torch.zeros(bsz * (kdim + 1), dtype=torch.bool, device=dev)
+        unusable = unusable.index_copy_(0, dst, unusable_rows(raw, p_valid)).view(bsz, kdim + 1).any(1)  # [B]
 
         tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
         tokens = tokens.to(dev)  # [B, K]
         q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
-        # num_draft + 1 uniforms per request from its own (host) generator: acceptance, then the final sample
-        u = torch.ones(bsz, kdim + 1, dtype=torch.float64)  # [B, K+1]
-        for b, r in enumerate(reqs):
-            x = torch.rand(nd[b] + 1, generator=r.generator, dtype=torch.float64)
-            u[b, : nd[b]] = x[:-1]
-            u[b, kdim] = x[-1]
-        u = u.to(dev)
+        u = self._uniforms(reqs, nd, kdim).to(dev)  # [B, 2K+1]: acceptance [B, K], then sample [B, K+1]
         num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
-        res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim])
+        res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim:])
         final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
-        n_acc, final = zip(*torch.cat([res.num_accepted[:, None], final], 1).tolist())  # the one copy to the host
+        host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
+        n_acc, final, bad = zip(*host.tolist())  # the one copy to the host
+        if any(bad):
+            self._refuse_unusable(items, reqs, nd, bad.index(1))
         t2 = now()
 
         out = []
@@ -300,6 +321,28 @@ class VerifierCore:
             r.seq.append(final[b])
             out.append(Verified(it.request_id, n_acc[b], final[b]))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
+
+    @staticmethod
+    def _uniforms(reqs: list[_TargetRequest], nd: list[int], kdim: int) -> torch.Tensor:  # [B, 2K+1] float64, host
+        """Per request (holding L tokens): the acceptance uniforms of its draft positions L .. L+nd-1,
+        then the sample uniforms of the positions L .. L+nd its final token can land on; 1.0 past them
+        (never read: past a request's drafts the sampler masks them out)."""
+        rows = []
+        for r, n in zip(reqs, nd):
+            at, pad = len(r.seq), [1.0] * (kdim - n)
+            rows.append(target_uniforms(r.seed, ACCEPT_ROLE, range(at, at + n)) + pad
+                        + target_uniforms(r.seed, SAMPLE_ROLE, range(at, at + n + 1)) + pad)
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def _refuse_unusable(self, items: list[VerifyItem], reqs: list[_TargetRequest], nd: list[int], b: int) -> None:
+        """Item b's logits cannot be sampled: undo the forward (every request's cache back to all but
+        its last token, as before the call) and fail the call naming item b."""
+        for r in reqs:
+            self._local(("rollback", r.slot, len(r.seq) - 1))
+        at = len(reqs[b].seq)
+        raise NonFiniteLogits(f"items[{b}]", f"the target's logits for request {items[b].request_id!r} at sequence "
+                              f"positions {at}..{at + nd[b]} contain NaN or leave no positive finite probability: "
+                              "no token can be sampled")
 
     def _draft_q(self, qs: list, tokens: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [B, K, V] on the device
         """The batch's q: one-hot rows scattered on the device where a request brought none; rows
@@ -359,7 +402,29 @@ class VerifierCore:
             reqs.append(r)
             drafts.append(d)
             qs.append(q)
+        self._check_drafted_tokens(drafts, qs)
         return reqs, drafts, qs
+
+    @staticmethod
+    def _check_drafted_tokens(drafts: list[list[int]], qs: list) -> None:
+        """Refuse a draft token to which its own q gives no positive probability (0 or NaN): it cannot
+        have been sampled from that q, and the acceptance rule ``u q(x) < p(x)`` would misjudge it.
+        The one check for in-process and wire-decoded q; one copy to the host for the whole batch."""
+        picked = []  # (item, q(x) of its draft tokens [n] on q's device)
+        for i, (d, q) in enumerate(zip(drafts, qs)):
+            if q is not None and d:
+                picked.append((i, q[torch.arange(len(d), device=q.device), torch.tensor(d, device=q.device)]))
+        if not picked:
+            return
+        dev = picked[0][1].device
+        values = iter(torch.cat([x.to(dev) for _, x in picked]).tolist())
+        for i, x in picked:
+            for j in range(len(x)):
+                v = next(values)
+                if not v > 0:
+                    raise InvalidArgument(f"items[{i}].draft_probs[{j}].values",
+                                          f"drafted token {drafts[i][j]} has probability {v:g} in its q: "
+                                          "it cannot have been sampled from it")
 
     def release(self, request_ids: list[str]) -> None:
         self._check_leader()

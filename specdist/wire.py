@@ -144,7 +144,10 @@ def _fp16_bytes(h: torch.Tensor) -> bytes:  # [N] float16 on CPU
 def decode_distribution(
     msg: common_pb2.DraftDistribution, vocab_size: int, drafted_token: int, field: str = "draft_probs"
 ) -> torch.Tensor:  # [vocab_size] float32 on CPU, sums to 1
-    """The q the drafted token was sampled from. Raises InvalidArgument naming ``field.*``."""
+    """The q the drafted token was sampled from. Raises InvalidArgument naming ``field.*``.
+
+    Whether q gives the drafted token positive probability is the verifier's check, the same for
+    q from the wire and from an in-process drafter (:meth:`specdist.verifying.VerifierCore.verify`)."""
     if not 0 <= drafted_token < vocab_size:
         raise InvalidArgument(field, f"drafted token {drafted_token} is outside the vocabulary [0, {vocab_size})")
     if msg.format == ONE_HOT:
@@ -169,8 +172,6 @@ def decode_distribution(
         raise InvalidArgument(f"{field}.format", f"must be DENSE_FP16, SPARSE_FP16 or ONE_HOT, got {msg.format}")
     if not bool(((h >= 0) & (h <= 1)).all()):  # NaN fails this too
         raise InvalidArgument(f"{field}.values", "probabilities must be finite and in [0, 1]")
-    if not h[drafted_token] > 0:
-        raise InvalidArgument(f"{field}.values", f"drafted token {drafted_token} has probability 0 in this q")
     return _normalise(h)
 
 

@@ -30,6 +30,7 @@ from specdist.sampling import process_logits, sample_from
 from specdist.verification import (
     VerifyResult,
     acceptance_probability,
+    final_uniforms,
     one_step_distribution,
     rejection_sample,
     residual_distribution,
@@ -488,7 +489,7 @@ def _wrong_verifier(kind: str):
         bsz, k = draft_tokens.shape
         rows = torch.arange(bsz)
         if k == 0:
-            final = sample_from(target_probs[:, 0], sample_uniforms)
+            final = sample_from(target_probs[:, 0], final_uniforms(sample_uniforms, torch.zeros_like(rows)))
             return VerifyResult(final[:, None], torch.zeros(bsz, dtype=torch.long))
         valid = torch.arange(k)[None, :] < num_draft[:, None]
         tok = draft_tokens.clamp(min=0)
@@ -513,7 +514,7 @@ def _wrong_verifier(kind: str):
             final_dist = torch.where(rejected, residual_distribution(p_n, q_n), bonus)
         else:
             final_dist = torch.where(rejected, residual_distribution(p_n, q_n), p_n)
-        final = sample_from(final_dist, sample_uniforms)
+        final = sample_from(final_dist, final_uniforms(sample_uniforms, n))
         out = torch.full((bsz, k + 1), -1, dtype=torch.long)
         keep = torch.arange(k)[None, :] < n[:, None]
         out[:, :k] = torch.where(keep, draft_tokens, out[:, :k])

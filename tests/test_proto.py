@@ -295,13 +295,11 @@ def _dist(fmt=DENSE, values=(), ids=()):
         (_dist(DENSE, [0.5, -0.1, 0.5, 0.1]), 0, "values"),
         (_dist(DENSE, [0.5, math.nan, 0.5, 0.1]), 0, "values"),
         (_dist(DENSE, [0.5, 2.0, 0.5, 0.1]), 0, "values"),
-        (_dist(DENSE, [0.0, 1.0, 0.0, 0.0]), 0, "values"),  # drafted token has q = 0
         (_dist(SPARSE, [0.5, 0.5], [1]), 1, "values"),  # ids and values differ in length
         (_dist(SPARSE, [0.5, 0.5], [2, 1]), 1, "token_ids"),  # not ascending
         (_dist(SPARSE, [0.5, 0.5], [1, 1]), 1, "token_ids"),  # duplicate
         (_dist(SPARSE, [0.5, 0.5], [1, 4]), 1, "token_ids"),  # outside the vocabulary
         (_dist(SPARSE, [0.5, 0.5], [-1, 1]), 1, "token_ids"),
-        (_dist(SPARSE, [0.5, 0.5], [1, 2]), 3, "values"),  # drafted token not in the support
         (_dist(ONE_HOT), 4, ""),  # drafted token outside the vocabulary
     ],
 )
