@@ -24,6 +24,7 @@ from specdist.errors import InvalidArgument
 from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
+from specdist.wire import grpc_message_options
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ class Limits:
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """grpc server options: a larger message either way is refused by grpc (RESOURCE_EXHAUSTED)."""
-        return [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes)]
+        return grpc_message_options(self.max_message_bytes)
 
 
 def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None,

@@ -164,6 +164,10 @@ class DraftPipeline:
         return self.core.max_model_len
 
     @property
+    def cache(self):
+        return self.core.cache
+
+    @property
     def method(self) -> str:
         return self.core.method
 

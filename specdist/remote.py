@@ -20,6 +20,10 @@ the larger of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's r
 (DEADLINE_EXCEEDED) within a few of its normal latencies and the scheduler ejects a draft, or
 fails its requests, instead of waiting.
 
+Message size: a call's request and response may be up to ``message_limit`` bytes
+(:func:`specdist.wire.message_limit_bytes` of the deployment's settings, as the workers are
+given; by default any size); grpc fails a larger one with RESOURCE_EXHAUSTED.
+
 Restarts: channels retry connecting at least every second, and :meth:`_Remote.reconnect`
 points a transport at a worker that was restarted or moved (a fresh channel).
 
@@ -47,6 +51,8 @@ from specdist.transport import (
 )
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.wire import (
+    NO_MESSAGE_LIMIT,
+    grpc_message_options,
     proposal_from_proto,
     propose_items_to_proto,
     start_items_to_proto,
@@ -55,9 +61,7 @@ from specdist.wire import (
 )
 
 TIMING_METADATA_KEY = "specdist-timing"
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
+CHANNEL_OPTIONS = [  # besides the message limits (grpc_message_options)
     # a worker that restarts is back within seconds: retry connecting at least every second
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -105,8 +109,10 @@ DEADLINE_EMA = 0.2  # weight of the newest call in that EMA
 class _Remote:
     is_remote = True
 
-    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None):
+    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
+                 message_limit: int = NO_MESSAGE_LIMIT):
         self.timeout_s = timeout_s
+        self.message_limit = message_limit
         self._metadata = bearer_metadata(secret)
         self._latency: dict[str, float] = {}  # method name -> EMA of its calls' wall seconds (per token)
         self.channel = None
@@ -119,7 +125,8 @@ class _Remote:
         if self.channel is not None:
             self.channel.close()
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options = grpc_message_options(self.message_limit) + CHANNEL_OPTIONS
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = self.stub_class(self.channel)
         self.name = f"{self.name_prefix}{address}"
 
@@ -172,9 +179,10 @@ class RemoteVerifier(_Remote):
     stub_class = target_pb2_grpc.TargetWorkerStub
     name_prefix = "target "
 
-    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None):
+    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None,
+                 message_limit: int = NO_MESSAGE_LIMIT):
         self.vocab_size = int(vocab_size)
-        super().__init__(address, timeout_s, secret)
+        super().__init__(address, timeout_s, secret, message_limit)
 
     def prefill(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),

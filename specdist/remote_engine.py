@@ -8,7 +8,9 @@ never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker s
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
 ``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
 hung workers are found sooner: drafts by their measured-latency deadlines, target ranks by a
-deployment's supervisor and the collective timeouts.
+deployment's supervisor and the collective timeouts. Worker calls may carry messages up to
+:func:`specdist.wire.message_limit_bytes` of the vocabulary, ``engine.max_batch_size`` and
+``draft.num_speculative_tokens`` (the workers must be given at least that limit).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from specdist.config import Config, load_config
 from specdist.errors import InvalidArgument
 from specdist.remote import RemoteDrafter, RemoteVerifier
 from specdist.scheduler import Scheduler
+from specdist.wire import message_limit_bytes
 
 
 class RemoteEngine(Scheduler):
@@ -41,9 +44,11 @@ class RemoteEngine(Scheduler):
             vocab_size = len(tokenizer)
         self.target_address = target_address
         self.tensor_parallel_size = cfg.cluster.tensor_parallel_size
-        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret)
+        # no call carries more than max_batch_size requests (a drafter's share of them included)
+        limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens)
+        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
         addresses = draft_addresses if cfg.draft.enabled else ()
-        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret) for a in addresses]
+        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit) for a in addresses]
         super().__init__(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
 
     @classmethod

@@ -2,7 +2,9 @@
 
 Pure: messages only, no gRPC server or channel code, so the remote transports
 (:mod:`specdist.remote`), the workers' servicers and the tests share one definition of
-every conversion between the dataclasses of :mod:`specdist.transport` and protobuf.
+every conversion between the dataclasses of :mod:`specdist.transport` and protobuf, and
+the sizes those messages reach (:func:`message_limit_bytes`, the gRPC message limit of the
+workers and their callers, as options by :func:`grpc_message_options`).
 
 Draft distributions (see ``DraftDistribution`` in proto/specdist/v1/common.proto):
 exactness needs the target to verify against exactly the q the draft sampled from.
@@ -194,6 +196,53 @@ def wire_bytes_per_step(vocab_size: int, k: int, support: int) -> dict[str, int]
         proposal = draft_pb2.Proposal(request_id="0" * 36, token_ids=[vocab_size - 1] * k, probs=probs)
         sizes[name] = draft_pb2.ProposeResponse(proposals=[proposal]).ByteSize()
     return sizes
+
+
+GRPC_DEFAULT_MESSAGE_BYTES = 4 << 20  # grpc's default receive limit
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # grpc's message-length options are C ints
+NO_MESSAGE_LIMIT = -1  # grpc's "no limit" for a message-length option
+MAX_DRAFT_TOKENS = 64  # the longest draft a config allows (draft.num_speculative_tokens <= 64)
+MESSAGE_SAFETY_FACTOR = 2  # headroom over the computed largest message
+_REQUEST_ID_BYTES = 1024  # a request id: at most 256 characters (the coordinator's bound), 4 UTF-8 bytes each
+
+
+def message_limit_bytes(vocab_size: int, max_batch_size: int, max_draft_tokens: int) -> int:
+    """The gRPC message limit of workers (and their callers) serving these settings.
+
+    The largest Verify request or Propose response they can exchange: ``max_batch_size``
+    items, each with ``max_draft_tokens`` drafted tokens whose q is the largest row the
+    drafts choose (dense fp16: 2 bytes per vocabulary entry), with the longest request ids
+    and token ids; times ``MESSAGE_SAFETY_FACTOR``, never below grpc's 4 MiB default nor
+    above what grpc accepts.
+    """
+    largest = max_batch_size * _largest_item_bytes(vocab_size, max_draft_tokens)
+    return min(GRPC_MAX_MESSAGE_BYTES, max(GRPC_DEFAULT_MESSAGE_BYTES, MESSAGE_SAFETY_FACTOR * largest))
+
+
+def _largest_item_bytes(vocab_size: int, k: int) -> int:
+    """Serialized bytes one item adds to a VerifyRequest or ProposeResponse, at its largest."""
+    rid, ids, rows = "x" * _REQUEST_ID_BYTES, [vocab_size - 1] * k, [_largest_row(vocab_size)] * k
+    verify = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+        request_id=rid, draft_token_ids=ids, draft_probs=rows, seq_len=2**32 - 1)])
+    propose = draft_pb2.ProposeResponse(proposals=[draft_pb2.Proposal(
+        request_id=rid, token_ids=ids, probs=rows, pipeline=draft_pb2.PIPELINE_OUTCOME_MISS)])
+    return max(verify.ByteSize(), propose.ByteSize())
+
+
+def _largest_row(vocab_size: int) -> common_pb2.DraftDistribution:
+    """The larger of a dense fp16 row and the largest sparse row ``_choose_format`` picks
+    (SPARSE_MAX_FRACTION of the vocabulary, with the longest ids: larger for huge vocabularies)."""
+    support = int(SPARSE_MAX_FRACTION * vocab_size)
+    dense = common_pb2.DraftDistribution(format=DENSE, values=bytes(2 * vocab_size))
+    sparse = common_pb2.DraftDistribution(format=SPARSE, values=bytes(2 * support),
+                                          token_ids=[vocab_size - 1] * support)
+    return max(dense, sparse, key=lambda row: row.ByteSize())
+
+
+def grpc_message_options(limit: int) -> list[tuple[str, int]]:
+    """grpc server or channel options: messages up to ``limit`` bytes either way (``NO_MESSAGE_LIMIT``:
+    any size); grpc refuses a larger one with RESOURCE_EXHAUSTED."""
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
 

@@ -138,11 +138,9 @@ class ServedCores:
         import asyncio
         import threading
 
-        import grpc
-
-        from specdist.security import auth_interceptors
         from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
         from workers.draft_worker import DraftServicer
+        from workers.servicing import worker_server
         from workers.target_worker import TargetServicer
 
         self.loop = asyncio.new_event_loop()
@@ -152,7 +150,7 @@ class ServedCores:
         self.servicers = [TargetServicer(target_core)] + [DraftServicer(c) for c in draft_cores]
 
         async def start(servicer, add):
-            server = grpc.aio.server(interceptors=auth_interceptors(secret))
+            server = worker_server(servicer.message_limit, secret)
             add(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()

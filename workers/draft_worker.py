@@ -20,14 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 from specdist.drafting import DrafterCore
 from specdist.v1 import draft_pb2, draft_pb2_grpc
 from specdist.wire import propose_items_from_proto, proposal_to_proto, start_items_from_proto
-from workers.servicing import BlockingCallRunner
+from workers.servicing import BlockingCallRunner, core_message_limit
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     """grpc.aio servicer over a :class:`DrafterCore`; blocking calls run on one thread."""
 
-    def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None,
+                 message_limit: int | None = None):
+        """``message_limit``: the largest message its server must pass
+        (:func:`workers.servicing.worker_server`); by default the core's :func:`core_message_limit`."""
         self.core = core
+        self.message_limit = core_message_limit(core) if message_limit is None else message_limit
         self.runner = BlockingCallRunner("draft-worker", executor)
 
     def _start(self, msg: draft_pb2.StartRequest):

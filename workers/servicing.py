@@ -1,4 +1,5 @@
-"""What the target and draft servicers share: one thread for the core, errors as gRPC statuses."""
+"""What the target and draft servicers share: one thread for the core, errors as gRPC statuses,
+and the gRPC server a worker serves them on (its message limit)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,26 @@ import grpc
 
 from specdist.errors import FieldError, SpecDistError
 from specdist.remote import timing_metadata
+from specdist.security import auth_interceptors
 from specdist.transport import CallTiming
+from specdist.wire import MAX_DRAFT_TOKENS, grpc_message_options, message_limit_bytes
+
+
+def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
+    """:func:`~specdist.wire.message_limit_bytes` for a core's vocabulary and batch (its KV slots).
+
+    ``max_draft_tokens``: the deployment's ``draft.num_speculative_tokens`` where the host knows
+    it, else the most a config allows. A core without a KV cache (n-gram and suffix drafts) ships
+    one-hot q only, so one item's worth bounds its messages."""
+    cache = core.cache
+    return message_limit_bytes(core.vocab_size, cache.num_slots if cache is not None else 1, max_draft_tokens)
+
+
+def worker_server(message_limit: int, secret: str | None = None) -> grpc.aio.Server:
+    """A worker's grpc.aio server (create it on the loop that runs it): messages up to
+    ``message_limit`` bytes either way (a servicer's ``message_limit``); with a ``secret``, every
+    call but the health service's must carry it as a bearer token."""
+    return grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(secret))
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:

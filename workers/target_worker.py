@@ -15,14 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 from specdist.v1 import target_pb2, target_pb2_grpc
 from specdist.verifying import VerifierCore
 from specdist.wire import start_items_from_proto, verified_to_proto, verify_items_from_proto
-from workers.servicing import BlockingCallRunner
+from workers.servicing import BlockingCallRunner, core_message_limit
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     """grpc.aio servicer over a rank-0 :class:`VerifierCore`."""
 
-    def __init__(self, core: VerifierCore, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, core: VerifierCore, executor: ThreadPoolExecutor | None = None,
+                 message_limit: int | None = None):
+        """``message_limit``: the largest message its server must pass
+        (:func:`workers.servicing.worker_server`); by default the core's :func:`core_message_limit`."""
         self.core = core
+        self.message_limit = core_message_limit(core) if message_limit is None else message_limit
         self.runner = BlockingCallRunner("target-worker", executor)
 
     def _prefill(self, msg: target_pb2.PrefillRequest):
