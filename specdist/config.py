@@ -168,6 +168,12 @@ class DraftConfig:
         return self.method != "none"
 
     @property
+    def sampled_lengths(self) -> bool:
+        """Draft lengths depend on the draft's own samples: a model draft stopped by the confidence
+        threshold. (Suffix and n-gram drafts stop as a function of committed tokens only.)"""
+        return self.confidence_threshold > 0 and self.method not in ("ngram", "suffix", "none")
+
+    @property
     def pipelined(self) -> bool:
         """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
         return self.pipeline and self.method in ("model", *SELF_DRAFTS)

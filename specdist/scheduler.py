@@ -177,6 +177,11 @@ class Scheduler:
         self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
                                                num_replicas=max(1, len(self.replicas)),
                                                pipelined=config.draft.pipelined and bool(self.replicas))
+        # The cost fits steer later lengths, so they must not see what a step's uniforms decided. Where
+        # the draft's own samples cut its length (confidence threshold), the tokens past a rejection are
+        # sampled with uniforms of positions the next steps draft again: the fits then take the planned
+        # lengths, not the realised ones.
+        self._planned_costs = config.draft.sampled_lengths
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -338,7 +343,10 @@ class Scheduler:
         self._account(timing, wall, self.verifier.is_remote, main="verify")
         for i, msg in self._target_errors(failed, len(items)).items():
             self._fail(reqs[i], msg)
-        ntok = sum(len(it.proposal or ()) + 1 for it in items)
+        if self._planned_costs:
+            ntok = sum((k if it.proposal is not None else 0) + 1 for it, k in zip(items, ks))
+        else:
+            ntok = sum(len(it.proposal or ()) + 1 for it in items)
         policy.observe_verify(ntok, wall, len(items))
         t2 = now()
 
@@ -456,7 +464,9 @@ class Scheduler:
             for passes, rows, seconds in timing.runs:
                 policy.observe_draft(i, passes, rows, seconds)
         elif ntok:  # a first draft's prompt prefill ("prefill") is not a cost of drafting
-            policy.observe_draft(i, max(len(p) for p in proposals), ntok, wall - timing.phases.get("prefill", 0.0))
+            lengths = [k for j, (_, k) in enumerate(work) if j not in failed] if self._planned_costs \
+                else [len(p) for p in proposals]
+            policy.observe_draft(i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0))
         if failed and len(failed) == len(items) and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values()):
             self._eject(i, next(iter(failed.values())))
         for j, msg in failed.items():  # detached from the drafter; released by the step afterwards

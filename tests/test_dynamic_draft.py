@@ -73,3 +73,25 @@ def test_confidence_threshold_is_validated():
     for bad in (1.0, -0.1, "high", True):
         with pytest.raises(ConfigError, match="draft.confidence_threshold"):
             load_config({"draft": {"method": "self-w8", "confidence_threshold": bad}})
+
+
+def test_cost_fits_see_planned_lengths_when_samples_cut_drafts(tiny_models, monkeypatch):
+    """With the confidence threshold, how long a draft came out depends on draft tokens sampled past
+    the first rejection, with uniforms of positions the next steps draft again. The cost fits (which
+    steer later lengths) must see the lengths the rule chose, never the realised ones."""
+    from specdist.draft_length import DraftLengthPolicy
+
+    seen = {"draft": [], "verify": []}
+    draft_obs, verify_obs = DraftLengthPolicy.observe_draft, DraftLengthPolicy.observe_verify
+    monkeypatch.setattr(DraftLengthPolicy, "observe_draft",
+                        lambda self, rep, passes, rows, s: seen["draft"].append((passes, rows)) or draft_obs(self, rep, passes, rows, s))
+    monkeypatch.setattr(DraftLengthPolicy, "observe_verify",
+                        lambda self, tokens, s, batch=None: seen["verify"].append((tokens, batch)) or verify_obs(self, tokens, s, batch))
+    cfg = tiny_config(tiny_models, "model", 4)
+    cfg["draft"].update(confidence_threshold=0.9, length_policy="fixed")  # fixed: every step plans k = 4
+    eng = Engine.from_config(cfg)
+    outs = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True))
+    assert outs[0].metrics.drafted < 4 * outs[0].metrics.steps  # the threshold did cut drafts
+    planned = [(p, r) for p, r in seen["draft"]]
+    assert len(planned) > 4 and all(p == r == 4 for p, r in planned[:-4])  # k = 4 planned (bar the last steps: caps)
+    assert all(tokens == 5 for tokens, batch in [v for v in seen["verify"] if v[1] is not None][:-4])
