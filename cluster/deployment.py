@@ -269,14 +269,19 @@ class Deployment:
 
     def _load_call(self, h: _Handle):
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
-        if h.kind == "target":
+        compiled = ec.compiled("cuda" if self._gpu else "cpu")
+        if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
+            one_rank = self.spec.tensor_parallel_size == 1
             return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
-                                       self.spec.collective_timeout_s, weights=cfg.target.weights)
+                                       self.spec.collective_timeout_s, weights=cfg.target.weights,
+                                       compile_k=dc.num_speculative_tokens if compiled and one_rank else None,
+                                       compile_cache_dir=ec.compile_cache_dir)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
             pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
-            suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")})
+            suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
+            compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir)
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to

@@ -102,6 +102,7 @@ SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
 
 
 def target_copy(method: str) -> str | None:
@@ -187,6 +188,8 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    compile: bool | str = "auto"  # compiled static-shape passes: on (true), off (false), auto: on CUDA devices
+    compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
 
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
@@ -198,6 +201,17 @@ class EngineConfig:
         if self.num_threads is not None:
             _check_int(self.num_threads, f"{key}.num_threads", 1, 1024)
         _check_int(self.seed, f"{key}.seed", 0, 2**63 - 1)
+        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile in COMPILE_MODES)):
+            raise ConfigError(f"{key}.compile", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), "
+                                                f"got {self.compile!r}")
+        if self.compile_cache_dir is not None:
+            _check_nonempty(self.compile_cache_dir, f"{key}.compile_cache_dir")
+
+    def compiled(self, device_type: str) -> bool:
+        """Whether models run compiled passes on a device of this type (``auto``: CUDA only; on a CPU
+        each shape bucket takes tens of seconds to compile, BENCHMARKS.md: Compiled passes)."""
+        mode = {True: "on", False: "off"}.get(self.compile, self.compile)
+        return mode == "on" or (mode == "auto" and device_type == "cuda")
 
 
 @dataclass
@@ -292,6 +306,9 @@ class Config:
             if not self.draft.enabled and n > 0:
                 raise ConfigError(
                     "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}")
+            if self.engine.compile in (True, "on") and self.cluster.tensor_parallel_size > 1:
+                raise ConfigError("engine.compile", "compiled passes run on one rank; with tensor_parallel_size "
+                                  f"{self.cluster.tensor_parallel_size} use auto (drafts compiled on CUDA) or off")
             if self.target.weights == "native" and self.cluster.tensor_parallel_size > 1:
                 raise ConfigError("target.weights", "native runs on one rank; with tensor_parallel_size "
                                   f"{self.cluster.tensor_parallel_size} use auto or float")

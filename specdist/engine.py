@@ -15,7 +15,7 @@ from specdist.config import Config, load_config, target_copy
 from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core, pipelined
 from specdist.errors import ConfigError
 from specdist.models.loader import eos_token_ids
-from specdist.models.runner import CausalLMRunner
+from specdist.models.runner import CausalLMRunner, compile_runner
 from specdist.scheduler import PHASES, EngineStats, Scheduler
 from specdist.verifying import LocalVerifier, VerifierCore
 
@@ -23,6 +23,8 @@ __all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 
 
 class Engine(Scheduler):
+    compile_s: float = 0.0  # seconds spent compiling and warming compiled passes at load (engine.compile)
+
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len))
@@ -33,6 +35,11 @@ class Engine(Scheduler):
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True)
+        if ec.compiled(self.target_core.runner.device.type):
+            k = dc.num_speculative_tokens if dc.enabled else 0
+            self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)
+            if self.draft_core is not None and self.draft_core.runner is not None:
+                self.compile_s += compile_runner(self.draft_core.runner, "draft", k, ec.compile_cache_dir)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 

@@ -778,6 +778,8 @@ BAD_VALUES = {
     "unknown weights": ({"target": {"weights": "int4"}}, "/target/weights"),
     "native weights across ranks": ({"target": {"weights": "native"}},
                                     "target.weights: native runs on one rank"),
+    "compiled passes across ranks": ({"engine": {"compile": "on"}}, "engine.compile: compiled passes run on one rank"),
+    "unknown compile mode": ({"engine": {"compile": "max"}}, "/engine/compile"),
     "suffix depth below 2": ({"draft": {"suffixMaxDepth": 1}}, "/draft/suffixMaxDepth"),
     "suffix spec factor 0": ({"draft": {"suffixMaxSpecFactor": 0}}, "/draft/suffixMaxSpecFactor"),
     "suffix key left out": ({"draft": {"suffixMinScore": None}}, "suffixMinScore"),
@@ -867,6 +869,17 @@ def test_native_weights_render_on_one_rank_only():
     with pytest.raises(ConfigError, match="target.weights"):
         specdist_config.load_config({"target": {"weights": "native"},
                                      "cluster": {"enabled": True, "tensor_parallel_size": 2}})
+
+
+def test_compile_setting_reaches_the_config():
+    """engine.compile renders into the config as the loader reads it (YAML's bare on / off as booleans)."""
+    for value, want in (("auto", "auto"), ("on", True), ("off", False), (True, True), (False, False)):
+        docs = render({"engine": {"compile": value, "compileCacheDir": "/cache/inductor"},
+                       "target": {"tensorParallelSize": 1}})
+        cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
+        assert (cfg.engine.compile, cfg.engine.compile_cache_dir) == (want, "/cache/inductor")
+    with pytest.raises(ConfigError, match="engine.compile"):  # the rule the chart mirrors
+        specdist_config.load_config({"engine": {"compile": "on"}, "cluster": {"enabled": True, "tensor_parallel_size": 2}})
 
 
 SUFFIX_VALUES = {"suffixMaxDepth": "suffix_max_depth", "suffixMinProb": "suffix_min_prob",

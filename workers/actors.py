@@ -271,11 +271,14 @@ class TargetRankActor(_ActorBase):
     # ------------------------------------------------------------ model
     @_shippable_errors
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
-             collective_timeout_s: float = 10.0, weights: str = "float") -> dict:
+             collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
+             compile_cache_dir: str | None = None) -> dict:
+        """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
+        the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism)."""
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
-        from specdist.models.runner import CausalLMRunner
+        from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
         from specdist.verifying import VerifierCore
 
@@ -289,9 +292,11 @@ class TargetRankActor(_ActorBase):
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
-        self.worker = VerifierCore(CausalLMRunner(model, max_batch_size, max_model_len), rank=self.rank,
-                                   world_size=self.world_size, broadcast=broadcast, set_timeout=set_timeout,
-                                   collective_timeout_s=collective_timeout_s)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        if compile_k is not None and self.world_size == 1:
+            compile_runner(runner, "target", compile_k, compile_cache_dir)
+        self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
+                                   set_timeout=set_timeout, collective_timeout_s=collective_timeout_s)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
         return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
@@ -421,6 +426,8 @@ class DraftActor(_ActorBase):
         pipeline: bool = False,  # draft.pipeline (model drafts): prepare next drafts during verification
         pipeline_miss: str = "redraft",
         suffix: dict | None = None,  # the draft.suffix_* keys (methods suffix and hybrid; defaults if None)
+        compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
+        compile_cache_dir: str | None = None,
     ) -> dict:
         self._require("created")
         t0 = time.perf_counter()
@@ -457,6 +464,10 @@ class DraftActor(_ActorBase):
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model)
+        if compile_passes and self.worker.runner is not None:
+            from specdist.models.runner import compile_runner
+
+            compile_runner(self.worker.runner, "draft", int(k), compile_cache_dir)
         self.worker = pipelined(self.worker, pipeline, pipeline_miss)
         self.method, self.k = method, int(k)
         self.load_s = time.perf_counter() - t0

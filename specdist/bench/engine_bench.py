@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="engine.compile of the specdist engines (compiled static-shape passes)")
     p.add_argument("--length-policy", choices=("fixed", "adaptive"), default="fixed",
                    help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)")
     p.add_argument("--prompts", type=int, default=8, help=f"how many chat prompts (max {len(PROMPTS)})")
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             draft_model = None
         assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
         base = {"target": {"model": args.model, "dtype": dtype, "weights": args.weights},
-                "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device)}}
+                "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device),
+                           "compile": args.compile}}
         draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
                      "dtype": dtype}
         if args.draft == "model":

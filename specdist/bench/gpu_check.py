@@ -8,7 +8,9 @@
    printing tokens/s. Random weights make acceptance meaningless; the numbers are the
    step's throughput on the device;
 3. the same with the target's own int4 copy as the draft (``--draft self-w4``: the int4
-   weight-only kernel on the device, :class:`specdist.models.quant.Int4GroupLinear`).
+   weight-only kernel on the device, :class:`specdist.models.quant.Int4GroupLinear`);
+4. step 3 with compiled passes (``--compile on``: ``torch.compile`` with CUDA graphs, one per
+   shape bucket, :meth:`specdist.models.runner.CausalLMRunner.compile`).
 
 ``--device cpu --tiny`` runs step 2 with small models on the CPU (how CI checks the script).
 Exit status: 0 when every step passed, 1 otherwise; a one-line reason when CUDA is missing.
@@ -24,7 +26,7 @@ import tempfile
 import time
 
 CUDA_TEST_FILES = ("tests/test_model_families.py", "tests/test_dtypes.py", "tests/test_native_weights.py",
-                   "tests/test_device_resident.py", "tests/test_tensor_parallel.py")
+                   "tests/test_device_resident.py", "tests/test_tensor_parallel.py", "tests/test_compiled_runner.py")
 TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2)
 TINY_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -77,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
           f"draft {draft.num_params / 1e9:.3f} B, {dtype}, written in {time.perf_counter() - t0:.0f} s", flush=True)
     common = ["--dtype", dtype, "--device", args.device, "--systems", "engine-target,engine-spec",
               "--temperatures", "0,0.8", "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
-    for draft_args in (["--draft", "model", "--draft-model", draft.path], ["--draft", "self-w4"]):
+    for draft_args in (["--draft", "model", "--draft-model", draft.path], ["--draft", "self-w4"],
+                       ["--draft", "self-w4", "--compile", "on"]):
         bench = [sys.executable, "-m", "specdist.cli", "bench", "engine", "--model", target.path, *draft_args, *common]
         print("== " + " ".join(bench[2:]), flush=True)
         rc = subprocess.call(bench, cwd=root)
         if rc != 0:
-            failed.append(f"bench engine {' '.join(draft_args[:2])} (exit {rc})")
+            failed.append(f"bench engine {' '.join(draft_args)} (exit {rc})")
 
     print("\ngpu_check: " + ("all steps passed" if not failed else "FAILED: " + "; ".join(failed)))
     return 1 if failed else 0

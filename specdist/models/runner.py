@@ -47,6 +47,13 @@ then slices the keys), ``is_causal`` for a one-request prefill from position 0 t
 does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
 attention (:func:`_softcap_attention`): no fused kernel applies the cap.
 
+Two passes share the decoder stack (:meth:`CausalLMRunner._layers`) and differ in how they
+attend. The eager pass runs at the call's own shapes. The static pass (:meth:`CausalLMRunner.compile`,
+``engine.compile``) pads a call to a bucket (batch, tokens per request, logits rows; keys to a
+power of two from 64), gathers each row's slot and attends under one boolean mask per window,
+so that ``torch.compile`` builds one graph per bucket (CUDA graphs on GPUs) in which only the key
+length varies.
+
 Works unchanged on tensor-parallel shards: local head counts are read off the
 projections' output sizes, and the row-parallel ``o_proj`` / ``down_proj`` do
 their own all-reduce.
@@ -55,8 +62,6 @@ their own all-reduce.
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +71,19 @@ from specdist.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models.fusion import fuse_projections
 
-__all__ = ["CausalLMRunner", "ForwardTimings", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Static-shape buckets of the compiled pass: tokens per request, and keys from 64 by powers of two
+# (capped at the cache length); the batch is padded to a power of two (capped at the slot count).
+STATIC_TOKENS = (1, 2, 4, 8, 16)
+STATIC_MIN_KEYS = 64
+STATIC_GRAPHS = 512  # graphs one runner may compile (dynamo's recompile limit for it)
 
 
-@dataclass
-class ForwardTimings:
-    cache_write_s: float = 0.0  # time spent writing new K/V into slots
+def _bucket(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 class CausalLMRunner:
@@ -115,6 +125,9 @@ class CausalLMRunner:
         self.attn_softcap = cfg.attn_logit_softcapping if family.attn_softcap else None
         self.final_softcap = cfg.final_logit_softcapping if family.final_softcap else None
         self.windows = [_window(family, cfg, layer.self_attn) for layer in self.layers]
+        self.mask_windows = list(dict.fromkeys(self.windows))  # the static pass builds one mask per window
+        self.mask_of_layer = [self.mask_windows.index(w) for w in self.windows]
+        self.compiled = None  # the compiled _static_pass, once compile() ran
         # RoPE cos/sin for every position, computed once: [max_len + 1, rd] each (last row: scratch),
         # one table per layer type where the rotary module keeps several (Gemma 3).
         rotary = base.rotary_emb
@@ -125,7 +138,35 @@ class CausalLMRunner:
         self.cache = SlotKVCache(
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
-        self.timings = ForwardTimings()
+
+    def compile(self) -> None:
+        """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
+        ``torch.compile`` of :meth:`_static_pass`: inductor on CPU, CUDA graphs on GPU
+        (``reduce-overhead``; the cache tensors are marked static so the graphs write them in
+        place). Each bucket compiles at its first call (:meth:`warm_up` does it ahead); the
+        compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            for t in self.cache.k + self.cache.v:
+                torch._dynamo.mark_static_address(t)
+        # every bucket is one more graph of the one function: allow them all
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, STATIC_GRAPHS)
+        dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4 * STATIC_GRAPHS)
+        self.compiled = torch.compile(self._static_pass, mode="reduce-overhead" if cuda else None)
+
+    def warm_up(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Run one call of each ``(batch, tokens per request, logits per request)`` on free slots
+        (released afterwards), so that the buckets a step needs first are compiled before serving."""
+        cache = self.cache
+        for bsz, n, n_logits in shapes:
+            slots = [cache.allocate() for _ in range(min(bsz, cache.num_free))]
+            try:
+                if slots:
+                    self.forward(slots, [[0] * n] * len(slots), [n_logits] * len(slots))
+            finally:
+                for s in slots:
+                    cache.free(s)
 
     @torch.inference_mode()
     def forward(
@@ -137,56 +178,39 @@ class CausalLMRunner:
         """Append ``tokens[b]`` to ``slots[b]`` and return logits for the last ``num_logits[b]`` of them.
 
         Row ``b`` of the result holds its logits left-aligned; rows with fewer than the
-        maximum are zero-padded on the right.
+        maximum are zero-padded on the right. Calls of at most ``STATIC_TOKENS[-1]`` tokens per
+        request go through the compiled static-shape pass once :meth:`compile` was called.
         """
         cache = self.cache
-        bsz = len(slots)
         n_new = [len(t) for t in tokens]
-        t_max = max(n_new)
         starts = [cache.lengths[s] for s in slots]
         for s, st, n in zip(slots, starts, n_new):
             if st + n > cache.max_len:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
-        dev = self.device
-        ids = torch.tensor([list(t) + [0] * (t_max - len(t)) for t in tokens], dtype=torch.long)  # [B, T], 0-padded
-        ar = torch.arange(t_max)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        n_t = torch.tensor(n_new, dtype=torch.long)
-        positions = start_t[:, None] + ar[None, :]  # [B, T]
-        valid = ar[None, :] < n_t[:, None]  # [B, T]
-        write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch)).to(dev)  # [B, T]
-        s_len = int((start_t + n_t).max())  # keys attended: [0, S)
-        # Padded queries take their row's last valid position: their outputs are discarded, and so
-        # every query sees at least one key whatever the window.
-        last = (start_t + n_t - 1).clamp(min=0)  # [B]
-        query_pos = torch.minimum(positions, last[:, None]).to(dev)  # [B, T]
+        if self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
+            logits = self._forward_static(slots, tokens, starts, num_logits)
+        else:
+            logits = self._forward_eager(slots, tokens, starts, num_logits)
+        for s, st, n in zip(slots, starts, n_new):
+            cache.lengths[s] = st + n
+        return logits  # stays on the device: sampling and verification run there
+
+    def _forward_eager(self, slots, tokens, starts, num_logits):
+        """The forward at the call's own shapes: keys sliced to the longest sequence, attention in
+        the cheapest form SDPA accepts (no mask, ``is_causal``, or a mask)."""
+        cache, dev = self.cache, self.device
+        bsz, n_new = len(slots), [len(t) for t in tokens]
+        t_max = max(n_new)
+        ids, write_pos, query_pos = self._positions(tokens, starts, t_max)
+        s_len = max(st + n for st, n in zip(starts, n_new))  # keys attended: [0, S)
         one_position = t_max == 1 and min(starts) == max(starts)  # one query per request, all at one position
         prefill = bsz == 1 and starts[0] == 0
         plans: dict[int | None, tuple] = {}  # window -> (first key, mask, is_causal), made at first use
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         contiguous = slots == list(range(slots[0], slots[0] + bsz))
 
-        h = self.model.model.embed_tokens(ids.to(dev))  # [B, T, D]
-        rope_pos = write_pos  # padded tokens get the scratch row; their outputs are discarded
-        ropes = {key: (cos[rope_pos], sin[rope_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
-        hd = self.head_dim
-        write_s = 0.0
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = _rms_norm(layer.input_layernorm, h)
-            q, k, v = _qkv(attn, x, self.qkv_split)
-            q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
-            k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
-            if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
-                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
-            v = v.reshape(bsz, t_max, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-            cos, sin = ropes[self.rope_keys[i]]
-            q, k = _apply_rope(q, k, cos, sin)
-            t0 = time.perf_counter()
-            kc, vc = cache.k[i], cache.v[i]  # [N, Hkv, L+1, hd]
-            kc[slot_t[:, None], :, write_pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, Hkv, hd]
-            vc[slot_t[:, None], :, write_pos] = v.transpose(1, 2).to(vc.dtype)
+        def attend(i, q, k, v):  # [B, Hq, T, hd], [B, Hkv, T, hd] x2 -> [B, Hq, T, hd]
+            kc, vc = self._write(i, slot_t, write_pos, k, v)
             window = self.windows[i]
             plan = plans.get(window)
             if plan is None:
@@ -199,14 +223,106 @@ class CausalLMRunner:
             else:
                 keys = kc[:, :, lo:s_len].index_select(0, slot_t)  # copies only the attended keys
                 vals = vc[:, :, lo:s_len].index_select(0, slot_t)
-            write_s += time.perf_counter() - t0
-            if self.attn_softcap is None:
-                o = F.scaled_dot_product_attention(
-                    q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                    enable_gqa=q.shape[1] != keys.shape[1],
-                )  # [B, Hq, T, hd]
-            else:
-                o = _softcap_attention(q, keys, vals, mask, causal, self.scaling, self.attn_softcap)
+            return self._attention(q, keys, vals, mask, causal)
+
+        h = self._layers(ids.to(dev), write_pos, attend)  # [B, T, D]
+        return self._logits(h, n_new, num_logits)
+
+    def _forward_static(self, slots, tokens, starts, num_logits):
+        """The forward padded to a bucket (batch, tokens, keys, logits) and run by the compiled
+        :meth:`_static_pass`; each bucket is one static-shape graph, compiled at first use."""
+        cache, dev = self.cache, self.device
+        bsz, n_new = len(slots), [len(t) for t in tokens]
+        b_pad = min(_bucket(bsz), max(bsz, cache.num_slots))
+        t_pad = next(t for t in STATIC_TOKENS if t >= max(n_new))
+        s_len = max(st + n for st, n in zip(starts, n_new))
+        s_pad = min(max(STATIC_MIN_KEYS, _bucket(s_len)), cache.max_len)  # never the scratch column
+        # Padded rows are empty requests on slot 0: every token writes the scratch column.
+        slots_p = list(slots) + [slots[0]] * (b_pad - bsz)
+        tokens_p = list(tokens) + [[]] * (b_pad - bsz)
+        starts_p = list(starts) + [0] * (b_pad - bsz)
+        ids, write_pos, query_pos = self._positions(tokens_p, starts_p, t_pad)
+        j = torch.arange(s_pad, device=dev)  # [S]
+        p = query_pos[:, :, None]  # [B, T, 1]
+        masks = []
+        for window in self.mask_windows:  # key j visible to a query at p iff p - window < j <= p
+            visible = j <= p
+            if window is not None:
+                visible &= j > p - window
+            masks.append(visible[:, None])  # [B, 1, T, S]
+        n_out = max(num_logits)
+        n_pad = next(t for t in STATIC_TOKENS if t >= n_out)  # logits rows come in buckets too (extra ones dropped)
+        n_t = torch.tensor(n_new + [1] * (b_pad - bsz))
+        offs = torch.tensor(list(num_logits) + [1] * (b_pad - bsz))
+        out_idx = ((n_t - offs)[:, None] + torch.arange(n_pad)[None, :]).clamp(min=0, max=t_pad - 1)  # [B, n_pad]
+        slot_t = torch.tensor(slots_p, dtype=torch.long, device=dev)
+        args = (ids.to(dev), write_pos, slot_t, tuple(masks), out_idx.to(dev))
+        # One graph per (batch, tokens, logits rows) bucket, each serving every key length (CUDA graphs:
+        # recorded per keys bucket): the key length is dynamic, the rest static (not made dynamic when
+        # a second bucket shows up, which measured slower than a graph of its own).
+        ids_d, write_d, slot_d, masks_d, out_d = args
+        for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (slot_d, (0,)), (out_d, (0, 1))] + [(m, (0, 2)) for m in masks_d]:
+            for d in dims:
+                torch._dynamo.mark_static(t, d)
+        for m in masks_d:
+            torch._dynamo.mark_dynamic(m, 3)  # [B, 1, T, S]: S
+        logits = self.compiled(*args)[:bsz, :n_out]
+        if dev.type == "cuda":  # a CUDA graph's output buffer is overwritten by its next replay
+            logits = logits.clone()
+        return _left_aligned(logits, num_logits)
+
+    def _static_pass(self, ids, write_pos, slot_t, masks, out_idx):
+        """Pure tensor work at fixed shapes (what :meth:`compile` compiles): ``ids`` [B, T],
+        ``write_pos`` [B, T], ``slot_t`` [B], ``masks`` one [B, 1, T, S] per distinct window,
+        ``out_idx`` [B, n] -> logits [B, n, V] float32."""
+        s_pad = masks[0].shape[-1]
+
+        def attend(i, q, k, v):
+            kc, vc = self._write(i, slot_t, write_pos, k, v)
+            keys = kc[:, :, :s_pad].index_select(0, slot_t)  # [B, Hkv, S, hd]
+            vals = vc[:, :, :s_pad].index_select(0, slot_t)
+            return self._attention(q, keys, vals, masks[self.mask_of_layer[i]], False)
+
+        h = self._layers(ids, write_pos, attend)
+        return self._head(h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1])))
+
+    def _positions(self, tokens, starts, t_max):
+        """Host-side layout of a call: ``ids`` [B, T] (0-padded, host), ``write_pos`` [B, T] (each
+        token's position, padded ones the scratch column) and ``query_pos`` [B, T] (padded queries
+        take their row's last position: their outputs are discarded, and every query sees at least
+        one key whatever the window), both on the device."""
+        ids = torch.tensor([list(t) + [0] * (t_max - len(t)) for t in tokens], dtype=torch.long)  # [B, T]
+        ar = torch.arange(t_max)
+        start_t = torch.tensor(starts, dtype=torch.long)
+        n_t = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        positions = start_t[:, None] + ar[None, :]  # [B, T]
+        valid = ar[None, :] < n_t[:, None]  # [B, T]
+        write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
+        last = (start_t + n_t - 1).clamp(min=0)  # [B]
+        query_pos = torch.minimum(positions, last[:, None])  # [B, T]
+        return ids, write_pos.to(self.device), query_pos.to(self.device)
+
+    def _layers(self, ids, write_pos, attend):  # [B, T] -> hidden states [B, T, D]
+        """The decoder stack. ``attend(i, q, k, v)`` writes layer i's new keys and values into the
+        cache and returns the attention output; the eager and static passes differ only there."""
+        bsz, t_max = ids.shape
+        h = self.model.model.embed_tokens(ids)  # [B, T, D]
+        # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded.
+        ropes = {key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
+        hd = self.head_dim
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k, v = _qkv(attn, x, self.qkv_split)
+            q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
+            k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
+            if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
+            v = v.reshape(bsz, t_max, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            cos, sin = ropes[self.rope_keys[i]]
+            q, k = _apply_rope(q, k, cos, sin)
+            o = attend(i, q, k, v)  # [B, Hq, T, hd]
             a = attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1))  # [B, T, D]
             if self.sandwich:  # Gemma: each block's output is normed before its residual add
                 h = h + _rms_norm(layer.post_attention_layernorm, a)
@@ -215,24 +331,71 @@ class CausalLMRunner:
             else:
                 h = h + a
                 h = h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
-        self.timings.cache_write_s += write_s
-        for s, st, n in zip(slots, starts, n_new):
-            cache.lengths[s] = st + n
+        return h
 
+    def _write(self, i, slot_t, write_pos, k, v):
+        """Layer i's new keys / values [B, Hkv, T, hd] into each row's slot at its positions."""
+        kc, vc = self.cache.k[i], self.cache.v[i]  # [N, Hkv, L+1, hd]
+        kc[slot_t[:, None], :, write_pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, Hkv, hd]
+        vc[slot_t[:, None], :, write_pos] = v.transpose(1, 2).to(vc.dtype)
+        return kc, vc
+
+    def _attention(self, q, keys, vals, mask, causal):  # -> [B, Hq, T, hd]
+        if self.attn_softcap is not None:
+            return _softcap_attention(q, keys, vals, mask, causal, self.scaling, self.attn_softcap)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+
+    def _logits(self, h, n_new, num_logits):
+        """Logits of the last ``num_logits[b]`` valid tokens of each row, left-aligned, zero-padded."""
+        bsz, t_max, dev = h.shape[0], h.shape[1], h.device
         n_out = max(num_logits)
         if n_out == 0:
             return torch.zeros(bsz, 0, self.vocab_size, device=dev)
-        # Gather the hidden states whose logits are wanted: the last num_logits[b] valid tokens.
         offs = torch.tensor(num_logits, dtype=torch.long)
-        idx = (n_t - offs)[:, None] + torch.arange(n_out)[None, :]  # [B, n_out]
+        idx = (torch.tensor(n_new) - offs)[:, None] + torch.arange(n_out)[None, :]  # [B, n_out]
         idx = idx.clamp(min=0, max=t_max - 1)
-        hs = h.gather(1, idx.to(dev)[..., None].expand(-1, -1, h.shape[-1]))  # [B, n_out, D]
-        logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()  # [B, n_out, V]
-        logits = _softcap(logits, self.final_softcap)  # Gemma: tanh soft-cap of the logits
-        if min(num_logits) < n_out:
-            keep = (torch.arange(n_out)[None, :] < offs[:, None]).to(dev)
-            logits = logits * keep[..., None]
-        return logits  # stays on the device: sampling and verification run there
+        logits = self._head(h.gather(1, idx.to(dev)[..., None].expand(-1, -1, h.shape[-1])))  # [B, n_out, V]
+        return _left_aligned(logits, num_logits)
+
+    def _head(self, hs):  # [B, n, D] -> [B, n, V] float32
+        logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()
+        return _softcap(logits, self.final_softcap)  # Gemma: tanh soft-cap of the logits
+
+
+def _left_aligned(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:  # [B, n, V], zero past num_logits[b]
+    if min(num_logits) == logits.shape[1]:
+        return logits
+    keep = torch.arange(logits.shape[1])[None, :] < torch.tensor(num_logits)[:, None]  # [B, n]
+    return logits * keep.to(logits.device)[..., None]
+
+
+def compile_runner(runner: CausalLMRunner, role: str, k: int, cache_dir: str | None) -> float:
+    """Compile ``runner`` (:meth:`CausalLMRunner.compile`) and warm the buckets a batch-1 step
+    uses first; returns the seconds it took. ``role``: "target" verifies ``k + 1`` tokens
+    (logits for each), a "draft" runner decodes one token, or two when it catches up after a
+    fully accepted step (logits for the last)."""
+    import time
+
+    t0 = time.perf_counter()
+    use_compile_cache(cache_dir)
+    runner.compile()
+    if role == "target":
+        shapes = [(1, t, t) for t in STATIC_TOKENS if t == 1 or t // 2 < k + 1]
+    else:
+        shapes = [(1, 1, 1), (1, 2, 1)]
+    runner.warm_up(shapes)
+    return time.perf_counter() - t0
+
+
+def use_compile_cache(path: str | None) -> str:
+    """Point inductor's on-disk cache at ``path`` (None: ``~/.cache/specdist/inductor``) unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is already set; returns the directory in use. A later start
+    loads the compiled code of a bucket from there instead of compiling it again."""
+    import os
+
+    default = path or os.path.join(os.path.expanduser("~"), ".cache", "specdist", "inductor")
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
 
 
 def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]

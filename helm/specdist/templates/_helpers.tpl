@@ -92,6 +92,9 @@ app.kubernetes.io/part-of: specdist
 {{- if and .Values.serve.tls.clientCA (not .Values.serve.tls.secretName) -}}
 {{- fail "serve.tls.clientCA: needs serve.tls.secretName (client certificates need TLS)" -}}
 {{- end -}}
+{{- if and (has (toString .Values.engine.compile) (list "on" "true")) (gt (int .Values.target.tensorParallelSize) 1) -}}
+{{- fail (printf "engine.compile: compiled passes run on one rank; with target.tensorParallelSize %d use auto or off" (int .Values.target.tensorParallelSize)) -}}
+{{- end -}}
 {{- if and (eq (toString .Values.target.weights) "native") (gt (int .Values.target.tensorParallelSize) 1) -}}
 {{- fail (printf "target.weights: native runs on one rank (its quantized blocks are not sharded); with target.tensorParallelSize %d use auto or float" (int .Values.target.tensorParallelSize)) -}}
 {{- end -}}
