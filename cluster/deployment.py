@@ -275,7 +275,8 @@ class Deployment:
             return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
                                        self.spec.collective_timeout_s, weights=cfg.target.weights,
                                        compile_k=dc.num_speculative_tokens if compiled and one_rank else None,
-                                       compile_cache_dir=ec.compile_cache_dir)
+                                       compile_cache_dir=ec.compile_cache_dir,
+                                       max_draft_tokens=dc.num_speculative_tokens)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",

@@ -36,6 +36,8 @@ import torch
 from specdist.sampling_params import SamplingParams
 from specdist.transport import ProposeItem, Proposal, StartItem, VerifyItem
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.wire import MAX_DRAFT_TOKENS
+from workers.servicing import core_message_limit
 
 WARMUP_ID = "__specdist_warmup__"
 
@@ -103,11 +105,12 @@ class _GrpcHost:
     """A grpc.aio server (+ health service) on its own asyncio loop thread; with a ``secret``
     every call but health's must carry it as a bearer token."""
 
-    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...], secret: str | None = None):
+    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...], secret: str | None = None,
+                 message_limit: int = 4 << 20):
         from grpc_health.v1 import health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
 
-        from specdist.security import auth_interceptors
+        from workers.servicing import worker_server
 
         self.service_names = ("",) + tuple(service_names)
         self.loop = asyncio.new_event_loop()
@@ -115,7 +118,7 @@ class _GrpcHost:
         self.thread.start()
 
         async def start():
-            server = grpc.aio.server(interceptors=auth_interceptors(secret))
+            server = worker_server(message_limit, secret)  # messages up to the servicer's limit
             for add in add_fns:
                 add(server)
             health = health_aio.HealthServicer()
@@ -272,9 +275,10 @@ class TargetRankActor(_ActorBase):
     @_shippable_errors
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
-             compile_cache_dir: str | None = None) -> dict:
+             compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
-        the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism)."""
+        the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
+        ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit."""
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
@@ -297,6 +301,7 @@ class TargetRankActor(_ActorBase):
             compile_runner(runner, "target", compile_k, compile_cache_dir)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
                                    set_timeout=set_timeout, collective_timeout_s=collective_timeout_s)
+        self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
         return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
@@ -334,10 +339,11 @@ class TargetRankActor(_ActorBase):
         from workers.target_worker import TargetServicer
 
         cls = _draining_servicer(TargetServicer, "Prefill", "target")
-        self.servicer = cls(self.worker, self.executor)
+        self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
         servicer = self.servicer
         self.grpc = _GrpcHost([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], host, port,
-                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,), secret)
+                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,), secret,
+                              servicer.message_limit)
         self.state = "serving"
         return self.grpc.address
 
@@ -502,10 +508,11 @@ class DraftActor(_ActorBase):
         from workers.draft_worker import DraftServicer
 
         cls = _draining_servicer(DraftServicer, "Start", "draft")
-        self.servicer = cls(self.worker, self.executor)
+        self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
         servicer = self.servicer
         self.grpc = _GrpcHost([lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], host, port,
-                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,), secret)
+                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,), secret,
+                              servicer.message_limit)
         self.state = "serving"
         return self.grpc.address
 
