@@ -102,6 +102,7 @@ SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+COUPLINGS = ("gumbel", "rejection")  # = specdist.coupling.COUPLINGS
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
 
 
@@ -285,9 +286,21 @@ class LimitsConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """How drafts are decided (specdist/coupling.py): ``gumbel`` makes a seeded request's tokens
+    independent of the drafts; ``rejection`` is the seed documents' rule."""
+
+    coupling: str = "gumbel"
+
+    def validate(self, key: str) -> None:
+        _check_choice(self.coupling, COUPLINGS, f"{key}.coupling")
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -295,6 +308,7 @@ class Config:
     def validate(self) -> "Config":
         self.target.validate("target")
         self.draft.validate("draft")
+        self.sampling.validate("sampling")
         self.engine.validate("engine")
         self.cluster.validate("cluster")
         self.limits.validate("limits")

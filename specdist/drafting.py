@@ -59,6 +59,7 @@ from specdist.ngram import NgramIndex
 from specdist.request import now
 from specdist.sampling import process_logits, sample_from
 from specdist.sampling_params import SamplingParams
+from specdist.coupling import gumbel_argmax, row_starts
 from specdist.suffix import SuffixIndex, SuffixSettings, SuffixState
 from specdist.transport import (
     CallTiming,
@@ -88,7 +89,8 @@ CATCH_UP_IN_PASS = 2
 class _DraftRequest:
     seq: list[int]  # committed tokens (prompt + output)
     params: SamplingParams
-    seed: int  # draft_uniform(seed, n) samples the token at position n
+    seed: int  # draft_uniform(seed, n) samples the token at position n (gumbel: keys the noise)
+    coupling: str = "rejection"  # gumbel: tokens are argmax log q + G, and no q goes to the target
     slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
     index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
     suffix: SuffixState | None = None  # suffix / hybrid drafts: seq's place in the core's suffix index
@@ -187,7 +189,7 @@ class DrafterCore:
         t0 = now()
         new = []
         for it, prompt in parsed:
-            r = _DraftRequest(prompt, it.params, int(it.seed))
+            r = _DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)
             if cache is not None:
                 r.slot = cache.allocate()
                 new.append((it.request_id, r))
@@ -354,7 +356,7 @@ class DrafterCore:
             for b, t in zip(rows, x.tolist()):
                 d.guesses[b] = t
             return
-        sampled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0]
+        sampled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
         if sampled:
             s = torch.tensor(sampled, device=dev)
             r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
@@ -363,6 +365,12 @@ class DrafterCore:
             x[s] = sample_from(r16, u.to(dev))
             for m, n in enumerate(sampled):
                 d.rows_q[rows[n]].append(r16[m])
+        coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
+        if coupled:  # the token the target takes if its p equals this q: the noise of the same position
+            s = torch.tensor(coupled, device=dev)
+            starts = torch.tensor([row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled],
+                                  dtype=torch.int64, device=dev)  # [m]
+            x[s] = gumbel_argmax(q[s], starts)
         if self.confidence_threshold > 0:
             # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
             conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]

@@ -182,6 +182,7 @@ class Scheduler:
         # sampled with uniforms of positions the next steps draft again: the fits then take the planned
         # lengths, not the realised ones.
         self._planned_costs = config.draft.sampled_lengths
+        self.coupling = config.sampling.coupling  # both cores of every request get it at admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -558,7 +559,7 @@ class Scheduler:
         A call that failed without blaming an item (a worker down, a deadline) may have started
         them before it failed: they are released there, best effort.
         """
-        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed)) for r in rs]
+        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling) for r in rs]
         _, failed, timing, _ = self._call_isolating(method, items)
         unknown = [items[j].request_id for j, m in failed.items() if not m.startswith(_DEFINITE_CODES)]
         if unknown:

@@ -50,6 +50,7 @@ class StartItem:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the uniforms' seed on the core that receives it (drafters: draft_seed(request seed))
+    coupling: str = "rejection"  # how drafts are decided (specdist.coupling.COUPLINGS); both cores get the same
 
 
 @dataclass

@@ -86,10 +86,12 @@ from specdist.transport import (
     check_request_ids,
     LocalTransport,
     check_token_ids,
+    draft_seed,
     sampling_tensors,
     target_uniforms,
 )
-from specdist.verification import rejection_sample
+from specdist.coupling import gumbel_argmax, gumbel_verify, row_starts
+from specdist.verification import VerifyResult, rejection_sample
 from specdist.wire import ONE_HOT, decode_distribution
 
 
@@ -99,6 +101,7 @@ class _TargetRequest:
     seq: list[int]  # prompt + emitted tokens; all but the last are in the cache
     params: SamplingParams
     seed: int  # keys the target's uniforms (transport.target_uniforms)
+    coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.coupling (noise keyed by draft_seed)
 
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
@@ -260,7 +263,7 @@ class VerifierCore:
             slot = self.cache.allocate()  # lowest free slot: the followers get the same one
             if self.world_size > 1:
                 self._pending.append(("allocate", slot))
-            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed))
+            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling)
             admitted.append(r)
         todo = [r for r in admitted if len(r.seq) > 1]
         if todo:
@@ -302,10 +305,8 @@ class VerifierCore:
 
         tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
         tokens = tokens.to(dev)  # [B, K]
-        q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
-        u = self._uniforms(reqs, nd, kdim).to(dev)  # [B, 2K+1]: acceptance [B, K], then sample [B, K+1]
         num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
-        res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim:])
+        res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
         final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
         host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
         n_acc, final, bad = zip(*host.tolist())  # the one copy to the host
@@ -321,6 +322,45 @@ class VerifierCore:
             r.seq.append(final[b])
             out.append(Verified(it.request_id, n_acc[b], final[b]))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
+
+    def _decide(self, reqs, probs, qs, tokens, num_draft, nd, kdim) -> VerifyResult:
+        """Accepted drafts and the token after them, per request by its coupling: the rejection rule
+        (:func:`~specdist.verification.rejection_sample`) or Gumbel-max agreement
+        (:func:`~specdist.coupling.gumbel_verify`); a mixed batch runs each on its rows."""
+        dev = probs.device
+        gumbel = [b for b, r in enumerate(reqs) if r.coupling == "gumbel"]
+        if len(gumbel) < len(reqs):
+            q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
+            u = self._uniforms(reqs, nd, kdim).to(dev)  # [B, 2K+1]: acceptance [B, K], then sample [B, K+1]
+            res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim:])
+            if not gumbel:
+                return res
+        idx = torch.tensor(gumbel, device=dev)
+        gres = gumbel_verify(self._gumbel_tokens([reqs[b] for b in gumbel], probs.index_select(0, idx),
+                                                 [nd[b] for b in gumbel]),
+                             tokens.index_select(0, idx), num_draft.index_select(0, idx))
+        if len(gumbel) == len(reqs):
+            return gres
+        return VerifyResult(res.tokens.index_copy(0, idx, gres.tokens), res.num_accepted.index_copy(0, idx, gres.num_accepted))
+
+    @staticmethod
+    def _gumbel_tokens(reqs: list[_TargetRequest], probs: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [G, K+1] long
+        """y, the target's Gumbel-max token at each of its positions L .. L+nd (a request holding L
+        tokens), noise keyed by the request's draft seed; greedy rows take their one-hot token
+        without noise, and positions past a request's drafts stay unused."""
+        _, k1, vocab = probs.shape
+        y = probs.argmax(-1)  # [G, K+1]
+        rows, starts = [], []
+        for i, (r, n) in enumerate(zip(reqs, nd)):
+            if r.params.temperature > 0:
+                at = len(r.seq)
+                rows += [i * k1 + j for j in range(n + 1)]
+                starts += row_starts(draft_seed(r.seed), range(at, at + n + 1))
+        if rows:
+            flat = torch.tensor(rows, device=probs.device)
+            y.view(-1)[flat] = gumbel_argmax(probs.view(-1, vocab).index_select(0, flat),
+                                             torch.tensor(starts, dtype=torch.int64, device=probs.device))
+        return y
 
     @staticmethod
     def _uniforms(reqs: list[_TargetRequest], nd: list[int], kdim: int) -> torch.Tensor:  # [B, 2K+1] float64, host

@@ -255,13 +255,26 @@ def start_items_to_proto(items: list[StartItem], message):
     """[StartItem] -> PrefillRequest or StartRequest (both carry the same item shape)."""
     item = target_pb2.PrefillItem if message is target_pb2.PrefillRequest else draft_pb2.StartItem
     return message(items=[item(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
-                               params=sampling_params_to_proto(it.params), seed=it.seed) for it in items])
+                               params=sampling_params_to_proto(it.params), seed=it.seed,
+                               coupling=_COUPLING_TO_PROTO[it.coupling]) for it in items])
 
 
 def start_items_from_proto(msg) -> list[StartItem]:
     return [StartItem(it.request_id, list(it.prompt_token_ids),
-                      sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed))
+                      sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed),
+                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"))
             for i, it in enumerate(msg.items)]
+
+
+_COUPLING_TO_PROTO = {"rejection": common_pb2.COUPLING_REJECTION, "gumbel": common_pb2.COUPLING_GUMBEL}
+
+
+def _coupling_from_proto(value: int, field: str) -> str:
+    if value in (common_pb2.COUPLING_UNSPECIFIED, common_pb2.COUPLING_REJECTION):
+        return "rejection"
+    if value == common_pb2.COUPLING_GUMBEL:
+        return "gumbel"
+    raise InvalidArgument(field, f"unknown coupling {value}")
 
 
 def propose_items_to_proto(items: list[ProposeItem]) -> draft_pb2.ProposeRequest:

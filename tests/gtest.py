@@ -34,6 +34,7 @@ class Case:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    coupling: str = "gumbel"  # sampling.coupling of the engine that samples
 
     @property
     def prompt(self) -> list[int]:
@@ -44,7 +45,8 @@ class Case:
         s = f"{self.method}-T{self.temperature}-L{self.max_tokens}"
         s += f"-top_k{self.top_k}" if self.top_k else ""
         s += f"-top_p{self.top_p}" if self.top_p < 1 else ""
-        return s + (f"-first{self.window}" if self.window < self.max_tokens else "")
+        s += f"-first{self.window}" if self.window < self.max_tokens else ""
+        return s + f"-{self.coupling}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -212,7 +212,7 @@ def _cfg(tiny_models, **over):
     cfg = tiny_config(tiny_models, "model", 3)
     for dotted, value in over.items():
         section, key = dotted.split("__")
-        cfg[section][key] = value
+        cfg.setdefault(section, {})[key] = value
     return cfg
 
 
@@ -231,6 +231,8 @@ def _cfg(tiny_models, **over):
         ({"engine__device": 5}, "engine.device"),
         ({"engine__device": "tpu"}, "engine.device"),
         ({"engine__seed": -1}, "engine.seed"),
+        ({"sampling__coupling": "argmax"}, "sampling.coupling"),
+        ({"sampling__couplings": "gumbel"}, "sampling.couplings"),
         ({"engine__compile": "max-autotune"}, "engine.compile"),
         ({"engine__compile": 1}, "engine.compile"),
         ({"engine__compile_cache_dir": ""}, "engine.compile_cache_dir"),

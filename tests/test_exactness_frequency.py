@@ -34,6 +34,8 @@ and as negative control a deliberately wrong verifier that the same harness must
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -64,13 +66,14 @@ from specdist.sampling_params import SamplingParams
 
 # Every case: N = 6000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
 # merged cells; with the session's tiny target (conftest, seed 1) they are, per case:
+# Both couplings (sampling.coupling): gumbel, the default, and rejection, the seed documents' rule.
 CASES = [
     Case("model", 2, 2),  # df 37, threshold 77.8
-    Case("model", 2, 2, temperature=0.9, top_p=0.8),  # df 8, threshold 31.8
+    Case("model", 2, 2, temperature=0.9, top_p=0.8, coupling="rejection"),  # df 8, threshold 31.8
     Case("model", 3, 3),  # df 109, threshold 172.6; drafts of 2, bonus at position 3
     # max_tokens 4: the first step drafts all k = 3 tokens; the first 3 tokens are compared.
     Case("model", 4, 3, temperature=1.2, top_k=5),  # df 85, threshold 142.2
-    Case("ngram", 2, 2),  # df 33, threshold 72.0
+    Case("ngram", 2, 2, coupling="rejection"),  # df 33, threshold 72.0
     Case("ngram", 2, 2, temperature=0.9, top_p=0.8),  # df 3, threshold 21.1 (a peaked target)
     Case("ngram", 3, 3),  # df 93, threshold 152.4
 ]
@@ -165,9 +168,9 @@ def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: 
                   transport: str = "local"):
     """N seeded samples from the scheduler over local transports (Engine) or over gRPC
     (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1)."""
-    eng = Engine.from_config(
-        tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
-    )
+    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
+    cfg["sampling"] = {"coupling": case.coupling}
+    eng = Engine.from_config(cfg)
     served = None
     if transport == "remote":
         eng, served = remote_engine_like(eng)
@@ -259,7 +262,7 @@ def test_engine_samples_target_distribution(models, case: Case) -> None:
     run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1))
 
 
-REMOTE_CASES = [CASES[1], CASES[5]]  # sampled model drafts (DENSE/SPARSE q on the wire), n-gram drafts
+REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), token ids only (gumbel)
 
 
 @pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
@@ -339,6 +342,7 @@ SUFFIX_CASES = [
 def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: dict):
     cfg = tiny_config(models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
     cfg["draft"].update(draft)
+    cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
     params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
                              top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
@@ -393,6 +397,37 @@ def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch) -> None:
 
     monkeypatch.setattr("specdist.verifying.rejection_sample", _wrong_verifier("resample_from_p"))
     case, draft = SUFFIX_CASES[0]
+    case = dataclasses.replace(case, coupling="rejection")  # the rule this control breaks
     g, threshold, st = suffix_g_test(models, case, 1500, 310_000_000, draft)
     assert st["none"] >= 1500 // 50, st  # rejections happened: the wrong rule was exercised
     assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"
+
+
+# ----------------------------------------------------------------------------- Gumbel noise controls
+def _wrong_noise(kind: str):
+    """row_starts that break what Gumbel-max coupling needs (specdist/coupling.py): the same noise
+    row at every position of a request, or the same rows for every request (the key ignored)."""
+    from specdist.coupling import row_starts
+
+    if kind == "position":
+        return lambda key, positions: row_starts(key, [0 for _ in positions])
+    return lambda key, positions: row_starts(0, positions)
+
+
+@pytest.mark.parametrize("kind", ["position", "request"])
+def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str) -> None:
+    """Negative controls of the Gumbel G-tests: noise not keyed by position (tokens of a request
+    correlated), noise shared across requests (every request the same tokens). Case model-L2 at
+    T = 1 (df 37), N = 1500 sequences, alpha 1e-4: G must exceed the threshold (seeds fixed:
+    deterministic); the same harness passes the correct noise in test_engine_samples_target_distribution."""
+    wrong = _wrong_noise(kind)
+    monkeypatch.setattr("specdist.verifying.row_starts", wrong)
+    monkeypatch.setattr("specdist.drafting.row_starts", wrong)
+    case, n = CASES[0], 1500
+    p = joint(_prob_table(models["target"], case)[0], case.window)
+    outs = sample_engine(models, case, n, seed0=330_000_000)
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    cells = merge_cells(p, n)
+    g, threshold = g_statistic(counts, p, cells), stats.chi2.isf(ALPHA, len(cells) - 1)
+    print(f"\nwrong noise ({kind}): G = {g:.1f}, threshold {threshold:.1f}")
+    assert g > threshold, f"noise {kind}-independent was not detected: G = {g:.1f} <= {threshold:.1f}"

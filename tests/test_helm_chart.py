@@ -780,6 +780,7 @@ BAD_VALUES = {
                                     "target.weights: native runs on one rank"),
     "compiled passes across ranks": ({"engine": {"compile": "on"}}, "engine.compile: compiled passes run on one rank"),
     "unknown compile mode": ({"engine": {"compile": "max"}}, "/engine/compile"),
+    "unknown coupling": ({"sampling": {"coupling": "maximal"}}, "/sampling/coupling"),
     "suffix depth below 2": ({"draft": {"suffixMaxDepth": 1}}, "/draft/suffixMaxDepth"),
     "suffix spec factor 0": ({"draft": {"suffixMaxSpecFactor": 0}}, "/draft/suffixMaxSpecFactor"),
     "suffix key left out": ({"draft": {"suffixMinScore": None}}, "suffixMinScore"),
@@ -869,6 +870,13 @@ def test_native_weights_render_on_one_rank_only():
     with pytest.raises(ConfigError, match="target.weights"):
         specdist_config.load_config({"target": {"weights": "native"},
                                      "cluster": {"enabled": True, "tensor_parallel_size": 2}})
+
+
+def test_coupling_reaches_the_config():
+    for coupling in ("gumbel", "rejection"):
+        cfg = specdist_config.load_config(yaml.safe_load(config_map(
+            render({"sampling": {"coupling": coupling}}))["data"]["config.yaml"]))
+        assert cfg.sampling.coupling == coupling
 
 
 def test_compile_setting_reaches_the_config():

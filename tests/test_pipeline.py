@@ -200,6 +200,9 @@ class RescoredReuse(DraftPipeline):
 
 def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline):
     cfg = tiny_config(models, method="model", k=PIPE_K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
+    # the rejection rule, where the prepared drafts' q reaches the verifier (under gumbel the output is the
+    # target's Gumbel-max tokens whatever the drafts: tests/test_reproducible_seeds.py)
+    cfg["sampling"] = {"coupling": "rejection"}
     eng = Engine.from_config(cfg)
     pipe = pipeline_cls(eng.draft_core)
     eng.replicas[0].drafter = LocalDrafter(pipe)

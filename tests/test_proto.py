@@ -145,7 +145,7 @@ def _all_enums(proto_files):
 
 def test_enums_start_with_unspecified_and_carry_their_prefix(proto_files):
     enums = list(_all_enums(proto_files))
-    assert {e.name for e in enums} == {"FinishReason", "DistributionFormat", "PipelineOutcome"}
+    assert {e.name for e in enums} == {"FinishReason", "DistributionFormat", "PipelineOutcome", "Coupling"}
     for e in enums:
         prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", e.name).upper() + "_"
         assert e.value[0].number == 0 and e.value[0].name == prefix + "UNSPECIFIED", e.name
@@ -319,3 +319,21 @@ def test_wire_bytes_per_step():
     assert wire_bytes_per_step(49152, 4, 1000)["SPARSE_FP16"] > sizes["SPARSE_FP16"]
     assert wire_bytes_per_step(49152, 4, 1000)["ONE_HOT"] == sizes["ONE_HOT"]
     assert draft_pb2.ProposeResponse().ByteSize() == 0
+
+
+def test_start_items_carry_the_coupling_both_ways():
+    """The coupling reaches both cores over the wire; an unset one (an older caller) is rejection."""
+    from specdist.sampling_params import SamplingParams
+    from specdist.transport import StartItem
+    from specdist.v1 import draft_pb2, target_pb2
+    from specdist.wire import start_items_from_proto, start_items_to_proto
+
+    items = [StartItem("a", [1, 2], SamplingParams(), 5, "gumbel"), StartItem("b", [3], SamplingParams(), 6)]
+    for message in (target_pb2.PrefillRequest, draft_pb2.StartRequest):
+        back = start_items_from_proto(message.FromString(start_items_to_proto(items, message).SerializeToString()))
+        assert [it.coupling for it in back] == ["gumbel", "rejection"]
+    unset = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(request_id="c", prompt_token_ids=[1], seed=1)])
+    assert start_items_from_proto(unset)[0].coupling == "rejection"
+    bad = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(request_id="c", prompt_token_ids=[1], coupling=7)])
+    with pytest.raises(Exception, match=r"items\[0\]\.coupling"):
+        start_items_from_proto(bad)

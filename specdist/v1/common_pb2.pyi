@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Coupling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COUPLING_UNSPECIFIED: _ClassVar[Coupling]
+    COUPLING_REJECTION: _ClassVar[Coupling]
+    COUPLING_GUMBEL: _ClassVar[Coupling]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -21,6 +27,9 @@ class DistributionFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISTRIBUTION_FORMAT_DENSE_FP16: _ClassVar[DistributionFormat]
     DISTRIBUTION_FORMAT_SPARSE_FP16: _ClassVar[DistributionFormat]
     DISTRIBUTION_FORMAT_ONE_HOT: _ClassVar[DistributionFormat]
+COUPLING_UNSPECIFIED: Coupling
+COUPLING_REJECTION: Coupling
+COUPLING_GUMBEL: Coupling
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason

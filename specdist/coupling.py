@@ -1,0 +1,129 @@
+"""Gumbel-max coupling: drafter-invariant exact speculative decoding (spec-math.md section 5).
+
+After Daliri, Musco and Suresh, "Coupling without Communication and Drafter-Invariant
+Speculative Decoding" (2024). For position ``n`` of a request every token ``x`` of the
+vocabulary gets Gumbel(0, 1) noise ``G_n(x)``, a pure function of (key, n, x):
+
+- the target's token at ``n`` is ``y_n = argmax_x log p'_n(x) + G_n(x)``, with ``p'_n`` its
+  processed distribution (:func:`specdist.sampling.process_logits`) given the true prefix;
+- the draft proposes ``d_n = argmax_x log q'_n(x) + G_n(x)`` with the same noise (model
+  drafts; n-gram and suffix drafts propose their token as they would anyway);
+- the target accepts ``d_n`` iff ``d_n == y_n``, emits ``y_n`` at the first disagreement and
+  ``y_{n+k}`` after ``k`` agreements (the bonus token).
+
+Exactness. By the Gumbel-max trick ``y_n ~ p'_n`` when the ``G_n(x)`` are i.i.d. Gumbel(0, 1),
+and the noise of different positions is independent, so ``y_1, y_2, ...`` is ordinary
+autoregressive sampling from the target. The emitted tokens are the ``y``'s whatever the draft
+proposed: acceptance only decides how many of them one target pass produces. Hence the output
+depends on the seed, the prompt, the parameters and the target's numerics alone, not on the
+draft method, ``k``, the length rule, pipelining, failover, the batch or the transport. The
+noise must be (a) independent across tokens and positions of a request, (b) independent across
+requests, (c) a fixed function of (key, position, token), never of how many draws came before:
+the tests' negative controls break (a) and (b). Greedy rows (one-hot ``p'``) take their argmax
+whatever the noise: the noise-free case. A token with ``p'_n(x) = 0`` has score ``-inf`` and is
+never emitted. Agreement probability at a position: ``sum_x 1 / sum_j max(p_j / p_x, q_j / q_x)``.
+
+The noise. Row ``(key, n)`` starts a SplitMix64 stream at ``mix64(key ^ GUMBEL_ROLE) + n *
+2^32 * golden`` and token ``x`` takes its element ``x + 1``: ``z = mix64(start + (x + 1) *
+golden)`` (64-bit wrapping arithmetic, the same on the host in Python and on any torch device in
+int64), ``u = (z >> 11 + 1/2) / 2^53`` in (0, 1) and ``G = -log(-log u)`` in float64. Positions
+are < 2^32 (far above any context) and vocabularies < 2^32, so no two (position, token) pairs of
+a key share an element. The key is the drafter's seed (:func:`specdist.transport.draft_seed` of
+the request seed), which both sides know; the rejection coupling's uniforms use other roles.
+The argmax is taken as ``argmin_x E(x) / p'(x)`` with ``E = -log u`` (the same token, one
+logarithm per entry). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
+entry of each sampled position the target scores (greedy rows need no noise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdist.verification import VerifyResult
+
+COUPLINGS = ("gumbel", "rejection")
+
+GUMBEL_ROLE = 0xA0761D6478BD642F  # xor-ed into the key: the Gumbel stream differs from the uniforms'
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's output function on the host (a bijection on uint64)."""
+    x = ((x ^ (x >> 30)) * _C1) & _M64
+    x = ((x ^ (x >> 27)) * _C2) & _M64
+    return x ^ (x >> 31)
+
+
+def row_starts(key: int, positions: list[int]) -> list[int]:
+    """The int64 stream start of each position's noise row (host side, exact)."""
+    base = mix64((int(key) ^ GUMBEL_ROLE) & _M64)
+    return [_signed(base + (int(n) << 32) * _GOLDEN) for n in positions]
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_t(z: torch.Tensor) -> torch.Tensor:  # int64, wrapping: the bits of mix64
+    z = (z ^ _srl(z, 30)) * _signed(_C1)
+    z = (z ^ _srl(z, 27)) * _signed(_C2)
+    return z ^ _srl(z, 31)
+
+
+_OFFSETS: dict[tuple, torch.Tensor] = {}  # (vocab, device) -> [V] int64: (x + 1) * golden, wrapped
+
+
+def _offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
+    key = (vocab_size, str(device))
+    if key not in _OFFSETS:
+        _OFFSETS[key] = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+    return _OFFSETS[key]
+
+
+def exponential_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int64 -> [N, V] float64
+    """``E = -log u`` ~ Exp(1) of every token of each row (``G = -log E`` is its Gumbel noise)."""
+    z = _mix64_t(starts[:, None] + _offsets(vocab_size, starts.device)[None, :])  # [N, V]
+    return -torch.log((_srl(z, 11).double() + 0.5) * 2.0**-53)
+
+
+def gumbel_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int64 -> [N, V] float64
+    """Gumbel(0, 1) noise of every token of each row, on ``starts``' device."""
+    return -torch.log(exponential_noise(starts, vocab_size))
+
+
+CHUNK_ELEMENTS = 1 << 24  # noise computed for at most this many (row, token) pairs at once (float64: 128 MiB)
+
+
+def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # [N, V], [N] -> [N] long
+    """``argmax_x log probs(x) + G(x)``: a sample from each row, fixed by its noise. Computed as
+    ``argmin_x E(x) / probs(x)`` (the same token: ``log`` is increasing; one logarithm per entry
+    instead of three); ``probs(x) = 0`` gives ``inf``, never the minimum of a row with mass."""
+    n, vocab = probs.shape
+    step = max(1, CHUNK_ELEMENTS // vocab)
+    return torch.cat([(exponential_noise(starts[i : i + step], vocab) / probs[i : i + step].double()).argmin(-1)
+                      for i in range(0, n, step)]) if n else torch.zeros(0, dtype=torch.long, device=probs.device)
+
+
+def gumbel_verify(
+    target_tokens: torch.Tensor,  # [B, K+1] long: y, the target's Gumbel-max token at each position
+    draft_tokens: torch.Tensor,  # [B, K] long; entries at or past num_draft are ignored
+    num_draft: torch.Tensor,  # [B] long
+) -> VerifyResult:
+    """Accept each request's drafts while they equal ``y``; the token after them is ``y`` at the
+    first disagreement (or at the bonus position)."""
+    bsz, k1 = target_tokens.shape
+    dev = target_tokens.device
+    valid = torch.arange(k1 - 1, device=dev)[None, :] < num_draft[:, None]  # [B, K]
+    agree = (draft_tokens == target_tokens[:, :-1]) & valid
+    n = agree.long().cumprod(-1).sum(-1)  # [B] accepted run
+    keep = torch.arange(k1, device=dev)[None, :] <= n[:, None]  # the run and the token after it
+    return VerifyResult(torch.where(keep, target_tokens, torch.full_like(target_tokens, -1)), n)

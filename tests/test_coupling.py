@@ -1,0 +1,117 @@
+"""The Gumbel-max coupling's pieces (specdist/coupling.py): keyed noise, its law, the agreement rule.
+
+Statistical tests use fixed keys (deterministic); each states its sample size, and its
+significance level is its false-failure rate for a correct implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gtest import g_statistic, merge_cells
+from specdist.coupling import (
+    _mix64_t,
+    exponential_noise,
+    gumbel_argmax,
+    gumbel_noise,
+    gumbel_verify,
+    mix64,
+    row_starts,
+)
+
+ALPHA = 1e-4
+
+
+def test_device_hash_equals_the_host_hash_bit_for_bit() -> None:
+    rng = np.random.default_rng(0)
+    xs = [int(v) for v in rng.integers(0, 2**64, size=2000, dtype=np.uint64)] + [0, 1, 2**63, 2**64 - 1]
+    signed = torch.tensor([x - (1 << 64) if x >= 1 << 63 else x for x in xs], dtype=torch.int64)
+    got = [int(v) & (2**64 - 1) for v in _mix64_t(signed).tolist()]
+    assert got == [mix64(x) for x in xs]
+
+
+def test_rows_are_keyed_by_key_and_position() -> None:
+    a, b = row_starts(7, range(100)), row_starts(8, range(100))
+    assert len(set(a) | set(b)) == 200  # every (key, position) its own row
+    assert row_starts(7, [5, 3]) == [a[5], a[3]]  # a function of the position, in any order
+    assert row_starts(7, [3]) != row_starts(7 + 2**32, [3])  # all 64 key bits count
+
+
+def test_noise_is_exponential_and_gumbel() -> None:
+    """E = -log u over 64 rows x 4096 tokens (N = 262,144) against Exp(1), and G = -log E against
+    Gumbel(0, 1): Kolmogorov-Smirnov, alpha 1e-4 each."""
+    starts = torch.tensor(row_starts(12345, range(64)), dtype=torch.int64)
+    e = exponential_noise(starts, 4096).flatten().numpy()
+    assert stats.kstest(e, "expon").pvalue > ALPHA
+    g = gumbel_noise(starts, 4096).flatten().numpy()
+    assert stats.kstest(g, "gumbel_r").pvalue > ALPHA
+    # neighbouring tokens and positions are uncorrelated: |r| < 4.4 / sqrt(n) (two-sided 1e-5 each)
+    e2 = exponential_noise(starts, 4096).numpy()
+    n = e2[:, 1:].size
+    assert abs(np.corrcoef(e2[:, 1:].ravel(), e2[:, :-1].ravel())[0, 1]) < 4.4 / math.sqrt(n)
+    assert abs(np.corrcoef(e2[1:].ravel(), e2[:-1].ravel())[0, 1]) < 4.4 / math.sqrt(e2[1:].size)
+
+
+P = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.05, 0.02, 0.0], dtype=torch.float64)
+Q = torch.tensor([0.1, 0.3, 0.3, 0.05, 0.05, 0.1, 0.05, 0.05], dtype=torch.float64)
+
+
+def _pairs(n: int, key_of) -> tuple[np.ndarray, np.ndarray]:
+    """(target token y, draft token d) of n rows sharing one noise row each: ``key_of(i)`` its key."""
+    starts = torch.tensor([row_starts(key_of(i), [17])[0] for i in range(n)], dtype=torch.int64)
+    y = gumbel_argmax(P.float().expand(n, -1), starts).numpy()
+    d = gumbel_argmax(Q.float().expand(n, -1), starts).numpy()
+    return y, d
+
+
+def test_target_and_draft_tokens_follow_their_laws_and_agree_as_the_formula_says() -> None:
+    """N = 40,000 keys: y ~ p and d ~ q (G-tests, alpha 1e-4 each; a zero-probability token never
+    drawn), and the agreement rate matches sum_x 1 / sum_j max(p_j / p_x, q_j / q_x) (z-test on a
+    binomial, |z| < 3.9: two-sided 1e-4)."""
+    n = 40_000
+    y, d = _pairs(n, lambda i: 1_000_000 + i)
+    for tokens, law in ((y, P.numpy()), (d, Q.numpy())):
+        counts = np.bincount(tokens, minlength=len(law))
+        assert not np.any((counts > 0) & (law == 0))
+        cells = merge_cells(law, n)
+        assert g_statistic(counts, law, cells) <= stats.chi2.isf(ALPHA, len(cells) - 1)
+    p, q = P.numpy(), Q.numpy()
+    both = (p > 0) & (q > 0)
+    agree = sum(1.0 / np.maximum(p / p[x], q / q[x]).sum()
+                for x in np.nonzero(both)[0])
+    rate = float((y == d).mean())
+    z = (rate - agree) / math.sqrt(agree * (1 - agree) / n)
+    assert abs(z) < 3.9, f"agreement {rate:.4f} against {agree:.4f} (z = {z:.1f})"
+
+
+def test_shared_noise_is_detected() -> None:
+    """Negative control: every row with the same key (noise shared across requests) draws one token
+    over and over; the G-test of y ~ p must fail (N = 2,000)."""
+    y, _ = _pairs(2000, lambda i: 5)
+    law = P.numpy()
+    cells = merge_cells(law, 2000)
+    assert g_statistic(np.bincount(y, minlength=8), law, cells) > stats.chi2.isf(ALPHA, len(cells) - 1)
+
+
+def test_agreement_rule() -> None:
+    y = torch.tensor([[4, 5, 6, 7], [1, 2, 3, 9], [8, 8, 8, 8]])  # [B, K+1]
+    drafts = torch.tensor([[4, 5, 0], [1, 2, 3], [8, 0, 0]])  # [B, K]
+    res = gumbel_verify(y, drafts, torch.tensor([3, 3, 1]))
+    assert res.num_accepted.tolist() == [2, 3, 1]
+    assert res.tokens.tolist() == [[4, 5, 6, -1], [1, 2, 3, 9], [8, 8, -1, -1]]
+
+
+@pytest.mark.parametrize("vocab", [5, 40_000])
+def test_chunked_argmax_equals_one_pass(vocab: int, monkeypatch) -> None:
+    import specdist.coupling as coupling
+
+    probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)), -1)
+    starts = torch.tensor(row_starts(3, range(6)), dtype=torch.int64)
+    want = (probs.double().log() + gumbel_noise(starts, vocab)).argmax(-1)
+    monkeypatch.setattr(coupling, "CHUNK_ELEMENTS", vocab * 2)  # three chunks of two rows
+    assert torch.equal(gumbel_argmax(probs, starts), want)
