@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdist import logprobs as _logprobs
 from specdist.errors import SpecDistError
+from specdist.logprobs import TokenLogprob
 from specdist.security import bearer_metadata, client_channel
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
@@ -69,6 +71,9 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     stats: RequestStats | None = None
+    # asked with logprobs=N: one per token_ids entry (the target's processed log-probabilities,
+    # specdist.logprobs.TokenLogprob); None when the message carries none
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -129,12 +134,14 @@ class SpecDistClient:
         ignore_eos: bool = False,
         request_id: str | None = None,
         apply_chat_template: bool = False,
+        logprobs: int | None = None,
     ) -> Iterator[GenerateChunk]:
-        """Stream a generation. Unset (None) sampling fields take the server's defaults."""
+        """Stream a generation. Unset (None) sampling fields take the server's defaults. ``logprobs``:
+        each chunk's ``logprobs`` gives its tokens' log-probabilities with that many top entries."""
         return self._stream(generate_request(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
-            apply_chat_template=apply_chat_template))
+            apply_chat_template=apply_chat_template, logprobs=logprobs))
 
     def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
@@ -210,11 +217,13 @@ def generate_request(
     ignore_eos: bool = False,
     request_id: str | None = None,
     apply_chat_template: bool = False,
+    logprobs: int | None = None,
 ) -> specdist_pb2.GenerateRequest:
     """The ``GenerateRequest`` that :meth:`SpecDistClient.generate` sends (for callers of the stub itself)."""
     params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     for name, value in (
-        ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)
+        ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+        ("logprobs", logprobs),
     ):
         if value is not None:
             setattr(params, name, value)
@@ -244,4 +253,5 @@ def _chunk(msg: specdist_pb2.GenerateResponse) -> GenerateChunk:
         finish_reason=_FINISH.get(msg.finish_reason),
         stop_reason=getattr(msg, kind) if kind else None,
         stats=stats,
+        logprobs=_logprobs.from_proto(msg.logprobs) or None,
     )

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdist.errors import InvalidArgument, SpecDistError
+from specdist.logprobs import TokenLogprob
 from specdist.metrics import Metrics
 from specdist.sampling_params import SamplingParams
 
@@ -89,6 +90,7 @@ class Delta:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # last delta only
     error: str | None = None  # with finish_reason "error": what went wrong
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token_ids entry
 
     @property
     def finished(self) -> bool:
@@ -566,14 +568,15 @@ class Coordinator:
     def _collect(self, rid: str, t: _Tracked) -> Delta | None:
         out = t.req.output
         new_ids = out.token_ids[t.sent :]
+        logprobs = t.req.logprobs[t.sent : t.sent + len(new_ids)] if t.req.logprobs is not None else None
         t.sent += len(new_ids)
         text = out.take_delta()
         if not out.finished:
-            return Delta(rid, new_ids, text) if new_ids or text else None
+            return Delta(rid, new_ids, text, logprobs=logprobs) if new_ids or text else None
         del self._tracked[rid]
         metrics = dataclasses.replace(t.req.metrics, output_tokens=len(out.token_ids))
         error = t.error or getattr(t.req, "error", None)  # a RemoteEngine records worker errors on the request
-        return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, error)
+        return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, error, logprobs)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

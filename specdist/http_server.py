@@ -24,7 +24,17 @@ Request fields:
   defines them; ``top_k``, ``stop_token_ids`` and ``ignore_eos`` as extra body fields.
 - ``n``: n independent requests (at most ``limits.max_n``), run concurrently; with a ``seed``
   the i-th samples with ``seed + i``, so a request with a seed reproduces all n choices.
-- ``logprobs`` / ``top_logprobs``: refused (400): the engine does not compute them.
+- ``logprobs`` (completions: an integer in [0, 20], the top entries per token) / chat:
+  ``logprobs: true`` with ``top_logprobs`` in [0, 20] (default 0; without ``logprobs: true``
+  a 400): the target's log-probabilities of each output token under the request's PROCESSED
+  distribution (temperature, top-k, top-p applied: the one it was sampled from; a greedy
+  request's token has 0.0), :mod:`specdist.logprobs`. Tokens with probability 0 are left out
+  of the top entries (OpenAI and JSON have no -inf), so there may be fewer than asked. Shapes:
+  completions ``logprobs: {tokens, token_logprobs, top_logprobs: [{token: logprob}],
+  text_offset}``, chat ``logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token,
+  logprob, bytes}]}]}``, per chunk when streamed. A token's string is the token decoded alone
+  (part of a multi-byte character shows U+FFFD), ``bytes`` its UTF-8; ``text_offset`` is where
+  its text starts in the choice's text.
 - ``user``: accepted and ignored. Any other field is refused with a 400 naming it: a field
   this server does not implement (a penalty, ``logit_bias``, tools) would otherwise be
   silently ignored.
@@ -72,9 +82,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdist.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import InvalidArgument
 from specdist.frontend import Limits, check_request, refusal_status, server_info
+from specdist.logprobs import TokenLogprob
 from specdist.request import RequestMetrics
 from specdist.security import ServerSecurity, bearer_ok, unauthenticated_message
 from specdist.sampling_params import SamplingParams
+from specdist.stopping import IncrementalDetokenizer
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
 _HTTP_STATUS = {"INVALID_ARGUMENT": 400, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503}
@@ -199,14 +211,14 @@ class _Call:
             return "messages"
         if self.stop_is_text and engine_field == "stop[0]":
             return "stop"
+        if self.chat and engine_field == "logprobs":  # chat's count of top entries
+            return "top_logprobs"
         return self.max_tokens_field if engine_field == "max_tokens" else engine_field
 
 
 def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
     """Refuse what cannot be served; SamplingParams per choice (their own checks and the
     limits name the field). Default max_tokens: completions 16, chat up to the limit."""
-    if (body.logprobs is not None and body.logprobs is not False) or getattr(body, "top_logprobs", None) is not None:
-        raise _bad("logprobs", "not supported: the engine does not compute log probabilities")
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options", "only allowed with stream: true")
     if chat:
@@ -219,8 +231,8 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
                  max_tokens_field=given, stop_is_text=isinstance(body.stop, str))
     if max_tokens is None:
         max_tokens = limits.max_tokens if chat else SamplingParams.max_tokens
-    kwargs = dict(max_tokens=max_tokens, stop=body.stop or (),
-                  stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos)
+    kwargs = dict(max_tokens=max_tokens, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
+                  ignore_eos=body.ignore_eos, logprobs=_logprobs_asked(body, chat))
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
@@ -234,6 +246,16 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
     except InvalidArgument as e:
         raise _bad(call.param(e.field), e.message) from None
     return call
+
+
+def _logprobs_asked(body: _Common, chat: bool) -> int | None:
+    """SamplingParams.logprobs: completions' ``logprobs``; chat's ``top_logprobs`` (0 when unset)
+    with ``logprobs: true``, None without."""
+    if not chat:
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _one_prompt(prompt: str | list) -> str | list[int]:
@@ -293,16 +315,51 @@ def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
     }
 
 
-def _choice(call: _Call, index: int, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+def _choice(call: _Call, index: int, text: str | None, finish: str | None, first: bool = False,
+            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if not call.chat:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not call.stream:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     delta: dict[str, str] = {"role": "assistant"} if first else {}
     if text or first:
         delta["content"] = text or ""
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+class _Logprobs:
+    """One choice's log-probabilities in OpenAI's shapes (module docstring), a block of tokens at a
+    time: a streamed choice keeps its text offset from chunk to chunk."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.offset = 0  # characters of the choice's text before the next token
+
+    def block(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = [dict(self._entry(t, lp.logprob), top_logprobs=[self._entry(i, v) for i, v in lp.top])
+                       for t, lp in zip(ids, logprobs)]
+            return {"content": content, "refusal": None}
+        return {"tokens": [self._text(t) for t in ids], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._text(i): v for i, v in lp.top} for lp in logprobs],
+                "text_offset": [self._advance(t) for t in ids]}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _text(self, token: int) -> str:
+        """The token decoded alone (special tokens included); ``token_id:N`` without a tokenizer."""
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    def _advance(self, token: int) -> int:
+        """Where ``token``'s text starts in the choice's text (the text the detokenizer released before it)."""
+        at = self.offset
+        if self.detok is not None:
+            self.offset += len(self.detok.push([token]))
+        return at
 
 
 async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
@@ -372,19 +429,34 @@ class _OpenAIFrontEnd:
     async def complete(self, call: _Call, streams: list[RequestStream]) -> dict[str, Any]:
         """Every choice to its end: the JSON response."""
         texts = [[] for _ in streams]
+        ids: list[list[int]] = [[] for _ in streams]
+        logprobs: dict[int, list[TokenLogprob]] = {}  # choice -> its tokens' (requests that asked)
         finals: list[Delta | None] = [None] * len(streams)
         async with contextlib.aclosing(_merged(streams)) as merged:
             async for i, d in merged:
                 texts[i].append(d.text)
+                if d.logprobs is not None:
+                    ids[i] += d.token_ids
+                    logprobs.setdefault(i, []).extend(d.logprobs)
                 if d.finished:
                     finals[i] = d
-        choices = [_choice(call, i, "".join(t), _finish_reason(d)) for i, (t, d) in enumerate(zip(texts, finals))]
+        choices = [_choice(call, i, "".join(t), _finish_reason(d),
+                           logprobs=self._logprobs(call, ids[i], logprobs.get(i)))
+                   for i, (t, d) in enumerate(zip(texts, finals))]
         return self.envelope(call, choices, usage=usage([d.metrics for d in finals]))
+
+    def _logprobs(self, call: _Call, ids: list[int], logprobs: list[TokenLogprob] | None,
+                  fmt: _Logprobs | None = None) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for these tokens; None when the request did not ask."""
+        if logprobs is None:
+            return None
+        return (fmt or _Logprobs(self.engine.tokenizer, call.chat)).block(ids, logprobs)
 
     async def events(self, call: _Call, streams: list[RequestStream]) -> AsyncIterator[bytes]:
         """The Server-Sent Events of a streamed response."""
         extra = {"usage": None} if call.include_usage else {}
         finals: list[Delta | None] = [None] * len(streams)
+        formats = [_Logprobs(self.engine.tokenizer, call.chat) for _ in streams]
         try:
             if call.chat:  # the first chunk of each choice names the role
                 yield _event(self.envelope(call, [_choice(call, i, "", None, first=True) for i in range(len(streams))],
@@ -394,8 +466,10 @@ class _OpenAIFrontEnd:
                     finish = _finish_reason(d) if d.finished else None
                     if d.finished:
                         finals[i] = d
-                    if d.text or finish:
-                        yield _event(self.envelope(call, [_choice(call, i, d.text, finish)], **extra))
+                    logprobs = self._logprobs(call, d.token_ids, d.logprobs, formats[i]) if d.token_ids else None
+                    if d.text or finish or logprobs:
+                        choice = _choice(call, i, d.text, finish, logprobs=logprobs)
+                        yield _event(self.envelope(call, [choice], **extra))
             for d in finals:
                 _finish_reason(d)  # a stream that ended without its final delta
             if call.include_usage:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdist.draft_length import Acceptance
+from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
 
@@ -88,6 +89,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     metrics: RequestMetrics
+    # params.logprobs set: one per token_ids entry (specdist.logprobs); else None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -116,6 +119,11 @@ class Request:
     proposal: object = None  # this step's transport.Proposal, until verified
     full_accept: bool = False  # its last verified proposal was accepted whole (pipelined drafting's guess test)
     error: str | None = None  # with finish_reason "error": what failed
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per output.token_ids entry
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def seq_len(self) -> int:
@@ -137,6 +145,7 @@ class Request:
             finish_reason=self.output.finish_reason,
             stop_reason=self.output.stop_reason,
             metrics=self.metrics,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from specdist.errors import InvalidArgument
 
 INT32_END = 2**31  # max_tokens, top_k and token ids travel as int32 (common.proto); larger ones are refused
+MAX_LOGPROBS = 20  # most top entries ``logprobs`` may ask for per token (OpenAI's and vLLM's default bound)
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding (argmax; speculative output is then
     token-for-token identical to target-only greedy decoding). ``top_k == 0`` and
     ``top_p == 1`` disable those filters. ``seed`` fixes the request's own random
-    stream; ``None`` draws a seed from the engine.
+    stream; ``None`` draws a seed from the engine. ``logprobs``: return, for every output
+    token, its log-probability under the target's processed distribution (temperature,
+    top-k and top-p applied: the one it was sampled from) and that of the ``logprobs`` most
+    likely tokens at its position (0: the token's own only; ``None``: nothing, at no cost);
+    see :mod:`specdist.logprobs`.
     """
 
     max_tokens: int = 16
@@ -28,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable.
@@ -46,6 +52,9 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):
             raise InvalidArgument("seed", f"must be an integer in [0, 2**64) or None, got {self.seed!r}")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            raise InvalidArgument("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
         for s in self.stop:
             if s == "":
                 raise InvalidArgument("stop", "stop strings must be non-empty")

@@ -356,7 +356,7 @@ class Scheduler:
         for i, res in zip(done, results or []):
             r = reqs[i]
             advanced.append(r)
-            records.append(self._apply(r, res.num_accepted, res.next_token))
+            records.append(self._apply(r, res.num_accepted, res.next_token, res.logprobs))
         self.stats.steps += 1
         t3 = now()
         t["output"] += t3 - t2
@@ -375,8 +375,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - an observer must not break the step
                 log.exception("step-event listener %r failed", listener)
 
-    def _apply(self, r: Request, n_acc: int, next_token: int) -> RequestStep:
-        """Fold one verification result into the request: output, counters, the next ProposeItem."""
+    def _apply(self, r: Request, n_acc: int, next_token: int, logprobs: list | None = None) -> RequestStep:
+        """Fold one verification result into the request: output (with the kept tokens' log-probabilities
+        when it asked), counters, the next ProposeItem."""
         p = r.proposal
         drafted = list(p.token_ids) if p is not None else []
         if p is not None:  # its drafter holds this proposal: the next ProposeItem says how much survived
@@ -387,6 +388,8 @@ class Scheduler:
         self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
         out = r.output
         kept = out.append(drafted[:n_acc] + [next_token])
+        if r.logprobs is not None and logprobs is not None:  # the kept tokens are the first ``kept`` emitted
+            r.logprobs.extend(logprobs[:kept])
         # tokens of this step the output consumed: the kept ones, plus a stop token that ended it
         used = kept + (1 if out.finished and isinstance(out.stop_reason, int) else 0)
         # draft positions that counted: all of them, unless the output ended inside the draft

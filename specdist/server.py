@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from specdist import logprobs
 from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import InvalidArgument
@@ -133,6 +134,8 @@ def _response(d: Delta) -> specdist_pb2.GenerateResponse:
         msg.stop_reason_token = d.stop_reason
     if d.metrics is not None:
         msg.stats.CopyFrom(common_pb2.RequestStats(**request_stats(d.metrics)))
+    if d.logprobs:
+        msg.logprobs.extend(logprobs.to_proto(d.logprobs))
     return msg
 
 

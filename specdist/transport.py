@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from specdist.errors import FieldError, InvalidArgument, SpecDistError
+from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 
 
@@ -96,6 +97,8 @@ class Verified:
     request_id: str
     num_accepted: int  # leading draft tokens accepted
     next_token: int  # the residual or bonus token sampled after them
+    # params.logprobs set: one per emitted token (the accepted drafts, then next_token); else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 HIT, MISS = "hit", "miss"  # Proposal.pipeline

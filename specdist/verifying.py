@@ -14,7 +14,9 @@ and the request seed.
   cache rolled back to the accepted prefix (O(1)) and ``accepted + next`` appended to the
   sequence. Logits, p, q and the sampling stay on the model's device; the uniforms (computed
   on the host) go there, and the accepted counts, final tokens and unusable-logits flags come
-  back in one ``[B, 3]`` copy;
+  back in one ``[B, 3]`` copy; the requests whose params ask for ``logprobs`` get log p of
+  their emitted tokens (and the top entries of p) from the same p, in that same copy
+  (:mod:`specdist.logprobs`);
 - ``release``: free the slot. Idempotent.
 
 Uniforms: a request holding ``L`` tokens (``len(seq)``, prompt + emitted) before a step has its
@@ -71,6 +73,7 @@ from specdist.errors import (
     NotFound,
     ResourceExhausted,
 )
+from specdist.logprobs import split_rows
 from specdist.models.runner import CausalLMRunner
 from specdist.request import now
 from specdist.sampling import process_logits, unusable_rows
@@ -150,6 +153,25 @@ def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
     elif kind != "shutdown":
         raise ValueError(f"unknown operation {kind!r}")
     return None
+
+
+def _logprob_values(
+    probs: torch.Tensor,  # [B, K+1, V] processed p
+    tokens: torch.Tensor,  # [B, K+1] long: the emitted tokens (accepted drafts, then the final one), -1 after
+    rows: list[int],  # the A requests that asked for log-probabilities
+    num_top: int,  # N top entries per position (<= V; 0: none)
+) -> torch.Tensor:  # [A * (K+1) * (1 + 2N)] float64 on probs' device
+    """Per request of ``rows`` and position: log p(token), then the N largest log p and their token ids
+    (:func:`specdist.logprobs.split_rows` reads them). Logs in float32, the precision of p, so the
+    values are the same whether they reach the caller in process or as the wire's float32."""
+    idx = torch.tensor(rows, device=probs.device)  # [A]
+    p = probs.index_select(0, idx)  # [A, K+1, V]
+    tok = tokens.index_select(0, idx).clamp(min=0)  # [A, K+1]; positions past the final token are never read
+    parts = [p.gather(-1, tok[..., None]).log()]  # [A, K+1, 1]
+    if num_top:
+        top_p, top_id = p.topk(num_top, dim=-1)  # [A, K+1, N] each, most likely first
+        parts += [top_p.log(), top_id]
+    return torch.cat([x.double() for x in parts], -1).view(-1)  # [A, K+1, 1 + 2N] flattened
 
 
 class VerifierCore:
@@ -309,7 +331,7 @@ class VerifierCore:
         res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
         final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
         host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
-        n_acc, final, bad = zip(*host.tolist())  # the one copy to the host
+        n_acc, final, bad, logprobs = self._to_host(host, probs, res.tokens, [r.params.logprobs for r in reqs])
         if any(bad):
             self._refuse_unusable(items, reqs, nd, bad.index(1))
         t2 = now()
@@ -320,8 +342,27 @@ class VerifierCore:
             self._local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
             r.seq.extend(drafts[b][: n_acc[b]])
             r.seq.append(final[b])
-            out.append(Verified(it.request_id, n_acc[b], final[b]))
+            out.append(Verified(it.request_id, n_acc[b], final[b], logprobs.get(b)))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
+
+    @staticmethod
+    def _to_host(host: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, asked: list[int | None]):
+        """The one copy to the host: ``host`` [B, 3] (accepted count, final token, unusable flag) and, in
+        the same copy, the log-probabilities of the requests that asked (``asked[b]``: their top entries;
+        None: nothing computed), all as float64 (exact for the counts and ids).
+
+        Returns (accepted counts, final tokens, unusable flags, {b: [TokenLogprob] per emitted token})."""
+        rows = [b for b, n in enumerate(asked) if n is not None]
+        if not rows:
+            n_acc, final, bad = zip(*host.tolist())
+            return n_acc, final, bad, {}
+        bsz, k1, vocab = probs.shape
+        num_top = min(max(asked[b] for b in rows), vocab)
+        flat = torch.cat([host.view(-1).double(), _logprob_values(probs, tokens, rows, num_top)]).tolist()
+        n_acc, final, bad = (tuple(int(v) for v in flat[c: 3 * bsz: 3]) for c in range(3))
+        values = split_rows(flat[3 * bsz:], k1, num_top, [n_acc[b] + 1 for b in rows],
+                            [min(asked[b], num_top) for b in rows])
+        return n_acc, final, bad, dict(zip(rows, values))
 
     def _decide(self, reqs, probs, qs, tokens, num_draft, nd, kdim) -> VerifyResult:
         """Accepted drafts and the token after them, per request by its coupling: the rejection rule

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdist import logprobs
 from specdist.errors import InvalidArgument
-from specdist.sampling_params import SamplingParams
+from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
 from specdist.transport import HIT, MISS, Proposal, ProposeItem, StartItem, Verified, VerifyItem
 from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -46,7 +47,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, field: str = "par
     Raises InvalidArgument naming the wire field, ``f"{field}.{name}"`` (e.g.
     ``params.top_p``): the proto fields carry SamplingParams' own field names.
     """
-    kwargs = {name: getattr(msg, name) for name in ("top_k", "seed", "max_tokens") if msg.HasField(name)}
+    kwargs = {name: getattr(msg, name) for name in ("top_k", "seed", "max_tokens", "logprobs") if msg.HasField(name)}
     for name in ("temperature", "top_p"):
         if msg.HasField(name):
             kwargs[name] = _from_float32(getattr(msg, name))
@@ -59,7 +60,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, field: str = "par
 
 
 def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
-    """Every field set explicitly (seed only when fixed); floats travel as float32."""
+    """Every field set explicitly (seed and logprobs only when set); floats travel as float32."""
     msg = common_pb2.SamplingParams(
         temperature=sp.temperature,
         top_k=sp.top_k,
@@ -71,6 +72,8 @@ def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
     )
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
     return msg
 
 
@@ -220,13 +223,18 @@ def message_limit_bytes(vocab_size: int, max_batch_size: int, max_draft_tokens: 
 
 
 def _largest_item_bytes(vocab_size: int, k: int) -> int:
-    """Serialized bytes one item adds to a VerifyRequest or ProposeResponse, at its largest."""
+    """Serialized bytes one item adds to a VerifyRequest, VerifyResponse or ProposeResponse, at its largest
+    (a result carries k + 1 tokens' log-probabilities with MAX_LOGPROBS top entries each)."""
     rid, ids, rows = "x" * _REQUEST_ID_BYTES, [vocab_size - 1] * k, [_largest_row(vocab_size)] * k
     verify = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
         request_id=rid, draft_token_ids=ids, draft_probs=rows, seq_len=2**32 - 1)])
     propose = draft_pb2.ProposeResponse(proposals=[draft_pb2.Proposal(
         request_id=rid, token_ids=ids, probs=rows, pipeline=draft_pb2.PIPELINE_OUTCOME_MISS)])
-    return max(verify.ByteSize(), propose.ByteSize())
+    top = tuple((vocab_size - 1, -1.0) for _ in range(min(MAX_LOGPROBS, vocab_size)))
+    result = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
+        request_id=rid, num_accepted=k, next_token_id=vocab_size - 1,
+        logprobs=logprobs.to_proto([logprobs.TokenLogprob(-1.0, top)] * (k + 1)))])
+    return max(verify.ByteSize(), propose.ByteSize(), result.ByteSize())
 
 
 def _largest_row(vocab_size: int) -> common_pb2.DraftDistribution:
@@ -351,8 +359,11 @@ def verify_items_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyItem]:
 
 def verified_to_proto(results: list[Verified]) -> target_pb2.VerifyResponse:
     return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
-        request_id=r.request_id, num_accepted=r.num_accepted, next_token_id=r.next_token) for r in results])
+        request_id=r.request_id, num_accepted=r.num_accepted, next_token_id=r.next_token,
+        logprobs=logprobs.to_proto(r.logprobs or ())) for r in results])
 
 
 def verified_from_proto(msg: target_pb2.VerifyResponse) -> list[Verified]:
-    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id)) for r in msg.results]
+    """A result without log-probabilities is a request that did not ask (every step emits a token)."""
+    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id), logprobs.from_proto(r.logprobs) or None)
+            for r in msg.results]
