@@ -160,3 +160,21 @@ def test_remote_engine_gives_its_transports_the_configs_limit():
         assert [rep.drafter.message_limit for rep in engine.replicas] == [want]
     finally:
         engine.close()
+
+
+def test_a_full_verify_at_128k_vocabulary_k8_batch64_succeeds():
+    """The issue's size, sent: 64 requests x 8 drafted tokens with dense fp16 q at vocabulary 131,072
+    (the rejection coupling's wire form), one Verify of about 134 MB through a worker server and the
+    remote verifier with the limits the config gives them; every q row arrives and decodes."""
+    vocab, batch, k = 131072, 64, 8
+    core = _Verifier(vocab, batch)
+    items = _verify_items(batch, k, vocab)
+    with ServedCores(core) as served:
+        verifier = RemoteVerifier(served.target_address, vocab, timeout_s=120,
+                                  message_limit=message_limit_bytes(vocab, batch, k))
+        try:
+            results, _ = verifier.verify(items)
+        finally:
+            verifier.close()
+    assert [r.num_accepted for r in results] == [k] * batch
+    assert core.rows == batch * k
