@@ -1,7 +1,8 @@
 """Deployments on a local Ray cluster, driven by the same scheduler as the in-process Engine.
 
 - A 1-rank target + 1 draft worker: seeded sampled requests give the Engine's tokens bit for bit
-  (one seed rule, one step, the same cores; only tensor parallelism may change float sums).
+  (one seed rule, one step, the same cores; only tensor parallelism may change float sums), which
+  under the Gumbel coupling are also the tokens of the Engine without drafts.
 - A bring-up that fails (a missing model) or times out names the culprit and cleans up.
 
 A served tensor-parallel deployment from bring-up to a clean stop (health, loopback, the worker
@@ -40,6 +41,9 @@ def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tin
     torch.set_num_threads(1)  # as in the actors: the same GEMM kernels and summation order
     try:
         want = [o.token_ids for o in Engine.from_config(cfg).generate(PROMPTS, params)]
+        # sampling.coupling gumbel (the default): no draft at all gives the same tokens
+        plain = Engine.from_config(tiny_config(tiny_models, method="none"))
+        assert [o.token_ids for o in plain.generate(PROMPTS, params)] == want
     finally:
         torch.set_num_threads(threads)
     spec = ClusterSpec(tensor_parallel_size=1, num_draft_workers=1, cpus_per_rank=0.5, cpus_per_draft=0.5)
