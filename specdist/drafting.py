@@ -351,8 +351,14 @@ class DrafterCore:
         idx = torch.tensor(rows)
         temp, top_k, top_p = d.sampling
         q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
-        x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and guesses
-        if j == 0 and d.guess:
+        x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and the guesses of rejection-coupled rows
+        coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
+        if coupled:  # the token the target takes if its p equals this q: the noise of the same position
+            s = torch.tensor(coupled, device=dev)
+            starts = torch.tensor([row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled],
+                                  dtype=torch.int64, device=dev)  # [m]
+            x[s] = gumbel_argmax(q[s], starts)
+        if j == 0 and d.guess:  # the bonus token's position: under gumbel, the target's likeliest pick
             for b, t in zip(rows, x.tolist()):
                 d.guesses[b] = t
             return
@@ -365,12 +371,6 @@ class DrafterCore:
             x[s] = sample_from(r16, u.to(dev))
             for m, n in enumerate(sampled):
                 d.rows_q[rows[n]].append(r16[m])
-        coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
-        if coupled:  # the token the target takes if its p equals this q: the noise of the same position
-            s = torch.tensor(coupled, device=dev)
-            starts = torch.tensor([row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled],
-                                  dtype=torch.int64, device=dev)  # [m]
-            x[s] = gumbel_argmax(q[s], starts)
         if self.confidence_threshold > 0:
             # the draft's untempered (T = 1, unfiltered) probability of its token: greedy rows are judged too
             conf = torch.softmax(logits.float(), -1).gather(-1, x[:, None]).squeeze(-1)  # [n]
