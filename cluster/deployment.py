@@ -282,7 +282,7 @@ class Deployment:
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
             pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
             suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
-            compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir)
+            q_top_k=dc.q_top_k, compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir)
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to

@@ -140,6 +140,7 @@ class DraftConfig:
     suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
+    q_top_k: int = 0  # rejection coupling: drafts sample from q's top q_top_k tokens only (0: all)
 
     def validate(self, key: str) -> None:
         _check_choice(self.method, DRAFT_METHODS, f"{key}.method")
@@ -153,6 +154,7 @@ class DraftConfig:
         _check_choice(self.length_policy, LENGTH_POLICIES, f"{key}.length_policy")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ConfigError(f"{key}.confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold!r}")
+        _check_int(self.q_top_k, f"{key}.q_top_k", 0, 1 << 24)
         _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)
         _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
         _check_int(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256)

@@ -131,6 +131,9 @@ class DrafterCore:
         self.vocab_size = int(vocab_size)
         self.max_model_len = max_model_len
         self.confidence_threshold = confidence_threshold
+        # rejection coupling: sample from (and send) only the q's top q_top_k tokens, renormalised, so a
+        # drafted token's q costs at most 6 * q_top_k bytes on the wire whatever the vocabulary (0: all)
+        self.q_top_k = 0
         self.prefix_source = prefix_source
         self.requests: dict[str, _DraftRequest] = {}
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
@@ -365,7 +368,7 @@ class DrafterCore:
         sampled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
         if sampled:
             s = torch.tensor(sampled, device=dev)
-            r16 = fp16_exact(q[s])  # [m, V]: the q the target will see; sample from exactly it
+            r16 = fp16_exact(_top_k_only(q[s], self.q_top_k))  # [m, V]: the q the target will see; sample from it
             u = torch.tensor([draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled],
                              dtype=torch.float64)  # [m]
             x[s] = sample_from(r16, u.to(dev))
@@ -435,6 +438,15 @@ def suffix_settings(dc: "DraftConfig") -> SuffixSettings:
 MODEL_FREE_METHODS = ("ngram", "suffix")  # draft methods without a model
 
 
+def _top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], rows renormalised
+    """q restricted to each row's k largest entries (ties: those topk returns); k = 0: q itself."""
+    if k <= 0 or k >= q.shape[-1]:
+        return q
+    vals, idx = q.topk(k, dim=-1)  # [m, k]
+    kept = torch.zeros_like(q).scatter_(-1, idx, vals)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
                        prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> DrafterCore | None:
@@ -444,7 +456,15 @@ def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, 
     (``model``), the target's low-precision copy (``self-w8`` and other self drafts, and
     ``hybrid``, whose suffix index comes with it). ``prefix_source``: where the target's prompt
     K/V sit, for a copy of the target (same layout) to take instead of its own prefill.
-    ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``."""
+    ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``.
+    ``draft.q_top_k`` applies to the core's model drafts under the rejection coupling."""
+    core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill)
+    if core is not None:
+        core.q_top_k = dc.q_top_k
+    return core
+
+
+def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill):
     from specdist.errors import ConfigError
 
     method = dc.method

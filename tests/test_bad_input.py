@@ -232,6 +232,7 @@ def _cfg(tiny_models, **over):
         ({"engine__device": "tpu"}, "engine.device"),
         ({"engine__seed": -1}, "engine.seed"),
         ({"sampling__coupling": "argmax"}, "sampling.coupling"),
+        ({"draft__q_top_k": -1}, "draft.q_top_k"),
         ({"sampling__couplings": "gumbel"}, "sampling.couplings"),
         ({"engine__compile": "max-autotune"}, "engine.compile"),
         ({"engine__compile": 1}, "engine.compile"),

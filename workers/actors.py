@@ -432,6 +432,7 @@ class DraftActor(_ActorBase):
         pipeline: bool = False,  # draft.pipeline (model drafts): prepare next drafts during verification
         pipeline_miss: str = "redraft",
         suffix: dict | None = None,  # the draft.suffix_* keys (methods suffix and hybrid; defaults if None)
+        q_top_k: int = 0,  # draft.q_top_k: rejection-coupled drafts send their q's top q_top_k tokens only
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
     ) -> dict:
@@ -445,7 +446,7 @@ class DraftActor(_ActorBase):
 
         dev = device_for(device)
         dc = DraftConfig(method=method, confidence_threshold=confidence_threshold, ngram_min=ngram_min,
-                         ngram_max=ngram_max, **(suffix or {}))
+                         ngram_max=ngram_max, q_top_k=q_top_k, **(suffix or {}))
         model = None
         if method == "model":
             if not draft_model_spec:
