@@ -26,8 +26,8 @@ reproduce exactly.
   sequential draft forward each; ``rows_r = sum k_b``; 0 when nobody on it drafts, as no
   call is made; ``D_r`` also has a per-call term, e.g. the network round trip, so
   ``D_r = e_r + a_r * passes_r + b_r * rows_r``), the verification of ``N = sum (k_b + 1)``
-  tokens for ``B`` requests costs its measured time for that ``(B, N)`` (an EMA) when one was
-  seen, else ``V = c_0 + c_1 * N`` (GEMM times are far from linear at small sizes on CPU:
+  tokens for ``B`` requests costs its measured time for that ``(B, N)`` (the median of its last
+  ``TABLE_SAMPLES`` calls: robust to a call slowed by other work) when one was seen, else ``V = c_0 + c_1 * N`` (GEMM times are far from linear at small sizes on CPU:
   3 tokens can cost more than 5)
   tokens, and ``overhead`` is the rest of a step. Replicas draft in parallel, so the
   slowest one sets the draft time. The coefficients are exponentially weighted least-squares
@@ -72,6 +72,8 @@ use ``fixed`` for token-for-token reproducibility.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,7 +91,7 @@ RIDGE = 0.01  # pseudo-samples (the first sample's size) pulling the fit towards
 EXPLORE_EVERY = 16
 EXPLORE_EARLY = (3, 6, 9, 12)
 EXPLORE_CAPS = (0.5, 0.0, 0.25, 1.0)  # fractions of k, cycled
-TABLE_WEIGHT = 0.3  # EMA weight of a new verification time in the (batch, tokens) table
+TABLE_SAMPLES = 5  # verification times kept per (batch, tokens); the table holds their median
 PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
 GUESS_PRIOR = 0.5  # pipelined drafting: the guess hit rate before any was observed (PRIOR_WEIGHT samples)
 DINKELBACH_ROUNDS = 4
@@ -191,7 +193,8 @@ class DraftLengthPolicy:
     draft_cost: list[LinearFit] = field(init=False)  # per replica: (1, passes, rows) -> seconds
     verify_cost: LinearFit = field(init=False)  # (1, tokens) -> seconds
     overhead_s: float | None = None
-    verify_table: dict = field(default_factory=dict)  # (batch, tokens) -> seconds, measured (EMA)
+    verify_table: dict = field(default_factory=dict)  # (batch, tokens) -> seconds, measured (median of the last few)
+    verify_samples: dict = field(default_factory=dict)  # (batch, tokens) -> deque of its last TABLE_SAMPLES times
     global_accepted: float = 0.0
     global_tried: float = 0.0
     guess_hits: float = 0.0  # pipelined: prepared prefixes that held, after an all-accepted step (decayed)
@@ -336,9 +339,11 @@ class DraftLengthPolicy:
         if tokens > 0:
             self.verify_cost.add(1, tokens, seconds)
             if batch is not None and math.isfinite(seconds) and seconds >= 0:
+                # the median: one call slowed by something else on the machine does not move it
                 key = (batch, tokens)
-                old = self.verify_table.get(key)
-                self.verify_table[key] = seconds if old is None else (1 - TABLE_WEIGHT) * old + TABLE_WEIGHT * seconds
+                recent = self.verify_samples.setdefault(key, deque(maxlen=TABLE_SAMPLES))
+                recent.append(seconds)
+                self.verify_table[key] = statistics.median(recent)
 
     def observe_overhead(self, seconds: float) -> None:
         if seconds >= 0:

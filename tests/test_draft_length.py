@@ -239,3 +239,17 @@ def test_pipelined_rule_drafts_more_when_drafts_hide() -> None:
     assert ks_piped == [3]
     assert piped.rate(ks_piped, a, [0]) > seq.rate(ks_seq, a, [0])
     assert piped.rate(ks_piped, a, [0]) == pytest.approx(brute_force(piped, [3], a, [0]))
+
+
+def test_one_slow_verification_does_not_move_the_measured_cost() -> None:
+    """The (batch, tokens) table keeps the median of the last TABLE_SAMPLES times: a call slowed by
+    other work on the machine (here 10x) changes neither the estimate nor the chosen lengths."""
+    pol = DraftLengthPolicy(3, "adaptive")
+    for _ in range(dl.TABLE_SAMPLES):
+        pol.observe_verify(4, 0.050, batch=1)
+    before = pol.verify_table[(1, 4)]
+    pol.observe_verify(4, 0.500, batch=1)
+    assert pol.verify_table[(1, 4)] == before == 0.050
+    for _ in range(dl.TABLE_SAMPLES // 2 + 1):  # a lasting change is followed within a few calls
+        pol.observe_verify(4, 0.080, batch=1)
+    assert pol.verify_table[(1, 4)] == 0.080
