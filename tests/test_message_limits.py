@@ -74,19 +74,25 @@ class _Drafter:
 # ---------------------------------------------------------------- round trips above 4 MiB
 
 
-def test_verify_above_grpc_default_round_trips():
-    core = _Verifier(VOCAB, BATCH)
-    items = _verify_items(BATCH, K, VOCAB)
-    assert verify_items_to_proto(items, VOCAB).ByteSize() > GRPC_DEFAULT_MESSAGE_BYTES
+def _verify_round_trip(vocab: int, batch: int, k: int) -> None:
+    """One Verify of ``batch`` items with ``k`` dense q rows each through a worker server and the
+    remote verifier, both with the limit of these settings: every row arrives and decodes."""
+    core = _Verifier(vocab, batch)
+    items = _verify_items(batch, k, vocab)
     with ServedCores(core) as served:
-        verifier = RemoteVerifier(served.target_address, VOCAB, timeout_s=30,
-                                  message_limit=message_limit_bytes(VOCAB, BATCH, K))
+        verifier = RemoteVerifier(served.target_address, vocab, timeout_s=120,
+                                  message_limit=message_limit_bytes(vocab, batch, k))
         try:
             results, _ = verifier.verify(items)
         finally:
             verifier.close()
-    assert [r.num_accepted for r in results] == [K] * BATCH
-    assert core.rows == BATCH * K
+    assert [r.num_accepted for r in results] == [k] * batch
+    assert core.rows == batch * k
+
+
+def test_verify_above_grpc_default_round_trips():
+    assert verify_items_to_proto(_verify_items(BATCH, K, VOCAB), VOCAB).ByteSize() > GRPC_DEFAULT_MESSAGE_BYTES
+    _verify_round_trip(VOCAB, BATCH, K)
 
 
 def test_propose_above_grpc_default_round_trips():
@@ -166,15 +172,4 @@ def test_a_full_verify_at_128k_vocabulary_k8_batch64_succeeds():
     """The issue's size, sent: 64 requests x 8 drafted tokens with dense fp16 q at vocabulary 131,072
     (the rejection coupling's wire form), one Verify of about 134 MB through a worker server and the
     remote verifier with the limits the config gives them; every q row arrives and decodes."""
-    vocab, batch, k = 131072, 64, 8
-    core = _Verifier(vocab, batch)
-    items = _verify_items(batch, k, vocab)
-    with ServedCores(core) as served:
-        verifier = RemoteVerifier(served.target_address, vocab, timeout_s=120,
-                                  message_limit=message_limit_bytes(vocab, batch, k))
-        try:
-            results, _ = verifier.verify(items)
-        finally:
-            verifier.close()
-    assert [r.num_accepted for r in results] == [k] * batch
-    assert core.rows == batch * k
+    _verify_round_trip(131072, 64, 8)
