@@ -73,10 +73,12 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix64_t(z: torch.Tensor) -> torch.Tensor:  # int64, wrapping: the bits of mix64
-    z = (z ^ _srl(z, 30)) * _signed(_C1)
-    z = (z ^ _srl(z, 27)) * _signed(_C2)
-    return z ^ _srl(z, 31)
+def _mix64_t(z: torch.Tensor) -> torch.Tensor:  # int64, wrapping: the bits of mix64 (z is overwritten)
+    for shift, mult in ((30, _signed(_C1)), (27, _signed(_C2)), (31, None)):
+        z.bitwise_xor_(torch.bitwise_right_shift(z, shift).bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
 
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}  # (vocab, device) -> [V] int64: (x + 1) * golden, wrapped
@@ -100,7 +102,9 @@ def gumbel_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] 
     return -torch.log(exponential_noise(starts, vocab_size))
 
 
-CHUNK_ELEMENTS = 1 << 24  # noise computed for at most this many (row, token) pairs at once (float64: 128 MiB)
+# noise computed for at most this many (row, token) pairs at once: the int64 temporaries (2 MiB) stay in
+# the CPU's cache, about 3x faster than whole batches on the development machine
+CHUNK_ELEMENTS = 1 << 18
 
 
 def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # [N, V], [N] -> [N] long

@@ -77,9 +77,11 @@ def _greedy(client: SpecDistClient, prompt) -> tuple[list[int], object]:
 
 
 class Streams:
-    """8 greedy streams, one thread and channel each; ``results[i]``: (token ids, last chunk, error)."""
+    """8 streams, one thread and channel each; ``results[i]``: (token ids, last chunk, error). Greedy,
+    or (``sample``) at T = 0.8, top-p 0.9 with seed 4242 + i."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, sample: bool = False):
+        self.sample = sample
         self.results: list = [None] * len(PROMPTS)
         self.ended_at: list = [None] * len(PROMPTS)
         self.threads = [threading.Thread(target=self._run, args=(address, i), daemon=True) for i in range(len(PROMPTS))]
@@ -90,7 +92,8 @@ class Streams:
         ids, last, error = [], None, None
         with SpecDistClient(address, timeout=POLL_LIMIT_S) as c:
             try:
-                for chunk in c.generate(PROMPTS[i], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True):
+                how = dict(temperature=0.8, top_p=0.9, seed=4242 + i) if self.sample else dict(temperature=0.0)
+                for chunk in c.generate(PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True, **how):
                     ids.extend(chunk.token_ids)
                     last = chunk
             except RemoteError as e:
@@ -105,12 +108,12 @@ class Streams:
         return self.results
 
 
-def _start_paused(serving) -> Streams:
+def _start_paused(serving, sample: bool = False) -> Streams:
     """Start the 8 streams with the engine held, so one pass admits them all together."""
     coordinator = serving.server.coordinator
     release = threading.Event()
     coordinator.call_soon(lambda: release.wait(POLL_LIMIT_S))
-    streams = Streams(serving.address)
+    streams = Streams(serving.address, sample)
     _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
     release.set()
     return streams
@@ -132,11 +135,12 @@ def _pause_after_steps(engine, steps: int) -> tuple[threading.Event, threading.E
     return paused, resume
 
 
-def _signal_mid_generation(serving, pid: int, sig: int, wait_dead: bool = False) -> tuple[list, float]:
+def _signal_mid_generation(serving, pid: int, sig: int, wait_dead: bool = False,
+                           sample: bool = False) -> tuple[list, float]:
     """Send ``sig`` to ``pid`` while 8 streams are paused mid-generation, then let them run on.
     Returns (each stream's result, monotonic time of the signal)."""
     paused, resume = _pause_after_steps(serving.backend.engine, 2)
-    streams = _start_paused(serving)
+    streams = _start_paused(serving, sample)
     _until("the engine paused mid-generation", paused.is_set)
     os.kill(pid, sig)
     sent_at = time.monotonic()
@@ -289,9 +293,11 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
         ids, stats = _greedy(client, PROMPTS[0])
         assert ids == want[0] and stats.drafted > 0
 
-        # 2. SIGKILL the draft worker in the middle of 8 streams
-        results, _ = _signal_mid_generation(serving, draft_pid, signal.SIGKILL, wait_dead=True)
-        assert [r[0] for r in results] == want  # all 8 finished, exactly as without the fault
+        # 2. SIGKILL the draft worker in the middle of 8 seeded sampled streams (T 0.8, top-p 0.9): under
+        # the gumbel coupling they give the tokens the same streams gave with the draft alive
+        sampled = [r[0] for r in _start_paused(serving, sample=True).join()]
+        results, _ = _signal_mid_generation(serving, draft_pid, signal.SIGKILL, wait_dead=True, sample=True)
+        assert [r[0] for r in results] == sampled  # all 8 finished, exactly as without the fault
         assert all(r[2] is None and r[1].finish_reason == "length" for r in results)
         _until("the restarted draft re-admitted", lambda: supervisor.recoveries == 1 and engine.healthy_replicas() == 1)
         assert dep.health()["draft 0"]["pid"] != draft_pid  # a new process, restarted by Ray
