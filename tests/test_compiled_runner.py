@@ -1,11 +1,10 @@
 """The compiled static-shape pass (engine.compile) computes what the eager forward computes.
 
-One sequence of calls (prefill, ragged verification, catch-up draft pass, rollback, decoding
-past the first keys bucket) runs on two runners over the same model, one eager and one
-compiled, and every call's logits and the cache contents it leaves are compared. Every call
-but the long prefill pads to one bucket (2 requests, 4 tokens, 4 logits rows) with the key
-length dynamic, so the compiled side builds one graph. Padding must change nothing but the
-float rounding of the kernels.
+One sequence of calls (prefill, ragged verifications, rollback, growth past the first keys
+bucket) runs on two runners over the same model, one eager and one compiled, and every call's
+logits and the cache contents it leaves are compared. Every call but the long prefill pads to
+one bucket (2 requests, 4 tokens, 4 logits rows) with the key length dynamic, so the compiled
+side builds exactly one graph. Padding must change nothing but the float rounding of the kernels.
 """
 
 from __future__ import annotations
@@ -24,22 +23,29 @@ def _replay(runner: CausalLMRunner) -> list[torch.Tensor]:
     out = [
         runner.forward([a, b], [list(range(1, 21)), [2, 4]], [1, 2]),  # prefills (20 tokens: eager on both sides)
         runner.forward([a, b], [[1, 2, 3], [6]], [3, 1]),  # ragged verification, logits rows left-aligned
-        runner.forward([b, a], [[4, 4], [9]], [1, 1]),  # a catch-up draft pass, slots in reverse order
+        runner.forward([b, a], [[4, 4, 1], [9, 8, 7, 6]], [1, 4]),  # slots in reverse order
     ]
     c.rollback(a, 21)  # rejected drafts: the next call overwrites them
     out.append(runner.forward([a, b], [[5], [5, 6, 7, 8]], [1, 4]))
-    for i in range(STATIC_MIN_KEYS - 20):  # past the first keys bucket: one graph serves every length
-        out.append(runner.forward([a, b], [[i % 13], [(i + 5) % 17]], [1, 1]))
+    for i in range(16):  # slot a grows past the first keys bucket (64): the same graph serves every length
+        out.append(runner.forward([a, b], [[i % 13, 1, 2], [(i + 5) % 17]], [3, 1]))
+    assert c.lengths[a] > STATIC_MIN_KEYS
     return out
 
 
-@pytest.mark.parametrize("device", devices())  # cuda: CUDA graphs writing the cache in place
-def test_compiled_pass_matches_eager(device, one_thread) -> None:
+# CPU: inductor's generated C++ (about a minute of compiling here) and dynamo's graphs alone
+# (aot_eager: the same capture, guards and dynamic key length, no code generation); CUDA: CUDA graphs
+CASES = [("cpu", "inductor"), ("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=devices()[1].marks)]
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_compiled_pass_matches_eager(device, backend, one_thread) -> None:
     # qwen2: q/k/v biases and sliding-window layers next to full ones (two masks per call)
     model = build_tiny("qwen2", seed=3, vocab_size=32, num_hidden_layers=2).to(device)
     eager = CausalLMRunner(model, 2, 100)
     compiled = CausalLMRunner(model, 2, 100)
-    compiled.compile()
+    compiled.compile(backend)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     calls = 0
     static = compiled._forward_static
 
@@ -51,6 +57,7 @@ def test_compiled_pass_matches_eager(device, one_thread) -> None:
     compiled._forward_static = counting
     want, got = _replay(eager), _replay(compiled)
     assert calls == len(got) - 1  # all but the prefill went through the compiled pass
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # one bucket, every key length
     for i, (w, g) in enumerate(zip(want, got)):
         assert g.shape == w.shape, i
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {i}: {m}")

@@ -57,6 +57,7 @@ class FakeOutput:
 class FakeRequest:
     def __init__(self, request_id: str, prompt, max_tokens: int):
         self.request_id, self.prompt = request_id, prompt
+        self.logprobs = None  # no request here asks for them
         self.output = FakeOutput(max_tokens)
         self.metrics = FakeMetrics()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
+from conftest import devices
 from gtest import g_statistic, merge_cells
 from specdist.coupling import (
     _mix64_t,
@@ -115,3 +116,16 @@ def test_chunked_argmax_equals_one_pass(vocab: int, monkeypatch) -> None:
     want = (probs.double().log() + gumbel_noise(starts, vocab)).argmax(-1)
     monkeypatch.setattr(coupling, "CHUNK_ELEMENTS", vocab * 2)  # three chunks of two rows
     assert torch.equal(gumbel_argmax(probs, starts), want)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_noise_is_the_same_on_every_device(device: str) -> None:
+    """The hash bits on the device equal the CPU's, and so do the tokens the noise picks (the float64
+    logarithm may differ in its last bit between devices; a pick that close to a tie would show here)."""
+    starts = torch.tensor(row_starts(99, range(16)), dtype=torch.int64)
+    x = torch.arange(1, 4097, dtype=torch.int64)
+    cpu = _mix64_t(starts[:, None] + x[None, :])
+    dev = _mix64_t(starts.to(device)[:, None] + x.to(device)[None, :])
+    assert torch.equal(dev.cpu(), cpu)
+    probs = torch.softmax(torch.randn(16, 4096, generator=torch.Generator().manual_seed(2)), -1)
+    assert torch.equal(gumbel_argmax(probs.to(device), starts.to(device)).cpu(), gumbel_argmax(probs, starts))

@@ -198,11 +198,11 @@ class RescoredReuse(DraftPipeline):
         return Proposal(rid, toks, fp16_exact(q), pipeline=HIT)
 
 
-def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline):
+def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline, coupling: str = "rejection"):
     cfg = tiny_config(models, method="model", k=PIPE_K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
-    # the rejection rule, where the prepared drafts' q reaches the verifier (under gumbel the output is the
-    # target's Gumbel-max tokens whatever the drafts: tests/test_reproducible_seeds.py)
-    cfg["sampling"] = {"coupling": "rejection"}
+    # rejection: the rule whose argument the pipeline must keep (the prepared drafts' q reaches the
+    # verifier); under gumbel the output is the target's Gumbel-max tokens whatever the drafts
+    cfg["sampling"] = {"coupling": coupling}
     eng = Engine.from_config(cfg)
     pipe = pipeline_cls(eng.draft_core)
     eng.replicas[0].drafter = LocalDrafter(pipe)
@@ -245,10 +245,12 @@ def g_test(outs, p: np.ndarray) -> tuple[float, float, list]:
     return g_statistic(counts, p, cells), threshold, cells
 
 
-def test_pipelined_engine_samples_target_distribution(models, laws) -> None:
-    """G-test, N = 6000, alpha 1e-4 (the false-failure rate); df and threshold printed."""
+@pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
+def test_pipelined_engine_samples_target_distribution(models, laws, coupling) -> None:
+    """G-test, N = 6000, alpha 1e-4 (the false-failure rate) per coupling; df and threshold printed."""
     p, _ = laws
-    outs, pipe = sample_pipelined(models, N, seed0=900_000_000)
+    outs, pipe = sample_pipelined(models, N, seed0=900_000_000 + (coupling == "gumbel") * 10_000_000,
+                                  coupling=coupling)
     c = pipe.counters
     g, threshold, cells = g_test(outs, p)
     print(f"\npipelined: hits {c.hits}, misses {c.misses}; G = {g:.1f}, df = {len(cells) - 1}, "

@@ -139,12 +139,13 @@ class CausalLMRunner:
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
 
-    def compile(self) -> None:
+    def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
         ``torch.compile`` of :meth:`_static_pass`: inductor on CPU, CUDA graphs on GPU
         (``reduce-overhead``; the cache tensors are marked static so the graphs write them in
         place). Each bucket compiles at its first call (:meth:`warm_up` does it ahead); the
-        compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``)."""
+        compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``). ``backend``: the
+        ``torch.compile`` backend (another one traces the same graphs without generating code)."""
         cuda = self.device.type == "cuda"
         if cuda:
             for t in self.cache.k + self.cache.v:
@@ -153,7 +154,8 @@ class CausalLMRunner:
         dyn = torch._dynamo.config
         dyn.recompile_limit = max(dyn.recompile_limit, STATIC_GRAPHS)
         dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4 * STATIC_GRAPHS)
-        self.compiled = torch.compile(self._static_pass, mode="reduce-overhead" if cuda else None)
+        mode = "reduce-overhead" if cuda and backend == "inductor" else None
+        self.compiled = torch.compile(self._static_pass, backend=backend, mode=mode)
 
     def warm_up(self, shapes: list[tuple[int, int, int]]) -> None:
         """Run one call of each ``(batch, tokens per request, logits per request)`` on free slots
