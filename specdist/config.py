@@ -102,6 +102,7 @@ SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits.max_request_id_chars <= this)
 COUPLINGS = ("gumbel", "rejection")  # = specdist.coupling.COUPLINGS
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
 
@@ -275,8 +276,6 @@ class LimitsConfig:
     max_n: int = 16
 
     def validate(self, key: str) -> None:
-        from specdist.coordinator import MAX_REQUEST_ID_LEN  # the coordinator's own bound on any id
-
         _check_int(self.max_message_bytes, f"{key}.max_message_bytes", 1024, 2**31 - 1)
         for name in ("max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_n"):
             _check_int(getattr(self, name), f"{key}.{name}", 1, 2**31 - 1)

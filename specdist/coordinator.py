@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from specdist.config import MAX_REQUEST_ID_LEN
 from specdist.errors import InvalidArgument, SpecDistError
 from specdist.logprobs import TokenLogprob
 from specdist.metrics import Metrics
@@ -56,7 +57,6 @@ if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engi
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LEN = 256
 JOIN_TIMEOUT_S = 30.0  # close(): how long to wait for the engine thread to exit once it said it would
 
 

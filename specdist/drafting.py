@@ -77,7 +77,6 @@ from specdist.wire import fp16_exact
 
 if TYPE_CHECKING:
     from specdist.config import DraftConfig
-    from specdist.pipeline import DraftPipeline
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
@@ -145,7 +144,7 @@ class DrafterCore:
     def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                    confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None,
                    defer_prefill: bool = False) -> "DrafterCore":
-        """A model draft (``specdist.models.quant.quantized_copy(target)`` for self-w8)."""
+        """A model draft (``specdist.models.fusion.quantized_copy(target)`` for self-w8)."""
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    defer_prefill=defer_prefill)
@@ -484,15 +483,6 @@ def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_s
                                   prefix_source=prefix_source, defer_prefill=defer_prefill)
     return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
                                   prefix_source=prefix_source, defer_prefill=defer_prefill)
-
-
-def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
-    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only."""
-    if not pipeline or core.method != "model":
-        return core
-    from specdist.pipeline import DraftPipeline
-
-    return DraftPipeline(core, miss)
 
 
 class LocalDrafter(LocalTransport):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config, target_copy
-from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core, pipelined
+from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core
 from specdist.errors import ConfigError
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner, compile_runner
+from specdist.pipeline import pipelined
 from specdist.scheduler import PHASES, EngineStats, Scheduler
 from specdist.verifying import LocalVerifier, VerifierCore
 

@@ -77,3 +77,7 @@ class ConfigError(SpecDistError, ValueError):
 
     def __reduce__(self):
         return (type(self), (self.key, self.message))
+
+
+class ListenError(SpecDistError):
+    """A server cannot listen on the requested address."""

@@ -657,7 +657,7 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
 
     The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
     """
-    from specdist.serve_cli import ListenError
+    from specdist.errors import ListenError
 
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET

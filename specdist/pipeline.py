@@ -310,3 +310,10 @@ class DraftPipeline:
             job.finished = now()
             self.counters.prepare_s += job.finished - job.started
             job.done.set()
+
+
+def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
+    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only."""
+    if not pipeline or core.method != "model":
+        return core
+    return DraftPipeline(core, miss)

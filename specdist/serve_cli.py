@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdist.errors import SpecDistError
+from specdist.errors import ListenError, SpecDistError
 
 INSTALL_DISTRIBUTED = 'pip install -e ".[distributed]"'
 INSTALL_HTTP = 'pip install -e ".[http]"'
@@ -45,10 +45,6 @@ INSTALL_HTTP = 'pip install -e ".[http]"'
 
 class MissingDependency(SpecDistError):
     """An optional dependency the config needs is not installed."""
-
-
-class ListenError(SpecDistError):
-    """The server cannot listen on the requested address."""
 
 
 class RequestFailed(SpecDistError):

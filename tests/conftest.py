@@ -79,7 +79,7 @@ def smollm2_loaded():
     model keep their own KV caches; none changes its weights."""
     from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
     from specdist.models.native import use_native_blocks
-    from specdist.models.quant import unfused_copy
+    from specdist.models.fusion import unfused_copy
 
     src = resolve_model("smollm2-135m-instruct")
     with gguf_parsed_once():

@@ -13,7 +13,7 @@ import torch
 
 from specdist import Engine, SamplingParams
 from specdist.config import load_config
-from specdist.models.quant import quantized_copy
+from specdist.models.fusion import quantized_copy
 
 PROMPTS = [
     "Explain gravity in two sentences.",

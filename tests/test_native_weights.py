@@ -34,7 +34,8 @@ from specdist.models import native
 from specdist.models.fusion import _fuse, fuse_projections
 from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 from specdist.models.native import decode_blocks, dequantize, self_draft, use_native_blocks
-from specdist.models.quant import GROUP, Int4GroupLinear, Int8WeightOnlyLinear, quantized_copy, unfused_copy
+from specdist.models.fusion import quantized_copy, unfused_copy
+from specdist.models.quant import GROUP, Int4GroupLinear, Int8WeightOnlyLinear
 from specdist.sampling_params import SamplingParams
 from test_dtypes import PROMPTS, TIE, _check_greedy, _compare_with_plain, _reference_logits
 from test_exactness_frequency import sample_engine, speculative_law

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8, quantized_copy
+from specdist.models.fusion import quantized_copy
+from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8
 
 
 @pytest.fixture

@@ -439,7 +439,8 @@ class DraftActor(_ActorBase):
         self._require("created")
         t0 = time.perf_counter()
         from specdist.config import DraftConfig, target_copy
-        from specdist.drafting import MODEL_FREE_METHODS, build_drafter_core, pipelined
+        from specdist.drafting import MODEL_FREE_METHODS, build_drafter_core
+        from specdist.pipeline import pipelined
         from specdist.engine import device_for
         from specdist.errors import ConfigError
         from specdist.models.loader import load_model, resolve_model

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from specdist.models.dtypes import DTYPE_CHOICES, resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.native import self_draft, use_native_blocks
-    from specdist.models.quant import quantized_copy, unfused_copy
+    from specdist.models.fusion import quantized_copy, unfused_copy
 
     if args.quick:
         args.prompts, args.max_tokens = 2, 24

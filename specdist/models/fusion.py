@@ -21,7 +21,7 @@ import copy
 import torch
 from torch import nn
 
-from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear
+from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, quantize_model_int8
 
 
 class FusedLinear(nn.Module):
@@ -119,3 +119,16 @@ def remove_fusion(model: nn.Module) -> None:
         for mod, name in ((layer.self_attn, "fused_qkv"), (layer.mlp, "fused_gate_up")):
             if hasattr(mod, name):
                 delattr(mod, name)
+
+
+def unfused_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` without fused projections (quantize the originals; fuse again afterwards)."""
+    clone = copy.deepcopy(model)
+    if hasattr(clone, "model") and hasattr(clone.model, "layers"):
+        remove_fusion(clone)
+    return clone
+
+
+def quantized_copy(model: nn.Module, kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
+    """Deep-copy ``model`` and quantize the copy's linears to ``kind``; the original is left untouched."""
+    return quantize_model_int8(unfused_copy(model), kind=kind)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from specdist.errors import ConfigError
-from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, _untie, quantized_copy, unfused_copy
+from specdist.models.fusion import quantized_copy, unfused_copy
+from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, _untie
 
 log = logging.getLogger("specdist.load")
 

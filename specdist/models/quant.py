@@ -29,7 +29,6 @@ Cost: half a byte per weight plus 4 bytes per group of 32 (0.625 byte per weight
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -171,18 +170,3 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
         setattr(model.get_submodule(parent_name), attr, replaced[id(module)])
     _untie(model)
     return model
-
-
-def unfused_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` without fused projections (quantize the originals; fuse again afterwards)."""
-    from specdist.models.fusion import remove_fusion
-
-    clone = copy.deepcopy(model)
-    if hasattr(clone, "model") and hasattr(clone.model, "layers"):
-        remove_fusion(clone)
-    return clone
-
-
-def quantized_copy(model: nn.Module, kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
-    """Deep-copy ``model`` and quantize the copy's linears to ``kind``; the original is left untouched."""
-    return quantize_model_int8(unfused_copy(model), kind=kind)
