@@ -155,12 +155,5 @@ def server_info(engine) -> dict[str, Any]:
 
 
 def draft_replicas(engine) -> int:
-    """``engine.num_draft_replicas`` where the engine says; else RemoteEngine: its draft workers,
-    Engine: 1 with a proposer, 0 without."""
-    n = getattr(engine, "num_draft_replicas", None)
-    if n is not None:
-        return int(n)
-    replicas = getattr(engine, "replicas", None)
-    if replicas is not None:
-        return len(replicas)
-    return 1 if getattr(engine, "proposer", None) is not None else 0
+    """The engine's draft replicas (``Scheduler.num_draft_replicas``; 0 for an engine without any)."""
+    return int(getattr(engine, "num_draft_replicas", 0))

@@ -127,11 +127,6 @@ class PipelineCounters:
         total = self.prepare_s + self.draft_s
         return self.hidden_s / total if total > 0 else 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
 
 class DraftPipeline:
     """A model drafter that prepares each request's next drafts in the background (see module doc).

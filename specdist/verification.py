@@ -72,11 +72,7 @@ def final_uniforms(sample_uniforms: torch.Tensor, n: torch.Tensor) -> torch.Tens
 @dataclass
 class VerifyResult:
     tokens: torch.Tensor  # [B, K+1] long: accepted drafts then the final sample; -1 after it
-    num_accepted: torch.Tensor  # [B] long: draft tokens accepted (0..num_draft)
-
-    @property
-    def num_emitted(self) -> torch.Tensor:  # [B]
-        return self.num_accepted + 1
+    num_accepted: torch.Tensor  # [B] long: draft tokens accepted (0..num_draft); each request emits one more
 
 
 def rejection_sample(
