@@ -8,6 +8,8 @@ detokenisation and stop strings go through the same code as with real models.
 
 from __future__ import annotations
 
+import contextlib
+
 import asyncio
 import os
 import subprocess
@@ -345,3 +347,25 @@ def pytest_runtest_teardown(item, nextitem):
     if _uses_local_ray(item) and (nextitem is None or not _uses_local_ray(nextitem)):
         stop_local_ray()
     return result
+
+
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
+
+
+@contextlib.contextmanager
+def serving_in_process(tiny_models):
+    """``specdist serve --http-port`` in process over the tiny target with a model draft (k = 3) and a
+    word chat template: gRPC and HTTP on one coordinator, free loopback ports. Yields
+    (engine, serving); stops both after."""
+    from specdist import Engine
+    from specdist.serve_cli import Backend, start_serving
+
+    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
+    engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    lt = LoopThread()
+    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
+    try:
+        yield engine, serving
+    finally:
+        lt.run(serving.stop())
+        lt.close()

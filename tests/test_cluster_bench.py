@@ -10,7 +10,7 @@ import socket
 import pytest
 import yaml
 
-from conftest import LoopThread, tiny_config
+from conftest import serving_in_process, tiny_config
 from specdist.bench import cluster_bench
 from specdist.bench.cluster_bench import VARIANTS, poisson_arrivals
 from specdist.cli import main
@@ -147,16 +147,8 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monk
 @pytest.fixture(scope="module")
 def both_protocols(tiny_models):
     """``specdist serve --http-port`` in process: gRPC and HTTP over one coordinator, free loopback ports."""
-    from specdist import Engine
-    from specdist.serve_cli import Backend, start_serving
-
-    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
-    engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
-    lt = LoopThread()
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
-    yield serving
-    lt.run(serving.stop())
-    lt.close()
+    with serving_in_process(tiny_models) as (_, serving):
+        yield serving
 
 
 def _by_variant(doc: dict) -> dict[str, list[dict]]:

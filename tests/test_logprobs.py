@@ -23,13 +23,12 @@ try:  # the HTTP library the openai client is built on (httpx2 in recent release
 except ImportError:
     import httpx
 
-from conftest import LoopThread, remote_engine_like, tiny_config
+from conftest import remote_engine_like, serving_in_process, tiny_config
 from specdist import Engine, InvalidArgument, SamplingParams
 from specdist import verifying
 from specdist.client import RemoteError, SpecDistClient
 from specdist.logprobs import TokenLogprob
 from specdist.sampling import process_logits
-from specdist.serve_cli import Backend, start_serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,21 +147,14 @@ def dataclass_replace(sp: SamplingParams, **changes) -> SamplingParams:
 # ---------------------------------------------------------------- the public APIs
 @pytest.fixture(scope="module")
 def srv(tiny_models):
-    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
-    engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
-    lt = LoopThread()
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
-    http = httpx.Client(trust_env=False, timeout=30)
-    s = SimpleNamespace(
-        engine=engine, http=http, grpc=SpecDistClient(serving.address), model=engine.config.target.model,
-        client=openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
-                             http_client=http),
-    )
-    yield s
-    s.grpc.close()
-    lt.run(serving.stop())
-    http.close()
-    lt.close()
+    with serving_in_process(tiny_models) as (engine, serving), httpx.Client(trust_env=False, timeout=30) as http:
+        s = SimpleNamespace(
+            engine=engine, http=http, grpc=SpecDistClient(serving.address), model=engine.config.target.model,
+            client=openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
+                                 http_client=http),
+        )
+        yield s
+        s.grpc.close()
 
 
 SAMPLED = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=21)
