@@ -75,13 +75,15 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
-    # the kernels' packed layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate
-    if (all(type(p) is Int4GroupLinear and p.out_features % 32 == 0 for p in parts)
-            and len({p.repeat_input for p in parts}) == 1):
+    # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; GGUF
+    # blocks (block_kernels) hold each row on its own
+    if (all(type(p) is Int4GroupLinear for p in parts) and len({(p.repeat_input, p.blocks) for p in parts}) == 1
+            and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))):
+        dim = parts[0].rows_dim_of_scales
         fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
         fused._buffers = dict(fused._buffers)
         fused.packed = torch.cat([p.packed for p in parts], 0)  # [sum(out), ...] packed rows
-        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], 1)  # [G, sum(out), 2]
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim)
         fused.bias = bias
         fused.out_features = sum(p.out_features for p in parts)
         off = 0

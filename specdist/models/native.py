@@ -4,7 +4,8 @@ transformers loads a GGUF file by de-quantizing every tensor to float (the defau
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
 replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1 or Q8_0 by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
-bit for bit, scales in bf16: see :mod:`specdist.models.quant`). Other tensors (norms,
+bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
+scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). Other tensors (norms,
 embeddings, F16/F32 or K-quant linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 

@@ -21,10 +21,20 @@ and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so
 file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
 input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes. A float linear
-quantizes to the same layout (asymmetric min/max per group, as Q4_1). Scales round to bf16
-(8 significant bits), so the numerics are close to, not equal to, the file's de-quantized
-floats; whatever they are, the target's numerics define p.
-Cost: half a byte per weight plus 4 bytes per group of 32 (0.625 byte per weight).
+quantizes to the same layout (asymmetric min/max per group, as Q4_1).
+
+Two backends run these blocks, chosen by device when the module is built (``blocks``):
+
+- x86 CPUs with AVX2: :mod:`specdist.models.block_kernels`, llama.cpp's way: GGUF's own Q4 block
+  layout with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), the
+  activations rounded per block of 32 to bytes. Any number of output rows.
+- CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
+  bf16 activations, output rows in tiles.
+
+Either way the numerics are close to, not equal to, the file's de-quantized floats; whatever they
+are, the target's numerics define p.
+Cost: half a byte per weight plus 4 bytes per group of 32 (0.625 byte per weight; Q4 blocks on the
+CPU kernels: 8 bytes per group, 0.75).
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdist.models import block_kernels
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
@@ -85,8 +97,8 @@ class Int4GroupLinear(nn.Module):
     matmul (2 for GGUF Q8_0, whose codes are split into two int4 halves; see the module doc).
     """
 
-    packed: torch.Tensor  # [out, in_eff / 2] uint8: the kernel's layout of the codes
-    scales_and_zeros: torch.Tensor  # [in_eff / 32, out, 2] bf16
+    packed: torch.Tensor  # the codes in the kernel's layout (see ``blocks``)
+    scales_and_zeros: torch.Tensor  # the kernel's float pairs (see ``blocks``)
     bias: torch.Tensor | None  # [out] float32
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -101,17 +113,28 @@ class Int4GroupLinear(nn.Module):
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
         codes = codes.to(torch.int32)
-        if codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
+        # blocks: "q4" / "q8" where block_kernels run them (x86 CPUs with AVX2), else None (torch's int4 kernels)
+        self.blocks: str | None = None
+        if codes.device.type == "cpu" and block_kernels.available() and repeat_input in (1, 2):
+            self.blocks = "q4" if repeat_input == 1 else "q8"
+            packed, sz = (_q4_blocks if repeat_input == 1 else _q8_blocks)(codes, scales.float(), zeros.float())
+        elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
             # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
             inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
             packed = torch.ops.aten._convert_weight_to_int4pack(
                 (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
+        if self.blocks is None:
+            sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+
+    @property
+    def rows_dim_of_scales(self) -> int:
+        """The dimension of ``scales_and_zeros`` that runs over output rows."""
+        return 0 if self.blocks else 1
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4GroupLinear:
@@ -128,19 +151,45 @@ class Int4GroupLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
-        if self.repeat_input > 1:
-            x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
-        if x2.device != self.packed.device:
-            raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
-        mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
-        y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
+        if self.blocks is not None:
+            x2 = x.reshape(-1, self.in_features)  # [n, in]
+            mm = block_kernels.q4_mm if self.blocks == "q4" else block_kernels.q8_mm
+            y = mm(x2, self.packed, self.scales_and_zeros)  # [n, out] float32
+        else:
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
+            if self.repeat_input > 1:
+                x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
+            if x2.device != self.packed.device:
+                raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
+            mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
         y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         r = f", repeat_input={self.repeat_input}" if self.repeat_input > 1 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}"
+        b = f", blocks={self.blocks}" if self.blocks else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}{b}"
+
+
+def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q4 block layout for block_kernels: codes [out, G, 16] uint8 (byte i: element i low, i + 16
+    high) and [out, 2, G] float32 (d, m) with ``w = d * c + m`` (here ``m = zero - 8 * scale``)."""
+    out, k = codes.shape
+    g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]
+    packed = (g[..., :16] | (g[..., 16:] << 4)).contiguous()  # [out, G, 16]
+    return packed, torch.stack([scales, zeros - 8 * scales], 1).contiguous()  # [out, 2, G]
+
+
+def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 back from its two int4 halves (see the module doc): codes [out, K] int8 and d [out, G]."""
+    k = codes.shape[1] // 2
+    d = scales[:, k // GROUP:]
+    if not (torch.equal(scales[:, : k // GROUP], 16 * d) and torch.equal(zeros[:, k // GROUP:], 8 * d)
+            and not zeros[:, : k // GROUP].any()):
+        raise ValueError("repeat_input=2 holds GGUF Q8_0 halves only: scales (16 d, d), zeros (0, 8 d)")
+    c8 = 16 * (codes[:, :k] - 8) + codes[:, k:]  # [out, K] in -128..127
+    return c8.to(torch.int8).contiguous(), d.contiguous()
 
 
 def _untie(model: nn.Module) -> None:

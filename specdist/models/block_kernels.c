@@ -1,0 +1,207 @@
+/* Matmuls on GGUF's own 4- and 8-bit blocks for x86 CPUs with AVX2 (see block_kernels.py).
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k], with W stored as blocks of 32 input columns of one row:
+ *   Q4 (GGUF Q4_0 and Q4_1): 16 bytes of codes c in 0..15 (byte i: element i in its low nibble,
+ *       element i + 16 in its high nibble) and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
+ *   Q8 (GGUF Q8_0): 32 signed bytes c and a float d: w = d * c.
+ * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
+ * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is one integer
+ * multiply-add of bytes:
+ *   Q4: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
+ * Every output element is computed by the same instruction sequence whatever the number of rows
+ * of x and wherever it falls in a tile, so a row's result does not depend on the batch around it.
+ * Threads: OpenMP over blocks of output rows, in the process's OpenMP runtime (torch's).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32         /* elements per block */
+#define ROWS_TILE 4   /* rows of x sharing one unpacked weight block */
+#define N_CHUNK 16    /* output rows per scheduling unit */
+/* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
+#define PARALLEL_MIN_WEIGHTS (1 << 16)
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x [M, K] float -> q [M, K] int8, d [M, K/32], s [M, K/32] (s = d * sum(q) over the block). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    const int64_t G = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < M * G; ++i) {
+        const float *xb = x + i * QK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float dx = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        /* round to nearest even (the default MXCSR mode), then pack 4 x 8 int32 to 32 int8 */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        /* packs works within 128-bit lanes: put the 32-bit groups back in element order */
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i * QK), p);
+        /* a NaN or infinity in the block makes its scale NaN, so that it reaches the output */
+        const float poison = 0.0f * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        d[i] = dx + poison;
+        s[i] = dx * (float)_mm_cvtsi128_si32(t) + poison;
+    }
+}
+
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} quantized_x;
+
+static int quantize_input(const float *x, int64_t M, int64_t K, quantized_x *qx) {
+    const int64_t G = K / QK;
+    qx->q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    qx->d = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    qx->s = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    if (!qx->q || !qx->d || !qx->s) {
+        free(qx->q); free(qx->d); free(qx->s);
+        return -1;
+    }
+    quantize_rows(x, M, K, qx->q, qx->d, qx->s);
+    return 0;
+}
+
+static void release_input(quantized_x *qx) {
+    free(qx->q); free(qx->d); free(qx->s);
+}
+
+/* Dot of n floats (the Q4 bias term: sum over blocks of m * s). */
+static inline float dot_floats(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return hsum8(acc) + tail;
+}
+
+/* Block g of one Q4 weight row against R rows of quantized x, into acc[0..R). */
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, const float *dm, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, int64_t g,
+                                                            __m256 *acc) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
+    const float dw = dm[g];
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * G + g;
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx->q + i * QK));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * qx->d[i]), acc[r]);
+    }
+}
+
+/* One Q4 weight row against R rows of quantized x (R a constant after inlining). Blocks alternate
+ * between two accumulators per row, so that consecutive multiply-adds do not wait on each other. */
+static inline __attribute__((always_inline)) void q4_row(const uint8_t *w, const float *dm, int64_t G,
+                                                          const quantized_x *qx, int64_t m0, int R,
+                                                          float *y, int64_t N, int64_t n) {
+    __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        q4_block(w, dm, G, qx, m0, R, g, acc0);
+        q4_block(w, dm, G, qx, m0, R, g + 1, acc1);
+    }
+    if (g < G) q4_block(w, dm, G, qx, m0, R, g, acc0);
+    for (int r = 0; r < R; ++r)
+        y[(m0 + r) * N + n] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot_floats(dm + G, qx->s + (m0 + r) * G, G);
+}
+
+/* Block g of one Q8 weight row against R rows of quantized x, into acc[0..R). */
+static inline __attribute__((always_inline)) void q8_block(const int8_t *w, const float *d, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, int64_t g,
+                                                            __m256 *acc) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);  /* |c|: Q8_0 codes stay in -127..127 */
+    const float dw = d[g];
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * G + g;
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx->q + i * QK));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * qx->d[i]), acc[r]);
+    }
+}
+
+/* One Q8 weight row against R rows of quantized x, as q4_row. */
+static inline __attribute__((always_inline)) void q8_row(const int8_t *w, const float *d, int64_t G,
+                                                          const quantized_x *qx, int64_t m0, int R,
+                                                          float *y, int64_t N, int64_t n) {
+    __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        q8_block(w, d, G, qx, m0, R, g, acc0);
+        q8_block(w, d, G, qx, m0, R, g + 1, acc1);
+    }
+    if (g < G) q8_block(w, d, G, qx, m0, R, g, acc0);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* Rows of x in tiles of ROWS_TILE; the last tile's size picks an inlined copy with a constant row count. */
+#define TILED(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                          \
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                                    \
+        const int64_t rows = M - m0 < ROWS_TILE ? M - m0 : ROWS_TILE;                                  \
+        for (int64_t n = c * N_CHUNK; n < n_end; ++n) {                                                \
+            switch (rows) {                                                                            \
+            case 4: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 4, y, N, n); break;       \
+            case 3: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 3, y, N, n); break;       \
+            case 2: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 2, y, N, n); break;       \
+            default: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 1, y, N, n); break;      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+/* Q4: qs [N, K/32, 16] bytes, dm [N, 2, K/32] floats (the row's d, then its m). y [M, N].
+ * Returns 0, or -1 without memory. */
+int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *dm, int64_t N, float *y) {
+    quantized_x qx;
+    if (quantize_input(x, M, K, &qx)) return -1;
+    const int64_t G = K / QK;
+    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;
+        TILED(q4_row, qs, dm, G * 16, 2 * G)
+    }
+    release_input(&qx);
+    return 0;
+}
+
+/* Q8: qs [N, K] signed bytes, d [N, K/32] floats. y [M, N]. Returns 0, or -1 without memory. */
+int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y) {
+    quantized_x qx;
+    if (quantize_input(x, M, K, &qx)) return -1;
+    const int64_t G = K / QK;
+    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;
+        TILED(q8_row, qs, d, K, G)
+    }
+    release_input(&qx);
+    return 0;
+}
