@@ -5,7 +5,7 @@ Q4_0 / Q4_1 / Q8_0 / F16 linears, llama.cpp's q/k row order, a tied Q8_0 head, a
 BPE tokenizer transformers rebuilds), and the session's tiny safetensors checkpoints (conftest).
 
 Tolerances, per backend of :class:`Int4GroupLinear` (both run here: the block kernels where the CPU
-has AVX2, torch's int4 kernel with ``block_kernels.available`` patched off). With
+has AVX2, torch's int4 kernel with ``cpu_kernels.available`` patched off). With
 ``M = |(codes - 8) * scale| + |zero|`` (the weight's magnitude before cancellation):
 
 - torch's int4 kernel rounds the (scale, zero) pairs to bf16 (8 significant bits, relative error
@@ -36,7 +36,7 @@ from model_zoo import build_tiny
 from specdist.config import load_config
 from specdist.engine import Engine
 from specdist.errors import ConfigError
-from specdist.models import block_kernels, native
+from specdist.models import cpu_kernels, native
 from specdist.models.fusion import _fuse, fuse_projections
 from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 from specdist.models.native import decode_blocks, dequantize, self_draft, use_native_blocks
@@ -80,8 +80,8 @@ def _assert_int4_matmul(lin: nn.Module, w: torch.Tensor, mag: torch.Tensor, x: t
 def int4_backend(request, monkeypatch):
     """Each Int4GroupLinear built under this fixture uses the named backend."""
     if request.param == "int4pack":
-        monkeypatch.setattr(block_kernels, "available", lambda: False)
-    elif not block_kernels.available():
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
         pytest.skip("block kernels need an x86 CPU with AVX2 and a C compiler")
     return request.param
 

@@ -76,7 +76,7 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             off += n
         return FusedLinear(fused, sizes)
     # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; GGUF
-    # blocks (block_kernels) hold each row on its own
+    # blocks (cpu_kernels) hold each row on its own
     if (all(type(p) is Int4GroupLinear for p in parts) and len({(p.repeat_input, p.blocks) for p in parts}) == 1
             and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))):
         dim = parts[0].rows_dim_of_scales

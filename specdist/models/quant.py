@@ -25,7 +25,7 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
-- x86 CPUs with AVX2: :mod:`specdist.models.block_kernels`, llama.cpp's way: GGUF's own Q4 block
+- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 block
   layout with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), the
   activations rounded per block of 32 to bytes. Any number of output rows.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdist.models import block_kernels
+from specdist.models import cpu_kernels
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
@@ -113,9 +113,9 @@ class Int4GroupLinear(nn.Module):
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
         codes = codes.to(torch.int32)
-        # blocks: "q4" / "q8" where block_kernels run them (x86 CPUs with AVX2), else None (torch's int4 kernels)
+        # blocks: "q4" / "q8" where cpu_kernels run them (x86 CPUs with AVX2), else None (torch's int4 kernels)
         self.blocks: str | None = None
-        if codes.device.type == "cpu" and block_kernels.available() and repeat_input in (1, 2):
+        if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in (1, 2):
             self.blocks = "q4" if repeat_input == 1 else "q8"
             packed, sz = (_q4_blocks if repeat_input == 1 else _q8_blocks)(codes, scales.float(), zeros.float())
         elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
@@ -153,7 +153,7 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            mm = block_kernels.q4_mm if self.blocks == "q4" else block_kernels.q8_mm
+            mm = cpu_kernels.q4_mm if self.blocks == "q4" else cpu_kernels.q8_mm
             y = mm(x2, self.packed, self.scales_and_zeros)  # [n, out] float32
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
@@ -173,7 +173,7 @@ class Int4GroupLinear(nn.Module):
 
 
 def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q4 block layout for block_kernels: codes [out, G, 16] uint8 (byte i: element i low, i + 16
+    """GGUF's Q4 block layout for cpu_kernels: codes [out, G, 16] uint8 (byte i: element i low, i + 16
     high) and [out, 2, G] float32 (d, m) with ``w = d * c + m`` (here ``m = zero - 8 * scale``)."""
     out, k = codes.shape
     g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from specdist.errors import ConfigError
 from specdist.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
+from specdist.models import cpu_kernels
 from specdist.models.fusion import fuse_projections
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
@@ -138,6 +139,8 @@ class CausalLMRunner:
         self.cache = SlotKVCache(
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
+        # float32 on an x86 CPU: the eager pass attends with cpu_kernels.attention (rows independent of the batch)
+        self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
@@ -214,6 +217,8 @@ class CausalLMRunner:
         def attend(i, q, k, v):  # [B, Hq, T, hd], [B, Hkv, T, hd] x2 -> [B, Hq, T, hd]
             kc, vc = self._write(i, slot_t, write_pos, k, v)
             window = self.windows[i]
+            if self.cpu_attention:  # straight from the cache, each query over its own visible keys
+                return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, window, self.scaling, self.attn_softcap)
             plan = plans.get(window)
             if plan is None:
                 plan = plans[window] = _attention_plan(window, query_pos, min(starts), s_len, one_position,
@@ -258,12 +263,15 @@ class CausalLMRunner:
         offs = torch.tensor(list(num_logits) + [1] * (b_pad - bsz))
         out_idx = ((n_t - offs)[:, None] + torch.arange(n_pad)[None, :]).clamp(min=0, max=t_pad - 1)  # [B, n_pad]
         slot_t = torch.tensor(slots_p, dtype=torch.long, device=dev)
-        args = (ids.to(dev), write_pos, slot_t, tuple(masks), out_idx.to(dev))
+        if self.cpu_attention:  # the kernel reads each query's keys itself: no masks, no key length
+            masks = []
+        args = (ids.to(dev), write_pos, query_pos, slot_t, tuple(masks), out_idx.to(dev))
         # One graph per (batch, tokens, logits rows) bucket, each serving every key length (CUDA graphs:
         # recorded per keys bucket): the key length is dynamic, the rest static (not made dynamic when
         # a second bucket shows up, which measured slower than a graph of its own).
-        ids_d, write_d, slot_d, masks_d, out_d = args
-        for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (slot_d, (0,)), (out_d, (0, 1))] + [(m, (0, 2)) for m in masks_d]:
+        ids_d, write_d, qpos_d, slot_d, masks_d, out_d = args
+        for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (qpos_d, (0, 1)), (slot_d, (0,)),
+                        (out_d, (0, 1))] + [(m, (0, 2)) for m in masks_d]:
             for d in dims:
                 torch._dynamo.mark_static(t, d)
         for m in masks_d:
@@ -273,14 +281,16 @@ class CausalLMRunner:
             logits = logits.clone()
         return _left_aligned(logits, num_logits)
 
-    def _static_pass(self, ids, write_pos, slot_t, masks, out_idx):
+    def _static_pass(self, ids, write_pos, query_pos, slot_t, masks, out_idx):
         """Pure tensor work at fixed shapes (what :meth:`compile` compiles): ``ids`` [B, T],
-        ``write_pos`` [B, T], ``slot_t`` [B], ``masks`` one [B, 1, T, S] per distinct window,
-        ``out_idx`` [B, n] -> logits [B, n, V] float32."""
-        s_pad = masks[0].shape[-1]
+        ``write_pos`` and ``query_pos`` [B, T], ``slot_t`` [B], ``masks`` one [B, 1, T, S] per distinct
+        window (none where :func:`cpu_kernels.attention` attends), ``out_idx`` [B, n] -> logits [B, n, V] float32."""
 
         def attend(i, q, k, v):
             kc, vc = self._write(i, slot_t, write_pos, k, v)
+            if self.cpu_attention:
+                return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, self.windows[i], self.scaling, self.attn_softcap)
+            s_pad = masks[0].shape[-1]
             keys = kc[:, :, :s_pad].index_select(0, slot_t)  # [B, Hkv, S, hd]
             vals = vc[:, :, :s_pad].index_select(0, slot_t)
             return self._attention(q, keys, vals, masks[self.mask_of_layer[i]], False)

@@ -1,20 +1,31 @@
-"""Matmuls on GGUF's 4- and 8-bit blocks on x86 CPUs (AVX2), as llama.cpp computes them.
+"""CPU kernels for x86 with AVX2 (``cpu_kernels.c``): matmuls on GGUF's 4- and 8-bit blocks as llama.cpp
+computes them, and attention over the slot KV cache whose rows do not depend on the batch.
 
-torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a GGUF model's Q4 blocks at a few
-GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work). ``block_kernels.c``
-computes ``x @ W.T`` on the blocks themselves: each row of ``x`` is quantized per block of 32 to
-signed bytes (scale ``max |x| / 127``), and a block's dot product is one byte multiply-add
-(``vpmaddubsw``) scaled by the two blocks' floats. Weights keep the file's float scales (fp16,
-exact in fp32); nothing is rounded to bf16. A row's result does not depend on the other rows of
-the batch (same instructions, same order), so verification of k tokens computes each position's
-linears as a one-token decode does.
+**Block matmuls.** torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a GGUF model's Q4
+blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
+:func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves: each row of ``x`` is
+quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
+one byte multiply-add (``vpmaddubsw``) scaled by the two blocks' floats. Weights keep the file's
+float scales (fp16, exact in fp32); nothing is rounded to bf16.
+
+**Attention.** :func:`attention` computes each (request, head, query) row on its own, from the
+cache itself (no gathered copy of the keys, no mask tensor): scores in key order, softmax, the
+weighted sum of values. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
+the call, so a position's output moves in its last bits with the number of queries and requests
+in the call; byte-rounded activations then carry such a bit into a different rounding.
+
+**Batch invariance.** A row's result is computed by the same instructions in the same order
+whatever the rows around it, in every kernel here. With native blocks and this attention the whole
+forward is invariant: a position's logits are the same bits whether it is decoded alone,
+verified among k drafts or batched with other requests (``tests/test_cpu_kernels.py``), so greedy
+speculative output equals plain decoding and a seed's tokens do not depend on the drafts.
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; gcc and
 clang work) into ``~/.cache/specdist/kernels`` (``$SPECDIST_KERNEL_CACHE`` overrides), one file
 per source and flags hash, written atomically so that concurrent workers share it. It runs its
 threads in the process's OpenMP runtime (the ``libgomp`` torch already loaded), so
 ``torch.set_num_threads`` governs both. :func:`available` is False on CPUs without AVX2, where
-no compiler works, or with ``SPECDIST_BLOCK_KERNELS=0``; callers then use torch's int4 kernel.
+no compiler works, or with ``SPECDIST_CPU_KERNELS=0``; callers then use torch's kernels.
 
 Under ``torch.compile`` the two matmuls are the custom ops ``specdist::q4_mm`` /
 ``specdist::q8_mm`` (opaque to inductor); eager calls go straight to the library.
@@ -34,8 +45,9 @@ import torch
 
 log = logging.getLogger("specdist.kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_kernels.c")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+LIBS = ("-lm",)
 BLOCK = 32  # elements per GGUF block
 
 
@@ -49,14 +61,14 @@ def _build() -> str:
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    path = os.path.join(out_dir, f"block_kernels-{digest}.so")
+    path = os.path.join(out_dir, f"cpu_kernels-{digest}.so")
     if os.path.exists(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, *LIBS], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-400:]}")
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
@@ -69,7 +81,7 @@ def _build() -> str:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (logged once, with the reason)."""
-    if os.environ.get("SPECDIST_BLOCK_KERNELS", "1") == "0":
+    if os.environ.get("SPECDIST_CPU_KERNELS", "1") == "0":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.info("block kernels: this CPU has no AVX2 (%s); torch's int4 kernel runs the blocks",
@@ -84,6 +96,9 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm):  # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
+    f32 = ctypes.c_float  # (q, B, Hq, T, hd, q strides x3, k cache, v cache, Hkv, L1, slots, qpos, window, scale, cap, out)
+    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, f32, f32, ptr]
+    lib.specdist_attention.restype = ctypes.c_int
     return lib
 
 
@@ -118,6 +133,34 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.T
     return _call(library().specdist_q8_mm, x, codes, scales)
 
 
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of each query over its own slot's keys, from the KV cache itself.
+
+    ``q`` [B, Hq, T, hd] float32 (any strides, ``hd`` contiguous); ``k_cache`` / ``v_cache``
+    [slots, Hkv, L + 1, hd] float32 contiguous; ``slots`` [B] and ``query_pos`` [B, T] int64: the query at
+    position p of request b sees keys ``max(0, p - window + 1) .. p`` of slot ``slots[b]``. Returns
+    ``[B, Hq, T, hd]`` (a view of a [B, T, Hq, hd] tensor). Each output row depends on its query and
+    keys only (module doc), unlike a fused kernel's blocking."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdist.attention(q, k_cache, v_cache, slots, query_pos, window or 0, scale, softcap or 0.0)
+    return _attention(q, k_cache, v_cache, slots, query_pos, window or 0, scale, softcap or 0.0)
+
+
+def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float, softcap: float) -> torch.Tensor:
+    bsz, hq, t, hd = q.shape
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    query_pos = query_pos.to(torch.int64).contiguous()
+    out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)  # [B, T, Hq, hd]
+    if library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
+                                    k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                                    slots.data_ptr(), query_pos.data_ptr(), window, scale, softcap, out.data_ptr()):
+        raise MemoryError("attention kernel: no memory for its scores")
+    return out.transpose(1, 2)
+
+
 @torch.library.custom_op("specdist::q4_mm", mutates_args=())
 def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _call(library().specdist_q4_mm, x, codes, scales)
@@ -136,3 +179,14 @@ def _(x, codes, scales):
 @_q8_op.register_fake
 def _(x, codes, scales):
     return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("specdist::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  query_pos: torch.Tensor, window: int, scale: float, softcap: float) -> torch.Tensor:
+    return _attention(q, k_cache, v_cache, slots, query_pos, window, scale, softcap).contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, query_pos, window, scale, softcap):
+    return q.new_empty(q.shape)

@@ -1,4 +1,7 @@
-/* Matmuls on GGUF's own 4- and 8-bit blocks for x86 CPUs with AVX2 (see block_kernels.py).
+/* CPU kernels for x86 with AVX2 (see cpu_kernels.py): matmuls on GGUF's own 4- and 8-bit blocks, and
+ * causal attention over a slot KV cache (at the end of this file).
+ *
+ * Matmuls:
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], with W stored as blocks of 32 input columns of one row:
  *   Q4 (GGUF Q4_0 and Q4_1): 16 bytes of codes c in 0..15 (byte i: element i in its low nibble,
@@ -204,4 +207,88 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
     }
     release_input(&qx);
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Attention of each query over its own keys in a slot KV cache, one (request, head, query) at a time.
+ *
+ * q: element (b, h, t, :) at q + b * qs_b + h * qs_h + t * qs_t (hd contiguous floats).
+ * k_cache, v_cache: [slots, Hkv, L1, hd] floats; request b reads slot slots[b], head h reads kv head
+ *   h / (Hq / Hkv). The query at position p = qpos[b * T + t] sees keys j with lo <= j <= p, where
+ *   lo = p - window + 1 for a sliding window (window > 0), else 0.
+ * Scores s_j = scale * q . k_j (soft-capped, cap * tanh(s_j / cap), when softcap > 0), softmax in
+ * key order, out = sum_j softmax_j v_j, written to out [B, T, Hq, hd] (the layout o_proj reads).
+ * Every output row is a function of its query and its keys alone, summed in one fixed order, so it
+ * does not depend on the batch, the number of queries in the call or the cache's other contents.
+ * Returns 0, or -1 without memory.
+ */
+static inline float dot_row(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
+}
+
+int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t hd,
+                       int64_t qs_b, int64_t qs_h, int64_t qs_t,
+                       const float *k_cache, const float *v_cache, int64_t Hkv, int64_t L1,
+                       const int64_t *slots, const int64_t *qpos, int64_t window, float scale, float softcap,
+                       float *out) {
+    const int64_t rows = B * Hq * T, group = Hq / Hkv;
+    int64_t max_keys = 1, work = 0;
+    for (int64_t i = 0; i < B * T; ++i) {
+        max_keys = qpos[i] + 1 > max_keys ? qpos[i] + 1 : max_keys;
+        work += (qpos[i] + 1) * Hq * hd;
+    }
+    int failed = 0;
+#pragma omp parallel if (work >= PARALLEL_MIN_WEIGHTS)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)max_keys);
+        float *acc = (float *)malloc(sizeof(float) * (size_t)hd);
+        if (!scores || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!scores || !acc) continue;
+            const int64_t b = r / (Hq * T), h = (r / T) % Hq, t = r % T;
+            const int64_t p = qpos[b * T + t];
+            const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            const float *qv = q + b * qs_b + h * qs_h + t * qs_t;
+            const int64_t base = (slots[b] * Hkv + h / group) * L1;
+            const float *kb = k_cache + base * hd, *vb = v_cache + base * hd;
+            float m = -INFINITY;
+            for (int64_t j = lo; j <= p; ++j) {
+                float s = scale * dot_row(qv, kb + j * hd, hd);
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                scores[j - lo] = s;
+                m = s > m ? s : m;
+            }
+            float total = 0.0f;
+            for (int64_t c = 0; c < hd; ++c) acc[c] = 0.0f;
+            for (int64_t j = lo; j <= p; ++j) {
+                const float e = expf(scores[j - lo] - m);
+                total += e;
+                const float *vj = vb + j * hd;
+                const __m256 ev = _mm256_set1_ps(e);
+                int64_t c = 0;
+                for (; c + 8 <= hd; c += 8)
+                    _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + c), _mm256_loadu_ps(acc + c)));
+                for (; c < hd; ++c) acc[c] += e * vj[c];
+            }
+            float *o = out + ((b * T + t) * Hq + h) * hd;
+            const float inv = 1.0f / total;
+            for (int64_t c = 0; c < hd; ++c) o[c] = acc[c] * inv;
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
 }

@@ -1,0 +1,249 @@
+"""The CPU block kernels (``specdist/models/cpu_kernels.c``): GGUF Q4 / Q8 blocks against an exact reference.
+
+The reference quantizes ``x`` as the kernel does (per block of 32, step ``max |x| / 127``, round half
+to even) and multiplies in float64: the kernel's integer block sums are exact, so the only
+difference left is float32 accumulation (``2**-20`` of ``|x^| @ |W|.T`` bounds it). Shapes cover
+one and several tiles of 4 rows of ``x``, weights below and above the threshold where OpenMP threads
+start, and output counts that are not multiples of anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdist.models import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="block kernels need x86 AVX2 and a C compiler")
+
+GROUP = 32
+
+
+def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel sees it: per block of 32, ``round(x * 127 / amax) * amax / 127`` in float32."""
+    m, k = x.shape
+    xb = x.reshape(m, k // GROUP, GROUP)
+    amax = xb.abs().amax(-1, keepdim=True)  # [m, G, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(m, k)
+
+
+def _q4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, g, _ = codes.shape
+    c = torch.cat([codes & 15, codes >> 4], -1).double()  # [N, G, 32]: low nibbles first
+    return (c * scales[:, 0, :, None].double() + scales[:, 1, :, None].double()).reshape(n, g * GROUP)
+
+
+def _q8_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return (codes.double().reshape(n, k // GROUP, GROUP) * scales[..., None].double()).reshape(n, k)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    xq = _quantized_x(x).double()
+    ref = xq @ w.T
+    bound = 2**-20 * (xq.abs() @ w.abs().T) + 1e-30
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert float(((y.double() - ref).abs() / bound).max()) <= 1.0
+
+
+SHAPES = [(1, 16, 64), (3, 40, 96), (4, 48, 576), (5, 200, 576), (9, 1536, 576), (2, 120, 1536)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_q4_blocks_equal_the_quantized_product(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randn(n, 2, k // GROUP, generator=g) * 0.02
+    y = cpu_kernels.q4_mm(x, codes, scales)
+    _check(y, x, _q4_weight(codes, scales))
+    # each row alone gives the same bits as in the batch
+    assert torch.equal(torch.cat([cpu_kernels.q4_mm(x[i : i + 1], codes, scales) for i in range(m)]), y)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_q8_blocks_equal_the_quantized_product(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + 7)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // GROUP, generator=g) * 0.01
+    y = cpu_kernels.q8_mm(x, codes, scales)
+    _check(y, x, _q8_weight(codes, scales))
+    assert torch.equal(torch.cat([cpu_kernels.q8_mm(x[i : i + 1], codes, scales) for i in range(m)]), y)
+
+
+def test_extreme_inputs():
+    """Zero blocks, a block of equal elements (every byte 127), codes at the ends of their range, and the largest
+    byte sums (no 16-bit saturation inside the multiply-add)."""
+    k, n = 64, 16
+    x = torch.zeros(3, k)
+    x[1, :32] = 1.0  # every element at the block maximum: q = 127
+    x[2] = torch.linspace(-3, 3, k)
+    codes4 = torch.full((n, k // GROUP, 16), 0xFF, dtype=torch.uint8)  # every code 15
+    scales4 = torch.ones(n, 2, k // GROUP)
+    y4 = cpu_kernels.q4_mm(x, codes4, scales4)
+    assert torch.equal(y4[0], torch.zeros(n))
+    _check(y4, x, _q4_weight(codes4, scales4))
+    codes8 = torch.full((n, k), -127, dtype=torch.int8)
+    codes8[::2] = 127
+    scales8 = torch.ones(n, k // GROUP)
+    y8 = cpu_kernels.q8_mm(x, codes8, scales8)
+    assert float(y8[1, 0]) == 127 * 32 / 127 * 127  # x^ = 1 exactly, 32 codes of 127
+    _check(y8, x, _q8_weight(codes8, scales8))
+
+
+def test_non_finite_inputs_reach_the_output():
+    """A NaN or infinity in a row's input makes that row's outputs NaN (the engine's NaN check sees it);
+    other rows are untouched."""
+    k, n = 64, 32
+    x = torch.randn(3, k)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8)
+    scales = torch.randn(n, 2, k // GROUP)
+    y = cpu_kernels.q4_mm(x, codes, scales)
+    assert y[:2].isnan().all() and y[2].isfinite().all()
+    assert torch.equal(y[2], cpu_kernels.q4_mm(x[2:], codes, scales)[0])
+    y8 = cpu_kernels.q8_mm(x, torch.ones(n, k, dtype=torch.int8), torch.ones(n, k // GROUP))
+    assert y8[:2].isnan().all() and y8[2].isfinite().all()
+
+
+def test_under_torch_compile_the_kernels_are_opaque_ops():
+    """Traced by dynamo (aot_eager: the graph without inductor's code generation), the matmuls are the
+    custom ops ``specdist::q4_mm`` / ``q8_mm`` and give the eager bits."""
+    k, n = 96, 48
+    x = torch.randn(5, k)
+    c4 = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8)
+    s4 = torch.randn(n, 2, k // GROUP)
+    c8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s8 = torch.rand(n, k // GROUP)
+
+    def f(x):
+        return cpu_kernels.q4_mm(x, c4, s4) + cpu_kernels.q8_mm(torch.relu(x), c8, s8)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+
+
+def test_the_library_builds_into_its_cache(tmp_path, monkeypatch):
+    """One shared object per source and flags, built once; a compiler that fails is reported, not raised past
+    :func:`cpu_kernels.library` (callers fall back to torch's int4 kernel)."""
+    monkeypatch.setenv("SPECDIST_KERNEL_CACHE", str(tmp_path))
+    path = cpu_kernels._build()
+    assert path.startswith(str(tmp_path)) and path.endswith(".so")
+    mtime = (tmp_path / path.split("/")[-1]).stat().st_mtime_ns
+    assert cpu_kernels._build() == path and (tmp_path / path.split("/")[-1]).stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]  # no temporary file left
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(OSError, match="false failed"):
+        cpu_kernels._build()
+    assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]
+
+
+# ----------------------------------------------------------------------------- attention
+def _reference_attention(q, kc, vc, slots, qpos, window, scale, cap):
+    """Float64 softmax attention of each query over keys max(0, p - window + 1) .. p of its slot."""
+    bsz, hq, t, hd = q.shape
+    group = hq // kc.shape[1]
+    out = torch.zeros(bsz, hq, t, hd, dtype=torch.float64)
+    for b in range(bsz):
+        for i in range(t):
+            p = int(qpos[b, i])
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(hq):
+                keys = kc[slots[b], h // group, lo : p + 1].double()  # [S', hd]
+                s = keys @ q[b, h, i].double() * scale
+                if cap:
+                    s = cap * torch.tanh(s / cap)
+                out[b, h, i] = torch.softmax(s, 0) @ vc[slots[b], h // group, lo : p + 1].double()
+    return out
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
+def test_attention_equals_the_reference_and_rows_stand_alone(window, cap):
+    """GQA (6 query heads over 2 KV heads), ragged positions over non-adjacent slots, a query tensor that is
+    a transposed view (the runner's layout); each row equals the float64 reference to float32 rounding and
+    equals itself computed alone."""
+    g = torch.Generator().manual_seed(5)
+    slots_n, hkv, length, hd = 4, 2, 40, 24
+    kc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
+    vc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
+    q = torch.randn(3, 4, 6, hd, generator=g).transpose(1, 2)  # [B, Hq, T, hd] with T-major strides
+    slots = torch.tensor([3, 0, 2])
+    qpos = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [35, 36, 37, 38]])
+    out = cpu_kernels.attention(q, kc, vc, slots, qpos, window, 0.3, cap)
+    ref = _reference_attention(q, kc, vc, slots, qpos, window, 0.3, cap)
+    assert out.shape == q.shape and float((out.double() - ref).abs().max()) < 1e-5
+    for b in range(3):
+        for i in range(4):
+            alone = cpu_kernels.attention(q[b : b + 1, :, i : i + 1], kc, vc, slots[b : b + 1], qpos[b : b + 1, i : i + 1],
+                                          window, 0.3, cap)
+            assert torch.equal(alone[0, :, 0], out[b, :, i])
+    q[1, 2, 0, 0] = float("nan")
+    bad = cpu_kernels.attention(q, kc, vc, slots, qpos, window, 0.3, cap)
+    assert bad[1, 2, 0].isnan().all() and torch.equal(bad[0], out[0]) and torch.equal(bad[1, :2], out[1, :2])
+
+
+def _block_model(family: str, **overrides):
+    from model_zoo import build_tiny
+    from specdist.models.fusion import quantized_copy
+    from specdist.models.quant import Int4GroupLinear
+
+    model = quantized_copy(build_tiny(family, seed=4, vocab_size=32, hidden_size=64, **overrides), Int4GroupLinear)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules()), "every linear runs on blocks"
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases, sliding windows beside full layers
+def test_a_block_model_forward_does_not_depend_on_the_call(family):
+    """Every linear on blocks and attention from these kernels: a position's logits are the same bits when it is
+    decoded alone, verified among 4 tokens, or computed beside other requests in one batch."""
+    from specdist.models.runner import CausalLMRunner
+
+    runner = CausalLMRunner(_block_model(family), 3, 80)
+    assert runner.cpu_attention
+    prompts = [list(range(1, 30)), [5, 6, 7], list(range(31, 11, -1))]
+    new = [[3, 9, 4, 1], [2, 8, 8, 0], [7, 7, 1, 5]]
+    slots = [runner.cache.allocate() for _ in prompts]
+    runner.forward(slots, prompts, [1, 1, 1])  # one ragged batched prefill
+    lengths = [len(p) for p in prompts]
+    together = runner.forward(slots, new, [4, 4, 4])  # [3, 4, V]
+    for b, s in enumerate(slots):
+        runner.cache.rollback(s, lengths[b])
+        one_by_one = torch.cat([runner.forward([s], [[tok]], [1])[0] for tok in new[b]])  # [4, V]
+        assert torch.equal(one_by_one, together[b])
+        # and the prompt prefilled alone gives the bits the batched prefill gave
+        alone = CausalLMRunner(runner.model, 1, 80, fuse=False)
+        a = alone.cache.allocate()
+        alone.forward([a], [prompts[b]], [1])
+        assert torch.equal(alone.forward([a], [new[b]], [4])[0], together[b])
+
+
+def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):
+    """Invariant forwards make greedy speculative output token for token the plain greedy output, whatever
+    the drafts (a suffix index, n-grams, and the float model the blocks came from, which agree to different
+    extents)."""
+    from model_zoo import build_tiny
+    from test_dtypes import PROMPTS
+
+    from specdist.config import load_config
+    from specdist.engine import Engine
+    from specdist.sampling_params import SamplingParams
+
+    def cfg(method):
+        draft = {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed"}
+        if method == "model":
+            draft["model"] = tiny_models["draft"]  # the path is not loaded: the module below is the draft
+        return load_config({"target": {"model": tiny_models["target"]}, "draft": draft,
+                            "engine": {"max_model_len": 96, "max_batch_size": 4, "device": "cpu"}})
+
+    target = _block_model("llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[p % 32 for p in prompt] for prompt in PROMPTS]
+    plain = [o.token_ids for o in Engine(cfg("none"), target).generate(prompts, greedy)]
+    floats = build_tiny("llama", seed=4, vocab_size=32, hidden_size=64)
+    for method in ("suffix", "ngram", "model"):
+        eng = Engine(cfg(method), target, draft=floats if method == "model" else None)
+        assert [o.token_ids for o in eng.generate(prompts, greedy)] == plain, method
+        assert eng.stats.accepted > 0  # drafts were accepted, so the verified calls had several tokens
