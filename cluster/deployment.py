@@ -168,6 +168,7 @@ class Deployment:
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement
+        from specdist.frontend import bare_host
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
@@ -183,7 +184,7 @@ class Deployment:
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
             else:  # a cluster of this machine, on loopback when the workers are
-                init_local_ray(loopback=host in LOOPBACK_HOSTS)
+                init_local_ray(loopback=bare_host(host) in LOOPBACK_HOSTS)
             self._owns_ray = True
         deadline = time.monotonic() + timeout_s
         self._t0 = time.monotonic()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdist.config import MAX_REQUEST_ID_LEN
-from specdist.errors import InvalidArgument, SpecDistError
+from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
 from specdist.logprobs import TokenLogprob
 from specdist.metrics import Metrics
 from specdist.sampling_params import SamplingParams
@@ -61,22 +61,34 @@ JOIN_TIMEOUT_S = 30.0  # close(): how long to wait for the engine thread to exit
 
 
 class Overloaded(SpecDistError):
-    """The server already holds ``max_queued`` requests (gRPC: RESOURCE_EXHAUSTED)."""
+    """The server already holds ``max_queued`` requests."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class ShuttingDown(SpecDistError):
-    """The coordinator is draining or closed and takes no new requests (gRPC: UNAVAILABLE)."""
+    """The coordinator is draining or closed and takes no new requests."""
+
+    code = ErrorCode.UNAVAILABLE
 
 
 class TargetDown(SpecDistError):
-    """The target failed and is being rebuilt; no new requests until it is back (gRPC: UNAVAILABLE)."""
+    """The target failed and is being rebuilt; no new requests until it is back."""
+
+    code = ErrorCode.UNAVAILABLE
 
 
 class DuplicateRequestId(InvalidArgument):
-    """A live request already has this client-chosen id (gRPC: ALREADY_EXISTS)."""
+    """A live request already has this client-chosen id (an InvalidArgument answered ALREADY_EXISTS)."""
+
+    code = ErrorCode.ALREADY_EXISTS
 
     def __init__(self, request_id: str):
+        self.request_id = request_id
         super().__init__("request_id", f"{request_id!r} is already in use by a running request")
+
+    def __reduce__(self):
+        return (type(self), (self.request_id,))
 
 
 @dataclass

@@ -1,17 +1,65 @@
-"""Errors specdist raises on purpose. Each names the field or setting that is wrong."""
+"""Errors specdist raises on purpose. Each names the field or setting that is wrong.
+
+Every error a server answers with carries an :class:`ErrorCode`: the :class:`FieldError`
+subclasses and the coordinator's refusals (:mod:`specdist.coordinator`) as a class attribute
+``code``, :class:`~specdist.transport.TransportError` per instance. Servers translate it in one place each (gRPC: :mod:`specdist.grpc_status`, HTTP:
+:mod:`specdist.http_server`); code inside specdist decides on the code, never on message text.
+"""
 
 from __future__ import annotations
+
+import enum
+import re
+
+
+class ErrorCode(str, enum.Enum):
+    """The canonical status codes (gRPC's, ``google.rpc.Code``), by name.
+
+    A ``str`` enum: a code equals (and hashes as) its name, and ``str()`` of it is the name, so
+    ``f"{code}: {message}"`` reads as a gRPC status line does.
+    """
+
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+    UNAVAILABLE = "UNAVAILABLE"
+    DATA_LOSS = "DATA_LOSS"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f"{code}" is the name on every Python version
 
 
 class SpecDistError(Exception):
     """Base class of every error specdist raises deliberately."""
 
 
+def code_of(e: BaseException) -> ErrorCode:
+    """The status code a server answers ``e`` with: a specdist error's ``code``, else INTERNAL."""
+    code = getattr(e, "code", None)
+    return code if isinstance(e, SpecDistError) and isinstance(code, ErrorCode) else ErrorCode.INTERNAL
+
+
 class FieldError(SpecDistError):
     """An error about one request field. ``field`` is its dotted name (e.g. ``params.top_p``);
-    ``status`` names the gRPC status code servers answer it with."""
+    ``code`` is the status servers answer it with.
 
-    status = "INTERNAL"
+    A field named ``items[i]...`` blames item ``i`` of a batch call (:func:`blamed_item`); the
+    other items can be retried without it when the code allows (a per-item refusal)."""
+
+    code = ErrorCode.INTERNAL
 
     def __init__(self, field: str, message: str):
         self.field = field
@@ -28,25 +76,25 @@ class FieldError(SpecDistError):
 class InvalidArgument(FieldError, ValueError):
     """A request field has a bad value."""
 
-    status = "INVALID_ARGUMENT"
+    code = ErrorCode.INVALID_ARGUMENT
 
 
 class NotFound(FieldError, KeyError):
     """An unknown request id."""
 
-    status = "NOT_FOUND"
+    code = ErrorCode.NOT_FOUND
 
 
 class AlreadyExists(FieldError):
     """A request id that is already live."""
 
-    status = "ALREADY_EXISTS"
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(FieldError):
     """The receiver's state does not match the call (e.g. a sequence-length mismatch)."""
 
-    status = "FAILED_PRECONDITION"
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class NonFiniteLogits(FailedPrecondition):
@@ -58,13 +106,27 @@ class NonFiniteLogits(FailedPrecondition):
 class ResourceExhausted(FieldError):
     """No room: no free KV slot, or the admission queue is full."""
 
-    status = "RESOURCE_EXHAUSTED"
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class Unavailable(FieldError):
     """The receiver cannot serve now (a worker or the target group failed); retry later."""
 
-    status = "UNAVAILABLE"
+    code = ErrorCode.UNAVAILABLE
+
+
+_ITEM = re.compile(r"items\[(\d+)\]")
+
+
+def blamed_item(field: str, num_items: int) -> int | None:
+    """The item of a ``num_items``-item batch that ``field`` blames: ``i`` when it starts with
+    ``items[i]`` and ``0 <= i < num_items``, else None (the whole call).
+
+    ``field`` is a :class:`FieldError`'s field, or its ``str()`` ("items[1].seq_len: ...") as a
+    remote worker sends it in the status details."""
+    m = _ITEM.match(field)
+    i = int(m.group(1)) if m else None
+    return i if i is not None and i < num_items else None
 
 
 class ConfigError(SpecDistError, ValueError):

@@ -5,8 +5,9 @@ OpenAI-compatible HTTP API (:mod:`specdist.http_server`), both clients of one Co
   ``limits`` section), checked before the coordinator sees the request; a field beyond its
   limit is :class:`~specdist.errors.InvalidArgument` named as SamplingParams and the engine
   name it (``max_tokens``, ``stop[2]``), which each front door maps onto its own names;
-- :func:`refusal_status`: the status a request refused before streaming gets (named as gRPC
-  names it; the HTTP API maps each to an HTTP status);
+- :func:`refusal_code`: the :class:`~specdist.errors.ErrorCode` a request refused before
+  streaming gets (each front door maps it to its protocol's status);
+- :func:`bare_host`: a listening host without the brackets of an IPv6 literal;
 - :func:`request_stats`: the per-request statistics both report at the end of a request;
 - :func:`server_info`: what is served (GetServerInfo, ``GET /v1/models``).
 """
@@ -19,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdist.coordinator import DuplicateRequestId, Overloaded, ShuttingDown, TargetDown
-from specdist.errors import InvalidArgument
+from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
@@ -103,24 +103,27 @@ def check_request_id(limits: Limits, request_id: str) -> None:
     if not _REQUEST_ID_CHARS.fullmatch(request_id):
         raise InvalidArgument("request_id", "must be visible ASCII characters (no spaces or control characters)")
 
-# checked in order: DuplicateRequestId is an InvalidArgument
-_STATUS = (
-    (DuplicateRequestId, "ALREADY_EXISTS"),
-    (InvalidArgument, "INVALID_ARGUMENT"),
-    (Overloaded, "RESOURCE_EXHAUSTED"),
-    (ShuttingDown, "UNAVAILABLE"),
-    (TargetDown, "UNAVAILABLE"),
-)
+
+# what the coordinator refuses a request with: bad input (InvalidArgument; DuplicateRequestId is
+# ALREADY_EXISTS), a full queue (Overloaded), shutting down or the target down (ShuttingDown, TargetDown)
+REFUSAL_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.ALREADY_EXISTS, ErrorCode.RESOURCE_EXHAUSTED,
+                           ErrorCode.UNAVAILABLE})
 
 
-def refusal_status(e: BaseException, what: str) -> str:
-    """The status of a request refused with ``e`` (a gRPC status name). Anything else is the
-    server's fault: INTERNAL, logged with its traceback under ``what`` (call it from ``except``)."""
-    for cls, status in _STATUS:
-        if isinstance(e, cls):
-            return status
+def refusal_code(e: BaseException, what: str) -> ErrorCode:
+    """The code of a request refused with ``e`` (its :func:`~specdist.errors.code_of`). Anything
+    else is the server's fault: INTERNAL, logged with its traceback under ``what`` (call it from
+    ``except``)."""
+    code = code_of(e)
+    if code in REFUSAL_CODES:
+        return code
     log.exception("%s failed before streaming", what)
-    return "INTERNAL"
+    return ErrorCode.INTERNAL
+
+
+def bare_host(host: str) -> str:
+    """``host`` as sockets take it: an IPv6 literal without the brackets of ``[::1]:8000``."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def request_stats(m: RequestMetrics) -> dict[str, Any]:

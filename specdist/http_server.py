@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn) over a :class:`Coordinator`.
 
 A second client of the coordinator next to the gRPC service (:mod:`specdist.server`); both
-share the refusal statuses and per-request statistics of :mod:`specdist.frontend`. uvicorn
+share the refusal codes and per-request statistics of :mod:`specdist.frontend`; error codes
+become HTTP statuses through :data:`HTTP_STATUS` only. uvicorn
 runs as a task on the coordinator's own event loop (:func:`start_http`).
 
 Endpoints:
@@ -80,8 +81,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdist.coordinator import Coordinator, Delta, RequestStream
-from specdist.errors import InvalidArgument
-from specdist.frontend import Limits, check_request, refusal_status, server_info
+from specdist.errors import ErrorCode, FieldError, InvalidArgument
+from specdist.frontend import Limits, bare_host, check_request, refusal_code, server_info
 from specdist.logprobs import TokenLogprob
 from specdist.request import RequestMetrics
 from specdist.security import ServerSecurity, bearer_ok, unauthenticated_message
@@ -89,7 +90,26 @@ from specdist.sampling_params import SamplingParams
 from specdist.stopping import IncrementalDetokenizer
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
-_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503}
+# each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
+# server's state, to retry later, not a client's quota (429). CANCELLED: 499, the client closed.
+HTTP_STATUS = {
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.UNKNOWN: 500,
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.RESOURCE_EXHAUSTED: 503,
+    ErrorCode.FAILED_PRECONDITION: 400,
+    ErrorCode.ABORTED: 409,
+    ErrorCode.OUT_OF_RANGE: 400,
+    ErrorCode.UNIMPLEMENTED: 501,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DATA_LOSS: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
+}
 
 
 # ---------------------------------------------------------------- request bodies
@@ -159,7 +179,7 @@ class APIError(Exception):
 
 
 def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param)
+    return APIError(HTTP_STATUS[ErrorCode.INVALID_ARGUMENT], f"{param}: {message}", param)
 
 
 def _schema_error(e: ValidationError) -> APIError:
@@ -176,9 +196,9 @@ def _schema_error(e: ValidationError) -> APIError:
     if err["type"] == "extra_forbidden":
         return _bad(path, "unknown or unsupported field")
     if err["type"] == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {err['msg']}")
+        return APIError(HTTP_STATUS[ErrorCode.INVALID_ARGUMENT], f"the body is not valid JSON: {err['msg']}")
     if not path:  # the body itself: JSON, but not an object
-        return APIError(400, f"the body: {err['msg']}")
+        return APIError(HTTP_STATUS[ErrorCode.INVALID_ARGUMENT], f"the body: {err['msg']}")
     return _bad(path, err["msg"])
 
 
@@ -279,11 +299,12 @@ def _finish_reason(d: Delta | None) -> str:
     """"stop" / "length"; a request the server aborted (or ended without a final delta) or
     failed is an error to the client."""
     if d is None or d.finish_reason == "abort":
-        raise APIError(503, "the request was aborted: the server is shutting down", type="server_error",
-                       code="aborted")
+        raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request was aborted: the server is shutting down",
+                       type="server_error", code="aborted")
     if d.finish_reason == "error":
-        raise APIError(500, f"the request failed on the server: {d.error or 'unknown error'}", type="server_error",
-                       code="internal_error")
+        raise APIError(HTTP_STATUS[ErrorCode.INTERNAL],
+                       f"the request failed on the server: {d.error or 'unknown error'}",
+                       type="server_error", code="internal_error")
     return d.finish_reason
 
 
@@ -402,15 +423,16 @@ class _OpenAIFrontEnd:
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
                 streams.append(await self.coordinator.open(call.prompt, params, rid, chat=call.chat))
-        except Exception as e:  # noqa: BLE001 - each refusal has its status
+        except Exception as e:  # noqa: BLE001 - each refusal has its code
             for s in streams:
                 s.close()
-            status = refusal_status(e, "HTTP " + call.object)
-            if status == "INVALID_ARGUMENT":
+            code = refusal_code(e, "HTTP " + call.object)
+            if code == ErrorCode.INVALID_ARGUMENT and isinstance(e, FieldError):
                 raise _bad(call.param(e.field), e.message) from None
-            if status == "INTERNAL":
-                raise APIError(500, f"internal error: {e!r}", type="server_error", code="internal_error") from None
-            raise APIError(_HTTP_STATUS[status], str(e), type="server_error", code=status.lower()) from None
+            if code == ErrorCode.INTERNAL:
+                raise APIError(HTTP_STATUS[code], f"internal error: {e!r}", type="server_error",
+                               code="internal_error") from None
+            raise APIError(HTTP_STATUS[code], str(e), type="server_error", code=code.name.lower()) from None
         except BaseException:
             for s in streams:
                 s.close()
@@ -419,7 +441,8 @@ class _OpenAIFrontEnd:
 
     def check_model(self, body: _Common) -> None:
         if body.model is not None and body.model != self.model:
-            raise APIError(404, f"model: the model {body.model!r} does not exist; this server serves {self.model!r}",
+            raise APIError(HTTP_STATUS[ErrorCode.NOT_FOUND],
+                           f"model: the model {body.model!r} does not exist; this server serves {self.model!r}",
                            "model", code="model_not_found")
 
     def envelope(self, call: _Call, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -510,7 +533,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
         if call.stream:
             return _EventStream(front.events(call, streams))
         result = await _unless_disconnected(request.receive, front.complete(call, streams))
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        return JSONResponse(result) if result is not None else Response(status_code=HTTP_STATUS[ErrorCode.CANCELLED])
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -531,13 +554,14 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
         if coordinator.accepting:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "target down" if coordinator.target_is_down else "shutting down"},
-                            status_code=503)
+                            status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
         m = getattr(coordinator, "metrics", None)
         if m is None:
-            raise APIError(404, "metrics are not enabled on this server", type="not_found_error")
+            raise APIError(HTTP_STATUS[ErrorCode.NOT_FOUND], "metrics are not enabled on this server",
+                           type="not_found_error")
         body, content_type = m.render()
         return Response(body, headers={"Content-Type": content_type})
 
@@ -550,13 +574,15 @@ def _bearer_auth(token: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
         header = request.headers.get("authorization")
         if not bearer_ok(header, token):
-            raise APIError(401, unauthenticated_message(header), type="authentication_error", code="invalid_api_key")
+            raise APIError(HTTP_STATUS[ErrorCode.UNAUTHENTICATED], unauthenticated_message(header),
+                           type="authentication_error", code="invalid_api_key")
 
     return check
 
 
 async def _body(request: Request, limit: int) -> bytes:
     """The request body; 413 once it is over ``limit`` bytes (``limits.max_message_bytes``)."""
+    # 413, not RESOURCE_EXHAUSTED's 503: HTTP has a status of its own for a body over the limit
     too_large = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -659,7 +685,7 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     """
     from specdist.errors import ListenError
 
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    bare = bare_host(host)
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     try:
         sock = socket.create_server((bare, port), family=family)

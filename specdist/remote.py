@@ -6,7 +6,8 @@ service). They speak the dataclasses of :mod:`specdist.transport`, converted by
 :mod:`specdist.wire`; a draft's q travels as it came (the proposal keeps the messages and
 the verifier forwards them, no re-encoding).
 
-Errors: every gRPC failure becomes a :class:`~specdist.transport.TransportError`. The cores
+Errors: every gRPC failure becomes a :class:`~specdist.transport.TransportError` whose code is
+the received status as an :class:`~specdist.errors.ErrorCode` (converted here, once). The cores
 name the item they blame in the status details (``items[i].field: ...``); that item's
 request id goes on the error, otherwise every request of the call does.
 
@@ -34,20 +35,20 @@ the rest of each call's wall time as network.
 
 from __future__ import annotations
 
-import re
 import time
 
 import grpc
 
+from specdist.grpc_status import error_code
 from specdist.security import bearer_metadata
 from specdist.transport import (
     CallTiming,
     Proposal,
     ProposeItem,
     StartItem,
-    TransportError,
     Verified,
     VerifyItem,
+    error_for_items,
 )
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.wire import (
@@ -68,8 +69,6 @@ CHANNEL_OPTIONS = [  # besides the message limits (grpc_message_options)
     # a channel of its own: a reconnect() must not inherit the old connection's failure backoff
     ("grpc.use_local_subchannel_pool", 1),
 ]
-_ITEM = re.compile(r"^items\[(\d+)\]")
-
 
 _HIDDEN = "hidden"  # CallTiming.hidden_s in the timing metadata (not a phase of the call)
 RUNS_METADATA_KEY = "specdist-draft-runs"  # CallTiming.runs: "passes:rows:seconds;..."
@@ -163,10 +162,7 @@ class _Remote:
             self._latency[method] = rate if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * rate
         except grpc.RpcError as e:
             details = e.details() or ""
-            m = _ITEM.match(details)
-            item = int(m.group(1)) if m and int(m.group(1)) < len(request_ids) else None
-            ids = [request_ids[item]] if item is not None else request_ids
-            raise TransportError(f"{self.address}: {details}", ids, e.code().name, item) from None
+            raise error_for_items(f"{self.address}: {details}", details, error_code(e.code()), request_ids) from None
         return resp, _timing_of(call)
 
     def close(self) -> None:

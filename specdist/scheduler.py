@@ -62,7 +62,7 @@ import torch
 
 from specdist.config import Config
 from specdist.draft_length import DraftLengthPolicy
-from specdist.errors import InvalidArgument
+from specdist.errors import ErrorCode, InvalidArgument
 from specdist.prompts import encode_prompt
 from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep, now
 from specdist.sampling_params import SamplingParams
@@ -84,8 +84,15 @@ log = logging.getLogger(__name__)
 PHASES = ("prefill", "draft", "verify", "sampling", "cache", "output", "network")
 PROBE_FIRST_S, PROBE_MAX_S = 0.5, 30.0  # an ejected draft replica is probed after 0.5 s, backing off x2 to 30 s
 REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
-_PER_ITEM_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS")
-_DEFINITE_CODES = _PER_ITEM_CODES + ("RESOURCE_EXHAUSTED",)  # the core refused the call before changing state
+# a core refused the item it blamed (a bad or stale item): the rest of the call can be retried without it
+_PER_ITEM_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION,
+                            ErrorCode.ALREADY_EXISTS})
+_REFUSED_CODES = _PER_ITEM_CODES | {ErrorCode.RESOURCE_EXHAUSTED}  # the core refused the call before changing state
+
+
+def _per_item(failed) -> bool:
+    """Whether any of the failures (TransportErrors) was a per-item refusal."""
+    return any(e.code in _PER_ITEM_CODES for e in failed)
 
 
 @dataclass
@@ -471,10 +478,10 @@ class Scheduler:
             lengths = [k for j, (_, k) in enumerate(work) if j not in failed] if self._planned_costs \
                 else [len(p) for p in proposals]
             policy.observe_draft(i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0))
-        if failed and len(failed) == len(items) and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values()):
-            self._eject(i, next(iter(failed.values())))
-        for j, msg in failed.items():  # detached from the drafter; released by the step afterwards
-            self._detach(work[j][0], f"draft {rep.drafter.name}: {msg}")
+        if failed and len(failed) == len(items) and not _per_item(failed.values()):
+            self._eject(i, next(iter(failed.values())).describe())
+        for j, e in failed.items():  # detached from the drafter; released by the step afterwards
+            self._detach(work[j][0], f"draft {rep.drafter.name}: {e.describe()}")
         compute = timing.total if rep.drafter.is_remote else wall
         return min(compute, wall), rep.drafter.is_remote
 
@@ -525,7 +532,7 @@ class Scheduler:
         for r in ok:
             r.on_target = True
             self._target_live += 1
-        messages = self._target_errors({j: m for j, (_, m) in enumerate(errors)}, len(new))
+        messages = self._target_errors({j: e for j, (_, e) in enumerate(errors)}, len(new))
         for j, (r, _) in enumerate(errors):
             self._fail(r, messages[j])
         admitted = ok
@@ -536,14 +543,14 @@ class Scheduler:
         for i, rs in by_rep.items():
             rep = self.replicas[i]
             started, full, errors, _ = self._start_on(rep.drafter, rep.drafter.start, rs, draft_seed)
-            if errors and len(errors) == len(rs) and not any(m.startswith(_PER_ITEM_CODES) for _, m in errors):
-                self._eject(i, errors[0][1])
+            if errors and len(errors) == len(rs) and not _per_item(e for _, e in errors):
+                self._eject(i, errors[0][1].describe())
             for r in started:
                 r.on_drafter = True
                 rep.live += 1
             requeue += full
-            for r, msg in errors:
-                self._detach(r, f"draft {rep.drafter.name}: {msg}")
+            for r, e in errors:
+                self._detach(r, f"draft {rep.drafter.name}: {e.describe()}")
         for r in reversed(requeue):  # back to the queue front, everything it took freed
             self._release_remote([r])
             r.replica = None
@@ -557,32 +564,32 @@ class Scheduler:
         self.stats.phase_s["prefill"] += now() - t0
 
     def _start_on(self, transport, method, rs: list[Request], seed_of):
-        """Start requests on one core: (started, out of room (to requeue), [(request, error)], timing).
+        """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)], timing).
 
         A call that failed without blaming an item (a worker down, a deadline) may have started
         them before it failed: they are released there, best effort.
         """
         items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling) for r in rs]
         _, failed, timing, _ = self._call_isolating(method, items)
-        unknown = [items[j].request_id for j, m in failed.items() if not m.startswith(_DEFINITE_CODES)]
+        unknown = [items[j].request_id for j, e in failed.items() if e.code not in _REFUSED_CODES]
         if unknown:
             try:
                 transport.release(unknown)
             except TransportError as e:
                 log.warning("%s: release after a failed start failed too (%s)", transport.name, e)
-        full = [r for j, r in enumerate(rs) if failed.get(j, "").startswith("RESOURCE_EXHAUSTED")]
-        errors = [(rs[j], m) for j, m in failed.items() if not m.startswith("RESOURCE_EXHAUSTED")]
+        full = [r for j, r in enumerate(rs) if j in failed and failed[j].code == ErrorCode.RESOURCE_EXHAUSTED]
+        errors = [(rs[j], e) for j, e in failed.items() if e.code != ErrorCode.RESOURCE_EXHAUSTED]
         return [r for j, r in enumerate(rs) if j not in failed], full, errors, timing
 
     # ---------------------------------------------------------------- calls and failures
     def _call_isolating(self, method, items: list):
         """``method(items)``; a failure blaming one item drops that item and retries the rest.
 
-        Returns (results or None, {index: "CODE: message"}, the core's timing, wall seconds).
+        Returns (results or None, {index: its TransportError}, the core's timing, wall seconds).
         A failure naming no single item fails every remaining item.
         """
         idx = list(range(len(items)))
-        failed: dict[int, str] = {}
+        failed: dict[int, TransportError] = {}
         t0 = now()
         while idx:
             with self._lock:
@@ -591,10 +598,10 @@ class Scheduler:
                 out = method([items[i] for i in idx])
             except TransportError as e:
                 if e.item is not None and e.code in _PER_ITEM_CODES and e.item < len(idx):
-                    failed[idx.pop(e.item)] = f"{e.code}: {e}"
+                    failed[idx.pop(e.item)] = e
                     continue
                 for i in idx:
-                    failed[i] = f"{e.code}: {e}"
+                    failed[i] = e
                 return None, failed, CallTiming(), now() - t0
             results, timing = out if isinstance(out, tuple) else (None, out)
             return results, failed, timing, now() - t0
@@ -611,17 +618,18 @@ class Scheduler:
             core += s
         t["network" if remote else main] += max(0.0, wall - core)
 
-    def _target_errors(self, failed: dict[int, str], n: int) -> dict[int, str]:
-        """The error of each request a target call failed (of ``n``). A call that failed as a whole
-        (no item blamed) also names what failed, when ``target_diagnosis`` can tell."""
-        whole = len(failed) == n and not any(m.startswith(_PER_ITEM_CODES) for m in failed.values())
+    def _target_errors(self, failed: dict[int, TransportError], n: int) -> dict[int, str]:
+        """The error message of each request a target call failed (of ``n``). A call that failed as a
+        whole (no item blamed) also names what failed, when ``target_diagnosis`` can tell."""
+        whole = len(failed) == n and not _per_item(failed.values())
         why = None
         if failed and whole and self.target_diagnosis is not None:
             try:
                 why = self.target_diagnosis()
             except Exception:  # noqa: BLE001 - the diagnosis is a courtesy; the failure stands
                 log.exception("target diagnosis failed")
-        return {i: f"target: {why} ({m})" if why else f"target: {m}" for i, m in failed.items()}
+        return {i: f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}"
+                for i, e in failed.items()}
 
     def _fail(self, r: Request, message: str) -> None:
         if not r.finished:

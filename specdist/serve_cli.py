@@ -122,9 +122,10 @@ def check_listen(host: str, port: int) -> None:
     """
     if not 0 <= port <= 65535:
         raise ListenError(f"cannot listen on {host}:{port}: the port must be in [0, 65535]")
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    from specdist.frontend import bare_host
+
     try:
-        infos = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(bare_host(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ListenError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     errors: list[OSError] = []
@@ -244,6 +245,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
 
     from cluster.deployment import Deployment
     from cluster.local import LOOPBACK_HOSTS, init_local_ray
+    from specdist.frontend import bare_host
     from specdist.remote_engine import RemoteEngine
 
     cc = cfg.cluster
@@ -261,7 +263,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
                 backend.owns_ray = True
                 # a cluster of this one machine: on loopback, as are the workers (unless
                 # --worker-host says otherwise)
-                init_local_ray(num_cpus, loopback=worker_host in LOOPBACK_HOSTS)
+                init_local_ray(num_cpus, loopback=bare_host(worker_host) in LOOPBACK_HOSTS)
         log(f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
             f"(timeout {cc.bringup_timeout_s:g}s)")
         backend.deployment = Deployment.from_config(cfg)

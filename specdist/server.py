@@ -32,8 +32,9 @@ from grpc_reflection.v1alpha import reflection
 from specdist import logprobs
 from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
-from specdist.errors import InvalidArgument
-from specdist.frontend import Limits, check_request, check_request_id, refusal_status, request_stats, server_info
+from specdist.errors import ErrorCode, InvalidArgument, NotFound
+from specdist.frontend import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
+from specdist.grpc_status import grpc_status, grpc_status_of
 from specdist.security import ServerSecurity, auth_interceptors
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
@@ -62,10 +63,10 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             stream = await self.coordinator.open(
                 prompt, params, request.request_id or None, chat=request.apply_chat_template
             )
-        except Exception as e:  # noqa: BLE001 - each refusal has its status; INTERNAL: not the client's fault
-            status = refusal_status(e, "Generate")
-            message = f"internal error: {e!r}" if status == "INTERNAL" else _wire_message(e)
-            await context.abort(grpc.StatusCode[status], message)
+        except Exception as e:  # noqa: BLE001 - each refusal has its code; INTERNAL: not the client's fault
+            code = refusal_code(e, "Generate")
+            message = f"internal error: {e!r}" if code == ErrorCode.INTERNAL else _wire_message(e)
+            await context.abort(grpc_status(code), message)
         try:
             async for delta in stream:
                 yield _response(delta)
@@ -80,10 +81,10 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         try:
             check_request_id(self.limits, request.request_id)
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc_status_of(e), str(e))
         if not await self.coordinator.cancel(request.request_id):
-            message = f"request_id: no running request has id {request.request_id!r}"
-            await context.abort(grpc.StatusCode.NOT_FOUND, message)
+            e = NotFound("request_id", f"no running request has id {request.request_id!r}")
+            await context.abort(grpc_status_of(e), str(e))
         return specdist_pb2.CancelResponse()
 
     async def GetServerInfo(

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from specdist.errors import FieldError, InvalidArgument, SpecDistError
+from specdist.errors import ErrorCode, FieldError, InvalidArgument, SpecDistError, blamed_item
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 
@@ -127,15 +127,23 @@ class CallTiming:
 class TransportError(SpecDistError):
     """A drafter or verifier call failed for ``request_ids`` (all of the call's when none is named).
 
-    ``code`` is the gRPC status name ("INVALID_ARGUMENT", "UNAVAILABLE", ...); ``item`` is the
-    index of the one item the core blamed, or None.
+    ``code`` is the failure's :class:`~specdist.errors.ErrorCode` (a core's error code, or the
+    status a remote call received); ``item`` is the index of the one item the core blamed, or None.
     """
 
-    def __init__(self, message: str, request_ids: Sequence[str], code: str = "INTERNAL", item: int | None = None):
+    def __init__(self, message: str, request_ids: Sequence[str], code: ErrorCode | str = ErrorCode.INTERNAL,
+                 item: int | None = None):
         super().__init__(message)
         self.request_ids = list(request_ids)
-        self.code = code
+        self.code = ErrorCode(code)
         self.item = item
+
+    def describe(self) -> str:
+        """``"CODE: message"``, as requests that failed with it report it."""
+        return f"{self.code}: {self}"
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.request_ids, self.code, self.item))
 
 
 # ---------------------------------------------------------------- the interfaces
@@ -253,20 +261,11 @@ def sampling_tensors(params: Sequence[SamplingParams], device: torch.device | st
     return temp, top_k, top_p
 
 
-_ITEM_PREFIX = "items["
-
-
-def error_for_items(e: FieldError, request_ids: Sequence[str]) -> TransportError:
-    """A core's field error as a TransportError: the item it names, or the whole call."""
-    item = None
-    if e.field.startswith(_ITEM_PREFIX):
-        try:
-            item = int(e.field[len(_ITEM_PREFIX):e.field.index("]")])
-        except ValueError:
-            item = None
-    if item is not None and 0 <= item < len(request_ids):
-        return TransportError(str(e), [request_ids[item]], e.status, item)
-    return TransportError(str(e), request_ids, e.status)
+def error_for_items(message: str, blame: str, code: ErrorCode, request_ids: Sequence[str]) -> TransportError:
+    """A failed call as a TransportError: the item ``blame`` names (:func:`~specdist.errors.blamed_item`:
+    a core's field, or the details a remote core sent), or the whole call."""
+    item = blamed_item(blame, len(request_ids))
+    return TransportError(message, [request_ids[item]] if item is not None else request_ids, code, item)
 
 
 def call_local(fn, items: list):
@@ -274,7 +273,7 @@ def call_local(fn, items: list):
     try:
         return fn(items)
     except FieldError as e:
-        raise error_for_items(e, [it.request_id for it in items]) from None
+        raise error_for_items(str(e), e.field, e.code, [it.request_id for it in items]) from None
 
 
 class LocalTransport:

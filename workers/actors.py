@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from specdist.frontend import bare_host
 from specdist.sampling_params import SamplingParams
 from specdist.transport import ProposeItem, Proposal, StartItem, VerifyItem
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -96,7 +97,7 @@ def _node_ip() -> str:
 
 def _reachable_host(bind_host: str) -> str:
     """The host others dial: the node's IP when listening on a wildcard (0.0.0.0 / ::), else as bound."""
-    if bind_host in ("0.0.0.0", "::", "[::]", ""):
+    if bare_host(bind_host) in ("0.0.0.0", "::", ""):
         return _node_ip()
     return bind_host
 

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specdist.errors import FieldError, SpecDistError
+from specdist.errors import SpecDistError
+from specdist.grpc_status import grpc_status_of
 from specdist.remote import timing_metadata
 from specdist.security import auth_interceptors
 from specdist.transport import CallTiming
@@ -33,16 +34,12 @@ def worker_server(message_limit: int, secret: str | None = None) -> grpc.aio.Ser
     return grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(secret))
 
 
-def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status for one of specdist's field errors; INTERNAL for anything else."""
-    return getattr(grpc.StatusCode, exc.status) if isinstance(exc, FieldError) else grpc.StatusCode.INTERNAL
-
-
 class BlockingCallRunner:
     """Runs a core's blocking calls on ONE thread (models and collectives are not thread-safe).
 
     ``fn(request)`` returns ``(response, CallTiming or None)``; the timing goes back in the
-    trailing metadata. specdist errors become their status code, anything else INTERNAL.
+    trailing metadata. specdist errors become their code's status (:mod:`specdist.grpc_status`),
+    anything else INTERNAL.
     """
 
     def __init__(self, name: str, executor: ThreadPoolExecutor | None = None):
@@ -61,7 +58,7 @@ class BlockingCallRunner:
             else:
                 response, timing = await loop.run_in_executor(self.executor, fn, request)
         except SpecDistError as e:
-            await context.abort(status_code_for(e), str(e))
+            await context.abort(grpc_status_of(e), str(e))
         except Exception as e:  # a bug or a broken model: say so instead of hanging the caller
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         if isinstance(timing, CallTiming) and timing.phases:
