@@ -27,6 +27,7 @@ from specdist.errors import ConfigError
 from specdist.models.families import SUPPORTED_MODEL_TYPES
 from specdist.models.loader import load_model, resolve_model
 from specdist.models import runner as runner_module
+from specdist.models import cpu_kernels
 from specdist.models.runner import CausalLMRunner
 
 SEQ_LEN = 24  # windows are 4-5 tokens; the original context of llama-dynamic and phi3-longrope is 16
@@ -57,9 +58,18 @@ def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T
                           for t in seq]).cpu()
 
 
+# CPU float32 attends through specdist's CPU kernels where they run (x86 with AVX2); "sdpa" turns them off to
+# cover the SDPA forms there too (CUDA always takes SDPA)
+ATTENTION = [pytest.param("kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
+             "sdpa"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers(family: str, device: str, monkeypatch) -> None:
+def test_logits_match_transformers(family: str, device: str, attention: str, monkeypatch) -> None:
+    if attention == "kernels" and device != "cpu":
+        pytest.skip("the CPU kernels attend on the CPU only")
     forms = set()  # the attention forms the schedule ran: "none" (no mask), "causal", "mask"
     plan = runner_module._attention_plan
 
@@ -74,6 +84,9 @@ def test_logits_match_transformers(family: str, device: str, monkeypatch) -> Non
     seqs = [torch.randint(0, model.config.vocab_size, (SEQ_LEN,), generator=gen).tolist() for _ in SLOTS]
     refs = [_reference_logits(model, s, family) for s in seqs]
     runner = CausalLMRunner(model, num_slots=5, max_len=32)
+    assert runner.cpu_attention == (device == "cpu" and cpu_kernels.available())
+    if attention == "sdpa":
+        runner.cpu_attention = runner.cpu_rope_attention = False
     assert [runner.cache.allocate() for _ in range(5)] == [0, 1, 2, 3, 4]
     pos = [0] * len(SLOTS)
     for step in SCHEDULE:
@@ -96,7 +109,7 @@ def test_logits_match_transformers(family: str, device: str, monkeypatch) -> Non
             pos[r] += n
             runner.cache.rollback(SLOTS[r], pos[r])
     assert pos == [SEQ_LEN] * len(SLOTS)
-    assert forms == {"none", "causal", "mask"}, forms
+    assert forms == ({"none", "causal", "mask"} if attention == "sdpa" else set()), forms
 
 
 @pytest.fixture(scope="module")

@@ -292,3 +292,64 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * RMS norm of each row: out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w, the sum of squares
+ * taken in one fixed order per row. x, out [M, D] contiguous floats; w [D].
+ */
+void specdist_rms_norm(const float *x, int64_t M, int64_t D, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (M * D >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xr = x + m * D;
+        float *o = out + m * D;
+        const float inv = 1.0f / sqrtf(dot_row(xr, xr, D) / (float)D + eps);
+        int64_t c = 0;
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (; c + 8 <= D; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), iv), _mm256_loadu_ps(w + c)));
+        for (; c < D; ++c) o[c] = xr[c] * inv * w[c];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * One attention layer's cache work and attention in one call: rotary embedding (the HF models'
+ * half rotation over the whole head: r = x * cos + [-x2, x1] * sin) of the new keys and queries,
+ * the new keys and values written into the cache at their positions, then specdist_attention's
+ * rows. q [B, T, Hq, hd], k and v [B, T, Hkv, hd]: strided views (token stride qs_t / ks_t / vs_t,
+ * request stride *_b, heads contiguous rows of hd); cos, sin [B, T, hd] contiguous; write_pos [B, T]
+ * (padded tokens write the scratch column). Returns 0, or -1 without memory.
+ */
+static inline void rotate_row(const float *x, const float *c, const float *s, int64_t hd, float *out) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * s[i];
+    for (int64_t i = half; i < hd; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+int specdist_rope_attention(const float *q, const float *k, const float *v, int64_t B, int64_t T, int64_t Hq,
+                            int64_t Hkv, int64_t hd, int64_t qs_b, int64_t qs_t, int64_t ks_b, int64_t ks_t,
+                            int64_t vs_b, int64_t vs_t, const float *cos_t, const float *sin_t,
+                            float *k_cache, float *v_cache, int64_t L1, const int64_t *slots,
+                            const int64_t *write_pos, const int64_t *qpos, int64_t window, float scale,
+                            float softcap, float *out) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+            const float *c = cos_t + (b * T + t) * hd, *s = sin_t + (b * T + t) * hd;
+            const int64_t pos = write_pos[b * T + t];
+            for (int64_t h = 0; h < Hkv; ++h) {
+                const int64_t at = ((slots[b] * Hkv + h) * L1 + pos) * hd;
+                rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, k_cache + at);
+                memcpy(v_cache + at, v + b * vs_b + t * vs_t + h * hd, sizeof(float) * (size_t)hd);
+            }
+        }
+    float *qr = (float *)malloc(sizeof(float) * (size_t)(B * T * Hq * hd));  /* rotated queries [B, T, Hq, hd] */
+    if (!qr) return -1;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < Hq; ++h)
+                rotate_row(q + b * qs_b + t * qs_t + h * hd, cos_t + (b * T + t) * hd, sin_t + (b * T + t) * hd, hd,
+                           qr + ((b * T + t) * Hq + h) * hd);
+    const int rc = specdist_attention(qr, B, Hq, T, hd, T * Hq * hd, hd, Hq * hd, k_cache, v_cache, Hkv, L1, slots,
+                                      qpos, window, scale, softcap, out);
+    free(qr);
+    return rc;
+}

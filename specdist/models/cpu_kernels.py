@@ -99,9 +99,17 @@ def library() -> ctypes.CDLL | None:
     f32 = ctypes.c_float  # (q, B, Hq, T, hd, q strides x3, k cache, v cache, Hkv, L1, slots, qpos, window, scale, cap, out)
     lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_attention.restype = ctypes.c_int
+    lib.specdist_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]  # (x, M, D, w, eps, out)
+    lib.specdist_rms_norm.restype = None
+    # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, L1, slots,
+    #  write_pos, qpos, window, scale, cap, out)
+    lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                                            ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+    lib.specdist_rope_attention.restype = ctypes.c_int
     return lib
 
 
+@torch._dynamo.assume_constant_result  # fixed for the process: traced code takes it as a constant
 def available() -> bool:
     return library() is not None
 
@@ -159,6 +167,82 @@ def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float,
                                     slots.data_ptr(), query_pos.data_ptr(), window, scale, softcap, out.data_ptr()):
         raise MemoryError("attention kernel: no memory for its scores")
     return out.transpose(1, 2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, float32, each row on its own."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdist.rms_norm(x, weight, eps)
+    return _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    w = weight.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    library().specdist_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
+                   query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """One layer's rotary embedding, cache write and :func:`attention`, in one call (the C file's doc).
+
+    ``q`` [B, T, Hq, hd], ``k`` / ``v`` [B, T, Hkv, hd] (views of the fused projection: each token's heads
+    contiguous), ``cos`` / ``sin`` [B, T, hd] (rotation over the whole head), ``write_pos`` and ``query_pos``
+    [B, T]. Writes the rotated keys and the values into ``k_cache`` / ``v_cache`` [slots, Hkv, L + 1, hd];
+    returns the attention output [B, T, Hq, hd]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdist.rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos,
+                                                 window or 0, scale, softcap or 0.0)
+    return _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window or 0, scale,
+                           softcap or 0.0)
+
+
+def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window: int, scale: float,
+                    softcap: float) -> torch.Tensor:
+    bsz, t, hq, hd = q.shape
+    hkv = k.shape[2]
+    views = []
+    for x in (q, k, v):  # rows of hd contiguous, heads adjacent: (request, token) strides are free
+        if x.stride(3) != 1 or x.stride(2) != hd:
+            x = x.contiguous()
+        views.append(x)
+    q, k, v = views
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    write_pos, query_pos = write_pos.to(torch.int64).contiguous(), query_pos.to(torch.int64).contiguous()
+    out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)
+    if library().specdist_rope_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
+            window, scale, softcap, out.data_ptr()):
+        raise MemoryError("attention kernel: no memory for its queries")
+    return out
+
+
+@torch.library.custom_op("specdist::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("specdist::rope_attention", mutates_args=("k_cache", "v_cache"))
+def _rope_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
+                       query_pos: torch.Tensor, window: int, scale: float, softcap: float) -> torch.Tensor:
+    return _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, scale, softcap)
+
+
+@_rope_attention_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, scale, softcap):
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("specdist::q4_mm", mutates_args=())

@@ -139,8 +139,11 @@ class CausalLMRunner:
         self.cache = SlotKVCache(
             len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
         )
-        # float32 on an x86 CPU: the eager pass attends with cpu_kernels.attention (rows independent of the batch)
+        # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
+        # whole head and no per-head norm comes between, rotary, cache write and attention are one call per layer
         self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        self.cpu_rope_attention = (self.cpu_attention and not self.qk_norm
+                                   and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
@@ -232,7 +235,8 @@ class CausalLMRunner:
                 vals = vc[:, :, lo:s_len].index_select(0, slot_t)
             return self._attention(q, keys, vals, mask, causal)
 
-        h = self._layers(ids.to(dev), write_pos, attend)  # [B, T, D]
+        fused = (slot_t, query_pos) if self.cpu_rope_attention else None
+        h = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D]
         return self._logits(h, n_new, num_logits)
 
     def _forward_static(self, slots, tokens, starts, num_logits):
@@ -295,7 +299,7 @@ class CausalLMRunner:
             vals = vc[:, :, :s_pad].index_select(0, slot_t)
             return self._attention(q, keys, vals, masks[self.mask_of_layer[i]], False)
 
-        h = self._layers(ids, write_pos, attend)
+        h = self._layers(ids, write_pos, attend, (slot_t, query_pos) if self.cpu_rope_attention else None)
         return self._head(h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1])))
 
     def _positions(self, tokens, starts, t_max):
@@ -314,9 +318,11 @@ class CausalLMRunner:
         query_pos = torch.minimum(positions, last[:, None])  # [B, T]
         return ids, write_pos.to(self.device), query_pos.to(self.device)
 
-    def _layers(self, ids, write_pos, attend):  # [B, T] -> hidden states [B, T, D]
+    def _layers(self, ids, write_pos, attend, fused=None):  # [B, T] -> hidden states [B, T, D]
         """The decoder stack. ``attend(i, q, k, v)`` writes layer i's new keys and values into the
-        cache and returns the attention output; the eager and static passes differ only there."""
+        cache and returns the attention output; the eager and static passes differ only there.
+        ``fused`` = ``(slots, query_pos)`` where :attr:`cpu_rope_attention` holds: each layer's rotary,
+        cache write and attention are then :func:`cpu_kernels.rope_attention` (``attend`` unused)."""
         bsz, t_max = ids.shape
         h = self.model.model.embed_tokens(ids)  # [B, T, D]
         # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded.
@@ -328,6 +334,13 @@ class CausalLMRunner:
             q, k, v = _qkv(attn, x, self.qkv_split)
             q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
             k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
+            if fused is not None:
+                cos, sin = ropes[self.rope_keys[i]]
+                o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t_max, -1, hd), cos, sin, self.cache.k[i],
+                                               self.cache.v[i], fused[0], write_pos, fused[1], self.windows[i],
+                                               self.scaling, self.attn_softcap)  # [B, T, Hq, hd]
+                h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
+                continue
             if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
@@ -335,15 +348,17 @@ class CausalLMRunner:
             cos, sin = ropes[self.rope_keys[i]]
             q, k = _apply_rope(q, k, cos, sin)
             o = attend(i, q, k, v)  # [B, Hq, T, hd]
-            a = attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1))  # [B, T, D]
-            if self.sandwich:  # Gemma: each block's output is normed before its residual add
-                h = h + _rms_norm(layer.post_attention_layernorm, a)
-                m = _mlp(layer.mlp, _rms_norm(layer.pre_feedforward_layernorm, h))
-                h = h + _rms_norm(layer.post_feedforward_layernorm, m)
-            else:
-                h = h + a
-                h = h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
+            h = self._residual(layer, h, attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1)))
         return h
+
+    def _residual(self, layer, h, a):  # [B, T, D] x2 -> [B, T, D]
+        """The rest of a decoder layer after its attention output ``a``: residual adds and the MLP."""
+        if self.sandwich:  # Gemma: each block's output is normed before its residual add
+            h = h + _rms_norm(layer.post_attention_layernorm, a)
+            m = _mlp(layer.mlp, _rms_norm(layer.pre_feedforward_layernorm, h))
+            return h + _rms_norm(layer.post_feedforward_layernorm, m)
+        h = h + a
+        return h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
 
     def _write(self, i, slot_t, write_pos, k, v):
         """Layer i's new keys / values [B, Hkv, T, hd] into each row's slot at its positions."""
@@ -513,6 +528,8 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or type(norm).__name__ not in _LLAMA_STYLE_NORMS:
         return norm(x)
+    if x.is_cpu and x.dtype == torch.float32 and cpu_kernels.available():  # one call, not six ops
+        return cpu_kernels.rms_norm(x, norm.weight, eps)
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
