@@ -47,8 +47,9 @@ def _shows_default(action: argparse.Action) -> bool:
 
 def _help_for_every_default(parser: argparse.ArgumentParser) -> None:
     """argparse prints no help line, hence no default, for options added without help: give them one."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
+    # argparse lists a parser's actions, and types its subcommand action, only under private names
+    for action in parser._actions:  # noqa: SLF001 - argparse's own list of the parser's actions
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - the subcommands action's type
             for child in action.choices.values():
                 _help_for_every_default(child)
         elif action.option_strings and not action.help and _shows_default(action):

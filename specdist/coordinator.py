@@ -156,9 +156,13 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self._coord._active_streams -= 1
-        if not self.done:
-            self._coord._abort_soon(self.request_id)
+        self._coord.stream_closed(self.request_id, self.done)
+
+    def deliver(self, delta: Delta) -> None:
+        """Queue a delta for the consumer (on the event loop); dropped once the stream is closed."""
+        self.done = self.done or delta.finished
+        if not self.closed:
+            self._queue.put_nowait(delta)
 
 
 @dataclass
@@ -437,6 +441,13 @@ class Coordinator:
         self._active_streams += 1
         return True
 
+    def stream_closed(self, request_id: str, finished: bool) -> None:
+        """A stream's consumer let go of it (on the event loop): one active stream fewer, and the
+        request is aborted unless its final delta was delivered (``finished``)."""
+        self._active_streams -= 1
+        if not finished:
+            self._abort_soon(request_id)
+
     def _abort_soon(self, request_id: str) -> None:
         """Fire-and-forget abort (a consumer went away); safe from ``finally`` blocks."""
         if self._loop is not None and not self._loop.is_closed() and not self._closed:
@@ -456,9 +467,7 @@ class Coordinator:
             key = {"stop": "requests_finished", "length": "requests_finished", "abort": "requests_cancelled"}
             self._totals[key.get(delta.finish_reason, "requests_failed")] += 1
         if stream is not None:
-            stream.done = stream.done or delta.finished
-            if not stream.closed:
-                stream._queue.put_nowait(delta)
+            stream.deliver(delta)
 
     # ---------------------------------------------------------------- engine thread
     def _post(self, fn: Callable[..., None], *args: Any) -> bool:

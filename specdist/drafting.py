@@ -56,7 +56,6 @@ from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, 
 from specdist.kv_cache import SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.ngram import NgramIndex
-from specdist.request import now
 from specdist.sampling import process_logits, sample_from
 from specdist.sampling_params import SamplingParams
 from specdist.coupling import gumbel_argmax, row_starts
@@ -71,6 +70,7 @@ from specdist.transport import (
     LocalTransport,
     check_token_ids,
     draft_uniform,
+    now,
     sampling_tensors,
 )
 from specdist.wire import fp16_exact
@@ -85,7 +85,9 @@ CATCH_UP_IN_PASS = 2
 
 
 @dataclass
-class _DraftRequest:
+class DraftRequest:
+    """One request's state on a :class:`DrafterCore` (its ``requests``), changed only by the core's methods."""
+
     seq: list[int]  # committed tokens (prompt + output)
     params: SamplingParams
     seed: int  # draft_uniform(seed, n) samples the token at position n (gumbel: keys the noise)
@@ -100,7 +102,7 @@ class _DraftRequest:
 class _Drafting:
     """The state of one :meth:`DrafterCore._draft_model` call, per request b."""
 
-    reqs: list[_DraftRequest]
+    reqs: list[DraftRequest]
     ahead: list[list[int]]  # tokens assumed after the committed sequence
     base: list[int]  # sequence position of the first token drafted (the guess, if any)
     passes: list[int]  # draft passes (the guess's included); shortened by the confidence threshold
@@ -134,7 +136,7 @@ class DrafterCore:
         # drafted token's q costs at most 6 * q_top_k bytes on the wire whatever the vocabulary (0: all)
         self.q_top_k = 0
         self.prefix_source = prefix_source
-        self.requests: dict[str, _DraftRequest] = {}
+        self.requests: dict[str, DraftRequest] = {}
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
         # True (the in-process engine): a prompt's K/V wait for the request's first draft. False: start
         # prefills them (a draft worker: its Start deadline scales with the prompt, Propose's does not)
@@ -191,7 +193,7 @@ class DrafterCore:
         t0 = now()
         new = []
         for it, prompt in parsed:
-            r = _DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)
+            r = DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)
             if cache is not None:
                 r.slot = cache.allocate()
                 new.append((it.request_id, r))
@@ -217,18 +219,18 @@ class DrafterCore:
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         """Commit what the target kept, then draft. Timing: "draft", and "prefill" for prompts whose
         K/V this call computed first (a request's first draft), which the draft-cost fits leave out."""
-        plan = self._check(items)
+        plan = self.validate_propose(items)
         t0 = now()
         self.catch_up_s = 0.0
         for r, n_acc, new, _ in plan:
-            self._commit(r, n_acc, new)
-        proposals = self._draft(items, [p[0] for p in plan], [p[3] for p in plan])
+            self.commit(r, n_acc, new)
+        proposals = self.draft(items, [p[0] for p in plan], [p[3] for p in plan])
         prefill = self.catch_up_s
         phases = {"draft": now() - t0 - prefill} | ({"prefill": prefill} if prefill else {})
         return proposals, CallTiming(phases)
 
-    def _check(self, items: list[ProposeItem]) -> list[tuple[_DraftRequest, int, list[int], int]]:
-        """Validate a whole Propose call: (request, num_accepted, new tokens, k) per item."""
+    def validate_propose(self, items: list[ProposeItem]) -> list[tuple[DraftRequest, int, list[int], int]]:
+        """Validate a whole Propose call, changing nothing: (request, num_accepted, new tokens, k) per item."""
         check_request_ids([it.request_id for it in items])
         plan = []
         for i, it in enumerate(items):
@@ -250,21 +252,28 @@ class DrafterCore:
             plan.append((r, int(it.num_accepted), new, int(it.num_tokens)))
         return plan
 
-    def _commit(self, r: _DraftRequest, n_acc: int, new: list[int]) -> None:
-        """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them."""
+    def commit(self, r: DraftRequest, n_acc: int, new: list[int], prepared: list[int] | None = None) -> None:
+        """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them.
+
+        ``prepared``: drafts after exactly that sequence whose K/V the cache already holds (a
+        pipelined preparation whose assumed prefix held, :mod:`specdist.pipeline`); they become the
+        request's proposal, and the cache keeps them as after drafting them (all but the last)."""
         prev = len(r.seq)
         kept = r.proposal[:n_acc] + new
         r.seq.extend(kept)
-        r.proposal = []
+        r.proposal = list(prepared) if prepared is not None else []
         if r.index is not None:
             r.index.extend(kept)
         if r.suffix is not None:
             self.suffix.extend(r.suffix, kept)
-        if r.slot is not None:  # the cache holds the accepted drafts, then stale ones: drop those
-            # (after a hybrid's suffix proposal it holds a prefix of the old seq: kept as it is)
-            self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], prev + n_acc))
+        if r.slot is not None:
+            # the cache holds the accepted drafts, then stale ones: drop those (after a hybrid's suffix
+            # proposal it holds a prefix of the old seq: kept as it is); with prepared drafts it holds
+            # the committed sequence, then them
+            valid = prev + n_acc if prepared is None else len(r.seq) + len(prepared) - 1
+            self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], valid))
 
-    def _draft(self, items: list[ProposeItem], reqs: list[_DraftRequest], ks: list[int]) -> list[Proposal]:
+    def draft(self, items: list[ProposeItem], reqs: list[DraftRequest], ks: list[int]) -> list[Proposal]:
         """Draft ``ks[b]`` tokens after each request's committed sequence; they become its proposal."""
         if self.suffix is not None:
             proposals = self._draft_suffix(items, reqs, ks)
@@ -277,7 +286,7 @@ class DrafterCore:
             r.proposal = list(p.token_ids)
         return proposals
 
-    def _draft_suffix(self, items: list[ProposeItem], reqs: list[_DraftRequest], ks: list[int]) -> list[Proposal]:
+    def _draft_suffix(self, items: list[ProposeItem], reqs: list[DraftRequest], ks: list[int]) -> list[Proposal]:
         """Suffix drafts (q one-hot); hybrid: the model drafts the requests whose suffix score is low."""
         st = self.suffix_settings
         drafts = [self.suffix.lookup(r.suffix, k, st.min_prob, st.max_spec_factor) if k > 0 else None
@@ -294,7 +303,17 @@ class DrafterCore:
                     out[b] = Proposal(items[b].request_id, t, q)
         return out
 
-    def _draft_model(self, reqs: list[_DraftRequest], ks: list[int], ahead: list[list[int]] | None = None,
+    def draft_ahead(self, reqs: list[DraftRequest], ks: list[int], gate: "Callable[[int], bool] | None" = None,
+                    each_pass=None) -> tuple[list[list[int]], list[torch.Tensor | None], list[int | None]]:
+        """Draft each request's next step before the target has verified its proposal: a guess of
+        the target's token after the proposal, then ``ks[b]`` tokens after proposal + guess
+        (:mod:`specdist.pipeline`). (tokens, q, guess) per request; ``gate`` and ``each_pass``
+        as in :meth:`_draft_model`. The requests' state is unchanged (the cache holds the passes'
+        K/V): :meth:`commit` with ``prepared`` takes the tokens once the target kept that prefix."""
+        return self._draft_model(reqs, ks, ahead=[list(r.proposal) for r in reqs], guess=True, gate=gate,
+                                 each_pass=each_pass)
+
+    def _draft_model(self, reqs: list[DraftRequest], ks: list[int], ahead: list[list[int]] | None = None,
                      guess: bool = False, gate: "Callable[[int], bool] | None" = None, each_pass=None):
         """Sequential draft passes: (tokens, q [n, V] or None, guesses) per request.
 

@@ -32,7 +32,7 @@ class Engine(Scheduler):
         vocab = self.target_core.vocab_size
         dc = config.draft
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
-        share = self._target_prefix if target_copy(dc.method) else None
+        share = self.target_core.prefix_kv if target_copy(dc.method) else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True)
@@ -43,10 +43,6 @@ class Engine(Scheduler):
                 self.compile_s += compile_runner(self.draft_core.runner, "draft", k, ec.compile_cache_dir)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
-
-    def _target_prefix(self, core_id: str):
-        r = self.target_core.requests.get(core_id)
-        return (self.target_core.cache, r.slot) if r is not None else None
 
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,

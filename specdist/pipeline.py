@@ -78,9 +78,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdist.drafting import DrafterCore
-from specdist.request import now
-from specdist.transport import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem
+from specdist.drafting import DrafterCore, DraftRequest
+from specdist.transport import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class DraftPipeline:
                 runs.append((job.passes, job.rows, job.finished - job.started))
         with self._lock:
             core = self.core
-            plan = core._check(items)
+            plan = core.validate_propose(items)
             t0 = now()
             out: list[Proposal | None] = [None] * len(items)
             todo: list[int] = []  # items drafted now
@@ -224,10 +223,9 @@ class DraftPipeline:
                 prep = self.prepared.pop(it.request_id, None)
                 if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
                     out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k)
-                    r.proposal = list(out[i].token_ids)
                     self.counters.hits += 1
                     continue
-                core._commit(r, n_acc, new)
+                core.commit(r, n_acc, new)
                 # a miss whether its preparation finished or was cut short as a certain miss, so
                 # that the counts (and the skip policy) do not depend on when the preparation ended
                 if prep is not None or it.request_id in prepared_for:
@@ -240,7 +238,7 @@ class DraftPipeline:
             if todo:
                 t1 = now()
                 ks = [plan[i][3] for i in todo]
-                drafted = core._draft([items[i] for i in todo], [plan[i][0] for i in todo], ks)
+                drafted = core.draft([items[i] for i in todo], [plan[i][0] for i in todo], ks)
                 for i, p in zip(todo, drafted):
                     p.pipeline = status[i]
                     out[i] = p
@@ -253,13 +251,12 @@ class DraftPipeline:
 
     _holds = staticmethod(prepared_prefix_holds)
 
-    def _use_prepared(self, rid: str, r, prep: _Prepared, n_acc: int, new: list[int], k: int) -> Proposal:
+    def _use_prepared(self, rid: str, r: DraftRequest, prep: _Prepared, n_acc: int, new: list[int],
+                      k: int) -> Proposal:
         """Commit a hit and propose its prepared drafts, cut to ``k`` (lock held)."""
-        cache = self.core.cache
-        r.seq.extend(r.proposal[:n_acc] + new)  # = proposal + guess: the cache holds them and the prepared drafts
         n = min(k, len(prep.tokens))
-        # as after drafting n tokens: the cache ends before the last one (a shorter cut drops the rest)
-        cache.rollback(r.slot, min(cache.lengths[r.slot], len(r.seq) + n - 1))
+        # committed: proposal + guess, which the cache holds, then the prepared drafts (a shorter cut drops the rest)
+        self.core.commit(r, n_acc, new, prepared=prep.tokens[:n])
         q = prep.q[:n] if prep.q is not None and n else None
         return Proposal(rid, prep.tokens[:n], q, pipeline=HIT)
 
@@ -270,7 +267,7 @@ class DraftPipeline:
         self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------ preparation
-    def _schedule(self, work: list[tuple[str, object, int]]) -> None:
+    def _schedule(self, work: list[tuple[str, DraftRequest, int]]) -> None:
         """Prepare each request's next drafts after its proposal and a guess (lock held)."""
         core = self.core
         todo = []
@@ -293,8 +290,7 @@ class DraftPipeline:
             def alive(b: int) -> bool:
                 return ids[b] not in job.abort and core.requests.get(ids[b]) is reqs[b]
 
-            toks, qs, guesses = core._draft_model(reqs, [k for _, _, k in todo], ahead=[list(r.proposal) for r in reqs],
-                                                  guess=True, gate=alive, each_pass=self._lock)
+            toks, qs, guesses = core.draft_ahead(reqs, [k for _, _, k in todo], gate=alive, each_pass=self._lock)
             with self._lock:
                 for b, rid in enumerate(ids):
                     if guesses[b] is not None and alive(b):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from specdist.draft_length import Acceptance
@@ -147,7 +146,3 @@ class Request:
             metrics=self.metrics,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -64,7 +64,7 @@ from specdist.config import Config
 from specdist.draft_length import DraftLengthPolicy
 from specdist.errors import ErrorCode, InvalidArgument
 from specdist.prompts import encode_prompt
-from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep, now
+from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep
 from specdist.sampling_params import SamplingParams
 from specdist.stopping import OutputState
 from specdist.transport import (
@@ -77,6 +77,7 @@ from specdist.transport import (
     Verifier,
     VerifyItem,
     draft_seed,
+    now,
 )
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ tokens sequential drafting gives, and the target's draws do not depend on the dr
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -102,6 +103,11 @@ class Verified:
 
 
 HIT, MISS = "hit", "miss"  # Proposal.pipeline
+
+
+def now() -> float:
+    """The clock of every call and step timing (the cores' CallTiming, the scheduler's phases)."""
+    return time.perf_counter()
 
 
 @dataclass

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,7 +75,6 @@ from specdist.errors import (
 )
 from specdist.logprobs import split_rows
 from specdist.models.runner import CausalLMRunner
-from specdist.request import now
 from specdist.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
 from specdist.transport import (
@@ -90,12 +89,16 @@ from specdist.transport import (
     LocalTransport,
     check_token_ids,
     draft_seed,
+    now,
     sampling_tensors,
     target_uniforms,
 )
 from specdist.coupling import gumbel_argmax, gumbel_verify, row_starts
 from specdist.verification import VerifyResult, rejection_sample
 from specdist.wire import ONE_HOT, decode_distribution
+
+if TYPE_CHECKING:
+    from specdist.kv_cache import SlotKVCache
 
 
 @dataclass
@@ -518,6 +521,14 @@ class VerifierCore:
             self._collective(lambda: self._broadcast(ops))
 
     # ------------------------------------------------------------ introspection
+    def prefix_kv(self, request_id: str) -> "tuple[SlotKVCache, int] | None":
+        """Where a request's K/V sit on this rank: (cache, slot), or None for an unknown request.
+
+        A drafter core over a copy of the target (same cache layout) copies a prompt's K/V from
+        here instead of computing them (its ``prefix_source``, :mod:`specdist.drafting`)."""
+        r = self.requests.get(request_id)
+        return (self.cache, r.slot) if r is not None else None
+
     def kv_slots_in_use(self) -> int:
         return self.cache.num_used
 

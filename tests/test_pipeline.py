@@ -185,7 +185,7 @@ class RescoredReuse(DraftPipeline):
         import torch
 
         core = self.core
-        core._commit(r, n_acc, new)  # the true prefix; the cache keeps only its valid part
+        core.commit(r, n_acc, new)  # the true prefix; the cache keeps only its valid part
         toks = prep.tokens[:min(k, len(prep.tokens))]
         inputs = (r.seq + toks[:-1])[core.cache.lengths[r.slot]:]
         logits = core.runner.forward([r.slot], [inputs], [len(toks)])[0]  # [n, V]: q after the true prefix
@@ -195,6 +195,7 @@ class RescoredReuse(DraftPipeline):
                            torch.full((n,), sp.top_p))
         from specdist.transport import Proposal
 
+        r.proposal = list(toks)  # the cache holds the true prefix and toks[:-1], as after drafting toks
         return Proposal(rid, toks, fp16_exact(q), pipeline=HIT)
 
 

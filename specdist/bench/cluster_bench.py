@@ -173,11 +173,11 @@ def parse_levels(concurrency: str | None, request_rate: str | None) -> list[Leve
     if concurrency is None and request_rate is None:
         concurrency = DEFAULT_CONCURRENCY
     levels = []
-    for c in _items(concurrency, "--concurrency"):
+    for c in flag_items(concurrency, "--concurrency"):
         if not c.isdigit() or int(c) < 1:
             raise ValueError(f"--concurrency: need positive integers, got {concurrency!r}")
         levels.append(Level("concurrency", int(c)))
-    for r in _items(request_rate, "--request-rate"):
+    for r in flag_items(request_rate, "--request-rate"):
         try:
             rate = float(r)
         except ValueError:
@@ -188,7 +188,8 @@ def parse_levels(concurrency: str | None, request_rate: str | None) -> list[Leve
     return levels
 
 
-def _items(flag_value: str | None, flag: str) -> list[str]:
+def flag_items(flag_value: str | None, flag: str) -> list[str]:
+    """The items of a comma-separated flag's value (none without one); ValueError naming the flag on an empty item."""
     if flag_value is None:
         return []
     items = [x.strip() for x in flag_value.split(",")]

@@ -168,7 +168,7 @@ def _kv_line(spec_engine, dtype: str) -> str:
         f", {draft_cache.bytes_per_token} B/token draft" if draft_cache is not None else "")
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     """Wait for the device, so a timer stops after the work (a CUDA call returns before it)."""
     import torch
 
@@ -196,11 +196,11 @@ def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, eng
                 kw["assistant_model"] = draft_model
             elif system == "hf-lookup":
                 kw["prompt_lookup_num_tokens"] = 10  # transformers' documented default
-            _sync(target.device)
+            sync_device(target.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kw)
-            _sync(target.device)
+            sync_device(target.device)
             dt = time.perf_counter() - t0
             n = out.shape[1] - len(ids)
         else:
@@ -247,8 +247,8 @@ def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
         acc = f"{r.accepted / r.drafted:.1%}" if r.drafted else "-"
         tps = f"{r.tokens / r.steps:.2f}" if r.steps else "-"
         lines.append(
-            f"| {r.dtype} | {r.temperature:g} | {r.system} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} "
-            f"| {_ratio(r, assisted)} | {_ratio(r, first)} | {acc} | {tps} | {r.peak_rss_mb:.0f} |"
+            f"| {r.dtype} | {r.temperature:g} | {r.system} | {r.tokens_per_s:.1f} | {speedup_text(r, plain)} "
+            f"| {speedup_text(r, assisted)} | {speedup_text(r, first)} | {acc} | {tps} | {r.peak_rss_mb:.0f} |"
         )
     if len(dtypes) > 1:
         lines.append("(peak RSS is the process's so far: a later dtype's rows include the earlier ones' peak)")
@@ -280,7 +280,8 @@ def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _ratio(r: Result, ref: Result | None) -> str:
+def speedup_text(r: Result, ref: Result | None) -> str:
+    """r's tokens/s over the reference's, as a table cell ("-" without a reference, or for the reference itself)."""
     if ref is None or ref is r or not ref.tokens_per_s:
         return "-"
     return f"{r.tokens_per_s / ref.tokens_per_s:.2f}x"

@@ -72,8 +72,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from specdist.bench.cluster_bench import _items, apply_overrides
-from specdist.bench.engine_bench import _ratio, _sync
+from specdist.bench.cluster_bench import apply_overrides, flag_items
+from specdist.bench.engine_bench import speedup_text, sync_device
 from specdist.bench.tasks_data import TASKS
 
 SCHEMA = "specdist.bench.tasks/1"
@@ -173,16 +173,16 @@ def check_args(args: argparse.Namespace) -> Plan:
     from specdist.config import load_config
     from specdist.errors import ConfigError
 
-    tasks = list(dict.fromkeys(_items(args.tasks, "--tasks")))
+    tasks = list(dict.fromkeys(flag_items(args.tasks, "--tasks")))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"--tasks: unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
-    drafts = _items(args.drafts, "--drafts")
+    drafts = flag_items(args.drafts, "--drafts")
     if len(set(drafts)) != len(drafts):
         raise ValueError(f"--drafts: a draft is named twice in {args.drafts!r}")
     levels: list[int] = []
     for value in args.concurrency or ["1"]:
-        for c in _items(value, "--concurrency"):
+        for c in flag_items(value, "--concurrency"):
             if not c.isdigit() or int(c) < 1:
                 raise ValueError(f"--concurrency: need positive integers, got {value!r}")
             levels.append(int(c))
@@ -280,10 +280,10 @@ def run(args: argparse.Namespace) -> int:
                     for name in order:
                         eng = engines[name]
                         eng.stats.reset()
-                        _sync(device)
+                        sync_device(device)
                         t0 = time.perf_counter()
                         outs[name] = eng.generate([ps[i] for i in idx], params)
-                        _sync(device)
+                        sync_device(device)
                         dt = time.perf_counter() - t0
                         _record(cells[(c, task, name)], b, idx, params, outs[name], dt, eng.stats.phase_s)
                     if BASELINE in outs:
@@ -322,7 +322,7 @@ def _record(cell: Cell, b: int, idx: list[int], params, outs, seconds: float, ph
 
 
 def _progress_item(cell: Cell, base: Cell | None) -> str:
-    ratio = _ratio(cell, base)
+    ratio = speedup_text(cell, base)
     return f"{cell.variant} {cell.tokens_per_s:.1f} tok/s" + ("" if ratio == "-" else f" ({ratio})")
 
 

@@ -109,7 +109,8 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@torch._dynamo.assume_constant_result  # fixed for the process: traced code takes it as a constant
+# fixed for the process: traced code takes it as a constant (torch has this decorator in torch._dynamo only)
+@torch._dynamo.assume_constant_result  # noqa: SLF001 - torch's API, no public name
 def available() -> bool:
     return library() is not None
 

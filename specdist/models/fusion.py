@@ -81,7 +81,8 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))):
         dim = parts[0].rows_dim_of_scales
         fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
-        fused._buffers = dict(fused._buffers)
+        # a shallow copy shares the module's buffer dict (torch keeps it in nn.Module._buffers): unshare it
+        fused._buffers = dict(fused._buffers)  # noqa: SLF001 - torch's nn.Module internals
         fused.packed = torch.cat([p.packed for p in parts], 0)  # [sum(out), ...] packed rows
         fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim)
         fused.bias = bias

@@ -99,7 +99,8 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+def progress_reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    """Where a load reports its progress: the caller's callback, or the log."""
     return progress if progress is not None else log.info
 
 
@@ -131,7 +132,7 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
     )
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No progress bars or hub chatter: loading is local and logs go to stderr only on error."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
@@ -150,6 +151,7 @@ def _quiet_transformers() -> None:
 
 # path -> parsed gguf.GGUFReader, inside gguf_parsed_once (None outside: every reader is new)
 _GGUF_READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdist_gguf_readers", default=None)
+_gguf_caches_installed = False  # gguf's reader and name table are wrapped (once per process)
 
 
 def _install_gguf_caches() -> None:
@@ -163,7 +165,8 @@ def _install_gguf_caches() -> None:
     """
     import gguf
 
-    if getattr(gguf, "_specdist_caches", False):
+    global _gguf_caches_installed
+    if _gguf_caches_installed:
         return
     reader_cls = gguf.GGUFReader
 
@@ -178,7 +181,7 @@ def _install_gguf_caches() -> None:
 
     gguf.GGUFReader = reader  # transformers imports it from gguf at each load
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    gguf._specdist_caches = True
+    _gguf_caches_installed = True
 
 
 @contextmanager
@@ -216,11 +219,11 @@ def load_model(
     # an architecture the runner cannot serve is refused before any weight is read
     check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)  # auto: the device's choice
-    report = _reporter(progress)
+    report = progress_reporter(progress)
     size, fmt = source.checkpoint_bytes()
     report(f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}) ...")
     t0 = time.perf_counter()
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -249,7 +252,7 @@ def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None =
 
     ``progress``: as for :func:`load_model` (a GGUF tokenizer is rebuilt from the file: seconds).
     """
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -257,7 +260,7 @@ def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None =
         os.path.isfile(os.path.join(source.directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         return None
-    report = _reporter(progress)
+    report = progress_reporter(progress)
     if source.gguf_file:  # rebuilt from the GGUF file: seconds, so say so before
         report(f"loading the tokenizer of {source.short_name} ...")
     t0 = time.perf_counter()

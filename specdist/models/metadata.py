@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 def model_config(spec: str, key: str = "target.model"):
     """The transformers config of a model spec (no weights read)."""
-    from specdist.models.loader import _quiet_transformers, resolve_model
+    from specdist.models.loader import quiet_transformers, resolve_model
 
     src = resolve_model(spec, key)
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoConfig
 
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}

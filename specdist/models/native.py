@@ -30,7 +30,7 @@ from torch import nn
 
 from specdist.errors import ConfigError
 from specdist.models.fusion import quantized_copy, unfused_copy
-from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, _untie
+from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_head
 
 log = logging.getLogger("specdist.load")
 
@@ -148,6 +148,6 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
         replaced[kind] = replaced.get(kind, 0) + 1
     if not replaced:
         raise ConfigError(key, f"{gguf_path} holds no {'/'.join(NATIVE_TYPES)} linear weights to run natively")
-    _untie(model)
+    untie_lm_head(model)
     log.info("native GGUF blocks: %s", ", ".join(f"{n} {k}" for k, n in sorted(replaced.items())))
     return replaced

@@ -80,7 +80,8 @@ class Int8WeightOnlyLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
         if self.in_features % _KERNEL_K_MULTIPLE == 0:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # [n, out]
+            # [n, out]; torch's int8 weight-only kernel exists only as a private aten op
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # noqa: SLF001
         else:  # rare fallback: dequantize on the fly
             y = F.linear(x2, self.weight_int8.to(torch.bfloat16) * self.scales[:, None])  # [n, out]
         y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
@@ -121,10 +122,10 @@ class Int4GroupLinear(nn.Module):
         elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
             # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
             inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
-            packed = torch.ops.aten._convert_weight_to_int4pack(
+            packed = torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
                 (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # noqa: SLF001 - torch's op
         if self.blocks is None:
             sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
         self.register_buffer("packed", packed)
@@ -161,7 +162,8 @@ class Int4GroupLinear(nn.Module):
                 x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
             if x2.device != self.packed.device:
                 raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
-            mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            # torch's int4 matmul kernels exist only as private aten ops
+            mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
             y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
         y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -192,7 +194,7 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return c8.to(torch.int8).contiguous(), d.contiguous()
 
 
-def _untie(model: nn.Module) -> None:
+def untie_lm_head(model: nn.Module) -> None:
     """Stop transformers from re-tying lm_head to the embedding (it has no ``weight`` any more)."""
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -217,5 +219,5 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
             replaced[id(module)] = kind.from_linear(module)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, replaced[id(module)])
-    _untie(model)
+    untie_lm_head(model)
     return model

@@ -155,9 +155,9 @@ class CausalLMRunner:
         cuda = self.device.type == "cuda"
         if cuda:
             for t in self.cache.k + self.cache.v:
-                torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(t)  # noqa: SLF001 - torch's compiler API lives in torch._dynamo
         # every bucket is one more graph of the one function: allow them all
-        dyn = torch._dynamo.config
+        dyn = torch._dynamo.config  # noqa: SLF001 - the recompile limits exist only in torch._dynamo.config
         dyn.recompile_limit = max(dyn.recompile_limit, STATIC_GRAPHS)
         dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4 * STATIC_GRAPHS)
         mode = "reduce-overhead" if cuda and backend == "inductor" else None
@@ -206,7 +206,7 @@ class CausalLMRunner:
     def _forward_eager(self, slots, tokens, starts, num_logits):
         """The forward at the call's own shapes: keys sliced to the longest sequence, attention in
         the cheapest form SDPA accepts (no mask, ``is_causal``, or a mask)."""
-        cache, dev = self.cache, self.device
+        dev = self.device
         bsz, n_new = len(slots), [len(t) for t in tokens]
         t_max = max(n_new)
         ids, write_pos, query_pos = self._positions(tokens, starts, t_max)
@@ -277,9 +277,9 @@ class CausalLMRunner:
         for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (qpos_d, (0, 1)), (slot_d, (0,)),
                         (out_d, (0, 1))] + [(m, (0, 2)) for m in masks_d]:
             for d in dims:
-                torch._dynamo.mark_static(t, d)
+                torch._dynamo.mark_static(t, d)  # noqa: SLF001 - torch's compiler API lives in torch._dynamo
         for m in masks_d:
-            torch._dynamo.mark_dynamic(m, 3)  # [B, 1, T, S]: S
+            torch._dynamo.mark_dynamic(m, 3)  # noqa: SLF001 - as above; [B, 1, T, S]: S
         logits = self.compiled(*args)[:bsz, :n_out]
         if dev.type == "cuda":  # a CUDA graph's output buffer is overwritten by its next replay
             logits = logits.clone()

@@ -49,7 +49,7 @@ from torch import nn
 
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported, source_model_type
-from specdist.models.loader import ModelSource, _quiet_transformers, _reporter, format_bytes, load_model
+from specdist.models.loader import ModelSource, format_bytes, load_model, progress_reporter, quiet_transformers
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
 ROW = ("o_proj", "down_proj")  # nn.Linear: the rank's input columns, all-reduced output
@@ -175,7 +175,7 @@ def meta_parameters() -> Iterator[None]:
 
 def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The causal LM for ``config`` with meta parameters (no weight memory) and real buffers."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoModelForCausalLM
 
     with meta_parameters():
@@ -408,9 +408,11 @@ def materialise(model: nn.Module, cuts: dict[str, Cut], source, rank: int, world
     head = model.get_output_embeddings()
     tied = getattr(head, "tied_to", None)
     done: dict[int, nn.Parameter] = {}  # a parameter registered in two modules is read once
+    # torch.nn.Module has no public way to swap a registered tensor in place (None entries and buffer
+    # persistence kept): the module's own _parameters / _buffers dicts are used directly
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        for pname, p in list(module._parameters.items()):
+        for pname, p in list(module._parameters.items()):  # noqa: SLF001 - torch's nn.Module internals
             if p is None or (module is head and pname == "weight" and tied):
                 continue
             if id(p) not in done:
@@ -419,13 +421,13 @@ def materialise(model: nn.Module, cuts: dict[str, Cut], source, rank: int, world
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: the checkpoint gives {tuple(t.shape)}, the model wants {tuple(p.shape)}")
                 done[id(p)] = nn.Parameter(t.to(device=device, dtype=p.dtype), requires_grad=False)
-            module._parameters[pname] = done[id(p)]
-        for bname, b in list(module._buffers.items()):
+            module._parameters[pname] = done[id(p)]  # noqa: SLF001 - torch's nn.Module internals
+        for bname, b in list(module._buffers.items()):  # noqa: SLF001 - torch's nn.Module internals
             if b is None:
                 continue
-            if bname not in module._non_persistent_buffers_set and prefix + bname in source:
+            if bname not in module._non_persistent_buffers_set and prefix + bname in source:  # noqa: SLF001 - as above
                 b = source.read(prefix + bname, None, rank, world_size).to(b.dtype)
-            module._buffers[bname] = b.to(device)
+            module._buffers[bname] = b.to(device)  # noqa: SLF001 - torch's nn.Module internals
     if tied:
         embed = model.get_input_embeddings().weight  # [V, D], replicated
         a, b = chunk_range(embed.shape[0], world_size, rank)
@@ -462,8 +464,8 @@ def load_sharded(
     # an architecture the runner cannot serve is refused before any weight is read, as by load_model
     check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)
-    report = _reporter(progress)
-    _quiet_transformers()
+    report = progress_reporter(progress)
+    quiet_transformers()
     from transformers import AutoConfig, GenerationConfig
 
     size, fmt = source.checkpoint_bytes()
