@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdist.models import cpu_kernels
 from specdist.models.fusion import quantized_copy
 from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8
 
@@ -28,12 +29,19 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+# "blocks": the CPU kernels' Q8 path where they run (in_features % 32 == 0); "torch": torch's int8 kernel
+@pytest.mark.parametrize("backend", ["blocks", "torch"])
 @pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 16 -> fallback path
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_close_to_float(in_features: int, bias: bool) -> None:
+def test_linear_close_to_float(in_features: int, bias: bool, backend: str, monkeypatch) -> None:
+    if backend == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available() or in_features % 32:
+        pytest.skip("the block kernel takes x86 AVX2 and whole blocks of 32 inputs")
     torch.manual_seed(0)
     linear = nn.Linear(in_features, 48, bias=bias)
     q = Int8WeightOnlyLinear.from_linear(linear)
+    assert (q.block_scales is not None) == (backend == "blocks")
     assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (48, in_features)
     assert q.scales.dtype == torch.bfloat16 and q.scales.shape == (48,)
     assert (q.in_features, q.out_features) == (in_features, 48)

@@ -4,8 +4,9 @@
 
 A draft is a copy of the target whose every ``nn.Linear`` (``lm_head`` included,
 untied from the embedding) stores its weight as int8 with one bf16 scale per
-output row (symmetric, absmax / 127). Activations run in bf16 through
-``torch.ops.aten._weight_int8pack_mm``.
+output row (symmetric, absmax / 127). On x86 CPUs it runs through the Q8 block kernel
+(:mod:`specdist.models.cpu_kernels`: the row's scale for each block of 32, activations rounded
+per block to bytes); elsewhere activations run in bf16 through ``torch.ops.aten._weight_int8pack_mm``.
 
 Cost: 1 byte per weight plus 2 bytes per output channel (vs 4 bytes in fp32); a
 tied ``lm_head`` gets its own int8 copy, adding ``vocab * hidden`` bytes. Embeddings
@@ -55,10 +56,13 @@ _CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 c
 
 
 class Int8WeightOnlyLinear(nn.Module):
-    """``y = x @ (weight_int8 * scales[:, None]).T + bias`` with bf16 activations."""
+    """``y = x @ (weight_int8 * scales[:, None]).T + bias``: on x86 CPUs through the Q8 block kernel of
+    :mod:`specdist.models.cpu_kernels` (a row's scale repeated for each block of 32, activations rounded
+    per block to bytes), elsewhere through torch's int8 kernel with bf16 activations."""
 
-    weight_int8: torch.Tensor  # [out, in] int8
+    weight_int8: torch.Tensor  # [out, in] int8, codes in -127..127
     scales: torch.Tensor  # [out] bf16
+    block_scales: torch.Tensor | None  # [out, in / 32] float32: the row's scale per block (the CPU kernel)
     bias: torch.Tensor | None  # [out] float32
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -67,6 +71,9 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", weight_int8.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+        blocks = weight_int8.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels.available()
+        self.register_buffer("block_scales", self.scales.float()[:, None].expand(
+            -1, self.in_features // GROUP).contiguous() if blocks else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -78,6 +85,10 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        if self.block_scales is not None:
+            y = cpu_kernels.q8_mm(x.reshape(-1, self.in_features), self.weight_int8, self.block_scales)  # [n, out]
+            y = y.reshape(*lead, self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
         if self.in_features % _KERNEL_K_MULTIPLE == 0:
             # [n, out]; torch's int8 weight-only kernel exists only as a private aten op
