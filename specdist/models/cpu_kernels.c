@@ -117,21 +117,29 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, con
     }
 }
 
-/* One Q4 weight row against R rows of quantized x (R a constant after inlining). Blocks alternate
- * between two accumulators per row, so that consecutive multiply-adds do not wait on each other. */
+/* The block sums of one weight row against R rows of quantized x (R a constant after inlining), into
+ * SUMS[0..R). Blocks alternate between two accumulators per row, so that consecutive multiply-adds do not
+ * wait on each other. */
+#define ROW_SUMS(BLOCK_FN, W, S, SUMS)                                                                  \
+    do {                                                                                                \
+        __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];                                                        \
+        for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();                            \
+        int64_t g = 0;                                                                                  \
+        for (; g + 2 <= G; g += 2) {                                                                    \
+            BLOCK_FN(W, S, G, qx, m0, R, g, acc0);                                                      \
+            BLOCK_FN(W, S, G, qx, m0, R, g + 1, acc1);                                                  \
+        }                                                                                               \
+        if (g < G) BLOCK_FN(W, S, G, qx, m0, R, g, acc0);                                               \
+        for (int r = 0; r < R; ++r) SUMS[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));                  \
+    } while (0)
+
+/* One Q4 weight row against R rows of quantized x: the block sums plus the m terms. */
 static inline __attribute__((always_inline)) void q4_row(const uint8_t *w, const float *dm, int64_t G,
                                                           const quantized_x *qx, int64_t m0, int R,
                                                           float *y, int64_t N, int64_t n) {
-    __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-        q4_block(w, dm, G, qx, m0, R, g, acc0);
-        q4_block(w, dm, G, qx, m0, R, g + 1, acc1);
-    }
-    if (g < G) q4_block(w, dm, G, qx, m0, R, g, acc0);
-    for (int r = 0; r < R; ++r)
-        y[(m0 + r) * N + n] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot_floats(dm + G, qx->s + (m0 + r) * G, G);
+    float sums[ROWS_TILE];
+    ROW_SUMS(q4_block, w, dm, sums);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = sums[r] + dot_floats(dm + G, qx->s + (m0 + r) * G, G);
 }
 
 /* Block g of one Q8 weight row against R rows of quantized x, into acc[0..R). */
@@ -149,19 +157,13 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *w, cons
     }
 }
 
-/* One Q8 weight row against R rows of quantized x, as q4_row. */
+/* One Q8 weight row against R rows of quantized x. */
 static inline __attribute__((always_inline)) void q8_row(const int8_t *w, const float *d, int64_t G,
                                                           const quantized_x *qx, int64_t m0, int R,
                                                           float *y, int64_t N, int64_t n) {
-    __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-        q8_block(w, d, G, qx, m0, R, g, acc0);
-        q8_block(w, d, G, qx, m0, R, g + 1, acc1);
-    }
-    if (g < G) q8_block(w, d, G, qx, m0, R, g, acc0);
-    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+    float sums[ROWS_TILE];
+    ROW_SUMS(q8_block, w, d, sums);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = sums[r];
 }
 
 /* Rows of x in tiles of ROWS_TILE; the last tile's size picks an inlined copy with a constant row count. */
@@ -178,35 +180,29 @@ static inline __attribute__((always_inline)) void q8_row(const int8_t *w, const 
         }                                                                                              \
     }
 
+/* The body of a block matmul: quantize x, then output rows in chunks of N_CHUNK over the threads. */
+#define BLOCK_MATMUL(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                  \
+    quantized_x qx;                                                                                    \
+    if (quantize_input(x, M, K, &qx)) return -1;                                                       \
+    const int64_t G = K / QK;                                                                          \
+    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;                                                \
+    _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")                    \
+    for (int64_t c = 0; c < chunks; ++c) {                                                             \
+        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;                           \
+        TILED(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                          \
+    }                                                                                                  \
+    release_input(&qx);                                                                                \
+    return 0;
+
 /* Q4: qs [N, K/32, 16] bytes, dm [N, 2, K/32] floats (the row's d, then its m). y [M, N].
  * Returns 0, or -1 without memory. */
 int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *dm, int64_t N, float *y) {
-    quantized_x qx;
-    if (quantize_input(x, M, K, &qx)) return -1;
-    const int64_t G = K / QK;
-    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;
-        TILED(q4_row, qs, dm, G * 16, 2 * G)
-    }
-    release_input(&qx);
-    return 0;
+    BLOCK_MATMUL(q4_row, qs, dm, G * 16, 2 * G)
 }
 
 /* Q8: qs [N, K] signed bytes, d [N, K/32] floats. y [M, N]. Returns 0, or -1 without memory. */
 int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y) {
-    quantized_x qx;
-    if (quantize_input(x, M, K, &qx)) return -1;
-    const int64_t G = K / QK;
-    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;
-        TILED(q8_row, qs, d, K, G)
-    }
-    release_input(&qx);
-    return 0;
+    BLOCK_MATMUL(q8_row, qs, d, K, G)
 }
 
 /* ---------------------------------------------------------------------------------------------
