@@ -73,7 +73,9 @@ Shape::
                                      #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/frontend.py)
       max_message_bytes: 4194304     # largest gRPC message either way and HTTP request body (gRPC:
                                      #   RESOURCE_EXHAUSTED, HTTP: 413)
-      max_prompt_chars: 1048576      # characters of a text prompt (chat: of all messages together)
+      max_prompt_chars: null         # characters of a text prompt (chat: of all messages together), checked
+                                     #   before it is tokenized; null: 32 x engine.max_model_len
+                                     #   (PROMPT_CHARS_PER_TOKEN: far more characters a token than text averages)
       max_prompt_tokens: null        # token ids of a token-id prompt; null: engine.max_model_len - 1
       max_tokens: null               # largest max_tokens (>= 16, the default); null: engine.max_model_len
       max_stop: 16                   # stop strings per request
@@ -102,6 +104,12 @@ SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
 PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+# limits.max_prompt_chars when null: this many characters for each token of engine.max_model_len.
+# Generous: text averages about 4 characters a token (code a few more), so a prompt that fits the
+# context is not refused by it, and one far longer is refused before it is tokenized. A deployment
+# whose prompts are mostly long single tokens (some tokenizers merge long runs of spaces or
+# punctuation) sets limits.max_prompt_chars.
+PROMPT_CHARS_PER_TOKEN = 32
 MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits.max_request_id_chars <= this)
 COUPLINGS = ("gumbel", "rejection")  # = specdist.coupling.COUPLINGS
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
@@ -266,7 +274,7 @@ class LimitsConfig:
     """What one public request may ask for; :mod:`specdist.frontend` applies it to gRPC and HTTP."""
 
     max_message_bytes: int = 4 << 20
-    max_prompt_chars: int = 1 << 20
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN * engine.max_model_len
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_stop: int = 16
@@ -277,8 +285,10 @@ class LimitsConfig:
 
     def validate(self, key: str) -> None:
         _check_int(self.max_message_bytes, f"{key}.max_message_bytes", 1024, 2**31 - 1)
-        for name in ("max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_n"):
+        for name in ("max_stop", "max_stop_chars", "max_stop_token_ids", "max_n"):
             _check_int(getattr(self, name), f"{key}.{name}", 1, 2**31 - 1)
+        if self.max_prompt_chars is not None:
+            _check_int(self.max_prompt_chars, f"{key}.max_prompt_chars", 1, 2**31 - 1)
         if self.max_prompt_tokens is not None:
             _check_int(self.max_prompt_tokens, f"{key}.max_prompt_tokens", 1, 2**31 - 1)
         if self.max_tokens is not None:  # at least the default a request without max_tokens gets

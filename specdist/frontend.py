@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specdist.config import PROMPT_CHARS_PER_TOKEN
 from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
@@ -50,7 +51,7 @@ class Limits:
         c = engine.config.limits
         return cls(
             max_message_bytes=c.max_message_bytes,
-            max_prompt_chars=c.max_prompt_chars,
+            max_prompt_chars=prompt_chars_limit(c.max_prompt_chars, engine.max_model_len),
             max_prompt_tokens=engine.max_model_len - 1 if c.max_prompt_tokens is None else c.max_prompt_tokens,
             max_tokens=engine.max_model_len if c.max_tokens is None else c.max_tokens,
             max_stop=c.max_stop,
@@ -63,6 +64,12 @@ class Limits:
     def grpc_options(self) -> list[tuple[str, int]]:
         """grpc server options: a larger message either way is refused by grpc (RESOURCE_EXHAUSTED)."""
         return grpc_message_options(self.max_message_bytes)
+
+
+def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:
+    """``limits.max_prompt_chars``, or when it is null ``PROMPT_CHARS_PER_TOKEN`` characters for each
+    token of the context (a prompt cannot usefully be longer than the model's context)."""
+    return max_model_len * PROMPT_CHARS_PER_TOKEN if max_prompt_chars is None else max_prompt_chars
 
 
 def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None,

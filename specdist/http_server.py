@@ -58,9 +58,10 @@ and the stream ends without ``[DONE]``.
 A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
 requests: their KV slots are free within one engine step.
 
-With a token (``specdist serve --auth-token-file``, :mod:`specdist.security`), /v1/* and
-/metrics answer 401 (``type`` ``authentication_error``, ``code`` ``invalid_api_key``) without
-``Authorization: Bearer <token>``; ``GET /health`` stays open for probes.
+With a token (``specdist serve --auth-token-file``, :mod:`specdist.security`), /v1/*, /metrics
+and ``GET /openapi.json`` (the API's schema) answer 401 (``type`` ``authentication_error``,
+``code`` ``invalid_api_key``) without ``Authorization: Bearer <token>``; ``GET /health`` stays
+open for probes. FastAPI's ``/docs`` and ``/redoc`` pages are not served.
 """
 
 from __future__ import annotations
@@ -510,13 +511,19 @@ def _event(payload: dict[str, Any]) -> bytes:
 def create_app(coordinator: Coordinator, model_name: str | None = None, token: str | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring).
 
-    ``token``: /v1/* and /metrics answer 401 without ``Authorization: Bearer <token>``.
+    ``token``: /v1/*, /metrics and /openapi.json answer 401 without ``Authorization: Bearer <token>``.
     """
     front = _OpenAIFrontEnd(coordinator, model_name)
+    # FastAPI's own /openapi.json route has no dependencies; this app serves it itself, behind the
+    # token like /v1/*. No /docs or /redoc: their pages load scripts from a CDN.
     app = FastAPI(title="specdist", description="OpenAI-compatible API over speculative decoding",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = front
     auth = [Depends(_bearer_auth(token))] if token else []
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -679,7 +686,7 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
 
     ``security``: HTTPS with its certificate (a client certificate required with a client CA),
-    and its token on /v1/* and /metrics (:mod:`specdist.security`).
+    and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.security`).
 
     The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
     """

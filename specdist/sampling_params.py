@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from specdist.errors import InvalidArgument
 
 INT32_END = 2**31  # max_tokens, top_k and token ids travel as int32 (common.proto); larger ones are refused
 MAX_LOGPROBS = 20  # most top entries ``logprobs`` may ask for per token (OpenAI's and vLLM's default bound)
+# The samplers use temperature and top_p as float32 (specdist.transport.sampling_tensors, the wire's
+# float fields), so they are checked as the float32 they become: a positive value must be a normal
+# float32, [FLOAT32_MIN_NORMAL, FLOAT32_MAX]. Below it float32 makes it 0 or subnormal (flushed to 0
+# where a device or compiled kernel flushes subnormals): top_p keeps nothing (NaN probabilities), a
+# temperature turns greedy or divides by 0. Above it, it is inf.
+FLOAT32_MIN_NORMAL = 2.0**-126  # 1.1754944e-38
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127  # 3.4028235e+38
 
 
 @dataclass(frozen=True)
@@ -22,7 +30,9 @@ class SamplingParams:
     token, its log-probability under the target's processed distribution (temperature,
     top-k and top-p applied: the one it was sampled from) and that of the ``logprobs`` most
     likely tokens at its position (0: the token's own only; ``None``: nothing, at no cost);
-    see :mod:`specdist.logprobs`.
+    see :mod:`specdist.logprobs`. ``temperature`` and ``top_p`` are checked as the float32 values
+    the samplers use (``FLOAT32_MIN_NORMAL``): one that float32 makes 0, subnormal or infinite is
+    refused, and the value given is kept as given.
     """
 
     max_tokens: int = 16
@@ -42,12 +52,18 @@ class SamplingParams:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or not 1 <= self.max_tokens < INT32_END:
             raise InvalidArgument("max_tokens", f"must be an integer >= 1 (and < 2**31), got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        t = _as_float32(self.temperature)
+        if t is None or not (self.temperature == 0 or FLOAT32_MIN_NORMAL <= t <= FLOAT32_MAX):
+            raise InvalidArgument("temperature", "must be 0 or a number from 1.1754944e-38 to 3.4028235e+38 (it is "
+                                                 f"used as a float32), got {_shown(self.temperature)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < INT32_END:
             raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it; < 2**31), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        p = _as_float32(self.top_p)
+        if p is None or not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {_shown(self.top_p)}")
+        if p < FLOAT32_MIN_NORMAL:
+            raise InvalidArgument("top_p", "must be at least 1.1754944e-38 (it is used as a float32; smaller values are 0 "
+                                           f"or subnormal there), got {self.top_p!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):
@@ -69,6 +85,32 @@ class SamplingParams:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _shown(x: object) -> str:
+    """``repr(x)`` for a one-line message, cut to 40 characters (an int may have thousands of digits)."""
+    try:
+        s = repr(x)
+    except ValueError:  # an int over sys.get_int_max_str_digits()
+        return f"an {type(x).__name__} too long to print"
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _as_float32(x: object) -> float | None:
+    """``x`` rounded to float32 as the samplers will see it (+-inf beyond float32's range); None
+    for a non-number or NaN."""
+    if not _is_number(x):
+        return None
+    try:
+        x = float(x)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond float64
+        return math.inf if x > 0 else -math.inf  # type: ignore[operator]
+    if math.isnan(x):
+        return None
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # rounds beyond FLOAT32_MAX
+        return math.copysign(math.inf, x)
 
 
 def _as_tuple(value: object, name: str, kind: type) -> tuple:

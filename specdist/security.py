@@ -6,9 +6,9 @@ Server side (``specdist serve``):
   (mutual TLS).
 - ``--auth-token-file``: a file holding one token (surrounding whitespace stripped), read once
   at start. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
-  header), except the probes: the gRPC health service and ``GET /health``. A missing or wrong
-  token is gRPC UNAUTHENTICATED / HTTP 401; the token is never echoed, and it is compared in
-  constant time (``hmac.compare_digest``).
+  header; on the HTTP port: /v1/*, /metrics and /openapi.json), except the probes: the gRPC
+  health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED / HTTP
+  401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
 
 Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
 CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
