@@ -22,8 +22,11 @@ class behind gRPC (``workers/draft_worker.py``). The methods:
   only, so they are fixed before verification. A request whose suffix draft was taken skips
   the model: its KV cache catches up on every committed token at its next model pass.
 
-:func:`build_drafter_core` is the one place that turns a ``draft:`` config into a core (the
-engine and the draft worker actor both call it).
+:func:`build_drafter_core` is the one place that turns a ``draft:`` config into a core, and
+:func:`load_draft_model` the one that loads the model it drafts with (a draft model checked
+against the target's vocabulary by :func:`check_draft_vocab`, or the target's own copy); the
+engine and the draft worker actor both call them. :func:`warm_up_drafter` is a draft worker's
+warm-up before it serves.
 
 Per request the core keeps the committed token sequence, the SamplingParams, its seed (the
 StartItem seed, i.e. ``draft_seed(request seed)``), the tokens of its last proposal and, for
@@ -48,11 +51,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdist.config import DraftConfig, target_copy
+from specdist.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from specdist.errors import ResourceExhausted
 from specdist.kv_cache import SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.ngram import NgramIndex
@@ -74,9 +78,6 @@ from specdist.transport import (
     sampling_tensors,
 )
 from specdist.wire import fp16_exact
-
-if TYPE_CHECKING:
-    from specdist.config import DraftConfig
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
@@ -447,7 +448,7 @@ class DrafterCore:
         return out
 
 
-def suffix_settings(dc: "DraftConfig") -> SuffixSettings:
+def suffix_settings(dc: DraftConfig) -> SuffixSettings:
     """The ``draft.suffix_*`` keys of a config."""
     return SuffixSettings(dc.suffix_max_depth, dc.suffix_min_prob, dc.suffix_max_spec_factor,
                           dc.suffix_cache_requests, dc.suffix_min_score)
@@ -465,7 +466,56 @@ def _top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], r
     return kept / kept.sum(-1, keepdim=True)
 
 
-def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, max_model_len: int,
+def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: torch.device | str = "cpu",
+                     target: torch.nn.Module | None = None, target_tokenizer=None) -> torch.nn.Module | None:
+    """The model ``dc.method`` drafts with, in ``dtype`` on ``device``; None for the model-free methods.
+
+    ``model``: the draft model ``dc.model``, refused unless its vocabulary is the target's
+    (:func:`check_draft_vocab` against ``target`` and ``target_tokenizer`` when the caller has
+    them, else against ``target_model``'s config and tokenizer, read without weights). Self drafts
+    (``self-w8``, ``self-w4``, and ``hybrid``'s self-w8): the target's low-precision copy
+    (:func:`specdist.models.native.self_draft`) of ``target`` (the loaded target: a self-w4 copy
+    of a target already on int4 groups shares its modules) or, without one, of the target loaded
+    here: a GGUF file's own blocks for self-w4, the floats (quantized) otherwise."""
+    from specdist.models.loader import load_model, load_tokenizer, resolve_model
+
+    method = dc.method
+    if method == "model":
+        if not dc.model:
+            raise ConfigError("draft.model", "method 'model' needs a draft model")
+        dsrc = resolve_model(dc.model, "draft.model")
+        draft = load_model(dsrc, dtype, device)
+        if target is not None:
+            vocab = int(target.config.vocab_size)
+        else:
+            from specdist.models.metadata import model_metadata
+
+            target_tokenizer, vocab, _ = model_metadata(target_model, "target.model")
+        check_draft_vocab(draft, vocab, load_tokenizer(dsrc), target_tokenizer)
+        return draft
+    copy = target_copy(method)
+    if copy is None:
+        return None
+    from specdist.models.native import self_draft
+
+    src = resolve_model(target_model, "target.model")
+    if target is None:
+        target = load_model(src, dtype, device, weights="native" if copy == "self-w4" else "float")
+    return self_draft(target, copy, src.gguf_path)
+
+
+def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:
+    """A draft model proposes token ids of the target's vocabulary: the same size and, where both
+    tokenizers are known, the same tokens (ConfigError naming ``draft.model`` otherwise)."""
+    if int(draft.config.vocab_size) != int(vocab_size):
+        raise ConfigError("draft.model",
+                          f"vocabulary size {draft.config.vocab_size} differs from the target's {vocab_size}")
+    if (draft_tokenizer is not None and target_tokenizer is not None
+            and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab()):
+        raise ConfigError("draft.model", "tokenizer vocabulary differs from the target's (same size, other tokens)")
+
+
+def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
                        prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
@@ -483,8 +533,6 @@ def build_drafter_core(dc: "DraftConfig", vocab_size: int, max_batch_size: int, 
 
 
 def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill):
-    from specdist.errors import ConfigError
-
     method = dc.method
     if method == "none":
         return None
@@ -494,14 +542,29 @@ def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_s
         return DrafterCore.from_suffix(vocab_size, max_model_len, suffix_settings(dc))
     if model is None:
         raise ConfigError("draft.method", f"{method!r} needs a draft model")
-    if int(model.config.vocab_size) != int(vocab_size):
-        raise ConfigError("draft.model",
-                          f"vocabulary size {model.config.vocab_size} differs from the target's {vocab_size}")
+    check_draft_vocab(model, vocab_size)
     if method == "hybrid":
         return DrafterCore.hybrid(model, max_batch_size, max_model_len, suffix_settings(dc), dc.confidence_threshold,
                                   prefix_source=prefix_source, defer_prefill=defer_prefill)
     return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
                                   prefix_source=prefix_source, defer_prefill=defer_prefill)
+
+
+WARMUP_ID = "__specdist_warmup__"  # the request id of a worker's warm-up calls (draft and target)
+
+
+def warm_up_drafter(core, k: int) -> None:
+    """One short greedy Start / Propose (up to ``k`` tokens) / Release on ``core`` (a
+    :class:`DrafterCore`, or a DraftPipeline around one): first-call costs are paid before
+    serving, and the core holds nothing of it afterwards."""
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    prompt = [0, 1 % core.vocab_size]
+    try:
+        core.start([StartItem(WARMUP_ID, prompt, sp, 1)])
+        n = max(0, min(k, core.max_model_len - len(prompt) - 1))
+        core.propose([ProposeItem(WARMUP_ID, 0, [], n, len(prompt))])
+    finally:
+        core.release([WARMUP_ID])
 
 
 class LocalDrafter(LocalTransport):

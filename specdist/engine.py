@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config, target_copy
-from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core
-from specdist.errors import ConfigError
+from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner, compile_runner
 from specdist.pipeline import pipelined
@@ -62,15 +61,8 @@ class Engine(Scheduler):
                 tokenizer = load_tokenizer(src)
             if target is None:
                 target = load_model(src, cfg.target.dtype, device, weights=cfg.target.weights)
-            draft = None
-            if cfg.draft.method == "model":
-                dsrc = resolve_model(cfg.draft.model, "draft.model")
-                draft = load_model(dsrc, cfg.draft.dtype, device)
-                check_same_vocab(target, tokenizer, draft, load_tokenizer(dsrc))
-            elif target_copy(cfg.draft.method):
-                from specdist.models.native import self_draft
-
-                draft = self_draft(target, target_copy(cfg.draft.method), src.gguf_path)
+            # a draft model checked against the target's vocabulary, or the target's own copy
+            draft = load_draft_model(cfg.draft, cfg.target.model, cfg.draft_dtype, device, target, tokenizer)
         return cls(cfg, target, tokenizer, draft)
 
 
@@ -79,13 +71,3 @@ def device_for(name: str | None) -> torch.device:
     if name in ("auto", None):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def check_same_vocab(target, target_tok, draft, draft_tok) -> None:
-    if int(draft.config.vocab_size) != int(target.config.vocab_size):
-        raise ConfigError(
-            "draft.model",
-            f"vocabulary size {draft.config.vocab_size} differs from the target's {target.config.vocab_size}",
-        )
-    if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ConfigError("draft.model", "tokenizer vocabulary differs from the target's (same size, other tokens)")

@@ -25,7 +25,6 @@ from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.prompts import is_conversation
 from specdist.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
-from specdist.wire import grpc_message_options
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,6 @@ class Limits:
             max_request_id_chars=c.max_request_id_chars,
             max_n=c.max_n,
         )
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        """grpc server options: a larger message either way is refused by grpc (RESOURCE_EXHAUSTED)."""
-        return grpc_message_options(self.max_message_bytes)
 
 
 def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:

@@ -10,8 +10,9 @@ server UNAVAILABLE; Cancel of an id no running request has NOT_FOUND. A request 
 fails inside a step gets a last message with FINISH_REASON_ERROR and the stream then
 ends with INTERNAL.
 
-``serve()`` also registers the standard ``grpc.health.v1.Health`` service (SERVING
-once the engine has warmed up, NOT_SERVING while draining and while the target is down) and server reflection.
+``serve()`` hosts it on :func:`specdist.grpc_host.start_grpc_host` (the host the workers'
+ports use too), with the standard ``grpc.health.v1.Health`` service (SERVING once the engine
+has warmed up, NOT_SERVING while draining and while the target is down) and server reflection.
 With a token (:mod:`specdist.security`) every method except the health service's is
 UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
@@ -25,17 +26,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from specdist import logprobs
 from specdist.coordinator import Coordinator, Delta
 from specdist.engine import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.frontend import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
+from specdist.grpc_host import GrpcHost, start_grpc_host
 from specdist.grpc_status import grpc_status, grpc_status_of
-from specdist.security import ServerSecurity, auth_interceptors
+from specdist.security import ServerSecurity
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -179,24 +178,18 @@ def _parsing(method, request_cls, streaming: bool):
 class SpecDistServer:
     """A started gRPC server with its coordinator; ``stop()`` drains, then shuts down."""
 
-    def __init__(
-        self,
-        grpc_server: grpc.aio.Server,
-        coordinator: Coordinator,
-        health: health_aio.HealthServicer,
-        port: int,
-        drain_seconds: float,
-    ):
-        self.grpc_server = grpc_server
+    def __init__(self, host: GrpcHost, coordinator: Coordinator, drain_seconds: float):
+        self.host = host
         self.coordinator = coordinator
-        self.health = health
-        self.port = port
         self.drain_seconds = drain_seconds
 
+    @property
+    def port(self) -> int:
+        return self.host.port
+
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        """The health status of the server ("") and of SpecDecode."""
+        await self.host.set_serving(serving)
 
     async def stop(self, drain_seconds: float | None = None) -> None:
         """NOT_SERVING, refuse new requests, let running ones finish (up to the drain time),
@@ -207,10 +200,10 @@ class SpecDistServer:
             live = self.coordinator.counters()["live_requests"]
             log.warning("drain time (%.1fs) over; aborting %d requests", wait, live)
         await self.coordinator.close()
-        await self.grpc_server.stop(grace=1.0)
+        await self.host.stop(grace=1.0)
 
     async def wait_for_termination(self) -> None:
-        await self.grpc_server.wait_for_termination()
+        await self.host.wait_for_termination()
 
 
 async def serve(
@@ -221,27 +214,16 @@ async def serve(
 
     Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
     credentials for the port, and a token every method but the health service requires
-    (:mod:`specdist.security`).
+    (:mod:`specdist.security`). Messages over ``limits.max_message_bytes`` are refused.
     """
     security = security or ServerSecurity()
     coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
-    server = grpc.aio.server(options=Limits.of(engine).grpc_options(), interceptors=auth_interceptors(security.token))
-    add_servicer(SpecDecodeServicer(coordinator), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
-    if security.tls is not None:
-        bound = server.add_secure_port(f"{host}:{port}", security.tls.grpc_credentials())
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    wrapped = SpecDistServer(server, coordinator, health, bound, drain_seconds)
-    await wrapped.set_serving(False)
-    await server.start()
+    servicer = SpecDecodeServicer(coordinator)
+    hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,
+                                   servicer.limits.max_message_bytes, token=security.token, tls=security.tls,
+                                   reflection=True, serving=False)
+    wrapped = SpecDistServer(hosted, coordinator, drain_seconds)
     try:
         await coordinator.warm_up()
     except BaseException:

@@ -15,15 +15,15 @@ Lifecycle (Ray Serve style), driven by :class:`cluster.deployment.Deployment`::
 
 Every call into a worker (warm-up, RPCs, shutdown) runs on ONE executor thread per actor
 (models and collectives are not thread-safe); the gRPC server runs on the actor's own asyncio
-loop thread. The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started,
-NOT_SERVING while draining or shut down. With a ``secret`` (the deployment's worker secret,
-given to ``start_grpc``) every call but the health service's needs ``authorization: Bearer
-<secret>`` metadata, else UNAUTHENTICATED (:func:`specdist.security.auth_interceptors`).
+loop thread (:class:`specdist.grpc_host.GrpcHostThread`, the host the public server uses too).
+The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started, NOT_SERVING while
+draining or shut down. With a ``secret`` (the deployment's worker secret, given to
+``start_grpc``) every call but the health service's needs ``authorization: Bearer <secret>``
+metadata, else UNAUTHENTICATED (:func:`specdist.security.auth_interceptors`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
@@ -33,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from specdist.drafting import WARMUP_ID
 from specdist.frontend import bare_host
+from specdist.grpc_host import GrpcHostThread
 from specdist.sampling_params import SamplingParams
-from specdist.transport import ProposeItem, Proposal, StartItem, VerifyItem
+from specdist.transport import Proposal, StartItem, VerifyItem
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.wire import MAX_DRAFT_TOKENS
 from workers.servicing import core_message_limit
-
-WARMUP_ID = "__specdist_warmup__"
 
 
 class ActorError(RuntimeError):
@@ -102,68 +102,12 @@ def _reachable_host(bind_host: str) -> str:
     return bind_host
 
 
-class _GrpcHost:
-    """A grpc.aio server (+ health service) on its own asyncio loop thread; with a ``secret``
-    every call but health's must carry it as a bearer token."""
-
-    def __init__(self, add_fns, host: str, port: int, service_names: tuple[str, ...], secret: str | None = None,
-                 message_limit: int = 4 << 20):
-        from grpc_health.v1 import health_pb2_grpc
-        from grpc_health.v1.health import aio as health_aio
-
-        from workers.servicing import worker_server
-
-        self.service_names = ("",) + tuple(service_names)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
-        self.thread.start()
-
-        async def start():
-            server = worker_server(message_limit, secret)  # messages up to the servicer's limit
-            for add in add_fns:
-                add(server)
-            health = health_aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(health, server)
-            bound = server.add_insecure_port(f"{host}:{port}")
-            if bound == 0:
-                raise OSError(f"cannot listen on {host}:{port}")
-            await server.start()
-            return server, health, bound
-
-        try:
-            self.server, self.health, self.port = self._run(start(), 30)
-        except BaseException:
-            self._stop_loop()
-            raise
-        self.address = f"{_reachable_host(host)}:{self.port}"
-        self.set_serving(True)
-
-    def _run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def set_serving(self, serving: bool) -> None:
-        from grpc_health.v1 import health_pb2
-
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def set_all():
-            for name in self.service_names:
-                await self.health.set(name, status)
-
-        self._run(set_all(), 10)
-
-    def stop(self, grace: float = 1.0) -> None:
-        try:
-            self.set_serving(False)
-            self._run(self.server.stop(grace), grace + 30)
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
+def _serve(servicer, service_name: str, add, host: str, port: int, secret: str | None) -> GrpcHostThread:
+    """Host ``servicer`` (registered by ``add(servicer, server)``) with the health service on
+    ``host:port`` on a loop thread of its own: messages up to the servicer's limit, ``secret``
+    required of every caller but the health service's, SERVING from the start."""
+    return GrpcHostThread({service_name: lambda server: add(servicer, server)}, host, port, servicer.message_limit,
+                          token=secret, serving=True)
 
 
 def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
@@ -186,7 +130,8 @@ class _ActorBase:
         self.cpu = pin_process(cpu) if cpu is not None else None
         self.worker = None
         self.servicer = None
-        self.grpc: _GrpcHost | None = None
+        self.grpc: GrpcHostThread | None = None
+        self.grpc_address: str | None = None  # "host:port" others dial while the gRPC server is up
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-worker")
         self.state = "created"  # created -> loaded -> warm -> serving -> draining -> shut down
         self.draining = False
@@ -207,7 +152,7 @@ class _ActorBase:
             "pid": os.getpid(),
             "cpu": self.cpu,  # the core it is pinned to (cluster.pin_cpus), else None
             "node_ip": _node_ip(),
-            "address": self.grpc.address if self.grpc else None,
+            "address": self.grpc_address if self.grpc else None,
             "draining": self.draining,
             "load_s": self.load_s,
             "warmup_s": self.warmup_s,
@@ -341,12 +286,11 @@ class TargetRankActor(_ActorBase):
 
         cls = _draining_servicer(TargetServicer, "Prefill", "target")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
-        servicer = self.servicer
-        self.grpc = _GrpcHost([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], host, port,
-                              (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,), secret,
-                              servicer.message_limit)
+        self.grpc = _serve(self.servicer, target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
+                           target_pb2_grpc.add_TargetWorkerServicer_to_server, host, port, secret)
+        self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
-        return self.grpc.address
+        return self.grpc_address
 
     @_shippable_errors
     def run_follower(self) -> int:
@@ -437,39 +381,29 @@ class DraftActor(_ActorBase):
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
     ) -> dict:
+        """Load the draft through the engine's factory path (:mod:`specdist.drafting`): the draft
+        model checked against the target's vocabulary, or the target's own copy, or none; then the
+        core, compiled passes (``compile_passes``) and the pipeline (``pipeline``)."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.config import DraftConfig, target_copy
-        from specdist.drafting import MODEL_FREE_METHODS, build_drafter_core
-        from specdist.pipeline import pipelined
+        from specdist.config import DRAFT_METHODS, DraftConfig
+        from specdist.drafting import build_drafter_core, load_draft_model
         from specdist.engine import device_for
         from specdist.errors import ConfigError
-        from specdist.models.loader import load_model, resolve_model
+        from specdist.pipeline import pipelined
 
-        dev = device_for(device)
-        dc = DraftConfig(method=method, confidence_threshold=confidence_threshold, ngram_min=ngram_min,
-                         ngram_max=ngram_max, q_top_k=q_top_k, **(suffix or {}))
-        model = None
-        if method == "model":
-            if not draft_model_spec:
-                raise ConfigError("draft.model", "method 'model' needs a draft model")
-            model = load_model(resolve_model(draft_model_spec, "draft.model"), dtype, dev)
-        elif target_copy(method):  # self-w8, self-w4, hybrid (self-w8 + the suffix index)
-            from specdist.models.native import self_draft
-
-            src = resolve_model(target_model_spec, "target.model")
-            # self-w4 of a GGUF target: the file's blocks, loaded as such; self-w8: the floats, quantized
-            target = load_model(src, dtype, dev, weights="native" if target_copy(method) == "self-w4" else "float")
-            model = self_draft(target, target_copy(method), src.gguf_path)
-            del target
-        elif method not in MODEL_FREE_METHODS:
+        if method == "none" or method not in DRAFT_METHODS:
             raise ConfigError("draft.method", f"a draft actor runs model, self-w8, self-w4, ngram, suffix or hybrid, "
                                               f"not {method!r}")
-        if model is None:
+        dc = DraftConfig(method=method, model=draft_model_spec if method == "model" else None,
+                         confidence_threshold=confidence_threshold, ngram_min=ngram_min, ngram_max=ngram_max,
+                         q_top_k=q_top_k, **(suffix or {}))
+        model = load_draft_model(dc, target_model_spec, dtype, device_for(device))
+        if model is None:  # n-gram and suffix drafts: the target's vocabulary, read without weights
             from specdist.models.metadata import model_metadata
 
             _, vocab, _ = model_metadata(target_model_spec, "target.model")
-        else:
+        else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model)
@@ -486,22 +420,13 @@ class DraftActor(_ActorBase):
     @_shippable_errors
     def warmup(self) -> float:
         self._require("loaded", "warm")
+        from specdist.drafting import warm_up_drafter
+
         t0 = time.perf_counter()
-        self._on_worker_thread(self._warmup_calls)
+        self._on_worker_thread(warm_up_drafter, self.worker, self.k)
         self.warmup_s = time.perf_counter() - t0
         self.state = "warm"
         return self.warmup_s
-
-    def _warmup_calls(self) -> None:
-        w = self.worker
-        sp = SamplingParams(temperature=0.0, max_tokens=2)
-        prompt = [0, 1 % w.vocab_size]
-        try:
-            w.start([StartItem(WARMUP_ID, prompt, sp, 1)])
-            n = max(0, min(self.k, w.max_model_len - len(prompt) - 1))
-            w.propose([ProposeItem(WARMUP_ID, 0, [], n, len(prompt))])
-        finally:
-            w.release([WARMUP_ID])
 
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
@@ -512,12 +437,11 @@ class DraftActor(_ActorBase):
 
         cls = _draining_servicer(DraftServicer, "Start", "draft")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
-        servicer = self.servicer
-        self.grpc = _GrpcHost([lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], host, port,
-                              (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,), secret,
-                              servicer.message_limit)
+        self.grpc = _serve(self.servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
+                           draft_pb2_grpc.add_DraftWorkerServicer_to_server, host, port, secret)
+        self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
-        return self.grpc.address
+        return self.grpc_address
 
     def health(self) -> dict:
         out = self._base_health()

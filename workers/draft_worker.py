@@ -29,7 +29,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None,
                  message_limit: int | None = None):
         """``message_limit``: the largest message its server must pass
-        (:func:`workers.servicing.worker_server`); by default the core's :func:`core_message_limit`."""
+        (:mod:`specdist.grpc_host`); by default the core's :func:`core_message_limit`."""
         self.core = core
         self.message_limit = core_message_limit(core) if message_limit is None else message_limit
         self.runner = BlockingCallRunner("draft-worker", executor)

@@ -1,5 +1,5 @@
 """What the target and draft servicers share: one thread for the core, errors as gRPC statuses,
-and the gRPC server a worker serves them on (its message limit)."""
+and the message limit of the server a worker serves them on (:mod:`specdist.grpc_host`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from specdist.errors import SpecDistError
+from specdist.grpc_host import grpc_server
 from specdist.grpc_status import grpc_status_of
 from specdist.remote import timing_metadata
-from specdist.security import auth_interceptors
 from specdist.transport import CallTiming
-from specdist.wire import MAX_DRAFT_TOKENS, grpc_message_options, message_limit_bytes
+from specdist.wire import MAX_DRAFT_TOKENS, message_limit_bytes
 
 
 def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
@@ -28,10 +28,11 @@ def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
 
 
 def worker_server(message_limit: int, secret: str | None = None) -> grpc.aio.Server:
-    """A worker's grpc.aio server (create it on the loop that runs it): messages up to
+    """A bare worker server for a caller that binds and starts it itself (the actors use
+    :class:`specdist.grpc_host.GrpcHostThread`, which also serves health): messages up to
     ``message_limit`` bytes either way (a servicer's ``message_limit``); with a ``secret``, every
     call but the health service's must carry it as a bearer token."""
-    return grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(secret))
+    return grpc_server(message_limit, secret)
 
 
 class BlockingCallRunner:
