@@ -59,17 +59,14 @@ def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T
 
 
 # CPU float32 attends through specdist's CPU kernels where they run (x86 with AVX2); "sdpa" turns them off to
-# cover the SDPA forms there too (CUDA always takes SDPA)
-ATTENTION = [pytest.param("kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
-             "sdpa"]
+# cover the SDPA forms there too (CUDA always takes SDPA): (device, attention) pairs
+PLACES = [pytest.param("cpu", "kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
+          ("cpu", "sdpa"), pytest.param("cuda", "sdpa", marks=devices()[1].marks)]
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device,attention", PLACES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family: str, device: str, attention: str, monkeypatch) -> None:
-    if attention == "kernels" and device != "cpu":
-        pytest.skip("the CPU kernels attend on the CPU only")
     forms = set()  # the attention forms the schedule ran: "none" (no mask), "causal", "mask"
     plan = runner_module._attention_plan
 

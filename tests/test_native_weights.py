@@ -76,13 +76,12 @@ def _assert_int4_matmul(lin: nn.Module, w: torch.Tensor, mag: torch.Tensor, x: t
     return ratio
 
 
-@pytest.fixture(params=["blocks", "int4pack"])
+@pytest.fixture(params=[pytest.param("blocks", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="block kernels need an x86 CPU with AVX2 and a C compiler")), "int4pack"])
 def int4_backend(request, monkeypatch):
     """Each Int4GroupLinear built under this fixture uses the named backend."""
     if request.param == "int4pack":
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip("block kernels need an x86 CPU with AVX2 and a C compiler")
     return request.param
 
 
