@@ -14,6 +14,10 @@ Names follow vLLM's (``vllm:x`` is ``specdist_x``) where vLLM has the metric, wi
 - gauges ``specdist_num_requests_running``, ``specdist_num_requests_waiting``,
   ``specdist_target_kv_slots_used``, ``specdist_draft_kv_slots_used{replica}``: as of the
   coordinator's last pass (or the engine's state, without a coordinator);
+- gauges ``specdist_target_releases_pending``, ``specdist_draft_releases_pending{replica}``:
+  requests whose release failed and is being retried (``Scheduler.releases_pending``; each may
+  still hold a KV slot there), from the snapshot when it has ``releases``, else read from the
+  engine at scrape time (counts only);
 - ``specdist_spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}``, each
   labelled with the draft ``replica``: drafts (request-steps that verified a draft), draft
@@ -68,16 +72,19 @@ class Metrics:
     """The Prometheus series of one engine (see the module docstring).
 
     ``snapshot``: returns an object with ``running``, ``waiting`` and ``kv`` (the engine's
-    ``kv_slots_in_use()``), read at scrape time; default: the engine itself (then scrape only
-    where the engine is not stepping concurrently, or accept a racy read).
+    ``kv_slots_in_use()``) and optionally ``releases`` (its ``releases_pending()``), read at
+    scrape time; default: the engine itself (then scrape only where the engine is not stepping
+    concurrently, or accept a racy read).
     """
 
     def __init__(self, engine: Any, snapshot: Callable[[], Any] | None = None):
         self.engine = engine
         self.registry = CollectorRegistry()
         self.recording = True  # False: events are ignored (the coordinator's warm-up)
+        releases = getattr(engine, "releases_pending", None)
         self._snapshot = snapshot or (lambda: SimpleNamespace(
-            running=len(engine.running), waiting=len(engine.waiting), kv=engine.kv_slots_in_use()))
+            running=len(engine.running), waiting=len(engine.waiting), kv=engine.kv_slots_in_use(),
+            releases=releases() if releases is not None else {}))
         self._window: deque[tuple[int, float, int, float]] = deque(maxlen=SPEEDUP_WINDOW)
         self._speedup = 0.0
         r = self.registry
@@ -132,7 +139,7 @@ class Metrics:
                                     ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram(p + "step_batch_size", "Requests verified in a step",
                                     buckets=BATCH_BUCKETS, registry=r)
-        r.register(_Gauges(self._snapshot))
+        r.register(_Gauges(self._snapshot, releases))
         self._listening = hasattr(engine, "listeners")  # a stand-in engine without step events
         if self._listening:
             engine.listeners.append(self.observe)
@@ -210,10 +217,12 @@ class Metrics:
 
 
 class _Gauges:
-    """Running / waiting requests and KV slots, read from a snapshot at scrape time."""
+    """Running / waiting requests, KV slots and pending releases, read from a snapshot at scrape time
+    (pending releases from ``releases``, the engine's counts, when the snapshot has none)."""
 
-    def __init__(self, snapshot: Callable[[], Any]):
+    def __init__(self, snapshot: Callable[[], Any], releases: Callable[[], dict[str, int]] | None = None):
         self.snapshot = snapshot
+        self.releases = releases
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.snapshot()
@@ -221,11 +230,24 @@ class _Gauges:
         yield GaugeMetricFamily("specdist_num_requests_waiting", "Requests waiting for admission", value=s.waiting)
         yield GaugeMetricFamily("specdist_target_kv_slots_used", "Requests holding a KV slot on the target",
                                 value=s.kv.get("target", 0))
-        draft = GaugeMetricFamily("specdist_draft_kv_slots_used", "Requests holding draft state, per draft replica",
-                                  labels=["replica"])
-        per_replica = {k.split("/", 1)[1]: v for k, v in s.kv.items() if k.startswith("draft/")}
-        if not per_replica and "draft" in s.kv:  # one replica: the engine reports only the total
-            per_replica = {"0": s.kv["draft"]}
-        for rep, v in sorted(per_replica.items()):
-            draft.add_metric([rep], v)
-        yield draft
+        yield _per_replica(GaugeMetricFamily("specdist_draft_kv_slots_used",
+                                             "Requests holding draft state, per draft replica", labels=["replica"]), s.kv)
+        releases = getattr(s, "releases", None)
+        if releases is None:
+            releases = self.releases() if self.releases is not None else {}
+        yield GaugeMetricFamily("specdist_target_releases_pending",
+                                "Requests whose release on the target failed and is retried (may hold a KV slot)",
+                                value=releases.get("target", 0))
+        yield _per_replica(GaugeMetricFamily("specdist_draft_releases_pending",
+                                             "Requests whose release on a draft replica failed and is retried",
+                                             labels=["replica"]), releases)
+
+
+def _per_replica(gauge: GaugeMetricFamily, counts: dict[str, int]) -> GaugeMetricFamily:
+    """``gauge`` with one sample per draft replica of ``counts`` (keys as ``kv_slots_in_use()``)."""
+    per_replica = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("draft/")}
+    if not per_replica and "draft" in counts:  # one replica: the engine reports only the total
+        per_replica = {"0": counts["draft"]}
+    for rep, v in sorted(per_replica.items()):
+        gauge.add_metric([rep], v)
+    return gauge

@@ -27,9 +27,16 @@ without drafts), and at the start of a step an ejected replica is probed (a ``re
 the requests whose release failed meanwhile, after ``PROBE_FIRST_S``, backing off to
 ``PROBE_MAX_S``) and re-admitted when it answers; :meth:`Scheduler.readmit` probes a replica
 at once (a deployment restarted its worker). No room (RESOURCE_EXHAUSTED) at admission puts
-requests back in the queue. A verifier call that failed as a whole asks ``target_diagnosis``
-(when set: a deployment's check of its target ranks) what failed, and the requests' error
-names it.
+requests back in the queue. A ``release`` that failed (a worker briefly down, a call past its
+deadline) is not forgotten: the core may still hold those requests' slots, so their ids stay
+pending per core and, at the start of a step, are released again in one call per core (after
+``RELEASE_RETRY_FIRST_S``, backing off to ``RELEASE_RETRY_MAX_S``; an ejected replica's probe is
+that call) until the core answers or refuses them (NOT_FOUND: already gone);
+:meth:`Scheduler.retarget` forgets the target's (its group was rebuilt) and
+:meth:`Scheduler.releases_pending` counts them; a request requeued after admission gets a new core
+id, so a retried release of its old one cannot free its next admission. A verifier call that
+failed as a whole asks ``target_diagnosis`` (when set: a deployment's check of its target ranks)
+what failed, and the requests' error names it.
 ``step()`` does not raise for transport failures.
 
 Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "sampling"
@@ -84,6 +91,8 @@ log = logging.getLogger(__name__)
 
 PHASES = ("prefill", "draft", "verify", "sampling", "cache", "output", "network")
 PROBE_FIRST_S, PROBE_MAX_S = 0.5, 30.0  # an ejected draft replica is probed after 0.5 s, backing off x2 to 30 s
+# a failed release is retried after 0.1 s, backing off x2 to 10 s (a down worker is not hammered)
+RELEASE_RETRY_FIRST_S, RELEASE_RETRY_MAX_S = 0.1, 10.0
 REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count as equally fast (fits are noisy)
 # a core refused the item it blamed (a bad or stale item): the rest of the call can be retried without it
 _PER_ITEM_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION,
@@ -143,6 +152,36 @@ class RequestFinished:
 
 
 @dataclass
+class _Unreleased:
+    """Core ids whose release failed on one core, which may still hold their slots: released again
+    (one call) once ``due``, backing off from RELEASE_RETRY_FIRST_S to RELEASE_RETRY_MAX_S."""
+
+    ids: set[str] = field(default_factory=set)
+    due: float = 0.0
+    backoff: float = 0.0
+
+    def add(self, ids, t: float) -> None:
+        if not self.ids:  # the first of a run of failures: retry soon
+            self.backoff = RELEASE_RETRY_FIRST_S
+            self.due = t + self.backoff
+        self.ids.update(ids)
+
+    def answered(self, gone, t: float) -> None:
+        """The core released (or did not know) ``gone``."""
+        self.ids.difference_update(gone)
+        self.backoff = RELEASE_RETRY_FIRST_S
+        self.due = t
+
+    def failed(self, t: float) -> None:
+        self.backoff = min(RELEASE_RETRY_MAX_S, 2 * max(self.backoff, RELEASE_RETRY_FIRST_S / 2))
+        self.due = t + self.backoff
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self.backoff = self.due = 0.0
+
+
+@dataclass
 class _Replica:
     drafter: Drafter
     live: int = 0  # requests started on it and not yet released
@@ -151,7 +190,7 @@ class _Replica:
     ejected_at: float | None = None  # a whole call failed: no new requests until a probe succeeds
     next_probe: float = 0.0
     probe_backoff: float = 0.0
-    orphans: set[str] = field(default_factory=set)  # core ids whose release failed: released again by the probe
+    orphans: _Unreleased = field(default_factory=_Unreleased)  # released again when due, or by the probe
 
     @property
     def latency_per_token(self) -> float:
@@ -196,6 +235,7 @@ class Scheduler:
         self.stats = EngineStats()
         self.listeners: list[Callable[[StepEvent | RequestFinished], None]] = []  # step events
         self._target_live = 0
+        self._target_unreleased = _Unreleased()  # core ids whose release on the target failed
         self._ids = itertools.count()
         self._core_ids = itertools.count()
         self._uid = uuid.uuid4().hex[:8]
@@ -230,13 +270,16 @@ class Scheduler:
             params=params,
             output=OutputState(params, self.eos_ids, self.tokenizer),
             seed=int(seed),
-            core_id=f"{self._uid}-{next(self._core_ids)}",
+            core_id=self._new_core_id(),
         )
         req.metrics.prompt_tokens = len(ids)
         req.metrics.arrival_time = now()
         req.queued = True
         self.waiting.append(req)
         return req
+
+    def _new_core_id(self) -> str:
+        return f"{self._uid}-{next(self._core_ids)}"
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free everything it holds. False if it is unknown or done."""
@@ -311,9 +354,31 @@ class Scheduler:
                     used[f"draft/{i}"] = rep.live
         return used
 
+    def releases_pending(self) -> dict[str, int]:
+        """Requests whose release failed and is retried, per core (keys as :meth:`kv_slots_in_use`):
+        each may still hold a slot there."""
+        pending = {"target": len(self._target_unreleased.ids)}
+        if self.replicas:
+            pending["draft"] = sum(len(rep.orphans.ids) for rep in self.replicas)
+            if len(self.replicas) > 1:
+                for i, rep in enumerate(self.replicas):
+                    pending[f"draft/{i}"] = len(rep.orphans.ids)
+        return pending
+
+    def retarget(self, address: str | None = None) -> None:
+        """The target group was rebuilt (rank 0 now at ``address``, when given): reconnect the
+        verifier (a remote one) and forget the releases still owed to the old group, whose
+        requests the new cores do not hold."""
+        reconnect = getattr(self.verifier, "reconnect", None)
+        if reconnect is not None and address is not None:
+            reconnect(address)
+        with self._lock:
+            self._target_unreleased.clear()
+
     def close(self) -> None:
         """Release every live request, then close the transports."""
         self._abort(list(self.waiting) + list(self.running))
+        self._retry_releases(force=True)  # a last try for what a failed release left behind
         for pool in (self._pool, self._probe_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -334,6 +399,7 @@ class Scheduler:
         phase0 = dict(t)
         hidden0 = self.stats.draft_hidden_s
         self._probe_ejected()
+        self._retry_releases()
         self._admit()
         if not self.running:
             return []
@@ -527,7 +593,8 @@ class Scheduler:
         if not new:
             return
         t0 = now()
-        ok, requeue, errors, timing = self._start_on(self.verifier, self.verifier.prefill, new, int)
+        ok, requeue, errors, timing = self._start_on(self.verifier, self._target_unreleased, self.verifier.prefill,
+                                                     new, int)
         if timing.phases.get("prefill"):
             self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in new), timing.phases["prefill"])
         for r in ok:
@@ -543,7 +610,7 @@ class Scheduler:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            started, full, errors, _ = self._start_on(rep.drafter, rep.drafter.start, rs, draft_seed)
+            started, full, errors, _ = self._start_on(rep.drafter, rep.orphans, rep.drafter.start, rs, draft_seed)
             if errors and len(errors) == len(rs) and not _per_item(e for _, e in errors):
                 self._eject(i, errors[0][1].describe())
             for r in started:
@@ -554,6 +621,7 @@ class Scheduler:
                 self._detach(r, f"draft {rep.drafter.name}: {e.describe()}")
         for r in reversed(requeue):  # back to the queue front, everything it took freed
             self._release_remote([r])
+            r.core_id = self._new_core_id()  # a retried release of the old id must not hit its next admission
             r.replica = None
             r.queued = True
             self.waiting.appendleft(r)
@@ -564,20 +632,17 @@ class Scheduler:
         self._release([r for r in new if r.finished])
         self.stats.phase_s["prefill"] += now() - t0
 
-    def _start_on(self, transport, method, rs: list[Request], seed_of):
+    def _start_on(self, transport, unreleased: _Unreleased, method, rs: list[Request], seed_of):
         """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)], timing).
 
         A call that failed without blaming an item (a worker down, a deadline) may have started
-        them before it failed: they are released there, best effort.
+        them before it failed: they are released there (retried later if that fails too).
         """
         items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling) for r in rs]
         _, failed, timing, _ = self._call_isolating(method, items)
         unknown = [items[j].request_id for j, e in failed.items() if e.code not in _REFUSED_CODES]
         if unknown:
-            try:
-                transport.release(unknown)
-            except TransportError as e:
-                log.warning("%s: release after a failed start failed too (%s)", transport.name, e)
+            self._release_on(transport, unreleased, unknown)
         full = [r for j, r in enumerate(rs) if j in failed and failed[j].code == ErrorCode.RESOURCE_EXHAUSTED]
         errors = [(rs[j], e) for j, e in failed.items() if e.code != ErrorCode.RESOURCE_EXHAUSTED]
         return [r for j, r in enumerate(rs) if j not in failed], full, errors, timing
@@ -666,7 +731,8 @@ class Scheduler:
                 if error is None:
                     log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, t - rep.ejected_at)
                     rep.ejected_at = None
-                    rep.orphans.difference_update(sent)
+                    with self._lock:
+                        rep.orphans.answered(sent, t)
                     continue
                 rep.probe_backoff = min(PROBE_MAX_S, 2 * rep.probe_backoff)
                 rep.next_probe = t + rep.probe_backoff
@@ -674,7 +740,7 @@ class Scheduler:
             elif t >= rep.next_probe:
                 if self._probe_pool is None:
                     self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdist-probe")
-                sent = sorted(rep.orphans)
+                sent = sorted(rep.orphans.ids)
                 self._probes[i] = (self._probe_pool.submit(rep.drafter.release, sent), sent)
 
     def readmit(self, i: int, address: str | None = None) -> bool:
@@ -685,14 +751,15 @@ class Scheduler:
         if reconnect is not None:
             reconnect(address or rep.drafter.address)
         self._probes.pop(i, None)  # an older probe's outcome says nothing of the new worker
-        sent = sorted(rep.orphans)
+        sent = sorted(rep.orphans.ids)
         try:
             rep.drafter.release(sent)
         except TransportError as e:
             log.warning("draft %s restarted but does not answer (%s)", rep.drafter.name, e)
             self._eject(i, str(e))
             return False
-        rep.orphans.difference_update(sent)
+        with self._lock:
+            rep.orphans.answered(sent, now())
         if rep.ejected_at is not None:
             log.warning("draft %s restarted: re-admitted", rep.drafter.name)
         rep.ejected_at = None
@@ -733,15 +800,51 @@ class Scheduler:
                 r.metrics.output_tokens = len(r.output.token_ids)
                 self._emit(RequestFinished(r.request_id, r.output.finish_reason, dataclasses.replace(r.metrics)))
 
+    def _release_on(self, transport, unreleased: _Unreleased, ids: list[str]) -> None:
+        """Release ``ids`` on one core. Those whose release failed (not refused: a worker down, a
+        deadline) are kept in ``unreleased`` and released again later (:meth:`_retry_releases`)."""
+        _, failed, _, _ = self._call_isolating(transport.release, ids)
+        kept = [ids[j] for j, e in failed.items() if e.code not in _PER_ITEM_CODES]
+        if kept:
+            e = next(e for e in failed.values() if e.code not in _PER_ITEM_CODES)
+            log.warning("%s: release of %d requests failed (%s); retried later (they may hold slots there)",
+                        transport.name, len(kept), e.describe())
+            with self._lock:  # also runs on the propose pool (a detach)
+                unreleased.add(kept, now())
+
+    def _retry_releases(self, force: bool = False) -> None:
+        """Release again, one call per core, what failed releases left behind, where due (``force``:
+        now, on every core). An ejected replica's are its probe's (:meth:`_probe_ejected`)."""
+        t0 = t = now()
+        cores = [(self.verifier, self._target_unreleased)]
+        cores += [(rep.drafter, rep.orphans) for i, rep in enumerate(self.replicas)
+                  if force or (rep.ejected_at is None and i not in self._probes)]
+        for transport, unreleased in cores:
+            if not unreleased.ids or not (force or t >= unreleased.due):
+                continue
+            sent = sorted(unreleased.ids)
+            _, failed, _, _ = self._call_isolating(transport.release, sent)
+            t = now()
+            down = [e for e in failed.values() if e.code not in _PER_ITEM_CODES]
+            with self._lock:
+                # released, or refused (NOT_FOUND: the core does not hold them): nothing left to free
+                gone = [rid for j, rid in enumerate(sent) if j not in failed or failed[j].code in _PER_ITEM_CODES]
+                if gone:
+                    unreleased.answered(gone, t)
+                if down:
+                    unreleased.failed(t)
+            if down:
+                log.info("%s: release of %d requests failed again (%s); next try in %.1f s", transport.name,
+                         len(unreleased.ids), down[0].describe(), unreleased.backoff)
+            else:
+                log.info("%s: released %d requests whose release had failed", transport.name, len(sent))
+        self.stats.phase_s["cache"] += now() - t0
+
     def _release_remote(self, reqs: list[Request]) -> None:
-        """Release on the target and each drafter (one call per core). Best effort: release is idempotent."""
+        """Release on the target and each drafter (one call per core); failed releases are retried."""
         tgt = [r for r in reqs if r.on_target]
         if tgt:
-            try:
-                self.verifier.release([r.core_id for r in tgt])
-            except TransportError as e:
-                log.warning("target release failed (%s); it may keep %d slots", e, len(tgt))
-            self.stats.calls += 1
+            self._release_on(self.verifier, self._target_unreleased, [r.core_id for r in tgt])
             for r in tgt:
                 r.on_target = False
                 self._target_live -= 1
@@ -754,14 +857,7 @@ class Scheduler:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            try:
-                rep.drafter.release([r.core_id for r in rs])
-            except TransportError as e:
-                log.warning("draft %s release failed (%s)", rep.drafter.name, e)
-                with self._lock:
-                    rep.orphans.update(r.core_id for r in rs)
-            with self._lock:  # also runs on the propose pool (a detach)
-                self.stats.calls += 1
+            self._release_on(rep.drafter, rep.orphans, [r.core_id for r in rs])
             for r in rs:
                 r.on_drafter = False
                 rep.live -= 1

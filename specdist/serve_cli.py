@@ -379,7 +379,8 @@ def watch_deployment(deployment: Any, coordinator: Any) -> None:
     """Connect a deployment's supervisor (cluster/supervisor.py) to the coordinator serving it.
 
     ``target_down``: every request fails with the reason and new ones get UNAVAILABLE (health
-    NOT_SERVING); ``target_up``: the verifier reconnects to rank 0, then requests are admitted
+    NOT_SERVING); ``target_up``: the verifier reconnects to rank 0 and forgets the releases owed to the
+    old group (``Scheduler.retarget``), then requests are admitted
     again; ``draft_up``: the scheduler probes that replica and re-admits it. A failed target call
     asks the deployment which rank failed, so the requests' error names it.
     """
@@ -389,7 +390,7 @@ def watch_deployment(deployment: Any, coordinator: Any) -> None:
         if event.kind == "target_down":
             coordinator.target_down(event.message)
         elif event.kind == "target_up":
-            coordinator.target_up(lambda: engine.verifier.reconnect(event.address))
+            coordinator.target_up(lambda: engine.retarget(event.address))
         elif event.kind == "draft_up" and event.index < engine.num_draft_replicas:
             coordinator.call_soon(lambda: engine.readmit(event.index, event.address))
 
