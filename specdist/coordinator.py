@@ -21,6 +21,15 @@ outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) f
 every request the engine holds, and the thread keeps serving. ``close()`` aborts every
 request, stops the thread and joins it.
 
+Engine thread death: an error that escapes every handler above (one that is not an
+``Exception``, or one raised while failing the others) ends the engine thread. It is logged
+once; the dying thread releases what the engine holds, and from then on the coordinator
+serves nothing: every request in flight ends with ``finish_reason="error"`` and
+``code=UNAVAILABLE`` naming the cause, queued commands (adds, aborts, :meth:`call_soon`) fail
+with :class:`EngineDown`, new requests are refused with :class:`EngineDown` (gRPC UNAVAILABLE,
+HTTP 503), ``accepting`` is False for good (:attr:`engine_error` says why), and
+``availability_listeners`` hear it (health NOT_SERVING) until the process is restarted.
+
 Target faults: :meth:`target_down` (thread-safe, e.g. from a deployment's supervisor) ends
 every request with ``finish_reason="error"`` and the given reason, and refuses new ones with
 :class:`TargetDown` (gRPC UNAVAILABLE, HTTP 503) until :meth:`target_up`. Each change is
@@ -78,6 +87,12 @@ class TargetDown(SpecDistError):
     code = ErrorCode.UNAVAILABLE
 
 
+class EngineDown(SpecDistError):
+    """The engine thread died of an unexpected error; nothing more is served until a restart."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 class DuplicateRequestId(InvalidArgument):
     """A live request already has this client-chosen id (an InvalidArgument answered ALREADY_EXISTS)."""
 
@@ -103,6 +118,7 @@ class Delta:
     metrics: RequestMetrics | None = None  # last delta only
     error: str | None = None  # with finish_reason "error": what went wrong
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token_ids entry
+    code: ErrorCode | None = None  # with finish_reason "error": the status to answer with (None: INTERNAL)
 
     @property
     def finished(self) -> bool:
@@ -140,6 +156,7 @@ class RequestStream:
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.done = False  # the final delta was delivered to this stream
         self.closed = False
+        self.admission: asyncio.Future | None = None  # the add command's outcome (Coordinator.open)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -193,6 +210,18 @@ class SchedulingTiming:
         self.__init__()
 
 
+class _Command:
+    """A command queued for the engine thread: ``run()`` there, or ``fail(exc)`` if it never will."""
+
+    __slots__ = ("run", "fail")
+
+    def __init__(self, run: Callable[[], None], fail: Callable[[BaseException], None]):
+        self.run, self.fail = run, fail
+
+    def __call__(self) -> None:
+        self.run()
+
+
 class Coordinator:
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
@@ -203,8 +232,9 @@ class Coordinator:
         self.max_queued = max_queued
         # shared between the event loop and the engine thread, under _cond
         self._cond = threading.Condition()
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[_Command] = deque()
         self._stop_requested = False
+        self._engine_error: str | None = None  # set once by the dying engine thread: why it died
         # engine thread only
         self._tracked: dict[str, _Tracked] = {}
         # event loop only
@@ -254,8 +284,14 @@ class Coordinator:
 
     @property
     def accepting(self) -> bool:
-        """Whether new requests are admitted (False once draining or closed, or while the target is down)."""
-        return not self._draining and self._target_down is None
+        """Whether new requests are admitted (False once draining or closed, while the target is down,
+        and for good once the engine thread has died)."""
+        return not self._draining and self._target_down is None and self._engine_error is None
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine thread died (``"ExcType: message"``); None while it serves."""
+        return self._engine_error
 
     @property
     def target_is_down(self) -> bool:
@@ -290,8 +326,11 @@ class Coordinator:
                 fut.set_exception(e)
 
         with self._cond:
-            self._commands.append(run)
-            self._cond.notify()
+            if self._engine_error is None:
+                self._commands.append(_Command(run, fut.set_exception))
+                self._cond.notify()
+                return fut
+        fut.set_exception(self._engine_down())
         return fut
 
     def _availability_changed(self) -> None:
@@ -365,6 +404,8 @@ class Coordinator:
             raise ShuttingDown("the server is shutting down")
         if self._target_down is not None:
             raise TargetDown(f"the target is down ({self._target_down}); it is being rebuilt, retry later")
+        if self._engine_error is not None:
+            raise self._engine_down()
         self.start()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -377,14 +418,19 @@ class Coordinator:
         stream = RequestStream(self, request_id)
         self._live[request_id] = stream  # reserved before the await: admission and ids stay race-free
         arrival = time.perf_counter()  # metrics: it arrived now, not when the engine thread adds it
-        added = self._call(lambda: self._add(prompt, params, request_id, chat, arrival))
+        try:
+            added = self._call(lambda: self._add(prompt, params, request_id, chat, arrival))
+        except BaseException:  # closed, or the engine thread died, since the checks above
+            del self._live[request_id]
+            raise
+        stream.admission = added
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:  # the caller went away; undo the add once it has run
             added.add_done_callback(lambda f: self._admitted(stream, f) and stream.close())
             raise
         except Exception:
-            del self._live[request_id]
+            self._live.pop(request_id, None)
             raise
         self._admitted(stream, added)
         return stream
@@ -393,9 +439,12 @@ class Coordinator:
         """Abort a live request; its stream ends with "abort". False if no live request has that id."""
         if request_id not in self._live:
             return False
-        if self._closed:  # close() is aborting every request already
+        if self._closed or self._engine_error is not None:  # each live request is being ended already
             return True
-        return await self._call(lambda: self._abort(request_id))
+        try:
+            return await self._call(lambda: self._abort(request_id))
+        except EngineDown:  # the engine thread died meanwhile: its requests end with an error
+            return True
 
     def counters(self) -> dict[str, int]:
         """Gauges (engine: as of the last delivered pass) and totals since start."""
@@ -428,9 +477,15 @@ class Coordinator:
         with self._cond:
             if self._stop_requested:
                 raise ShuttingDown("the coordinator is closed")
-            self._commands.append(run)
+            if self._engine_error is not None:
+                raise self._engine_down()
+            self._commands.append(_Command(run, lambda e: self._post(_settle, fut, None, e)))
             self._cond.notify()
         return fut
+
+    def _engine_down(self) -> EngineDown:
+        return EngineDown(f"the engine thread died ({self._engine_error}); "
+                          "this server serves no more requests until it is restarted")
 
     def _admitted(self, stream: RequestStream, added: asyncio.Future) -> bool:
         """Book a request whose add command has run; False (and forget it) if the add failed."""
@@ -451,7 +506,11 @@ class Coordinator:
     def _abort_soon(self, request_id: str) -> None:
         """Fire-and-forget abort (a consumer went away); safe from ``finally`` blocks."""
         if self._loop is not None and not self._loop.is_closed() and not self._closed:
-            self._call(lambda: self._abort(request_id))
+            try:
+                fut = self._call(lambda: self._abort(request_id))
+            except EngineDown:  # the engine thread died: the request ends with its error delta
+                return
+            fut.add_done_callback(_retrieved)  # failed with EngineDown if the thread dies first: no warning
 
     def _deliver(self, deltas: list[Delta], snapshot: _Snapshot | None) -> None:
         """One engine pass's results, on the event loop."""
@@ -459,6 +518,20 @@ class Coordinator:
             self._snapshot = snapshot
         for d in deltas:
             self._dispatch(d)
+
+    def _engine_died(self, message: str, snapshot: _Snapshot | None) -> None:
+        """The engine thread died (on the event loop, after everything it posted before): end every
+        live stream with an UNAVAILABLE error delta, tell the availability listeners."""
+        if snapshot is not None:
+            self._snapshot = snapshot
+        for rid, stream in list(self._live.items()):
+            added = stream.admission
+            if added is not None and not added.done():  # not expected: its add command was failed
+                added.set_exception(self._engine_down())
+            if added is not None and (added.cancelled() or added.exception() is not None):
+                continue  # never admitted: open() raises its error (and forgets the id)
+            self._dispatch(Delta(rid, [], "", "error", error=message, code=ErrorCode.UNAVAILABLE))
+        self._availability_changed()
 
     def _dispatch(self, delta: Delta) -> None:
         stream = self._live.get(delta.request_id)
@@ -481,10 +554,35 @@ class Coordinator:
     def _engine_main(self) -> None:
         try:
             self._serve()
-        except BaseException:  # noqa: BLE001 - a bug in the loop itself: say so, let close() return
-            log.exception("the specdist engine thread died")
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so, fail everything
+            log.exception("the specdist engine thread died; failing every request, refusing new ones, "
+                          "health NOT_SERVING")
+            self._die(e)
         finally:
-            self._post(_settle, self._stopped, None, None)
+            self._post(_settle, self._stopped, None, None)  # after _die's posts: close() returns
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine thread's last act after an unexpected error (module docstring): refuse new
+        commands, fail the queued ones, release what the engine holds (best effort), then have the
+        event loop end every live stream."""
+        with self._cond:
+            self._engine_error = _describe(exc)
+            queued = list(self._commands)
+            self._commands.clear()
+        error = self._engine_down()
+        for command in queued:
+            try:
+                command.fail(error)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("failing a queued command after the engine thread died failed")
+        snapshot = None
+        try:
+            self._fail_everyone(exc)  # releases every tracked request's slots; the streams get _engine_died's deltas
+            eng = self.engine
+            snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
+        except Exception:  # noqa: BLE001 - the engine is in an unknown state: the streams still end
+            log.exception("releasing the engine's requests after the engine thread died failed")
+        self._post(self._engine_died, str(error), snapshot)
 
     def _serve(self) -> None:
         """The engine thread's loop: passes while there is work, asleep on ``_cond`` otherwise."""
@@ -598,6 +696,21 @@ class Coordinator:
         metrics = dataclasses.replace(t.req.metrics, output_tokens=len(out.token_ids))
         error = t.error or getattr(t.req, "error", None)  # a RemoteEngine records worker errors on the request
         return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, error, logprobs)
+
+
+def _describe(exc: BaseException) -> str:
+    """``"ExcType: message"``, even for an exception whose ``str()`` fails."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the dying thread
+        text = "<unprintable>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """A done callback that reads a fire-and-forget future's outcome (no "never retrieved" warning)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

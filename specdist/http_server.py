@@ -10,7 +10,8 @@ Endpoints:
   Server-Sent Events, one ``data: {chunk}`` per engine step and request, ending with
   ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage``.
 - ``GET /v1/models``: the served model; ``GET /health``: 200 while requests are admitted,
-  503 once draining; ``GET /metrics``: ``coordinator.metrics.render()`` when the coordinator
+  503 (``status``: ``shutting down``, ``target down`` or ``engine down``) once draining, while
+  the target is down, and for good once the coordinator's engine thread has died; ``GET /metrics``: ``coordinator.metrics.render()`` when the coordinator
   has metrics, else 404.
 
 Request fields:
@@ -50,7 +51,8 @@ prepared during the previous verification / whose prepared prefix did not hold).
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
 another model, 413 for a body over ``limits.max_message_bytes``, 503 when the server is
-full or shutting down, 500 for a request that failed on the server. A field beyond its
+full, shutting down or its engine thread has died (a request running then fails with 503 too,
+``code`` ``unavailable``), 500 for a request that failed on the server. A field beyond its
 limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 400 naming
 it. Once a stream has started, a failure is sent as one ``data: {"error": ...}`` event
 and the stream ends without ``[DONE]``.
@@ -303,9 +305,9 @@ def _finish_reason(d: Delta | None) -> str:
         raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request was aborted: the server is shutting down",
                        type="server_error", code="aborted")
     if d.finish_reason == "error":
-        raise APIError(HTTP_STATUS[ErrorCode.INTERNAL],
-                       f"the request failed on the server: {d.error or 'unknown error'}",
-                       type="server_error", code="internal_error")
+        code = d.code or ErrorCode.INTERNAL  # UNAVAILABLE: the engine thread died
+        raise APIError(HTTP_STATUS[code], f"the request failed on the server: {d.error or 'unknown error'}",
+                       type="server_error", code="internal_error" if code == ErrorCode.INTERNAL else code.name.lower())
     return d.finish_reason
 
 
@@ -560,8 +562,11 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
     async def health() -> JSONResponse:
         if coordinator.accepting:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "target down" if coordinator.target_is_down else "shutting down"},
-                            status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
+        if getattr(coordinator, "engine_error", None) is not None:  # a stand-in coordinator may not have it
+            status = "engine down"
+        else:
+            status = "target down" if coordinator.target_is_down else "shutting down"
+        return JSONResponse({"status": status}, status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:

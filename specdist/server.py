@@ -6,13 +6,15 @@ details (``params.top_p: must be in (0, 1]``), as is a field beyond the config's
 message that does not parse (``request: ...``); a message over
 ``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id
 already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
-server UNAVAILABLE; Cancel of an id no running request has NOT_FOUND. A request that
-fails inside a step gets a last message with FINISH_REASON_ERROR and the stream then
-ends with INTERNAL.
+server UNAVAILABLE, as is one after the engine thread died; Cancel of an id no running request
+has NOT_FOUND. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
+and the stream then ends with INTERNAL; one ended because the engine thread died ends so with
+UNAVAILABLE (the delta's ``code``), naming the cause.
 
 ``serve()`` hosts it on :func:`specdist.grpc_host.start_grpc_host` (the host the workers'
 ports use too), with the standard ``grpc.health.v1.Health`` service (SERVING once the engine
-has warmed up, NOT_SERVING while draining and while the target is down) and server reflection.
+has warmed up, NOT_SERVING while draining, while the target is down and for good once the engine
+thread has died) and server reflection.
 With a token (:mod:`specdist.security`) every method except the health service's is
 UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
@@ -70,7 +72,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             async for delta in stream:
                 yield _response(delta)
                 if delta.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL, delta.error or "request failed")
+                    await context.abort(grpc_status(delta.code or ErrorCode.INTERNAL), delta.error or "request failed")
         finally:  # also on client disconnect (the handler task is cancelled): aborts the request
             stream.close()
 
@@ -230,7 +232,8 @@ async def serve(
         await wrapped.stop(0)
         raise
     await wrapped.set_serving(True)
-    # NOT_SERVING while the target is down (Coordinator.target_down), SERVING again once it is back
+    # NOT_SERVING while the target is down (Coordinator.target_down), SERVING again once it is back;
+    # NOT_SERVING for good once the engine thread has died
     coordinator.availability_listeners.append(
         lambda accepting: asyncio.ensure_future(wrapped.set_serving(accepting)))
     return wrapped, coordinator
