@@ -973,7 +973,8 @@ def exported_series() -> dict[str, frozenset[str]]:
     from specdist.metrics import Metrics
 
     snap = SimpleNamespace(running=0, waiting=0, kv={"target": 0, "draft/0": 0})
-    m = Metrics(SimpleNamespace(), snapshot=lambda: snap)  # an engine without listeners: nothing is observed
+    engine = SimpleNamespace(releases_pending=lambda: {"target": 0, "draft/0": 0})  # no listeners: nothing is observed
+    m = Metrics(engine, snapshot=lambda: snap)
     series: dict[str, set[str]] = {}
     # prometheus-client keeps the registered collectors here; a labelled metric without children has no
     # samples yet, so its label names come from the collector (``_labelnames``)
