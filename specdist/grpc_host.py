@@ -12,7 +12,11 @@
 - messages up to ``message_limit`` bytes either way; grpc refuses a larger one with
   RESOURCE_EXHAUSTED (:func:`specdist.wire.grpc_message_options`);
 - the standard ``grpc.health.v1.Health`` service, one status for the server (``""``) and each
-  service name, set before the server starts (``serving``) and by :meth:`GrpcHost.set_serving`;
+  service name, set before the server starts (``serving``) and by :meth:`GrpcHost.set_serving`,
+  and :data:`LIVENESS`, SERVING from the start until :meth:`GrpcHost.stop` whatever the others
+  say (a liveness probe asks it: it answers while the process and its event loop do, also while
+  the engine is rebuilding); at most :data:`MAX_HEALTH_WATCHES` ``Watch`` streams at once (the
+  health service needs no token), more are refused RESOURCE_EXHAUSTED;
 - optionally server reflection over the services, the health service and reflection itself.
 
 :class:`GrpcHostThread` is the same host on an event loop thread of its own, with blocking
@@ -34,6 +38,30 @@ from specdist.wire import grpc_message_options
 
 AddService = Callable[[grpc.aio.Server], None]  # registers one servicer on a server
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
+LIVENESS = "specdist.v1.Liveness"  # health name for liveness probes: SERVING until the host stops
+MAX_HEALTH_WATCHES = 64  # Watch streams open at once, over all health names
+
+
+class CappedHealthServicer(health_aio.HealthServicer):
+    """grpc's asyncio health servicer with at most ``max_watches`` ``Watch`` streams open at once.
+
+    Health is served without the token (probes carry none), so without a cap anyone who reaches
+    the port could hold open streams, each a task and a condition, without bound."""
+
+    def __init__(self, max_watches: int = MAX_HEALTH_WATCHES):
+        super().__init__()
+        self.max_watches = max_watches
+        self.watches = 0  # Watch streams open now
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:  # noqa: N802 (grpc's name)
+        if self.watches >= self.max_watches:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"at most {self.max_watches} health Watch streams may be open at once")
+        self.watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watches -= 1
 
 
 def grpc_server(message_limit: int, token: str | None = None) -> grpc.aio.Server:
@@ -46,7 +74,7 @@ def grpc_server(message_limit: int, token: str | None = None) -> grpc.aio.Server
 class GrpcHost:
     """A started grpc.aio server and its health service. Use it on the loop that started it."""
 
-    def __init__(self, server: grpc.aio.Server, health: health_aio.HealthServicer, port: int,
+    def __init__(self, server: grpc.aio.Server, health: CappedHealthServicer, port: int,
                  service_names: tuple[str, ...]):
         self.server = server
         self.health = health
@@ -60,8 +88,10 @@ class GrpcHost:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """NOT_SERVING, then stop: calls still running get ``grace`` seconds, new ones are refused."""
+        """NOT_SERVING (liveness too), then stop: calls still running get ``grace`` seconds, new
+        ones are refused."""
         await self.set_serving(False)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
 
     async def wait_for_termination(self) -> None:
@@ -76,7 +106,7 @@ async def start_grpc_host(services: Mapping[str, AddService], host: str, port: i
     server = grpc_server(message_limit, token)
     for add in services.values():
         add(server)
-    health = health_aio.HealthServicer()
+    health = CappedHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if reflection:
         from grpc_reflection.v1alpha import reflection as grpc_reflection
@@ -91,6 +121,7 @@ async def start_grpc_host(services: Mapping[str, AddService], host: str, port: i
         raise OSError(f"cannot listen on {host}:{port}")
     hosted = GrpcHost(server, health, bound, tuple(services))
     await hosted.set_serving(serving)
+    await health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     return hosted
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from specdist.drafting import DrafterCore
-from specdist.grpc_host import HEALTH_SERVICE, GrpcHostThread
+from specdist.grpc_host import HEALTH_SERVICE, LIVENESS, GrpcHostThread
 from specdist.security import bearer_metadata
 from specdist.v1 import draft_pb2, draft_pb2_grpc
 from workers.draft_worker import DraftServicer
@@ -101,6 +102,41 @@ def test_host_without_reflection_or_token(servicer):
         with grpc.insecure_channel(f"127.0.0.1:{host.port}") as ch:
             _health(ch)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_liveness_stays_serving_while_readiness_drops_and_watches_are_capped(servicer):
+    """Liveness (what the chart's livenessProbe asks) stays SERVING while the server and its
+    services are NOT_SERVING (a target rebuild), so Kubernetes does not restart a recovering head;
+    health Watch streams (open without the token) are capped, the next one refused, and a closed
+    one frees its place."""
+    host = _host(servicer, token=TOKEN, serving=False)
+    host.host.health.max_watches = 2
+    channel = grpc.insecure_channel(f"127.0.0.1:{host.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    try:
+        assert _health(channel) == "NOT_SERVING" and _health(channel, LIVENESS) == "SERVING"
+        host.set_serving(True)
+        host.set_serving(False)  # e.g. the target group rebuilding
+        assert _health(channel, LIVENESS) == "SERVING"
+
+        watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(2)]
+        for w in watches:  # each answers its first status, so both are open on the server
+            assert next(w).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as ei:
+            next(health.Watch(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=30))
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 2 health Watch streams" in ei.value.details()
+        watches[0].cancel()
+        deadline = time.monotonic() + 20
+        while host.host.health.watches > 1 and time.monotonic() < deadline:  # the server sees the cancel
+            time.sleep(0.01)
+        again = health.Watch(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=30)
+        assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+        again.cancel()
+        watches[1].cancel()
+    finally:
+        channel.close()
+        host.stop(0)
 
 
 def test_a_port_in_use_fails_and_leaves_no_thread(servicer):
