@@ -2,17 +2,24 @@
 
 - ``helm lint --strict`` passes for every values file in ``helm/specdist/ci/`` (Helm v4 as a
   library: helm-python-sdk; no cluster, no network).
-- Every rendered object validates: core objects, and every pod template, against the official
-  schemas of a pinned Kubernetes version (kubernetes-validate); RayCluster, RayJob and ServiceMonitor
+- Every rendered object validates: core objects (NetworkPolicies included), and every pod template
+  (the bench RayJob's submitter too), against the official schemas of a pinned Kubernetes version
+  (kubernetes-validate); RayCluster, RayJob and ServiceMonitor
   against the ``openAPIV3Schema`` of their CRDs, vendored in ``tests/data/crds``, closed the way the
   API server prunes unknown fields.
 - Invariants hold in the rendered output (:func:`check_invariants`): GPUs of the target pod =
   tensor-parallel size; one gRPC port for the container, the probes, the Service and
   ``specdist serve --port`` (likewise the HTTP and metrics ports, and the ServiceMonitor's port);
   command lines that the project's own argument parsers accept; TLS and token files on read-only
-  Secret mounts, probes that work with TLS; a config that ``specdist.config.load_config`` accepts
-  and that matches the worker groups; a grace period longer than the drain; the KubeRay operator's
-  own rules.
+  Secret mounts, probes that work with TLS; head probes asking the right health names (liveness:
+  ``specdist.v1.Liveness``, which stays SERVING while the target group rebuilds), worker probes on the
+  raylet; a config that ``specdist.config.load_config`` accepts and that matches the worker groups; a
+  grace period longer than the drain; the KubeRay operator's own rules. Every pod
+  (:func:`pod_security_problems`): non-root, no privilege escalation, no capabilities, RuntimeDefault
+  seccomp, a read-only root filesystem with emptyDirs where it must write, no service account token,
+  Secret files neither writable by the group nor readable by others. The NetworkPolicies
+  (:func:`network_policy_problems`): every pod isolated, admitting the deployment's own pods on every
+  port and anyone else only on the head's public ports.
 - The Grafana dashboard queries only metrics a live ``specdist.metrics.Metrics`` exports
   (:func:`dashboard_problems`), and the TLS probe script passes a real TLS health check.
 - Bad values fail with a message naming the value.
@@ -43,6 +50,7 @@ import yaml
 from specdist import config as specdist_config
 from specdist.cli import build_parser
 from specdist.errors import ConfigError
+from specdist.grpc_host import LIVENESS
 from specdist.v1 import specdist_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +72,7 @@ EXTRA_CASES = {
     "monitoring": {"serve": {"http": {"enabled": True}},
                    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                                "grafanaDashboard": {"enabled": True}}},
+    "network policy off": {"networkPolicy": {"enabled": False}},
 }
 
 
@@ -109,6 +118,15 @@ def pod_templates(rc: dict) -> dict[str, dict]:
     out = {"head": rc["spec"]["headGroupSpec"]["template"]}
     for g in rc["spec"].get("workerGroupSpecs", []):
         out[g["groupName"]] = g["template"]
+    return out
+
+
+def all_pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """{name: pod template} of every pod the chart makes: the RayCluster's groups and, for each RayJob, its
+    submitter ("<RayJob name>/submitter"; None when the RayJob leaves it to KubeRay's default)."""
+    out = dict(pod_templates(one(docs, "RayCluster")))
+    for job in (d for d in docs if d["kind"] == "RayJob"):
+        out[f"{job['metadata']['name']}/submitter"] = job["spec"].get("submitterPodTemplate")
     return out
 
 
@@ -273,9 +291,10 @@ def check_invariants(docs: list[dict]) -> list[str]:
     tls = args is not None and args.tls_cert is not None
     if tls and secret_of.get("tls_cert", (0,))[0] != secret_of.get("tls_key", (1,))[0]:
         p.append("head: --tls-cert and --tls-key come from different Secrets")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # startup waits for the whole server ("": bring-up and warm-up done), readiness follows the API (NOT_SERVING
+    # while draining or rebuilding), liveness asks the name that stays SERVING through a rebuild
+    for probe, service in (("startupProbe", ""), ("readinessProbe", API_SERVICE), ("livenessProbe", LIVENESS)):
         pr = head.get(probe) or {}
-        service = API_SERVICE if probe == "readinessProbe" else ""
         if "grpc" in pr:
             if tls:
                 p.append(f"head: {probe} is a kubelet gRPC probe, which cannot speak TLS to --port")
@@ -421,6 +440,26 @@ def check_invariants(docs: list[dict]) -> list[str]:
             for m in paths:
                 if not any(m.startswith(mp) for mp in mounted):
                     p.append(f"{group} pods: model path {m} is on no mounted volume")
+            cache = cfg.engine.compile_cache_dir  # where the models run: the worker pods
+            if cache and group != "head" and not _on(cache, _writable_dirs(tpl["spec"], c)):
+                p.append(f"{group} pods: engine.compile_cache_dir {cache} is not on a writable emptyDir")
+
+    # --- worker pods: probes on the Ray worker node (the raylet, through the dashboard agent)
+    for g in groups.values():
+        c = g["template"]["spec"]["containers"][0]
+        agent_port = int(g.get("rayStartParams", {}).get("dashboard-agent-listen-port", "52365"))
+        for probe in ("livenessProbe", "readinessProbe"):
+            pr = c.get(probe)
+            if not pr:
+                p.append(f"{g['groupName']} pods: no {probe} (the Ray worker node is not checked)")
+                continue
+            get = pr.get("httpGet") or {}
+            if get.get("port") != agent_port or get.get("path") not in RAYLET_HEALTH_PATHS:
+                p.append(f"{g['groupName']} pods: {probe} asks {get.get('port')}{get.get('path', '')}, not the "
+                         f"dashboard agent's raylet health ({agent_port}/api/local_raylet_healthz)")
+
+    p += pod_security_problems(docs)
+    p += network_policy_problems(docs)
 
     # --- the KubeRay operator's own validation (ray-operator/controllers/ray/utils/validation.go)
     if not (DNS1035.match(name) and len(name) <= 53):
@@ -463,6 +502,169 @@ def check_invariants(docs: list[dict]) -> list[str]:
             p.append(f"RayJob: --server {jargs.server} is not the Service ({want})")
         if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", jargs.concurrency):
             p.append(f"RayJob: --concurrency {jargs.concurrency!r}")
+    return p
+
+
+RAYLET_HEALTH_PATHS = ("/api/local_raylet_healthz", "/api/healthz")  # Ray's dashboard agent (no token needed)
+SERVICE_ACCOUNT_TOKEN = "automountServiceAccountToken"
+
+
+def _on(path: str, dirs: list[str]) -> bool:
+    """Whether ``path`` is one of ``dirs`` or lies below one."""
+    path = path.rstrip("/")
+    return any(path == d or path.startswith(d + "/") for d in dirs)
+
+
+def _writable_dirs(pod_spec: dict, container: dict) -> list[str]:
+    """Mount paths of the container's writable emptyDirs (the root filesystem is read-only)."""
+    vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    return [m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])
+            if "emptyDir" in vols.get(m["name"], {}) and not m.get("readOnly")]
+
+
+def pod_security_problems(docs: list[dict]) -> list[str]:
+    """What is wrong with the security settings of the chart's pods: each runs as a fixed non-root uid / gid,
+    without privilege escalation, capabilities or a service account token, under the RuntimeDefault seccomp
+    profile, on a read-only root filesystem with emptyDirs where it writes (/tmp with Ray's /tmp/ray, the
+    caches its environment names); Secret files are neither writable by the group nor readable by others,
+    mounted read-only, and readable by the non-root user (group read + fsGroup: the files belong to root)."""
+    p = []
+    for pod, tpl in all_pod_templates(docs).items():
+        if tpl is None:
+            p.append(f"{pod} pods: no pod template: KubeRay's default has no security context")
+            continue
+        spec = tpl.get("spec", {})
+        psc = spec.get("securityContext") or {}
+        if spec.get(SERVICE_ACCOUNT_TOKEN) is not False:
+            p.append(f"{pod} pods: {SERVICE_ACCOUNT_TOKEN} is not false (nothing in them calls the Kubernetes API)")
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            csc = c.get("securityContext") or {}
+            what = f"{pod} pods, container {c.get('name')}"
+
+            def eff(key, csc=csc):
+                return csc.get(key, psc.get(key))
+
+            if eff("runAsNonRoot") is not True:
+                p.append(f"{what}: runAsNonRoot is not true")
+            for key in ("runAsUser", "runAsGroup"):
+                v = eff(key)
+                if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                    p.append(f"{what}: {key} {v!r} is not a fixed non-root id")
+            if csc.get("allowPrivilegeEscalation") is not False:
+                p.append(f"{what}: allowPrivilegeEscalation is not false")
+            if csc.get("privileged"):
+                p.append(f"{what}: privileged")
+            caps = csc.get("capabilities") or {}
+            if "ALL" not in (caps.get("drop") or []) or caps.get("add"):
+                p.append(f"{what}: capabilities {caps} (want drop [ALL], nothing added)")
+            if csc.get("readOnlyRootFilesystem") is not True:
+                p.append(f"{what}: readOnlyRootFilesystem is not true")
+            seccomp = (csc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+            if seccomp != "RuntimeDefault":
+                p.append(f"{what}: seccompProfile {seccomp!r}, not RuntimeDefault")
+            env = _env(c)
+            if not env.get("SPECDIST_KERNEL_CACHE"):
+                p.append(f"{what}: SPECDIST_KERNEL_CACHE unset: the CPU kernels compile into $HOME/.cache")
+            writable = _writable_dirs(spec, c)
+            cache_env = ("SPECDIST_KERNEL_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+            for path in ["/tmp", "/tmp/ray", *(env[k] for k in cache_env if env.get(k))]:
+                if not _on(path, writable):
+                    p.append(f"{what}: {path} is not on a writable emptyDir (the root filesystem is read-only)")
+        for name, vol in vols.items():
+            sec = vol.get("secret")
+            if sec is None:
+                continue
+            default = sec.get("defaultMode", 0o644)  # the API server's default
+            for mode in [default, *(i["mode"] for i in sec.get("items", []) if "mode" in i)]:
+                if mode & 0o022:
+                    p.append(f"{pod} pods: Secret volume {name} has mode {mode:04o}: the group or others may write")
+                if mode & 0o004:
+                    p.append(f"{pod} pods: Secret volume {name} has mode {mode:04o}: others may read")
+            if not (default & 0o040 and psc.get("fsGroup")):
+                p.append(f"{pod} pods: Secret volume {name}: the non-root user cannot read it (its files belong to "
+                         f"root and fsGroup {psc.get('fsGroup')}; mode {default:04o})")
+            for c in spec.get("initContainers", []) + spec.get("containers", []):
+                for m in c.get("volumeMounts", []):
+                    if m["name"] == name and not m.get("readOnly"):
+                        p.append(f"{pod} pods: Secret volume {name} is mounted writable in {c.get('name')}")
+    return p
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions) selects an object with ``labels``."""
+    selector = selector or {}
+    if (selector.get("matchLabels") or {}).items() - labels.items():
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) or \
+                (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def _same_release(peer: dict) -> bool:
+    """A NetworkPolicyPeer admitting only pods of this release: pods of the release namespace (no
+    namespaceSelector, no ipBlock) labelled with the release's instance."""
+    return set(peer) == {"podSelector"} and \
+        (peer["podSelector"].get("matchLabels") or {}).get("app.kubernetes.io/instance") == RELEASE
+
+
+def network_policy_problems(docs: list[dict]) -> list[str]:
+    """What is wrong with the NetworkPolicies ([] when none is rendered: networkPolicy.enabled false).
+
+    Every pod of the chart is selected (isolated) and admits every pod of the chart on every port: the worker
+    gRPC ports, the ranks' rendezvous and gloo / NCCL connections and Ray's ports are picked at run time.
+    Anyone else (a peer that is not a pod of this release, or no ``from`` at all) is admitted only to listed
+    ports of the head: its public ports (the Service's) and, with a RayJob, Ray's dashboard port (the KubeRay
+    operator asks it for the job's status). Each public port is admitted from beyond the release."""
+    pols = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    if not pols:
+        return []
+    p = []
+    templates = {k: v for k, v in all_pod_templates(docs).items() if v is not None}
+    labels = {k: v.get("metadata", {}).get("labels", {}) for k, v in templates.items()}
+    svc_ports = {sp["port"]: sp["name"] for sp in one(docs, "Service")["spec"].get("ports", [])}
+    public = set(svc_ports) | ({8265} if any(d["kind"] == "RayJob" for d in docs) else set())
+    for pol in pols:
+        sel = pol["spec"].get("podSelector") or {}
+        if (sel.get("matchLabels") or {}).get("app.kubernetes.io/instance") != RELEASE:
+            p.append(f"NetworkPolicy {pol['metadata']['name']}: podSelector {sel} selects pods of other releases too")
+    head_ports: set = set()
+    for pod, lab in labels.items():
+        selecting = [pol for pol in pols if "Ingress" in pol["spec"].get("policyTypes", ["Ingress"])
+                     and _selects(pol["spec"].get("podSelector"), lab)]
+        if not selecting:
+            p.append(f"{pod} pods: no NetworkPolicy selects them: every port is open to the cluster")
+            continue
+        reached = set()
+        for pol in selecting:
+            pname = pol["metadata"]["name"]
+            for rule in pol["spec"].get("ingress") or []:
+                peers = rule.get("from") or []
+                ports = rule.get("ports") or []
+                if peers and all(_same_release(peer) for peer in peers):
+                    if not ports:
+                        reached |= {k for k, other in labels.items()
+                                    if any(_selects(peer["podSelector"], other) for peer in peers)}
+                    continue
+                if pod == "head":  # the ports clients beyond the release reach (a rule without ports: all)
+                    head_ports |= {pt.get("port") for pt in ports} if ports else set(svc_ports)
+                if not ports:
+                    p.append(f"NetworkPolicy {pname}: admits every port of the {pod} pods from outside the release")
+                    continue
+                for pt in ports:
+                    num, end = pt.get("port"), pt.get("endPort")
+                    if pod != "head" or end is not None or num not in public:
+                        p.append(f"NetworkPolicy {pname}: admits port {num}{'-' + str(end) if end else ''} of the "
+                                 f"{pod} pods from outside the release")
+        missing = sorted(set(labels) - reached)
+        if missing:
+            p.append(f"{pod} pods: the NetworkPolicies do not admit the {missing} pods of the deployment on every port")
+    for num, name in svc_ports.items():
+        if num not in head_ports:
+            p.append(f"NetworkPolicy: the head's public port {name} ({num}) is admitted by no rule beyond the release")
     return p
 
 
@@ -535,13 +737,16 @@ def test_lint_catches_bad_values():
 def test_core_objects_validate(case):
     docs = rendered(case)
     kinds = {d["kind"] for d in docs}
-    assert kinds - set(CRD_FILES) <= {"ConfigMap", "Service"}, f"unvalidated kinds: {kinds}"
+    assert kinds - set(CRD_FILES) <= {"ConfigMap", "Service", "NetworkPolicy"}, f"unvalidated kinds: {kinds}"
+    assert "NetworkPolicy" in kinds  # on by default in every case
     errors = []
     for d in docs:
         if d["kind"] not in CRD_FILES:
             errors += core_errors(d)
-    for group, tpl in pod_templates(one(docs, "RayCluster")).items():
-        errors += core_errors(pod_template_object(group, tpl))
+    templates = all_pod_templates(docs)  # the RayCluster's groups and the bench job's submitter
+    assert "RayJob" not in kinds or any(k.endswith("/submitter") for k in templates)
+    for group, tpl in templates.items():
+        errors += core_errors(pod_template_object(group.replace("/", "-"), tpl))
     assert errors == []
 
 
@@ -553,6 +758,20 @@ def test_core_validation_catches_bad_objects():
     tpl = copy.deepcopy(pod_templates(one(docs, "RayCluster"))["head"])
     tpl["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1  # a typo: strict schemas reject it
     assert core_errors(pod_template_object("head", tpl))
+    tpl = copy.deepcopy(pod_templates(one(docs, "RayCluster"))["target"])
+    tpl["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True  # misspelt
+    assert core_errors(pod_template_object("target", tpl))
+    tpl = copy.deepcopy(pod_templates(one(docs, "RayCluster"))["draft"])
+    tpl["spec"]["securityContext"]["seccompProfile"]["type"] = 1
+    assert core_errors(pod_template_object("draft", tpl))
+    pol = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    assert core_errors(pol) == []
+    bad = copy.deepcopy(pol)
+    bad["spec"]["ingress"][0]["from"][0]["podSelecter"] = {}  # misspelt
+    assert core_errors(bad)
+    bad = copy.deepcopy(pol)
+    bad["spec"]["policyTypes"] = "Ingress"  # a list
+    assert core_errors(bad)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -715,7 +934,120 @@ MUTATIONS = {
                                  lambda d: _edit_serve(d, "/auth/token", "/auth/other"), "the Secret mount has no other"),
     "TLS file on no Secret": ("secure-values.yaml", lambda d: _edit_serve(d, "tls/tls.key", "x/tls.key"),
                               "is on no read-only Secret mount"),
+    # head probes: liveness must not follow the server's health (NOT_SERVING through a rebuild)
+    "liveness on the server's health": ("defaults", lambda d: _head_container(d)["livenessProbe"]["grpc"].pop("service"),
+                                        "livenessProbe checks None, not 'specdist.v1.Liveness'"),
+    "readiness on Liveness": ("defaults",
+                              lambda d: _head_container(d)["readinessProbe"]["grpc"].update(service=LIVENESS),
+                              "readinessProbe checks 'specdist.v1.Liveness', not 'specdist.v1.SpecDecode'"),
+    "TLS liveness on the API": ("secure-values.yaml",
+                                lambda d: _probe_arg(d, "--service", API_SERVICE, probe="livenessProbe"),
+                                "livenessProbe checks 'specdist.v1.SpecDecode', not 'specdist.v1.Liveness'"),
+    # worker probes
+    "worker without liveness": ("defaults", lambda d: _worker(d, "target").pop("livenessProbe"),
+                                "target pods: no livenessProbe"),
+    "worker readiness elsewhere": ("gpu-8x-values.yaml",
+                                   lambda d: _worker(d, "draft")["readinessProbe"]["httpGet"].update(port=8265),
+                                   "draft pods: readinessProbe asks 8265"),
+    # pod and container security
+    "root uid": ("defaults", lambda d: _group(d, "target")["template"]["spec"]["securityContext"].update(runAsUser=0),
+                 "runAsUser 0 is not a fixed non-root id"),
+    "no runAsNonRoot": ("defaults", lambda d: (_head(d)["spec"]["securityContext"].pop("runAsNonRoot"),
+                                               _head_container(d)["securityContext"].pop("runAsNonRoot")),
+                        "head pods, container ray-head: runAsNonRoot is not true"),
+    "privilege escalation": ("defaults", lambda d: _head_container(d)["securityContext"].update(
+        allowPrivilegeEscalation=True), "allowPrivilegeEscalation is not false"),
+    "capabilities kept": ("gpu-8x-values.yaml",
+                          lambda d: _worker(d, "draft")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+                          "draft pods, container ray-worker: capabilities"),
+    "capability added": ("defaults",
+                         lambda d: _worker(d, "target")["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+                         "nothing added"),
+    "writable root filesystem": ("defaults", lambda d: _head_container(d)["securityContext"].update(
+        readOnlyRootFilesystem=False), "readOnlyRootFilesystem is not true"),
+    "no seccomp profile": ("defaults", lambda d: _group(d, "draft")["template"]["spec"]["securityContext"]
+                           .pop("seccompProfile"), "seccompProfile None, not RuntimeDefault"),
+    "unconfined seccomp": ("defaults", lambda d: _head_container(d)["securityContext"].update(
+        seccompProfile={"type": "Unconfined"}), "seccompProfile 'Unconfined'"),
+    "service account token": ("defaults", lambda d: _group(d, "target")["template"]["spec"].pop(SERVICE_ACCOUNT_TOKEN),
+                              "target pods: automountServiceAccountToken is not false"),
+    "kernel cache on the root filesystem": ("defaults", lambda d: _set_env(_worker(d, "target"), "SPECDIST_KERNEL_CACHE",
+                                                                           "/home/ray/kernels"),
+                                            "/home/ray/kernels is not on a writable emptyDir"),
+    "kernel cache unset": ("defaults", lambda d: _set_env(_head_container(d), "SPECDIST_KERNEL_CACHE", None),
+                           "SPECDIST_KERNEL_CACHE unset"),
+    "no /tmp": ("defaults", lambda d: _worker(d, "draft")["volumeMounts"].pop(0), "/tmp/ray is not on a writable emptyDir"),
+    "compile cache on the root filesystem": ("defaults", lambda d: _set_config(
+        d, lambda c: c["engine"].update(compile_cache_dir="/opt/inductor")),
+        "engine.compile_cache_dir /opt/inductor is not on a writable emptyDir"),
+    "world-readable Secret": ("secure-values.yaml", lambda d: _volume(d, "specdist-tls")["secret"].update(defaultMode=0o444),
+                              "mode 0444: others may read"),
+    "group-writable Secret": ("secure-values.yaml", lambda d: _volume(d, "specdist-auth")["secret"].update(defaultMode=0o460),
+                              "mode 0460: the group or others may write"),
+    "Secret item mode": ("secure-values.yaml",
+                         lambda d: _volume(d, "specdist-auth")["secret"]["items"][0].update(mode=0o666),
+                         "mode 0666"),
+    "Secret without a mode": ("secure-values.yaml", lambda d: _volume(d, "specdist-tls")["secret"].pop("defaultMode"),
+                              "mode 0644: others may read"),
+    "Secret the user cannot read": ("secure-values.yaml", lambda d: _head(d)["spec"]["securityContext"].pop("fsGroup"),
+                                    "the non-root user cannot read it"),
+    "submitter left to KubeRay": ("bench-values.yaml", lambda d: one(d, "RayJob")["spec"].pop("submitterPodTemplate"),
+                                  "submitter pods: no pod template"),
+    "submitter as root": ("bench-values.yaml", lambda d: one(d, "RayJob")["spec"]["submitterPodTemplate"]["spec"]
+                          ["securityContext"].update(runAsUser=0, runAsNonRoot=False), "submitter pods, container"),
+    # NetworkPolicies
+    "workers open to everyone": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0].pop("from"),
+                                 "admits every port of the target pods from outside the release"),
+    "peers of any namespace": ("defaults",
+                               lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}),
+                               "admits every port of the draft pods from outside the release"),
+    "peers of another release": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]
+                                 ["matchLabels"].update({"app.kubernetes.io/instance": "other"}),
+                                 "admits every port of the head pods from outside the release"),
+    "peers: the head only": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]
+                             ["matchLabels"].update({"specdist.io/role": "head"}),
+                             "target pods: the NetworkPolicies do not admit the ['draft', 'target'] pods"),
+    "workers not selected": ("defaults", lambda d: _policy(d, "")["spec"]["podSelector"]["matchLabels"]
+                             .update({"specdist.io/role": "head"}), "target pods: no NetworkPolicy selects them"),
+    "policy beyond the release": ("defaults", lambda d: _policy(d, "")["spec"].update(podSelector={}),
+                                  "selects pods of other releases too"),
+    "head: every port public": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0].pop("ports"),
+                                "admits every port of the head pods from outside the release"),
+    "head: GCS public": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(port=6379),
+                         "admits port 6379 of the head pods from outside the release"),
+    "head: public port closed": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"].pop(),
+                                 "public port http-metrics (9400) is admitted by no rule"),
+    "head: port range": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(
+        endPort=50100), "admits port 50051-50100 of the head pods"),
+    "dashboard without the bench": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"].append(
+        {"ports": [{"port": 8265, "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}),
+        "admits port 8265 of the head pods from outside the release"),
+    "public policy on every pod": ("defaults", lambda d: _policy(d, "-public")["spec"]["podSelector"]["matchLabels"]
+                                   .pop("specdist.io/role"), "admits port 50051 of the target pods from outside"),
+    "a policy missing": ("defaults", lambda d: d.remove(_policy(d, "")), "no NetworkPolicy selects them"),
 }
+
+
+def _head_container(docs):
+    return _head(docs)["spec"]["containers"][0]
+
+
+def _worker(docs, group):
+    return _group(docs, group)["template"]["spec"]["containers"][0]
+
+
+def _volume(docs, name):
+    return next(v for v in _head(docs)["spec"]["volumes"] if v["name"] == name)
+
+
+def _policy(docs, suffix):
+    return next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == _rc(docs)["metadata"]["name"] + suffix)
+
+
+def _set_env(container, name, value):
+    container["env"] = [e for e in container["env"] if e["name"] != name]
+    if value is not None:
+        container["env"].append({"name": name, "value": value})
 
 
 def _endpoint(docs):
@@ -726,8 +1058,8 @@ def _mount(docs, name):
     return next(m for m in _head(docs)["spec"]["containers"][0]["volumeMounts"] if m["name"] == name)
 
 
-def _probe_arg(docs, flag, value):
-    cmd = _head(docs)["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+def _probe_arg(docs, flag, value, probe="readinessProbe"):
+    cmd = _head(docs)["spec"]["containers"][0][probe]["exec"]["command"]
     cmd[cmd.index(flag) + 1] = value
 
 
@@ -810,6 +1142,19 @@ BAD_VALUES = {
     "limit below the request default": ({"limits": {"maxTokens": 8}}, "/limits/maxTokens"),
     "name not DNS-1035": ({"fullnameOverride": "1specdist"}, "fullnameOverride"),
     "Ray older than token auth": ({"rayVersion": "2.40.0"}, "/rayVersion"),
+    "root uid": ({"security": {"runAsUser": 0}}, "/security/runAsUser"),
+    "root gid": ({"security": {"runAsGroup": 0}}, "/security/runAsGroup"),
+    "cache dir on /tmp": ({"security": {"cacheDir": "/tmp"}}, "/security/cacheDir"),
+    "relative cache dir": ({"security": {"cacheDir": "cache"}}, "/security/cacheDir"),
+    "compile cache on the root filesystem": ({"engine": {"compileCacheDir": "/cache/inductor"}},
+                                             "engine.compileCacheDir: /cache/inductor is on the read-only root filesystem"),
+    "compile cache beside the cache dir": ({"engine": {"compileCacheDir": "/home/ray/.cache-x"}},
+                                           "engine.compileCacheDir"),
+    "misspelt peer": ({"networkPolicy": {"grpc": {"from": [{"podSelecter": {}}]}}}, "/networkPolicy/grpc/from/0"),
+    "ipBlock with a pod selector": ({"networkPolicy": {"http": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                                          "podSelector": {}}]}}},
+                                    "/networkPolicy/http/from/0"),
+    "unknown networkPolicy key": ({"networkPolicy": {"workers": {"from": []}}}, "workers"),
 }
 
 
@@ -882,10 +1227,13 @@ def test_coupling_reaches_the_config():
 def test_compile_setting_reaches_the_config():
     """engine.compile renders into the config as the loader reads it (YAML's bare on / off as booleans)."""
     for value, want in (("auto", "auto"), ("on", True), ("off", False), (True, True), (False, False)):
-        docs = render({"engine": {"compile": value, "compileCacheDir": "/cache/inductor"},
+        docs = render({"engine": {"compile": value, "compileCacheDir": "/tmp/inductor"},
                        "target": {"tensorParallelSize": 1}})
+        assert check_invariants(docs) == []
         cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
-        assert (cfg.engine.compile, cfg.engine.compile_cache_dir) == (want, "/cache/inductor")
+        assert (cfg.engine.compile, cfg.engine.compile_cache_dir) == (want, "/tmp/inductor")
+        # the config's directory is the cache: no TORCHINDUCTOR_CACHE_DIR to override it
+        assert "TORCHINDUCTOR_CACHE_DIR" not in _env(_worker(docs, "target"))
     with pytest.raises(ConfigError, match="engine.compile"):  # the rule the chart mirrors
         specdist_config.load_config({"engine": {"compile": "on"}, "cluster": {"enabled": True, "tensor_parallel_size": 2}})
 
@@ -978,7 +1326,7 @@ def exported_series() -> dict[str, frozenset[str]]:
     series: dict[str, set[str]] = {}
     # prometheus-client keeps the registered collectors here; a labelled metric without children has no
     # samples yet, so its label names come from the collector (``_labelnames``)
-    for collector in list(m.registry._collector_to_names):
+    for collector in list(m.registry._collector_to_names):  # noqa: SLF001 - prometheus-client lists its collectors nowhere else
         declared = set(getattr(collector, "_labelnames", ()))
         for fam in collector.collect():
             for suffix in _SUFFIXES[fam.type]:
@@ -1108,9 +1456,79 @@ def test_metrics_off_renders_none_of_it():
     assert "--metrics-port" not in head["args"][0]
     assert "http-metrics" not in {pt["name"] for pt in head["ports"]}
     assert [sp["name"] for sp in one(docs, "Service")["spec"]["ports"]] == ["grpc"]
-    assert {d["kind"] for d in docs} == {"RayCluster", "Service", "ConfigMap"}
+    assert {d["kind"] for d in docs} == {"RayCluster", "Service", "ConfigMap", "NetworkPolicy"}
     assert len([d for d in docs if d["kind"] == "ConfigMap"]) == 1
-    assert core_errors(one(docs, "Service")) == []
+    assert [pt["port"] for r in _policy(docs, "-public")["spec"]["ingress"] for pt in r["ports"]] == [50051]
+    assert [e for d in docs if d["kind"] in ("Service", "NetworkPolicy") for e in core_errors(d)] == []
+
+
+# ---------------------------------------------------------------- pod security and NetworkPolicies
+
+def test_every_pod_runs_non_root_on_a_read_only_root_filesystem():
+    sec = _chart().values["security"]
+    want_pod = {"runAsNonRoot": True, "runAsUser": sec["runAsUser"], "runAsGroup": sec["runAsGroup"],
+                "fsGroup": sec["fsGroup"], "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"}}
+    want_container = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+    for case in ("defaults", "bench-values.yaml", "secure-values.yaml", "gpu-8x-values.yaml"):
+        docs = rendered(case)
+        assert pod_security_problems(docs) == []
+        templates = all_pod_templates(docs)
+        assert set(templates) >= {"head", "target", "draft"}
+        for name, tpl in templates.items():
+            spec = tpl["spec"]
+            assert spec[SERVICE_ACCOUNT_TOKEN] is False, (case, name)
+            assert spec["securityContext"] == want_pod, (case, name)
+            for c in spec["containers"]:
+                assert c["securityContext"] == want_container, (case, name)
+                mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+                assert (mounts["/tmp"], mounts[sec["cacheDir"]]) == ("specdist-tmp", "specdist-cache")
+                assert _env(c)["SPECDIST_KERNEL_CACHE"] == f"{sec['cacheDir']}/specdist/kernels"
+    # the variables are the ones specdist reads (specdist/models/cpu_kernels.py, runner.py:use_compile_cache)
+    assert 'os.environ.get("SPECDIST_KERNEL_CACHE")' in (REPO / "specdist" / "models" / "cpu_kernels.py").read_text()
+    assert '"TORCHINDUCTOR_CACHE_DIR"' in (REPO / "specdist" / "models" / "runner.py").read_text()
+    # other ids and another cache directory reach every pod
+    docs = render({"security": {"runAsUser": 2000, "runAsGroup": 3000, "fsGroup": 4000, "cacheDir": "/var/cache/sd"},
+                   "bench": {"enabled": True}})
+    assert check_invariants(docs) == []
+    for tpl in all_pod_templates(docs).values():
+        psc, c = tpl["spec"]["securityContext"], tpl["spec"]["containers"][0]
+        assert (psc["runAsUser"], psc["runAsGroup"], psc["fsGroup"]) == (2000, 3000, 4000)
+        assert {"name": "specdist-cache", "mountPath": "/var/cache/sd"} in c["volumeMounts"]
+        assert _env(c)["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/sd/specdist/inductor"
+
+
+def test_network_policies_admit_the_deployment_and_the_public_ports():
+    docs = rendered("defaults")
+    assert network_policy_problems(docs) == []
+    own = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/part-of": "specdist"}
+    for name, tpl in all_pod_templates(rendered("bench-values.yaml")).items():
+        assert own.items() <= tpl["metadata"]["labels"].items(), name  # what the policies select on
+    internal, public = _policy(docs, ""), _policy(docs, "-public")
+    # every pod: from the deployment's own pods, on every port (the private ports are picked at run time)
+    assert internal["spec"] == {"podSelector": {"matchLabels": own}, "policyTypes": ["Ingress"],
+                                "ingress": [{"from": [{"podSelector": {"matchLabels": own}}]}]}
+    # the head: its public ports, from anywhere by default
+    assert public["spec"] == {"podSelector": {"matchLabels": {**own, "specdist.io/role": "head"}},
+                              "policyTypes": ["Ingress"],
+                              "ingress": [{"ports": [{"port": 50051, "protocol": "TCP"}]},
+                                          {"ports": [{"port": 9400, "protocol": "TCP"}]}]}
+    # peers from values, as written
+    docs = rendered("secure-values.yaml")
+    assert network_policy_problems(docs) == []
+    peers = CASES["secure-values.yaml"]["networkPolicy"]
+    assert [(r["ports"], r["from"]) for r in _policy(docs, "-public")["spec"]["ingress"]] == \
+        [([{"port": port, "protocol": "TCP"}], peers[key]["from"])
+         for port, key in ((50051, "grpc"), (8000, "http"), (9400, "metrics"))]
+    # the bench: Ray's dashboard port from the KubeRay operator (the submitter is one of the deployment's pods)
+    docs = rendered("bench-values.yaml")
+    assert network_policy_problems(docs) == []
+    assert _policy(docs, "-public")["spec"]["ingress"][-1] == \
+        {"ports": [{"port": 8265, "protocol": "TCP"}], "from": [_chart().values["networkPolicy"]["kuberayOperator"]]}
+    # off: none rendered
+    docs = rendered("network policy off")
+    assert [d for d in docs if d["kind"] == "NetworkPolicy"] == [] and check_invariants(docs) == []
 
 
 # ---------------------------------------------------------------- TLS and token
@@ -1128,10 +1546,14 @@ def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
     assert mounts["specdist-tls"] == {"name": "specdist-tls", "mountPath": tls_dir, "readOnly": True}
     assert mounts["specdist-auth"] == {"name": "specdist-auth", "mountPath": auth_dir, "readOnly": True}
     vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
-    assert vols["specdist-tls"]["secret"] == {"secretName": "specdist-tls"}
-    assert vols["specdist-auth"]["secret"] == {"secretName": "specdist-token", "items": [{"key": "token", "path": "token"}]}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert "grpc" not in head[probe] and head[probe]["exec"]["command"][1].endswith("grpc_health_probe.py")
+    assert vols["specdist-tls"]["secret"] == {"secretName": "specdist-tls", "defaultMode": 0o440}
+    assert vols["specdist-auth"]["secret"] == {"secretName": "specdist-token", "defaultMode": 0o440,
+                                               "items": [{"key": "token", "path": "token"}]}
+    assert tpl["spec"]["securityContext"]["fsGroup"] == _chart().values["security"]["fsGroup"]  # reads them
+    for probe, service in (("startupProbe", None), ("readinessProbe", API_SERVICE), ("livenessProbe", LIVENESS)):
+        cmd = head[probe]["exec"]["command"]
+        assert "grpc" not in head[probe] and cmd[1].endswith("grpc_health_probe.py")
+        assert PROBE.parse_args(cmd[2:]).service == (service or "")
     assert "appProtocol" not in one(docs, "Service")["spec"]["ports"][0]  # not h2c: the port speaks TLS
     ep = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
     assert ep["scheme"] == "https"
@@ -1249,6 +1671,31 @@ def test_tls_probe_script_checks_health_over_tls(tls_dirs):
     with _health_server(None) as (port, health):  # a plaintext port: the TLS probe fails
         health.set("", serving)
         assert _probe(port, ca) == 1
+
+
+def test_tls_probes_follow_the_hosts_liveness(tls_dirs):
+    """The chart's exec probes against specdist's own gRPC host (specdist.grpc_host) over mutual TLS: while it
+    warms up or the target group rebuilds (NOT_SERVING), liveness passes and readiness and startup fail; once
+    it stops, liveness fails too."""
+    from specdist.grpc_host import GrpcHostThread
+    from specdist.security import ServerTLS
+
+    ca = tls_dirs["ca"]
+    tls = ServerTLS.load(str(ca / "tls.crt"), str(ca / "tls.key"), str(ca / "ca.crt"))
+    host = GrpcHostThread({API_SERVICE: lambda server: None}, "127.0.0.1", 0, 1 << 20, tls=tls, serving=False)
+
+    def probes():  # (liveness, readiness, startup) exit codes, as the chart runs them
+        return tuple(_probe(host.port, ca, "--client-cert", "--service", s) for s in (LIVENESS, API_SERVICE, ""))
+
+    try:
+        assert probes() == (0, 1, 1)  # warming up
+        host.set_serving(True)
+        assert probes() == (0, 0, 0)
+        host.set_serving(False)  # a target group rebuild, or the drain
+        assert probes() == (0, 1, 1)
+    finally:
+        host.stop(0)
+    assert probes()[0] == 1
 
 
 # ---------------------------------------------------------------- the image and the README

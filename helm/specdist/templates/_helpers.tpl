@@ -98,6 +98,13 @@ app.kubernetes.io/part-of: specdist
 {{- if and (eq (toString .Values.target.weights) "native") (gt (int .Values.target.tensorParallelSize) 1) -}}
 {{- fail (printf "target.weights: native runs on one rank (its quantized blocks are not sharded); with target.tensorParallelSize %d use auto or float" (int .Values.target.tensorParallelSize)) -}}
 {{- end -}}
+{{- with .Values.engine.compileCacheDir -}}
+{{- $dir := trimSuffix "/" (toString .) -}}
+{{- $cache := $.Values.security.cacheDir -}}
+{{- if not (or (hasPrefix "/tmp/" $dir) (eq $dir "/tmp") (eq $dir $cache) (hasPrefix (printf "%s/" $cache) $dir)) -}}
+{{- fail (printf "engine.compileCacheDir: %s is on the read-only root filesystem; use a path under /tmp or security.cacheDir (%s)" $dir $cache) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.ray.auth.mode "disabled") .Values.ray.auth.secretName -}}
 {{- fail "ray.auth.secretName: only used with ray.auth.mode token" -}}
 {{- end -}}
@@ -115,6 +122,94 @@ app.kubernetes.io/part-of: specdist
 - name: RAY_AUTH_MODE
   value: disabled
 {{- end }}
+{{- with .Values.security.cacheDir }}
+- name: XDG_CACHE_HOME
+  value: {{ . }}
+- name: SPECDIST_KERNEL_CACHE
+  value: {{ . }}/specdist/kernels
+- name: TRITON_CACHE_DIR
+  value: {{ . }}/triton
+{{- if not $.Values.engine.compileCacheDir }}
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: {{ . }}/specdist/inductor
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level security of every pod: a fixed non-root uid / gid; fsGroup, the group the Secret files (mode 0440)
+     belong to and the containers are members of; the runtime's default seccomp profile; OnRootMismatch, so that a
+     model volume already owned by fsGroup is not walked at every start. No service account token: nothing in
+     the pods calls the Kubernetes API (the in-tree autoscaler is off). */}}
+{{- define "specdist.podSecurity" -}}
+automountServiceAccountToken: false
+securityContext:
+  runAsNonRoot: true
+  runAsUser: {{ .Values.security.runAsUser | int64 }}
+  runAsGroup: {{ .Values.security.runAsGroup | int64 }}
+  fsGroup: {{ .Values.security.fsGroup | int64 }}
+  fsGroupChangePolicy: OnRootMismatch
+  seccompProfile:
+    type: RuntimeDefault
+{{- end -}}
+
+{{/* Container-level security of every container. KubeRay copies it (and the volume mounts) into the
+     wait-gcs-ready init container it adds to worker pods. */}}
+{{- define "specdist.containerSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop:
+      - ALL
+{{- end -}}
+
+{{/* The writable directories under the read-only root filesystem: /tmp (Ray's session directory /tmp/ray: logs,
+     sockets, spilled objects; temporary files of the C compiler and of Python) and security.cacheDir (the
+     caches of specdist.env). KubeRay mounts /dev/shm (Ray's object store) itself. */}}
+{{- define "specdist.writableVolumes" -}}
+- name: specdist-tmp
+  emptyDir: {}
+- name: specdist-cache
+  emptyDir: {}
+{{- end -}}
+
+{{- define "specdist.writableMounts" -}}
+- name: specdist-tmp
+  mountPath: /tmp
+- name: specdist-cache
+  mountPath: {{ .Values.security.cacheDir }}
+{{- end -}}
+
+{{/* Probes of the target and draft containers, which run `ray start --block` (a Ray worker node) and host the
+     specdist worker actors. A raylet that dies ends `ray start`, and the container with it; the liveness probe
+     catches a raylet that hangs. Both ask the dashboard agent's /api/local_raylet_healthz (Ray's agent port
+     52365, public under Ray token auth): 200 while the GCS reports this node alive, also while the GCS cannot
+     be reached (the head restarting), so the workers are not restarted while the head comes back. A kubelet HTTP
+     probe, not KubeRay's injected one: KubeRay injects its own only when a container has none and its
+     ENABLE_PROBES_INJECTION is on, as exec wget for Ray < 2.53; an httpGet probe starts no process.
+     Liveness allows 10 minutes of failures (KubeRay's default window): restarting the target pod tears down
+     every rank (a target group rebuild), so a raylet slowed down by model loading must not be killed.
+     Readiness: the node has joined the cluster (the RayCluster counts Ready workers; the bench RayJob waits for
+     them). The worker actors' own gRPC health is not probed here: their ports are free ports picked at bring-up,
+     which the pod spec cannot name; the head's supervisor (cluster/supervisor.py) checks them. */}}
+{{- define "specdist.workerProbes" -}}
+livenessProbe:
+  httpGet:
+    path: /api/local_raylet_healthz
+    port: 52365
+  initialDelaySeconds: 30
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 60
+readinessProbe:
+  httpGet:
+    path: /api/local_raylet_healthz
+    port: 52365
+  initialDelaySeconds: 10
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 3
 {{- end -}}
 
 {{- define "specdist.modelVolume" -}}
@@ -190,17 +285,20 @@ affinity:
 {{- with .Values.serve.auth }}{{ if .tokenSecretName }} --auth-token-file {{ include "specdist.authDir" $ }}/{{ .tokenKey }}{{ end }}{{ end -}}
 {{- end -}}
 
-{{/* The head's Secret volumes (TLS, token) and their read-only mounts. */}}
+{{/* The head's Secret volumes (TLS, token) and their read-only mounts. The files belong to root and to fsGroup
+     (security.fsGroup), mode 0440: the containers' non-root user reads them as a member of that group. */}}
 {{- define "specdist.secretVolumes" -}}
 {{- with .Values.serve.tls.secretName }}
 - name: specdist-tls
   secret:
     secretName: {{ . }}
+    defaultMode: 288 # 0440: owner and group (fsGroup) read, nobody writes
 {{- end }}
 {{- with .Values.serve.auth }}{{ if .tokenSecretName }}
 - name: specdist-auth
   secret:
     secretName: {{ .tokenSecretName }}
+    defaultMode: 288 # 0440
     items:
       - key: {{ .tokenKey }}
         path: {{ .tokenKey }}
