@@ -16,7 +16,7 @@ The worker secret (:attr:`Deployment.worker_secret`, 32 random bytes in hex, fre
 bring-up, never logged) is handed to the actors with ``start_grpc``; every worker call but the
 health service's must carry it as ``authorization: Bearer <secret>``, so a process that can
 reach a worker port cannot call ``Verify`` or ``Propose``. The coordinator's
-:class:`~specdist.remote_engine.RemoteEngine` sends it (``worker_secret=``).
+:class:`~specdist.engine.remote.RemoteEngine` sends it (``worker_secret=``).
 
 A phase that does not finish in time raises :class:`DeploymentError` naming the actors that
 did not come up (and the phase); any failure tears down everything created so far. Each
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from specdist.config import Config, load_config
 from specdist.errors import SpecDistError
-from specdist.security import new_worker_secret
+from specdist.transport.security import new_worker_secret
 
 
 log = logging.getLogger("specdist.load")
@@ -168,7 +168,7 @@ class Deployment:
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement
-        from specdist.frontend import bare_host
+        from specdist.api.admission import bare_host
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")

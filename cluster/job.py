@@ -3,7 +3,7 @@
     ray job submit --working-dir . -- python -m cluster.job --config configs/default.yaml --requests 4
 
 Connects to the cluster the job runs in (``ray.init(address="auto")``), brings the deployment of
-the config's ``cluster:`` section up (:func:`specdist.serve_cli.start_backend`; ``cluster.enabled``
+the config's ``cluster:`` section up (:func:`specdist.api.serving.start_backend`; ``cluster.enabled``
 is implied), serves the public SpecDecode API on ``--port``, runs ``--requests`` requests through
 :class:`specdist.client.SpecDistClient` (``--concurrency`` at a time), prints one line per request
 and a final ``[specdist-job] done:`` line with acceptance and tokens/s, tears everything down and
@@ -44,7 +44,7 @@ def _log(msg: str) -> None:
 
 async def _run(args: argparse.Namespace, backend) -> dict:
     from specdist.client import SpecDistClient
-    from specdist.serve_cli import start_serving
+    from specdist.api.serving import start_serving
 
     serving = await start_serving(host=args.host, port=args.port, backend=backend)
     try:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         from specdist.config import load_config
-        from specdist.serve_cli import start_backend
+        from specdist.api.serving import start_backend
 
         cfg = load_config(args.config)
         cfg.cluster.enabled = True  # this entrypoint always deploys on Ray

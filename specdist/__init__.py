@@ -11,11 +11,11 @@ def __getattr__(name: str):
     # The engine pulls in torch and transformers; load it on first use so that
     # light imports (config, errors, cost model) stay fast.
     if name == "Engine":
-        from specdist.engine import Engine
+        from specdist.engine.local import Engine
 
         return Engine
     if name == "RequestOutput":
-        from specdist.request import RequestOutput
+        from specdist.engine.request import RequestOutput
 
         return RequestOutput
     raise AttributeError(name)

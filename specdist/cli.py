@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdist", description="Exact speculative decoding runtime", **fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from specdist.serve_cli import add_serve_arguments, add_tls_arguments, default_config_help
+    from specdist.api.serving import add_serve_arguments, add_tls_arguments, default_config_help
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **fmt)
     gen.add_argument("prompt", help="the prompt text")
@@ -173,7 +173,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
-            from specdist.serve_cli import run_serve
+            from specdist.api.serving import run_serve
 
             return run_serve(args)
         if args.command == "cost-model":
@@ -215,7 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.server:
         # before grpc loads: its C core would also log a failed TLS handshake on stderr, next to the error line
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-        from specdist.serve_cli import run_remote_generate
+        from specdist.api.serving import run_remote_generate
 
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
@@ -225,7 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
     from specdist.config import load_config
     from specdist.sampling_params import SamplingParams
-    from specdist.serve_cli import check_dependencies, describe, shut_down, start_backend
+    from specdist.api.serving import check_dependencies, describe, shut_down, start_backend
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -272,7 +272,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _client_security(args: argparse.Namespace) -> dict:
     """SpecDistClient's TLS and token keywords from ``generate --server``'s flags (files read now)."""
-    from specdist.security import client_kwargs_from_files
+    from specdist.transport.security import client_kwargs_from_files
 
     return client_kwargs_from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
 
@@ -283,7 +283,7 @@ def _check_prompt(cfg, prompt: str, raw: bool):
     A model without a chat template gets the raw prompt. Raises InvalidArgument (empty, too long).
     """
     from specdist.models.loader import load_tokenizer, resolve_model
-    from specdist.prompts import encode_prompt
+    from specdist.engine.prompts import encode_prompt
 
     tokenizer = load_tokenizer(resolve_model(cfg.target.model, "target.model"))
     chat = not raw and tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
@@ -297,7 +297,7 @@ def _log(msg: str) -> None:
 
 
 def _cost_model(args: argparse.Namespace) -> int:
-    from specdist.cost_model import pipelined_report, report
+    from specdist.engine.cost_model import pipelined_report, report
 
     print(report(args.alpha, args.k, args.draft_cost).format())
     if args.pipeline:
@@ -305,7 +305,7 @@ def _cost_model(args: argparse.Namespace) -> int:
         print()
         print(pipelined_report(args.alpha, args.k, args.draft_cost, guess, args.miss).format())
     if args.plot:
-        from specdist.cost_plot import plot_speedup
+        from specdist.bench.cost_plot import plot_speedup
 
         print(f"plot: {plot_speedup(args.plot, draft_cost=args.draft_cost)}")
     return 0

@@ -20,7 +20,7 @@ import grpc
 from specdist import logprobs as _logprobs
 from specdist.errors import SpecDistError
 from specdist.logprobs import TokenLogprob
-from specdist.security import bearer_metadata, client_channel
+from specdist.transport.security import bearer_metadata, client_channel
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 _FINISH = {
@@ -96,7 +96,7 @@ class SpecDistClient:
     TLS (with ``"host:port"``): ``root_certificates`` (PEM bytes of the CA to trust; None: the
     system's roots), ``certificate_chain`` and ``private_key`` (a client certificate, for servers
     that require one), or ``tls=True`` alone. ``token``: sent as ``authorization: Bearer <token>``
-    metadata on every call (:mod:`specdist.security`).
+    metadata on every call (:mod:`specdist.transport.security`).
     """
 
     def __init__(self, target: str | grpc.Channel, timeout: float | None = None, *,

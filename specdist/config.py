@@ -23,12 +23,12 @@ Shape::
                                      #   copy) runs in target.dtype; q is float32 and fp16-exact in any dtype
       num_speculative_tokens: 4      # draft length k (the maximum under adaptive or confidence_threshold > 0)
       length_policy: adaptive        # adaptive: per request and step, from its observed acceptance and the
-                                     #   measured step costs, down to 0 under load (specdist/draft_length.py)
+                                     #   measured step costs, down to 0 under load (specdist/engine/draft_length.py)
                                      #   | fixed: every request drafts k (seeded runs reproduce token for token)
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
-      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/suffix.py): longest substring
+      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix.py): longest substring
                                      #   counted in the index of every request's prompt and output
       suffix_min_prob: 0.1           # a suffix draft stops before its path probability (product of the
                                      #   continuation frequencies) falls below this
@@ -37,7 +37,7 @@ Shape::
       suffix_min_score: 2.0          # hybrid: the suffix draft when its score (expected accepted tokens by
                                      #   the counts) is >= min(this, k), else the self-w8 model draft
       pipeline: off                  # on: model drafts prepare each request's next drafts while the target
-                                     #   verifies (specdist/pipeline.py); off: draft, then verify
+                                     #   verifies (specdist/cores/draft_pipeline.py); off: draft, then verify
       pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
                                      #   redraft (draft it now) | skip (no drafts this step)
     engine:
@@ -70,7 +70,7 @@ Shape::
       collective_timeout_s: 10.0     # least time a tensor-parallel collective may wait for a rank; grows to
                                      #   20 x the measured forward time for larger forwards
     limits:                          # what one public request may ask for (gRPC and HTTP alike); beyond a
-                                     #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/frontend.py)
+                                     #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/api/admission.py)
       max_message_bytes: 4194304     # largest gRPC message either way and HTTP request body (gRPC:
                                      #   RESOURCE_EXHAUSTED, HTTP: 413)
       max_prompt_chars: null         # characters of a text prompt (chat: of all messages together), checked
@@ -102,8 +102,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.
 DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "none")
 SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
-LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.draft_length.POLICIES
-PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
+LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.engine.draft_length.POLICIES
+PIPELINE_MISS = ("redraft", "skip")  # = specdist.cores.draft_pipeline.MISS_POLICIES
 # limits.max_prompt_chars when null: this many characters for each token of engine.max_model_len.
 # Generous: text averages about 4 characters a token (code a few more), so a prompt that fits the
 # context is not refused by it, and one far longer is refused before it is tokenized. A deployment
@@ -111,7 +111,7 @@ PIPELINE_MISS = ("redraft", "skip")  # = specdist.pipeline.MISS_POLICIES
 # punctuation) sets limits.max_prompt_chars.
 PROMPT_CHARS_PER_TOKEN = 32
 MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits.max_request_id_chars <= this)
-COUPLINGS = ("gumbel", "rejection")  # = specdist.coupling.COUPLINGS
+COUPLINGS = ("gumbel", "rejection")  # = specdist.cores.coupling.COUPLINGS
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
 
 
@@ -271,7 +271,7 @@ class ClusterConfig:
 
 @dataclass
 class LimitsConfig:
-    """What one public request may ask for; :mod:`specdist.frontend` applies it to gRPC and HTTP."""
+    """What one public request may ask for; :mod:`specdist.api.admission` applies it to gRPC and HTTP."""
 
     max_message_bytes: int = 4 << 20
     max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN * engine.max_model_len
@@ -298,7 +298,7 @@ class LimitsConfig:
 
 @dataclass
 class SamplingConfig:
-    """How drafts are decided (specdist/coupling.py): ``gumbel`` makes a seeded request's tokens
+    """How drafts are decided (specdist/cores/coupling.py): ``gumbel`` makes a seeded request's tokens
     independent of the drafts; ``rejection`` is the seed documents' rule."""
 
     coupling: str = "gumbel"

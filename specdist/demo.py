@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from specdist.serve_cli import shut_down, start_backend
+    from specdist.api.serving import shut_down, start_backend
 
     t0 = time.perf_counter()
     backend = start_backend(args.config, args.ray_address, log=_log)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve_and_query(backend, args: argparse.Namespace) -> None:
-    from specdist.serve_cli import start_serving
+    from specdist.api.serving import start_serving
 
     serving = await start_serving(backend=backend)
     try:

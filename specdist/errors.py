@@ -1,9 +1,9 @@
 """Errors specdist raises on purpose. Each names the field or setting that is wrong.
 
 Every error a server answers with carries an :class:`ErrorCode`: the :class:`FieldError`
-subclasses and the coordinator's refusals (:mod:`specdist.coordinator`) as a class attribute
-``code``, :class:`~specdist.transport.TransportError` per instance. Servers translate it in one place each (gRPC: :mod:`specdist.grpc_status`, HTTP:
-:mod:`specdist.http_server`); code inside specdist decides on the code, never on message text.
+subclasses and the coordinator's refusals (:mod:`specdist.api.coordinator`) as a class attribute
+``code``, :class:`~specdist.transport.protocol.TransportError` per instance. Servers translate it in one place each (gRPC: :mod:`specdist.transport.grpc_status`, HTTP:
+:mod:`specdist.api.http_server`); code inside specdist decides on the code, never on message text.
 """
 
 from __future__ import annotations

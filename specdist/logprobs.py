@@ -2,7 +2,7 @@
 
 What they are: for each output token, ``log p(token)`` under the target's PROCESSED
 distribution ``p`` at its position (temperature, top-k and top-p applied: the distribution the
-token was sampled from, :func:`specdist.sampling.process_logits`), and the ``logprobs`` most
+token was sampled from, :func:`specdist.cores.sampling.process_logits`), and the ``logprobs`` most
 likely tokens under that ``p``. This is vLLM's ``logprobs-mode: processed_logprobs``; vLLM's
 default returns the raw model's log-softmax instead. A greedy request's ``p`` is one-hot, so
 its token has 0.0 and its top list holds that token alone. Tokens with ``p = 0`` never appear
@@ -12,7 +12,7 @@ How they are made: the verifier already holds ``p`` for every position it emits 
 (accepted drafts and the final token). For the requests that asked, it gathers ``log p`` of
 the emitted tokens and (when ``logprobs > 0``) takes the top entries over the vocabulary, on
 the device, and brings them to the host in the same copy as the step's accepted counts
-(:meth:`specdist.verifying.VerifierCore.verify`); :func:`split_rows` reads them back here.
+(:meth:`specdist.cores.target.VerifierCore.verify`); :func:`split_rows` reads them back here.
 Requests that did not ask cost nothing. No extra forward.
 
 Torch-free (the public client imports it): the dataclass, the host-side reading of the

@@ -189,7 +189,7 @@ def remote_engine_like(engine, secret: str | None = None, **kwargs):
     """(RemoteEngine, ServedCores): ``engine``'s own target and draft cores behind gRPC, driven by
     the same scheduler over the remote transports, with ``engine``'s config (and ``secret`` on
     both sides)."""
-    from specdist.remote_engine import RemoteEngine
+    from specdist.engine.remote import RemoteEngine
 
     served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [], secret)
     remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
@@ -358,7 +358,7 @@ def serving_in_process(tiny_models):
     word chat template: gRPC and HTTP on one coordinator, free loopback ports. Yields
     (engine, serving); stops both after."""
     from specdist import Engine
-    from specdist.serve_cli import Backend, start_serving
+    from specdist.api.serving import Backend, start_serving
 
     engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
     engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE

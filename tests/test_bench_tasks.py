@@ -157,7 +157,7 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
 ])
 def test_bad_flags_are_one_line_errors_before_loading(flags, message, capsys, monkeypatch):
-    from specdist.engine import Engine
+    from specdist.engine.local import Engine
 
     def never(*args, **kwargs):
         raise AssertionError("no engine may be built")

@@ -20,7 +20,7 @@ import yaml
 
 import specdist.client
 import specdist.models.loader as loader
-import specdist.serve_cli as serve_cli
+import specdist.api.serving as serve_cli
 from specdist.cli import main
 from specdist.config import Config, load_config
 
@@ -123,9 +123,9 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
         raise RuntimeError("Failed to bind to address 127.0.0.1:4242; set GRPC_VERBOSITY=debug environment "
                            "variable to see detailed error message.")
 
-    import specdist.server
+    import specdist.api.grpc_server
 
-    monkeypatch.setattr(specdist.server, "serve", fail_to_bind)
+    monkeypatch.setattr(specdist.api.grpc_server, "serve", fail_to_bind)
     with pytest.raises(SystemExit) as ei:
         main(["serve", "--port", "4242"])
     assert ei.value.code == 2

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdist.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.api.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from specdist.cost_model import (
+from specdist.engine.cost_model import (
     CostReport,
     acceptance_rate_from_distributions,
     best_k,
@@ -16,7 +16,7 @@ from specdist.cost_model import (
     speedup,
     step_cost,
 )
-from specdist.cost_plot import plot_speedup
+from specdist.bench.cost_plot import plot_speedup
 
 
 def test_worked_numbers_from_spec() -> None:
@@ -130,7 +130,7 @@ def test_plot_writes_png(tmp_path) -> None:
 
 # ----------------------------------------------------------------------------- pipelined drafting
 def test_pipelined_report_by_hand() -> None:
-    from specdist.cost_model import pipelined_report
+    from specdist.engine.cost_model import pipelined_report
 
     # alpha 0.9, k 3, c 0.25, guess 0.9: h = 0.729 * 0.9 = 0.6561; the k + 1 = 4 prepared passes
     # take exactly one verification; a miss adds 3 * 0.25
@@ -154,7 +154,7 @@ def test_pipelined_report_by_hand() -> None:
 
 
 def test_pipelined_report_rejects_bad_input() -> None:
-    from specdist.cost_model import pipelined_report
+    from specdist.engine.cost_model import pipelined_report
 
     with pytest.raises(ValueError, match="guess_hit"):
         pipelined_report(0.9, 3, 0.25, 1.5)

@@ -1,4 +1,4 @@
-"""The Gumbel-max coupling's pieces (specdist/coupling.py): keyed noise, its law, the agreement rule.
+"""The Gumbel-max coupling's pieces (specdist/cores/coupling.py): keyed noise, its law, the agreement rule.
 
 Statistical tests use fixed keys (deterministic); each states its sample size, and its
 significance level is its false-failure rate for a correct implementation.
@@ -15,7 +15,7 @@ from scipy import stats
 
 from conftest import devices
 from gtest import g_statistic, merge_cells
-from specdist.coupling import (
+from specdist.cores.coupling import (
     _mix64_t,
     exponential_noise,
     gumbel_argmax,
@@ -109,7 +109,7 @@ def test_agreement_rule() -> None:
 
 @pytest.mark.parametrize("vocab", [5, 40_000])
 def test_chunked_argmax_equals_one_pass(vocab: int, monkeypatch) -> None:
-    import specdist.coupling as coupling
+    import specdist.cores.coupling as coupling
 
     probs = torch.softmax(torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)), -1)
     starts = torch.tensor(row_starts(3, range(6)), dtype=torch.int64)

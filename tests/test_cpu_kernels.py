@@ -228,7 +228,7 @@ def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):
     from test_dtypes import PROMPTS
 
     from specdist.config import load_config
-    from specdist.engine import Engine
+    from specdist.engine.local import Engine
     from specdist.sampling_params import SamplingParams
 
     def cfg(method):

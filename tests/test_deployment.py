@@ -17,8 +17,8 @@ import torch
 
 from conftest import assert_nothing_left_on_ray, tiny_config
 from cluster.deployment import ClusterSpec, Deployment
-from specdist.engine import Engine
-from specdist.remote_engine import RemoteEngine
+from specdist.engine.local import Engine
+from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
 
 BRING_UP_TIMEOUT_S = 180

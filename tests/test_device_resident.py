@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import devices, save_tiny_llama
-from specdist.engine import Engine
+from specdist.engine.local import Engine
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
 

@@ -40,7 +40,7 @@ def test_cluster_config_errors_name_the_key(tiny_models):
 def test_tp_that_does_not_divide_heads_fails_bring_up_and_cleans_up(local_ray, tiny_models):
     """3 ranks over 4 heads: the deployment names the phase and the reason, and leaves nothing behind."""
     from cluster.deployment import DeploymentError
-    from specdist.serve_cli import start_backend
+    from specdist.api.serving import start_backend
 
     cfg = _cluster_config(tiny_models)
     cfg["cluster"].update(tensor_parallel_size=3, num_draft_workers=1)

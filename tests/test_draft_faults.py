@@ -1,13 +1,13 @@
 """A draft replica that fails is ejected, its requests go on without drafts (exact output), new
-requests avoid it, and it is re-admitted once it answers a probe (specdist/scheduler.py)."""
+requests avoid it, and it is re-admitted once it answers a probe (specdist/engine/scheduler.py)."""
 
 from __future__ import annotations
 
 from conftest import tiny_config
-from specdist import scheduler as scheduler_mod
-from specdist.engine import Engine
+from specdist.engine import scheduler as scheduler_mod
+from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
-from specdist.transport import TransportError
+from specdist.transport.protocol import TransportError
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 1, 2], [3, 3, 3]]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -117,8 +117,7 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
     import threading
 
     from conftest import remote_engine_like
-    from specdist import remote
-
+    from specdist.transport import remote
     monkeypatch.setattr(remote, "DEADLINE_FLOOR_S", 0.5)
     expected = fault_free(models)
     local = engine(models, False)

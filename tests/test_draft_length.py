@@ -1,4 +1,4 @@
-"""The draft-length rule (specdist/draft_length.py) on synthetic, noise-free costs.
+"""The draft-length rule (specdist/engine/draft_length.py) on synthetic, noise-free costs.
 
 Every expected choice below is checked against a brute-force maximisation of the same
 predicted goodput, so the tests pin the documented rule, not a particular implementation.
@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 
-from specdist import draft_length as dl
-from specdist.cost_model import expected_tokens
-from specdist.draft_length import Acceptance, DraftLengthPolicy, LinearFit
+from specdist.engine import draft_length as dl
+from specdist.engine.cost_model import expected_tokens
+from specdist.engine.draft_length import Acceptance, DraftLengthPolicy, LinearFit
 
 
 def policy_with_costs(k: int, draft: list[tuple[float, float]], verify: tuple[float, float], overhead: float = 0.0,

@@ -20,15 +20,15 @@ import torch
 from conftest import devices, tiny_config
 from specdist import config as config_module
 from specdist.config import Config, load_config
-from specdist.drafting import DrafterCore
-from specdist.engine import Engine
+from specdist.cores.draft import DrafterCore
+from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import dtypes
 from specdist.models.dtypes import CPU_AUTO_DTYPE, TORCH_DTYPES, resolve_dtype
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
-from specdist.transport import ProposeItem, StartItem
-from specdist.wire import DENSE, SPARSE, decode_distribution, encode_distribution, fp16_exact
+from specdist.transport.protocol import ProposeItem, StartItem
+from specdist.transport.wire import DENSE, SPARSE, decode_distribution, encode_distribution, fp16_exact
 
 REDUCED = ("bfloat16", "float16")
 # How far two computations of the same logits may drift apart, as a fraction of the float32 logit

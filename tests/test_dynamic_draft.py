@@ -79,7 +79,7 @@ def test_cost_fits_see_planned_lengths_when_samples_cut_drafts(tiny_models, monk
     """With the confidence threshold, how long a draft came out depends on draft tokens sampled past
     the first rejection, with uniforms of positions the next steps draft again. The cost fits (which
     steer later lengths) must see the lengths the rule chose, never the realised ones."""
-    from specdist.draft_length import DraftLengthPolicy
+    from specdist.engine.draft_length import DraftLengthPolicy
 
     seen = {"draft": [], "verify": []}
     draft_obs, verify_obs = DraftLengthPolicy.observe_draft, DraftLengthPolicy.observe_verify

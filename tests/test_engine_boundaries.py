@@ -18,7 +18,7 @@ import torch
 
 from conftest import tiny_config
 from specdist import Engine, InvalidArgument, SamplingParams
-from specdist.sampling import process_logits
+from specdist.cores.sampling import process_logits
 
 EOS = 7
 

@@ -31,7 +31,7 @@ except ImportError:
 from conftest import serving_in_process
 from specdist.client import RemoteError, SpecDistClient
 from specdist.errors import ErrorCode, code_of
-from specdist.server import SERVICE_NAME
+from specdist.api.grpc_server import SERVICE_NAME
 from test_coordinator import FakeEngine, coordinator, engine_threads, params, run_async, wait_until
 
 WAIT_S = 10.0  # bound on every wait: the old behaviour (waiting forever) fails here instead of hanging

@@ -1,5 +1,5 @@
 """Errors as types: every error a server answers with carries an ErrorCode, mapped once to gRPC
-(specdist.grpc_status) and once to HTTP (specdist.http_server.HTTP_STATUS); a batch failure blames
+(specdist.transport.grpc_status) and once to HTTP (specdist.api.http_server.HTTP_STATUS); a batch failure blames
 one item through one parser (specdist.errors.blamed_item), locally and over gRPC alike; the
 scheduler decides on codes."""
 
@@ -11,14 +11,15 @@ import pickle
 import grpc
 import pytest
 
-from specdist import coordinator, errors
+from specdist import errors
+from specdist.api import coordinator
 from specdist.config import load_config
 from specdist.errors import ErrorCode, FieldError, blamed_item, code_of
-from specdist.frontend import bare_host, refusal_code
-from specdist.grpc_status import error_code, grpc_status, grpc_status_of
+from specdist.api.admission import bare_host, refusal_code
+from specdist.transport.grpc_status import error_code, grpc_status, grpc_status_of
 from specdist.sampling_params import SamplingParams
-from specdist.scheduler import Scheduler
-from specdist.transport import CallTiming, TransportError, Verified, call_local, error_for_items
+from specdist.engine.scheduler import Scheduler
+from specdist.transport.protocol import CallTiming, TransportError, Verified, call_local, error_for_items
 
 # every error class a server answers with: (its code, the gRPC status, the HTTP status)
 EXPECTED = {
@@ -63,7 +64,7 @@ def test_every_field_error_subclass_has_its_own_code() -> None:
 
 @pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda c: c.__name__)
 def test_each_error_maps_to_its_grpc_and_http_status(cls) -> None:
-    from specdist.http_server import HTTP_STATUS
+    from specdist.api.http_server import HTTP_STATUS
 
     code, status, http = EXPECTED[cls]
     e = _instance(cls)
@@ -73,7 +74,7 @@ def test_each_error_maps_to_its_grpc_and_http_status(cls) -> None:
 
 
 def test_the_grpc_mapping_is_one_to_one_and_the_http_mapping_total() -> None:
-    from specdist.http_server import HTTP_STATUS
+    from specdist.api.http_server import HTTP_STATUS
 
     for code in ErrorCode:
         assert error_code(grpc_status(code)) is code
@@ -180,7 +181,7 @@ class _FailingStub:
     (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", None, ["a", "b"]),
 ])
 def test_the_remote_transport_types_the_status_it_receives(status, details, item, ids) -> None:
-    from specdist.remote import RemoteVerifier
+    from specdist.transport.remote import RemoteVerifier
 
     verifier = RemoteVerifier("127.0.0.1:1", vocab_size=8, timeout_s=1)  # never dialled: the stub is replaced
     try:
@@ -256,7 +257,7 @@ class _RefusingCoordinator:
       "code": "internal_error"}),
 ])
 def test_the_http_api_answers_a_refusal_with_its_status(error, status, body) -> None:
-    from specdist.http_server import APIError, _Call, _OpenAIFrontEnd
+    from specdist.api.http_server import APIError, _Call, _OpenAIFrontEnd
 
     front = object.__new__(_OpenAIFrontEnd)  # only open() is exercised: no engine behind it
     front.coordinator = _RefusingCoordinator(error)

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdist.sampling import process_logits, sample_from
-from specdist.verification import (
+from specdist.cores.sampling import process_logits, sample_from
+from specdist.cores.rejection import (
     VerifyResult,
     acceptance_probability,
     final_uniforms,

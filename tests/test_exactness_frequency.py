@@ -61,7 +61,7 @@ from gtest import (  # noqa: F401  (constants used below)
     power,
     seq_index,
 )
-from specdist.engine import Engine
+from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 
 # Every case: N = 6000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
@@ -292,7 +292,7 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
     change. Costs are frozen at synthetic values (real wall times would make the run, though not
     its law, nondeterministic), chosen so that k ranges over 0..K with the observed acceptance.
     G-test as above: N = 6000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 85, threshold 142.2)."""
-    from specdist.draft_length import DraftLengthPolicy
+    from specdist.engine.draft_length import DraftLengthPolicy
 
     chosen: list[int] = []
 
@@ -395,7 +395,7 @@ def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch) -> None:
     alpha 1e-4: G must exceed the threshold (seeds fixed: deterministic)."""
     from test_exactness_enumeration import _wrong_verifier
 
-    monkeypatch.setattr("specdist.verifying.rejection_sample", _wrong_verifier("resample_from_p"))
+    monkeypatch.setattr("specdist.cores.target.rejection_sample", _wrong_verifier("resample_from_p"))
     case, draft = SUFFIX_CASES[0]
     case = dataclasses.replace(case, coupling="rejection")  # the rule this control breaks
     g, threshold, st = suffix_g_test(models, case, 1500, 310_000_000, draft)
@@ -405,9 +405,9 @@ def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch) -> None:
 
 # ----------------------------------------------------------------------------- Gumbel noise controls
 def _wrong_noise(kind: str):
-    """row_starts that break what Gumbel-max coupling needs (specdist/coupling.py): the same noise
+    """row_starts that break what Gumbel-max coupling needs (specdist/cores/coupling.py): the same noise
     row at every position of a request, or the same rows for every request (the key ignored)."""
-    from specdist.coupling import row_starts
+    from specdist.cores.coupling import row_starts
 
     if kind == "position":
         return lambda key, positions: row_starts(key, [0 for _ in positions])
@@ -421,8 +421,8 @@ def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str) -> N
     T = 1 (df 37), N = 1500 sequences, alpha 1e-4: G must exceed the threshold (seeds fixed:
     deterministic); the same harness passes the correct noise in test_engine_samples_target_distribution."""
     wrong = _wrong_noise(kind)
-    monkeypatch.setattr("specdist.verifying.row_starts", wrong)
-    monkeypatch.setattr("specdist.drafting.row_starts", wrong)
+    monkeypatch.setattr("specdist.cores.target.row_starts", wrong)
+    monkeypatch.setattr("specdist.cores.draft.row_starts", wrong)
     case, n = CASES[0], 1500
     p = joint(_prob_table(models["target"], case)[0], case.window)
     outs = sample_engine(models, case, n, seed0=330_000_000)

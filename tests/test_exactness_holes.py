@@ -25,8 +25,8 @@ from specdist import Engine, SamplingParams
 from specdist.errors import FailedPrecondition, FieldError, InvalidArgument
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.sampling import process_logits
-from specdist.transport import (
+from specdist.cores.sampling import process_logits
+from specdist.transport.protocol import (
     Proposal,
     StartItem,
     TransportError,
@@ -34,7 +34,7 @@ from specdist.transport import (
     draft_seed,
     draft_uniform,
 )
-from specdist.verifying import LocalVerifier, VerifierCore
+from specdist.cores.target import LocalVerifier, VerifierCore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,8 +66,8 @@ class _Recorder:
     acceptance uniforms [B, K] of each call and the uniform each final token was sampled with."""
 
     def __init__(self, monkeypatch):
-        import specdist.verification as verification
-        import specdist.verifying as verifying
+        import specdist.cores.rejection as verification
+        import specdist.cores.target as verifying
 
         self.accept: list[torch.Tensor] = []
         self.final: list[torch.Tensor] = []
@@ -87,7 +87,7 @@ class _Recorder:
 
 # --------------------------------------------------------------------------- 1. target uniforms
 def test_target_uniform_key_uses_all_64_seed_bits_and_separates_roles() -> None:
-    from specdist.transport import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
+    from specdist.transport.protocol import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
 
     for s in (0, SEED, 2**40 + 7):
         for role in (ACCEPT_ROLE, SAMPLE_ROLE):
@@ -122,7 +122,7 @@ def test_target_uniforms_depend_only_on_seed_position_and_role(core, monkeypatch
     """Same seed, different prompt lengths and draft lengths in one call: the acceptance uniform of a
     position is the same whichever request and draft length reach it, and each final token is sampled
     with the sample-role uniform of its own position."""
-    from specdist.transport import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
+    from specdist.transport.protocol import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
 
     rec = _Recorder(monkeypatch)
     _prefill(core, "a", [1, 2, 3, 4, 5], SEED)  # drafts at positions 5, 6, 7

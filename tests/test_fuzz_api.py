@@ -31,7 +31,7 @@ except ImportError:
 
 from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
-from specdist.serve_cli import Backend, start_serving
+from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 DEADLINE_S = 30.0  # per call: far above any answer here (tiny models, <= 64 tokens); reaching it is a hang

@@ -1,5 +1,5 @@
-"""The one gRPC host (specdist/grpc_host.py) the public server and the worker ports share, and the
-draft worker's loading through the engine's factory path (specdist/drafting.py).
+"""The one gRPC host (specdist/transport/grpc_host.py) the public server and the worker ports share, and the
+draft worker's loading through the engine's factory path (specdist/cores/draft.py).
 
 The host is checked here on its own, over a draft servicer of an n-gram core (no model): the
 health statuses of the server and its service, the bearer token (health open), the message
@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from specdist.drafting import DrafterCore
-from specdist.grpc_host import HEALTH_SERVICE, LIVENESS, GrpcHostThread
-from specdist.security import bearer_metadata
+from specdist.cores.draft import DrafterCore
+from specdist.transport.grpc_host import HEALTH_SERVICE, LIVENESS, GrpcHostThread
+from specdist.transport.security import bearer_metadata
 from specdist.v1 import draft_pb2, draft_pb2_grpc
 from workers.draft_worker import DraftServicer
 
@@ -151,7 +151,7 @@ def test_a_port_in_use_fails_and_leaves_no_thread(servicer):
 
 def test_draft_actor_refuses_a_draft_model_of_another_vocabulary(tiny_models):
     """The draft worker checks its draft model against the target's vocabulary, as the engine does
-    (specdist.drafting.load_draft_model): the deployment fails at load, naming draft.model."""
+    (specdist.cores.draft.load_draft_model): the deployment fails at load, naming draft.model."""
     from workers.actors import DraftActor
 
     actor = DraftActor(0, num_threads=None)

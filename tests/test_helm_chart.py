@@ -20,7 +20,7 @@
   Secret files neither writable by the group nor readable by others. The NetworkPolicies
   (:func:`network_policy_problems`): every pod isolated, admitting the deployment's own pods on every
   port and anyone else only on the head's public ports.
-- The Grafana dashboard queries only metrics a live ``specdist.metrics.Metrics`` exports
+- The Grafana dashboard queries only metrics a live ``specdist.api.metrics.Metrics`` exports
   (:func:`dashboard_problems`), and the TLS probe script passes a real TLS health check.
 - Bad values fail with a message naming the value.
 
@@ -50,7 +50,7 @@ import yaml
 from specdist import config as specdist_config
 from specdist.cli import build_parser
 from specdist.errors import ConfigError
-from specdist.grpc_host import LIVENESS
+from specdist.transport.grpc_host import LIVENESS
 from specdist.v1 import specdist_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1314,11 +1314,11 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 
 @lru_cache(maxsize=None)
 def exported_series() -> dict[str, frozenset[str]]:
-    """{series name: its label names} as a live ``specdist.metrics.Metrics`` exposes them: the registry's
+    """{series name: its label names} as a live ``specdist.api.metrics.Metrics`` exposes them: the registry's
     families with the exposition suffixes (counters ``_total``; histograms ``_bucket``/``_sum``/``_count``)."""
     from types import SimpleNamespace
 
-    from specdist.metrics import Metrics
+    from specdist.api.metrics import Metrics
 
     snap = SimpleNamespace(running=0, waiting=0, kv={"target": 0, "draft/0": 0})
     engine = SimpleNamespace(releases_pending=lambda: {"target": 0, "draft/0": 0})  # no listeners: nothing is observed
@@ -1358,7 +1358,7 @@ def promql_problems(expr: str, series: dict[str, frozenset[str]]) -> list[str]:
         p.append(f"{expr!r} queries no specdist series")
     unknown = sorted({n for n in names if n not in series})
     if unknown:
-        p.append(f"{expr!r}: {unknown} not exported by specdist.metrics")
+        p.append(f"{expr!r}: {unknown} not exported by specdist.api.metrics")
     known = set().union(*(series[n] for n in names if n in series)) | TARGET_LABELS
     used = [lab for body in re.findall(r"specdist_[A-Za-z0-9_:]*\{([^}]*)\}", bare)
             for lab in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", body)]
@@ -1674,11 +1674,11 @@ def test_tls_probe_script_checks_health_over_tls(tls_dirs):
 
 
 def test_tls_probes_follow_the_hosts_liveness(tls_dirs):
-    """The chart's exec probes against specdist's own gRPC host (specdist.grpc_host) over mutual TLS: while it
+    """The chart's exec probes against specdist's own gRPC host (specdist.transport.grpc_host) over mutual TLS: while it
     warms up or the target group rebuilds (NOT_SERVING), liveness passes and readiness and startup fail; once
     it stops, liveness fails too."""
-    from specdist.grpc_host import GrpcHostThread
-    from specdist.security import ServerTLS
+    from specdist.transport.grpc_host import GrpcHostThread
+    from specdist.transport.security import ServerTLS
 
     ca = tls_dirs["ca"]
     tls = ServerTLS.load(str(ca / "tls.crt"), str(ca / "tls.key"), str(ca / "ca.crt"))

@@ -26,7 +26,7 @@ except ImportError:
 from conftest import LoopThread, tiny_config
 from specdist import Engine
 from specdist.client import SpecDistClient
-from specdist.serve_cli import Backend, start_serving
+from specdist.api.serving import Backend, start_serving
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"  # "a b" -> "a b g "
 GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "active_streams", "live_requests")
@@ -327,7 +327,7 @@ def test_metrics_endpoint_serves_the_coordinators_metrics(srv):
     """/metrics renders coordinator.metrics when the coordinator has one, else 404 (app over stand-ins)."""
     from fastapi.testclient import TestClient
 
-    from specdist.http_server import create_app
+    from specdist.api.http_server import create_app
 
     class FakeMetrics:
         def render(self):

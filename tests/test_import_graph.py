@@ -101,4 +101,4 @@ def test_specdist_reaches_workers_and_cluster_only_from_the_serving_entry_point(
     """``specdist`` is importable without Ray: only the serve command brings a deployment up."""
     reaching = {name for name, path in _modules().items()
                 if any(i.split(".")[0] in ("workers", "cluster") for i in _imports(path))}
-    assert reaching <= {"specdist.serve_cli"}, reaching
+    assert reaching <= {"specdist.api.serving"}, reaching

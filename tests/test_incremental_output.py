@@ -1,6 +1,6 @@
 """Incremental host-side output work: the detokenizer, stop strings, and the n-gram index.
 
-:class:`~specdist.stopping.OutputState` must give exactly what the straightforward
+:class:`~specdist.engine.stopping.OutputState` must give exactly what the straightforward
 algorithm gives (decode the whole output after every token, search the whole text for
 the earliest stop string) while decoding only a few tokens per token; NgramIndex must
 give exactly what a backward scan of the sequence gives. Checked on random token
@@ -18,9 +18,9 @@ import random
 import pytest
 
 from conftest import save_tiny_llama
-from specdist.ngram import NgramIndex
+from specdist.cores.ngram import NgramIndex
 from specdist.sampling_params import SamplingParams
-from specdist.stopping import IncrementalDetokenizer, OutputState
+from specdist.engine.stopping import IncrementalDetokenizer, OutputState
 
 CORPUS = [
     "hello world, héllo wörld!",

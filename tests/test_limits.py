@@ -1,4 +1,4 @@
-"""The config's ``limits`` on both front doors (specdist/frontend.py decides them once).
+"""The config's ``limits`` on both front doors (specdist/api/admission.py decides them once).
 
 One server (gRPC and the HTTP API over one coordinator, on free 127.0.0.1 ports, tiny models)
 with small limits. Each limit: a request at its bound is served, one beyond it is
@@ -25,7 +25,7 @@ from conftest import LoopThread, tiny_config
 from specdist import Engine
 from specdist.config import load_config
 from specdist.errors import ConfigError
-from specdist.serve_cli import Backend, start_serving
+from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 LIMITS = dict(max_message_bytes=4096, max_prompt_chars=20, max_prompt_tokens=10, max_tokens=20, max_stop=3,

@@ -1,7 +1,7 @@
 """Log-probabilities of output tokens (``SamplingParams.logprobs``, specdist/logprobs.py).
 
 The reference is a plain transformers forward of the tiny target over prompt + output (no
-cache), through :func:`specdist.sampling.process_logits` with the request's settings, then the
+cache), through :func:`specdist.cores.sampling.process_logits` with the request's settings, then the
 log: every emitted token's value and every top list must match it (fp32, 1e-4), whether the
 token was an accepted draft or the target's own. Then the same values through the wire (the
 remote transports, the gRPC API) and the OpenAI shapes of the HTTP API, the refusals naming the
@@ -25,10 +25,10 @@ except ImportError:
 
 from conftest import remote_engine_like, serving_in_process, tiny_config
 from specdist import Engine, InvalidArgument, SamplingParams
-from specdist import verifying
+from specdist.cores import target as verifying
 from specdist.client import RemoteError, SpecDistClient
 from specdist.logprobs import TokenLogprob
-from specdist.sampling import process_logits
+from specdist.cores.sampling import process_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -248,9 +248,9 @@ def test_bad_grpc_value_names_the_field(srv, value):
 
 
 def test_wire_round_trips_tell_zero_from_unset():
-    from specdist.transport import Verified
+    from specdist.transport.protocol import Verified
     from specdist.v1 import common_pb2, target_pb2
-    from specdist.wire import (sampling_params_from_proto, sampling_params_to_proto, verified_from_proto,
+    from specdist.transport.wire import (sampling_params_from_proto, sampling_params_to_proto, verified_from_proto,
                                verified_to_proto)
 
     for n in (None, 0, 20):

@@ -1,4 +1,4 @@
-"""gRPC message limits of the workers and their callers (specdist.wire.message_limit_bytes).
+"""gRPC message limits of the workers and their callers (specdist.transport.wire.message_limit_bytes).
 
 A draft ships q dense (fp16, 2 bytes per vocabulary entry) for every drafted token, so one
 Verify request or Propose response can pass grpc's 4 MiB default. The round trips here go
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import ServedCores
-from specdist.remote import RemoteDrafter, RemoteVerifier
-from specdist.remote_engine import RemoteEngine
-from specdist.transport import CallTiming, Proposal, ProposeItem, TransportError, Verified, VerifyItem
+from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.engine.remote import RemoteEngine
+from specdist.transport.protocol import CallTiming, Proposal, ProposeItem, TransportError, Verified, VerifyItem
 from specdist.v1 import draft_pb2
-from specdist.wire import (
+from specdist.transport.wire import (
     GRPC_DEFAULT_MESSAGE_BYTES,
     GRPC_MAX_MESSAGE_BYTES,
     decode_distribution,

@@ -1,4 +1,4 @@
-"""Prometheus metrics (specdist.metrics) read from the scheduler's step events: over a known
+"""Prometheus metrics (specdist.api.metrics) read from the scheduler's step events: over a known
 workload the counters' deltas equal the per-request stats, and every histogram received one
 observation per request or per step."""
 
@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
-from specdist.metrics import FINISH_REASONS, Metrics
-from specdist.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
-from specdist.serve_cli import ListenError, run_serve, start_serving
-from specdist.verifying import LocalVerifier
+from specdist.api.metrics import FINISH_REASONS, Metrics
+from specdist.engine.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
+from specdist.api.serving import ListenError, run_serve, start_serving
+from specdist.cores.target import LocalVerifier
 
 K = 3
 TIME_TOL = 1e-9  # histogram sums against the same floats summed in another order
@@ -136,7 +136,7 @@ def test_counter_deltas_equal_the_per_request_stats(tiny_models) -> None:
 
 def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
     """The scheduler over one target and two in-process draft replicas (a copy of the draft each)."""
-    from specdist.drafting import DrafterCore, LocalDrafter
+    from specdist.cores.draft import DrafterCore, LocalDrafter
     from specdist.models.loader import load_model, resolve_model
 
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
@@ -176,7 +176,7 @@ def test_a_failing_listener_is_logged_and_the_step_goes_on(tiny_models, caplog) 
 
     seen: list = []
     eng.listeners += [broken, seen.append]
-    with caplog.at_level(logging.ERROR, logger="specdist.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="specdist.engine.scheduler"):
         out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == expected.token_ids and out.finish_reason == "length"
     steps = [e for e in seen if isinstance(e, StepEvent)]

@@ -34,7 +34,7 @@ from gtest import ALPHA, VOCAB, Case, _prob_table, g_statistic, joint, merge_cel
     seq_index, transform
 from model_zoo import build_tiny
 from specdist.config import load_config
-from specdist.engine import Engine
+from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import cpu_kernels, native
 from specdist.models.fusion import _fuse, fuse_projections

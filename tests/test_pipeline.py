@@ -1,4 +1,4 @@
-"""Pipelined drafting (specdist/pipeline.py): exact law, same tokens, no leaks.
+"""Pipelined drafting (specdist/cores/draft_pipeline.py): exact law, same tokens, no leaks.
 
 1. Enumeration: the exact law of the first ``m`` tokens under the pipelined algorithm (hit rule
    :func:`prepared_prefix_holds`, guess = mode of q, prepared drafts sampled after the assumed
@@ -30,14 +30,14 @@ from scipy import stats
 from conftest import ServedCores, tiny_config
 from gtest import ALPHA, BATCH, MAX_MODEL_LEN, N, VOCAB, Case, _hf_logits, _prob_table, g_statistic, joint, \
     merge_cells, power, seq_index, transform
-from specdist.drafting import LocalDrafter
-from specdist.engine import Engine
-from specdist.pipeline import DraftPipeline, prepared_prefix_holds
-from specdist.remote_engine import RemoteEngine
-from specdist.sampling import process_logits
+from specdist.cores.draft import LocalDrafter
+from specdist.engine.local import Engine
+from specdist.cores.draft_pipeline import DraftPipeline, prepared_prefix_holds
+from specdist.engine.remote import RemoteEngine
+from specdist.cores.sampling import process_logits
 from specdist.sampling_params import SamplingParams
-from specdist.transport import HIT, ProposeItem, StartItem
-from specdist.wire import fp16_exact
+from specdist.transport.protocol import HIT, ProposeItem, StartItem
+from specdist.transport.wire import fp16_exact
 
 
 # --------------------------------------------------------------------------- 1. the law, enumerated
@@ -193,7 +193,7 @@ class RescoredReuse(DraftPipeline):
         sp = r.params
         q = process_logits(logits, torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
                            torch.full((n,), sp.top_p))
-        from specdist.transport import Proposal
+        from specdist.transport.protocol import Proposal
 
         r.proposal = list(toks)  # the cache holds the true prefix and toks[:-1], as after drafting toks
         return Proposal(rid, toks, fp16_exact(q), pipeline=HIT)
@@ -367,8 +367,8 @@ def test_release_during_preparation_frees_everything(tiny_models) -> None:
 def test_pipeline_counts_reach_stats_metrics_and_server_info(models) -> None:
     """Per-request hits / misses, the engine's totals, the Prometheus counters and the wire's
     RequestStats / ServerInfo fields all count the same proposals."""
-    from specdist.frontend import request_stats, server_info
-    from specdist.metrics import Metrics
+    from specdist.api.admission import request_stats, server_info
+    from specdist.api.metrics import Metrics
     from specdist.v1 import common_pb2
 
     cfg = tiny_config(models, method="model", k=3)

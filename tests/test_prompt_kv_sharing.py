@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from specdist.engine import Engine
-from specdist.kv_cache import SlotKVCache
+from specdist.engine.local import Engine
+from specdist.models.kv_cache import SlotKVCache
 from specdist.sampling_params import SamplingParams
 
 
@@ -73,7 +73,7 @@ def test_model_draft_still_runs_its_own_prefill(tiny_models) -> None:
 def test_model_draft_prefills_at_its_first_draft_only(tiny_models) -> None:
     """A separate draft model computes a prompt's K/V at the request's first draft pass, in a forward
     of its own (the pass itself stays decode-sized); a request that never drafts costs it no forward."""
-    from specdist.transport import ProposeItem, StartItem
+    from specdist.transport.protocol import ProposeItem, StartItem
 
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=3))
     core = eng.draft_core

@@ -1,4 +1,4 @@
-"""The specdist.v1 wire contracts: generated code, proto style rules, and specdist.wire."""
+"""The specdist.v1 wire contracts: generated code, proto style rules, and specdist.transport.wire."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from google.protobuf import descriptor_pb2
 
 from specdist import protogen
 from specdist.errors import InvalidArgument
-from specdist.sampling import process_logits
+from specdist.cores.sampling import process_logits
 from specdist.sampling_params import SamplingParams
 from specdist.v1 import common_pb2, draft_pb2, specdist_pb2_grpc, target_pb2_grpc
-from specdist.wire import (
+from specdist.transport.wire import (
     DENSE,
     ONE_HOT,
     SPARSE,
@@ -324,9 +324,9 @@ def test_wire_bytes_per_step():
 def test_start_items_carry_the_coupling_both_ways():
     """The coupling reaches both cores over the wire; an unset one (an older caller) is rejection."""
     from specdist.sampling_params import SamplingParams
-    from specdist.transport import StartItem
+    from specdist.transport.protocol import StartItem
     from specdist.v1 import draft_pb2, target_pb2
-    from specdist.wire import start_items_from_proto, start_items_to_proto
+    from specdist.transport.wire import start_items_from_proto, start_items_to_proto
 
     items = [StartItem("a", [1, 2], SamplingParams(), 5, "gumbel"), StartItem("b", [3], SamplingParams(), 6)]
     for message in (target_pb2.PrefillRequest, draft_pb2.StartRequest):

@@ -63,7 +63,7 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
     try:
         for i, block in enumerate(python_blocks()):
             if README_ADDRESS in block:
-                from specdist.server import serve
+                from specdist.api.grpc_server import serve
 
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -71,7 +71,7 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
                     serve(namespace["engine"], "127.0.0.1", 0), loop).result(120)
                 block = block.replace(README_ADDRESS, f"127.0.0.1:{server.port}")
             if README_HTTP_ADDRESS in block:
-                from specdist.http_server import start_http
+                from specdist.api.http_server import start_http
 
                 http = asyncio.run_coroutine_threadsafe(
                     start_http(server.coordinator, "127.0.0.1", 0), loop).result(60)

@@ -1,4 +1,4 @@
-"""A release that failed is not forgotten (specdist/scheduler.py): the ids stay pending per core and
+"""A release that failed is not forgotten (specdist/engine/scheduler.py): the ids stay pending per core and
 are released again (batched, with a bounded backoff) until the core answers, so a target or draft
 worker that was briefly unavailable does not keep the KV slots for good, and requests queued behind
 them are still admitted (no RESOURCE_EXHAUSTED requeue loop)."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_config
-from specdist import scheduler as scheduler_mod
-from specdist.engine import Engine
+from specdist.engine import scheduler as scheduler_mod
+from specdist.engine.local import Engine
 from specdist.errors import ErrorCode
-from specdist.metrics import Metrics
+from specdist.api.metrics import Metrics
 from specdist.sampling_params import SamplingParams
-from specdist.transport import TransportError
+from specdist.transport.protocol import TransportError
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 1, 2], [3, 3, 3], [2, 6], [5, 1, 4]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

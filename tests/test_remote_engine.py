@@ -32,15 +32,15 @@ from gtest import (
     merge_cells,
     seq_index,
 )
-from specdist.coordinator import Coordinator
-from specdist.drafting import DrafterCore
-from specdist.engine import Engine
+from specdist.api.coordinator import Coordinator
+from specdist.cores.draft import DrafterCore
+from specdist.engine.local import Engine
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.remote_engine import RemoteEngine
+from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
 from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
-from specdist.verifying import VerifierCore
+from specdist.cores.target import VerifierCore
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 

@@ -1,5 +1,5 @@
 """Under ``sampling.coupling: gumbel`` a seeded request's tokens depend on the model, the prompt,
-the parameters and the seed only (specdist/coupling.py, the README's reproducibility contract).
+the parameters and the seed only (specdist/cores/coupling.py, the README's reproducibility contract).
 
 The matrix: a seeded request at T = 0.8, top-p 0.9 (and a batch of three seeded requests) gives
 the same tokens with no draft, n-gram, suffix, self-w8 and model drafts; k = 1..4; fixed and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import remote_engine_like, tiny_config
-from specdist.engine import Engine
+from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 from test_draft_faults import Flaky
 

@@ -31,10 +31,10 @@ from conftest import TINY_CHAT_TEMPLATE, LoopThread, serving_in_process, tiny_co
 from specdist import Engine
 from specdist.config import PROMPT_CHARS_PER_TOKEN, load_config
 from specdist.errors import InvalidArgument
-from specdist.frontend import Limits, check_request
+from specdist.api.admission import Limits, check_request
 from specdist.sampling_params import SamplingParams
-from specdist.security import ServerSecurity, bearer_metadata
-from specdist.serve_cli import Backend, start_serving
+from specdist.transport.security import ServerSecurity, bearer_metadata
+from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 TOKEN = "review-holes-token-0123456789"

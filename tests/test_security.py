@@ -33,8 +33,8 @@ from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.cli import main
 from specdist.client import RemoteError, SpecDistClient
-from specdist.security import ServerSecurity, bearer_ok
-from specdist.serve_cli import Backend, start_serving
+from specdist.transport.security import ServerSecurity, bearer_ok
+from specdist.api.serving import Backend, start_serving
 
 TOKEN = "s3cret-token-0123456789"
 WRONG = "not-the-token-xyz"
@@ -284,7 +284,7 @@ def _one_line_error(capsys) -> str:
     (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{garbage}"], "--tls-client-ca"),
 ])
 def test_serve_refuses_unusable_files_in_one_line(pki, capsys, monkeypatch, flags, named) -> None:
-    import specdist.serve_cli as serve_cli
+    import specdist.api.serving as serve_cli
 
     monkeypatch.setattr(serve_cli, "start_backend", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit) as e:

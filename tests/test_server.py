@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from conftest import LoopThread, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import RemoteError, SpecDistClient
-from specdist.server import serve
+from specdist.api.grpc_server import serve
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g{% endfor %}"
@@ -235,7 +235,7 @@ def test_sixteen_concurrent_streams(srv, ref):
 
 def test_coordinator_generate_api(srv, loop_thread, ref):
     """The asyncio API itself: a full stream, an early close (aborts), a duplicate id."""
-    from specdist.coordinator import DuplicateRequestId
+    from specdist.api.coordinator import DuplicateRequestId
     from specdist.errors import InvalidArgument
 
     coord = srv.coordinator
@@ -263,7 +263,7 @@ def test_coordinator_generate_api(srv, loop_thread, ref):
 
 
 def test_remote_generate_cli(srv, ref, capsys):
-    from specdist.serve_cli import run_remote_generate
+    from specdist.api.serving import run_remote_generate
 
     assert run_remote_generate(srv.address, "a b", dict(max_tokens=8, temperature=0), raw=False) == 0
     out = capsys.readouterr()
@@ -446,7 +446,7 @@ def test_failed_step_fails_only_the_batch(srv, loop_thread, ref):
 
 
 def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
-    from specdist.serve_cli import run_remote_generate
+    from specdist.api.serving import run_remote_generate
 
     s = start_server(loop_thread, tiny_models, max_queued=2, drain_seconds=60)  # a deadline, not a wait
     try:

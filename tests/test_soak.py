@@ -19,7 +19,7 @@ from specdist.bench import soak
 from specdist.bench.soak import (GAUGES, INVALID_FIELDS, MIB, MIX, SoakRequest, draw_request, fit_trend,
                                  invalid_request, tolerance)
 from specdist.cli import main
-from specdist.frontend import Limits
+from specdist.api.admission import Limits
 
 MINUTES = 20
 T = [float(s) for s in range(60, MINUTES * 60)]  # 1 Hz samples after a one-minute warm-up
@@ -95,7 +95,7 @@ def test_request_mix_proportions_at_a_fixed_seed():
 def served(tiny_models):
     """An in-process server over the tiny models on a free 127.0.0.1 port."""
     from specdist import Engine
-    from specdist.serve_cli import Backend, start_serving
+    from specdist.api.serving import Backend, start_serving
 
     engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
     lt = LoopThread()

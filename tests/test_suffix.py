@@ -1,4 +1,4 @@
-"""The suffix index (specdist/suffix.py) and the ``suffix`` / ``hybrid`` draft methods.
+"""The suffix index (specdist/cores/suffix.py) and the ``suffix`` / ``hybrid`` draft methods.
 
 1. The index against a reference built from scratch (every substring of length <= D of the
    held sequences, counted): incremental insertion, eviction (counts restored exactly, empty
@@ -22,12 +22,12 @@ import pytest
 
 from conftest import ServedCores, tiny_config
 from specdist.config import load_config
-from specdist.drafting import DrafterCore, build_drafter_core
-from specdist.engine import Engine
+from specdist.cores.draft import DrafterCore, build_drafter_core
+from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
-from specdist.suffix import SuffixIndex, SuffixSettings
-from specdist.transport import ProposeItem, StartItem
+from specdist.cores.suffix import SuffixIndex, SuffixSettings
+from specdist.transport.protocol import ProposeItem, StartItem
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
@@ -335,7 +335,7 @@ def test_repeated_prompt_is_drafted_from_the_index(tiny_models, reference):
 def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
     """The deployment's draft actor (in process, no Ray) loads both methods through the same
     factory, warms up, and serves them over gRPC: the remote engine's greedy output is the target's."""
-    from specdist.remote_engine import RemoteEngine
+    from specdist.engine.remote import RemoteEngine
     from workers.actors import DraftActor
 
     cfg = tiny_config(tiny_models, "suffix", 3)

@@ -41,9 +41,9 @@ import ray
 
 from conftest import LoopThread, assert_nothing_left_on_ray, tiny_config
 from specdist.client import RemoteError, SpecDistClient
-from specdist.engine import Engine
+from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
-from specdist.security import bearer_metadata, new_worker_secret
+from specdist.transport.security import bearer_metadata, new_worker_secret
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
@@ -237,7 +237,7 @@ def _drain_and_stop(lt, serving) -> None:
 def test_served_deployment_through_faults(local_ray, tiny_models):
     import openai
 
-    from specdist.serve_cli import start_serving
+    from specdist.api.serving import start_serving
 
     cfg = _config(tiny_models)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -360,7 +360,7 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
 
 def test_collective_timeout_follows_the_measured_forwards():
     """CollectiveDeadline: the floor until forwards are measured, then 20 x (overhead + rate x n)."""
-    from specdist.verifying import COLLECTIVE_FACTOR, CollectiveDeadline
+    from specdist.cores.target import COLLECTIVE_FACTOR, CollectiveDeadline
 
     d = CollectiveDeadline(floor_s=3.0)
     assert d.timeout_for(1) == d.timeout_for(4096) == 3.0  # nothing measured yet

@@ -15,14 +15,14 @@ import grpc
 import pytest
 
 from conftest import remote_engine_like, tiny_config
-from specdist.engine import Engine
-from specdist.remote import RemoteDrafter, RemoteVerifier
-from specdist.remote_engine import RemoteEngine
+from specdist.engine.local import Engine
+from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.security import bearer_metadata, new_worker_secret
-from specdist.transport import StartItem, TransportError
+from specdist.transport.security import bearer_metadata, new_worker_secret
+from specdist.transport.protocol import StartItem, TransportError
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.wire import sampling_params_to_proto
+from specdist.transport.wire import sampling_params_to_proto
 
 K, MAX_LEN = 3, 64
 PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5]]

@@ -1,12 +1,12 @@
 """Target and draft workers over real gRPC (grpc.aio servers in a background thread).
 
-The workers are the cores the in-process engine uses (:class:`~specdist.verifying.VerifierCore`,
-:class:`~specdist.drafting.DrafterCore`) behind their servicers (``workers/target_worker.py``,
+The workers are the cores the in-process engine uses (:class:`~specdist.cores.target.VerifierCore`,
+:class:`~specdist.cores.draft.DrafterCore`) behind their servicers (``workers/target_worker.py``,
 ``workers/draft_worker.py``). A small coordinator loop in this file drives Prefill -> Start ->
 Propose -> Verify -> Propose ... -> Release with raw protobuf stubs, applying the engine's own
 stop rules (OutputState) and draft-length rule, and the greedy output must equal the
 single-process Engine's token for token. Other tests call the cores directly with the
-dataclasses of :mod:`specdist.transport`, or the remote transports (:mod:`specdist.remote`).
+dataclasses of :mod:`specdist.transport.protocol`, or the remote transports (:mod:`specdist.transport.remote`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import torch
 
 import rank_procs
 from conftest import AioServer, tiny_config
-from specdist.drafting import DrafterCore
+from specdist.cores.draft import DrafterCore
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.sampling import process_logits
+from specdist.cores.sampling import process_logits
 from specdist.sampling_params import SamplingParams
-from specdist.stopping import OutputState
-from specdist.transport import draft_seed
+from specdist.engine.stopping import OutputState
+from specdist.transport.protocol import draft_seed
 from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.verifying import VerifierCore
-from specdist.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, sampling_params_to_proto
+from specdist.cores.target import VerifierCore
+from specdist.transport.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, sampling_params_to_proto
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 
@@ -131,7 +131,7 @@ MAX_TOKENS = [20, 9, 30, 14]
 
 @pytest.mark.parametrize("method", ["model", "ngram", "self"])
 def test_greedy_matches_engine(workers, tiny_models, method):
-    from specdist.engine import Engine
+    from specdist.engine.local import Engine
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=(i % 2 == 0)) for i, m in enumerate(MAX_TOKENS)]
     cfg = tiny_config(tiny_models, method="ngram" if method == "ngram" else "model", k=K)
@@ -289,8 +289,8 @@ def test_shipped_q_is_the_sampled_q(workers):
     with the same seed drafts the same token from a q (``Proposal.q``) that the shipped message
     decodes to exactly, bit for bit.
     """
-    from specdist.transport import ProposeItem, StartItem
-    from specdist.wire import decode_distribution, fp16_exact
+    from specdist.transport.protocol import ProposeItem, StartItem
+    from specdist.transport.wire import decode_distribution, fp16_exact
 
     stub, core = workers["model_stub"], workers["model"]
     prompt = [3, 1, 4]
@@ -325,7 +325,7 @@ def test_shipped_q_is_the_sampled_q(workers):
 
 def _timing_metadata(call) -> dict[str, float]:
     """The core's per-phase seconds a servicer sent in the ``specdist-timing`` trailing metadata."""
-    from specdist.remote import TIMING_METADATA_KEY
+    from specdist.transport.remote import TIMING_METADATA_KEY
 
     values = [v for k, v in (call.trailing_metadata() or ()) if k == TIMING_METADATA_KEY]
     if not values:
@@ -365,7 +365,7 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
     """The cores themselves, called with the transport dataclasses: field errors name
     ``items[i]...`` and the status the servicers answer with; a failed call changes nothing."""
     from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-    from specdist.transport import Proposal, ProposeItem, StartItem, Verified, VerifyItem
+    from specdist.transport.protocol import Proposal, ProposeItem, StartItem, Verified, VerifyItem
 
     target, draft = workers["target"], workers["model"]
     sp = SamplingParams(temperature=0.0)
@@ -416,10 +416,10 @@ def test_local_and_remote_transports_raise_the_same_errors(workers):
     """LocalVerifier / LocalDrafter (direct calls) and RemoteVerifier / RemoteDrafter (gRPC to the
     servicers of the same cores) turn a core's field error into one TransportError: the gRPC
     code, the blamed item and its request id; errors naming no item blame the whole call."""
-    from specdist.drafting import LocalDrafter
-    from specdist.remote import RemoteDrafter, RemoteVerifier
-    from specdist.transport import ProposeItem, StartItem, TransportError
-    from specdist.verifying import LocalVerifier
+    from specdist.cores.draft import LocalDrafter
+    from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+    from specdist.transport.protocol import ProposeItem, StartItem, TransportError
+    from specdist.cores.target import LocalVerifier
 
     sp = SamplingParams(temperature=0.0)
     target, draft = workers["target"], workers["model"]
@@ -470,7 +470,7 @@ def _free_port() -> int:
 
 
 def test_tensor_parallel_target_over_grpc(workers, tiny_models, tmp_path):
-    from specdist.engine import Engine
+    from specdist.engine.local import Engine
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=K)).generate(

@@ -15,11 +15,11 @@ Lifecycle (Ray Serve style), driven by :class:`cluster.deployment.Deployment`::
 
 Every call into a worker (warm-up, RPCs, shutdown) runs on ONE executor thread per actor
 (models and collectives are not thread-safe); the gRPC server runs on the actor's own asyncio
-loop thread (:class:`specdist.grpc_host.GrpcHostThread`, the host the public server uses too).
+loop thread (:class:`specdist.transport.grpc_host.GrpcHostThread`, the host the public server uses too).
 The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started, NOT_SERVING while
 draining or shut down. With a ``secret`` (the deployment's worker secret, given to
 ``start_grpc``) every call but the health service's needs ``authorization: Bearer <secret>``
-metadata, else UNAUTHENTICATED (:func:`specdist.security.auth_interceptors`).
+metadata, else UNAUTHENTICATED (:func:`specdist.transport.security.auth_interceptors`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from specdist.drafting import WARMUP_ID
-from specdist.frontend import bare_host
-from specdist.grpc_host import GrpcHostThread
+from specdist.cores.draft import WARMUP_ID
+from specdist.api.admission import bare_host
+from specdist.transport.grpc_host import GrpcHostThread
 from specdist.sampling_params import SamplingParams
-from specdist.transport import Proposal, StartItem, VerifyItem
+from specdist.transport.protocol import Proposal, StartItem, VerifyItem
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.wire import MAX_DRAFT_TOKENS
+from specdist.transport.wire import MAX_DRAFT_TOKENS
 from workers.servicing import core_message_limit
 
 
@@ -207,7 +207,7 @@ class TargetRankActor(_ActorBase):
 
     @_shippable_errors
     def init_distributed(self, master_addr: str, master_port: int, device: str = "auto") -> None:
-        from specdist.engine import device_for
+        from specdist.engine.local import device_for
 
         self.device = device_for(device)
         if self.world_size == 1:
@@ -230,7 +230,7 @@ class TargetRankActor(_ActorBase):
         from specdist.models.loader import resolve_model
         from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
-        from specdist.verifying import VerifierCore
+        from specdist.cores.target import VerifierCore
 
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
@@ -381,16 +381,16 @@ class DraftActor(_ActorBase):
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
     ) -> dict:
-        """Load the draft through the engine's factory path (:mod:`specdist.drafting`): the draft
+        """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
         core, compiled passes (``compile_passes``) and the pipeline (``pipeline``)."""
         self._require("created")
         t0 = time.perf_counter()
         from specdist.config import DRAFT_METHODS, DraftConfig
-        from specdist.drafting import build_drafter_core, load_draft_model
-        from specdist.engine import device_for
+        from specdist.cores.draft import build_drafter_core, load_draft_model
+        from specdist.engine.local import device_for
         from specdist.errors import ConfigError
-        from specdist.pipeline import pipelined
+        from specdist.cores.draft_pipeline import pipelined
 
         if method == "none" or method not in DRAFT_METHODS:
             raise ConfigError("draft.method", f"a draft actor runs model, self-w8, self-w4, ngram, suffix or hybrid, "
@@ -420,7 +420,7 @@ class DraftActor(_ActorBase):
     @_shippable_errors
     def warmup(self) -> float:
         self._require("loaded", "warm")
-        from specdist.drafting import warm_up_drafter
+        from specdist.cores.draft import warm_up_drafter
 
         t0 = time.perf_counter()
         self._on_worker_thread(warm_up_drafter, self.worker, self.k)

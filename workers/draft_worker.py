@@ -1,12 +1,12 @@
-"""The draft worker's gRPC face: ``DraftWorker`` service over a :class:`~specdist.drafting.DrafterCore`.
+"""The draft worker's gRPC face: ``DraftWorker`` service over a :class:`~specdist.cores.draft.DrafterCore`.
 
 The core (the same class the in-process engine calls) does the work; this servicer only
-turns the ``specdist.v1`` draft messages into the dataclasses of :mod:`specdist.transport`
-and back (:mod:`specdist.wire`), runs every call on the core's one thread, answers specdist
+turns the ``specdist.v1`` draft messages into the dataclasses of :mod:`specdist.transport.protocol`
+and back (:mod:`specdist.transport.wire`), runs every call on the core's one thread, answers specdist
 errors with their status and returns the core's timing in the trailing metadata.
 
 Distribution formats (``DraftDistribution`` in common.proto), chosen per draft token by
-:func:`specdist.wire.proposal_to_proto`: one-hot q (n-gram drafts, greedy requests, a
+:func:`specdist.transport.wire.proposal_to_proto`: one-hot q (n-gram drafts, greedy requests, a
 sampled q of one point) as ONE_HOT with no payload; otherwise the fp16-exact q the draft
 sampled from, as SPARSE_FP16 when under ``SPARSE_MAX_FRACTION`` of the vocabulary is
 nonzero, else DENSE_FP16, or the caller's ``preferred_format``. Each represents that q
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from specdist.drafting import DrafterCore
+from specdist.cores.draft import DrafterCore
 from specdist.v1 import draft_pb2, draft_pb2_grpc
-from specdist.wire import propose_items_from_proto, proposal_to_proto, start_items_from_proto
+from specdist.transport.wire import propose_items_from_proto, proposal_to_proto, start_items_from_proto
 from workers.servicing import BlockingCallRunner, core_message_limit
 
 
@@ -29,7 +29,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None,
                  message_limit: int | None = None):
         """``message_limit``: the largest message its server must pass
-        (:mod:`specdist.grpc_host`); by default the core's :func:`core_message_limit`."""
+        (:mod:`specdist.transport.grpc_host`); by default the core's :func:`core_message_limit`."""
         self.core = core
         self.message_limit = core_message_limit(core) if message_limit is None else message_limit
         self.runner = BlockingCallRunner("draft-worker", executor)

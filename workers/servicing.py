@@ -1,5 +1,5 @@
 """What the target and draft servicers share: one thread for the core, errors as gRPC statuses,
-and the message limit of the server a worker serves them on (:mod:`specdist.grpc_host`)."""
+and the message limit of the server a worker serves them on (:mod:`specdist.transport.grpc_host`)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from specdist.errors import SpecDistError
-from specdist.grpc_host import grpc_server
-from specdist.grpc_status import grpc_status_of
-from specdist.remote import timing_metadata
-from specdist.transport import CallTiming
-from specdist.wire import MAX_DRAFT_TOKENS, message_limit_bytes
+from specdist.transport.grpc_host import grpc_server
+from specdist.transport.grpc_status import grpc_status_of
+from specdist.transport.remote import timing_metadata
+from specdist.transport.protocol import CallTiming
+from specdist.transport.wire import MAX_DRAFT_TOKENS, message_limit_bytes
 
 
 def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
-    """:func:`~specdist.wire.message_limit_bytes` for a core's vocabulary and batch (its KV slots).
+    """:func:`~specdist.transport.wire.message_limit_bytes` for a core's vocabulary and batch (its KV slots).
 
     ``max_draft_tokens``: the deployment's ``draft.num_speculative_tokens`` where the host knows
     it, else the most a config allows. A core without a KV cache (n-gram and suffix drafts) ships
@@ -29,7 +29,7 @@ def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
 
 def worker_server(message_limit: int, secret: str | None = None) -> grpc.aio.Server:
     """A bare worker server for a caller that binds and starts it itself (the actors use
-    :class:`specdist.grpc_host.GrpcHostThread`, which also serves health): messages up to
+    :class:`specdist.transport.grpc_host.GrpcHostThread`, which also serves health): messages up to
     ``message_limit`` bytes either way (a servicer's ``message_limit``); with a ``secret``, every
     call but the health service's must carry it as a bearer token."""
     return grpc_server(message_limit, secret)
@@ -39,7 +39,7 @@ class BlockingCallRunner:
     """Runs a core's blocking calls on ONE thread (models and collectives are not thread-safe).
 
     ``fn(request)`` returns ``(response, CallTiming or None)``; the timing goes back in the
-    trailing metadata. specdist errors become their code's status (:mod:`specdist.grpc_status`),
+    trailing metadata. specdist errors become their code's status (:mod:`specdist.transport.grpc_status`),
     anything else INTERNAL.
     """
 

@@ -1,8 +1,8 @@
-"""The target worker's gRPC face: ``TargetWorker`` service over a :class:`~specdist.verifying.VerifierCore`.
+"""The target worker's gRPC face: ``TargetWorker`` service over a :class:`~specdist.cores.target.VerifierCore`.
 
 The core (the same class the in-process engine calls) does the work; this servicer only
-turns the ``specdist.v1`` target messages into the dataclasses of :mod:`specdist.transport`
-and back (:mod:`specdist.wire`), runs every call on the core's one thread, answers
+turns the ``specdist.v1`` target messages into the dataclasses of :mod:`specdist.transport.protocol`
+and back (:mod:`specdist.transport.wire`), runs every call on the core's one thread, answers
 specdist errors with their status (``items[i].field: ...`` names the item to blame) and
 returns the core's timing in the trailing metadata. Only rank 0 of a tensor-parallel target
 serves it; the other ranks run :meth:`VerifierCore.follow`.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from specdist.v1 import target_pb2, target_pb2_grpc
-from specdist.verifying import VerifierCore
-from specdist.wire import start_items_from_proto, verified_to_proto, verify_items_from_proto
+from specdist.cores.target import VerifierCore
+from specdist.transport.wire import start_items_from_proto, verified_to_proto, verify_items_from_proto
 from workers.servicing import BlockingCallRunner, core_message_limit
 
 
@@ -24,7 +24,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     def __init__(self, core: VerifierCore, executor: ThreadPoolExecutor | None = None,
                  message_limit: int | None = None):
         """``message_limit``: the largest message its server must pass
-        (:mod:`specdist.grpc_host`); by default the core's :func:`core_message_limit`."""
+        (:mod:`specdist.transport.grpc_host`); by default the core's :func:`core_message_limit`."""
         self.core = core
         self.message_limit = core_message_limit(core) if message_limit is None else message_limit
         self.runner = BlockingCallRunner("target-worker", executor)

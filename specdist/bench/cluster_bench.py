@@ -102,7 +102,7 @@ SCHEMA = "specdist.bench.cluster/1"
 VARIANTS: dict[str, dict[str, Any]] = {
     "spec": {},  # the config as given
     "no-spec": {"draft": {"method": "none", "model": None}, "cluster": {"num_draft_workers": 0}},
-    "pipelined": {"draft": {"pipeline": True}},  # drafts prepared during verification (specdist/pipeline.py)
+    "pipelined": {"draft": {"pipeline": True}},  # drafts prepared during verification (specdist/cores/draft_pipeline.py)
     "sequential": {"draft": {"pipeline": False}},  # draft, then verify
 }
 
@@ -468,7 +468,7 @@ class InProcessServer:
     """``start_serving`` (gRPC, and the HTTP API with ``http``) over a backend, on a background event loop."""
 
     def __init__(self, backend, http: bool = False):
-        from specdist.serve_cli import start_serving
+        from specdist.api.serving import start_serving
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -547,7 +547,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
 
         check_matplotlib()
     if args.config and args.protocol == "http":
-        from specdist.serve_cli import check_http_dependencies
+        from specdist.api.serving import check_http_dependencies
 
         check_http_dependencies()
     return levels, [v for v in VARIANTS if v in wanted], [http_base(u) for u in args.http]
@@ -587,8 +587,8 @@ def run(args: argparse.Namespace) -> int:
         measure(base, lambda r, b=base, m=model: http_request(b, r, m))
     if args.config:
         from specdist.config import load_config
-        from specdist.frontend import server_info
-        from specdist.serve_cli import start_backend
+        from specdist.api.admission import server_info
+        from specdist.api.serving import start_backend
 
         base_cfg = load_config(args.config).to_dict()
         for name in variants:

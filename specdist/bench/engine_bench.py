@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: F401  (heavy: loaded only when the benchmark runs)
 
     from specdist.config import load_config
-    from specdist.engine import Engine, device_for
+    from specdist.engine.local import Engine, device_for
     from specdist.models.dtypes import DTYPE_CHOICES, resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.native import self_draft, use_native_blocks
@@ -225,7 +225,7 @@ def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, eng
 def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
     import torch
 
-    from specdist.cost_model import expected_tokens
+    from specdist.engine.cost_model import expected_tokens
 
     dtypes = list(dict.fromkeys(r.dtype for r in results))
     draft = args.draft + (f" {args.draft_model}" if args.draft_model else "")

@@ -142,7 +142,7 @@ def max_prompt_words(limits) -> int:
 
 
 def draw_request(rng: random.Random, limits, max_tokens: int) -> SoakRequest:
-    """One request of the mix (module docstring); ``limits``: the server's :class:`specdist.frontend.Limits`."""
+    """One request of the mix (module docstring); ``limits``: the server's :class:`specdist.api.admission.Limits`."""
     kind = rng.choices([k for k, _ in MIX], weights=[w for _, w in MIX])[0]
     words = rng.randint(1, max_prompt_words(limits))
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
@@ -523,8 +523,8 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     from specdist.client import SpecDistClient
     from specdist.config import load_config
-    from specdist.frontend import Limits
-    from specdist.serve_cli import start_backend
+    from specdist.api.admission import Limits
+    from specdist.api.serving import start_backend
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     cfg = load_config(args.config).to_dict()

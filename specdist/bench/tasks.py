@@ -6,11 +6,11 @@ Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` 
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
 a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each, about
 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
-model's chat template by :func:`specdist.prompts.encode_prompt`, what ``Engine.generate(...,
+model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
 chat=True)`` does, once before anything is timed (a model without a chat template gets the
 conversation as plain ``User: ... Assistant:`` text).
 
-Variants (``--drafts``): one in-process :class:`~specdist.engine.Engine` per name, built from
+Variants (``--drafts``): one in-process :class:`~specdist.engine.local.Engine` per name, built from
 ``--config`` with ``draft.method`` set to that name (``none``: no draft). Any method the config
 accepts is a variant; a name it refuses is a one-line error before any weight loads. The
 config is otherwise kept, except: ``cluster.enabled`` is false (this bench runs in process),
@@ -32,7 +32,7 @@ machine (heat, other processes) spreads over the variants instead of falling on 
 each concurrency level, every engine runs one untimed warm-up batch (C requests, 8 tokens).
 
 Measured per batch: the wall time of ``generate`` (CUDA synchronised) and, from each request's
-own metrics (:class:`~specdist.request.RequestMetrics`), its tokens, verification steps,
+own metrics (:class:`~specdist.engine.request.RequestMetrics`), its tokens, verification steps,
 drafted and accepted tokens. Reported per task, variant and concurrency, and over all tasks:
 acceptance (accepted / drafted), tokens per step (tokens the target emitted per verification
 step: accepted drafts + 1), output tokens/s (all the requests' tokens / the batches' wall time:
@@ -214,7 +214,7 @@ def plain_text(conversation: list[dict]) -> str:
 def encode_tasks(tokenizer, tasks: list[str], n: int) -> tuple[dict[str, list[list[int]]], bool]:
     """({task: prompt token ids}, whether the chat template was used): what generate(chat=True) would encode."""
     from specdist.errors import SpecDistError
-    from specdist.prompts import encode_prompt
+    from specdist.engine.prompts import encode_prompt
 
     if tokenizer is None:
         raise SpecDistError("bench tasks: the target model has no tokenizer (the prompts are text)")
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     import torch
 
-    from specdist.engine import Engine, device_for
+    from specdist.engine.local import Engine, device_for
     from specdist.models.loader import gguf_parsed_once, load_tokenizer, resolve_model
     from specdist.sampling_params import SamplingParams
 

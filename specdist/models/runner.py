@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from specdist.errors import ConfigError
-from specdist.kv_cache import SlotKVCache
+from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
 from specdist.models.fusion import fuse_projections

@@ -2,7 +2,7 @@
 
 Status codes: a bad field is INVALID_ARGUMENT with the proto field name first in the
 details (``params.top_p: must be in (0, 1]``), as is a field beyond the config's
-``limits`` (``params.stop[2]: ...``, :func:`specdist.frontend.check_request`) and a
+``limits`` (``params.stop[2]: ...``, :func:`specdist.api.admission.check_request`) and a
 message that does not parse (``request: ...``); a message over
 ``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id
 already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
@@ -11,11 +11,11 @@ has NOT_FOUND. A request that fails inside a step gets a last message with FINIS
 and the stream then ends with INTERNAL; one ended because the engine thread died ends so with
 UNAVAILABLE (the delta's ``code``), naming the cause.
 
-``serve()`` hosts it on :func:`specdist.grpc_host.start_grpc_host` (the host the workers'
+``serve()`` hosts it on :func:`specdist.transport.grpc_host.start_grpc_host` (the host the workers'
 ports use too), with the standard ``grpc.health.v1.Health`` service (SERVING once the engine
 has warmed up, NOT_SERVING while draining, while the target is down and for good once the engine
 thread has died) and server reflection.
-With a token (:mod:`specdist.security`) every method except the health service's is
+With a token (:mod:`specdist.transport.security`) every method except the health service's is
 UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
 
@@ -30,15 +30,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specdist import logprobs
-from specdist.coordinator import Coordinator, Delta
-from specdist.engine import Engine
+from specdist.api.coordinator import Coordinator, Delta
+from specdist.engine.local import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
-from specdist.frontend import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
-from specdist.grpc_host import GrpcHost, start_grpc_host
-from specdist.grpc_status import grpc_status, grpc_status_of
-from specdist.security import ServerSecurity
+from specdist.api.admission import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
+from specdist.transport.grpc_host import GrpcHost, start_grpc_host
+from specdist.transport.grpc_status import grpc_status, grpc_status_of
+from specdist.transport.security import ServerSecurity
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
-from specdist.wire import finish_reason_to_proto, sampling_params_from_proto
+from specdist.transport.wire import finish_reason_to_proto, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
 
     @staticmethod
     def _prompt(request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
-        """The prompt as sent: text, or token ids. The engine checks it (specdist.prompts), chat template included."""
+        """The prompt as sent: text, or token ids. The engine checks it (specdist.engine.prompts), chat template included."""
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidArgument("prompt", "must be set (text or token_ids)")
@@ -216,7 +216,7 @@ async def serve(
 
     Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
     credentials for the port, and a token every method but the health service requires
-    (:mod:`specdist.security`). Messages over ``limits.max_message_bytes`` are refused.
+    (:mod:`specdist.transport.security`). Messages over ``limits.max_message_bytes`` are refused.
     """
     security = security or ServerSecurity()
     coordinator = Coordinator(engine, max_queued=max_queued)

@@ -1,4 +1,4 @@
-"""Prometheus metrics, read from the scheduler's step events (:mod:`specdist.scheduler`).
+"""Prometheus metrics, read from the scheduler's step events (:mod:`specdist.engine.scheduler`).
 
 :class:`Metrics` subscribes to one engine's ``listeners`` (called on the engine thread) and
 keeps its own ``CollectorRegistry``, so several servers (or tests) in one process do not
@@ -54,7 +54,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from specdist.scheduler import PHASES, RequestFinished, StepEvent
+from specdist.engine.scheduler import PHASES, RequestFinished, StepEvent
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SPEEDUP_WINDOW = 64  # steps

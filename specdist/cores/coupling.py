@@ -5,7 +5,7 @@ Speculative Decoding" (2024). For position ``n`` of a request every token ``x`` 
 vocabulary gets Gumbel(0, 1) noise ``G_n(x)``, a pure function of (key, n, x):
 
 - the target's token at ``n`` is ``y_n = argmax_x log p'_n(x) + G_n(x)``, with ``p'_n`` its
-  processed distribution (:func:`specdist.sampling.process_logits`) given the true prefix;
+  processed distribution (:func:`specdist.cores.sampling.process_logits`) given the true prefix;
 - the draft proposes ``d_n = argmax_x log q'_n(x) + G_n(x)`` with the same noise (model
   drafts; n-gram and suffix drafts propose their token as they would anyway);
 - the target accepts ``d_n`` iff ``d_n == y_n``, emits ``y_n`` at the first disagreement and
@@ -28,7 +28,7 @@ The noise. Row ``(key, n)`` starts a SplitMix64 stream at ``mix64(key ^ GUMBEL_R
 golden)`` (64-bit wrapping arithmetic, the same on the host in Python and on any torch device in
 int64), ``u = (z >> 11 + 1/2) / 2^53`` in (0, 1) and ``G = -log(-log u)`` in float64. Positions
 are < 2^32 (far above any context) and vocabularies < 2^32, so no two (position, token) pairs of
-a key share an element. The key is the drafter's seed (:func:`specdist.transport.draft_seed` of
+a key share an element. The key is the drafter's seed (:func:`specdist.transport.protocol.draft_seed` of
 the request seed), which both sides know; the rejection coupling's uniforms use other roles.
 The argmax is taken as ``argmin_x E(x) / p'(x)`` with ``E = -log u`` (the same token, one
 logarithm per entry). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from specdist.verification import VerifyResult
+from specdist.cores.rejection import VerifyResult
 
 COUPLINGS = ("gumbel", "rejection")
 

@@ -1,10 +1,10 @@
 """What the scheduler and its drafters / verifier exchange: typed batches, results, one error type.
 
-The scheduler (:mod:`specdist.scheduler`) talks to one :class:`Verifier` (the target) and a
+The scheduler (:mod:`specdist.engine.scheduler`) talks to one :class:`Verifier` (the target) and a
 list of :class:`Drafter` replicas. Each has two transports: local (direct calls on the cores
-of :mod:`specdist.verifying` and :mod:`specdist.drafting`, in this process) and remote (gRPC
-stubs to the workers that host the same cores, :mod:`specdist.remote`). Both move these
-dataclasses; the gRPC servicers convert them to and from protobuf (:mod:`specdist.wire`).
+of :mod:`specdist.cores.target` and :mod:`specdist.cores.draft`, in this process) and remote (gRPC
+stubs to the workers that host the same cores, :mod:`specdist.transport.remote`). Both move these
+dataclasses; the gRPC servicers convert them to and from protobuf (:mod:`specdist.transport.wire`).
 
 A request lives on a core under a ``request_id`` chosen by the scheduler. Its life:
 
@@ -24,7 +24,7 @@ sequence position ``n`` with :func:`draft_uniform` ``(draft seed, n)``; the veri
 rejects the draft token at position ``n`` with :func:`target_uniforms` ``(seed, ACCEPT_ROLE, [n])``
 and samples the residual or bonus token at position ``n`` with ``(seed, SAMPLE_ROLE, [n])``. They are
 functions of the position, not of how many draws came before, so drafting the same positions
-ahead of time (pipelined drafting, :mod:`specdist.pipeline`) or again after a rejection gives the
+ahead of time (pipelined drafting, :mod:`specdist.cores.draft_pipeline`) or again after a rejection gives the
 tokens sequential drafting gives, and the target's draws do not depend on the draft lengths.
 """
 
@@ -52,7 +52,7 @@ class StartItem:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the uniforms' seed on the core that receives it (drafters: draft_seed(request seed))
-    coupling: str = "rejection"  # how drafts are decided (specdist.coupling.COUPLINGS); both cores get the same
+    coupling: str = "rejection"  # how drafts are decided (specdist.cores.coupling.COUPLINGS); both cores get the same
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Proposal:
 
     request_id: str
     token_ids: list[int]  # [n]
-    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.wire.fp16_exact), drafter's device
+    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.transport.wire.fp16_exact), drafter's device
     wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
     pipeline: str | None = None  # pipelined drafter: HIT (prepared during the last verify) or MISS; None: not prepared
 
@@ -114,7 +114,7 @@ def now() -> float:
 class CallTiming:
     """Seconds a core spent on one call, by phase ("forward", "sampling", "draft", ...).
 
-    ``hidden_s``: seconds of background drafting (:mod:`specdist.pipeline`) for this call's
+    ``hidden_s``: seconds of background drafting (:mod:`specdist.cores.draft_pipeline`) for this call's
     requests that ran before the call arrived, i.e. under the previous verification; not part
     of the call's wall time. ``runs``: the draft compute behind the call, run by run.
     """

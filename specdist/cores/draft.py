@@ -1,20 +1,20 @@
 """The drafting core: proposes tokens and returns the exact q each one was sampled from.
 
-:class:`DrafterCore` takes and returns the dataclasses of :mod:`specdist.transport`. The
+:class:`DrafterCore` takes and returns the dataclasses of :mod:`specdist.transport.protocol`. The
 in-process engine calls it directly (:class:`LocalDrafter`); a draft worker hosts the same
 class behind gRPC (``workers/draft_worker.py``). The methods:
 
 - ``model``: a small causal LM (a separate draft model, or the target's int8 ``self-w8``
   copy) over its own slot KV cache. Each draft token is sampled from the *processed* draft
-  distribution (:func:`specdist.sampling.process_logits`, the transform the target applies to
+  distribution (:func:`specdist.cores.sampling.process_logits`, the transform the target applies to
   p) after rounding it to ``r = fp16_exact(q)``, the distribution the wire can carry exactly:
   the proposal reports r, the target verifies against r, so exactness holds on either
   transport and both give the same tokens. Greedy requests have a one-hot q (no tensor).
 - ``ngram`` (prompt lookup): the continuation of the latest earlier occurrence of the
-  sequence's last n tokens (:class:`specdist.ngram.NgramIndex`); q is one-hot.
+  sequence's last n tokens (:class:`specdist.cores.ngram.NgramIndex`); q is one-hot.
 - ``suffix`` (SuffixDecoding): the most frequent continuation of the longest suffix that
   occurred before in any sequence of this core, live or recently finished
-  (:class:`specdist.suffix.SuffixIndex`, one per core); q is one-hot.
+  (:class:`specdist.cores.suffix.SuffixIndex`, one per core); q is one-hot.
 - ``hybrid``: a model runner (the target's int8 copy) *and* the suffix index. Per request and
   step the suffix draft is taken when its score (expected accepted tokens by the counts) is at
   least ``min(min_score, k)`` (k: the tokens asked for; a score of k means every token certain by
@@ -37,7 +37,7 @@ but its slot (``defer_prefill=True``, what the engine builds). A draft worker pr
 ``start``, where its call deadline scales with the prompt. ``propose`` first commits what the target kept (``num_accepted`` of
 the last proposal, then ``new_token_ids``), rolling the cache back to the accepted prefix in
 O(1), then drafts ``num_tokens`` tokens. The token at sequence position ``n`` is sampled with
-the uniform :func:`~specdist.transport.draft_uniform` ``(seed, n)``, so the tokens depend on
+the uniform :func:`~specdist.transport.protocol.draft_uniform` ``(seed, n)``, so the tokens depend on
 the positions drafted, not on how often the request drafted before.
 
 With ``confidence_threshold > 0`` a request stops drafting early once the draft's
@@ -57,14 +57,14 @@ import torch
 from specdist.config import DraftConfig, target_copy
 from specdist.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from specdist.errors import ResourceExhausted
-from specdist.kv_cache import SlotKVCache
+from specdist.models.kv_cache import SlotKVCache
 from specdist.models.runner import CausalLMRunner
-from specdist.ngram import NgramIndex
-from specdist.sampling import process_logits, sample_from
+from specdist.cores.ngram import NgramIndex
+from specdist.cores.sampling import process_logits, sample_from
 from specdist.sampling_params import SamplingParams
-from specdist.coupling import gumbel_argmax, row_starts
-from specdist.suffix import SuffixIndex, SuffixSettings, SuffixState
-from specdist.transport import (
+from specdist.cores.coupling import gumbel_argmax, row_starts
+from specdist.cores.suffix import SuffixIndex, SuffixSettings, SuffixState
+from specdist.transport.protocol import (
     CallTiming,
     Proposal,
     ProposeItem,
@@ -77,7 +77,7 @@ from specdist.transport import (
     now,
     sampling_tensors,
 )
-from specdist.wire import fp16_exact
+from specdist.transport.wire import fp16_exact
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
@@ -257,7 +257,7 @@ class DrafterCore:
         """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them.
 
         ``prepared``: drafts after exactly that sequence whose K/V the cache already holds (a
-        pipelined preparation whose assumed prefix held, :mod:`specdist.pipeline`); they become the
+        pipelined preparation whose assumed prefix held, :mod:`specdist.cores.draft_pipeline`); they become the
         request's proposal, and the cache keeps them as after drafting them (all but the last)."""
         prev = len(r.seq)
         kept = r.proposal[:n_acc] + new
@@ -308,7 +308,7 @@ class DrafterCore:
                     each_pass=None) -> tuple[list[list[int]], list[torch.Tensor | None], list[int | None]]:
         """Draft each request's next step before the target has verified its proposal: a guess of
         the target's token after the proposal, then ``ks[b]`` tokens after proposal + guess
-        (:mod:`specdist.pipeline`). (tokens, q, guess) per request; ``gate`` and ``each_pass``
+        (:mod:`specdist.cores.draft_pipeline`). (tokens, q, guess) per request; ``gate`` and ``each_pass``
         as in :meth:`_draft_model`. The requests' state is unchanged (the cache holds the passes'
         K/V): :meth:`commit` with ``prepared`` takes the tokens once the target kept that prefix."""
         return self._draft_model(reqs, ks, ahead=[list(r.proposal) for r in reqs], guess=True, gate=gate,
@@ -321,7 +321,7 @@ class DrafterCore:
         Request b drafts after ``seq + ahead[b]`` (``ahead``: tokens not committed yet, which the
         pipelined drafter assumes the target will keep; default none). With ``guess`` the first
         pass picks the mode of q as a guess of the target's next token (no uniform drawn, not
-        part of the tokens; see :mod:`specdist.pipeline`) and the ``ks[b]`` tokens follow it.
+        part of the tokens; see :mod:`specdist.cores.draft_pipeline`) and the ``ks[b]`` tokens follow it.
         The token at sequence position n is sampled with ``draft_uniform(seed, n)``.
         ``each_pass``: a context manager (a lock) held around every pass; ``gate(b)``, called
         inside it before the pass, drops request b from the remaining passes when it is False.

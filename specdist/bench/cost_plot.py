@@ -1,11 +1,11 @@
-"""Plot of the idealised speculative-decoding speedup (see :mod:`specdist.cost_model`)."""
+"""Plot of the idealised speculative-decoding speedup (see :mod:`specdist.engine.cost_model`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
-from specdist.cost_model import speedup
+from specdist.engine.cost_model import speedup
 
 
 def plot_speedup(

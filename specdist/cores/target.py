@@ -1,6 +1,6 @@
 """The verifying core: holds the target model (or one tensor-parallel shard) and verifies drafts.
 
-:class:`VerifierCore` takes and returns the dataclasses of :mod:`specdist.transport`. The
+:class:`VerifierCore` takes and returns the dataclasses of :mod:`specdist.transport.protocol`. The
 in-process engine calls it directly (:class:`LocalVerifier`); a target worker hosts the same
 class behind gRPC (``workers/target_worker.py``). Per request it keeps a KV slot, the token
 sequence (prompt + emitted tokens; all but the last are in the cache), the SamplingParams
@@ -9,8 +9,8 @@ and the request seed.
 - ``prefill``: take a slot per request and write every prompt token but the last (the last
   one is fed with the first draft);
 - ``verify``: one ragged forward over ``[last token, d_1..d_k]`` per request, the logits
-  processed with each request's params (:func:`specdist.sampling.process_logits`, the same
-  transform the draft used for q), :func:`specdist.verification.rejection_sample`, then the
+  processed with each request's params (:func:`specdist.cores.sampling.process_logits`, the same
+  transform the draft used for q), :func:`specdist.cores.rejection.rejection_sample`, then the
   cache rolled back to the accepted prefix (O(1)) and ``accepted + next`` appended to the
   sequence. Logits, p, q and the sampling stay on the model's device; the uniforms (computed
   on the host) go there, and the accepted counts, final tokens and unusable-logits flags come
@@ -22,7 +22,7 @@ and the request seed.
 Uniforms: a request holding ``L`` tokens (``len(seq)``, prompt + emitted) before a step has its
 draft token ``d_j`` (j = 0..k-1) at sequence position ``L + j`` and its final (residual or
 bonus) token at ``L + accepted``. ``d_j`` is accepted or rejected with
-:func:`~specdist.transport.target_uniforms` ``(seed, ACCEPT_ROLE, [L + j])``; the final token is
+:func:`~specdist.transport.protocol.target_uniforms` ``(seed, ACCEPT_ROLE, [L + j])``; the final token is
 sampled with ``(seed, SAMPLE_ROLE, [L + accepted])``, so the sample uniform of every position it
 can land on (``L .. L + k``) goes to the sampler. Each is a pure function of (seed, position,
 role): it depends neither on the draft lengths nor on the steps before, all 64 seed bits count,
@@ -75,9 +75,9 @@ from specdist.errors import (
 )
 from specdist.logprobs import split_rows
 from specdist.models.runner import CausalLMRunner
-from specdist.sampling import process_logits, unusable_rows
+from specdist.cores.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
-from specdist.transport import (
+from specdist.transport.protocol import (
     ACCEPT_ROLE,
     SAMPLE_ROLE,
     CallTiming,
@@ -93,12 +93,12 @@ from specdist.transport import (
     sampling_tensors,
     target_uniforms,
 )
-from specdist.coupling import gumbel_argmax, gumbel_verify, row_starts
-from specdist.verification import VerifyResult, rejection_sample
-from specdist.wire import ONE_HOT, decode_distribution
+from specdist.cores.coupling import gumbel_argmax, gumbel_verify, row_starts
+from specdist.cores.rejection import VerifyResult, rejection_sample
+from specdist.transport.wire import ONE_HOT, decode_distribution
 
 if TYPE_CHECKING:
-    from specdist.kv_cache import SlotKVCache
+    from specdist.models.kv_cache import SlotKVCache
 
 
 @dataclass
@@ -107,7 +107,7 @@ class _TargetRequest:
     seq: list[int]  # prompt + emitted tokens; all but the last are in the cache
     params: SamplingParams
     seed: int  # keys the target's uniforms (transport.target_uniforms)
-    coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.coupling (noise keyed by draft_seed)
+    coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.cores.coupling (noise keyed by draft_seed)
 
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
@@ -369,8 +369,8 @@ class VerifierCore:
 
     def _decide(self, reqs, probs, qs, tokens, num_draft, nd, kdim) -> VerifyResult:
         """Accepted drafts and the token after them, per request by its coupling: the rejection rule
-        (:func:`~specdist.verification.rejection_sample`) or Gumbel-max agreement
-        (:func:`~specdist.coupling.gumbel_verify`); a mixed batch runs each on its rows."""
+        (:func:`~specdist.cores.rejection.rejection_sample`) or Gumbel-max agreement
+        (:func:`~specdist.cores.coupling.gumbel_verify`); a mixed batch runs each on its rows."""
         dev = probs.device
         gumbel = [b for b, r in enumerate(reqs) if r.coupling == "gumbel"]
         if len(gumbel) < len(reqs):
@@ -525,7 +525,7 @@ class VerifierCore:
         """Where a request's K/V sit on this rank: (cache, slot), or None for an unknown request.
 
         A drafter core over a copy of the target (same cache layout) copies a prompt's K/V from
-        here instead of computing them (its ``prefix_source``, :mod:`specdist.drafting`)."""
+        here instead of computing them (its ``prefix_source``, :mod:`specdist.cores.draft`)."""
         r = self.requests.get(request_id)
         return (self.cache, r.slot) if r is not None else None
 

@@ -1,16 +1,16 @@
-"""The one gRPC host: the public SpecDecode server (:mod:`specdist.server`) and every worker port
+"""The one gRPC host: the public SpecDecode server (:mod:`specdist.api.grpc_server`) and every worker port
 (``workers/actors.py``) are built and started here.
 
 :func:`start_grpc_host` creates a grpc.aio server on the running event loop and starts it:
 
 - the services: ``{full service name: add(server)}``, each registering its servicer;
 - ``host:port`` (port 0: the OS picks a free one; :attr:`GrpcHost.port` is the one bound), over
-  TLS with a :class:`~specdist.security.ServerTLS`, else plaintext; a port that cannot be bound
+  TLS with a :class:`~specdist.transport.security.ServerTLS`, else plaintext; a port that cannot be bound
   raises OSError (or grpc's RuntimeError) before the server starts;
 - with a ``token``, every method but the health service's needs ``authorization: Bearer <token>``
-  (:func:`specdist.security.auth_interceptors`), else UNAUTHENTICATED;
+  (:func:`specdist.transport.security.auth_interceptors`), else UNAUTHENTICATED;
 - messages up to ``message_limit`` bytes either way; grpc refuses a larger one with
-  RESOURCE_EXHAUSTED (:func:`specdist.wire.grpc_message_options`);
+  RESOURCE_EXHAUSTED (:func:`specdist.transport.wire.grpc_message_options`);
 - the standard ``grpc.health.v1.Health`` service, one status for the server (``""``) and each
   service name, set before the server starts (``serving``) and by :meth:`GrpcHost.set_serving`,
   and :data:`LIVENESS`, SERVING from the start until :meth:`GrpcHost.stop` whatever the others
@@ -33,8 +33,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from specdist.security import ServerTLS, auth_interceptors
-from specdist.wire import grpc_message_options
+from specdist.transport.security import ServerTLS, auth_interceptors
+from specdist.transport.wire import grpc_message_options
 
 AddService = Callable[[grpc.aio.Server], None]  # registers one servicer on a server
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"

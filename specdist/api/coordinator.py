@@ -1,4 +1,4 @@
-"""An asyncio front end over an :class:`~specdist.engine.Engine`: continuous batching for many streams.
+"""An asyncio front end over an :class:`~specdist.engine.local.Engine`: continuous batching for many streams.
 
 Threading model: the engine is only ever touched by ONE dedicated thread, which runs
 free of the event loop. While there is work it loops: take every queued command (add a
@@ -36,7 +36,7 @@ every request with ``finish_reason="error"`` and the given reason, and refuses n
 reported to ``availability_listeners`` on the event loop (the servers' health checks).
 :meth:`call_soon` runs any function on the engine thread from any thread.
 
-``metrics`` (:class:`~specdist.metrics.Metrics`): the engine's Prometheus series, from its
+``metrics`` (:class:`~specdist.api.metrics.Metrics`): the engine's Prometheus series, from its
 step events (the warm-up request is not counted); its gauges read the last pass's snapshot.
 """
 
@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING, Any
 from specdist.config import MAX_REQUEST_ID_LEN
 from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
 from specdist.logprobs import TokenLogprob
-from specdist.metrics import Metrics
+from specdist.api.metrics import Metrics
 from specdist.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engine, RemoteEngine)
-    from specdist.engine import Engine
-    from specdist.request import Request, RequestMetrics
+    from specdist.engine.local import Engine
+    from specdist.engine.request import Request, RequestMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The in-process engine: the scheduler over local transports.
 
-:class:`Engine` is :class:`~specdist.scheduler.Scheduler` (the one speculative step) driving a
-:class:`~specdist.verifying.VerifierCore` and a :class:`~specdist.drafting.DrafterCore` that
+:class:`Engine` is :class:`~specdist.engine.scheduler.Scheduler` (the one speculative step) driving a
+:class:`~specdist.cores.target.VerifierCore` and a :class:`~specdist.cores.draft.DrafterCore` that
 live in this process, the very classes a deployment's target and draft workers host. A
 ``self-w8`` draft (the target's own int8 copy) copies the target's prompt K/V instead of a
 second prefill.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config, target_copy
-from specdist.drafting import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
+from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
 from specdist.models.loader import eos_token_ids
 from specdist.models.runner import CausalLMRunner, compile_runner
-from specdist.pipeline import pipelined
-from specdist.scheduler import PHASES, EngineStats, Scheduler
-from specdist.verifying import LocalVerifier, VerifierCore
+from specdist.cores.draft_pipeline import pipelined
+from specdist.engine.scheduler import PHASES, EngineStats, Scheduler
+from specdist.cores.target import LocalVerifier, VerifierCore
 
 __all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 

@@ -8,9 +8,9 @@
     specdist generate --server 127.0.0.1:50051 "prompt"         # streams text; stats on stderr
 
 With ``cluster.enabled`` the target ranks and draft workers run as Ray actors
-(:mod:`cluster.deployment`, imported lazily) behind a :class:`~specdist.remote_engine.RemoteEngine`,
+(:mod:`cluster.deployment`, imported lazily) behind a :class:`~specdist.engine.remote.RemoteEngine`,
 and the same public server fronts it. ``--http-port`` adds the OpenAI-compatible HTTP API
-(:mod:`specdist.http_server`) over the same coordinator, on the same event loop. On
+(:mod:`specdist.api.http_server`) over the same coordinator, on the same event loop. On
 SIGINT/SIGTERM: drain, stop the servers, stop the deployment (actors, placement groups),
 shut down Ray if this process started it.
 
@@ -122,7 +122,7 @@ def check_listen(host: str, port: int) -> None:
     """
     if not 0 <= port <= 65535:
         raise ListenError(f"cannot listen on {host}:{port}: the port must be in [0, 65535]")
-    from specdist.frontend import bare_host
+    from specdist.api.admission import bare_host
 
     try:
         infos = socket.getaddrinfo(bare_host(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -237,7 +237,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     cfg = load_config(config)
     check_dependencies(cfg)
     if not cfg.cluster.enabled:
-        from specdist.engine import Engine
+        from specdist.engine.local import Engine
 
         return Backend(Engine.from_config(cfg, tokenizer=tokenizer))
 
@@ -245,8 +245,8 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
 
     from cluster.deployment import Deployment
     from cluster.local import LOOPBACK_HOSTS, init_local_ray
-    from specdist.frontend import bare_host
-    from specdist.remote_engine import RemoteEngine
+    from specdist.api.admission import bare_host
+    from specdist.engine.remote import RemoteEngine
 
     cc = cfg.cluster
     backend = Backend(engine=None)
@@ -290,11 +290,11 @@ class _NoEngine:
 class Serving:
     """A started ``specdist serve``: the gRPC server over its backend; ``await stop()`` tears both down."""
 
-    server: Any  # specdist.server.SpecDistServer
+    server: Any  # specdist.api.grpc_server.SpecDistServer
     backend: Backend
     host: str = "127.0.0.1"
     metrics_server: Any = None  # prometheus-client's WSGI server with --metrics-port
-    http: Any = None  # specdist.http_server.HttpServer, with --http-port
+    http: Any = None  # specdist.api.http_server.HttpServer, with --http-port
 
     @property
     def address(self) -> str:
@@ -339,10 +339,10 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
     Without ``backend`` it is brought up here (:func:`start_backend`, blocking this event loop).
     ``metrics_port``: also serve the coordinator's Prometheus registry there (0: any free port).
     ``http_port``: also serve the OpenAI-compatible HTTP API there (on ``http_host``, default ``host``).
-    ``security``: a :class:`specdist.security.ServerSecurity` (TLS, token) for every one of these ports.
+    ``security``: a :class:`specdist.transport.security.ServerSecurity` (TLS, token) for every one of these ports.
     """
-    from specdist.security import start_metrics_server
-    from specdist.server import serve
+    from specdist.transport.security import start_metrics_server
+    from specdist.api.grpc_server import serve
 
     if http_port is not None:
         check_http_dependencies()
@@ -366,7 +366,7 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
             raise
     if http_port is not None:
         try:
-            from specdist.http_server import start_http
+            from specdist.api.http_server import start_http
 
             serving.http = await start_http(coordinator, http_host or host, http_port, security=security)
         except BaseException:
@@ -405,7 +405,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.drain_seconds < 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     from specdist.config import load_config
-    from specdist.security import ServerSecurity
+    from specdist.transport.security import ServerSecurity
 
     args.security = ServerSecurity.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
                                              getattr(args, "tls_client_ca", None),

@@ -1,15 +1,15 @@
-"""The distributed engine: the same scheduler as :class:`~specdist.engine.Engine`, over gRPC transports.
+"""The distributed engine: the same scheduler as :class:`~specdist.engine.local.Engine`, over gRPC transports.
 
-:class:`RemoteEngine` is :class:`~specdist.scheduler.Scheduler` driving a target worker (the
+:class:`RemoteEngine` is :class:`~specdist.engine.scheduler.Scheduler` driving a target worker (the
 rank 0 of a possibly tensor-parallel target) and any number of draft workers through
-:mod:`specdist.remote`. It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
+:mod:`specdist.transport.remote`. It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
 target's tokenizer and config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
 never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
 ``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
 hung workers are found sooner: drafts by their measured-latency deadlines, target ranks by a
 deployment's supervisor and the collective timeouts. Worker calls may carry messages up to
-:func:`specdist.wire.message_limit_bytes` of the vocabulary, ``engine.max_batch_size`` and
+:func:`specdist.transport.wire.message_limit_bytes` of the vocabulary, ``engine.max_batch_size`` and
 ``draft.num_speculative_tokens`` (the workers must be given at least that limit).
 """
 
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 from specdist.config import Config, load_config
 from specdist.errors import InvalidArgument
-from specdist.remote import RemoteDrafter, RemoteVerifier
-from specdist.scheduler import Scheduler
-from specdist.wire import message_limit_bytes
+from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.engine.scheduler import Scheduler
+from specdist.transport.wire import message_limit_bytes
 
 
 class RemoteEngine(Scheduler):

@@ -1,5 +1,5 @@
-"""What the public front ends share: the gRPC service (:mod:`specdist.server`) and the
-OpenAI-compatible HTTP API (:mod:`specdist.http_server`), both clients of one Coordinator.
+"""What the public front ends share: the gRPC service (:mod:`specdist.api.grpc_server`) and the
+OpenAI-compatible HTTP API (:mod:`specdist.api.http_server`), both clients of one Coordinator.
 
 - :class:`Limits` and :func:`check_request`: what one request may ask for (the config's
   ``limits`` section), checked before the coordinator sees the request; a field beyond its
@@ -22,8 +22,8 @@ from typing import Any
 
 from specdist.config import PROMPT_CHARS_PER_TOKEN
 from specdist.errors import ErrorCode, InvalidArgument, code_of
-from specdist.prompts import is_conversation
-from specdist.request import RequestMetrics
+from specdist.engine.prompts import is_conversation
+from specdist.engine.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

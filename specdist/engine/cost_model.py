@@ -201,7 +201,7 @@ def report(alpha: float, k: int, draft_cost: float) -> CostReport:
 
 @dataclass(frozen=True)
 class PipelinedReport:
-    """Sequential against pipelined drafting (:mod:`specdist.pipeline`), costs in units of one
+    """Sequential against pipelined drafting (:mod:`specdist.cores.draft_pipeline`), costs in units of one
     verification: a draft pass costs ``draft_cost``, the guess of the target's bonus token (the
     mode of q) is right with probability ``guess_hit`` when every draft was accepted."""
 
@@ -235,7 +235,7 @@ class PipelinedReport:
 
 def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
                      miss: str = "redraft") -> PipelinedReport:
-    """Expected step time and tokens with and without pipelined drafting (specdist.pipeline).
+    """Expected step time and tokens with and without pipelined drafting (specdist.cores.draft_pipeline).
 
     While the target verifies step t (cost 1) the drafter guesses the bonus token and drafts
     the next k tokens after it: k + 1 passes, so a step lasts ``max(1, (k + 1) c)`` when the

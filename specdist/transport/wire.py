@@ -1,8 +1,8 @@
 """Conversions between specdist's Python objects and the specdist.v1 wire messages.
 
 Pure: messages only, no gRPC server or channel code, so the remote transports
-(:mod:`specdist.remote`), the workers' servicers and the tests share one definition of
-every conversion between the dataclasses of :mod:`specdist.transport` and protobuf, and
+(:mod:`specdist.transport.remote`), the workers' servicers and the tests share one definition of
+every conversion between the dataclasses of :mod:`specdist.transport.protocol` and protobuf, and
 the sizes those messages reach (:func:`message_limit_bytes`, the gRPC message limit of the
 workers and their callers, as options by :func:`grpc_message_options`).
 
@@ -21,7 +21,7 @@ import torch
 from specdist import logprobs
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
-from specdist.transport import HIT, MISS, Proposal, ProposeItem, StartItem, Verified, VerifyItem
+from specdist.transport.protocol import HIT, MISS, Proposal, ProposeItem, StartItem, Verified, VerifyItem
 from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
 DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
@@ -152,7 +152,7 @@ def decode_distribution(
     """The q the drafted token was sampled from. Raises InvalidArgument naming ``field.*``.
 
     Whether q gives the drafted token positive probability is the verifier's check, the same for
-    q from the wire and from an in-process drafter (:meth:`specdist.verifying.VerifierCore.verify`)."""
+    q from the wire and from an in-process drafter (:meth:`specdist.cores.target.VerifierCore.verify`)."""
     if not 0 <= drafted_token < vocab_size:
         raise InvalidArgument(field, f"drafted token {drafted_token} is outside the vocabulary [0, {vocab_size})")
     if msg.format == ONE_HOT:

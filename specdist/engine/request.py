@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdist.draft_length import Acceptance
+from specdist.engine.draft_length import Acceptance
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
-from specdist.stopping import OutputState
+from specdist.engine.stopping import OutputState
 
 
 @dataclass

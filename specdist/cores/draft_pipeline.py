@@ -1,6 +1,6 @@
 """Pipelined drafting: the drafter drafts the next step while the target verifies this one.
 
-:class:`DraftPipeline` wraps a model :class:`~specdist.drafting.DrafterCore` and keeps its
+:class:`DraftPipeline` wraps a model :class:`~specdist.cores.draft.DrafterCore` and keeps its
 interface (``start`` / ``propose`` / ``release``), so the scheduler, the local transport and
 the draft worker's servicer host it unchanged. After answering ``propose`` with drafts
 ``d_1..d_k`` for a request, it keeps working on a background thread while the target
@@ -10,7 +10,7 @@ verifies them:
    sequence); the guess ``g`` is its mode, the draft's best bet for the target's bonus token;
 2. **prepare**: ``k`` more passes sample ``d'_1..d'_k`` after ``x, d_1..d_k, g``, exactly as
    sequential drafting would after that prefix (same q, same uniforms: position keyed,
-   :func:`~specdist.transport.draft_uniform`).
+   :func:`~specdist.transport.protocol.draft_uniform`).
 
 The next ``propose`` says what the target kept. When it accepted all ``k`` drafts and then
 emitted ``g`` (a **hit**), the true prefix is the assumed one and ``d'`` is returned at once
@@ -58,7 +58,7 @@ Cost model (per request, one draft replica, draft forward ``c_d`` per pass, veri
 - skip: every step costs about ``max(c_v, (k + 1) c_d)``; a step has drafts with the
   stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens.
 
-:func:`specdist.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
+:func:`specdist.engine.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
 for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual
 token) would add rows to every prepared pass to win ``k c_d`` with the probability of that
 outcome; BENCHMARKS.md ("Pipelined drafting") has the measured ``a``, ``b`` and hit rates
@@ -78,8 +78,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdist.drafting import DrafterCore, DraftRequest
-from specdist.transport import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
+from specdist.cores.draft import DrafterCore, DraftRequest
+from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@
 1. **admit** waiting requests while the target has room (and, after the first, while their
    prompts fit ``engine.max_prefill_tokens``): pick a draft replica (by measured
    speed, then load), ``verifier.prefill`` (every prompt token but the last goes into the
-   target's cache), ``drafter.start`` with :func:`~specdist.transport.draft_seed` of the
+   target's cache), ``drafter.start`` with :func:`~specdist.transport.protocol.draft_seed` of the
    request seed;
-2. **choose** each request's draft length ``k_b`` (:mod:`specdist.draft_length`: a fixed k, or
+2. **choose** each request's draft length ``k_b`` (:mod:`specdist.engine.draft_length`: a fixed k, or
    adaptive from its observed acceptance and the measured costs, down to 0), capped so
    neither ``max_tokens`` nor the context limit can be overrun inside a draft;
 3. **propose**: one call per replica with its requests that draft (replicas in parallel),
@@ -15,9 +15,9 @@
 4. **verify**: one call for the whole batch; the verifier runs the target forward, the
    rejection sampler and the KV rollback, and returns accepted counts and next tokens;
 5. **output**: stop tokens / strings, ``max_tokens`` and the context limit cut the output
-   (:class:`~specdist.stopping.OutputState`); finished requests are released everywhere.
+   (:class:`~specdist.engine.stopping.OutputState`); finished requests are released everywhere.
 
-The scheduler never knows which transport it talks to (:mod:`specdist.transport`). A
+The scheduler never knows which transport it talks to (:mod:`specdist.transport.protocol`). A
 transport failure names the requests it concerns: a verifier failure ends them with
 ``finish_reason="error"`` (the call is retried without an item the core blamed); a
 drafter failure detaches them from their drafter, and they go on without drafts (k = 0),
@@ -46,10 +46,10 @@ releases), "output" (this process's bookkeeping) and, for remote transports, "ne
 
 Step events: after every step that verified something, each callable in ``listeners`` gets
 one :class:`StepEvent` (this step's phase times, batch, and per request a
-:class:`~specdist.request.RequestStep`), and once per finished request a
+:class:`~specdist.engine.request.RequestStep`), and once per finished request a
 :class:`RequestFinished` (its final metrics), on the thread that runs the step. The
 per-request metrics and ``stats`` are summed from the same records; Prometheus
-(:mod:`specdist.metrics`) and benchmarks read the events instead of timing anything
+(:mod:`specdist.api.metrics`) and benchmarks read the events instead of timing anything
 themselves. A listener that raises is logged and the step goes on.
 """
 
@@ -68,13 +68,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdist.config import Config
-from specdist.draft_length import DraftLengthPolicy
+from specdist.engine.draft_length import DraftLengthPolicy
 from specdist.errors import ErrorCode, InvalidArgument
-from specdist.prompts import encode_prompt
-from specdist.request import Request, RequestMetrics, RequestOutput, RequestStep
+from specdist.engine.prompts import encode_prompt
+from specdist.engine.request import Request, RequestMetrics, RequestOutput, RequestStep
 from specdist.sampling_params import SamplingParams
-from specdist.stopping import OutputState
-from specdist.transport import (
+from specdist.engine.stopping import OutputState
+from specdist.transport.protocol import (
     HIT,
     CallTiming,
     Drafter,
@@ -254,7 +254,7 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False) -> Request:
-        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.prompts)."""
+        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.engine.prompts)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")

@@ -1,7 +1,7 @@
 """How many tokens each request drafts this step: a fixed k, or the adaptive rule below.
 
 Pure arithmetic on measured numbers (no torch, Ray or gRPC), used by the scheduler
-(:mod:`specdist.scheduler`) whatever the transports.
+(:mod:`specdist.engine.scheduler`) whatever the transports.
 
 ``fixed`` (``draft.length_policy: fixed``): every request drafts
 ``k_b = min(k, cap_b)``, where ``k = draft.num_speculative_tokens`` and ``cap_b`` keeps
@@ -55,7 +55,7 @@ even at batch size 1 (about 6% of steps); a replica that has not drafted for
 ``PROBE_EVERY`` steps (its drafts were not worth their cost) drafts one token per request
 once, so a replica that was slow and recovered is noticed; prefills also feed the verification fit (many
 tokens in one target forward), which pins its per-token slope early.
-With pipelined drafting (``draft.pipeline``, :mod:`specdist.pipeline`) a drafter prepares the
+With pipelined drafting (``draft.pipeline``, :mod:`specdist.cores.draft_pipeline`) a drafter prepares the
 next step's drafts (a guess pass, then ``K`` passes) while the target verifies, and a request
 whose prepared prefix holds (probability ``h_b = alpha_b^k_b * beta``, ``beta`` the measured
 rate at which the drafter's guess of the bonus token was right) needs no drafting in its step.
@@ -77,7 +77,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdist.cost_model import expected_tokens
+from specdist.engine.cost_model import expected_tokens
 
 POLICIES = ("fixed", "adaptive")
 

@@ -16,7 +16,7 @@ CA to trust, an optional client certificate and key, and the token, sent as meta
 Worker ports of a Ray deployment (:mod:`cluster.deployment`): the deployment generates a fresh
 secret at bring-up (:func:`new_worker_secret`), hands it to every worker actor, and each worker
 port requires it as a bearer token (the same interceptor, health open); the coordinator's stubs
-(:mod:`specdist.remote`) send it on every call.
+(:mod:`specdist.transport.remote`) send it on every call.
 
 Every file is checked when the command starts: a missing, unreadable or empty one, a certificate
 or key that does not load, or a key that does not match its certificate is a one-line

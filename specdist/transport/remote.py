@@ -2,16 +2,16 @@
 
 :class:`RemoteVerifier` calls a target worker (``TargetWorker`` service, the rank 0 of a
 possibly tensor-parallel target) and :class:`RemoteDrafter` a draft worker (``DraftWorker``
-service). They speak the dataclasses of :mod:`specdist.transport`, converted by
-:mod:`specdist.wire`; a draft's q travels as it came (the proposal keeps the messages and
+service). They speak the dataclasses of :mod:`specdist.transport.protocol`, converted by
+:mod:`specdist.transport.wire`; a draft's q travels as it came (the proposal keeps the messages and
 the verifier forwards them, no re-encoding).
 
-Errors: every gRPC failure becomes a :class:`~specdist.transport.TransportError` whose code is
+Errors: every gRPC failure becomes a :class:`~specdist.transport.protocol.TransportError` whose code is
 the received status as an :class:`~specdist.errors.ErrorCode` (converted here, once). The cores
 name the item they blame in the status details (``items[i].field: ...``); that item's
 request id goes on the error, otherwise every request of the call does.
 
-Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.security`)
+Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.transport.security`)
 every call carries it as ``authorization: Bearer <secret>`` metadata; a worker that requires
 it refuses calls without it (UNAUTHENTICATED).
 
@@ -22,7 +22,7 @@ the larger of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's r
 fails its requests, instead of waiting.
 
 Message size: a call's request and response may be up to ``message_limit`` bytes
-(:func:`specdist.wire.message_limit_bytes` of the deployment's settings, as the workers are
+(:func:`specdist.transport.wire.message_limit_bytes` of the deployment's settings, as the workers are
 given; by default any size); grpc fails a larger one with RESOURCE_EXHAUSTED.
 
 Restarts: channels retry connecting at least every second, and :meth:`_Remote.reconnect`
@@ -39,9 +39,9 @@ import time
 
 import grpc
 
-from specdist.grpc_status import error_code
-from specdist.security import bearer_metadata
-from specdist.transport import (
+from specdist.transport.grpc_status import error_code
+from specdist.transport.security import bearer_metadata
+from specdist.transport.protocol import (
     CallTiming,
     Proposal,
     ProposeItem,
@@ -51,7 +51,7 @@ from specdist.transport import (
     error_for_items,
 )
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.wire import (
+from specdist.transport.wire import (
     NO_MESSAGE_LIMIT,
     grpc_message_options,
     proposal_from_proto,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn) over a :class:`Coordinator`.
 
-A second client of the coordinator next to the gRPC service (:mod:`specdist.server`); both
-share the refusal codes and per-request statistics of :mod:`specdist.frontend`; error codes
+A second client of the coordinator next to the gRPC service (:mod:`specdist.api.grpc_server`); both
+share the refusal codes and per-request statistics of :mod:`specdist.api.admission`; error codes
 become HTTP statuses through :data:`HTTP_STATUS` only. uvicorn
 runs as a task on the coordinator's own event loop (:func:`start_http`).
 
@@ -53,14 +53,14 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, w
 another model, 413 for a body over ``limits.max_message_bytes``, 503 when the server is
 full, shutting down or its engine thread has died (a request running then fails with 503 too,
 ``code`` ``unavailable``), 500 for a request that failed on the server. A field beyond its
-limit (the config's ``limits``, :func:`specdist.frontend.check_request`) is a 400 naming
+limit (the config's ``limits``, :func:`specdist.api.admission.check_request`) is a 400 naming
 it. Once a stream has started, a failure is sent as one ``data: {"error": ...}`` event
 and the stream ends without ``[DONE]``.
 
 A client that disconnects (mid-stream or while waiting for a JSON response) aborts its
 requests: their KV slots are free within one engine step.
 
-With a token (``specdist serve --auth-token-file``, :mod:`specdist.security`), /v1/*, /metrics
+With a token (``specdist serve --auth-token-file``, :mod:`specdist.transport.security`), /v1/*, /metrics
 and ``GET /openapi.json`` (the API's schema) answer 401 (``type`` ``authentication_error``,
 ``code`` ``invalid_api_key``) without ``Authorization: Bearer <token>``; ``GET /health`` stays
 open for probes. FastAPI's ``/docs`` and ``/redoc`` pages are not served.
@@ -83,14 +83,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdist.coordinator import Coordinator, Delta, RequestStream
+from specdist.api.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import ErrorCode, FieldError, InvalidArgument
-from specdist.frontend import Limits, bare_host, check_request, refusal_code, server_info
+from specdist.api.admission import Limits, bare_host, check_request, refusal_code, server_info
 from specdist.logprobs import TokenLogprob
-from specdist.request import RequestMetrics
-from specdist.security import ServerSecurity, bearer_ok, unauthenticated_message
+from specdist.engine.request import RequestMetrics
+from specdist.transport.security import ServerSecurity, bearer_ok, unauthenticated_message
 from specdist.sampling_params import SamplingParams
-from specdist.stopping import IncrementalDetokenizer
+from specdist.engine.stopping import IncrementalDetokenizer
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
 # each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
@@ -691,7 +691,7 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
 
     ``security``: HTTPS with its certificate (a client certificate required with a client CA),
-    and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.security`).
+    and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.transport.security`).
 
     The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
     """

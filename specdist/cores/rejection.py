@@ -2,7 +2,7 @@
 
 For each request, draft tokens ``x_1..x_k`` were proposed from ``q_1..q_k`` and the
 target gave ``p_1..p_{k+1}`` on the same prefixes (both already processed by
-:func:`specdist.sampling.process_logits`). Left to right, ``x_i`` is accepted with
+:func:`specdist.cores.sampling.process_logits`). Left to right, ``x_i`` is accepted with
 probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection a token is drawn
 from the residual ``[p_i - q_i]_+ / sum [p_i - q_i]_+`` and every later draft token
 is discarded; if all ``k`` are accepted a bonus token is drawn from ``p_{k+1}``.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdist.sampling import sample_from
+from specdist.cores.sampling import sample_from
 
 # Residual mass at or below this is treated as zero. It is reached only when
 # p == q up to rounding, where rejection has probability zero analytically; we
