@@ -48,6 +48,9 @@ Shape::
       device: auto                   # auto | cpu | cuda | cuda:N
       num_threads: null              # torch intra-op threads; null keeps torch's default
       seed: 0                        # seeds requests that do not bring their own
+      prefix_caching: true           # a prompt starting with 16+ tokens that a running or finished request
+                                     #   holds takes their K/V instead of computing them (finished requests'
+                                     #   slots are kept until a new request needs one)
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
       enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
@@ -202,6 +205,7 @@ class EngineConfig:
     seed: int = 0
     compile: bool | str = "auto"  # compiled static-shape passes: on (true), off (false), auto: on CUDA devices
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
+    prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
 
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
@@ -218,6 +222,8 @@ class EngineConfig:
                                                 f"got {self.compile!r}")
         if self.compile_cache_dir is not None:
             _check_nonempty(self.compile_cache_dir, f"{key}.compile_cache_dir")
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"{key}.prefix_caching", f"must be true or false, got {self.prefix_caching!r}")
 
     def compiled(self, device_type: str) -> bool:
         """Whether models run compiled passes on a device of this type (``auto``: CUDA only; on a CPU

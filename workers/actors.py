@@ -221,7 +221,8 @@ class TargetRankActor(_ActorBase):
     @_shippable_errors
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
-             compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> dict:
+             compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
+             prefix_caching: bool = True) -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit."""
@@ -246,7 +247,8 @@ class TargetRankActor(_ActorBase):
         if compile_k is not None and self.world_size == 1:
             compile_runner(runner, "target", compile_k, compile_cache_dir)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
-                                   set_timeout=set_timeout, collective_timeout_s=collective_timeout_s)
+                                   set_timeout=set_timeout, collective_timeout_s=collective_timeout_s,
+                                   prefix_caching=prefix_caching)
         self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
@@ -380,6 +382,7 @@ class DraftActor(_ActorBase):
         q_top_k: int = 0,  # draft.q_top_k: rejection-coupled drafts send their q's top q_top_k tokens only
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
+        prefix_caching: bool = True,  # engine.prefix_caching: prompt K/V reused across requests
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
@@ -406,7 +409,8 @@ class DraftActor(_ActorBase):
         else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
-        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model)
+        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
+                                         prefix_caching=prefix_caching)
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 

@@ -57,7 +57,7 @@ import torch
 from specdist.config import DraftConfig, target_copy
 from specdist.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from specdist.errors import ResourceExhausted
-from specdist.models.kv_cache import SlotKVCache
+from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.ngram import NgramIndex
 from specdist.cores.sampling import process_logits, sample_from
@@ -137,6 +137,8 @@ class DrafterCore:
         # drafted token's q costs at most 6 * q_top_k bytes on the wire whatever the vocabulary (0: all)
         self.q_top_k = 0
         self.prefix_source = prefix_source
+        # model drafts: prompt K/V shared across requests (a released slot is kept until needed)
+        self.prefixes = PrefixCache(runner.cache) if runner is not None else None
         self.requests: dict[str, DraftRequest] = {}
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
         # True (the in-process engine): a prompt's K/V wait for the request's first draft. False: start
@@ -189,14 +191,16 @@ class DrafterCore:
             parsed.append((it, check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len,
                                             f"items[{i}].prompt_token_ids")))
         cache = self.cache
-        if cache is not None and len(items) > cache.num_free:
-            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {cache.num_free} are free")
+        if cache is not None and len(items) > self.prefixes.available:
+            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
         t0 = now()
+        # the K/V each running request's slot holds: its committed tokens up to the slot's length
+        live = [(q.slot, q.seq[:cache.lengths[q.slot]]) for q in self.requests.values() if q.slot is not None] \
+            if cache is not None else []
         new = []
         for it, prompt in parsed:
             r = DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)
             if cache is not None:
-                r.slot = cache.allocate()
                 new.append((it.request_id, r))
             elif self.ngram is not None:
                 r.index = NgramIndex(*self.ngram)
@@ -205,16 +209,22 @@ class DrafterCore:
                 r.suffix = self.suffix.start(prompt)  # O(len(prompt) * max_depth)
             self.requests[it.request_id] = r
         computed = []
-        for rid, r in new:  # prompt K/V another cache of the same layout already holds (self drafts)
+        for rid, r in new:
+            # prompt K/V another cache of the same layout already holds (self drafts), else those this
+            # cache holds (PrefixCache), else computed
             src = self.prefix_source(rid) if self.prefix_source is not None and len(r.seq) > 1 else None
             if src is not None and cache.same_layout(src[0]) and src[0].lengths[src[1]] >= len(r.seq) - 1:
+                r.slot = self.prefixes.allocate()
                 cache.copy_prefix(src[0], src[1], r.slot, len(r.seq) - 1)
-            elif len(r.seq) > 1:
+                continue
+            r.slot, held = self.prefixes.acquire(r.seq[:-1], live)
+            if held < len(r.seq) - 1:
                 computed.append(r)
         # Deferred: the other prompts' K/V are computed at the request's first draft pass (_catch_up),
         # so a request the length rule never gives a draft (k = 0) costs no draft forward at all.
         if computed and not self.defer_prefill:
-            self.runner.forward([r.slot for r in computed], [r.seq[:-1] for r in computed], [0] * len(computed))
+            self.runner.forward([r.slot for r in computed], [r.seq[cache.lengths[r.slot]:-1] for r in computed],
+                                [0] * len(computed))
         return CallTiming({"prefill": now() - t0})
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
@@ -421,14 +431,15 @@ class DrafterCore:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             r = self.requests.pop(rid, None)
-            if r is not None and r.slot is not None:
-                self.cache.free(r.slot)
+            if r is not None and r.slot is not None:  # kept for later prompts that start the same way
+                self.prefixes.release(r.slot, r.seq)
             if r is not None and r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
                 self.suffix.finish(r.suffix)
 
     # ------------------------------------------------------------ introspection
     def kv_slots_in_use(self) -> int:
-        return self.cache.num_used if self.cache is not None else 0
+        """Slots held by requests (retained prefixes aside: they are evicted on demand)."""
+        return self.cache.num_used - len(self.prefixes.retained) if self.cache is not None else 0
 
     def health(self) -> dict:
         out = {
@@ -517,7 +528,8 @@ def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=N
 
 def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
-                       prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> DrafterCore | None:
+                       prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
+                       prefix_caching: bool = True) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model
@@ -525,10 +537,13 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     ``hybrid``, whose suffix index comes with it). ``prefix_source``: where the target's prompt
     K/V sit, for a copy of the target (same layout) to take instead of its own prefill.
     ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``.
-    ``draft.q_top_k`` applies to the core's model drafts under the rejection coupling."""
+    ``draft.q_top_k`` applies to the core's model drafts under the rejection coupling.
+    ``prefix_caching``: reuse prompt K/V across requests (``engine.prefix_caching``)."""
     core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill)
     if core is not None:
         core.q_top_k = dc.q_top_k
+        if core.prefixes is not None:
+            core.prefixes.enabled = prefix_caching
     return core
 
 

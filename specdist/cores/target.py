@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -74,6 +74,7 @@ from specdist.errors import (
     ResourceExhausted,
 )
 from specdist.logprobs import split_rows
+from specdist.models.kv_cache import PrefixCache, SlotKVCache, common_prefix
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
@@ -97,8 +98,6 @@ from specdist.cores.coupling import gumbel_argmax, gumbel_verify, row_starts
 from specdist.cores.rejection import VerifyResult, rejection_sample
 from specdist.transport.wire import ONE_HOT, decode_distribution
 
-if TYPE_CHECKING:
-    from specdist.models.kv_cache import SlotKVCache
 
 
 @dataclass
@@ -140,22 +139,13 @@ class CollectiveDeadline:
 
 
 def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
-    """Apply one cache / forward operation; the same code on every tensor-parallel rank."""
-    kind = op[0]
-    if kind == "forward":
+    """Apply one forward or cache operation (:meth:`SlotKVCache.apply`); the same code on every
+    tensor-parallel rank."""
+    if op[0] == "forward":
         return runner.forward(op[1], op[2], op[3])
-    if kind == "allocate":
-        slot = runner.cache.allocate()
-        if slot != op[1]:
-            raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
-        return slot
-    if kind == "free":
-        runner.cache.free(op[1])
-    elif kind == "rollback":
-        runner.cache.rollback(op[1], op[2])
-    elif kind != "shutdown":
-        raise ValueError(f"unknown operation {kind!r}")
-    return None
+    if op[0] == "shutdown":
+        return None
+    return runner.cache.apply(op)
 
 
 def _logprob_values(
@@ -182,7 +172,8 @@ class VerifierCore:
 
     def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
                  broadcast: Callable[[Any], Any] | None = None,
-                 set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0):
+                 set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0,
+                 prefix_caching: bool = True):
         if world_size > 1 and broadcast is None:
             raise ValueError("a tensor-parallel verifier needs a broadcast function")
         self.runner = runner
@@ -197,6 +188,8 @@ class VerifierCore:
         self.deadline = CollectiveDeadline(collective_timeout_s)
         self._timeout_s = 0.0  # the collective timeout in force (0: the process group's own)
         self.broken: str | None = None  # why the tensor-parallel group failed (rank 0)
+        # prompt K/V shared across requests; its cache operations reach the followers like ours
+        self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self._record)
 
     @property
     def cache(self):
@@ -206,9 +199,13 @@ class VerifierCore:
     def _local(self, op: tuple) -> Any:
         """A collective-free op: apply now, replay on the followers before the next forward."""
         out = apply_op(self.runner, op)
+        self._record(op)
+        return out
+
+    def _record(self, op: tuple) -> None:
+        """An op applied on rank 0: the followers replay it before the next forward."""
         if self.world_size > 1:
             self._pending.append(op)
-        return out
 
     def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         op = ("forward", slots, tokens, num_logits)
@@ -280,19 +277,29 @@ class VerifierCore:
                 raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already admitted")
             prompt = check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len, f"items[{i}].prompt_token_ids")
             parsed.append((it, prompt))
-        if len(items) > self.cache.num_free:
-            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.cache.num_free} are free")
+        if len(items) > self.prefixes.available:
+            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
         t0 = now()
-        admitted = []
+        # K/V the cache already holds come from there (PrefixCache). A prompt that shares a longer
+        # prefix with an earlier prompt of this call than with anything cached waits for that
+        # one's forward and copies from it: a second forward, instead of computing the prefix twice.
+        live = [(r.slot, r.seq[:-1]) for r in self.requests.values()]  # K/V held: all but the last token
+        first, second = [], []
         for it, prompt in parsed:
-            slot = self.cache.allocate()  # lowest free slot: the followers get the same one
-            if self.world_size > 1:
-                self._pending.append(("allocate", slot))
-            r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling)
-            admitted.append(r)
-        todo = [r for r in admitted if len(r.seq) > 1]
-        if todo:
-            self._forward([r.slot for r in todo], [r.seq[:-1] for r in todo], [0] * len(todo))
+            want = prompt[:-1]
+            in_call = max((common_prefix(want, p[:-1]) for _, p in first), default=0) if self.prefixes.enabled else 0
+            later = in_call >= self.prefixes.min_tokens and in_call > self.prefixes.match(want, live)[0]
+            (second if later else first).append((it, prompt))
+        for group in (first, second):
+            todo = []
+            for it, prompt in group:
+                slot, held = self.prefixes.acquire(prompt[:-1], live)
+                r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling)
+                if held < len(prompt) - 1:
+                    todo.append((r, held))
+            if todo:
+                self._forward([r.slot for r, _ in todo], [r.seq[held:-1] for r, held in todo], [0] * len(todo))
+            live += [(self.requests[it.request_id].slot, prompt[:-1]) for it, prompt in group]
         return CallTiming({"prefill": now() - t0})
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
@@ -514,14 +521,14 @@ class VerifierCore:
         self._check_leader()
         for rid in request_ids:
             r = self.requests.pop(rid, None)
-            if r is not None:
-                self._local(("free", r.slot))
+            if r is not None:  # kept for later prompts that start the same way, or freed
+                self.prefixes.release(r.slot, r.seq[:-1])
         if not self.requests and self._pending:  # going idle: the followers free their slots now too
             ops, self._pending = self._pending, []
             self._collective(lambda: self._broadcast(ops))
 
     # ------------------------------------------------------------ introspection
-    def prefix_kv(self, request_id: str) -> "tuple[SlotKVCache, int] | None":
+    def prefix_kv(self, request_id: str) -> tuple[SlotKVCache, int] | None:
         """Where a request's K/V sit on this rank: (cache, slot), or None for an unknown request.
 
         A drafter core over a copy of the target (same cache layout) copies a prompt's K/V from
@@ -530,7 +537,8 @@ class VerifierCore:
         return (self.cache, r.slot) if r is not None else None
 
     def kv_slots_in_use(self) -> int:
-        return self.cache.num_used
+        """Slots held by requests (retained prefixes aside: they are evicted on demand)."""
+        return self.cache.num_used - len(self.prefixes.retained)
 
     def health(self) -> dict:
         return {
@@ -542,6 +550,8 @@ class VerifierCore:
             "requests": len(self.requests),
             "kv_slots_in_use": self.kv_slots_in_use(),
             "kv_slots_total": self.cache.num_slots,
+            "kv_slots_cached": len(self.prefixes.retained),
+            "prefix_reused_tokens": self.prefixes.reused_tokens,
             "vocab_size": self.vocab_size,
             "max_model_len": self.max_model_len,
         }

@@ -27,14 +27,16 @@ class Engine(Scheduler):
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
-        self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len))
+        self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len),
+                                        prefix_caching=ec.prefix_caching)
         vocab = self.target_core.vocab_size
         dc = config.draft
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
         share = self.target_core.prefix_kv if target_copy(dc.method) else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
-                                                                 prefix_source=share, defer_prefill=True)
+                                                                 prefix_source=share, defer_prefill=True,
+                                                                 prefix_caching=ec.prefix_caching)
         if ec.compiled(self.target_core.runner.device.type):
             k = dc.num_speculative_tokens if dc.enabled else 0
             self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)

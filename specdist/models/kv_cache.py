@@ -20,6 +20,9 @@ Costs:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 
 
@@ -92,3 +95,136 @@ class SlotKVCache:
             self.k[i][dst_slot, :, :length] = src.k[i][src_slot, :, :length]
             self.v[i][dst_slot, :, :length] = src.v[i][src_slot, :, :length]
         self.lengths[dst_slot] = length
+
+    def apply(self, op: tuple) -> int | None:
+        """Apply one recorded cache operation (how tensor-parallel followers replay rank 0's):
+        ``("allocate", slot)`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
+        length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within this cache)."""
+        kind = op[0]
+        if kind == "allocate":
+            slot = self.allocate()
+            if slot != op[1]:
+                raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
+            return slot
+        if kind == "free":
+            self.free(op[1])
+        elif kind == "rollback":
+            self.rollback(op[1], op[2])
+        elif kind == "copy":
+            self.copy_prefix(self, op[1], op[2], op[3])
+        else:
+            raise ValueError(f"unknown cache operation {kind!r}")
+        return None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists (slices compared in C, the
+    length found by halving: O(n log n) element compares at C speed)."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are computed: reuse would save less than its bookkeeping
+
+
+class PrefixCache:
+    """Prompt K/V reused across requests, over one :class:`SlotKVCache`.
+
+    A released request's slot is kept ("retained") with the tokens whose K/V it holds, until a
+    slot is needed and none is free (least recently released first). A new request whose prompt
+    starts with at least ``min_tokens`` tokens that a retained slot or a live request holds gets
+    their K/V without a forward: a retained slot is taken over and rolled back to the shared
+    prefix (nothing copied); a live request's prefix is copied into a new slot. Multi-turn chat
+    (each turn's prompt extends the last) and shared system prompts or documents hit it.
+
+    K/V at a position depend only on the tokens up to it, so reused K/V are those a forward
+    would compute, bit for bit where the forward is batch-invariant (the CPU kernels,
+    :mod:`specdist.models.cpu_kernels`), else up to the kernels' rounding.
+
+    Every change this makes to the cache is also passed to ``record`` as an operation
+    :meth:`SlotKVCache.apply` replays (the tensor-parallel followers do). ``enabled=False``:
+    released slots are freed at once and nothing is reused.
+    """
+
+    def __init__(self, cache: SlotKVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
+                 record: Callable[[tuple], None] | None = None):
+        self.cache = cache
+        self.enabled = enabled
+        self.min_tokens = min_tokens
+        self.record = record or (lambda op: None)
+        self.retained: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its tokens, oldest first
+        self.reused_tokens = 0  # prompt tokens whose K/V came from here instead of a forward
+
+    @property
+    def available(self) -> int:
+        """Slots a new request can get: free ones and retained ones (evicted on demand)."""
+        return self.cache.num_free + len(self.retained)
+
+    def _op(self, op: tuple) -> int | None:
+        out = self.cache.apply(op)
+        self.record(op)
+        return out
+
+    def allocate(self) -> int:
+        """A slot with nothing in it, evicting the oldest retained slot if none is free."""
+        if self.cache.num_free == 0 and self.retained:
+            self._op(("free", self.retained.popitem(last=False)[0]))
+        slot = self.cache.allocate()
+        self.record(("allocate", slot))
+        return slot
+
+    def match(self, want: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = ()) -> tuple[int, int, bool]:
+        """The longest prefix of ``want`` held here: (length, slot, whether the slot is retained);
+        (0, -1, False) when nothing matches or reuse is off."""
+        best, source, retained = 0, -1, False
+        if self.enabled:
+            for slot, held in self.retained.items():
+                n = common_prefix(want, held)
+                if n > best:
+                    best, source, retained = n, slot, True
+            for slot, held in live:
+                n = common_prefix(want, held)
+                if n > best:
+                    best, source, retained = n, slot, False
+        return best, source, retained
+
+    def acquire(self, want: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = ()) -> tuple[int, int]:
+        """A slot for a request whose prompt K/V are to be ``want`` (the prompt but its last
+        token), and how many of ``want`` it holds already. ``live``: (slot, tokens held) of the
+        running requests, whose prefixes may be copied."""
+        best, source, retained = self.match(want, live)
+        if best < self.min_tokens:
+            return self.allocate(), 0
+        self.reused_tokens += best
+        if retained:
+            del self.retained[source]
+            self._op(("rollback", source, best))
+            return source, best
+        slot = self.allocate()
+        self._op(("copy", source, slot, best))
+        return slot, best
+
+    def release(self, slot: int, tokens: Sequence[int]) -> None:
+        """A request is done with ``slot``; ``tokens`` are the ones whose K/V it holds (at least
+        ``cache.lengths[slot]`` of them). Retained if long enough to be reused, else freed."""
+        held = self.cache.lengths[slot]
+        if self.enabled and held >= self.min_tokens:
+            self.retained[slot] = list(tokens[:held])
+        else:
+            self._op(("free", slot))
+
+    def clear(self) -> None:
+        """Free every retained slot."""
+        while self.retained:
+            self._op(("free", self.retained.popitem(last=False)[0]))

@@ -1,0 +1,231 @@
+"""Prompt K/V reused across requests (specdist.models.kv_cache.PrefixCache, ``engine.prefix_caching``).
+
+- The cache's bookkeeping on a small SlotKVCache whose K/V are written by hand (each position's
+  entries hold its token id, so a reused prefix is checkable entry by entry): a finished
+  request's slot is kept and taken over by a prompt that starts the same way, a running
+  request's prefix is copied, short prefixes are computed, the oldest kept slot is evicted
+  first, and a follower replaying the recorded operations ends in the same state (tensor
+  parallelism replays them so).
+- The engine on the built-in model's native blocks (batch-invariant kernels): greedy and seeded
+  outputs with prefix caching equal those without it token for token, for a shared system
+  prompt, a repeated prompt within one call and a multi-turn conversation, and the reuse is real
+  (counted tokens); nothing stays held after the requests end.
+- A model drafter reuses its own prompt K/V the same way.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdist import SamplingParams
+from specdist.cores.draft import DrafterCore
+from specdist.engine.local import Engine
+from specdist.models import cpu_kernels
+from specdist.models.kv_cache import PrefixCache, SlotKVCache, common_prefix
+from specdist.transport.protocol import StartItem
+
+MIN = 4  # the min_tokens of the unit tests' PrefixCache
+
+
+def _plain_common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_common_prefix_equals_a_plain_loop():
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(0, 40)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        b = a[: rng.randint(0, n)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 10))]
+        assert common_prefix(a, b) == common_prefix(b, a) == _plain_common_prefix(a, b)
+
+
+def _cache(slots: int = 3) -> SlotKVCache:
+    return SlotKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, max_len=64, head_dim=2)
+
+
+def _compute(cache: SlotKVCache, slot: int, tokens: list[int]) -> None:
+    """Stand-in for a forward: append K/V for ``tokens`` after what ``slot`` holds (entry = token id)."""
+    start = cache.lengths[slot]
+    for i in range(len(cache.k)):
+        vals = torch.tensor(tokens, dtype=cache.k[i].dtype)[None, :, None]  # [1, T, 1]
+        cache.k[i][slot, :, start:start + len(tokens)] = vals
+        cache.v[i][slot, :, start:start + len(tokens)] = -vals
+    cache.lengths[slot] = start + len(tokens)
+
+
+def _held(cache: SlotKVCache, slot: int) -> list[int]:
+    """The token ids a slot's K/V stand for (checks K and V of every layer agree)."""
+    n = cache.lengths[slot]
+    for i in range(len(cache.k)):
+        assert torch.equal(cache.k[i][slot, 0, :n, 0], -cache.v[i][slot, 0, :n, 0])
+        assert torch.equal(cache.k[i][slot, 0, :n, 0], cache.k[0][slot, 0, :n, 0])
+    return [int(x) for x in cache.k[0][slot, 0, :n, 0]]
+
+
+def _admit(store: PrefixCache, want: list[int], live=()) -> tuple[int, int]:
+    slot, held = store.acquire(want, live)
+    _compute(store.cache, slot, want[held:])
+    assert _held(store.cache, slot) == want
+    return slot, held
+
+
+def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted():
+    ops = []
+    cache = _cache()
+    store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
+    a = list(range(1, 11))  # 10 tokens
+    slot_a, held = _admit(store, a)
+    assert held == 0 and store.available == 2
+
+    store.release(slot_a, a)  # finished: kept, its slot still counted as available
+    assert store.retained == {slot_a: a} and cache.num_free == 2 and store.available == 3
+
+    turn2 = a + [50, 51, 52]  # the next turn of a conversation starts with the whole last one
+    slot, held = _admit(store, turn2)
+    assert (slot, held) == (slot_a, 10) and not store.retained  # taken over: nothing computed again
+
+    b = a[:6] + [60, 61]  # shares 6 tokens with the running request: copied into a new slot
+    slot_b, held = _admit(store, b, live=[(slot_a, turn2)])
+    assert slot_b != slot_a and held == 6
+    assert _held(cache, slot_a) == turn2  # the source is untouched
+
+    c = a[:3] + [70, 71, 72, 73]  # 3 shared tokens < min_tokens: computed
+    slot_c, held = _admit(store, c, live=[(slot_a, turn2), (slot_b, b)])
+    assert held == 0 and cache.num_free == 0
+
+    store.release(slot_b, b)
+    store.release(slot_c, c)
+    store.release(slot_a, turn2)
+    assert list(store.retained) == [slot_b, slot_c, slot_a] and store.available == 3
+    slot_d, held = _admit(store, [90] * 8)  # nothing matches: the oldest kept slot (b's) is evicted
+    assert (slot_d, held) == (slot_b, 0) and list(store.retained) == [slot_c, slot_a]
+    assert store.reused_tokens == 16
+    assert {op[0] for op in ops} == {"allocate", "free", "rollback", "copy"}
+
+
+def test_follower_replay_of_copies_and_rollbacks_gives_the_same_tensors():
+    ops = []
+    cache, follower = _cache(), _cache()
+    store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
+    seen = 0
+
+    def sync():  # replay new ops, then mirror the hand-computed K/V like a forward would on every rank
+        nonlocal seen
+        for op in ops[seen:]:
+            follower.apply(op)
+        seen = len(ops)
+
+    a = list(range(1, 13))
+    slot_a, _ = store.acquire(a)
+    sync()
+    _compute(cache, slot_a, a)
+    _compute(follower, slot_a, a)
+    slot_b, held = store.acquire(a[:8] + [99], live=[(slot_a, a)])
+    sync()
+    _compute(cache, slot_b, [99])
+    _compute(follower, slot_b, [99])
+    store.release(slot_a, a)
+    slot_c, held_c = store.acquire(a[:10] + [7, 7])
+    sync()
+    assert held == 8 and (slot_c, held_c) == (slot_a, 10)
+    for i in range(2):
+        assert torch.equal(cache.k[i], follower.k[i]) and torch.equal(cache.v[i], follower.v[i])
+    assert cache.lengths == follower.lengths
+
+
+def test_off_frees_at_once_and_reuses_nothing():
+    cache = _cache()
+    store = PrefixCache(cache, enabled=False, min_tokens=MIN)
+    a = list(range(1, 11))
+    slot, _ = _admit(store, a)
+    store.release(slot, a)
+    assert not store.retained and cache.num_free == 3
+    _, held = _admit(store, a, live=[])
+    assert held == 0 and store.reused_tokens == 0
+
+
+# ---------------------------------------------------------------- the engine, exact on native blocks
+
+SYSTEM = ("You are a careful assistant for a hardware store. Answer in one short sentence, name the aisle "
+          "when you can, and never invent prices.")
+QUESTIONS = ["Where are the hammers?", "Do you sell paint rollers?", "Where are the hammers?"]
+
+
+def _engine(native, tokenizer, prefix_caching: bool) -> Engine:
+    cfg = {"target": {"model": "smollm2-135m-instruct", "weights": "native"},
+           "draft": {"method": "suffix", "num_speculative_tokens": 3},
+           "engine": {"max_model_len": 512, "max_batch_size": 3, "device": "cpu",
+                      "prefix_caching": prefix_caching}}
+    return Engine.from_config(cfg, tokenizer=tokenizer, target=native)
+
+
+def _chat(system: str, turns: list[tuple[str, str]], question: str) -> list[dict]:
+    msgs = [{"role": "system", "content": system}]
+    for q, a in turns:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": question}]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="exact equality needs the batch-invariant CPU kernels")
+def test_engine_outputs_equal_without_prefix_caching(smollm2_native_model, smollm2_tokenizer):
+    """Greedy and seeded sampling, one call with a repeated prompt, then a second turn of each
+    conversation: the same tokens with and without prefix caching; with it, the shared system
+    prompt, the repeated prompt and the earlier turns are not computed again."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=12)]
+    runs = {}
+    for on in (True, False):
+        engine = _engine(smollm2_native_model, smollm2_tokenizer, on)
+        try:
+            first = [smollm2_tokenizer.apply_chat_template(_chat(SYSTEM, [], q), tokenize=False,
+                                                            add_generation_prompt=True) for q in QUESTIONS]
+            out1 = engine.generate(first, params)
+            second = [smollm2_tokenizer.apply_chat_template(
+                _chat(SYSTEM, [(q, o.text)], "And what else?"), tokenize=False, add_generation_prompt=True)
+                for q, o in zip(QUESTIONS, out1)]
+            out2 = engine.generate(second, params)
+            health = engine.target_core.health()
+            runs[on] = ([o.token_ids for o in out1 + out2], health)
+            assert health["kv_slots_in_use"] == 0  # kept prefixes are not held by anyone
+        finally:
+            engine.close()
+    assert runs[True][0] == runs[False][0]
+    on, off = runs[True][1], runs[False][1]
+    assert off["prefix_reused_tokens"] == 0 and off["kv_slots_cached"] == 0
+    system_tokens = len(smollm2_tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}]))
+    # the first call: the system prompt twice and the repeated prompt once; the second: each earlier turn
+    assert on["prefix_reused_tokens"] > 3 * system_tokens + 3 * 20
+    assert 0 < on["kv_slots_cached"] <= 3
+
+
+def test_model_drafter_reuses_its_own_prompt_kv(tiny_models):
+    """A drafter over its own model keeps a finished request's prompt K/V and a new request that
+    starts the same way takes them; its drafts equal a fresh drafter's."""
+    from specdist.models.loader import load_model, resolve_model
+
+    model = load_model(resolve_model(tiny_models["draft"], "draft.model"), "float32")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]  # 21 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    def drafts(core: DrafterCore, rid: str) -> list[int]:
+        from specdist.transport.protocol import ProposeItem
+
+        core.start([StartItem(rid, prompt, params, 1)])
+        (proposal,), _ = core.propose([ProposeItem(rid, 0, [], 3, len(prompt))])
+        return proposal.token_ids
+
+    reused = DrafterCore.from_model(model, 2, 64)
+    first = drafts(reused, "a")
+    reused.release(["a"])
+    assert reused.kv_slots_in_use() == 0 and len(reused.prefixes.retained) == 1
+    again = drafts(reused, "b")
+    assert reused.prefixes.reused_tokens == len(prompt) - 1
+    fresh = drafts(DrafterCore.from_model(model, 2, 64), "c")
+    assert first == again == fresh
