@@ -107,37 +107,49 @@ def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted()
     slot_d, held = _admit(store, [90] * 8)  # nothing matches: the oldest kept slot (b's) is evicted
     assert (slot_d, held) == (slot_b, 0) and list(store.retained) == [slot_c, slot_a]
     assert store.reused_tokens == 16
-    assert {op[0] for op in ops} == {"allocate", "free", "rollback", "copy"}
+    assert {op[0] for op in ops} == {"allocate", "free", "retain", "adopt", "copy"}
 
 
-def test_follower_replay_of_copies_and_rollbacks_gives_the_same_tensors():
+def test_a_follower_replaying_the_operations_ends_in_the_same_state():
+    """A tensor-parallel follower's PrefixCache replays rank 0's recorded operations: the same
+    K/V, lengths, free slots and kept slots (so both report the same slots in use)."""
     ops = []
-    cache, follower = _cache(), _cache()
+    cache = _cache()
     store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
+    follower = PrefixCache(_cache(), min_tokens=MIN)
     seen = 0
 
-    def sync():  # replay new ops, then mirror the hand-computed K/V like a forward would on every rank
+    def sync(slot: int | None = None, tokens: list[int] = ()):
+        """Replay new operations, then compute ``tokens`` into ``slot`` on both ranks (a forward)."""
         nonlocal seen
         for op in ops[seen:]:
-            follower.apply(op)
+            follower.replay(op)
         seen = len(ops)
+        if slot is not None:
+            _compute(cache, slot, list(tokens))
+            _compute(follower.cache, slot, list(tokens))
 
     a = list(range(1, 13))
     slot_a, _ = store.acquire(a)
-    sync()
-    _compute(cache, slot_a, a)
-    _compute(follower, slot_a, a)
-    slot_b, held = store.acquire(a[:8] + [99], live=[(slot_a, a)])
-    sync()
-    _compute(cache, slot_b, [99])
-    _compute(follower, slot_b, [99])
+    sync(slot_a, a)
+    slot_b, held_b = store.acquire(a[:8] + [99], live=[(slot_a, a)])  # copied from a running request
+    sync(slot_b, [99])
     store.release(slot_a, a)
-    slot_c, held_c = store.acquire(a[:10] + [7, 7])
     sync()
-    assert held == 8 and (slot_c, held_c) == (slot_a, 10)
+    assert list(follower.retained) == [slot_a]
+    slot_c, held_c = store.acquire(a[:10] + [7, 7])  # takes over the kept slot
+    sync(slot_c, [7, 7])
+    store.release(slot_b, a[:8] + [99])
+    store.release(slot_c, a[:10] + [7, 7])
+    slot_d, _ = store.acquire([5] * 9)  # a free slot: nothing evicted
+    slot_e, _ = store.acquire([6] * 9)  # none free: the oldest kept slot evicted
+    sync()
+    assert held_b == 8 and (slot_c, held_c) == (slot_a, 10) and slot_e == slot_b
+    assert {op[0] for op in ops} == {"allocate", "copy", "retain", "adopt", "free"}
+    assert list(follower.retained) == list(store.retained) == [slot_c]
     for i in range(2):
-        assert torch.equal(cache.k[i], follower.k[i]) and torch.equal(cache.v[i], follower.v[i])
-    assert cache.lengths == follower.lengths
+        assert torch.equal(cache.k[i], follower.cache.k[i]) and torch.equal(cache.v[i], follower.cache.v[i])
+    assert cache.lengths == follower.cache.lengths and cache.num_free == follower.cache.num_free
 
 
 def test_off_frees_at_once_and_reuses_nothing():
@@ -178,8 +190,8 @@ def test_engine_outputs_equal_without_prefix_caching(smollm2_native_model, smoll
     """Greedy and seeded sampling, one call with a repeated prompt, then a second turn of each
     conversation: the same tokens with and without prefix caching; with it, the shared system
     prompt, the repeated prompt and the earlier turns are not computed again."""
-    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.8, seed=7, max_tokens=12),
-              SamplingParams(temperature=0.0, max_tokens=12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, seed=7, max_tokens=8),
+              SamplingParams(temperature=0.0, max_tokens=8)]
     runs = {}
     for on in (True, False):
         engine = _engine(smollm2_native_model, smollm2_tokenizer, on)

@@ -252,7 +252,10 @@ class VerifierCore:
                     if self._set_timeout is not None:
                         self._set_timeout(op[1])
                     continue
-                apply_op(self.runner, op)
+                if op[0] in ("forward", "shutdown"):
+                    apply_op(self.runner, op)
+                else:  # a cache operation, the kept prefixes' too
+                    self.prefixes.replay(op)
                 if op[0] == "forward":
                     forwards += 1
                 elif op[0] == "shutdown":

@@ -152,9 +152,10 @@ class PrefixCache:
     would compute, bit for bit where the forward is batch-invariant (the CPU kernels,
     :mod:`specdist.models.cpu_kernels`), else up to the kernels' rounding.
 
-    Every change this makes to the cache is also passed to ``record`` as an operation
-    :meth:`SlotKVCache.apply` replays (the tensor-parallel followers do). ``enabled=False``:
-    released slots are freed at once and nothing is reused.
+    Every change this makes is also passed to ``record`` as an operation that :meth:`replay`
+    applies to a follower's PrefixCache (tensor-parallel ranks > 0), so that its cache and its
+    set of kept slots stay rank 0's. ``enabled=False``: released slots are freed at once and
+    nothing is reused.
     """
 
     def __init__(self, cache: SlotKVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
@@ -209,7 +210,8 @@ class PrefixCache:
         self.reused_tokens += best
         if retained:
             del self.retained[source]
-            self._op(("rollback", source, best))
+            self.cache.rollback(source, best)
+            self.record(("adopt", source, best))
             return source, best
         slot = self.allocate()
         self._op(("copy", source, slot, best))
@@ -221,8 +223,26 @@ class PrefixCache:
         held = self.cache.lengths[slot]
         if self.enabled and held >= self.min_tokens:
             self.retained[slot] = list(tokens[:held])
+            self.record(("retain", slot))
         else:
             self._op(("free", slot))
+
+    def replay(self, op: tuple) -> int | None:
+        """Apply an operation another rank's PrefixCache recorded: ``("retain", slot)`` and
+        ``("adopt", slot, length)`` (a kept slot taken over, rolled back to ``length``) change
+        the kept set, the others are :meth:`SlotKVCache.apply`'s. A follower keeps no tokens:
+        only rank 0 matches prompts."""
+        kind = op[0]
+        if kind == "retain":
+            self.retained[op[1]] = []
+            return None
+        if kind == "adopt":
+            del self.retained[op[1]]
+            self.cache.rollback(op[1], op[2])
+            return None
+        if kind == "free":
+            self.retained.pop(op[1], None)
+        return self.cache.apply(op)
 
     def clear(self) -> None:
         """Free every retained slot."""
