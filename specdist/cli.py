@@ -213,13 +213,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     if args.server:
-        # before grpc loads: its C core would also log a failed TLS handshake on stderr, next to the error line
-        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-        from specdist.api.serving import run_remote_generate
-
-        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                      top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-        return run_remote_generate(args.server, args.prompt, kwargs, args.raw, _client_security(args))
+        return _generate_remote(args)
     given = [f for f in ("tls_ca", "tls_cert", "tls_key", "auth_token_file") if getattr(args, f) is not None]
     if given:
         raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
@@ -227,14 +221,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specdist.sampling_params import SamplingParams
     from specdist.api.serving import check_dependencies, describe, shut_down, start_backend
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    params = SamplingParams(**_sampling_kwargs(args))
     cfg = load_config(args.config)
     check_dependencies(cfg)
     if cfg.cluster.enabled:
@@ -249,25 +236,50 @@ def _generate(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t0
         engine = backend.engine
         _log(f"ready in {load_s:.1f}s ({describe(backend)})")
-        t1 = time.perf_counter()
-        for piece in engine.stream(args.prompt, params, chat=chat):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        elapsed = time.perf_counter() - t1
-        out = engine.last_output
-        m = out.metrics
-        ttft = m.time_to_first_token or 0.0
-        print(
-            f"[specdist] draft={cfg.draft.method} k={engine.k} tokens={len(out.token_ids)} "
-            f"finish={out.finish_reason} steps={m.steps} drafted={m.drafted} accepted={m.accepted} "
-            f"acceptance={m.acceptance_rate:.1%} tokens/step={m.mean_accepted_length:.2f} "
-            f"tokens/s={len(out.token_ids) / max(elapsed, 1e-9):.1f} ttft={ttft * 1000:.0f}ms load={load_s:.1f}s",
-            file=sys.stderr,
-        )
+        elapsed = _stream_to_stdout(engine, args.prompt, params, chat)
+        _print_stats(cfg.draft.method, engine, elapsed, load_s)
     finally:  # also on Ctrl-C: a deployment's actors and placement groups must not outlive the command
         shut_down(backend)
     return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """``generate --server``: stream from a running server."""
+    # before grpc loads: its C core would also log a failed TLS handshake on stderr, next to the error line
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from specdist.api.serving import run_remote_generate
+
+    return run_remote_generate(args.server, args.prompt, _sampling_kwargs(args), args.raw, _client_security(args))
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """SamplingParams' keywords from ``generate``'s flags."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+
+
+def _stream_to_stdout(engine, prompt: str, params, chat: bool) -> float:
+    """Generate, writing each piece of text as it comes; the seconds it took."""
+    t1 = time.perf_counter()
+    for piece in engine.stream(prompt, params, chat=chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return time.perf_counter() - t1
+
+
+def _print_stats(draft_method: str, engine, elapsed: float, load_s: float) -> None:
+    """The last request's counters as one ``[specdist]`` line on stderr."""
+    out = engine.last_output
+    m = out.metrics
+    ttft = m.time_to_first_token or 0.0
+    print(
+        f"[specdist] draft={draft_method} k={engine.k} tokens={len(out.token_ids)} "
+        f"finish={out.finish_reason} steps={m.steps} drafted={m.drafted} accepted={m.accepted} "
+        f"acceptance={m.acceptance_rate:.1%} tokens/step={m.mean_accepted_length:.2f} "
+        f"tokens/s={len(out.token_ids) / max(elapsed, 1e-9):.1f} ttft={ttft * 1000:.0f}ms load={load_s:.1f}s",
+        file=sys.stderr,
+    )
 
 
 def _client_security(args: argparse.Namespace) -> dict:

@@ -132,51 +132,39 @@ def tiny_config(tiny_models, method: str = "model", k: int = 3, length_policy: s
 
 
 class ServedCores:
-    """A VerifierCore and DrafterCores served over real gRPC on 127.0.0.1 (free ports), on one
-    background asyncio loop: what a deployment's workers do, without Ray. ``close()`` stops all.
-    ``secret``: every port requires it as a bearer token, as a deployment's worker ports do."""
+    """A VerifierCore and DrafterCores served over real gRPC on 127.0.0.1 (free ports), each on the
+    host the workers use (:class:`specdist.transport.grpc_host.GrpcHostThread`: health, the servicer's
+    message limit, SERVING from the start): what a deployment's workers do, without Ray. ``close()``
+    stops all. ``secret``: every port requires it as a bearer token, as a deployment's worker ports do."""
 
     def __init__(self, target_core, draft_cores=(), secret: str | None = None):
-        import asyncio
-        import threading
-
-        from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
+        from specdist.transport.grpc_host import GrpcHostThread
+        from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
         from workers.draft_worker import DraftServicer
-        from workers.servicing import worker_server
         from workers.target_worker import TargetServicer
 
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         self.secret = secret
         self.servicers = [TargetServicer(target_core)] + [DraftServicer(c) for c in draft_cores]
-
-        async def start(servicer, add):
-            server = worker_server(servicer.message_limit, secret)
-            add(servicer, server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            return server, f"127.0.0.1:{port}"
-
-        adds = [target_pb2_grpc.add_TargetWorkerServicer_to_server] + \
-            [draft_pb2_grpc.add_DraftWorkerServicer_to_server] * len(draft_cores)
-        started = [self._run(start(s, a)) for s, a in zip(self.servicers, adds)]
-        self.servers = [s for s, _ in started]
-        self.target_address = started[0][1]
-        self.draft_addresses = [a for _, a in started[1:]]
-
-    def _run(self, coro):
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+        target = (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
+                  target_pb2_grpc.add_TargetWorkerServicer_to_server)
+        draft = (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
+                 draft_pb2_grpc.add_DraftWorkerServicer_to_server)
+        self.hosts = []
+        try:
+            for servicer, (name, add) in zip(self.servicers, [target] + [draft] * len(draft_cores)):
+                self.hosts.append(GrpcHostThread({name: lambda server, s=servicer, a=add: a(s, server)},
+                                                 "127.0.0.1", 0, servicer.message_limit, token=secret))
+        except BaseException:
+            self.close()
+            raise
+        self.target_address = f"127.0.0.1:{self.hosts[0].port}"
+        self.draft_addresses = [f"127.0.0.1:{h.port}" for h in self.hosts[1:]]
 
     def close(self) -> None:
-        for server in self.servers:
-            self._run(server.stop(0))
+        for host in self.hosts:
+            host.stop(0)
         for s in self.servicers:
             s.runner.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
     def __enter__(self) -> "ServedCores":
         return self
@@ -195,6 +183,11 @@ def remote_engine_like(engine, secret: str | None = None, **kwargs):
     remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
                           vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, worker_secret=secret, **kwargs)
     return remote, served
+
+
+def healthy_replicas(engine) -> int:
+    """How many of a scheduler's draft replicas are not ejected."""
+    return sum(rep.ejected_at is None for rep in engine.replicas)
 
 
 class LoopThread:

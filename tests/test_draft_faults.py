@@ -3,7 +3,7 @@ requests avoid it, and it is re-admitted once it answers a probe (specdist/engin
 
 from __future__ import annotations
 
-from conftest import tiny_config
+from conftest import healthy_replicas, tiny_config
 from specdist.engine import scheduler as scheduler_mod
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
             eng.step()
         assert [r.output.token_ids for r in reqs] == expected  # greedy: exact, without drafts after the fault
         assert all(r.finished and r.output.finish_reason == "length" and r.error is None for r in reqs)
-        assert eng.healthy_replicas() == 0
+        assert healthy_replicas(eng) == 0
         # new requests decode without drafts while it is down; the probe before 0.5 s is not sent
         probes = flaky.calls["release"]
         late = eng.add_request(PROMPTS[0], GREEDY)
@@ -86,16 +86,16 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
         eng.step()  # due: a probe goes out (on the probe thread) and fails
         eng._probes[0][0].exception(timeout=30)  # wait for the probe itself
         eng.step()  # its failure is read: backoff to 1 s
-        assert flaky.calls["release"] == probes + 1 and eng.healthy_replicas() == 0 and not eng._probes
+        assert flaky.calls["release"] == probes + 1 and healthy_replicas(eng) == 0 and not eng._probes
         flaky.down = False  # restarted
         t[0] += 0.5
         eng.step()  # not yet due
-        assert eng.healthy_replicas() == 0 and not eng._probes
+        assert healthy_replicas(eng) == 0 and not eng._probes
         t[0] += 0.6
         eng.step()  # due: probed
         eng._probes[0][0].exception(timeout=30)
         eng.step()  # answered: re-admitted
-        assert eng.healthy_replicas() == 1
+        assert healthy_replicas(eng) == 1
         while not late.finished:
             eng.step()
         assert late.output.token_ids == expected[0]
@@ -145,15 +145,15 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
         hang.set()
         while any(not r.finished for r in reqs):
             eng.step()
-        assert entered.is_set() and eng.healthy_replicas() == 0
+        assert entered.is_set() and healthy_replicas(eng) == 0
         assert [r.output.token_ids for r in reqs] == expected and all(r.error is None for r in reqs)
         hang.clear()  # it answers again (the blocked call returns to nobody)
         for _ in range(300):  # the probe is due 0.5 s after the ejection: poll on the state
-            if eng.healthy_replicas() == 1:
+            if healthy_replicas(eng) == 1:
                 break
             eng.step()
             threading.Event().wait(0.01)
-        assert eng.healthy_replicas() == 1
+        assert healthy_replicas(eng) == 1
         again = eng.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in again] == expected[:2] and all(o.metrics.drafted > 0 for o in again)
         assert core.requests == {} and core.kv_slots_in_use() == 0  # the probe released what moved on

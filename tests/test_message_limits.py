@@ -2,7 +2,7 @@
 
 A draft ships q dense (fp16, 2 bytes per vocabulary entry) for every drafted token, so one
 Verify request or Propose response can pass grpc's 4 MiB default. The round trips here go
-through the real servicers, worker servers (ServedCores: workers.servicing.worker_server) and
+through the real servicers, worker hosts (ServedCores: specdist.transport.grpc_host.GrpcHostThread) and
 remote transports with messages just above 4 MiB (vocabulary 32768, k = 8, batch 9), over
 stand-in cores; the production size (vocabulary 128k, batch 64) is checked against the wire
 encoding of one item.

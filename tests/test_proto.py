@@ -30,7 +30,6 @@ from specdist.transport.wire import (
     fp16_exact,
     sampling_params_from_proto,
     sampling_params_to_proto,
-    wire_bytes_per_step,
 )
 
 # ---------------------------------------------------------------- (a) generated code
@@ -312,12 +311,30 @@ def test_malformed_distributions_are_named(msg, tok, bad):
 # ---------------------------------------------------------------- (e) bytes on the wire
 
 
+def _propose_bytes(vocab_size: int, k: int, support: int) -> dict[str, int]:
+    """Serialized ProposeResponse bytes for one request drafting k tokens, per format.
+
+    The request id is a 36-character UUID; token ids sit at the top of the vocabulary
+    (3-byte varints for V >= 16384); the sparse q has ``support`` entries spread over
+    the vocabulary. Keys: "DENSE_FP16", "SPARSE_FP16", "ONE_HOT".
+    """
+    ids = torch.linspace(vocab_size - 1, 0, support).round().long()  # [support], ids[0] = V - 1
+    spread = torch.zeros(vocab_size).index_fill_(0, ids, 1.0 / support)  # [V]
+    one_hot = torch.zeros(vocab_size).index_fill_(0, ids[:1], 1.0)  # [V]
+    sizes = {}
+    for name, fmt, q in (("DENSE_FP16", DENSE, spread), ("SPARSE_FP16", SPARSE, spread), ("ONE_HOT", ONE_HOT, one_hot)):
+        probs = [encode_distribution(q, fmt)] * k
+        proposal = draft_pb2.Proposal(request_id="0" * 36, token_ids=[vocab_size - 1] * k, probs=probs)
+        sizes[name] = draft_pb2.ProposeResponse(proposals=[proposal]).ByteSize()
+    return sizes
+
+
 def test_wire_bytes_per_step():
-    sizes = wire_bytes_per_step(49152, 4, 50)
+    sizes = _propose_bytes(49152, 4, 50)
     assert sizes["ONE_HOT"] < sizes["SPARSE_FP16"] < sizes["DENSE_FP16"]
     assert sizes["DENSE_FP16"] == pytest.approx(4 * 49152 * 2, rel=0.01)
-    assert wire_bytes_per_step(49152, 4, 1000)["SPARSE_FP16"] > sizes["SPARSE_FP16"]
-    assert wire_bytes_per_step(49152, 4, 1000)["ONE_HOT"] == sizes["ONE_HOT"]
+    assert _propose_bytes(49152, 4, 1000)["SPARSE_FP16"] > sizes["SPARSE_FP16"]
+    assert _propose_bytes(49152, 4, 1000)["ONE_HOT"] == sizes["ONE_HOT"]
     assert draft_pb2.ProposeResponse().ByteSize() == 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tiny_config
+from conftest import healthy_replicas, tiny_config
 from specdist.engine import scheduler as scheduler_mod
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode
@@ -115,7 +115,7 @@ def test_failed_draft_releases_on_a_healthy_replica_are_retried(tiny_models, clo
         reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
         run(eng, clock, reqs)
         assert [r.output.token_ids for r in reqs] == expected
-        assert eng.healthy_replicas() == 1  # a failed release does not eject
+        assert healthy_replicas(eng) == 1  # a failed release does not eject
         settle(eng, clock, lambda: eng.draft_core.kv_slots_in_use() == 0)
         assert eng.draft_core.requests == {} and eng.target_core.kv_slots_in_use() == 0
         assert eng.releases_pending() == {"target": 0, "draft": 0}

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from specdist.errors import SpecDistError
-from specdist.transport.grpc_host import grpc_server
 from specdist.transport.grpc_status import grpc_status_of
 from specdist.transport.remote import timing_metadata
 from specdist.transport.protocol import CallTiming
@@ -25,14 +24,6 @@ def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
     one-hot q only, so one item's worth bounds its messages."""
     cache = core.cache
     return message_limit_bytes(core.vocab_size, cache.num_slots if cache is not None else 1, max_draft_tokens)
-
-
-def worker_server(message_limit: int, secret: str | None = None) -> grpc.aio.Server:
-    """A bare worker server for a caller that binds and starts it itself (the actors use
-    :class:`specdist.transport.grpc_host.GrpcHostThread`, which also serves health): messages up to
-    ``message_limit`` bytes either way (a servicer's ``message_limit``); with a ``secret``, every
-    call but the health service's must carry it as a bearer token."""
-    return grpc_server(message_limit, secret)
 
 
 class BlockingCallRunner:

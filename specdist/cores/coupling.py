@@ -97,11 +97,6 @@ def exponential_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  #
     return -torch.log((_srl(z, 11).double() + 0.5) * 2.0**-53)
 
 
-def gumbel_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int64 -> [N, V] float64
-    """Gumbel(0, 1) noise of every token of each row, on ``starts``' device."""
-    return -torch.log(exponential_noise(starts, vocab_size))
-
-
 # noise computed for at most this many (row, token) pairs at once: the int64 temporaries (2 MiB) stay in
 # the CPU's cache, about 3x faster than whole batches on the development machine
 CHUNK_ELEMENTS = 1 << 18

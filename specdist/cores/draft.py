@@ -465,9 +465,6 @@ def suffix_settings(dc: DraftConfig) -> SuffixSettings:
                           dc.suffix_cache_requests, dc.suffix_min_score)
 
 
-MODEL_FREE_METHODS = ("ngram", "suffix")  # draft methods without a model
-
-
 def _top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], rows renormalised
     """q restricted to each row's k largest entries (ties: those topk returns); k = 0: q itself."""
     if k <= 0 or k >= q.shape[-1]:

@@ -196,60 +196,80 @@ class DraftPipeline:
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         arrived = now()
-        waited = hidden = 0.0
-        runs: list[tuple[int, int, float]] = []
         job, self._job = self._job, None
-        prepared_for = set(job.request_ids) if job is not None else set()  # whatever became of them
+        waited = hidden = 0.0
+        runs: list[tuple[int, int, float]] = []  # (passes, rows, seconds) of each drafting run, for the cost fit
         if job is not None:
-            for it in items:  # certain misses (whatever the guess) stop preparing now
-                r = self.core.requests.get(it.request_id)
-                new = list(it.new_token_ids)
-                if r is None or len(new) != 1 or not self._holds(len(r.proposal), it.num_accepted, new, new[0]):
-                    job.abort.add(it.request_id)
-            job.done.wait()
-            waited = max(0.0, job.finished - arrived)
-            hidden = max(0.0, min(job.finished, arrived) - job.started)
-            self.counters.hidden_s += hidden
-            if not job.abort:  # a whole preparation: its cost, for the caller's draft-cost fit
-                runs.append((job.passes, job.rows, job.finished - job.started))
+            waited, hidden = self._await_preparation(job, items, arrived, runs)
+        prepared_for = set(job.request_ids) if job is not None else set()  # whatever became of them
         with self._lock:
-            core = self.core
-            plan = core.validate_propose(items)
+            plan = self.core.validate_propose(items)
             t0 = now()
-            out: list[Proposal | None] = [None] * len(items)
-            todo: list[int] = []  # items drafted now
-            status: list[str | None] = [None] * len(items)
-            for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
-                prep = self.prepared.pop(it.request_id, None)
-                if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
-                    out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k)
-                    self.counters.hits += 1
-                    continue
-                core.commit(r, n_acc, new)
-                # a miss whether its preparation finished or was cut short as a certain miss, so
-                # that the counts (and the skip policy) do not depend on when the preparation ended
-                if prep is not None or it.request_id in prepared_for:
-                    status[i] = MISS
-                    self.counters.misses += 1
-                    if self.miss == "skip":
-                        out[i] = Proposal(it.request_id, [], pipeline=MISS)
-                        continue
-                todo.append(i)
+            out, todo, status = self._answer_from_preparations(items, plan, prepared_for)
             if todo:
-                t1 = now()
-                ks = [plan[i][3] for i in todo]
-                drafted = core.draft([items[i] for i in todo], [plan[i][0] for i in todo], ks)
-                for i, p in zip(todo, drafted):
-                    p.pipeline = status[i]
-                    out[i] = p
-                if max(ks) > 0:
-                    runs.append((max(ks), sum(ks), now() - t1))
+                self._draft_now(items, plan, todo, status, out, runs)
             draft_s = now() - t0
             self.counters.draft_s += draft_s
             self._schedule([(it.request_id, r, it.num_tokens) for it, (r, *_) in zip(items, plan) if it.num_tokens > 0])
         return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden, runs=runs)
 
     _holds = staticmethod(prepared_prefix_holds)
+
+    def _await_preparation(self, job: _Job, items: list[ProposeItem], arrived: float,
+                           runs: list[tuple[int, int, float]]) -> tuple[float, float]:
+        """Wait for the last preparation, cutting short the requests that certainly missed:
+        (seconds this call waited for it, seconds of it hidden under the verification). A whole
+        preparation adds its run to ``runs``."""
+        for it in items:  # certain misses (whatever the guess) stop preparing now
+            r = self.core.requests.get(it.request_id)
+            new = list(it.new_token_ids)
+            if r is None or len(new) != 1 or not self._holds(len(r.proposal), it.num_accepted, new, new[0]):
+                job.abort.add(it.request_id)
+        job.done.wait()
+        waited = max(0.0, job.finished - arrived)
+        hidden = max(0.0, min(job.finished, arrived) - job.started)
+        self.counters.hidden_s += hidden
+        if not job.abort:  # a whole preparation: its cost, for the caller's draft-cost fit
+            runs.append((job.passes, job.rows, job.finished - job.started))
+        return waited, hidden
+
+    def _answer_from_preparations(
+        self, items: list[ProposeItem], plan: list, prepared_for: set[str]
+    ) -> tuple[list[Proposal | None], list[int], list[str | None]]:
+        """Answer the hits from their preparations and commit the rest (lock held): (proposals, None
+        where still to draft; the indices to draft now; each item's pipeline outcome, MISS or None)."""
+        out: list[Proposal | None] = [None] * len(items)
+        todo: list[int] = []  # items drafted now
+        status: list[str | None] = [None] * len(items)
+        for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
+            prep = self.prepared.pop(it.request_id, None)
+            if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
+                out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k)
+                self.counters.hits += 1
+                continue
+            self.core.commit(r, n_acc, new)
+            # a miss whether its preparation finished or was cut short as a certain miss, so
+            # that the counts (and the skip policy) do not depend on when the preparation ended
+            if prep is not None or it.request_id in prepared_for:
+                status[i] = MISS
+                self.counters.misses += 1
+                if self.miss == "skip":
+                    out[i] = Proposal(it.request_id, [], pipeline=MISS)
+                    continue
+            todo.append(i)
+        return out, todo, status
+
+    def _draft_now(self, items: list[ProposeItem], plan: list, todo: list[int], status: list[str | None],
+                   out: list[Proposal | None], runs: list[tuple[int, int, float]]) -> None:
+        """Draft items ``todo`` into ``out`` (lock held); a run of at least one pass adds to ``runs``."""
+        t1 = now()
+        ks = [plan[i][3] for i in todo]
+        drafted = self.core.draft([items[i] for i in todo], [plan[i][0] for i in todo], ks)
+        for i, p in zip(todo, drafted):
+            p.pipeline = status[i]
+            out[i] = p
+        if max(ks) > 0:
+            runs.append((max(ks), sum(ks), now() - t1))
 
     def _use_prepared(self, rid: str, r: DraftRequest, prep: _Prepared, n_acc: int, new: list[int],
                       k: int) -> Proposal:

@@ -311,7 +311,7 @@ class VerifierCore:
         if not items:
             return [], CallTiming()
         reqs, drafts, qs = self._check_verify(items)
-        bsz, vocab = len(reqs), self.vocab_size
+        bsz = len(reqs)
         nd = [len(d) for d in drafts]
         kdim = max(nd)
 
@@ -322,22 +322,8 @@ class VerifierCore:
         )  # [B, K+1, V] in slot order, on the model's device
         t1 = now()
 
-        # The valid (request, position) pairs in request order, as row indices built on the host:
-        # src into the slot-ordered logits, dst into probs (request order).
+        probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
         dev = logits.device
-        rank = {b: i for i, b in enumerate(order)}
-        pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]
-        src = torch.tensor([rank[b] * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
-        dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
-        rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
-        temp, top_k, top_p = sampling_tensors([r.params for r in reqs])  # [B] each, host
-        raw = logits.reshape(-1, vocab).index_select(0, src)  # [N, V]
-        p_valid = process_logits(raw, temp[rows], top_k[rows], top_p[rows])  # [N, V]
-        probs = torch.zeros(bsz * (kdim + 1), vocab, device=dev).index_copy_(0, dst, p_valid)
-        probs = probs.view(bsz, kdim + 1, vocab)  # [B, K+1, V]; rows past a request's drafts stay 0
-        unusable = torch.zeros(bsz * (kdim + 1), dtype=torch.bool, device=dev)
-        unusable = unusable.index_copy_(0, dst, unusable_rows(raw, p_valid)).view(bsz, kdim + 1).any(1)  # [B]
-
         tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
         tokens = tokens.to(dev)  # [B, K]
         num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
@@ -357,6 +343,29 @@ class VerifierCore:
             r.seq.append(final[b])
             out.append(Verified(it.request_id, n_acc[b], final[b], logprobs.get(b)))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
+
+    def _target_probs(self, logits: torch.Tensor, order: list[int], params: list[SamplingParams],
+                      nd: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """p of every request's valid positions: ``logits`` [B, K+1, V] in slot order (``order[i]``: the
+        request of row i) -> (probs [B, K+1, V] in request order, rows past a request's ``nd[b]`` drafts
+        0; unusable [B]: a request with a row :func:`unusable_rows` refuses)."""
+        bsz, vocab, kdim = len(order), self.vocab_size, max(nd)
+        # The valid (request, position) pairs in request order, as row indices built on the host:
+        # src into the slot-ordered logits, dst into probs (request order).
+        dev = logits.device
+        rank = {b: i for i, b in enumerate(order)}
+        pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]
+        src = torch.tensor([rank[b] * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
+        dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
+        rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
+        temp, top_k, top_p = sampling_tensors(params)  # [B] each, host
+        raw = logits.reshape(-1, vocab).index_select(0, src)  # [N, V]
+        p_valid = process_logits(raw, temp[rows], top_k[rows], top_p[rows])  # [N, V]
+        probs = torch.zeros(bsz * (kdim + 1), vocab, device=dev).index_copy_(0, dst, p_valid)
+        probs = probs.view(bsz, kdim + 1, vocab)  # [B, K+1, V]; rows past a request's drafts stay 0
+        unusable = torch.zeros(bsz * (kdim + 1), dtype=torch.bool, device=dev)
+        unusable = unusable.index_copy_(0, dst, unusable_rows(raw, p_valid)).view(bsz, kdim + 1).any(1)  # [B]
+        return probs, unusable
 
     @staticmethod
     def _to_host(host: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, asked: list[int | None]):

@@ -48,7 +48,6 @@ log = logging.getLogger("specdist.kernels")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
-BLOCK = 32  # elements per GGUF block
 
 
 def _cache_dir() -> str:

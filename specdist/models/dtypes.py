@@ -37,8 +37,3 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
     if device.type == "cpu":
         return CPU_AUTO_DTYPE
     raise ValueError(f"dtype auto is not defined for device {device}")
-
-
-def torch_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """The torch dtype of a config dtype name (``auto`` resolved for ``device``)."""
-    return TORCH_DTYPES[resolve_dtype(name, device)]

@@ -110,16 +110,8 @@ class CausalLMRunner:
         self.scaling = float(attn.scaling)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        with torch.inference_mode():  # local (possibly sharded) head counts, read off the projections
-            probe = torch.zeros(1, cfg.hidden_size, dtype=self.dtype, device=self.device)
-            if hasattr(attn, "qkv_proj"):  # Phi-3: the rank's q, k and v rows, in the config's q:kv ratio
-                n_local = attn.qkv_proj(probe).shape[-1] // hd
-                n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-                n_kv_local = n_local * n_kv // (n_q + 2 * n_kv)
-                self.qkv_split: list[int] | None = [(n_local - 2 * n_kv_local) * hd, n_kv_local * hd, n_kv_local * hd]
-            else:
-                n_kv_local = attn.k_proj(probe).shape[-1] // hd
-                self.qkv_split = None
+        probe = torch.zeros(1, cfg.hidden_size, dtype=self.dtype, device=self.device)  # [1, D]
+        n_kv_local, self.qkv_split = _local_kv_heads(attn, cfg, probe)
         # The family's switches.
         self.qk_norm = hasattr(attn, "q_norm")
         self.sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
@@ -388,6 +380,20 @@ class CausalLMRunner:
     def _head(self, hs):  # [B, n, D] -> [B, n, V] float32
         logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()
         return _softcap(logits, self.final_softcap)  # Gemma: tanh soft-cap of the logits
+
+
+@torch.inference_mode()
+def _local_kv_heads(attn, cfg, probe: torch.Tensor) -> tuple[int, list[int] | None]:
+    """The rank's (possibly sharded) key/value head count, read off the projections by running them on
+    ``probe`` [1, D], and the q, k, v widths of a fused ``qkv_proj`` (Phi-3: the rank's rows in the
+    config's q:kv ratio; None without one)."""
+    hd = int(attn.head_dim)
+    if hasattr(attn, "qkv_proj"):
+        n_local = attn.qkv_proj(probe).shape[-1] // hd
+        n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        n_kv_local = n_local * n_kv // (n_q + 2 * n_kv)
+        return n_kv_local, [(n_local - 2 * n_kv_local) * hd, n_kv_local * hd, n_kv_local * hd]
+    return attn.k_proj(probe).shape[-1] // hd, None
 
 
 def _left_aligned(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:  # [B, n, V], zero past num_logits[b]

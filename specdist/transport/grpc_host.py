@@ -64,13 +64,6 @@ class CappedHealthServicer(health_aio.HealthServicer):
             self.watches -= 1
 
 
-def grpc_server(message_limit: int, token: str | None = None) -> grpc.aio.Server:
-    """A bare grpc.aio server (create it on the loop that runs it): messages up to
-    ``message_limit`` bytes either way; with a ``token``, every call but the health service's
-    must carry it as a bearer token."""
-    return grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(token))
-
-
 class GrpcHost:
     """A started grpc.aio server and its health service. Use it on the loop that started it."""
 
@@ -103,7 +96,7 @@ async def start_grpc_host(services: Mapping[str, AddService], host: str, port: i
                           serving: bool = False) -> GrpcHost:
     """Build the server (module docstring), bind ``host:port``, set every health status to
     ``serving`` and start it. Call it on the event loop that is to run the server."""
-    server = grpc_server(message_limit, token)
+    server = grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(token))
     for add in services.values():
         add(server)
     health = CappedHealthServicer()

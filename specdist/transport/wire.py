@@ -183,24 +183,6 @@ def decode_distribution(
 # ---------------------------------------------------------------- sizes
 
 
-def wire_bytes_per_step(vocab_size: int, k: int, support: int) -> dict[str, int]:
-    """Serialized ProposeResponse bytes for one request drafting k tokens, per format.
-
-    The request id is a 36-character UUID; token ids sit at the top of the vocabulary
-    (3-byte varints for V >= 16384); the sparse q has ``support`` entries spread over
-    the vocabulary. Keys: "DENSE_FP16", "SPARSE_FP16", "ONE_HOT".
-    """
-    ids = torch.linspace(vocab_size - 1, 0, support).round().long()  # [support], ids[0] = V - 1
-    spread = torch.zeros(vocab_size).index_fill_(0, ids, 1.0 / support)  # [V]
-    one_hot = torch.zeros(vocab_size).index_fill_(0, ids[:1], 1.0)  # [V]
-    sizes = {}
-    for name, fmt, q in (("DENSE_FP16", DENSE, spread), ("SPARSE_FP16", SPARSE, spread), ("ONE_HOT", ONE_HOT, one_hot)):
-        probs = [encode_distribution(q, fmt)] * k
-        proposal = draft_pb2.Proposal(request_id="0" * 36, token_ids=[vocab_size - 1] * k, probs=probs)
-        sizes[name] = draft_pb2.ProposeResponse(proposals=[proposal]).ByteSize()
-    return sizes
-
-
 GRPC_DEFAULT_MESSAGE_BYTES = 4 << 20  # grpc's default receive limit
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # grpc's message-length options are C ints
 NO_MESSAGE_LIMIT = -1  # grpc's "no limit" for a message-length option
