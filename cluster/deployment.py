@@ -25,12 +25,15 @@ bring-up takes a minute on a small machine, and the log says where it is.
 :meth:`Deployment.stop` shuts every actor down (rank 0's shutdown broadcast releases the
 followers), ``ray.kill``s them, waits until they are gone and removes the placement groups.
 
-Faults: once up, a :class:`~cluster.supervisor.Supervisor` thread checks the workers every
-``health_interval_s`` and tells ``listeners`` what it found (:class:`~cluster.supervisor.WorkerEvent`).
-Draft actors are created with ``max_restarts``: Ray restarts a dead one and
-:meth:`Deployment.recover_draft` brings it up again (the same phases, on its old port). Target
-ranks are never restarted alone: :meth:`Deployment.diagnose_target` names a rank that died or
-hangs, and :meth:`Deployment.rebuild_target` replaces the whole group in its placement group.
+Faults: once up, a :class:`~cluster.supervisor.Supervisor` (a thread for the target group, one
+per draft) checks the workers every ``health_interval_s`` and tells ``listeners`` what it found
+(:class:`~cluster.supervisor.WorkerEvent`). Draft actors are created with ``max_restarts``: Ray
+restarts a dead one (on another node when its node was lost: Ray places its placement group again
+where there is room) and :meth:`Deployment.recover_draft` brings it up again (the same phases, on
+its old port). Target ranks are never restarted alone: :meth:`Deployment.diagnose_target` names a
+rank that died or hangs, and :meth:`Deployment.rebuild_target` replaces the whole group in its
+placement group, once that is placed (:meth:`Deployment.target_unplaced` says what a group whose
+node was lost waits for).
 
 Its shape comes from the config's ``cluster:`` section (:class:`specdist.config.ClusterConfig`):
 ``Deployment().start(config)`` or ``Deployment.from_config(config, target_port=...)``;
@@ -321,8 +324,11 @@ class Deployment:
         addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=bool(targets))
         for h in warm:
             h.address = addrs[h.name]
-        self.target_address = self.targets[0].address
-        self.draft_addresses = [h.address for h in self.drafts]
+        # only what this bring-up brought: a draft's recovery may run while the target group is rebuilt
+        if targets:
+            self.target_address = targets[0].address
+        if drafts:
+            self.draft_addresses = [h.address for h in self.drafts]
         self._done("serve", f"target at {self.target_address}, drafts at {', '.join(self.draft_addresses) or '-'}")
 
     def _done(self, phase: str, what: str) -> None:
@@ -384,9 +390,14 @@ class Deployment:
         ``timeout_s`` (default: the spec's ``health_timeout_s``; it hangs), when a follower's
         ``run_follower()`` returned, or when it reports itself not ok (rank 0 after a failed
         collective). Dead and hung ranks are named before ranks that only report the failure.
+        While the supervisor rebuilds the group, the failure the rebuild is for: the rebuild kills
+        every rank, and a killed rank says nothing of the cause.
         """
         import ray
 
+        rebuilding = self._rebuilding_for()
+        if rebuilding:
+            return rebuilding
         timeout_s = self.spec.health_timeout_s if timeout_s is None else timeout_s
         targets, followers = list(self.targets), dict(self.follower_refs)
         refs = {h.rank: h.actor.health.remote() for h in targets}
@@ -409,7 +420,26 @@ class Deployment:
         for rank, ref in followers.items():
             if ref in done and not any(c.startswith(f"target rank {rank} ") for c in causes):
                 causes.append(f"target rank {rank} stopped following rank 0 ({_outcome(ref)})")
-        return "; ".join(causes or symptoms) or None
+        return self._rebuilding_for() or "; ".join(causes or symptoms) or None
+
+    def _rebuilding_for(self) -> str | None:
+        """Why the supervisor is rebuilding the target group (None: it is not)."""
+        return self.supervisor.target_reason if self.supervisor is not None else None
+
+    def target_unplaced(self) -> str | None:
+        """Why the target group cannot be rebuilt yet: its placement group lost its node and Ray
+        waits for one where the whole group fits (naming what it needs and what is missing); None
+        when it is placed."""
+        from cluster.placement import unplaced
+
+        return unplaced(self.placement.target, "the target group")
+
+    def draft_unplaced(self, index: int) -> str | None:
+        """Why draft ``index`` cannot run: its placement group lost its node and Ray waits for one
+        with room (then restarts the actor there); None when it is placed."""
+        from cluster.placement import unplaced
+
+        return unplaced(self.placement.drafts[index], f"draft {index}")
 
     def rebuild_target(self, timeout_s: float | None = None, same_port: bool = True) -> str:
         """Replace the whole target group: kill every rank, create them anew in the same placement

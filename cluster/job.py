@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ray-address", default="auto", help="the Ray cluster (default: auto, the one the job runs in)")
     p.add_argument("--host", default="127.0.0.1", help="public server address")
     p.add_argument("--port", type=int, default=0, help="public server port (0: any free port)")
-    p.add_argument("--worker-host", default="127.0.0.1", help="address the workers listen on")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="address the workers listen on ('node': each worker its own Ray node's address)")
     args = p.parse_args(argv)
     if args.requests < 0 or args.concurrency < 1 or args.max_tokens < 1:
         p.error("--requests must be >= 0, --concurrency and --max-tokens >= 1")

@@ -8,15 +8,26 @@
 - Bundles ask for one GPU each when the deployment runs on GPUs, CPU only otherwise;
   the choice is made from the device, the code path is the same.
 
-Bring-up waits for the groups with a timeout; on timeout every group created so far
-is removed and the error names what was requested and what the cluster has free.
+The target's group is placed first, then the drafts' (a draft placed first could take room the
+target's one node needs). Before creating anything, the request is checked against the live nodes' total resources
+(:func:`cannot_fit`): a deployment that no node arrangement can hold fails at once, naming the
+resources it misses. One that fits the nodes but not what they have free now is waited for
+with a timeout (other work may free room); on timeout every group created so far is removed
+and the error names what was requested and what the nodes have free.
+
+After bring-up, a node that dies takes its bundles with it: Ray places them again on a node
+with room, and until it can, :func:`unplaced` says what the group waits for.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specdist.errors import SpecDistError
+
+
+PLACED_POLL_S = 0.05  # how often bring-up asks Ray whether the groups are placed
 
 
 class PlacementError(SpecDistError):
@@ -54,8 +65,8 @@ def create_placement(
     timeout_s: float = 60.0,
     name: str = "specdist",
 ) -> DeploymentPlacement:
-    """Reserve resources for the target ranks and the draft replicas, or raise PlacementError."""
-    import ray
+    """Reserve resources for the target ranks and the draft replicas (the target's group placed
+    first), or raise PlacementError."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if tp_size < 1:
@@ -64,21 +75,134 @@ def create_placement(
         raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
     tb = bundle(cpus_per_rank, 1.0 if use_gpu else 0.0)
     db = bundle(cpus_per_draft, gpus_per_draft if use_gpu else 0.0)
+    nodes = live_nodes()
+    why = cannot_fit(tp_size, tb, num_drafts, db, nodes)
+    if why:
+        raise PlacementError(f"placement cannot fit on the cluster's {len(nodes)} node(s): {why}")
+    deadline = time.monotonic() + timeout_s
     target = placement_group([dict(tb) for _ in range(tp_size)], strategy="STRICT_PACK", name=f"{name}-target")
-    drafts = [placement_group([dict(db)], strategy="PACK", name=f"{name}-draft-{i}") for i in range(num_drafts)]
-    placement = DeploymentPlacement(target, drafts, tb, db)
-    pending = {pg.ready(): pg for pg in placement.groups}
-    ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-    if not_ready:
-        free = ray.available_resources()
+    placement = DeploymentPlacement(target, [], tb, db)
+    # the target first: drafts placed before it could take room its one node needs
+    waiting = _wait_placed([target], deadline)
+    if not waiting:
+        placement.drafts = [placement_group([dict(db)], strategy="PACK", name=f"{name}-draft-{i}")
+                            for i in range(num_drafts)]
+        waiting = _wait_placed(placement.drafts, deadline)
+    if waiting:
+        free = free_per_node()
         for pg in placement.groups:
             remove_placement_group(pg)
-        missing = [pending[r].bundle_specs for r in not_ready]
+        missing = [pg.bundle_specs for pg in waiting]
+        now = cannot_fit(tp_size, tb, num_drafts, db, free)
         raise PlacementError(
-            f"placement not ready after {timeout_s:.0f}s: target needs {tp_size} x {tb} on ONE node, "
-            f"drafts need {num_drafts} x {db}; still waiting for {missing}; cluster has free {free}"
+            f"placement not ready after {timeout_s:.0f}s: target needs {tp_size} x {fmt(tb)} on ONE node, "
+            f"drafts need {num_drafts} x {fmt(db)}; still waiting for {missing}"
+            f"{f'; with what the nodes have free: {now}' if now else ''}; free per node: {_fmt_nodes(free)}"
         )
     return placement
+
+
+def _wait_placed(groups: list, deadline: float) -> list:
+    """Poll the groups' state until each is placed or the deadline passes; returns those not placed."""
+    import ray
+
+    waiting = list(groups)
+    while waiting:
+        waiting = [pg for pg in waiting if ray.util.placement_group_table(pg)["state"] != "CREATED"]
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(PLACED_POLL_S)
+    return waiting
+
+
+# ---------------------------------------------------------------- fitting
+def fmt(resources: dict) -> str:
+    """``{CPU: 2, GPU: 1}``: the CPU and GPU amounts (what bundles ask for), compactly."""
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
+
+
+def _fmt_nodes(nodes: dict) -> str:
+    return ", ".join(fmt(_compute(r)) for r in nodes.values()) or "no live node"
+
+
+def _compute(resources: dict) -> dict:
+    return {k: float(resources.get(k, 0.0)) for k in ("CPU", "GPU") if k == "CPU" or resources.get(k)}
+
+
+def _times(b: dict, n: int) -> dict:
+    return {k: v * n for k, v in b.items()}
+
+
+def _missing(need: dict, have: dict) -> dict:
+    return {k: v - have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
+
+
+def _count(b: dict, have: dict) -> int:
+    """How many bundles ``b`` fit in ``have``."""
+    return min(int(have.get(k, 0.0) / v + 1e-9) for k, v in b.items())
+
+
+def cannot_fit(tp_size: int, tb: dict, num_drafts: int, db: dict, nodes: dict) -> str | None:
+    """Why ``tp_size`` target bundles ``tb`` on ONE node plus ``num_drafts`` draft bundles ``db``
+    anywhere can never be placed on ``nodes`` (node id -> resources), naming what is missing; None
+    when some arrangement holds them. Exact for this shape: the target's node is tried in turn,
+    and identical draft bundles fit wherever each node's remainder holds whole ones."""
+    need = _times(tb, tp_size)
+    hosts = [n for n, have in nodes.items() if not _missing(need, have)]
+    if not hosts:
+        closest = min(nodes.values(), key=lambda h: sum(_missing(need, h).values()), default={})
+        return (f"the target needs {tp_size} x {fmt(tb)} = {fmt(need)} on ONE node; no node has it "
+                f"(missing {fmt(_missing(need, closest))} on the closest node, which has "
+                f"{fmt(_compute(closest))} in all)")
+    best = 0
+    for host in hosts:
+        rest = {n: ({k: v - need.get(k, 0.0) for k, v in have.items()} if n == host else have)
+                for n, have in nodes.items()}
+        best = max(best, sum(_count(db, have) for have in rest.values()))
+        if best >= num_drafts:
+            return None
+    short = num_drafts - best
+    return (f"the {num_drafts} draft(s) need {fmt(db)} each; with the target placed only {best} fit "
+            f"(missing {fmt(_times(db, short))} for the other {short})")
+
+
+def live_nodes() -> dict:
+    """node id -> its total resources, for the nodes alive now."""
+    import ray
+
+    return {n["NodeID"]: dict(n["Resources"]) for n in ray.nodes() if n["Alive"]}
+
+
+def free_per_node() -> dict:
+    """node id -> the resources it has free now, for the live nodes."""
+    from ray._private.state import available_resources_per_node  # Ray's per-node view (a DeveloperAPI)
+
+    alive = live_nodes()
+    return {n: dict(free) for n, free in available_resources_per_node().items() if n in alive}
+
+
+def unplaced(pg, what: str) -> str | None:
+    """Why placement group ``pg`` (``what`` it holds, for the message) is not placed now: it lost its
+    node and Ray waits for one with room; None when every bundle sits on a live node."""
+    import ray
+
+    table = ray.util.placement_group_table(pg)
+    alive = live_nodes()
+    if table["state"] == "CREATED" and all(n in alive for n in table["bundles_to_node_id"].values()):
+        return None
+    bundles = [{k: float(v) for k, v in b.items()} for b in table["bundles"].values()]
+    free = free_per_node()
+    if table["strategy"] == "STRICT_PACK":
+        need = {k: sum(b.get(k, 0.0) for b in bundles) for k in bundles[0]}
+        where = "on one node"
+    else:
+        need, where = bundles[0], "on a node"
+    room = [h for h in free.values() if not _missing(need, h)]
+    closest = min(free.values(), key=lambda h: sum(_missing(need, h).values()), default={})
+    if room:  # Ray has not placed it yet: it will
+        return f"{what} waits to be placed again (needs {fmt(need)} {where})"
+    return (f"{what} waits for a node with room: it needs {fmt(need)} {where}, missing "
+            f"{fmt(_missing(need, closest))} on the closest node (free per node: {_fmt_nodes(free)})")
 
 
 def remove_placement(placement: DeploymentPlacement) -> None:

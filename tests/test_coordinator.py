@@ -66,9 +66,22 @@ class FakeRequest:
         return self.output.finished
 
 
+class FakeTokenizer:
+    """Text as its characters' code points; a chat template that wraps each message's content."""
+
+    chat_template = "<chat>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['content']}>" for m in messages)
+
+
 class FakeEngine:
     """The engine API the coordinator uses. Each step adds one token (its step number) to every
-    running request; a request ends with "length" at ``params.max_tokens``.
+    running request; a request ends with "length" at ``params.max_tokens``. The coordinator
+    tokenizes prompts (``tokenizer``, ``vocab_size``, ``max_model_len``) before adding them.
 
     ``log``: ("add", id, kwargs) / ("abort", id) / ("step", running ids) in call order.
     ``threads``: the ids of the threads that called it. ``calls``: every method call, counted.
@@ -78,11 +91,16 @@ class FakeEngine:
     ``fail_step_when`` / ``fail_gauges``: raise once from step / from kv_slots_in_use.
     """
 
+    vocab_size = 1000
+    max_model_len = 64
+
     def __init__(self, max_batch: int = 4):
         self.max_batch = max_batch
+        self.tokenizer = FakeTokenizer()
         self.running: list[FakeRequest] = []
         self.waiting: deque[FakeRequest] = deque()
         self.log: list[tuple] = []
+        self.prompts: dict[str, list] = {}  # request id -> the prompt it was added with
         self.threads: set[int] = set()
         self.calls = 0
         self.steps = 0
@@ -105,6 +123,7 @@ class FakeEngine:
             raise InvalidArgument("prompt", "is empty")
         params = params or SamplingParams(max_tokens=4)
         req = FakeRequest(request_id, prompt, params.max_tokens)
+        self.prompts[request_id] = list(prompt)
         self.waiting.append(req)
         self.log.append(("add", request_id, kwargs))
         return req
@@ -203,6 +222,15 @@ def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0)
 
 
+async def collect(coord: Coordinator, prompt, params: SamplingParams | None = None, **kwargs) -> list:
+    """Every delta of one request, through the public streaming path (``open``, then the stream)."""
+    stream = await coord.open(prompt, params, **kwargs)
+    try:
+        return [d async for d in stream]
+    finally:
+        stream.close()
+
+
 def engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "specdist-engine"]
 
@@ -235,7 +263,7 @@ async def test_idle_coordinator_makes_no_engine_calls():
     async with coordinator(engine) as coord:
         await asyncio.sleep(0.1)  # a window to observe: the thread started and must not poll
         assert engine.calls == 0
-        deltas = [d async for d in coord.generate([1], params(3))]
+        deltas = await collect(coord, [1], params(3))
         assert deltas[-1].finish_reason == "length"
         await wait_until(lambda: coord.counters()["running"] == 0)  # the last pass was delivered
         calls, steps, timing = engine.calls, engine.steps, (coord.timing.tick_s, coord.timing.gap_s)
@@ -243,7 +271,7 @@ async def test_idle_coordinator_makes_no_engine_calls():
         assert (engine.calls, engine.steps) == (calls, steps) == (calls, 3)
         assert (coord.timing.tick_s, coord.timing.gap_s) == timing
         # and wakes for the next command
-        assert [d.finish_reason async for d in coord.generate([2], params(1))] == ["length"]
+        assert [d.finish_reason for d in await collect(coord, [2], params(1))] == ["length"]
 
 
 @run_async
@@ -253,7 +281,8 @@ async def test_commands_queued_during_a_step_run_before_the_next_step():
         engine.gate.clear()
         a = await coord.open([1], params(50), request_id="a")
         await wait_until(engine.in_step.is_set)  # the engine thread is inside the step that admits "a"
-        opening = asyncio.create_task(coord.open([2], params(2), request_id="b"))
+        prompt = await coord.encode([2])  # tokenized first: its add is then queued at once, before the abort
+        opening = asyncio.create_task(coord.open(prompt, params(2), request_id="b"))
         cancelling = asyncio.create_task(coord.cancel("a"))
         await wait_until(lambda: len(coord._commands) == 2)  # both queued behind the running step
         mark = len(engine.log)
@@ -321,13 +350,17 @@ def test_a_closed_event_loop_stops_a_busy_engine_thread():
 
 
 @run_async
-async def test_chat_is_passed_only_when_true():
+async def test_prompts_reach_the_engine_as_token_ids_templated_only_for_chat():
     engine = FakeEngine()
     async with coordinator(engine) as coord:
-        [d async for d in coord.generate("hi", params(1), request_id="plain")]
-        [d async for d in coord.generate("hi", params(1), request_id="chat", chat=True)]
+        await collect(coord, "hi", params(1), request_id="plain")
+        await collect(coord, "hi", params(1), request_id="chat", chat=True)
+        await collect(coord, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], params(1),
+                      request_id="conversation", chat=True)
     adds = {e[1]: e[2] for e in engine.log if e[0] == "add"}
-    assert adds == {"plain": {}, "chat": {"chat": True}}
+    assert adds == {"plain": {}, "chat": {}, "conversation": {}}  # no chat flag: the engine gets ids
+    assert engine.prompts == {"plain": [ord("h"), ord("i")], "chat": [ord(c) for c in "<hi>"],
+                       "conversation": [ord(c) for c in "<a><b>"]}
 
 
 @run_async
@@ -390,7 +423,7 @@ async def test_a_bug_outside_step_fails_everyone_and_serving_goes_on():
             assert last.finish_reason == "error" and "injected gauge failure" in last.error
         assert not engine.running and not engine.waiting
         engine.hold.clear()
-        assert [d.finish_reason async for d in coord.generate([3], params(2))][-1] == "length"
+        assert [d.finish_reason for d in await collect(coord, [3], params(2))][-1] == "length"
         assert coord.counters()["requests_failed"] == 2
 
 
@@ -401,7 +434,7 @@ async def test_warm_up_and_timing():
         await coord.warm_up()  # engine.generate, on the engine thread
         assert engine.steps == 2 and len(engine.threads) == 1
         coord.timing.reset()
-        [d async for d in coord.generate([1], params(20))]
+        await collect(coord, [1], params(20))
         t = coord.timing
         assert t.step_s > 0 and t.tick_s >= t.step_s and t.gap_s >= 0
         assert t.scheduling_s == pytest.approx(t.tick_s - t.step_s + t.gap_s) and t.scheduling_s >= 0

@@ -1,9 +1,10 @@
 """Issue 21, review finding 4: the Coordinator's engine thread dies of an unexpected error.
 
 What must follow: health NOT_SERVING (gRPC) and not ready (HTTP ``GET /health`` 503), the
-reason logged once; every request in flight ends promptly with UNAVAILABLE naming the cause
-(gRPC status, HTTP stream error event); a new request is refused with UNAVAILABLE at once;
-nothing leaks (streams closed, gauges and slots back to 0).
+reason logged once; every request in flight ends promptly with UNAVAILABLE saying the engine
+thread died (gRPC status, HTTP stream error event; the cause itself only in the log and in
+``Coordinator.engine_error``: no exception text to clients, issue 21 finding 10); a new request is
+refused with UNAVAILABLE at once; nothing leaks (streams closed, gauges and slots back to 0).
 
 The engine's ``step`` is replaced by one that raises an error no handler of the coordinator
 catches (a ``BaseException`` that is not an ``Exception``: a failing step that raises an
@@ -30,6 +31,7 @@ except ImportError:
 
 from conftest import serving_in_process
 from specdist.client import RemoteError, SpecDistClient
+from specdist.api.coordinator import ENGINE_DOWN_MESSAGE
 from specdist.errors import ErrorCode, code_of
 from specdist.api.grpc_server import SERVICE_NAME
 from test_coordinator import FakeEngine, coordinator, engine_threads, params, run_async, wait_until
@@ -126,12 +128,12 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
                 assert not t.is_alive(), "a request in flight is still waiting"
             code, message = outcome["grpc"]
             assert code == grpc.StatusCode.UNAVAILABLE, outcome["grpc"]
-            assert "EngineThreadKilled" in message and "injected" in message, message
+            assert message == ENGINE_DOWN_MESSAGE, message
             assert outcome["http_status"] == 200
             last = outcome["http"][-1]
             assert last != "[DONE]", outcome["http"]
             error = json.loads(last)["error"]
-            assert error["code"] == "unavailable" and "injected" in error["message"], error
+            assert error["code"] == "unavailable" and error["message"].endswith(ENGINE_DOWN_MESSAGE), error
 
             # (1) health: gRPC NOT_SERVING (the server and the service), HTTP /health not ready
             wait_for(lambda: client.health() == "NOT_SERVING")
@@ -144,7 +146,7 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
                 t0 = time.monotonic()
                 with pytest.raises(RemoteError) as e:
                     client.generate_text([3], max_tokens=2)
-                assert e.value.code == grpc.StatusCode.UNAVAILABLE and "injected" in e.value.message, e.value
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.message == ENGINE_DOWN_MESSAGE, e.value
                 r = http.post(base + "/v1/completions", json={"prompt": [3], "max_tokens": 2})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
                 r = http.post(base + "/v1/completions", json={"prompt": [3], "max_tokens": 2, "stream": True})
@@ -158,6 +160,7 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
             assert all(v == 0 for v in engine.kv_slots_in_use().values())  # the engine thread is gone
             assert not engine.running and not engine.waiting
             assert len(died_records(caplog)) == 1  # the reason, logged once
+            assert "injected" in str(died_records(caplog)[0].exc_info[1])  # the cause, in the log
         finally:
             dying.armed.set()
             client.close()
@@ -193,10 +196,12 @@ async def test_death_fails_streams_queued_commands_and_refuses_new_requests(capl
         rest = await asyncio.wait_for(_drain(running), WAIT_S)
         last = rest[-1]
         assert last.finish_reason == "error" and last.code == ErrorCode.UNAVAILABLE, last
-        assert "EngineThreadKilled" in last.error and "injected" in last.error
+        assert "EngineThreadKilled" in last.error and "injected" in last.error  # the server side's detail
+        assert last.message == ENGINE_DOWN_MESSAGE  # what a client is told
         with pytest.raises(Exception) as e:
             await asyncio.wait_for(queued, WAIT_S)
-        assert code_of(e.value) == ErrorCode.UNAVAILABLE and "injected" in str(e.value)
+        assert code_of(e.value) == ErrorCode.UNAVAILABLE and str(e.value) == ENGINE_DOWN_MESSAGE
+        assert "EngineThreadKilled: injected" in coord.engine_error
         with pytest.raises(Exception) as e:
             await asyncio.wait_for(asyncio.wrap_future(side), WAIT_S)
         assert code_of(e.value) == ErrorCode.UNAVAILABLE

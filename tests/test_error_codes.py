@@ -238,6 +238,9 @@ class _RefusingCoordinator:
     def __init__(self, error: BaseException):
         self.error = error
 
+    async def encode(self, prompt, chat=False):
+        return prompt
+
     async def open(self, prompt, params, request_id, chat=False):
         raise self.error
 
@@ -253,7 +256,7 @@ class _RefusingCoordinator:
     (errors.InvalidArgument("max_tokens", "must be >= 1"), 400,
      {"message": "max_tokens: must be >= 1", "type": "invalid_request_error", "param": "max_tokens", "code": None}),
     (RuntimeError("boom"), 500,
-     {"message": "internal error: RuntimeError('boom')", "type": "server_error", "param": None,
+     {"message": "internal error", "type": "server_error", "param": None,
       "code": "internal_error"}),
 ])
 def test_the_http_api_answers_a_refusal_with_its_status(error, status, body) -> None:

@@ -19,6 +19,7 @@ import pytest
 from scipy import stats
 
 from conftest import AioServer, tiny_config
+from test_coordinator import collect
 from gtest import (
     ALPHA,
     K as FREQ_K,
@@ -422,7 +423,7 @@ def test_network_time_is_wall_minus_core_compute(faults, tiny_models):
 def test_coordinator_runs_on_remote_engine(remote, cluster, expected):
     async def run():
         async with Coordinator(remote) as coord:
-            deltas = [d async for d in coord.generate(PROMPTS[2], greedy_params()[2])]
+            deltas = await collect(coord, PROMPTS[2], greedy_params()[2])
             return deltas, coord.counters()
 
     deltas, counters = asyncio.run(run())

@@ -21,6 +21,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from conftest import LoopThread, tiny_config
+from test_coordinator import collect
 from specdist import Engine, SamplingParams
 from specdist.client import RemoteError, SpecDistClient
 from specdist.api.grpc_server import serve
@@ -233,22 +234,22 @@ def test_sixteen_concurrent_streams(srv, ref):
     wait_idle(srv.client)
 
 
-def test_coordinator_generate_api(srv, loop_thread, ref):
-    """The asyncio API itself: a full stream, an early close (aborts), a duplicate id."""
+def test_coordinator_streaming_api(srv, loop_thread, ref):
+    """The asyncio API itself (``open`` and its stream): a full stream, an early close (aborts), a duplicate id."""
     from specdist.api.coordinator import DuplicateRequestId
     from specdist.errors import InvalidArgument
 
     coord = srv.coordinator
 
     async def scenario():
-        deltas = [d async for d in coord.generate([2, 3], SamplingParams(max_tokens=9, temperature=0))]
-        early = coord.generate([4], SamplingParams(max_tokens=60, ignore_eos=True), request_id="early")
+        deltas = await collect(coord, [2, 3], SamplingParams(max_tokens=9, temperature=0))
+        early = await coord.open([4], SamplingParams(max_tokens=60, ignore_eos=True), request_id="early")
         await early.__anext__()  # after its first step "early" is held: it is live for the checks below
         with pytest.raises(DuplicateRequestId):
-            await coord.generate([4], request_id="early").__anext__()
-        await early.aclose()
+            await coord.open([4], request_id="early")
+        early.close()
         with pytest.raises(InvalidArgument, match="^prompt"):
-            await coord.generate([99]).__anext__()
+            await coord.open([99])
         return deltas
 
     srv.gate.hold_when = running_ids("early")

@@ -39,7 +39,7 @@ import psutil
 import pytest
 import ray
 
-from conftest import LoopThread, assert_nothing_left_on_ray, tiny_config
+from conftest import LoopThread, assert_nothing_left_on_ray, healthy_replicas, tiny_config
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -283,13 +283,13 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
             stopped = [_greedy(client, p)[0] for p in PROMPTS[:2]]
             waited = time.monotonic() - t0
             assert stopped == want[:2]
-            assert engine.healthy_replicas() == 0
+            assert healthy_replicas(engine) == 0
             assert psutil.Process(draft_pid).status() == psutil.STATUS_STOPPED  # finished while it was stopped
             # one deadline (DEADLINE_FLOOR_S = 2 s, or 8 x its latency), not one per step (~10 steps)
             assert waited < 10, waited
         finally:
             os.kill(draft_pid, signal.SIGCONT)
-        _until("the draft re-admitted after SIGCONT", lambda: engine.healthy_replicas() == 1)
+        _until("the draft re-admitted after SIGCONT", lambda: healthy_replicas(engine) == 1)
         ids, stats = _greedy(client, PROMPTS[0])
         assert ids == want[0] and stats.drafted > 0
 
@@ -299,7 +299,7 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
         results, _ = _signal_mid_generation(serving, draft_pid, signal.SIGKILL, wait_dead=True, sample=True)
         assert [r[0] for r in results] == sampled  # all 8 finished, exactly as without the fault
         assert all(r[2] is None and r[1].finish_reason == "length" for r in results)
-        _until("the restarted draft re-admitted", lambda: supervisor.recoveries == 1 and engine.healthy_replicas() == 1)
+        _until("the restarted draft re-admitted", lambda: supervisor.recoveries == 1 and healthy_replicas(engine) == 1)
         assert dep.health()["draft 0"]["pid"] != draft_pid  # a new process, restarted by Ray
         ids, stats = _greedy(client, PROMPTS[2])
         assert ids == want[2] and stats.drafted > 0 and stats.accepted > 0  # it drafts again

@@ -95,6 +95,25 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+NODE_HOST = "node"  # a worker host meaning "the IP of the node this worker runs on"
+
+
+def _bind_host(host: str) -> str:
+    """Where a worker listens: ``node`` (:data:`NODE_HOST`) is its own node's IP (as Ray knows it:
+    the interface the cluster uses, on every node its own), anything else as given."""
+    return _node_ip() if host == NODE_HOST else host
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (hex id), or None outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not inside Ray
+        return None
+
+
 def _reachable_host(bind_host: str) -> str:
     """The host others dial: the node's IP when listening on a wildcard (0.0.0.0 / ::), else as bound."""
     if bare_host(bind_host) in ("0.0.0.0", "::", ""):
@@ -152,6 +171,7 @@ class _ActorBase:
             "pid": os.getpid(),
             "cpu": self.cpu,  # the core it is pinned to (cluster.pin_cpus), else None
             "node_ip": _node_ip(),
+            "node_id": _node_id(),  # which Ray node (one machine may hold several)
             "address": self.grpc_address if self.grpc else None,
             "draining": self.draining,
             "load_s": self.load_s,
@@ -279,8 +299,9 @@ class TargetRankActor(_ActorBase):
     # ------------------------------------------------------------ serving
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
-        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port); returns "host:port".
-        ``secret``: required of every caller (the deployment's worker secret)."""
+        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port; host ``node``: this
+        node's IP); returns the "host:port" others dial. ``secret``: required of every caller (the
+        deployment's worker secret)."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 serves gRPC; ranks > 0 run run_follower()")
         self._require("loaded", "warm")
@@ -288,6 +309,7 @@ class TargetRankActor(_ActorBase):
 
         cls = _draining_servicer(TargetServicer, "Prefill", "target")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
+        host = _bind_host(host)
         self.grpc = _serve(self.servicer, target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
                            target_pb2_grpc.add_TargetWorkerServicer_to_server, host, port, secret)
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
@@ -434,13 +456,15 @@ class DraftActor(_ActorBase):
 
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
-        """Serve DraftWorker + health on ``host:port`` (0 = a free port); returns "host:port".
-        ``secret``: required of every caller (the deployment's worker secret)."""
+        """Serve DraftWorker + health on ``host:port`` (0 = a free port; host ``node``: this node's
+        IP); returns the "host:port" others dial. ``secret``: required of every caller (the
+        deployment's worker secret)."""
         self._require("loaded", "warm")
         from workers.draft_worker import DraftServicer
 
         cls = _draining_servicer(DraftServicer, "Start", "draft")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
+        host = _bind_host(host)
         self.grpc = _serve(self.servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
                            draft_pb2_grpc.add_DraftWorkerServicer_to_server, host, port, secret)
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"

@@ -36,6 +36,22 @@ every request with ``finish_reason="error"`` and the given reason, and refuses n
 reported to ``availability_listeners`` on the event loop (the servers' health checks).
 :meth:`call_soon` runs any function on the engine thread from any thread.
 
+Target lost: :meth:`target_lost` (the supervisor gave up rebuilding the target group) refuses
+new requests for good, like a dead engine thread. Either way :attr:`unrecoverable` then says why
+the server cannot recover by itself (the gRPC server turns its liveness NOT_SERVING: restart it).
+
+Prompts: a text prompt is templated (``chat``) and tokenized on a small thread pool of the event
+loop's side (:meth:`encode`, ``specdist-tokenize-*`` threads) before its add command is queued,
+never on the engine thread: a huge prompt holds up no running stream. A bad prompt is refused
+from there with the same ``InvalidArgument`` naming the field; the engine thread only adds the
+token ids.
+
+Errors told to clients: a failed request's final delta carries ``error`` (everything known, also
+logged where it happened: worker addresses, process ids, exception text) and ``message``, what
+the servers send to the client: a stable sentence naming the failure's class (``target
+unavailable (target rank 1 failed); retry later``, ``internal error: ...``) without addresses,
+process ids or exception text. Refusals (:class:`TargetDown`, :class:`EngineDown`) say as little.
+
 ``metrics`` (:class:`~specdist.api.metrics.Metrics`): the engine's Prometheus series, from its
 step events (the warm-up request is not counted); its gauges read the last pass's snapshot.
 """
@@ -46,15 +62,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import re
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdist.config import MAX_REQUEST_ID_LEN
+from specdist.engine.prompts import encode_prompt
 from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
 from specdist.logprobs import TokenLogprob
 from specdist.api.metrics import Metrics
@@ -67,6 +85,14 @@ if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engi
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0  # close(): how long to wait for the engine thread to exit once it said it would
+TOKENIZER_THREADS = 2  # prompts templated and tokenized at once, off the engine thread (encode())
+
+# what clients are told (module docstring): stable sentences, no addresses, process ids or exception text
+ENGINE_DOWN_MESSAGE = "the engine thread died; this server serves no more requests until it is restarted"
+INTERNAL_MESSAGE = "internal error"
+STEP_FAILED_MESSAGE = "internal error: the engine step failed"
+TARGET_FAILED_MESSAGE = "internal error: the target failed the request"
+_TARGET_RANK = re.compile(r"\btarget rank (\d+)\b")  # how a deployment's diagnosis names a rank
 
 
 class Overloaded(SpecDistError):
@@ -91,6 +117,30 @@ class EngineDown(SpecDistError):
     """The engine thread died of an unexpected error; nothing more is served until a restart."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+def failed_ranks(reason: str | None) -> str | None:
+    """The target ranks a failure's reason names, for a client: ``"target rank 1"`` /
+    ``"target ranks 0, 1"``, or None. Reads the wording of a deployment's diagnosis
+    (``cluster.deployment.Deployment.diagnose_target``: each cause starts ``target rank N``) and
+    keeps nothing else of it (no process ids, addresses or worker errors)."""
+    ranks = sorted({int(r) for r in _TARGET_RANK.findall(reason or "")})
+    if not ranks:
+        return None
+    return f"target rank {ranks[0]}" if len(ranks) == 1 else "target ranks " + ", ".join(map(str, ranks))
+
+
+def target_unavailable_message(reason: str | None) -> str:
+    """What a client is told when the target failed (a rank died or hangs, rank 0 is unreachable):
+    the ranks named, if the reason names any; retrying is safe."""
+    ranks = failed_ranks(reason)
+    return f"target unavailable ({ranks} failed); retry later" if ranks else "target unavailable; retry later"
+
+
+def target_lost_message(reason: str | None) -> str:
+    ranks = failed_ranks(reason)
+    why = f"{ranks} failed and every rebuild failed" if ranks else "every rebuild failed"
+    return f"target lost ({why}); this server serves no more requests until it is restarted"
 
 
 class DuplicateRequestId(InvalidArgument):
@@ -119,6 +169,9 @@ class Delta:
     error: str | None = None  # with finish_reason "error": what went wrong
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per token_ids entry
     code: ErrorCode | None = None  # with finish_reason "error": the status to answer with (None: INTERNAL)
+    # with finish_reason "error": what the client is told (the failure's class; no addresses, pids or
+    # exception text: those are in ``error`` and the server log)
+    message: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,7 +184,19 @@ class _Tracked:
 
     req: Request
     sent: int = 0
-    error: str | None = None
+    error: str | None = None  # a failure the coordinator decided (else the request's own)
+    message: str | None = None  # ... what the client is told of it
+    code: ErrorCode | None = None
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt templated and tokenized (:meth:`Coordinator.encode`): ``text`` (None for token ids),
+    ``ids``; ``arrival``: when it arrived (``time.perf_counter()``), before the tokenizing."""
+
+    text: str | None
+    ids: list[int]
+    arrival: float
 
 
 @dataclass
@@ -249,6 +314,8 @@ class Coordinator:
         self._draining = False
         self._closed = False
         self._target_down: str | None = None  # why the target is down (target_down), until target_up
+        self._target_lost: str | None = None  # why the target is lost for good (target_lost)
+        self._encoder = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "specdist-tokenize")
         self.availability_listeners: list[Callable[[bool], None]] = []  # (accepting), on the event loop
         self.timing = SchedulingTiming()
         self.metrics = Metrics(engine, lambda: self._snapshot)  # Prometheus series of this engine
@@ -297,12 +364,29 @@ class Coordinator:
     def target_is_down(self) -> bool:
         return self._target_down is not None
 
+    @property
+    def unrecoverable(self) -> str | None:
+        """Why this server cannot recover by itself (the engine thread died, the target group is lost
+        for good), or None: a restart is the only way back (liveness NOT_SERVING)."""
+        if self._engine_error is not None:
+            return f"the engine thread died ({self._engine_error})"
+        if self._target_lost is not None:
+            return f"the target group is lost ({self._target_lost})"
+        return None
+
     # ---------------------------------------------------------------- target faults (any thread)
     def target_down(self, reason: str) -> None:
-        """The target failed: fail every request with ``reason``, refuse new ones until :meth:`target_up`."""
+        """The target failed: fail every request (UNAVAILABLE, naming the failed ranks of ``reason``),
+        refuse new ones until :meth:`target_up`."""
         self._target_down = reason
-        self.call_soon(lambda: self._fail_all(f"target unavailable: {reason}"))
+        self.call_soon(lambda: self._fail_all(f"target unavailable: {reason}", target_unavailable_message(reason)))
         self._post(self._availability_changed)
+
+    def target_lost(self, reason: str) -> None:
+        """The target group is lost for good (every rebuild failed): fail every request, refuse new
+        ones until the process is restarted; :attr:`unrecoverable` says why."""
+        self._target_lost = reason
+        self.target_down(reason)
 
     def target_up(self, prepare: Callable[[], None] | None = None) -> concurrent.futures.Future:
         """The target is back: run ``prepare`` on the engine thread (e.g. reconnect), then admit again."""
@@ -357,6 +441,7 @@ class Coordinator:
         if self._closed:
             return
         self._closed = self._draining = True
+        self._encoder.shutdown(wait=False, cancel_futures=True)
         if self._thread is None:
             self.metrics.close()
             return
@@ -371,55 +456,39 @@ class Coordinator:
             self.metrics.close()
 
     # ---------------------------------------------------------------- requests
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        chat: bool = False,
-    ) -> AsyncIterator[Delta]:
-        """Stream the request's deltas; the last one has ``finish_reason`` set.
-
-        ``chat=True`` wraps a text prompt in the model's chat template (the engine does it).
-        Raises (on the first iteration) :class:`Overloaded`, :class:`ShuttingDown`,
-        ``InvalidArgument`` (bad prompt/params; :class:`DuplicateRequestId`). Closing
-        the generator early, or cancelling the task consuming it, aborts the request.
-        """
-        stream = await self.open(prompt, params, request_id, chat=chat)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
+    async def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> EncodedPrompt:
+        """Template (``chat``) and tokenize a prompt on the tokenizer threads, off the engine thread
+        (:func:`specdist.engine.prompts.encode_prompt`: ``InvalidArgument`` naming the field)."""
+        arrival = time.perf_counter()
+        self._check_serving()  # no tokenizing for a request that would be refused anyway
+        eng = self.engine
+        text, ids = await asyncio.get_running_loop().run_in_executor(
+            self._encoder, lambda: encode_prompt(eng.tokenizer, prompt, vocab_size=eng.vocab_size,
+                                                 max_model_len=eng.max_model_len, chat=chat))
+        return EncodedPrompt(text, ids, arrival)
 
     async def open(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | EncodedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         chat: bool = False,
     ) -> RequestStream:
-        """Admit a request and return its stream (the caller must ``close()`` it or read it to the end)."""
-        if self._draining:
-            raise ShuttingDown("the server is shutting down")
-        if self._target_down is not None:
-            raise TargetDown(f"the target is down ({self._target_down}); it is being rebuilt, retry later")
-        if self._engine_error is not None:
-            raise self._engine_down()
-        self.start()
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-            raise InvalidArgument("request_id", f"must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self._live:
-            raise DuplicateRequestId(request_id)
-        if len(self._live) >= self.max_queued:
-            raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+        """Admit a request and return its stream (the caller must ``close()`` it or read it to the end).
+
+        ``prompt``: text, token ids or (``chat``) a conversation, templated and tokenized here off
+        the engine thread, or an :class:`EncodedPrompt` (:meth:`encode`: one prompt for several
+        requests). Raises :class:`Overloaded`, :class:`ShuttingDown`, :class:`TargetDown`,
+        :class:`EngineDown`, ``InvalidArgument`` (bad prompt, params or id; :class:`DuplicateRequestId`).
+        """
+        request_id = self._admissible(request_id)
+        if not isinstance(prompt, EncodedPrompt):
+            prompt = await self.encode(prompt, chat)
+            request_id = self._admissible(request_id)  # again: the server may have changed meanwhile
         stream = RequestStream(self, request_id)
         self._live[request_id] = stream  # reserved before the await: admission and ids stay race-free
-        arrival = time.perf_counter()  # metrics: it arrived now, not when the engine thread adds it
         try:
-            added = self._call(lambda: self._add(prompt, params, request_id, chat, arrival))
+            added = self._call(lambda: self._add(prompt, params, request_id))
         except BaseException:  # closed, or the engine thread died, since the checks above
             del self._live[request_id]
             raise
@@ -434,6 +503,32 @@ class Coordinator:
             raise
         self._admitted(stream, added)
         return stream
+
+    def _admissible(self, request_id: str | None) -> str:
+        """Refuse a request the server cannot take now (cheap checks, on the event loop); its id."""
+        self._check_serving()
+        self.start()
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidArgument("request_id", f"must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
+        if request_id in self._live:
+            raise DuplicateRequestId(request_id)
+        if len(self._live) >= self.max_queued:
+            raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+        return request_id
+
+    def _check_serving(self) -> None:
+        """Refuse any request while draining or closed, the target down or lost, the engine thread dead."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down")
+        if self._target_lost is not None:
+            raise TargetDown(target_lost_message(self._target_lost))
+        if self._target_down is not None:
+            raise TargetDown(f"the target is down ({failed_ranks(self._target_down) or 'a target worker'} failed); "
+                             "it is being rebuilt, retry later")
+        if self._engine_error is not None:
+            raise self._engine_down()
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request; its stream ends with "abort". False if no live request has that id."""
@@ -484,8 +579,9 @@ class Coordinator:
         return fut
 
     def _engine_down(self) -> EngineDown:
-        return EngineDown(f"the engine thread died ({self._engine_error}); "
-                          "this server serves no more requests until it is restarted")
+        """The refusal once the engine thread died: a stable message (the cause is logged, and is
+        :attr:`engine_error`)."""
+        return EngineDown(ENGINE_DOWN_MESSAGE)
 
     def _admitted(self, stream: RequestStream, added: asyncio.Future) -> bool:
         """Book a request whose add command has run; False (and forget it) if the add failed."""
@@ -530,7 +626,8 @@ class Coordinator:
                 added.set_exception(self._engine_down())
             if added is not None and (added.cancelled() or added.exception() is not None):
                 continue  # never admitted: open() raises its error (and forgets the id)
-            self._dispatch(Delta(rid, [], "", "error", error=message, code=ErrorCode.UNAVAILABLE))
+            self._dispatch(Delta(rid, [], "", "error", error=message, code=ErrorCode.UNAVAILABLE,
+                                 message=ENGINE_DOWN_MESSAGE))
         self._availability_changed()
 
     def _dispatch(self, delta: Delta) -> None:
@@ -582,7 +679,7 @@ class Coordinator:
             snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
         except Exception:  # noqa: BLE001 - the engine is in an unknown state: the streams still end
             log.exception("releasing the engine's requests after the engine thread died failed")
-        self._post(self._engine_died, str(error), snapshot)
+        self._post(self._engine_died, f"the engine thread died ({self._engine_error})", snapshot)
 
     def _serve(self) -> None:
         """The engine thread's loop: passes while there is work, asleep on ``_cond`` otherwise."""
@@ -633,13 +730,11 @@ class Coordinator:
             log.exception("specdist coordinator pass failed")
             return self._fail_everyone(e), None, False
 
-    def _add(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str, chat: bool,
-             arrival: float) -> None:
-        if chat:
-            req = self.engine.add_request(prompt, params, request_id, chat=True)
-        else:
-            req = self.engine.add_request(prompt, params, request_id)
-        req.metrics.arrival_time = arrival
+    def _add(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str) -> None:
+        """Add a tokenized prompt (its ids: the engine's checks of them are cheap)."""
+        req = self.engine.add_request(prompt.ids, params, request_id)
+        req.prompt = prompt.text
+        req.metrics.arrival_time = prompt.arrival
         self._tracked[request_id] = _Tracked(req)
 
     def _abort(self, request_id: str) -> bool:
@@ -657,16 +752,17 @@ class Coordinator:
         touched = [t for t in self._tracked.values() if id(t.req) not in waiting] or list(self._tracked.values())
         for t in touched:
             if not t.req.finished:
-                t.error = f"engine step failed: {exc!r}"
+                t.error, t.message = f"engine step failed: {exc!r}", STEP_FAILED_MESSAGE
                 t.req.output.finish("error")
             self.engine.release(t.req)  # idempotent; frees slots even for a request caught mid-admission
 
-    def _fail_all(self, message: str) -> None:
-        """Fail and release every request the engine holds (running and waiting) with ``message``."""
+    def _fail_all(self, error: str, message: str) -> None:
+        """Fail and release every request the engine holds (running and waiting) with ``error``
+        (UNAVAILABLE; the client is told ``message``)."""
         tracked = list(self._tracked.values())
         for t in tracked:
             if not t.req.finished:
-                t.error = message
+                t.error, t.message, t.code = error, message, ErrorCode.UNAVAILABLE
                 t.req.output.finish("error")
         self.engine.release([t.req for t in tracked])  # one call per worker: a dead one fails it once
 
@@ -681,7 +777,7 @@ class Coordinator:
                 self.engine.release(t.req)
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("releasing request %r after an internal error failed", rid)
-            deltas.append(Delta(rid, [], "", "error", error=f"internal error: {exc!r}"))
+            deltas.append(Delta(rid, [], "", "error", error=f"internal error: {exc!r}", message=INTERNAL_MESSAGE))
         return deltas
 
     def _collect(self, rid: str, t: _Tracked) -> Delta | None:
@@ -694,8 +790,22 @@ class Coordinator:
             return Delta(rid, new_ids, text, logprobs=logprobs) if new_ids or text else None
         del self._tracked[rid]
         metrics = dataclasses.replace(t.req.metrics, output_tokens=len(out.token_ids))
-        error = t.error or getattr(t.req, "error", None)  # a RemoteEngine records worker errors on the request
-        return Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, error, logprobs)
+        delta = Delta(rid, new_ids, text, out.finish_reason, out.stop_reason, metrics, logprobs=logprobs)
+        if out.finish_reason == "error":
+            delta.error, delta.message, delta.code = _failure(t)
+        return delta
+
+
+def _failure(t: _Tracked) -> tuple[str, str, ErrorCode]:
+    """(error, client message, code) of a failed request: the coordinator's own decision, or what
+    the engine recorded on the request (``error``, ``error_code``: a target that failed it)."""
+    if t.error is not None:
+        return t.error, t.message or INTERNAL_MESSAGE, t.code or ErrorCode.INTERNAL
+    error = getattr(t.req, "error", None) or "the request failed"
+    code = getattr(t.req, "error_code", None) or ErrorCode.INTERNAL
+    if code == ErrorCode.UNAVAILABLE:  # the target failed as a whole (a rank died, rank 0 unreachable)
+        return error, target_unavailable_message(error), code
+    return error, TARGET_FAILED_MESSAGE, code
 
 
 def _describe(exc: BaseException) -> str:

@@ -8,13 +8,19 @@ message that does not parse (``request: ...``); a message over
 already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
 server UNAVAILABLE, as is one after the engine thread died; Cancel of an id no running request
 has NOT_FOUND. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
-and the stream then ends with INTERNAL; one ended because the engine thread died ends so with
-UNAVAILABLE (the delta's ``code``), naming the cause.
+and the stream then ends with the delta's ``code``: UNAVAILABLE (a retry may succeed) when the
+target failed (a rank died, naming it) or is down, or the engine thread died; INTERNAL for
+anything else. The details are the delta's ``message``, the failure's class without worker
+addresses, process ids or exception text (those go to the server log); a refusal that is the
+server's fault is ``internal error``, its traceback logged.
 
 ``serve()`` hosts it on :func:`specdist.transport.grpc_host.start_grpc_host` (the host the workers'
 ports use too), with the standard ``grpc.health.v1.Health`` service (SERVING once the engine
 has warmed up, NOT_SERVING while draining, while the target is down and for good once the engine
-thread has died) and server reflection.
+thread has died) and server reflection. Its liveness name (:data:`~specdist.transport.grpc_host.LIVENESS`)
+stays SERVING through drains and target rebuilds, and turns NOT_SERVING when the server cannot
+recover by itself (:attr:`Coordinator.unrecoverable`: the engine thread died, the target group
+is lost): a liveness probe then restarts the process.
 With a token (:mod:`specdist.transport.security`) every method except the health service's is
 UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 """
@@ -28,13 +34,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from specdist import logprobs
 from specdist.api.coordinator import Coordinator, Delta
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.api.admission import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
-from specdist.transport.grpc_host import GrpcHost, start_grpc_host
+from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
 from specdist.transport.security import ServerSecurity
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
@@ -65,14 +72,14 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
                 prompt, params, request.request_id or None, chat=request.apply_chat_template
             )
         except Exception as e:  # noqa: BLE001 - each refusal has its code; INTERNAL: not the client's fault
-            code = refusal_code(e, "Generate")
-            message = f"internal error: {e!r}" if code == ErrorCode.INTERNAL else _wire_message(e)
+            code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
+            message = "internal error" if code == ErrorCode.INTERNAL else _wire_message(e)
             await context.abort(grpc_status(code), message)
         try:
             async for delta in stream:
                 yield _response(delta)
                 if delta.finish_reason == "error":
-                    await context.abort(grpc_status(delta.code or ErrorCode.INTERNAL), delta.error or "request failed")
+                    await context.abort(grpc_status(delta.code or ErrorCode.INTERNAL), delta.message or "request failed")
         finally:  # also on client disconnect (the handler task is cancelled): aborts the request
             stream.close()
 
@@ -193,6 +200,15 @@ class SpecDistServer:
         """The health status of the server ("") and of SpecDecode."""
         await self.host.set_serving(serving)
 
+    async def availability_changed(self, accepting: bool) -> None:
+        """The coordinator admits requests again or no more: health follows; liveness turns
+        NOT_SERVING (for good) once the server cannot recover by itself."""
+        await self.set_serving(accepting)
+        why = self.coordinator.unrecoverable
+        if why is not None:
+            log.error("liveness NOT_SERVING: %s; this server must be restarted", why)
+            await self.host.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, drain_seconds: float | None = None) -> None:
         """NOT_SERVING, refuse new requests, let running ones finish (up to the drain time),
         abort the rest (their streams end with ABORT), then stop the gRPC server."""
@@ -233,7 +249,7 @@ async def serve(
         raise
     await wrapped.set_serving(True)
     # NOT_SERVING while the target is down (Coordinator.target_down), SERVING again once it is back;
-    # NOT_SERVING for good once the engine thread has died
+    # NOT_SERVING for good, liveness too, once the engine thread has died or the target is lost
     coordinator.availability_listeners.append(
-        lambda accepting: asyncio.ensure_future(wrapped.set_serving(accepting)))
+        lambda accepting: asyncio.ensure_future(wrapped.availability_changed(accepting)))
     return wrapped, coordinator

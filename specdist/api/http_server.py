@@ -51,8 +51,10 @@ prepared during the previous verification / whose prepared prefix did not hold).
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with
 ``param`` naming the request field: 400 for a bad field (schema errors too), 404 for
 another model, 413 for a body over ``limits.max_message_bytes``, 503 when the server is
-full, shutting down or its engine thread has died (a request running then fails with 503 too,
-``code`` ``unavailable``), 500 for a request that failed on the server. A field beyond its
+full, shutting down, its target down or its engine thread has died (a request running then fails
+with 503 too, ``code`` ``unavailable``, as one whose target failed: a rank died, named in the
+message), 500 for a request that failed on the server. Messages name the failure's class, never
+worker addresses, process ids or exception text (those go to the server log). A field beyond its
 limit (the config's ``limits``, :func:`specdist.api.admission.check_request`) is a 400 naming
 it. Once a stream has started, a failure is sent as one ``data: {"error": ...}`` event
 and the stream ends without ``[DONE]``.
@@ -305,8 +307,8 @@ def _finish_reason(d: Delta | None) -> str:
         raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request was aborted: the server is shutting down",
                        type="server_error", code="aborted")
     if d.finish_reason == "error":
-        code = d.code or ErrorCode.INTERNAL  # UNAVAILABLE: the engine thread died
-        raise APIError(HTTP_STATUS[code], f"the request failed on the server: {d.error or 'unknown error'}",
+        code = d.code or ErrorCode.INTERNAL  # UNAVAILABLE: the target failed or is down, the engine thread died
+        raise APIError(HTTP_STATUS[code], f"the request failed on the server: {d.message or 'unknown error'}",
                        type="server_error", code="internal_error" if code == ErrorCode.INTERNAL else code.name.lower())
     return d.finish_reason
 
@@ -420,20 +422,22 @@ class _OpenAIFrontEnd:
         self.created = int(time.time())
 
     async def open(self, call: _Call) -> list[RequestStream]:
-        """Admit one engine request per choice; on a refusal close those already open."""
+        """Admit one engine request per choice (the prompt templated and tokenized once, off the
+        engine thread); on a refusal close those already open."""
         streams: list[RequestStream] = []
         try:
+            prompt = await self.coordinator.encode(call.prompt, chat=call.chat)
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
-                streams.append(await self.coordinator.open(call.prompt, params, rid, chat=call.chat))
+                streams.append(await self.coordinator.open(prompt, params, rid))
         except Exception as e:  # noqa: BLE001 - each refusal has its code
             for s in streams:
                 s.close()
             code = refusal_code(e, "HTTP " + call.object)
             if code == ErrorCode.INVALID_ARGUMENT and isinstance(e, FieldError):
                 raise _bad(call.param(e.field), e.message) from None
-            if code == ErrorCode.INTERNAL:
-                raise APIError(HTTP_STATUS[code], f"internal error: {e!r}", type="server_error",
+            if code == ErrorCode.INTERNAL:  # logged there, with its traceback
+                raise APIError(HTTP_STATUS[code], "internal error", type="server_error",
                                code="internal_error") from None
             raise APIError(HTTP_STATUS[code], str(e), type="server_error", code=code.name.lower()) from None
         except BaseException:

@@ -86,7 +86,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--worker-host", default="127.0.0.1",
-        help="cluster.enabled: address the target/draft workers listen on (must be reachable from this process)",
+        help="cluster.enabled: address the target/draft workers listen on (must be reachable from this process); "
+             "'node': each worker its own Ray node's address; 0.0.0.0: all interfaces, advertising the node's",
     )
     add_tls_arguments(parser)
     parser.add_argument("--tls-client-ca", default=None, metavar="PATH",
@@ -381,8 +382,12 @@ def watch_deployment(deployment: Any, coordinator: Any) -> None:
     ``target_down``: every request fails with the reason and new ones get UNAVAILABLE (health
     NOT_SERVING); ``target_up``: the verifier reconnects to rank 0 and forgets the releases owed to the
     old group (``Scheduler.retarget``), then requests are admitted
-    again; ``draft_up``: the scheduler probes that replica and re-admits it. A failed target call
-    asks the deployment which rank failed, so the requests' error names it.
+    again; ``target_lost`` (every rebuild failed): requests are refused for good and the gRPC
+    liveness turns NOT_SERVING (``Coordinator.target_lost``: only a restart helps); ``draft_down``:
+    the scheduler ejects that replica at once, cutting its calls in flight (``Scheduler.replica_down``),
+    and its requests go on without drafts; ``draft_up``: the scheduler probes that replica and
+    re-admits it. A failed target call asks the deployment which rank failed, so the requests'
+    error names it.
     """
     engine = coordinator.engine
 
@@ -391,8 +396,12 @@ def watch_deployment(deployment: Any, coordinator: Any) -> None:
             coordinator.target_down(event.message)
         elif event.kind == "target_up":
             coordinator.target_up(lambda: engine.retarget(event.address))
+        elif event.kind == "target_lost":
+            coordinator.target_lost(event.message)
         elif event.kind == "draft_up" and event.index < engine.num_draft_replicas:
             coordinator.call_soon(lambda: engine.readmit(event.index, event.address))
+        elif event.kind == "draft_down" and event.index < engine.num_draft_replicas:
+            engine.replica_down(event.index, f"{event.worker} {event.message}")  # now: cuts its calls in flight
 
     engine.target_diagnosis = deployment.diagnose_target
     deployment.listeners.append(on_event)

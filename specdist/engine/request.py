@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdist.engine.draft_length import Acceptance
+from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import OutputState
@@ -118,6 +119,7 @@ class Request:
     proposal: object = None  # this step's transport.Proposal, until verified
     full_accept: bool = False  # its last verified proposal was accepted whole (pipelined drafting's guess test)
     error: str | None = None  # with finish_reason "error": what failed
+    error_code: ErrorCode | None = None  # ... and its code (UNAVAILABLE: the target failed, a retry may succeed)
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: one per output.token_ids entry
 
     def __post_init__(self) -> None:

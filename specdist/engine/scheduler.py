@@ -98,6 +98,7 @@ REPLICA_SPEED_SLACK = 2.0  # replicas predicted within 2x of the fastest count a
 _PER_ITEM_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION,
                             ErrorCode.ALREADY_EXISTS})
 _REFUSED_CODES = _PER_ITEM_CODES | {ErrorCode.RESOURCE_EXHAUSTED}  # the core refused the call before changing state
+_TARGET_DOWN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})  # rank 0 unreachable or hung
 
 
 def _per_item(failed) -> bool:
@@ -191,6 +192,7 @@ class _Replica:
     next_probe: float = 0.0
     probe_backoff: float = 0.0
     orphans: _Unreleased = field(default_factory=_Unreleased)  # released again when due, or by the probe
+    down: bool = False  # its worker was reported down (replica_down): only its probe calls it, until it answers
 
     @property
     def latency_per_token(self) -> float:
@@ -399,6 +401,7 @@ class Scheduler:
         phase0 = dict(t)
         hidden0 = self.stats.draft_hidden_s
         self._probe_ejected()
+        self._leave_down()
         self._retry_releases()
         self._admit()
         if not self.running:
@@ -416,8 +419,8 @@ class Scheduler:
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
         results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
         self._account(timing, wall, self.verifier.is_remote, main="verify")
-        for i, msg in self._target_errors(failed, len(items)).items():
-            self._fail(reqs[i], msg)
+        for i, (msg, code) in self._target_errors(failed, len(items)).items():
+            self._fail(reqs[i], msg, code)
         if self._planned_costs:
             ntok = sum((k if it.proposal is not None else 0) + 1 for it, k in zip(items, ks))
         else:
@@ -569,6 +572,26 @@ class Scheduler:
         return min(near, key=lambda i: (live[i], self.replicas[i].latency_per_token, i))
 
     def _admit(self) -> None:
+        """Move waiting requests onto the cores: prefill on the target, start on their replicas."""
+        new = self._take_waiting()
+        if not new:
+            return
+        t0 = now()
+        admitted, requeue = self._prefill(new)
+        requeue += self._start_drafts(admitted)
+        self._requeue(requeue)
+        for r in admitted:
+            if r not in requeue and not r.finished:
+                r.metrics.scheduled_time = t0
+                self.running.append(r)
+        self._release([r for r in new if r.finished])
+        self.stats.phase_s["prefill"] += now() - t0
+
+    def _take_waiting(self) -> list[Request]:
+        """The waiting requests this step admits, off the queue, each given its replica (None: no drafts).
+
+        While the target has room; after the first, while their prompts fit ``max_prefill_tokens``
+        and, while any replica is healthy, while one of those has room."""
         new: list[Request] = []
         cap = [self.draft_max_batch_size - rep.live for rep in self.replicas]
         tokens = 0  # prompt tokens admitted this step: at most max_prefill_tokens (or one request)
@@ -590,9 +613,10 @@ class Scheduler:
                     r.replica = None
             new.append(self.waiting.popleft())
             r.queued = False
-        if not new:
-            return
-        t0 = now()
+        return new
+
+    def _prefill(self, new: list[Request]) -> tuple[list[Request], list[Request]]:
+        """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
         ok, requeue, errors, timing = self._start_on(self.verifier, self._target_unreleased, self.verifier.prefill,
                                                      new, int)
         if timing.phases.get("prefill"):
@@ -602,8 +626,13 @@ class Scheduler:
             self._target_live += 1
         messages = self._target_errors({j: e for j, (_, e) in enumerate(errors)}, len(new))
         for j, (r, _) in enumerate(errors):
-            self._fail(r, messages[j])
-        admitted = ok
+            self._fail(r, *messages[j])
+        return ok, requeue
+
+    def _start_drafts(self, admitted: list[Request]) -> list[Request]:
+        """``drafter.start`` of the admitted requests, one call per replica: those out of room there
+        (to requeue). A failed one goes on without drafts; a call failed as a whole ejects its replica."""
+        requeue: list[Request] = []
         by_rep: dict[int, list[Request]] = {}
         for r in admitted:
             if r.replica is not None:
@@ -619,18 +648,16 @@ class Scheduler:
             requeue += full
             for r, e in errors:
                 self._detach(r, f"draft {rep.drafter.name}: {e.describe()}")
-        for r in reversed(requeue):  # back to the queue front, everything it took freed
+        return requeue
+
+    def _requeue(self, requeue: list[Request]) -> None:
+        """Back to the queue front, in order, everything they took freed."""
+        for r in reversed(requeue):
             self._release_remote([r])
             r.core_id = self._new_core_id()  # a retried release of the old id must not hit its next admission
             r.replica = None
             r.queued = True
             self.waiting.appendleft(r)
-        for r in admitted:
-            if r not in requeue and not r.finished:
-                r.metrics.scheduled_time = t0
-                self.running.append(r)
-        self._release([r for r in new if r.finished])
-        self.stats.phase_s["prefill"] += now() - t0
 
     def _start_on(self, transport, unreleased: _Unreleased, method, rs: list[Request], seed_of):
         """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)], timing).
@@ -684,9 +711,11 @@ class Scheduler:
             core += s
         t["network" if remote else main] += max(0.0, wall - core)
 
-    def _target_errors(self, failed: dict[int, TransportError], n: int) -> dict[int, str]:
-        """The error message of each request a target call failed (of ``n``). A call that failed as a
-        whole (no item blamed) also names what failed, when ``target_diagnosis`` can tell."""
+    def _target_errors(self, failed: dict[int, TransportError], n: int) -> dict[int, tuple[str, ErrorCode]]:
+        """(error message, code) of each request a target call failed (of ``n``). A call that failed
+        as a whole (no item blamed) also names what failed, when ``target_diagnosis`` can tell; its
+        code is UNAVAILABLE (a retry may succeed) when a rank failed or rank 0 was unreachable or
+        past its deadline, else INTERNAL."""
         whole = len(failed) == n and not _per_item(failed.values())
         why = None
         if failed and whole and self.target_diagnosis is not None:
@@ -694,23 +723,25 @@ class Scheduler:
                 why = self.target_diagnosis()
             except Exception:  # noqa: BLE001 - the diagnosis is a courtesy; the failure stands
                 log.exception("target diagnosis failed")
-        return {i: f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}"
+        return {i: (f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}",
+                    ErrorCode.UNAVAILABLE if whole and (why or e.code in _TARGET_DOWN_CODES) else ErrorCode.INTERNAL)
                 for i, e in failed.items()}
 
-    def _fail(self, r: Request, message: str) -> None:
+    def _fail(self, r: Request, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         if not r.finished:
-            r.error = message
+            r.error, r.error_code = message, code
             r.output.finish("error")
         log.warning("request %s failed: %s", r.request_id, message)
 
     def _eject(self, i: int, message: str) -> None:
         """Replica i failed a whole call: no new requests until it answers a probe."""
         rep = self.replicas[i]
-        with self._lock:  # also runs on the propose pool
+        with self._lock:  # also runs on the propose pool, and from replica_down's thread
             if rep.ejected_at is None:
-                rep.ejected_at = now()
+                t = now()
                 rep.probe_backoff = PROBE_FIRST_S
-                rep.next_probe = rep.ejected_at + rep.probe_backoff
+                rep.next_probe = t + rep.probe_backoff
+                rep.ejected_at = t  # last: the step reads it without the lock
                 log.warning("draft %s ejected (%s); its requests continue without drafts", rep.drafter.name, message)
 
     def _probe_ejected(self) -> None:
@@ -730,7 +761,7 @@ class Scheduler:
                 error = future.exception()
                 if error is None:
                     log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, t - rep.ejected_at)
-                    rep.ejected_at = None
+                    rep.ejected_at, rep.down = None, False
                     with self._lock:
                         rep.orphans.answered(sent, t)
                     continue
@@ -742,6 +773,25 @@ class Scheduler:
                     self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdist-probe")
                 sent = sorted(rep.orphans.ids)
                 self._probes[i] = (self._probe_pool.submit(rep.drafter.release, sent), sent)
+
+    def replica_down(self, i: int, reason: str) -> None:
+        """Draft replica i's worker is down (a deployment's supervisor found it dead, hung, restarting
+        or without a node). Safe from any thread: it is ejected now and its calls in flight are cut
+        (a remote drafter's ``cut``: they fail at once, not at their deadlines); its requests go on
+        without drafts from the next step, nothing but its probe calls it (what they hold there is
+        released by the probe), and the probe's answer (or :meth:`readmit`) brings it back."""
+        rep = self.replicas[i]
+        rep.down = True
+        self._eject(i, reason)
+        cut = getattr(rep.drafter, "cut", None)
+        if cut is not None:
+            cut()
+
+    def _leave_down(self) -> None:
+        """Requests still on a replica reported down (:meth:`replica_down`) go on without drafts."""
+        for r in self.running:
+            if r.replica is not None and self.replicas[r.replica].down:
+                self._detach(r, f"draft {self.replicas[r.replica].drafter.name} is down")
 
     def readmit(self, i: int, address: str | None = None) -> bool:
         """Draft replica i's worker was restarted (at ``address``, when it moved): probe it now.
@@ -762,12 +812,8 @@ class Scheduler:
             rep.orphans.answered(sent, now())
         if rep.ejected_at is not None:
             log.warning("draft %s restarted: re-admitted", rep.drafter.name)
-        rep.ejected_at = None
+        rep.ejected_at, rep.down = None, False
         return True
-
-    def healthy_replicas(self) -> int:
-        """Draft replicas not ejected."""
-        return sum(rep.ejected_at is None for rep in self.replicas)
 
     def _detach(self, r: Request, message: str) -> None:
         """Its drafter failed: release it there (best effort) and go on without drafts."""
@@ -802,7 +848,12 @@ class Scheduler:
 
     def _release_on(self, transport, unreleased: _Unreleased, ids: list[str]) -> None:
         """Release ``ids`` on one core. Those whose release failed (not refused: a worker down, a
-        deadline) are kept in ``unreleased`` and released again later (:meth:`_retry_releases`)."""
+        deadline) are kept in ``unreleased`` and released again later (:meth:`_retry_releases`). A
+        replica reported down is not called: its probe releases them (the step waits on no worker down)."""
+        if any(rep.orphans is unreleased and rep.down for rep in self.replicas):
+            with self._lock:
+                unreleased.add(ids, now())
+            return
         _, failed, _, _ = self._call_isolating(transport.release, ids)
         kept = [ids[j] for j, e in failed.items() if e.code not in _PER_ITEM_CODES]
         if kept:

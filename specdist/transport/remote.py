@@ -19,14 +19,18 @@ Deadlines: a call may take ``timeout_s``, except a drafter's Start and Propose a
 the larger of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's recent wall time
 (per prompt token for Start), capped at ``timeout_s``, so a hung worker fails its call
 (DEADLINE_EXCEEDED) within a few of its normal latencies and the scheduler ejects a draft, or
-fails its requests, instead of waiting.
+fails its requests, instead of waiting. Before a method was measured (a worker's first calls:
+no latency to scale from) it may take ``FIRST_CALL_S`` (a Start ``FIRST_CALL_S_PER_TOKEN`` per
+prompt token, if longer), not ``timeout_s``; :meth:`_Remote.cut` ends the calls in flight at once
+when a supervisor found the worker down.
 
 Message size: a call's request and response may be up to ``message_limit`` bytes
 (:func:`specdist.transport.wire.message_limit_bytes` of the deployment's settings, as the workers are
 given; by default any size); grpc fails a larger one with RESOURCE_EXHAUSTED.
 
 Restarts: channels retry connecting at least every second, and :meth:`_Remote.reconnect`
-points a transport at a worker that was restarted or moved (a fresh channel).
+points a transport at a worker that was restarted or moved (a fresh channel; the old channel's
+calls in flight fail CANCELLED at once).
 
 Timing: the worker reports the seconds its core spent, by phase, in the
 ``specdist-timing`` trailing metadata (``forward=0.012,sampling=0.001``); the scheduler books
@@ -35,10 +39,12 @@ the rest of each call's wall time as network.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 
+from specdist.errors import ErrorCode
 from specdist.transport.grpc_status import error_code
 from specdist.transport.security import bearer_metadata
 from specdist.transport.protocol import (
@@ -103,6 +109,8 @@ def _timing_of(call) -> CallTiming:
 DEADLINE_FLOOR_S = 2.0  # a draft worker call may always take this long ...
 DEADLINE_FACTOR = 8.0  # ... or this many times its method's recent wall time (EMA), up to timeout_s
 DEADLINE_EMA = 0.2  # weight of the newest call in that EMA
+FIRST_CALL_S = 30.0  # a method not measured yet may take this long (not timeout_s) ...
+FIRST_CALL_S_PER_TOKEN = 0.05  # ... a Start this long per prompt token if longer (20 tokens/s: any draft prefills faster)
 
 
 class _Remote:
@@ -114,20 +122,26 @@ class _Remote:
         self.message_limit = message_limit
         self._metadata = bearer_metadata(secret)
         self._latency: dict[str, float] = {}  # method name -> EMA of its calls' wall seconds (per token)
+        self._swap = threading.Lock()  # reconnect() from the step's thread and cut() from a supervisor's
         self.channel = None
         self.reconnect(address)
 
     def reconnect(self, address: str) -> None:
-        """A fresh channel to ``address`` (a worker restarted or moved); the old one is closed.
-        The measured latencies stay: a restarted worker runs the same model, and its first calls
-        keep short deadlines."""
-        if self.channel is not None:
-            self.channel.close()
-        self.address = address
+        """A fresh channel to ``address`` (a worker restarted or moved); the old one is closed, which
+        fails its calls in flight (CANCELLED). The measured latencies stay: a restarted worker runs
+        the same model, and its first calls keep short deadlines. Safe from any thread."""
         options = grpc_message_options(self.message_limit) + CHANNEL_OPTIONS
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = self.stub_class(self.channel)
-        self.name = f"{self.name_prefix}{address}"
+        with self._swap:
+            old, channel = self.channel, grpc.insecure_channel(address, options=options)
+            self.address, self.name = address, f"{self.name_prefix}{address}"
+            self.channel, self.stub = channel, self.stub_class(channel)
+        if old is not None:
+            old.close()
+
+    def cut(self) -> None:
+        """The worker is known to be down: its calls in flight fail now (CANCELLED), not at their
+        deadlines; later calls go out on a fresh channel to the same address. Safe from any thread."""
+        self.reconnect(self.address)
 
     stub_class: type  # the service's generated stub
     name_prefix = ""  # logs name the worker "<prefix><address>"
@@ -140,13 +154,18 @@ class _Remote:
         """Seconds a call of ``method`` (carrying ``tokens`` prompt tokens) may take: for a method
         in ``_adaptive`` that was measured, ``min(timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR
         * its recent time per call or per token * (1 or tokens)))``, where a per-call method not
-        measured yet takes the slowest measured one's time; otherwise ``timeout_s``."""
+        measured yet takes the slowest measured one's time, and with nothing measured
+        ``min(timeout_s, max(FIRST_CALL_S, FIRST_CALL_S_PER_TOKEN * tokens for a Start))``;
+        otherwise ``timeout_s``."""
         kind = self._adaptive.get(method)
+        if kind is None:
+            return self.timeout_s
         rate = self._latency.get(method)
         if kind == "call" and rate is None:  # not measured yet: the slowest measured per-call method's
             rate = max((r for m, r in self._latency.items() if self._adaptive.get(m) == "call"), default=None)
-        if not rate:  # not adaptive, or nothing measured (the first calls: the warm-up)
-            return self.timeout_s
+        if not rate:  # nothing measured (a worker's first calls): bounded all the same
+            first = FIRST_CALL_S_PER_TOKEN * max(1, tokens) if kind == "token" else 0.0
+            return min(self.timeout_s, max(FIRST_CALL_S, first))
         size = max(1, tokens) if kind == "token" else 1
         return min(self.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * rate * size))
 
@@ -154,15 +173,21 @@ class _Remote:
         """(response, core timing) of the stub's ``method``; gRPC errors as TransportError naming
         the blamed request."""
         t0 = time.perf_counter()
+        stub, address = self.stub, self.address
         try:
-            resp, call = getattr(self.stub, method).with_call(request, timeout=self.deadline(method, tokens),
-                                                              metadata=self._metadata)
+            resp, call = getattr(stub, method).with_call(request, timeout=self.deadline(method, tokens),
+                                                         metadata=self._metadata)
             rate = (time.perf_counter() - t0) / (max(1, tokens) if self._adaptive.get(method) == "token" else 1)
             ema = self._latency.get(method)
             self._latency[method] = rate if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * rate
         except grpc.RpcError as e:
             details = e.details() or ""
-            raise error_for_items(f"{self.address}: {details}", details, error_code(e.code()), request_ids) from None
+            raise error_for_items(f"{address}: {details}", details, error_code(e.code()), request_ids) from None
+        except ValueError:  # grpc refuses a call on a closed channel: cut() or reconnect() closed it meanwhile
+            if stub is self.stub:
+                raise
+            raise error_for_items(f"{address}: call cut (channel closed)", "", ErrorCode.CANCELLED,
+                                  request_ids) from None
         return resp, _timing_of(call)
 
     def close(self) -> None:

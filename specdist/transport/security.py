@@ -245,11 +245,20 @@ def client_kwargs_from_files(tls_ca: str | None = None, tls_cert: str | None = N
     return kw
 
 
+METRICS_CONNECTION_TIMEOUT_S = 10.0  # --metrics-port: a connection's TLS handshake, then each read or write
+
+
 def start_metrics_server(port: int, addr: str, registry, security: ServerSecurity | None = None):
     """Prometheus ``/metrics`` (any path, as prometheus-client serves it) on a thread: HTTPS with
     the server's TLS, and the token required when one is set. Returns the WSGI server
-    (``server_port``, ``shutdown()``, ``server_close()``)."""
+    (``server_port``, ``shutdown()``, ``server_close()``).
+
+    Each connection is served on a thread of its own, its TLS handshake included (not in the
+    accepting thread, where one client that sends nothing would stop every scrape), and may
+    stall at most ``METRICS_CONNECTION_TIMEOUT_S`` at a time."""
     import socket
+    import ssl
+    import sys
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -264,13 +273,29 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
+        def finish_request(self, request, client_address):  # on the connection's own thread
+            if isinstance(request, ssl.SSLSocket):
+                request.settimeout(METRICS_CONNECTION_TIMEOUT_S)
+                try:
+                    request.do_handshake()
+                except OSError:  # a failed handshake (ssl.SSLError), a client gone or too slow
+                    return
+            super().finish_request(request, client_address)
+
+        def handle_error(self, request, client_address):  # a client gone or past the timeout: no traceback
+            if not isinstance(sys.exc_info()[1], OSError):
+                super().handle_error(request, client_address)
+
     class QuietHandler(WSGIRequestHandler):
+        timeout = METRICS_CONNECTION_TIMEOUT_S  # a client that stalls mid-request frees its thread
+
         def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
             pass
 
     httpd = make_server(addr.strip("[]"), port, app, Server, handler_class=QuietHandler)
-    if security.tls is not None:
-        httpd.socket = security.tls.ssl_context().wrap_socket(httpd.socket, server_side=True)
+    if security.tls is not None:  # accept() only accepts; finish_request does the handshake
+        httpd.socket = security.tls.ssl_context().wrap_socket(httpd.socket, server_side=True,
+                                                             do_handshake_on_connect=False)
     threading.Thread(target=httpd.serve_forever, name=f"specdist-metrics-{httpd.server_port}", daemon=True).start()
     return httpd
 

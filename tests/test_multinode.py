@@ -1,0 +1,465 @@
+"""Many nodes and node loss (issue 21), and two supervisor findings of its review.
+
+Without Ray (fast):
+- Finding 5: a draft worker's call before any was measured (no latency to scale from) gets a
+  bounded deadline, not the 600 s ``rpc_timeout_s``; and the supervisor's ``draft_down`` is acted
+  on: a request whose draft ``Start`` hangs at the worker's first call goes on without drafts as
+  soon as ``draft_down`` arrives (the call is cut), with the fault-free greedy tokens.
+- Finding 6: the supervisor's checks are independent: a target rebuild under way holds up no
+  draft recovery, and a draft recovery under way no target rebuild (a fake deployment; Ray's
+  ``get`` answers its fake actors).
+
+On a multi-node Ray cluster (``ray.cluster_utils.Cluster``: one raylet per node on this machine,
+every node at 127.0.0.1; one cluster for the module): the head (the coordinator, this process; its
+3 CPUs held by placeholder groups until a step below makes room there), ``t1`` (2 CPUs), ``d1``
+(1 CPU).
+- A deployment that cannot fit fails at once, naming what is missing.
+- ``specdist serve`` (``start_serving``, ``--worker-host node``) places the two target ranks on t1
+  and the draft worker on d1; each worker advertises its own node's address, and nothing of the
+  cluster listens beyond loopback. Then, with 8 greedy streams held mid-generation each time:
+  1. d1 is removed: the streams finish with the fault-free tokens (k = 0 meanwhile) and the
+     supervisor reports what the draft waits for (a node with 1 CPU free); room is made on the
+     head, Ray places the draft there, the supervisor reloads it, it is re-admitted and drafts
+     again;
+  2. t1 is removed: the streams end with an error, health is NOT_SERVING and the supervisor reports
+     why no rebuild can start (no node has 2 CPUs free); room is made on the head, the target group
+     is rebuilt there, health is SERVING and the same prompts give the same tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import ray
+
+from conftest import LoopThread, raylets, stop_local_ray, tiny_config
+from cluster.supervisor import Supervisor, WorkerEvent
+from specdist.engine.local import Engine
+from specdist.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster, and the actors use one
+
+K = 2
+PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+POLL_S, LIMIT_S = 0.02, 120.0  # every wait polls state, bounded
+CUT_LIMIT_S = 10.0  # draft_down ends a hung call well within this (the old first-call deadline: 600 s)
+
+
+def _until(what: str, cond, limit_s: float = LIMIT_S):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
+
+
+def _healthy(engine) -> int:
+    return sum(rep.ejected_at is None for rep in engine.replicas)
+
+
+# ---------------------------------------------------------------- finding 5, without Ray
+def test_a_call_before_any_was_measured_gets_a_bounded_deadline():
+    """rpc_timeout_s (600 s) is no deadline for a draft worker's first calls: 30 s (FIRST_CALL_S),
+    a Start with a long prompt 0.05 s per token (FIRST_CALL_S_PER_TOKEN)."""
+    from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+
+    draft = RemoteDrafter("127.0.0.1:1", timeout_s=600.0)
+    target = RemoteVerifier("127.0.0.1:1", vocab_size=8, timeout_s=600.0)
+    try:
+        assert draft.deadline("Propose") == draft.deadline("Release") == 30
+        assert draft.deadline("Start", tokens=8) == 30
+        assert draft.deadline("Start", tokens=4000) == pytest.approx(200)  # a long prompt may prefill longer
+        assert target.deadline("Release") == 30
+        assert target.deadline("Verify") == 600  # not adaptive: a large batch may take long
+    finally:
+        draft.close()
+        target.close()
+
+
+class _FakeDeployment:
+    """What watch_deployment and the Supervisor use of a Deployment. Draft 0's fake actor answers
+    health through ``ray.get`` (patched by the tests that run a Supervisor); ``hold_rebuild`` /
+    ``hold_recover`` keep a rebuild / recovery under way until released."""
+
+    def __init__(self, draft_address: str = "127.0.0.1:1"):
+        self.spec = SimpleNamespace(health_interval_s=0.02, health_timeout_s=1.0, rebuild_attempts=1,
+                                    shutdown_timeout_s=5.0)
+        self.listeners: list = []
+        self.events: list = []
+        self.listeners.append(self.events.append)
+        self.target_failed: str | None = None
+        self.draft_restarted = False
+        self.rebuilding, self.recovering = threading.Event(), threading.Event()
+        self.hold_rebuild, self.hold_recover = threading.Event(), threading.Event()
+        self.drafts = [SimpleNamespace(rank=0, name="draft 0", address=draft_address, pid=1,
+                                       actor=SimpleNamespace(health=SimpleNamespace(remote=self._draft_health)))]
+        self.targets: list = []
+
+    def _draft_health(self):
+        return _FakeRef({"state": "created", "ok": False, "pid": 2} if self.draft_restarted
+                        else {"state": "serving", "ok": True, "pid": 1})
+
+    def diagnose_target(self, timeout_s=None):
+        return self.target_failed
+
+    def target_unplaced(self):
+        return None
+
+    def draft_unplaced(self, index):
+        return None
+
+    def rebuild_target(self, timeout_s=None, same_port=True):
+        self.rebuilding.set()
+        _until("the rebuild released", lambda: not self.hold_rebuild.is_set(), limit_s=30)
+        self.target_failed = None
+        return "127.0.0.1:2"
+
+    def recover_draft(self, index, timeout_s=None):
+        self.recovering.set()
+        _until("the recovery released", lambda: not self.hold_recover.is_set(), limit_s=30)
+        self.draft_restarted = False
+        return "127.0.0.1:3"
+
+    def kinds(self, worker: str) -> list[str]:
+        return [e.kind for e in list(self.events) if e.worker == worker]
+
+    def stop(self):
+        pass
+
+
+class _FakeRef:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.fixture
+def fake_ray_get(monkeypatch):
+    """ray.get answers the fake actors' calls (and passes anything else on)."""
+    real = ray.get
+
+    def get(ref, timeout=None):
+        return ref.value if isinstance(ref, _FakeRef) else real(ref, timeout=timeout)
+
+    monkeypatch.setattr(ray, "get", get)
+
+
+def test_draft_down_cuts_a_first_call_left_hanging(tiny_models):
+    """The draft worker hangs in its first Start (nothing measured: the old deadline was 600 s);
+    the supervisor's draft_down cuts the call at once, the request finishes without drafts with
+    the fault-free tokens; draft_up re-admits the worker and requests draft again."""
+    from conftest import remote_engine_like
+    from specdist.api.serving import watch_deployment
+
+    local = Engine.from_config(tiny_config(tiny_models, "model", k=K))
+    want = [o.token_ids for o in local.generate(PROMPTS[:2], GREEDY)]
+    core, hang, entered = local.draft_core, threading.Event(), threading.Event()
+    start = core.start
+
+    def stuck_start(items):
+        if hang.is_set():
+            entered.set()
+            _until("the test to release the draft", lambda: not hang.is_set(), limit_s=60)
+        return start(items)
+
+    core.start = stuck_start
+    remote, served = remote_engine_like(local)  # rpc_timeout_s 600, as a deployment's RemoteEngine
+    dep = _FakeDeployment(served.draft_addresses[0])
+    coordinator = SimpleNamespace(engine=remote, call_soon=lambda fn: fn())
+    watch_deployment(dep, coordinator)
+    out: dict = {}
+    hang.set()
+    run = threading.Thread(target=lambda: out.update(first=remote.generate(PROMPTS[:1], GREEDY)), daemon=True)
+    try:
+        run.start()
+        assert entered.wait(30)
+        down = WorkerEvent("draft_down", "draft 0", "does not answer its health check within 5s",
+                           served.draft_addresses[0], 0)
+        t0 = time.monotonic()
+        for listener in list(dep.listeners):
+            listener(down)
+        run.join(CUT_LIMIT_S)
+        assert not run.is_alive(), "the request still waits for the hung draft's first call"
+        assert time.monotonic() - t0 < CUT_LIMIT_S
+        assert [o.token_ids for o in out["first"]] == want[:1] and _healthy(remote) == 0
+        hang.clear()
+        up = WorkerEvent("draft_up", "draft 0", "answers again", served.draft_addresses[0], 0)
+        for listener in list(dep.listeners):
+            listener(up)
+        assert _healthy(remote) == 1
+        again = remote.generate(PROMPTS[1:2], GREEDY)
+        assert [o.token_ids for o in again] == want[1:] and again[0].metrics.drafted > 0
+        assert core.requests == {}  # what the cut request held there was released by readmit
+    finally:
+        hang.clear()
+        run.join(60)
+        remote.close()
+        served.close()
+
+
+# ---------------------------------------------------------------- finding 6, without Ray
+def test_a_target_rebuild_holds_up_no_draft_recovery(fake_ray_get):
+    dep = _FakeDeployment()
+    sup = Supervisor(dep)
+    dep.hold_rebuild.set()
+    sup.start()
+    try:
+        dep.target_failed = "target rank 1 died"
+        assert dep.rebuilding.wait(10)
+        dep.draft_restarted = True  # Ray restarted draft 0 while the target is being rebuilt
+        _until("draft 0 recovered during the rebuild", lambda: dep.kinds("draft 0") == ["draft_down", "draft_up"],
+               limit_s=CUT_LIMIT_S)
+        assert sup.target_state == "rebuilding" and sup.recoveries == 1
+        dep.hold_rebuild.clear()
+        _until("the target rebuilt", lambda: dep.kinds("target") == ["target_down", "target_up"], limit_s=10)
+    finally:
+        dep.hold_rebuild.clear()
+        dep.hold_recover.clear()
+        sup.stop()
+
+
+def test_a_draft_recovery_holds_up_no_target_rebuild(fake_ray_get):
+    dep = _FakeDeployment()
+    sup = Supervisor(dep)
+    dep.hold_recover.set()
+    sup.start()
+    try:
+        dep.draft_restarted = True
+        assert dep.recovering.wait(10)
+        dep.target_failed = "target rank 0 died"  # while draft 0 is being reloaded
+        _until("the target rebuilt during the recovery",
+               lambda: dep.kinds("target") == ["target_down", "target_up"], limit_s=CUT_LIMIT_S)
+        assert dep.kinds("draft 0") == ["draft_down"] and sup.rebuilds == 1
+        dep.hold_recover.clear()
+        _until("draft 0 recovered", lambda: dep.kinds("draft 0") == ["draft_down", "draft_up"], limit_s=10)
+    finally:
+        dep.hold_rebuild.clear()
+        dep.hold_recover.clear()
+        sup.stop()
+
+
+# ---------------------------------------------------------------- a multi-node Ray cluster
+HEAD_CPUS = 3  # held by two placeholder groups (resource "room") until the test makes room there
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three nodes on this machine, each a raylet at 127.0.0.1: the head (3 CPUs, and the custom
+    resource ``room`` only placeholder groups ask for; this process, the coordinator, connects to
+    it), ``t1`` (2 CPUs, for the target) and ``d1`` (1 CPU, for the draft). Yields
+    ``(Cluster, {"t1": node, "d1": node})``; torn down after the module with no raylet left."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # the shared local cluster of other modules: not this one
+        stop_local_ray()
+    lean = {"include_log_monitor": False}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "resources": {"room": 2},
+                                                      "include_dashboard": False, "no_monitor": True, **lean})
+    try:
+        nodes = {name: c.add_node(num_cpus=cpus, wait=False, **lean) for name, cpus in (("t1", 2), ("d1", 1))}
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, nodes
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+        _until("every raylet gone", lambda: raylets() == 0, limit_s=30)
+
+
+def test_a_deployment_that_cannot_fit_fails_at_once(cluster, tiny_models):
+    from cluster.deployment import ClusterSpec, Deployment
+    from cluster.placement import PlacementError, create_placement
+
+    spec = ClusterSpec(tensor_parallel_size=4, num_draft_workers=1, cpus_per_rank=1, cpus_per_draft=1,
+                       health_interval_s=0)
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as ei:  # 4 ranks on one node: the largest has 3 CPUs
+        Deployment(spec).start(tiny_config(tiny_models, "model", k=K), timeout_s=LIMIT_S)
+    msg = str(ei.value)
+    assert "cannot fit" in msg and "4 x {CPU: 1} = {CPU: 4} on ONE node" in msg and "missing {CPU: 1}" in msg, msg
+    with pytest.raises(PlacementError) as ei:  # the target fits; then 4 drafts at most (3 + 1 beside it)
+        create_placement(tp_size=2, num_drafts=5, use_gpu=False, cpus_per_rank=1, cpus_per_draft=1,
+                         timeout_s=LIMIT_S)
+    msg = str(ei.value)
+    assert "only 4 fit" in msg and "missing {CPU: 1} for the other 1" in msg, msg
+    with pytest.raises(PlacementError) as ei:
+        create_placement(tp_size=1, num_drafts=0, use_gpu=True, timeout_s=LIMIT_S)
+    assert "missing {GPU: 1}" in str(ei.value)
+    assert time.monotonic() - t0 < 10  # at once, not after the timeouts
+    assert not ray.util.placement_group_table()  # nothing was created
+
+
+def _config(tiny_models) -> dict:
+    cfg = tiny_config(tiny_models, "model", k=K)
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1, "cpus_per_rank": 1,
+                      "cpus_per_draft": 1, "bringup_timeout_s": LIMIT_S, "health_interval_s": 0.2,
+                      "health_timeout_s": 2.0, "max_restarts": 2, "collective_timeout_s": 3.0}
+    return cfg
+
+
+def _stream(address: str, prompt) -> tuple[list[int], str | None, object]:
+    """One greedy stream: (its tokens, its finish reason, its RemoteError or None)."""
+    from specdist.client import RemoteError, SpecDistClient
+
+    ids, finish, error = [], None, None
+    with SpecDistClient(address, timeout=LIMIT_S) as client:
+        try:
+            for chunk in client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0):
+                ids.extend(chunk.token_ids)
+                finish = chunk.finish_reason or finish
+        except RemoteError as e:
+            error = e
+    return ids, finish, error
+
+
+def _streams_through(serving, fault) -> list:
+    """8 greedy streams admitted together; after their second step the engine is held while
+    ``fault()`` runs, then let go. Returns each stream's (tokens, finish reason, error)."""
+    coordinator, engine = serving.server.coordinator, serving.backend.engine
+    paused, resume, release = threading.Event(), threading.Event(), threading.Event()
+
+    def gate(event) -> None:  # a step listener: runs on the engine thread
+        running = list(engine.running)
+        if len(running) == len(PROMPTS) and min(r.metrics.steps for r in running) >= 2:
+            engine.listeners.remove(gate)
+            paused.set()
+            resume.wait(LIMIT_S)
+
+    engine.listeners.append(gate)
+    coordinator.call_soon(lambda: release.wait(LIMIT_S))  # hold the engine until all 8 are queued
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(_stream, serving.address, p) for p in PROMPTS]
+        _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
+        release.set()
+        _until("the engine held mid-generation", paused.is_set)
+        try:
+            fault()
+        finally:
+            resume.set()
+        return [f.result(LIMIT_S) for f in futures]
+
+
+def _node_of(dep, name: str) -> str:
+    return dep.health()[name]["node_id"]
+
+
+def _listening_off_loopback(workers: dict) -> list:
+    """Listening sockets bound anywhere but loopback, of this process and its descendants: every
+    raylet and Ray agent, and each worker's gRPC port (``workers``: pid -> its port). A target rank's
+    other ports (the tensor-parallel rendezvous store and gloo) are issue 21's finding 14, not
+    checked here."""
+    import ipaddress
+    import os
+
+    import psutil
+
+    mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    out = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid not in mine:
+            continue
+        if conn.pid in workers and conn.laddr.port != workers[conn.pid]:
+            continue
+        ip = ipaddress.ip_address(conn.laddr.ip)
+        if not (getattr(ip, "ipv4_mapped", None) or ip).is_loopback:
+            out.append((conn.laddr, conn.pid))
+    return out
+
+
+def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from specdist.api.serving import start_serving
+    from specdist.client import RemoteError, SpecDistClient
+
+    c, nodes = cluster
+    head = c.head_node.node_id
+    # the head's CPUs held (no room there) until the test makes room for the draft, then the target
+    held = {name: placement_group([{"CPU": cpus, "room": 1}]) for name, cpus in (("draft", 1), ("target", 2))}
+    ray.get([pg.ready() for pg in held.values()], timeout=LIMIT_S)
+    want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, "model", k=K)).generate(PROMPTS, GREEDY)]
+    lt = LoopThread()
+    serving = None
+    try:
+        serving = lt.run(start_serving(_config(tiny_models), "127.0.0.1", 0, worker_host="node"), timeout=240)
+        dep, engine, sup = serving.backend.deployment, serving.backend.engine, serving.backend.deployment.supervisor
+        events: list = []
+        dep.listeners.append(events.append)
+        client = SpecDistClient(serving.address, timeout=LIMIT_S)
+
+        # 0. placed by node: both ranks on t1, the draft on d1, the coordinator on the head; each worker
+        # listens on, and advertises, its own node's address (--worker-host node)
+        health = dep.health()
+        assert {health[f"target rank {r}"]["node_id"] for r in (0, 1)} == {nodes["t1"].node_id}
+        assert health["draft 0"]["node_id"] == nodes["d1"].node_id
+        assert ray.get_runtime_context().get_node_id() == head
+        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        for name, addr in (("target rank 0", serving.backend.target_address),
+                           ("draft 0", serving.backend.draft_addresses[0])):
+            assert health[name]["address"] == addr and addr.rsplit(":", 1)[0] == node_ip[health[name]["node_id"]]
+            assert addr.startswith("127.0.0.1:")
+        grpc_ports = {h["pid"]: int(h["address"].rsplit(":", 1)[1]) if h["address"] else -1 for h in health.values()}
+        assert not _listening_off_loopback(grpc_ports)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            before = list(pool.map(lambda p: _stream(serving.address, p), PROMPTS))
+        assert [r[0] for r in before] == want and all(r[2] is None for r in before)
+
+        # 1. the draft's node is lost mid-generation: the streams finish without drafts, exactly; the
+        # supervisor says what the draft waits for; once there is room on the head, Ray places the draft
+        # there, the supervisor reloads it and it is re-admitted
+        results = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")))
+        assert [r[0] for r in results] == want and all(r[2] is None and r[1] == "length" for r in results)
+        lost = _until("the supervisor to report the draft's missing room", lambda: [
+            e for e in list(events) if e.kind == "draft_down" and "lost its node" in e.message])
+        assert "needs {CPU: 1} on a node" in lost[0].message and "missing {CPU: 1}" in lost[0].message
+        assert _healthy(engine) == 0
+        remove_placement_group(held.pop("draft"))
+        _until("the draft re-placed and re-admitted", lambda: sup.recoveries == 1 and _healthy(engine) == 1)
+        assert _node_of(dep, "draft 0") == head
+        _, got, _, stats = client.generate_text(PROMPTS[2], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert got == want[2] and stats.drafted > 0  # it drafts again
+
+        # 2. the target's node is lost mid-generation: the streams end with an error; no node has room
+        # for the group (2 CPUs on one node): NOT_SERVING, and the supervisor says what is missing
+        results = _streams_through(serving, lambda: c.remove_node(nodes.pop("t1")))
+        assert all(r[1] == "error" and r[2] is not None for r in results), results
+        waiting = _until("the supervisor to report the missing room", lambda: [
+            e for e in list(events) if e.kind == "target_down" and "waits for a node with room" in e.message])
+        assert "needs {CPU: 2} on one node" in waiting[0].message and "missing {CPU: 2}" in waiting[0].message
+        assert sup.target_state == "waiting"
+        _until("NOT_SERVING while the group waits", lambda: client.health() == "NOT_SERVING")
+        with pytest.raises(RemoteError) as ei:
+            client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        remove_placement_group(held.pop("target"))  # room on the head: the group is rebuilt there
+        _until("SERVING after the rebuild", lambda: sup.rebuilds == 1 and client.health() == "SERVING")
+        assert {_node_of(dep, f"target rank {r}") for r in (0, 1)} == {head}
+        assert [e.kind for e in events if e.worker == "target"][-1] == "target_up"
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            after = list(pool.map(lambda p: _stream(serving.address, p), PROMPTS))
+        assert [r[0] for r in after] == want and all(r[2] is None for r in after)
+        client.close()
+
+        pgs = list(dep.placement.groups)
+        lt.run(serving.stop(drain_seconds=1), timeout=LIMIT_S)
+        serving = None
+        table = ray.util.placement_group_table()
+        assert all(table[pg.id.hex()]["state"] == "REMOVED" for pg in pgs)
+        from ray._private.state import actors as actor_table
+
+        _until("every actor dead", lambda: all(a["State"] == "DEAD" for a in actor_table().values()), limit_s=30)
+    finally:
+        if serving is not None:
+            lt.run(serving.stop(0), timeout=LIMIT_S)
+        lt.close()
+        for pg in held.values():
+            remove_placement_group(pg)
