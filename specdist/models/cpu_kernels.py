@@ -108,10 +108,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-# fixed for the process: traced code takes it as a constant (torch has this decorator in torch._dynamo only)
-@torch._dynamo.assume_constant_result  # noqa: SLF001 - torch's API, no public name
+_available: bool | None = None  # library() loaded, once known (fixed for the process)
+
+
 def available() -> bool:
-    return library() is not None
+    """Whether the kernels run here. The answer is kept in a module global, so code that
+    torch.compile traces after the first call reads a constant (compile_runner asks first);
+    no torch._dynamo decorator, whose import costs seconds in every process that loads a model."""
+    global _available
+    if _available is None:
+        _available = library() is not None
+    return _available
 
 
 def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,9 @@ class CausalLMRunner:
         place). Each bucket compiles at its first call (:meth:`warm_up` does it ahead); the
         compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``). ``backend``: the
         ``torch.compile`` backend (another one traces the same graphs without generating code)."""
+        import torch._dynamo  # noqa: F401 - loaded only by processes that compile (its import takes seconds)
+
+        cpu_kernels.available()  # known before tracing: traced code then reads it as a constant
         cuda = self.device.type == "cuda"
         if cuda:
             for t in self.cache.k + self.cache.v:
