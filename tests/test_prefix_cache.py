@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from conftest import devices
 from specdist import SamplingParams
 from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
@@ -46,15 +47,15 @@ def test_common_prefix_equals_a_plain_loop():
         assert common_prefix(a, b) == common_prefix(b, a) == _plain_common_prefix(a, b)
 
 
-def _cache(slots: int = 3) -> SlotKVCache:
-    return SlotKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, max_len=64, head_dim=2)
+def _cache(slots: int = 3, device: str = "cpu") -> SlotKVCache:
+    return SlotKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, max_len=64, head_dim=2, device=device)
 
 
 def _compute(cache: SlotKVCache, slot: int, tokens: list[int]) -> None:
     """Stand-in for a forward: append K/V for ``tokens`` after what ``slot`` holds (entry = token id)."""
     start = cache.lengths[slot]
     for i in range(len(cache.k)):
-        vals = torch.tensor(tokens, dtype=cache.k[i].dtype)[None, :, None]  # [1, T, 1]
+        vals = torch.tensor(tokens, dtype=cache.k[i].dtype, device=cache.k[i].device)[None, :, None]  # [1, T, 1]
         cache.k[i][slot, :, start:start + len(tokens)] = vals
         cache.v[i][slot, :, start:start + len(tokens)] = -vals
     cache.lengths[slot] = start + len(tokens)
@@ -110,13 +111,14 @@ def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted()
     assert {op[0] for op in ops} == {"allocate", "free", "retain", "adopt", "copy"}
 
 
-def test_a_follower_replaying_the_operations_ends_in_the_same_state():
+@pytest.mark.parametrize("device", devices())
+def test_a_follower_replaying_the_operations_ends_in_the_same_state(device):
     """A tensor-parallel follower's PrefixCache replays rank 0's recorded operations: the same
     K/V, lengths, free slots and kept slots (so both report the same slots in use)."""
     ops = []
-    cache = _cache()
+    cache = _cache(device=device)
     store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
-    follower = PrefixCache(_cache(), min_tokens=MIN)
+    follower = PrefixCache(_cache(device=device), min_tokens=MIN)
     seen = 0
 
     def sync(slot: int | None = None, tokens: list[int] = ()):

@@ -1,7 +1,8 @@
 """``python -m specdist.bench.gpu_check``: the GPU checks, in one command, on a machine with CUDA.
 
 1. the tests marked ``cuda`` (the model families' greedy equality and logits on the GPU, bf16,
-   device-resident verification, the compiled pass, the Gumbel noise's bits against the CPU's; the 2-rank NCCL tensor-parallel check runs when two GPUs
+   device-resident verification, the compiled pass, the Gumbel noise's bits against the CPU's, prefix
+   caching's copies and rollbacks in a CUDA cache; the 2-rank NCCL tensor-parallel check runs when two GPUs
    exist and is skipped with its reason otherwise). Each has a CPU twin that CI runs;
 2. ``specdist bench engine`` with a random-weight bf16 Llama of about 1 B parameters as the
    target and a random 4-layer draft (same tokenizer), target alone against speculation,
@@ -27,7 +28,7 @@ import time
 
 CUDA_TEST_FILES = ("tests/test_model_families.py", "tests/test_dtypes.py", "tests/test_native_weights.py",
                    "tests/test_device_resident.py", "tests/test_tensor_parallel.py", "tests/test_compiled_runner.py",
-                   "tests/test_coupling.py")
+                   "tests/test_coupling.py", "tests/test_prefix_cache.py")
 TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2)
 TINY_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
