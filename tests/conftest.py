@@ -14,6 +14,7 @@ import asyncio
 import os
 import subprocess
 import threading
+import time
 
 import grpc
 import pytest
@@ -54,6 +55,18 @@ def save_tiny_llama(path: str, seed: int, vocab_size: int = 8, std: float = 0.35
     model.save_pretrained(path, safe_serialization=True)
     save_word_tokenizer(path, vocab_size)
     return path
+
+
+def wait_until(what: str, cond, limit_s: float, poll_s: float = 0.02):
+    """Poll ``cond()`` every ``poll_s`` until it returns something true (returned), or fail with
+    an AssertionError naming ``what`` after ``limit_s`` seconds: tests wait on state, bounded."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
 
 
 def devices(min_gpus: int = 1) -> list:

@@ -37,7 +37,7 @@ import grpc
 import pytest
 import ray
 
-from conftest import LoopThread, raylets, stop_local_ray, tiny_config
+from conftest import LoopThread, raylets, stop_local_ray, tiny_config, wait_until
 from cluster.supervisor import Supervisor, WorkerEvent
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -53,13 +53,7 @@ CUT_LIMIT_S = 10.0  # draft_down ends a hung call well within this (the old firs
 
 
 def _until(what: str, cond, limit_s: float = LIMIT_S):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(POLL_S)
-    raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
+    return wait_until(what, cond, limit_s, POLL_S)
 
 
 def _healthy(engine) -> int:

@@ -39,7 +39,7 @@ import psutil
 import pytest
 import ray
 
-from conftest import LoopThread, assert_nothing_left_on_ray, healthy_replicas, tiny_config
+from conftest import LoopThread, assert_nothing_left_on_ray, healthy_replicas, tiny_config, wait_until
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -61,13 +61,7 @@ def _config(tiny_models) -> dict:
 
 
 def _until(what: str, cond, limit_s: float = POLL_LIMIT_S):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(POLL_S)
-    raise AssertionError(f"timed out after {limit_s:g}s waiting for {what}")
+    return wait_until(what, cond, limit_s, POLL_S)
 
 
 def _greedy(client: SpecDistClient, prompt) -> tuple[list[int], object]:
