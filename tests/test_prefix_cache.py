@@ -5,7 +5,8 @@
   request's slot is kept and taken over by a prompt that starts the same way, a running
   request's prefix is copied, short prefixes are computed, the oldest kept slot is evicted
   first, and a follower replaying the recorded operations ends in the same state (tensor
-  parallelism replays them so).
+  parallelism replays them so). A prompt is compared only with the held token lists that start
+  with the same ``min_tokens`` tokens (admitting many requests does not compare each with all).
 - The engine on the built-in model's native blocks (batch-invariant kernels): greedy and seeded
   outputs with prefix caching equal those without it token for token, for a shared system
   prompt, a repeated prompt within one call and a multi-turn conversation, and the reuse is real
@@ -25,7 +26,8 @@ from specdist import SamplingParams
 from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
 from specdist.models import cpu_kernels
-from specdist.models.kv_cache import PrefixCache, SlotKVCache, common_prefix
+from specdist.models import kv_cache
+from specdist.models.kv_cache import PrefixCache, PrefixIndex, SlotKVCache, common_prefix
 from specdist.transport.protocol import StartItem
 
 MIN = 4  # the min_tokens of the unit tests' PrefixCache
@@ -163,6 +165,23 @@ def test_off_frees_at_once_and_reuses_nothing():
     assert not store.retained and cache.num_free == 3
     _, held = _admit(store, a, live=[])
     assert held == 0 and store.reused_tokens == 0
+
+
+def test_a_prompt_is_compared_only_with_lists_that_start_like_it(monkeypatch):
+    """256 held lists, 16 of them sharing the first MIN tokens with the prompt: 16 comparisons,
+    the longest found; a prompt shorter than MIN or starting like none: no comparison at all."""
+    rng = random.Random(7)
+    held = [[rng.randrange(1000, 2000) for _ in range(40)] for _ in range(240)]
+    want = [1, 2, 3, 4] + [rng.randrange(50) for _ in range(36)]
+    held += [want[:MIN + i] + [999] for i in range(16)]  # share MIN .. MIN + 15 tokens with want
+    index = PrefixIndex(MIN, enumerate(held))
+    calls = []
+    monkeypatch.setattr(kv_cache, "common_prefix", lambda a, b: calls.append(1) or common_prefix(a, b))
+    assert index.longest(want) == (MIN + 15, 255) and len(calls) == 16
+    calls.clear()
+    assert index.longest(want[:MIN - 1]) == (0, -1) and index.longest([7] * 40) == (0, -1) and not calls
+    index.remove(255, held[255])
+    assert index.longest(want) == (MIN + 14, 254)
 
 
 # ---------------------------------------------------------------- the engine, exact on native blocks

@@ -195,8 +195,8 @@ class DrafterCore:
             raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
         t0 = now()
         # the K/V each running request's slot holds: its committed tokens up to the slot's length
-        live = [(q.slot, q.seq[:cache.lengths[q.slot]]) for q in self.requests.values() if q.slot is not None] \
-            if cache is not None else []
+        live = self.prefixes.live_index((q.slot, q.seq[:cache.lengths[q.slot]]) for q in self.requests.values()
+                                        if q.slot is not None) if cache is not None else None
         new = []
         for it, prompt in parsed:
             r = DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)

@@ -74,7 +74,7 @@ from specdist.errors import (
     ResourceExhausted,
 )
 from specdist.logprobs import split_rows
-from specdist.models.kv_cache import PrefixCache, SlotKVCache, common_prefix
+from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
@@ -286,12 +286,16 @@ class VerifierCore:
         # K/V the cache already holds come from there (PrefixCache). A prompt that shares a longer
         # prefix with an earlier prompt of this call than with anything cached waits for that
         # one's forward and copies from it: a second forward, instead of computing the prefix twice.
-        live = [(r.slot, r.seq[:-1]) for r in self.requests.values()]  # K/V held: all but the last token
+        # K/V held: all but the last token
+        live = self.prefixes.live_index((r.slot, r.seq[:-1]) for r in self.requests.values())
         first, second = [], []
+        in_call = self.prefixes.live_index(())  # the prompts of `first` so far, by position in it
         for it, prompt in parsed:
             want = prompt[:-1]
-            in_call = max((common_prefix(want, p[:-1]) for _, p in first), default=0) if self.prefixes.enabled else 0
-            later = in_call >= self.prefixes.min_tokens and in_call > self.prefixes.match(want, live)[0]
+            shared = in_call.longest(want)[0] if self.prefixes.enabled else 0
+            later = shared >= self.prefixes.min_tokens and shared > self.prefixes.match(want, live)[0]
+            if not later:
+                in_call.add(len(first), want)
             (second if later else first).append((it, prompt))
         for group in (first, second):
             todo = []

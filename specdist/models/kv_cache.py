@@ -138,6 +138,42 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are computed: reuse would save less than its bookkeeping
 
 
+class PrefixIndex:
+    """Token lists (each under a key: a slot) grouped by their first ``head`` tokens.
+
+    Only lists that share a prompt's first ``head`` tokens can share a prefix of ``head`` tokens
+    or more with it, so :meth:`longest` compares a prompt with those alone: admitting a request
+    costs the prompts that start like it, not every slot of the cache.
+    """
+
+    def __init__(self, head: int, items: Iterable[tuple[int, Sequence[int]]] = ()):
+        self.head = max(1, int(head))
+        self.groups: dict[tuple, dict[int, Sequence[int]]] = {}
+        for key, tokens in items:
+            self.add(key, tokens)
+
+    def add(self, key: int, tokens: Sequence[int]) -> None:
+        if len(tokens) >= self.head:
+            self.groups.setdefault(tuple(tokens[:self.head]), {})[key] = tokens
+
+    def remove(self, key: int, tokens: Sequence[int]) -> None:
+        head = tuple(tokens[:self.head])
+        group = self.groups.get(head)
+        if group is not None and group.pop(key, None) is not None and not group:
+            del self.groups[head]
+
+    def longest(self, want: Sequence[int]) -> tuple[int, int]:
+        """(length, key) of the longest common prefix of ``want`` with a list held, among those of
+        at least ``head`` tokens; (0, -1) when none shares ``head``."""
+        best, source = 0, -1
+        group = self.groups.get(tuple(want[:self.head])) if len(want) >= self.head else None
+        for key, tokens in (group or {}).items():
+            n = common_prefix(want, tokens)
+            if n > best:
+                best, source = n, key
+        return best, source
+
+
 class PrefixCache:
     """Prompt K/V reused across requests, over one :class:`SlotKVCache`.
 
@@ -165,6 +201,7 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self.record = record or (lambda op: None)
         self.retained: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its tokens, oldest first
+        self._index = PrefixIndex(min_tokens)  # the retained slots' tokens, by their first min_tokens
         self.reused_tokens = 0  # prompt tokens whose K/V came from here instead of a forward
 
     @property
@@ -180,36 +217,44 @@ class PrefixCache:
     def allocate(self) -> int:
         """A slot with nothing in it, evicting the oldest retained slot if none is free."""
         if self.cache.num_free == 0 and self.retained:
-            self._op(("free", self.retained.popitem(last=False)[0]))
+            self._op(("free", self._unretain(next(iter(self.retained)))))
         slot = self.cache.allocate()
         self.record(("allocate", slot))
         return slot
 
-    def match(self, want: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = ()) -> tuple[int, int, bool]:
-        """The longest prefix of ``want`` held here: (length, slot, whether the slot is retained);
-        (0, -1, False) when nothing matches or reuse is off."""
-        best, source, retained = 0, -1, False
-        if self.enabled:
-            for slot, held in self.retained.items():
-                n = common_prefix(want, held)
-                if n > best:
-                    best, source, retained = n, slot, True
-            for slot, held in live:
-                n = common_prefix(want, held)
-                if n > best:
-                    best, source, retained = n, slot, False
-        return best, source, retained
+    def _unretain(self, slot: int) -> int:
+        self._index.remove(slot, self.retained.pop(slot))
+        return slot
 
-    def acquire(self, want: Sequence[int], live: Iterable[tuple[int, Sequence[int]]] = ()) -> tuple[int, int]:
+    def live_index(self, live: Iterable[tuple[int, Sequence[int]]]) -> PrefixIndex:
+        """The running requests' (slot, tokens held) indexed for :meth:`match` (build it once per call)."""
+        return PrefixIndex(self.min_tokens, live)
+
+    def match(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = ()
+              ) -> tuple[int, int, bool]:
+        """The longest prefix of ``want`` held here of at least ``min_tokens`` tokens: (length, slot,
+        whether the slot is retained); (0, -1, False) when there is none or reuse is off.
+        ``live``: the running requests' (slot, tokens held), or their :meth:`live_index`."""
+        if not self.enabled:
+            return 0, -1, False
+        live = live if isinstance(live, PrefixIndex) else self.live_index(live)
+        kept, kept_slot = self._index.longest(want)
+        running, running_slot = live.longest(want)
+        if running > kept:
+            return running, running_slot, False
+        return (kept, kept_slot, True) if kept else (0, -1, False)
+
+    def acquire(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = ()
+                ) -> tuple[int, int]:
         """A slot for a request whose prompt K/V are to be ``want`` (the prompt but its last
         token), and how many of ``want`` it holds already. ``live``: (slot, tokens held) of the
-        running requests, whose prefixes may be copied."""
+        running requests, whose prefixes may be copied (or their :meth:`live_index`)."""
         best, source, retained = self.match(want, live)
         if best < self.min_tokens:
             return self.allocate(), 0
         self.reused_tokens += best
         if retained:
-            del self.retained[source]
+            self._unretain(source)
             self.cache.rollback(source, best)
             self.record(("adopt", source, best))
             return source, best
@@ -223,6 +268,7 @@ class PrefixCache:
         held = self.cache.lengths[slot]
         if self.enabled and held >= self.min_tokens:
             self.retained[slot] = list(tokens[:held])
+            self._index.add(slot, self.retained[slot])
             self.record(("retain", slot))
         else:
             self._op(("free", slot))
@@ -237,14 +283,14 @@ class PrefixCache:
             self.retained[op[1]] = []
             return None
         if kind == "adopt":
-            del self.retained[op[1]]
+            self._unretain(op[1])
             self.cache.rollback(op[1], op[2])
             return None
-        if kind == "free":
-            self.retained.pop(op[1], None)
+        if kind == "free" and op[1] in self.retained:
+            self._unretain(op[1])
         return self.cache.apply(op)
 
     def clear(self) -> None:
         """Free every retained slot."""
         while self.retained:
-            self._op(("free", self.retained.popitem(last=False)[0]))
+            self._op(("free", self._unretain(next(iter(self.retained)))))
