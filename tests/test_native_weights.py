@@ -325,6 +325,26 @@ def gguf_models(tiny_gguf):
         return load_tokenizer(src), load_model(src, "float32"), load_model(src, "float32", weights="native")
 
 
+def test_one_parse_gives_what_separate_parses_give(tiny_gguf, monkeypatch):
+    """Inside gguf_parsed_once the header metadata is parsed once (the tokenizer's config and the
+    model's config share it), and every caller gets an equal, separate copy of it."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from specdist.models.loader import _install_gguf_caches
+
+    _install_gguf_caches()
+    fresh = gguf_utils.load_gguf_checkpoint(tiny_gguf)  # outside: a parse of its own
+    parses = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(1) or reader(*a, **k))
+    with gguf_parsed_once():
+        first = gguf_utils.load_gguf_checkpoint(tiny_gguf)
+        first["config"]["model_type"] = "changed by a caller"
+        second = gguf_utils.load_gguf_checkpoint(tiny_gguf, return_tensors=False)
+    assert second == fresh and len(parses) == 1
+
+
 def _linears(model: nn.Module) -> dict[str, nn.Module]:
     """The model's own linears (a runner's fused copies, ``fused_*.inner``, left out)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Int4GroupLinear)) and "fused_" not in n}

@@ -17,6 +17,7 @@ command line prints the ``specdist`` logger tree on stderr).
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import importlib.metadata
 import logging
@@ -181,6 +182,23 @@ def _install_gguf_caches() -> None:
 
     gguf.GGUFReader = reader  # transformers imports it from gguf at each load
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+    # The metadata (config, tokenizer vocabulary) transformers parses out of the header, field by
+    # field, for the tokenizer's config and again for the model's: parsed once per file too.
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    parse = gguf_utils.load_gguf_checkpoint
+
+    def load_gguf_checkpoint(path, return_tensors=False, **kwargs):
+        cache = _GGUF_READERS.get()
+        if cache is None or return_tensors or kwargs:
+            return parse(path, return_tensors=return_tensors, **kwargs)
+        key = ("metadata", os.path.realpath(path))
+        if key not in cache:
+            cache[key] = parse(path, return_tensors=False)
+        return copy.deepcopy(cache[key])  # callers may change what they get
+
+    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint  # looked up at each call by transformers
     _gguf_caches_installed = True
 
 
