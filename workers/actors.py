@@ -80,18 +80,13 @@ def pin_process(cpu: int) -> int:
     return core
 
 
-def _free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _node_ip() -> str:
+    """This node's IP as Ray knows it; 127.0.0.1 outside Ray."""
     try:
         import ray
 
-        return ray.util.get_node_ip_address()
-    except Exception:  # not inside Ray
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # noqa: BLE001 - no Ray here
         return "127.0.0.1"
 
 
@@ -219,11 +214,18 @@ class TargetRankActor(_ActorBase):
         self.dist_ready = False
         self._follow_done = threading.Event()
         self.forwards_followed: int | None = None
+        self._rendezvous: socket.socket | None = None  # rank 0: the store's listening socket, until init_distributed
 
     # ------------------------------------------------------------ process group
     def address(self) -> tuple[str, int]:
-        """(ip, free port) for the process-group rendezvous (call on rank 0)."""
-        return _node_ip(), _free_port()
+        """(this node's ip, a free port) for the process-group rendezvous (call on rank 0): the port
+        is held, listening on the node's address only, until init_distributed() hands it to the store."""
+        from workers.tensor_parallel import rendezvous_socket
+
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        self._rendezvous = rendezvous_socket(_node_ip())
+        return self._rendezvous.getsockname()[:2]
 
     @_shippable_errors
     def init_distributed(self, master_addr: str, master_port: int, device: str = "auto") -> None:
@@ -234,7 +236,9 @@ class TargetRankActor(_ActorBase):
             return
         from workers.tensor_parallel import init_process_group
 
-        init_process_group(self.rank, self.world_size, master_addr, int(master_port), self.device)
+        listen, self._rendezvous = self._rendezvous, None
+        init_process_group(self.rank, self.world_size, master_addr, int(master_port), self.device, listen=listen,
+                           node_addr=_node_ip())
         self.dist_ready = True
 
     # ------------------------------------------------------------ model
