@@ -8,6 +8,9 @@ Without Ray (fast):
 - Finding 6: the supervisor's checks are independent: a target rebuild under way holds up no
   draft recovery, and a draft recovery under way no target rebuild (a fake deployment; Ray's
   ``get`` answers its fake actors).
+- Finding 3: target rank 0 stuck in a call outside any collective (its process still answers
+  health on another thread) reports itself hung once the call runs past its bound, and the
+  deployment's diagnosis names it, so the supervisor rebuilds the group.
 
 On a multi-node Ray cluster (``ray.cluster_utils.Cluster``: one raylet per node on this machine,
 every node at 127.0.0.1; one cluster for the module): the head (the coordinator, this process; its
@@ -238,6 +241,56 @@ def test_a_draft_recovery_holds_up_no_target_rebuild(fake_ray_get):
         dep.hold_rebuild.clear()
         dep.hold_recover.clear()
         sup.stop()
+
+
+# ---------------------------------------------------------------- finding 3, without Ray
+def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get):
+    """A rank-0 actor (in process) whose forward never returns, called over gRPC: health stays ok
+    while the call is within its bound (the floor: collective_timeout_s, nothing measured past the
+    warm-up), then reports the call hung, and Deployment.diagnose_target names rank 0."""
+    from cluster.deployment import ClusterSpec, Deployment
+    from specdist.transport.security import bearer_metadata, new_worker_secret
+    from specdist.v1 import target_pb2, target_pb2_grpc
+    from workers.actors import TargetRankActor
+
+    floor_s, secret = 1.0, new_worker_secret()
+    actor = TargetRankActor(0, 1, num_threads=None)
+    stuck, entered = threading.Event(), threading.Event()
+    try:
+        actor.load(tiny_models["target"], max_batch_size=2, max_model_len=64, collective_timeout_s=floor_s)
+        actor.warmup()
+        address = actor.start_grpc("127.0.0.1", 0, secret)
+        forward = actor.worker.runner.forward
+
+        def hanging_forward(*args):
+            entered.set()
+            _until("the test to let the forward go", lambda: not stuck.is_set(), limit_s=LIMIT_S)
+            return forward(*args)
+
+        actor.worker.runner.forward = hanging_forward
+        stuck.set()
+        channel = grpc.insecure_channel(address)
+        call = target_pb2_grpc.TargetWorkerStub(channel).Prefill.future(target_pb2.PrefillRequest(items=[
+            target_pb2.PrefillItem(request_id="r", prompt_token_ids=[1, 2, 3])]), metadata=bearer_metadata(secret),
+            timeout=LIMIT_S)
+        assert entered.wait(LIMIT_S)
+        health = actor.health()
+        assert health["ok"] and health["broken"] is None  # within its bound: not (yet) hung
+        hung = _until("rank 0 reported hung", lambda: not actor.health()["ok"] and actor.health()["broken"])
+        assert hung.startswith("hung in prefill for ") and hung.endswith(f"bound {floor_s:.0f} s"), hung
+
+        dep = Deployment(ClusterSpec(tensor_parallel_size=1, num_draft_workers=0, health_interval_s=0))
+        dep.targets = [SimpleNamespace(rank=0, pid=None, actor=SimpleNamespace(
+            health=SimpleNamespace(remote=lambda: _FakeRef(actor.health()))))]
+        why = dep.diagnose_target(timeout_s=5)
+        assert why is not None and why.startswith("target rank 0 is hung in prefill"), why
+        stuck.clear()  # the call ends: healthy again
+        call.result(LIMIT_S)
+        assert actor.health()["ok"] and dep.diagnose_target(timeout_s=5) is None
+        channel.close()
+    finally:
+        stuck.clear()
+        actor.shutdown()
 
 
 # ---------------------------------------------------------------- a multi-node Ray cluster

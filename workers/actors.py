@@ -104,7 +104,8 @@ def _node_id() -> str | None:
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        # (the runtime context would start a local Ray instance in a process not connected to one)
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:  # noqa: BLE001 - not inside Ray
         return None
 

@@ -54,11 +54,19 @@ expected to take). Rank 0 sets it with the ``set_timeout`` function it was given
 ahead of the forward (op ``("timeout", seconds)``), so every rank waits the same. A forward
 that fails on rank 0 marks the core broken: later calls fail at once (UNAVAILABLE), since
 the group cannot be trusted after a failed collective; the deployment rebuilds it.
+
+Hangs outside a collective (rank 0's own thread stuck in a call, while the process still
+answers Ray's health call on another thread): every call records when it began and the bound
+it gets from the same measurements (``deadline.timeout_for`` its tokens, so at least
+``collective_timeout_s``); :meth:`VerifierCore.health` reports a call past its bound as not ok
+(``broken``: ``hung in verify for 41 s, bound 10 s``), and the deployment's supervisor rebuilds
+the group as for any broken rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +122,8 @@ SMALL_FORWARD_TOKENS = 8  # forwards of at most this many tokens cost about thei
 
 
 class CollectiveDeadline:
-    """The timeout a tensor-parallel forward's collectives get, from the forwards measured so far.
+    """The timeout a tensor-parallel forward's collectives get, from the forwards measured so far
+    (and the bound of a call's time on rank 0, past which the call is reported hung).
 
     Expected seconds of a forward of ``n`` tokens: ``overhead + rate * n``, where ``overhead`` is
     the slowest forward of at most ``SMALL_FORWARD_TOKENS`` tokens and ``rate`` the highest seconds
@@ -188,6 +197,7 @@ class VerifierCore:
         self.deadline = CollectiveDeadline(collective_timeout_s)
         self._timeout_s = 0.0  # the collective timeout in force (0: the process group's own)
         self.broken: str | None = None  # why the tensor-parallel group failed (rank 0)
+        self._call: tuple[str, float, float] | None = None  # the call running: (name, began at, bound in s)
         # prompt K/V shared across requests; its cache operations reach the followers like ours
         self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self._record)
 
@@ -209,9 +219,12 @@ class VerifierCore:
 
     def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
         op = ("forward", slots, tokens, num_logits)
-        if self.world_size == 1:
-            return apply_op(self.runner, op)
         n = sum(len(t) for t in tokens)
+        if self.world_size == 1:
+            t0 = now()
+            out = apply_op(self.runner, op)
+            self.deadline.observe(n, now() - t0)
+            return out
         ops = self._pending + [op]
         timeout = self.deadline.timeout_for(n)
         # raise it for a larger forward; lower it only when it is over twice what is needed
@@ -232,6 +245,24 @@ class VerifierCore:
         except RuntimeError as e:  # the group cannot be trusted after a failed collective
             self.broken = f"tensor-parallel collective failed: {e}"
             raise Unavailable("worker", self.broken) from None
+
+    @contextmanager
+    def _watched(self, name: str, n_tokens: int) -> Iterator[None]:
+        """Record the call running (for :meth:`hung`) and its bound: that of a forward of ``n_tokens``."""
+        self._call = (name, now(), self.deadline.timeout_for(n_tokens))
+        try:
+            yield
+        finally:
+            self._call = None
+
+    def hung(self) -> str | None:
+        """Why the call running is taken for hung (it has run past its bound), or None. Safe from any thread."""
+        call = self._call
+        if call is None:
+            return None
+        name, began, bound = call
+        busy = now() - began
+        return f"hung in {name} for {busy:.0f} s, bound {bound:.0f} s" if busy > bound else None
 
     def _check_leader(self) -> None:
         if self.rank != 0:
@@ -272,6 +303,10 @@ class VerifierCore:
 
     # ------------------------------------------------------------ calls
     def prefill(self, items: list[StartItem]) -> CallTiming:
+        with self._watched("prefill", sum(len(it.prompt_ids) for it in items)):
+            return self._prefill(items)
+
+    def _prefill(self, items: list[StartItem]) -> CallTiming:
         self._check_leader()
         check_request_ids([it.request_id for it in items])
         parsed = []
@@ -306,10 +341,15 @@ class VerifierCore:
                     todo.append((r, held))
             if todo:
                 self._forward([r.slot for r, _ in todo], [r.seq[held:-1] for r, held in todo], [0] * len(todo))
-            live += [(self.requests[it.request_id].slot, prompt[:-1]) for it, prompt in group]
+            for it, prompt in group:
+                live.add(self.requests[it.request_id].slot, prompt[:-1])
         return CallTiming({"prefill": now() - t0})
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
+        with self._watched("verify", sum(1 + (len(it.proposal.token_ids) if it.proposal else 0) for it in items)):
+            return self._verify(items)
+
+    def _verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
         self._check_leader()
         check_request_ids([it.request_id for it in items])
         if not items:
@@ -534,6 +574,10 @@ class VerifierCore:
                                           "it cannot have been sampled from it")
 
     def release(self, request_ids: list[str]) -> None:
+        with self._watched("release", 0):
+            self._release(request_ids)
+
+    def _release(self, request_ids: list[str]) -> None:
         self._check_leader()
         for rid in request_ids:
             r = self.requests.pop(rid, None)
@@ -557,9 +601,10 @@ class VerifierCore:
         return self.cache.num_used - len(self.prefixes.retained)
 
     def health(self) -> dict:
+        hung = self.hung()
         return {
-            "ok": not self.closed and not self.broken,
-            "broken": self.broken,
+            "ok": not self.closed and not self.broken and not hung,
+            "broken": self.broken or hung,
             "collective_timeout_s": self._timeout_s or None,
             "rank": self.rank,
             "world_size": self.world_size,
