@@ -20,13 +20,15 @@ every node at 127.0.0.1; one cluster for the module): the head (the coordinator,
 - ``specdist serve`` (``start_serving``, ``--worker-host node``) places the two target ranks on t1
   and the draft worker on d1; each worker advertises its own node's address, and nothing of the
   cluster listens beyond loopback. Then, with 8 greedy streams held mid-generation each time:
-  1. d1 is removed: the streams finish with the fault-free tokens (k = 0 meanwhile) and the
+  1. d1 is removed under 8 seeded sampled streams: they finish with the in-process Engine's tokens
+     (k = 0 meanwhile; the gumbel coupling makes the tokens independent of the drafts) and the
      supervisor reports what the draft waits for (a node with 1 CPU free); room is made on the
-     head, Ray places the draft there, the supervisor reloads it, it is re-admitted and drafts
-     again;
-  2. t1 is removed: the streams end with an error, health is NOT_SERVING and the supervisor reports
-     why no rebuild can start (no node has 2 CPUs free); room is made on the head, the target group
-     is rebuilt there, health is SERVING and the same prompts give the same tokens.
+     head, Ray restarts the draft actor there, the supervisor reloads it (a new process), it is
+     re-admitted and drafts again;
+  2. t1 is removed: the streams end with an error naming a target rank within 10 s, health is
+     NOT_SERVING, Generate is UNAVAILABLE, and the supervisor reports why no rebuild can start (no
+     node has 2 CPUs free); room is made on the head, the target group is rebuilt there, health is
+     SERVING and the same prompts give the same tokens.
 """
 
 from __future__ import annotations
@@ -353,14 +355,20 @@ def _config(tiny_models) -> dict:
     return cfg
 
 
-def _stream(address: str, prompt) -> tuple[list[int], str | None, object]:
-    """One greedy stream: (its tokens, its finish reason, its RemoteError or None)."""
+def _sampled(i: int) -> dict:
+    """Stream i's seeded sampling: under the gumbel coupling its tokens do not depend on the drafts."""
+    return dict(temperature=0.8, top_p=0.9, seed=4242 + i)
+
+
+def _stream(address: str, prompt, sampling: dict | None = None) -> tuple[list[int], str | None, object]:
+    """One stream, greedy or with ``sampling``: (its tokens, its finish reason, its RemoteError or None)."""
     from specdist.client import RemoteError, SpecDistClient
 
     ids, finish, error = [], None, None
     with SpecDistClient(address, timeout=LIMIT_S) as client:
         try:
-            for chunk in client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0):
+            for chunk in client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                         **(sampling or dict(temperature=0.0))):
                 ids.extend(chunk.token_ids)
                 finish = chunk.finish_reason or finish
         except RemoteError as e:
@@ -368,9 +376,10 @@ def _stream(address: str, prompt) -> tuple[list[int], str | None, object]:
     return ids, finish, error
 
 
-def _streams_through(serving, fault) -> list:
-    """8 greedy streams admitted together; after their second step the engine is held while
-    ``fault()`` runs, then let go. Returns each stream's (tokens, finish reason, error)."""
+def _streams_through(serving, fault, sampled: bool = False) -> tuple[list, float]:
+    """8 streams (greedy, or ``sampled`` with :func:`_sampled`) admitted together; after their
+    second step the engine is held while ``fault()`` runs, then let go. Returns each stream's
+    (tokens, finish reason, error) and the seconds from the fault to the last stream's end."""
     coordinator, engine = serving.server.coordinator, serving.backend.engine
     paused, resume, release = threading.Event(), threading.Event(), threading.Event()
 
@@ -384,15 +393,18 @@ def _streams_through(serving, fault) -> list:
     engine.listeners.append(gate)
     coordinator.call_soon(lambda: release.wait(LIMIT_S))  # hold the engine until all 8 are queued
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_stream, serving.address, p) for p in PROMPTS]
+        futures = [pool.submit(_stream, serving.address, p, _sampled(i) if sampled else None)
+                   for i, p in enumerate(PROMPTS)]
         _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
         release.set()
         _until("the engine held mid-generation", paused.is_set)
         try:
             fault()
+            faulted = time.monotonic()
         finally:
             resume.set()
-        return [f.result(LIMIT_S) for f in futures]
+        results = [f.result(LIMIT_S) for f in futures]
+        return results, time.monotonic() - faulted
 
 
 def _node_of(dep, name: str) -> str:
@@ -430,7 +442,10 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
     # the head's CPUs held (no room there) until the test makes room for the draft, then the target
     held = {name: placement_group([{"CPU": cpus, "room": 1}]) for name, cpus in (("draft", 1), ("target", 2))}
     ray.get([pg.ready() for pg in held.values()], timeout=LIMIT_S)
-    want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, "model", k=K)).generate(PROMPTS, GREEDY)]
+    local = Engine.from_config(tiny_config(tiny_models, "model", k=K))
+    want = [o.token_ids for o in local.generate(PROMPTS, GREEDY)]
+    want_sampled = [o.token_ids for o in local.generate(PROMPTS, [
+        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **_sampled(i)) for i in range(len(PROMPTS))])]
     lt = LoopThread()
     serving = None
     try:
@@ -456,25 +471,32 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
             before = list(pool.map(lambda p: _stream(serving.address, p), PROMPTS))
         assert [r[0] for r in before] == want and all(r[2] is None for r in before)
 
-        # 1. the draft's node is lost mid-generation: the streams finish without drafts, exactly; the
-        # supervisor says what the draft waits for; once there is room on the head, Ray places the draft
-        # there, the supervisor reloads it and it is re-admitted
-        results = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")))
-        assert [r[0] for r in results] == want and all(r[2] is None and r[1] == "length" for r in results)
+        # 1. the draft's node is lost (its process dies) in the middle of 8 seeded sampled streams: they
+        # finish without drafts with the tokens the in-process Engine gives (gumbel: the drafts change no
+        # token); the supervisor says what the draft waits for; once there is room on the head, Ray
+        # restarts the actor there (one of its max_restarts), the supervisor reloads and warms it up,
+        # and it is re-admitted and drafts again
+        draft_pid = dep.health()["draft 0"]["pid"]
+        results, _ = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")), sampled=True)
+        assert [r[0] for r in results] == want_sampled
+        assert all(r[2] is None and r[1] == "length" for r in results)
         lost = _until("the supervisor to report the draft's missing room", lambda: [
             e for e in list(events) if e.kind == "draft_down" and "lost its node" in e.message])
         assert "needs {CPU: 1} on a node" in lost[0].message and "missing {CPU: 1}" in lost[0].message
         assert _healthy(engine) == 0
         remove_placement_group(held.pop("draft"))
         _until("the draft re-placed and re-admitted", lambda: sup.recoveries == 1 and _healthy(engine) == 1)
-        assert _node_of(dep, "draft 0") == head
+        assert _node_of(dep, "draft 0") == head and dep.health()["draft 0"]["pid"] != draft_pid
         _, got, _, stats = client.generate_text(PROMPTS[2], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        assert got == want[2] and stats.drafted > 0  # it drafts again
+        assert got == want[2] and stats.drafted > 0 and stats.accepted > 0  # it drafts again
+        assert [e.kind for e in events if e.worker == "draft 0"][-2:] == ["draft_down", "draft_up"]
 
-        # 2. the target's node is lost mid-generation: the streams end with an error; no node has room
-        # for the group (2 CPUs on one node): NOT_SERVING, and the supervisor says what is missing
-        results = _streams_through(serving, lambda: c.remove_node(nodes.pop("t1")))
-        assert all(r[1] == "error" and r[2] is not None for r in results), results
+        # 2. the target's node is lost mid-generation (both ranks die): each stream ends with ERROR naming
+        # a target rank within 10 s; no node has room for the group (2 CPUs on one node): NOT_SERVING,
+        # Generate answers UNAVAILABLE, and the supervisor says what is missing
+        results, ended_after = _streams_through(serving, lambda: c.remove_node(nodes.pop("t1")))
+        assert all(r[1] == "error" and r[2] is not None and "target rank" in r[2].message for r in results), results
+        assert ended_after < 10, ended_after
         waiting = _until("the supervisor to report the missing room", lambda: [
             e for e in list(events) if e.kind == "target_down" and "waits for a node with room" in e.message])
         assert "needs {CPU: 2} on one node" in waiting[0].message and "missing {CPU: 2}" in waiting[0].message
@@ -482,7 +504,7 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
         _until("NOT_SERVING while the group waits", lambda: client.health() == "NOT_SERVING")
         with pytest.raises(RemoteError) as ei:
             client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE and "target rank" in ei.value.message
         remove_placement_group(held.pop("target"))  # room on the head: the group is rebuilt there
         _until("SERVING after the rebuild", lambda: sup.rebuilds == 1 and client.health() == "SERVING")
         assert {_node_of(dep, f"target rank {r}") for r in (0, 1)} == {head}
