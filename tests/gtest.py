@@ -17,7 +17,7 @@ from scipy import stats
 VOCAB = 8
 K = 3  # num_speculative_tokens
 ALPHA = 1e-4  # false-failure rate of each G-test for a correct sampler
-N = 6000  # sequences per case
+N = 4000  # sequences per case
 BATCH = 256  # engine max_batch_size: one generate() call per case, the engine streams N prompts through 256 slots
 MAX_MODEL_LEN = 32
 PROMPT_MODEL = [1, 2, 3]

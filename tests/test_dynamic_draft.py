@@ -1,7 +1,7 @@
 """Confidence-stopped drafts (``draft.confidence_threshold``): shorter drafts, same distribution.
 
 The stopping rule looks only at the draft's own distribution, so exactness must hold.
-Frequency test: N = 6000 sequences of 3 tokens through ``Engine.generate``, G-test
+Frequency test: N = 4000 sequences of 3 tokens through ``Engine.generate``, G-test
 against the exact target law with cells merged to expected count >= 5, significance
 1e-4 (false-failure rate 1e-4 for a correct sampler; seeds fixed, so deterministic).
 """

@@ -64,18 +64,18 @@ from gtest import (  # noqa: F401  (constants used below)
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 
-# Every case: N = 6000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
+# Every case: N = 4000, alpha = 1e-4 (false-failure rate 1e-4). df and threshold depend on the
 # merged cells; with the session's tiny target (conftest, seed 1) they are, per case:
 # Both couplings (sampling.coupling): gumbel, the default, and rejection, the seed documents' rule.
 CASES = [
-    Case("model", 2, 2),  # df 37, threshold 77.8
+    Case("model", 2, 2),  # df 33, threshold 72.0
     Case("model", 2, 2, temperature=0.9, top_p=0.8, coupling="rejection"),  # df 8, threshold 31.8
-    Case("model", 3, 3),  # df 109, threshold 172.6; drafts of 2, bonus at position 3
+    Case("model", 3, 3),  # df 88, threshold 146.1; drafts of 2, bonus at position 3
     # max_tokens 4: the first step drafts all k = 3 tokens; the first 3 tokens are compared.
-    Case("model", 4, 3, temperature=1.2, top_k=5),  # df 85, threshold 142.2
-    Case("ngram", 2, 2, coupling="rejection"),  # df 33, threshold 72.0
+    Case("model", 4, 3, temperature=1.2, top_k=5),  # df 78, threshold 133.2
+    Case("ngram", 2, 2, coupling="rejection"),  # df 27, threshold 63.2
     Case("ngram", 2, 2, temperature=0.9, top_p=0.8),  # df 3, threshold 21.1 (a peaked target)
-    Case("ngram", 3, 3),  # df 93, threshold 152.4
+    Case("ngram", 3, 3),  # df 79, threshold 134.5
 ]
 
 
@@ -258,7 +258,7 @@ def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transpo
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_engine_samples_target_distribution(models, case: Case) -> None:
-    """G-test, N = 6000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed)."""
+    """G-test, N = 4000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed)."""
     run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1))
 
 
@@ -268,7 +268,7 @@ REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), 
 @pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
 def test_remote_transport_samples_target_distribution(models, case: Case) -> None:
     """The same G-test through the gRPC transports (q encoded, sent, decoded; seeds derived on the
-    workers): N = 6000, alpha 1e-4 per case, other seeds than the local run."""
+    workers): N = 4000, alpha 1e-4 per case, other seeds than the local run."""
     run_frequency_case(models, case, seed0=500_000_000 + 1_000_000 * CASES.index(case), transport="remote")
 
 
@@ -291,7 +291,7 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
     """The adaptive rule picks k per request from its past acceptances; the output law must not
     change. Costs are frozen at synthetic values (real wall times would make the run, though not
     its law, nondeterministic), chosen so that k ranges over 0..K with the observed acceptance.
-    G-test as above: N = 6000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 85, threshold 142.2)."""
+    G-test as above: N = 4000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 78, threshold 133.2)."""
     from specdist.engine.draft_length import DraftLengthPolicy
 
     chosen: list[int] = []
@@ -327,14 +327,14 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
 
 # ----------------------------------------------------------------------------- suffix and hybrid drafts
 # The suffix index is shared by every request of the drafter, so a request's drafts depend on what the
-# requests before it emitted (6000 requests, one prompt: the drafts follow the most frequent earlier
+# requests before it emitted (4000 requests, one prompt: the drafts follow the most frequent earlier
 # continuations, with ``suffix_cache_requests`` of them held, the older ones evicted as the run goes).
 # No closed-form law of the speculative chain exists for that (speculative_law does not apply); the
-# output law must still be the target's. Same G-test: N = 6000, alpha 1e-4 (false-failure rate).
+# output law must still be the target's. Same G-test: N = 4000, alpha 1e-4 (false-failure rate).
 SUFFIX_CASES = [
-    # df 93, threshold 152.4 (the cells of ngram-T1.0-L3: same prompt, same window)
+    # df 79, threshold 134.5 (the cells of ngram-T1.0-L3: same prompt, same window)
     (Case("suffix", 3, 3), {"suffix_cache_requests": 64}),
-    # hybrid: the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both are used
+    # hybrid (df 73, threshold 126.7): the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both are used
     (Case("hybrid", 4, 3, temperature=1.2, top_k=5), {"suffix_min_score": 1.0, "suffix_cache_requests": 64}),
 ]
 
@@ -377,7 +377,7 @@ def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[
 
 @pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id for c, _ in SUFFIX_CASES])
 def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict) -> None:
-    """G-test, N = 6000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed)."""
+    """G-test, N = 4000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed)."""
     seed0 = 300_000_000 + 1_000_000 * SUFFIX_CASES.index((case, draft))
     g, threshold, st = suffix_g_test(models, case, N, seed0, draft)
     # the speculative path really ran: drafts proposed, rejected at the first position and accepted whole
@@ -436,7 +436,7 @@ def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str) -> N
 def test_truncated_q_samples_target_distribution(models) -> None:
     """draft.q_top_k = 3 of the 8 tokens under the rejection coupling: the draft samples from its q's
     top 3, renormalised, and sends exactly that (bounded bytes whatever the vocabulary); the output
-    law stays the target's. G-test as above, case model-L3 at T = 1 (df 109), N = 6000, alpha 1e-4."""
+    law stays the target's. G-test as above, case model-L3 at T = 1 (df 88), N = 4000, alpha 1e-4."""
     support: list[int] = []
 
     def setup(eng) -> None:

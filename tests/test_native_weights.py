@@ -517,7 +517,7 @@ def test_self_w4_greedy_equals_plain_greedy(tiny_models):
 # G-test of the self-w4 engine at temperature 0.8 (tests/gtest.py's machinery, as test_exactness_frequency):
 # the law of the first 3 tokens after the prompt [1, 2, 3, 1, 2, 3], k = 3 fixed. N = 3000, alpha = 1e-4
 # (the false-failure rate of a correct sampler; seeds are fixed, so a run is deterministic); on the
-# session's tiny target: df 52, threshold 98.7, G 65.3; acceptance 0.64 (printed). Power: a sampler
+# session's tiny target: df 52, threshold 98.7, G 49.8; acceptance 0.64 (printed). Power: a sampler
 # returning the int4 draft's samples has non-centrality ~4800, one resampling from p after a rejection
 # ~720 (both detected with power ~1; asserted > 0.999 and > 0.9).
 W4_CASE = Case("self-w4", 3, 3, temperature=0.8)

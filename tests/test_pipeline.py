@@ -8,7 +8,7 @@
    sent) changes the law; reusing them with the rows they were sampled from does not (the
    verifier is exact for any proposal law; the hit rule is about acceptance, and keeps the
    drafter's cache on the true prefix).
-2. Frequency: N = 6000 sequences through the engine with the pipeline on, G-test against the
+2. Frequency: N = 4000 sequences through the engine with the pipeline on, G-test against the
    target law at alpha = 1e-4 (false-failure rate 1e-4); the faulty pipeline above, run through
    the same engine (N = 1500), must exceed the threshold, and its exact law (enumerated from the
    tiny models' own tables) is detected with power > 0.99.
@@ -248,7 +248,7 @@ def g_test(outs, p: np.ndarray) -> tuple[float, float, list]:
 
 @pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
 def test_pipelined_engine_samples_target_distribution(models, laws, coupling) -> None:
-    """G-test, N = 6000, alpha 1e-4 (the false-failure rate) per coupling; df and threshold printed."""
+    """G-test, N = 4000, alpha 1e-4 (the false-failure rate) per coupling; df and threshold printed."""
     p, _ = laws
     outs, pipe = sample_pipelined(models, N, seed0=900_000_000 + (coupling == "gumbel") * 10_000_000,
                                   coupling=coupling)
