@@ -9,6 +9,7 @@ detokenisation and stop strings go through the same code as with real models.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import asyncio
 import os
@@ -334,6 +335,14 @@ def local_ray():
 
 def _uses_local_ray(item) -> bool:
     return "local_ray" in getattr(item, "fixturenames", ())
+
+
+def pytest_configure(config):
+    """The suite's one process keeps models, engines and servers of many tests alive at once, and the
+    engine tests allocate small objects per token: at the default thresholds (a young collection every
+    700 allocations) the cyclic collector takes about a seventh of their CPU time. Young collections
+    100x rarer; nothing here relies on when cycles are freed (each test releases what it holds)."""
+    gc.set_threshold(100_000, 50, 100)
 
 
 def pytest_collection_modifyitems(items):
