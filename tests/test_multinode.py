@@ -245,6 +245,24 @@ def test_a_draft_recovery_holds_up_no_target_rebuild(fake_ray_get):
         sup.stop()
 
 
+# ---------------------------------------------------------------- --worker-host, without Ray
+@pytest.mark.parametrize("flag,listens,advertises", [
+    ("node", "10.1.2.3", "10.1.2.3"),  # the node's own address: listened on and advertised
+    ("0.0.0.0", "0.0.0.0", "10.1.2.3"),  # every interface (the chart's default): the node's address advertised
+    ("::", "::", "10.1.2.3"),
+    ("[::]", "[::]", "10.1.2.3"),
+    ("127.0.0.1", "127.0.0.1", "127.0.0.1"),  # one machine (the default): as given
+])
+def test_worker_host_binds_and_advertises(monkeypatch, flag, listens, advertises):
+    """What a worker started with ``--worker-host flag`` listens on, and the address it hands the
+    coordinator, on a node Ray knows as 10.1.2.3 (the multi-node test runs ``node`` on Ray)."""
+    from workers import actors
+
+    monkeypatch.setattr(actors, "_node_ip", lambda: "10.1.2.3")
+    bind = actors._bind_host(flag)
+    assert (bind, actors._reachable_host(bind)) == (listens, advertises)
+
+
 # ---------------------------------------------------------------- finding 3, without Ray
 def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get):
     """A rank-0 actor (in process) whose forward never returns, called over gRPC: health stays ok
