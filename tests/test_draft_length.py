@@ -135,8 +135,25 @@ def test_choice_matches_brute_force_on_random_instances(seed: int) -> None:
     ks = pol.choose(caps, accs(*alphas), reps)
     assert all(0 <= k <= c for k, c in zip(ks, caps))
     best = brute_force(pol, caps, alphas, reps)
-    # the enumeration + Dinkelbach rule finds the optimum or comes within 2% of it
-    assert pol.rate(ks, alphas, reps) >= 0.98 * best
+    # the enumeration + Dinkelbach rule finds the optimum or comes within 2% of it, except that it
+    # drafts nothing unless drafting is predicted to gain DRAFT_MARGIN
+    rate = pol.rate(ks, alphas, reps)
+    if any(ks):
+        assert rate >= 0.98 * best
+    else:
+        assert rate >= 0.98 * best / (1 + dl.DRAFT_MARGIN)
+
+
+def test_a_gain_below_the_margin_drafts_nothing() -> None:
+    """Drafting predicted to gain 1-5% over plain decoding is not taken (the estimates err by that
+    much); a predicted gain of more is."""
+    pol = policy_with_costs(4, [(0.005, 0.0)], (0.050, 0.002))
+    for alpha, drafts in ((0.15, False), (0.9, True)):
+        ks = pol.choose([1], accs(alpha))
+        gain = pol.rate([1], [alpha], [0]) / pol.rate([0], [alpha], [0]) - 1
+        assert (any(ks), gain > dl.DRAFT_MARGIN) == (drafts, drafts), (alpha, ks, gain)
+        if not drafts:
+            assert gain > 0.01  # drafting would have been predicted to gain, a little
 
 
 def test_exploration_steps_cap_the_drafts() -> None:

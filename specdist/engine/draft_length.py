@@ -41,8 +41,9 @@ budget each replica may run the most passes ``K_r`` that fit, and inside that ea
 keeps the draft positions worth their marginal cost: position ``j`` stays when
 ``alpha_b^j >= lambda * (b_r + c_1)``, where ``lambda`` is the goodput itself (Dinkelbach's
 iteration, a few rounds). The best budget wins; all zeros (no drafting) is always a
-candidate, so under load, with a poor draft or a slow replica, requests fall back to
-``k_b = 0`` (plain decoding) instead of slowing the batch.
+candidate, and it wins unless drafting is predicted to beat it by ``DRAFT_MARGIN``, so under
+load, with a poor draft or a slow replica, requests fall back to ``k_b = 0`` (plain decoding)
+instead of slowing the batch.
 
 While no request waits for a slot, a request's first step drafts nothing: its first token
 then costs one plain target step after the prefill, as without speculation, and the draft
@@ -53,8 +54,10 @@ drafts ``min(k, cap_b)``. On the steps in
 of ``EXPLORE_CAPS`` (in units of ``k``) so that the cost fits see several draft lengths
 even at batch size 1 (about 6% of steps); a replica that has not drafted for
 ``PROBE_EVERY`` steps (its drafts were not worth their cost) drafts one token per request
-once, so a replica that was slow and recovered is noticed; prefills also feed the verification fit (many
-tokens in one target forward), which pins its per-token slope early.
+once, so a replica that was slow and recovered is noticed. Prefills do not feed the verification fit:
+a prompt token computes no logits and, with prefix caching, may not be computed at all, so prompt
+tokens cost a fraction of a verified token (16 chat requests here: about 1.8 ms against 12 ms),
+and a fit that mixed them would take drafting for cheap at large batches.
 With pipelined drafting (``draft.pipeline``, :mod:`specdist.cores.draft_pipeline`) a drafter prepares the
 next step's drafts (a guess pass, then ``K`` passes) while the target verifies, and a request
 whose prepared prefix holds (probability ``h_b = alpha_b^k_b * beta``, ``beta`` the measured
@@ -95,6 +98,10 @@ TABLE_SAMPLES = 5  # verification times kept per (batch, tokens); the table hold
 PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
 GUESS_PRIOR = 0.5  # pipelined drafting: the guess hit rate before any was observed (PRIOR_WEIGHT samples)
 DINKELBACH_ROUNDS = 4
+# A step drafts only when its predicted goodput beats drafting nothing by this fraction: the cost fits
+# and acceptance estimates err by a few percent, so a predicted gain smaller than that is a loss as
+# often as a gain, and every drafted row costs a sure row of verification.
+DRAFT_MARGIN = 0.05
 
 
 @dataclass
@@ -263,7 +270,7 @@ class DraftLengthPolicy:
         for r in rset:
             for K in range(1, max((caps[b] for b in range(bsz) if reps[b] == r), default=0) + 1):
                 budgets.add(self.draft_cost[r].predict(1, K, rows_upto(r, K)))
-        best_ks, best_rate = [0] * bsz, self.rate([0] * bsz, alphas, reps)
+        best_ks, best_rate = [0] * bsz, self.rate([0] * bsz, alphas, reps) * (1 + DRAFT_MARGIN)
         for tau in sorted(budgets):
             kr = {}
             for r in rset:
@@ -334,8 +341,8 @@ class DraftLengthPolicy:
             self.last_drafted[replica] = self.steps
 
     def observe_verify(self, tokens: int, seconds: float, batch: int | None = None) -> None:
-        """A target forward over ``tokens`` tokens; ``batch``: its request count when it was a
-        verification (then it also updates the measured table), None for a prefill."""
+        """A verification of ``tokens`` tokens (each with its logits) took ``seconds``; ``batch``: its
+        request count, which also files the time in the measured table (None: the fit only)."""
         if tokens > 0:
             self.verify_cost.add(1, tokens, seconds)
             if batch is not None and math.isfinite(seconds) and seconds >= 0:

@@ -619,8 +619,6 @@ class Scheduler:
         """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
         ok, requeue, errors, timing = self._start_on(self.verifier, self._target_unreleased, self.verifier.prefill,
                                                      new, int)
-        if timing.phases.get("prefill"):
-            self.length_policy.observe_verify(sum(len(r.prompt_ids) - 1 for r in new), timing.phases["prefill"])
         for r in ok:
             r.on_target = True
             self._target_live += 1
