@@ -17,7 +17,6 @@ import subprocess
 import threading
 import time
 
-import grpc
 import pytest
 import torch
 
@@ -145,29 +144,40 @@ def tiny_config(tiny_models, method: str = "model", k: int = 3, length_policy: s
     }
 
 
+def host_servicer(servicer, port: int = 0, secret: str | None = None):
+    """A TargetServicer or DraftServicer (or a subclass) on 127.0.0.1:``port`` (0: a free port), on the
+    host the workers use (:class:`specdist.transport.grpc_host.GrpcHostThread`: health, the servicer's
+    message limit, SERVING from the start; ``secret`` required of every caller but health's)."""
+    from specdist.transport.grpc_host import GrpcHostThread
+    from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+    from workers.target_worker import TargetServicer
+
+    if isinstance(servicer, TargetServicer):
+        name, add = (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
+                     target_pb2_grpc.add_TargetWorkerServicer_to_server)
+    else:
+        name, add = (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
+                     draft_pb2_grpc.add_DraftWorkerServicer_to_server)
+    return GrpcHostThread({name: lambda server: add(servicer, server)}, "127.0.0.1", port, servicer.message_limit,
+                          token=secret)
+
+
 class ServedCores:
     """A VerifierCore and DrafterCores served over real gRPC on 127.0.0.1 (free ports), each on the
-    host the workers use (:class:`specdist.transport.grpc_host.GrpcHostThread`: health, the servicer's
-    message limit, SERVING from the start): what a deployment's workers do, without Ray. ``close()``
-    stops all. ``secret``: every port requires it as a bearer token, as a deployment's worker ports do."""
+    host the workers use (:func:`host_servicer`): what a deployment's workers do, without Ray.
+    ``close()`` stops all. ``secret``: every port requires it as a bearer token, as a deployment's
+    worker ports do."""
 
     def __init__(self, target_core, draft_cores=(), secret: str | None = None):
-        from specdist.transport.grpc_host import GrpcHostThread
-        from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
         from workers.draft_worker import DraftServicer
         from workers.target_worker import TargetServicer
 
         self.secret = secret
         self.servicers = [TargetServicer(target_core)] + [DraftServicer(c) for c in draft_cores]
-        target = (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
-                  target_pb2_grpc.add_TargetWorkerServicer_to_server)
-        draft = (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
-                 draft_pb2_grpc.add_DraftWorkerServicer_to_server)
         self.hosts = []
         try:
-            for servicer, (name, add) in zip(self.servicers, [target] + [draft] * len(draft_cores)):
-                self.hosts.append(GrpcHostThread({name: lambda server, s=servicer, a=add: a(s, server)},
-                                                 "127.0.0.1", 0, servicer.message_limit, token=secret))
+            for servicer in self.servicers:
+                self.hosts.append(host_servicer(servicer, secret=secret))
         except BaseException:
             self.close()
             raise
@@ -251,31 +261,6 @@ def models(tiny_models, tmp_path_factory) -> dict[str, str]:
                 p.add_(torch.randn(p.shape, generator=gen) * DRAFT_NOISE_STD)
     model.save_pretrained(path)
     return {"target": tiny_models["target"], "draft": str(path)}
-
-
-class AioServer:
-    """A grpc.aio server on its own event loop thread, on a free localhost port."""
-
-    def __init__(self, add_fns, port: int = 0):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def start():
-            server = grpc.aio.server()
-            for add in add_fns:
-                add(server)
-            bound = server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            return server, bound
-
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 # ---------------------------------------------------------------- one local Ray cluster

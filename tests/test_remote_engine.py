@@ -1,7 +1,7 @@
 """RemoteEngine: the Engine interface on one target + two draft workers over real gRPC.
 
 The worker servicers (over VerifierCore / DrafterCore, the cores the in-process Engine uses)
-run in-process on grpc.aio servers (conftest.AioServer), like tests/test_workers.py, and
+run in-process on the workers' gRPC host (conftest.host_servicer), like tests/test_workers.py, and
 the RemoteEngine (the Engine's scheduler over the gRPC transports) drives them. Fake servicers
 can be slowed down or made to fail (test-controlled) to exercise replica choice and errors:
 a target error ends the requests it names (finish_reason "error"), a draft error only detaches
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import AioServer, tiny_config
+from conftest import host_servicer, tiny_config
 from test_coordinator import collect
 from gtest import (
     ALPHA,
@@ -40,7 +40,6 @@ from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
 from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import draft_pb2_grpc, target_pb2_grpc
 from specdist.cores.target import VerifierCore
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
@@ -127,9 +126,7 @@ class Cluster:
                        for _ in range(2)]
         self.servicers = [SlowableTargetServicer(self.target)] + [SlowableDraftServicer(d) for d in self.drafts]
         ts = self.servicers[0]
-        self.servers = [AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(ts, s)])] + [
-            AioServer([lambda s, sv=sv: draft_pb2_grpc.add_DraftWorkerServicer_to_server(sv, s)])
-            for sv in self.servicers[1:]]
+        self.servers = [host_servicer(sv) for sv in self.servicers]
         self.target_address = f"127.0.0.1:{self.servers[0].port}"
         self.draft_addresses = [f"127.0.0.1:{s.port}" for s in self.servers[1:]]
 
@@ -143,7 +140,7 @@ class Cluster:
 
     def stop(self) -> None:
         for s in self.servers:
-            s.stop()
+            s.stop(0)
         for s in self.servicers:
             s.shutdown()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import rank_procs
-from conftest import AioServer, tiny_config
+from conftest import host_servicer, tiny_config
 from specdist.cores.draft import DrafterCore
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
 from specdist.models.runner import CausalLMRunner
@@ -50,9 +50,8 @@ def workers(tiny_models):
     self_draft = DrafterCore.from_model(_target_model(tiny_models), SLOTS, MAX_LEN)
     ts = TargetServicer(target)
     ds = {name: DraftServicer(w) for name, w in (("model", model_draft), ("ngram", ngram_draft), ("self", self_draft))}
-    srv_t = AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(ts, s)])
-    srvs = {name: AioServer([lambda s, sv=sv: draft_pb2_grpc.add_DraftWorkerServicer_to_server(sv, s)])
-            for name, sv in ds.items()}
+    srv_t = host_servicer(ts)
+    srvs = {name: host_servicer(sv) for name, sv in ds.items()}
     chans = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in [srv_t, *srvs.values()]]
     out = {"target": target, "model": model_draft, "ngram": ngram_draft, "self": self_draft,
            "target_stub": target_pb2_grpc.TargetWorkerStub(chans[0]), "eos": eos_token_ids(target.runner.model),
@@ -64,7 +63,7 @@ def workers(tiny_models):
     for c in chans:
         c.close()
     for s in [srv_t, *srvs.values()]:
-        s.stop()
+        s.stop(0)
     for s in [ts, *ds.values()]:
         s.shutdown()
 
@@ -512,9 +511,9 @@ def _tp_rank(rank: int, world_size: int, dist_port: int, grpc_port: int, ckpt: s
     core = VerifierCore(CausalLMRunner(model, SLOTS, MAX_LEN), rank, world_size, broadcast=broadcast_object)
     if rank == 0:
         servicer = TargetServicer(core)
-        server = AioServer([lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], grpc_port)
+        server = host_servicer(servicer, grpc_port)
         stop.wait()  # serve until the test sets it
-        server.stop()
+        server.stop(0)
         servicer.shutdown()
         assert core.kv_slots_in_use() == 0 and core.closed
     else:
