@@ -20,8 +20,8 @@ every node at 127.0.0.1; one cluster for the module): the head (the coordinator,
 - ``specdist serve`` (``start_serving``, ``--worker-host node``) places the two target ranks on t1
   and the draft worker on d1; each worker advertises its own node's address, and nothing of the
   cluster listens beyond loopback. Then, with 8 greedy streams held mid-generation each time:
-  1. d1 is removed under 8 seeded sampled streams: they finish with the in-process Engine's tokens
-     (k = 0 meanwhile; the gumbel coupling makes the tokens independent of the drafts) and the
+  1. d1 is removed under 8 streams, 4 greedy and 4 seeded sampled: they finish with the in-process
+     Engine's tokens (k = 0 meanwhile; the gumbel coupling makes sampled tokens independent of the drafts) and the
      supervisor reports what the draft waits for (a node with 1 CPU free); room is made on the
      head, Ray restarts the draft actor there, the supervisor reloads it (a new process), it is
      re-admitted and drafts again;
@@ -373,9 +373,10 @@ def _config(tiny_models) -> dict:
     return cfg
 
 
-def _sampled(i: int) -> dict:
-    """Stream i's seeded sampling: under the gumbel coupling its tokens do not depend on the drafts."""
-    return dict(temperature=0.8, top_p=0.9, seed=4242 + i)
+def _sampled(i: int) -> dict | None:
+    """Stream i's sampling in the mixed phase: odd streams seeded sampling (under the gumbel coupling
+    their tokens do not depend on the drafts), even streams greedy (None)."""
+    return dict(temperature=0.8, top_p=0.9, seed=4242 + i) if i % 2 else None
 
 
 def _stream(address: str, prompt, sampling: dict | None = None) -> tuple[list[int], str | None, object]:
@@ -394,10 +395,10 @@ def _stream(address: str, prompt, sampling: dict | None = None) -> tuple[list[in
     return ids, finish, error
 
 
-def _streams_through(serving, fault, sampled: bool = False) -> tuple[list, float]:
-    """8 streams (greedy, or ``sampled`` with :func:`_sampled`) admitted together; after their
-    second step the engine is held while ``fault()`` runs, then let go. Returns each stream's
-    (tokens, finish reason, error) and the seconds from the fault to the last stream's end."""
+def _streams_through(serving, fault, mixed: bool = False) -> tuple[list, float]:
+    """8 streams (greedy, or ``mixed``: :func:`_sampled`'s) admitted together; after their second
+    step the engine is held while ``fault()`` runs, then let go. Returns each stream's (tokens,
+    finish reason, error) and the seconds from the fault to the last stream's end."""
     coordinator, engine = serving.server.coordinator, serving.backend.engine
     paused, resume, release = threading.Event(), threading.Event(), threading.Event()
 
@@ -411,7 +412,7 @@ def _streams_through(serving, fault, sampled: bool = False) -> tuple[list, float
     engine.listeners.append(gate)
     coordinator.call_soon(lambda: release.wait(LIMIT_S))  # hold the engine until all 8 are queued
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_stream, serving.address, p, _sampled(i) if sampled else None)
+        futures = [pool.submit(_stream, serving.address, p, _sampled(i) if mixed else None)
                    for i, p in enumerate(PROMPTS)]
         _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
         release.set()
@@ -462,8 +463,9 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
     ray.get([pg.ready() for pg in held.values()], timeout=LIMIT_S)
     local = Engine.from_config(tiny_config(tiny_models, "model", k=K))
     want = [o.token_ids for o in local.generate(PROMPTS, GREEDY)]
-    want_sampled = [o.token_ids for o in local.generate(PROMPTS, [
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **_sampled(i)) for i in range(len(PROMPTS))])]
+    want_mixed = [o.token_ids for o in local.generate(PROMPTS, [
+        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **(_sampled(i) or dict(temperature=0.0)))
+        for i in range(len(PROMPTS))])]
     lt = LoopThread()
     serving = None
     try:
@@ -489,14 +491,14 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
             before = list(pool.map(lambda p: _stream(serving.address, p), PROMPTS))
         assert [r[0] for r in before] == want and all(r[2] is None for r in before)
 
-        # 1. the draft's node is lost (its process dies) in the middle of 8 seeded sampled streams: they
-        # finish without drafts with the tokens the in-process Engine gives (gumbel: the drafts change no
-        # token); the supervisor says what the draft waits for; once there is room on the head, Ray
+        # 1. the draft's node is lost (its process dies) in the middle of 8 streams, 4 greedy and 4 seeded
+        # sampled: they finish without drafts with the tokens the in-process Engine gives (gumbel: the
+        # drafts change no token); the supervisor says what the draft waits for; once there is room on the head, Ray
         # restarts the actor there (one of its max_restarts), the supervisor reloads and warms it up,
         # and it is re-admitted and drafts again
         draft_pid = dep.health()["draft 0"]["pid"]
-        results, _ = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")), sampled=True)
-        assert [r[0] for r in results] == want_sampled
+        results, _ = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")), mixed=True)
+        assert [r[0] for r in results] == want_mixed
         assert all(r[2] is None and r[1] == "length" for r in results)
         lost = _until("the supervisor to report the draft's missing room", lambda: [
             e for e in list(events) if e.kind == "draft_down" and "lost its node" in e.message])
