@@ -273,7 +273,7 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
     from specdist.v1 import target_pb2, target_pb2_grpc
     from workers.actors import TargetRankActor
 
-    floor_s, secret = 1.0, new_worker_secret()
+    floor_s, secret = 2.0, new_worker_secret()  # the bound: no forward measured past the warm-up
     actor = TargetRankActor(0, 1, num_threads=None)
     stuck, entered = threading.Event(), threading.Event()
     try:
