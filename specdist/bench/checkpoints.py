@@ -105,3 +105,95 @@ def write_random_llama(path: str, vocab_size: int, dtype: torch.dtype = torch.bf
         json.dump(config, f, indent=1)
     num_params = sum(torch.Size(s).numel() for s in shapes.values())
     return Written(path, num_params, total)
+
+
+def write_random_eagle3_head(path: str, target_config, draft_vocab_size: int | None = None, seed: int = 0,
+                             std: float = 0.02, hidden_size: int | None = None,
+                             intermediate_size: int | None = None, num_heads: int | None = None,
+                             num_kv_heads: int | None = None, aux_layers=None, with_embed: bool = False,
+                             dtype: torch.dtype = torch.float32) -> Written:
+    """Write a random EAGLE-3 draft head for the target whose config is ``target_config`` (a
+    transformers config or a dict) to ``path``: ``config.json`` and ``model.safetensors`` in the
+    published layout (see :mod:`specdist.models.eagle3`).
+
+    Sizes default to the target's (hidden size, intermediate size, heads, kv heads); the head's
+    ``vocab_size`` is the target's, ``target_hidden_size`` the target's hidden size, and RoPE
+    the target's (``rope_theta``, and ``rope_scaling`` when not the default type).
+    ``draft_vocab_size`` (default: the target's vocabulary) below it draws a random injective
+    draft-to-target map, stored as ``d2t`` offsets (draft ids in increasing target-id order)
+    with its ``t2d`` membership mask. ``aux_layers``, when given, is written as
+    ``eagle_aux_hidden_state_layer_ids`` as is; else the field is left out (the reader's default).
+    ``with_embed``: write ``embed_tokens.weight`` (else the head uses the target's embedding).
+    Matrices are N(0, std^2), norm weights 1 + N(0, std^2).
+    """
+    from safetensors.torch import save_file
+
+    def get(key, default=None):
+        if isinstance(target_config, dict):
+            return target_config.get(key, default)
+        return getattr(target_config, key, default)
+
+    vocab = int(get("vocab_size"))
+    t_hidden = int(get("hidden_size"))
+    h = int(hidden_size or t_hidden)
+    heads = int(num_heads or get("num_attention_heads"))
+    kv_heads = int(num_kv_heads or get("num_key_value_heads") or heads)
+    inter = int(intermediate_size or get("intermediate_size"))
+    head_dim = h // heads if hidden_size or num_heads else int(get("head_dim") or h // heads)
+    draft_vocab = int(draft_vocab_size or vocab)
+    if draft_vocab > vocab:
+        raise ValueError(f"draft_vocab_size {draft_vocab} exceeds the target's vocabulary {vocab}")
+
+    rope = dict(get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", get("rope_theta", 10000.0)))
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else get("rope_scaling")
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(*shape):
+        return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+    def norm_weight():
+        return (1.0 + torch.randn(h, generator=gen) * std).to(dtype)
+
+    tensors = {
+        "fc.weight": matrix(h, 3 * t_hidden),
+        "midlayer.self_attn.q_proj.weight": matrix(heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": matrix(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": matrix(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": matrix(h, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": matrix(inter, h),
+        "midlayer.mlp.up_proj.weight": matrix(inter, h),
+        "midlayer.mlp.down_proj.weight": matrix(h, inter),
+        "midlayer.input_layernorm.weight": norm_weight(),
+        "midlayer.hidden_norm.weight": norm_weight(),
+        "midlayer.post_attention_layernorm.weight": norm_weight(),
+        "norm.weight": norm_weight(),
+        "lm_head.weight": matrix(draft_vocab, h),
+    }
+    if with_embed:
+        tensors["embed_tokens.weight"] = matrix(vocab, h)
+    if draft_vocab < vocab:
+        targets = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values  # [Vd] distinct target ids
+        tensors["d2t"] = targets - torch.arange(draft_vocab)  # target id of draft id i: i + d2t[i]
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[targets] = True
+        tensors["t2d"] = t2d
+
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta, "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(get("max_position_embeddings", 2048)), "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab, "target_hidden_size": t_hidden, "norm_before_residual": False,
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if aux_layers is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layers]
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    num_params = sum(t.numel() for name, t in tensors.items() if t.is_floating_point())
+    return Written(path, num_params, sum(t.nbytes for t in tensors.values()))
