@@ -15,10 +15,12 @@ Shape::
                                      #   float: every weight in dtype; auto: native for a GGUF file on one
                                      #   rank, float otherwise (native does not shard across ranks yet)
     draft:
-      method: self-w8                # model | self-w8 | self-w4 | ngram | suffix | hybrid | none (self-w4: the
-                                     #   target's own 4-bit copy, a GGUF file's own blocks where it is one;
-                                     #   hybrid: self-w8 and the suffix index, the suffix draft when confident)
-      model: null                    # local HF causal LM (method: model only), same vocabulary
+      method: self-w8                # model | self-w8 | self-w4 | ngram | suffix | hybrid | eagle3 | none (self-w4:
+                                     #   the target's own 4-bit copy, a GGUF file's own blocks where it is one;
+                                     #   hybrid: self-w8 and the suffix index, the suffix draft when confident;
+                                     #   eagle3: an EAGLE-3 head reading the target's hidden states)
+      model: null                    # method model: a local HF causal LM with the target's vocabulary;
+                                     #   eagle3: a head directory in the published EAGLE-3 layout
       dtype: float32                 # as target.dtype, for method model; self-w8 (the target's own int8
                                      #   copy) runs in target.dtype; q is float32 and fp16-exact in any dtype
       num_speculative_tokens: 4      # draft length k (the maximum under adaptive or confidence_threshold > 0)
@@ -102,7 +104,8 @@ from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
-DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "none")
+DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "eagle3", "none")
+HEAD_METHODS = ("model", "eagle3")  # the methods that draft with the model draft.model names
 SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.engine.draft_length.POLICIES
@@ -158,10 +161,10 @@ class DraftConfig:
         _check_choice(self.method, DRAFT_METHODS, f"{key}.method")
         _check_choice(self.pipeline_miss, PIPELINE_MISS, f"{key}.pipeline_miss")
         _check_choice(self.dtype, DTYPES, f"{key}.dtype")
-        if self.method == "model":
+        if self.method in HEAD_METHODS:
             _check_nonempty(self.model, f"{key}.model")
         elif self.model is not None:
-            raise ConfigError(f"{key}.model", f"is only used with method 'model', not {self.method!r}")
+            raise ConfigError(f"{key}.model", f"is only used with methods 'model' and 'eagle3', not {self.method!r}")
         _check_int(self.num_speculative_tokens, f"{key}.num_speculative_tokens", 1, 64)
         _check_choice(self.length_policy, LENGTH_POLICIES, f"{key}.length_policy")
         if not 0.0 <= self.confidence_threshold < 1.0:

@@ -131,12 +131,32 @@ def tiny_models(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def eagle3_models(tiny_models, tmp_path_factory):
+    """``tiny_models`` and ``"eagle3"``: an EAGLE-3 head for the tiny target in the published layout.
+    Its draft vocabulary is 6 of the 8 tokens (d2t); it reads the target's layers 0, 1 and 2 (2: the
+    last layer's output); it is distilled from the target (tests/eagle3_fit.py), so that about a
+    third of its drafts are accepted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle3_fit import fit_head
+    from specdist.bench.checkpoints import write_random_eagle3_head
+
+    path = str(tmp_path_factory.mktemp("eagle3") / "head")
+    write_random_eagle3_head(path, AutoConfig.from_pretrained(tiny_models["target"]), draft_vocab_size=6, seed=4,
+                             std=0.1, aux_layers=[0, 1, 2])
+    fit_head(path, AutoModelForCausalLM.from_pretrained(tiny_models["target"]))
+    return dict(tiny_models, eagle3=path)
+
+
 def tiny_config(tiny_models, method: str = "model", k: int = 3, length_policy: str = "fixed", **engine) -> dict:
     """A config over the tiny models. ``fixed`` draft lengths by default: seeded runs then
     reproduce token for token, which most tests compare (the adaptive rule has its own tests)."""
     draft = {"method": method, "num_speculative_tokens": k, "length_policy": length_policy}
     if method == "model":
         draft["model"] = tiny_models["draft"]
+    elif method == "eagle3":
+        draft["model"] = tiny_models["eagle3"]
     return {
         "target": {"model": tiny_models["target"]},
         "draft": draft,

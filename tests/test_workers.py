@@ -442,7 +442,7 @@ def test_local_and_remote_transports_raise_the_same_errors(workers):
                     assert (e.code, e.item, e.request_ids) == (code, item, ids), (e.code, e.item, e.request_ids, str(e))
                 assert str(errs[0]) in str(errs[1])  # the remote message is the core's, after the address
         # a remote call that succeeds returns the core's timing from the trailing metadata
-        assert set(remote_v.prefill([StartItem("ok", [1, 2], sp, 1)]).phases) == {"prefill"}
+        assert set(remote_v.prefill([StartItem("ok", [1, 2], sp, 1)])[1].phases) == {"prefill"}
         assert set(remote_d.start([StartItem("ok", [1, 2], sp, draft_seed(1))]).phases) == {"prefill"}
         for transport in (LocalDrafter(draft), remote_d):
             with pytest.raises(TransportError) as ei:

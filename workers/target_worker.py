@@ -31,7 +31,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     def _prefill(self, msg: target_pb2.PrefillRequest):
         items = start_items_from_proto(msg)
-        timing = self.core.prefill(items)
+        _, timing = self.core.prefill(items)
         return target_pb2.PrefillResponse(request_ids=[it.request_id for it in items]), timing
 
     def _verify(self, msg: target_pb2.VerifyRequest):

@@ -15,6 +15,17 @@ class behind gRPC (``workers/draft_worker.py``). The methods:
 - ``suffix`` (SuffixDecoding): the most frequent continuation of the longest suffix that
   occurred before in any sequence of this core, live or recently finished
   (:class:`specdist.cores.suffix.SuffixIndex`, one per core); q is one-hot.
+- ``eagle3``: an EAGLE-3 head (:mod:`specdist.models.eagle3`) over its own one-layer slot KV
+  cache. It drafts from the target's hidden states (three layers' inputs, ``StartItem.hidden_layers``)
+  that arrive with each ProposeItem for the positions committed since the last one: position
+  ``i`` of the head's cache is computed from the target's fused states at ``i`` and the token at
+  ``i + 1``. The first pass of a step feeds every such pair not fed yet (the prompt's at the
+  first draft, then ``accepted + 1`` per step); its output at the last committed position gives
+  the first draft token, and each further pass feeds the drafted token with the head's own
+  output for the position before in place of the target's states, as EAGLE-3 drafts. Those
+  positions are rolled back at the next commit, when the target's states replace them.
+  Sampling, q and the couplings are those of model drafts; a one-token prompt drafts from its
+  second step (the target has no state of it before its first verification).
 - ``hybrid``: a model runner (the target's int8 copy) *and* the suffix index. Per request and
   step the suffix draft is taken when its score (expected accepted tokens by the counts) is at
   least ``min(min_score, k)`` (k: the tokens asked for; a score of k means every token certain by
@@ -57,6 +68,7 @@ import torch
 from specdist.config import DraftConfig, target_copy
 from specdist.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from specdist.errors import ResourceExhausted
+from specdist.models.eagle3 import Eagle3Head
 from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.ngram import NgramIndex
@@ -96,6 +108,9 @@ class DraftRequest:
     slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
     index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
     suffix: SuffixState | None = None  # suffix / hybrid drafts: seq's place in the core's suffix index
+    # eagle3: the target's hidden states not fed to the head yet ([m, nD] each, positions fed .. len(seq) - 2)
+    states: list = field(default_factory=list)
+    fed: int = 0  # eagle3: positions whose head K/V come from the target's states (0 .. fed - 1)
     proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
 
 
@@ -112,6 +127,7 @@ class _Drafting:
     toks: list[list[int]]
     rows_q: list[list[torch.Tensor]]  # [V] rows of the sampled tokens, on the device
     guesses: list[int | None]
+    feats: list = field(default_factory=list)  # eagle3: [H] the head's output at each row's last fed position
 
 
 class DrafterCore:
@@ -120,12 +136,17 @@ class DrafterCore:
     def __init__(self, runner: CausalLMRunner | None, vocab_size: int, max_model_len: int,
                  confidence_threshold: float = 0.0, ngram: tuple[int, int] | None = None,
                  prefix_source: PrefixSource | None = None, suffix: SuffixSettings | None = None,
-                 defer_prefill: bool = False):
-        kinds = (runner is not None, ngram is not None, suffix is not None)
-        if kinds not in ((True, False, False), (False, True, False), (False, False, True), (True, False, True)):
-            raise ValueError("a drafter has a model runner, n-gram settings, suffix settings, or a runner and "
-                             "suffix settings (hybrid)")
+                 defer_prefill: bool = False, head: Eagle3Head | None = None, max_batch_size: int = 0):
+        kinds = (runner is not None, ngram is not None, suffix is not None, head is not None)
+        if kinds not in ((True, False, False, False), (False, True, False, False), (False, False, True, False),
+                         (True, False, True, False), (False, False, False, True)):
+            raise ValueError("a drafter has a model runner, n-gram settings, suffix settings, a runner and "
+                             "suffix settings (hybrid), or an EAGLE-3 head")
         self.runner = runner
+        self.head = head
+        # eagle3: the head's K/V (one layer), and the target layers whose hidden states it drafts from
+        self.head_cache = head.new_cache(max_batch_size, max_model_len) if head is not None else None
+        self.hidden_layers: tuple[int, ...] = tuple(head.spec.aux_layers) if head is not None else ()
         self.ngram = ngram
         self.suffix_settings = suffix
         self.suffix = SuffixIndex(suffix.max_depth, suffix.cache_requests) if suffix is not None else None
@@ -138,7 +159,8 @@ class DrafterCore:
         self.q_top_k = 0
         self.prefix_source = prefix_source
         # model drafts: prompt K/V shared across requests (a released slot is kept until needed)
-        self.prefixes = PrefixCache(runner.cache) if runner is not None else None
+        # (eagle3: off; a head's K/V need the target's states of every prompt position, which come with it)
+        self.prefixes = PrefixCache(self.cache, enabled=head is None) if self.cache is not None else None
         self.requests: dict[str, DraftRequest] = {}
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
         # True (the in-process engine): a prompt's K/V wait for the request's first draft. False: start
@@ -153,6 +175,13 @@ class DrafterCore:
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    defer_prefill=defer_prefill)
+
+    @classmethod
+    def from_head(cls, head: Eagle3Head, max_batch_size: int, max_model_len: int,
+                  confidence_threshold: float = 0.0) -> "DrafterCore":
+        """An EAGLE-3 head (:func:`specdist.models.eagle3.load_eagle3_head`) drafting over the target's vocabulary."""
+        return cls(None, head.spec.vocab_size, max_model_len, confidence_threshold, head=head,
+                   max_batch_size=max_batch_size)
 
     @classmethod
     def from_ngram(cls, vocab_size: int, max_model_len: int, ngram_min: int = 1, ngram_max: int = 3) -> "DrafterCore":
@@ -173,13 +202,15 @@ class DrafterCore:
 
     @property
     def method(self) -> str:
+        if self.head is not None:
+            return "eagle3"
         if self.suffix is not None:
             return "suffix" if self.runner is None else "hybrid"
         return "ngram" if self.runner is None else "model"
 
     @property
     def cache(self) -> SlotKVCache | None:
-        return self.runner.cache if self.runner is not None else None
+        return self.runner.cache if self.runner is not None else self.head_cache
 
     # ------------------------------------------------------------ calls
     def start(self, items: list[StartItem]) -> CallTiming:
@@ -222,7 +253,7 @@ class DrafterCore:
                 computed.append(r)
         # Deferred: the other prompts' K/V are computed at the request's first draft pass (_catch_up),
         # so a request the length rule never gives a draft (k = 0) costs no draft forward at all.
-        if computed and not self.defer_prefill:
+        if computed and not self.defer_prefill and self.runner is not None:  # (a head waits for the target's states)
             self.runner.forward([r.slot for r in computed], [r.seq[cache.lengths[r.slot]:-1] for r in computed],
                                 [0] * len(computed))
         return CallTiming({"prefill": now() - t0})
@@ -233,8 +264,10 @@ class DrafterCore:
         plan = self.validate_propose(items)
         t0 = now()
         self.catch_up_s = 0.0
-        for r, n_acc, new, _ in plan:
+        for it, (r, n_acc, new, _) in zip(items, plan):
             self.commit(r, n_acc, new)
+            if it.hidden is not None and it.hidden.shape[0]:
+                r.states.append(it.hidden)
         proposals = self.draft(items, [p[0] for p in plan], [p[3] for p in plan])
         prefill = self.catch_up_s
         phases = {"draft": now() - t0 - prefill} | ({"prefill": prefill} if prefill else {})
@@ -260,8 +293,23 @@ class DrafterCore:
                 raise InvalidArgument(
                     f"items[{i}].num_tokens",
                     f"{it.num_tokens} draft tokens after {seq_len} would pass the context limit {self.max_model_len}")
+            if self.head is not None:
+                self._check_states(r, it.hidden, seq_len, f"items[{i}].hidden")
             plan.append((r, int(it.num_accepted), new, int(it.num_tokens)))
         return plan
+
+    def _check_states(self, r: DraftRequest, hidden, seq_len: int, field: str) -> None:
+        """eagle3: after the commit, the head holds the target's states of every position but the last."""
+        have = r.fed + sum(int(x.shape[0]) for x in r.states)
+        rows = 0 if hidden is None else int(hidden.shape[0])
+        if have + rows != seq_len - 1:
+            raise FailedPrecondition(field, f"has the target's hidden states of {rows} positions; the request needs "
+                                            f"{seq_len - 1 - have} (states of {have} of its {seq_len - 1} positions "
+                                            "before the last are here)")
+        width = len(self.hidden_layers) * self.head.spec.target_hidden_size
+        if hidden is not None and (hidden.dim() != 2 or int(hidden.shape[1]) != width):
+            raise InvalidArgument(field, f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
+                                         f"({len(self.hidden_layers)} layers x hidden size)")
 
     def commit(self, r: DraftRequest, n_acc: int, new: list[int], prepared: list[int] | None = None) -> None:
         """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them.
@@ -282,13 +330,15 @@ class DrafterCore:
             # proposal it holds a prefix of the old seq: kept as it is); with prepared drafts it holds
             # the committed sequence, then them
             valid = prev + n_acc if prepared is None else len(r.seq) + len(prepared) - 1
+            if self.head is not None:  # the head's drafted positions were fed its own states: recomputed
+                valid = r.fed
             self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], valid))
 
     def draft(self, items: list[ProposeItem], reqs: list[DraftRequest], ks: list[int]) -> list[Proposal]:
         """Draft ``ks[b]`` tokens after each request's committed sequence; they become its proposal."""
         if self.suffix is not None:
             proposals = self._draft_suffix(items, reqs, ks)
-        elif self.runner is None:
+        elif self.runner is None and self.head is None:
             proposals = [Proposal(it.request_id, r.index.lookup(k) if k > 0 else []) for it, r, k in zip(items, reqs, ks)]
         else:
             toks, qs, _ = self._draft_model(reqs, ks)
@@ -354,6 +404,9 @@ class DrafterCore:
             rows_q=[[] for _ in range(bsz)],
             guesses=[None] * bsz,
         )
+        if self.head is not None:  # nothing new to feed (a one-token prompt before its first verification): no drafts
+            d.feats = [None] * bsz
+            d.passes = [p if r.states else 0 for p, r in zip(d.passes, reqs)]
         alive = [True] * bsz
         held = each_pass if each_pass is not None else contextlib.nullcontext()
         for j in range(max(d.passes, default=0)):
@@ -370,15 +423,18 @@ class DrafterCore:
     def _draft_pass(self, d: "_Drafting", j: int, rows: list[int]) -> None:
         """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``)."""
         reqs = d.reqs
-        if j == 0:  # everything of seq + ahead the cache has not seen yet (usually 1 or 2 tokens)
-            inputs = []
-            for b in rows:
-                seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
-                inputs.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
-            inputs = self._catch_up([reqs[b].slot for b in rows], inputs)
+        if self.head is not None:
+            logits = self._head_pass(d, j, rows)
         else:
-            inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
-        logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
+            if j == 0:  # everything of seq + ahead the cache has not seen yet (usually 1 or 2 tokens)
+                inputs = []
+                for b in rows:
+                    seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
+                    inputs.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
+                inputs = self._catch_up([reqs[b].slot for b in rows], inputs)
+            else:
+                inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
+            logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
         dev = logits.device
         idx = torch.tensor(rows)
         temp, top_k, top_p = d.sampling
@@ -415,6 +471,39 @@ class DrafterCore:
         else:
             for b, t in zip(rows, x.tolist()):
                 d.toks[b].append(t)
+
+    def _head_pass(self, d: "_Drafting", j: int, rows: list[int]) -> torch.Tensor:  # -> [n, V] float32
+        """eagle3, pass j: the head's logits of the next token of each request of ``rows``.
+
+        Pass 0 feeds the positions the head has not had the target's states of: the token after each
+        (``seq[fed + 1:]``) with the fused states (``head.fuse``), long rows in a forward of their own
+        first (as :meth:`_catch_up`). Later passes feed the last drafted token with the head's own
+        output at the position before."""
+        reqs, head = d.reqs, self.head
+        slots = [reqs[b].slot for b in rows]
+        if j == 0:
+            inputs, feats = [], []
+            for b in rows:
+                r = reqs[b]
+                inputs.append(r.seq[r.fed + 1:])
+                feats.append(head.fuse(torch.cat(r.states) if len(r.states) > 1 else r.states[0]))  # [m, H]
+                r.states = []
+                r.fed = len(r.seq) - 1
+            long = [n for n, toks in enumerate(inputs) if len(toks) > CATCH_UP_IN_PASS]
+            if long:
+                t0 = now()
+                head.forward(self.cache, [slots[n] for n in long], [inputs[n][:-CATCH_UP_IN_PASS] for n in long],
+                             [feats[n][:-CATCH_UP_IN_PASS] for n in long])
+                self.catch_up_s += now() - t0
+                inputs = [toks[-CATCH_UP_IN_PASS:] for toks in inputs]
+                feats = [f[-CATCH_UP_IN_PASS:] for f in feats]
+        else:
+            inputs = [[d.toks[b][-1]] for b in rows]
+            feats = [d.feats[b][None] for b in rows]  # [1, H]
+        logits, outs = head.forward(self.cache, slots, inputs, feats)  # [n, V], n x [m, H]
+        for b, o in zip(rows, outs):
+            d.feats[b] = o[-1]
+        return logits
 
     def _catch_up(self, slots: list[int], inputs: list[list[int]]) -> list[list[int]]:
         """Feed all but the last ``CATCH_UP_IN_PASS`` unseen tokens of long rows (a prompt not
@@ -484,10 +573,22 @@ def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: tor
     (``self-w8``, ``self-w4``, and ``hybrid``'s self-w8): the target's low-precision copy
     (:func:`specdist.models.native.self_draft`) of ``target`` (the loaded target: a self-w4 copy
     of a target already on int4 groups shares its modules) or, without one, of the target loaded
-    here: a GGUF file's own blocks for self-w4, the floats (quantized) otherwise."""
+    here: a GGUF file's own blocks for self-w4, the floats (quantized) otherwise. ``eagle3``: the
+    head directory ``dc.model`` (:func:`specdist.models.eagle3.load_eagle3_head`), refused unless it
+    fits ``target`` (hidden size, vocabulary, layers), in the target's dtype; a head without its own
+    embedding shares the target's."""
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
 
     method = dc.method
+    if method == "eagle3":
+        from specdist.models.eagle3 import load_eagle3_head
+
+        if target is None:
+            target = load_model(resolve_model(target_model, "target.model"), dtype, device)
+        head = resolve_model(dc.model, "draft.model")
+        if head.gguf_file is not None:
+            raise ConfigError("draft.model", "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
+        return load_eagle3_head(head.directory, target, _torch_dtype(target), device)
     if method == "model":
         if not dc.model:
             raise ConfigError("draft.model", "method 'model' needs a draft model")
@@ -510,6 +611,11 @@ def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: tor
     if target is None:
         target = load_model(src, dtype, device, weights="native" if copy == "self-w4" else "float")
     return self_draft(target, copy, src.gguf_path)
+
+
+def _torch_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's activations run in (its embedding's)."""
+    return model.get_input_embeddings().weight.dtype
 
 
 def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:
@@ -539,7 +645,7 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill)
     if core is not None:
         core.q_top_k = dc.q_top_k
-        if core.prefixes is not None:
+        if core.prefixes is not None and core.head is None:
             core.prefixes.enabled = prefix_caching
     return core
 
@@ -552,6 +658,13 @@ def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_s
         return DrafterCore.from_ngram(vocab_size, max_model_len, dc.ngram_min, dc.ngram_max)
     if method == "suffix":
         return DrafterCore.from_suffix(vocab_size, max_model_len, suffix_settings(dc))
+    if method == "eagle3":
+        if model is None:
+            raise ConfigError("draft.model", "method 'eagle3' needs the head (load_draft_model)")
+        if model.spec.vocab_size != vocab_size:
+            raise ConfigError("draft.model", f"the head's vocabulary size {model.spec.vocab_size} differs from the "
+                                             f"target's {vocab_size}")
+        return DrafterCore.from_head(model, max_batch_size, max_model_len, dc.confidence_threshold)
     if model is None:
         raise ConfigError("draft.method", f"{method!r} needs a draft model")
     check_draft_vocab(model, vocab_size)
@@ -584,6 +697,7 @@ class LocalDrafter(LocalTransport):
 
     def __init__(self, core: DrafterCore, name: str = "draft/0"):
         super().__init__(core, name)
+        self.hidden_layers = core.hidden_layers
 
     def start(self, items: list[StartItem]) -> CallTiming:
         return self._call(self.core.start, items)

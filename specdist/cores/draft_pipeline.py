@@ -166,6 +166,10 @@ class DraftPipeline:
         return self.core.method
 
     @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.core.hidden_layers
+
+    @property
     def requests(self) -> dict:
         return self.core.requests
 

@@ -90,6 +90,7 @@ from specdist.transport.protocol import (
     ACCEPT_ROLE,
     SAMPLE_ROLE,
     CallTiming,
+    Prefilled,
     StartItem,
     Verified,
     VerifyItem,
@@ -115,6 +116,7 @@ class _TargetRequest:
     params: SamplingParams
     seed: int  # keys the target's uniforms (transport.target_uniforms)
     coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.cores.coupling (noise keyed by draft_seed)
+    hidden: bool = False  # its results carry the hidden states of runner.hidden_layers (StartItem.hidden_layers)
 
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
@@ -302,11 +304,11 @@ class VerifierCore:
             self._pending = []
 
     # ------------------------------------------------------------ calls
-    def prefill(self, items: list[StartItem]) -> CallTiming:
+    def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         with self._watched("prefill", sum(len(it.prompt_ids) for it in items)):
             return self._prefill(items)
 
-    def _prefill(self, items: list[StartItem]) -> CallTiming:
+    def _prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         self._check_leader()
         check_request_ids([it.request_id for it in items])
         parsed = []
@@ -314,6 +316,7 @@ class VerifierCore:
             if it.request_id in self.requests:
                 raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already admitted")
             prompt = check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len, f"items[{i}].prompt_token_ids")
+            self._check_hidden_layers(it.hidden_layers, f"items[{i}].hidden_layers")
             parsed.append((it, prompt))
         if len(items) > self.prefixes.available:
             raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
@@ -332,18 +335,39 @@ class VerifierCore:
             if not later:
                 in_call.add(len(first), want)
             (second if later else first).append((it, prompt))
+        hidden: dict[str, torch.Tensor] = {}
         for group in (first, second):
             todo = []
             for it, prompt in group:
                 slot, held = self.prefixes.acquire(prompt[:-1], live)
-                r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling)
+                r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling,
+                                                                  bool(it.hidden_layers))
+                if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
+                    self._local(("rollback", slot, 0))
+                    held = 0
                 if held < len(prompt) - 1:
-                    todo.append((r, held))
+                    todo.append((r, held, it.request_id))
             if todo:
-                self._forward([r.slot for r, _ in todo], [r.seq[held:-1] for r, held in todo], [0] * len(todo))
+                self._forward([r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo))
+                for row, (r, _, rid) in enumerate(todo):
+                    if r.hidden:
+                        hidden[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
             for it, prompt in group:
                 live.add(self.requests[it.request_id].slot, prompt[:-1])
-        return CallTiming({"prefill": now() - t0})
+        out = [Prefilled(it.request_id, hidden.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
+               for it in items]
+        return out, CallTiming({"prefill": now() - t0})
+
+    def _check_hidden_layers(self, layers, field: str) -> None:
+        """A request may ask for the hidden states this target keeps (runner.hidden_layers), or none."""
+        if layers and tuple(layers) != self.runner.hidden_layers:
+            kept = self.runner.hidden_layers
+            raise FailedPrecondition(field, f"asks for the hidden states of layers {tuple(layers)}; this target keeps "
+                                            + (f"layers {kept}" if kept else "none (its drafts use no EAGLE-3 head)"))
+
+    def _no_hidden(self) -> torch.Tensor:  # [0, nD]: a one-token prompt has no position before its last
+        width = len(self.runner.hidden_layers) * int(self.runner.config.hidden_size)
+        return torch.zeros(0, width, dtype=self.runner.dtype, device=self.runner.device)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
         with self._watched("verify", sum(1 + (len(it.proposal.token_ids) if it.proposal else 0) for it in items)):
@@ -364,6 +388,7 @@ class VerifierCore:
         logits = self._forward(
             [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order]
         )  # [B, K+1, V] in slot order, on the model's device
+        states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
 
         probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
@@ -380,12 +405,14 @@ class VerifierCore:
         t2 = now()
 
         out = []
+        row = {b: i for i, b in enumerate(order)}
         for b, (it, r) in enumerate(zip(items, reqs)):
             prev = len(r.seq)
             self._local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
             r.seq.extend(drafts[b][: n_acc[b]])
             r.seq.append(final[b])
-            out.append(Verified(it.request_id, n_acc[b], final[b], logprobs.get(b)))
+            kept = states[row[b], : n_acc[b] + 1] if r.hidden else None  # [n_acc + 1, nD]
+            out.append(Verified(it.request_id, n_acc[b], final[b], logprobs.get(b), kept))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
 
     def _target_probs(self, logits: torch.Tensor, order: list[int], params: list[SamplingParams],
@@ -625,7 +652,7 @@ class LocalVerifier(LocalTransport):
         super().__init__(core, "target")
         self.vocab_size = core.vocab_size
 
-    def prefill(self, items: list[StartItem]) -> CallTiming:
+    def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         return self._call(self.core.prefill, items)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:

@@ -37,6 +37,8 @@ class Engine(Scheduler):
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True,
                                                                  prefix_caching=ec.prefix_caching)
+        if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
+            self.target_core.runner.hidden_layers = self.draft_core.hidden_layers
         if ec.compiled(self.target_core.runner.device.type):
             k = dc.num_speculative_tokens if dc.enabled else 0
             self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)

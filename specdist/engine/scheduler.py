@@ -101,6 +101,12 @@ _REFUSED_CODES = _PER_ITEM_CODES | {ErrorCode.RESOURCE_EXHAUSTED}  # the core re
 _TARGET_DOWN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})  # rank 0 unreachable or hung
 
 
+def _joined(parts: list):  # [m_i, nD] each -> [sum m_i, nD], or None for none
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _per_item(failed) -> bool:
     """Whether any of the failures (TransportErrors) was a per-item refusal."""
     return any(e.code in _PER_ITEM_CODES for e in failed)
@@ -433,7 +439,7 @@ class Scheduler:
         for i, res in zip(done, results or []):
             r = reqs[i]
             advanced.append(r)
-            records.append(self._apply(r, res.num_accepted, res.next_token, res.logprobs))
+            records.append(self._apply(r, res.num_accepted, res.next_token, res.logprobs, res.hidden))
         self.stats.steps += 1
         t3 = now()
         t["output"] += t3 - t2
@@ -452,15 +458,19 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - an observer must not break the step
                 log.exception("step-event listener %r failed", listener)
 
-    def _apply(self, r: Request, n_acc: int, next_token: int, logprobs: list | None = None) -> RequestStep:
+    def _apply(self, r: Request, n_acc: int, next_token: int, logprobs: list | None = None,
+               hidden=None) -> RequestStep:
         """Fold one verification result into the request: output (with the kept tokens' log-probabilities
-        when it asked), counters, the next ProposeItem."""
+        when it asked), counters, the next ProposeItem (with the kept positions' hidden states, for an
+        EAGLE-3 replica)."""
         p = r.proposal
         drafted = list(p.token_ids) if p is not None else []
         if p is not None:  # its drafter holds this proposal: the next ProposeItem says how much survived
             r.num_accepted = n_acc
         r.full_accept = p is not None and n_acc == len(drafted)  # a pipelined drafter's guess is tested next
         r.new_tokens.append(next_token)  # emitted since the last proposal (several when it skipped steps)
+        if hidden is not None and r.replica is not None:
+            r.hidden.append(hidden)
         r.proposal = None
         self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
         out = r.output
@@ -524,7 +534,8 @@ class Scheduler:
     def _propose_on(self, i: int, work: list[tuple[Request, int]]) -> tuple[float, bool]:
         """Propose on replica i (may run on the pool). Returns (its compute seconds, is remote)."""
         rep = self.replicas[i]
-        items = [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len) for r, k in work]
+        items = [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len,
+                             hidden=_joined(r.hidden)) for r, k in work]
         proposals, failed, timing, wall = self._call_isolating(rep.drafter.propose, items)
         ok = [r for j, (r, _) in enumerate(work) if j not in failed]
         ntok = 0
@@ -533,7 +544,7 @@ class Scheduler:
             if p.pipeline is not None and r.full_accept and len(r.new_tokens) == 1:
                 policy.observe_guess(p.pipeline == HIT)  # the guess of its bonus token was tested
             r.proposal = p
-            r.num_accepted, r.new_tokens = 0, []  # committed on the drafter
+            r.num_accepted, r.new_tokens, r.hidden = 0, [], []  # committed on the drafter
             ntok += len(p)
         if timing.hidden_s:
             with self._lock:
@@ -617,11 +628,12 @@ class Scheduler:
 
     def _prefill(self, new: list[Request]) -> tuple[list[Request], list[Request]]:
         """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
-        ok, requeue, errors, timing = self._start_on(self.verifier, self._target_unreleased, self.verifier.prefill,
-                                                     new, int)
-        for r in ok:
+        ok, requeue, errors, prefilled = self._start_on(self.verifier, self._target_unreleased, self.verifier.prefill,
+                                                        new, int)
+        for r, p in zip(ok, prefilled):
             r.on_target = True
             self._target_live += 1
+            r.hidden = [p.hidden] if p.hidden is not None and r.replica is not None else []
         messages = self._target_errors({j: e for j, (_, e) in enumerate(errors)}, len(new))
         for j, (r, _) in enumerate(errors):
             self._fail(r, *messages[j])
@@ -658,19 +670,26 @@ class Scheduler:
             self.waiting.appendleft(r)
 
     def _start_on(self, transport, unreleased: _Unreleased, method, rs: list[Request], seed_of):
-        """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)], timing).
+        """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)],
+        the call's results for the started ones (the verifier's Prefilled; None for a drafter's start)).
 
         A call that failed without blaming an item (a worker down, a deadline) may have started
         them before it failed: they are released there (retried later if that fails too).
         """
-        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling) for r in rs]
-        _, failed, timing, _ = self._call_isolating(method, items)
+        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling,
+                           self._hidden_layers(r)) for r in rs]
+        results, failed, _, _ = self._call_isolating(method, items)
         unknown = [items[j].request_id for j, e in failed.items() if e.code not in _REFUSED_CODES]
         if unknown:
             self._release_on(transport, unreleased, unknown)
         full = [r for j, r in enumerate(rs) if j in failed and failed[j].code == ErrorCode.RESOURCE_EXHAUSTED]
         errors = [(rs[j], e) for j, e in failed.items() if e.code != ErrorCode.RESOURCE_EXHAUSTED]
-        return [r for j, r in enumerate(rs) if j not in failed], full, errors, timing
+        started = [r for j, r in enumerate(rs) if j not in failed]
+        return started, full, errors, results if results is not None else [None] * len(started)
+
+    def _hidden_layers(self, r: Request) -> tuple[int, ...]:
+        """The target layers whose hidden states request r's replica drafts from (EAGLE-3), or ()."""
+        return self.replicas[r.replica].drafter.hidden_layers if r.replica is not None else ()
 
     # ---------------------------------------------------------------- calls and failures
     def _call_isolating(self, method, items: list):
@@ -817,6 +836,7 @@ class Scheduler:
         """Its drafter failed: release it there (best effort) and go on without drafts."""
         log.warning("request %s continues without drafts: %s", r.request_id, message)
         r.proposal = None
+        r.hidden = []
         self._release_drafter([r])
         r.replica = None
 

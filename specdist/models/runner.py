@@ -121,6 +121,11 @@ class CausalLMRunner:
         self.mask_windows = list(dict.fromkeys(self.windows))  # the static pass builds one mask per window
         self.mask_of_layer = [self.mask_windows.index(w) for w in self.windows]
         self.compiled = None  # the compiled _static_pass, once compile() ran
+        # Layers whose input hidden states every forward keeps (an EAGLE-3 head reads them,
+        # specdist.models.eagle3; the number of layers: the last one's output): () keeps none. ``last_hidden`` is the latest forward's
+        # [B, T, len(hidden_layers) * D] in call order, rows right-padded like its tokens.
+        self.hidden_layers: tuple[int, ...] = ()
+        self.last_hidden: torch.Tensor | None = None
         # RoPE cos/sin for every position, computed once: [max_len + 1, rd] each (last row: scratch),
         # one table per layer type where the rotary module keeps several (Gemma 3).
         rotary = base.rotary_emb
@@ -190,6 +195,7 @@ class CausalLMRunner:
         for s, st, n in zip(slots, starts, n_new):
             if st + n > cache.max_len:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
+        self.last_hidden = None
         if self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
             logits = self._forward_static(slots, tokens, starts, num_logits)
         else:
@@ -231,7 +237,7 @@ class CausalLMRunner:
             return self._attention(q, keys, vals, mask, causal)
 
         fused = (slot_t, query_pos) if self.cpu_rope_attention else None
-        h = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D]
+        h, self.last_hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D], [B, T, nD] or None
         return self._logits(h, n_new, num_logits)
 
     def _forward_static(self, slots, tokens, starts, num_logits):
@@ -275,9 +281,13 @@ class CausalLMRunner:
                 torch._dynamo.mark_static(t, d)  # noqa: SLF001 - torch's compiler API lives in torch._dynamo
         for m in masks_d:
             torch._dynamo.mark_dynamic(m, 3)  # noqa: SLF001 - as above; [B, 1, T, S]: S
-        logits = self.compiled(*args)[:bsz, :n_out]
+        logits, hidden = self.compiled(*args)
+        logits = logits[:bsz, :n_out]
+        if hidden is not None:
+            self.last_hidden = hidden[:bsz, : max(n_new)]
         if dev.type == "cuda":  # a CUDA graph's output buffer is overwritten by its next replay
             logits = logits.clone()
+            self.last_hidden = self.last_hidden.clone() if hidden is not None else None
         return _left_aligned(logits, num_logits)
 
     def _static_pass(self, ids, write_pos, query_pos, slot_t, masks, out_idx):
@@ -294,8 +304,8 @@ class CausalLMRunner:
             vals = vc[:, :, :s_pad].index_select(0, slot_t)
             return self._attention(q, keys, vals, masks[self.mask_of_layer[i]], False)
 
-        h = self._layers(ids, write_pos, attend, (slot_t, query_pos) if self.cpu_rope_attention else None)
-        return self._head(h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1])))
+        h, hidden = self._layers(ids, write_pos, attend, (slot_t, query_pos) if self.cpu_rope_attention else None)
+        return self._head(h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))), hidden
 
     def _positions(self, tokens, starts, t_max):
         """Host-side layout of a call: ``ids`` [B, T] (0-padded, host), ``write_pos`` [B, T] (each
@@ -313,17 +323,22 @@ class CausalLMRunner:
         query_pos = torch.minimum(positions, last[:, None])  # [B, T]
         return ids, write_pos.to(self.device), query_pos.to(self.device)
 
-    def _layers(self, ids, write_pos, attend, fused=None):  # [B, T] -> hidden states [B, T, D]
-        """The decoder stack. ``attend(i, q, k, v)`` writes layer i's new keys and values into the
-        cache and returns the attention output; the eager and static passes differ only there.
-        ``fused`` = ``(slots, query_pos)`` where :attr:`cpu_rope_attention` holds: each layer's rotary,
-        cache write and attention are then :func:`cpu_kernels.rope_attention` (``attend`` unused)."""
+    def _layers(self, ids, write_pos, attend, fused=None):  # [B, T] -> ([B, T, D], [B, T, nD] or None)
+        """The decoder stack: the last layer's output and the inputs of :attr:`hidden_layers`
+        (concatenated in that order; None when there are none). ``attend(i, q, k, v)`` writes layer
+        i's new keys and values into the cache and returns the attention output; the eager and
+        static passes differ only there. ``fused`` = ``(slots, query_pos)`` where
+        :attr:`cpu_rope_attention` holds: each layer's rotary, cache write and attention are then
+        :func:`cpu_kernels.rope_attention` (``attend`` unused)."""
         bsz, t_max = ids.shape
         h = self.model.model.embed_tokens(ids)  # [B, T, D]
         # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded.
         ropes = {key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
         hd = self.head_dim
+        taps = {}  # layer index -> its input [B, T, D]
         for i, layer in enumerate(self.layers):
+            if i in self.hidden_layers:
+                taps[i] = h
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = _qkv(attn, x, self.qkv_split)
@@ -344,7 +359,9 @@ class CausalLMRunner:
             q, k = _apply_rope(q, k, cos, sin)
             o = attend(i, q, k, v)  # [B, Hq, T, hd]
             h = self._residual(layer, h, attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1)))
-        return h
+        if len(self.layers) in self.hidden_layers:  # past the last layer: its output before the final norm
+            taps[len(self.layers)] = h
+        return h, torch.cat([taps[i] for i in self.hidden_layers], -1) if taps else None
 
     def _residual(self, layer, h, a):  # [B, T, D] x2 -> [B, T, D]
         """The rest of a decoder layer after its attention output ``a``: residual adds and the MLP."""

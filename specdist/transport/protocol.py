@@ -8,7 +8,7 @@ dataclasses; the gRPC servicers convert them to and from protobuf (:mod:`specdis
 
 A request lives on a core under a ``request_id`` chosen by the scheduler. Its life:
 
-    verifier.prefill([StartItem])   drafter.start([StartItem])           (admission)
+    verifier.prefill([StartItem])   drafter.start([StartItem])           (admission) -> [Prefilled]
     drafter.propose([ProposeItem])  -> [Proposal]                         (per step, k > 0)
     verifier.verify([VerifyItem])   -> [Verified]                         (per step)
     verifier.release([id])          drafter.release([id])                (finish / abort)
@@ -53,6 +53,19 @@ class StartItem:
     params: SamplingParams
     seed: int  # the uniforms' seed on the core that receives it (drafters: draft_seed(request seed))
     coupling: str = "rejection"  # how drafts are decided (specdist.cores.coupling.COUPLINGS); both cores get the same
+    # target layers whose input hidden states the verifier returns for this request (an EAGLE-3 drafter
+    # reads them, specdist.cores.draft); () none. Must be the layers the target keeps (runner.hidden_layers)
+    hidden_layers: tuple[int, ...] = ()
+
+
+@dataclass
+class Prefilled:
+    """What the verifier's prefill returns per request."""
+
+    request_id: str
+    # with StartItem.hidden_layers: [n - 1, len(layers) * D] the hidden states at the prompt's positions
+    # 0 .. n-2 (every prompt token but the last, which goes into the first verification), on the target's device
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,6 +78,10 @@ class ProposeItem:
     num_tokens: int  # draft length k_b for this step (0: commit only)
     seq_len: int  # tokens the request holds once that is committed (a consistency check)
     preferred_format: int = 0  # wire encoding the caller prefers for q (DistributionFormat; 0: any)
+    # EAGLE-3 drafters: [m, len(layers) * D] the target's hidden states at the positions committed since the
+    # last proposal whose states the drafter has not had (the prompt's, then each step's, in order): after this
+    # item's tokens are committed the drafter holds states for every position of the sequence but the last
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,6 +117,9 @@ class Verified:
     next_token: int  # the residual or bonus token sampled after them
     # params.logprobs set: one per emitted token (the accepted drafts, then next_token); else None
     logprobs: list[TokenLogprob] | None = None
+    # StartItem.hidden_layers set: [num_accepted + 1, len(layers) * D] the hidden states at the positions this
+    # step fed and kept (the sequence's last token before it, then the accepted drafts); else None
+    hidden: torch.Tensor | None = None
 
 
 HIT, MISS = "hit", "miss"  # Proposal.pipeline
@@ -157,7 +177,7 @@ class Verifier(Protocol):
     vocab_size: int
     is_remote: bool
 
-    def prefill(self, items: list[StartItem]) -> CallTiming: ...
+    def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]: ...
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]: ...
 
@@ -169,6 +189,7 @@ class Verifier(Protocol):
 class Drafter(Protocol):
     name: str
     is_remote: bool
+    hidden_layers: tuple[int, ...]  # target layers whose hidden states it drafts from (EAGLE-3); () none
 
     def start(self, items: list[StartItem]) -> CallTiming: ...
 

@@ -49,6 +49,7 @@ from specdist.transport.grpc_status import error_code
 from specdist.transport.security import bearer_metadata
 from specdist.transport.protocol import (
     CallTiming,
+    Prefilled,
     Proposal,
     ProposeItem,
     StartItem,
@@ -205,10 +206,10 @@ class RemoteVerifier(_Remote):
         self.vocab_size = int(vocab_size)
         super().__init__(address, timeout_s, secret, message_limit)
 
-    def prefill(self, items: list[StartItem]) -> CallTiming:
+    def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         _, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
                                [it.request_id for it in items])
-        return timing
+        return [Prefilled(it.request_id) for it in items], timing
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
         resp, timing = self._call("Verify", verify_items_to_proto(items, self.vocab_size),
@@ -223,6 +224,7 @@ class RemoteDrafter(_Remote):
     # Propose and Release take about the same time call after call; Start scales with the prompt
     _adaptive = {"Propose": "call", "Release": "call", "Start": "token"}
     stub_class = draft_pb2_grpc.DraftWorkerStub
+    hidden_layers: tuple[int, ...] = ()  # target layers an EAGLE-3 worker drafts from (none over gRPC yet)
 
     def start(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),

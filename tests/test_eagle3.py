@@ -1,0 +1,197 @@
+"""EAGLE-3 drafting (``draft.method: eagle3``) through the engine, in process.
+
+The head (conftest ``eagle3_models``) is written in the published layout for the tiny target and
+distilled from it (tests/eagle3_fit.py), so that about a third of its drafts are accepted: whole
+drafts accepted and drafts rejected at their first token both occur, and a wrong verifier is
+detectable. Exactness is checked three ways: greedy output equals plain decoding, every (p, q)
+pair the real drafts produce passes the one-step identity by exact enumeration, and a G-test
+of sampled outputs against the target's exact law (with a wrong verifier as negative control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from gtest import ALPHA, K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, g_statistic, joint, merge_cells, seq_index
+from scipy import stats
+
+from specdist.cores.rejection import one_step_distribution
+from specdist.engine.local import Engine
+from specdist.errors import ConfigError
+from specdist.sampling_params import SamplingParams
+from specdist.transport.protocol import ProposeItem, StartItem, TransportError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4, 5, 6, 1, 2], [2, 2]]
+
+
+def _engine(models, k: int = 3, **kw) -> Engine:
+    cfg = tiny_config(models, method="eagle3", k=k, **kw.pop("engine", {}))
+    cfg["draft"].update(kw)
+    return Engine.from_config(cfg)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_output_equals_plain_decoding(eagle3_models, policy: str) -> None:
+    """Ragged prompts (one of one token: it drafts from its second step), one batch, k = 3."""
+    eng = _engine(eagle3_models, length_policy=policy)
+    plain = Engine.from_config(tiny_config(eagle3_models, method="none"))
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs, ref = eng.generate(PROMPTS, sp), plain.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.draft_core.method == "eagle3" and eng.target_core.runner.hidden_layers == (0, 1, 2)
+    drafted, accepted = sum(o.metrics.drafted for o in outs), sum(o.metrics.accepted for o in outs)
+    assert drafted > 0 and (accepted > 0 or policy == "adaptive"), (drafted, accepted)  # adaptive: may stop drafting
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
+def test_states_reach_the_head_for_every_position(eagle3_models) -> None:
+    """Each proposal brings the target's states of the positions committed since the last one: after
+    the commit the head holds states for every position but the last (the cores' invariant)."""
+    eng = _engine(eagle3_models)
+    seen: list[tuple[int, int]] = []
+    propose = eng.draft_core.propose
+
+    def recording(items):
+        for it in items:
+            r = eng.draft_core.requests[it.request_id]
+            have = r.fed + sum(int(x.shape[0]) for x in r.states)
+            seen.append((have + (0 if it.hidden is None else int(it.hidden.shape[0])), it.seq_len - 1))
+        return propose(items)
+
+    eng.draft_core.propose = recording
+    eng.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))
+    assert seen and all(a == b for a, b in seen), seen[:5]
+
+
+def test_missing_or_malformed_states_are_refused(eagle3_models) -> None:
+    """A Propose without the states it needs fails naming items[i].hidden (FAILED_PRECONDITION); a
+    wrong width is INVALID_ARGUMENT; nothing changes on the core."""
+    eng = _engine(eagle3_models)
+    core = eng.draft_core
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    core.start([StartItem("a", [1, 2, 3], sp, 1, hidden_layers=(0, 1, 2))])
+    with pytest.raises(Exception) as e:
+        core.propose([ProposeItem("a", 0, [], 2, 3)])  # the prompt's 2 states are missing
+    assert e.value.field == "items[0].hidden" and "needs 2" in str(e.value), e.value
+    with pytest.raises(Exception) as e:
+        core.propose([ProposeItem("a", 0, [], 2, 3, hidden=torch.zeros(2, 5))])
+    assert e.value.field == "items[0].hidden" and "expected [2, 96]" in str(e.value), e.value
+    props, _ = core.propose([ProposeItem("a", 0, [], 2, 3, hidden=torch.zeros(2, 96))])
+    assert len(props[0].token_ids) == 2
+    core.release(["a"])
+    assert core.kv_slots_in_use() == 0
+
+
+def test_target_refuses_layers_it_does_not_keep(eagle3_models) -> None:
+    eng = Engine.from_config(tiny_config(eagle3_models, method="none"))
+    with pytest.raises(TransportError) as e:
+        eng.verifier.prefill([StartItem("x", [1, 2], SamplingParams(), 1, hidden_layers=(0, 1, 2))])
+    assert "items[0].hidden_layers" in str(e.value) and "keeps none" in str(e.value)
+
+
+def test_config_refusals_name_the_setting(eagle3_models, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="draft.model"):
+        Engine.from_config({"target": {"model": eagle3_models["target"]}, "draft": {"method": "eagle3"}})
+    # a head for another target (vocabulary 9): refused at load, naming what differs
+    cfg = tiny_config(eagle3_models, method="eagle3")
+    cfg["target"]["model"] = eagle3_models["draft_vocab9"]
+    with pytest.raises(ConfigError) as e:
+        Engine.from_config(cfg)
+    assert e.value.key == "draft.model" and "vocabulary size 8" in e.value.message, e.value.message
+
+
+def test_real_drafts_pass_the_one_step_identity_by_enumeration(eagle3_models, monkeypatch) -> None:
+    """Every (p, q) row pair the target's rejection rule saw in a sampled run (rejection coupling,
+    T = 0.9, top-p 0.8 on both sides): q is a distribution on the head's 6 tokens that gives its
+    drafted token positive mass, and the law of the emitted token, enumerated exactly
+    (one_step_distribution, float64), is p to 1e-12."""
+    import specdist.cores.target as target_mod
+
+    seen = []
+    inner = target_mod.rejection_sample
+
+    def capturing(probs, q, tokens, num_draft, accept_u, sample_u):
+        seen.append((probs.clone(), None if q is None else q.clone(), tokens.clone(), num_draft.clone()))
+        return inner(probs, q, tokens, num_draft, accept_u, sample_u)
+
+    monkeypatch.setattr(target_mod, "rejection_sample", capturing)
+    eng = _engine(eagle3_models)
+    eng.coupling = "rejection"
+    eng.generate(PROMPTS * 4, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True))
+    unmapped = sorted(set(range(VOCAB)) - set(eng.draft_core.head.draft_to_target.tolist()))
+    rows = 0
+    for probs, q, tokens, num_draft in seen:
+        if q is None:
+            continue
+        for b in range(q.shape[0]):
+            for j in range(int(num_draft[b])):
+                p_row, q_row = probs[b, j].double(), q[b, j].double()
+                assert abs(float(q_row.sum()) - 1) < 1e-6 and float(q_row[int(tokens[b, j])]) > 0
+                assert float(q_row[unmapped].sum()) == 0.0
+                p_row, q_row = p_row / p_row.sum(), q_row / q_row.sum()
+                assert torch.allclose(one_step_distribution(p_row, q_row), p_row, atol=1e-12, rtol=0)
+                rows += 1
+    assert rows >= 50, rows
+
+
+# ----------------------------------------------------------------------------- G-tests
+# The head's drafts depend on the target's states and on its own outputs at drafted positions, so
+# no closed-form law of the speculative chain is computed (as for suffix drafts): the G-test compares
+# the outputs with the target's exact law of the window. N = 4000, alpha 1e-4 (false-failure rate);
+# df and threshold (printed) are those of the n-gram cases of test_exactness_frequency: same prompt, window.
+EAGLE_CASES = [
+    Case("eagle3", 3, 3),  # gumbel coupling (the default): df 79, threshold 134.5
+    Case("eagle3", 2, 2, temperature=0.9, top_p=0.8, coupling="rejection"),  # q verified: df 3, threshold 21.1
+]
+
+
+def _g_test(models, case: Case, n: int, seed0: int) -> tuple[float, float, dict]:
+    ptab, margin = _prob_table(models["target"], case)
+    assert margin > 1e-5
+    p = joint(ptab, case.window)
+    cfg = tiny_config(models, method="eagle3", k=K, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
+    cfg["sampling"] = {"coupling": case.coupling}
+    eng = Engine.from_config(cfg)
+    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
+                             top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+    outs = eng.generate([list(case.prompt)] * n, params)
+    assert all(len(o.token_ids) == case.max_tokens for o in outs)
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+    drafted = np.array([o.metrics.drafted for o in outs])
+    accepted = np.array([o.metrics.accepted for o in outs])
+    st = {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
+          "all": int(((drafted > 0) & (accepted == drafted)).sum()),
+          "none": int(((drafted > 0) & (accepted == 0)).sum())}
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
+    cells = merge_cells(p, n)
+    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
+    g = g_statistic(counts, p, cells)
+    print(f"\n{case.id}: N={n}; {st}; G = {g:.1f}, df = {len(cells) - 1}, threshold {threshold:.1f}")
+    return g, threshold, st
+
+
+@pytest.mark.parametrize("case", EAGLE_CASES, ids=[c.id for c in EAGLE_CASES])
+def test_eagle3_drafts_sample_target_distribution(eagle3_models, case: Case) -> None:
+    g, threshold, st = _g_test(eagle3_models, case, N, 400_000_000 + 1_000_000 * EAGLE_CASES.index(case))
+    assert st["drafted"] >= N and st["all"] >= N // 50 and st["none"] >= N // 50, st
+    assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f}: not the target distribution"
+
+
+def test_eagle3_harness_detects_a_wrong_verifier(eagle3_models, monkeypatch) -> None:
+    """Negative control: the verifier resamples from p instead of the residual after a rejection.
+    N = 1500, alpha 1e-4 (df 51, threshold 97.3): G must exceed the threshold (seeds fixed: deterministic)."""
+    from test_exactness_enumeration import _wrong_verifier
+
+    monkeypatch.setattr("specdist.cores.target.rejection_sample", _wrong_verifier("resample_from_p"))
+    case = dataclasses.replace(EAGLE_CASES[0], coupling="rejection")
+    g, threshold, st = _g_test(eagle3_models, case, 1500, 410_000_000)
+    assert st["none"] >= 1500 // 50, st
+    assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"
+
