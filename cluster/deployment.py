@@ -179,10 +179,8 @@ class Deployment:
         if self.spec is None:
             self.spec = ClusterSpec.from_config(cfg.cluster)
         spec = self.spec.validate()
-        if spec.num_draft_workers and cfg.draft.method not in ("model", "self-w8", "self-w4", "ngram", "suffix",
-                                                               "hybrid"):
-            raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need model, self-w8, "
-                                  "self-w4, ngram, suffix or hybrid")
+        if spec.num_draft_workers and not cfg.draft.enabled:
+            raise DeploymentError(f"draft.method is {cfg.draft.method!r}: draft workers need a draft method")
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -272,6 +270,8 @@ class Deployment:
             self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
 
     def _load_call(self, h: _Handle):
+        from specdist.cores.draft import draft_hidden_layers  # (torch and the models: only where a deployment is)
+
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
         compiled = ec.compiled("cuda" if self._gpu else "cpu")
         if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
@@ -281,7 +281,8 @@ class Deployment:
                                        compile_k=dc.num_speculative_tokens if compiled and one_rank else None,
                                        compile_cache_dir=ec.compile_cache_dir,
                                        max_draft_tokens=dc.num_speculative_tokens,
-                                       prefix_caching=ec.prefix_caching)
+                                       prefix_caching=ec.prefix_caching,
+                                       hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0])
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",

@@ -1,6 +1,6 @@
 """Deployments on a local Ray cluster, driven by the same scheduler as the in-process Engine.
 
-- A 1-rank target + 1 draft worker: seeded sampled requests give the Engine's tokens bit for bit
+- A 1-rank target + 1 EAGLE-3 draft worker: seeded sampled requests give the Engine's tokens bit for bit
   (one seed rule, one step, the same cores; only tensor parallelism may change float sums), which
   under the Gumbel coupling are also the tokens of the Engine without drafts.
 - A bring-up that fails (a missing model) or times out names the culprit and cleans up.
@@ -31,10 +31,13 @@ def _assert_nothing_left():
     assert_nothing_left_on_ray()  # groups removed, actors dead, the cluster's 4 CPUs free again
 
 
-def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, tiny_models):
+def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, eagle3_models):
     """Seeded sampling (T 0.8, top-p 0.9), 4 prompts in one batch, fixed draft lengths: the
-    in-process Engine and a 1-rank target + 1 draft worker deployment emit the same tokens."""
-    cfg = tiny_config(tiny_models, method="model", k=K)
+    in-process Engine and a 1-rank target + 1 draft worker deployment emit the same tokens. The
+    draft worker runs an EAGLE-3 head (the other Ray tests draft with models): the target's hidden
+    states travel with every Prefill and Verify result to the coordinator and on to the worker."""
+    tiny_models = eagle3_models
+    cfg = tiny_config(tiny_models, method="eagle3", k=K)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
               for i, m in enumerate(MAX_TOKENS)]
     threads = torch.get_num_threads()

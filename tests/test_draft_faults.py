@@ -18,7 +18,7 @@ class Flaky:
 
     def __init__(self, inner):
         self.inner = inner
-        self.name, self.is_remote = inner.name, inner.is_remote
+        self.name, self.is_remote, self.hidden_layers = inner.name, inner.is_remote, inner.hidden_layers
         self.down = False
         self.calls = {"start": 0, "propose": 0, "release": 0}
 

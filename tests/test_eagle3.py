@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import remote_engine_like, tiny_config
 from gtest import ALPHA, K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, g_statistic, joint, merge_cells, seq_index
 from scipy import stats
 
@@ -95,6 +95,28 @@ def test_target_refuses_layers_it_does_not_keep(eagle3_models) -> None:
     assert "items[0].hidden_layers" in str(e.value) and "keeps none" in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hidden_states_cross_the_wire_bit_for_bit(dtype) -> None:
+    from specdist.transport.wire import hidden_from_proto, hidden_to_proto
+    from specdist.errors import InvalidArgument
+
+    h = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
+    msg = hidden_to_proto(h)
+    assert msg.ByteSize() >= h.numel() * h.element_size()
+    back = hidden_from_proto(msg, "items[0].hidden")
+    assert back.dtype == dtype and torch.equal(back.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                               h.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert hidden_from_proto(hidden_to_proto(h[:0]), "x").shape == (0, 96)
+    msg.data = msg.data[:-1]
+    with pytest.raises(InvalidArgument) as e:
+        hidden_from_proto(msg, "items[0].hidden")
+    assert e.value.field == "items[0].hidden.data"
+    msg.dtype = 0
+    with pytest.raises(InvalidArgument) as e:
+        hidden_from_proto(msg, "items[0].hidden")
+    assert e.value.field == "items[0].hidden.dtype"
+
+
 def test_config_refusals_name_the_setting(eagle3_models, tmp_path) -> None:
     with pytest.raises(ConfigError, match="draft.model"):
         Engine.from_config({"target": {"model": eagle3_models["target"]}, "draft": {"method": "eagle3"}})
@@ -151,18 +173,26 @@ EAGLE_CASES = [
 ]
 
 
-def _g_test(models, case: Case, n: int, seed0: int) -> tuple[float, float, dict]:
+def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local") -> tuple[float, float, dict]:
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5
     p = joint(ptab, case.window)
     cfg = tiny_config(models, method="eagle3", k=K, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
     cfg["sampling"] = {"coupling": case.coupling}
-    eng = Engine.from_config(cfg)
+    eng = local = Engine.from_config(cfg)
+    served = None
+    if transport == "remote":  # the same cores behind their gRPC servicers: states and q on the wire
+        eng, served = remote_engine_like(local)
     params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
                              top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
-    outs = eng.generate([list(case.prompt)] * n, params)
+    try:
+        outs = eng.generate([list(case.prompt)] * n, params)
+    finally:
+        if served is not None:
+            eng.close()
+            served.close()
     assert all(len(o.token_ids) == case.max_tokens for o in outs)
-    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+    assert local.target_core.kv_slots_in_use() == 0 and local.draft_core.kv_slots_in_use() == 0
     drafted = np.array([o.metrics.drafted for o in outs])
     accepted = np.array([o.metrics.accepted for o in outs])
     st = {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
@@ -182,6 +212,15 @@ def test_eagle3_drafts_sample_target_distribution(eagle3_models, case: Case) -> 
     g, threshold, st = _g_test(eagle3_models, case, N, 400_000_000 + 1_000_000 * EAGLE_CASES.index(case))
     assert st["drafted"] >= N and st["all"] >= N // 50 and st["none"] >= N // 50, st
     assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f}: not the target distribution"
+
+
+def test_remote_transport_samples_target_distribution(eagle3_models) -> None:
+    """The rejection case through the gRPC transports: hidden states in Prefill and Verify results
+    and Propose requests, q in Proposals. N = 4000, alpha 1e-4 (df 3, threshold 21.1), other seeds."""
+    case = EAGLE_CASES[1]
+    g, threshold, st = _g_test(eagle3_models, case, N, 420_000_000, transport="remote")
+    assert st["drafted"] >= N and st["all"] >= N // 50 and st["none"] >= N // 50, st
+    assert g <= threshold, f"{case.id} over gRPC: G = {g:.1f} > {threshold:.1f}: not the target distribution"
 
 
 def test_eagle3_harness_detects_a_wrong_verifier(eagle3_models, monkeypatch) -> None:

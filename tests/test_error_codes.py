@@ -19,7 +19,7 @@ from specdist.api.admission import bare_host, refusal_code
 from specdist.transport.grpc_status import error_code, grpc_status, grpc_status_of
 from specdist.sampling_params import SamplingParams
 from specdist.engine.scheduler import Scheduler
-from specdist.transport.protocol import CallTiming, TransportError, Verified, call_local, error_for_items
+from specdist.transport.protocol import CallTiming, Prefilled, TransportError, Verified, call_local, error_for_items
 
 # every error class a server answers with: (its code, the gRPC status, the HTTP status)
 EXPECTED = {
@@ -312,7 +312,8 @@ class _Target:
                 raise self.error(f"items[{i}].seq_len", f"request {it.request_id!r} is refused")
 
     def prefill(self, items):
-        return call_local(lambda its: (self._check(its), CallTiming())[1], items)
+        return call_local(lambda its: (self._check(its), ([Prefilled(it.request_id) for it in its], CallTiming()))[1],
+                          items)
 
     def verify(self, items):
         def run(its):

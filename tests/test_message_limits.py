@@ -49,6 +49,7 @@ class _Verifier:
     def __init__(self, vocab_size: int, slots: int):
         self.vocab_size = vocab_size
         self.cache = SimpleNamespace(num_slots=slots)
+        self.hidden_width, self.max_model_len = 0, 2048  # no EAGLE-3 hidden states
         self.rows = 0  # q rows decoded
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
@@ -65,6 +66,7 @@ class _Drafter:
     def __init__(self, vocab_size: int, slots: int):
         self.vocab_size = vocab_size
         self.cache = SimpleNamespace(num_slots=slots)
+        self.hidden_width, self.max_model_len = 0, 2048  # no EAGLE-3 hidden states
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         return [Proposal(it.request_id, list(range(it.num_tokens)), q=_dense_q(it.num_tokens, self.vocab_size))
@@ -152,7 +154,7 @@ def test_options_and_worker_defaults():
     assert grpc_message_options(123) == [("grpc.max_receive_message_length", 123),
                                          ("grpc.max_send_message_length", 123)]
     assert core_message_limit(_Verifier(VOCAB, BATCH), K) == message_limit_bytes(VOCAB, BATCH, K)
-    model_free = SimpleNamespace(vocab_size=VOCAB, cache=None)  # n-gram and suffix drafts: one-hot q only
+    model_free = SimpleNamespace(vocab_size=VOCAB, cache=None, hidden_width=0, max_model_len=2048)  # n-gram and suffix drafts: one-hot q only
     assert core_message_limit(model_free, K) == message_limit_bytes(VOCAB, 1, K)
 
 

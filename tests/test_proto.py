@@ -144,7 +144,7 @@ def _all_enums(proto_files):
 
 def test_enums_start_with_unspecified_and_carry_their_prefix(proto_files):
     enums = list(_all_enums(proto_files))
-    assert {e.name for e in enums} == {"FinishReason", "DistributionFormat", "PipelineOutcome", "Coupling"}
+    assert {e.name for e in enums} == {"FinishReason", "DistributionFormat", "PipelineOutcome", "Coupling", "HiddenDtype"}
     for e in enums:
         prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", e.name).upper() + "_"
         assert e.value[0].number == 0 and e.value[0].name == prefix + "UNSPECIFIED", e.name

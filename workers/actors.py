@@ -247,10 +247,11 @@ class TargetRankActor(_ActorBase):
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-             prefix_caching: bool = True) -> dict:
+             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = ()) -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
-        ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit."""
+        ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
+        ``hidden_layers``: the layers whose hidden states rank 0 keeps for an EAGLE-3 draft head."""
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
@@ -269,6 +270,8 @@ class TargetRankActor(_ActorBase):
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
         runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        if self.rank == 0:  # (the other ranks' forwards return nothing)
+            runner.hidden_layers = tuple(hidden_layers)
         if compile_k is not None and self.world_size == 1:
             compile_runner(runner, "target", compile_k, compile_cache_dir)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
@@ -416,16 +419,16 @@ class DraftActor(_ActorBase):
         core, compiled passes (``compile_passes``) and the pipeline (``pipeline``)."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.config import DRAFT_METHODS, DraftConfig
+        from specdist.config import DRAFT_METHODS, HEAD_METHODS, DraftConfig
         from specdist.cores.draft import build_drafter_core, load_draft_model
         from specdist.engine.local import device_for
         from specdist.errors import ConfigError
         from specdist.cores.draft_pipeline import pipelined
 
         if method == "none" or method not in DRAFT_METHODS:
-            raise ConfigError("draft.method", f"a draft actor runs model, self-w8, self-w4, ngram, suffix or hybrid, "
-                                              f"not {method!r}")
-        dc = DraftConfig(method=method, model=draft_model_spec if method == "model" else None,
+            raise ConfigError("draft.method", "a draft actor runs model, self-w8, self-w4, ngram, suffix, hybrid or "
+                                              f"eagle3, not {method!r}")
+        dc = DraftConfig(method=method, model=draft_model_spec if method in HEAD_METHODS else None,
                          confidence_threshold=confidence_threshold, ngram_min=ngram_min, ngram_max=ngram_max,
                          q_top_k=q_top_k, **(suffix or {}))
         model = load_draft_model(dc, target_model_spec, dtype, device_for(device))
@@ -433,6 +436,8 @@ class DraftActor(_ActorBase):
             from specdist.models.metadata import model_metadata
 
             _, vocab, _ = model_metadata(target_model_spec, "target.model")
+        elif method == "eagle3":  # a head load_draft_model found to fit the target
+            vocab = model.spec.vocab_size
         else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not

@@ -21,9 +21,11 @@ def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
 
     ``max_draft_tokens``: the deployment's ``draft.num_speculative_tokens`` where the host knows
     it, else the most a config allows. A core without a KV cache (n-gram and suffix drafts) ships
-    one-hot q only, so one item's worth bounds its messages."""
+    one-hot q only, so one item's worth bounds its messages. Cores that send or take the target's
+    hidden states (EAGLE-3) add a whole context's worth of them per item."""
     cache = core.cache
-    return message_limit_bytes(core.vocab_size, cache.num_slots if cache is not None else 1, max_draft_tokens)
+    return message_limit_bytes(core.vocab_size, cache.num_slots if cache is not None else 1, max_draft_tokens,
+                               core.hidden_width, core.max_model_len)
 
 
 class BlockingCallRunner:

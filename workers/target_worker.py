@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specdist.v1 import target_pb2, target_pb2_grpc
 from specdist.cores.target import VerifierCore
-from specdist.transport.wire import start_items_from_proto, verified_to_proto, verify_items_from_proto
+from specdist.transport.wire import (prefilled_to_proto, start_items_from_proto, verified_to_proto,
+                                     verify_items_from_proto)
 from workers.servicing import BlockingCallRunner, core_message_limit
 
 
@@ -31,8 +32,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     def _prefill(self, msg: target_pb2.PrefillRequest):
         items = start_items_from_proto(msg)
-        _, timing = self.core.prefill(items)
-        return target_pb2.PrefillResponse(request_ids=[it.request_id for it in items]), timing
+        results, timing = self.core.prefill(items)
+        return prefilled_to_proto(results), timing
 
     def _verify(self, msg: target_pb2.VerifyRequest):
         results, timing = self.core.verify(verify_items_from_proto(msg))

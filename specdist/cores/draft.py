@@ -209,6 +209,11 @@ class DrafterCore:
         return "ngram" if self.runner is None else "model"
 
     @property
+    def hidden_width(self) -> int:
+        """Values per position of the target's hidden states it drafts from (eagle3), else 0."""
+        return len(self.hidden_layers) * self.head.spec.target_hidden_size if self.head is not None else 0
+
+    @property
     def cache(self) -> SlotKVCache | None:
         return self.runner.cache if self.runner is not None else self.head_cache
 
@@ -221,6 +226,10 @@ class DrafterCore:
                 raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already started")
             parsed.append((it, check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len,
                                             f"items[{i}].prompt_token_ids")))
+            if self.head is not None and tuple(it.hidden_layers) != self.hidden_layers:
+                raise FailedPrecondition(f"items[{i}].hidden_layers",
+                                         f"are {tuple(it.hidden_layers)}; this EAGLE-3 head reads layers "
+                                         f"{self.hidden_layers}")
         cache = self.cache
         if cache is not None and len(items) > self.prefixes.available:
             raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
@@ -306,7 +315,7 @@ class DrafterCore:
             raise FailedPrecondition(field, f"has the target's hidden states of {rows} positions; the request needs "
                                             f"{seq_len - 1 - have} (states of {have} of its {seq_len - 1} positions "
                                             "before the last are here)")
-        width = len(self.hidden_layers) * self.head.spec.target_hidden_size
+        width = self.hidden_width
         if hidden is not None and (hidden.dim() != 2 or int(hidden.shape[1]) != width):
             raise InvalidArgument(field, f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
                                          f"({len(self.hidden_layers)} layers x hidden size)")
@@ -613,6 +622,23 @@ def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: tor
     return self_draft(target, copy, src.gguf_path)
 
 
+def draft_hidden_layers(dc: DraftConfig, target_model: str) -> tuple[tuple[int, ...], int]:
+    """The target layers whose hidden states the drafts of ``dc`` read and the values per position they
+    make: an ``eagle3`` head's (from its config.json and the target's config, no weights; refused as
+    :func:`load_draft_model` refuses a head that does not fit), ((), 0) for every other method. What
+    a process that holds no head (the coordinator, a target rank) needs to know of it."""
+    if dc.method != "eagle3":
+        return (), 0
+    from specdist.models.eagle3 import check_eagle3_target, read_eagle3_spec
+    from specdist.models.loader import resolve_model
+    from specdist.models.metadata import model_config
+
+    target_config = model_config(target_model, "target.model")
+    spec = read_eagle3_spec(resolve_model(dc.model, "draft.model").directory, target_config)
+    check_eagle3_target(spec, target_config)
+    return tuple(spec.aux_layers), len(spec.aux_layers) * spec.target_hidden_size
+
+
 def _torch_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype a model's activations run in (its embedding's)."""
     return model.get_input_embeddings().weight.dtype
@@ -684,10 +710,13 @@ def warm_up_drafter(core, k: int) -> None:
     serving, and the core holds nothing of it afterwards."""
     sp = SamplingParams(temperature=0.0, max_tokens=2)
     prompt = [0, 1 % core.vocab_size]
+    layers = core.hidden_layers
+    # an EAGLE-3 head drafts from the target's states of the prompt: zeros stand in for them
+    hidden = torch.zeros(len(prompt) - 1, core.hidden_width) if layers else None
     try:
-        core.start([StartItem(WARMUP_ID, prompt, sp, 1)])
+        core.start([StartItem(WARMUP_ID, prompt, sp, 1, hidden_layers=layers)])
         n = max(0, min(k, core.max_model_len - len(prompt) - 1))
-        core.propose([ProposeItem(WARMUP_ID, 0, [], n, len(prompt))])
+        core.propose([ProposeItem(WARMUP_ID, 0, [], n, len(prompt), hidden=hidden)])
     finally:
         core.release([WARMUP_ID])
 

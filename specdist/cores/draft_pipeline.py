@@ -170,6 +170,10 @@ class DraftPipeline:
         return self.core.hidden_layers
 
     @property
+    def hidden_width(self) -> int:
+        return self.core.hidden_width
+
+    @property
     def requests(self) -> dict:
         return self.core.requests
 

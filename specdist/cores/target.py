@@ -207,6 +207,11 @@ class VerifierCore:
     def cache(self):
         return self.runner.cache
 
+    @property
+    def hidden_width(self) -> int:
+        """Values per position of the hidden states it returns to requests that ask (runner.hidden_layers)."""
+        return len(self.runner.hidden_layers) * int(self.runner.config.hidden_size)
+
     # ------------------------------------------------------------ op plumbing
     def _local(self, op: tuple) -> Any:
         """A collective-free op: apply now, replay on the followers before the next forward."""
@@ -366,8 +371,7 @@ class VerifierCore:
                                             + (f"layers {kept}" if kept else "none (its drafts use no EAGLE-3 head)"))
 
     def _no_hidden(self) -> torch.Tensor:  # [0, nD]: a one-token prompt has no position before its last
-        width = len(self.runner.hidden_layers) * int(self.runner.config.hidden_size)
-        return torch.zeros(0, width, dtype=self.runner.dtype, device=self.runner.device)
+        return torch.zeros(0, self.hidden_width, dtype=self.runner.dtype, device=self.runner.device)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
         with self._watched("verify", sum(1 + (len(it.proposal.token_ids) if it.proposal else 0) for it in items)):

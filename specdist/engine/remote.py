@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdist.config import Config, load_config
+from specdist.cores.draft import draft_hidden_layers
 from specdist.errors import InvalidArgument
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
 from specdist.engine.scheduler import Scheduler
@@ -44,11 +45,14 @@ class RemoteEngine(Scheduler):
             vocab_size = len(tokenizer)
         self.target_address = target_address
         self.tensor_parallel_size = cfg.cluster.tensor_parallel_size
-        # no call carries more than max_batch_size requests (a drafter's share of them included)
-        limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens)
-        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
         addresses = draft_addresses if cfg.draft.enabled else ()
-        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit) for a in addresses]
+        # eagle3: the target layers the head reads, and their values per position
+        layers, width = draft_hidden_layers(cfg.draft, cfg.target.model) if addresses else ((), 0)
+        # no call carries more than max_batch_size requests (a drafter's share of them included)
+        limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens, width,
+                                    cfg.engine.max_model_len)
+        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
+        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers) for a in addresses]
         super().__init__(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
 
     @classmethod

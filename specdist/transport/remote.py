@@ -61,6 +61,7 @@ from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.transport.wire import (
     NO_MESSAGE_LIMIT,
     grpc_message_options,
+    prefilled_from_proto,
     proposal_from_proto,
     propose_items_to_proto,
     start_items_to_proto,
@@ -207,9 +208,9 @@ class RemoteVerifier(_Remote):
         super().__init__(address, timeout_s, secret, message_limit)
 
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
-        _, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
-                               [it.request_id for it in items])
-        return [Prefilled(it.request_id) for it in items], timing
+        resp, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
+                                  [it.request_id for it in items])
+        return prefilled_from_proto(resp, items), timing
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
         resp, timing = self._call("Verify", verify_items_to_proto(items, self.vocab_size),
@@ -224,7 +225,12 @@ class RemoteDrafter(_Remote):
     # Propose and Release take about the same time call after call; Start scales with the prompt
     _adaptive = {"Propose": "call", "Release": "call", "Start": "token"}
     stub_class = draft_pb2_grpc.DraftWorkerStub
-    hidden_layers: tuple[int, ...] = ()  # target layers an EAGLE-3 worker drafts from (none over gRPC yet)
+
+    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
+                 message_limit: int = NO_MESSAGE_LIMIT, hidden_layers: tuple[int, ...] = ()):
+        """``hidden_layers``: the target layers the worker's EAGLE-3 head reads (its config's), () for other drafts."""
+        self.hidden_layers = tuple(hidden_layers)
+        super().__init__(address, timeout_s, secret, message_limit)
 
     def start(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),

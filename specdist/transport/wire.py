@@ -21,7 +21,7 @@ import torch
 from specdist import logprobs
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
-from specdist.transport.protocol import HIT, MISS, Proposal, ProposeItem, StartItem, Verified, VerifyItem
+from specdist.transport.protocol import HIT, MISS, Prefilled, Proposal, ProposeItem, StartItem, Verified, VerifyItem
 from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
 DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
@@ -191,16 +191,20 @@ MESSAGE_SAFETY_FACTOR = 2  # headroom over the computed largest message
 _REQUEST_ID_BYTES = 1024  # a request id: at most 256 characters (the coordinator's bound), 4 UTF-8 bytes each
 
 
-def message_limit_bytes(vocab_size: int, max_batch_size: int, max_draft_tokens: int) -> int:
+def message_limit_bytes(vocab_size: int, max_batch_size: int, max_draft_tokens: int,
+                        hidden_width: int = 0, max_model_len: int = 0) -> int:
     """The gRPC message limit of workers (and their callers) serving these settings.
 
     The largest Verify request or Propose response they can exchange: ``max_batch_size``
     items, each with ``max_draft_tokens`` drafted tokens whose q is the largest row the
     drafts choose (dense fp16: 2 bytes per vocabulary entry), with the longest request ids
-    and token ids; times ``MESSAGE_SAFETY_FACTOR``, never below grpc's 4 MiB default nor
-    above what grpc accepts.
+    and token ids, and with EAGLE-3 drafts (``hidden_width`` values per position) the hidden
+    states of a whole context of ``max_model_len`` positions in float32 (a Prefill response or
+    a first Propose request); times ``MESSAGE_SAFETY_FACTOR``, never below grpc's 4 MiB default
+    nor above what grpc accepts.
     """
-    largest = max_batch_size * _largest_item_bytes(vocab_size, max_draft_tokens)
+    per_item = _largest_item_bytes(vocab_size, max_draft_tokens) + 4 * hidden_width * max_model_len
+    largest = max_batch_size * per_item
     return min(GRPC_MAX_MESSAGE_BYTES, max(GRPC_DEFAULT_MESSAGE_BYTES, MESSAGE_SAFETY_FACTOR * largest))
 
 
@@ -246,14 +250,62 @@ def start_items_to_proto(items: list[StartItem], message):
     item = target_pb2.PrefillItem if message is target_pb2.PrefillRequest else draft_pb2.StartItem
     return message(items=[item(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
                                params=sampling_params_to_proto(it.params), seed=it.seed,
-                               coupling=_COUPLING_TO_PROTO[it.coupling]) for it in items])
+                               coupling=_COUPLING_TO_PROTO[it.coupling], hidden_layers=it.hidden_layers)
+                          for it in items])
 
 
 def start_items_from_proto(msg) -> list[StartItem]:
     return [StartItem(it.request_id, list(it.prompt_token_ids),
                       sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed),
-                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"))
+                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"), tuple(it.hidden_layers))
             for i, it in enumerate(msg.items)]
+
+
+# HiddenStates dtypes: torch dtype <-> wire enum (bfloat16 travels as its 2-byte pattern)
+_HIDDEN_TO_PROTO = {torch.float32: common_pb2.HIDDEN_DTYPE_FLOAT32, torch.bfloat16: common_pb2.HIDDEN_DTYPE_BFLOAT16,
+                    torch.float16: common_pb2.HIDDEN_DTYPE_FLOAT16}
+_HIDDEN_FROM_PROTO = {v: k for k, v in _HIDDEN_TO_PROTO.items()}
+
+
+def hidden_to_proto(h: torch.Tensor | None) -> common_pb2.HiddenStates | None:
+    """[rows, width] hidden states (any device) as a message in their own dtype; None -> None."""
+    if h is None:
+        return None
+    h = h.detach().to("cpu").contiguous()
+    arr = (h.view(torch.int16) if h.dtype == torch.bfloat16 else h).numpy()  # numpy has no bfloat16
+    return common_pb2.HiddenStates(rows=h.shape[0], width=h.shape[1], dtype=_HIDDEN_TO_PROTO[h.dtype],
+                                   data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def hidden_from_proto(msg: common_pb2.HiddenStates, field: str) -> torch.Tensor:
+    """A HiddenStates message as a [rows, width] CPU tensor of its dtype (INVALID_ARGUMENT naming
+    ``field`` for an unknown dtype or a payload of the wrong length)."""
+    dtype = _HIDDEN_FROM_PROTO.get(msg.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{field}.dtype", f"unknown hidden-state dtype {msg.dtype}")
+    size = torch.empty(0, dtype=dtype).element_size()
+    if len(msg.data) != msg.rows * msg.width * size:
+        raise InvalidArgument(f"{field}.data", f"has {len(msg.data)} bytes; {msg.rows} x {msg.width} values of "
+                                               f"{size} bytes need {msg.rows * msg.width * size}")
+    if not msg.data:
+        return torch.zeros(msg.rows, msg.width, dtype=dtype)
+    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+    return raw.view(dtype).reshape(msg.rows, msg.width)
+
+
+def prefilled_to_proto(results: list[Prefilled]) -> target_pb2.PrefillResponse:
+    asked = any(r.hidden is not None for r in results)
+    return target_pb2.PrefillResponse(
+        request_ids=[r.request_id for r in results],
+        hidden=[hidden_to_proto(r.hidden) or common_pb2.HiddenStates() for r in results] if asked else [])
+
+
+def prefilled_from_proto(msg: target_pb2.PrefillResponse, items: list[StartItem]) -> list[Prefilled]:
+    """One Prefilled per item: its hidden states where the item asked for them."""
+    if msg.hidden and len(msg.hidden) != len(items):
+        raise InvalidArgument("hidden", f"has {len(msg.hidden)} entries for {len(items)} items")
+    return [Prefilled(it.request_id, hidden_from_proto(msg.hidden[i], f"hidden[{i}]")
+                      if msg.hidden and it.hidden_layers else None) for i, it in enumerate(items)]
 
 
 _COUPLING_TO_PROTO = {"rejection": common_pb2.COUPLING_REJECTION, "gumbel": common_pb2.COUPLING_GUMBEL}
@@ -270,7 +322,8 @@ def _coupling_from_proto(value: int, field: str) -> str:
 def propose_items_to_proto(items: list[ProposeItem]) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
         request_id=it.request_id, num_accepted=it.num_accepted, new_token_ids=it.new_token_ids,
-        num_tokens=it.num_tokens, seq_len=it.seq_len, preferred_format=it.preferred_format) for it in items])
+        num_tokens=it.num_tokens, seq_len=it.seq_len, preferred_format=it.preferred_format,
+        hidden=hidden_to_proto(it.hidden)) for it in items])
 
 
 def propose_items_from_proto(msg: draft_pb2.ProposeRequest) -> list[ProposeItem]:
@@ -278,8 +331,9 @@ def propose_items_from_proto(msg: draft_pb2.ProposeRequest) -> list[ProposeItem]
     for i, it in enumerate(msg.items):
         if it.preferred_format not in (0, DENSE, SPARSE, ONE_HOT):
             raise InvalidArgument(f"items[{i}].preferred_format", f"unknown format {it.preferred_format}")
+        hidden = hidden_from_proto(it.hidden, f"items[{i}].hidden") if it.HasField("hidden") else None
         out.append(ProposeItem(it.request_id, int(it.num_accepted), list(it.new_token_ids), int(it.num_tokens),
-                               int(it.seq_len), int(it.preferred_format)))
+                               int(it.seq_len), int(it.preferred_format), hidden))
     return out
 
 
@@ -342,10 +396,11 @@ def verify_items_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyItem]:
 def verified_to_proto(results: list[Verified]) -> target_pb2.VerifyResponse:
     return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
         request_id=r.request_id, num_accepted=r.num_accepted, next_token_id=r.next_token,
-        logprobs=logprobs.to_proto(r.logprobs or ())) for r in results])
+        logprobs=logprobs.to_proto(r.logprobs or ()), hidden=hidden_to_proto(r.hidden)) for r in results])
 
 
 def verified_from_proto(msg: target_pb2.VerifyResponse) -> list[Verified]:
     """A result without log-probabilities is a request that did not ask (every step emits a token)."""
-    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id), logprobs.from_proto(r.logprobs) or None)
-            for r in msg.results]
+    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id), logprobs.from_proto(r.logprobs) or None,
+                     hidden_from_proto(r.hidden, f"results[{i}].hidden") if r.HasField("hidden") else None)
+            for i, r in enumerate(msg.results)]

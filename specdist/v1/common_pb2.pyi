@@ -27,6 +27,13 @@ class DistributionFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISTRIBUTION_FORMAT_DENSE_FP16: _ClassVar[DistributionFormat]
     DISTRIBUTION_FORMAT_SPARSE_FP16: _ClassVar[DistributionFormat]
     DISTRIBUTION_FORMAT_ONE_HOT: _ClassVar[DistributionFormat]
+
+class HiddenDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HIDDEN_DTYPE_UNSPECIFIED: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_FLOAT32: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_BFLOAT16: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_FLOAT16: _ClassVar[HiddenDtype]
 COUPLING_UNSPECIFIED: Coupling
 COUPLING_REJECTION: Coupling
 COUPLING_GUMBEL: Coupling
@@ -39,6 +46,10 @@ DISTRIBUTION_FORMAT_UNSPECIFIED: DistributionFormat
 DISTRIBUTION_FORMAT_DENSE_FP16: DistributionFormat
 DISTRIBUTION_FORMAT_SPARSE_FP16: DistributionFormat
 DISTRIBUTION_FORMAT_ONE_HOT: DistributionFormat
+HIDDEN_DTYPE_UNSPECIFIED: HiddenDtype
+HIDDEN_DTYPE_FLOAT32: HiddenDtype
+HIDDEN_DTYPE_BFLOAT16: HiddenDtype
+HIDDEN_DTYPE_FLOAT16: HiddenDtype
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
@@ -93,6 +104,18 @@ class RequestStats(_message.Message):
     pipeline_hits: int
     pipeline_misses: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("rows", "width", "dtype", "data")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    width: int
+    dtype: HiddenDtype
+    data: bytes
+    def __init__(self, rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[HiddenDtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftDistribution(_message.Message):
     __slots__ = ("format", "values", "token_ids")

@@ -24,18 +24,20 @@ class StartRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[StartItem, _Mapping]]] = ...) -> None: ...
 
 class StartItem(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling", "hidden_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     COUPLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     seed: int
     coupling: _common_pb2.Coupling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[_common_pb2.Coupling, str]] = ...) -> None: ...
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[_common_pb2.Coupling, str]] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ("request_ids",)
@@ -50,20 +52,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "num_accepted", "new_token_ids", "num_tokens", "preferred_format", "seq_len")
+    __slots__ = ("request_id", "num_accepted", "new_token_ids", "num_tokens", "preferred_format", "seq_len", "hidden")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_accepted: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     preferred_format: _common_pb2.DistributionFormat
     seq_len: int
-    def __init__(self, request_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., preferred_format: _Optional[_Union[_common_pb2.DistributionFormat, str]] = ..., seq_len: _Optional[int] = ...) -> None: ...
+    hidden: _common_pb2.HiddenStates
+    def __init__(self, request_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., preferred_format: _Optional[_Union[_common_pb2.DistributionFormat, str]] = ..., seq_len: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals",)

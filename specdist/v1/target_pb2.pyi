@@ -14,24 +14,28 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling", "hidden_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     COUPLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     seed: int
     coupling: _common_pb2.Coupling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[_common_pb2.Coupling, str]] = ...) -> None: ...
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[_common_pb2.Coupling, str]] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "hidden")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    hidden: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenStates]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., hidden: _Optional[_Iterable[_Union[_common_pb2.HiddenStates, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -58,16 +62,18 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "num_accepted", "next_token_id", "logprobs")
+    __slots__ = ("request_id", "num_accepted", "next_token_id", "logprobs", "hidden")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_accepted: int
     next_token_id: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    hidden: _common_pb2.HiddenStates
+    def __init__(self, request_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
 
 class TargetReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
