@@ -350,8 +350,9 @@ class Config:
 
     @property
     def draft_dtype(self) -> str:
-        """The dtype the draft runs in: draft.dtype for a separate model; self drafts are the target's copy."""
-        return self.target.dtype if target_copy(self.draft.method) else self.draft.dtype
+        """The dtype the draft runs in: draft.dtype for a separate model; self drafts are the target's copy,
+        and an EAGLE-3 head runs in the target's dtype (that of the hidden states it reads)."""
+        return self.target.dtype if target_copy(self.draft.method) or self.draft.method == "eagle3" else self.draft.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -61,7 +61,7 @@ def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: in
     i + 1, and is fitted (KL divergence) to the target's distribution of the token at i + 2,
     restricted to the draft vocabulary."""
     gen = torch.Generator().manual_seed(seed)
-    head = load_eagle3_head(head_path, target, torch.float32, "cpu")
+    head = load_eagle3_head(head_path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     vocab = int(target.config.vocab_size)
     with torch.no_grad():
         ids = torch.randint(0, vocab, (seqs, 1), generator=gen)

@@ -234,3 +234,19 @@ def test_eagle3_harness_detects_a_wrong_verifier(eagle3_models, monkeypatch) -> 
     assert st["none"] >= 1500 // 50, st
     assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"
 
+
+
+def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_models, monkeypatch) -> None:
+    """Without the loaded target (a draft worker), the head embeds with the target's input embedding read
+    alone from its safetensors, not with a loaded target: the same head as the engine's."""
+    import specdist.models.loader as loader
+    from specdist.config import DraftConfig
+    from specdist.cores.draft import load_draft_model
+
+    eng = _engine(eagle3_models)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
+    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]), eagle3_models["target"],
+                            "float32", "cpu")
+    ids = torch.arange(VOCAB)
+    assert torch.equal(head.embed(ids), eng.draft_core.head.embed(ids))
+    assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.head.parameters()))

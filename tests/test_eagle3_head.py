@@ -51,7 +51,7 @@ def _edit_config(path: str, **changes) -> None:
 
 def _refusal(path, target, *needles):
     with pytest.raises(ConfigError) as e:
-        load_eagle3_head(str(path), target, torch.float32, "cpu")
+        load_eagle3_head(str(path), target.config, target.get_input_embeddings(), torch.float32, "cpu")
     assert e.value.key == "draft.model"
     for needle in needles:
         assert needle in e.value.message, e.value.message
@@ -71,7 +71,7 @@ def test_default_aux_layers_clamped_for_tiny_targets():
 def test_load_shapes_aux_layers_and_d2t(tmp_path, target):
     path = str(tmp_path / "head")
     write_random_eagle3_head(path, target.config, draft_vocab_size=10, seed=1, std=0.3)
-    head = load_eagle3_head(path, target, torch.float32, "cpu")
+    head = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     spec = head.spec
     assert (spec.hidden_size, spec.target_hidden_size, spec.vocab_size, spec.draft_vocab_size) == (32, 32, 16, 10)
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 8)
@@ -107,14 +107,14 @@ def test_load_shapes_aux_layers_and_d2t(tmp_path, target):
     # no draft_vocab_size: the draft vocabulary is the target's, no d2t needed
     write_random_eagle3_head(path, target.config)
     _edit_config(path, draft_vocab_size=None)
-    head = load_eagle3_head(path, target, torch.float32, "cpu")
+    head = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     assert head.spec.draft_vocab_size == 16 and torch.equal(head.draft_to_target, torch.arange(16))
 
 
 def test_cast_leaves_the_targets_embedding_and_rope_alone(tmp_path, target):
     path = str(tmp_path / "head")
     write_random_eagle3_head(path, target.config, draft_vocab_size=12)
-    head = load_eagle3_head(path, target, torch.bfloat16, "cpu")
+    head = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.bfloat16, "cpu")
     assert head.q_proj.weight.dtype == torch.bfloat16 and head.draft_to_target.dtype == torch.int64
     assert target.get_input_embeddings().weight.dtype == torch.float32
     cache = head.new_cache(1, 4)
@@ -146,7 +146,7 @@ def test_refusals_name_what_differs(tmp_path, target):
     write_random_eagle3_head(str(path), cfg, hidden_size=64)  # no embed_tokens, wider than the target
     _refusal(path, target, "no embed_tokens.weight", "width 32", "hidden size 64")
     write_random_eagle3_head(str(path), cfg, hidden_size=64, with_embed=True)  # its own embedding: fine
-    assert load_eagle3_head(str(path), target, torch.float32, "cpu").spec.hidden_size == 64
+    assert load_eagle3_head(str(path), target.config, target.get_input_embeddings(), torch.float32, "cpu").spec.hidden_size == 64
 
     write_random_eagle3_head(str(path), cfg)
     _edit_config(str(path), num_hidden_layers=2)
@@ -230,7 +230,7 @@ def test_incremental_ragged_forward_equals_full_recompute(tmp_path, target_llama
     path = str(tmp_path / "head")
     write_random_eagle3_head(path, target.config, draft_vocab_size=12, seed=3, std=0.3)
     _edit_config(path, norm_before_residual=norm_before_residual)
-    head = load_eagle3_head(path, target, torch.float32, "cpu")
+    head = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     assert head.spec.rope_parameters["rope_type"] == "llama3"
 
     gen = torch.Generator().manual_seed(0)
@@ -286,8 +286,8 @@ def test_pytorch_bin_and_model_prefixed_names_load_the_same(tmp_path, target):
     torch.save({(k if k == "lm_head.weight" else "model." + k): v for k, v in tensors.items()},
                os.path.join(other, "pytorch_model.bin"))
 
-    a = load_eagle3_head(path, target, torch.float32, "cpu")
-    b = load_eagle3_head(other, target, torch.float32, "cpu")
+    a = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
+    b = load_eagle3_head(other, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     assert b.spec.own_embed and b.spec.draft_vocab_size == 11
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

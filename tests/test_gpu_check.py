@@ -52,8 +52,8 @@ def test_benchmark_step_writes_checkpoints_and_calls_bench_engine_with_valid_fla
     monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
     rc = gpu_check.main(["--device", "cpu", "--tiny", "--skip-tests", "--workdir", str(tmp_path / "work")])
     assert rc == 0 and "gpu_check: all steps passed" in capsys.readouterr().out
-    cmd, w4, compiled = calls
-    assert cmd[1:5] == w4[1:5] == compiled[1:5] == ["-m", "specdist.cli", "bench", "engine"]
+    cmd, w4, compiled, eagle = calls
+    assert cmd[1:5] == w4[1:5] == compiled[1:5] == eagle[1:5] == ["-m", "specdist.cli", "bench", "engine"]
     parser = argparse.ArgumentParser()
     engine_bench.add_arguments(parser)
     assert parser.parse_args(w4[5:]).draft == "self-w4"  # the int4 kernel on the device
@@ -63,3 +63,12 @@ def test_benchmark_step_writes_checkpoints_and_calls_bench_engine_with_valid_fla
     for path in (args.model, args.draft_model):  # both checkpoints load, with the tokenizer's vocabulary
         cfg = json.load(open(os.path.join(path, "config.json")))
         assert cfg["vocab_size"] == len(tok) and os.path.isfile(os.path.join(path, "tokenizer.json"))
+    # the EAGLE-3 step: a head in the published layout that loads for the target it was written for
+    from specdist.models.eagle3 import load_eagle3_head
+    from specdist.models.loader import load_model, resolve_model
+
+    head_args = parser.parse_args(eagle[5:])
+    assert head_args.draft == "eagle3" and head_args.model == args.model
+    target = load_model(resolve_model(args.model), "float32")
+    head = load_eagle3_head(head_args.draft_model, target.config, target.get_input_embeddings(), torch.float32, "cpu")
+    assert head.spec.draft_vocab_size == len(tok) // 3 and head.spec.aux_layers == (1, 1, 0)

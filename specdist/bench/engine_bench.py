@@ -40,11 +40,12 @@ HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative optio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "suffix", "model"),
+    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "suffix", "model", "eagle3"),
                    help="draft method")
     p.add_argument("--weights", default="float", choices=("float", "native"),
                    help="the target's weights (target.weights); transformers' systems always run the floats")
-    p.add_argument("--draft-model", default=None, help="draft model spec for --draft model (same vocabulary)")
+    p.add_argument("--draft-model", default=None,
+                   help="--draft model: the draft model (same vocabulary); --draft eagle3: the head's directory")
     p.add_argument("--dtype", default="float32",
                    help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
@@ -95,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    if (args.draft == "model") != (args.draft_model is not None):
-        raise ValueError("--draft-model: needed with --draft model, and only then")
+    if (args.draft in ("model", "eagle3")) != (args.draft_model is not None):
+        raise ValueError("--draft-model: needed with --draft model or eagle3, and only then")
     device = device_for(args.device)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:
@@ -128,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
             draft_model = self_draft(target, args.draft, src.gguf_path)
         elif args.draft == "model":
             draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
+        elif args.draft == "eagle3":
+            from specdist.models.eagle3 import load_eagle3_head
+
+            draft_model = load_eagle3_head(resolve_model(args.draft_model, "--draft-model").directory, target.config,
+                                           target.get_input_embeddings(), getattr(torch, dtype), device)
         else:
             draft_model = None
         assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                            "compile": args.compile}}
         draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
                      "dtype": dtype}
-        if args.draft == "model":
+        if args.draft in ("model", "eagle3"):
             draft_cfg["model"] = args.draft_model
         engines = {
             "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),

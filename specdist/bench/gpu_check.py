@@ -11,15 +11,20 @@
 3. the same with the target's own int4 copy as the draft (``--draft self-w4``: the int4
    weight-only kernel on the device, :class:`specdist.models.quant.Int4GroupLinear`);
 4. step 3 with compiled passes (``--compile on``: ``torch.compile`` with CUDA graphs, one per
-   shape bucket, :meth:`specdist.models.runner.CausalLMRunner.compile`).
+   shape bucket, :meth:`specdist.models.runner.CausalLMRunner.compile`);
+5. step 2 with a random EAGLE-3 head for the target (``--draft eagle3``: the target keeps three
+   layers' hidden states, the head drafts from them, :mod:`specdist.models.eagle3`), in the
+   published layout with a draft vocabulary of a third of the target's. Its acceptance says
+   nothing; the machinery's cost per step does.
 
-``--device cpu --tiny`` runs step 2 with small models on the CPU (how CI checks the script).
+``--device cpu --tiny`` runs steps 2-5 with small models on the CPU (how CI checks the script).
 Exit status: 0 when every step passed, 1 otherwise; a one-line reason when CUDA is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specdist.bench.checkpoints import LLAMA_1B, LLAMA_DRAFT, write_random_llama
+    from specdist.bench.checkpoints import LLAMA_1B, LLAMA_DRAFT, write_random_eagle3_head, write_random_llama
     from specdist.models.loader import load_tokenizer, resolve_model
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -77,12 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                                 **(TINY_TARGET if args.tiny else LLAMA_1B))
     draft = write_random_llama(os.path.join(work, "draft"), vocab, getattr(torch, dtype), seed=2, tokenizer=tok,
                                **(TINY_DRAFT if args.tiny else LLAMA_DRAFT))
+    with open(os.path.join(target.path, "config.json")) as f:
+        head = write_random_eagle3_head(os.path.join(work, "eagle3"), json.load(f), draft_vocab_size=vocab // 3,
+                                        seed=3, dtype=getattr(torch, dtype))
     print(f"\n== random checkpoints in {work}: target {target.num_params / 1e9:.2f} B params, "
-          f"draft {draft.num_params / 1e9:.3f} B, {dtype}, written in {time.perf_counter() - t0:.0f} s", flush=True)
+          f"draft {draft.num_params / 1e9:.3f} B, EAGLE-3 head {head.num_params / 1e6:.0f} M, {dtype}, "
+          f"written in {time.perf_counter() - t0:.0f} s", flush=True)
     common = ["--dtype", dtype, "--device", args.device, "--systems", "engine-target,engine-spec",
               "--temperatures", "0,0.8", "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
     for draft_args in (["--draft", "model", "--draft-model", draft.path], ["--draft", "self-w4"],
-                       ["--draft", "self-w4", "--compile", "on"]):
+                       ["--draft", "self-w4", "--compile", "on"], ["--draft", "eagle3", "--draft-model", head.path]):
         bench = [sys.executable, "-m", "specdist.cli", "bench", "engine", "--model", target.path, *draft_args, *common]
         print("== " + " ".join(bench[2:]), flush=True)
         rc = subprocess.call(bench, cwd=root)

@@ -590,14 +590,7 @@ def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: tor
 
     method = dc.method
     if method == "eagle3":
-        from specdist.models.eagle3 import load_eagle3_head
-
-        if target is None:
-            target = load_model(resolve_model(target_model, "target.model"), dtype, device)
-        head = resolve_model(dc.model, "draft.model")
-        if head.gguf_file is not None:
-            raise ConfigError("draft.model", "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
-        return load_eagle3_head(head.directory, target, _torch_dtype(target), device)
+        return _load_head(dc, target_model, dtype, device, target)
     if method == "model":
         if not dc.model:
             raise ConfigError("draft.model", "method 'model' needs a draft model")
@@ -639,9 +632,32 @@ def draft_hidden_layers(dc: DraftConfig, target_model: str) -> tuple[tuple[int, 
     return tuple(spec.aux_layers), len(spec.aux_layers) * spec.target_hidden_size
 
 
-def _torch_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype a model's activations run in (its embedding's)."""
-    return model.get_input_embeddings().weight.dtype
+def _load_head(dc: DraftConfig, target_model: str, dtype: str, device, target: torch.nn.Module | None):
+    """The EAGLE-3 head of ``dc`` for the target: with ``target`` loaded, in its dtype with its embedding;
+    without (a draft worker), in ``dtype`` (the target's, Config.draft_dtype) with the target's config and,
+    unless the head embeds tokens itself, the target's input embedding alone (read from its safetensors;
+    other checkpoints, GGUF files among them, load the target for it)."""
+    from specdist.models.dtypes import resolve_dtype
+    from specdist.models.eagle3 import load_eagle3_head, read_eagle3_spec
+    from specdist.models.loader import load_model, resolve_model
+    from specdist.models.metadata import model_config
+    from specdist.models.sharding import load_input_embedding
+
+    head = resolve_model(dc.model, "draft.model")
+    if head.gguf_file is not None:
+        raise ConfigError("draft.model", "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
+    if target is not None:
+        embedding = target.get_input_embeddings()
+        return load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype, device)
+    src = resolve_model(target_model, "target.model")
+    config = model_config(target_model, "target.model")
+    torch_dtype = getattr(torch, resolve_dtype(dtype, torch.device(device)))
+    embedding = None
+    if not read_eagle3_spec(head.directory, config).own_embed:
+        embedding = load_input_embedding(src.directory, torch_dtype, device) if src.gguf_file is None else None
+        if embedding is None:
+            embedding = load_model(src, dtype, device).get_input_embeddings()
+    return load_eagle3_head(head.directory, config, embedding, torch_dtype, device)
 
 
 def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:

@@ -555,13 +555,16 @@ class Eagle3Head(torch.nn.Module):
         return out
 
 
-def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype, device) -> Eagle3Head:
-    """The EAGLE-3 head at ``path`` for ``target`` (the loaded Hugging Face target: its
-    ``config``, and its input embedding when the head has none), in ``dtype`` on ``device``,
-    in eval mode. Refuses (:class:`ConfigError` on ``draft.model``) a head that does not fit the
-    target, a tensor missing, of the wrong shape or unknown (each named), and a bad ``d2t``."""
-    spec = read_eagle3_spec(path, target.config)
-    check_eagle3_target(spec, target.config)
+def load_eagle3_head(path: str, target_config, embedding: torch.nn.Module | None, dtype: torch.dtype,
+                     device) -> Eagle3Head:
+    """The EAGLE-3 head at ``path`` for the target whose transformers config is ``target_config``, in
+    ``dtype`` on ``device``, in eval mode. ``embedding``: the target's input embedding, which a head
+    without its own embeds tokens with (unused, and may be None, for a head that has one: see
+    :func:`read_eagle3_spec`'s ``own_embed``). Refuses (:class:`ConfigError` on ``draft.model``) a
+    head that does not fit the target, a tensor missing, of the wrong shape or unknown (each
+    named), and a bad ``d2t``."""
+    spec = read_eagle3_spec(path, target_config)
+    check_eagle3_target(spec, target_config)
     tensors = _read_tensors(path)
     shapes = expected_shapes(spec)
     for name in [n for n in tensors if n.endswith(_IGNORED_SUFFIXES)]:
@@ -577,7 +580,8 @@ def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype, dev
         if tuple(tensors[name].shape) != shape:
             raise ConfigError(FIELD, f"tensor {name} of the head has shape {list(tensors[name].shape)}, "
                                      f"expected {list(shape)} from its config.json")
-    embed = None if spec.own_embed else target.get_input_embeddings()
-    head = Eagle3Head(spec, embed=embed)
+    if not spec.own_embed and embedding is None:
+        raise ValueError("a head without embed_tokens needs the target's input embedding")
+    head = Eagle3Head(spec, embed=None if spec.own_embed else embedding)
     head.load_checkpoint_tensors(tensors)
     return head.to(device=device, dtype=dtype).eval()

@@ -506,3 +506,22 @@ def load_sharded(
     model.load_report = LoadReport(rank, world_size, read, total, seconds, how == "sharded")
     report(f"{who} read {format_bytes(read)} of {format_bytes(total)} ({how}) in {seconds:.1f} s")
     return model
+
+
+def load_input_embedding(directory: str, dtype: torch.dtype, device) -> nn.Embedding | None:
+    """A safetensors checkpoint's input embedding alone (the one tensor named ``*embed_tokens.weight``;
+    only its bytes are read), as an ``nn.Embedding`` in ``dtype`` on ``device``; None when the
+    directory has no safetensors weights or no such tensor (the caller loads the model instead).
+    What an EAGLE-3 head without its own embedding needs of its target on a draft worker."""
+    files = SafetensorsFiles.find(directory)
+    if files is None:
+        return None
+    try:
+        names = [n for n in files.entries if n.endswith("embed_tokens.weight") and files.entries[n].dtype is not None]
+        if len(names) != 1:
+            return None
+        weight = files.read(names[0], None, 0, 1)  # [V, D]
+    finally:
+        files.close()
+    return nn.Embedding.from_pretrained(weight.to(device=device, dtype=dtype), freeze=True)
+
