@@ -250,3 +250,39 @@ def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_m
     ids = torch.arange(VOCAB)
     assert torch.equal(head.embed(ids), eng.draft_core.head.embed(ids))
     assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.head.parameters()))
+
+
+def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> None:
+    """Two EAGLE-3 draft workers (cores behind gRPC, sharing one head) under one RemoteEngine: the
+    requests spread over both; one request aborted mid-run frees its slots everywhere; replica 1's
+    server stopped mid-run is left behind and its requests finish without drafts. Every finished
+    request's tokens are plain greedy decoding's."""
+    from conftest import ServedCores
+    from specdist.cores.draft import DrafterCore
+    from specdist.engine.remote import RemoteEngine
+
+    prompts = PROMPTS * 2
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in Engine.from_config(tiny_config(eagle3_models, method="none")).generate(prompts, sp)]
+    eng = _engine(eagle3_models)
+    second = DrafterCore.from_head(eng.draft_core.head, 8, eng.draft_core.max_model_len)
+    with ServedCores(eng.target_core, [eng.draft_core, second]) as served:
+        remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses, vocab_size=VOCAB,
+                              eos_ids=eng.eos_ids)
+        try:
+            assert [rep.drafter.hidden_layers for rep in remote.replicas] == [(0, 1, 2)] * 2
+            reqs = [remote.add_request(p, sp) for p in prompts]
+            for _ in range(2):
+                remote.step()
+            assert {r.replica for r in reqs} == {0, 1}
+            assert remote.abort(reqs[0].request_id)
+            served.hosts.pop(2).stop(0)  # replica 1's server goes away mid-run (and is not stopped twice)
+            while remote.has_unfinished():
+                remote.step()
+            assert remote.replicas[1].ejected_at is not None
+            done = [(r, w) for r, w in zip(reqs, want) if r is not reqs[0]]
+            assert all(list(r.output.token_ids) == w for r, w in done)
+            assert sum(r.metrics.accepted for r, _ in done if r.replica == 0) > 0
+        finally:
+            remote.close()
+    assert eng.target_core.kv_slots_in_use() == 0 and eng.draft_core.kv_slots_in_use() == 0

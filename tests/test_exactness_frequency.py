@@ -102,21 +102,18 @@ def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
     size = VOCAB**w
     memo: dict[tuple, np.ndarray] = {}
 
-    def point(seq: tuple) -> np.ndarray:
-        v = np.zeros(size)
-        v[seq_index(list(seq[:w]))] = 1.0
-        return v
-
     def dist_from(state: tuple) -> np.ndarray:
-        if len(state) >= w:
-            return point(state)
         if state in memo:
             return memo[state]
         out = np.zeros(size)
 
         def emit(seq: tuple, weight: float) -> None:
-            if weight > 0:
-                out[:] += weight * (point(seq) if len(seq) >= w else dist_from(seq))
+            if weight <= 0:
+                return
+            if len(seq) >= w:  # a whole window: one cell (no vector per sequence: this runs ~10^5 times)
+                out[seq_index(list(seq[:w]))] += weight
+            else:
+                out[:] += weight * dist_from(seq)
 
         kb = max(0, min(K, case.max_tokens - 1 - len(state)))
         keep = w - len(state)
