@@ -195,6 +195,8 @@ class Deployment:
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
+            if spec.tensor_parallel_size > 1:  # before any actor exists: a target that cannot shard fails at once
+                _check_shardable(cfg, spec.tensor_parallel_size)
             self.placement = create_placement(
                 spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
                 cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
@@ -203,8 +205,6 @@ class Deployment:
             self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
             self._create_targets()
             self._create_drafts()
-            if spec.tensor_parallel_size > 1:  # here, while the actor processes start
-                _check_shardable(cfg, spec.tensor_parallel_size)
             ports = {h.name: p for h, p in zip(self.drafts, spec.draft_ports)}
             ports[self.targets[0].name] = spec.target_port
             self._bring_up(self.targets + self.drafts, ports, deadline, timeout_s)

@@ -317,6 +317,45 @@ def tiny_gguf(tmp_path_factory) -> str:
     return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"))
 
 
+def test_the_fast_gguf_reader_parses_what_gguf_parses(tmp_path, tiny_gguf):
+    """specdist's reader (array fields as memoryview slices, specdist.models.loader) against gguf's own,
+    on the tiny model's file and on one with an array of every scalar type, strings (empty and
+    multi-byte), an empty array and a nested array: the same fields, parts (bytes), indices and
+    types, and the same values as transformers parses them."""
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from specdist.models.loader import _fast_gguf_reader
+
+    path = str(tmp_path / "arrays.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    types = gguf.GGUFValueType
+    for t, vals in ((types.UINT8, [0, 255]), (types.INT8, [-128, 5]), (types.UINT16, [1, 65535]),
+                    (types.INT16, [-3, 3]), (types.UINT32, [7, 2**32 - 1]), (types.INT32, [-9, 9]),
+                    (types.FLOAT32, [0.5, -1.25]), (types.BOOL, [True, False]), (types.UINT64, [2**64 - 1, 1]),
+                    (types.INT64, [-(2**63), 2]), (types.FLOAT64, [1e300, -2.5])):
+        w.add_key_value(f"test.{t.name.lower()}", vals, types.ARRAY, sub_type=t)
+    w.add_array("test.strings", ["", "é", "ab c", "x" * 300])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_uint32("test.scalar", 42)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, tiny_gguf):
+        fast, stock = _fast_gguf_reader(gguf.GGUFReader)(file), gguf.GGUFReader(file)
+        assert list(fast.fields) == list(stock.fields)
+        for name, a in fast.fields.items():
+            b = stock.fields[name]
+            assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types), name
+            assert [bytes(p) for p in a.parts] == [bytes(p) for p in b.parts], name
+            if len(a.types) <= 2:  # (transformers parses no nested arrays)
+                assert [_gguf_parse_value(a.parts[i], a.types) for i in a.data] == \
+                       [_gguf_parse_value(b.parts[i], b.types) for i in b.data], name
+        assert [(t.name, t.data_offset) for t in fast.tensors] == [(t.name, t.data_offset) for t in stock.tensors]
+    assert fast.fields["tokenizer.ggml.tokens"].contents()[:3] == ["a", "b", "c"]
+
+
 @pytest.fixture(scope="module")
 def gguf_models(tiny_gguf):
     """(tokenizer, float model, native model), float32, from one parse of the file."""
