@@ -195,14 +195,14 @@ class Deployment:
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
-            if spec.tensor_parallel_size > 1:  # before any actor exists: a target that cannot shard fails at once
-                _check_shardable(cfg, spec.tensor_parallel_size)
             self.placement = create_placement(
                 spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
                 cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
                 gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()), name=spec.name,
             )
             self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
+            if spec.tensor_parallel_size > 1:  # before any actor exists: a target that cannot shard fails at once
+                _check_shardable(cfg, spec.tensor_parallel_size)
             self._create_targets()
             self._create_drafts()
             ports = {h.name: p for h, p in zip(self.drafts, spec.draft_ports)}

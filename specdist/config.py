@@ -38,8 +38,8 @@ Shape::
       suffix_cache_requests: 256     # finished requests kept in the index (oldest evicted); 0: live ones only
       suffix_min_score: 2.0          # hybrid: the suffix draft when its score (expected accepted tokens by
                                      #   the counts) is >= min(this, k), else the self-w8 model draft
-      pipeline: off                  # on: model drafts prepare each request's next drafts while the target
-                                     #   verifies (specdist/cores/draft_pipeline.py); off: draft, then verify
+      pipeline: off                  # on: model drafts and EAGLE-3 heads prepare each request's next drafts while
+                                     #   the target verifies (specdist/cores/draft_pipeline.py); off: draft, then verify
       pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
                                      #   redraft (draft it now) | skip (no drafts this step)
     engine:
@@ -195,7 +195,7 @@ class DraftConfig:
     @property
     def pipelined(self) -> bool:
         """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
-        return self.pipeline and self.method in ("model", *SELF_DRAFTS)
+        return self.pipeline and self.method in ("model", "eagle3", *SELF_DRAFTS)
 
 
 @dataclass

@@ -4,9 +4,9 @@ A random head's q is peaked on random tokens: nearly every draft is rejected, an
 exactness then neither accepts whole drafts nor rejects drafts the target finds likely, which
 is what a wrong verifier gets wrong. :func:`fit_head` trains a head in the published layout
 (written by :func:`specdist.bench.checkpoints.write_random_eagle3_head`) for about 4 s on
-the target's own hidden states and next-token distributions, as EAGLE-3 training does with
-its first step (no "training-time test" steps: positions the head drafts from its own
-outputs are accepted less often, which the tests want too), and writes it back in place.
+the target's own hidden states and next-token distributions, as EAGLE-3 training does: a first
+step from the target's states and a second from the head's own outputs, attending to the first
+step's keys as drafting does ("training-time test"), and writes it back in place.
 
 A helper module of the tests (like gtest.py), not a test module. Seeded: the same head every run.
 """
@@ -27,9 +27,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def head_forward(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+def head_forward(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, prior=None):
     """Differentiable, cache-free forward over whole sequences: ``tokens`` [B, T] (the token after
-    each position), ``feats`` [B, T, H] (fused target states) -> draft-vocabulary logits [B, T, Vd]."""
+    each position), ``feats`` [B, T, H] (fused target states, or the head's own outputs) -> draft-vocabulary
+    logits [B, T, Vd], the prenorm outputs [B, T, H] and this step's keys and values ([B, nkv, T, hd] each).
+
+    ``prior``: the keys and values of the step before, for a step from the head's own outputs (EAGLE-3's
+    "training-time test"): row t is then at sequence position t + 1 and attends to the prior keys
+    0..t (computed from the target's states, as while drafting) and to its own."""
     spec = head.spec
     bsz, n = tokens.shape
     e = head.input_layernorm(head.embed(tokens))  # [B, T, H]
@@ -42,14 +47,21 @@ def head_forward(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor) ->
     q = head.q_proj(x).view(bsz, n, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
     k = head.k_proj(x).view(bsz, n, nkv, hd).transpose(1, 2)
     v = head.v_proj(x).view(bsz, n, nkv, hd).transpose(1, 2)
-    cos, sin = head._rope_tables(n)  # noqa: SLF001 - the head's own RoPE tables, [n', hd]
-    cos, sin = cos[:n], sin[:n]
+    first = 0 if prior is None else 1  # sequence position of row 0
+    cos, sin = head._rope_tables(n + first)  # noqa: SLF001 - the head's own RoPE tables, [n', hd]
+    cos, sin = cos[first:first + n], sin[first:first + n]
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # [B, nh, T, hd]
+    if prior is None:
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # [B, nh, T, hd]
+    else:
+        t = torch.arange(n)
+        mask = torch.cat([t[None, :] <= t[:, None], torch.eye(n, dtype=torch.bool)], 1)  # [T, 2T]
+        a = F.scaled_dot_product_attention(q, torch.cat([prior[0], k], 2), torch.cat([prior[1], v], 2),
+                                           attn_mask=mask, enable_gqa=nh != nkv)
     h = residual + head.o_proj(a.transpose(1, 2).reshape(bsz, n, nh * hd))
     m = head.post_attention_layernorm(h)
     out = h + head.down_proj(F.silu(head.gate_proj(m)) * head.up_proj(m))
-    return head.lm_head(head.norm(out))  # [B, T, Vd]
+    return head.lm_head(head.norm(out)), out, (k, v)
 
 
 def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: int = 128, length: int = 12,
@@ -78,8 +90,12 @@ def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: in
     opt = torch.optim.Adam(params, lr=1e-2)
     torch.manual_seed(seed)
     for _ in range(steps):
-        logq = head_forward(head, tokens, head.fc(feats)).log_softmax(-1)
-        loss = F.kl_div(logq, want, reduction="batchmean")
+        logits, own, (k, v) = head_forward(head, tokens, head.fc(feats))
+        loss = F.kl_div(logits.log_softmax(-1), want, reduction="batchmean")
+        # a second step from its own states, as it drafts past the verified positions: position i + 1
+        # reads the head's output at i (instead of the target's states at i + 1) and the token at i + 2
+        logits2, _, _ = head_forward(head, tokens[:, 1:], own[:, :-1], (k[:, :, :-1], v[:, :, :-1]))
+        loss = loss + F.kl_div(logits2.log_softmax(-1), want[:, 1:], reduction="batchmean")
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -286,3 +286,53 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
         finally:
             remote.close()
     assert eng.target_core.kv_slots_in_use() == 0 and eng.draft_core.kv_slots_in_use() == 0
+
+
+# ----------------------------------------------------------------------------- pipelined drafting
+# With draft.pipeline on, the head drafts each request's next step during the target's verification:
+# after the proposal d_1..d_k (whose K/V it holds, fed its own states) it feeds d_k to guess the bonus
+# token, then drafts after it, all from its own states; on a hit those drafts are the next proposal
+# and the target's states of those positions wait until the next draft made without a preparation.
+
+
+def test_pipelined_greedy_output_equals_plain_decoding(eagle3_models) -> None:
+    """k = 1, so that whole drafts are often accepted and the guess tested (the tiny head's greedy drafts
+    are accepted less often than its sampled ones)."""
+    eng = _engine(eagle3_models, k=1, pipeline=True)
+    pipe = eng.replicas[0].drafter.core
+    assert type(pipe).__name__ == "DraftPipeline"
+    plain = Engine.from_config(tiny_config(eagle3_models, method="none"))
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(PROMPTS * 2, sp)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in plain.generate(PROMPTS * 2, sp)]
+    assert pipe.counters.hits > 0 and pipe.counters.misses > 0, pipe.counters
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
+def test_pipelined_drafts_sample_target_distribution(eagle3_models) -> None:
+    """Pipelined drafting (prepared drafts proposed on a hit, with the q rows they were sampled from) under
+    the rejection coupling, T 0.9, top-p 0.8, k = 1, 6 tokens of which the first 3 are compared (a first
+    step accepted whole leaves the third token to a prepared draft): N = 4000, alpha 1e-4 (df and
+    threshold printed), other seeds."""
+    case = Case("eagle3", 6, 3, temperature=0.9, top_p=0.8, coupling="rejection")
+    ptab, margin = _prob_table(eagle3_models["target"], case)
+    assert margin > 1e-5
+    p = joint(ptab, case.window)
+    cfg = tiny_config(eagle3_models, method="eagle3", k=1, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
+    cfg["sampling"] = {"coupling": case.coupling}
+    cfg["draft"]["pipeline"] = True
+    eng = Engine.from_config(cfg)
+    pipe = eng.replicas[0].drafter.core
+    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_p=case.top_p,
+                             seed=430_000_000 + i, ignore_eos=True) for i in range(N)]
+    outs = eng.generate([list(case.prompt)] * N, params)
+    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
+    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
+    cells = merge_cells(p, N)
+    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
+    g = g_statistic(counts, p, cells)
+    print(f"\npipelined {case.id}: hits {pipe.counters.hits}, misses {pipe.counters.misses}; G = {g:.1f}, "
+          f"df = {len(cells) - 1}, threshold {threshold:.1f}")
+    assert pipe.counters.hits >= N // 50, pipe.counters
+    assert g <= threshold, f"pipelined: G = {g:.1f} > {threshold:.1f}: not the target distribution"
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}

@@ -181,7 +181,7 @@ class RescoredReuse(DraftPipeline):
 
     _holds = staticmethod(any_outcome)
 
-    def _use_prepared(self, rid, r, prep, n_acc, new, k):
+    def _use_prepared(self, rid, r, prep, n_acc, new, k, hidden=None):
         import torch
 
         core = self.core

@@ -111,6 +111,7 @@ class DraftRequest:
     # eagle3: the target's hidden states not fed to the head yet ([m, nD] each, positions fed .. len(seq) - 2)
     states: list = field(default_factory=list)
     fed: int = 0  # eagle3: positions whose head K/V come from the target's states (0 .. fed - 1)
+    last_feat: object = None  # eagle3: [H] the head's output at the last position it drafted (pipelined drafting)
     proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
 
 
@@ -274,9 +275,7 @@ class DrafterCore:
         t0 = now()
         self.catch_up_s = 0.0
         for it, (r, n_acc, new, _) in zip(items, plan):
-            self.commit(r, n_acc, new)
-            if it.hidden is not None and it.hidden.shape[0]:
-                r.states.append(it.hidden)
+            self.commit(r, n_acc, new, hidden=it.hidden)
         proposals = self.draft(items, [p[0] for p in plan], [p[3] for p in plan])
         prefill = self.catch_up_s
         phases = {"draft": now() - t0 - prefill} | ({"prefill": prefill} if prefill else {})
@@ -320,16 +319,20 @@ class DrafterCore:
             raise InvalidArgument(field, f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
                                          f"({len(self.hidden_layers)} layers x hidden size)")
 
-    def commit(self, r: DraftRequest, n_acc: int, new: list[int], prepared: list[int] | None = None) -> None:
+    def commit(self, r: DraftRequest, n_acc: int, new: list[int], prepared: list[int] | None = None,
+               hidden: torch.Tensor | None = None) -> None:
         """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them.
 
         ``prepared``: drafts after exactly that sequence whose K/V the cache already holds (a
         pipelined preparation whose assumed prefix held, :mod:`specdist.cores.draft_pipeline`); they become the
-        request's proposal, and the cache keeps them as after drafting them (all but the last)."""
+        request's proposal, and the cache keeps them as after drafting them (all but the last).
+        ``hidden``: eagle3, the target's states of the positions committed (``ProposeItem.hidden``)."""
         prev = len(r.seq)
         kept = r.proposal[:n_acc] + new
         r.seq.extend(kept)
         r.proposal = list(prepared) if prepared is not None else []
+        if hidden is not None and hidden.shape[0]:
+            r.states.append(hidden)
         if r.index is not None:
             r.index.extend(kept)
         if r.suffix is not None:
@@ -339,8 +342,13 @@ class DrafterCore:
             # proposal it holds a prefix of the old seq: kept as it is); with prepared drafts it holds
             # the committed sequence, then them
             valid = prev + n_acc if prepared is None else len(r.seq) + len(prepared) - 1
-            if self.head is not None:  # the head's drafted positions were fed its own states: recomputed
-                valid = r.fed
+            if self.head is not None:
+                # position i of the head's cache is (states at i, token i + 1): its drafted positions hold its
+                # own states, recomputed from the target's at the next draft (see _head_pass); prepared drafts
+                # (a hit) keep them, so that a preparation can continue from there
+                valid = r.fed if prepared is None else valid - 1
+                if prepared is not None and self.cache.lengths[r.slot] > valid:
+                    r.last_feat = None  # cut shorter than prepared: the state after the cut is not kept
             self.cache.rollback(r.slot, min(self.cache.lengths[r.slot], valid))
 
     def draft(self, items: list[ProposeItem], reqs: list[DraftRequest], ks: list[int]) -> list[Proposal]:
@@ -413,9 +421,12 @@ class DrafterCore:
             rows_q=[[] for _ in range(bsz)],
             guesses=[None] * bsz,
         )
-        if self.head is not None:  # nothing new to feed (a one-token prompt before its first verification): no drafts
+        if self.head is not None:
             d.feats = [None] * bsz
-            d.passes = [p if r.states else 0 for p, r in zip(d.passes, reqs)]
+            # nothing new to feed (a one-token prompt before its first verification): no drafts; ahead of
+            # the target (pipelined): only after a proposal the head drafted whole, its K/V still cached
+            d.passes = [p if (bool(a) and self._head_can_continue(r, a) if guess else bool(r.states)) else 0
+                        for p, r, a in zip(d.passes, reqs, ahead)]
         alive = [True] * bsz
         held = each_pass if each_pass is not None else contextlib.nullcontext()
         for j in range(max(d.passes, default=0)):
@@ -427,7 +438,16 @@ class DrafterCore:
                     break
                 self._draft_pass(d, j, rows)
         qs = [torch.stack(rq) if rq else None for rq in d.rows_q]  # on the device
+        if self.head is not None:
+            for r, feat in zip(reqs, d.feats):
+                r.last_feat = feat
         return d.toks, qs, d.guesses
+
+    def _head_can_continue(self, r: DraftRequest, ahead: list[int]) -> bool:
+        """eagle3: the head can draft after ``seq + ahead`` (the last proposal) without the target's states:
+        it drafted that proposal and holds its K/V up to the position before its last token."""
+        return (r.last_feat is not None and ahead == r.proposal
+                and self.cache.lengths[r.slot] == len(r.seq) + len(ahead) - 2)
 
     def _draft_pass(self, d: "_Drafting", j: int, rows: list[int]) -> None:
         """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``)."""
@@ -490,10 +510,14 @@ class DrafterCore:
         output at the position before."""
         reqs, head = d.reqs, self.head
         slots = [reqs[b].slot for b in rows]
-        if j == 0:
+        if j == 0 and d.ahead[rows[0]]:  # ahead of the target: the proposal's last token, the head's own state
+            inputs = [[d.ahead[b][-1]] for b in rows]
+            feats = [reqs[b].last_feat[None] for b in rows]  # [1, H]
+        elif j == 0:
             inputs, feats = [], []
             for b in rows:
                 r = reqs[b]
+                self.cache.rollback(r.slot, r.fed)  # positions past it hold the head's own states (drafts)
                 inputs.append(r.seq[r.fed + 1:])
                 feats.append(head.fuse(torch.cat(r.states) if len(r.states) > 1 else r.states[0]))  # [m, H]
                 r.states = []
@@ -507,7 +531,7 @@ class DrafterCore:
                 inputs = [toks[-CATCH_UP_IN_PASS:] for toks in inputs]
                 feats = [f[-CATCH_UP_IN_PASS:] for f in feats]
         else:
-            inputs = [[d.toks[b][-1]] for b in rows]
+            inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]  # (after a guess: the guess)
             feats = [d.feats[b][None] for b in rows]  # [1, H]
         logits, outs = head.forward(self.cache, slots, inputs, feats)  # [n, V], n x [m, H]
         for b, o in zip(rows, outs):

@@ -1,6 +1,6 @@
 """Pipelined drafting: the drafter drafts the next step while the target verifies this one.
 
-:class:`DraftPipeline` wraps a model :class:`~specdist.cores.draft.DrafterCore` and keeps its
+:class:`DraftPipeline` wraps a model (or EAGLE-3) :class:`~specdist.cores.draft.DrafterCore` and keeps its
 interface (``start`` / ``propose`` / ``release``), so the scheduler, the local transport and
 the draft worker's servicer host it unchanged. After answering ``propose`` with drafts
 ``d_1..d_k`` for a request, it keeps working on a background thread while the target
@@ -39,6 +39,16 @@ verification):
   earlier position leaves no trace in the output), so they too are independent of the history.
 - The draft length of a step (``k``, the prepared length, or 0 on a skipped miss) is a
   function of the history only, fixed before the step's verification.
+
+EAGLE-3 heads: the head drafts from the target's hidden states, which exist only for verified
+positions. A preparation feeds the proposal's last token with the head's own state at the
+position before (as it drafts every position past the verified ones), and its drafts after the
+guess come from its own states too; on a hit they are proposed, and the target's states of the
+proposal's positions wait in the core until the next draft made without a preparation (a miss,
+or a request not prepared) feeds them. So a prepared draft is not what sequential drafting would
+draft after the same prefix (that one reads the target's states): same exactness argument
+(tokens from the rows sent, uniforms by position), other q, usually accepted less often. What it
+gains is the head's k passes hidden under the verification on a hit.
 
 What exactness rests on is therefore "the tokens come from the rows sent, with uniforms the
 target never sees", not the hit rule itself: reusing ``d'`` after a partial acceptance *with the
@@ -136,8 +146,9 @@ class DraftPipeline:
     """
 
     def __init__(self, core: DrafterCore, miss: str = "redraft"):
-        if core.runner is None:
-            raise ValueError("pipelined drafting needs a model drafter (n-gram drafts cost nothing to prepare)")
+        if core.runner is None and core.head is None:
+            raise ValueError("pipelined drafting needs a model or EAGLE-3 drafter (n-gram drafts cost nothing to "
+                             "prepare)")
         if miss not in MISS_POLICIES:
             raise ValueError(f"miss policy must be one of {MISS_POLICIES}, got {miss!r}")
         self.core = core
@@ -252,10 +263,10 @@ class DraftPipeline:
         for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
             prep = self.prepared.pop(it.request_id, None)
             if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
-                out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k)
+                out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k, it.hidden)
                 self.counters.hits += 1
                 continue
-            self.core.commit(r, n_acc, new)
+            self.core.commit(r, n_acc, new, hidden=it.hidden)
             # a miss whether its preparation finished or was cut short as a certain miss, so
             # that the counts (and the skip policy) do not depend on when the preparation ended
             if prep is not None or it.request_id in prepared_for:
@@ -280,11 +291,12 @@ class DraftPipeline:
             runs.append((max(ks), sum(ks), now() - t1))
 
     def _use_prepared(self, rid: str, r: DraftRequest, prep: _Prepared, n_acc: int, new: list[int],
-                      k: int) -> Proposal:
-        """Commit a hit and propose its prepared drafts, cut to ``k`` (lock held)."""
+                      k: int, hidden=None) -> Proposal:
+        """Commit a hit and propose its prepared drafts, cut to ``k`` (lock held). ``hidden``: the target's
+        states the item brought (EAGLE-3)."""
         n = min(k, len(prep.tokens))
         # committed: proposal + guess, which the cache holds, then the prepared drafts (a shorter cut drops the rest)
-        self.core.commit(r, n_acc, new, prepared=prep.tokens[:n])
+        self.core.commit(r, n_acc, new, prepared=prep.tokens[:n], hidden=hidden)
         q = prep.q[:n] if prep.q is not None and n else None
         return Proposal(rid, prep.tokens[:n], q, pipeline=HIT)
 
@@ -332,7 +344,8 @@ class DraftPipeline:
 
 
 def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
-    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only."""
-    if not pipeline or core.method != "model":
+    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only or an
+    EAGLE-3 head."""
+    if not pipeline or core.method not in ("model", "eagle3"):
         return core
     return DraftPipeline(core, miss)

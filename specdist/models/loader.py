@@ -225,7 +225,7 @@ def _install_gguf_caches() -> None:
     global _gguf_caches_installed
     if _gguf_caches_installed:
         return
-    reader_cls = _fast_gguf_reader(gguf.GGUFReader)
+    reader_cls = _fast_gguf_reader(gguf.gguf_reader.GGUFReader)  # (the class: gguf.GGUFReader is replaced below)
 
     def reader(path, mode="r"):
         cache = _GGUF_READERS.get()
