@@ -156,3 +156,23 @@ def power(alt: np.ndarray, p: np.ndarray, cells: list[np.ndarray], n: int) -> tu
 
 
 # ----------------------------------------------------------------------------- the algorithm, analytically
+
+
+def draft_stats(outs) -> dict:
+    """Acceptance of sampled outputs: the rate, draft tokens, requests with every draft accepted (the bonus
+    drawn) and with none accepted (a rejection at the first position)."""
+    drafted = np.array([o.metrics.drafted for o in outs])
+    accepted = np.array([o.metrics.accepted for o in outs])
+    return {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
+            "all": int(((drafted > 0) & (accepted == drafted)).sum()),
+            "none": int(((drafted > 0) & (accepted == 0)).sum())}
+
+
+def g_test_outputs(outs, p: np.ndarray, window: int) -> tuple[float, float, int]:
+    """(G, threshold at ALPHA, df) of the outputs' first ``window`` tokens against the law ``p``; a sequence
+    of probability 0 fails at once."""
+    counts = np.bincount([seq_index(o.token_ids[:window]) for o in outs], minlength=VOCAB**window)
+    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
+    cells = merge_cells(p, len(outs))
+    return g_statistic(counts, p, cells), stats.chi2.isf(ALPHA, len(cells) - 1), len(cells) - 1
+

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from conftest import remote_engine_like, tiny_config
-from gtest import ALPHA, K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, g_statistic, joint, merge_cells, seq_index
-from scipy import stats
+from gtest import K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, draft_stats, g_test_outputs, joint
 
 from specdist.cores.rejection import one_step_distribution
 from specdist.engine.local import Engine
@@ -173,13 +171,18 @@ EAGLE_CASES = [
 ]
 
 
-def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local") -> tuple[float, float, dict]:
+def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local", k: int = K,
+            draft: dict | None = None) -> tuple[float, float, dict]:
+    """(G, threshold, acceptance stats) of n seeded outputs of an eagle3 engine (``draft``: more draft keys;
+    stats["hits"]: a pipelined drafter's hits) against the target's exact law of the window."""
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5
     p = joint(ptab, case.window)
-    cfg = tiny_config(models, method="eagle3", k=K, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
+    cfg = tiny_config(models, method="eagle3", k=k, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
     cfg["sampling"] = {"coupling": case.coupling}
+    cfg["draft"].update(draft or {})
     eng = local = Engine.from_config(cfg)
+    drafter = local.replicas[0].drafter.core
     served = None
     if transport == "remote":  # the same cores behind their gRPC servicers: states and q on the wire
         eng, served = remote_engine_like(local)
@@ -193,17 +196,11 @@ def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local") ->
             served.close()
     assert all(len(o.token_ids) == case.max_tokens for o in outs)
     assert local.target_core.kv_slots_in_use() == 0 and local.draft_core.kv_slots_in_use() == 0
-    drafted = np.array([o.metrics.drafted for o in outs])
-    accepted = np.array([o.metrics.accepted for o in outs])
-    st = {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
-          "all": int(((drafted > 0) & (accepted == drafted)).sum()),
-          "none": int(((drafted > 0) & (accepted == 0)).sum())}
-    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
-    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
-    cells = merge_cells(p, n)
-    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
-    g = g_statistic(counts, p, cells)
-    print(f"\n{case.id}: N={n}; {st}; G = {g:.1f}, df = {len(cells) - 1}, threshold {threshold:.1f}")
+    st = draft_stats(outs)
+    if hasattr(drafter, "counters"):
+        st["hits"] = drafter.counters.hits
+    g, threshold, df = g_test_outputs(outs, p, case.window)
+    print(f"\n{case.id} ({transport}): N={n}; {st}; G = {g:.1f}, df = {df}, threshold {threshold:.1f}")
     return g, threshold, st
 
 
@@ -312,27 +309,9 @@ def test_pipelined_greedy_output_equals_plain_decoding(eagle3_models) -> None:
 def test_pipelined_drafts_sample_target_distribution(eagle3_models) -> None:
     """Pipelined drafting (prepared drafts proposed on a hit, with the q rows they were sampled from) under
     the rejection coupling, T 0.9, top-p 0.8, k = 1, 6 tokens of which the first 3 are compared (a first
-    step accepted whole leaves the third token to a prepared draft): N = 4000, alpha 1e-4 (df and
-    threshold printed), other seeds."""
+    step accepted whole leaves the third token to a prepared draft): N = 4000, alpha 1e-4 (df 12,
+    threshold 39.1), other seeds."""
     case = Case("eagle3", 6, 3, temperature=0.9, top_p=0.8, coupling="rejection")
-    ptab, margin = _prob_table(eagle3_models["target"], case)
-    assert margin > 1e-5
-    p = joint(ptab, case.window)
-    cfg = tiny_config(eagle3_models, method="eagle3", k=1, max_batch_size=64, max_model_len=MAX_MODEL_LEN)
-    cfg["sampling"] = {"coupling": case.coupling}
-    cfg["draft"]["pipeline"] = True
-    eng = Engine.from_config(cfg)
-    pipe = eng.replicas[0].drafter.core
-    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_p=case.top_p,
-                             seed=430_000_000 + i, ignore_eos=True) for i in range(N)]
-    outs = eng.generate([list(case.prompt)] * N, params)
-    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
-    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
-    cells = merge_cells(p, N)
-    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
-    g = g_statistic(counts, p, cells)
-    print(f"\npipelined {case.id}: hits {pipe.counters.hits}, misses {pipe.counters.misses}; G = {g:.1f}, "
-          f"df = {len(cells) - 1}, threshold {threshold:.1f}")
-    assert pipe.counters.hits >= N // 50, pipe.counters
+    g, threshold, st = _g_test(eagle3_models, case, N, 430_000_000, k=1, draft={"pipeline": True})
+    assert st["hits"] >= N // 50, st
     assert g <= threshold, f"pipelined: G = {g:.1f} > {threshold:.1f}: not the target distribution"
-    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}

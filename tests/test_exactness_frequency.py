@@ -55,7 +55,9 @@ from gtest import (  # noqa: F401  (constants used below)
     VOCAB,
     Case,
     _prob_table,
+    draft_stats,
     g_statistic,
+    g_test_outputs,
     joint,
     merge_cells,
     power,
@@ -355,20 +357,12 @@ def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[
     outs, eng = sample_suffix_engine(models, case, n, seed0, draft)
     assert all(len(o.token_ids) == case.max_tokens and o.finish_reason == "length" for o in outs)
     assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
-    drafted = np.array([o.metrics.drafted for o in outs])
-    accepted = np.array([o.metrics.accepted for o in outs])
     h = eng.draft_core.health()
-    st = {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
-          "all": int(((drafted > 0) & (accepted == drafted)).sum()),
-          "none": int(((drafted > 0) & (accepted == 0)).sum()), **h}
-    counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
-    assert not np.any((counts > 0) & (p == 0)), "sequences of target probability 0 were drawn"
-    cells = merge_cells(p, n)
-    threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
-    g = g_statistic(counts, p, cells)
+    st = draft_stats(outs) | h
+    g, threshold, df = g_test_outputs(outs, p, case.window)
     print(f"\n{case.id}: N={n} in {time.perf_counter() - t0:.1f}s; acceptance {st['acceptance']:.3f} over "
           f"{st['drafted']} draft tokens, every draft accepted {st['all']}, none {st['none']}; "
-          f"G = {g:.1f}, df = {len(cells) - 1}, threshold {threshold:.1f}; drafter {h}")
+          f"G = {g:.1f}, df = {df}, threshold {threshold:.1f}; drafter {h}")
     return g, threshold, st
 
 
