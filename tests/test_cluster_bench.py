@@ -234,7 +234,7 @@ def test_a_missing_optional_package_is_a_one_line_error(module, flags, monkeypat
 
 def test_bench_cluster_over_a_ray_deployment(local_ray, tiny_models, tmp_path, capsys):
     """--config with cluster.enabled: the bench brings the Ray deployment up (1 target rank + 2
-    draft workers over gRPC; test_worker_faults and test_cli's demo test run tensor-parallel
+    draft workers over gRPC; test_worker_faults and test_multinode run tensor-parallel
     ones) on the running local Ray cluster, measures it, reports the network share, and tears
     its deployment down, leaving Ray up (not the bench's to stop). A local Ray the command
     starts itself is shut down by the same Backend.close: test_cli's demo test."""

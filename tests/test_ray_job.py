@@ -98,7 +98,7 @@ def ray_head():
 def test_ray_job_brings_up_serves_and_tears_down(ray_head, tiny_models, tmp_path):
     cfg = tiny_config(tiny_models, method="model", k=3)  # checkpoint paths are absolute
     assert os.path.isabs(cfg["target"]["model"]) and os.path.isabs(cfg["draft"]["model"])
-    # one target rank: tensor parallelism on Ray is test_deployment's and the demo test's
+    # one target rank: tensor parallelism on Ray is test_worker_faults' and test_multinode's
     cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
                       "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
     path = tmp_path / "job.yaml"
