@@ -660,9 +660,10 @@ def _load_head(dc: DraftConfig, target_model: str, dtype: str, device, target: t
     """The EAGLE-3 head of ``dc`` for the target: with ``target`` loaded, in its dtype with its embedding;
     without (a draft worker), in ``dtype`` (the target's, Config.draft_dtype) with the target's config and,
     unless the head embeds tokens itself, the target's input embedding alone (read from its safetensors;
-    other checkpoints, GGUF files among them, load the target for it)."""
+    other checkpoints, GGUF files among them, load the target for it). Its linears run on int8 weights
+    where the CPU's Q8 kernel does (:func:`specdist.models.eagle3.quantize_linears`)."""
     from specdist.models.dtypes import resolve_dtype
-    from specdist.models.eagle3 import load_eagle3_head, read_eagle3_spec
+    from specdist.models.eagle3 import load_eagle3_head, quantize_linears, read_eagle3_spec
     from specdist.models.loader import load_model, resolve_model
     from specdist.models.metadata import model_config
     from specdist.models.sharding import load_input_embedding
@@ -672,7 +673,8 @@ def _load_head(dc: DraftConfig, target_model: str, dtype: str, device, target: t
         raise ConfigError("draft.model", "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
     if target is not None:
         embedding = target.get_input_embeddings()
-        return load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype, device)
+        return quantize_linears(load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype,
+                                                 device))
     src = resolve_model(target_model, "target.model")
     config = model_config(target_model, "target.model")
     torch_dtype = getattr(torch, resolve_dtype(dtype, torch.device(device)))
@@ -681,7 +683,7 @@ def _load_head(dc: DraftConfig, target_model: str, dtype: str, device, target: t
         embedding = load_input_embedding(src.directory, torch_dtype, device) if src.gguf_file is None else None
         if embedding is None:
             embedding = load_model(src, dtype, device).get_input_embeddings()
-    return load_eagle3_head(head.directory, config, embedding, torch_dtype, device)
+    return quantize_linears(load_eagle3_head(head.directory, config, embedding, torch_dtype, device))
 
 
 def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:
