@@ -129,11 +129,12 @@ def run(args: argparse.Namespace) -> int:
             draft_model = self_draft(target, args.draft, src.gguf_path)
         elif args.draft == "model":
             draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
-        elif args.draft == "eagle3":
-            from specdist.models.eagle3 import load_eagle3_head
+        elif args.draft == "eagle3":  # as the engine loads it (int8 linears on x86 CPUs)
+            from specdist.config import DraftConfig
+            from specdist.cores.draft import load_draft_model
 
-            draft_model = load_eagle3_head(resolve_model(args.draft_model, "--draft-model").directory, target.config,
-                                           target.get_input_embeddings(), getattr(torch, dtype), device)
+            draft_model = load_draft_model(DraftConfig(method="eagle3", model=args.draft_model), args.model, dtype,
+                                           device, target=target)
         else:
             draft_model = None
         assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
