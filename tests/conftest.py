@@ -342,22 +342,43 @@ def _uses_local_ray(item) -> bool:
     return "local_ray" in getattr(item, "fixturenames", ())
 
 
+# The modules that start Ray clusters, actors or jobs. Under pytest-xdist (the suite runs on two
+# workers, pyproject.toml) they all run on one worker, one after another: they count the machine's
+# raylets, bind Ray's fixed ports and stop "every local Ray cluster", so two of them must never overlap.
+RAY_MODULES = frozenset({"test_cli", "test_cluster_bench", "test_deployment",
+                         "test_distributed_serve", "test_multinode", "test_placement", "test_ray_job",
+                         "test_worker_faults"})
+
+
 def pytest_configure(config):
-    """The suite's one process keeps models, engines and servers of many tests alive at once, and the
+    """The suite's processes keep models, engines and servers of many tests alive at once, and the
     engine tests allocate small objects per token: at the default thresholds (a young collection every
     700 allocations) the cyclic collector takes about a seventh of their CPU time. Young collections
-    100x rarer; nothing here relies on when cycles are freed (each test releases what it holds)."""
+    100x rarer; nothing here relies on when cycles are freed (each test releases what it holds).
+
+    Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads:
+    two workers of two threads each on two cores would oversubscribe them, and OpenMP's spinning
+    threads slow down badly when they do."""
     gc.set_threshold(100_000, 50, 100)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(items):
     """The tests on the shared local Ray cluster run one after another, where the first of them was
-    collected, so the cluster comes up once (each bring-up and shutdown costs seconds)."""
+    collected, so the cluster comes up once (each bring-up and shutdown costs seconds). Every test of
+    a Ray module goes to one pytest-xdist worker (``--dist loadgroup``), in this order."""
     on_ray = [item for item in items if _uses_local_ray(item)]
     if on_ray:
         first = items.index(on_ray[0])
         others = [item for item in items if not _uses_local_ray(item)]
         items[:] = others[:first] + on_ray + others[first:]
+    for item in items:
+        if item.path.stem in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif _uses_local_ray(item):
+            raise pytest.UsageError(f"{item.nodeid} starts Ray: add its module to conftest.RAY_MODULES")
 
 
 @pytest.hookimpl(wrapper=True)
