@@ -362,7 +362,7 @@ def pytest_configure(config):
     gc.set_threshold(100_000, 50, 100)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))  # torch's default: the cores it may use
 
 
 def pytest_collection_modifyitems(items):
