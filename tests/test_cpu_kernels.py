@@ -3,8 +3,8 @@
 The reference quantizes ``x`` as the kernel does (per block of 32, step ``max |x| / 127``, round half
 to even) and multiplies in float64: the kernel's integer block sums are exact, so the only
 difference left is float32 accumulation (``2**-20`` of ``|x^| @ |W|.T`` bounds it). Shapes cover
-one and several tiles of 4 rows of ``x``, weights below and above the threshold where OpenMP threads
-start, and output counts that are not multiples of anything.
+one and several tiles of 2 rows of ``x``, weights below and above the threshold where OpenMP threads
+start, and output counts that are not multiples of anything (the packed groups of 8 rows padded).
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ def _q8_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (codes.double().reshape(n, k // GROUP, GROUP) * scales[..., None].double()).reshape(n, k)
 
 
+def q4(x, codes, scales):
+    """The kernel on GGUF's Q4 layout (codes [N, G, 16], scales [N, 2, G]), packed as a model load packs it."""
+    return cpu_kernels.q4_mm(x, *cpu_kernels.pack_q4(codes, scales), codes.shape[0])
+
+
+def q8(x, codes, scales):
+    return cpu_kernels.q8_mm(x, *cpu_kernels.pack_q8(codes, scales), codes.shape[0])
+
+
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     xq = _quantized_x(x).double()
     ref = xq @ w.T
@@ -56,10 +65,10 @@ def test_q4_blocks_equal_the_quantized_product(m, n, k):
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
     codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8, generator=g)
     scales = torch.randn(n, 2, k // GROUP, generator=g) * 0.02
-    y = cpu_kernels.q4_mm(x, codes, scales)
+    y = q4(x, codes, scales)
     _check(y, x, _q4_weight(codes, scales))
     # each row alone gives the same bits as in the batch
-    assert torch.equal(torch.cat([cpu_kernels.q4_mm(x[i : i + 1], codes, scales) for i in range(m)]), y)
+    assert torch.equal(torch.cat([q4(x[i : i + 1], codes, scales) for i in range(m)]), y)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -68,9 +77,9 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
     x = torch.randn(m, k, generator=g)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     scales = torch.rand(n, k // GROUP, generator=g) * 0.01
-    y = cpu_kernels.q8_mm(x, codes, scales)
+    y = q8(x, codes, scales)
     _check(y, x, _q8_weight(codes, scales))
-    assert torch.equal(torch.cat([cpu_kernels.q8_mm(x[i : i + 1], codes, scales) for i in range(m)]), y)
+    assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
 
 
 def test_extreme_inputs():
@@ -82,13 +91,13 @@ def test_extreme_inputs():
     x[2] = torch.linspace(-3, 3, k)
     codes4 = torch.full((n, k // GROUP, 16), 0xFF, dtype=torch.uint8)  # every code 15
     scales4 = torch.ones(n, 2, k // GROUP)
-    y4 = cpu_kernels.q4_mm(x, codes4, scales4)
+    y4 = q4(x, codes4, scales4)
     assert torch.equal(y4[0], torch.zeros(n))
     _check(y4, x, _q4_weight(codes4, scales4))
     codes8 = torch.full((n, k), -127, dtype=torch.int8)
     codes8[::2] = 127
     scales8 = torch.ones(n, k // GROUP)
-    y8 = cpu_kernels.q8_mm(x, codes8, scales8)
+    y8 = q8(x, codes8, scales8)
     assert float(y8[1, 0]) == 127 * 32 / 127 * 127  # x^ = 1 exactly, 32 codes of 127
     _check(y8, x, _q8_weight(codes8, scales8))
 
@@ -102,10 +111,10 @@ def test_non_finite_inputs_reach_the_output():
     x[1, 40] = float("inf")
     codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8)
     scales = torch.randn(n, 2, k // GROUP)
-    y = cpu_kernels.q4_mm(x, codes, scales)
+    y = q4(x, codes, scales)
     assert y[:2].isnan().all() and y[2].isfinite().all()
-    assert torch.equal(y[2], cpu_kernels.q4_mm(x[2:], codes, scales)[0])
-    y8 = cpu_kernels.q8_mm(x, torch.ones(n, k, dtype=torch.int8), torch.ones(n, k // GROUP))
+    assert torch.equal(y[2], q4(x[2:], codes, scales)[0])
+    y8 = q8(x, torch.ones(n, k, dtype=torch.int8), torch.ones(n, k // GROUP))
     assert y8[:2].isnan().all() and y8[2].isfinite().all()
 
 
@@ -118,9 +127,10 @@ def test_under_torch_compile_the_kernels_are_opaque_ops():
     s4 = torch.randn(n, 2, k // GROUP)
     c8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     s8 = torch.rand(n, k // GROUP)
+    p4, p8 = cpu_kernels.pack_q4(c4, s4), cpu_kernels.pack_q8(c8, s8)
 
     def f(x):
-        return cpu_kernels.q4_mm(x, c4, s4) + cpu_kernels.q8_mm(torch.relu(x), c8, s8)
+        return cpu_kernels.q4_mm(x, *p4, n) + cpu_kernels.q8_mm(torch.relu(x), *p8, n)
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), f(x))
@@ -160,13 +170,15 @@ def _reference_attention(q, kc, vc, slots, qpos, window, scale, cap):
     return out
 
 
-@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
-def test_attention_equals_the_reference_and_rows_stand_alone(window, cap):
+@pytest.mark.parametrize("window,cap,hd", [(None, None, 24), (5, None, 24), (None, 30.0, 24), (None, None, 136),
+                                           (5, None, 20)])
+def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd):
     """GQA (6 query heads over 2 KV heads), ragged positions over non-adjacent slots, a query tensor that is
     a transposed view (the runner's layout); each row equals the float64 reference to float32 rounding and
-    equals itself computed alone."""
+    equals itself computed alone. Head sizes: 24 (one slice of value columns, key chunks of 8 with partial
+    ones), 136 (two slices), 20 (not a multiple of 8: the one-key-at-a-time row)."""
     g = torch.Generator().manual_seed(5)
-    slots_n, hkv, length, hd = 4, 2, 40, 24
+    slots_n, hkv, length = 4, 2, 40
     kc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
     vc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
     q = torch.randn(3, 4, 6, hd, generator=g).transpose(1, 2)  # [B, Hq, T, hd] with T-major strides

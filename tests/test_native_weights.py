@@ -171,7 +171,7 @@ def test_fused_int4_projections_equal_their_parts(int4_backend):
             for got, p in zip(mlp.fused_gate_up(x), (mlp.gate_proj, mlp.up_proj)):
                 assert torch.equal(got, p(x))
     # hidden 32: k/v have 16 rows, half of torch's CPU kernel's 32-row tile: there q/k/v stay apart and
-    # gate/up fuse; the block kernels keep rows apart, so everything fuses
+    # gate/up fuse; the block kernels hold groups of 8 rows, so everything fuses
     model = _int4_model("llama")
     assert type(model.model.layers[0].self_attn.k_proj) is Int4GroupLinear
     assert model.model.layers[0].self_attn.k_proj.out_features == 16

@@ -43,8 +43,8 @@ def test_linear_close_to_float(in_features: int, bias: bool, backend: str, monke
     torch.manual_seed(0)
     linear = nn.Linear(in_features, 48, bias=bias)
     q = Int8WeightOnlyLinear.from_linear(linear)
-    assert (q.block_scales is not None) == (backend == "blocks")
-    assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (48, in_features)
+    assert (q.block_codes is not None) == (backend == "blocks") == (q.weight_int8 is None)
+    assert q.codes().dtype == torch.int8 and q.codes().shape == (48, in_features)
     assert q.scales.dtype == torch.bfloat16 and q.scales.shape == (48,)
     assert (q.in_features, q.out_features) == (in_features, 48)
     x = torch.randn(2, 5, in_features)  # [batch, seq, in]
@@ -59,11 +59,42 @@ def test_zero_row() -> None:
     with torch.no_grad():
         linear.weight[3].zero_()
     q = Int8WeightOnlyLinear.from_linear(linear)
-    assert q.scales[3].item() == 1.0 and torch.all(q.weight_int8[3] == 0)
+    assert q.scales[3].item() == 1.0 and torch.all(q.codes()[3] == 0)
     assert torch.isfinite(q.scales.float()).all()
     with torch.no_grad():
         y = q(torch.randn(4, 32))  # [4, 8]
     assert torch.all(y[:, 3] == 0) and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("blocks", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no CPU kernels")), "torch"])
+def test_fused_int8_parts_are_views_of_one_copy(backend, monkeypatch) -> None:
+    """q/k/v-like parts fuse into one Int8 linear whose output splits into the parts' outputs; each part's
+    codes are a view of the fused ones. On the block kernel, parts of a row count that is not a multiple of
+    its groups of 8 rows (13 here) stay apart, and their codes still come back row by row."""
+    if backend == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    from specdist.models.fusion import _fuse
+
+    torch.manual_seed(1)
+    linears = [nn.Linear(64, n) for n in (32, 16, 16)]
+    parts = [Int8WeightOnlyLinear.from_linear(lin) for lin in linears]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        alone = [p(x) for p in parts]
+        fused = _fuse(parts)
+        assert fused is not None
+        for got, want, p in zip(fused(x), alone, parts):
+            assert torch.equal(got, want) and torch.equal(p(x), want)
+            held = p.block_codes if backend == "blocks" else p.weight_int8
+            whole = fused.inner.block_codes if backend == "blocks" else fused.inner.weight_int8
+            assert held.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        odd = [Int8WeightOnlyLinear.from_linear(nn.Linear(64, n)) for n in (13, 16)]
+        assert (_fuse(odd) is None) == (backend == "blocks")
+        w = torch.randint(-127, 128, (13, 64), dtype=torch.int8)
+        q = Int8WeightOnlyLinear(w, torch.full((13,), 0.5))
+        assert torch.equal(q.codes(), w)
+        assert _rel_err(q(x), x @ (w.float() * 0.5).T) < 0.02
 
 
 def test_quantized_copy_leaves_original(tiny_llama: LlamaForCausalLM) -> None:

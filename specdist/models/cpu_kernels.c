@@ -3,17 +3,21 @@
  *
  * Matmuls:
  *
- * y[m, n] = sum_k x[m, k] * W[n, k], with W stored as blocks of 32 input columns of one row:
- *   Q4 (GGUF Q4_0 and Q4_1): 16 bytes of codes c in 0..15 (byte i: element i in its low nibble,
- *       element i + 16 in its high nibble) and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
- *   Q8 (GGUF Q8_0): 32 signed bytes c and a float d: w = d * c.
+ * y[m, n] = sum_k x[m, k] * W[n, k], W stored as blocks of 32 input columns of one row:
+ *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
+ *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
- * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is one integer
- * multiply-add of bytes:
+ * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
+ * products (vpmaddubsw):
  *   Q4: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
- * Every output element is computed by the same instruction sequence whatever the number of rows
- * of x and wherever it falls in a tile, so a row's result does not depend on the batch around it.
- * Threads: OpenMP over blocks of output rows, in the process's OpenMP runtime (torch's).
+ * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8) in groups of 8 rows whose codes
+ * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
+ * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
+ * no horizontal sums, and each loaded weight vector serves ROWS_TILE rows of x.
+ * Every output element is computed by the same instruction sequence whatever the number of rows of x and
+ * wherever it falls in a tile (its block's exact integer sum, then one float multiply-add per block in
+ * block order), so a row's result does not depend on the batch around it.
+ * Threads: OpenMP over groups of 8 output columns, in the process's OpenMP runtime (torch's).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,8 +26,8 @@
 #include <string.h>
 
 #define QK 32         /* elements per block */
-#define ROWS_TILE 4   /* rows of x sharing one unpacked weight block */
-#define N_CHUNK 16    /* output rows per scheduling unit */
+#define ROWS_TILE 2   /* rows of x sharing one loaded (and unpacked) weight block */
+_Static_assert(ROWS_TILE == 2, "BLOCK_MATMUL's last tile is one row");
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (1 << 16)
 
@@ -38,6 +42,7 @@ static inline float hsum8(__m256 v) {
 static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     const int64_t G = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WEIGHTS)
     for (int64_t i = 0; i < M * G; ++i) {
         const float *xb = x + i * QK;
         __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
@@ -91,118 +96,111 @@ static void release_input(quantized_x *qx) {
     free(qx->q); free(qx->d); free(qx->s);
 }
 
-/* Dot of n floats (the Q4 bias term: sum over blocks of m * s). */
-static inline float dot_floats(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return hsum8(acc) + tail;
+/* One dword of a row's quantized block (4 bytes) in every 32-bit lane. */
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* Block g of one Q4 weight row against R rows of quantized x, into acc[0..R). */
-static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, const float *dm, int64_t G,
-                                                            const quantized_x *qx, int64_t m0, int R, int64_t g,
-                                                            __m256 *acc) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
-    const float dw = dm[g];
-    for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * G + g;
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx->q + i * QK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * qx->d[i]), acc[r]);
+/* Outputs of one group of 8 weight rows (columns of y) for R rows of quantized x (R a constant after
+ * inlining), into acc[0..R): lane c of acc[r] is y[r, 8 * group + c].
+ * Q4 group: codes [G, 4, 32] bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of row c in
+ * its low nibble and element 16 + 4 j + e in its high nibble; scales [G, 2, 8]: the 8 rows' d, then their m.
+ * A block's byte products summed in 16 bits are exact: 8 multiply-adds of pairs, each at most 2 * 15 * 127. */
+static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes, const float *scales, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *block = codes + g * 128;
+        __m256i sums[ROWS_TILE];  /* [R] 16 lanes of 16 bits: two per weight row */
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps(scales + g * 16), m = _mm256_loadu_ps(scales + g * 16 + 8);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = (m0 + r) * G + g;
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));  /* [8] block dots */
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(qx->d[i])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[i]), acc[r]);
+        }
     }
 }
 
-/* The block sums of one weight row against R rows of quantized x (R a constant after inlining), into
- * SUMS[0..R). Blocks alternate between two accumulators per row, so that consecutive multiply-adds do not
- * wait on each other. */
-#define ROW_SUMS(BLOCK_FN, W, S, SUMS)                                                                  \
-    do {                                                                                                \
-        __m256 acc0[ROWS_TILE], acc1[ROWS_TILE];                                                        \
-        for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();                            \
-        int64_t g = 0;                                                                                  \
-        for (; g + 2 <= G; g += 2) {                                                                    \
-            BLOCK_FN(W, S, G, qx, m0, R, g, acc0);                                                      \
-            BLOCK_FN(W, S, G, qx, m0, R, g + 1, acc1);                                                  \
-        }                                                                                               \
-        if (g < G) BLOCK_FN(W, S, G, qx, m0, R, g, acc0);                                               \
-        for (int r = 0; r < R; ++r) SUMS[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));                  \
-    } while (0)
-
-/* One Q4 weight row against R rows of quantized x: the block sums plus the m terms. */
-static inline __attribute__((always_inline)) void q4_row(const uint8_t *w, const float *dm, int64_t G,
-                                                          const quantized_x *qx, int64_t m0, int R,
-                                                          float *y, int64_t N, int64_t n) {
-    float sums[ROWS_TILE];
-    ROW_SUMS(q4_block, w, dm, sums);
-    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = sums[r] + dot_floats(dm + G, qx->s + (m0 + r) * G, G);
-}
-
-/* Block g of one Q8 weight row against R rows of quantized x, into acc[0..R). */
-static inline __attribute__((always_inline)) void q8_block(const int8_t *w, const float *d, int64_t G,
-                                                            const quantized_x *qx, int64_t m0, int R, int64_t g,
-                                                            __m256 *acc) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-    const __m256i wabs = _mm256_sign_epi8(wv, wv);  /* |c|: Q8_0 codes stay in -127..127 */
-    const float dw = d[g];
-    for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * G + g;
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx->q + i * QK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * qx->d[i]), acc[r]);
+/* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
+ * row c; scales [G, 8]. vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
+static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const float *scales, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const int8_t *block = codes + g * 256;
+        __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 * j)), wabs = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; ++r) {
+                const __m256i xv = broadcast4(qx->q + ((m0 + r) * G + g) * QK + 4 * j);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)), ones));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps(scales + g * 8);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
+                                     acc[r]);
     }
 }
 
-/* One Q8 weight row against R rows of quantized x. */
-static inline __attribute__((always_inline)) void q8_row(const int8_t *w, const float *d, int64_t G,
-                                                          const quantized_x *qx, int64_t m0, int R,
-                                                          float *y, int64_t N, int64_t n) {
-    float sums[ROWS_TILE];
-    ROW_SUMS(q8_block, w, d, sums);
-    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = sums[r];
+/* Lanes of v into y[n0 .. min(n0 + 8, N)). */
+static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
+    if (n0 + 8 <= N) {
+        _mm256_storeu_ps(y + n0, v);
+        return;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    for (int64_t c = 0; n0 + c < N; ++c) y[n0 + c] = lanes[c];
 }
 
-/* Rows of x in tiles of ROWS_TILE; the last tile's size picks an inlined copy with a constant row count. */
-#define TILED(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                          \
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                                    \
-        const int64_t rows = M - m0 < ROWS_TILE ? M - m0 : ROWS_TILE;                                  \
-        for (int64_t n = c * N_CHUNK; n < n_end; ++n) {                                                \
-            switch (rows) {                                                                            \
-            case 4: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 4, y, N, n); break;       \
-            case 3: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 3, y, N, n); break;       \
-            case 2: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 2, y, N, n); break;       \
-            default: ROW_FN(W + n * (WSTRIDE), S + n * (SSTRIDE), G, &qx, m0, 1, y, N, n); break;      \
-            }                                                                                          \
-        }                                                                                              \
-    }
-
-/* The body of a block matmul: quantize x, then output rows in chunks of N_CHUNK over the threads. */
-#define BLOCK_MATMUL(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                  \
+/* The body of a block matmul: quantize x, then groups of 8 output columns over the threads, rows of x in
+ * tiles of ROWS_TILE (the last tile's size picks an inlined copy with a constant row count). */
+#define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, SCALE_FLOATS)                                \
     quantized_x qx;                                                                                    \
     if (quantize_input(x, M, K, &qx)) return -1;                                                       \
-    const int64_t G = K / QK;                                                                          \
-    const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;                                                \
+    const int64_t G = K / QK, groups = (N + 7) / 8;                                                    \
     _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")                    \
-    for (int64_t c = 0; c < chunks; ++c) {                                                             \
-        const int64_t n_end = (c + 1) * N_CHUNK < N ? (c + 1) * N_CHUNK : N;                           \
-        TILED(ROW_FN, W, S, WSTRIDE, SSTRIDE)                                                          \
+    for (int64_t c = 0; c < groups; ++c) {                                                             \
+        __m256 acc[ROWS_TILE];                                                                         \
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                                \
+            const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                           \
+            if (rows == ROWS_TILE) /* else the one row left (ROWS_TILE is 2) */                       \
+                GROUP_FN(CODES + c * G * (CODE_BYTES), SCALES + c * G * (SCALE_FLOATS), G, &qx, m0, ROWS_TILE, acc); \
+            else                                                                                       \
+                GROUP_FN(CODES + c * G * (CODE_BYTES), SCALES + c * G * (SCALE_FLOATS), G, &qx, m0, 1, acc); \
+            for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);            \
+        }                                                                                              \
     }                                                                                                  \
     release_input(&qx);                                                                                \
     return 0;
 
-/* Q4: qs [N, K/32, 16] bytes, dm [N, 2, K/32] floats (the row's d, then its m). y [M, N].
- * Returns 0, or -1 without memory. */
-int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *dm, int64_t N, float *y) {
-    BLOCK_MATMUL(q4_row, qs, dm, G * 16, 2 * G)
+/* Q4: codes [ceil(N/8), G, 128] bytes, scales [ceil(N/8), G, 16] floats (q4_group's layout; cpu_kernels.py
+ * pack_q4 builds it from GGUF's). y [M, N]. Returns 0, or -1 without memory. */
+int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *sc, int64_t N, float *y) {
+    BLOCK_MATMUL(q4_group, qs, sc, 128, 16)
 }
 
-/* Q8: qs [N, K] signed bytes, d [N, K/32] floats. y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y) {
-    BLOCK_MATMUL(q8_row, qs, d, K, G)
+/* Q8: codes [ceil(N/8), G, 256] signed bytes, scales [ceil(N/8), G, 8] floats (q8_group's layout; pack_q8).
+ * y [M, N]. Returns 0, or -1 without memory. */
+int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *sc, int64_t N, float *y) {
+    BLOCK_MATMUL(q8_group, qs, sc, 256, 8)
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -231,6 +229,105 @@ static inline float dot_row(const float *a, const float *b, int64_t n) {
     return hsum8(_mm256_add_ps(acc0, acc1)) + tail;
 }
 
+/* e^x of 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r = 1 + r + r^2 P(r)), x clamped below
+ * at -87 (e^-87 is still a normal float); a NaN stays NaN (maxps returns its second operand then). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln 2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Scores of 8 keys (rows of hd floats, hd % 8 == 0) against q: lane c is q . keys[c], each summed as
+ * 8 lanes over hd in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline __m256 scores8(const float *qv, const float *const keys[8], int64_t hd) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(qv + i);
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[c] + i), a[c]);
+    }
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+/* One query row over keys lo..p (vectorized; hd % 8 == 0): scores in chunks of 8 keys (a last partial
+ * chunk repeats key p in its unused lanes, which are dropped), softmax weights with exp8, then the
+ * weighted sum of values in slices of 64 columns held in registers. w: scratch of p - lo + 8 floats. */
+static void attend_row(const float *qv, const float *kb, const float *vb, int64_t lo, int64_t p, int64_t hd,
+                       float scale, float softcap, float *w, float *o) {
+    const int64_t n = p - lo + 1;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const float *keys[8];
+        for (int c = 0; c < 8; ++c) keys[c] = kb + (lo + (j0 + c < n ? j0 + c : n - 1)) * hd;
+        __m256 s = _mm256_mul_ps(scores8(qv, keys, hd), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(w + j0, s);
+        if (softcap > 0.0f)
+            for (int c = 0; c < 8; ++c) w[j0 + c] = softcap * tanhf(w[j0 + c] / softcap);
+        mx = _mm256_max_ps(mx, _mm256_loadu_ps(w + j0));  /* repeated lanes do not change the max */
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(h));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j0), m));
+        if (j0 + 8 > n) {  /* zero the repeated lanes */
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j0)), lane)));
+        }
+        _mm256_storeu_ps(w + j0, e);
+        total = _mm256_add_ps(total, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
+    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+        const int vecs = hd - c0 >= 64 ? 8 : (int)((hd - c0) / 8);
+        __m256 acc[8];
+        for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+            const __m256 e = _mm256_set1_ps(w[j]);
+            const float *vj = vb + (lo + j) * hd + c0;
+            for (int v = 0; v < vecs; ++v) acc[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < vecs; ++v) _mm256_storeu_ps(o + c0 + 8 * v, _mm256_mul_ps(acc[v], inv));
+    }
+}
+
+/* The same row for any hd, one key at a time (libm's expf). */
+static void attend_row_scalar(const float *qv, const float *kb, const float *vb, int64_t lo, int64_t p,
+                              int64_t hd, float scale, float softcap, float *w, float *o) {
+    float m = -INFINITY;
+    for (int64_t j = lo; j <= p; ++j) {
+        float s = scale * dot_row(qv, kb + j * hd, hd);
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        w[j - lo] = s;
+        m = s > m ? s : m;
+    }
+    float total = 0.0f;
+    for (int64_t c = 0; c < hd; ++c) o[c] = 0.0f;
+    for (int64_t j = lo; j <= p; ++j) {
+        const float e = expf(w[j - lo] - m);
+        total += e;
+        const float *vj = vb + j * hd;
+        for (int64_t c = 0; c < hd; ++c) o[c] += e * vj[c];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t c = 0; c < hd; ++c) o[c] *= inv;
+}
+
 int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t hd,
                        int64_t qs_b, int64_t qs_h, int64_t qs_t,
                        const float *k_cache, const float *v_cache, int64_t Hkv, int64_t L1,
@@ -245,46 +342,26 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
     int failed = 0;
 #pragma omp parallel if (work >= PARALLEL_MIN_WEIGHTS)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)max_keys);
-        float *acc = (float *)malloc(sizeof(float) * (size_t)hd);
-        if (!scores || !acc) {
+        float *w = (float *)malloc(sizeof(float) * (size_t)(max_keys + 8));  /* one row's scores, then weights */
+        if (!w) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            if (!scores || !acc) continue;
+            if (!w) continue;
             const int64_t b = r / (Hq * T), h = (r / T) % Hq, t = r % T;
             const int64_t p = qpos[b * T + t];
             const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            const float *qv = q + b * qs_b + h * qs_h + t * qs_t;
             const int64_t base = (slots[b] * Hkv + h / group) * L1;
-            const float *kb = k_cache + base * hd, *vb = v_cache + base * hd;
-            float m = -INFINITY;
-            for (int64_t j = lo; j <= p; ++j) {
-                float s = scale * dot_row(qv, kb + j * hd, hd);
-                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                scores[j - lo] = s;
-                m = s > m ? s : m;
-            }
-            float total = 0.0f;
-            for (int64_t c = 0; c < hd; ++c) acc[c] = 0.0f;
-            for (int64_t j = lo; j <= p; ++j) {
-                const float e = expf(scores[j - lo] - m);
-                total += e;
-                const float *vj = vb + j * hd;
-                const __m256 ev = _mm256_set1_ps(e);
-                int64_t c = 0;
-                for (; c + 8 <= hd; c += 8)
-                    _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + c), _mm256_loadu_ps(acc + c)));
-                for (; c < hd; ++c) acc[c] += e * vj[c];
-            }
+            const float *qv = q + b * qs_b + h * qs_h + t * qs_t;
             float *o = out + ((b * T + t) * Hq + h) * hd;
-            const float inv = 1.0f / total;
-            for (int64_t c = 0; c < hd; ++c) o[c] = acc[c] * inv;
+            if (hd % 8 == 0)
+                attend_row(qv, k_cache + base * hd, v_cache + base * hd, lo, p, hd, scale, softcap, w, o);
+            else
+                attend_row_scalar(qv, k_cache + base * hd, v_cache + base * hd, lo, p, hd, scale, softcap, w, o);
         }
-        free(scores);
-        free(acc);
+        free(w);
     }
     return failed ? -1 : 0;
 }

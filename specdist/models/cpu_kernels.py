@@ -5,8 +5,11 @@ computes them, and attention over the slot KV cache whose rows do not depend on 
 blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
 :func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves: each row of ``x`` is
 quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
-one byte multiply-add (``vpmaddubsw``) scaled by the two blocks' floats. Weights keep the file's
-float scales (fp16, exact in fp32); nothing is rounded to bf16.
+an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
+:func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
+time, so that one vector multiply-add yields partial sums of 8 outputs side by side and each loaded
+weight vector serves two rows of ``x`` (prefill and verification rows share the weight traffic).
+Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
 
 **Attention.** :func:`attention` computes each (request, head, query) row on its own, from the
 cache itself (no gathered copy of the keys, no mask tensor): scores in key order, softmax, the
@@ -48,6 +51,7 @@ log = logging.getLogger("specdist.kernels")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
+GROUP = 32  # weights per block (GGUF's block size)
 
 
 def _cache_dir() -> str:
@@ -121,31 +125,63 @@ def available() -> bool:
     return _available
 
 
-def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q4 blocks in :func:`q4_mm`'s layout. ``codes [N, G, 16]`` uint8 (byte i of a block: element i
+    in the low nibble, i + 16 in the high), ``scales [N, 2, G]`` float32 (each row's d, then its m).
+    Returns ``codes [ceil(N/8), G, 128]`` uint8 and ``scales [ceil(N/8), G, 16]`` float32: rows in groups
+    of 8 (zero rows pad the last), a block's vector j holding 4 elements of each row (the C file's
+    ``q4_group``)."""
+    n, g, _ = codes.shape
+    pad = -n % 8
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, g, 16)])
+        scales = torch.cat([scales, scales.new_zeros(pad, 2, g)])
+    elems = torch.cat([codes & 15, codes >> 4], -1).reshape(-1, 8, g, 32).transpose(1, 2)  # [N/8, G, 8 rows, 32]
+    lo = elems[..., :16].reshape(-1, g, 8, 4, 4)  # [N/8, G, row, j, e]: element 4 j + e
+    hi = elems[..., 16:].reshape(-1, g, 8, 4, 4)  # element 16 + 4 j + e
+    packed = (lo | hi << 4).permute(0, 1, 3, 2, 4).reshape(-1, g, 128)  # byte 32 j + 4 row + e
+    return packed.contiguous(), scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16).contiguous()
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8 (-127..127), ``scales [N, K/32]`` float32.
+    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8]`` float32 (the C file's
+    ``q8_group``; zero rows pad the last group)."""
+    n, k = codes.shape
+    g = k // GROUP
+    pad = -n % 8
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, g)])
+    packed = codes.reshape(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 256)  # byte 32 j + 4 row + e
+    return packed.contiguous(), scales.float().reshape(-1, 8, g).transpose(1, 2).contiguous()
+
+
+def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()  # [M, K]
     m, k = x.shape
-    n = codes.shape[0]
+    if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
+        raise ValueError(f"block kernel: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
     if m and fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr()):
         raise MemoryError(f"block kernel: no memory to quantize a [{m}, {k}] input")
     return y
 
 
-def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, N]`` float32, W in Q4 blocks: ``codes [N, K/32, 16]`` uint8 (byte i of a
-    block: element i in the low nibble, i + 16 in the high), ``scales [N, K/32, 2]`` float32 (d, m):
-    ``w = d * c + m``."""
+def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q4 blocks packed by :func:`pack_q4`
+    (``w = d * c + m``)."""
     if torch.compiler.is_compiling():
-        return torch.ops.specdist.q4_mm(x, codes, scales)
-    return _call(library().specdist_q4_mm, x, codes, scales)
+        return torch.ops.specdist.q4_mm(x, codes, scales, n)
+    return _call(library().specdist_q4_mm, x, codes, scales, n)
 
 
-def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, N]`` float32, W in Q8 blocks: ``codes [N, K]`` int8, ``scales [N, K/32]``
-    float32: ``w = d * c``."""
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q8 blocks packed by :func:`pack_q8`
+    (``w = d * c``)."""
     if torch.compiler.is_compiling():
-        return torch.ops.specdist.q8_mm(x, codes, scales)
-    return _call(library().specdist_q8_mm, x, codes, scales)
+        return torch.ops.specdist.q8_mm(x, codes, scales, n)
+    return _call(library().specdist_q8_mm, x, codes, scales, n)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -253,23 +289,23 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, 
 
 
 @torch.library.custom_op("specdist::q4_mm", mutates_args=())
-def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _call(library().specdist_q4_mm, x, codes, scales)
+def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    return _call(library().specdist_q4_mm, x, codes, scales, n)
 
 
 @torch.library.custom_op("specdist::q8_mm", mutates_args=())
-def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _call(library().specdist_q8_mm, x, codes, scales)
+def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    return _call(library().specdist_q8_mm, x, codes, scales, n)
 
 
 @_q4_op.register_fake
-def _(x, codes, scales):
-    return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+def _(x, codes, scales, n):
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 @_q8_op.register_fake
-def _(x, codes, scales):
-    return x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+def _(x, codes, scales, n):
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 @torch.library.custom_op("specdist::attention", mutates_args=())

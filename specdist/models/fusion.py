@@ -63,20 +63,28 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             off += n
         return FusedLinear(fused, sizes)
     if all(type(p) is Int8WeightOnlyLinear for p in parts):
-        w = torch.cat([p.weight_int8 for p in parts], 0)  # [sum(out), in] int8
+        blocks = parts[0].block_codes is not None
+        if blocks and any(p.out_features % 8 for p in parts):
+            return None  # the block kernel packs rows in groups of 8: a part must own whole groups
+        w = torch.cat([p.codes() for p in parts], 0)  # [sum(out), in] int8
         s = torch.cat([p.scales for p in parts], 0)  # [sum(out)]
         fused = Int8WeightOnlyLinear(w, s, bias)
         sizes, off = [], 0
-        for p in parts:
+        for p in parts:  # each part's codes become a view of the fused ones (no second copy)
             n = p.out_features
-            p.weight_int8, p.scales = fused.weight_int8[off : off + n], fused.scales[off : off + n]
+            p.scales = fused.scales[off : off + n]
+            if blocks:
+                p.block_codes = fused.block_codes[off // 8 : (off + n) // 8]
+                p.block_scales = fused.block_scales[off // 8 : (off + n) // 8]
+            else:
+                p.weight_int8 = fused.weight_int8[off : off + n]
             if biased:
                 p.bias = fused.bias[off : off + n]
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
-    # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; GGUF
-    # blocks (cpu_kernels) hold each row on its own
+    # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; the block
+    # kernels (cpu_kernels) hold groups of 8 rows, and an Int4GroupLinear has a multiple of 16
     if (all(type(p) is Int4GroupLinear for p in parts) and len({(p.repeat_input, p.blocks) for p in parts}) == 1
             and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))):
         dim = parts[0].rows_dim_of_scales
@@ -87,10 +95,10 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
         fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim)
         fused.bias = bias
         fused.out_features = sum(p.out_features for p in parts)
-        off = 0
+        off, per = 0, parts[0].rows_per_packed
         for p in parts:  # each part's packed rows become a view of the fused ones (no second copy); its
             # (scale, zero) pairs stay its own: the kernel needs them contiguous, and they are 1/16 of the bytes
-            p.packed = fused.packed[off : off + p.out_features]
+            p.packed = fused.packed[off // per : (off + p.out_features) // per]
             if biased:
                 p.bias = fused.bias[off : off + p.out_features]
             off += p.out_features

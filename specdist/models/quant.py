@@ -26,9 +26,10 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
-- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 block
-  layout with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), the
-  activations rounded per block of 32 to bytes. Any number of output rows.
+- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
+  with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), repacked in
+  groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32
+  to bytes.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
   bf16 activations, output rows in tiles.
 
@@ -60,20 +61,31 @@ class Int8WeightOnlyLinear(nn.Module):
     :mod:`specdist.models.cpu_kernels` (a row's scale repeated for each block of 32, activations rounded
     per block to bytes), elsewhere through torch's int8 kernel with bf16 activations."""
 
-    weight_int8: torch.Tensor  # [out, in] int8, codes in -127..127
+    weight_int8: torch.Tensor | None  # [out, in] int8, codes in -127..127 (torch's kernel; None on the blocks)
     scales: torch.Tensor  # [out] bf16
-    block_scales: torch.Tensor | None  # [out, in / 32] float32: the row's scale per block (the CPU kernel)
+    block_codes: torch.Tensor | None  # [ceil(out/8), in/32, 256] int8: the codes packed for the CPU kernel
+    block_scales: torch.Tensor | None  # [ceil(out/8), in/32, 8] float32: the row's scale per block (packed)
     bias: torch.Tensor | None  # [out] float32
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
-        self.register_buffer("weight_int8", weight_int8.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
         blocks = weight_int8.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels.available()
-        self.register_buffer("block_scales", self.scales.float()[:, None].expand(
-            -1, self.in_features // GROUP).contiguous() if blocks else None)
+        codes, block_scales = cpu_kernels.pack_q8(weight_int8, self.scales.float()[:, None].expand(
+            -1, self.in_features // GROUP)) if blocks else (None, None)
+        self.register_buffer("weight_int8", None if blocks else weight_int8.contiguous())
+        self.register_buffer("block_codes", codes)
+        self.register_buffer("block_scales", block_scales)
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes ``[out, in]``, row by row, whichever kernel holds them."""
+        if self.weight_int8 is not None:
+            return self.weight_int8
+        g = self.in_features // GROUP
+        rows = self.block_codes.reshape(-1, g, 8, 8, 4).permute(0, 3, 1, 2, 4)  # [out/8, row, G, j, e]
+        return rows.reshape(-1, self.in_features)[: self.out_features]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -85,8 +97,9 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        if self.block_scales is not None:
-            y = cpu_kernels.q8_mm(x.reshape(-1, self.in_features), self.weight_int8, self.block_scales)  # [n, out]
+        if self.block_codes is not None:
+            y = cpu_kernels.q8_mm(x.reshape(-1, self.in_features), self.block_codes, self.block_scales,
+                                  self.out_features)  # [n, out]
             y = y.reshape(*lead, self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
@@ -148,6 +161,12 @@ class Int4GroupLinear(nn.Module):
         """The dimension of ``scales_and_zeros`` that runs over output rows."""
         return 0 if self.blocks else 1
 
+    @property
+    def rows_per_packed(self) -> int:
+        """Output rows per index of ``packed``'s first dimension (the block kernels and CUDA's int4 layout
+        hold rows in groups of 8; torch's CPU int4 layout one row per index)."""
+        return 8 if self.blocks or self.packed.is_cuda else 1
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4GroupLinear:
         """Asymmetric min/max codes per group of 32 (GGUF Q4_1's rule: scale = (max - min) / 15)."""
@@ -166,7 +185,7 @@ class Int4GroupLinear(nn.Module):
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
             mm = cpu_kernels.q4_mm if self.blocks == "q4" else cpu_kernels.q8_mm
-            y = mm(x2, self.packed, self.scales_and_zeros)  # [n, out] float32
+            y = mm(x2, self.packed, self.scales_and_zeros, self.out_features)  # [n, out] float32
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
             if self.repeat_input > 1:
@@ -186,23 +205,22 @@ class Int4GroupLinear(nn.Module):
 
 
 def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q4 block layout for cpu_kernels: codes [out, G, 16] uint8 (byte i: element i low, i + 16
-    high) and [out, 2, G] float32 (d, m) with ``w = d * c + m`` (here ``m = zero - 8 * scale``)."""
+    """GGUF's Q4 blocks (``w = d * c + m``, here ``m = zero - 8 * scale``) packed for cpu_kernels.q4_mm."""
     out, k = codes.shape
     g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]
-    packed = (g[..., :16] | (g[..., 16:] << 4)).contiguous()  # [out, G, 16]
-    return packed, torch.stack([scales, zeros - 8 * scales], 1).contiguous()  # [out, 2, G]
+    gguf = (g[..., :16] | (g[..., 16:] << 4))  # [out, G, 16]: byte i holds element i low, i + 16 high
+    return cpu_kernels.pack_q4(gguf, torch.stack([scales, zeros - 8 * scales], 1))  # (d, m) [out, 2, G]
 
 
 def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q8_0 back from its two int4 halves (see the module doc): codes [out, K] int8 and d [out, G]."""
+    """GGUF's Q8_0 back from its two int4 halves (see the module doc), packed for cpu_kernels.q8_mm."""
     k = codes.shape[1] // 2
     d = scales[:, k // GROUP:]
     if not (torch.equal(scales[:, : k // GROUP], 16 * d) and torch.equal(zeros[:, k // GROUP:], 8 * d)
             and not zeros[:, : k // GROUP].any()):
         raise ValueError("repeat_input=2 holds GGUF Q8_0 halves only: scales (16 d, d), zeros (0, 8 d)")
     c8 = 16 * (codes[:, :k] - 8) + codes[:, k:]  # [out, K] in -128..127
-    return c8.to(torch.int8).contiguous(), d.contiguous()
+    return cpu_kernels.pack_q8(c8.to(torch.int8), d)
 
 
 def untie_lm_head(model: nn.Module) -> None:
