@@ -152,6 +152,17 @@ def test_top_p_one_row_is_unchanged_by_a_top_p_row_in_its_batch() -> None:
     assert 0 < int((cut[0] > 0).sum()) < vocab
 
 
+def test_an_all_greedy_batch_gives_the_rows_of_a_mixed_batch() -> None:
+    """A batch of greedy rows only skips the softmax: each row is the same one-hot as when a sampled row
+    (with top-k and top-p) shares its batch."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)) * 4  # [3, V]
+    top_k, top_p = torch.tensor([5, 0, 0]), torch.tensor([1.0, 1.0, 0.8])
+    greedy = process_logits(logits[:2], torch.zeros(2), top_k[:2], top_p[:2])  # [2, V]
+    mixed = process_logits(logits, torch.tensor([0.0, 0.0, 0.7]), top_k, top_p)  # [3, V]
+    assert torch.equal(greedy, mixed[:2])
+    assert torch.equal(greedy.argmax(-1), logits[:2].argmax(-1)) and torch.equal(greedy.sum(-1), torch.ones(2))
+
+
 def test_top_p_cut_among_ties_is_deterministic() -> None:
     """Equal probabilities straddling the cut-off: the lowest token ids are kept (a stable sort)."""
     logits = torch.zeros(1, 64)

@@ -35,6 +35,8 @@ def process_logits(
     use_top_k = bool((top_k > 0).any())
     top_p_rows = (top_p < 1).nonzero().squeeze(-1)  # [M] the rows top-p cuts
     any_greedy = bool((temperature <= 0).any())
+    if any_greedy and bool((temperature <= 0).all()):  # every row one-hot: no softmax to compute
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     kmax = int(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).max()) if use_top_k else vocab
     dev = logits.device
     temperature, top_k, top_p = (x.to(dev, non_blocking=True) for x in (temperature, top_k, top_p))
