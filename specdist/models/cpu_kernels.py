@@ -157,6 +157,13 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return packed.contiguous(), scales.float().reshape(-1, 8, g).transpose(1, 2).contiguous()
 
 
+def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`pack_q8`'s codes back to ``[n, K]`` int8, row by row."""
+    groups, g, _ = codes.shape
+    rows = codes.reshape(groups, g, 8, 8, 4).permute(0, 3, 1, 2, 4)  # [N/8, row, G, j, e]
+    return rows.reshape(groups * 8, g * GROUP)[:n]
+
+
 def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()  # [M, K]
     m, k = x.shape

@@ -83,9 +83,7 @@ class Int8WeightOnlyLinear(nn.Module):
         """The int8 codes ``[out, in]``, row by row, whichever kernel holds them."""
         if self.weight_int8 is not None:
             return self.weight_int8
-        g = self.in_features // GROUP
-        rows = self.block_codes.reshape(-1, g, 8, 8, 4).permute(0, 3, 1, 2, 4)  # [out/8, row, G, j, e]
-        return rows.reshape(-1, self.in_features)[: self.out_features]
+        return cpu_kernels.unpack_q8(self.block_codes, self.out_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
