@@ -164,8 +164,14 @@ def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
     return rows.reshape(groups * 8, g * GROUP)[:n]
 
 
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous ``dtype`` tensor the C code can read; ``t`` itself when it is one already
+    (checked here: a no-op ``.to`` / ``.contiguous`` still costs a dispatch, several hundred times a forward)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    x = x.to(torch.float32).contiguous()  # [M, K]
+    x = _dense(x, torch.float32)  # [M, K]
     m, k = x.shape
     if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
         raise ValueError(f"block kernel: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
@@ -209,8 +215,7 @@ def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float,
     bsz, hq, t, hd = q.shape
     if q.stride(3) != 1:
         q = q.contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    query_pos = query_pos.to(torch.int64).contiguous()
+    slots, query_pos = _dense(slots, torch.int64), _dense(query_pos, torch.int64)
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)  # [B, T, Hq, hd]
     if library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
                                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
@@ -227,8 +232,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.contiguous()
-    w = weight.to(torch.float32).contiguous()
+    x, w = _dense(x, torch.float32), _dense(weight, torch.float32)
     out = torch.empty_like(x)
     library().specdist_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps, out.data_ptr())
     return out
@@ -260,9 +264,8 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
             x = x.contiguous()
         views.append(x)
     q, k, v = views
-    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    write_pos, query_pos = write_pos.to(torch.int64).contiguous(), query_pos.to(torch.int64).contiguous()
+    cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
+    slots, write_pos, query_pos = (_dense(t, torch.int64) for t in (slots, write_pos, query_pos))
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)
     if library().specdist_rope_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),

@@ -98,16 +98,14 @@ class Int8WeightOnlyLinear(nn.Module):
         if self.block_codes is not None:
             y = cpu_kernels.q8_mm(x.reshape(-1, self.in_features), self.block_codes, self.block_scales,
                                   self.out_features)  # [n, out]
-            y = y.reshape(*lead, self.out_features).to(x.dtype)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
+            return _shaped(y, lead, x.dtype, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
         if self.in_features % _KERNEL_K_MULTIPLE == 0:
             # [n, out]; torch's int8 weight-only kernel exists only as a private aten op
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # noqa: SLF001
         else:  # rare fallback: dequantize on the fly
             y = F.linear(x2, self.weight_int8.to(torch.bfloat16) * self.scales[:, None])  # [n, out]
-        y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return _shaped(y, lead, x.dtype, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -193,13 +191,23 @@ class Int4GroupLinear(nn.Module):
             # torch's int4 matmul kernels exist only as private aten ops
             mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
             y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
-        y = y.reshape(*lead, self.out_features).to(x.dtype)  # [..., out]
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return _shaped(y, lead, x.dtype, self.bias)
 
     def extra_repr(self) -> str:
         r = f", repeat_input={self.repeat_input}" if self.repeat_input > 1 else ""
         b = f", blocks={self.blocks}" if self.blocks else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}{b}"
+
+
+def _shaped(y: torch.Tensor, lead: tuple, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """A matmul's ``[n, out]`` output back to the input's leading dims and dtype, plus the bias
+    (no-op conversions skipped: a linear runs hundreds of times a forward)."""
+    y = y.reshape(*lead, y.shape[-1])  # [..., out]
+    if y.dtype != dtype:
+        y = y.to(dtype)
+    if bias is None:
+        return y
+    return y + (bias if bias.dtype == dtype else bias.to(dtype))
 
 
 def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
