@@ -210,8 +210,8 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * k_cache, v_cache: [slots, Hkv, L1, hd] floats; request b reads slot slots[b], head h reads kv head
  *   h / (Hq / Hkv). The query at position p = qpos[b * T + t] sees keys j with lo <= j <= p, where
  *   lo = p - window + 1 for a sliding window (window > 0), else 0.
- * Scores s_j = scale * q . k_j (soft-capped, cap * tanh(s_j / cap), when softcap > 0), softmax in
- * key order, out = sum_j softmax_j v_j, written to out [B, T, Hq, hd] (the layout o_proj reads).
+ * Scores s_j = scale * q . k_j (soft-capped, cap * tanh(s_j / cap), when softcap > 0), softmax over
+ * them, out = sum_j softmax_j v_j, written to out [B, T, Hq, hd] (the layout o_proj reads).
  * Every output row is a function of its query and its keys alone, summed in one fixed order, so it
  * does not depend on the batch, the number of queries in the call or the cache's other contents.
  * Returns 0, or -1 without memory.

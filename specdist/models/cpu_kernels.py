@@ -12,8 +12,8 @@ weight vector serves two rows of ``x`` (prefill and verification rows share the 
 Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
 
 **Attention.** :func:`attention` computes each (request, head, query) row on its own, from the
-cache itself (no gathered copy of the keys, no mask tensor): scores in key order, softmax, the
-weighted sum of values. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
+cache itself (no gathered copy of the keys, no mask tensor): scores 8 keys at a time, softmax, the
+weighted sum of values, each sum in an order fixed by the row's own key count. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
 the call, so a position's output moves in its last bits with the number of queries and requests
 in the call; byte-rounded activations then carry such a bit into a different rounding.
 

@@ -51,7 +51,7 @@ from specdist.models import cpu_kernels
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
-GROUP = 32  # int4: input columns per (scale, zero) pair; GGUF's block size
+GROUP = cpu_kernels.GROUP  # input columns per (scale, zero) pair; GGUF's block size
 INT4_ROWS = 16  # the int4 kernels pack output rows in tiles: CPU needs out_features % 16 == 0 (CUDA % 8)
 _CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 columns), largest dividing in_features
 
