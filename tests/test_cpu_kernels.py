@@ -230,6 +230,11 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
         a = alone.cache.allocate()
         alone.forward([a], [prompts[b]], [1])
         assert torch.equal(alone.forward([a], [new[b]], [4])[0], together[b])
+        runner.cache.rollback(s, lengths[b])
+    # a ragged verification (4, 1 and 2 tokens) runs one row per token: the same bits, zeros past each request
+    ragged = runner.forward(slots, [new[0], new[1][:1], new[2][:2]], [4, 1, 2])  # [3, 4, V]
+    for b, n in enumerate([4, 1, 2]):
+        assert torch.equal(ragged[b, :n], together[b, :n]) and not ragged[b, n:].any()
 
 
 def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):

@@ -5,7 +5,10 @@ tensor-parallel sharding all act on the real ``nn.Module`` tree) and replace onl
 the outer loop: each request in the batch brings its own new tokens and its own
 cache slot, tokens are written into the slot at the slot's current length, and
 attention masks out everything past each request's own length. Ragged batches are
-right-padded; padded positions write to the cache's scratch column.
+right-padded to ``[B, T]`` (padded positions write to the cache's scratch column), except
+on the CPU attention kernels, where every token runs as a row of its own (``[N, 1]`` with
+per-row slots, :meth:`CausalLMRunner._forward_rows`): a verification where one request
+drafts 8 tokens and 15 draft none then computes 24 rows, not 144, and its logits too.
 
 One loop serves every family of :mod:`specdist.models.families`. Where they differ is
 read once in ``__init__``, from the config and the modules:
@@ -62,6 +65,7 @@ their own all-reduce.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +214,8 @@ class CausalLMRunner:
         dev = self.device
         bsz, n_new = len(slots), [len(t) for t in tokens]
         t_max = max(n_new)
+        if self.cpu_attention and sum(n_new) < bsz * t_max:
+            return self._forward_rows(slots, tokens, starts, num_logits)
         ids, write_pos, query_pos = self._positions(tokens, starts, t_max)
         s_len = max(st + n for st, n in zip(starts, n_new))  # keys attended: [0, S)
         one_position = t_max == 1 and min(starts) == max(starts)  # one query per request, all at one position
@@ -239,6 +245,40 @@ class CausalLMRunner:
         fused = (slot_t, query_pos) if self.cpu_rope_attention else None
         h, self.last_hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D], [B, T, nD] or None
         return self._logits(h, n_new, num_logits)
+
+    def _forward_rows(self, slots, tokens, starts, num_logits):
+        """A ragged batch on the CPU attention kernels: every token is a row of its own ([N, 1], N the
+        call's tokens, each with its request's slot), so no matmul and no attention computes padding.
+        The kernels write every row's keys before any row attends, so a request's later tokens see its
+        earlier ones as in the [B, T] layout, and each output row is the same bits (row-wise kernels)."""
+        dev = self.device
+        bsz, n_new = len(slots), [len(t) for t in tokens]
+        offs = list(itertools.accumulate(n_new, initial=0))  # request b's rows: offs[b] .. offs[b + 1] - 1
+        row_slots = [s for s, n in zip(slots, n_new) for _ in range(n)]
+        ids, write_pos, query_pos = self._positions([[t] for ts in tokens for t in ts],
+                                                    [st + j for st, n in zip(starts, n_new) for j in range(n)], 1)
+        slot_t = torch.tensor(row_slots, dtype=torch.long, device=dev)
+
+        def attend(i, q, k, v):  # [N, Hq, 1, hd], [N, Hkv, 1, hd] x2 -> [N, Hq, 1, hd]
+            kc, vc = self._write(i, slot_t, write_pos, k, v)
+            return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, self.windows[i], self.scaling, self.attn_softcap)
+
+        fused = (slot_t, query_pos) if self.cpu_rope_attention else None
+        h, hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [N, 1, D], [N, 1, nD] or None
+        t_max = max(n_new)
+        pad = torch.tensor([b * t_max + j for b, n in enumerate(n_new) for j in range(n)], device=dev)  # [N]
+        if hidden is not None:  # [B, T, nD] as the padded layout gives it (zeros past each request's tokens)
+            self.last_hidden = hidden.new_zeros(bsz * t_max, hidden.shape[-1]).index_copy_(
+                0, pad, hidden[:, 0]).view(bsz, t_max, -1)
+        n_out = max(num_logits)
+        if n_out == 0:
+            return torch.zeros(bsz, 0, self.vocab_size, device=dev)
+        want = [offs[b + 1] - m + j for b, m in enumerate(num_logits) for j in range(m)]  # rows with logits [M]
+        logits = self._head(h[:, 0].index_select(0, torch.tensor(want, device=dev))[None])[0]  # [M, V]
+        if len(want) == bsz * n_out:
+            return logits.view(bsz, n_out, -1)
+        dst = torch.tensor([b * n_out + j for b, m in enumerate(num_logits) for j in range(m)], device=dev)
+        return logits.new_zeros(bsz * n_out, logits.shape[-1]).index_copy_(0, dst, logits).view(bsz, n_out, -1)
 
     def _forward_static(self, slots, tokens, starts, num_logits):
         """The forward padded to a bucket (batch, tokens, keys, logits) and run by the compiled
