@@ -193,6 +193,12 @@ class DraftConfig:
         return self.confidence_threshold > 0 and self.method not in ("ngram", "suffix", "none")
 
     @property
+    def model_free(self) -> bool:
+        """Drafts are lookups with no model pass (n-gram, suffix): the adaptive rule has them proposed as long
+        as each request may draft, then keeps the positions worth verifying (specdist.engine.draft_length)."""
+        return self.method in ("ngram", "suffix")
+
+    @property
     def pipelined(self) -> bool:
         """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
         return self.pipeline and self.method in ("model", "eagle3", *SELF_DRAFTS)

@@ -270,3 +270,54 @@ def test_one_slow_verification_does_not_move_the_measured_cost() -> None:
     for _ in range(dl.TABLE_SAMPLES // 2 + 1):  # a lasting change is followed within a few calls
         pol.observe_verify(4, 0.080, batch=1)
     assert pol.verify_table[(1, 4)] == 0.080
+
+
+# ---------------------------------------------------------------- model-free drafts priced by match length
+def free_policy(k: int = 8) -> DraftLengthPolicy:
+    """Model-free drafts (proposed before the choice) under the cost shape of 16 requests on the CPU
+    kernels: verification 26 ms + 2.8 ms a token, so a plain step of 16 costs 71 ms. The draft fit says
+    proposing is dear (50 ms a pass): it must not count, the proposals exist already."""
+    pol = policy_with_costs(k, [(0.050, 0.001)], (0.026, 0.0028))
+    pol.model_free = True
+    return pol
+
+
+def test_match_lengths_price_each_position_under_load() -> None:
+    """16 requests: a position pays when P(it and those before it are accepted) >= lambda * c_1 (about
+    0.63 here). Deep matches (rates 0.98) are kept, the shallow tail (0.17) cut, a shallow proposal dropped,
+    and a request without match lengths is priced by its own rate; brute force over the first request's
+    lengths agrees. The same request priced by one i.i.d. rate averaging its positions drafts nothing."""
+    pol = free_policy()
+    lengths = [[20, 20, 20, 1, 1], [1, 1, 1]] + [None] * 14
+    caps = [5, 3] + [0] * 13 + [4]
+    ks = pol.choose(caps, accs(*[0.5] * 16), match_lengths=lengths)
+    assert ks == [3, 0] + [0] * 14, ks
+    rates = [pol.match.rate(m) for m in lengths[0]]
+    assert rates[:3] == [pytest.approx(0.98)] * 3 and rates[3] == pytest.approx(0.17)
+    best = max(pol.rate([k] + ks[1:], [rates] + [0.5] * 15, [0] * 16) for k in range(6))
+    assert pol.rate(ks, [rates] + [0.5] * 15, [0] * 16) == pytest.approx(best)
+    mean = sum(rates) / len(rates)  # 0.66: by an i.i.d. rate the first position is not worth it
+    assert pol.choose(caps, accs(mean, *[0.5] * 15)) == [0] * 16
+
+
+def test_model_free_drafts_cost_nothing_more_to_keep() -> None:
+    """Model-free proposals exist before the choice: their draft fit never enters the predicted step."""
+    pol = free_policy()
+    v = pol.verify_cost.predict(1, 3)
+    assert pol.step_time([2], [0]) == pytest.approx(pol.overhead_s + v)
+    ks = pol.choose([4], accs(0.9), match_lengths=[[30, 30, 30, 30]])
+    assert ks == [4]  # batch 1, deep matches: all of them, although a model pass would cost 50 ms
+
+
+def test_match_rates_learn_from_verified_positions() -> None:
+    """Per bucket: accepted positions and the first rejected one are tried; a bucket's rate moves from its
+    prior to what it observes, and decays back with steps."""
+    pol = DraftLengthPolicy(8, "adaptive")
+    assert pol.match.rate(1) == pytest.approx(dl.MATCH_PRIOR[0])
+    assert pol.match.bucket(6) == pol.match.bucket(8) == 4 and pol.match.bucket(100) == len(dl.MATCH_EDGES) - 1
+    for _ in range(50):  # one-token matches accepted every time, deep ones rejected at once
+        pol.observe_acceptance(Acceptance(), 3, 2, [1, 1, 30, 30])
+        pol.end_step()
+    assert pol.match.rate(1) > 0.95 and pol.match.rate(30) < 0.1
+    assert pol.match.tried[pol.match.bucket(30)] == pytest.approx(sum(dl.GLOBAL_DECAY**i for i in range(1, 51)))
+    assert pol.snapshot()["match_alpha"]["1-1"] > 0.95

@@ -333,6 +333,8 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
 SUFFIX_CASES = [
     # df 79, threshold 134.5 (the cells of ngram-T1.0-L3: same prompt, same window)
     (Case("suffix", 3, 3), {"suffix_cache_requests": 64}),
+    # the adaptive rule: proposals made in full, then cut by the price of each position's match length
+    (Case("suffix", 3, 3), {"suffix_cache_requests": 64, "length_policy": "adaptive"}),
     # hybrid (df 73, threshold 126.7): the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both are used
     (Case("hybrid", 4, 3, temperature=1.2, top_k=5), {"suffix_min_score": 1.0, "suffix_cache_requests": 64}),
 ]
@@ -366,7 +368,8 @@ def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[
     return g, threshold, st
 
 
-@pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id for c, _ in SUFFIX_CASES])
+@pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id + ("-adaptive" if d.get("length_policy") else "")
+                                                            for c, d in SUFFIX_CASES])
 def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict) -> None:
     """G-test, N = 4000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed)."""
     seed0 = 300_000_000 + 1_000_000 * SUFFIX_CASES.index((case, draft))

@@ -28,9 +28,12 @@ from specdist.transport.wire import (
     encode_distribution,
     finish_reason_to_proto,
     fp16_exact,
+    proposal_from_proto,
+    proposal_to_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
+from specdist.transport.protocol import Proposal
 
 # ---------------------------------------------------------------- (a) generated code
 
@@ -354,3 +357,18 @@ def test_start_items_carry_the_coupling_both_ways():
     bad = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(request_id="c", prompt_token_ids=[1], coupling=7)])
     with pytest.raises(Exception, match=r"items\[0\]\.coupling"):
         start_items_from_proto(bad)
+
+
+def test_proposals_carry_match_lengths_and_cut_as_a_prefix():
+    """A suffix proposal's match lengths travel with it (the scheduler prices its positions by them); a list
+    that does not fit its tokens is dropped, as they never affect exactness; a cut keeps every field's prefix."""
+    p = Proposal("r0", [5, 6, 7], match_lengths=[12, 13, 2])
+    back = proposal_from_proto(draft_pb2.Proposal.FromString(proposal_to_proto(p, 50).SerializeToString()))
+    assert (back.token_ids, back.match_lengths) == ([5, 6, 7], [12, 13, 2])
+    assert proposal_from_proto(proposal_to_proto(Proposal("r1", [5, 6]), 50)).match_lengths is None
+    odd = draft_pb2.Proposal(request_id="r2", token_ids=[5, 6], match_lengths=[3])
+    assert proposal_from_proto(odd).match_lengths is None
+    cut = back.truncated(2)
+    assert (cut.token_ids, cut.match_lengths, len(cut.wire)) == ([5, 6], [12, 13], 2)
+    q = torch.full((3, 50), 0.02)
+    assert back.truncated(3) is back and Proposal("r3", [1, 2, 3], q=q).truncated(1).q.shape == (1, 50)

@@ -190,6 +190,7 @@ def test_lookup_longest_match_with_a_continuation():
     # continuation: "5" -> 2 (the live sequence's own earlier text), then "5 2" -> 3
     d = idx.lookup(live, 4, min_prob=0.0, max_spec_factor=3.0)
     assert d.tokens == [4, 5, 2, 3] and d.score == pytest.approx(1 + 0.5 * 3)
+    assert d.depths == [2, 3, 1, 2]  # each token's match: "2 3", "2 3 4", then "5", "5 2"
     for k in range(6):
         for factor in (0.5, 1.0, 2.5):
             for mp in (0.0, 0.3, 0.6):
@@ -213,6 +214,8 @@ def test_lookup_matches_the_reference_rule_on_random_sequences():
         got = idx.lookup(live, k, mp, factor)
         want = reference_lookup(seqs[-3:] + [query], query, depth, k, mp, factor)
         assert (got.tokens, got.match_len) == (want[0], want[2]), (trial, seqs, query, k, mp, factor)
+        assert len(got.depths) == len(got.tokens) and got.depths[:1] == [got.match_len][:len(got.tokens)]
+        assert all(1 <= d <= depth - 1 for d in got.depths)  # a match has a continuation within the depth
         assert got.score == pytest.approx(want[1])
 
 
@@ -332,6 +335,41 @@ def test_repeated_prompt_is_drafted_from_the_index(tiny_models, reference):
     assert rates["suffix"] > rates["ngram"], rates
 
 
+def test_adaptive_rule_cuts_suffix_proposals_to_its_choice(tiny_models, reference):
+    """Under the adaptive rule a suffix drafter proposes as far as each request may draft, with each
+    token's match length; the rule prices those positions and the verifier sees each proposal cut to the
+    chosen length (here a rule that keeps at most 2). Greedy output stays plain decoding, and the cut
+    tails are not committed: the drafter continues from what the target kept."""
+    prompt, m = [3, 1, 4, 1, 5, 2, 6], 40
+    eng = Engine.from_config(tiny_config(tiny_models, "suffix", 6, length_policy="adaptive"))
+    sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+    assert eng.generate([prompt], sp)[0].token_ids == reference(prompt, m)
+    seen, proposed = [], []
+    choose, verify, propose = eng.length_policy.choose, eng.verifier.verify, eng.replicas[0].drafter.propose
+
+    def cut_at_two(caps, accs, replicas=None, first=None, match_lengths=None):
+        seen.append((list(caps), match_lengths))
+        return [min(2, k) for k in choose(caps, accs, replicas, first, match_lengths)]
+
+    def record_proposals(items):
+        out = propose(items)
+        proposed.extend(len(p) for p in out[0])
+        return out
+
+    def check_verify(items):
+        assert all(len(it.proposal) <= 2 for it in items if it.proposal is not None)
+        return verify(items)
+
+    eng.length_policy.choose, eng.verifier.verify = cut_at_two, check_verify
+    eng.replicas[0].drafter.propose = record_proposals
+    again = eng.generate([prompt], sp)[0]
+    assert again.token_ids == reference(prompt, m)
+    assert max(proposed) == 6 and max(c[0] for c, _ in seen) == 6  # proposed in full, then priced
+    assert all(len(ms[0]) == c[0] for c, ms in seen if ms is not None and ms[0] is not None)  # one per token
+    assert again.metrics.drafted >= m // 3 and again.metrics.accepted >= 0.9 * again.metrics.drafted
+    assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+
+
 def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
     """The deployment's draft actor (in process, no Ray) loads both methods through the same
     factory, warms up, and serves them over gRPC: the remote engine's greedy output is the target's."""
@@ -353,11 +391,22 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
             with ServedCores(eng.target_core, [actor.worker]) as served:
                 remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses,
                                       tokenizer=eng.tokenizer, vocab_size=eng.vocab_size, eos_ids=eng.eos_ids)
+                drafter, lengths = remote.replicas[0].drafter, []
+                propose = drafter.propose
+
+                def record(items):  # the match lengths of suffix proposals come over the wire
+                    out = propose(items)
+                    lengths.extend((len(p), p.match_lengths) for p in out[0] if len(p))
+                    return out
+
+                drafter.propose = record
                 try:
                     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
                     outs = remote.generate(PROMPTS, params)
                     assert [o.token_ids for o in outs] == [reference(p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]
                     assert sum(o.metrics.accepted for o in outs) > 0
+                    with_lengths = [n for n, ms in lengths if ms is not None and len(ms) == n and min(ms) >= 1]
+                    assert with_lengths if method == "suffix" else lengths, lengths
                 finally:
                     remote.close()
             assert actor.worker.requests == {}

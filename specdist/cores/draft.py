@@ -14,7 +14,8 @@ class behind gRPC (``workers/draft_worker.py``). The methods:
   sequence's last n tokens (:class:`specdist.cores.ngram.NgramIndex`); q is one-hot.
 - ``suffix`` (SuffixDecoding): the most frequent continuation of the longest suffix that
   occurred before in any sequence of this core, live or recently finished
-  (:class:`specdist.cores.suffix.SuffixIndex`, one per core); q is one-hot.
+  (:class:`specdist.cores.suffix.SuffixIndex`, one per core); q is one-hot. Each token carries the
+  length of the match it was read after (``Proposal.match_lengths``), which the length rule prices.
 - ``eagle3``: an EAGLE-3 head (:mod:`specdist.models.eagle3`) over its own one-layer slot KV
   cache. It drafts from the target's hidden states (three layers' inputs, ``StartItem.hidden_layers``)
   that arrive with each ProposeItem for the positions committed since the last one: position
@@ -369,7 +370,8 @@ class DrafterCore:
         st = self.suffix_settings
         drafts = [self.suffix.lookup(r.suffix, k, st.min_prob, st.max_spec_factor) if k > 0 else None
                   for r, k in zip(reqs, ks)]
-        out = [Proposal(it.request_id, d.tokens if d is not None else []) for it, d in zip(items, drafts)]
+        out = [Proposal(it.request_id, d.tokens, match_lengths=d.depths) if d is not None else Proposal(it.request_id, [])
+               for it, d in zip(items, drafts)]
         if self.runner is not None:  # confident: expected accepted >= min_score, or all k tokens certain
             rows = [b for b, (d, k) in enumerate(zip(drafts, ks))
                     if k > 0 and not (d.tokens and d.score >= min(st.min_score, k))]

@@ -29,7 +29,10 @@ continuation. ``count(child) <= count(node)`` always holds.
   short drafts). After each drafted token the active nodes are extended *virtually* (nothing
   is written) and the walk continues from the deepest of them with a continuation, which is
   the plain greedy descent while it lasts and falls back to a shorter suffix where the depth
-  bound (or the end of the matched text) stops it. The draft's **score** is the sum of the
+  bound (or the end of the matched text) stops it. Each token records the depth of the node it
+  was read from (``depths``: its match length), the best predictor of its acceptance measured
+  (BENCHMARKS.md), by which the length rule prices draft positions
+  (:mod:`specdist.engine.draft_length`). The draft's **score** is the sum of the
   path probabilities of its tokens, the expected number of accepted tokens if the counts
   were the target's law (SuffixDecoding's score): the hybrid drafter uses it to choose.
   Cost O(D) per drafted token (+ the branching of a node whose cached argmax went stale).
@@ -121,6 +124,7 @@ class SuffixDraft:
     tokens: list[int]  # [<= k]
     score: float  # sum of the path probabilities of the tokens (expected accepted tokens by the counts)
     match_len: int  # length m of the matched suffix (0: none)
+    depths: list[int]  # [len(tokens)] per token, the length of the matched context it was read after
 
 
 class SuffixIndex:
@@ -237,11 +241,12 @@ class SuffixIndex:
         while m >= 1 and active[m].csum == 0:
             m -= 1
         if m < 1 or k <= 0:
-            return SuffixDraft([], 0.0, max(m, 0))
+            return SuffixDraft([], 0.0, max(m, 0), [])
         cap = min(k, int(max_spec_factor * m + 1e-9))
         toks: list[int] = []
+        depths: list[int] = []
         score, prob = 0.0, 1.0
-        ctx, node, depth = active, active[m], self.max_depth
+        ctx, node, d, depth = active, active[m], m, self.max_depth
         while len(toks) < cap:
             c = _best(node)
             prob *= c.count / node.csum
@@ -249,6 +254,7 @@ class SuffixIndex:
                 break
             t = c.token
             toks.append(t)
+            depths.append(d)
             score += prob
             if len(toks) == cap:
                 break
@@ -265,7 +271,7 @@ class SuffixIndex:
             if d < 1:
                 break
             node = ctx[d]
-        return SuffixDraft(toks, score, m)
+        return SuffixDraft(toks, score, m, depths)
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:

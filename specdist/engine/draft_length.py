@@ -45,6 +45,18 @@ candidate, and it wins unless drafting is predicted to beat it by ``DRAFT_MARGIN
 load, with a poor draft or a slow replica, requests fall back to ``k_b = 0`` (plain decoding)
 instead of slowing the batch.
 
+Model-free drafts (``draft.method`` ngram or suffix: lookups in an index, no model pass) are proposed
+before the choice, as long as ``cap_b`` allows (:mod:`specdist.engine.scheduler`), so ``D_r`` is spent,
+not predicted, and ``k_b`` only cuts each proposal; its known length caps ``k_b``. A suffix draft's
+positions carry the length of the match each token was read after, and position ``j`` is then priced
+by its own conditional rate ``a_bj`` (accepted given positions ``1..j-1`` were) learned per
+match-length bucket (``MATCH_EDGES``, all requests, prior ``MATCH_PRIOR``, decayed like the global
+rate): ``E`` becomes ``1 + sum_j prod_{i <= j} a_bi`` and a position stays when
+``prod_{i <= j} a_bi >= lambda * c_1``. The match length predicts acceptance far better than a
+request's recent rate (BENCHMARKS.md: 14% after a one-token match, 86-100% after 9 or more), so deep
+matches are drafted under load, where an i.i.d. rate averaged over a request's shallow and deep
+matches would price them all out.
+
 While no request waits for a slot, a request's first step drafts nothing: its first token
 then costs one plain target step after the prefill, as without speculation, and the draft
 catches up on the prompt's last token with its next pass. Under a backlog (requests queued) this costs more
@@ -74,13 +86,12 @@ use ``fixed`` for token-for-token reproducibility.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from specdist.engine.cost_model import expected_tokens
 
 POLICIES = ("fixed", "adaptive")
 
@@ -98,6 +109,13 @@ TABLE_SAMPLES = 5  # verification times kept per (batch, tokens); the table hold
 PROBE_EVERY = 64  # steps without a draft call before a replica's requests draft one token
 GUESS_PRIOR = 0.5  # pipelined drafting: the guess hit rate before any was observed (PRIOR_WEIGHT samples)
 DINKELBACH_ROUNDS = 4
+# Model-free drafts: a position's acceptance given the positions before it were accepted, by the length of
+# the match its token was read after (Proposal.match_lengths). Buckets [1], [2], [3], [4], [5, 8], [9, 16],
+# [17, ...); the priors are the rates measured over the task suite's five tasks (BENCHMARKS.md: suffix
+# positions by match length), held with PRIOR_WEIGHT pseudo-positions and then learned like the global
+# rate (GLOBAL_DECAY).
+MATCH_EDGES = (1, 2, 3, 4, 5, 9, 17)
+MATCH_PRIOR = (0.17, 0.37, 0.5, 0.66, 0.78, 0.9, 0.98)
 # A step drafts only when its predicted goodput beats drafting nothing by this fraction: the cost fits
 # and acceptance estimates err by a few percent, so a predicted gain smaller than that is a loss as
 # often as a gain, and every drafted row costs a sure row of verification.
@@ -116,6 +134,39 @@ class Acceptance:
         self.tried *= REQUEST_DECAY
         self.accepted += accepted
         self.tried += accepted + (1 if accepted < drafted else 0)
+
+
+class MatchAcceptance:
+    """Decayed accepted / tried draft positions per match-length bucket (``MATCH_EDGES``), all requests."""
+
+    def __init__(self) -> None:
+        self.accepted = [0.0] * len(MATCH_EDGES)
+        self.tried = [0.0] * len(MATCH_EDGES)
+
+    @staticmethod
+    def bucket(length: int) -> int:
+        return max(0, bisect.bisect_right(MATCH_EDGES, length) - 1)
+
+    def rate(self, length: int) -> float:
+        """P(a position read after a match of ``length`` is accepted | the positions before it were)."""
+        b = self.bucket(length)
+        a = (self.accepted[b] + PRIOR_WEIGHT * MATCH_PRIOR[b]) / (self.tried[b] + PRIOR_WEIGHT)
+        return min(ALPHA_MAX, max(ALPHA_MIN, a))
+
+    def update(self, lengths: Sequence[int], accepted: int) -> None:
+        """One verified proposal: its first ``accepted`` positions were accepted, the next (if any) rejected."""
+        for j, length in enumerate(lengths[:accepted + 1]):
+            b = self.bucket(length)
+            self.tried[b] += 1
+            self.accepted[b] += j < accepted
+
+    def decay(self) -> None:
+        self.accepted = [a * GLOBAL_DECAY for a in self.accepted]
+        self.tried = [t * GLOBAL_DECAY for t in self.tried]
+
+    def snapshot(self) -> dict:
+        return {f"{lo}+" if i == len(MATCH_EDGES) - 1 else f"{lo}-{MATCH_EDGES[i + 1] - 1}": round(self.rate(lo), 4)
+                for i, lo in enumerate(MATCH_EDGES)}
 
 
 class LinearFit:
@@ -197,6 +248,7 @@ class DraftLengthPolicy:
     mode: str = "fixed"
     num_replicas: int = 1
     pipelined: bool = False  # drafters prepare the next drafts during verification (module docstring)
+    model_free: bool = False  # drafts are lookups proposed before the choice: their cost is spent, not predicted
     draft_cost: list[LinearFit] = field(init=False)  # per replica: (1, passes, rows) -> seconds
     verify_cost: LinearFit = field(init=False)  # (1, tokens) -> seconds
     overhead_s: float | None = None
@@ -208,6 +260,7 @@ class DraftLengthPolicy:
     guess_tries: float = 0.0
     steps: int = 0
     explored: int = 0
+    match: MatchAcceptance = field(default_factory=MatchAcceptance)  # model-free drafts: rates by match length
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
@@ -232,11 +285,14 @@ class DraftLengthPolicy:
 
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: Sequence[int], accs: Sequence[Acceptance], replicas: Sequence[int] | None = None,
-               first: Sequence[bool] | None = None) -> list[int]:
+               first: Sequence[bool] | None = None,
+               match_lengths: Sequence[Sequence[int] | None] | None = None) -> list[int]:
         """Draft lengths for one step. ``caps[b]``: the most request b may draft (limits);
         ``replicas[b]``: the draft replica it lives on (default 0); ``first[b]``: this is the
         request's first step (adaptive: it drafts nothing, so its first token comes as soon as
-        without speculation)."""
+        without speculation); ``match_lengths[b]``: request b's proposal was drafted already
+        (model-free) and its positions' match lengths are these (``caps[b]`` is then at most
+        their count): each position is priced by its bucket's rate instead of ``alpha_b``."""
         self.steps += 1
         caps = [max(0, min(self.k, c)) for c in caps]
         if self.mode == "fixed" or not caps:
@@ -246,8 +302,10 @@ class DraftLengthPolicy:
         reps = list(replicas) if replicas is not None else [0] * len(caps)
         if not (self.verify_cost.ready and all(self.draft_cost[r].ready for r in set(reps))):
             return caps  # no measurements yet: draft fully, which measures the costs
-        alphas = [self.alpha(a) for a in accs]
-        ks = self._maximise(caps, alphas, reps)
+        lengths = match_lengths or [None] * len(caps)
+        cums = [_cumulative([self.match.rate(m) for m in ms[:c]]) if ms is not None
+                else _cumulative([self.alpha(a)] * c) for a, c, ms in zip(accs, caps, lengths)]
+        ks = self._maximise(caps, cums, reps)
         if self.steps % EXPLORE_EVERY == 0 or self.steps in EXPLORE_EARLY:
             self.explored += 1
             limit = int(round(EXPLORE_CAPS[self.explored % len(EXPLORE_CAPS)] * self.k))
@@ -257,44 +315,52 @@ class DraftLengthPolicy:
                 ks = [max(k, min(1, c)) if rr == r else k for k, c, rr in zip(ks, caps, reps)]
         return ks
 
-    def _maximise(self, caps: list[int], alphas: list[float], reps: list[int]) -> list[int]:
+    def _maximise(self, caps: list[int], cums: list[list[float]], reps: list[int]) -> list[int]:
+        """``cums[b][j - 1]``: P(request b's positions 1..j are all accepted), j = 1..caps[b]."""
         bsz = len(caps)
         rset = sorted(set(reps))
         c1 = self.verify_cost.w[1]
-        marginal = {r: self.draft_cost[r].w[2] + c1 for r in rset}
+        marginal = {r: (0.0 if self.model_free else self.draft_cost[r].w[2]) + c1 for r in rset}
 
         def rows_upto(r: int, K: int) -> int:
             return sum(min(K, caps[b]) for b in range(bsz) if reps[b] == r)
 
         budgets = {0.0}
-        for r in rset:
-            for K in range(1, max((caps[b] for b in range(bsz) if reps[b] == r), default=0) + 1):
-                budgets.add(self.draft_cost[r].predict(1, K, rows_upto(r, K)))
-        best_ks, best_rate = [0] * bsz, self.rate([0] * bsz, alphas, reps) * (1 + DRAFT_MARGIN)
+        if not self.model_free:  # model-free drafts were proposed already: the one budget is "all of them"
+            for r in rset:
+                for K in range(1, max((caps[b] for b in range(bsz) if reps[b] == r), default=0) + 1):
+                    budgets.add(self.draft_cost[r].predict(1, K, rows_upto(r, K)))
+        best_ks, best_rate = [0] * bsz, self._rate([0] * bsz, cums, reps) * (1 + DRAFT_MARGIN)
         for tau in sorted(budgets):
             kr = {}
             for r in rset:
                 K = 0
-                while K < self.k and self.draft_cost[r].predict(1, K + 1, rows_upto(r, K + 1)) <= tau * (1 + 1e-9):
+                while K < self.k and (self.model_free or
+                                      self.draft_cost[r].predict(1, K + 1, rows_upto(r, K + 1)) <= tau * (1 + 1e-9)):
                     K += 1
                 kr[r] = K
             lim = [min(caps[b], kr[reps[b]]) for b in range(bsz)]
             ks = lim
             for _ in range(DINKELBACH_ROUNDS):
-                lam = self.rate(ks, alphas, reps)
-                new = [_keep(alphas[b], lim[b], lam * marginal[reps[b]]) for b in range(bsz)]
+                lam = self._rate(ks, cums, reps)
+                new = [_keep(cums[b], lim[b], lam * marginal[reps[b]]) for b in range(bsz)]
                 if new == ks:
                     break
                 ks = new
-            rate = self.rate(ks, alphas, reps)
+            rate = self._rate(ks, cums, reps)
             if rate > best_rate * (1 + 1e-9):
                 best_ks, best_rate = ks, rate
         return best_ks
 
-    def step_time(self, ks: Sequence[int], reps: Sequence[int], alphas: Sequence[float] | None = None) -> float:
-        """Predicted seconds of a step with these draft lengths (pipelined: given the requests' alphas)."""
+    def step_time(self, ks: Sequence[int], reps: Sequence[int], alphas: Sequence | None = None) -> float:
+        """Predicted seconds of a step with these draft lengths (pipelined: given the requests' acceptance,
+        each an i.i.d. rate or per-position rates as in :meth:`rate`)."""
+        cums = None if alphas is None else [_as_cumulative(a, k) for a, k in zip(alphas, ks)]
+        return self._step_time(ks, reps, cums)
+
+    def _step_time(self, ks: Sequence[int], reps: Sequence[int], cums: Sequence[list[float]] | None) -> float:
         draft = prepare = 0.0
-        for r in set(reps):
+        for r in set(reps) if not self.model_free else ():  # model-free: proposed before the choice
             mine = [k for k, rr in zip(ks, reps) if rr == r]
             if mine and max(mine) > 0:
                 fit = self.draft_cost[r]
@@ -303,23 +369,32 @@ class DraftLengthPolicy:
         n = sum(ks) + len(ks)
         seen = self.verify_table.get((len(ks), n))
         verify = seen if seen is not None else self.verify_cost.predict(1, n)
-        if self.pipelined and alphas is not None:
-            held = math.prod(a**k * self.guess_hit for a, k in zip(alphas, ks) if k > 0)
+        if self.pipelined and cums is not None:
+            held = math.prod(c[k - 1] * self.guess_hit for c, k in zip(cums, ks) if k > 0)
             return (self.overhead_s or 0.0) + max(verify, prepare) + (1.0 - held) * draft
         return (self.overhead_s or 0.0) + draft + verify
 
-    def rate(self, ks: Sequence[int], alphas: Sequence[float], reps: Sequence[int]) -> float:
-        """Predicted emitted tokens per second."""
-        tokens = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
-        return tokens / max(self.step_time(ks, reps, alphas), 1e-9)
+    def rate(self, ks: Sequence[int], alphas: Sequence, reps: Sequence[int]) -> float:
+        """Predicted emitted tokens per second. ``alphas[b]``: request b's i.i.d. acceptance rate, or its
+        positions' rates (each given the positions before it were accepted), at least ``ks[b]`` of them."""
+        return self._rate(ks, [_as_cumulative(a, k) for a, k in zip(alphas, ks)], reps)
+
+    def _rate(self, ks: Sequence[int], cums: Sequence[list[float]], reps: Sequence[int]) -> float:
+        # a request with k drafts emits 1 + sum_{j <= k} P(positions 1..j accepted) tokens on average
+        tokens = sum(1.0 + sum(c[:k]) for c, k in zip(cums, ks))
+        return tokens / max(self._step_time(ks, reps, cums), 1e-9)
 
     # ------------------------------------------------------------------ learning
-    def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int) -> None:
-        """One request's verification result (call once per request per step)."""
+    def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int,
+                           match_lengths: Sequence[int] | None = None) -> None:
+        """One request's verification result (call once per request per step); ``match_lengths``: those of
+        its proposal's positions (model-free drafts), which the match-length rates learn from."""
         if drafted <= 0:
             acc.update(0, 0)
             return
         acc.update(drafted, accepted)
+        if match_lengths is not None:
+            self.match.update(match_lengths[:drafted], accepted)
         self.global_accepted += accepted
         self.global_tried += accepted + (1 if accepted < drafted else 0)
 
@@ -334,6 +409,7 @@ class DraftLengthPolicy:
         self.global_tried *= GLOBAL_DECAY
         self.guess_hits *= GLOBAL_DECAY
         self.guess_tries *= GLOBAL_DECAY
+        self.match.decay()
 
     def observe_draft(self, replica: int, passes: int, rows: int, seconds: float) -> None:
         if passes > 0 and rows > 0:
@@ -362,6 +438,7 @@ class DraftLengthPolicy:
             "mode": self.mode,
             "k_max": self.k,
             "global_alpha": round(self.global_alpha, 4),
+            "match_alpha": self.match.snapshot(),
             "pipelined": self.pipelined,
             "guess_hit": round(self.guess_hit, 4),
             "draft_s_per_call": [round(f.w[0], 6) for f in self.draft_cost],
@@ -373,11 +450,23 @@ class DraftLengthPolicy:
         }
 
 
-def _keep(alpha: float, limit: int, threshold: float) -> int:
-    """The most positions j <= limit with alpha^j >= threshold (alpha^j is decreasing)."""
-    if limit <= 0 or threshold >= 1.0:
-        return 0
-    if threshold <= 0.0:
-        return limit
-    j = int(math.floor(math.log(threshold) / math.log(alpha) + 1e-9))
-    return max(0, min(limit, j))
+def _cumulative(rates: Sequence[float]) -> list[float]:
+    """[n] running products: P(positions 1..j all accepted) from each position's conditional rate."""
+    out, p = [], 1.0
+    for a in rates:
+        p *= a
+        out.append(p)
+    return out
+
+
+def _as_cumulative(a, k: int) -> list[float]:
+    """An i.i.d. rate or a list of per-position rates, as the running products of its first k positions."""
+    return _cumulative([a] * k if isinstance(a, (int, float)) else list(a)[:k])
+
+
+def _keep(cum: Sequence[float], limit: int, threshold: float) -> int:
+    """The most positions j <= limit with P(1..j accepted) = cum[j - 1] >= threshold (cum is decreasing)."""
+    j = 0
+    while j < limit and cum[j] >= threshold:
+        j += 1
+    return j

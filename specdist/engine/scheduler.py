@@ -11,7 +11,10 @@
    adaptive from its observed acceptance and the measured costs, down to 0), capped so
    neither ``max_tokens`` nor the context limit can be overrun inside a draft;
 3. **propose**: one call per replica with its requests that draft (replicas in parallel),
-   each item carrying what the target emitted since that request's last proposal;
+   each item carrying what the target emitted since that request's last proposal. Model-free
+   drafts (n-gram, suffix: lookups, no model pass) under the adaptive rule swap 2 and 3: they
+   are proposed as long as the caps allow, the rule prices each position (by its match length
+   where the proposal carries one) and each proposal is cut to the chosen length;
 4. **verify**: one call for the whole batch; the verifier runs the target forward, the
    rejection sampler and the KV rollback, and returns accepted counts and next tokens;
 5. **output**: stop tokens / strings, ``max_tokens`` and the context limit cut the output
@@ -229,9 +232,14 @@ class Scheduler:
         self.draft_max_batch_size = draft_max_batch_size or ec.max_batch_size
         self.replicas = [_Replica(d) for d in (drafters if config.draft.enabled else ())]
         self.k = config.draft.num_speculative_tokens if self.replicas else 0
+        # model-free drafts (lookups) under the adaptive rule are proposed first, as long as each request may
+        # draft, and the rule keeps the positions worth verifying, priced by their match lengths
+        self._propose_first = (bool(self.replicas) and config.draft.model_free
+                               and config.draft.length_policy == "adaptive")
         self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
                                                num_replicas=max(1, len(self.replicas)),
-                                               pipelined=config.draft.pipelined and bool(self.replicas))
+                                               pipelined=config.draft.pipelined and bool(self.replicas),
+                                               model_free=self._propose_first)
         # The cost fits steer later lengths, so they must not see what a step's uniforms decided. Where
         # the draft's own samples cut its length (confidence threshold), the tokens past a rejection are
         # sampled with uniforms of positions the next steps draft again: the fits then take the planned
@@ -416,11 +424,23 @@ class Scheduler:
         tc = now()
         reqs = list(self.running)
         caps = [self._draft_len(r) for r in reqs]
-        ks = policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs],
-                           [r.metrics.steps == 0 and not self.waiting for r in reqs])
+        first = [r.metrics.steps == 0 and not self.waiting for r in reqs]
+        lengths, proposing_s = None, 0.0
+        if self._propose_first:  # lookups cost no model pass: propose all a request may draft, price, cut
+            tp = now()
+            self._propose(reqs, [0 if f else c for c, f in zip(caps, first)])
+            proposing_s = now() - tp
+            caps = [len(r.proposal) if r.proposal is not None else 0 for r in reqs]
+            lengths = [r.proposal.match_lengths if r.proposal is not None else None for r in reqs]
+        ks = policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs], first, lengths)
 
         t0 = now()
-        self._propose(reqs, ks)
+        if self._propose_first:
+            for r, k in zip(reqs, ks):
+                if r.proposal is not None:  # a prefix of a proposal is a proposal; none left: a plain step
+                    r.proposal = r.proposal.truncated(k) if k > 0 else None
+        else:
+            self._propose(reqs, ks)
 
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
         results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
@@ -444,7 +464,7 @@ class Scheduler:
         t3 = now()
         t["output"] += t3 - t2
         policy.end_step()
-        policy.observe_overhead((t0 - tc) + (t3 - t2))
+        policy.observe_overhead((t0 - tc - proposing_s) + (t3 - t2))
         self._release([r for r in self.running if r.finished])
         plain = policy.step_time([0] * len(reqs), [0] * len(reqs))
         phases = {name: t.get(name, 0.0) - phase0.get(name, 0.0) for name in t}
@@ -472,7 +492,8 @@ class Scheduler:
         if hidden is not None and r.replica is not None:
             r.hidden.append(hidden)
         r.proposal = None
-        self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc)
+        self.length_policy.observe_acceptance(r.acceptance, len(drafted), n_acc,
+                                              p.match_lengths if p is not None else None)
         out = r.output
         kept = out.append(drafted[:n_acc] + [next_token])
         if r.logprobs is not None and logprobs is not None:  # the kept tokens are the first ``kept`` emitted

@@ -33,7 +33,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -98,9 +98,21 @@ class Proposal:
     q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.transport.wire.fp16_exact), drafter's device
     wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
     pipeline: str | None = None  # pipelined drafter: HIT (prepared during the last verify) or MISS; None: not prepared
+    # [n] per token, the length of the earlier text's context it continues (a suffix draft: the depth of the
+    # matched suffix it was read after); the length rule prices positions by it. None: no such measure
+    match_lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def truncated(self, n: int) -> "Proposal":
+        """The first ``n`` drafts (a prefix of a proposal is one: each draft depends only on those before it)."""
+        if n >= len(self.token_ids):
+            return self
+        return replace(
+            self, token_ids=self.token_ids[:n], q=self.q[:n] if self.q is not None else None,
+            wire=self.wire[:n] if self.wire is not None else None,
+            match_lengths=self.match_lengths[:n] if self.match_lengths is not None else None)
 
 
 @dataclass

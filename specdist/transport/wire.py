@@ -350,13 +350,15 @@ def proposal_to_proto(p: Proposal, vocab_size: int, preferred: int = 0) -> draft
         q = p.q.cpu()  # [n, V]: the rows travel, so this is where they come to the host (one copy)
         dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in q]
     return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists,
-                              pipeline=_PIPELINE_TO_PROTO[p.pipeline])
+                              pipeline=_PIPELINE_TO_PROTO[p.pipeline], match_lengths=p.match_lengths or ())
 
 
 def proposal_from_proto(msg: draft_pb2.Proposal) -> Proposal:
     """Keeps the distributions encoded (``wire``): a verifier decodes them, a remote one forwards them."""
+    # the lengths only price positions (never exactness): a list that does not fit the tokens is dropped
+    lengths = list(msg.match_lengths) if len(msg.match_lengths) == len(msg.token_ids) else []
     return Proposal(msg.request_id, list(msg.token_ids), wire=list(msg.probs),
-                    pipeline=_PIPELINE_FROM_PROTO.get(msg.pipeline))
+                    pipeline=_PIPELINE_FROM_PROTO.get(msg.pipeline), match_lengths=lengths or None)
 
 
 _PIPELINE_TO_PROTO = {None: draft_pb2.PIPELINE_OUTCOME_UNSPECIFIED, HIT: draft_pb2.PIPELINE_OUTCOME_HIT,

@@ -76,16 +76,18 @@ class ProposeResponse(_message.Message):
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "token_ids", "probs", "pipeline")
+    __slots__ = ("request_id", "token_ids", "probs", "pipeline", "match_lengths")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     pipeline: PipelineOutcome
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., pipeline: _Optional[_Union[PipelineOutcome, str]] = ...) -> None: ...
+    match_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., pipeline: _Optional[_Union[PipelineOutcome, str]] = ..., match_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
