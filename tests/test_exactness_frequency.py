@@ -309,8 +309,8 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
             setattr(pol, name, lambda *a: None)  # frozen costs: the choices depend on acceptances only
         inner = pol.choose
 
-        def choose(caps, accs, replicas=None, first=None):
-            ks = inner(caps, accs, replicas, first)
+        def choose(caps, accs, replicas=None, first=None, match_lengths=None):
+            ks = inner(caps, accs, replicas, first, match_lengths)
             chosen.extend(ks)
             return ks
 
