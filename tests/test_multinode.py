@@ -328,8 +328,12 @@ def cluster():
     if ray.is_initialized():  # the shared local cluster of other modules: not this one
         stop_local_ray()
     lean = {"include_log_monitor": False}
+    # the GCS declares a node dead after 3 failed health checks 1 s apart (Ray's default: 5, 3 s apart), so a
+    # lost node is noticed in seconds; each check still waits 2 s for an answer from a raylet busy on 2 cores
+    checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "resources": {"room": 2},
-                                                      "include_dashboard": False, "no_monitor": True, **lean})
+                                                      "include_dashboard": False, "no_monitor": True,
+                                                      "_system_config": checks, **lean})
     try:
         nodes = {name: c.add_node(num_cpus=cpus, wait=False, **lean) for name, cpus in (("t1", 2), ("d1", 1))}
         c.wait_for_nodes()
