@@ -395,12 +395,22 @@ class VerifierCore:
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
 
-        probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
         dev = logits.device
         tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
         tokens = tokens.to(dev)  # [B, K]
         num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
-        res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
+        if all(r.params.temperature <= 0 and r.params.logprobs is None for r in reqs):
+            # every p one-hot on the argmax, and no log-probabilities asked: under either coupling a draft is
+            # accepted iff it is the argmax and the token after the run is the argmax there, so the argmax of
+            # the logits decides the step without materialising p ([B, K+1, V]: the bulk of a greedy step's
+            # sampling time at a large batch)
+            probs = None
+            rank = torch.tensor(sorted(range(bsz), key=order.__getitem__), device=dev)  # request b's row in logits
+            res = gumbel_verify(logits.argmax(-1).index_select(0, rank), tokens, num_draft)
+            unusable = logits.isnan().any(-1).any(-1).index_select(0, rank)  # [B]; rows past the drafts are 0
+        else:
+            probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
+            res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
         final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
         host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
         n_acc, final, bad, logprobs = self._to_host(host, probs, res.tokens, [r.params.logprobs for r in reqs])
