@@ -52,12 +52,13 @@ def test_benchmark_step_writes_checkpoints_and_calls_bench_engine_with_valid_fla
     monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
     rc = gpu_check.main(["--device", "cpu", "--tiny", "--skip-tests", "--workdir", str(tmp_path / "work")])
     assert rc == 0 and "gpu_check: all steps passed" in capsys.readouterr().out
-    cmd, w4, compiled, eagle = calls
-    assert cmd[1:5] == w4[1:5] == compiled[1:5] == eagle[1:5] == ["-m", "specdist.cli", "bench", "engine"]
+    cmd, w4, compiled, eagle, suffix = calls
+    assert cmd[1:5] == w4[1:5] == compiled[1:5] == eagle[1:5] == suffix[1:5] == ["-m", "specdist.cli", "bench", "engine"]
     parser = argparse.ArgumentParser()
     engine_bench.add_arguments(parser)
     assert parser.parse_args(w4[5:]).draft == "self-w4"  # the int4 kernel on the device
     assert (parser.parse_args(compiled[5:]).draft, parser.parse_args(compiled[5:]).compile) == ("self-w4", "on")
+    assert (parser.parse_args(suffix[5:]).draft, parser.parse_args(suffix[5:]).length_policy) == ("suffix", "adaptive")
     args = parser.parse_args(cmd[5:])
     assert (args.draft, args.dtype, args.device) == ("model", "float32", "cpu")
     for path in (args.model, args.draft_model):  # both checkpoints load, with the tokenizer's vocabulary

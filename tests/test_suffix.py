@@ -372,11 +372,13 @@ def test_adaptive_rule_cuts_suffix_proposals_to_its_choice(tiny_models, referenc
 
 def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
     """The deployment's draft actor (in process, no Ray) loads both methods through the same
-    factory, warms up, and serves them over gRPC: the remote engine's greedy output is the target's."""
+    factory, warms up, and serves them over gRPC: the remote engine's greedy output is the target's.
+    The adaptive rule: suffix proposals come in full with their match lengths and are cut before the
+    remote verification."""
     from specdist.engine.remote import RemoteEngine
     from workers.actors import DraftActor
 
-    cfg = tiny_config(tiny_models, "suffix", 3)
+    cfg = tiny_config(tiny_models, "suffix", 3, length_policy="adaptive")
     for method in ("suffix", "hybrid"):
         cfg["draft"]["method"] = method
         eng = Engine.from_config(cfg)

@@ -15,9 +15,12 @@
 5. step 2 with a random EAGLE-3 head for the target (``--draft eagle3``: the target keeps three
    layers' hidden states, the head drafts from them, :mod:`specdist.models.eagle3`), in the
    published layout with a draft vocabulary of a third of the target's. Its acceptance says
-   nothing; the machinery's cost per step does.
+   nothing; the machinery's cost per step does;
+6. suffix drafts under the adaptive rule (``--draft suffix --length-policy adaptive``): proposals made in
+   full, priced position by position by their match lengths and cut (:mod:`specdist.engine.draft_length`),
+   verified on the device; random weights repeat little, so this measures the bookkeeping, not gains.
 
-``--device cpu --tiny`` runs steps 2-5 with small models on the CPU (how CI checks the script).
+``--device cpu --tiny`` runs steps 2-6 with small models on the CPU (how CI checks the script).
 Exit status: 0 when every step passed, 1 otherwise; a one-line reason when CUDA is missing.
 """
 
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--dtype", dtype, "--device", args.device, "--systems", "engine-target,engine-spec",
               "--temperatures", "0,0.8", "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
     for draft_args in (["--draft", "model", "--draft-model", draft.path], ["--draft", "self-w4"],
-                       ["--draft", "self-w4", "--compile", "on"], ["--draft", "eagle3", "--draft-model", head.path]):
+                       ["--draft", "self-w4", "--compile", "on"], ["--draft", "eagle3", "--draft-model", head.path],
+                       ["--draft", "suffix", "--length-policy", "adaptive"]):
         bench = [sys.executable, "-m", "specdist.cli", "bench", "engine", "--model", target.path, *draft_args, *common]
         print("== " + " ".join(bench[2:]), flush=True)
         rc = subprocess.call(bench, cwd=root)
