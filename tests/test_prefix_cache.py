@@ -262,3 +262,29 @@ def test_model_drafter_reuses_its_own_prompt_kv(tiny_models):
     assert reused.prefixes.reused_tokens == len(prompt) - 1
     fresh = drafts(DrafterCore.from_model(model, 2, 64), "c")
     assert first == again == fresh
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="exact equality needs the batch-invariant CPU kernels")
+def test_one_call_shares_nested_prefixes_in_waves(tiny_models):
+    """One prefill call of S+A, S+B, S+A, S+B (S a 20-token system prompt): the second S+A copies the
+    first, S+B takes S from it, and the second S+B waits for the first S+B (a third wave) and copies it
+    instead of computing its own; the outputs equal those without prefix caching."""
+    from conftest import tiny_config
+
+    system, a, b = [1, 2, 3, 4, 5, 6, 7, 0] * 2 + [1, 2, 3, 4], [5, 5, 6, 6, 7, 7], [7, 6, 5, 4, 3, 2]
+    prompts = [system + a, system + b, system + a, system + b]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs, reused, forwards = {}, {}, {}
+    for on in (True, False):
+        eng = Engine.from_config(tiny_config(tiny_models, "none", 1, prefix_caching=on))
+        calls = []
+        forward = eng.target_core.runner.forward
+        eng.target_core.runner.forward = lambda slots, tokens, n: calls.append(len(slots)) or forward(slots, tokens, n)
+        outs[on] = [o.token_ids for o in eng.generate(prompts, greedy)]
+        reused[on], forwards[on] = eng.target_core.prefixes.reused_tokens, calls[:3]
+    assert outs[True] == outs[False]
+    # held K/V: all but a prompt's last token (25 of 26); S is 20 tokens
+    assert (reused[True], reused[False]) == (25 + 20 + 25, 0)
+    # prefill forwards: S+A; then S+B's last 6 (the copy of S+A computes nothing); the copy of S+B nothing
+    # either; then the first verification of all 4. Without caching: one forward of the 4 prompts
+    assert forwards[True] == [1, 1, 4] and forwards[False][:2] == [4, 4]

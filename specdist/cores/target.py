@@ -327,21 +327,27 @@ class VerifierCore:
             raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
         t0 = now()
         # K/V the cache already holds come from there (PrefixCache). A prompt that shares a longer
-        # prefix with an earlier prompt of this call than with anything cached waits for that
-        # one's forward and copies from it: a second forward, instead of computing the prefix twice.
+        # prefix with an earlier prompt of this call (its leader: the earliest with the longest) than
+        # with anything cached waits for its leader's forward and copies from it: it runs in the wave
+        # after its leader's, one forward per wave, so no prefix is computed twice. Waves, not two
+        # groups: with a system prompt every prompt shares, the second of two equal prompts waits for
+        # the first, which itself waits (for the system prompt) on the call's first prompt.
         # K/V held: all but the last token
         live = self.prefixes.live_index((r.slot, r.seq[:-1]) for r in self.requests.values())
-        first, second = [], []
-        in_call = self.prefixes.live_index(())  # the prompts of `first` so far, by position in it
-        for it, prompt in parsed:
+        waves: list[list] = [[]]
+        wave_of: list[int] = []  # the wave of each prompt of the call so far
+        in_call = self.prefixes.live_index(())  # those prompts, by position in the call
+        for i, (it, prompt) in enumerate(parsed):
             want = prompt[:-1]
-            shared = in_call.longest(want)[0] if self.prefixes.enabled else 0
+            shared, lead = in_call.longest(want) if self.prefixes.enabled else (0, -1)
             later = shared >= self.prefixes.min_tokens and shared > self.prefixes.match(want, live)[0]
-            if not later:
-                in_call.add(len(first), want)
-            (second if later else first).append((it, prompt))
+            wave_of.append(wave_of[lead] + 1 if later else 0)
+            in_call.add(i, want)
+            if wave_of[i] == len(waves):
+                waves.append([])
+            waves[wave_of[i]].append((it, prompt))
         hidden: dict[str, torch.Tensor] = {}
-        for group in (first, second):
+        for group in waves:
             todo = []
             for it, prompt in group:
                 slot, held = self.prefixes.acquire(prompt[:-1], live)
