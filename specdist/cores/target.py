@@ -411,9 +411,17 @@ class VerifierCore:
             # the logits decides the step without materialising p ([B, K+1, V]: the bulk of a greedy step's
             # sampling time at a large batch)
             probs = None
-            rank = torch.tensor(sorted(range(bsz), key=order.__getitem__), device=dev)  # request b's row in logits
-            res = gumbel_verify(logits.argmax(-1).index_select(0, rank), tokens, num_draft)
-            unusable = logits.isnan().any(-1).any(-1).index_select(0, rank)  # [B]; rows past the drafts are 0
+            k1, vocab = kdim + 1, logits.shape[-1]
+            rank = {b: i for i, b in enumerate(order)}  # request b's row in the logits
+            flat = [b * k1 + j for b in range(bsz) for j in range(nd[b] + 1)]  # its valid positions in [B, K+1]
+            src = torch.tensor([rank[b] * k1 + j for b in range(bsz) for j in range(nd[b] + 1)], device=dev)
+            # one pass over the valid rows only: max() gives the first maximal index, and a NaN as the max
+            top, arg = logits.reshape(-1, vocab).index_select(0, src).max(-1)  # [N] each
+            pos = torch.tensor(flat, device=dev)
+            y = torch.zeros(bsz * k1, dtype=torch.long, device=dev).index_copy_(0, pos, arg).view(bsz, k1)
+            res = gumbel_verify(y, tokens, num_draft)  # positions past a request's drafts are never read
+            unusable = torch.zeros(bsz * k1, dtype=torch.bool, device=dev).index_copy_(0, pos, top.isnan())
+            unusable = unusable.view(bsz, k1).any(1)  # [B]
         else:
             probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
             res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
