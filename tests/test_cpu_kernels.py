@@ -235,6 +235,13 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
     ragged = runner.forward(slots, [new[0], new[1][:1], new[2][:2]], [4, 1, 2])  # [3, 4, V]
     for b, n in enumerate([4, 1, 2]):
         assert torch.equal(ragged[b, :n], together[b, :n]) and not ragged[b, n:].any()
+    # packed: the same rows one request after another, from the ragged path and from the [B, T] one
+    for calls, counts in (([new[0], new[1][:1], new[2][:2]], [4, 1, 2]), (new, [4, 1, 2]), (new, [4, 4, 4])):
+        for s, n in zip(slots, lengths):
+            runner.cache.rollback(s, n)
+        packed = runner.forward(slots, calls, counts, packed=True)  # [sum(counts), V]
+        want = torch.cat([together[b, len(calls[b]) - m: len(calls[b])] for b, m in enumerate(counts)])
+        assert torch.equal(packed, want)
 
 
 def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):

@@ -114,7 +114,7 @@ def test_spy_catches_each_transfer_and_the_old_host_logits(vocab97, monkeypatch)
     # The runner as it was before the logits stayed on the device: the same engine run fails the check.
     eng = _engine(vocab97, "model")
     inner = CausalLMRunner.forward
-    monkeypatch.setattr(CausalLMRunner, "forward", lambda self, *a: inner(self, *a).cpu())
+    monkeypatch.setattr(CausalLMRunner, "forward", lambda self, *a, **k: inner(self, *a, **k).cpu())
     spy = TransferSpy(monkeypatch, VOCAB)
     eng.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=1))
-    assert ("cpu", (BATCH, 4, VOCAB)) in spy.hits  # the verification forward: last token + 3 drafts
+    assert ("cpu", (BATCH * 4, VOCAB)) in spy.hits  # the verification forward (packed): last token + 3 drafts

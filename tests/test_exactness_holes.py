@@ -176,12 +176,16 @@ def _poison(core, monkeypatch, rid: str, pos: int = 0) -> None:
     runner = core.runner
     real = runner.forward
 
-    def forward(slots, tokens, num_logits):
-        out = real(slots, tokens, num_logits).clone()  # [B, K+1, V] (the runner returns inference tensors)
+    def forward(slots, tokens, num_logits, packed=False):
+        out = real(slots, tokens, num_logits, packed=packed).clone()  # the runner returns inference tensors
         slot = core.requests[rid].slot
         if slot in slots and num_logits[slots.index(slot)] > 0:
             i = slots.index(slot)
-            out[i, min(pos, num_logits[i] - 1), 3] = float("nan")
+            row = min(pos, num_logits[i] - 1)
+            if packed:  # [N, V]: each request's rows one after another
+                out[sum(num_logits[:i]) + row, 3] = float("nan")
+            else:  # [B, K+1, V]
+                out[i, row, 3] = float("nan")
         return out
 
     monkeypatch.setattr(runner, "forward", forward)
@@ -220,11 +224,15 @@ def test_nan_logits_fail_the_request_in_the_engine(tiny_models, monkeypatch) -> 
     runner, core = eng.target_core.runner, eng.target_core
     real = runner.forward
 
-    def forward(slots, tokens, num_logits):  # NaN everywhere in the bad request's logits
-        out = real(slots, tokens, num_logits).clone()  # [B, K+1, V] (the runner returns inference tensors)
+    def forward(slots, tokens, num_logits, packed=False):  # NaN everywhere in the bad request's logits
+        out = real(slots, tokens, num_logits, packed=packed).clone()  # the runner returns inference tensors
         r = core.requests.get(bad.core_id)
         if r is not None and r.slot in slots:
-            out[slots.index(r.slot)] = float("nan")
+            i = slots.index(r.slot)
+            if packed:  # [N, V]: each request's rows one after another
+                out[sum(num_logits[:i]): sum(num_logits[:i + 1])] = float("nan")
+            else:  # [B, K+1, V]
+                out[i] = float("nan")
         return out
 
     monkeypatch.setattr(runner, "forward", forward)

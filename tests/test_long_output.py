@@ -31,10 +31,10 @@ def test_host_time_per_step_is_flat_over_4000_tokens(tmp_path) -> None:
     inner = runner.forward
     in_forward = [0.0]
 
-    def forward(*args):
+    def forward(*args, **kwargs):
         t0 = time.thread_time()
         try:
-            return inner(*args)
+            return inner(*args, **kwargs)
         finally:
             in_forward[0] += time.thread_time() - t0
 

@@ -282,10 +282,10 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
         address = actor.start_grpc("127.0.0.1", 0, secret)
         forward = actor.worker.runner.forward
 
-        def hanging_forward(*args):
+        def hanging_forward(*args, **kwargs):
             entered.set()
             _until("the test to let the forward go", lambda: not stuck.is_set(), limit_s=LIMIT_S)
-            return forward(*args)
+            return forward(*args, **kwargs)
 
         actor.worker.runner.forward = hanging_forward
         stuck.set()

@@ -279,7 +279,7 @@ def test_one_call_shares_nested_prefixes_in_waves(tiny_models):
         eng = Engine.from_config(tiny_config(tiny_models, "none", 1, prefix_caching=on))
         calls = []
         forward = eng.target_core.runner.forward
-        eng.target_core.runner.forward = lambda slots, tokens, n: calls.append(len(slots)) or forward(slots, tokens, n)
+        eng.target_core.runner.forward = lambda slots, *a, **k: calls.append(len(slots)) or forward(slots, *a, **k)
         outs[on] = [o.token_ids for o in eng.generate(prompts, greedy)]
         reused[on], forwards[on] = eng.target_core.prefixes.reused_tokens, calls[:3]
     assert outs[True] == outs[False]

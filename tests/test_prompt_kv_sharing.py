@@ -40,9 +40,9 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
     runner = eng.draft_core.runner
     inner = runner.forward
 
-    def forward(slots, tokens, num_logits):
+    def forward(slots, tokens, num_logits, **kwargs):
         calls.append([len(t) for t in tokens])
-        return inner(slots, tokens, num_logits)
+        return inner(slots, tokens, num_logits, **kwargs)
 
     runner.forward = forward
     prompts = [[1, 2, 3, 4, 5, 6], [3], [2, 2, 2, 2]]
@@ -80,9 +80,9 @@ def test_model_draft_prefills_at_its_first_draft_only(tiny_models) -> None:
     calls = []
     inner = core.runner.forward
 
-    def forward(slots, tokens, num_logits):
+    def forward(slots, tokens, num_logits, **kwargs):
         calls.append(([len(t) for t in tokens], list(num_logits)))
-        return inner(slots, tokens, num_logits)
+        return inner(slots, tokens, num_logits, **kwargs)
 
     core.runner.forward = forward
     # max_tokens 1: the length rule's cap is 0, so the request never drafts

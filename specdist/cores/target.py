@@ -152,8 +152,8 @@ class CollectiveDeadline:
 def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
     """Apply one forward or cache operation (:meth:`SlotKVCache.apply`); the same code on every
     tensor-parallel rank."""
-    if op[0] == "forward":
-        return runner.forward(op[1], op[2], op[3])
+    if op[0] == "forward":  # ("forward", slots, tokens, num_logits[, packed])
+        return runner.forward(op[1], op[2], op[3], packed=len(op) > 4 and op[4])
     if op[0] == "shutdown":
         return None
     return runner.cache.apply(op)
@@ -224,8 +224,9 @@ class VerifierCore:
         if self.world_size > 1:
             self._pending.append(op)
 
-    def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        op = ("forward", slots, tokens, num_logits)
+    def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
+                 packed: bool = False) -> torch.Tensor:
+        op = ("forward", slots, tokens, num_logits, packed)
         n = sum(len(t) for t in tokens)
         if self.world_size == 1:
             t0 = now()
@@ -396,8 +397,8 @@ class VerifierCore:
         t0 = now()
         order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # contiguous slots attend through views
         logits = self._forward(
-            [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order]
-        )  # [B, K+1, V] in slot order, on the model's device
+            [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order],
+            packed=True)  # [N, V]: each request's nd + 1 rows, requests in slot order, on the model's device
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
 
@@ -411,13 +412,10 @@ class VerifierCore:
             # the logits decides the step without materialising p ([B, K+1, V]: the bulk of a greedy step's
             # sampling time at a large batch)
             probs = None
-            k1, vocab = kdim + 1, logits.shape[-1]
-            rank = {b: i for i, b in enumerate(order)}  # request b's row in the logits
-            flat = [b * k1 + j for b in range(bsz) for j in range(nd[b] + 1)]  # its valid positions in [B, K+1]
-            src = torch.tensor([rank[b] * k1 + j for b in range(bsz) for j in range(nd[b] + 1)], device=dev)
-            # one pass over the valid rows only: max() gives the first maximal index, and a NaN as the max
-            top, arg = logits.reshape(-1, vocab).index_select(0, src).max(-1)  # [N] each
-            pos = torch.tensor(flat, device=dev)
+            k1 = kdim + 1
+            # one pass over the rows: max() gives the first maximal index, and a NaN as the max
+            top, arg = logits.max(-1)  # [N] each, slot order
+            pos = torch.tensor([b * k1 + j for b in order for j in range(nd[b] + 1)], device=dev)  # into [B, K+1]
             y = torch.zeros(bsz * k1, dtype=torch.long, device=dev).index_copy_(0, pos, arg).view(bsz, k1)
             res = gumbel_verify(y, tokens, num_draft)  # positions past a request's drafts are never read
             unusable = torch.zeros(bsz * k1, dtype=torch.bool, device=dev).index_copy_(0, pos, top.isnan())
@@ -445,16 +443,19 @@ class VerifierCore:
 
     def _target_probs(self, logits: torch.Tensor, order: list[int], params: list[SamplingParams],
                       nd: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """p of every request's valid positions: ``logits`` [B, K+1, V] in slot order (``order[i]``: the
-        request of row i) -> (probs [B, K+1, V] in request order, rows past a request's ``nd[b]`` drafts
-        0; unusable [B]: a request with a row :func:`unusable_rows` refuses)."""
+        """p of every request's valid positions: ``logits`` [N, V] packed, requests in slot order
+        (``order[i]``: the request of the i-th block, ``nd[b] + 1`` rows each) -> (probs [B, K+1, V] in
+        request order, rows past a request's ``nd[b]`` drafts 0; unusable [B]: a request with a row
+        :func:`unusable_rows` refuses)."""
         bsz, vocab, kdim = len(order), self.vocab_size, max(nd)
         # The valid (request, position) pairs in request order, as row indices built on the host:
-        # src into the slot-ordered logits, dst into probs (request order).
+        # src into the packed logits, dst into probs (request order).
         dev = logits.device
-        rank = {b: i for i, b in enumerate(order)}
+        start, at = {}, 0
+        for b in order:
+            start[b], at = at, at + nd[b] + 1
         pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]
-        src = torch.tensor([rank[b] * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
+        src = torch.tensor([start[b] + j for b, j in pairs], device=dev)  # [N]
         dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
         rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
         temp, top_k, top_p = sampling_tensors(params)  # [B] each, host

@@ -186,12 +186,15 @@ class CausalLMRunner:
         slots: list[int],
         tokens: list[list[int]],
         num_logits: list[int],
-    ) -> torch.Tensor:  # [B, max(num_logits), V] float32 logits of each request's last tokens, on the model's device
+        packed: bool = False,
+    ) -> torch.Tensor:  # [B, max(num_logits), V] (packed: [sum(num_logits), V]) float32 logits, on the model's device
         """Append ``tokens[b]`` to ``slots[b]`` and return logits for the last ``num_logits[b]`` of them.
 
         Row ``b`` of the result holds its logits left-aligned; rows with fewer than the
-        maximum are zero-padded on the right. Calls of at most ``STATIC_TOKENS[-1]`` tokens per
-        request go through the compiled static-shape pass once :meth:`compile` was called.
+        maximum are zero-padded on the right. ``packed``: request b's rows one after another
+        instead, no padding (a ragged verification reads no zeros). Calls of at most
+        ``STATIC_TOKENS[-1]`` tokens per request go through the compiled static-shape pass once
+        :meth:`compile` was called.
         """
         cache = self.cache
         n_new = [len(t) for t in tokens]
@@ -201,21 +204,22 @@ class CausalLMRunner:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
         self.last_hidden = None
         if self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
-            logits = self._forward_static(slots, tokens, starts, num_logits)
+            logits = _packed(self._forward_static(slots, tokens, starts, num_logits), num_logits) if packed \
+                else self._forward_static(slots, tokens, starts, num_logits)
         else:
-            logits = self._forward_eager(slots, tokens, starts, num_logits)
+            logits = self._forward_eager(slots, tokens, starts, num_logits, packed)
         for s, st, n in zip(slots, starts, n_new):
             cache.lengths[s] = st + n
         return logits  # stays on the device: sampling and verification run there
 
-    def _forward_eager(self, slots, tokens, starts, num_logits):
+    def _forward_eager(self, slots, tokens, starts, num_logits, packed=False):
         """The forward at the call's own shapes: keys sliced to the longest sequence, attention in
         the cheapest form SDPA accepts (no mask, ``is_causal``, or a mask)."""
         dev = self.device
         bsz, n_new = len(slots), [len(t) for t in tokens]
         t_max = max(n_new)
         if self.cpu_attention and sum(n_new) < bsz * t_max:
-            return self._forward_rows(slots, tokens, starts, num_logits)
+            return self._forward_rows(slots, tokens, starts, num_logits, packed)
         ids, write_pos, query_pos = self._positions(tokens, starts, t_max)
         s_len = max(st + n for st, n in zip(starts, n_new))  # keys attended: [0, S)
         one_position = t_max == 1 and min(starts) == max(starts)  # one query per request, all at one position
@@ -244,9 +248,10 @@ class CausalLMRunner:
 
         fused = (slot_t, query_pos) if self.cpu_rope_attention else None
         h, self.last_hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D], [B, T, nD] or None
-        return self._logits(h, n_new, num_logits)
+        logits = self._logits(h, n_new, num_logits)
+        return _packed(logits, num_logits) if packed else logits
 
-    def _forward_rows(self, slots, tokens, starts, num_logits):
+    def _forward_rows(self, slots, tokens, starts, num_logits, packed=False):
         """A ragged batch on the CPU attention kernels: every token is a row of its own ([N, 1], N the
         call's tokens, each with its request's slot), so no matmul and no attention computes padding.
         The kernels write every row's keys before any row attends, so a request's later tokens see its
@@ -275,6 +280,8 @@ class CausalLMRunner:
             return torch.zeros(bsz, 0, self.vocab_size, device=dev)
         want = [offs[b + 1] - m + j for b, m in enumerate(num_logits) for j in range(m)]  # rows with logits [M]
         logits = self._head(h[:, 0].index_select(0, torch.tensor(want, device=dev))[None])[0]  # [M, V]
+        if packed:
+            return logits
         if len(want) == bsz * n_out:
             return logits.view(bsz, n_out, -1)
         dst = torch.tensor([b * n_out + j for b, m in enumerate(num_logits) for j in range(m)], device=dev)
@@ -454,6 +461,15 @@ def _local_kv_heads(attn, cfg, probe: torch.Tensor) -> tuple[int, list[int] | No
         n_kv_local = n_local * n_kv // (n_q + 2 * n_kv)
         return n_kv_local, [(n_local - 2 * n_kv_local) * hd, n_kv_local * hd, n_kv_local * hd]
     return attn.k_proj(probe).shape[-1] // hd, None
+
+
+def _packed(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:  # [B, n, V] -> [sum(num_logits), V]
+    """Left-aligned rows (:func:`_left_aligned`) without their padding: request b's rows one after another."""
+    bsz, n, vocab = logits.shape
+    if min(num_logits) == n:
+        return logits.reshape(bsz * n, vocab)
+    keep = torch.tensor([b * n + j for b, m in enumerate(num_logits) for j in range(m)], device=logits.device)
+    return logits.reshape(bsz * n, vocab).index_select(0, keep)
 
 
 def _left_aligned(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:  # [B, n, V], zero past num_logits[b]
