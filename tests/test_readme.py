@@ -84,7 +84,9 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
             words = re.findall(r"[A-Za-z]{2,}", printed)
             assert len(words) >= 3, f"README python block {i} printed no text: {printed!r}"
         o = namespace["o"]
-        assert o.text.strip() and o.metrics.steps > 0 and o.metrics.drafted > 0
+        # the suffix drafter proposed (its lookups cost no model pass, so the adaptive rule may verify none
+        # of them in 32 sampled tokens of a prompt never seen before: drafted counts depend on wall times)
+        assert o.text.strip() and o.metrics.steps > 0 and namespace["engine"].stats.phase_s["draft"] > 0
         assert reused == ["tokenizer", "model"]  # the README's engine is the built-in model in float32 on the CPU
     finally:
         if http is not None:
