@@ -242,6 +242,9 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
         packed = runner.forward(slots, calls, counts, packed=True)  # [sum(counts), V]
         want = torch.cat([together[b, len(calls[b]) - m: len(calls[b])] for b, m in enumerate(counts)])
         assert torch.equal(packed, want)
+    for s, n in zip(slots, lengths):  # no logits asked (a prefill), ragged: none, in either layout
+        runner.cache.rollback(s, n)
+    assert runner.forward(slots, [new[0], new[1][:1], new[2][:2]], [0, 0, 0], packed=True).shape == (0, 32)
 
 
 def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):

@@ -204,8 +204,8 @@ class CausalLMRunner:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
         self.last_hidden = None
         if self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
-            logits = _packed(self._forward_static(slots, tokens, starts, num_logits), num_logits) if packed \
-                else self._forward_static(slots, tokens, starts, num_logits)
+            logits = self._forward_static(slots, tokens, starts, num_logits)
+            logits = _packed(logits, num_logits) if packed else logits
         else:
             logits = self._forward_eager(slots, tokens, starts, num_logits, packed)
         for s, st, n in zip(slots, starts, n_new):
@@ -276,8 +276,8 @@ class CausalLMRunner:
             self.last_hidden = hidden.new_zeros(bsz * t_max, hidden.shape[-1]).index_copy_(
                 0, pad, hidden[:, 0]).view(bsz, t_max, -1)
         n_out = max(num_logits)
-        if n_out == 0:
-            return torch.zeros(bsz, 0, self.vocab_size, device=dev)
+        if n_out == 0:  # a prefill: no logits, in the layout asked for
+            return torch.zeros(0 if packed else bsz, *(() if packed else (0,)), self.vocab_size, device=dev)
         want = [offs[b + 1] - m + j for b, m in enumerate(num_logits) for j in range(m)]  # rows with logits [M]
         logits = self._head(h[:, 0].index_select(0, torch.tensor(want, device=dev))[None])[0]  # [M, V]
         if packed:
