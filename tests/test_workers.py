@@ -241,6 +241,8 @@ def test_bad_inputs_get_status_codes(workers):
     res = verify(V(request_id="ok", seq_len=3)).results[0]
     assert res.num_accepted == 0
     t.Release(target_pb2.TargetReleaseRequest(request_ids=["ok", "never-existed"]))  # unknown ids ignored
+    got, details = _code(prefill, P(request_id="never-existed", prompt_token_ids=[1], params=sp))
+    assert got == C.FAILED_PRECONDITION and details.startswith("items[0].request_id:"), details  # a late prefill
 
     # draft worker
     S, PI = draft_pb2.StartItem, draft_pb2.ProposeItem
@@ -408,6 +410,19 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
     target.release(["c", "never-existed"])
     draft.release(["c", "never-existed"])
     target.release(["c"])  # idempotent
+    assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
+    # a start that arrives after its release (its caller gave up on it) is refused, the whole call
+    # with it, and holds nothing; an id released while held may start again
+    raises(FailedPrecondition, "items[1].request_id", target.prefill,
+           [StartItem("late-ok", [1], sp, 1), StartItem("never-existed", [1, 2], sp, 1)])
+    raises(FailedPrecondition, "items[0].request_id", draft.start, [StartItem("never-existed", [1, 2], sp, 1)])
+    assert not target.requests and not draft.requests
+    assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
+    for _ in range(2):
+        target.prefill([StartItem("again", [1, 2], sp, 1)])
+        draft.start([StartItem("again", [1, 2], sp, draft_seed(1))])
+        target.release(["again"])
+        draft.release(["again"])
     assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
 
 

@@ -81,6 +81,7 @@ from specdist.transport.protocol import (
     CallTiming,
     Proposal,
     ProposeItem,
+    ReleasedUnknown,
     StartItem,
     check_prompt,
     check_request_ids,
@@ -164,6 +165,7 @@ class DrafterCore:
         # (eagle3: off; a head's K/V need the target's states of every prompt position, which come with it)
         self.prefixes = PrefixCache(self.cache, enabled=head is None) if self.cache is not None else None
         self.requests: dict[str, DraftRequest] = {}
+        self.released_unknown = ReleasedUnknown()  # refuses a start that arrives after its release
         self.catch_up_s = 0.0  # seconds of prompt K/V computed by _catch_up since the last propose began
         # True (the in-process engine): a prompt's K/V wait for the request's first draft. False: start
         # prefills them (a draft worker: its Start deadline scales with the prompt, Propose's does not)
@@ -222,6 +224,7 @@ class DrafterCore:
     # ------------------------------------------------------------ calls
     def start(self, items: list[StartItem]) -> CallTiming:
         check_request_ids([it.request_id for it in items])
+        self.released_unknown.refuse([it.request_id for it in items])
         parsed = []
         for i, it in enumerate(items):
             if it.request_id in self.requests:
@@ -555,6 +558,8 @@ class DrafterCore:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             r = self.requests.pop(rid, None)
+            if r is None:
+                self.released_unknown.add(rid)
             if r is not None and r.slot is not None:  # kept for later prompts that start the same way
                 self.prefixes.release(r.slot, r.seq)
             if r is not None and r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)

@@ -91,6 +91,7 @@ from specdist.transport.protocol import (
     SAMPLE_ROLE,
     CallTiming,
     Prefilled,
+    ReleasedUnknown,
     StartItem,
     Verified,
     VerifyItem,
@@ -193,6 +194,7 @@ class VerifierCore:
         self.rank, self.world_size = rank, world_size
         self._broadcast = broadcast
         self.requests: dict[str, _TargetRequest] = {}
+        self.released_unknown = ReleasedUnknown()  # refuses a prefill that arrives after its release
         self._pending: list[tuple] = []  # ops applied on rank 0, not yet sent to the followers
         self.closed = False
         self._set_timeout = set_timeout  # (seconds) -> None: this rank's collective timeout
@@ -317,6 +319,7 @@ class VerifierCore:
     def _prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         self._check_leader()
         check_request_ids([it.request_id for it in items])
+        self.released_unknown.refuse([it.request_id for it in items])
         parsed = []
         for i, it in enumerate(items):
             if it.request_id in self.requests:
@@ -637,6 +640,8 @@ class VerifierCore:
         self._check_leader()
         for rid in request_ids:
             r = self.requests.pop(rid, None)
+            if r is None:
+                self.released_unknown.add(rid)
             if r is not None:  # kept for later prompts that start the same way, or freed
                 self.prefixes.release(r.slot, r.seq[:-1])
         if not self.requests and self._pending:  # going idle: the followers free their slots now too

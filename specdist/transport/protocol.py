@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import operator
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from specdist.errors import ErrorCode, FieldError, InvalidArgument, SpecDistError, blamed_item
+from specdist.errors import ErrorCode, FailedPrecondition, FieldError, InvalidArgument, SpecDistError, blamed_item
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 
@@ -273,6 +274,34 @@ def check_request_ids(ids: Sequence[str], field: str = "items") -> None:
         if rid in seen:
             raise InvalidArgument(f"{field}[{i}].request_id", f"duplicate request id {rid!r} in one call")
         seen.add(rid)
+
+
+class ReleasedUnknown:
+    """Ids a core was told to release while it did not hold them (the newest ``capacity``).
+
+    A start or prefill can reach a core after its caller gave up on it: the worker was stopped or
+    slow, the call's deadline passed, and the scheduler released the id (its release may overtake
+    the call: another connection, another server thread). Started then, the request would hold a
+    KV slot that nothing releases again. The scheduler gives every admission a fresh id, so a start
+    of an id released before is always such a late call, and the core refuses it.
+    """
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def refuse(self, ids: Sequence[str], field: str = "items") -> None:
+        """FailedPrecondition naming the first of ``ids`` that was released before it started."""
+        for i, rid in enumerate(ids):
+            if rid in self._ids:
+                raise FailedPrecondition(f"{field}[{i}].request_id",
+                                         f"request {rid!r} was released before it started (a late call)")
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
