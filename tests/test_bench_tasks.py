@@ -61,6 +61,60 @@ def test_plain_text_and_batches():
     assert tasks_bench.batches(3, 1) == [[0], [1], [2]]
     assert tasks_bench.batches(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]  # prompts repeat to fill a batch
     assert tasks_bench.batches(2, 5) == [[0, 1, 0, 1, 0]]
+    assert tasks_bench.batches(3, 2, rounds=3) == [[0, 1, 2, 0, 1, 2]]  # sustained: one batch of C x R
+
+
+class _FakeRequest:
+    def __init__(self, prompt: str, steps: int):
+        self.request_id, self.left = prompt, steps
+
+    @property
+    def finished(self) -> bool:
+        return self.left <= 0
+
+    def to_output(self) -> str:
+        return self.request_id
+
+
+class _FakeEngine:
+    """The request of prompt p runs ``steps[p]`` steps; records which were in flight at each step."""
+
+    def __init__(self, steps: dict[str, int], fail_at: int | None = None):
+        self.steps, self.fail_at = steps, fail_at
+        self.reqs: dict[str, _FakeRequest] = {}
+        self.in_flight: list[list[str]] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt: str, params) -> _FakeRequest:
+        self.reqs[prompt] = _FakeRequest(prompt, self.steps[prompt])
+        return self.reqs[prompt]
+
+    def step(self) -> None:
+        if len(self.in_flight) == self.fail_at:
+            raise KeyboardInterrupt
+        live = [r for r in self.reqs.values() if not r.finished]
+        self.in_flight.append([r.request_id for r in live])
+        for r in live:
+            r.left -= 1
+
+    def abort(self, rid: str) -> bool:
+        self.aborted.append(rid)
+        self.reqs[rid].left = 0
+        return True
+
+
+def test_sustained_clients_queue_their_next_request_as_the_last_ends():
+    """Two clients, six requests: client j % 2 sends request j once its request j - 2 has ended, so two
+    are in flight until the last round; outputs in request order; an interrupt aborts what runs."""
+    prompts = ["p0", "p1", "p2", "p3", "p4", "p5"]
+    eng = _FakeEngine(dict(zip(prompts, [3, 1, 1, 2, 2, 1])))
+    assert tasks_bench.run_clients(eng, prompts, [None] * 6, 2) == prompts
+    assert eng.in_flight == [["p0", "p1"], ["p0", "p3"], ["p0", "p3"], ["p2", "p5"], ["p4"], ["p4"]]
+    assert eng.aborted == []
+    eng = _FakeEngine({"a": 5, "b": 5, "c": 5}, fail_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        tasks_bench.run_clients(eng, ["a", "b", "c"], [None] * 3, 2)
+    assert eng.aborted == ["a", "b"] and list(eng.reqs) == ["a", "b"]  # the third was never sent
 
 
 @pytest.fixture
@@ -135,6 +189,31 @@ def test_quick_run_reports_every_task_and_variant(tiny_models, chat_model, tmp_p
     assert "[bench tasks] C=3 multi-turn: none " in out.err
 
 
+def test_sustained_load_runs_rounds_of_client_requests(tiny_models, chat_model, tmp_path, capsys):
+    """--rounds 3 at C = 2: six requests per task, seeds 1000-1005, every variant the same tokens."""
+    cfg = tiny_config(tiny_models, "model", 3)
+    cfg["target"]["model"] = chat_model
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out_json = tmp_path / "r.json"
+    assert main(["bench", "tasks", "--config", str(path), "--drafts", "none,ngram", "--tasks", "qa,chat", "--quick",
+                 "--concurrency", "2", "--rounds", "3", "--ignore-eos", "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["rounds"] == 3
+    for r in doc["results"]:
+        assert r["requests"] == (6 if r["task"] != "all" else 12) and r["tokens"] == 16 * r["requests"]
+        # one prompt per task: all six repeat it but the first (qa's first was the warm-up's prompt too)
+        assert r["repeated_prompts"] == {"qa": 6, "chat": 5, "all": 11}[r["task"]]
+        assert r["same_tokens_as_none"] == r["requests"]
+        if r["task"] != "all":
+            assert len(r["batch_s"]) == 1
+            assert [q["seed"] for q in r["per_request"]] == [1000 + j for j in range(6)]
+            assert {q["prompt"] for q in r["per_request"]} == {0}  # --quick: one prompt per task, repeated
+    out = capsys.readouterr().out
+    assert "Concurrency 2 (2 clients sending 3 requests each back to back, aggregate tokens/s):" in out
+    assert "11 of 12 requests repeat a prompt the engines were sent before in this run" in out
+
+
 def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     """The tiny tokenizer has no chat template: conversations become User:/Assistant: text."""
     from specdist.models.loader import load_tokenizer, resolve_model
@@ -153,6 +232,7 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
     (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
     (["--concurrency", "0"], "--concurrency: need positive integers"),
+    (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
     (["--tasks", "chat,,qa"], "--tasks: a comma-separated list without empty items"),
     (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
 ])

@@ -4,8 +4,8 @@ and speedup over plain decoding, measured side by side in one run.
 Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` (open questions),
 ``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
-a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each, about
-140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
+a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat: 32,
+so that 16 clients send two rounds without repeating one), about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
 model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
 chat=True)`` does, once before anything is timed (a model without a chat template gets the
 conversation as plain ``User: ... Assistant:`` text).
@@ -25,6 +25,20 @@ prompts are cut into ceil(n / C) batches of C requests (prompt i of batch b is t
 prompt ``(b * C + i) mod n``: prompts repeat to fill a batch), each submitted at once to the
 engine (``Engine.generate``), which runs them as one continuously batched set. C = 1 runs
 prompts one at a time. Request i of batch b has seed ``1000 + b * C + i``, in every variant.
+A batch ends with its slowest request: while the last ones finish, the engine runs fewer than C
+requests, and with speculation the requests' speeds spread (each accepts at its own rate).
+
+Sustained load (``--rounds R``, R > 1): at concurrency C, C clients each send R requests one after
+another, a client's next request queued as soon as its previous one ends, so the engine runs C
+requests at a time until the last round (what C clients of a server see). One batch of C x R
+requests per task: request j is the task's prompt ``j mod n`` with seed ``1000 + j``, sent by
+client ``j mod C`` as its ``j // C``-th request (:func:`run_clients`).
+
+Repeated prompts: a request whose prompt the engines were sent before in the run (an earlier
+batch or concurrency level, or the same batch: prompts repeat to fill one) is counted in
+``repeated_prompts``. At temperature 0 it produces the same tokens again, and a draft whose index
+keeps finished requests (suffix) can copy them, so its acceptance says little about new prompts;
+the report says how many there were.
 
 Interleaving: every batch runs on each variant in turn before the next batch starts, and the
 order of the variants rotates by one from batch to batch (over all tasks), so slow drift of the
@@ -47,7 +61,7 @@ prefill, as Spec-Bench's does.
 ``--json PATH`` writes one object (strict JSON), schema ``specdist.bench.tasks/1``::
 
     {"schema": "specdist.bench.tasks/1",
-     "settings": {"config", "tasks", "drafts", "concurrency": [int], "max_tokens", "temperature",
+     "settings": {"config", "tasks", "drafts", "concurrency": [int], "rounds", "max_tokens", "temperature",
                   "ignore_eos", "prompts_per_task" (null: all), "quick", "chat_template",
                   "device", "torch_threads", "max_model_len", "max_batch_size"},
      "variants": [{"name", "config" (the whole config the engine was built from)}],
@@ -55,6 +69,7 @@ prefill, as Spec-Bench's does.
      "results": [{"concurrency", "task" (a task name, or "all" for all tasks together), "variant",
                   "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted", "drafted",
                   "accepted", "acceptance" (null: nothing drafted), "tokens_per_step" (emitted / steps),
+                  "repeated_prompts" (requests whose prompt the engines were sent before in the run),
                   "speedup" (tokens_per_s / the none variant's; null without a none variant),
                   "same_tokens_as_none" (requests whose tokens equal none's; null without none),
                   "phase_s" (the engine's seconds per phase), "batch_s": [float] (task rows),
@@ -93,11 +108,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated draft methods to compare, each a draft.method the config accepts "
                         "(none: no draft, the baseline of the speedups)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
-    p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-8)")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-32)")
     p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
     p.add_argument("--concurrency", action="append", default=None, metavar="C",
                    help="requests submitted at once (repeatable or comma-separated; default 1: one at a time)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="sustained load: C clients each send this many requests back to back, the next as "
+                        "soon as the last ends (default 1: each batch of C requests submitted at once)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens past EOS too (default: stop at EOS, as Spec-Bench does)")
     p.add_argument("--quick", action="store_true",
@@ -123,6 +141,7 @@ class Cell:
     drafted: int = 0
     accepted: int = 0
     same_tokens_as_none: int = 0
+    repeated_prompts: int = 0  # requests whose prompt this engine was sent before in the run (or in the batch)
     phase_s: dict = field(default_factory=dict)
     batch_s: list = field(default_factory=list)
     per_request: list = field(default_factory=list)
@@ -141,7 +160,7 @@ class Cell:
 
     def add(self, other: "Cell") -> None:
         for name in ("requests", "tokens", "seconds", "steps", "emitted", "drafted", "accepted",
-                     "same_tokens_as_none"):
+                     "same_tokens_as_none", "repeated_prompts"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.phase_s.items():
             self.phase_s[k] = self.phase_s.get(k, 0.0) + v
@@ -153,6 +172,7 @@ class Plan:
     drafts: list[str]
     concurrency: list[int]
     prompts: int  # per task
+    rounds: int  # > 1: sustained load, C clients each sending this many requests back to back
     max_tokens: int
     base: dict  # the config, as a full dict
 
@@ -192,6 +212,8 @@ def check_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--max-tokens: must be >= 1, got {max_tokens}")
     if prompts < 0:
         raise ValueError(f"--prompts: must be >= 0 (0: all of them), got {prompts}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds: must be >= 1, got {args.rounds}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
     if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -202,7 +224,7 @@ def check_args(args: argparse.Namespace) -> Plan:
             load_config(variant_config(base, name))
         except ConfigError as e:
             raise ValueError(f"--drafts {name!r}: {e}") from None
-    return Plan(tasks, drafts, levels, prompts, max_tokens, base)
+    return Plan(tasks, drafts, levels, prompts, args.rounds, max_tokens, base)
 
 
 def plain_text(conversation: list[dict]) -> str:
@@ -227,9 +249,37 @@ def encode_tasks(tokenizer, tasks: list[str], n: int) -> tuple[dict[str, list[li
     return out, chat
 
 
-def batches(n: int, c: int) -> list[list[int]]:
-    """Prompt indices of each batch at concurrency ``c`` over ``n`` prompts (module docstring)."""
+def batches(n: int, c: int, rounds: int = 1) -> list[list[int]]:
+    """Prompt indices of each batch at concurrency ``c`` over ``n`` prompts; ``rounds`` > 1: the one
+    batch of ``c`` clients sending ``rounds`` requests each (module docstring)."""
+    if rounds > 1:
+        return [[j % n for j in range(c * rounds)]]
     return [[(b * c + i) % n for i in range(c)] for b in range(math.ceil(n / c))]
+
+
+def run_clients(engine, prompts: list, params: list, clients: int) -> list:
+    """``clients`` clients on one engine: request j is client ``j mod clients``'s, which queues it as
+    soon as its request j - clients has ended. Outputs in request order; nothing is left running."""
+    reqs: list = [None] * len(prompts)  # by request index j, filled as clients send them
+    try:
+        current = list(range(min(clients, len(prompts))))  # each client's request in flight
+        for j in current:
+            reqs[j] = engine.add_request(prompts[j], params[j])
+        while current:
+            engine.step()
+            still = []
+            for j in current:
+                if not reqs[j].finished:
+                    still.append(j)
+                elif j + clients < len(prompts):  # the client's next request arrives now
+                    reqs[j + clients] = engine.add_request(prompts[j + clients], params[j + clients])
+                    still.append(j + clients)
+            current = still
+    finally:  # an exception or interrupt mid-run must not leave requests holding slots
+        for r in reqs:
+            if r is not None and not r.finished:
+                engine.abort(r.request_id)
+    return [r.to_output() for r in reqs]
 
 
 # ---------------------------------------------------------------- the command
@@ -261,19 +311,27 @@ def run(args: argparse.Namespace) -> int:
                 configs[name] = engines[name].config.to_dict()
         device = device_for(plan.base["engine"]["device"])
         cells: dict[tuple[int, str, str], Cell] = {}
+        sent: set[tuple[str, int]] = set()  # (task, prompt index) every engine was sent so far (the same for each)
         for c in plan.concurrency:
             for name in plan.drafts:  # untimed: first calls, allocator, the adaptive policy's cost estimates
                 warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature, seed=0, ignore_eos=True)
                 engines[name].generate([prompts[plan.tasks[0]][0]] * c, warm)
+            sent.add((plan.tasks[0], 0))
             rnd = 0
             for task in plan.tasks:
                 ps = prompts[task]
                 for name in plan.drafts:
                     cells[(c, task, name)] = Cell(c, task, name)
-                for b, idx in enumerate(batches(len(ps), c)):
+                for b, idx in enumerate(batches(len(ps), c, plan.rounds)):
                     params = [SamplingParams(max_tokens=plan.max_tokens, temperature=args.temperature,
                                              seed=SEED_BASE + b * c + i, ignore_eos=args.ignore_eos)
-                              for i in range(c)]
+                              for i in range(len(idx))]
+                    repeated = 0
+                    for i in idx:
+                        repeated += (task, i) in sent
+                        sent.add((task, i))
+                    for name in plan.drafts:
+                        cells[(c, task, name)].repeated_prompts += repeated
                     order = plan.drafts[rnd % len(plan.drafts):] + plan.drafts[:rnd % len(plan.drafts)]
                     rnd += 1
                     outs = {}
@@ -282,7 +340,10 @@ def run(args: argparse.Namespace) -> int:
                         eng.stats.reset()
                         sync_device(device)
                         t0 = time.perf_counter()
-                        outs[name] = eng.generate([ps[i] for i in idx], params)
+                        if plan.rounds > 1:
+                            outs[name] = run_clients(eng, [ps[i] for i in idx], params, c)
+                        else:
+                            outs[name] = eng.generate([ps[i] for i in idx], params)
                         sync_device(device)
                         dt = time.perf_counter() - t0
                         _record(cells[(c, task, name)], b, idx, params, outs[name], dt, eng.stats.phase_s)
@@ -333,7 +394,7 @@ def _row(cell: Cell, base: Cell | None, detail: bool) -> dict:
            "acceptance": cell.acceptance, "tokens_per_step": cell.tokens_per_step,
            "speedup": cell.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None,
            "same_tokens_as_none": cell.same_tokens_as_none if base is not None else None,
-           "phase_s": dict(cell.phase_s)}
+           "repeated_prompts": cell.repeated_prompts, "phase_s": dict(cell.phase_s)}
     if detail:
         row["batch_s"] = list(cell.batch_s)
         row["per_request"] = list(cell.per_request)
@@ -355,7 +416,8 @@ def _document(args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat:
     return {
         "schema": SCHEMA,
         "settings": {"config": args.config, "tasks": plan.tasks, "drafts": plan.drafts,
-                     "concurrency": plan.concurrency, "max_tokens": plan.max_tokens, "temperature": args.temperature,
+                     "concurrency": plan.concurrency, "rounds": plan.rounds, "max_tokens": plan.max_tokens,
+                     "temperature": args.temperature,
                      "ignore_eos": args.ignore_eos, "prompts_per_task": plan.prompts or None, "quick": args.quick,
                      "chat_template": chat, "device": device, "torch_threads": threads, **engine_cfg},
         "variants": [{"name": name, "config": configs[name]} for name in plan.drafts],
@@ -380,7 +442,11 @@ def format_report(doc: dict) -> str:
     has_none = any(v["name"] == BASELINE for v in doc["variants"])
     for c in s["concurrency"]:
         rows = [r for r in doc["results"] if r["concurrency"] == c]
-        how = "one request at a time" if c == 1 else f"{c} requests submitted at once, aggregate tokens/s"
+        if s.get("rounds", 1) > 1:
+            how = (f"{c} client{'s' if c > 1 else ''} sending {s['rounds']} requests each back to back, "
+                   "aggregate tokens/s")
+        else:
+            how = "one request at a time" if c == 1 else f"{c} requests submitted at once, aggregate tokens/s"
         lines += ["", f"Concurrency {c} ({how}):", "",
                   "| task | variant | requests | tokens | acceptance | tokens/step | tok/s | speedup vs none |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -395,6 +461,11 @@ def format_report(doc: dict) -> str:
             if same:
                 lines.append("Greedy, same tokens as none: " + ", ".join(
                     f"{r['variant']} {r['same_tokens_as_none']}/{r['requests']}" for r in same))
+        total = next((r for r in rows if r["task"] == ALL), None)
+        if total is not None and total.get("repeated_prompts") and s["temperature"] == 0:
+            lines.append(f"{total['repeated_prompts']} of {total['requests']} requests repeat a prompt the engines "
+                         "were sent before in this run: at temperature 0 their output is the same as before, and a "
+                         "draft that indexes finished requests (suffix) can copy it")
     if not has_none:
         lines += ["", "(no 'none' variant in --drafts: no speedups)"]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Every prompt is a conversation (a list of ``{"role", "content"}`` messages endin
 turn) for the model's chat template. The texts are original to this file (no downloads), in
 English, 100 to 600 tokens each once rendered:
 
-- ``chat``: open questions with some context;
+- ``chat``: open questions with some context (32 of them, so that 16 clients can send two rounds
+  of distinct prompts);
 - ``code-edit``: a Python function of 20-40 lines to rewrite with one change (rename a
   variable, add type hints, add a docstring, ...): the answer mostly repeats the input;
 - ``summarize``: a text of a few paragraphs to summarize;
@@ -75,6 +76,174 @@ CHAT: list[str] = [
     "A few team members have started keeping their cameras off and working on other things during the "
     "call. How can I restructure this meeting so that it is shorter and more useful? Please give concrete "
     "suggestions about the agenda, the roles, and what should happen before and after the meeting.",
+
+    "I started running three months ago and can now run five kilometres without stopping, three times a week. "
+    "A friend suggested we sign up for a half marathon that takes place in four months. I am thirty-eight, "
+    "slightly overweight, and I sometimes feel a dull ache in my left knee after longer runs. Is four months "
+    "enough to prepare safely? How should I increase my distance week by week, and what should I do about the "
+    "knee? I have about forty minutes on weekday mornings and more time at weekends, and I would rather avoid "
+    "getting injured before the race even if that means a slower finish.",
+
+    "Our small bakery sells bread and pastries in a neighbourhood with a lot of new apartment buildings. "
+    "Sales have been flat for a year even though the area keeps growing. We do not have much money for "
+    "advertising, and neither of us knows much about social media. What low-cost things could we try over the "
+    "next six months to attract the new residents, and how would we know which of them actually work? We open "
+    "at seven in the morning, close at three in the afternoon, and have a small front window and a pavement "
+    "sign that most people walk straight past.",
+
+    "I want to read more books, but every year I buy a pile of them and finish only two or three. I commute "
+    "by train for forty minutes each way, I am usually tired in the evenings, and I tend to pick up my phone "
+    "whenever I have a spare moment. How can I build a reading habit that lasts? I would also like some "
+    "advice on choosing books I will actually enjoy instead of the ones I feel I ought to read. I like "
+    "history, crime novels and books about science, but I often give up on books that start slowly or that "
+    "everyone else seems to love.",
+
+    "My grandmother is eighty-four and lives alone in a two-storey house about an hour away from us. She is "
+    "still independent and proud of it, but she has fallen twice this year and sometimes forgets to take her "
+    "medication. She refuses to talk about moving. How can we make her home safer and keep an eye on her "
+    "health without making her feel that we are taking away her independence? How should we raise the "
+    "subject? My brother and I share the visits, but we both work full time and live some distance away, so "
+    "we can see her only once a week each at most.",
+
+    "I am a secondary school teacher and next term I will teach a class of thirty fourteen-year-olds who, "
+    "according to their previous teacher, are difficult: they talk constantly, several refuse to do homework, "
+    "and a few are openly rude. I have taught for three years, mostly with calmer groups. What should I do in "
+    "the first two weeks to set expectations, and how should I handle disruption without turning every lesson "
+    "into a battle? The school has a behaviour policy with detentions and phone calls home, but the students "
+    "seem to know that the consequences rarely follow, and I want to avoid shouting.",
+
+    "I would like to learn Spanish well enough to hold everyday conversations before a long trip to South "
+    "America in ten months. I studied French at school but have forgotten most of it. I can spend about "
+    "thirty minutes on weekdays and a couple of hours at the weekend. Which mix of apps, classes, books and "
+    "conversation practice would you recommend, and how should my plan change as I progress? I learn best "
+    "when I can see how a language is built, I get bored with flashcards after a few days, and I would like "
+    "to be able to follow simple podcasts by the end.",
+
+    "Our family has one car that is twelve years old and has started needing expensive repairs. We drive "
+    "about twelve thousand kilometres a year, mostly short trips in town, with a few long drives to visit "
+    "relatives. We are considering an electric car, a hybrid, or simply another used petrol car. We can "
+    "charge at home. How should we compare these options, and which costs do people usually forget when they "
+    "decide? We have a budget of about twenty thousand, we could also lease, and we would like to keep the "
+    "next car for at least eight to ten years if possible.",
+
+    "I manage a small online shop and I am worried about the security of our website. It runs on a popular "
+    "e-commerce platform with a dozen plugins, I am the only person with administrator access, and we store "
+    "customer addresses but not card numbers. I am not a security expert. What are the most important things "
+    "I should check or change this month, and what should I do if I ever suspect a breach? The site handles "
+    "about fifty orders a week, the platform sends me update notices that I often postpone, and I share the "
+    "administrator password with a part-time helper sometimes.",
+
+    "My teenage son spends six or seven hours a day on his phone and games console during the holidays. He is "
+    "polite and does well at school, but he hardly goes outside and stays up very late. Every time I raise "
+    "the subject it turns into an argument. How can I talk with him about this in a way that he will take "
+    "seriously, and what kind of limits are reasonable for a fifteen-year-old? His father and I disagree on "
+    "how strict to be, which makes things harder, and his younger sister has started copying his habits as "
+    "well.",
+
+    "I have about ten thousand in savings and no debt apart from a small student loan with a low interest "
+    "rate. I am twenty-nine, my job is fairly secure, and my employer offers a pension plan with matching "
+    "contributions that I have not joined yet. Friends talk about index funds, property and cryptocurrencies. "
+    "How should I think about what to do with my savings, and in what order should I tackle these choices? I "
+    "would also like to keep some money available for emergencies and perhaps for a deposit on a flat in five "
+    "or six years, if prices allow.",
+
+    "I volunteer at a community garden that has forty plots and a waiting list. Every year a few plot holders "
+    "stop looking after their plots by midsummer, weeds spread to the neighbouring plots, and the people on "
+    "the waiting list get frustrated. The garden is run by a committee of volunteers with no paid staff. What "
+    "rules and habits could we introduce so that plots are used well, without becoming a bureaucracy that "
+    "drives people away? The committee meets once a month, plot fees are very low, and some of the neglectful "
+    "plot holders have been members for many years and have friends on the committee.",
+
+    "I sleep badly: I fall asleep quickly but wake up around three or four in the morning and cannot get back "
+    "to sleep for an hour or more. I drink two coffees a day, exercise twice a week, and often check emails "
+    "in bed. I do not want to take sleeping pills. What could be causing this pattern, and what changes "
+    "should I try first? How long should I give each change before deciding whether it works? When I wake up "
+    "my mind starts racing about work, I sometimes get up to read or look at my phone, and I feel tired all "
+    "afternoon.",
+
+    "I am a freelance graphic designer and I find it hard to set my prices. I usually charge by the hour, but "
+    "clients often ask for a fixed price up front, and twice this year a project took twice as long as I "
+    "expected. Some clients also ask for endless small revisions. How should I price my work, what should go "
+    "into a simple contract, and how can I say no to extra requests without losing clients? I have about ten "
+    "regular clients, most of them small businesses, and I would like to earn enough to take a proper holiday "
+    "without worrying about the months that follow.",
+
+    "We adopted a rescue dog, a two-year-old mixed breed, three weeks ago. He is friendly with people but "
+    "barks and lunges at other dogs on walks, pulls hard on the lead, and chews things when he is left alone "
+    "for more than an hour. We both work, although one of us is at home two days a week. Where should we "
+    "start with his training, and when would it make sense to hire a professional trainer? He is also nervous "
+    "around bicycles and runners, and he sometimes growls when we try to take toys from him, which worries us "
+    "because friends with children visit often.",
+
+    "I have been asked to give a fifteen-minute talk about my team's project at a company-wide meeting with "
+    "about two hundred people. I know the material well, but I get very nervous when I speak in public: my "
+    "voice shakes and I tend to rush. The meeting is in three weeks. How should I structure the talk, how "
+    "should I prepare the slides, and what can I do to manage my nerves on the day? The audience will include "
+    "senior managers who know little about our technical work, and I would like them to understand why the "
+    "project matters and what we need from them.",
+
+    "I want to cook more at home instead of ordering takeaway four or five times a week. I can make pasta and "
+    "omelettes, but not much else, and I often get home hungry at eight in the evening. My kitchen is small "
+    "and I live alone, so food often goes off before I use it. How can I plan simple meals for a week, shop "
+    "without wasting food, and learn a few dishes that are quick after work? I have a basic set of pans, a "
+    "decent knife and an oven, but no food processor, and I would like meals that are reasonably healthy "
+    "without being complicated.",
+
+    "Our town council wants to reduce traffic in the old centre by closing two streets to cars and widening "
+    "the pavements. Shop owners are worried that they will lose customers, while many residents welcome the "
+    "idea. I have been invited to a public consultation as a resident. What arguments and evidence are "
+    "usually raised on each side of such schemes, and what questions should I ask the council so that the "
+    "discussion stays constructive? The plan would also remove about forty parking spaces, and deliveries to "
+    "the shops would be limited to the early morning, which some owners say is impractical.",
+
+    "I am thinking about leaving my stable job as an accountant to retrain as a software developer. I am "
+    "thirty-four, I have a mortgage, and I have done a few online programming courses in the evenings which I "
+    "enjoyed. Bootcamps promise a new career in three months, but I am sceptical. How can I test whether this "
+    "change is right for me before I quit, and what would a realistic transition plan look like? My partner "
+    "supports the idea but is worried about our finances, and I do not know anyone working in software whom I "
+    "could ask for an honest opinion.",
+
+    "Every winter our house feels cold and our heating bills keep rising. It is a brick house built in the "
+    "nineteen-sixties, with single-glazed windows in two rooms, an old gas boiler and some insulation in the "
+    "loft. We cannot afford to do everything at once. Which improvements usually give the best value for "
+    "money, in what order should we do them, and what can we do this winter that costs almost nothing? We "
+    "expect to stay in the house for at least ten more years, and we are open to borrowing a little if an "
+    "improvement clearly pays for itself.",
+
+    "I run a book club of ten people that meets once a month. Lately only four or five people turn up, "
+    "discussions are short, and some members admit they have not finished the book. We have been meeting for "
+    "three years and I would like to keep the group going. What could we change about how we choose books, "
+    "how the meetings run and how often we meet to make people more engaged again? Most of us are in our "
+    "forties and fifties, with busy jobs and families, and we tend to choose prize-winning novels that are "
+    "often long and rather heavy.",
+
+    "My elderly father has just been diagnosed with type two diabetes. He lives with my mother, who does most "
+    "of the cooking, and neither of them likes being told what to eat. The doctor gave them a leaflet but "
+    "they found it confusing. How can I help them understand what the diagnosis means for daily life, and how "
+    "can they change their meals gradually without feeling that all their favourite food is forbidden? He "
+    "likes bread, potatoes and sweet desserts, drinks fruit juice every morning, and walks the dog for about "
+    "twenty minutes a day when the weather is good.",
+
+    "I keep a lot of photos and documents on my laptop, and I recently realised that I have no backup at all. "
+    "There are about two hundred gigabytes of family photos, tax records and work files. I am not very "
+    "technical and I am wary of monthly subscriptions. What is a simple backup routine that would protect me "
+    "against a broken laptop, theft or a fire, and how often should I check that it actually works? I use a "
+    "laptop for most things and a phone for photos, which are copied to the laptop from time to time when I "
+    "remember to do it.",
+
+    "I have just been promoted to manage the team I used to be a member of. Two of my former colleagues also "
+    "applied for the job, and one of them seems resentful. I still want to be friendly with everyone, but I "
+    "now have to give feedback and make decisions that not everyone will like. How should I handle the first "
+    "few months, and how do I set boundaries with people who used to be my peers? Our company has no formal "
+    "training for new managers, my own manager is supportive but very busy, and the team has a deadline in "
+    "two months that matters a lot.",
+
+    "We want to make our wedding celebration smaller and less expensive than our families expect. Both sets "
+    "of parents have offered to contribute money, but they also have strong opinions about the guest list and "
+    "the venue. We would prefer about forty guests and a relaxed day. How can we talk with our families about "
+    "what we want, and how should we handle the money so that it does not come with conditions? My parents "
+    "have hinted that they are hurt by our plans, and my partner's family has a tradition of very large "
+    "weddings with more than two hundred guests.",
 ]
 
 # ---------------------------------------------------------------- code editing: (instruction, code)
