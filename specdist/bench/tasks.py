@@ -4,8 +4,8 @@ and speedup over plain decoding, measured side by side in one run.
 Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` (open questions),
 ``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
-a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat: 32,
-so that 16 clients send two rounds without repeating one), about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
+a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat 32 and
+code-edit 16, so that 16 clients send distinct prompts: two rounds of chat, one of code editing), about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
 model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
 chat=True)`` does, once before anything is timed (a model without a chat template gets the
 conversation as plain ``User: ... Assistant:`` text).
@@ -36,7 +36,7 @@ client ``j mod C`` as its ``j // C``-th request (:func:`run_clients`).
 
 Repeated prompts: a request whose prompt the engines were sent before in the run (an earlier
 batch or concurrency level, or the same batch: prompts repeat to fill one) is counted in
-``repeated_prompts``. At temperature 0 it produces the same tokens again, and a draft whose index
+``repeated_prompts`` (the warm-ups' 8 tokens of the first task's first prompt are not counted). At temperature 0 it produces the same tokens again, and a draft whose index
 keeps finished requests (suffix) can copy them, so its acceptance says little about new prompts;
 the report says how many there were.
 
@@ -316,7 +316,6 @@ def run(args: argparse.Namespace) -> int:
             for name in plan.drafts:  # untimed: first calls, allocator, the adaptive policy's cost estimates
                 warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature, seed=0, ignore_eos=True)
                 engines[name].generate([prompts[plan.tasks[0]][0]] * c, warm)
-            sent.add((plan.tasks[0], 0))
             rnd = 0
             for task in plan.tasks:
                 ps = prompts[task]

@@ -7,7 +7,8 @@ English, 100 to 600 tokens each once rendered:
 - ``chat``: open questions with some context (32 of them, so that 16 clients can send two rounds
   of distinct prompts);
 - ``code-edit``: a Python function of 20-40 lines to rewrite with one change (rename a
-  variable, add type hints, add a docstring, ...): the answer mostly repeats the input;
+  variable, add type hints, add a docstring, ...): the answer mostly repeats the input (16 of
+  them, so that 16 clients can send distinct prompts);
 - ``summarize``: a text of a few paragraphs to summarize;
 - ``qa``: a passage and a question whose answer is a span of the passage (extractive);
 - ``multi-turn``: a chat history of two or three exchanges, answer the last user turn.
@@ -130,8 +131,8 @@ CHAT: list[str] = [
     "e-commerce platform with a dozen plugins, I am the only person with administrator access, and we store "
     "customer addresses but not card numbers. I am not a security expert. What are the most important things "
     "I should check or change this month, and what should I do if I ever suspect a breach? The site handles "
-    "about fifty orders a week, the platform sends me update notices that I often postpone, and I share the "
-    "administrator password with a part-time helper sometimes.",
+    "about fifty orders a week, the platform sends me update notices that I often postpone, and a part-time "
+    "helper packs the orders using a separate account with fewer rights.",
 
     "My teenage son spends six or seven hours a day on his phone and games console during the holidays. He is "
     "polite and does well at school, but he hardly goes outside and stays up very late. Every time I raise "
@@ -508,6 +509,242 @@ def load_settings(directory, name="settings.json", defaults=None):
         with open(backup, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2)
     return settings
+''',
+    ),
+    (
+        "Rename the parameter `xs` to `readings` everywhere in this function. Change nothing else, and return "
+        "the complete rewritten function.",
+        '''def smooth_series(xs, window=5, clip=None):
+    if window < 1:
+        raise ValueError("window must be at least 1")
+    if not xs:
+        return []
+    half = window // 2
+    smoothed = []
+    for index in range(len(xs)):
+        start = max(0, index - half)
+        stop = min(len(xs), index + half + 1)
+        chunk = [value for value in xs[start:stop] if value is not None]
+        if not chunk:
+            smoothed.append(None)
+            continue
+        average = sum(chunk) / len(chunk)
+        if clip is not None:
+            low, high = clip
+            average = min(max(average, low), high)
+        smoothed.append(round(average, 3))
+    missing = sum(1 for value in xs if value is None)
+    if missing > len(xs) // 2:
+        raise ValueError(f"{missing} of {len(xs)} readings are missing")
+    return smoothed
+''',
+    ),
+    (
+        "Add a docstring to this function that explains its parameters, what it returns and when it raises. "
+        "Do not change the code itself, and return the complete function with the docstring.",
+        '''def parse_duration(text, default_unit="s"):
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    if default_unit not in units:
+        raise ValueError(f"unknown default unit {default_unit!r}")
+    text = text.strip().lower()
+    if not text:
+        raise ValueError("empty duration")
+    total = 0.0
+    number = ""
+    for char in text + " ":
+        if char.isdigit() or char == ".":
+            number += char
+            continue
+        if char == " ":
+            if number:
+                total += float(number) * units[default_unit]
+                number = ""
+            continue
+        unit = char
+        if char == "m" and text[text.index(char) + 1:text.index(char) + 2] == "s":
+            unit = "ms"
+        if not number or unit not in units:
+            raise ValueError(f"cannot parse duration {text!r}")
+        total += float(number) * units[unit]
+        number = ""
+    return total
+''',
+    ),
+    (
+        "Replace the explicit loops that build `by_author` and `titles` with dictionary and list "
+        "comprehensions where that is possible. Keep the behaviour the same and return the complete rewritten "
+        "function.",
+        '''def library_report(books, min_year=None):
+    selected = []
+    for book in books:
+        if min_year is not None and book["year"] < min_year:
+            continue
+        selected.append(book)
+    by_author = {}
+    for book in selected:
+        by_author.setdefault(book["author"], []).append(book)
+    titles = []
+    for book in selected:
+        titles.append(book["title"].strip())
+    lines = [f"{len(selected)} books by {len(by_author)} authors"]
+    for author in sorted(by_author):
+        works = sorted(by_author[author], key=lambda book: book["year"])
+        first, last = works[0]["year"], works[-1]["year"]
+        span = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(f"  {author}: {len(works)} ({span})")
+    longest = max(titles, key=len) if titles else ""
+    lines.append(f"longest title: {longest}")
+    return "\\n".join(lines)
+''',
+    ),
+    (
+        "Make this class raise `KeyError` instead of returning `None` when `get` is asked for a missing key. "
+        "Keep everything else as it is and return the complete rewritten class.",
+        '''class LRUCache:
+    def __init__(self, capacity):
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self.items = {}
+        self.order = []
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key):
+        if key not in self.items:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.order.remove(key)
+        self.order.append(key)
+        return self.items[key]
+
+    def put(self, key, value):
+        if key in self.items:
+            self.order.remove(key)
+        elif len(self.items) >= self.capacity:
+            oldest = self.order.pop(0)
+            del self.items[oldest]
+        self.items[key] = value
+        self.order.append(key)
+
+    def stats(self):
+        total = self.hits + self.misses
+        ratio = self.hits / total if total else 0.0
+        return {"size": len(self.items), "hits": self.hits, "misses": self.misses, "hit_ratio": ratio}
+''',
+    ),
+    (
+        "Add a `delimiter` keyword parameter (default `\",\"`) to this function and use it instead of the "
+        "hard-coded comma. Change nothing else and return the complete rewritten function.",
+        '''def read_table(path, required=(), skip_blank=True):
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        header = handle.readline().rstrip("\\n").split(",")
+        header = [name.strip() for name in header]
+        missing = [name for name in required if name not in header]
+        if missing:
+            raise ValueError(f"{path}: missing columns {', '.join(missing)}")
+        for number, line in enumerate(handle, start=2):
+            line = line.rstrip("\\n")
+            if skip_blank and not line.strip():
+                continue
+            values = [value.strip() for value in line.split(",")]
+            if len(values) != len(header):
+                raise ValueError(f"{path}:{number}: expected {len(header)} fields, got {len(values)}")
+            row = dict(zip(header, values))
+            for name in required:
+                if not row[name]:
+                    raise ValueError(f"{path}:{number}: empty {name}")
+            rows.append(row)
+    return rows
+''',
+    ),
+    (
+        "Replace every `print` call in this function with a call to a module-level logger "
+        "(`logger = logging.getLogger(__name__)`, info for progress, warning for problems). Keep everything "
+        "else and return the complete rewritten code.",
+        '''import os
+import shutil
+
+
+def rotate_logs(directory, keep=5, suffix=".log"):
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    names = sorted(name for name in os.listdir(directory) if name.endswith(suffix))
+    print(f"found {len(names)} log files in {directory}")
+    for name in names:
+        path = os.path.join(directory, name)
+        for index in range(keep - 1, 0, -1):
+            older = f"{path}.{index}"
+            newer = f"{path}.{index - 1}" if index > 1 else path
+            if os.path.exists(newer):
+                if os.path.exists(older):
+                    os.remove(older)
+                shutil.move(newer, older)
+                print(f"moved {newer} to {older}")
+        if os.path.exists(path):
+            print(f"warning: could not rotate {path}")
+        open(path, "w").close()
+        print(f"started a new {path}")
+    return len(names)
+''',
+    ),
+    (
+        "Rename the method `calc_score` to `score` and update every call to it in this class. Change "
+        "nothing else, and return the complete rewritten class.",
+        '''class Leaderboard:
+    def __init__(self, bonus_per_streak=5):
+        self.bonus_per_streak = bonus_per_streak
+        self.players = {}
+
+    def record(self, name, points, won):
+        player = self.players.setdefault(name, {"points": 0, "games": 0, "wins": 0, "streak": 0})
+        player["points"] += points
+        player["games"] += 1
+        if won:
+            player["wins"] += 1
+            player["streak"] += 1
+        else:
+            player["streak"] = 0
+        return self.calc_score(name)
+
+    def calc_score(self, name):
+        player = self.players[name]
+        if player["games"] == 0:
+            return 0
+        win_rate = player["wins"] / player["games"]
+        return round(player["points"] * (1 + win_rate) + player["streak"] * self.bonus_per_streak, 1)
+
+    def top(self, count=3):
+        ranked = sorted(self.players, key=lambda name: self.calc_score(name), reverse=True)
+        return [(name, self.calc_score(name)) for name in ranked[:count]]
+''',
+    ),
+    (
+        "Change the string formatting in this function from `%` formatting and `str.format` to f-strings. "
+        "Keep the output exactly the same and return the complete rewritten function.",
+        '''def format_receipt(shop, lines, paid, currency="EUR"):
+    if not lines:
+        raise ValueError("a receipt needs at least one line")
+    width = 40
+    out = ["{:^40}".format(shop.upper()), "-" * width]
+    total = 0.0
+    for name, quantity, price in lines:
+        amount = quantity * price
+        total += amount
+        label = "%dx %s" % (quantity, name)
+        out.append("%-28s%12.2f" % (label, amount))
+    out.append("-" * width)
+    out.append("%-28s%12.2f" % ("TOTAL " + currency, total))
+    out.append("%-28s%12.2f" % ("PAID", paid))
+    change = paid - total
+    if change < 0:
+        out.append("{:<28}{:>12.2f}".format("STILL DUE", -change))
+    else:
+        out.append("{:<28}{:>12.2f}".format("CHANGE", change))
+    out.append("{:^40}".format("Thank you, come again!"))
+    return "\\n".join(out)
 ''',
     ),
 ]
