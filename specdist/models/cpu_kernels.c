@@ -13,7 +13,7 @@
  * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8) in groups of 8 rows whose codes
  * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
- * no horizontal sums, and each loaded weight vector serves ROWS_TILE rows of x.
+ * no horizontal sums, and each loaded (and unpacked) weight vector serves ROWS_TILE (4) rows of x.
  * Every output element is computed by the same instruction sequence whatever the number of rows of x and
  * wherever it falls in a tile (its block's exact integer sum, then one float multiply-add per block in
  * block order), so a row's result does not depend on the batch around it.
@@ -26,8 +26,8 @@
 #include <string.h>
 
 #define QK 32         /* elements per block */
-#define ROWS_TILE 2   /* rows of x sharing one loaded (and unpacked) weight block */
-_Static_assert(ROWS_TILE == 2, "BLOCK_MATMUL's last tile is one row");
+#define ROWS_TILE 4   /* rows of x sharing one loaded (and unpacked) weight block */
+_Static_assert(ROWS_TILE == 4, "BLOCK_MATMUL inlines tiles of 4, 3, 2 and 1 rows");
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (1 << 16)
 
@@ -181,10 +181,14 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
         __m256 acc[ROWS_TILE];                                                                         \
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                                \
             const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                           \
-            if (rows == ROWS_TILE) /* else the one row left (ROWS_TILE is 2) */                       \
-                GROUP_FN(CODES + c * G * (CODE_BYTES), SCALES + c * G * (SCALE_FLOATS), G, &qx, m0, ROWS_TILE, acc); \
-            else                                                                                       \
-                GROUP_FN(CODES + c * G * (CODE_BYTES), SCALES + c * G * (SCALE_FLOATS), G, &qx, m0, 1, acc); \
+            const void *cw = CODES + c * G * (CODE_BYTES);                                             \
+            const float *sw = SCALES + c * G * (SCALE_FLOATS);                                         \
+            switch (rows) { /* a constant row count per call: each inlines with its loops unrolled */ \
+            case 4: GROUP_FN(cw, sw, G, &qx, m0, 4, acc); break;                                       \
+            case 3: GROUP_FN(cw, sw, G, &qx, m0, 3, acc); break;                                       \
+            case 2: GROUP_FN(cw, sw, G, &qx, m0, 2, acc); break;                                       \
+            default: GROUP_FN(cw, sw, G, &qx, m0, 1, acc); break;                                      \
+            }                                                                                          \
             for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);            \
         }                                                                                              \
     }                                                                                                  \
