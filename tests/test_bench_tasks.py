@@ -170,6 +170,8 @@ def test_quick_run_reports_every_task_and_variant(tiny_models, chat_model, tmp_p
         else:
             assert r["drafted"] > 0 and r["acceptance"] == pytest.approx(r["accepted"] / r["drafted"], rel=1e-12)
         assert r["same_tokens_as_none"] == r["requests"]  # greedy exact speculative decoding: the same tokens
+        # one prompt per task: C = 3 sends it three times; each level counts anew (its draft indexes forgot)
+        assert r["repeated_prompts"] == (0 if c == 1 else 2) * (len(TASK_NAMES) if task == "all" else 1)
         if task == "all":
             parts = [by[(c, t, r["variant"])] for t in TASK_NAMES]
             assert r["tokens"] == sum(p["tokens"] for p in parts)
@@ -211,7 +213,7 @@ def test_sustained_load_runs_rounds_of_client_requests(tiny_models, chat_model, 
             assert {q["prompt"] for q in r["per_request"]} == {0}  # --quick: one prompt per task, repeated
     out = capsys.readouterr().out
     assert "Concurrency 2 (2 clients sending 3 requests each back to back, aggregate tokens/s):" in out
-    assert "10 of 12 requests repeat a prompt the engines were sent before in this run" in out
+    assert "10 of 12 requests repeat a prompt the engines were sent before at this level" in out
 
 
 def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):

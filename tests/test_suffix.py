@@ -165,6 +165,17 @@ def test_eviction_restores_counts_exactly_and_holds_the_bound():
     assert idx.lookup(live, 4, 0.0, 4.0) == ref.lookup(ref_live, 4, 0.0, 4.0)
     idx.extend(live, [2])
     assert dump(idx) == substring_counts(seqs[-n_cache:] + [fresh_prompt + [2]], depth)
+    # forgetting the finished sequences leaves the live one's counts, and its lookups go on
+    forgot = SuffixIndex(depth, n_cache)
+    for s in seqs[-n_cache:]:
+        forgot.add(s)
+    kept = forgot.start(fresh_prompt)
+    forgot.forget_finished()
+    assert not forgot.cached and dump(forgot) == substring_counts([fresh_prompt], depth)
+    alone = SuffixIndex(depth, n_cache)
+    assert forgot.lookup(kept, 4, 0.0, 4.0) == alone.lookup(alone.start(fresh_prompt), 4, 0.0, 4.0)
+    forgot.extend(kept, [2])
+    assert dump(forgot) == substring_counts([fresh_prompt + [2]], depth)
     # everything evicted: an empty trie
     idx.finish(live)
     empty = SuffixIndex(depth, 0)
@@ -276,6 +287,12 @@ def test_core_keeps_released_sequences_and_frees_live_state():
     core.release(["c"])  # three finished with room for 2: a's sequence is evicted
     assert len(core.suffix.cached) == 2 and core.suffix.live == 0
     assert dump(core.suffix) == substring_counts([[0, 1, 2, 3, 4, 5], [7]], 6)  # b's last drafts never committed
+    # forgetting the finished requests: a new request drafts nothing from them, as on a fresh core
+    core.forget_finished()
+    core.start([StartItem("d", [0, 1, 2], sp, 4)])
+    (p,), _ = core.propose([ProposeItem("d", 0, [], 4, 3)])
+    assert len(p) == 0 and not core.suffix.cached and dump(core.suffix) == substring_counts([[0, 1, 2]], 6)
+    core.release(["d"])
 
 
 # ---------------------------------------------------------------- 3. through the engine

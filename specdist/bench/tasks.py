@@ -34,9 +34,11 @@ requests at a time until the last round (what C clients of a server see). One ba
 requests per task: request j is the task's prompt ``j mod n`` with seed ``1000 + j``, sent by
 client ``j mod C`` as its ``j // C``-th request (:func:`run_clients`).
 
-Repeated prompts: a request whose prompt the engines were sent before in the run (an earlier
-batch or concurrency level, or the same batch: prompts repeat to fill one) is counted in
-``repeated_prompts`` (the warm-ups' 8 tokens of the first task's first prompt are not counted). At temperature 0 it produces the same tokens again, and a draft whose index
+Repeated prompts: each concurrency level starts with draft indexes that forgot the finished
+requests of the levels before (``DrafterCore.forget_finished``). A request whose prompt the engines
+were sent before at its level (an earlier batch, or the same batch: prompts repeat to fill one) is
+counted in ``repeated_prompts`` (the warm-ups' 8 tokens of the first task's first prompt are not
+counted). At temperature 0 it produces the same tokens again, and a draft whose index
 keeps finished requests (suffix) can copy them, so its acceptance says little about new prompts;
 the report says how many there were.
 
@@ -69,7 +71,7 @@ prefill, as Spec-Bench's does.
      "results": [{"concurrency", "task" (a task name, or "all" for all tasks together), "variant",
                   "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted", "drafted",
                   "accepted", "acceptance" (null: nothing drafted), "tokens_per_step" (emitted / steps),
-                  "repeated_prompts" (requests whose prompt the engines were sent before in the run),
+                  "repeated_prompts" (requests whose prompt the engines were sent before at this level),
                   "speedup" (tokens_per_s / the none variant's; null without a none variant),
                   "same_tokens_as_none" (requests whose tokens equal none's; null without none),
                   "phase_s" (the engine's seconds per phase), "batch_s": [float] (task rows),
@@ -311,8 +313,11 @@ def run(args: argparse.Namespace) -> int:
                 configs[name] = engines[name].config.to_dict()
         device = device_for(plan.base["engine"]["device"])
         cells: dict[tuple[int, str, str], Cell] = {}
-        sent: set[tuple[str, int]] = set()  # (task, prompt index) every engine was sent so far (the same for each)
         for c in plan.concurrency:
+            sent: set[tuple[str, int]] = set()  # (task, prompt index) every engine was sent at this level
+            for eng in engines.values():  # a level does not draft from what the levels before generated
+                if eng.draft_core is not None:
+                    eng.draft_core.forget_finished()
             for name in plan.drafts:  # untimed: first calls, allocator, the adaptive policy's cost estimates
                 warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature, seed=0, ignore_eos=True)
                 engines[name].generate([prompts[plan.tasks[0]][0]] * c, warm)
@@ -463,8 +468,8 @@ def format_report(doc: dict) -> str:
         total = next((r for r in rows if r["task"] == ALL), None)
         if total is not None and total.get("repeated_prompts") and s["temperature"] == 0:
             lines.append(f"{total['repeated_prompts']} of {total['requests']} requests repeat a prompt the engines "
-                         "were sent before in this run: at temperature 0 their output is the same as before, and a "
-                         "draft that indexes finished requests (suffix) can copy it")
+                         "were sent before at this level: at temperature 0 their output is the same as before, and "
+                         "a draft that indexes finished requests (suffix) can copy it")
     if not has_none:
         lines += ["", "(no 'none' variant in --drafts: no speedups)"]
     return "\n".join(lines)

@@ -565,6 +565,12 @@ class DrafterCore:
             if r is not None and r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
                 self.suffix.finish(r.suffix)
 
+    def forget_finished(self) -> None:
+        """A suffix index forgets the finished requests it keeps (``suffix_cache_requests``): what
+        follows drafts from live requests only, as on a fresh worker. Other drafts keep nothing."""
+        if self.suffix is not None:
+            self.suffix.forget_finished()
+
     # ------------------------------------------------------------ introspection
     def kv_slots_in_use(self) -> int:
         """Slots held by requests (retained prefixes aside: they are evicted on demand)."""

@@ -204,6 +204,11 @@ class SuffixIndex:
         """Insert a finished sequence (start + finish)."""
         self.finish(self.start(tokens))
 
+    def forget_finished(self) -> None:
+        """Remove every cached finished sequence; live sequences keep their counts and states."""
+        while self.cached:
+            self._remove(self.cached.popleft())
+
     def _remove(self, tokens) -> None:
         """Subtract exactly the counts inserting ``tokens`` added; prune nodes left at 0. O(len * D).
 
