@@ -130,11 +130,18 @@ def chat_model(tiny_models, tmp_path):
     return str(path)
 
 
-def test_quick_run_reports_every_task_and_variant(tiny_models, chat_model, tmp_path, capsys):
+@pytest.fixture
+def chat_config(tiny_models, chat_model, tmp_path) -> str:
+    """A config file: the chat-template target, a model draft of k = 3."""
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["target"]["model"] = chat_model
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_quick_run_reports_every_task_and_variant(chat_config, tmp_path, capsys):
+    path = chat_config
     out_json = tmp_path / "r.json"
     drafts = ["none", "ngram", "model", "self-w8"]
     assert main(["bench", "tasks", "--config", str(path), "--drafts", ",".join(drafts), "--quick",
@@ -191,12 +198,9 @@ def test_quick_run_reports_every_task_and_variant(tiny_models, chat_model, tmp_p
     assert "[bench tasks] C=3 multi-turn: none " in out.err
 
 
-def test_sustained_load_runs_rounds_of_client_requests(tiny_models, chat_model, tmp_path, capsys):
+def test_sustained_load_runs_rounds_of_client_requests(chat_config, tmp_path, capsys):
     """--rounds 3 at C = 2: six requests per task, seeds 1000-1005, every variant the same tokens."""
-    cfg = tiny_config(tiny_models, "model", 3)
-    cfg["target"]["model"] = chat_model
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = chat_config
     out_json = tmp_path / "r.json"
     assert main(["bench", "tasks", "--config", str(path), "--drafts", "none,ngram", "--tasks", "qa,chat", "--quick",
                  "--concurrency", "2", "--rounds", "3", "--ignore-eos", "--json", str(out_json)]) == 0
