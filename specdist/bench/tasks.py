@@ -5,7 +5,8 @@ Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` 
 ``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
 a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat 32 and
-code-edit 16, so that 16 clients send distinct prompts: two rounds of chat, one of code editing), about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
+code-edit 16, so that 16 clients send distinct prompts: two rounds of chat, one of code editing),
+about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
 model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
 chat=True)`` does, once before anything is timed (a model without a chat template gets the
 conversation as plain ``User: ... Assistant:`` text).
@@ -143,7 +144,7 @@ class Cell:
     drafted: int = 0
     accepted: int = 0
     same_tokens_as_none: int = 0
-    repeated_prompts: int = 0  # requests whose prompt this engine was sent before in the run (or in the batch)
+    repeated_prompts: int = 0  # requests whose prompt the engines were sent before at this level
     phase_s: dict = field(default_factory=dict)
     batch_s: list = field(default_factory=list)
     per_request: list = field(default_factory=list)
