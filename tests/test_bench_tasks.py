@@ -19,8 +19,8 @@ from specdist.cli import main
 TASK_NAMES = ["chat", "code-edit", "summarize", "qa", "multi-turn"]
 ROW_KEYS = {"concurrency", "task", "variant", "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted",
             "drafted", "accepted", "acceptance", "tokens_per_step", "speedup", "same_tokens_as_none", "phase_s"}
-REQUEST_KEYS = {"prompt", "batch", "seed", "prompt_tokens", "tokens", "finish_reason", "steps", "emitted", "drafted",
-                "accepted"}
+REQUEST_KEYS = {"prompt", "pass", "batch", "seed", "prompt_tokens", "tokens", "finish_reason", "steps", "emitted",
+                "drafted", "accepted"}
 
 
 def _words(conversation: list[dict]) -> int:
@@ -217,7 +217,25 @@ def test_sustained_load_runs_rounds_of_client_requests(chat_config, tmp_path, ca
             assert {q["prompt"] for q in r["per_request"]} == {0}  # --quick: one prompt per task, repeated
     out = capsys.readouterr().out
     assert "Concurrency 2 (2 clients sending 3 requests each back to back, aggregate tokens/s):" in out
-    assert "10 of 12 requests repeat a prompt the engines were sent before at this level" in out
+    assert "10 of 12 requests repeat a prompt the engines were sent before in the same pass" in out
+
+
+def test_repeated_passes_are_pooled(chat_config, tmp_path, capsys):
+    """--repeat 2: every batch twice, the same seeds, pooled; each pass counts its own repeats."""
+    out_json = tmp_path / "r.json"
+    assert main(["bench", "tasks", "--config", chat_config, "--drafts", "none,ngram", "--tasks", "qa", "--quick",
+                 "--concurrency", "2", "--repeat", "2", "--ignore-eos", "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["repeat"] == 2
+    for r in doc["results"]:
+        assert r["requests"] == 4 and r["same_tokens_as_none"] == 4
+        assert r["repeated_prompts"] == 2  # one prompt, sent twice in each pass
+        if r["task"] == "qa":
+            assert len(r["batch_s"]) == 2 and r["seconds"] == pytest.approx(sum(r["batch_s"]), rel=1e-12)
+            assert [(q["pass"], q["seed"]) for q in r["per_request"]] == [(0, 1000), (0, 1001), (1, 1000), (1, 1001)]
+    captured = capsys.readouterr()
+    assert "Concurrency 2 (2 requests submitted at once, aggregate tokens/s; 2 passes pooled):" in captured.out
+    assert "[bench tasks] C=2 qa (pass 2 of 2, pooled so far): none " in captured.err
 
 
 def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
@@ -239,6 +257,7 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
     (["--concurrency", "0"], "--concurrency: need positive integers"),
     (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+    (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
     (["--tasks", "chat,,qa"], "--tasks: a comma-separated list without empty items"),
     (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
 ])

@@ -35,9 +35,9 @@ requests at a time until the last round (what C clients of a server see). One ba
 requests per task: request j is the task's prompt ``j mod n`` with seed ``1000 + j``, sent by
 client ``j mod C`` as its ``j // C``-th request (:func:`run_clients`).
 
-Repeated prompts: each concurrency level starts with draft indexes that forgot the finished
-requests of the levels before (``DrafterCore.forget_finished``). A request whose prompt the engines
-were sent before at its level (an earlier batch, or the same batch: prompts repeat to fill one) is
+Repeated prompts: each pass starts with draft indexes that forgot the finished requests of the
+levels and passes before (``DrafterCore.forget_finished``). A request whose prompt the engines were
+sent before in its pass (an earlier batch, or the same batch: prompts repeat to fill one) is
 counted in ``repeated_prompts`` (the warm-ups' 8 tokens of the first task's first prompt are not
 counted). At temperature 0 it produces the same tokens again, and a draft whose index
 keeps finished requests (suffix) can copy them, so its acceptance says little about new prompts;
@@ -47,6 +47,9 @@ Interleaving: every batch runs on each variant in turn before the next batch sta
 order of the variants rotates by one from batch to batch (over all tasks), so slow drift of the
 machine (heat, other processes) spreads over the variants instead of falling on one. Before
 each concurrency level, every engine runs one untimed warm-up batch (C requests, 8 tokens).
+``--repeat N`` runs every batch N times per level (N passes, the order of the variants rotating
+from pass to pass too) and pools them: the sums of tokens and seconds. This VM's throughput moves
+by 10-20% from one batch to the next, so a single pass of one or two batches says little.
 
 Measured per batch: the wall time of ``generate`` (CUDA synchronised) and, from each request's
 own metrics (:class:`~specdist.engine.request.RequestMetrics`), its tokens, verification steps,
@@ -64,7 +67,8 @@ prefill, as Spec-Bench's does.
 ``--json PATH`` writes one object (strict JSON), schema ``specdist.bench.tasks/1``::
 
     {"schema": "specdist.bench.tasks/1",
-     "settings": {"config", "tasks", "drafts", "concurrency": [int], "rounds", "max_tokens", "temperature",
+     "settings": {"config", "tasks", "drafts", "concurrency": [int], "rounds", "repeat", "max_tokens",
+                  "temperature",
                   "ignore_eos", "prompts_per_task" (null: all), "quick", "chat_template",
                   "device", "torch_threads", "max_model_len", "max_batch_size"},
      "variants": [{"name", "config" (the whole config the engine was built from)}],
@@ -72,11 +76,11 @@ prefill, as Spec-Bench's does.
      "results": [{"concurrency", "task" (a task name, or "all" for all tasks together), "variant",
                   "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted", "drafted",
                   "accepted", "acceptance" (null: nothing drafted), "tokens_per_step" (emitted / steps),
-                  "repeated_prompts" (requests whose prompt the engines were sent before at this level),
+                  "repeated_prompts" (requests whose prompt the engines were sent before in the same pass),
                   "speedup" (tokens_per_s / the none variant's; null without a none variant),
                   "same_tokens_as_none" (requests whose tokens equal none's; null without none),
                   "phase_s" (the engine's seconds per phase), "batch_s": [float] (task rows),
-                  "per_request": [{"prompt", "batch", "seed", "prompt_tokens", "tokens", "finish_reason",
+                  "per_request": [{"prompt", "pass", "batch", "seed", "prompt_tokens", "tokens", "finish_reason",
                                    "steps", "emitted", "drafted", "accepted"}] (task rows)}]}
 """
 
@@ -119,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="sustained load: C clients each send this many requests back to back, the next as "
                         "soon as the last ends (default 1: each batch of C requests submitted at once)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="passes over every batch, pooled (each starts with draft indexes that forgot the passes "
+                        "before): this VM's run-to-run spread averages out")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens past EOS too (default: stop at EOS, as Spec-Bench does)")
     p.add_argument("--quick", action="store_true",
@@ -144,7 +151,7 @@ class Cell:
     drafted: int = 0
     accepted: int = 0
     same_tokens_as_none: int = 0
-    repeated_prompts: int = 0  # requests whose prompt the engines were sent before at this level
+    repeated_prompts: int = 0  # requests whose prompt the engines were sent before in the same pass
     phase_s: dict = field(default_factory=dict)
     batch_s: list = field(default_factory=list)
     per_request: list = field(default_factory=list)
@@ -176,6 +183,7 @@ class Plan:
     concurrency: list[int]
     prompts: int  # per task
     rounds: int  # > 1: sustained load, C clients each sending this many requests back to back
+    repeat: int  # passes over every batch, pooled
     max_tokens: int
     base: dict  # the config, as a full dict
 
@@ -217,6 +225,8 @@ def check_args(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--prompts: must be >= 0 (0: all of them), got {prompts}")
     if args.rounds < 1:
         raise ValueError(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
     if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -227,7 +237,7 @@ def check_args(args: argparse.Namespace) -> Plan:
             load_config(variant_config(base, name))
         except ConfigError as e:
             raise ValueError(f"--drafts {name!r}: {e}") from None
-    return Plan(tasks, drafts, levels, prompts, args.rounds, max_tokens, base)
+    return Plan(tasks, drafts, levels, prompts, args.rounds, args.repeat, max_tokens, base)
 
 
 def plain_text(conversation: list[dict]) -> str:
@@ -315,49 +325,14 @@ def run(args: argparse.Namespace) -> int:
         device = device_for(plan.base["engine"]["device"])
         cells: dict[tuple[int, str, str], Cell] = {}
         for c in plan.concurrency:
-            sent: set[tuple[str, int]] = set()  # (task, prompt index) every engine was sent at this level
-            for eng in engines.values():  # a level does not draft from what the levels before generated
-                if eng.draft_core is not None:
-                    eng.draft_core.forget_finished()
             for name in plan.drafts:  # untimed: first calls, allocator, the adaptive policy's cost estimates
                 warm = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=args.temperature, seed=0, ignore_eos=True)
                 engines[name].generate([prompts[plan.tasks[0]][0]] * c, warm)
-            rnd = 0
             for task in plan.tasks:
-                ps = prompts[task]
                 for name in plan.drafts:
                     cells[(c, task, name)] = Cell(c, task, name)
-                for b, idx in enumerate(batches(len(ps), c, plan.rounds)):
-                    params = [SamplingParams(max_tokens=plan.max_tokens, temperature=args.temperature,
-                                             seed=SEED_BASE + b * c + i, ignore_eos=args.ignore_eos)
-                              for i in range(len(idx))]
-                    repeated = 0
-                    for i in idx:
-                        repeated += (task, i) in sent
-                        sent.add((task, i))
-                    for name in plan.drafts:
-                        cells[(c, task, name)].repeated_prompts += repeated
-                    order = plan.drafts[rnd % len(plan.drafts):] + plan.drafts[:rnd % len(plan.drafts)]
-                    rnd += 1
-                    outs = {}
-                    for name in order:
-                        eng = engines[name]
-                        eng.stats.reset()
-                        sync_device(device)
-                        t0 = time.perf_counter()
-                        if plan.rounds > 1:
-                            outs[name] = run_clients(eng, [ps[i] for i in idx], params, c)
-                        else:
-                            outs[name] = eng.generate([ps[i] for i in idx], params)
-                        sync_device(device)
-                        dt = time.perf_counter() - t0
-                        _record(cells[(c, task, name)], b, idx, params, outs[name], dt, eng.stats.phase_s)
-                    if BASELINE in outs:
-                        for name, got in outs.items():
-                            cells[(c, task, name)].same_tokens_as_none += sum(
-                                o.token_ids == ref.token_ids for o, ref in zip(got, outs[BASELINE]))
-                log(f"[bench tasks] C={c} {task}: " + ", ".join(
-                    _progress_item(cells[(c, task, n)], cells.get((c, task, BASELINE))) for n in plan.drafts))
+            for rep in range(plan.repeat):
+                _run_pass(plan, args, engines, prompts, cells, c, rep, device, log)
     finally:
         for eng in engines.values():
             eng.close()
@@ -369,7 +344,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _record(cell: Cell, b: int, idx: list[int], params, outs, seconds: float, phase_s: dict) -> None:
+def _run_pass(plan: Plan, args, engines: dict, prompts: dict, cells: dict, c: int, rep: int, device, log) -> None:
+    """One pass over every task's batches at concurrency ``c``, each batch on every variant in turn
+    (the order rotating), into ``cells``. It starts with draft indexes that forgot every finished
+    request (a pass does not draft from what the levels or passes before generated)."""
+    from specdist.sampling_params import SamplingParams
+
+    for eng in engines.values():
+        if eng.draft_core is not None:
+            eng.draft_core.forget_finished()
+    sent: set[tuple[str, int]] = set()  # (task, prompt index) every engine was sent in this pass
+    rnd = rep  # the variants' order rotates from batch to batch, and from pass to pass
+    for task in plan.tasks:
+        ps = prompts[task]
+        for b, idx in enumerate(batches(len(ps), c, plan.rounds)):
+            params = [SamplingParams(max_tokens=plan.max_tokens, temperature=args.temperature,
+                                     seed=SEED_BASE + b * c + i, ignore_eos=args.ignore_eos)
+                      for i in range(len(idx))]
+            repeated = 0
+            for i in idx:
+                repeated += (task, i) in sent
+                sent.add((task, i))
+            for name in plan.drafts:
+                cells[(c, task, name)].repeated_prompts += repeated
+            order = plan.drafts[rnd % len(plan.drafts):] + plan.drafts[:rnd % len(plan.drafts)]
+            rnd += 1
+            outs = {}
+            for name in order:
+                eng = engines[name]
+                eng.stats.reset()
+                sync_device(device)
+                t0 = time.perf_counter()
+                if plan.rounds > 1:
+                    outs[name] = run_clients(eng, [ps[i] for i in idx], params, c)
+                else:
+                    outs[name] = eng.generate([ps[i] for i in idx], params)
+                sync_device(device)
+                dt = time.perf_counter() - t0
+                _record(cells[(c, task, name)], rep, b, idx, params, outs[name], dt, eng.stats.phase_s)
+            if BASELINE in outs:
+                for name, got in outs.items():
+                    cells[(c, task, name)].same_tokens_as_none += sum(
+                        o.token_ids == ref.token_ids for o, ref in zip(got, outs[BASELINE]))
+        where = f" (pass {rep + 1} of {plan.repeat}, pooled so far)" if plan.repeat > 1 else ""
+        log(f"[bench tasks] C={c} {task}{where}: " + ", ".join(
+            _progress_item(cells[(c, task, n)], cells.get((c, task, BASELINE))) for n in plan.drafts))
+
+
+def _record(cell: Cell, rep: int, b: int, idx: list[int], params, outs, seconds: float, phase_s: dict) -> None:
     cell.seconds += seconds
     cell.batch_s.append(seconds)
     for k, v in phase_s.items():
@@ -382,7 +404,7 @@ def _record(cell: Cell, b: int, idx: list[int], params, outs, seconds: float, ph
         cell.emitted += m.emitted
         cell.drafted += m.drafted
         cell.accepted += m.accepted
-        cell.per_request.append({"prompt": p, "batch": b, "seed": sp.seed, "prompt_tokens": len(o.prompt_token_ids),
+        cell.per_request.append({"prompt": p, "pass": rep, "batch": b, "seed": sp.seed, "prompt_tokens": len(o.prompt_token_ids),
                                  "tokens": len(o.token_ids), "finish_reason": o.finish_reason, "steps": m.steps,
                                  "emitted": m.emitted, "drafted": m.drafted, "accepted": m.accepted})
 
@@ -421,7 +443,8 @@ def _document(args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat:
     return {
         "schema": SCHEMA,
         "settings": {"config": args.config, "tasks": plan.tasks, "drafts": plan.drafts,
-                     "concurrency": plan.concurrency, "rounds": plan.rounds, "max_tokens": plan.max_tokens,
+                     "concurrency": plan.concurrency, "rounds": plan.rounds, "repeat": plan.repeat,
+                     "max_tokens": plan.max_tokens,
                      "temperature": args.temperature,
                      "ignore_eos": args.ignore_eos, "prompts_per_task": plan.prompts or None, "quick": args.quick,
                      "chat_template": chat, "device": device, "torch_threads": threads, **engine_cfg},
@@ -452,6 +475,8 @@ def format_report(doc: dict) -> str:
                    "aggregate tokens/s")
         else:
             how = "one request at a time" if c == 1 else f"{c} requests submitted at once, aggregate tokens/s"
+        if s.get("repeat", 1) > 1:
+            how += f"; {s['repeat']} passes pooled"
         lines += ["", f"Concurrency {c} ({how}):", "",
                   "| task | variant | requests | tokens | acceptance | tokens/step | tok/s | speedup vs none |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -469,8 +494,8 @@ def format_report(doc: dict) -> str:
         total = next((r for r in rows if r["task"] == ALL), None)
         if total is not None and total.get("repeated_prompts") and s["temperature"] == 0:
             lines.append(f"{total['repeated_prompts']} of {total['requests']} requests repeat a prompt the engines "
-                         "were sent before at this level: at temperature 0 their output is the same as before, and "
-                         "a draft that indexes finished requests (suffix) can copy it")
+                         "were sent before in the same pass: at temperature 0 their output is the same as before, "
+                         "and a draft that indexes finished requests (suffix) can copy it")
     if not has_none:
         lines += ["", "(no 'none' variant in --drafts: no speedups)"]
     return "\n".join(lines)
