@@ -560,9 +560,10 @@ class DrafterCore:
             r = self.requests.pop(rid, None)
             if r is None:
                 self.released_unknown.add(rid)
-            if r is not None and r.slot is not None:  # kept for later prompts that start the same way
+                continue
+            if r.slot is not None:  # kept for later prompts that start the same way
                 self.prefixes.release(r.slot, r.seq)
-            if r is not None and r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
+            if r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
                 self.suffix.finish(r.suffix)
 
     def forget_finished(self) -> None:

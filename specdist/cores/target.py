@@ -642,7 +642,7 @@ class VerifierCore:
             r = self.requests.pop(rid, None)
             if r is None:
                 self.released_unknown.add(rid)
-            if r is not None:  # kept for later prompts that start the same way, or freed
+            else:  # kept for later prompts that start the same way, or freed
                 self.prefixes.release(r.slot, r.seq[:-1])
         if not self.requests and self._pending:  # going idle: the followers free their slots now too
             ops, self._pending = self._pending, []
