@@ -221,12 +221,15 @@ def test_sustained_load_runs_rounds_of_client_requests(chat_config, tmp_path, ca
 
 
 def test_repeated_passes_are_pooled(chat_config, tmp_path, capsys):
-    """--repeat 2: every batch twice, the same seeds, pooled; each pass counts its own repeats."""
+    """--repeat 2: every batch twice, the same seeds, pooled; each pass counts its own repeats. A variant
+    METHOD:K drafts at most K."""
     out_json = tmp_path / "r.json"
-    assert main(["bench", "tasks", "--config", chat_config, "--drafts", "none,ngram", "--tasks", "qa", "--quick",
+    assert main(["bench", "tasks", "--config", chat_config, "--drafts", "none,ngram:2", "--tasks", "qa", "--quick",
                  "--concurrency", "2", "--repeat", "2", "--ignore-eos", "--json", str(out_json)]) == 0
     doc = json.loads(out_json.read_text())
     assert doc["settings"]["repeat"] == 2
+    assert [(v["name"], v["config"]["draft"]["method"], v["config"]["draft"]["num_speculative_tokens"])
+            for v in doc["variants"]][1] == ("ngram:2", "ngram", 2)
     for r in doc["results"]:
         assert r["requests"] == 4 and r["same_tokens_as_none"] == 4
         assert r["repeated_prompts"] == 2  # one prompt, sent twice in each pass
@@ -255,6 +258,8 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     (["--drafts", "none,eagle"], "--drafts 'eagle': config draft.method: must be one of "),
     (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
     (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
+    (["--drafts", "none,suffix:0"], "--drafts 'suffix:0': K in METHOD:K must be a positive integer"),
+    (["--drafts", "none,suffix:99"], "--drafts 'suffix:99': config draft.num_speculative_tokens: "),
     (["--concurrency", "0"], "--concurrency: need positive integers"),
     (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
     (["--repeat", "0"], "--repeat: must be >= 1, got 0"),

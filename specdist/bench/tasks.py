@@ -12,8 +12,9 @@ chat=True)`` does, once before anything is timed (a model without a chat templat
 conversation as plain ``User: ... Assistant:`` text).
 
 Variants (``--drafts``): one in-process :class:`~specdist.engine.local.Engine` per name, built from
-``--config`` with ``draft.method`` set to that name (``none``: no draft). Any method the config
-accepts is a variant; a name it refuses is a one-line error before any weight loads. The
+``--config`` with ``draft.method`` set to that name (``none``: no draft); ``METHOD:K`` also sets
+``draft.num_speculative_tokens`` to K (``suffix:8,suffix:16`` compares two draft limits in one run).
+Any method the config accepts is a variant; a name it refuses is a one-line error before any weight loads. The
 config is otherwise kept, except: ``cluster.enabled`` is false (this bench runs in process),
 ``engine.max_model_len`` is the longest prompt + ``--max-tokens`` + 8 (the KV caches sized to
 the work: attention reads only each sequence's own prefix, so this changes no step's cost) and
@@ -112,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="config the engines are built from (default: the built-in defaults); each variant "
                         "overrides its draft.method")
     p.add_argument("--drafts", default=DEFAULT_DRAFTS,
-                   help="comma-separated draft methods to compare, each a draft.method the config accepts "
+                   help="comma-separated draft methods to compare, each a draft.method the config accepts, "
+                        "optionally METHOD:K to also set draft.num_speculative_tokens "
                         "(none: no draft, the baseline of the speedups)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
     p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-32)")
@@ -189,11 +191,17 @@ class Plan:
 
 
 # ---------------------------------------------------------------- setup
-def variant_config(base: dict, method: str, **engine) -> dict:
-    """``base`` (a full config dict) with ``draft.method`` = ``method``, in process, ``engine`` merged in."""
+def variant_config(base: dict, name: str, **engine) -> dict:
+    """``base`` (a full config dict) with the variant ``name`` (``METHOD`` or ``METHOD:K``) as its draft, in
+    process, ``engine`` merged in. ValueError when K is not a positive integer."""
+    method, _, k = name.partition(":")
     keep_model = method == "model"
-    overrides = {"draft": {"method": method, "model": base["draft"].get("model") if keep_model else None},
-                 "cluster": {"enabled": False}}
+    draft = {"method": method, "model": base["draft"].get("model") if keep_model else None}
+    if k:
+        if not k.isdigit() or int(k) < 1:
+            raise ValueError(f"--drafts {name!r}: K in METHOD:K must be a positive integer")
+        draft["num_speculative_tokens"] = int(k)
+    overrides = {"draft": draft, "cluster": {"enabled": False}}
     if engine:
         overrides["engine"] = engine
     return apply_overrides(base, overrides)
@@ -458,11 +466,12 @@ def format_report(doc: dict) -> str:
     s = doc["settings"]
     base = doc["variants"][0]["config"]
     d = next((v["config"]["draft"] for v in doc["variants"] if v["name"] != BASELINE), base["draft"])
+    ks = sorted({v["config"]["draft"]["num_speculative_tokens"] for v in doc["variants"] if v["name"] != BASELINE})
     counts = [t["prompts"] for t in doc["tasks"].values()]
     lo, hi = min(counts), max(counts)
     lines = [
         f"specdist bench tasks: target {base['target']['model']} {base['target']['dtype']} on {s['device']}, "
-        f"drafts {', '.join(s['drafts'])} (k={d['num_speculative_tokens']}, {d['length_policy']}), "
+        f"drafts {', '.join(s['drafts'])} (k={', '.join(map(str, ks)) or d['num_speculative_tokens']}, {d['length_policy']}), "
         f"{len(s['tasks'])} tasks x {lo if lo == hi else f'{lo}-{hi}'} prompt{'s' if hi > 1 else ''}, "
         f"up to {s['max_tokens']} new tokens, temperature {s['temperature']:g}, "
         f"{'EOS ignored' if s['ignore_eos'] else 'stops at EOS'}, torch threads {s['torch_threads']}",
