@@ -123,6 +123,12 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
                 const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+                /* With several rows, an empty asm that claims to change sums[r]: the compiler keeps each
+                 * row's running sum in a register instead of reassociating the block's products into a tree
+                 * whose partial sums spill to the stack (integer sums: the bits are the same either way;
+                 * 20-30% faster at 4 rows and more). One row does not spill, and its loads schedule better
+                 * without it. */
+                if (R > 1) __asm__("" : "+x"(sums[r]));
             }
         }
         const __m256 d = _mm256_loadu_ps(scales + g * 16), m = _mm256_loadu_ps(scales + g * 16 + 8);
@@ -150,6 +156,7 @@ static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, 
             for (int r = 0; r < R; ++r) {
                 const __m256i xv = broadcast4(qx->q + ((m0 + r) * G + g) * QK + 4 * j);
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)), ones));
+                if (R > 1) __asm__("" : "+x"(sums[r]));  /* a running sum in a register, as in q4_group */
             }
         }
         const __m256 d = _mm256_loadu_ps(scales + g * 8);
