@@ -53,6 +53,8 @@ Shape::
       prefix_caching: true           # a prompt starting with 16+ tokens that a running or finished request
                                      #   holds takes their K/V instead of computing them (finished requests'
                                      #   slots are kept until a new request needs one)
+      kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
+                                     #   attention kernels) | auto: float16 where those kernels run, else model
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
       enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
@@ -204,6 +206,9 @@ class DraftConfig:
         return self.pipeline and self.method in ("model", "eagle3", *SELF_DRAFTS)
 
 
+KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 2048
@@ -215,9 +220,13 @@ class EngineConfig:
     compile: bool | str = "auto"  # compiled static-shape passes: on (true), off (false), auto: on CUDA devices
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
+    kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
 
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"{key}.kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                                       f"got {self.kv_cache_dtype!r}")
         _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
         if self.max_prefill_tokens is not None:
             _check_int(self.max_prefill_tokens, f"{key}.max_prefill_tokens", 1, 1 << 30)

@@ -80,7 +80,8 @@ def test_logits_match_transformers(family: str, device: str, attention: str, mon
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, model.config.vocab_size, (SEQ_LEN,), generator=gen).tolist() for _ in SLOTS]
     refs = [_reference_logits(model, s, family) for s in seqs]
-    runner = CausalLMRunner(model, num_slots=5, max_len=32)
+    # the model's own cache dtype: the float64 reference is checked at fp32 rounding (test_cpu_kernels covers float16)
+    runner = CausalLMRunner(model, num_slots=5, max_len=32, kv_cache_dtype="model")
     assert runner.cpu_attention == (device == "cpu" and cpu_kernels.available())
     if attention == "sdpa":
         runner.cpu_attention = runner.cpu_rope_attention = False

@@ -27,6 +27,10 @@ def test_copy_prefix_copies_exactly_and_checks_layout() -> None:
         dst.copy_prefix(src, 1, 0, 10)
     with pytest.raises(ValueError, match="same layout"):
         SlotKVCache(2, 3, 1, 4, 16).copy_prefix(src, 1, 0, 3)
+    half = SlotKVCache(2, 3, 2, 4, 16, dtype=torch.float16)  # a self draft's float16 cache from a float32 target's
+    half.copy_prefix(src, 1, 0, 7)
+    for a, b in zip(src.k + src.v, half.k + half.v):
+        assert torch.equal(a[1, :, :7].half(), b[0, :, :7])
 
 
 def _self_w8_engine(tiny_models) -> Engine:
@@ -53,8 +57,8 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
         n = len(r.prompt_ids) - 1
         tslot, dslot = eng.target_core.requests[r.core_id].slot, eng.draft_core.requests[r.core_id].slot
         assert eng.draft_core.cache.lengths[dslot] == n
-        for a, b in zip(eng.target_core.cache.k, eng.draft_core.cache.k):
-            assert torch.equal(a[tslot, :, :n], b[dslot, :, :n])
+        for a, b in zip(eng.target_core.cache.k, eng.draft_core.cache.k):  # a float32 target, a draft on blocks:
+            assert torch.equal(a[tslot, :, :n].to(b.dtype), b[dslot, :, :n])  # float16 K/V (kv_cache_dtype auto)
     while eng.has_unfinished():
         eng.step()
     assert calls and all(max(c) <= 2 for c in calls)  # only decode-sized draft passes

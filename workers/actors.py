@@ -247,7 +247,7 @@ class TargetRankActor(_ActorBase):
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = ()) -> dict:
+             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto") -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
@@ -269,7 +269,7 @@ class TargetRankActor(_ActorBase):
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
-        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
         if self.rank == 0:  # (the other ranks' forwards return nothing)
             runner.hidden_layers = tuple(hidden_layers)
         if compile_k is not None and self.world_size == 1:
@@ -413,6 +413,7 @@ class DraftActor(_ActorBase):
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
         prefix_caching: bool = True,  # engine.prefix_caching: prompt K/V reused across requests
+        kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype: a model draft's KV cache elements
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
@@ -442,7 +443,7 @@ class DraftActor(_ActorBase):
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
-                                         prefix_caching=prefix_caching)
+                                         prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 

@@ -174,9 +174,9 @@ class DrafterCore:
     @classmethod
     def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                    confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None,
-                   defer_prefill: bool = False) -> "DrafterCore":
+                   defer_prefill: bool = False, kv_cache_dtype: str = "auto") -> "DrafterCore":
         """A model draft (``specdist.models.fusion.quantized_copy(target)`` for self-w8)."""
-        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    defer_prefill=defer_prefill)
 
@@ -198,9 +198,10 @@ class DrafterCore:
     @classmethod
     def hybrid(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                settings: SuffixSettings | None = None, confidence_threshold: float = 0.0,
-               prefix_source: PrefixSource | None = None, defer_prefill: bool = False) -> "DrafterCore":
+               prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
+               kv_cache_dtype: str = "auto") -> "DrafterCore":
         """A model draft (the target's self-w8 copy) and the suffix index, chosen per request and step."""
-        runner = CausalLMRunner(model, max_batch_size, max_model_len)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    suffix=settings or SuffixSettings(), defer_prefill=defer_prefill)
 
@@ -714,7 +715,7 @@ def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=N
 def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
                        prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
-                       prefix_caching: bool = True) -> DrafterCore | None:
+                       prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model
@@ -723,8 +724,10 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     K/V sit, for a copy of the target (same layout) to take instead of its own prefill.
     ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``.
     ``draft.q_top_k`` applies to the core's model drafts under the rejection coupling.
-    ``prefix_caching``: reuse prompt K/V across requests (``engine.prefix_caching``)."""
-    core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill)
+    ``prefix_caching``: reuse prompt K/V across requests (``engine.prefix_caching``). ``kv_cache_dtype``:
+    a model draft's KV cache elements (``engine.kv_cache_dtype``)."""
+    core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill,
+                         kv_cache_dtype)
     if core is not None:
         core.q_top_k = dc.q_top_k
         if core.prefixes is not None and core.head is None:
@@ -732,7 +735,7 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     return core
 
 
-def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill):
+def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill, kv_cache_dtype):
     method = dc.method
     if method == "none":
         return None
@@ -752,9 +755,11 @@ def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_s
     check_draft_vocab(model, vocab_size)
     if method == "hybrid":
         return DrafterCore.hybrid(model, max_batch_size, max_model_len, suffix_settings(dc), dc.confidence_threshold,
-                                  prefix_source=prefix_source, defer_prefill=defer_prefill)
+                                  prefix_source=prefix_source, defer_prefill=defer_prefill,
+                                  kv_cache_dtype=kv_cache_dtype)
     return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
-                                  prefix_source=prefix_source, defer_prefill=defer_prefill)
+                                  prefix_source=prefix_source, defer_prefill=defer_prefill,
+                                  kv_cache_dtype=kv_cache_dtype)
 
 
 WARMUP_ID = "__specdist_warmup__"  # the request id of a worker's warm-up calls (draft and target)

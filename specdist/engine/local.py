@@ -27,7 +27,8 @@ class Engine(Scheduler):
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
-        self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len),
+        self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
+                                                       kv_cache_dtype=ec.kv_cache_dtype),
                                         prefix_caching=ec.prefix_caching)
         vocab = self.target_core.vocab_size
         dc = config.draft
@@ -36,7 +37,8 @@ class Engine(Scheduler):
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True,
-                                                                 prefix_caching=ec.prefix_caching)
+                                                                 prefix_caching=ec.prefix_caching,
+                                                                 kv_cache_dtype=ec.kv_cache_dtype)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.runner.hidden_layers = self.draft_core.hidden_layers
         if ec.compiled(self.target_core.runner.device.type):

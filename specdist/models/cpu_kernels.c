@@ -218,7 +218,8 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * Attention of each query over its own keys in a slot KV cache, one (request, head, query) at a time.
  *
  * q: element (b, h, t, :) at q + b * qs_b + h * qs_h + t * qs_t (hd contiguous floats).
- * k_cache, v_cache: [slots, Hkv, L1, hd] floats; request b reads slot slots[b], head h reads kv head
+ * k_cache, v_cache: [slots, Hkv, L1, hd], float32, or IEEE float16 when kv16 (half the bytes to read: at
+ *   16 requests attention is bound by reading the cache); request b reads slot slots[b], head h reads kv head
  *   h / (Hq / Hkv). The query at position p = qpos[b * T + t] sees keys j with lo <= j <= p, where
  *   lo = p - window + 1 for a sliding window (window > 0), else 0.
  * Scores s_j = scale * q . k_j (soft-capped, cap * tanh(s_j / cap), when softcap > 0), softmax over
@@ -259,14 +260,31 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* 8 cache elements at element index i of row p as floats: float16 (kv16, exact in float32) or float32. */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *p, int64_t i, int kv16) {
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Cache element i of row p as a float. */
+static inline float load_kv(const void *p, int64_t i, int kv16) {
+    return kv16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Row j of a [.., hd] cache block: its first element. */
+static inline const void *kv_row(const void *block, int64_t j, int64_t hd, int kv16) {
+    return (const char *)block + j * hd * (kv16 ? 2 : 4);
+}
+
 /* Scores of 8 keys (rows of hd floats, hd % 8 == 0) against q: lane c is q . keys[c], each summed as
  * 8 lanes over hd in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
-static inline __m256 scores8(const float *qv, const float *const keys[8], int64_t hd) {
+static inline __attribute__((always_inline)) __m256 scores8(const float *qv, const void *const keys[8], int64_t hd,
+                                                            int kv16) {
     __m256 a[8];
     for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < hd; i += 8) {
         const __m256 qi = _mm256_loadu_ps(qv + i);
-        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[c] + i), a[c]);
+        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qi, load_kv8(keys[c], i, kv16), a[c]);
     }
     const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -276,14 +294,15 @@ static inline __m256 scores8(const float *qv, const float *const keys[8], int64_
 /* One query row over keys lo..p (vectorized; hd % 8 == 0): scores in chunks of 8 keys (a last partial
  * chunk repeats key p in its unused lanes, which are dropped), softmax weights with exp8, then the
  * weighted sum of values in slices of 64 columns held in registers. w: scratch of p - lo + 8 floats. */
-static void attend_row(const float *qv, const float *kb, const float *vb, int64_t lo, int64_t p, int64_t hd,
-                       float scale, float softcap, float *w, float *o) {
+static inline __attribute__((always_inline)) void attend_row(const float *qv, const void *kb, const void *vb,
+                                                              int64_t lo, int64_t p, int64_t hd, float scale,
+                                                              float softcap, float *w, float *o, int kv16) {
     const int64_t n = p - lo + 1;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const float *keys[8];
-        for (int c = 0; c < 8; ++c) keys[c] = kb + (lo + (j0 + c < n ? j0 + c : n - 1)) * hd;
-        __m256 s = _mm256_mul_ps(scores8(qv, keys, hd), _mm256_set1_ps(scale));
+        const void *keys[8];
+        for (int c = 0; c < 8; ++c) keys[c] = kv_row(kb, lo + (j0 + c < n ? j0 + c : n - 1), hd, kv16);
+        __m256 s = _mm256_mul_ps(scores8(qv, keys, hd, kv16), _mm256_set1_ps(scale));
         _mm256_storeu_ps(w + j0, s);
         if (softcap > 0.0f)
             for (int c = 0; c < 8; ++c) w[j0 + c] = softcap * tanhf(w[j0 + c] / softcap);
@@ -310,19 +329,22 @@ static void attend_row(const float *qv, const float *kb, const float *vb, int64_
         for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
             const __m256 e = _mm256_set1_ps(w[j]);
-            const float *vj = vb + (lo + j) * hd + c0;
-            for (int v = 0; v < vecs; ++v) acc[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+            const void *vj = kv_row(vb, lo + j, hd, kv16);
+            for (int v = 0; v < vecs; ++v) acc[v] = _mm256_fmadd_ps(e, load_kv8(vj, c0 + 8 * v, kv16), acc[v]);
         }
         for (int v = 0; v < vecs; ++v) _mm256_storeu_ps(o + c0 + 8 * v, _mm256_mul_ps(acc[v], inv));
     }
 }
 
-/* The same row for any hd, one key at a time (libm's expf). */
-static void attend_row_scalar(const float *qv, const float *kb, const float *vb, int64_t lo, int64_t p,
-                              int64_t hd, float scale, float softcap, float *w, float *o) {
+/* The same row for any hd, one key at a time (libm's expf). krow: scratch of hd floats (a float16 key). */
+static void attend_row_scalar(const float *qv, const void *kb, const void *vb, int64_t lo, int64_t p,
+                              int64_t hd, float scale, float softcap, float *w, float *o, int kv16, float *krow) {
     float m = -INFINITY;
     for (int64_t j = lo; j <= p; ++j) {
-        float s = scale * dot_row(qv, kb + j * hd, hd);
+        const void *kj = kv_row(kb, j, hd, kv16);
+        if (kv16)
+            for (int64_t c = 0; c < hd; ++c) krow[c] = load_kv(kj, c, 1);
+        float s = scale * dot_row(qv, kv16 ? krow : (const float *)kj, hd);
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         w[j - lo] = s;
         m = s > m ? s : m;
@@ -332,8 +354,8 @@ static void attend_row_scalar(const float *qv, const float *kb, const float *vb,
     for (int64_t j = lo; j <= p; ++j) {
         const float e = expf(w[j - lo] - m);
         total += e;
-        const float *vj = vb + j * hd;
-        for (int64_t c = 0; c < hd; ++c) o[c] += e * vj[c];
+        const void *vj = kv_row(vb, j, hd, kv16);
+        for (int64_t c = 0; c < hd; ++c) o[c] += e * load_kv(vj, c, kv16);
     }
     const float inv = 1.0f / total;
     for (int64_t c = 0; c < hd; ++c) o[c] *= inv;
@@ -341,7 +363,7 @@ static void attend_row_scalar(const float *qv, const float *kb, const float *vb,
 
 int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t hd,
                        int64_t qs_b, int64_t qs_h, int64_t qs_t,
-                       const float *k_cache, const float *v_cache, int64_t Hkv, int64_t L1,
+                       const void *k_cache, const void *v_cache, int kv16, int64_t Hkv, int64_t L1,
                        const int64_t *slots, const int64_t *qpos, int64_t window, float scale, float softcap,
                        float *out) {
     const int64_t rows = B * Hq * T, group = Hq / Hkv;
@@ -353,7 +375,8 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
     int failed = 0;
 #pragma omp parallel if (work >= PARALLEL_MIN_WEIGHTS)
     {
-        float *w = (float *)malloc(sizeof(float) * (size_t)(max_keys + 8));  /* one row's scores, then weights */
+        /* one row's scores, then weights; then a float16 key row for attend_row_scalar */
+        float *w = (float *)malloc(sizeof(float) * (size_t)(max_keys + 8 + hd));
         if (!w) {
 #pragma omp atomic write
             failed = 1;
@@ -365,12 +388,15 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
             const int64_t p = qpos[b * T + t];
             const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t base = (slots[b] * Hkv + h / group) * L1;
+            const void *kb = kv_row(k_cache, base, hd, kv16), *vb = kv_row(v_cache, base, hd, kv16);
             const float *qv = q + b * qs_b + h * qs_h + t * qs_t;
             float *o = out + ((b * T + t) * Hq + h) * hd;
-            if (hd % 8 == 0)
-                attend_row(qv, k_cache + base * hd, v_cache + base * hd, lo, p, hd, scale, softcap, w, o);
+            if (hd % 8 != 0)
+                attend_row_scalar(qv, kb, vb, lo, p, hd, scale, softcap, w, o, kv16, w + max_keys + 8);
+            else if (kv16)  /* two inlined copies, each with its loads fixed */
+                attend_row(qv, kb, vb, lo, p, hd, scale, softcap, w, o, 1);
             else
-                attend_row_scalar(qv, k_cache + base * hd, v_cache + base * hd, lo, p, hd, scale, softcap, w, o);
+                attend_row(qv, kb, vb, lo, p, hd, scale, softcap, w, o, 0);
         }
         free(w);
     }
@@ -401,7 +427,8 @@ void specdist_rms_norm(const float *x, int64_t M, int64_t D, const float *w, flo
  * the new keys and values written into the cache at their positions, then specdist_attention's
  * rows. q [B, T, Hq, hd], k and v [B, T, Hkv, hd]: strided views (token stride qs_t / ks_t / vs_t,
  * request stride *_b, heads contiguous rows of hd); cos, sin [B, T, hd] contiguous; write_pos [B, T]
- * (padded tokens write the scratch column). Returns 0, or -1 without memory.
+ * (padded tokens write the scratch column). A float16 cache (kv16) stores each key and value rounded to
+ * nearest even. Returns 0, or -1 without memory.
  */
 static inline void rotate_row(const float *x, const float *c, const float *s, int64_t hd, float *out) {
     const int64_t half = hd / 2;
@@ -409,31 +436,47 @@ static inline void rotate_row(const float *x, const float *c, const float *s, in
     for (int64_t i = half; i < hd; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
+/* hd floats into a cache row: copied, or rounded to float16 (nearest even). */
+static void store_kv(const float *x, int64_t hd, void *dst, int kv16) {
+    if (!kv16) {
+        memcpy(dst, x, sizeof(float) * (size_t)hd);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < hd; ++i) d[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 int specdist_rope_attention(const float *q, const float *k, const float *v, int64_t B, int64_t T, int64_t Hq,
                             int64_t Hkv, int64_t hd, int64_t qs_b, int64_t qs_t, int64_t ks_b, int64_t ks_t,
                             int64_t vs_b, int64_t vs_t, const float *cos_t, const float *sin_t,
-                            float *k_cache, float *v_cache, int64_t L1, const int64_t *slots,
+                            void *k_cache, void *v_cache, int kv16, int64_t L1, const int64_t *slots,
                             const int64_t *write_pos, const int64_t *qpos, int64_t window, float scale,
                             float softcap, float *out) {
+    /* rotated queries [B, T, Hq, hd], then one rotated key row */
+    float *qr = (float *)malloc(sizeof(float) * (size_t)((B * T * Hq + 1) * hd));
+    if (!qr) return -1;
+    float *kr = qr + B * T * Hq * hd;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
             const float *c = cos_t + (b * T + t) * hd, *s = sin_t + (b * T + t) * hd;
             const int64_t pos = write_pos[b * T + t];
             for (int64_t h = 0; h < Hkv; ++h) {
-                const int64_t at = ((slots[b] * Hkv + h) * L1 + pos) * hd;
-                rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, k_cache + at);
-                memcpy(v_cache + at, v + b * vs_b + t * vs_t + h * hd, sizeof(float) * (size_t)hd);
+                const int64_t row = (slots[b] * Hkv + h) * L1 + pos;
+                rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, kr);
+                store_kv(kr, hd, (void *)kv_row(k_cache, row, hd, kv16), kv16);
+                store_kv(v + b * vs_b + t * vs_t + h * hd, hd, (void *)kv_row(v_cache, row, hd, kv16), kv16);
             }
         }
-    float *qr = (float *)malloc(sizeof(float) * (size_t)(B * T * Hq * hd));  /* rotated queries [B, T, Hq, hd] */
-    if (!qr) return -1;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t h = 0; h < Hq; ++h)
                 rotate_row(q + b * qs_b + t * qs_t + h * hd, cos_t + (b * T + t) * hd, sin_t + (b * T + t) * hd, hd,
                            qr + ((b * T + t) * Hq + h) * hd);
-    const int rc = specdist_attention(qr, B, Hq, T, hd, T * Hq * hd, hd, Hq * hd, k_cache, v_cache, Hkv, L1, slots,
-                                      qpos, window, scale, softcap, out);
+    const int rc = specdist_attention(qr, B, Hq, T, hd, T * Hq * hd, hd, Hq * hd, k_cache, v_cache, kv16, Hkv, L1,
+                                      slots, qpos, window, scale, softcap, out);
     free(qr);
     return rc;
 }

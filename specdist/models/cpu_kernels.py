@@ -15,7 +15,9 @@ Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded t
 cache itself (no gathered copy of the keys, no mask tensor): scores 8 keys at a time, softmax, the
 weighted sum of values, each sum in an order fixed by the row's own key count. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
 the call, so a position's output moves in its last bits with the number of queries and requests
-in the call; byte-rounded activations then carry such a bit into a different rounding.
+in the call; byte-rounded activations then carry such a bit into a different rounding. The cache
+may hold float16 (``engine.kv_cache_dtype``): half the bytes to read, which is what attention costs
+at many requests or long contexts on a CPU; each element converts exactly to float32 on load.
 
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
@@ -99,15 +101,17 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm):  # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
-    f32 = ctypes.c_float  # (q, B, Hq, T, hd, q strides x3, k cache, v cache, Hkv, L1, slots, qpos, window, scale, cap, out)
-    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, f32, f32, ptr]
+    f32, i32 = ctypes.c_float, ctypes.c_int
+    # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, L1, slots, qpos, window, scale, cap, out)
+    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64,
+                                       f32, f32, ptr]
     lib.specdist_attention.restype = ctypes.c_int
     lib.specdist_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]  # (x, M, D, w, eps, out)
     lib.specdist_rms_norm.restype = None
-    # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, L1, slots,
+    # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, kv16, L1, slots,
     #  write_pos, qpos, window, scale, cap, out)
     lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                                            ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+                                            ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_rope_attention.restype = ctypes.c_int
     return lib
 
@@ -202,7 +206,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     """Causal attention of each query over its own slot's keys, from the KV cache itself.
 
     ``q`` [B, Hq, T, hd] float32 (any strides, ``hd`` contiguous); ``k_cache`` / ``v_cache``
-    [slots, Hkv, L + 1, hd] float32 contiguous; ``slots`` [B] and ``query_pos`` [B, T] int64: the query at
+    [slots, Hkv, L + 1, hd] float32 or float16 (:data:`KV_DTYPES`), contiguous; ``slots`` [B] and ``query_pos`` [B, T] int64: the query at
     position p of request b sees keys ``max(0, p - window + 1) .. p`` of slot ``slots[b]``. Returns
     ``[B, Hq, T, hd]`` (a view of a [B, T, Hq, hd] tensor). Each output row depends on its query and
     keys only (module doc), unlike a fused kernel's blocking."""
@@ -211,14 +215,25 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     return _attention(q, k_cache, v_cache, slots, query_pos, window or 0, scale, softcap or 0.0)
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # cache dtypes the attention kernels read
+
+
+def _kv16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """1 for a float16 cache, 0 for float32; ValueError for anything else (or a mixed pair)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"attention kernel: the KV cache must be float32 or float16, got {k_cache.dtype} / {v_cache.dtype}")
+    return int(k_cache.dtype == torch.float16)
+
+
 def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float, softcap: float) -> torch.Tensor:
     bsz, hq, t, hd = q.shape
+    kv16 = _kv16(k_cache, v_cache)
     if q.stride(3) != 1:
         q = q.contiguous()
     slots, query_pos = _dense(slots, torch.int64), _dense(query_pos, torch.int64)
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)  # [B, T, Hq, hd]
     if library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
-                                    k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                                    k_cache.data_ptr(), v_cache.data_ptr(), kv16, k_cache.shape[1], k_cache.shape[2],
                                     slots.data_ptr(), query_pos.data_ptr(), window, scale, softcap, out.data_ptr()):
         raise MemoryError("attention kernel: no memory for its scores")
     return out.transpose(1, 2)
@@ -245,7 +260,8 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
     ``q`` [B, T, Hq, hd], ``k`` / ``v`` [B, T, Hkv, hd] (views of the fused projection: each token's heads
     contiguous), ``cos`` / ``sin`` [B, T, hd] (rotation over the whole head), ``write_pos`` and ``query_pos``
-    [B, T]. Writes the rotated keys and the values into ``k_cache`` / ``v_cache`` [slots, Hkv, L + 1, hd];
+    [B, T]. Writes the rotated keys and the values into ``k_cache`` / ``v_cache`` [slots, Hkv, L + 1, hd]
+    (float32, or float16 rounded to nearest even);
     returns the attention output [B, T, Hq, hd]."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos,
@@ -258,6 +274,7 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
                     softcap: float) -> torch.Tensor:
     bsz, t, hq, hd = q.shape
     hkv = k.shape[2]
+    kv16 = _kv16(k_cache, v_cache)
     views = []
     for x in (q, k, v):  # rows of hd contiguous, heads adjacent: (request, token) strides are free
         if x.stride(3) != 1 or x.stride(2) != hd:
@@ -270,7 +287,7 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     if library().specdist_rope_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
+            v_cache.data_ptr(), kv16, k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
             window, scale, softcap, out.data_ptr()):
         raise MemoryError("attention kernel: no memory for its queries")
     return out

@@ -81,14 +81,14 @@ class SlotKVCache:
         self.lengths[slot] = length
 
     def same_layout(self, other: "SlotKVCache") -> bool:
-        """Same layers, kv heads, length, head_dim and dtype (slot counts may differ)."""
-        return len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:] \
-            and other.k[0].dtype == self.k[0].dtype
+        """Same layers, kv heads, length and head_dim (slot counts and dtypes may differ)."""
+        return len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:]
 
     def copy_prefix(self, src: "SlotKVCache", src_slot: int, dst_slot: int, length: int) -> None:
-        """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout)."""
+        """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout; converted
+        to this cache's dtype, e.g. a float32 target's prompt K/V into its self draft's float16 cache)."""
         if not self.same_layout(src):
-            raise ValueError("copy_prefix needs caches of the same layout (layers, kv heads, length, head_dim, dtype)")
+            raise ValueError("copy_prefix needs caches of the same layout (layers, kv heads, length, head_dim)")
         if not 0 <= length <= src.lengths[src_slot]:
             raise ValueError(f"slot {src_slot} holds {src.lengths[src_slot]} tokens, cannot copy {length}")
         for i in range(len(self.k)):

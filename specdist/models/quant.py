@@ -256,3 +256,10 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
         setattr(model.get_submodule(parent_name), attr, replaced[id(module)])
     untie_lm_head(model)
     return model
+
+
+def on_cpu_blocks(model: nn.Module) -> bool:
+    """Whether any of the model's linears runs on quantized blocks through :mod:`specdist.models.cpu_kernels`
+    (a native GGUF target, a self-w4 / self-w8 draft): its activations are rounded to bytes per block."""
+    return any(getattr(m, "blocks", None) is not None or getattr(m, "block_codes", None) is not None
+               for m in model.modules())

@@ -70,10 +70,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from specdist.config import KV_CACHE_DTYPES
 from specdist.errors import ConfigError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
+from specdist.models.quant import on_cpu_blocks
 from specdist.models.fusion import fuse_projections
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
@@ -94,7 +96,8 @@ def _bucket(n: int) -> int:
 class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
+                 kv_cache_dtype: str = "auto"):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
@@ -137,12 +140,12 @@ class CausalLMRunner:
         self.rope_keys = [cfg.layer_types[i] if typed else None for i in range(len(self.layers))]
         with torch.inference_mode():
             self.rope_tables = {key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)}
-        self.cache = SlotKVCache(
-            len(self.layers), num_slots, n_kv_local, self.head_dim, max_len, self.dtype, self.device
-        )
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
         # whole head and no per-head norm comes between, rotary, cache write and attention are one call per layer
         self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        self.cache = SlotKVCache(len(self.layers), num_slots, n_kv_local, self.head_dim, max_len,
+                                 kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model)),
+                                 self.device)
         self.cpu_rope_attention = (self.cpu_attention and not self.qk_norm
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
 
@@ -505,6 +508,25 @@ def use_compile_cache(path: str | None) -> str:
 
     default = path or os.path.join(os.path.expanduser("~"), ".cache", "specdist", "inductor")
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
+
+
+def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks: bool = False) -> torch.dtype:
+    """The KV cache's dtype for ``engine.kv_cache_dtype``: ``model``: the model's own; ``float16``: half
+    the bytes, read by the CPU attention kernels (their rows convert each element exactly); ``auto``:
+    float16 where those kernels run attention for a model on quantized blocks (``blocks``: a GGUF target's
+    own, a self draft's), whose numerics are llama.cpp's already (at 16 requests or 1000 cached tokens
+    attention reads the cache from memory, and half the bytes make it 1.6-2x faster: BENCHMARKS.md); the
+    model's own elsewhere, so a float model keeps transformers' numerics. ConfigError for float16 where
+    the kernels do not run (torch's attention would need a converted copy)."""
+    if choice not in KV_CACHE_DTYPES:
+        raise ConfigError("engine.kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    if choice == "model" or (choice == "auto" and not (cpu_attention and blocks)):
+        return model_dtype
+    if not cpu_attention:
+        raise ConfigError("engine.kv_cache_dtype", "float16 is read by the CPU attention kernels only (a float32 "
+                                                   f"model on an x86 CPU with AVX2); this model runs {model_dtype} "
+                                                   "attention in torch: use auto or model")
+    return torch.float16
 
 
 def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]
