@@ -183,6 +183,20 @@ def test_kv_cache_and_draft_q_follow_the_model(tiny_models, dtype):
     core.release(["r"])
 
 
+@pytest.mark.parametrize("device", devices())
+def test_kv_cache_dtype_auto_is_the_models_own_off_the_cpu_kernels(tiny_models, device):
+    """engine.kv_cache_dtype auto: float16 only for a model on blocks under the CPU kernels; a float32 model keeps
+    float32 (on the CPU too), a CUDA model its own dtype, where float16 is refused naming the key."""
+    from specdist.models.loader import load_model, resolve_model
+    from specdist.models.runner import CausalLMRunner
+
+    model = load_model(resolve_model(tiny_models["target"]), "float32", device)
+    assert CausalLMRunner(model, 1, 16).cache.k[0].dtype == torch.float32
+    if device == "cuda":
+        with pytest.raises(ConfigError, match="engine.kv_cache_dtype: float16 is read by the CPU attention kernels"):
+            CausalLMRunner(model, 1, 16, kv_cache_dtype="float16")
+
+
 def test_config_accepts_auto_and_names_the_key_of_a_bad_dtype():
     assert config_module.DTYPES == dtypes.DTYPE_CHOICES  # the loader's choices are the config's
     cfg = load_config({"target": {"dtype": "auto"}, "draft": {"dtype": "auto"}})

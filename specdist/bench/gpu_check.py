@@ -2,7 +2,7 @@
 
 1. the tests marked ``cuda`` (the model families' greedy equality and logits on the GPU, bf16,
    device-resident verification, the compiled pass, the Gumbel noise's bits against the CPU's, prefix
-   caching's copies and rollbacks in a CUDA cache; the 2-rank NCCL tensor-parallel check runs when two GPUs
+   caching's copies and rollbacks in a CUDA cache, ``engine.kv_cache_dtype`` keeping the model's dtype there; the 2-rank NCCL tensor-parallel check runs when two GPUs
    exist and is skipped with its reason otherwise). Each has a CPU twin that CI runs;
 2. ``specdist bench engine`` with a random-weight bf16 Llama of about 1 B parameters as the
    target and a random 4-layer draft (same tokenizer), target alone against speculation,
