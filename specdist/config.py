@@ -54,7 +54,8 @@ Shape::
                                      #   holds takes their K/V instead of computing them (finished requests'
                                      #   slots are kept until a new request needs one)
       kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
-                                     #   attention kernels) | auto: float16 where those kernels run, else model
+                                     #   attention kernels) | auto: float16 for a model on quantized blocks
+                                     #   under those kernels (a native GGUF target, a self draft), else model
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
       enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
