@@ -210,6 +210,12 @@ class DraftConfig:
 KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype
 
 
+def check_kv_cache_dtype(value, key: str = "engine.kv_cache_dtype") -> None:
+    """ConfigError naming ``key`` unless ``value`` is one of :data:`KV_CACHE_DTYPES`."""
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(key, f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 2048
@@ -225,9 +231,7 @@ class EngineConfig:
 
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"{key}.kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                                                       f"got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, f"{key}.kv_cache_dtype")
         _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
         if self.max_prefill_tokens is not None:
             _check_int(self.max_prefill_tokens, f"{key}.max_prefill_tokens", 1, 1 << 30)

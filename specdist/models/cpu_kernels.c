@@ -465,8 +465,13 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
             const int64_t pos = write_pos[b * T + t];
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t row = (slots[b] * Hkv + h) * L1 + pos;
-                rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, kr);
-                store_kv(kr, hd, (void *)kv_row(k_cache, row, hd, kv16), kv16);
+                void *krow = (void *)kv_row(k_cache, row, hd, kv16);
+                if (kv16) {  /* rotated in float32, then rounded into the row */
+                    rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, kr);
+                    store_kv(kr, hd, krow, 1);
+                } else {
+                    rotate_row(k + b * ks_b + t * ks_t + h * hd, c, s, hd, (float *)krow);
+                }
                 store_kv(v + b * vs_b + t * vs_t + h * hd, hd, (void *)kv_row(v_cache, row, hd, kv16), kv16);
             }
         }

@@ -70,7 +70,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from specdist.config import KV_CACHE_DTYPES
+from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
@@ -518,8 +518,7 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
     attention reads the cache from memory, and half the bytes make it 1.6-2x faster: BENCHMARKS.md); the
     model's own elsewhere, so a float model keeps transformers' numerics. ConfigError for float16 where
     the kernels do not run (torch's attention would need a converted copy)."""
-    if choice not in KV_CACHE_DTYPES:
-        raise ConfigError("engine.kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    check_kv_cache_dtype(choice)
     if choice == "model" or (choice == "auto" and not (cpu_attention and blocks)):
         return model_dtype
     if not cpu_attention:
