@@ -4,8 +4,8 @@ and speedup over plain decoding, measured side by side in one run.
 Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` (open questions),
 ``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
-a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat 32 and
-code-edit 16, so that 16 clients send distinct prompts: two rounds of chat, one of code editing),
+a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat 64 and
+code-edit 32, so that 16 clients send distinct prompts: four rounds of chat, two of code editing),
 about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
 model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
 chat=True)`` does, once before anything is timed (a model without a chat template gets the
@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optionally METHOD:K to also set draft.num_speculative_tokens "
                         "(none: no draft, the baseline of the speedups)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
-    p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-32)")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-64)")
     p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
     p.add_argument("--concurrency", action="append", default=None, metavar="C",

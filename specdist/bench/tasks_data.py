@@ -4,11 +4,11 @@ Every prompt is a conversation (a list of ``{"role", "content"}`` messages endin
 turn) for the model's chat template. The texts are original to this file (no downloads), in
 English, 100 to 600 tokens each once rendered:
 
-- ``chat``: open questions with some context (32 of them, so that 16 clients can send two rounds
+- ``chat``: open questions with some context (64 of them, so that 16 clients can send four rounds
   of distinct prompts);
 - ``code-edit``: a Python function of 20-40 lines to rewrite with one change (rename a
-  variable, add type hints, add a docstring, ...): the answer mostly repeats the input (16 of
-  them, so that 16 clients can send distinct prompts);
+  variable, add type hints, add a docstring, ...): the answer mostly repeats the input (32 of
+  them, so that 16 clients can send two rounds of distinct prompts);
 - ``summarize``: a text of a few paragraphs to summarize;
 - ``qa``: a passage and a question whose answer is a span of the passage (extractive);
 - ``multi-turn``: a chat history of two or three exchanges, answer the last user turn.
@@ -245,6 +245,229 @@ CHAT: list[str] = [
     "what we want, and how should we handle the money so that it does not come with conditions? My parents "
     "have hinted that they are hurt by our plans, and my partner's family has a tradition of very large "
     "weddings with more than two hundred guests.",
+
+    "I have always wanted to be able to draw, but I gave up as a child because my pictures never looked like "
+    "what I saw. I am now forty-two, I have a desk by a window, a sketchbook and a few pencils, and I can "
+    "spare about twenty minutes most evenings. I would like to be able to sketch people in cafés and the "
+    "buildings in my street within a year or so. Where should a complete beginner start, which exercises are "
+    "worth repeating, and how do I stop comparing my drawings with the work of artists I follow online?",
+
+    "Our team of five developers works on a single web application, and our Git history has become a mess. "
+    "Some people commit straight to the main branch, others keep feature branches open for weeks, and "
+    "merging them is painful. We deploy once a week, usually on Thursday, and we sometimes need to ship an "
+    "urgent fix in between. Could you compare a few common branching strategies, such as trunk-based "
+    "development and long-lived release branches, and tell us which one might suit a team like ours? I would "
+    "also like some simple rules for pull requests that people will actually follow.",
+
+    "Our children have both left home, and my wife and I are left with a four-bedroom house full of things "
+    "we have not used in years: boxes of toys, old school work, furniture from relatives and a garage we can "
+    "no longer park in. Every time we start sorting, we argue about what to keep or we get lost in old "
+    "photos. We would like to clear most of it over the next six months. How should we go about it room by "
+    "room, and how do we decide what to sell, give away or keep without upsetting each other or the "
+    "children?",
+
+    "A friend and I want to start a podcast about local history, interviewing older residents and people who "
+    "run small museums in our region. We have no audio experience, a small budget of a few hundred euros, "
+    "and each of us could give about five hours a week. We would like to publish an episode every two weeks. "
+    "What equipment do we really need, how should we record interviews in people's homes, and how much "
+    "editing is reasonable for beginners? We would also like to know how podcasts like ours usually find "
+    "their first listeners, and whether we need written consent from the people we interview.",
+
+    "I have started brewing beer at home with a simple kit: a fermenting bucket, a hydrometer and tins of "
+    "malt extract. The first two batches were drinkable, but the second one tasted slightly sour and a bit "
+    "like cider. My kitchen stays warm in summer, and I clean everything with washing-up liquid and hot "
+    "water. I would like to improve steadily and perhaps move on to brewing from grains next year. What "
+    "might have caused the off flavour, what should I change in my routine, and which skills are worth "
+    "learning next? I would rather spend money on a few useful pieces of equipment than on gadgets.",
+
+    "I have just received a job offer from a software company for a senior engineer position. The salary is "
+    "about ten percent higher than what I earn now, but lower than I had hoped, and the offer letter also "
+    "mentions share options, a yearly bonus and twenty-five days of holiday. The recruiter has asked me to "
+    "reply by Friday. I have never negotiated an offer before and I am worried that asking for more could "
+    "make them withdraw it. How should I approach the conversation, what can I reasonably ask for besides "
+    "salary, and how should I phrase it?",
+
+    "I have joined a company that maintains a ten-year-old Python application with almost no automated "
+    "tests. Every release breaks something, and people are afraid to refactor anything. My manager has given "
+    "me a few weeks to improve the situation, but we cannot stop shipping features. Parts of the code read "
+    "directly from the database and call external services inside long functions. Where should I start "
+    "adding tests, which kinds of tests give the most confidence for the least effort in a codebase like "
+    "this, and how do I convince my colleagues to keep writing them once the few weeks are over?",
+
+    "I am thirty-six and I never learned to swim properly. I can stay afloat for a few seconds in shallow "
+    "water, but I panic when my feet cannot touch the bottom, and putting my face in the water makes me feel "
+    "as if I cannot breathe. My children are starting swimming lessons and I feel embarrassed that I cannot "
+    "join them in the deep end. Is it realistic to become a confident swimmer at my age? Should I take "
+    "private lessons or join an adult group, and what can I do about the panic? I can get to a pool twice a "
+    "week, early in the morning.",
+
+    "We have a five-year-old cat who has always been the only pet in our flat, and we are thinking about "
+    "adopting a second cat from a shelter. Our cat is affectionate with us but hisses at the neighbour's cat "
+    "through the window. The flat has three rooms and a small balcony with a net. How should we choose a cat "
+    "that is likely to get along with ours, and how should we introduce them during the first weeks? I would "
+    "also like to know which signs mean that it is not working and what we should do then.",
+
+    "This summer I would like to do my first multi-day hiking trip: four days on a marked trail in the "
+    "mountains, sleeping in huts where possible and in a small tent for one night. I walk a lot at weekends, "
+    "but I have never carried a heavy pack for several days in a row. I will go with a friend who is fitter "
+    "than me. What should we pack, how heavy should our rucksacks be, and how should we train over the next "
+    "three months? I would also like advice on what to do if the weather turns bad, since neither of us has "
+    "used a map and compass for years.",
+
+    "I share a flat with two other people in their twenties. We get along well, but the kitchen and bathroom "
+    "are a constant source of tension: one flatmate never washes up, another leaves the rubbish until it "
+    "overflows, and I end up cleaning more than my share and feeling resentful. We have tried a chore chart "
+    "on the fridge, which everybody ignored after two weeks. How can I bring this up without creating a bad "
+    "atmosphere, and what kind of arrangement tends to work for shared flats? We have also discussed paying "
+    "for a cleaner, but money is tight for at least one of us.",
+
+    "I am in the final year of a doctorate in biology and I have about eight months left to write my thesis. "
+    "My experiments are mostly done, but whenever I sit down to write I end up reading papers, tidying my "
+    "references or re-running analyses instead. My supervisor is kind but rarely sets deadlines, and I work "
+    "alone most days. How can I break the writing into manageable pieces, set up a routine that keeps me "
+    "producing text, and deal with the feeling that every chapter must be perfect before anyone sees it? I "
+    "also teach two days a week.",
+
+    "Some neighbours and I would like to set up a monthly repair café in our community hall, where "
+    "volunteers help people fix broken toasters, bicycles, clothes and lamps instead of throwing them away. "
+    "A few of us have practical skills, and the hall is free on Saturday mornings. We are unsure about "
+    "insurance, about which repairs are too risky for volunteers, and about how to avoid long queues that "
+    "put people off. How should we organise the first few events, and what tools and rules should we have in "
+    "place from the start? We would also like to attract younger volunteers.",
+
+    "I am building a side project: a web application where amateur sports clubs can record matches, players "
+    "and results, and publish league tables. I know some SQL from work, but several tutorials I followed use "
+    "document databases such as MongoDB, and people online argue endlessly about which one is better. The "
+    "data has clear relationships, but I expect the structure to change as I add features. How should I "
+    "choose between a relational database and a document database for a project like this, and what would I "
+    "regret later with each choice? I will host it myself on a small cloud server.",
+
+    "My daughter is ten and has become curious about how computer games are made. She is good at maths, "
+    "enjoys puzzles, and gets frustrated when things do not work the first time. We have an old laptop at "
+    "home, and I work in accounting, so I know very little about programming myself. What would be a good "
+    "way for her to start learning to code, which tools or languages suit her age, and how can I support her "
+    "without taking over? I would also like to keep it fun so that it does not feel like more homework.",
+
+    "We have a garden of about two hundred square metres and we are thinking of keeping three or four "
+    "chickens for eggs. Neither of us has kept animals other than cats, and our neighbours have small "
+    "children and a dog. We both work, but one of us is usually home by five. What do we need to know before "
+    "buying chickens, what kind of coop and run would be suitable, and how much daily and weekly work should "
+    "we expect? I would also like to know how to protect them from foxes and what to do when we go on "
+    "holiday.",
+
+    "I manage a team of eight people spread across three time zones: two in California, four in Germany and "
+    "two in India. We only have about one hour a day when everybody is working, and that hour is used up by "
+    "meetings. Decisions get delayed because someone is always asleep when a question comes up, and the "
+    "people in California feel left out. How can we organise our communication so that more work happens "
+    "asynchronously, and which meetings are still worth keeping? Please suggest concrete practices and tools "
+    "that we could adopt over the next month, without adding more tools than we really need.",
+
+    "For my birthday I received a mirrorless camera with a kit lens, and so far I have only used the "
+    "automatic mode. My photos look fine in daylight, but pictures indoors are blurry or grainy, and I "
+    "cannot get the blurred background that I like in portraits. I mostly photograph my family, our walks in "
+    "the countryside and the occasional concert. Could you explain aperture, shutter speed and ISO in plain "
+    "terms, and suggest a series of exercises that would help me move away from automatic mode over the next "
+    "few weeks? I would rather not buy another lens until I understand the one I have.",
+
+    "I have been trying to write a novel for two years. I have a detailed outline, pages of notes about the "
+    "characters and a first chapter that I have rewritten at least ten times, but I have never got past "
+    "chapter three. It is a mystery set in a small fishing town in the nineteen-fifties. I work full time "
+    "and write on Sunday mornings. How can I get a complete first draft written within a year, and should I "
+    "keep following my outline or let the story change as I go? I find it hard to keep writing when I know a "
+    "scene is weak, and I am tempted to go back and fix it at once.",
+
+    "Our house has three floors, and the wireless internet works well only in the living room where the "
+    "router sits. Upstairs video calls freeze, and the garden office my wife uses barely gets a signal at "
+    "all. The internet contract itself is fast, around three hundred megabits. A shop assistant tried to "
+    "sell us an expensive mesh system, but a friend says a cable would be better. How can I find out where "
+    "the real problem is, and what are the options, from cheap to expensive, for getting a reliable "
+    "connection in every room? The walls are thick brick and the office is about fifteen metres from the "
+    "house.",
+
+    "Next month I will fly from Europe to Australia with my two-year-old son, alone, with a stopover of "
+    "three hours in Singapore. The whole trip takes about twenty-four hours. He is very active, naps badly "
+    "outside his own cot, and has never been on a plane. I am dreading the flight and the jet lag "
+    "afterwards, since we will stay with my parents for three weeks. How should I prepare, what should I "
+    "pack in the hand luggage, and how can I help both of us adjust to the time difference once we arrive? "
+    "My parents are eager to help but have not looked after a toddler for decades.",
+
+    "I maintain a small open-source library for parsing calendar files. It started as a weekend project, but "
+    "now a few thousand projects depend on it, and I receive several issues and pull requests every day. "
+    "Many issues are really support questions, some pull requests are large changes that nobody asked for, "
+    "and I feel guilty when I ignore them. I do this in my free time and have started to dread opening my "
+    "notifications. How can I make maintaining it sustainable, and how do I find and trust co-maintainers? I "
+    "would also like to know how to close issues politely without sounding rude to the people who opened "
+    "them.",
+
+    "I learned the rules of chess as a child and started playing again online during the winter. My rating "
+    "has been stuck around eleven hundred for two months. I play mostly quick games of five or ten minutes, "
+    "I often lose pieces to simple tactics, and I do not know any openings beyond the first few moves. I "
+    "have about half an hour a day for chess. How should I divide that time between playing, solving puzzles "
+    "and studying, and which habits would help me stop making the same mistakes in every game? I also tend "
+    "to play badly for the rest of the evening after a loss.",
+
+    "I have just bought my first flat, which is about forty years old, and I would like to handle small "
+    "repairs myself instead of calling a tradesman every time. Right now the bathroom tap drips, two doors "
+    "scrape on the floor, a few tiles are cracked and I would like to put up some shelves on a wall that "
+    "seems hollow. I have never done any of this. Which basic tools should I buy first, which jobs are safe "
+    "for a beginner to learn, and which ones should I always leave to a professional? My budget for tools is "
+    "about two hundred.",
+
+    "I volunteer for a small charity that supports a local hospice, and I have offered to organise a quiz "
+    "night to raise money. We can use a church hall with room for about a hundred people, and we hope to "
+    "raise at least two thousand. I have never organised an event like this. How should I set the ticket "
+    "price and team size, how many rounds and what kind of questions work well, and what else, such as a "
+    "raffle, could bring in more money? I would also like a rough timeline for the next eight weeks of "
+    "preparation, and some advice on finding volunteers to help on the night.",
+
+    "My partner and I moved in together last year. I earn about twice as much as she does, and we currently "
+    "split rent, bills and groceries fifty-fifty, which leaves her with very little left over each month, "
+    "while I save quite a lot. She has not complained, but I feel it is not fair, and I do not want money to "
+    "become a source of conflict. What are the common ways couples with different incomes share their costs, "
+    "what are the pros and cons of a joint account, and how should we bring it up without it feeling "
+    "awkward? We are also thinking about buying a home together in a few years.",
+
+    "On my team, pull requests often wait three or four days for a review, and when a review finally arrives "
+    "it is either a quick approval without real reading or a long list of comments about style. People have "
+    "started opening huge pull requests to avoid waiting several times, which makes the problem worse. We "
+    "are six developers working on a mobile application. What practices would make our code reviews faster "
+    "and more useful, and how can we agree on what a review should focus on without spending weeks arguing "
+    "about rules? Two of us are juniors who would also like to learn from the reviews.",
+
+    "Our household of four produces a full bin of rubbish every week, and I would like to cut that down. We "
+    "already recycle paper and bottles, but a lot of food waste, packaging and plastic still goes into the "
+    "general waste. We have a small back garden with a corner that gets little sun, and the council collects "
+    "food waste only in some districts, not ours. Would home composting work for us, and what kind of system "
+    "would you recommend? I would also welcome other practical ideas for reducing waste that the children, "
+    "aged seven and eleven, can take part in.",
+
+    "My sister and I are planning a two-week trip to Japan next spring, our first time in Asia. We like "
+    "food, gardens, old temples and walking around cities, but we are not keen on crowds, and neither of us "
+    "speaks Japanese. We are thinking of Tokyo, Kyoto and perhaps somewhere in the countryside. How should "
+    "we divide our time between places, is a rail pass worth buying, and what should we book in advance? I "
+    "would also like some tips on etiquette so that we do not offend anyone by accident. Our budget is "
+    "moderate, and we would prefer small traditional inns to large hotels.",
+
+    "I am a data scientist, and my team keeps talking about containers and Docker. I understand that a "
+    "container packages an application with its dependencies, but I do not really see how that differs from "
+    "a virtual machine, or from a Python virtual environment that I already use every day. Could you explain "
+    "what a container actually is, what the operating system does to isolate it, and when I would choose a "
+    "container, a virtual machine or just a virtual environment? Examples from data science work, such as "
+    "training models or sharing notebooks with colleagues, would help me most.",
+
+    "I am thinking of buying an electric bicycle to commute to work, twelve kilometres each way with a long "
+    "hill at the end, instead of taking the bus. I have not cycled regularly in years, my office has a "
+    "locked bike room but no showers, and it rains often where I live. Prices range from about one thousand "
+    "to more than four thousand. What should I look for in the motor, battery and brakes, how do I stay "
+    "reasonably dry and presentable, and how can I make it less likely that the bike gets stolen? I would "
+    "also like to know what maintenance it needs.",
+
+    "My husband is Italian, I am Dutch, and we live in England with our daughter, who is two and a half. We "
+    "want her to grow up speaking all three languages, but at the moment she mostly answers in English, even "
+    "when we speak to her in our own languages. Her nursery is English-speaking, and our families live far "
+    "away. Is it realistic to raise a child in three languages, and how should we divide the languages "
+    "between us at home? What can we do to keep her interested in Dutch and Italian as she gets older, once "
+    "school starts and English takes over even more?",
 ]
 
 # ---------------------------------------------------------------- code editing: (instruction, code)
@@ -745,6 +968,551 @@ def rotate_logs(directory, keep=5, suffix=".log"):
         out.append("{:<28}{:>12.2f}".format("CHANGE", change))
     out.append("{:^40}".format("Thank you, come again!"))
     return "\\n".join(out)
+''',
+    ),
+    (
+        "Rename the variable `lst` to `passing` everywhere in this function. Do not change anything else, and "
+        "return the complete rewritten function.",
+        '''def grade_students(scores, thresholds=None, pass_mark="D"):
+    if thresholds is None:
+        thresholds = [(90, "A"), (80, "B"), (70, "C"), (60, "D")]
+    ordered = sorted(thresholds, reverse=True)
+    grades = {}
+    lst = []
+    for student, points in scores.items():
+        if not 0 <= points <= 100:
+            raise ValueError(f"{student}: score {points} is out of range")
+        letter = "F"
+        for minimum, grade in ordered:
+            if points >= minimum:
+                letter = grade
+                break
+        grades[student] = letter
+        if letter <= pass_mark:
+            lst.append(student)
+    average = sum(scores.values()) / len(scores) if scores else 0.0
+    return {
+        "grades": grades,
+        "passed": sorted(lst),
+        "failed": sorted(name for name in grades if name not in lst),
+        "average": round(average, 1),
+        "pass_rate": len(lst) / len(scores) if scores else 0.0,
+    }
+''',
+    ),
+    (
+        "Add type hints to both functions and to the `NUMERALS` constant. Keep the logic exactly as it is, and "
+        "return the complete rewritten code.",
+        '''NUMERALS = [
+    (1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"),
+    (50, "L"), (40, "XL"), (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I"),
+]
+
+
+def to_roman(number):
+    if not 0 < number < 4000:
+        raise ValueError(f"cannot write {number} in Roman numerals")
+    parts = []
+    for value, symbol in NUMERALS:
+        count, number = divmod(number, value)
+        parts.append(symbol * count)
+    return "".join(parts)
+
+
+def from_roman(text):
+    text = text.strip().upper()
+    if not text:
+        raise ValueError("empty numeral")
+    total = 0
+    index = 0
+    for value, symbol in NUMERALS:
+        while text.startswith(symbol, index):
+            total += value
+            index += len(symbol)
+    if index != len(text) or to_roman(total) != text:
+        raise ValueError(f"invalid Roman numeral {text!r}")
+    return total
+''',
+    ),
+    (
+        "Add a docstring to this function that describes its parameters, the dictionary it returns in both "
+        "modes, and the errors it raises in strict mode. Do not change the code itself, and return the complete "
+        "function with the docstring.",
+        '''from urllib.parse import unquote_plus
+
+
+def parse_query_string(query, multi=False, strict=False):
+    if query.startswith("?"):
+        query = query[1:]
+    params = {}
+    for pair in query.split("&"):
+        if not pair:
+            continue
+        if "=" in pair:
+            key, value = pair.split("=", 1)
+        elif strict:
+            raise ValueError(f"parameter without a value: {pair!r}")
+        else:
+            key, value = pair, ""
+        key = unquote_plus(key)
+        value = unquote_plus(value)
+        if not key:
+            if strict:
+                raise ValueError(f"empty parameter name in {pair!r}")
+            continue
+        if multi:
+            params.setdefault(key, []).append(value)
+        elif key in params and strict:
+            raise ValueError(f"repeated parameter {key!r}")
+        else:
+            params[key] = value
+    return params
+''',
+    ),
+    (
+        "Replace the loops that build `active` and `needed` with a list comprehension and a dictionary "
+        "comprehension. Keep the behaviour the same and return the complete rewritten function.",
+        '''import math
+
+
+def restock_report(inventory, daily_sales, lead_time_days=7, safety_days=3):
+    active = []
+    for item in inventory:
+        if not item.get("discontinued", False):
+            active.append(item)
+    needed = {}
+    for item in active:
+        rate = daily_sales.get(item["sku"], 0.0)
+        needed[item["sku"]] = rate * (lead_time_days + safety_days)
+    orders = []
+    for item in active:
+        shortfall = needed[item["sku"]] - item["on_hand"] - item.get("on_order", 0)
+        if shortfall <= 0:
+            continue
+        pack = item.get("pack_size", 1)
+        quantity = math.ceil(shortfall / pack) * pack
+        orders.append({"sku": item["sku"], "name": item["name"], "quantity": quantity})
+    orders.sort(key=lambda order: order["sku"])
+    lines = [f"{len(orders)} of {len(active)} active items need restocking"]
+    for order in orders:
+        lines.append(f"  {order['sku']}  {order['name']:<24} order {order['quantity']}")
+    return orders, "\\n".join(lines)
+''',
+    ),
+    (
+        "Rename the method `wd` to `withdraw` and update every call to it in this class. Change nothing else, "
+        "and return the complete rewritten class.",
+        '''class BankAccount:
+    def __init__(self, owner, balance=0.0, overdraft_limit=0.0):
+        if balance < 0:
+            raise ValueError("opening balance cannot be negative")
+        self.owner = owner
+        self.balance = balance
+        self.overdraft_limit = overdraft_limit
+        self.history = []
+
+    def deposit(self, amount):
+        if amount <= 0:
+            raise ValueError("deposit must be positive")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+        return self.balance
+
+    def wd(self, amount):
+        if amount <= 0:
+            raise ValueError("withdrawal must be positive")
+        if self.balance - amount < -self.overdraft_limit:
+            raise ValueError(f"insufficient funds: balance {self.balance:.2f}")
+        self.balance -= amount
+        self.history.append(("withdrawal", amount))
+        return self.balance
+
+    def transfer(self, other, amount):
+        self.wd(amount)
+        other.deposit(amount)
+        return self.balance
+
+    def close(self):
+        remaining = self.balance
+        if remaining < 0:
+            raise ValueError(f"cannot close: {self.owner} owes {-remaining:.2f}")
+        if remaining > 0:
+            self.wd(remaining)
+        return remaining
+''',
+    ),
+    (
+        "Add type hints to the parameters and return values of both functions (tasks map a name to the names "
+        "it depends on). Keep the logic exactly as it is, and return the complete rewritten code.",
+        '''from collections import deque
+
+
+def build_order(tasks):
+    dependents = {name: [] for name in tasks}
+    remaining = {}
+    for name, requires in tasks.items():
+        for dependency in set(requires):
+            if dependency not in tasks:
+                raise KeyError(f"{name} depends on unknown task {dependency}")
+            dependents[dependency].append(name)
+        remaining[name] = len(set(requires))
+    ready = deque(sorted(name for name, count in remaining.items() if count == 0))
+    order = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for dependent in sorted(dependents[name]):
+            remaining[dependent] -= 1
+            if remaining[dependent] == 0:
+                ready.append(dependent)
+    if len(order) != len(tasks):
+        stuck = sorted(name for name in tasks if name not in order)
+        raise ValueError(f"dependency cycle among: {', '.join(stuck)}")
+    return order
+
+
+def stages(tasks):
+    level = {}
+    for name in build_order(tasks):
+        level[name] = 1 + max((level[dependency] for dependency in tasks[name]), default=-1)
+    grouped = {}
+    for name, depth in level.items():
+        grouped.setdefault(depth, []).append(name)
+    return [sorted(grouped[depth]) for depth in sorted(grouped)]
+''',
+    ),
+    (
+        "Replace the hard-coded limits in `password_problems` (12, 128, the 3 character classes and the 3 "
+        "repeated characters) with module-level constants `MIN_LENGTH`, `MAX_LENGTH`, `MIN_CLASSES` and "
+        "`MAX_REPEAT`, in the messages too. Change nothing else and return the complete rewritten code.",
+        '''import string
+
+
+def password_problems(password, username=""):
+    problems = []
+    if len(password) < 12:
+        problems.append("shorter than 12 characters")
+    if len(password) > 128:
+        problems.append("longer than 128 characters")
+    classes = 0
+    for group in (string.ascii_lowercase, string.ascii_uppercase, string.digits, string.punctuation):
+        if any(char in group for char in password):
+            classes += 1
+    if classes < 3:
+        problems.append("uses fewer than 3 of: lower case, upper case, digits, symbols")
+    run = 1
+    for previous, char in zip(password, password[1:]):
+        run = run + 1 if char == previous else 1
+        if run > 3:
+            problems.append("repeats a character more than 3 times in a row")
+            break
+    if username and username.lower() in password.lower():
+        problems.append("contains the user name")
+    return problems
+
+
+def is_strong(password, username=""):
+    return not password_problems(password, username)
+''',
+    ),
+    (
+        "Add input validation at the start of this function: raise `TypeError` if `text` is not a string and "
+        "`ValueError` if `width` is not greater than the length of `indent`. Change nothing else and return "
+        "the complete rewritten function.",
+        '''def wrap_text(text, width=72, indent="", break_long_words=True):
+    out = []
+    for block in text.split("\\n\\n"):
+        words = block.split()
+        if not words:
+            continue
+        if out:
+            out.append("")
+        line = ""
+        for word in words:
+            while break_long_words and len(indent) + len(word) > width:
+                if line:
+                    out.append(indent + line)
+                    line = ""
+                room = width - len(indent)
+                out.append(indent + word[:room])
+                word = word[room:]
+            if not word:
+                continue
+            if line and len(indent) + len(line) + 1 + len(word) > width:
+                out.append(indent + line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        if line:
+            out.append(indent + line)
+    return "\\n".join(out)
+''',
+    ),
+    (
+        "Add a docstring to the class and to each of its public methods, explaining the parameters and the "
+        "return values. Do not change the code itself, and return the complete class with the docstrings.",
+        '''import time
+
+
+class TokenBucket:
+    def __init__(self, rate, capacity, clock=time.monotonic):
+        if rate <= 0 or capacity <= 0:
+            raise ValueError("rate and capacity must be positive")
+        self.rate = rate
+        self.capacity = capacity
+        self.clock = clock
+        self.tokens = float(capacity)
+        self.updated = clock()
+
+    def _refill(self):
+        now = self.clock()
+        elapsed = max(0.0, now - self.updated)
+        self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
+        self.updated = now
+
+    def try_acquire(self, amount=1):
+        if amount > self.capacity:
+            raise ValueError(f"cannot take {amount} tokens from a bucket of {self.capacity}")
+        self._refill()
+        if self.tokens >= amount:
+            self.tokens -= amount
+            return True
+        return False
+
+    def wait_time(self, amount=1):
+        self._refill()
+        missing = amount - self.tokens
+        return 0.0 if missing <= 0 else missing / self.rate
+
+    def acquire(self, amount=1, sleep=time.sleep):
+        while not self.try_acquire(amount):
+            sleep(self.wait_time(amount))
+''',
+    ),
+    (
+        "Rename the function `dist` to `haversine_km` and update every call to it in this module. Change "
+        "nothing else, and return the complete rewritten module.",
+        '''import math
+
+EARTH_RADIUS_KM = 6371.0
+
+
+def dist(a, b):
+    lat1, lon1 = map(math.radians, a)
+    lat2, lon2 = map(math.radians, b)
+    h = math.sin((lat2 - lat1) / 2) ** 2 + math.cos(lat1) * math.cos(lat2) * math.sin((lon2 - lon1) / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * math.asin(math.sqrt(h))
+
+
+def track_length(points):
+    return sum(dist(a, b) for a, b in zip(points, points[1:]))
+
+
+def split_track(points, times, max_gap_s=300, max_jump_km=1.0):
+    segments = [[points[0]]] if points else []
+    for i in range(1, len(points)):
+        gap = times[i] - times[i - 1]
+        if gap > max_gap_s or dist(points[i - 1], points[i]) > max_jump_km:
+            segments.append([])
+        segments[-1].append(points[i])
+    return segments
+''',
+    ),
+    (
+        "Replace every `print` call in this function with a call on a module-level logger "
+        "(`logger = logging.getLogger(__name__)`), `warning` for skipped expenses and `info` for the rest. "
+        "Keep everything else and return the complete rewritten code.",
+        '''def settle_debts(expenses, people):
+    balance = {person: 0.0 for person in people}
+    for payer, amount, shared_by in expenses:
+        if payer not in balance or not shared_by:
+            print(f"skipping an expense paid by {payer}")
+            continue
+        balance[payer] += amount
+        for person in shared_by:
+            balance[person] -= amount / len(shared_by)
+    creditors = sorted([person, owed] for person, owed in balance.items() if owed > 0.005)
+    debtors = sorted([person, -owed] for person, owed in balance.items() if owed < -0.005)
+    payments = []
+    while creditors and debtors:
+        creditor, debtor = creditors[-1], debtors[-1]
+        amount = min(creditor[1], debtor[1])
+        payments.append((debtor[0], creditor[0], round(amount, 2)))
+        print(f"{debtor[0]} pays {amount:.2f} to {creditor[0]}")
+        creditor[1] -= amount
+        debtor[1] -= amount
+        if creditor[1] < 0.005:
+            creditors.pop()
+        if debtor[1] < 0.005:
+            debtors.pop()
+    return payments
+''',
+    ),
+    (
+        "Replace the two `for i in range(len(...))` loops in this function with loops over `zip` or "
+        "`enumerate`, whichever fits. Keep the behaviour the same and return the complete rewritten function.",
+        '''def daily_summary(timestamps, temperatures):
+    if len(timestamps) != len(temperatures):
+        raise ValueError("timestamps and temperatures differ in length")
+    days = {}
+    for i in range(len(timestamps)):
+        temperature = temperatures[i]
+        if temperature is None:
+            continue
+        day = timestamps[i][:10]
+        if day not in days:
+            days[day] = {"low": temperature, "high": temperature, "total": 0.0, "count": 0}
+        stats = days[day]
+        stats["low"] = min(stats["low"], temperature)
+        stats["high"] = max(stats["high"], temperature)
+        stats["total"] += temperature
+        stats["count"] += 1
+    lines = []
+    ordered = sorted(days)
+    for i in range(len(ordered)):
+        stats = days[ordered[i]]
+        mean = stats["total"] / stats["count"]
+        change = ""
+        if i > 0:
+            previous = days[ordered[i - 1]]
+            change = f" ({mean - previous['total'] / previous['count']:+.1f} since the previous day)"
+        lines.append(f"{ordered[i]}: {stats['low']:.1f} to {stats['high']:.1f}, mean {mean:.1f}{change}")
+    return "\\n".join(lines)
+''',
+    ),
+    (
+        "Add input validation to `matmul`: raise `ValueError`, with both shapes in the message, when the rows "
+        "of `a` or of `b` have different lengths or when the number of columns of `a` is not the number of "
+        "rows of `b`. Change nothing else and return the complete rewritten code.",
+        '''def transpose(matrix):
+    return [list(row) for row in zip(*matrix)]
+
+
+def matmul(a, b):
+    columns = transpose(b)
+    result = []
+    for row in a:
+        result.append([sum(x * y for x, y in zip(row, column)) for column in columns])
+    return result
+
+
+def identity(size):
+    return [[1 if i == j else 0 for j in range(size)] for i in range(size)]
+
+
+def matrix_power(matrix, exponent):
+    if exponent < 0:
+        raise ValueError("negative exponents are not supported")
+    result = identity(len(matrix))
+    base = matrix
+    while exponent:
+        if exponent & 1:
+            result = matmul(result, base)
+        base = matmul(base, base)
+        exponent >>= 1
+    return result
+
+
+def fibonacci(n):
+    return matrix_power([[1, 1], [1, 0]], n)[0][1]
+''',
+    ),
+    (
+        "Rewrite this function to collect the pieces of HTML in a list and join them once at the end, instead "
+        "of concatenating strings with `+=`. Keep the output exactly the same and return the complete "
+        "rewritten function.",
+        '''from html import escape
+
+
+def render_table(rows, columns, caption=None, numeric=()):
+    html = "<table>\\n"
+    if caption:
+        html += "  <caption>" + escape(caption) + "</caption>\\n"
+    html += "  <thead><tr>"
+    for column in columns:
+        html += "<th>" + escape(column) + "</th>"
+    html += "</tr></thead>\\n  <tbody>\\n"
+    for index, row in enumerate(rows):
+        css = "even" if index % 2 else "odd"
+        html += '    <tr class="' + css + '">'
+        for column in columns:
+            value = row.get(column, "")
+            if column in numeric and value != "":
+                html += '<td class="num">' + f"{value:,.2f}" + "</td>"
+            else:
+                html += "<td>" + escape(str(value)) + "</td>"
+        html += "</tr>\\n"
+    html += "  </tbody>\\n"
+    if not rows:
+        html += "  <!-- no rows -->\\n"
+    html += "</table>"
+    return html
+''',
+    ),
+    (
+        "Add a `separator` keyword parameter (default `\"-\"`) to both functions and use it instead of the "
+        "hard-coded hyphen, passing it from `unique_slugs` to `slugify`. Change nothing else and return the "
+        "complete rewritten code.",
+        '''import re
+import unicodedata
+
+
+def slugify(title, max_length=60):
+    text = unicodedata.normalize("NFKD", title)
+    text = text.encode("ascii", "ignore").decode("ascii").lower()
+    text = re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+    if len(text) > max_length:
+        text = text[:max_length].rsplit("-", 1)[0]
+    return text or "untitled"
+
+
+def unique_slugs(titles, max_length=60):
+    seen = {}
+    slugs = []
+    for title in titles:
+        base = slugify(title, max_length)
+        count = seen.get(base, 0)
+        slug = base if count == 0 else f"{base}-{count + 1}"
+        while slug in seen:
+            count += 1
+            slug = f"{base}-{count + 1}"
+        seen[base] = count + 1
+        seen.setdefault(slug, 1)
+        slugs.append(slug)
+    return slugs
+''',
+    ),
+    (
+        "Rename the variable `c` to `best` everywhere in `latest_version`. Do not change anything else, and "
+        "return the complete rewritten code.",
+        '''def version_key(text):
+    core, _, pre = text.strip().lstrip("vV").partition("-")
+    parts = core.split(".")
+    if not 1 <= len(parts) <= 4 or not all(part.isdigit() for part in parts):
+        raise ValueError(f"invalid version {text!r}")
+    numbers = tuple(int(part) for part in parts) + (0,) * (4 - len(parts))
+    # a release sorts after its pre-releases: 1.2.0-rc1 < 1.2.0
+    return numbers, pre == "", pre
+
+
+def sort_versions(versions, newest_first=True):
+    return sorted(versions, key=version_key, reverse=newest_first)
+
+
+def latest_version(versions, allow_prerelease=False, below=None):
+    c = None
+    limit = version_key(below) if below is not None else None
+    for text in versions:
+        key = version_key(text)
+        if key[2] and not allow_prerelease:
+            continue
+        if limit is not None and key >= limit:
+            continue
+        if c is None or key > version_key(c):
+            c = text
+    if c is None:
+        raise LookupError("no version matches")
+    return c
 ''',
     ),
 ]
