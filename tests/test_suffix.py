@@ -46,23 +46,27 @@ def substring_counts(seqs, depth: int) -> Counter:
 
 
 def dump(index: SuffixIndex) -> Counter:
-    """The trie as {string: count}, checking csum, the cached argmax and the node count on the way."""
+    """The trie as {string: count}, checking csum, the edge map, the cached argmax and the node count
+    on the way."""
     out: Counter = Counter()
     stack = [((), index.root)]
+    seen = 0
     while stack:
         path, node = stack.pop()
-        kids = node.kids
-        kids = [] if kids is None else [kids] if not isinstance(kids, dict) else list(kids.values())
-        assert node.csum == sum(c.count for c in kids), path
-        if isinstance(node.kids, dict):
-            assert len(node.kids) >= 2 and all(t == c.token for t, c in node.kids.items())
-            if node.best is not None:  # a cached argmax is a true argmax (ties: smaller token)
-                assert node.best is min(kids, key=lambda c: (-c.count, c.token))
+        kids = index.children(node)
+        assert index.csum[node] == sum(index.count[c] for c in kids), path
+        assert all(index.child(node, index.token[c]) == c for c in kids)
+        assert len({index.token[c] for c in kids}) == len(kids)
+        if len(kids) >= 2 and index.best[node] >= 0:  # a cached argmax is a true argmax (ties: smaller token)
+            assert index.best[node] == min(kids, key=lambda c: (-index.count[c], index.token[c]))
         for c in kids:
-            assert 0 < c.count <= node.count or not path, (path, c.token)
-            out[path + (c.token,)] = c.count
-            stack.append((path + (c.token,), c))
-    assert index.num_nodes == len(out)
+            assert 0 < index.count[c] <= index.count[node] or not path, (path, index.token[c])
+            out[path + (index.token[c],)] = index.count[c]
+            stack.append((path + (index.token[c],), c))
+        seen += len(kids)
+    assert index.num_nodes == len(out) == seen
+    # every id is a live node or free for reuse, once
+    assert len(index.token) - 1 == index.num_nodes + len(index.free) and len(set(index.free)) == len(index.free)
     return out
 
 
@@ -135,8 +139,8 @@ def test_incremental_insertion_equals_counts_from_scratch(depth):
         assert dump(idx) == substring_counts(held, depth), step
         for st, toks in live:
             assert list(st.tokens) == toks
-            assert len(st.active) == min(len(toks), depth) + 1 and st.active[0] is idx.root
-            assert all(n.count > 0 for n in st.active[1:])
+            assert len(st.active) == min(len(toks), depth) + 1 and st.active[0] == idx.root
+            assert all(idx.count[n] > 0 for n in st.active[1:])
     assert idx.live == 3 and len(idx.cached) == len(done)
 
 
@@ -181,7 +185,26 @@ def test_eviction_restores_counts_exactly_and_holds_the_bound():
     empty = SuffixIndex(depth, 0)
     for s in seqs:
         empty.add(s)
-    assert empty.num_nodes == 0 and empty.root.csum == 0 and empty.root.kids is None and not empty.cached
+    assert empty.num_nodes == 0 and empty.csum[empty.root] == 0 and not empty.children(empty.root)
+    assert not empty.cached
+
+
+def test_nodes_are_not_objects_the_garbage_collector_walks():
+    """Nodes are ids into lists of ints: inserting tens of thousands of nodes adds no tracked object
+    (a full collection in a serving process would otherwise walk every node)."""
+    import gc
+
+    rng = random.Random(3)
+    idx = SuffixIndex(24, cache_requests=4)
+    idx.add([rng.randrange(1000) for _ in range(50)])  # the lists and a few dicts exist
+    before = len(gc.get_objects())
+    for _ in range(8):  # some evicted on the way: freed ids are reused
+        idx.add([rng.randrange(1000) for _ in range(500)])
+    st = idx.start([rng.randrange(1000) for _ in range(100)])
+    assert idx.num_nodes > 40_000
+    assert len(gc.get_objects()) - before < 50
+    assert len(idx.token) - 1 < 5 * 600 * 24  # reused ids: about the held sequences' nodes, not all ever made
+    idx.finish(st)
 
 
 def test_lookup_longest_match_with_a_continuation():
