@@ -261,9 +261,15 @@ def test_bench_engine_runs_every_dtype_side_by_side(chat_models, capsys):
 
     rc = main(["bench", "engine", "--model", chat_models["target"], "--draft", "model", "--draft-model",
                chat_models["draft"], "--dtype", "float32,bfloat16", "--prompts", "1", "--max-tokens", "4",
-               "--temperatures", "0"])
-    out = capsys.readouterr().out
+               "--temperatures", "0", "--repeat", "2"])
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0
+    # each prompt on every system in turn, the order rotating by one from prompt to prompt (here: pass to pass)
+    systems = "hf-plain, hf-assisted, hf-lookup, engine-target, engine-spec"
+    assert f"[T=0.0 pass 1/2] prompt 1/1: {systems}" in captured.err
+    assert "[T=0.0 pass 2/2] prompt 1/1: hf-assisted, hf-lookup, engine-target, engine-spec, hf-plain" in captured.err
+    assert "2 pass(es), systems interleaved per prompt" in out
     for dtype in ("float32", "bfloat16"):
         rows = [line for line in out.splitlines() if line.startswith(f"| {dtype} | 0 |")]
         assert len(rows) == 5, out  # hf-plain, hf-assisted, hf-lookup, engine-target, engine-spec

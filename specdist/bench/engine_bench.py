@@ -11,6 +11,12 @@ Systems (same target, same prompts, same sampling settings, same token count), o
 Every request produces exactly ``--max-tokens`` tokens (EOS ignored / suppressed) so
 throughputs compare equal work. The analytical prediction uses the measured
 acceptance rate and the measured per-step costs of this very run.
+
+Interleaving: after one short warm-up request per system, each prompt runs on every system in turn
+before the next prompt starts, the systems' order rotating by one from prompt to prompt, so the
+machine's drift (this VM's speed moves by 10-30% within minutes) spreads over the systems instead of
+falling on whichever ran last. ``--repeat N`` makes N such passes over the prompts and pools them
+(the sums of tokens and seconds).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--repeat", type=int, default=1, help="passes over the prompts, pooled (each interleaved)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 24 tokens")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
 
@@ -92,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.prompts, args.max_tokens = 2, 24
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in SYSTEMS:
@@ -150,11 +159,18 @@ def run(args: argparse.Namespace) -> int:
             "engine-spec": Engine(load_config({**base, "draft": draft_cfg}), target, tok, draft_model),
         }
         for temp in temps:
+            runs = {system: Result(system, temp, dtype) for system in systems}
+            for system in systems:  # warm-up: one short request each, not counted
+                _run_one(system, None, prompts[0], 0, 8, temp, hf_target, assistant, engines)
+            order = list(systems)
+            for rep in range(args.repeat):
+                for i, ids in enumerate(prompts):  # every system on this prompt, in rotating order
+                    log(f"[T={temp} pass {rep + 1}/{args.repeat}] prompt {i + 1}/{len(prompts)}: {', '.join(order)}")
+                    for system in order:
+                        _run_one(system, runs[system], ids, i, args.max_tokens, temp, hf_target, assistant, engines)
+                    order = order[1:] + order[:1]
             for system in systems:
-                res = Result(system, temp, dtype)
-                _run_system(system, res, prompts, args.max_tokens, temp, hf_target, assistant, engines, log,
-                            warmup=True)
-                _run_system(system, res, prompts, args.max_tokens, temp, hf_target, assistant, engines, log)
+                res = runs[system]
                 res.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 results.append(res)
                 log(f"  {dtype:8s} {system:14s} T={temp:<4} {res.tokens_per_s:6.1f} tok/s")
@@ -183,50 +199,47 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_system(system, res, prompts, max_tokens, temp, target, draft_model, engines, log, warmup=False):
+def _run_one(system, res, ids, i, n_new, temp, target, draft_model, engines) -> None:
+    """Prompt ``ids`` (index ``i``: its seed) on one system for ``n_new`` tokens, added into ``res``
+    (None: a warm-up, not counted)."""
     import torch
 
     from specdist.sampling_params import SamplingParams
 
-    todo = prompts[:1] if warmup else prompts
-    n_new = 8 if warmup else max_tokens
-    for i, ids in enumerate(todo):
-        if not warmup:
-            log(f"[{system} T={temp}] prompt {i + 1}/{len(todo)}")
-        torch.manual_seed(1000 + i)
-        if system.startswith("hf"):
-            x = torch.tensor([ids], device=target.device)
-            kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=temp > 0, top_k=0, top_p=1.0)
-            if temp > 0:
-                kw["temperature"] = temp
-            if system == "hf-assisted":
-                kw["assistant_model"] = draft_model
-            elif system == "hf-lookup":
-                kw["prompt_lookup_num_tokens"] = 10  # transformers' documented default
-            sync_device(target.device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kw)
-            sync_device(target.device)
-            dt = time.perf_counter() - t0
-            n = out.shape[1] - len(ids)
-        else:
-            eng = engines[system]
-            eng.stats.reset()
-            sp = SamplingParams(max_tokens=n_new, temperature=temp, seed=1000 + i, ignore_eos=True)
-            t0 = time.perf_counter()
-            o = eng.generate([ids], sp)[0]
-            dt = time.perf_counter() - t0
-            n = len(o.token_ids)
-            if not warmup:
-                res.drafted += o.metrics.drafted
-                res.accepted += o.metrics.accepted
-                res.steps += o.metrics.steps
-                for k, v in eng.stats.phase_s.items():
-                    res.phase_s[k] = res.phase_s.get(k, 0.0) + v
-        if not warmup:
-            res.tokens += n
-            res.seconds += dt
+    torch.manual_seed(1000 + i)
+    if system.startswith("hf"):
+        x = torch.tensor([ids], device=target.device)
+        kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=temp > 0, top_k=0, top_p=1.0)
+        if temp > 0:
+            kw["temperature"] = temp
+        if system == "hf-assisted":
+            kw["assistant_model"] = draft_model
+        elif system == "hf-lookup":
+            kw["prompt_lookup_num_tokens"] = 10  # transformers' documented default
+        sync_device(target.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kw)
+        sync_device(target.device)
+        dt = time.perf_counter() - t0
+        n = out.shape[1] - len(ids)
+    else:
+        eng = engines[system]
+        eng.stats.reset()
+        sp = SamplingParams(max_tokens=n_new, temperature=temp, seed=1000 + i, ignore_eos=True)
+        t0 = time.perf_counter()
+        o = eng.generate([ids], sp)[0]
+        dt = time.perf_counter() - t0
+        n = len(o.token_ids)
+        if res is not None:
+            res.drafted += o.metrics.drafted
+            res.accepted += o.metrics.accepted
+            res.steps += o.metrics.steps
+            for k, v in eng.stats.phase_s.items():
+                res.phase_s[k] = res.phase_s.get(k, 0.0) + v
+    if res is not None:
+        res.tokens += n
+        res.seconds += dt
 
 
 def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
@@ -239,7 +252,7 @@ def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
     lines = [
         f"specdist bench engine: target {args.model} {', '.join(dtypes)} on {args.device}, draft {draft}, "
         f"k={args.k}, batch 1, {min(args.prompts, len(PROMPTS))} prompts x {args.max_tokens} new tokens, "
-        f"torch threads {torch.get_num_threads()}",
+        f"{args.repeat} pass(es), systems interleaved per prompt, torch threads {torch.get_num_threads()}",
         "",
         f"| dtype | T | system | tok/s | vs hf-plain | vs best hf speculative | vs {dtypes[0] if dtypes else '-'} "
         "| acceptance | tokens/step | peak RSS MB |",
