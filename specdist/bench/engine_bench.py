@@ -14,7 +14,7 @@ acceptance rate and the measured per-step costs of this very run.
 
 Interleaving: after one short warm-up request per system, each prompt runs on every system in turn
 before the next prompt starts, the systems' order rotating by one from prompt to prompt, so the
-machine's drift (this VM's speed moves by 10-30% within minutes) spreads over the systems instead of
+machine's drift (a shared machine's speed can move by tens of percent within minutes) spreads over the systems instead of
 falling on whichever ran last. ``--repeat N`` makes N such passes over the prompts and pools them
 (the sums of tokens and seconds).
 """
