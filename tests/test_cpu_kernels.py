@@ -172,18 +172,22 @@ def _reference_attention(q, kc, vc, slots, qpos, window, scale, cap):
     return out
 
 
-@pytest.mark.parametrize("window,cap,hd", [(None, None, 24), (5, None, 24), (None, 30.0, 24), (None, None, 136),
-                                           (5, None, 20)])
-def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd):
-    """GQA (6 query heads over 2 KV heads), ragged positions over non-adjacent slots, a query tensor that is
-    a transposed view (the runner's layout); each row equals the float64 reference to float32 rounding and
-    equals itself computed alone. Head sizes: 24 (one slice of value columns, key chunks of 8 with partial
-    ones), 136 (two slices), 20 (not a multiple of 8: the one-key-at-a-time row)."""
+@pytest.mark.parametrize("window,cap,hd,hq", [(None, None, 24, 6), (5, None, 24, 6), (None, 30.0, 24, 6),
+                                              (None, None, 136, 6), (5, None, 20, 6), (None, None, 24, 10),
+                                              (5, None, 40, 2)])
+def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd, hq):
+    """GQA (hq query heads over 2 KV heads: groups of 3, of 5 = 3 + 2 heads sharing each key load, and of 1),
+    ragged positions over non-adjacent slots, a query tensor that is a transposed view (the runner's layout);
+    each row equals the float64 reference to float32 rounding, equals itself computed with its request and
+    query alone, and equals its head computed alone over a one-head cache. Head sizes: 24 (one slice of
+    value columns, key chunks with partial ones), 136 (five slices, the last of one vector), 40 (two), 20
+    (not a multiple of 8: the one-key-at-a-time row)."""
     g = torch.Generator().manual_seed(5)
     slots_n, hkv, length = 4, 2, 40
+    group = hq // hkv
     kc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
     vc = torch.randn(slots_n, hkv, length + 1, hd, generator=g)
-    q = torch.randn(3, 4, 6, hd, generator=g).transpose(1, 2)  # [B, Hq, T, hd] with T-major strides
+    q = torch.randn(3, 4, hq, hd, generator=g).transpose(1, 2)  # [B, Hq, T, hd] with T-major strides
     slots = torch.tensor([3, 0, 2])
     qpos = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [35, 36, 37, 38]])
     out = cpu_kernels.attention(q, kc, vc, slots, qpos, window, 0.3, cap)
@@ -194,9 +198,16 @@ def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd):
             alone = cpu_kernels.attention(q[b : b + 1, :, i : i + 1], kc, vc, slots[b : b + 1], qpos[b : b + 1, i : i + 1],
                                           window, 0.3, cap)
             assert torch.equal(alone[0, :, 0], out[b, :, i])
-    q[1, 2, 0, 0] = float("nan")
+    for h in range(hq):
+        kh, vh = (c[:, h // group : h // group + 1].contiguous() for c in (kc, vc))
+        head = cpu_kernels.attention(q[:, h : h + 1], kh, vh, slots, qpos, window, 0.3, cap)
+        assert torch.equal(head[:, 0], out[:, h])
+    h = min(2, hq - 1)  # a NaN query reaches its own row only, not the heads that share its key loads
+    q[1, h, 0, 0] = float("nan")
     bad = cpu_kernels.attention(q, kc, vc, slots, qpos, window, 0.3, cap)
-    assert bad[1, 2, 0].isnan().all() and torch.equal(bad[0], out[0]) and torch.equal(bad[1, :2], out[1, :2])
+    assert bad[1, h, 0].isnan().all()
+    bad[1, h, 0] = out[1, h, 0]
+    assert torch.equal(bad, out)
 
 
 @pytest.mark.parametrize("window,cap,hd", [(None, None, 24), (5, 30.0, 136), (None, None, 20)])

@@ -30,6 +30,7 @@
 _Static_assert(ROWS_TILE == 4, "BLOCK_MATMUL inlines tiles of 4, 3, 2 and 1 rows");
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (1 << 16)
+#define HEADS_TILE 3  /* query heads of one KV head that share each loaded key and value row in attention */
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -215,7 +216,9 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Attention of each query over its own keys in a slot KV cache, one (request, head, query) at a time.
+ * Attention of each query over its own keys in a slot KV cache, one (request, query, KV head) at a time: the
+ * query heads that share a KV head (GQA's group) are computed together, HEADS_TILE at a time, each key and
+ * value vector loaded and converted once for all of them.
  *
  * q: element (b, h, t, :) at q + b * qs_b + h * qs_h + t * qs_t (hd contiguous floats).
  * k_cache, v_cache: [slots, Hkv, L1, hd], float32, or IEEE float16 when kv16 (half the bytes to read: at
@@ -225,7 +228,8 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * Scores s_j = scale * q . k_j (soft-capped, cap * tanh(s_j / cap), when softcap > 0), softmax over
  * them, out = sum_j softmax_j v_j, written to out [B, T, Hq, hd] (the layout o_proj reads).
  * Every output row is a function of its query and its keys alone, summed in one fixed order, so it
- * does not depend on the batch, the number of queries in the call or the cache's other contents.
+ * does not depend on the batch, the number of queries in the call, the heads computed beside it or the
+ * cache's other contents.
  * Returns 0, or -1 without memory.
  */
 static inline float dot_row(const float *a, const float *b, int64_t n) {
@@ -276,34 +280,34 @@ static inline const void *kv_row(const void *block, int64_t j, int64_t hd, int k
     return (const char *)block + j * hd * (kv16 ? 2 : 4);
 }
 
-/* Scores of 8 keys (rows of hd floats, hd % 8 == 0) against q: lane c is q . keys[c], each summed as
- * 8 lanes over hd in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
-static inline __attribute__((always_inline)) __m256 scores8(const float *qv, const void *const keys[8], int64_t hd,
-                                                            int kv16) {
-    __m256 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+/* Scores of nr query rows (nr <= HEADS_TILE) against 4 keys (rows of hd floats, hd % 8 == 0): lane c of
+ * out[r] is qv[r] . keys[c], summed as 8 lanes over hd in order, then ((l0 + l1) + (l2 + l3)) +
+ * ((l4 + l5) + (l6 + l7)). Each key vector is loaded (and converted from float16) once for all nr rows. */
+static inline __attribute__((always_inline)) void scores4(const float *const qv[], int nr, const void *const keys[4],
+                                                          int64_t hd, int kv16, __m128 out[]) {
+    __m256 a[HEADS_TILE][4];
+    for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < hd; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(qv + i);
-        for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(qi, load_kv8(keys[c], i, kv16), a[c]);
+        __m256 qi[HEADS_TILE];
+        for (int r = 0; r < nr; ++r) qi[r] = _mm256_loadu_ps(qv[r] + i);
+        for (int c = 0; c < 4; ++c) {
+            const __m256 k = load_kv8(keys[c], i, kv16);
+            for (int r = 0; r < nr; ++r) a[r][c] = _mm256_fmadd_ps(qi[r], k, a[r][c]);
+        }
     }
-    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+    for (int r = 0; r < nr; ++r) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        out[r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
 }
 
-/* One query row over keys lo..p (vectorized; hd % 8 == 0): scores in chunks of 8 keys (a last partial
- * chunk repeats key p in its unused lanes, which are dropped), softmax weights with exp8, then the
- * weighted sum of values in slices of 64 columns held in registers. w: scratch of p - lo + 8 floats. */
-static inline __attribute__((always_inline)) void attend_row(const float *qv, const void *kb, const void *vb,
-                                                              int64_t lo, int64_t p, int64_t hd, float scale,
-                                                              float softcap, float *w, float *o, int kv16) {
-    const int64_t n = p - lo + 1;
+/* Softmax weights of one row in place: w[0 .. n) holds its scaled scores and w[n .. n rounded up to 8) copies
+ * of its last one (so a chunk of 8 needs no mask for the max); the scores are soft-capped, then w[j] becomes
+ * exp(w[j] - max), the lanes past n zeroed. Returns 1 / sum. */
+static inline __attribute__((always_inline)) float softmax_row(float *w, int64_t n, float softcap) {
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const void *keys[8];
-        for (int c = 0; c < 8; ++c) keys[c] = kv_row(kb, lo + (j0 + c < n ? j0 + c : n - 1), hd, kv16);
-        __m256 s = _mm256_mul_ps(scores8(qv, keys, hd, kv16), _mm256_set1_ps(scale));
-        _mm256_storeu_ps(w + j0, s);
         if (softcap > 0.0f)
             for (int c = 0; c < 8; ++c) w[j0 + c] = softcap * tanhf(w[j0 + c] / softcap);
         mx = _mm256_max_ps(mx, _mm256_loadu_ps(w + j0));  /* repeated lanes do not change the max */
@@ -322,17 +326,60 @@ static inline __attribute__((always_inline)) void attend_row(const float *qv, co
         _mm256_storeu_ps(w + j0, e);
         total = _mm256_add_ps(total, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
-    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-        const int vecs = hd - c0 >= 64 ? 8 : (int)((hd - c0) / 8);
-        __m256 acc[8];
-        for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-            const __m256 e = _mm256_set1_ps(w[j]);
-            const void *vj = kv_row(vb, lo + j, hd, kv16);
-            for (int v = 0; v < vecs; ++v) acc[v] = _mm256_fmadd_ps(e, load_kv8(vj, c0 + 8 * v, kv16), acc[v]);
+    return 1.0f / hsum8(total);
+}
+
+/* Columns c0 .. c0 + 8 vecs of nr rows' outputs: o[r][c] = inv[r] * sum_j w[r][j] v_j[c], j ascending from 0,
+ * each value vector loaded (and converted) once for all nr rows. */
+static inline __attribute__((always_inline)) void values_slice(const float *const w[], const float inv[], int nr,
+                                                               const void *vb, int64_t n, int64_t hd, int64_t c0,
+                                                               int vecs, int kv16, float *const o[]) {
+    __m256 acc[HEADS_TILE][4];
+    for (int r = 0; r < nr; ++r)
+        for (int v = 0; v < vecs; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        __m256 e[HEADS_TILE];
+        for (int r = 0; r < nr; ++r) e[r] = _mm256_set1_ps(w[r][j]);
+        const void *vj = kv_row(vb, j, hd, kv16);
+        for (int v = 0; v < vecs; ++v) {
+            const __m256 x = load_kv8(vj, c0 + 8 * v, kv16);
+            for (int r = 0; r < nr; ++r) acc[r][v] = _mm256_fmadd_ps(e[r], x, acc[r][v]);
         }
-        for (int v = 0; v < vecs; ++v) _mm256_storeu_ps(o + c0 + 8 * v, _mm256_mul_ps(acc[v], inv));
+    }
+    for (int r = 0; r < nr; ++r)
+        for (int v = 0; v < vecs; ++v)
+            _mm256_storeu_ps(o[r] + c0 + 8 * v, _mm256_mul_ps(acc[r][v], _mm256_set1_ps(inv[r])));
+}
+
+/* nr query rows (query heads of one KV head, nr <= HEADS_TILE) over the same keys 0 .. n - 1 of blocks kb, vb
+ * (vectorized; hd % 8 == 0): scores 4 keys at a time up to n rounded up to 8 (keys past the last repeat it,
+ * so each row's w ends as softmax_row wants), softmax weights per row, then the weighted sum of values in
+ * slices of 32 columns. Every row gets the bits it gets alone (nr = 1): its scores, sums and their order
+ * do not depend on the other rows. w[r]: scratch of n + 8 floats each. */
+static inline __attribute__((always_inline)) void attend_heads(const float *const qv[], int nr, const void *kb,
+                                                                const void *vb, int64_t n, int64_t hd, float scale,
+                                                                float softcap, float *const w[], float *const o[],
+                                                                int kv16) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {  /* up to n rounded up to 4; then copies of key n - 1 to 8 */
+        const void *keys[4];
+        for (int c = 0; c < 4; ++c) keys[c] = kv_row(kb, j0 + c < n ? j0 + c : n - 1, hd, kv16);
+        __m128 s[HEADS_TILE];
+        scores4(qv, nr, keys, hd, kv16, s);
+        for (int r = 0; r < nr; ++r) _mm_storeu_ps(w[r] + j0, _mm_mul_ps(s[r], sc));
+    }
+    const int64_t filled = (n + 3) / 4 * 4, padded = (n + 7) / 8 * 8;
+    for (int r = 0; r < nr; ++r)
+        for (int64_t j = filled; j < padded; ++j) w[r][j] = w[r][n - 1];  /* the score key n - 1 gives, bit for bit */
+    float inv[HEADS_TILE];
+    for (int r = 0; r < nr; ++r) inv[r] = softmax_row(w[r], n, softcap);
+    for (int64_t c0 = 0; c0 < hd; c0 += 32) {
+        switch (hd - c0 >= 32 ? 4 : (int)((hd - c0) / 8)) {  /* constant vector counts: accumulators stay in registers */
+            case 4: values_slice((const float *const *)w, inv, nr, vb, n, hd, c0, 4, kv16, o); break;
+            case 3: values_slice((const float *const *)w, inv, nr, vb, n, hd, c0, 3, kv16, o); break;
+            case 2: values_slice((const float *const *)w, inv, nr, vb, n, hd, c0, 2, kv16, o); break;
+            default: values_slice((const float *const *)w, inv, nr, vb, n, hd, c0, 1, kv16, o); break;
+        }
     }
 }
 
@@ -366,39 +413,57 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
                        const void *k_cache, const void *v_cache, int kv16, int64_t Hkv, int64_t L1,
                        const int64_t *slots, const int64_t *qpos, int64_t window, float scale, float softcap,
                        float *out) {
-    const int64_t rows = B * Hq * T, group = Hq / Hkv;
+    const int64_t group = Hq / Hkv, items = B * T * Hkv;  /* an item: one query's heads over one KV head */
     int64_t max_keys = 1, work = 0;
     for (int64_t i = 0; i < B * T; ++i) {
         max_keys = qpos[i] + 1 > max_keys ? qpos[i] + 1 : max_keys;
         work += (qpos[i] + 1) * Hq * hd;
     }
+    const int64_t stride = max_keys + 8;  /* one row's scores, then weights */
     int failed = 0;
 #pragma omp parallel if (work >= PARALLEL_MIN_WEIGHTS)
     {
-        /* one row's scores, then weights; then a float16 key row for attend_row_scalar */
-        float *w = (float *)malloc(sizeof(float) * (size_t)(max_keys + 8 + hd));
-        if (!w) {
+        /* HEADS_TILE rows' scratch, then a float16 key row for attend_row_scalar */
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)(HEADS_TILE * stride + hd));
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!w) continue;
-            const int64_t b = r / (Hq * T), h = (r / T) % Hq, t = r % T;
+        for (int64_t it = 0; it < items; ++it) {
+            if (!scratch) continue;
+            const int64_t b = it / (T * Hkv), t = (it / Hkv) % T, g = it % Hkv;
             const int64_t p = qpos[b * T + t];
-            const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            const int64_t base = (slots[b] * Hkv + h / group) * L1;
+            const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+            const int64_t base = (slots[b] * Hkv + g) * L1;
             const void *kb = kv_row(k_cache, base, hd, kv16), *vb = kv_row(v_cache, base, hd, kv16);
-            const float *qv = q + b * qs_b + h * qs_h + t * qs_t;
-            float *o = out + ((b * T + t) * Hq + h) * hd;
-            if (hd % 8 != 0)
-                attend_row_scalar(qv, kb, vb, lo, p, hd, scale, softcap, w, o, kv16, w + max_keys + 8);
-            else if (kv16)  /* two inlined copies, each with its loads fixed */
-                attend_row(qv, kb, vb, lo, p, hd, scale, softcap, w, o, 1);
-            else
-                attend_row(qv, kb, vb, lo, p, hd, scale, softcap, w, o, 0);
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_TILE) {
+                const int nr = (g + 1) * group - h0 < HEADS_TILE ? (int)((g + 1) * group - h0) : HEADS_TILE;
+                const float *qv[HEADS_TILE];
+                float *o[HEADS_TILE], *w[HEADS_TILE];
+                for (int r = 0; r < nr; ++r) {
+                    qv[r] = q + b * qs_b + (h0 + r) * qs_h + t * qs_t;
+                    o[r] = out + ((b * T + t) * Hq + h0 + r) * hd;
+                    w[r] = scratch + r * stride;
+                }
+                if (hd % 8 != 0) {
+                    for (int r = 0; r < nr; ++r)
+                        attend_row_scalar(qv[r], kb, vb, lo, p, hd, scale, softcap, w[r], o[r], kv16,
+                                          scratch + HEADS_TILE * stride);
+                    continue;
+                }
+                const void *kr = kv_row(kb, lo, hd, kv16), *vr = kv_row(vb, lo, hd, kv16);
+                /* inlined copies with the row count and the loads fixed */
+#define ATTEND(NR, KV16) attend_heads(qv, NR, kr, vr, n, hd, scale, softcap, w, o, KV16)
+                if (kv16) {
+                    if (nr == 3) ATTEND(3, 1); else if (nr == 2) ATTEND(2, 1); else ATTEND(1, 1);
+                } else {
+                    if (nr == 3) ATTEND(3, 0); else if (nr == 2) ATTEND(2, 0); else ATTEND(1, 0);
+                }
+#undef ATTEND
+            }
         }
-        free(w);
+        free(scratch);
     }
     return failed ? -1 : 0;
 }

@@ -11,9 +11,11 @@ time, so that one vector multiply-add yields partial sums of 8 outputs side by s
 weight vector serves two rows of ``x`` (prefill and verification rows share the weight traffic).
 Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
 
-**Attention.** :func:`attention` computes each (request, head, query) row on its own, from the
-cache itself (no gathered copy of the keys, no mask tensor): scores 8 keys at a time, softmax, the
-weighted sum of values, each sum in an order fixed by the row's own key count. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
+**Attention.** :func:`attention` computes each (request, head, query) row from the cache itself (no
+gathered copy of the keys, no mask tensor): scores 4 keys at a time, softmax, the weighted sum of
+values, each sum in an order fixed by the row's own key count. The query heads of one KV head (GQA's
+group) run together, so each key and value is loaded and converted once for up to 3 of them; a row's
+arithmetic is the same whichever heads run beside it. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
 the call, so a position's output moves in its last bits with the number of queries and requests
 in the call; byte-rounded activations then carry such a bit into a different rounding. The cache
 may hold float16 (``engine.kv_cache_dtype``): half the bytes to read, which is what attention costs
