@@ -340,6 +340,65 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
     assert runner.forward(slots, [new[0], new[1][:1], new[2][:2]], [0, 0, 0], packed=True).shape == (0, 32)
 
 
+def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
+    """Layer i of a block model through the separate kernels and torch ops (the runner's path without
+    cpu_kernels.llama_layer)."""
+    from specdist.models import runner as runner_mod
+
+    layer, hd = runner.layers[i], runner.head_dim
+    bsz, t, _ = h.shape
+    x = runner_mod._rms_norm(layer.input_layernorm, h)
+    q, k, v = runner_mod._qkv(layer.self_attn, x, None)
+    o = cpu_kernels.rope_attention(q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd), v.reshape(bsz, t, -1, hd),
+                                   cos, sin, runner.cache.k[i], runner.cache.v[i], slots, write_pos, write_pos, None,
+                                   runner.scaling)
+    h = h + layer.self_attn.o_proj(o.reshape(bsz, t, -1))
+    return h + runner_mod._mlp(layer.mlp, runner_mod._rms_norm(layer.post_attention_layernorm, h))
+
+
+def test_a_llama_layer_on_blocks_is_one_kernel_call():
+    """cpu_kernels.llama_layer runs each layer of a Llama model on blocks: it writes the cache rows the op-by-op
+    layer writes (the same kernels up to attention: same bits), and its output differs from that layer's only
+    by its own silu (e^-g from exp8, not torch's exp) moving a few activations' byte rounding. An EAGLE-3 tap
+    of a layer's input is not touched by the in-place update. Qwen2's q/k/v biases and Gemma's sandwich norms
+    run op by op."""
+    from specdist.models.runner import CausalLMRunner
+
+    runner = CausalLMRunner(_block_model("llama"), 2, 80)
+    assert len(runner.layer_kernels) >= 2 and all(k is not None for k in runner.layer_kernels)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
+    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
+    write_pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    cos, sin = (tab[write_pos] for tab in runner.rope_tables[None])
+    for i in range(len(runner.layers)):
+        want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
+        cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
+        runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
+        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], runner.config.num_attention_heads,
+                                      runner.cache.k[i].shape[1], cos, sin, runner.cache.k[i], runner.cache.v[i],
+                                      slots, write_pos, write_pos, None, runner.scaling)
+        assert torch.equal(runner.cache.k[i], cache[0]) and torch.equal(runner.cache.v[i], cache[1])
+        assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+        h = want
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], runner.config.num_attention_heads,
+                                runner.cache.k[0].shape[1], cos, sin, runner.cache.k[0], runner.cache.v[0], slots,
+                                write_pos, write_pos, None, runner.scaling)
+    n = len(runner.layers)
+    runner.hidden_layers = (0, 1, n)  # taps: the embeddings, layer 1's input, the last layer's output
+    ids = [[3, 9, 4], [2, 8, 8]]
+    for s in slots.tolist():
+        runner.cache.rollback(s, 0)
+    logits = runner.forward(slots.tolist(), ids, [3, 3])
+    embedded = runner.model.model.embed_tokens(torch.tensor(ids))
+    d = runner.config.hidden_size
+    assert torch.equal(runner.last_hidden[..., :d], embedded) and logits.isfinite().all()
+    assert not torch.equal(runner.last_hidden[..., d : 2 * d], runner.last_hidden[..., 2 * d :])
+    for family in ("qwen2", "gemma2"):
+        assert all(k is None for k in CausalLMRunner(_block_model(family), 1, 40).layer_kernels), family
+
+
 def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):
     """Invariant forwards make greedy speculative output token for token the plain greedy output, whatever
     the drafts (a suffix index, n-grams, and the float model the blocks came from, which agree to different

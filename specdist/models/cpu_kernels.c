@@ -550,3 +550,76 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
     free(qr);
     return rc;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * One Llama-style decoder layer on blocks in one call, in place on h [M, D] (M = B * T rows):
+ *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
+ *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
+ * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm or specdist_q8_mm by its weight's blocks, so a
+ * row's result is computed as the layer-by-layer calls compute it, alone, whatever the rows around it. The
+ * call replaces about ten Python-level operations a layer, whose dispatch is most of a small batch's time.
+ * lin[4]: Wqkv [(Hq + 2 Hkv) hd, D], Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows).
+ * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats. The cache arguments are specdist_rope_attention's.
+ * Returns 0, or -1 without memory.
+ */
+typedef struct {
+    const void *codes;   /* pack_q4 / pack_q8 codes */
+    const float *scales; /* their scales */
+    int64_t n;           /* output rows */
+    int64_t q8;          /* 1: Q8 blocks, 0: Q4 */
+} block_linear;
+
+static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
+    return w->q8 ? specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y)
+                 : specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y);
+}
+
+static void add_rows(float *h, const float *a, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, _mm256_add_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(a + i)));
+    for (; i < n; ++i) h[i] += a[i];
+}
+
+/* act[m, i] = silu(gu[m, i]) * gu[m, I + i]; e^-g from exp8 with -g capped at 88 (e^88 is finite: silu of a
+ * very negative g is then -0 or a denormal, as it should be). */
+static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
+#pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = act + m * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; ++i) {
+            const float ng = -g[i] < 88.0f ? -g[i] : 88.0f;
+            o[i] = g[i] / (1.0f + expf(ng)) * u[i];
+        }
+    }
+}
+
+int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float *norm1, const float *norm2,
+                         float eps, const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
+                         const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,
+                         const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
+                         float scale, float softcap, float *scratch) {
+    const int64_t M = B * T, nq = Hq * hd, nqkv = lin[0].n, I = lin[2].n / 2;
+    float *x = scratch, *qkv = x + M * D, *a = qkv + M * nqkv, *p = a + M * nq, *gu = p + M * D, *act = gu + M * 2 * I;
+    specdist_rms_norm(h, M, D, norm1, eps, x);
+    if (block_mm(&lin[0], x, M, D, qkv)) return -1;
+    if (specdist_rope_attention(qkv, qkv + nq, qkv + nq + Hkv * hd, B, T, Hq, Hkv, hd, T * nqkv, nqkv, T * nqkv, nqkv,
+                                T * nqkv, nqkv, cos_t, sin_t, k_cache, v_cache, kv16, L1, slots, write_pos, qpos,
+                                window, scale, softcap, a))
+        return -1;
+    if (block_mm(&lin[1], a, M, nq, p)) return -1;
+    add_rows(h, p, M * D);
+    specdist_rms_norm(h, M, D, norm2, eps, x);
+    if (block_mm(&lin[2], x, M, D, gu)) return -1;
+    silu_mul(gu, M, I, act);
+    if (block_mm(&lin[3], act, M, I, p)) return -1;
+    add_rows(h, p, M * D);
+    return 0;
+}

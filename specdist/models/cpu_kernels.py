@@ -21,6 +21,11 @@ in the call; byte-rounded activations then carry such a bit into a different rou
 may hold float16 (``engine.kv_cache_dtype``): half the bytes to read, which is what attention costs
 at many requests or long contexts on a CPU; each element converts exactly to float32 on load.
 
+**Layers.** :func:`llama_layer` runs a whole Llama-style decoder layer on blocks (RMS norms, the fused
+q/k/v and gate/up matmuls, rotary, cache write and attention, SiLU, the residual adds) in one call, so a
+layer costs one Python-level call instead of about ten: at batch 1 dispatch was most of a forward's
+time. The runner uses it wherever every matmul of a layer runs on blocks (``CausalLMRunner.layer_kernels``).
+
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
 forward is invariant: a position's logits are the same bits whether it is decoded alone,
@@ -115,6 +120,11 @@ def library() -> ctypes.CDLL | None:
     lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                                             ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_rope_attention.restype = ctypes.c_int
+    # (h, B, T, D, norm1, norm2, eps, lin[4], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16, L1, slots, write_pos,
+    #  qpos, window, scale, cap, scratch)
+    lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32,
+                                         i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+    lib.specdist_llama_layer.restype = ctypes.c_int
     return lib
 
 
@@ -293,6 +303,67 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
             window, scale, softcap, out.data_ptr()):
         raise MemoryError("attention kernel: no memory for its queries")
     return out
+
+
+class BlockLinear(ctypes.Structure):
+    """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("q8", ctypes.c_int64)]
+
+
+class LayerWeights:
+    """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
+    (float32, contiguous) and eps, and ``(codes, scales, rows, q8)`` of W_qkv, W_o, W_gate_up (gate rows
+    first) and W_down. It keeps the tensors, so the pointers it hands the C code stay valid."""
+
+    def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
+                 linears: list[tuple[torch.Tensor, torch.Tensor, int, bool]]):
+        self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
+        self.eps = float(eps)
+        self.tensors = [t for codes, scales, _, _ in linears for t in (codes, scales)]
+        for t in self.tensors:
+            if not t.is_contiguous():
+                raise ValueError("llama_layer: block codes and scales must be contiguous")
+        self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr(), n, int(q8))
+                                           for c, s, n, q8 in linears))
+        self.d = self.norm1.shape[0]
+        self.nqkv, self.i = linears[0][2], linears[2][2] // 2
+        for (codes, _, n, _), k in zip(linears, (self.d, None, self.d, self.i)):
+            if codes.shape[0] != -(-n // 8) or (k is not None and codes.shape[1] * GROUP != k):
+                raise ValueError(f"llama_layer: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
+
+
+def llama_layer(h: torch.Tensor, weights: LayerWeights, hq: int, hkv: int, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
+                query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None,
+                scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_llama_layer``): RMS norm,
+    the fused q/k/v matmul, :func:`rope_attention`, the output projection and its residual add, RMS norm,
+    the gate/up matmul, ``silu(gate) * up``, the down projection and its residual add. Updates ``h``
+    [B, T, D] (contiguous float32) in place and returns it; the cache arguments are :func:`rope_attention`'s.
+    ``scratch``: at least :func:`layer_scratch` floats, reusable across the layers of a forward."""
+    bsz, t, d = h.shape
+    hd = k_cache.shape[-1]
+    if not h.is_contiguous() or h.dtype != torch.float32 or d != weights.d or weights.nqkv != (hq + 2 * hkv) * hd:
+        raise ValueError(f"llama_layer: h {tuple(h.shape)} {h.dtype} does not fit the layer's weights")
+    kv16 = _kv16(k_cache, v_cache)
+    need = layer_scratch(bsz * t, weights, hq * hd)
+    if scratch is None or scratch.numel() < need:
+        scratch = torch.empty(need, dtype=torch.float32)
+    cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
+    slots, write_pos, query_pos = (_dense(x, torch.int64) for x in (slots, write_pos, query_pos))
+    if library().specdist_llama_layer(
+            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps, weights.linears,
+            hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv16, k_cache.shape[2],
+            slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0, scale, softcap or 0.0,
+            scratch.data_ptr()):
+        raise MemoryError("llama_layer: no memory for its activations")
+    return h
+
+
+def layer_scratch(rows: int, weights: LayerWeights, attn_width: int) -> int:
+    """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
+    return rows * (2 * weights.d + weights.nqkv + attn_width + 3 * weights.i)
 
 
 @torch.library.custom_op("specdist::rms_norm", mutates_args=())

@@ -75,7 +75,7 @@ from specdist.errors import ConfigError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
-from specdist.models.quant import on_cpu_blocks
+from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks
 from specdist.models.fusion import fuse_projections
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
@@ -148,6 +148,10 @@ class CausalLMRunner:
                                  self.device)
         self.cpu_rope_attention = (self.cpu_attention and not self.qk_norm
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
+        # where that holds, a Llama-style layer whose matmuls all run on blocks is one C call
+        # (cpu_kernels.llama_layer); None for a layer that runs op by op
+        self.layer_kernels = [None if self.sandwich or not self.cpu_rope_attention else _layer_kernel(layer)
+                              for layer in self.layers]
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
@@ -386,10 +390,23 @@ class CausalLMRunner:
         ropes = {key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
         hd = self.head_dim
         taps = {}  # layer index -> its input [B, T, D]
+        kernels = self.layer_kernels if fused is not None and not torch.compiler.is_compiling() else [None] * len(self.layers)
+        scratch = None  # the layer kernels' activations, shared by the layers of this call
         for i, layer in enumerate(self.layers):
             if i in self.hidden_layers:
-                taps[i] = h
+                taps[i] = h if kernels[i] is None else h.clone()  # the layer kernel updates h in place
             attn = layer.self_attn
+            if kernels[i] is not None:
+                hkv = self.cache.k[i].shape[1]
+                if scratch is None:
+                    h = h.contiguous()
+                    scratch = torch.empty(max(cpu_kernels.layer_scratch(bsz * t_max, w, w.nqkv - 2 * hkv * hd)
+                                              for w in kernels if w is not None))
+                cos, sin = ropes[self.rope_keys[i]]
+                h = cpu_kernels.llama_layer(h, kernels[i], kernels[i].nqkv // hd - 2 * hkv, hkv, cos, sin,
+                                            self.cache.k[i], self.cache.v[i], fused[0], write_pos, fused[1],
+                                            self.windows[i], self.scaling, self.attn_softcap, scratch)
+                continue
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = _qkv(attn, x, self.qkv_split)
             q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
@@ -623,6 +640,35 @@ def _rope_table(rotary, probe, n: int, layer_type: str | None = None) -> tuple[t
 _LLAMA_STYLE_NORMS = frozenset(
     ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm")
 )
+
+
+def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
+    """``(codes, scales, rows, q8)`` of a linear without bias that the block kernels run, else None."""
+    if getattr(linear, "bias", None) is not None:
+        return None
+    if type(linear) is Int4GroupLinear and linear.blocks in ("q4", "q8"):
+        return linear.packed, linear.scales_and_zeros, linear.out_features, linear.blocks == "q8"
+    if type(linear) is Int8WeightOnlyLinear and linear.block_codes is not None:
+        return linear.block_codes, linear.block_scales, linear.out_features, True
+    return None
+
+
+def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
+    """The weights :func:`cpu_kernels.llama_layer` reads for a Llama-style decoder layer (Llama-style RMS
+    norms, fused q/k/v and gate/up projections, SiLU, every matmul on blocks, no bias), else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, getattr(layer, "post_attention_layernorm", None))
+    if any(type(n).__name__ not in _LLAMA_STYLE_NORMS or n.weight.dtype != torch.float32 for n in norms):
+        return None
+    if norms[0].variance_epsilon != norms[1].variance_epsilon:
+        return None
+    qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
+    if qkv is None or gate_up is None or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+        return None
+    linears = [_block_linear(m) for m in (qkv.inner, attn.o_proj, gate_up.inner, mlp.down_proj)]
+    if any(w is None for w in linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
+        return None
+    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
