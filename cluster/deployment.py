@@ -10,7 +10,9 @@ in parallel over the actors and each bounded by what is left of ``timeout_s``:
 3. ``load``: every rank loads and shards the target, every draft loads its model;
 4. ``follow``: ranks > 0 enter ``run_follower()`` (kept as background ObjectRefs);
 5. ``warmup``: rank 0 (followers replay it) and every draft;
-6. ``serve``: gRPC on rank 0 and on every draft, each requiring the deployment's worker secret.
+6. ``serve``: gRPC on rank 0 and on every draft, each requiring the deployment's worker secret;
+7. ``freeze``: every actor moves its start-up objects out of the garbage collector's walks
+   (:mod:`specdist.heap`), so that a full collection of them does not stall a step.
 
 The worker secret (:attr:`Deployment.worker_secret`, 32 random bytes in hex, fresh at every
 bring-up, never logged) is handed to the actors with ``start_grpc``; every worker call but the
@@ -331,6 +333,11 @@ class Deployment:
         if drafts:
             self.draft_addresses = [h.address for h in self.drafts]
         self._done("serve", f"target at {self.target_address}, drafts at {', '.join(self.draft_addresses) or '-'}")
+        # every actor of this bring-up (followers too: they answer calls while following) keeps its start-up
+        # objects out of the garbage collector's walks, so that a full collection does not stall a step
+        frozen = self._wait("freeze", {h.name: h.actor.freeze_heap.remote() for h in handles}, deadline, timeout_s,
+                            watch_followers=bool(targets))
+        self._done("freeze", ", ".join(f"{name} {n}" for name, n in frozen.items()) + " objects frozen")
 
     def _done(self, phase: str, what: str) -> None:
         log.info("bring-up: %s done after %.1f s (%s)", phase, time.monotonic() - self._t0, what)

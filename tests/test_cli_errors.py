@@ -9,6 +9,7 @@ fakes that fail the test if the command reaches them too early.
 
 from __future__ import annotations
 
+import gc
 import socket
 import subprocess
 import sys
@@ -133,6 +134,8 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
     assert "specdist: error: cannot listen on 127.0.0.1:4242: Failed to bind to address 127.0.0.1:4242\n" in err
     assert dep.stopped and "deployment stopped" in err and "(3 actors, placement groups removed)" in err
     assert "Traceback" not in err
+    # serve froze this process's start-up objects once the backend was up, and unfroze them as it ended
+    assert "start-up objects frozen out of the garbage collector's walks" in err and gc.get_freeze_count() == 0
 
 
 # ------------------------------------------------------- 2. optional dependencies

@@ -24,6 +24,7 @@ metadata, else UNAUTHENTICATED (:func:`specdist.transport.security.auth_intercep
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from specdist import heap
 from specdist.cores.draft import WARMUP_ID
 from specdist.api.admission import bare_host
 from specdist.transport.grpc_host import GrpcHostThread
@@ -172,6 +174,7 @@ class _ActorBase:
             "draining": self.draining,
             "load_s": self.load_s,
             "warmup_s": self.warmup_s,
+            "frozen_objects": gc.get_freeze_count(),  # start-up objects kept out of the collector's walks
         }
         if self.worker is not None:
             out.update(self.worker.health())
@@ -197,6 +200,11 @@ class _ActorBase:
         if self.grpc is not None:
             self.grpc.stop()
             self.grpc = None
+
+    def freeze_heap(self) -> int:
+        """Keep the objects alive after bring-up out of the garbage collector's walks (:mod:`specdist.heap`);
+        the deployment calls it once the actor serves. Returns how many objects are frozen."""
+        return heap.freeze()
 
     def ping(self) -> bool:
         return True

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdist import heap
 from specdist.errors import ListenError, SpecDistError
 
 INSTALL_DISTRIBUTED = 'pip install -e ".[distributed]"'
@@ -437,6 +438,8 @@ def run_serve(args: argparse.Namespace) -> int:
         backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"))
     finally:
         signal.signal(signal.SIGTERM, previous)
+    # this process serves from here on: its start-up objects leave the garbage collector's walks
+    _log(f"{heap.freeze()} start-up objects frozen out of the garbage collector's walks")
     try:
         asyncio.run(_serve_until_signalled(backend, args))
     except (RuntimeError, OSError) as e:
@@ -445,6 +448,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ListenError(f"cannot listen on {args.host}:{args.port}: {_first_line(e)}") from None
     finally:
         shut_down(backend)
+        heap.unfreeze()
     return 0
 
 
