@@ -23,8 +23,8 @@ at many requests or long contexts on a CPU; each element converts exactly to flo
 
 **Layers.** :func:`llama_layer` runs a whole Llama-style decoder layer on blocks (RMS norms, the fused
 q/k/v and gate/up matmuls, rotary, cache write and attention, SiLU, the residual adds) in one call, so a
-layer costs one Python-level call instead of about ten: at batch 1 dispatch was most of a forward's
-time. The runner uses it wherever every matmul of a layer runs on blocks (``CausalLMRunner.layer_kernels``).
+layer costs one Python-level call instead of about ten: at batch 1 the operations between the kernels
+took over a third of a forward's time. The runner uses it wherever every matmul of a layer runs on blocks (``CausalLMRunner.layer_kernels``).
 
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
