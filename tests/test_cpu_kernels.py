@@ -375,16 +375,14 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call():
         want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
         cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
         runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
-        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], runner.config.num_attention_heads,
-                                      runner.cache.k[i].shape[1], cos, sin, runner.cache.k[i], runner.cache.v[i],
-                                      slots, write_pos, write_pos, None, runner.scaling)
+        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
+                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
         assert torch.equal(runner.cache.k[i], cache[0]) and torch.equal(runner.cache.v[i], cache[1])
         assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
         h = want
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], runner.config.num_attention_heads,
-                                runner.cache.k[0].shape[1], cos, sin, runner.cache.k[0], runner.cache.v[0], slots,
-                                write_pos, write_pos, None, runner.scaling)
+        cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
+                                runner.cache.v[0], slots, write_pos, write_pos, None, runner.scaling)
     n = len(runner.layers)
     runner.hidden_layers = (0, 1, n)  # taps: the embeddings, layer 1's input, the last layer's output
     ids = [[3, 9, 4], [2, 8, 8]]

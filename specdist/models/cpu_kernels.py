@@ -328,26 +328,33 @@ class LayerWeights:
                                            for c, s, n, q8 in linears))
         self.d = self.norm1.shape[0]
         self.nqkv, self.i = linears[0][2], linears[2][2] // 2
-        for (codes, _, n, _), k in zip(linears, (self.d, None, self.d, self.i)):
-            if codes.shape[0] != -(-n // 8) or (k is not None and codes.shape[1] * GROUP != k):
+        self.attn = linears[1][0].shape[1] * GROUP  # W_o's inputs: query heads x head size
+        for (codes, _, n, _), k in zip(linears, (self.d, self.attn, self.d, self.i)):
+            if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
                 raise ValueError(f"llama_layer: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
 
+    def scratch(self, rows: int) -> int:
+        """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
+        return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i)
 
-def llama_layer(h: torch.Tensor, weights: LayerWeights, hq: int, hkv: int, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
-                query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None,
+
+def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, query_pos: torch.Tensor,
+                window: int | None, scale: float, softcap: float | None = None,
                 scratch: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_llama_layer``): RMS norm,
     the fused q/k/v matmul, :func:`rope_attention`, the output projection and its residual add, RMS norm,
     the gate/up matmul, ``silu(gate) * up``, the down projection and its residual add. Updates ``h``
-    [B, T, D] (contiguous float32) in place and returns it; the cache arguments are :func:`rope_attention`'s.
-    ``scratch``: at least :func:`layer_scratch` floats, reusable across the layers of a forward."""
+    [B, T, D] (contiguous float32) in place and returns it; the cache arguments are :func:`rope_attention`'s
+    (the head counts come from the weights and the cache). ``scratch``: at least ``weights.scratch(B * T)``
+    floats, reusable across the layers of a forward."""
     bsz, t, d = h.shape
     hd = k_cache.shape[-1]
+    hq, hkv = weights.attn // hd, k_cache.shape[1]
     if not h.is_contiguous() or h.dtype != torch.float32 or d != weights.d or weights.nqkv != (hq + 2 * hkv) * hd:
         raise ValueError(f"llama_layer: h {tuple(h.shape)} {h.dtype} does not fit the layer's weights")
     kv16 = _kv16(k_cache, v_cache)
-    need = layer_scratch(bsz * t, weights, hq * hd)
+    need = weights.scratch(bsz * t)
     if scratch is None or scratch.numel() < need:
         scratch = torch.empty(need, dtype=torch.float32)
     cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
@@ -359,11 +366,6 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, hq: int, hkv: int, cos: 
             scratch.data_ptr()):
         raise MemoryError("llama_layer: no memory for its activations")
     return h
-
-
-def layer_scratch(rows: int, weights: LayerWeights, attn_width: int) -> int:
-    """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
-    return rows * (2 * weights.d + weights.nqkv + attn_width + 3 * weights.i)
 
 
 @torch.library.custom_op("specdist::rms_norm", mutates_args=())

@@ -401,15 +401,13 @@ class CausalLMRunner:
                 taps[i] = h if kernels[i] is None else h.clone()  # the layer kernel updates h in place
             attn = layer.self_attn
             if kernels[i] is not None:
-                hkv = self.cache.k[i].shape[1]
                 if scratch is None:
                     h = h.contiguous()
-                    scratch = torch.empty(max(cpu_kernels.layer_scratch(bsz * t_max, w, w.nqkv - 2 * hkv * hd)
-                                              for w in kernels if w is not None))
+                    scratch = torch.empty(max(w.scratch(bsz * t_max) for w in kernels if w is not None))
                 cos, sin = ropes[self.rope_keys[i]]
-                h = cpu_kernels.llama_layer(h, kernels[i], kernels[i].nqkv // hd - 2 * hkv, hkv, cos, sin,
-                                            self.cache.k[i], self.cache.v[i], fused[0], write_pos, fused[1],
-                                            self.windows[i], self.scaling, self.attn_softcap, scratch)
+                h = cpu_kernels.llama_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], fused[0],
+                                            write_pos, fused[1], self.windows[i], self.scaling, self.attn_softcap,
+                                            scratch)
                 continue
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = _qkv(attn, x, self.qkv_split)
