@@ -24,7 +24,6 @@ metadata, else UNAUTHENTICATED (:func:`specdist.transport.security.auth_intercep
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import threading
@@ -154,6 +153,8 @@ class _ActorBase:
         self.draining = False
         self.warmup_s: float | None = None
         self.load_s: float | None = None
+        # objects freeze_heap() froze (0 before): counted once there, as gc.get_freeze_count() walks them all
+        self.frozen_objects = 0
 
     def _on_worker_thread(self, fn, *args):
         return self.executor.submit(fn, *args).result()
@@ -174,7 +175,7 @@ class _ActorBase:
             "draining": self.draining,
             "load_s": self.load_s,
             "warmup_s": self.warmup_s,
-            "frozen_objects": gc.get_freeze_count(),  # start-up objects kept out of the collector's walks
+            "frozen_objects": self.frozen_objects,  # start-up objects kept out of the collector's walks
         }
         if self.worker is not None:
             out.update(self.worker.health())
@@ -204,7 +205,8 @@ class _ActorBase:
     def freeze_heap(self) -> int:
         """Keep the objects alive after bring-up out of the garbage collector's walks (:mod:`specdist.heap`);
         the deployment calls it once the actor serves. Returns how many objects are frozen."""
-        return heap.freeze()
+        self.frozen_objects = heap.freeze()
+        return self.frozen_objects
 
     def ping(self) -> bool:
         return True
