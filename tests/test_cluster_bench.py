@@ -17,7 +17,7 @@ from specdist.cli import main
 
 LEVEL_KEYS = {"variant", "mode", "label", "concurrency", "request_rate", "requests", "wall_s", "output_tokens",
               "output_tokens_per_s", "request_throughput", "acceptance", "phase_share", "phase_ms_per_step",
-              "per_request", "pipeline_hit_rate", "draft_overlap"} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e")
+              "per_request", "pipeline_hit_rate", "draft_overlap", "passes_output_tokens_per_s"} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e")
                                 for s in ("mean", "p50", "p90", "p99")}
 REQUEST_KEYS = {"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted", "accepted", "pipeline_hits",
                 "pipeline_misses", "itl_s"}
@@ -63,18 +63,31 @@ def test_variants_are_config_overrides(tiny_models):
         "a": {"b": 5, "c": 2}, "d": {"e": 1}}  # mappings merge, anything else is replaced
 
 
-def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, tmp_path):
+def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, tmp_path, capsys):
     """The pipelined variant reports its hit rate (from the per-request stats over gRPC) and the
-    draft overlap (hidden / all draft time, from the engine); the sequential one reports neither."""
+    draft overlap (hidden / all draft time, from the engine); the sequential one reports neither.
+    --repeat 2: each variant's server runs twice, the order rotating, and each level pools its passes."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     out_json = tmp_path / "r.json"
     assert main(["bench", "cluster", "--config", str(cfg), "--variants", "pipelined,sequential", "--concurrency", "2",
                  "--requests", "2", "--max-tokens", "12", "--raw", "--temperature", "0", "--json", str(out_json),
-                 "--no-progress"]) == 0
+                 "--no-progress", "--repeat", "2"]) == 0
+    out = capsys.readouterr()
+    assert "pass 1/2: pipelined, sequential" in out.err and "pass 2/2: sequential, pipelined" in out.err
+    assert out.err.count("starting a server on the in-process engine") == 4
     doc = json.loads(out_json.read_text())
+    assert doc["settings"]["repeat"] == 2
     assert [v["server_info"]["draft_pipeline"] for v in doc["variants"]] == [True, False]
     piped, seq = doc["levels"]
+    for r in (piped, seq):
+        assert r["requests"] == 4 and len(r["per_request"]) == 4 and r["output_tokens"] == 4 * 12
+        rates = r["passes_output_tokens_per_s"]
+        assert len(rates) == 2 and all(x > 0 for x in rates)
+        # pooled: all tokens over both passes' seconds, between the two passes' own rates
+        assert r["output_tokens_per_s"] == pytest.approx(4 * 12 / r["wall_s"], rel=1e-12)
+        assert min(rates) * (1 - 1e-9) <= r["output_tokens_per_s"] <= max(rates) * (1 + 1e-9)
+        assert abs(sum(r["phase_share"].values()) - 1) < 1e-6
     hits = sum(p["pipeline_hits"] for p in piped["per_request"])
     misses = sum(p["pipeline_misses"] for p in piped["per_request"])
     assert hits + misses > 0 and piped["pipeline_hit_rate"] == hits / (hits + misses)
@@ -82,6 +95,10 @@ def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, t
     assert seq["pipeline_hit_rate"] is None and seq["draft_overlap"] is None
     # greedy: the same tokens either way
     assert [p["tokens"] for p in piped["per_request"]] == [p["tokens"] for p in seq["per_request"]]
+    ratio = piped["output_tokens_per_s"] / seq["output_tokens_per_s"]
+    per_pass = ", ".join(f"{a / b:.2f}" for a, b in zip(piped["passes_output_tokens_per_s"],
+                                                        seq["passes_output_tokens_per_s"]))
+    assert f"- C=2: pipelined / sequential = {ratio:.2f}x (passes: {per_pass})" in out.out
 
 
 def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monkeypatch):
@@ -98,7 +115,8 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monk
     doc = json.loads(out_json.read_text())
     assert doc["schema"] == "specdist.bench.cluster/1"
     assert doc["settings"] == {"max_tokens": 6, "temperature": 0.8, "raw": True, "seed": 0, "requests": 3,
-                               "concurrency": [1, 3], "request_rate": [40.0, "inf"], "protocol": "grpc"}
+                               "concurrency": [1, 3], "request_rate": [40.0, "inf"], "protocol": "grpc",
+                               "repeat": 1}
     assert [(v["name"], v["source"], v["overrides"]) for v in doc["variants"]] == [
         (name, "config", VARIANTS[name]) for name in ("spec", "no-spec")]
     assert [v["server_info"]["draft_method"] for v in doc["variants"]] == ["model", "none"]
@@ -210,6 +228,7 @@ def _closed_port() -> int:
     (["--config", "c.yaml", "--variants", "spec,fast"], "--variants: a comma-separated subset of spec,no-spec"),
     (["--server", "x:1", "--plot", "/nonexistent/dir/fig"], "--plot: the directory of '/nonexistent/dir/fig'"),
     (["--server", "x:1", "--requests", "-1"], "--requests: must be >= 0"),
+    (["--server", "x:1", "--repeat", "0"], "--repeat: must be >= 1"),
     (["--http", "http://127.0.0.1:{port}"], "http://127.0.0.1:{port}/v1/models: cannot connect"),
     (["--server", "127.0.0.1:{port}"], "--server 127.0.0.1:{port}: UNAVAILABLE"),
 ])

@@ -38,12 +38,19 @@ Targets (any mix; each is one "variant" of the results):
   (output bookkeeping, releases, sampling). Orchestration overhead = network +
   serialization + scheduling.
 
+Passes. ``--repeat N`` measures every variant N times: pass p runs the variants in their order
+rotated by p (a config variant's server, Ray deployment included, starts afresh in each pass), and
+each level's figures pool its passes (requests, seconds, tokens, phases summed; percentiles over all
+requests). This VM's throughput drifts by 10-30% over minutes, so one pass of each variant, run one
+after the other, can put the drift on one of them. The report ends with each level's pooled
+ratio of the first variant's output tokens/s over each other's, and each pass's ratio.
+
 ``--json PATH`` writes one object (strict JSON: no NaN or Infinity), schema
 ``specdist.bench.cluster/1``; a new key may be added, none is renamed or removed::
 
     {"schema": "specdist.bench.cluster/1",
      "settings": {"max_tokens", "temperature", "raw", "seed", "requests" (0: per-level default),
-                  "concurrency": [int], "request_rate": [float | "inf"], "protocol"},
+                  "concurrency": [int], "request_rate": [float | "inf"], "protocol", "repeat"},
      "variants": [{"name", "source": "config" | "server", "protocol": "grpc" | "http",
                    "address" (host:port or base URL; null for config variants),
                    "overrides" (config variants: the VARIANTS entry, else null),
@@ -59,6 +66,7 @@ Targets (any mix; each is one "variant" of the results):
                                   under verification / all draft time, else null),
                  "phase_ms_per_step", "phase_share" (config variants, else {}),
                  "vs_hf_plain" (with --hf-baseline),
+                 "passes_output_tokens_per_s": [float] (each pass's, in run order; one without --repeat),
                  "per_request": [{"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted",
                                   "accepted", "pipeline_hits", "pipeline_misses", "itl_s": [float]}]  # in request order (seed 1000 + i)
                 }],
@@ -145,6 +153,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="spec,no-spec",
                    help=f"with --config: which of {','.join(VARIANTS)} to run (pipelined / sequential: "
                         "draft.pipeline on / off)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every variant N times, the order rotating from pass to pass (a config variant's "
+                        "server started afresh each time), and pool the passes: this VM's drift spreads over "
+                        "the variants (default: 1)")
     p.add_argument("--hf-baseline", type=int, default=0, metavar="N",
                    help="with --config: also run transformers generate on the same target, one request at a "
                         "time, over N of the prompts, and print every level's tokens/s as a multiple of it")
@@ -344,14 +356,54 @@ def http_server_info(base: str) -> tuple[str | None, dict]:
 # ---------------------------------------------------------------- one level
 @dataclass
 class LevelResult:
+    """One level of one variant; with ``--repeat`` the passes pooled (:meth:`merge`)."""
+
     variant: str
     level: Level
     requests: int
     wall_s: float
     timings: list[RequestTiming] = field(default_factory=list)
-    phase_share: dict = field(default_factory=dict)
-    phase_ms_per_step: dict = field(default_factory=dict)
-    draft_overlap: float | None = None  # config variants with pipelined drafting: hidden / all draft time
+    phase_s: dict = field(default_factory=dict)  # config variants: seconds per phase, and "busy" (see breakdown)
+    steps: int = 0  # config variants: engine steps
+    draft_hidden_s: float = 0.0  # pipelined drafting: draft time hidden under verification
+    draft_exposed_s: float = 0.0  # draft time steps waited for
+    pipelined: bool = False  # the engine reported pipelined drafting (hits or misses)
+    pass_rates: list[float] = field(default_factory=list)  # output tokens/s of each pass, in run order
+
+    def __post_init__(self) -> None:
+        if not self.pass_rates and self.wall_s:
+            self.pass_rates = [sum(t.tokens for t in self.timings) / self.wall_s]
+
+    def merge(self, other: "LevelResult") -> None:
+        """Pool another pass of the same variant and level: sums of requests, seconds and phases."""
+        self.requests += other.requests
+        self.wall_s += other.wall_s
+        self.timings += other.timings
+        for k, v in other.phase_s.items():
+            self.phase_s[k] = self.phase_s.get(k, 0.0) + v
+        self.steps += other.steps
+        self.draft_hidden_s += other.draft_hidden_s
+        self.draft_exposed_s += other.draft_exposed_s
+        self.pipelined = self.pipelined or other.pipelined
+        self.pass_rates += other.pass_rates
+
+    @property
+    def phase_ms_per_step(self) -> dict:
+        steps = max(1, self.steps)
+        return {k: 1e3 * v / steps for k, v in self.phase_s.items() if k != "busy"}
+
+    @property
+    def phase_share(self) -> dict:
+        busy = self.phase_s.get("busy", 0.0)
+        return {k: v / busy if busy else 0.0 for k, v in self.phase_s.items() if k != "busy"}
+
+    @property
+    def draft_overlap(self) -> float | None:
+        """Pipelined drafting: draft time hidden under verification / all draft time; else None."""
+        if not self.pipelined:
+            return None
+        total = self.draft_hidden_s + self.draft_exposed_s
+        return self.draft_hidden_s / total if total > 0 else 0.0
 
     def summary(self) -> dict:
         """One entry of the JSON's ``levels`` (module docstring)."""
@@ -388,6 +440,7 @@ class LevelResult:
         row["draft_overlap"] = self.draft_overlap
         row["phase_share"] = self.phase_share
         row["phase_ms_per_step"] = self.phase_ms_per_step
+        row["passes_output_tokens_per_s"] = list(self.pass_rates)
         row["per_request"] = [t.record() for t in ts]
         return row
 
@@ -497,8 +550,10 @@ class InProcessServer:
         self.thread.join(timeout=10)
 
 
-def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
-    """(ms per step, share of busy time) per phase; see the module docstring."""
+def phase_seconds(engine, coordinator) -> dict:
+    """Seconds per phase since the stats' last reset, and the coordinator's busy time ("busy"); the
+    phases the engine does not report (output bookkeeping, releases, sampling) are "other". See the
+    module docstring."""
     ph = dict(engine.stats.phase_s)
     tm = coordinator.timing
     busy = tm.tick_s + tm.gap_s
@@ -510,18 +565,8 @@ def breakdown(engine, coordinator, steps: int) -> tuple[dict, dict]:
         "scheduling": tm.scheduling_s,
     }
     parts["other"] = max(0.0, busy - sum(parts.values()))
-    steps = max(1, steps)
-    return ({k: 1e3 * v / steps for k, v in parts.items()},
-            {k: v / busy if busy else 0.0 for k, v in parts.items()})
-
-
-def draft_overlap(stats) -> float | None:
-    """Pipelined drafting: draft time hidden under verification / all draft time (hidden + what
-    steps waited for); None without pipelined drafting."""
-    hidden, exposed = stats.draft_hidden_s, stats.phase_s.get("draft", 0.0)
-    if not (stats.pipeline_hits or stats.pipeline_misses):
-        return None
-    return hidden / (hidden + exposed) if hidden + exposed > 0 else 0.0
+    parts["busy"] = busy
+    return parts
 
 
 # ---------------------------------------------------------------- the command
@@ -537,6 +582,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
         raise ValueError(f"--requests: must be >= 0 (0: the per-level default), got {args.requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag}: the directory of {path!r} does not exist")
@@ -556,8 +603,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
 def run(args: argparse.Namespace) -> int:
     levels, variants, bases = check_args(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    results: list[LevelResult] = []
-    described: list[dict] = []
+    pooled: dict[tuple[str, Level], LevelResult] = {}  # (variant, level) -> its passes pooled
 
     def measure(name: str, send: Callable[[RequestSpec], RequestTiming], srv: InProcessServer | None = None):
         for lv in levels:
@@ -566,10 +612,18 @@ def run(args: argparse.Namespace) -> int:
                 srv.coordinator.timing.reset()
             res = run_level(send, name, lv, args, log)
             if srv is not None:
-                res.phase_ms_per_step, res.phase_share = breakdown(srv.engine, srv.coordinator, srv.engine.stats.steps)
-                res.draft_overlap = draft_overlap(srv.engine.stats)
-            results.append(res)
+                st = srv.engine.stats
+                res.phase_s, res.steps = phase_seconds(srv.engine, srv.coordinator), st.steps
+                res.draft_hidden_s, res.draft_exposed_s = st.draft_hidden_s, st.phase_s.get("draft", 0.0)
+                res.pipelined = bool(st.pipeline_hits or st.pipeline_misses)
+            key = (name, lv)
+            if key in pooled:
+                pooled[key].merge(res)
+            else:
+                pooled[key] = res
 
+    targets: list[tuple[str, Callable[[], None]]] = []  # (variant, measure it once), in the first pass's order
+    described: dict[str, dict] = {}  # variant -> its JSON entry, written once
     if args.server:
         from specdist.client import RemoteError, SpecDistClient
     for address in args.server:
@@ -579,26 +633,27 @@ def run(args: argparse.Namespace) -> int:
         except RemoteError as e:
             raise BenchError(f"--server {address}: {e}") from None
         info.pop("counters", None)
-        described.append(_variant(address, "server", "grpc", address, info))
-        measure(address, lambda r, a=address: grpc_request(a, r))
+        described[address] = _variant(address, "server", "grpc", address, info)
+        targets.append((address, lambda a=address: measure(a, lambda r: grpc_request(a, r))))
     for base in bases:
         model, info = http_server_info(base)
-        described.append(_variant(base, "server", "http", base, info))
-        measure(base, lambda r, b=base, m=model: http_request(b, r, m))
+        described[base] = _variant(base, "server", "http", base, info)
+        targets.append((base, lambda b=base, m=model: measure(b, lambda r: http_request(b, r, m))))
     if args.config:
         from specdist.config import load_config
         from specdist.api.admission import server_info
         from specdist.api.serving import start_backend
 
         base_cfg = load_config(args.config).to_dict()
-        for name in variants:
-            cfg = load_config(apply_overrides(base_cfg, VARIANTS[name])).to_dict()
+
+        def serve_and_measure(name: str, cfg: dict) -> None:
             where = "a Ray deployment" if cfg["cluster"]["enabled"] else "the in-process engine"
             log(f"starting a server on {where}: {name}")
             srv = InProcessServer(start_backend(cfg, args.ray_address, log=log), http=args.protocol == "http")
             try:
-                described.append(_variant(name, "config", args.protocol, None, server_info(srv.engine),
-                                          VARIANTS[name], cfg))
+                if name not in described:
+                    described[name] = _variant(name, "config", args.protocol, None, server_info(srv.engine),
+                                               VARIANTS[name], cfg)
                 if args.protocol == "http":
                     send = lambda r, b=srv.http_base: http_request(b, r)  # noqa: E731
                 else:
@@ -606,6 +661,19 @@ def run(args: argparse.Namespace) -> int:
                 measure(name, send, srv)
             finally:
                 srv.close()
+
+        for name in variants:
+            cfg = load_config(apply_overrides(base_cfg, VARIANTS[name])).to_dict()
+            targets.append((name, lambda n=name, c=cfg: serve_and_measure(n, c)))
+    # --repeat: every variant once per pass, the order rotating by one from pass to pass (a config
+    # variant's server starts afresh each pass), so the machine's drift spreads over the variants
+    for p in range(args.repeat):
+        order = targets[p % len(targets):] + targets[:p % len(targets)]
+        if args.repeat > 1:
+            log(f"pass {p + 1}/{args.repeat}: " + ", ".join(name for name, _ in order))
+        for _, go in order:
+            go()
+    results = list(pooled.values())  # the first pass's order: variant by variant, level by level
     doc = {
         "schema": SCHEMA,
         "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "raw": args.raw,
@@ -613,8 +681,8 @@ def run(args: argparse.Namespace) -> int:
                      "concurrency": [int(lv.value) for lv in levels if lv.mode == "concurrency"],
                      "request_rate": [lv.value if math.isfinite(lv.value) else "inf"
                                       for lv in levels if lv.mode == "request_rate"],
-                     "protocol": args.protocol},
-        "variants": described,
+                     "protocol": args.protocol, "repeat": args.repeat},
+        "variants": [described[name] for name, _ in targets],
         "levels": [r.summary() for r in results],
         "hf_plain": None,
     }
@@ -697,6 +765,20 @@ def format_table(doc: dict) -> str:
             f"| {r['tpot_p50_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {pct(r['acceptance'])} "
             f"| {pct(r['pipeline_hit_rate'])} | {pct(r['draft_overlap'])} |"
         )
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    if len(names) > 1:  # each level: the first variant's pooled out tok/s over each other's
+        lines += ["", f"Out tok/s of {names[0]} over each other variant, per level (pooled over "
+                      f"{s['repeat']} pass{'es' if s['repeat'] > 1 else ''}; each pass in run order):", ""]
+        first = {r["label"]: r for r in rows if r["variant"] == names[0]}
+        for r in rows:
+            a = first.get(r["label"])
+            if r["variant"] == names[0] or a is None or not r["output_tokens_per_s"]:
+                continue
+            per = ", ".join(f"{x / y:.2f}" for x, y in zip(a["passes_output_tokens_per_s"],
+                                                         r["passes_output_tokens_per_s"]))
+            lines.append(f"- {r['label']}: {names[0]} / {r['variant']} = "
+                         f"{a['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x" +
+                         (f" (passes: {per})" if s["repeat"] > 1 else ""))
     hf = doc["hf_plain"]
     if hf is not None:
         lines += ["", f"transformers generate, one request at a time on the same target ({hf['requests']} requests): "
