@@ -87,7 +87,7 @@ class ServerInfo:
     max_model_len: int
     counters: dict[str, int] = field(default_factory=dict)
     draft_pipeline: bool = False  # drafts prepared while the target verifies (draft.pipeline)
-    draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip"
+    draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip" | "auto"
 
 
 class SpecDistClient:

@@ -41,7 +41,8 @@ Shape::
       pipeline: off                  # on: model drafts and EAGLE-3 heads prepare each request's next drafts while
                                      #   the target verifies (specdist/cores/draft_pipeline.py); off: draft, then verify
       pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
-                                     #   redraft (draft it now) | skip (no drafts this step)
+                                     #   redraft (draft it now) | skip (no drafts this step) | auto (redraft
+                                     #   unless every other request of the step has its drafts ready)
     engine:
       max_model_len: 2048            # prompt + output tokens per request
       max_batch_size: 8              # requests running at once (KV slots)
@@ -112,7 +113,7 @@ HEAD_METHODS = ("model", "eagle3")  # the methods that draft with the model draf
 SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.engine.draft_length.POLICIES
-PIPELINE_MISS = ("redraft", "skip")  # = specdist.cores.draft_pipeline.MISS_POLICIES
+PIPELINE_MISS = ("redraft", "skip", "auto")  # = specdist.cores.draft_pipeline.MISS_POLICIES
 # limits.max_prompt_chars when null: this many characters for each token of engine.max_model_len.
 # Generous: text averages about 4 characters a token (code a few more), so a prompt that fits the
 # context is not refused by it, and one far longer is refused before it is tokenized. A deployment

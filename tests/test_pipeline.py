@@ -284,6 +284,7 @@ def run(models, pipeline: bool, miss: str = "redraft", temperature: float = 0.0,
     cfg = tiny_config(models, method="model", k=3)
     cfg["draft"].update(pipeline=pipeline, pipeline_miss=miss)
     eng = Engine.from_config(cfg)
+    pipe = eng.replicas[0].drafter.core if pipeline else None  # the DraftPipeline, local or served
     served = None
     if remote:  # the same cores behind gRPC servicers, driven over the remote transports
         served = ServedCores(eng.target_core, [eng.replicas[0].drafter.core])
@@ -293,7 +294,8 @@ def run(models, pipeline: bool, miss: str = "redraft", temperature: float = 0.0,
               for i in range(len(PROMPTS))]
     try:
         outs = eng.generate(PROMPTS, params)
-        stats_ = (eng.stats.pipeline_hits, eng.stats.pipeline_misses, eng.stats.draft_hidden_s)
+        skipped = pipe.counters.skipped if pipe is not None else None
+        stats_ = (eng.stats.pipeline_hits, eng.stats.pipeline_misses, eng.stats.draft_hidden_s, skipped)
         assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
         return [o.token_ids for o in outs], stats_
     finally:
@@ -303,12 +305,16 @@ def run(models, pipeline: bool, miss: str = "redraft", temperature: float = 0.0,
 
 
 def test_greedy_outputs_equal_sequential(models) -> None:
+    """Every miss policy; auto skips some misses (beside hits) and redrafts others (6 requests in the
+    batch, fewer as they finish)."""
     want, _ = run(models, pipeline=False)
-    for miss in ("redraft", "skip"):
+    for miss in ("redraft", "skip", "auto"):
         for remote in (False, True):
-            got, (hits, misses, hidden) = run(models, True, miss, remote=remote)
+            got, (hits, misses, hidden, skipped) = run(models, True, miss, remote=remote)
             assert got == want, f"pipeline_miss={miss} remote={remote}"
             assert hits > 0 and misses > 0 and hidden > 0
+            assert {"redraft": skipped == 0, "skip": skipped == misses,
+                    "auto": 0 < skipped < misses}[miss], (miss, skipped, misses, remote)
 
 
 def test_seeded_sampling_equals_sequential_with_redrafted_misses(models) -> None:
@@ -316,7 +322,7 @@ def test_seeded_sampling_equals_sequential_with_redrafted_misses(models) -> None
     the same prefix, and a redrafted miss uses the same uniforms, so fixed-k runs agree token for
     token (a skipped miss changes the draft lengths, hence the target's draws)."""
     want, _ = run(models, pipeline=False, temperature=1.0)
-    got, (hits, misses, _) = run(models, True, "redraft", temperature=1.0)
+    got, (hits, misses, *_) = run(models, True, "redraft", temperature=1.0)
     assert got == want and hits > 0 and misses > 0
 
 

@@ -17,8 +17,13 @@ emitted ``g`` (a **hit**), the true prefix is the assumed one and ``d'`` is retu
 (cut to the length asked). Otherwise (a **miss**) the cache rolls back to the true prefix,
 and the request is either drafted now (``miss="redraft"``) or gets no drafts this step
 (``miss="skip"``: the target emits one token for it, and its preparation for the step after
-runs during that verify, so a miss does not hold up the other requests' step). A request that
-was never prepared (its first step) drafts as usual.
+runs during that verify, so a miss does not hold up the other requests' step). ``miss="auto"``
+redrafts a call's misses when nobody would wait for them: no request of the call hit, or the call
+drafts now anyway (a request never prepared), so the misses add rows to passes that run regardless;
+it skips them when every other request has its drafts ready. At one request a miss is then always
+redrafted (``k`` passes that buy ``E(a, k) - 1`` more tokens, which pays wherever sequential drafting
+does), and under load a miss beside hits is skipped. A request that was never prepared (its first step) drafts as
+usual.
 
 Exactness (``../shared/docs/spec-math.md``: the verifier keeps the target's law for any
 proposal ``(d, q)`` whose tokens are sampled from the q rows it sends, with randomness
@@ -38,7 +43,8 @@ verification):
   which only discarded tokens used before (a position drafted in a step that rejected an
   earlier position leaves no trace in the output), so they too are independent of the history.
 - The draft length of a step (``k``, the prepared length, or 0 on a skipped miss) is a
-  function of the history only, fixed before the step's verification.
+  function of the history only, fixed before the step's verification (``auto``'s choice reads
+  whether the call's other requests hit or were prepared: the history again).
 
 EAGLE-3 heads: the head drafts from the target's hidden states, which exist only for verified
 positions. A preparation feeds the proposal's last token with the head's own state at the
@@ -66,7 +72,9 @@ Cost model (per request, one draft replica, draft forward ``c_d`` per pass, veri
 - the next step hits with ``h = a^k b``;
 - redraft: ``T_pipe = max(c_v, (k + 1) c_d) + (1 - h) k c_d``, ``E(a, k)`` tokens a step;
 - skip: every step costs about ``max(c_v, (k + 1) c_d)``; a step has drafts with the
-  stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens.
+  stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens;
+- auto: redraft at one request; with ``B`` requests, a step holds for redrafting only when all of
+  them missed (probability ``(1 - h)^B``), and otherwise skips its misses.
 
 :func:`specdist.engine.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
 for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual
@@ -93,7 +101,7 @@ from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, Propose
 
 log = logging.getLogger(__name__)
 
-MISS_POLICIES = ("redraft", "skip")
+MISS_POLICIES = ("redraft", "skip", "auto")
 
 
 def prepared_prefix_holds(proposed: int, num_accepted: int, new_token_ids: list[int], guess: int) -> bool:
@@ -126,6 +134,7 @@ class _Job:
 class PipelineCounters:
     hits: int = 0  # proposals answered from a preparation
     misses: int = 0  # prepared requests whose assumed prefix did not hold
+    skipped: int = 0  # of those, given no drafts for their step (skip, or auto beside hits)
     prepare_s: float = 0.0  # seconds of background preparation
     hidden_s: float = 0.0  # of those, done before the next propose arrived
     draft_s: float = 0.0  # seconds of drafting inside propose calls (cold requests, redrafted misses)
@@ -196,7 +205,8 @@ class DraftPipeline:
         c = self.counters
         out.update(pipeline=True, pipeline_miss=self.miss, prepared=len(self.prepared),
                    preparing=self._job is not None and not self._job.done.is_set(),
-                   pipeline_hits=c.hits, pipeline_misses=c.misses, overlap=round(c.overlap, 4))
+                   pipeline_hits=c.hits, pipeline_misses=c.misses, pipeline_skipped=c.skipped,
+                   overlap=round(c.overlap, 4))
         return out
 
     # ------------------------------------------------------------ calls
@@ -259,23 +269,33 @@ class DraftPipeline:
         where still to draft; the indices to draft now; each item's pipeline outcome, MISS or None)."""
         out: list[Proposal | None] = [None] * len(items)
         todo: list[int] = []  # items drafted now
+        misses: list[int] = []
         status: list[str | None] = [None] * len(items)
+        hits = 0
         for i, (it, (r, n_acc, new, k)) in enumerate(zip(items, plan)):
             prep = self.prepared.pop(it.request_id, None)
             if prep is not None and self._holds(len(r.proposal), n_acc, new, prep.guess):
                 out[i] = self._use_prepared(it.request_id, r, prep, n_acc, new, k, it.hidden)
-                self.counters.hits += 1
+                hits += 1
                 continue
             self.core.commit(r, n_acc, new, hidden=it.hidden)
             # a miss whether its preparation finished or was cut short as a certain miss, so
             # that the counts (and the skip policy) do not depend on when the preparation ended
             if prep is not None or it.request_id in prepared_for:
                 status[i] = MISS
-                self.counters.misses += 1
-                if self.miss == "skip":
-                    out[i] = Proposal(it.request_id, [], pipeline=MISS)
-                    continue
-            todo.append(i)
+                misses.append(i)
+            else:
+                todo.append(i)
+        self.counters.hits += hits
+        self.counters.misses += len(misses)
+        # auto: skip only where drafting the misses now would hold up requests whose drafts are ready
+        drafting_anyway = any(plan[i][3] > 0 for i in todo)
+        if self.miss == "skip" or (self.miss == "auto" and hits and not drafting_anyway):
+            for i in misses:
+                out[i] = Proposal(items[i].request_id, [], pipeline=MISS)
+            self.counters.skipped += len(misses)
+        else:
+            todo = sorted(todo + misses)
         return out, todo, status
 
     def _draft_now(self, items: list[ProposeItem], plan: list, todo: list[int], status: list[str | None],
