@@ -199,13 +199,14 @@ class RescoredReuse(DraftPipeline):
         return Proposal(rid, toks, fp16_exact(q), pipeline=HIT)
 
 
-def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline, coupling: str = "rejection"):
+def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline, coupling: str = "rejection",
+                     miss: str = "redraft"):
     cfg = tiny_config(models, method="model", k=PIPE_K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
     # rejection: the rule whose argument the pipeline must keep (the prepared drafts' q reaches the
     # verifier); under gumbel the output is the target's Gumbel-max tokens whatever the drafts
     cfg["sampling"] = {"coupling": coupling}
     eng = Engine.from_config(cfg)
-    pipe = pipeline_cls(eng.draft_core)
+    pipe = pipeline_cls(eng.draft_core, miss=miss)
     eng.replicas[0].drafter = LocalDrafter(pipe)
     params = [SamplingParams(max_tokens=CASE.max_tokens, temperature=CASE.temperature, seed=seed0 + i,
                              ignore_eos=True) for i in range(n)]
@@ -246,18 +247,22 @@ def g_test(outs, p: np.ndarray) -> tuple[float, float, list]:
     return g_statistic(counts, p, cells), threshold, cells
 
 
-@pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
-def test_pipelined_engine_samples_target_distribution(models, laws, coupling) -> None:
-    """G-test, N = 4000, alpha 1e-4 (the false-failure rate) per coupling; df and threshold printed."""
+@pytest.mark.parametrize("coupling, miss", [("rejection", "redraft"), ("gumbel", "redraft"), ("rejection", "auto")])
+def test_pipelined_engine_samples_target_distribution(models, laws, coupling, miss) -> None:
+    """G-test, N = 4000, alpha 1e-4 (the false-failure rate) per case; df and threshold printed. ``auto``
+    (misses skipped beside hits, redrafted otherwise: lengths that depend on the other requests' outcomes)
+    keeps the law too."""
     p, _ = laws
-    outs, pipe = sample_pipelined(models, N, seed0=900_000_000 + (coupling == "gumbel") * 10_000_000,
-                                  coupling=coupling)
+    seed0 = 900_000_000 + (coupling == "gumbel") * 10_000_000 + (miss == "auto") * 20_000_000
+    outs, pipe = sample_pipelined(models, N, seed0=seed0, coupling=coupling, miss=miss)
     c = pipe.counters
     g, threshold, cells = g_test(outs, p)
-    print(f"\npipelined: hits {c.hits}, misses {c.misses}; G = {g:.1f}, df = {len(cells) - 1}, "
-          f"threshold {threshold:.1f}")
+    print(f"\npipelined ({miss}): hits {c.hits}, misses {c.misses} ({c.skipped} skipped); G = {g:.1f}, "
+          f"df = {len(cells) - 1}, threshold {threshold:.1f}")
     # a hit needs an accepted draft and the mode of q as the target's next sample, inside a 4-token window
     assert c.hits >= N // 30 and c.misses >= N // 10, "the run must verify both prepared and redrafted drafts"
+    if miss == "auto":
+        assert N // 100 <= c.skipped <= c.misses - N // 100, "auto must both skip and redraft misses"
     assert sum(o.metrics.pipeline_hits for o in outs) == c.hits
     assert g <= threshold, f"G = {g:.1f} > {threshold:.1f}: the pipelined engine is not sampling the target"
 
