@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--guess-hit", type=float, default=None,
                     help="with --pipeline: probability that the draft's guess of the bonus token is right "
                          "(default: alpha)")
-    cm.add_argument("--miss", choices=("redraft", "skip"), default="redraft",
-                    help="with --pipeline: what a request whose prepared prefix did not hold does")
+    cm.add_argument("--miss", choices=("redraft", "skip", "auto"), default="redraft",
+                    help="with --pipeline: what a request whose prepared prefix did not hold does (one request: "
+                         "auto redrafts, as redraft)")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
 
     srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode; with --http-port also the "

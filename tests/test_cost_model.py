@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -142,6 +143,8 @@ def test_pipelined_report_by_hand() -> None:
     assert r.gain == pytest.approx(1.75 / (1.0 + 0.3439 * 0.75))
     # preparation longer than verification: the step waits for it
     assert pipelined_report(0.9, 3, 0.5, 0.9).pipelined_time == pytest.approx(2.0 + 0.3439 * 1.5)
+    # auto, for one request alone in its steps: every miss redrafted
+    assert pipelined_report(0.9, 3, 0.25, 0.9, miss="auto") == dataclasses.replace(r, miss="auto")
     # skip: pi = b / (b + 1 - h) of the steps have drafts, the others emit one token
     s = pipelined_report(0.9, 3, 0.25, 0.9, miss="skip")
     pi = 0.9 / (0.9 + 1 - 0.6561)

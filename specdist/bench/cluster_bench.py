@@ -41,8 +41,8 @@ Targets (any mix; each is one "variant" of the results):
 Passes. ``--repeat N`` measures every variant N times: pass p runs the variants in their order
 rotated by p (a config variant's server, Ray deployment included, starts afresh in each pass), and
 each level's figures pool its passes (requests, seconds, tokens, phases summed; percentiles over all
-requests). This VM's throughput drifts by 10-30% over minutes, so one pass of each variant, run one
-after the other, can put the drift on one of them. The report ends with each level's pooled
+requests). A shared machine's throughput drifts over minutes (10-30% on the development VM:
+BENCHMARKS.md), so one pass of each variant, run one after the other, can put the drift on one of them. The report ends with each level's pooled
 ratio of the first variant's output tokens/s over each other's, and each pass's ratio.
 
 ``--json PATH`` writes one object (strict JSON: no NaN or Infinity), schema
@@ -363,7 +363,7 @@ class LevelResult:
     requests: int
     wall_s: float
     timings: list[RequestTiming] = field(default_factory=list)
-    phase_s: dict = field(default_factory=dict)  # config variants: seconds per phase, and "busy" (see breakdown)
+    phase_s: dict = field(default_factory=dict)  # config variants: seconds per phase, and "busy" (phase_seconds)
     steps: int = 0  # config variants: engine steps
     draft_hidden_s: float = 0.0  # pipelined drafting: draft time hidden under verification
     draft_exposed_s: float = 0.0  # draft time steps waited for

@@ -22,8 +22,8 @@ redrafts a call's misses when nobody would wait for them: no request of the call
 drafts now anyway (a request never prepared), so the misses add rows to passes that run regardless;
 it skips them when every other request has its drafts ready. At one request a miss is then always
 redrafted (``k`` passes that buy ``E(a, k) - 1`` more tokens, which pays wherever sequential drafting
-does), and under load a miss beside hits is skipped. A request that was never prepared (its first step) drafts as
-usual.
+does), and under load a miss beside hits is skipped. A request that was never prepared (its first
+step) drafts as usual.
 
 Exactness (``../shared/docs/spec-math.md``: the verifier keeps the target's law for any
 proposal ``(d, q)`` whose tokens are sampled from the q rows it sends, with randomness
@@ -73,8 +73,9 @@ Cost model (per request, one draft replica, draft forward ``c_d`` per pass, veri
 - redraft: ``T_pipe = max(c_v, (k + 1) c_d) + (1 - h) k c_d``, ``E(a, k)`` tokens a step;
 - skip: every step costs about ``max(c_v, (k + 1) c_d)``; a step has drafts with the
   stationary probability ``pi = b / (b + 1 - h)`` and emits ``pi E(a, k) + (1 - pi)`` tokens;
-- auto: redraft at one request; with ``B`` requests, a step holds for redrafting only when all of
-  them missed (probability ``(1 - h)^B``), and otherwise skips its misses.
+- auto: redraft at one request; with ``B`` requests, a step holds for redrafting only when none of
+  them hit (probability ``(1 - h)^B``) or one is drafted anyway (its first step), and otherwise skips
+  its misses.
 
 :func:`specdist.engine.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
 for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual

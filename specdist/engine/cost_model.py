@@ -243,7 +243,8 @@ def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
     ``redraft``: a miss drafts k tokens before verifying, ``T = max(1, (k+1) c) + (1 - h) k c``,
     ``E(alpha, k)`` tokens a step. ``skip``: a miss verifies no drafts, every step lasts
     ``max(1, (k+1) c)``; a step has drafts with the stationary probability
-    ``pi = guess_hit / (guess_hit + 1 - h)`` and emits ``pi E + (1 - pi)`` tokens.
+    ``pi = guess_hit / (guess_hit + 1 - h)`` and emits ``pi E + (1 - pi)`` tokens. ``auto``: the
+    request alone in its steps redrafts every miss, as ``redraft``.
     """
     alpha = _check_alpha(alpha)
     k = _check_int("k", k)
@@ -251,12 +252,12 @@ def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
     if isinstance(guess_hit, bool) or not isinstance(guess_hit, (int, float)) or not 0.0 <= guess_hit <= 1.0:
         raise ValueError(f"guess_hit must be in [0, 1], got {guess_hit!r}")
     b = float(guess_hit)
-    if miss not in ("redraft", "skip"):
-        raise ValueError(f"miss must be redraft or skip, got {miss!r}")
+    if miss not in ("redraft", "skip", "auto"):
+        raise ValueError(f"miss must be redraft, skip or auto, got {miss!r}")
     h = alpha**k * b
     e = expected_tokens(alpha, k)
     overlapped = max(1.0, (k + 1) * c)
-    if miss == "redraft":
+    if miss in ("redraft", "auto"):
         t, tokens = overlapped + (1 - h) * k * c, e
     else:
         pi = b / (b + 1 - h) if b + 1 - h > 0 else 1.0
