@@ -61,6 +61,23 @@ SHAPES = [(1, 16, 64), (3, 40, 96), (3, 21, 64), (2, 13, 96), (4, 48, 576), (5, 
           (9, 1536, 576), (2, 120, 1536)]
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 41, 96), (4, 9, 13), (7, 200, 576), (17, 63, 1536), (32, 130, 576)])
+def test_dense_float32_rows_equal_the_product_and_stand_alone(m, n, k):
+    """f32_mm: x @ W.T within float32 rounding of a float64 product (K % 8 tails, W row counts not a multiple
+    of the 4-row groups, x row counts not a multiple of the 3-row tiles), and each row the same bits alone
+    as in the call: its sums run in an order fixed by K."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = cpu_kernels.f32_mm(x, w)
+    want = (x.double() @ w.double().T).float()
+    assert float((y - want).abs().max()) <= 1e-5 * k ** 0.5 * float(want.abs().max())
+    assert torch.equal(torch.cat([cpu_kernels.f32_mm(x[i : i + 1], w) for i in range(m)]), y)
+    assert torch.equal(cpu_kernels.f32_mm(x[: m // 2 + 1], w), y[: m // 2 + 1])
+    assert cpu_kernels.f32_mm(x[:0], w).shape == (0, n)
+    with pytest.raises(ValueError, match="does not take"):
+        cpu_kernels.f32_mm(x, w[:, :-1].contiguous())
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_q4_blocks_equal_the_quantized_product(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -395,6 +412,46 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call():
     assert not torch.equal(runner.last_hidden[..., d : 2 * d], runner.last_hidden[..., 2 * d :])
     for family in ("qwen2", "gemma2"):
         assert all(k is None for k in CausalLMRunner(_block_model(family), 1, 40).layer_kernels), family
+
+
+def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():
+    """A float32 Llama model's layers run as one call too (dense weights through f32_mm): the same cache bits as
+    the op-by-op layer (its q/k/v through torch's GEMM, which rounds differently: the rows agree within float32
+    rounding) and the same output; calls of more than F32_MAX_ROWS tokens run op by op, and the output head
+    takes f32_mm up to that many rows, matching torch's product."""
+    from model_zoo import build_tiny
+    from specdist.models.runner import CausalLMRunner
+
+    runner = CausalLMRunner(build_tiny("llama", seed=4, vocab_size=32, hidden_size=64).requires_grad_(False), 2, 80)
+    assert all(k is not None and k.dense for k in runner.layer_kernels)
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
+    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
+    write_pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    cos, sin = (tab[write_pos] for tab in runner.rope_tables[None])
+    for i in range(len(runner.layers)):
+        want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
+        cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
+        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
+                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
+        for new, old in ((runner.cache.k[i], cache[0]), (runner.cache.v[i], cache[1])):
+            assert float((new.float() - old.float()).abs().max()) <= 1e-3 * float(old.float().abs().max())
+        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+        h = want
+    ids = [[3, 9, 4] * 6, [2, 8, 8] * 6]  # 36 tokens: more than F32_MAX_ROWS, so op by op
+    assert 2 * len(ids[0]) > cpu_kernels.F32_MAX_ROWS
+    for s in slots.tolist():
+        runner.cache.rollback(s, 0)
+    many = runner.forward(slots.tolist(), ids, [18, 18])
+    for s in slots.tolist():
+        runner.cache.rollback(s, 0)
+    few = torch.cat([runner.forward(slots.tolist(), [a[i : i + 9], b[i : i + 9]], [9, 9]) for a, b in [ids]
+                     for i in (0, 9)], dim=1)  # two calls of 18 tokens: the layer kernels
+    assert float((many - few).abs().max()) < 1e-4 * float(many.abs().max())
+    head, hs = runner.model.lm_head, torch.randn(2, 5, runner.config.hidden_size, generator=g)
+    from specdist.models.runner import _lm_head
+
+    assert float((_lm_head(head, hs) - head(hs)).abs().max()) < 1e-5 * float(head(hs).abs().max())
 
 
 def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):

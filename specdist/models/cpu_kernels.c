@@ -216,6 +216,72 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Dense float32: y [M, N] = x [M, K] @ W.T, W [N, K] as torch's Linear holds it (row-major, unpacked).
+ * For the few rows of a decode or verification step: each (x row, W row) pair is a dot product of 8 lanes
+ * over K in order, then one horizontal sum (and the K % 8 tail in order), so an output does not depend on
+ * M or on the rows beside it. Tiles of up to F32_ROWS rows of x against F32_COLS rows of W: 12
+ * accumulators, each loaded W vector serving 3 rows of x and each x vector 4 rows of W; the W rows
+ * (F32_COLS x K floats) stay in L1 while every tile of x passes, so W is read from memory once. Threads over
+ * groups of W rows, as the block matmuls.
+ */
+#define F32_ROWS 3
+#define F32_COLS 4
+
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const float *w, int C, int R,
+                                                            float out[F32_ROWS][F32_COLS]) {
+    __m256 acc[F32_ROWS][F32_COLS];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[F32_COLS];
+        for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+        for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            float sum = hsum8(acc[r][c]);
+            for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * w[c * K + j];
+            out[r][c] = sum;
+        }
+}
+
+/* One group of C (constant after inlining) rows of W against every tile of x. */
+static inline __attribute__((always_inline)) void f32_group(const float *x, int64_t M, int64_t K, const float *w,
+                                                             int C, int64_t N, int64_t n0, float *y) {
+    float out[F32_ROWS][F32_COLS];
+    for (int64_t m0 = 0; m0 < M; m0 += F32_ROWS) {
+        const int rows = M - m0 < F32_ROWS ? (int)(M - m0) : F32_ROWS;
+        switch (rows) { /* a constant row count per call: each inlines with its loops unrolled */
+        case 3: f32_tile(x + m0 * K, K, w, C, 3, out); break;
+        case 2: f32_tile(x + m0 * K, K, w, C, 2, out); break;
+        default: f32_tile(x + m0 * K, K, w, C, 1, out); break;
+        }
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = out[r][c];
+    }
+}
+
+int specdist_f32_mm(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+    const int64_t groups = (N + F32_COLS - 1) / F32_COLS;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n0 = g * F32_COLS;
+        const float *wg = w + n0 * K;
+        switch (N - n0 < F32_COLS ? (int)(N - n0) : F32_COLS) {
+        case 4: f32_group(x, M, K, wg, 4, N, n0, y); break;
+        case 3: f32_group(x, M, K, wg, 3, N, n0, y); break;
+        case 2: f32_group(x, M, K, wg, 2, N, n0, y); break;
+        default: f32_group(x, M, K, wg, 1, N, n0, y); break;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Attention of each query over its own keys in a slot KV cache, one (request, query, KV head) at a time: the
  * query heads that share a KV head (GQA's group) are computed together, HEADS_TILE at a time, each key and
  * value vector loaded and converted once for all of them.
@@ -563,15 +629,20 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q8 codes */
-    const float *scales; /* their scales */
+    const void *codes;   /* pack_q4 / pack_q8 codes, or the dense float32 weight [n, K] */
+    const float *scales; /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t q8;          /* 1: Q8 blocks, 0: Q4 */
+    int64_t kind;        /* LIN_Q4, LIN_Q8 or LIN_F32 */
 } block_linear;
 
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2 };
+
 static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
-    return w->q8 ? specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y)
-                 : specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y);
+    switch (w->kind) {
+    case LIN_Q8: return specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y);
+    case LIN_F32: return specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y);
+    default: return specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y);
+    }
 }
 
 static void add_rows(float *h, const float *a, int64_t n) {

@@ -108,6 +108,8 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm):  # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
+    lib.specdist_f32_mm.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
+    lib.specdist_f32_mm.restype = ctypes.c_int
     f32, i32 = ctypes.c_float, ctypes.c_int
     # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, L1, slots, qpos, window, scale, cap, out)
     lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64,
@@ -213,6 +215,25 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
     return _call(library().specdist_q8_mm, x, codes, scales, n)
 
 
+F32_MAX_ROWS = 32  # rows up to which f32_mm beats torch's GEMM here (both threads or one; BENCHMARKS.md)
+
+
+def f32_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight.T -> [M, N]`` float32, ``weight [N, K]`` as a Linear holds it (no repacking): each
+    output a dot product summed in an order fixed by K alone, so rows do not depend on the batch, and the
+    weights read once for up to a few dozen rows (torch's GEMM re-packs them for every call; at 7 rows it
+    ran 3x slower than at one, where this costs about what reading the weights does)."""
+    x, weight = _dense(x, torch.float32), _dense(weight, torch.float32)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"f32_mm: weight {tuple(weight.shape)} does not take {k} inputs")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        library().specdist_f32_mm(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
+    return y
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each query over its own slot's keys, from the KV cache itself.
@@ -305,37 +326,52 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     return out
 
 
-class BlockLinear(ctypes.Structure):
-    """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`."""
+LIN_Q4, LIN_Q8, LIN_F32 = 0, 1, 2  # the kinds of a layer's matmul (the C file's block_linear)
 
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("q8", ctypes.c_int64)]
+
+class BlockLinear(ctypes.Structure):
+    """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
+    (kinds ``LIN_Q4``, ``LIN_Q8``), or a dense float32 weight ``[n, K]`` run by :func:`f32_mm` (``LIN_F32``)."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
 
 class LayerWeights:
     """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
-    (float32, contiguous) and eps, and ``(codes, scales, rows, q8)`` of W_qkv, W_o, W_gate_up (gate rows
-    first) and W_down. It keeps the tensors, so the pointers it hands the C code stay valid."""
+    (float32, contiguous) and eps, and ``(codes, scales, rows, kind)`` of W_qkv, W_o, W_gate_up (gate rows
+    first) and W_down (``LIN_F32``: the weight ``[rows, K]`` and None). It keeps the tensors, so the
+    pointers it hands the C code stay valid. ``dense``: some matmul is float32 (:data:`F32_LAYER_ROWS`)."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
-                 linears: list[tuple[torch.Tensor, torch.Tensor, int, bool]]):
+                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int]]):
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
-        self.tensors = [t for codes, scales, _, _ in linears for t in (codes, scales)]
+        self.tensors = [t for codes, scales, _, _ in linears for t in (codes, scales) if t is not None]
         for t in self.tensors:
             if not t.is_contiguous():
                 raise ValueError("llama_layer: block codes and scales must be contiguous")
-        self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr(), n, int(q8))
-                                           for c, s, n, q8 in linears))
+        self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr() if s is not None else None, n,
+                                                       int(kind)) for c, s, n, kind in linears))
+        self.dense = any(kind == LIN_F32 for *_, kind in linears)
         self.d = self.norm1.shape[0]
         self.nqkv, self.i = linears[0][2], linears[2][2] // 2
-        self.attn = linears[1][0].shape[1] * GROUP  # W_o's inputs: query heads x head size
-        for (codes, _, n, _), k in zip(linears, (self.d, self.attn, self.d, self.i)):
-            if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
-                raise ValueError(f"llama_layer: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
+        self.attn = _inputs(linears[1])  # W_o's inputs: query heads x head size
+        for lin, k in zip(linears, (self.d, self.attn, self.d, self.i)):
+            codes, scales, n, kind = lin
+            rows = n if kind == LIN_F32 else -(-n // 8)
+            if codes.shape[0] != rows or _inputs(lin) != k or (kind == LIN_F32) != (scales is None):
+                raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
+                                 f"{k} inputs")
 
     def scratch(self, rows: int) -> int:
         """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
         return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i)
+
+
+def _inputs(linear: tuple) -> int:
+    """The input width of a ``(codes, scales, rows, kind)`` matmul."""
+    codes, _, _, kind = linear
+    return codes.shape[1] if kind == LIN_F32 else codes.shape[1] * GROUP
 
 
 def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -395,6 +395,8 @@ class CausalLMRunner:
         hd = self.head_dim
         taps = {}  # layer index -> its input [B, T, D]
         kernels = self.layer_kernels if fused is not None and not torch.compiler.is_compiling() else [None] * len(self.layers)
+        if bsz * t_max > cpu_kernels.F32_MAX_ROWS:  # float32 layers: torch's GEMM is the faster one from there
+            kernels = [None if w is not None and w.dense else w for w in kernels]
         scratch = None  # the layer kernels' activations, shared by the layers of this call
         for i, layer in enumerate(self.layers):
             if i in self.hidden_layers:
@@ -548,12 +550,19 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
 
 
 def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]
-    """The output projection. On CPU an fp32 GEMM whose row count is 2 or 3 mod 4 takes the
-    row-by-row path: measured here for [M, 576] x [576, 49152], M = 1..8: 10.5, 22.6, 33.9, 17.3,
-    17.4, 24.2, 35.2, 18.1 ms. Zero rows pad M to the next multiple of 4 (results sliced off)."""
+    """The output projection. A float32 head on the CPU runs :func:`cpu_kernels.f32_mm` up to
+    ``F32_MAX_ROWS`` rows (the weights read once: [7, 576] x [576, 49152] in 13 ms on one core, torch's GEMM
+    25). Past that, a torch GEMM whose row count is 2 or 3 mod 4 takes the row-by-row path: measured here
+    for [M, 576] x [576, 49152], M = 1..8: 10.5, 22.6, 33.9, 17.3, 17.4, 24.2, 35.2, 18.1 ms. Zero rows
+    pad M to the next multiple of 4 (results sliced off)."""
     bsz, n, dim = hs.shape
     m = bsz * n
-    if hs.device.type != "cpu" or type(head) is not torch.nn.Linear or m % 4 < 2:
+    if hs.device.type != "cpu" or type(head) is not torch.nn.Linear:
+        return head(hs)
+    if (m <= cpu_kernels.F32_MAX_ROWS and head.bias is None and head.weight.dtype == hs.dtype == torch.float32
+            and cpu_kernels.available() and not torch.compiler.is_compiling()):
+        return cpu_kernels.f32_mm(hs.reshape(m, dim), head.weight.detach()).reshape(bsz, n, -1)
+    if m % 4 < 2:
         return head(hs)
     flat = torch.cat([hs.reshape(m, dim), hs.new_zeros(4 - m % 4, dim)])  # [M', D]
     return head(flat)[:m].reshape(bsz, n, -1)
@@ -644,14 +653,19 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
-def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
-    """``(codes, scales, rows, q8)`` of a linear without bias that the block kernels run, else None."""
+def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
+    """``(codes, scales, rows, kind)`` of a linear without bias that :func:`cpu_kernels.llama_layer` runs (GGUF
+    blocks, or a dense float32 weight on the CPU), else None."""
     if getattr(linear, "bias", None) is not None:
         return None
     if type(linear) is Int4GroupLinear and linear.blocks in ("q4", "q8"):
-        return linear.packed, linear.scales_and_zeros, linear.out_features, linear.blocks == "q8"
+        kind = cpu_kernels.LIN_Q8 if linear.blocks == "q8" else cpu_kernels.LIN_Q4
+        return linear.packed, linear.scales_and_zeros, linear.out_features, kind
     if type(linear) is Int8WeightOnlyLinear and linear.block_codes is not None:
-        return linear.block_codes, linear.block_scales, linear.out_features, True
+        return linear.block_codes, linear.block_scales, linear.out_features, cpu_kernels.LIN_Q8
+    w = getattr(linear, "weight", None)
+    if type(linear) is torch.nn.Linear and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
+        return w.detach(), None, linear.out_features, cpu_kernels.LIN_F32
     return None
 
 
