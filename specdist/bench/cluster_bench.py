@@ -38,6 +38,10 @@ Targets (any mix; each is one "variant" of the results):
   (output bookkeeping, releases, sampling). Orchestration overhead = network +
   serialization + scheduling.
 
+Warm-up. Before its levels, each target gets one untimed request (``WARMUP_TOKENS`` tokens; in every
+pass, so each freshly started server): the first requests a server sees pay for first touches (weights
+paged in, kernels loaded), which would otherwise fall on the first level of the first variant.
+
 Passes. ``--repeat N`` measures every variant N times: pass p runs the variants in their order
 rotated by p (a config variant's server, Ray deployment included, starts afresh in each pass), and
 each level's figures pool its passes (requests, seconds, tokens, phases summed; percentiles over all
@@ -116,6 +120,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 DEFAULT_CONCURRENCY = "1,4,16"
 RATE_LEVEL_REQUESTS = 16
+WARMUP_TOKENS = 16  # the untimed request sent to each target (each pass) before its levels
 HTTP_TIMEOUT_S = 600.0  # a streamed request: the longest wait for its connection or its next event
 _PCTS = (50, 90, 99)
 
@@ -606,6 +611,9 @@ def run(args: argparse.Namespace) -> int:
     pooled: dict[tuple[str, Level], LevelResult] = {}  # (variant, level) -> its passes pooled
 
     def measure(name: str, send: Callable[[RequestSpec], RequestTiming], srv: InProcessServer | None = None):
+        # one untimed request first: a server's first requests pay for first touches (weights paged in, kernels
+        # loaded, allocations), which would fall on whichever level and variant comes first
+        send(RequestSpec(PROMPTS[0], min(WARMUP_TOKENS, args.max_tokens), args.temperature, 999, not args.raw))
         for lv in levels:
             if srv is not None:
                 srv.engine.stats.reset()

@@ -1,5 +1,5 @@
-/* CPU kernels for x86 with AVX2 (see cpu_kernels.py): matmuls on GGUF's own 4- and 8-bit blocks, and
- * causal attention over a slot KV cache (at the end of this file).
+/* CPU kernels for x86 with AVX2 (see cpu_kernels.py): matmuls on GGUF's own 4- and 8-bit blocks, a dense
+ * float32 matmul for a few rows, and causal attention over a slot KV cache (after them).
  *
  * Matmuls:
  *

@@ -11,6 +11,12 @@ time, so that one vector multiply-add yields partial sums of 8 outputs side by s
 weight vector serves two rows of ``x`` (prefill and verification rows share the weight traffic).
 Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
 
+**Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
+decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, each output a dot product over
+``K`` in a fixed order (rows batch-invariant), ``W`` streamed from memory once for all the rows. torch's GEMM
+re-packs the weights at every call, which at 4-16 rows cost 1.3-3.8x more here; past about
+:data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
+
 **Attention.** :func:`attention` computes each (request, head, query) row from the cache itself (no
 gathered copy of the keys, no mask tensor): scores 4 keys at a time, softmax, the weighted sum of
 values, each sum in an order fixed by the row's own key count. The query heads of one KV head (GQA's
@@ -24,7 +30,8 @@ at many requests or long contexts on a CPU; each element converts exactly to flo
 **Layers.** :func:`llama_layer` runs a whole Llama-style decoder layer on blocks (RMS norms, the fused
 q/k/v and gate/up matmuls, rotary, cache write and attention, SiLU, the residual adds) in one call, so a
 layer costs one Python-level call instead of about ten: at batch 1 the operations between the kernels
-took over a third of a forward's time. The runner uses it wherever every matmul of a layer runs on blocks (``CausalLMRunner.layer_kernels``).
+took over a third of a forward's time. The runner uses it wherever every matmul of a layer runs on blocks,
+or on dense float32 weights for calls of up to :data:`F32_MAX_ROWS` tokens (``CausalLMRunner.layer_kernels``).
 
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
