@@ -357,6 +357,27 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
     assert runner.forward(slots, [new[0], new[1][:1], new[2][:2]], [0, 0, 0], packed=True).shape == (0, 32)
 
 
+def _each_layer_both_ways(runner, seed: int):
+    """Each layer of ``runner`` on a random input of 2 requests x 3 tokens, op by op and as one
+    ``llama_layer`` call (the next layer's input is the op-by-op output): ``[(op-by-op output, call output,
+    (K, V) the op-by-op layer wrote, (K, V) the call wrote)]`` and ``(last input, slots, write_pos, cos, sin)``."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
+    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
+    write_pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    cos, sin = (tab[write_pos] for tab in runner.rope_tables[None])
+    out = []
+    for i in range(len(runner.layers)):
+        want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
+        cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
+        runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
+        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
+                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
+        out.append((want, got, cache, (runner.cache.k[i].clone(), runner.cache.v[i].clone())))
+        h = want
+    return out, (h, slots, write_pos, cos, sin)
+
+
 def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
     """Layer i of a block model through the separate kernels and torch ops (the runner's path without
     cpu_kernels.llama_layer)."""
@@ -383,20 +404,10 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call():
 
     runner = CausalLMRunner(_block_model("llama"), 2, 80)
     assert len(runner.layer_kernels) >= 2 and all(k is not None for k in runner.layer_kernels)
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
-    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
-    write_pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
-    cos, sin = (tab[write_pos] for tab in runner.rope_tables[None])
-    for i in range(len(runner.layers)):
-        want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
-        cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
-        runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
-        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
-                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
-        assert torch.equal(runner.cache.k[i], cache[0]) and torch.equal(runner.cache.v[i], cache[1])
+    layers, (h, slots, write_pos, cos, sin) = _each_layer_both_ways(runner, seed=9)
+    for want, got, cache, written in layers:
+        assert torch.equal(written[0], cache[0]) and torch.equal(written[1], cache[1])
         assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
-        h = want
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
                                 runner.cache.v[0], slots, write_pos, write_pos, None, runner.scaling)
@@ -424,20 +435,12 @@ def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():
 
     runner = CausalLMRunner(build_tiny("llama", seed=4, vocab_size=32, hidden_size=64).requires_grad_(False), 2, 80)
     assert all(k is not None and k.dense for k in runner.layer_kernels)
-    g = torch.Generator().manual_seed(11)
-    h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
-    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
-    write_pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
-    cos, sin = (tab[write_pos] for tab in runner.rope_tables[None])
-    for i in range(len(runner.layers)):
-        want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
-        cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
-        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
-                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
-        for new, old in ((runner.cache.k[i], cache[0]), (runner.cache.v[i], cache[1])):
-            assert float((new.float() - old.float()).abs().max()) <= 1e-3 * float(old.float().abs().max())
+    layers, (_, slots, _, _, _) = _each_layer_both_ways(runner, seed=11)
+    for want, got, cache, written in layers:
+        for new, old in zip(written, cache):
+            assert float((new - old).abs().max()) <= 1e-3 * float(old.abs().max())
         assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
-        h = want
+    g = torch.Generator().manual_seed(12)
     ids = [[3, 9, 4] * 6, [2, 8, 8] * 6]  # 36 tokens: more than F32_MAX_ROWS, so op by op
     assert 2 * len(ids[0]) > cpu_kernels.F32_MAX_ROWS
     for s in slots.tolist():
