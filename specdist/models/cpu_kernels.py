@@ -347,7 +347,8 @@ class LayerWeights:
     """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
     (float32, contiguous) and eps, and ``(codes, scales, rows, kind)`` of W_qkv, W_o, W_gate_up (gate rows
     first) and W_down (``LIN_F32``: the weight ``[rows, K]`` and None). It keeps the tensors, so the
-    pointers it hands the C code stay valid. ``dense``: some matmul is float32 (:data:`F32_LAYER_ROWS`)."""
+    pointers it hands the C code stay valid. ``dense``: some matmul is float32 (the runner calls such a layer
+    for up to :data:`F32_MAX_ROWS` rows)."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
                  linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int]]):
