@@ -17,7 +17,9 @@ def test_freeze_takes_the_live_objects_out_of_the_walks_and_unfreeze_returns_the
     tracked = len(gc.get_objects())  # what a full collection walks
     try:
         frozen = heap.freeze()
-        assert frozen == gc.get_freeze_count() and frozen > tracked // 2
+        # Frozen objects still die by reference counting, and the worker's other threads (xdist's
+        # execnet) free a few at any moment, so the count read again may only have shrunk a little.
+        assert 0 <= frozen - gc.get_freeze_count() < frozen // 100 and frozen > tracked // 2
         assert len(gc.get_objects()) < tracked - frozen // 2  # the walks skip them now
         later = [[i] for i in range(1000)]  # containers made afterwards are tracked as before
         assert len(gc.get_objects()) >= len(later)
