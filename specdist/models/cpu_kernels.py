@@ -8,7 +8,9 @@ quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block
 an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
 :func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
 time, so that one vector multiply-add yields partial sums of 8 outputs side by side and each loaded
-weight vector serves two rows of ``x`` (prefill and verification rows share the weight traffic).
+weight vector serves up to four rows of ``x`` (prefill and verification rows share the weight traffic).
+Calls of at most 4 rows (a decode step, a short verification) are bound by reading the weights, and
+prefetch them a few kB ahead of the block being multiplied.
 Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
 
 **Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
