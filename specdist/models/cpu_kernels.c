@@ -239,6 +239,9 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  */
 #define F32_ROWS 3
 #define F32_COLS 4
+/* Every tile prefetches the weights this far ahead (several groups of W rows): the hardware prefetchers alone
+ * left 3-7-row calls waiting on memory, 20-25% slower over a float32 model's layers here; one row unchanged. */
+#define F32_PREFETCH_BYTES 65536
 
 static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const float *w, int C, int R,
                                                             float out[F32_ROWS][F32_COLS]) {
@@ -248,6 +251,8 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[F32_COLS];
+        if ((k & 15) == 0)  /* each W row's line F32_PREFETCH_BYTES ahead: a hint, never faults past the end */
+            for (int c = 0; c < C; ++c) _mm_prefetch((const char *)(w + c * K + k) + F32_PREFETCH_BYTES, _MM_HINT_T0);
         for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
         for (int r = 0; r < R; ++r) {
             const __m256 xv = _mm256_loadu_ps(x + r * K + k);
