@@ -15,9 +15,9 @@ Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded t
 
 **Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
 decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, each output a dot product over
-``K`` in a fixed order (rows batch-invariant), ``W`` streamed from memory once for all the rows. torch's GEMM
-re-packs the weights at every call, which at 4-16 rows cost 1.3-3.8x more here; past about
-:data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
+``K`` in a fixed order (rows batch-invariant), ``W`` streamed from memory once for all the rows and
+prefetched 64 kB ahead. torch's GEMM re-packs the weights at every call, which at 4-16 rows cost 1.3-3.8x
+more here; past about :data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
 
 **Attention.** :func:`attention` computes each (request, head, query) row from the cache itself (no
 gathered copy of the keys, no mask tensor): scores 4 keys at a time, softmax, the weighted sum of
