@@ -78,6 +78,18 @@ def test_dense_float32_rows_equal_the_product_and_stand_alone(m, n, k):
         cpu_kernels.f32_mm(x, w[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 41, 96), (4, 9, 13), (7, 200, 576), (17, 63, 1536)])
+def test_dense_half_width_weights_give_the_float32_bits(dtype, m, n, k):
+    """f32_mm on a bfloat16 or float16 weight: the bits of f32_mm on the same weight converted to float32 (each
+    element converts exactly and the arithmetic is the same), including the K % 8 tails; a weight of another
+    dtype is refused."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(dtype)
+    assert torch.equal(cpu_kernels.f32_mm(x, w), cpu_kernels.f32_mm(x, w.float()))
+    with pytest.raises(ValueError, match="not one of"):
+        cpu_kernels.f32_mm(x, w.double())
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_q4_blocks_equal_the_quantized_product(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)

@@ -234,8 +234,13 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * over K in order, then one horizontal sum (and the K % 8 tail in order), so an output does not depend on
  * M or on the rows beside it. Tiles of up to F32_ROWS rows of x against F32_COLS rows of W: 12
  * accumulators, each loaded W vector serving 3 rows of x and each x vector 4 rows of W; the W rows
- * (F32_COLS x K floats) stay in L1 while every tile of x passes, so W is read from memory once. Threads over
+ * (F32_COLS x K elements) stay in L1 while every tile of x passes, so W is read from memory once. Threads over
  * groups of W rows, as the block matmuls.
+ *
+ * W may be stored as float32, bfloat16 or float16 (WT_F32, WT_BF16, WT_F16): a half-width element converts
+ * exactly to the float32 it stands for on load (bf16: the upper 16 bits; f16: vcvtph2ps), and the arithmetic
+ * after the load is the same instructions in the same order, so a weight held in half width wherever it is
+ * exact gives the bits float32 storage gives, reading half the bytes.
  */
 #define F32_ROWS 3
 #define F32_COLS 4
@@ -243,60 +248,100 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * calls of 3-7 rows ran 1.1-1.26x faster here than on the hardware prefetchers alone; one row unchanged. */
 #define F32_PREFETCH_BYTES 65536
 
-static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const float *w, int C, int R,
-                                                            float out[F32_ROWS][F32_COLS]) {
+enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2 };
+
+/* 8 weights from element i of a row stored as wt, as float32 (exact). */
+static inline __attribute__((always_inline)) __m256 load_w8(const void *w, int64_t i, int wt) {
+    if (wt == WT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    if (wt == WT_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float load_w1(const void *w, int64_t i, int wt) {
+    if (wt == WT_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    if (wt == WT_F16) return _cvtsh_ss(((const uint16_t *)w)[i]);
+    return ((const float *)w)[i];
+}
+
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t K, const void *w, int wt, int C,
+                                                            int R, float out[F32_ROWS][F32_COLS]) {
+    const int64_t esize = wt == WT_F32 ? 4 : 2;
     __m256 acc[F32_ROWS][F32_COLS];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        __m256 wv[F32_COLS];
-        if ((k & 15) == 0)  /* each W row's line F32_PREFETCH_BYTES ahead: a hint, never faults past the end */
-            for (int c = 0; c < C; ++c) _mm_prefetch((const char *)(w + c * K + k) + F32_PREFETCH_BYTES, _MM_HINT_T0);
-        for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-        for (int r = 0; r < R; ++r) {
-            const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        if ((k & (64 / esize - 1)) == 0)  /* each W row's line F32_PREFETCH_BYTES ahead: a hint, never faults */
+            for (int c = 0; c < C; ++c)
+                _mm_prefetch((const char *)w + (c * K + k) * esize + F32_PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 xv[F32_ROWS];
+        for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+        for (int c = 0; c < C; ++c) {  /* 12 accumulators, 3 x vectors and one W vector: the 16 registers */
+            const __m256 wv = load_w8(w, c * K + k, wt);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
             float sum = hsum8(acc[r][c]);
-            for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * w[c * K + j];
+            for (int64_t j = k; j < K; ++j) sum = fmaf(x[r * K + j], load_w1(w, c * K + j, wt), sum);  /* one rounding, whatever the compiler contracts */
             out[r][c] = sum;
         }
 }
 
 /* One group of C (constant after inlining) rows of W against every tile of x. */
-static inline __attribute__((always_inline)) void f32_group(const float *x, int64_t M, int64_t K, const float *w,
-                                                             int C, int64_t N, int64_t n0, float *y) {
+static inline __attribute__((always_inline)) void f32_group(const float *x, int64_t M, int64_t K, const void *w,
+                                                             int wt, int C, int64_t N, int64_t n0, float *y) {
     float out[F32_ROWS][F32_COLS];
     for (int64_t m0 = 0; m0 < M; m0 += F32_ROWS) {
         const int rows = M - m0 < F32_ROWS ? (int)(M - m0) : F32_ROWS;
         switch (rows) { /* a constant row count per call: each inlines with its loops unrolled */
-        case 3: f32_tile(x + m0 * K, K, w, C, 3, out); break;
-        case 2: f32_tile(x + m0 * K, K, w, C, 2, out); break;
-        default: f32_tile(x + m0 * K, K, w, C, 1, out); break;
+        case 3: f32_tile(x + m0 * K, K, w, wt, C, 3, out); break;
+        case 2: f32_tile(x + m0 * K, K, w, wt, C, 2, out); break;
+        default: f32_tile(x + m0 * K, K, w, wt, C, 1, out); break;
         }
         for (int r = 0; r < rows; ++r)
             for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = out[r][c];
     }
 }
 
-int specdist_f32_mm(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
-    const int64_t groups = (N + F32_COLS - 1) / F32_COLS;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t n0 = g * F32_COLS;
-        const float *wg = w + n0 * K;
-        switch (N - n0 < F32_COLS ? (int)(N - n0) : F32_COLS) {
-        case 4: f32_group(x, M, K, wg, 4, N, n0, y); break;
-        case 3: f32_group(x, M, K, wg, 3, N, n0, y); break;
-        case 2: f32_group(x, M, K, wg, 2, N, n0, y); break;
-        default: f32_group(x, M, K, wg, 1, N, n0, y); break;
-        }
-    }
+/* The threaded loop over groups of F32_COLS W rows, W stored as WT (a literal: each caller's OpenMP region is
+ * its own function, with the element conversion compiled in). */
+#define DENSE_MM(WT, ESIZE)                                                                                    \
+    const int64_t groups = (N + F32_COLS - 1) / F32_COLS;                                                    \
+    _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")                           \
+    for (int64_t g = 0; g < groups; ++g) {                                                                     \
+        const int64_t n0 = g * F32_COLS;                                                                       \
+        const void *wg = (const char *)w + n0 * K * (ESIZE);                                                   \
+        switch (N - n0 < F32_COLS ? (int)(N - n0) : F32_COLS) {                                               \
+        case 4: f32_group(x, M, K, wg, WT, 4, N, n0, y); break;                                               \
+        case 3: f32_group(x, M, K, wg, WT, 3, N, n0, y); break;                                               \
+        case 2: f32_group(x, M, K, wg, WT, 2, N, n0, y); break;                                               \
+        default: f32_group(x, M, K, wg, WT, 1, N, n0, y); break;                                              \
+        }                                                                                                      \
+    }                                                                                                          \
     return 0;
+
+int specdist_f32_mm(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+    DENSE_MM(WT_F32, 4)
+}
+
+/* As specdist_f32_mm, W [N, K] bfloat16 (raw 16-bit patterns). */
+int specdist_bf16_mm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y) {
+    DENSE_MM(WT_BF16, 2)
+}
+
+/* As specdist_f32_mm, W [N, K] IEEE float16. */
+int specdist_f16_mm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y) {
+    DENSE_MM(WT_F16, 2)
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -639,26 +684,29 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * One Llama-style decoder layer on blocks in one call, in place on h [M, D] (M = B * T rows):
  *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
- * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm or specdist_q8_mm by its weight's blocks, so a
- * row's result is computed as the layer-by-layer calls compute it, alone, whatever the rows around it. The
+ * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm or a dense one (float32, bfloat16
+ * or float16 weights) by its weight's kind, so a row's result is computed as the layer-by-layer calls compute
+ * it, alone, whatever the rows around it. The
  * call replaces about ten Python-level operations a layer, over a third of a batch-1 forward's time.
  * lin[4]: Wqkv [(Hq + 2 Hkv) hd, D], Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows).
  * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats. The cache arguments are specdist_rope_attention's.
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q8 codes, or the dense float32 weight [n, K] */
+    const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const float *scales; /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8 or LIN_F32 */
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16 or LIN_F16 */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2 };
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4 };
 
 static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
     switch (w->kind) {
     case LIN_Q8: return specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y);
     case LIN_F32: return specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y);
+    case LIN_BF16: return specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y);
+    case LIN_F16: return specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y);
     default: return specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y);
     }
 }

@@ -18,6 +18,9 @@ decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, 
 ``K`` in a fixed order (rows batch-invariant), ``W`` streamed from memory once for all the rows and
 prefetched 64 kB ahead. torch's GEMM re-packs the weights at every call, which at 4-16 rows cost 1.3-3.8x
 more here; past about :data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
+The weight may be held in bfloat16 or float16 where that dtype holds it exactly (a bf16 or fp16 checkpoint
+loaded in float32, :class:`specdist.models.dtypes.HalfStoredLinear`): each element converts exactly to float32
+as it is loaded, the arithmetic is the same, and the bits are those of the float32 weight at half the bytes.
 
 **Attention.** :func:`attention` computes each (request, head, query) row from the cache itself (no
 gathered copy of the keys, no mask tensor): scores 4 keys at a time, softmax, the weighted sum of
@@ -117,8 +120,9 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm):  # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
-    lib.specdist_f32_mm.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
-    lib.specdist_f32_mm.restype = ctypes.c_int
+    for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
+        fn.restype = ctypes.c_int
     f32, i32 = ctypes.c_float, ctypes.c_int
     # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, L1, slots, qpos, window, scale, cap, out)
     lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64,
@@ -227,19 +231,30 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
 F32_MAX_ROWS = 32  # rows up to which f32_mm beats torch's GEMM here (both threads or one; BENCHMARKS.md)
 
 
+DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weights f32_mm reads (converted exactly on load)
+
+
 def f32_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight.T -> [M, N]`` float32, ``weight [N, K]`` as a Linear holds it (no repacking): each
     output a dot product summed in an order fixed by K alone, so rows do not depend on the batch, and the
     weights read once for up to a few dozen rows (torch's GEMM re-packs them for every call; at 7 rows it
-    ran 3x slower than at one, where this costs about what reading the weights does)."""
-    x, weight = _dense(x, torch.float32), _dense(weight, torch.float32)
+    ran 3x slower than at one, where this costs about what reading the weights does). ``weight`` may be
+    float32, bfloat16 or float16: each element converts exactly to float32 as it is loaded and the arithmetic
+    is the same, so the result has the bits of ``f32_mm(x, weight.float())`` at half the bytes read."""
+    x = _dense(x, torch.float32)
+    if weight.dtype not in DENSE_DTYPES:
+        raise ValueError(f"f32_mm: weight dtype {weight.dtype} is not one of {DENSE_DTYPES}")
+    weight = _dense(weight, weight.dtype)
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"f32_mm: weight {tuple(weight.shape)} does not take {k} inputs")
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        library().specdist_f32_mm(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
+        lib = library()
+        fn = {torch.float32: lib.specdist_f32_mm, torch.bfloat16: lib.specdist_bf16_mm,
+              torch.float16: lib.specdist_f16_mm}[weight.dtype]
+        fn(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
     return y
 
 
@@ -335,12 +350,14 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     return out
 
 
-LIN_Q4, LIN_Q8, LIN_F32 = 0, 1, 2  # the kinds of a layer's matmul (the C file's block_linear)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16 = 0, 1, 2, 3, 4  # the kinds of a layer's matmul (the C file's block_linear)
+DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 
 
 class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
-    (kinds ``LIN_Q4``, ``LIN_Q8``), or a dense float32 weight ``[n, K]`` run by :func:`f32_mm` (``LIN_F32``)."""
+    (kinds ``LIN_Q4``, ``LIN_Q8``), or a dense weight ``[n, K]`` run by :func:`f32_mm` (``LIN_F32``, ``LIN_BF16``,
+    ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
@@ -362,14 +379,14 @@ class LayerWeights:
                 raise ValueError("llama_layer: block codes and scales must be contiguous")
         self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr() if s is not None else None, n,
                                                        int(kind)) for c, s, n, kind in linears))
-        self.dense = any(kind == LIN_F32 for *_, kind in linears)
+        self.dense = any(kind in DENSE_KINDS for *_, kind in linears)
         self.d = self.norm1.shape[0]
         self.nqkv, self.i = linears[0][2], linears[2][2] // 2
         self.attn = _inputs(linears[1])  # W_o's inputs: query heads x head size
         for lin, k in zip(linears, (self.d, self.attn, self.d, self.i)):
             codes, scales, n, kind = lin
-            rows = n if kind == LIN_F32 else -(-n // 8)
-            if codes.shape[0] != rows or _inputs(lin) != k or (kind == LIN_F32) != (scales is None):
+            rows = n if kind in DENSE_KINDS else -(-n // 8)
+            if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
                 raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
 
@@ -381,7 +398,7 @@ class LayerWeights:
 def _inputs(linear: tuple) -> int:
     """The input width of a ``(codes, scales, rows, kind)`` matmul."""
     codes, _, _, kind = linear
-    return codes.shape[1] if kind == LIN_F32 else codes.shape[1] * GROUP
+    return codes.shape[1] if kind in DENSE_KINDS else codes.shape[1] * GROUP
 
 
 def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
