@@ -78,6 +78,7 @@ def test_dense_float32_rows_equal_the_product_and_stand_alone(m, n, k):
         cpu_kernels.f32_mm(x, w[:, :-1].contiguous())
 
 
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 41, 96), (4, 9, 13), (7, 200, 576), (17, 63, 1536)])
 def test_dense_half_width_weights_give_the_float32_bits(dtype, m, n, k):
@@ -445,7 +446,7 @@ def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():
     from model_zoo import build_tiny
     from specdist.models.runner import CausalLMRunner
 
-    runner = CausalLMRunner(build_tiny("llama", seed=4, vocab_size=32, hidden_size=64).requires_grad_(False), 2, 80)
+    runner = CausalLMRunner(build_tiny("llama", seed=4, vocab_size=32, hidden_size=64).requires_grad_(False), 2, 120)
     assert all(k is not None and k.dense for k in runner.layer_kernels)
     layers, (_, slots, _, _, _) = _each_layer_both_ways(runner, seed=11)
     for want, got, cache, written in layers:
@@ -453,15 +454,15 @@ def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():
             assert float((new - old).abs().max()) <= 1e-3 * float(old.abs().max())
         assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
     g = torch.Generator().manual_seed(12)
-    ids = [[3, 9, 4] * 6, [2, 8, 8] * 6]  # 36 tokens: more than F32_MAX_ROWS, so op by op
+    ids = [[3, 9, 4] * 12, [2, 8, 8] * 12]  # 72 tokens: more than F32_MAX_ROWS, so op by op
     assert 2 * len(ids[0]) > cpu_kernels.F32_MAX_ROWS
     for s in slots.tolist():
         runner.cache.rollback(s, 0)
-    many = runner.forward(slots.tolist(), ids, [18, 18])
+    many = runner.forward(slots.tolist(), ids, [36, 36])
     for s in slots.tolist():
         runner.cache.rollback(s, 0)
-    few = torch.cat([runner.forward(slots.tolist(), [a[i : i + 9], b[i : i + 9]], [9, 9]) for a, b in [ids]
-                     for i in (0, 9)], dim=1)  # two calls of 18 tokens: the layer kernels
+    few = torch.cat([runner.forward(slots.tolist(), [a[i : i + 18], b[i : i + 18]], [18, 18]) for a, b in [ids]
+                     for i in (0, 18)], dim=1)  # two calls of 36 tokens: the layer kernels
     assert float((many - few).abs().max()) < 1e-4 * float(many.abs().max())
     head, hs = runner.model.lm_head, torch.randn(2, 5, runner.config.hidden_size, generator=g)
     from specdist.models.runner import _lm_head

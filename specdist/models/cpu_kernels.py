@@ -228,7 +228,10 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
     return _call(library().specdist_q8_mm, x, codes, scales, n)
 
 
-F32_MAX_ROWS = 32  # rows up to which f32_mm beats torch's GEMM here (both threads or one; BENCHMARKS.md)
+# Rows up to which f32_mm runs a float32 model's layers and head. Default model's layers, torch's GEMM over
+# f32_mm: 48 rows 1.7x, 64 rows 1.5x, 128 rows 1.2x on two threads; 64 rows 1.0x, 128 rows 0.87x on one
+# (BENCHMARKS.md).
+F32_MAX_ROWS = 64
 
 
 DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weights f32_mm reads (converted exactly on load)
