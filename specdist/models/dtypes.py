@@ -37,3 +37,58 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
     if device.type == "cpu":
         return CPU_AUTO_DTYPE
     raise ValueError(f"dtype auto is not defined for device {device}")
+
+
+def half_width(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (float32) in bfloat16, else float16, where that dtype holds every element exactly (a bf16 or
+    fp16 checkpoint loaded in float32 does), contiguous; None where neither does."""
+    if weight.dtype != torch.float32:
+        return None
+    for dt in (torch.bfloat16, torch.float16):
+        half = weight.detach().to(dt).contiguous()
+        if torch.equal(half.float(), weight):  # NaN never equals: such a weight stays float32
+            return half
+    return None
+
+
+class HalfStoredLinear(torch.nn.Module):
+    """A float32 ``nn.Linear`` whose weight is held in the half-width dtype that holds it exactly
+    (:func:`half_width`): half the bytes to keep and to read, the same numbers. ``forward`` multiplies by the
+    weight converted back to float32 (what the ``nn.Linear`` computed, bit for bit); the CPU kernels read the
+    half-width weight itself (:func:`specdist.models.cpu_kernels.f32_mm` converts each element exactly as it
+    loads it), which is where decoding and verification on the CPU spend their time."""
+
+    def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [out, in] bfloat16 or float16
+        self.bias = linear.bias  # float32 or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
+
+
+def store_half_width(parent: torch.nn.Module, name: str, owner: torch.nn.Module | None = None,
+                     parts: tuple[str, ...] = ()) -> bool:
+    """Replace ``parent.<name>``, a float32 ``nn.Linear`` on the CPU, by a :class:`HalfStoredLinear` where a
+    half-width dtype holds its weight exactly; whether it did. A fused projection
+    (:class:`~specdist.models.fusion.FusedLinear`'s ``inner``) names the modules it fused, ``owner.<parts>``,
+    whose weights are views of its rows: they become views of the half-width rows, so that no float32 copy
+    stays alive (and transformers' own forward keeps working)."""
+    linear = getattr(parent, name)
+    if type(linear) is not torch.nn.Linear or not linear.weight.is_cpu:
+        return False
+    half = half_width(linear.weight)
+    if half is None:
+        return False
+    setattr(parent, name, HalfStoredLinear(linear, half))
+    row = 0
+    for part_name in parts:
+        part = getattr(owner, part_name)
+        n = part.out_features
+        setattr(owner, part_name, HalfStoredLinear(part, half[row : row + n]))  # [n, in] view
+        row += n
+    return True

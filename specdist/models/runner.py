@@ -83,7 +83,8 @@ from specdist.errors import ConfigError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
-from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks
+from specdist.models.dtypes import HalfStoredLinear, store_half_width
+from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
 from specdist.models.fusion import fuse_projections
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
@@ -105,7 +106,7 @@ class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", half_storage: bool = True):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
@@ -160,6 +161,27 @@ class CausalLMRunner:
         # (cpu_kernels.llama_layer); None for a layer that runs op by op
         self.layer_kernels = [None if self.sandwich or not self.cpu_rope_attention else _layer_kernel(layer)
                               for layer in self.layers]
+        if half_storage:
+            self._store_half_width()
+
+    def _store_half_width(self) -> None:
+        """Hold the float32 weights of the dense layer kernels and of the output head in bfloat16 or float16
+        where that dtype holds them exactly (a bf16 or fp16 checkpoint loaded in float32): the kernels read
+        half the bytes and compute the same bits (:class:`~specdist.models.dtypes.HalfStoredLinear`); calls
+        past the kernels' rows convert them back for torch's GEMM, as the float32 weights would run."""
+        for i, (layer, kernel) in enumerate(zip(self.layers, self.layer_kernels)):
+            if kernel is None or not kernel.dense:
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            stored = [store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj")),
+                      store_half_width(attn, "o_proj"),
+                      store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj")),
+                      store_half_width(mlp, "down_proj")]
+            if any(stored):
+                self.layer_kernels[i] = _layer_kernel(layer)
+        if self.cpu_attention and type(getattr(self.model, "lm_head", None)) is torch.nn.Linear:
+            if store_half_width(self.model, "lm_head"):  # a tied head gets its own copy; the embedding keeps float32
+                untie_lm_head(self.model)
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
@@ -561,9 +583,10 @@ def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n,
     pad M to the next multiple of 4 (results sliced off)."""
     bsz, n, dim = hs.shape
     m = bsz * n
-    if hs.device.type != "cpu" or type(head) is not torch.nn.Linear:
+    if hs.device.type != "cpu" or type(head) not in (torch.nn.Linear, HalfStoredLinear):
         return head(hs)
-    if (m <= cpu_kernels.F32_MAX_ROWS and head.bias is None and head.weight.dtype == hs.dtype == torch.float32
+    dense = type(head) is HalfStoredLinear or head.weight.dtype == torch.float32
+    if (m <= cpu_kernels.F32_MAX_ROWS and head.bias is None and dense and hs.dtype == torch.float32
             and cpu_kernels.available() and not torch.compiler.is_compiling()):
         return cpu_kernels.f32_mm(hs.reshape(m, dim), head.weight.detach()).reshape(bsz, n, -1)
     if m % 4 < 2:
@@ -670,7 +693,12 @@ def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     w = getattr(linear, "weight", None)
     if type(linear) is torch.nn.Linear and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
         return w.detach(), None, linear.out_features, cpu_kernels.LIN_F32
+    if type(linear) is HalfStoredLinear:
+        return w.detach(), None, linear.out_features, _HALF_KINDS[w.dtype]
     return None
+
+
+_HALF_KINDS = {torch.bfloat16: cpu_kernels.LIN_BF16, torch.float16: cpu_kernels.LIN_F16}
 
 
 def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
