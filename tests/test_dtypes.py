@@ -24,7 +24,7 @@ from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import dtypes
-from specdist.models.dtypes import CPU_AUTO_DTYPE, TORCH_DTYPES, resolve_dtype
+from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import ProposeItem, StartItem
@@ -212,7 +212,11 @@ def test_config_accepts_auto_and_names_the_key_of_a_bad_dtype():
 
 
 def test_auto_resolves_per_device(monkeypatch, tiny_models):
-    assert CPU_AUTO_DTYPE in TORCH_DTYPES and resolve_dtype("auto", "cpu") == CPU_AUTO_DTYPE
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if dtypes.cpu_has_native_bf16() else "float32")
+    for native, want in ((True, "bfloat16"), (False, "float32")):  # the CPU's bf16 support decides
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda n=native: n, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+        assert resolve_dtype("auto", "cpu") == want
     assert resolve_dtype("float16", "cpu") == "float16"
     for native, want in ((True, "bfloat16"), (False, "float16")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
@@ -221,7 +225,7 @@ def test_auto_resolves_per_device(monkeypatch, tiny_models):
         resolve_dtype("fp8")
     # the loader resolves auto: the engine's models (target, draft) take the CPU's choice
     for choice in ("bfloat16", "float32"):
-        monkeypatch.setattr(dtypes, "CPU_AUTO_DTYPE", choice)
+        monkeypatch.setattr(dtypes, "cpu_auto_dtype", lambda c=choice: c)
         eng = Engine.from_config(_config(tiny_models, "model", "auto"))
         assert eng.target_core.runner.dtype == eng.draft_core.runner.dtype == TORCH_DTYPES[choice]
 

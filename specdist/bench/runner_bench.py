@@ -3,9 +3,10 @@
 What ``auto`` means on the CPU is decided by this measurement: batch 1, ``--context`` tokens
 already in the KV cache, one forward of 1, 5 and 9 new tokens (a decode step, the
 verification of 4 and of 8 drafts), median of ``--repeats`` timed runs after two warm-ups,
-each dtype in turn in one process. The dtype that is faster at every size is the one for
-``specdist.models.dtypes.CPU_AUTO_DTYPE``; float32 when none is. Run it on a quiet machine and
-record the table in BENCHMARKS.md.
+each dtype in turn in one process. The dtype that is faster at every size is the one ``auto`` should
+mean on such a CPU (``specdist.models.dtypes.cpu_auto_dtype``: bfloat16 where the CPU multiplies it
+natively, float32 elsewhere); float32 when none is. Run it on a quiet machine and record the table
+in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -104,5 +105,5 @@ def format_report(medians: dict[str, dict[int, float]], args, threads: int, devi
         row += [f"{medians[d][n] / medians[dtypes[0]][n]:.2f}" for d in dtypes[1:]]
         lines.append(f"| {n} | " + " | ".join(row) + " |")
     lines += ["", f"auto on this device: {choose_auto(medians)} (the dtype faster at every size, float32 when none "
-                  "is; on the CPU: CPU_AUTO_DTYPE in specdist/models/dtypes.py)"]
+                  "is; on the CPU: cpu_auto_dtype in specdist/models/dtypes.py)"]
     return "\n".join(lines)

@@ -15,16 +15,27 @@ import torch
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = (*TORCH_DTYPES, "auto")
 
-# `auto` on the CPU: the dtype in which CausalLMRunner.forward of the default model runs faster
-# for 1, 5 and 9 tokens, measured by `specdist bench runner` (BENCHMARKS.md, "Dtypes"). The
-# development CPU has AVX-512 BF16, where bf16 wins at every size; a CPU without native bf16
-# should rerun the measurement and use float32 explicitly if it loses.
-CPU_AUTO_DTYPE = "bfloat16"
+# `auto` on the CPU: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX tiles), float32
+# elsewhere. `specdist bench runner` (BENCHMARKS.md, "Dtypes") measured CausalLMRunner.forward of the default
+# model for 1, 5 and 9 tokens: on a CPU with AVX-512 BF16, bf16 won at every size; on an AVX2 CPU without it,
+# torch's bf16 matmuls ran 1.2x (1 token) to 3.9x (7 tokens) slower than float32. A bf16 checkpoint loaded in
+# float32 keeps its weights in bf16 there (HalfStoredLinear below: same bits, half the bytes).
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles), as torch reads it."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(p is not None and p() for p in probes)
+
+
+def cpu_auto_dtype() -> str:
+    """What ``auto`` means on this CPU."""
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
     """``name`` with ``auto`` resolved for ``device``: bfloat16 on CUDA GPUs that run it natively,
-    float16 on other CUDA GPUs, :data:`CPU_AUTO_DTYPE` on the CPU. Other names come back as given."""
+    float16 on other CUDA GPUs, :func:`cpu_auto_dtype` on the CPU. Other names come back as given."""
     if name != "auto":
         if name not in TORCH_DTYPES:
             raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
@@ -35,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
             native = torch.cuda.is_bf16_supported(including_emulation=False)
         return "bfloat16" if native else "float16"
     if device.type == "cpu":
-        return CPU_AUTO_DTYPE
+        return cpu_auto_dtype()
     raise ValueError(f"dtype auto is not defined for device {device}")
 
 
