@@ -292,3 +292,9 @@ def test_bench_runner_times_each_dtype_and_chooses(chat_models, capsys):
     assert choose_auto({"float32": {1: 2.0, 9: 3.0}, "bfloat16": {1: 1.0, 9: 2.0}}) == "bfloat16"
     assert choose_auto({"float32": {1: 2.0, 9: 1.0}, "bfloat16": {1: 1.0, 9: 2.0}}) == "float32"  # split: keep fp32
     assert choose_auto({"float32": {1: 1.0, 9: 1.0}, "bfloat16": {1: 2.0, 9: 2.0}}) == "float32"
+    assert choose_auto({"float32-wide": {1: 0.5}, "float32": {1: 2.0}, "bfloat16": {1: 1.0}}) == "bfloat16"
+    # a bf16 checkpoint in float32, with and without half-width storage
+    rc = main(["bench", "runner", "--model", chat_models["target"], "--dtypes", "float32-wide,float32", "--round-bf16",
+               "--tokens", "1", "--context", "4", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(matrices rounded to bf16)" in out and "| float32 / float32-wide |" in out

@@ -19,7 +19,11 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (built-in name, dir, .gguf)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated: float32, bfloat16, float16, or float32-wide (float32 held in float32 even "
+                        "where bf16 / fp16 holds the weights exactly: the runner's half-width storage off)")
+    p.add_argument("--round-bf16", action="store_true",
+                   help="round the model's matrices to bfloat16 values first, as a bf16 checkpoint holds them")
     p.add_argument("--tokens", default="1,5,9", help="comma-separated new-token counts per forward")
     p.add_argument("--context", type=int, default=64, help="tokens in the KV cache before each timed forward")
     p.add_argument("--repeats", type=int, default=12, help="timed forwards per (dtype, tokens); the median is reported")
@@ -48,8 +52,12 @@ def time_forward(runner, context: list[int], n_tokens: int, repeats: int, warmup
         runner.cache.free(slot)
 
 
+WIDE = "float32-wide"  # float32 weights held in float32 whatever they are (CausalLMRunner(half_storage=False))
+
+
 def choose_auto(medians: dict[str, dict[int, float]]) -> str:
     """The dtype with the lowest median at every token count; float32 when no dtype is."""
+    medians = {d: by_n for d, by_n in medians.items() if d != WIDE}
     sizes = sorted({n for by_n in medians.values() for n in by_n})
     for dtype, by_n in medians.items():
         others = [d for d in medians if d != dtype]
@@ -68,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
-        if d not in TORCH_DTYPES:
-            raise ValueError(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(TORCH_DTYPES)}")
+        if d not in (*TORCH_DTYPES, WIDE):
+            raise ValueError(f"--dtypes: unknown dtype {d!r}; choose from {', '.join((*TORCH_DTYPES, WIDE))}")
     sizes = [int(n) for n in args.tokens.split(",")]
     if min(sizes) < 1 or args.context < 1 or args.repeats < 1:
         raise ValueError("--tokens, --context and --repeats must be >= 1")
@@ -77,8 +85,13 @@ def run(args: argparse.Namespace) -> int:
     src = resolve_model(args.model, "--model")
     medians: dict[str, dict[int, float]] = {}
     for dtype in dtypes:
-        model = load_model(src, dtype, device)
-        runner = CausalLMRunner(model, 1, args.context + max(sizes) + 1)
+        model = load_model(src, "float32" if dtype == WIDE else dtype, device)
+        if args.round_bf16:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        runner = CausalLMRunner(model, 1, args.context + max(sizes) + 1, half_storage=dtype != WIDE)
         context = [(7 * i + 3) % runner.vocab_size for i in range(args.context)]
         medians[dtype] = {}
         for n in sizes:
@@ -93,8 +106,8 @@ def format_report(medians: dict[str, dict[int, float]], args, threads: int, devi
     dtypes = list(medians)
     sizes = sorted({n for by_n in medians.values() for n in by_n})
     lines = [
-        f"specdist bench runner: {args.model} on {device}, batch 1, {args.context} tokens cached, "
-        f"median of {args.repeats}, torch threads {threads}",
+        f"specdist bench runner: {args.model}{' (matrices rounded to bf16)' if args.round_bf16 else ''} on {device}, "
+        f"batch 1, {args.context} tokens cached, median of {args.repeats}, torch threads {threads}",
         "",
         "| new tokens | " + " | ".join(f"{d} ms" for d in dtypes) + " | " +
         " | ".join(f"{d} / {dtypes[0]}" for d in dtypes[1:]) + " |",
