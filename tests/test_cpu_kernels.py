@@ -407,20 +407,25 @@ def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
     return h + runner_mod._mlp(layer.mlp, runner_mod._rms_norm(layer.post_attention_layernorm, h))
 
 
-def test_a_llama_layer_on_blocks_is_one_kernel_call():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases (the kernel adds them after the matmul)
+def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
     """cpu_kernels.llama_layer runs each layer of a Llama model on blocks: it writes the cache rows the op-by-op
-    layer writes (the same kernels up to attention: same bits), and its output differs from that layer's only
-    by its own silu (e^-g from exp8, not torch's exp) moving a few activations' byte rounding. An EAGLE-3 tap
-    of a layer's input is not touched by the in-place update. Qwen2's q/k/v biases and Gemma's sandwich norms
-    run op by op."""
+    layer writes (the same kernels up to attention, biases added as torch adds them: same bits), and its output
+    differs from that layer's only by its own silu (e^-g from exp8, not torch's exp) moving a few activations'
+    byte rounding. An EAGLE-3 tap of a layer's input is not touched by the in-place update. Gemma's sandwich
+    norms run op by op."""
     from specdist.models.runner import CausalLMRunner
 
-    runner = CausalLMRunner(_block_model("llama"), 2, 80)
+    runner = CausalLMRunner(_block_model(family), 2, 80)
     assert len(runner.layer_kernels) >= 2 and all(k is not None for k in runner.layer_kernels)
+    biased = [lin.bias is not None for k in runner.layer_kernels for lin in k.linears]
+    assert biased == [family == "qwen2", False, False, False] * len(runner.layers)
     layers, (h, slots, write_pos, cos, sin) = _each_layer_both_ways(runner, seed=9)
     for want, got, cache, written in layers:
         assert torch.equal(written[0], cache[0]) and torch.equal(written[1], cache[1])
         assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+    if family != "llama":
+        return
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
                                 runner.cache.v[0], slots, write_pos, write_pos, None, runner.scaling)
@@ -434,8 +439,7 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call():
     d = runner.config.hidden_size
     assert torch.equal(runner.last_hidden[..., :d], embedded) and logits.isfinite().all()
     assert not torch.equal(runner.last_hidden[..., d : 2 * d], runner.last_hidden[..., 2 * d :])
-    for family in ("qwen2", "gemma2"):
-        assert all(k is None for k in CausalLMRunner(_block_model(family), 1, 40).layer_kernels), family
+    assert all(k is None for k in CausalLMRunner(_block_model("gemma2"), 1, 40).layer_kernels)
 
 
 def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():

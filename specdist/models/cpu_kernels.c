@@ -697,24 +697,30 @@ typedef struct {
     const float *scales; /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
     int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16 or LIN_F16 */
+    const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
 enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4 };
-
-static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
-    switch (w->kind) {
-    case LIN_Q8: return specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y);
-    case LIN_F32: return specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y);
-    case LIN_BF16: return specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y);
-    case LIN_F16: return specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y);
-    default: return specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y);
-    }
-}
 
 static void add_rows(float *h, const float *a, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, _mm256_add_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(a + i)));
     for (; i < n; ++i) h[i] += a[i];
+}
+
+/* y [M, n] = x [M, K] @ W.T (+ bias: one float32 add an element, as torch's y + b after the matmul). */
+static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
+    int rc;
+    switch (w->kind) {
+    case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
+    case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
+    case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
+    case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
+    default: rc = specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, w->n, y); break;
+    }
+    if (rc == 0 && w->bias != NULL)
+        for (int64_t m = 0; m < M; ++m) add_rows(y + m * w->n, w->bias, w->n);
+    return rc;
 }
 
 /* act[m, i] = silu(gu[m, i]) * gu[m, I + i]; e^-g from exp8 with -g capped at 88 (e^88 is finite: silu of a

@@ -37,6 +37,8 @@ q/k/v and gate/up matmuls, rotary, cache write and attention, SiLU, the residual
 layer costs one Python-level call instead of about ten: at batch 1 the operations between the kernels
 took over a third of a forward's time. The runner uses it wherever every matmul of a layer runs on blocks,
 or on dense float32 weights for calls of up to :data:`F32_MAX_ROWS` tokens (``CausalLMRunner.layer_kernels``).
+A matmul's bias (Qwen2's q/k/v) is added to each output row after it, one float32 add an element, as torch
+adds it after a block matmul.
 
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
@@ -362,36 +364,41 @@ class BlockLinear(ctypes.Structure):
     (kinds ``LIN_Q4``, ``LIN_Q8``), or a dense weight ``[n, K]`` run by :func:`f32_mm` (``LIN_F32``, ``LIN_BF16``,
     ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly)."""
 
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64)]
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
 
 
 class LayerWeights:
     """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
-    (float32, contiguous) and eps, and ``(codes, scales, rows, kind)`` of W_qkv, W_o, W_gate_up (gate rows
-    first) and W_down (``LIN_F32``: the weight ``[rows, K]`` and None). It keeps the tensors, so the
-    pointers it hands the C code stay valid. ``dense``: some matmul is float32 (the runner calls such a layer
-    for up to :data:`F32_MAX_ROWS` rows)."""
+    (float32, contiguous) and eps, and ``(codes, scales, rows, kind, bias)`` of W_qkv, W_o, W_gate_up (gate rows
+    first) and W_down (dense kinds: the weight ``[rows, K]`` and None; ``bias``: a float32 ``[rows]`` added
+    to every output row, or None). It keeps the tensors, so the pointers it hands the C code stay valid.
+    ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows)."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
-                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int]]):
+                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None]]):
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
-        self.tensors = [t for codes, scales, _, _ in linears for t in (codes, scales) if t is not None]
+        linears = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None) for c, s, n, k, b in linears]
+        self.tensors = [t for lin in linears for t in (lin[0], lin[1], lin[4]) if t is not None]
         for t in self.tensors:
             if not t.is_contiguous():
                 raise ValueError("llama_layer: block codes and scales must be contiguous")
         self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr() if s is not None else None, n,
-                                                       int(kind)) for c, s, n, kind in linears))
-        self.dense = any(kind in DENSE_KINDS for *_, kind in linears)
+                                                       int(kind), b.data_ptr() if b is not None else None)
+                                           for c, s, n, kind, b in linears))
+        self.dense = any(lin[3] in DENSE_KINDS for lin in linears)
         self.d = self.norm1.shape[0]
         self.nqkv, self.i = linears[0][2], linears[2][2] // 2
         self.attn = _inputs(linears[1])  # W_o's inputs: query heads x head size
         for lin, k in zip(linears, (self.d, self.attn, self.d, self.i)):
-            codes, scales, n, kind = lin
+            codes, scales, n, kind, bias = lin
             rows = n if kind in DENSE_KINDS else -(-n // 8)
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
                 raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
+            if bias is not None and bias.shape != (n,):
+                raise ValueError(f"llama_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
 
     def scratch(self, rows: int) -> int:
         """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
@@ -399,8 +406,8 @@ class LayerWeights:
 
 
 def _inputs(linear: tuple) -> int:
-    """The input width of a ``(codes, scales, rows, kind)`` matmul."""
-    codes, _, _, kind = linear
+    """The input width of a ``(codes, scales, rows, kind, bias)`` matmul."""
+    codes, kind = linear[0], linear[3]
     return codes.shape[1] if kind in DENSE_KINDS else codes.shape[1] * GROUP
 
 

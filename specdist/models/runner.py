@@ -680,21 +680,24 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
-def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
-    """``(codes, scales, rows, kind)`` of a linear without bias that :func:`cpu_kernels.llama_layer` runs (GGUF
-    blocks, or a dense float32 weight on the CPU), else None."""
-    if getattr(linear, "bias", None) is not None:
+def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
+    """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.llama_layer` runs (GGUF blocks,
+    or a dense float32 weight on the CPU, held in float32 or a half-width dtype; a float32 bias or none), else
+    None."""
+    bias = getattr(linear, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return None
+    bias = bias.detach() if bias is not None else None
     if type(linear) is Int4GroupLinear and linear.blocks in ("q4", "q8"):
         kind = cpu_kernels.LIN_Q8 if linear.blocks == "q8" else cpu_kernels.LIN_Q4
-        return linear.packed, linear.scales_and_zeros, linear.out_features, kind
+        return linear.packed, linear.scales_and_zeros, linear.out_features, kind, bias
     if type(linear) is Int8WeightOnlyLinear and linear.block_codes is not None:
-        return linear.block_codes, linear.block_scales, linear.out_features, cpu_kernels.LIN_Q8
+        return linear.block_codes, linear.block_scales, linear.out_features, cpu_kernels.LIN_Q8, bias
     w = getattr(linear, "weight", None)
     if type(linear) is torch.nn.Linear and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
-        return w.detach(), None, linear.out_features, cpu_kernels.LIN_F32
+        return w.detach(), None, linear.out_features, cpu_kernels.LIN_F32, bias
     if type(linear) is HalfStoredLinear:
-        return w.detach(), None, linear.out_features, _HALF_KINDS[w.dtype]
+        return w.detach(), None, linear.out_features, _HALF_KINDS[w.dtype], bias
     return None
 
 
@@ -703,7 +706,8 @@ _HALF_KINDS = {torch.bfloat16: cpu_kernels.LIN_BF16, torch.float16: cpu_kernels.
 
 def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     """The weights :func:`cpu_kernels.llama_layer` reads for a Llama-style decoder layer (Llama-style RMS
-    norms, fused q/k/v and gate/up projections, SiLU, every matmul on blocks, no bias), else None."""
+    norms, fused q/k/v and gate/up projections, SiLU, every matmul on blocks or dense, float32 biases or
+    none), else None."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, getattr(layer, "post_attention_layernorm", None))
     if any(type(n).__name__ not in _LLAMA_STYLE_NORMS or n.weight.dtype != torch.float32 for n in norms):
