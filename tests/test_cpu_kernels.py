@@ -330,7 +330,7 @@ def _block_model(family: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases, sliding windows beside full layers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases, sliding windows; qwen3: q/k norms
 def test_a_block_model_forward_does_not_depend_on_the_call(family):
     """Every linear on blocks and attention from these kernels: a position's logits are the same bits when it is
     decoded alone, verified among 4 tokens, or computed beside other requests in one batch."""
@@ -400,17 +400,21 @@ def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
     bsz, t, _ = h.shape
     x = runner_mod._rms_norm(layer.input_layernorm, h)
     q, k, v = runner_mod._qkv(layer.self_attn, x, None)
-    o = cpu_kernels.rope_attention(q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd), v.reshape(bsz, t, -1, hd),
-                                   cos, sin, runner.cache.k[i], runner.cache.v[i], slots, write_pos, write_pos, None,
-                                   runner.scaling)
+    q, k = q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd)
+    if runner.qk_norm:  # Qwen3: each head's q and k normed before the rotation
+        q, k = runner_mod._rms_norm(layer.self_attn.q_norm, q), runner_mod._rms_norm(layer.self_attn.k_norm, k)
+    o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t, -1, hd), cos, sin, runner.cache.k[i], runner.cache.v[i],
+                                   slots, write_pos, write_pos, None, runner.scaling)
     h = h + layer.self_attn.o_proj(o.reshape(bsz, t, -1))
     return h + runner_mod._mlp(layer.mlp, runner_mod._rms_norm(layer.post_attention_layernorm, h))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases (the kernel adds them after the matmul)
+# qwen2: q/k/v biases (the kernel adds them after the matmul); qwen3: per-head q/k RMS norms before the rotation
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
     """cpu_kernels.llama_layer runs each layer of a Llama model on blocks: it writes the cache rows the op-by-op
-    layer writes (the same kernels up to attention, biases added as torch adds them: same bits), and its output
+    layer writes (the same kernels up to attention, biases added as torch adds them, q/k norms by the same row
+    kernel: same bits), and its output
     differs from that layer's only by its own silu (e^-g from exp8, not torch's exp) moving a few activations'
     byte rounding. An EAGLE-3 tap of a layer's input is not touched by the in-place update. Gemma's sandwich
     norms run op by op."""
@@ -420,6 +424,7 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
     assert len(runner.layer_kernels) >= 2 and all(k is not None for k in runner.layer_kernels)
     biased = [lin.bias is not None for k in runner.layer_kernels for lin in k.linears]
     assert biased == [family == "qwen2", False, False, False] * len(runner.layers)
+    assert all((k.qk_norms is not None) == (family == "qwen3") for k in runner.layer_kernels)
     layers, (h, slots, write_pos, cos, sin) = _each_layer_both_ways(runner, seed=9)
     for want, got, cache, written in layers:
         assert torch.equal(written[0], cache[0]) and torch.equal(written[1], cache[1])

@@ -601,18 +601,18 @@ int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t
  * RMS norm of each row: out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * w, the sum of squares
  * taken in one fixed order per row. x, out [M, D] contiguous floats; w [D].
  */
+static inline void rms_norm_row(const float *xr, int64_t D, const float *w, float eps, float *o) {
+    const float inv = 1.0f / sqrtf(dot_row(xr, xr, D) / (float)D + eps);  /* every xr[c] read before o[c] is written */
+    int64_t c = 0;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; c + 8 <= D; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), iv), _mm256_loadu_ps(w + c)));
+    for (; c < D; ++c) o[c] = xr[c] * inv * w[c];
+}
+
 void specdist_rms_norm(const float *x, int64_t M, int64_t D, const float *w, float eps, float *out) {
 #pragma omp parallel for schedule(static) if (M * D >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t m = 0; m < M; ++m) {
-        const float *xr = x + m * D;
-        float *o = out + m * D;
-        const float inv = 1.0f / sqrtf(dot_row(xr, xr, D) / (float)D + eps);
-        int64_t c = 0;
-        const __m256 iv = _mm256_set1_ps(inv);
-        for (; c + 8 <= D; c += 8)
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), iv), _mm256_loadu_ps(w + c)));
-        for (; c < D; ++c) o[c] = xr[c] * inv * w[c];
-    }
+    for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * D, D, w, eps, out + m * D);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -682,7 +682,8 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
 
 /* ---------------------------------------------------------------------------------------------
  * One Llama-style decoder layer on blocks in one call, in place on h [M, D] (M = B * T rows):
- *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
+ *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  [q, k = each head rms_norm'd (q_norm, k_norm: Qwen3)];
+ *   a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
  * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm or a dense one (float32, bfloat16
  * or float16 weights) by its weight's kind, so a row's result is computed as the layer-by-layer calls compute
@@ -745,7 +746,8 @@ static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
 }
 
 int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float *norm1, const float *norm2,
-                         float eps, const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
+                         float eps, const float *q_norm, const float *k_norm, float qk_eps,
+                         const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
                          const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,
                          const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
                          float scale, float softcap, float *scratch) {
@@ -753,6 +755,12 @@ int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float 
     float *x = scratch, *qkv = x + M * D, *a = qkv + M * nqkv, *p = a + M * nq, *gu = p + M * D, *act = gu + M * 2 * I;
     specdist_rms_norm(h, M, D, norm1, eps, x);
     if (block_mm(&lin[0], x, M, D, qkv)) return -1;
+    if (q_norm != NULL)  /* each head's query and key RMS-normed over hd before the rotation (Qwen3) */
+        for (int64_t m = 0; m < M; ++m) {
+            float *row = qkv + m * nqkv;
+            for (int64_t j = 0; j < Hq; ++j) rms_norm_row(row + j * hd, hd, q_norm, qk_eps, row + j * hd);
+            for (int64_t j = 0; j < Hkv; ++j) rms_norm_row(row + nq + j * hd, hd, k_norm, qk_eps, row + nq + j * hd);
+        }
     if (specdist_rope_attention(qkv, qkv + nq, qkv + nq + Hkv * hd, B, T, Hq, Hkv, hd, T * nqkv, nqkv, T * nqkv, nqkv,
                                 T * nqkv, nqkv, cos_t, sin_t, k_cache, v_cache, kv16, L1, slots, write_pos, qpos,
                                 window, scale, softcap, a))

@@ -137,10 +137,10 @@ def library() -> ctypes.CDLL | None:
     lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                                             ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_rope_attention.restype = ctypes.c_int
-    # (h, B, T, D, norm1, norm2, eps, lin[4], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16, L1, slots, write_pos,
-    #  qpos, window, scale, cap, scratch)
-    lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32,
-                                         i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+    # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[4], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
+    #  L1, slots, write_pos, qpos, window, scale, cap, scratch)
+    lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
+                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_llama_layer.restype = ctypes.c_int
     return lib
 
@@ -376,9 +376,13 @@ class LayerWeights:
     ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows)."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
-                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None]]):
+                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None]],
+                 qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
+        # Qwen3: the per-head RMS norms of queries and keys ([hd] weights each) and their eps, or None
+        self.qk_norms = None if qk_norms is None else (_dense(qk_norms[0], torch.float32),
+                                                       _dense(qk_norms[1], torch.float32), float(qk_norms[2]))
         linears = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None) for c, s, n, k, b in linears]
         self.tensors = [t for lin in linears for t in (lin[0], lin[1], lin[4]) if t is not None]
         for t in self.tensors:
@@ -416,7 +420,8 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
                 window: int | None, scale: float, softcap: float | None = None,
                 scratch: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_llama_layer``): RMS norm,
-    the fused q/k/v matmul, :func:`rope_attention`, the output projection and its residual add, RMS norm,
+    the fused q/k/v matmul (then each head's q and k RMS-normed where ``weights.qk_norms``: Qwen3),
+    :func:`rope_attention`, the output projection and its residual add, RMS norm,
     the gate/up matmul, ``silu(gate) * up``, the down projection and its residual add. Updates ``h``
     [B, T, D] (contiguous float32) in place and returns it; the cache arguments are :func:`rope_attention`'s
     (the head counts come from the weights and the cache). ``scratch``: at least ``weights.scratch(B * T)``
@@ -426,6 +431,9 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     hq, hkv = weights.attn // hd, k_cache.shape[1]
     if not h.is_contiguous() or h.dtype != torch.float32 or d != weights.d or weights.nqkv != (hq + 2 * hkv) * hd:
         raise ValueError(f"llama_layer: h {tuple(h.shape)} {h.dtype} does not fit the layer's weights")
+    qn = weights.qk_norms
+    if qn is not None and not qn[0].shape == qn[1].shape == (hd,):
+        raise ValueError(f"llama_layer: q/k norms {tuple(qn[0].shape)}, {tuple(qn[1].shape)} for heads of {hd}")
     kv16 = _kv16(k_cache, v_cache)
     need = weights.scratch(bsz * t)
     if scratch is None or scratch.numel() < need:
@@ -433,7 +441,8 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
     slots, write_pos, query_pos = (_dense(x, torch.int64) for x in (slots, write_pos, query_pos))
     if library().specdist_llama_layer(
-            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps, weights.linears,
+            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
+            qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0, weights.linears,
             hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv16, k_cache.shape[2],
             slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0, scale, softcap or 0.0,
             scratch.data_ptr()):

@@ -150,12 +150,12 @@ class CausalLMRunner:
         with torch.inference_mode():
             self.rope_tables = {key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)}
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
-        # whole head and no per-head norm comes between, rotary, cache write and attention are one call per layer
+        # whole head, rotary, cache write and attention are one call per layer (after per-head q/k norms, if any)
         self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         self.cache = SlotKVCache(len(self.layers), num_slots, n_kv_local, self.head_dim, max_len,
                                  kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model)),
                                  self.device)
-        self.cpu_rope_attention = (self.cpu_attention and not self.qk_norm
+        self.cpu_rope_attention = (self.cpu_attention
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
         # where that holds, a Llama-style layer whose matmuls all run on blocks is one C call
         # (cpu_kernels.llama_layer); None for a layer that runs op by op
@@ -441,6 +441,8 @@ class CausalLMRunner:
             q, k, v = _qkv(attn, x, self.qkv_split)
             q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
             k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
+            if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             if fused is not None:
                 cos, sin = ropes[self.rope_keys[i]]
                 o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t_max, -1, hd), cos, sin, self.cache.k[i],
@@ -448,8 +450,6 @@ class CausalLMRunner:
                                                self.scaling, self.attn_softcap)  # [B, T, Hq, hd]
                 h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
                 continue
-            if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
-                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
             v = v.reshape(bsz, t_max, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
             cos, sin = ropes[self.rope_keys[i]]
@@ -706,13 +706,14 @@ _HALF_KINDS = {torch.bfloat16: cpu_kernels.LIN_BF16, torch.float16: cpu_kernels.
 
 def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     """The weights :func:`cpu_kernels.llama_layer` reads for a Llama-style decoder layer (Llama-style RMS
-    norms, fused q/k/v and gate/up projections, SiLU, every matmul on blocks or dense, float32 biases or
-    none), else None."""
+    norms, per-head q/k norms of that style or none, fused q/k/v and gate/up projections, SiLU, every matmul
+    on blocks or dense, float32 biases or none), else None."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, getattr(layer, "post_attention_layernorm", None))
-    if any(type(n).__name__ not in _LLAMA_STYLE_NORMS or n.weight.dtype != torch.float32 for n in norms):
+    qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+    if any(type(n).__name__ not in _LLAMA_STYLE_NORMS or n.weight.dtype != torch.float32 for n in norms + qk):
         return None
-    if norms[0].variance_epsilon != norms[1].variance_epsilon:
+    if norms[0].variance_epsilon != norms[1].variance_epsilon or (qk and qk[0].variance_epsilon != qk[1].variance_epsilon):
         return None
     qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
     if qkv is None or gate_up is None or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
@@ -720,7 +721,8 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     linears = [_block_linear(m) for m in (qkv.inner, attn.o_proj, gate_up.inner, mlp.down_proj)]
     if any(w is None for w in linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
         return None
-    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears)
+    qk_norms = (qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None
+    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
