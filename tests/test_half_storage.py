@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdist.models import cpu_kernels
-from specdist.models.dtypes import HalfStoredLinear, half_width
+from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, half_width
 from specdist.models.runner import CausalLMRunner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need x86 with AVX2")
@@ -52,9 +52,10 @@ def _calls(runner: CausalLMRunner) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_half_stored_weights_give_the_float32_bits(tied):
-    """Layers 1-2 exact in bf16 hold bf16, layer 0 exact only in fp16 holds fp16, the head holds bf16 (tied or
-    not: the embedding keeps float32); prefill, decode, verification and a call past the kernels' rows give
-    the float32 runner's logits bit for bit, and the layers' and head's weights take half the bytes."""
+    """Layers 1-2 exact in bf16 hold bf16, layer 0 exact only in fp16 holds fp16, the head holds bf16 (a tied
+    embedding looks up its rows in the head's table, an untied one keeps float32); prefill, decode, verification
+    and a call past the kernels' rows give the float32 runner's logits bit for bit, and the layers' weights take
+    half the bytes."""
     model = _rounded(_tiny(tied), first_layer=torch.float16)
     full = CausalLMRunner(copy.deepcopy(model), 2, 128, half_storage=False)
     half = CausalLMRunner(model, 2, 128)
@@ -62,7 +63,11 @@ def test_half_stored_weights_give_the_float32_bits(tied):
     dtypes = [(type(m), m.weight.dtype) for m in (layer[0].mlp.down_proj, layer[1].mlp.down_proj,
                                                   layer[2].self_attn.fused_qkv.inner, half.model.lm_head)]
     assert dtypes == [(HalfStoredLinear, torch.float16)] + [(HalfStoredLinear, torch.bfloat16)] * 3
-    assert half.model.model.embed_tokens.weight.dtype == torch.float32
+    embed = half.model.model.embed_tokens
+    if tied:  # one bf16 table for the head and the lookups, as the tie kept one float32 table
+        assert type(embed) is HalfStoredEmbedding and embed.weight is half.model.lm_head.weight
+    else:
+        assert type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32
     assert all(k is not None and k.dense for k in half.layer_kernels)
     kinds = {int(lin.kind) for k in half.layer_kernels for lin in k.linears}
     assert kinds == {cpu_kernels.LIN_BF16, cpu_kernels.LIN_F16}

@@ -82,6 +82,21 @@ class HalfStoredLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
+class HalfStoredEmbedding(torch.nn.Module):
+    """The input embedding of a model whose output head is tied to it, held in the head's half-width weight
+    (the same tensor: a tie keeps one copy): a lookup converts the rows it reads back to float32, the values
+    of the float32 table."""
+
+    def __init__(self, embedding: torch.nn.Embedding, weight: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.weight = weight  # [V, D] bfloat16 or float16, a Parameter shared with the head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., D] float32
+        return torch.nn.functional.embedding(ids, self.weight).float()
+
+
 def store_half_width(parent: torch.nn.Module, name: str, owner: torch.nn.Module | None = None,
                      parts: tuple[str, ...] = ()) -> bool:
     """Replace ``parent.<name>``, a float32 ``nn.Linear`` on the CPU, by a :class:`HalfStoredLinear` where a

@@ -83,7 +83,7 @@ from specdist.errors import ConfigError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
-from specdist.models.dtypes import HalfStoredLinear, store_half_width
+from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
 from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
 from specdist.models.fusion import fuse_projections
 
@@ -168,7 +168,8 @@ class CausalLMRunner:
         """Hold the float32 weights of the dense layer kernels and of the output head in bfloat16 or float16
         where that dtype holds them exactly (a bf16 or fp16 checkpoint loaded in float32): the kernels read
         half the bytes and compute the same bits (:class:`~specdist.models.dtypes.HalfStoredLinear`); calls
-        past the kernels' rows convert them back for torch's GEMM, as the float32 weights would run."""
+        past the kernels' rows convert them back for torch's GEMM, as the float32 weights would run. An input
+        embedding tied to the head reads its rows from the head's half-width table."""
         for i, (layer, kernel) in enumerate(zip(self.layers, self.layer_kernels)):
             if kernel is None or not kernel.dense:
                 continue
@@ -179,9 +180,13 @@ class CausalLMRunner:
                       store_half_width(mlp, "down_proj")]
             if any(stored):
                 self.layer_kernels[i] = _layer_kernel(layer)
-        if self.cpu_attention and type(getattr(self.model, "lm_head", None)) is torch.nn.Linear:
-            if store_half_width(self.model, "lm_head"):  # a tied head gets its own copy; the embedding keeps float32
+        head, embed = getattr(self.model, "lm_head", None), self.model.model.embed_tokens
+        if self.cpu_attention and type(head) is torch.nn.Linear:
+            tied = type(embed) is torch.nn.Embedding and head.weight is embed.weight
+            if store_half_width(self.model, "lm_head"):
                 untie_lm_head(self.model)
+                if tied:  # the embedding looks its rows up in the head's half-width table: still one copy
+                    self.model.model.embed_tokens = HalfStoredEmbedding(embed, self.model.lm_head.weight)
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
