@@ -92,3 +92,19 @@ def test_weights_no_half_dtype_holds_stay_float32():
     assert half_width(torch.tensor([[1.0, float("nan")]])) is None
     assert half_width(torch.tensor([[1.0, 1 + 2 ** -9]])).dtype == torch.float16
     assert half_width(torch.tensor([[1.0, 2.0 ** 100]])).dtype == torch.bfloat16
+
+
+def test_a_low_bit_copy_of_a_half_stored_model_quantizes_every_linear():
+    """A self draft made from a target a runner already holds in half width (engines over one model) quantizes
+    the half-width linears as it would the float32 ones: the same int8 codes."""
+    from specdist.models.fusion import quantized_copy
+    from specdist.models.quant import Int8WeightOnlyLinear
+
+    model = _rounded(_tiny(True))
+    want = quantized_copy(copy.deepcopy(model))
+    CausalLMRunner(model, 1, 64)
+    got = quantized_copy(model)
+    assert not any(type(m) in (torch.nn.Linear, HalfStoredLinear) for m in got.modules())
+    pairs = [(a, b) for a, b in zip(got.modules(), want.modules()) if type(a) is Int8WeightOnlyLinear]
+    assert len(pairs) == 3 * 7 + 1  # every layer's seven projections and the head
+    assert all(torch.equal(a.codes(), b.codes()) and torch.equal(a.scales, b.scales) for a, b in pairs)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdist.models import cpu_kernels
+from specdist.models.dtypes import HalfStoredLinear
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
@@ -241,12 +242,13 @@ def untie_lm_head(model: nn.Module) -> None:
 
 def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = None,
                         kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
-    """Replace every ``nn.Linear`` (unless ``skip(name)``) by ``kind.from_linear`` in place; returns ``model``.
+    """Replace every ``nn.Linear`` (a runner's :class:`~specdist.models.dtypes.HalfStoredLinear` too: the same
+    numbers) unless ``skip(name)`` by ``kind.from_linear`` in place; returns ``model``.
     ``kind``: :class:`Int8WeightOnlyLinear`, or :class:`Int4GroupLinear` for linears whose inputs split
     into groups of 32 and whose outputs into the kernel's tiles of 16 rows (any other stays float)."""
     replaced: dict[int, nn.Module] = {}  # keeps shared Linear modules shared
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if not isinstance(module, nn.Linear) or (skip is not None and skip(name)):
+        if not isinstance(module, (nn.Linear, HalfStoredLinear)) or (skip is not None and skip(name)):
             continue
         if kind is Int4GroupLinear and (module.in_features % GROUP or module.out_features % INT4_ROWS):
             continue
