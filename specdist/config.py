@@ -10,7 +10,7 @@ Shape::
       dtype: float32                 # float32 | bfloat16 | float16 | auto: weights, activations and KV cache;
                                      #   auto = bfloat16 on CUDA GPUs that run it natively, float16 on other
                                      #   CUDA GPUs, on the CPU the measured choice (specdist.models.dtypes)
-      weights: auto                  # native: a GGUF file's Q4_0 / Q4_1 / Q8_0 linears run on their own
+      weights: auto                  # native: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K linears run on their own
                                      #   blocks (int4 groups, specdist/models/native.py), not de-quantized;
                                      #   float: every weight in dtype; auto: native for a GGUF file on one
                                      #   rank, float otherwise (native does not shard across ranks yet)

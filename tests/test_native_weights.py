@@ -200,22 +200,40 @@ def test_int4_copy_keeps_linears_the_kernel_cannot_take():
 
 
 # ----------------------------------------------------------------------------- 2. GGUF blocks
-@pytest.mark.parametrize("kind", NATIVE)
+def q4_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random Q4_K super-blocks ``[rows, cols / 256 * 144]`` uint8, packed as llama.cpp packs them (gguf-py has
+    no Q4_K quantizer): fp16 d and dmin, 6-bit scales and mins (scales 0-3 / mins 0-3 in the low 6 bits of bytes
+    0-3 / 4-7, the high 2 bits of scales and mins 4-7 above them, their low 4 bits in bytes 8-11), and 128 code
+    bytes (sub-block 2i in the low nibbles of bytes 32i..32i+31, 2i + 1 in the high ones)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 256
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb)).astype(np.float16)  # weights up to about 15 * 63 * d
+    dmin = rng.uniform(0.1 * scale, 2 * scale, (rows, nb)).astype(np.float16)
+    sc, mn = rng.integers(0, 64, (2, rows, nb, 8)).astype(np.uint8)
+    q = rng.integers(0, 16, (rows, nb, 4, 2, 32)).astype(np.uint8)
+    scales = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)  # [rows, nb, 12]
+    codes = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, nb, 128)
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, codes], -1)
+    return np.ascontiguousarray(blocks.reshape(rows, nb * 144))
+
+
+@pytest.mark.parametrize("kind", NATIVE + ("Q4_K",))
 def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     rng = np.random.default_rng(11)
-    rows, cols = 24, 160
+    rows, cols = 24, 512 if kind == "Q4_K" else 160
     a = (rng.standard_normal((rows, cols)) * rng.choice([0.01, 0.3, 5.0], (rows, 1))
          + rng.standard_normal((rows, 1))).astype(np.float32)
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    raw = gguf.quants.quantize(a, Q[kind])
+    raw = q4_k_bytes(rows, cols, 11) if kind == "Q4_K" else gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
     got = dequantize(codes, scales, zeros, repeat)
     assert got.dtype == torch.float32 and got.shape == (rows, cols)
-    if kind == "Q4_1":  # gguf: d * c + m; here: d * (c - 8) + (m + 8 d), one rounding more
+    if kind in ("Q4_1", "Q4_K"):  # gguf: d * c + m; here: d * (c - 8) + (m + 8 d), one rounding more
         eps = torch.finfo(torch.float32).eps
         tol = eps * (want.abs() + zeros.repeat_interleave(GROUP, 1).abs())
         assert bool(((got - want).abs() <= tol).all())
@@ -252,17 +270,20 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25) -> str:
+def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H, ff: int = FF,
+                    linear_types: list[dict] | None = None, head_type: str = HEAD_TYPE) -> str:
+    """A tiny GGUF Llama: ``len(linear_types)`` layers (default LINEAR_TYPES), each linear in its GGUF type."""
+    linear_types = LINEAR_TYPES if linear_types is None else linear_types
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     w.add_name("tiny")
     w.add_context_length(128)
-    w.add_embedding_length(H)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FF)
+    w.add_embedding_length(hidden)
+    w.add_block_count(len(linear_types))
+    w.add_feed_forward_length(ff)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(H // HEADS)
+    w.add_rope_dimension_count(hidden // HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(GGUF_VOCAB)
@@ -282,22 +303,25 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25) -> str:
             w.add_tensor(name, 1.0 + 0.3 * a)  # norm weights near 1
         elif kind == "F16":
             w.add_tensor(name, a.astype(np.float16))
+        elif kind == "Q4_K":  # random super-blocks (no float source: gguf-py cannot quantize to Q4_K)
+            w.add_tensor(name, q4_k_bytes(shape[0], shape[1], int(rng.integers(1 << 30)), scale=std / 125),
+                         raw_dtype=Q.Q4_K)
         else:
             if n_head:
                 a = _llama_cpp_permute(a, n_head)
             w.add_tensor(name, gguf.quants.quantize(a, Q[kind]), raw_dtype=Q[kind])
 
-    hd = H // HEADS
-    shapes = dict(attn_q=(H, H), attn_k=(KV_HEADS * hd, H), attn_v=(KV_HEADS * hd, H), attn_output=(H, H),
-                  ffn_gate=(FF, H), ffn_up=(FF, H), ffn_down=(H, FF))
-    tensor("token_embd.weight", (GGUF_VOCAB, H), HEAD_TYPE)
-    tensor("output_norm.weight", (H,), "F32")
-    for i in range(LAYERS):
-        tensor(f"blk.{i}.attn_norm.weight", (H,), "F32")
-        tensor(f"blk.{i}.ffn_norm.weight", (H,), "F32")
+    hd = hidden // HEADS
+    shapes = dict(attn_q=(hidden, hidden), attn_k=(KV_HEADS * hd, hidden), attn_v=(KV_HEADS * hd, hidden),
+                  attn_output=(hidden, hidden), ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
+    tensor("token_embd.weight", (GGUF_VOCAB, hidden), head_type)
+    tensor("output_norm.weight", (hidden,), "F32")
+    for i, types in enumerate(linear_types):
+        tensor(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
+        tensor(f"blk.{i}.ffn_norm.weight", (hidden,), "F32")
         for short, shape in shapes.items():
             n_head = HEADS if short == "attn_q" else KV_HEADS if short == "attn_k" else 0
-            tensor(f"blk.{i}.{short}.weight", shape, LINEAR_TYPES[i][short], n_head)
+            tensor(f"blk.{i}.{short}.weight", shape, types[short], n_head)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -438,6 +462,30 @@ def test_native_weights_are_the_files_in_transformers_row_order(tiny_gguf, gguf_
             t = raw[f"blk.{layer}.attn_{name[-6]}.weight"]
             unpermuted = dequantize(*decode_blocks(t.data, t.tensor_type.name, m.in_features))
             assert float((unpermuted - w).abs().max()) > 20 * tol, name  # the permutation matters
+
+
+def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
+    """A file whose linears are Q4_K (what most GGUF files on the Hub hold): every linear runs on Int4GroupLinear
+    blocks made from the file's codes, each sub-block a Q4_1 block with scale d * sc and zero 8 d sc - dmin m,
+    matching the float weight transformers de-quantized (identity probe, as above); the logits stay close to the
+    float model's."""
+    path = write_tiny_gguf(str(tmp_path / "q4k.gguf"), seed=5, hidden=256, ff=512,
+                           linear_types=[dict.fromkeys(HF_NAMES, "Q4_K")] * 2)
+    src = resolve_model(path)
+    with gguf_parsed_once():
+        flt, nat = load_model(src, "float32"), load_model(src, "float32", weights="native")
+    fl = _linears(flt)
+    blocks = {n: m for n, m in _linears(nat).items() if type(m) is Int4GroupLinear and n != "lm_head"}
+    assert len(blocks) == 2 * 7 and all(m.repeat_input == 1 for m in blocks.values())
+    assert use_native_blocks(unfused_copy(flt), path) == {"Q4_K": 14, "Q8_0": 1}
+    for name, m in blocks.items():
+        w = fl[name].weight.detach()
+        probe = m(torch.eye(m.in_features)).T  # [out, in]
+        assert float((probe - w).abs().max()) <= 2**-7 * float(w.abs().max()), name
+    ids = torch.tensor([[0, 5, 3, 9, 14, 2, 2, 15, 8, 1, 4, 6]])
+    with torch.no_grad():
+        a, b = flt(ids).logits, nat(ids).logits
+    assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
 def test_native_logits_close_to_the_float_models(gguf_models):

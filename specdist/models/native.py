@@ -2,11 +2,13 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1 or Q8_0 by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q8_0 or Q4_K by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
-scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). Other tensors (norms,
-embeddings, F16/F32 or K-quant linears, and linears whose output rows the int4 kernel cannot tile,
+scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
+are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as those (activations rounded per
+32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). Other tensors (norms,
+embeddings, F16/F32 or other K-quant linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
@@ -34,7 +36,8 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 
 log = logging.getLogger("specdist.load")
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF block types that run natively
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # GGUF block types that run natively
+Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
 
 
 def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -45,6 +48,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
     the input repeated ``r`` times (Q8_0: r = 2, its codes split into a high and a low int4 half).
     """
     rows = raw.shape[0]
+    if kind == "Q4_K":
+        return _decode_q4_k(raw, rows, cols)
     nb = cols // GROUP
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
@@ -62,6 +67,23 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return codes, d, torch.zeros_like(d), 1
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
     return codes, d, m + 8 * d, 1  # Q4_1: w = d * c + m = d * (c - 8) + (m + 8 d)
+
+
+def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q4_K as Q4_1-style blocks of 32: a super-block of 256 weights holds 8 sub-blocks, each with a 6-bit scale
+    ``sc`` and min ``m``, so sub-block j is ``w = (d * sc_j) * c - dmin * m_j``, Q4_1's form with the scale
+    ``d * sc_j`` (exact in float32) and the zero ``8 d sc_j - dmin m_j``. The codes are the file's."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4_K_BYTES)  # [rows, nb, 144]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    lo, hi, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # the 12 scale bytes, 4 at a time
+    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], -1).astype(np.float32)  # [rows, nb, 8]
+    mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], -1).astype(np.float32)
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 groups of 32 bytes: sub-block 2i low nibbles, 2i + 1 high
+    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, cols)  # [rows, cols]
+    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, -1))  # [rows, cols / 32]
+    low = torch.from_numpy((dmin[..., None] * mn).reshape(rows, -1))
+    return torch.from_numpy(codes.astype(np.int32)), scale, 8 * scale - low, 1
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
