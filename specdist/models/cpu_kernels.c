@@ -292,7 +292,8 @@ static inline __attribute__((always_inline)) void f32_tile(const float *x, int64
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
             float sum = hsum8(acc[r][c]);
-            for (int64_t j = k; j < K; ++j) sum = fmaf(x[r * K + j], load_w1(w, c * K + j, wt), sum);  /* one rounding, whatever the compiler contracts */
+            /* the K % 8 tail: fmaf rounds once per element whatever the compiler would contract */
+            for (int64_t j = k; j < K; ++j) sum = fmaf(x[r * K + j], load_w1(w, c * K + j, wt), sum);
             out[r][c] = sum;
         }
 }
@@ -686,9 +687,9 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  *   a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
  * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm or a dense one (float32, bfloat16
- * or float16 weights) by its weight's kind, so a row's result is computed as the layer-by-layer calls compute
- * it, alone, whatever the rows around it. The
- * call replaces about ten Python-level operations a layer, over a third of a batch-1 forward's time.
+ * or float16 weights) by its weight's kind, plus its bias if any, so a row's result is computed as the
+ * layer-by-layer calls compute it, alone, whatever the rows around it. The call replaces about ten
+ * Python-level operations a layer, over a third of a batch-1 forward's time.
  * lin[4]: Wqkv [(Hq + 2 Hkv) hd, D], Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows).
  * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats. The cache arguments are specdist_rope_attention's.
  * Returns 0, or -1 without memory.
