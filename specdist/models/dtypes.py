@@ -55,7 +55,10 @@ def half_width(weight: torch.Tensor) -> torch.Tensor | None:
     fp16 checkpoint loaded in float32 does), contiguous; None where neither does."""
     if weight.dtype != torch.float32:
         return None
+    head = weight.detach()[:1]  # its first row first: a weight of other values fails here, unconverted
     for dt in (torch.bfloat16, torch.float16):
+        if not torch.equal(head.to(dt).float(), head):
+            continue
         half = weight.detach().to(dt).contiguous()
         if torch.equal(half.float(), weight):  # NaN never equals: such a weight stays float32
             return half
