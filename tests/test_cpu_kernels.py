@@ -35,8 +35,10 @@ def _q4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes [N, K]`` times ``scales [N, K / s]``: a scale per ``s`` elements (32: Q8_0, 16: Q6_K)."""
     n, k = codes.shape
-    return (codes.double().reshape(n, k // GROUP, GROUP) * scales[..., None].double()).reshape(n, k)
+    s = k // scales.shape[1]
+    return (codes.double().reshape(n, k // s, s) * scales[..., None].double()).reshape(n, k)
 
 
 def q4(x, codes, scales):
@@ -112,6 +114,23 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
     y = q8(x, codes, scales)
     _check(y, x, _q8_weight(codes, scales))
     assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_q8_blocks_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
+    """Q8 codes with two scales a block (GGUF Q6_K's scale per 16: codes q - 32 in -32..31; any int8 works):
+    each half's exact byte sum times its own scale, rows standing alone as in the batch."""
+    g = torch.Generator().manual_seed(m * 1000 + n + 16)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.02  # Q6_K's int8 scales may be negative
+    packed, packed_scales = cpu_kernels.pack_q8(codes, scales)
+    assert packed_scales.shape == (-(-n // 8), k // GROUP, 16)
+    y = q8(x, codes, scales)
+    _check(y, x, _q8_weight(codes, scales))
+    assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
+    with pytest.raises(ValueError, match="one or two a block"):
+        cpu_kernels.pack_q8(codes, scales[:, : k // GROUP + 1])
 
 
 def test_extreme_inputs():
@@ -422,8 +441,10 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
 
     runner = CausalLMRunner(_block_model(family), 2, 80)
     assert len(runner.layer_kernels) >= 2 and all(k is not None for k in runner.layer_kernels)
+    # q/k/v fused (the k and v slots empty), o, gate/up, down
+    assert [lin.n > 0 for k in runner.layer_kernels for lin in k.linears] == [1, 0, 0, 1, 1, 1] * len(runner.layers)
     biased = [lin.bias is not None for k in runner.layer_kernels for lin in k.linears]
-    assert biased == [family == "qwen2", False, False, False] * len(runner.layers)
+    assert biased == [family == "qwen2", False, False, False, False, False] * len(runner.layers)
     assert all((k.qk_norms is not None) == (family == "qwen3") for k in runner.layer_kernels)
     layers, (h, slots, write_pos, cos, sin) = _each_layer_both_ways(runner, seed=9)
     for want, got, cache, written in layers:

@@ -6,6 +6,7 @@
  * y[m, n] = sum_k x[m, k] * W[n, k], W stored as blocks of 32 input columns of one row:
  *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
+ *   Q8_16 (GGUF Q6_K): signed codes c = q - 32 and a float d per 16 elements (two per block): w = d * c.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
@@ -152,14 +153,17 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
 }
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
- * row c; scales [G, 8]. vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
-static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const float *scales, int64_t G,
-                                                            const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                            __m256 *acc) {
+ * row c; scales [G, halves, 8]: each row's scale for the block (halves = 1: GGUF Q8_0), or for its elements
+ * 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding the first half.
+ * vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
+static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *codes, const float *scales, int64_t G,
+                                                                   const quantized_x *qx, int64_t m0, int R,
+                                                                   int prefetch, int halves, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const int8_t *block = codes + g * 256;
+        const float *sg = scales + g * 8 * halves;
         if (prefetch)
             for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
         __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
@@ -171,12 +175,32 @@ static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, 
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)), ones));
                 if (R > 1) __asm__("" : "+x"(sums[r]));  /* a running sum in a register, as in q4_group */
             }
+            if (halves == 2 && j == 3) {  /* the first half's sums times its scales, then the second half's */
+                const __m256 d = _mm256_loadu_ps(sg);
+                for (int r = 0; r < R; ++r) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])), acc[r]);
+                    sums[r] = _mm256_setzero_si256();
+                }
+            }
         }
-        const __m256 d = _mm256_loadu_ps(scales + g * 8);
+        const __m256 d = _mm256_loadu_ps(sg + 8 * (halves - 1));
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
                                      acc[r]);
     }
+}
+
+static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const float *scales, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                            __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 1, acc);
+}
+
+static inline __attribute__((always_inline)) void q8_16_group(const int8_t *codes, const float *scales, int64_t G,
+                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                               __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 2, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -226,6 +250,12 @@ int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, cons
  * y [M, N]. Returns 0, or -1 without memory. */
 int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *sc, int64_t N, float *y) {
     BLOCK_MATMUL(q8_group, qs, sc, 256, 8)
+}
+
+/* Q8 with a scale per 16 elements (GGUF Q6_K: its codes minus 32): codes as specdist_q8_mm's, scales
+ * [ceil(N/8), G, 2, 8] floats (pack_q8 with [N, K/16] scales). y [M, N]. Returns 0, or -1 without memory. */
+int specdist_q8_16_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *sc, int64_t N, float *y) {
+    BLOCK_MATMUL(q8_16_group, qs, sc, 256, 16)
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -686,23 +716,26 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  [q, k = each head rms_norm'd (q_norm, k_norm: Qwen3)];
  *   a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
- * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm or a dense one (float32, bfloat16
- * or float16 weights) by its weight's kind, plus its bias if any, so a row's result is computed as the
- * layer-by-layer calls compute it, alone, whatever the rows around it. The call replaces about ten
+ * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm, specdist_q8_16_mm or a dense one
+ * (float32, bfloat16 or float16 weights) by its weight's kind, plus its bias if any, so a row's result is computed
+ * as the layer-by-layer calls compute it, alone, whatever the rows around it. The call replaces about ten
  * Python-level operations a layer, over a third of a batch-1 forward's time.
- * lin[4]: Wqkv [(Hq + 2 Hkv) hd, D], Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows).
- * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats. The cache arguments are specdist_rope_attention's.
+ * lin[6]: Wq, Wk, Wv, Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows): Wq [Hq hd, D] and so on, or Wq the fused
+ * Wqkv [(Hq + 2 Hkv) hd, D] with Wk, Wv of n = 0 (separate ones where their kinds differ: a Q4_K_M file's Q6_K
+ * value projection beside Q4_K queries and keys).
+ * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats, and M * Hq hd more with separate q, k, v. The cache
+ * arguments are specdist_rope_attention's.
  * Returns 0, or -1 without memory.
  */
 typedef struct {
     const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const float *scales; /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16 or LIN_F16 */
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16 or LIN_Q8_16 */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4 };
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
     int64_t i = 0;
@@ -715,6 +748,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     int rc;
     switch (w->kind) {
     case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
+    case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
@@ -723,6 +757,19 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     if (rc == 0 && w->bias != NULL)
         for (int64_t m = 0; m < M; ++m) add_rows(y + m * w->n, w->bias, w->n);
     return rc;
+}
+
+/* y [M, sum n] = x [M, K] @ [W0; W1; ...].T for the parts of one matmul (n = 0 ends them): a single part straight
+ * into y, several each into tmp [M, n] and then beside one another in y's rows. */
+static int parts_mm(const block_linear *w, int parts, const float *x, int64_t M, int64_t K, float *y, float *tmp) {
+    int64_t width = 0;
+    for (int i = 0; i < parts && w[i].n > 0; ++i) width += w[i].n;
+    if (parts == 1 || w[1].n == 0) return block_mm(w, x, M, K, y);
+    for (int64_t i = 0, col = 0; i < parts && w[i].n > 0; col += w[i].n, ++i) {
+        if (block_mm(&w[i], x, M, K, tmp)) return -1;
+        for (int64_t m = 0; m < M; ++m) memcpy(y + m * width + col, tmp + m * w[i].n, sizeof(float) * (size_t)w[i].n);
+    }
+    return 0;
 }
 
 /* act[m, i] = silu(gu[m, i]) * gu[m, I + i]; e^-g from exp8 with -g capped at 88 (e^88 is finite: silu of a
@@ -752,10 +799,11 @@ int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float 
                          const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,
                          const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
                          float scale, float softcap, float *scratch) {
-    const int64_t M = B * T, nq = Hq * hd, nqkv = lin[0].n, I = lin[2].n / 2;
+    const int64_t M = B * T, nq = Hq * hd, nqkv = lin[0].n + lin[1].n + lin[2].n, I = lin[4].n / 2;
     float *x = scratch, *qkv = x + M * D, *a = qkv + M * nqkv, *p = a + M * nq, *gu = p + M * D, *act = gu + M * 2 * I;
+    float *tmp = act + M * I;  /* a part of q, k, v where they are separate (at most Hq hd columns) */
     specdist_rms_norm(h, M, D, norm1, eps, x);
-    if (block_mm(&lin[0], x, M, D, qkv)) return -1;
+    if (parts_mm(lin, 3, x, M, D, qkv, tmp)) return -1;
     if (q_norm != NULL)  /* each head's query and key RMS-normed over hd before the rotation (Qwen3) */
         for (int64_t m = 0; m < M; ++m) {
             float *row = qkv + m * nqkv;
@@ -766,12 +814,12 @@ int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float 
                                 T * nqkv, nqkv, cos_t, sin_t, k_cache, v_cache, kv16, L1, slots, write_pos, qpos,
                                 window, scale, softcap, a))
         return -1;
-    if (block_mm(&lin[1], a, M, nq, p)) return -1;
+    if (block_mm(&lin[3], a, M, nq, p)) return -1;
     add_rows(h, p, M * D);
     specdist_rms_norm(h, M, D, norm2, eps, x);
-    if (block_mm(&lin[2], x, M, D, gu)) return -1;
+    if (block_mm(&lin[4], x, M, D, gu)) return -1;
     silu_mul(gu, M, I, act);
-    if (block_mm(&lin[3], act, M, I, p)) return -1;
+    if (block_mm(&lin[5], act, M, I, p)) return -1;
     add_rows(h, p, M * D);
     return 0;
 }

@@ -3,7 +3,8 @@ computes them, and attention over the slot KV cache whose rows do not depend on 
 
 **Block matmuls.** torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a GGUF model's Q4
 blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
-:func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves: each row of ``x`` is
+:func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves (:func:`q8_mm` also with a scale
+per 16 elements, GGUF Q6_K's codes as signed bytes): each row of ``x`` is
 quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
 an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
 :func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
@@ -119,7 +120,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm):  # (x, M, K, codes, scales, N, y)
+    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm):  # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
     for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
@@ -177,17 +178,23 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8 (-127..127), ``scales [N, K/32]`` float32.
-    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8]`` float32 (the C file's
-    ``q8_group``; zero rows pad the last group)."""
+    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8 (-127..127), ``scales`` float32 ``[N, K/32]``
+    (a scale per block: GGUF Q8_0) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K).
+    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 h]`` float32, ``h`` scales a block
+    (the C file's ``q8_group_halves``: the 8 rows' first-half scales, then their second-half ones; zero rows pad
+    the last group)."""
     n, k = codes.shape
     g = k // GROUP
+    h = scales.shape[1] // g
+    if h not in (1, 2) or scales.shape[1] != h * g:
+        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one or two a block)")
     pad = -n % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, g)])
+        scales = torch.cat([scales, scales.new_zeros(pad, h * g)])
     packed = codes.reshape(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 256)  # byte 32 j + 4 row + e
-    return packed.contiguous(), scales.float().reshape(-1, 8, g).transpose(1, 2).contiguous()
+    sc = scales.float().reshape(-1, 8, g, h).permute(0, 2, 3, 1)  # [N/8, G, half, row]
+    return packed.contiguous(), sc.reshape(-1, g, 8 * h).contiguous()
 
 
 def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
@@ -224,10 +231,16 @@ def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
 
 def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q8 blocks packed by :func:`pack_q8`
-    (``w = d * c``)."""
+    (``w = d * c``, ``d`` per block or per 16 elements as ``scales`` holds them)."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.q8_mm(x, codes, scales, n)
-    return _call(library().specdist_q8_mm, x, codes, scales, n)
+    return _call(_q8_fn(scales), x, codes, scales, n)
+
+
+def _q8_fn(scales: torch.Tensor):
+    """The Q8 kernel for packed ``scales [groups, G, 8 h]``: one scale a block (h = 1) or one per 16 elements."""
+    lib = library()
+    return lib.specdist_q8_16_mm if scales.shape[-1] == 16 else lib.specdist_q8_mm
 
 
 # Rows up to which f32_mm runs a float32 model's layers and head. Default model's layers, torch's GEMM over
@@ -355,58 +368,78 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     return out
 
 
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16 = 0, 1, 2, 3, 4  # the kinds of a layer's matmul (the C file's block_linear)
+# the kinds of a layer's matmul (the C file's block_linear); LIN_Q8_16: Q8 codes with a scale per 16 (GGUF Q6_K)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16 = 0, 1, 2, 3, 4, 5
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16}  # a block kind's packed floats per block of a group of 8 rows
 
 
 class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
-    (kinds ``LIN_Q4``, ``LIN_Q8``), or a dense weight ``[n, K]`` run by :func:`f32_mm` (``LIN_F32``, ``LIN_BF16``,
-    ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly)."""
+    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
+    (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
+    ``n = 0``: no matmul (the k and v slots beside a fused q/k/v)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64),
                 ("bias", ctypes.c_void_p)]
+
+
+# (codes, scales, rows, kind, bias) of one matmul of a layer
+Matmul = tuple[torch.Tensor, "torch.Tensor | None", int, int, "torch.Tensor | None"]
 
 
 class LayerWeights:
     """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
     (float32, contiguous) and eps, and ``(codes, scales, rows, kind, bias)`` of W_qkv, W_o, W_gate_up (gate rows
     first) and W_down (dense kinds: the weight ``[rows, K]`` and None; ``bias``: a float32 ``[rows]`` added
-    to every output row, or None). It keeps the tensors, so the pointers it hands the C code stay valid.
+    to every output row, or None). W_qkv may be a list of three, W_q, W_k and W_v, where they do not fuse (their
+    kinds differ). It keeps the tensors, so the pointers it hands the C code stay valid.
     ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows)."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
-                 linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None]],
+                 linears: list[Matmul | list[Matmul]],
                  qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
         # Qwen3: the per-head RMS norms of queries and keys ([hd] weights each) and their eps, or None
         self.qk_norms = None if qk_norms is None else (_dense(qk_norms[0], torch.float32),
                                                        _dense(qk_norms[1], torch.float32), float(qk_norms[2]))
-        linears = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None) for c, s, n, k, b in linears]
-        self.tensors = [t for lin in linears for t in (lin[0], lin[1], lin[4]) if t is not None]
+        qkv = linears[0] if isinstance(linears[0], list) else [linears[0]]
+        if len(qkv) not in (1, 3):
+            raise ValueError(f"llama_layer: {len(qkv)} q/k/v matmuls (one fused, or three)")
+        flat = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None)
+                for c, s, n, k, b in qkv + list(linears[1:])]
+        self.tensors = [t for lin in flat for t in (lin[0], lin[1], lin[4]) if t is not None]
         for t in self.tensors:
             if not t.is_contiguous():
                 raise ValueError("llama_layer: block codes and scales must be contiguous")
-        self.linears = (BlockLinear * 4)(*(BlockLinear(c.data_ptr(), s.data_ptr() if s is not None else None, n,
-                                                       int(kind), b.data_ptr() if b is not None else None)
-                                           for c, s, n, kind, b in linears))
-        self.dense = any(lin[3] in DENSE_KINDS for lin in linears)
+        slots = flat[:len(qkv)] + [None] * (3 - len(qkv)) + flat[len(qkv):]  # q (or qkv), k, v, o, gate_up, down
+        self.linears = (BlockLinear * 6)(*(
+            BlockLinear() if lin is None else  # n = 0: no such part
+            BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2], int(lin[3]),
+                        lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
+        self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
         self.d = self.norm1.shape[0]
-        self.nqkv, self.i = linears[0][2], linears[2][2] // 2
-        self.attn = _inputs(linears[1])  # W_o's inputs: query heads x head size
-        for lin, k in zip(linears, (self.d, self.attn, self.d, self.i)):
+        o, gate_up, down = flat[len(qkv):]
+        self.nqkv, self.i = sum(lin[2] for lin in flat[:len(qkv)]), gate_up[2] // 2
+        self.attn = _inputs(o)  # W_o's inputs: query heads x head size
+        self.split = len(qkv) == 3
+        for lin, k in zip(flat, [self.d] * len(qkv) + [self.attn, self.d, self.i]):
             codes, scales, n, kind, bias = lin
             rows = n if kind in DENSE_KINDS else -(-n // 8)
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
                 raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
+            if kind not in DENSE_KINDS and scales.shape[-1] != _SCALE_FLOATS[kind]:
+                raise ValueError(f"llama_layer: scales {tuple(scales.shape)} are not kind {kind}'s")
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"llama_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
+        if self.split and qkv[0][2] != self.attn:
+            raise ValueError(f"llama_layer: W_q has {qkv[0][2]} rows for {self.attn} attention outputs")
 
     def scratch(self, rows: int) -> int:
-        """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens."""
-        return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i)
+        """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens (separate q, k, v: a part's output too)."""
+        return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i + (self.attn if self.split else 0))
 
 
 def _inputs(linear: tuple) -> int:
@@ -479,7 +512,7 @@ def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -
 
 @torch.library.custom_op("specdist::q8_mm", mutates_args=())
 def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    return _call(library().specdist_q8_mm, x, codes, scales, n)
+    return _call(_q8_fn(scales), x, codes, scales, n)
 
 
 @_q4_op.register_fake

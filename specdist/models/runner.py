@@ -174,8 +174,9 @@ class CausalLMRunner:
             if kernel is None or not kernel.dense:
                 continue
             attn, mlp = layer.self_attn, layer.mlp
-            stored = [store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj")),
-                      store_half_width(attn, "o_proj"),
+            qkv = ([store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj"))]
+                   if hasattr(attn, "fused_qkv") else [store_half_width(attn, n) for n in ("q_proj", "k_proj", "v_proj")])
+            stored = qkv + [store_half_width(attn, "o_proj"),
                       store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj")),
                       store_half_width(mlp, "down_proj")]
             if any(stored):
@@ -685,6 +686,10 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
+# Int4GroupLinear.blocks -> the layer kernel's matmul kind
+_BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16}
+
+
 def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
     """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.llama_layer` runs (GGUF blocks,
     or a dense float32 weight on the CPU, held in float32 or a half-width dtype; a float32 bias or none), else
@@ -693,9 +698,8 @@ def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return None
     bias = bias.detach() if bias is not None else None
-    if type(linear) is Int4GroupLinear and linear.blocks in ("q4", "q8"):
-        kind = cpu_kernels.LIN_Q8 if linear.blocks == "q8" else cpu_kernels.LIN_Q4
-        return linear.packed, linear.scales_and_zeros, linear.out_features, kind, bias
+    if type(linear) is Int4GroupLinear and linear.blocks in _BLOCK_KINDS:
+        return linear.packed, linear.scales_and_zeros, linear.out_features, _BLOCK_KINDS[linear.blocks], bias
     if type(linear) is Int8WeightOnlyLinear and linear.block_codes is not None:
         return linear.block_codes, linear.block_scales, linear.out_features, cpu_kernels.LIN_Q8, bias
     w = getattr(linear, "weight", None)
@@ -711,7 +715,7 @@ _HALF_KINDS = {torch.bfloat16: cpu_kernels.LIN_BF16, torch.float16: cpu_kernels.
 
 def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     """The weights :func:`cpu_kernels.llama_layer` reads for a Llama-style decoder layer (Llama-style RMS
-    norms, per-head q/k norms of that style or none, fused q/k/v and gate/up projections, SiLU, every matmul
+    norms, per-head q/k norms of that style or none, q/k/v fused or not, fused gate/up projections, SiLU, every matmul
     on blocks or dense, float32 biases or none), else None."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, getattr(layer, "post_attention_layernorm", None))
@@ -721,11 +725,17 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     if norms[0].variance_epsilon != norms[1].variance_epsilon or (qk and qk[0].variance_epsilon != qk[1].variance_epsilon):
         return None
     qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
-    if qkv is None or gate_up is None or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+    if gate_up is None or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
         return None
-    linears = [_block_linear(m) for m in (qkv.inner, attn.o_proj, gate_up.inner, mlp.down_proj)]
-    if any(w is None for w in linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
+    if qkv is None and not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
         return None
+    # q, k and v fused, or three matmuls where their kinds differ (a Q4_K_M file's Q6_K v_proj)
+    parts = [_block_linear(qkv.inner)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
+                                                                                            attn.v_proj)]
+    linears = [_block_linear(m) for m in (attn.o_proj, gate_up.inner, mlp.down_proj)]
+    if any(w is None for w in parts + linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
+        return None
+    linears = [parts if len(parts) == 3 else parts[0]] + linears
     qk_norms = (qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None
     return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms)
 
