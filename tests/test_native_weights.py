@@ -30,7 +30,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from conftest import tiny_config
+from conftest import devices, tiny_config
 from gtest import ALPHA, VOCAB, Case, _prob_table, g_statistic, joint, merge_cells, power, \
     seq_index, transform
 from model_zoo import build_tiny
@@ -50,6 +50,9 @@ from test_exactness_frequency import sample_engine, speculative_law
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
+ALL_NATIVE = NATIVE + ("Q5_0", "Q4_K", "Q6_K")  # every type native.NATIVE_TYPES runs (K-quants: 256-wide rows)
+REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q6_K": 4}  # int4 segments per weight (1 for the others)
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q6_K": "q8_16"}  # the CPU kernel each runs on ("q4" for the others)
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -87,24 +90,31 @@ def int4_backend(request, monkeypatch):
 
 
 def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> np.ndarray:
+    """A tensor's blocks: gguf-py's quantization of a random float weight, or random K-quant super-blocks
+    (gguf-py quantizes to neither Q4_K nor Q6_K)."""
+    if kind == "Q4_K":
+        return q4_k_bytes(rows, cols, seed, scale=std / 125)
+    if kind == "Q6_K":
+        return q6_k_bytes(rows, cols, seed, scale=std / 256)
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal((rows, cols)) * std + rng.standard_normal((rows, 1)) * std).astype(np.float32)
     return gguf.quants.quantize(a, Q[kind])
 
 
 # ----------------------------------------------------------------------------- 1. Int4GroupLinear
-@pytest.mark.parametrize("kind", NATIVE)
+@pytest.mark.parametrize("kind", ALL_NATIVE)
 def test_int4_linear_computes_its_dequantized_weight(kind, int4_backend):
-    raw = _quantized(48, 96, kind, seed=NATIVE.index(kind))
-    codes, scales, zeros, repeat = decode_blocks(raw, kind, 96)
-    assert repeat == (2 if kind == "Q8_0" else 1) and codes.shape == (48, repeat * 96)
+    cols = 256 if kind.endswith("_K") else 96
+    raw = _quantized(48, cols, kind, seed=ALL_NATIVE.index(kind))
+    codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
+    assert repeat == REPEAT.get(kind, 1) and codes.shape == (48, repeat * cols)
     assert int(codes.min()) >= 0 and int(codes.max()) <= 15
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
-    assert (lin.in_features, lin.out_features, lin.repeat_input) == (96, 48, repeat)
-    assert lin.blocks == ({"Q8_0": "q8"}.get(kind, "q4") if int4_backend == "blocks" else None)
+    assert (lin.in_features, lin.out_features, lin.repeat_input) == (cols, 48, repeat)
+    assert lin.blocks == (BLOCKS.get(kind, "q4") if int4_backend == "blocks" else None)
     w = dequantize(codes, scales, zeros, repeat)  # the file's weight, exactly (test 2)
     mag = _magnitude(codes, scales, zeros, repeat)
-    x = torch.randn(5, 3, 96, generator=torch.Generator().manual_seed(1)).bfloat16().float()
+    x = torch.randn(5, 3, cols, generator=torch.Generator().manual_seed(1)).bfloat16().float()
     _assert_int4_matmul(lin, w, mag, x, lin.blocks is not None)
     bias = torch.randn(48)
     lin_b = Int4GroupLinear(codes, scales, zeros, bias, repeat)
@@ -135,18 +145,19 @@ def test_int4_linear_from_linear_is_q4_1_rounding(int4_backend):
         Int4GroupLinear.from_linear(nn.Linear(32, 8))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
 def test_int4_linear_rows_do_not_depend_on_the_batch(kind, int4_backend):
-    codes, scales, zeros, repeat = decode_blocks(_quantized(64, 128, kind, seed=7), kind, 128)
+    cols = 256 if kind == "Q6_K" else 128
+    codes, scales, zeros, repeat = decode_blocks(_quantized(64, cols, kind, seed=7), kind, cols)
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
     full = lin(x)
     for m in (1, 2, 3, 7, 16, 17, 33):
         assert torch.equal(lin(x[:m]), full[:m]), m
         assert torch.equal(lin(x[40 - m:]), full[40 - m:]), m
     for i in (0, 5, 39):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])
-    assert torch.equal(lin(x.reshape(4, 10, 128)).reshape(40, 64), full)
+    assert torch.equal(lin(x.reshape(4, 10, cols)).reshape(40, 64), full)
 
 
 def _int4_model(family: str, **overrides) -> nn.Module:
@@ -218,16 +229,29 @@ def q4_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     return np.ascontiguousarray(blocks.reshape(rows, nb * 144))
 
 
-@pytest.mark.parametrize("kind", NATIVE + ("Q4_K",))
+def q6_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random Q6_K super-blocks ``[rows, cols / 256 * 210]`` uint8 as llama.cpp lays them out: 128 bytes of low
+    4 bits, 64 of high 2 bits, 16 int8 scales (one per 16 weights, signed), an fp16 d. Random bytes are valid
+    codes; the scales stay in -64..63 and d in [0.1, 2] x ``scale`` (weights up to about 32 * 64 * d)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 256
+    codes = rng.integers(0, 256, (rows, nb, 192), dtype=np.uint8)
+    sc = rng.integers(-64, 64, (rows, nb, 16)).astype(np.int8).view(np.uint8)
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 1)).astype(np.float16).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([codes, sc, d], -1).reshape(rows, nb * 210))
+
+
+@pytest.mark.parametrize("kind", ALL_NATIVE)
 def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     rng = np.random.default_rng(11)
-    rows, cols = 24, 512 if kind == "Q4_K" else 160
+    rows, cols = 24, 512 if kind.endswith("_K") else 160
     a = (rng.standard_normal((rows, cols)) * rng.choice([0.01, 0.3, 5.0], (rows, 1))
          + rng.standard_normal((rows, 1))).astype(np.float32)
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    raw = q4_k_bytes(rows, cols, 11) if kind == "Q4_K" else gguf.quants.quantize(a, Q[kind])
+    raw = {"Q4_K": q4_k_bytes, "Q6_K": q6_k_bytes}[kind](rows, cols, 11) if kind.endswith("_K") else \
+        gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
@@ -303,9 +327,8 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H
             w.add_tensor(name, 1.0 + 0.3 * a)  # norm weights near 1
         elif kind == "F16":
             w.add_tensor(name, a.astype(np.float16))
-        elif kind == "Q4_K":  # random super-blocks (no float source: gguf-py cannot quantize to Q4_K)
-            w.add_tensor(name, q4_k_bytes(shape[0], shape[1], int(rng.integers(1 << 30)), scale=std / 125),
-                         raw_dtype=Q.Q4_K)
+        elif kind in ("Q4_K", "Q6_K"):  # random super-blocks (no float source: gguf-py cannot quantize to these)
+            w.add_tensor(name, _quantized(shape[0], shape[1], kind, int(rng.integers(1 << 30)), std), raw_dtype=Q[kind])
         else:
             if n_head:
                 a = _llama_cpp_permute(a, n_head)
@@ -486,6 +509,63 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     with torch.no_grad():
         a, b = flt(ids).logits, nat(ids).logits
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
+
+
+# what llama.cpp's Q4_K_M writes: Q4_K, with Q6_K value / down projections in some layers and a Q6_K head, and Q5_0
+# where a row is not whole super-blocks (K-quants need 256 | width)
+Q4_K_M_TYPES = [
+    dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
+         ffn_down="Q6_K"),
+    dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",
+         ffn_down="Q4_K"),
+]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_q4_k_m_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, device):
+    """Q5_0 and Q6_K linears run on their blocks too (Q5_0 as Q8_0's signed bytes, Q6_K as bytes with a scale per
+    16; on CUDA, or a CPU without the block kernels, Q6_K stays float: four int4 passes would read more than bf16),
+    each the float weight transformers de-quantized (identity probe); the logits stay close to the float
+    model's. A layer whose q, k and v differ in kind (no fusion) still runs as one llama_layer call, with three
+    matmuls for q/k/v: its logits are the op-by-op path's up to the call's own silu."""
+    from specdist.models.runner import CausalLMRunner
+
+    path = write_tiny_gguf(str(tmp_path / "q4km.gguf"), seed=6, hidden=256, ff=512, linear_types=Q4_K_M_TYPES,
+                           head_type="Q6_K")
+    src = resolve_model(path)
+    with gguf_parsed_once():
+        flt, nat = load_model(src, "float32", device), load_model(src, "float32", device, weights="native")
+    q6_native = device == "cpu" and cpu_kernels.available()
+    counts = collections.Counter(t for types in Q4_K_M_TYPES for t in types.values() if q6_native or t != "Q6_K")
+    counts["Q6_K"] += q6_native  # the tied head
+    assert use_native_blocks(unfused_copy(flt), path) == dict(counts)
+    fl = _linears(flt)
+    blocks = {n: m for n, m in _linears(nat).items() if type(m) is Int4GroupLinear}
+    assert len(blocks) == (15 if q6_native else 11)
+    kernels = {1: "q4", 2: "q8", 4: "q8_16"}  # by repeat_input: Q4_K, Q5_0 / Q8_0, Q6_K
+    assert all(m.blocks == (kernels[m.repeat_input] if q6_native else None) for m in blocks.values())
+    for name, m in blocks.items():
+        w = fl[name].weight.detach() if name != "lm_head" else flt.get_input_embeddings().weight.detach()
+        probe = m(torch.eye(m.in_features, device=device)).T  # [out, in]
+        assert float((probe - w).abs().max()) <= 2**-7 * float(w.abs().max()), name
+    ids = torch.tensor([[0, 5, 3, 9, 14, 2, 2, 15, 8, 1, 4, 6]], device=device)
+    with torch.no_grad():
+        a, b = flt(ids).logits, nat(ids).logits
+    assert float((a - b).abs().max() / a.abs().max()) <= 0.04
+    if not q6_native:
+        return
+    runner = CausalLMRunner(nat, 1, 40)
+    kernels = runner.layer_kernels
+    assert all(k is not None for k in kernels)
+    split = [[int(lin.kind) for lin in k.linears[:3] if lin.n] for k in kernels]
+    assert split == [[cpu_kernels.LIN_Q4, cpu_kernels.LIN_Q4, cpu_kernels.LIN_Q8_16], [cpu_kernels.LIN_Q8]]
+    assert int(kernels[0].linears[5].kind) == cpu_kernels.LIN_Q8_16  # the Q6_K down projection
+    slot = runner.cache.allocate()
+    one_call = runner.forward([slot], [ids[0].tolist()], [12])
+    runner.cache.rollback(slot, 0)
+    runner.layer_kernels = [None] * len(kernels)
+    op_by_op = runner.forward([slot], [ids[0].tolist()], [12])
+    assert float((one_call - op_by_op).abs().max()) <= 1e-3 * float(op_by_op.abs().max())
 
 
 def test_native_logits_close_to_the_float_models(gguf_models):

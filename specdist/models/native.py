@@ -2,12 +2,17 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q8_0 or Q4_K by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q6_K by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
 are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as those (activations rounded per
-32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). Other tensors (norms,
+32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). A Q5_0 block's codes ``q - 16`` are signed bytes with
+one scale, so it runs as Q8_0 does (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
+built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). A Q6_K tensor's codes run as signed bytes
+``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
+elsewhere it stays float (as four int4 passes it would read more than bf16 does). Most Q4_K_M files hold
+Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
 embeddings, F16/F32 or other K-quant linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
@@ -31,13 +36,16 @@ import torch
 from torch import nn
 
 from specdist.errors import ConfigError
+from specdist.models import cpu_kernels
 from specdist.models.fusion import quantized_copy, unfused_copy
 from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_head
 
 log = logging.getLogger("specdist.load")
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # GGUF block types that run natively
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGUF block types that run natively
+CPU_BLOCKS_ONLY = ("Q6_K",)  # native only where the CPU block kernels run them
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
+Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 
 
 def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -45,28 +53,42 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
 
     ``raw`` is the tensor's bytes, ``[rows, bytes per row]`` uint8 (gguf's ``ReaderTensor.data``).
     Dequantized weight ``w[o, j] = (codes[o, j] - 8) * scales[o, j // 32] + zeros[o, j // 32]``, with
-    the input repeated ``r`` times (Q8_0: r = 2, its codes split into a high and a low int4 half).
+    the input repeated ``r`` times (Q8_0: r = 2, its codes split into a high and a low int4 half; Q6_K: r = 4,
+    see :mod:`specdist.models.quant`).
     """
     rows = raw.shape[0]
     if kind == "Q4_K":
         return _decode_q4_k(raw, rows, cols)
+    if kind == "Q6_K":
+        return _decode_q6_k(raw, rows, cols)
     nb = cols // GROUP
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # bytes per block of 32
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
     if kind == "Q8_0":
-        c8 = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).to(torch.int32)  # [rows, nb, 32]
-        high, low = c8 >> 4, c8 & 15  # c8 = 16 * high + low, high in -8..7, low in 0..15
-        codes = torch.cat([(high + 8).reshape(rows, cols), low.reshape(rows, cols)], 1)  # [rows, 2 * cols]
-        scales = torch.cat([16 * d, d], 1)  # [rows, 2 * nb]
-        zeros = torch.cat([torch.zeros_like(d), 8 * d], 1)
-        return codes, scales, zeros, 2
+        return _q8_halves(torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), d)
+    if kind == "Q5_0":  # w = d * (q - 16): q's high bits in a uint32 of the block, its low 4 as Q4_0's
+        qh = blocks[..., 2:6].copy().view(np.uint32)  # [rows, nb, 1]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
+        qs = blocks[..., 6:]  # [rows, nb, 16]
+        low = np.concatenate([qs & 15, qs >> 4], -1)  # [rows, nb, 32]
+        return _q8_halves(torch.from_numpy((low | high.astype(np.uint8) << 4).astype(np.int8) - 16), d)
     qs = torch.from_numpy(blocks[..., -16:].copy())  # [rows, nb, 16]: element j low nibble, j + 16 high
     codes = torch.cat([qs & 15, qs >> 4], -1).to(torch.int32).reshape(rows, cols)  # [rows, cols]
     if kind == "Q4_0":  # w = d * (c - 8)
         return codes, d, torch.zeros_like(d), 1
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
     return codes, d, m + 8 * d, 1  # Q4_1: w = d * c + m = d * (c - 8) + (m + 8 d)
+
+
+def _q8_halves(c8: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Signed codes ``c8 [rows, nb, 32]`` with a scale ``d [rows, nb]`` a block (``w = d * c8``: Q8_0, and Q5_0's
+    ``q - 16``) as two int4 halves over a doubled input: ``c8 = 16 * high + low``, high in -8..7, low in 0..15."""
+    rows = c8.shape[0]
+    c8 = c8.to(torch.int16)
+    high, low = c8 >> 4, c8 & 15
+    codes = torch.cat([(high + 8).reshape(rows, -1), low.reshape(rows, -1)], 1).to(torch.uint8)  # [rows, 2 * cols]
+    return codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1), 2
 
 
 def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -86,12 +108,49 @@ def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return torch.from_numpy(codes.astype(np.int32)), scale, 8 * scale - low, 1
 
 
+def _decode_q6_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q6_K as four int4 segments (:mod:`specdist.models.quant`'s layout; codes uint8). In a super-block of 256,
+    element ``128 h + 32 s + e`` (``h`` in 0..1, ``s`` in 0..3, ``e`` in 0..31) has its low 4 bits in byte
+    ``64 h + 32 (s % 2) + e`` of the low part (the high nibble for ``s >= 2``), its high 2 bits at bit ``2 s`` of byte
+    ``32 h + e`` of the high part, and the int8 scale of its 16 (times d) for ``w = d sc (q - 32)``."""
+    nb = cols // 256
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q6_K_BYTES)  # [rows, nb, 210]
+    ql = blocks[..., :128].reshape(rows, nb, 2, 1, 2, 32)  # [.., h, -, s % 2, e]
+    qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32)  # [.., h, -, e]
+    low = (ql >> np.array([0, 4], np.uint8).reshape(2, 1, 1)) & 15  # [rows, nb, h, s // 2, s % 2, e]
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [rows, nb, h, s, e]
+    low, high = low.reshape(rows, cols), high.reshape(rows, cols)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, cols // 32, 2))  # [rows, G, half]: D, exact
+    first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
+    h, lo = torch.from_numpy(high), torch.from_numpy(low)
+    two, zero = torch.tensor(2, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)
+    codes = torch.cat([torch.where(first, h, two), torch.where(first, two, h),
+                       torch.where(first, lo, zero), torch.where(first, zero, lo)], 1)  # [rows, 4 cols]
+    da, db = scale[..., 0], scale[..., 1]  # [rows, G]
+    return codes, torch.cat([16 * da, 16 * db, da, db], 1), torch.cat([96 * da, 96 * db, 8 * da, 8 * db], 1), 4
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
     """The float32 weight ``[rows, cols]`` of :func:`decode_blocks`' output (gguf's, to float32 rounding)."""
     rows, n = codes.shape
     g = codes.reshape(rows, n // GROUP, GROUP).to(torch.float32)
     w = ((g - 8) * scales[..., None] + zeros[..., None]).reshape(rows, n)  # [rows, r * cols]
     return w.reshape(rows, repeat, n // repeat).sum(1)  # the halves add up (Q8_0)
+
+
+def _reproduces(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, loaded: torch.Tensor,
+                chunk: int = 4096) -> bool:
+    """Whether the blocks de-quantize to ``loaded`` (to its dtype's rounding), ``chunk`` rows at a time (a
+    vocabulary-sized head's float copy would otherwise be held whole, ``repeat`` times over)."""
+    eps = max(torch.finfo(loaded.dtype).eps, 1e-6)  # a bf16 / fp16 load rounded the floats once more
+    for i in range(0, loaded.shape[0], chunk):
+        rows = slice(i, i + chunk)
+        w = dequantize(codes[rows], scales[rows], zeros[rows], repeat).to(loaded.dtype).float()
+        if not torch.allclose(w, loaded[rows].float(), rtol=2 * eps, atol=1e-6):
+            return False
+    return True
 
 
 def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> nn.Module:
@@ -149,6 +208,8 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
         target = modules.get(owners[0])
         if type(target) is not nn.Linear:
             continue
+        if kind in CPU_BLOCKS_ONLY and not (target.weight.device.type == "cpu" and cpu_kernels.available()):
+            continue
         rows, cols = target.weight.shape
         if rows % INT4_ROWS:  # the int4 kernel cannot tile these rows: the float weight stays
             continue
@@ -158,9 +219,7 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
         order = _row_order(processor, tensor.name, rows)
         codes, scales, zeros = codes[order], scales[order], zeros[order]
         loaded = target.weight.detach().cpu()
-        eps = max(torch.finfo(loaded.dtype).eps, 1e-6)  # a bf16 / fp16 load rounded the floats once more
-        if not torch.allclose(dequantize(codes, scales, zeros, repeat).to(loaded.dtype).float(), loaded.float(),
-                              rtol=2 * eps, atol=1e-6):
+        if not _reproduces(codes, scales, zeros, repeat, loaded):
             raise ConfigError(key, f"{tensor.name} ({kind}): its blocks do not reproduce the weight transformers "
                                    f"loaded for {owners[0]}; load it with weights: float")
         dev = target.weight.device

@@ -21,13 +21,18 @@ activations; fp32 activations take a path 10x slower). This is GGUF's Q4_0 (``ze
 and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so a GGUF
 file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
-input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes. A float linear
+input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes. Q6_K's codes ``q = 16 h + l``
+(``h in 0..3``, ``l in 0..15``) with a scale ``D`` per 16 elements, ``w = D (q - 32)``, become four int4 segments
+over a quadrupled input, each holding one half (16 elements) of every block of 32 and zero weights in the other:
+``16 D (h - 2)`` (codes h, scale 16 D, zero 96 D; code 2 where masked) for the first and the second halves, then
+``D l`` (codes l, scale D, zero 8 D; code 0 where masked) for both, all exact in float32. A float linear
 quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
-  with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), repacked in
+  with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), Q6_K as signed bytes
+  ``q - 32`` with its two scales a block (one pass, not four segments), repacked in
   groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32
   to bytes.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
@@ -116,7 +121,8 @@ class Int4GroupLinear(nn.Module):
     """``y = x @ W.T + bias`` with ``W[o, g*32 + j] = (codes[o, g*32 + j] - 8) * scale[g, o] + zero[g, o]``.
 
     ``repeat_input``: the input is repeated that many times along its last dim before the
-    matmul (2 for GGUF Q8_0, whose codes are split into two int4 halves; see the module doc).
+    matmul (2 for GGUF Q8_0, whose codes are split into two int4 halves; 4 for Q6_K's four segments; see the
+    module doc).
     """
 
     packed: torch.Tensor  # the codes in the kernel's layout (see ``blocks``)
@@ -125,7 +131,7 @@ class Int4GroupLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, repeat_input: int = 1) -> None:
-        # codes [out, in_eff] integers in 0..15; scales, zeros [out, in_eff / 32]
+        # codes [out, in_eff] integers in 0..15 (any integer dtype); scales, zeros [out, in_eff / 32]
         super().__init__()
         out, in_eff = codes.shape
         if in_eff % GROUP or in_eff % repeat_input:
@@ -134,19 +140,21 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        codes = codes.to(torch.int32)
-        # blocks: "q4" / "q8" where cpu_kernels run them (x86 CPUs with AVX2), else None (torch's int4 kernels)
+        # blocks: "q4" / "q8" / "q8_16" where cpu_kernels run them (x86 CPUs with AVX2), else None (torch's int4
+        # kernels)
         self.blocks: str | None = None
-        if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in (1, 2):
-            self.blocks = "q4" if repeat_input == 1 else "q8"
-            packed, sz = (_q4_blocks if repeat_input == 1 else _q8_blocks)(codes, scales.float(), zeros.float())
+        if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
+            self.blocks, pack = _BLOCK_PACKERS[repeat_input]
+            packed, sz = pack(codes, scales.float(), zeros.float())
         elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
             # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
             inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
+            codes = codes.to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
                 (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # noqa: SLF001 - torch's op
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # noqa: SLF001 - torch's op
+                codes.to(torch.int32).contiguous(), 1)
         if self.blocks is None:
             sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
         self.register_buffer("packed", packed)
@@ -181,7 +189,7 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            mm = cpu_kernels.q4_mm if self.blocks == "q4" else cpu_kernels.q8_mm
+            mm = cpu_kernels.q4_mm if self.blocks == "q4" else cpu_kernels.q8_mm  # q8_16: q8_mm, by its scales
             y = mm(x2, self.packed, self.scales_and_zeros, self.out_features)  # [n, out] float32
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
@@ -226,8 +234,31 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     if not (torch.equal(scales[:, : k // GROUP], 16 * d) and torch.equal(zeros[:, k // GROUP:], 8 * d)
             and not zeros[:, : k // GROUP].any()):
         raise ValueError("repeat_input=2 holds GGUF Q8_0 halves only: scales (16 d, d), zeros (0, 8 d)")
+    codes = codes.to(torch.int16)
     c8 = 16 * (codes[:, :k] - 8) + codes[:, k:]  # [out, K] in -128..127
     return cpu_kernels.pack_q8(c8.to(torch.int8), d)
+
+
+def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q6_K back from its four int4 segments (see the module doc) as signed bytes ``q - 32`` with a scale
+    per 16 elements, packed for cpu_kernels.q8_mm."""
+    out, k = codes.shape[0], codes.shape[1] // 4
+    codes = codes.to(torch.int16).reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
+    s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
+    d = s[:, 2:]  # [out, half, G]: the l segments' scales are D
+    if not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, :2], 96 * d) and torch.equal(z[:, 2:], 8 * d)
+            and bool((codes[:, 0, :, 1] == 2).all()) and bool((codes[:, 1, :, 0] == 2).all())
+            and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
+        raise ValueError("repeat_input=4 holds GGUF Q6_K segments only: scales (16 D, D), zeros (96 D, 8 D), "
+                         "masked codes (2, 0)")
+    half = torch.arange(2)
+    h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
+    q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
+    return cpu_kernels.pack_q8(q.to(torch.int8), d.transpose(1, 2).reshape(out, 2 * (k // GROUP)))
+
+
+# repeat_input -> (Int4GroupLinear.blocks, its packer) for the CPU block kernels
+_BLOCK_PACKERS = {1: ("q4", _q4_blocks), 2: ("q8", _q8_blocks), 4: ("q8_16", _q6_blocks)}
 
 
 def untie_lm_head(model: nn.Module) -> None:
