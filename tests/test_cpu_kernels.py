@@ -46,8 +46,11 @@ def q4(x, codes, scales):
     return cpu_kernels.q4_mm(x, *cpu_kernels.pack_q4(codes, scales), codes.shape[0])
 
 
-def q8(x, codes, scales):
-    return cpu_kernels.q8_mm(x, *cpu_kernels.pack_q8(codes, scales), codes.shape[0])
+def q8(x, codes, scales, mins=None):
+    """The Q8 kernels: a scale per block (Q8_0), per 16 elements (Q6_K), or a scale and an offset per block (Q5_1)."""
+    kind = cpu_kernels.LIN_Q8M if mins is not None else \
+        cpu_kernels.LIN_Q8_16 if scales.shape[1] * 16 == codes.shape[1] else cpu_kernels.LIN_Q8
+    return cpu_kernels.q8_mm(x, *cpu_kernels.pack_q8(codes, scales, mins), codes.shape[0], kind)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -131,6 +134,22 @@ def test_q8_blocks_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
     with pytest.raises(ValueError, match="one or two a block"):
         cpu_kernels.pack_q8(codes, scales[:, : k // GROUP + 1])
+    with pytest.raises(ValueError, match="not those of kind"):  # the kernel of another layout is refused
+        cpu_kernels.q8_mm(x, packed, packed_scales, n, cpu_kernels.LIN_Q8)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_q8_blocks_with_an_offset_equal_the_quantized_product(m, n, k):
+    """Q8 codes with a scale and an offset per block (GGUF Q5_1 / Q5_K: w = d q + m, q in 0..31): the block's exact
+    byte sum times d plus m times the x block's sum, as Q4_1 computes it; rows stand alone as in the batch."""
+    g = torch.Generator().manual_seed(m * 1000 + n + 5)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(0, 32, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // GROUP, generator=g) * 0.01
+    mins = -torch.rand(n, k // GROUP, generator=g) * 0.16
+    y = q8(x, codes, scales, mins)
+    _check(y, x, _q8_weight(codes, scales) + mins.double().repeat_interleave(GROUP, 1))
+    assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales, mins) for i in range(m)]), y)
 
 
 def test_extreme_inputs():

@@ -50,9 +50,10 @@ from test_exactness_frequency import sample_engine, speculative_law
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
-ALL_NATIVE = NATIVE + ("Q5_0", "Q4_K", "Q6_K")  # every type native.NATIVE_TYPES runs (K-quants: 256-wide rows)
-REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q6_K": 4}  # int4 segments per weight (1 for the others)
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q6_K": "q8_16"}  # the CPU kernel each runs on ("q4" for the others)
+ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K-quants: 256-wide rows)
+REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q6_K": 4}  # int4 segments per weight (1 for the others)
+# the CPU kernel each runs on ("q4" for the others)
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q6_K": "q8_16"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -96,6 +97,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
         return q4_k_bytes(rows, cols, seed, scale=std / 125)
     if kind == "Q6_K":
         return q6_k_bytes(rows, cols, seed, scale=std / 256)
+    if kind == "Q5_K":
+        return q5_k_bytes(rows, cols, seed, scale=std / 250)
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal((rows, cols)) * std + rng.standard_normal((rows, 1)) * std).astype(np.float32)
     return gguf.quants.quantize(a, Q[kind])
@@ -241,6 +244,16 @@ def q6_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     return np.ascontiguousarray(np.concatenate([codes, sc, d], -1).reshape(rows, nb * 210))
 
 
+def q5_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random Q5_K super-blocks ``[rows, cols / 256 * 176]`` uint8: Q4_K's first 16 bytes (fp16 d and dmin, 6-bit
+    scales and mins; random bytes are valid), 32 bytes of high bits (bit j: sub-block j), 128 of low 4 bits."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 256
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    rest = rng.integers(0, 256, (rows, nb, 172), dtype=np.uint8)
+    return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, nb * 176))
+
+
 @pytest.mark.parametrize("kind", ALL_NATIVE)
 def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     rng = np.random.default_rng(11)
@@ -250,16 +263,16 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    raw = {"Q4_K": q4_k_bytes, "Q6_K": q6_k_bytes}[kind](rows, cols, 11) if kind.endswith("_K") else \
+    raw = {"Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes}[kind](rows, cols, 11) if kind.endswith("_K") else \
         gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
     got = dequantize(codes, scales, zeros, repeat)
     assert got.dtype == torch.float32 and got.shape == (rows, cols)
-    if kind in ("Q4_1", "Q4_K"):  # gguf: d * c + m; here: d * (c - 8) + (m + 8 d), one rounding more
+    if kind in ("Q4_1", "Q4_K", "Q5_1", "Q5_K"):  # gguf: d * c + m; here: d * (c - 8) + (m + 8 d), one rounding more
         eps = torch.finfo(torch.float32).eps
-        tol = eps * (want.abs() + zeros.repeat_interleave(GROUP, 1).abs())
+        tol = eps * (want.abs() + zeros[:, -cols // GROUP:].repeat_interleave(GROUP, 1).abs())
         assert bool(((got - want).abs() <= tol).all())
     else:
         assert torch.equal(got, want)
@@ -327,7 +340,7 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H
             w.add_tensor(name, 1.0 + 0.3 * a)  # norm weights near 1
         elif kind == "F16":
             w.add_tensor(name, a.astype(np.float16))
-        elif kind in ("Q4_K", "Q6_K"):  # random super-blocks (no float source: gguf-py cannot quantize to these)
+        elif kind.endswith("_K"):  # random super-blocks (no float source: gguf-py cannot quantize to these)
             w.add_tensor(name, _quantized(shape[0], shape[1], kind, int(rng.integers(1 << 30)), std), raw_dtype=Q[kind])
         else:
             if n_head:
@@ -511,39 +524,48 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
-# what llama.cpp's Q4_K_M writes: Q4_K, with Q6_K value / down projections in some layers and a Q6_K head, and Q5_0
-# where a row is not whole super-blocks (K-quants need 256 | width)
-Q4_K_M_TYPES = [
-    dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
-         ffn_down="Q6_K"),
-    dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",
-         ffn_down="Q4_K"),
-]
+# what llama.cpp's Q4_K_M and Q5_K_M write: Q4_K (Q5_K), Q6_K value / down projections in some layers and a Q6_K
+# head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width); layer 0 of each mixes
+# kinds in q/k/v (no fusion)
+K_MIXES = {
+    "Q4_K_M": [dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
+                    ffn_down="Q6_K"),
+               dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",
+                    ffn_down="Q4_K")],
+    "Q5_K_M": [dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q5_K", ffn_up="Q5_K",
+                    ffn_down="Q6_K"),
+               dict(attn_q="Q5_1", attn_k="Q5_1", attn_v="Q5_K", attn_output="Q5_K", ffn_gate="Q5_1", ffn_up="Q5_1",
+                    ffn_down="Q5_K")],
+}
 
 
 @pytest.mark.parametrize("device", devices())
-def test_a_q4_k_m_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, device):
-    """Q5_0 and Q6_K linears run on their blocks too (Q5_0 as Q8_0's signed bytes, Q6_K as bytes with a scale per
-    16; on CUDA, or a CPU without the block kernels, Q6_K stays float: four int4 passes would read more than bf16),
-    each the float weight transformers de-quantized (identity probe); the logits stay close to the float
-    model's. A layer whose q, k and v differ in kind (no fusion) still runs as one llama_layer call, with three
-    matmuls for q/k/v: its logits are the op-by-op path's up to the call's own silu."""
+@pytest.mark.parametrize("mix", sorted(K_MIXES))
+def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, device):
+    """Q5_0, Q5_1, Q5_K and Q6_K linears run on their blocks too (Q5_0 as Q8_0's signed bytes, Q5_1 and Q5_K as
+    bytes with a scale and an offset per block, Q6_K as bytes with a scale per 16; on CUDA, or a CPU without the
+    block kernels, Q6_K stays float: four int4 passes would read more than bf16), each the float weight
+    transformers de-quantized (identity probe); the logits stay close to the float model's. A layer whose q, k
+    and v differ in kind (no fusion) still runs as one llama_layer call, with three matmuls for q/k/v: its logits
+    are the op-by-op path's up to the call's own silu."""
+    from specdist.models.quant import BLOCK_KINDS
     from specdist.models.runner import CausalLMRunner
 
-    path = write_tiny_gguf(str(tmp_path / "q4km.gguf"), seed=6, hidden=256, ff=512, linear_types=Q4_K_M_TYPES,
+    types = K_MIXES[mix]
+    path = write_tiny_gguf(str(tmp_path / f"{mix}.gguf"), seed=6, hidden=256, ff=512, linear_types=types,
                            head_type="Q6_K")
     src = resolve_model(path)
     with gguf_parsed_once():
         flt, nat = load_model(src, "float32", device), load_model(src, "float32", device, weights="native")
-    q6_native = device == "cpu" and cpu_kernels.available()
-    counts = collections.Counter(t for types in Q4_K_M_TYPES for t in types.values() if q6_native or t != "Q6_K")
-    counts["Q6_K"] += q6_native  # the tied head
-    assert use_native_blocks(unfused_copy(flt), path) == dict(counts)
+    cpu_blocks = device == "cpu" and cpu_kernels.available()
+    kind_of = {f"model.layers.{i}.{HF_NAMES[short]}": t for i, layer in enumerate(types) for short, t in layer.items()}
+    kind_of["lm_head"] = "Q6_K"  # the tied head
+    native_kinds = {n: t for n, t in kind_of.items() if cpu_blocks or t not in native.CPU_BLOCKS_ONLY}
+    assert use_native_blocks(unfused_copy(flt), path) == dict(collections.Counter(native_kinds.values()))
     fl = _linears(flt)
     blocks = {n: m for n, m in _linears(nat).items() if type(m) is Int4GroupLinear}
-    assert len(blocks) == (15 if q6_native else 11)
-    kernels = {1: "q4", 2: "q8", 4: "q8_16"}  # by repeat_input: Q4_K, Q5_0 / Q8_0, Q6_K
-    assert all(m.blocks == (kernels[m.repeat_input] if q6_native else None) for m in blocks.values())
+    assert set(blocks) == set(native_kinds)
+    assert all(m.blocks == (BLOCKS.get(kind_of[n], "q4") if cpu_blocks else None) for n, m in blocks.items())
     for name, m in blocks.items():
         w = fl[name].weight.detach() if name != "lm_head" else flt.get_input_embeddings().weight.detach()
         probe = m(torch.eye(m.in_features, device=device)).T  # [out, in]
@@ -552,14 +574,17 @@ def test_a_q4_k_m_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, device
     with torch.no_grad():
         a, b = flt(ids).logits, nat(ids).logits
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
-    if not q6_native:
+    if not cpu_blocks:
         return
     runner = CausalLMRunner(nat, 1, 40)
     kernels = runner.layer_kernels
     assert all(k is not None for k in kernels)
-    split = [[int(lin.kind) for lin in k.linears[:3] if lin.n] for k in kernels]
-    assert split == [[cpu_kernels.LIN_Q4, cpu_kernels.LIN_Q4, cpu_kernels.LIN_Q8_16], [cpu_kernels.LIN_Q8]]
-    assert int(kernels[0].linears[5].kind) == cpu_kernels.LIN_Q8_16  # the Q6_K down projection
+    for layer, kernel in zip(types, kernels):  # q/k/v one fused matmul where they share a kernel, else three
+        qkv = [BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")]
+        want = [BLOCK_KINDS[b] for b in (qkv[:1] if len(set(qkv)) == 1 else qkv)]
+        assert [int(lin.kind) for lin in kernel.linears[:3] if lin.n] == want
+        assert int(kernel.linears[5].kind) == BLOCK_KINDS[BLOCKS.get(layer["ffn_down"], "q4")]
+    assert any(len({BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")}) > 1 for layer in types)
     slot = runner.cache.allocate()
     one_call = runner.forward([slot], [ids[0].tolist()], [12])
     runner.cache.rollback(slot, 0)

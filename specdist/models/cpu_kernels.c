@@ -7,10 +7,11 @@
  *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
  *   Q8_16 (GGUF Q6_K): signed codes c = q - 32 and a float d per 16 elements (two per block): w = d * c.
+ *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
- *   Q4: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
+ *   Q4, Q8M: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
  * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8) in groups of 8 rows whose codes
  * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
@@ -153,17 +154,18 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
 }
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
- * row c; scales [G, halves, 8]: each row's scale for the block (halves = 1: GGUF Q8_0), or for its elements
- * 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding the first half.
+ * row c; scales [G, halves + mins, 8]: each row's scale for the block (halves = 1: GGUF Q8_0), or for its elements
+ * 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding the first half; with
+ * mins = 1 (and halves = 1) each row's offset m next, added as m times the x block's sum (GGUF Q5_1, Q5_K).
  * vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
 static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *codes, const float *scales, int64_t G,
                                                                    const quantized_x *qx, int64_t m0, int R,
-                                                                   int prefetch, int halves, __m256 *acc) {
+                                                                   int prefetch, int halves, int mins, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const int8_t *block = codes + g * 256;
-        const float *sg = scales + g * 8 * halves;
+        const float *sg = scales + g * 8 * (halves + mins);
         if (prefetch)
             for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
         __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
@@ -188,19 +190,29 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
                                      acc[r]);
+        if (mins) {
+            const __m256 m = _mm256_loadu_ps(sg + 8);
+            for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[(m0 + r) * G + g]), acc[r]);
+        }
     }
 }
 
 static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const float *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                             __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 1, acc);
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 1, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8_16_group(const int8_t *codes, const float *scales, int64_t G,
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 2, acc);
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 2, 0, acc);
+}
+
+static inline __attribute__((always_inline)) void q8m_group(const int8_t *codes, const float *scales, int64_t G,
+                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                             __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, 1, 1, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -256,6 +268,13 @@ int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const
  * [ceil(N/8), G, 2, 8] floats (pack_q8 with [N, K/16] scales). y [M, N]. Returns 0, or -1 without memory. */
 int specdist_q8_16_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *sc, int64_t N, float *y) {
     BLOCK_MATMUL(q8_16_group, qs, sc, 256, 16)
+}
+
+/* Q8 with an offset per block (GGUF Q5_1 and Q5_K: w = d * q + m): codes as specdist_q8_mm's, scales
+ * [ceil(N/8), G, 2, 8] floats, the 8 rows' d then their m (pack_q8 with mins). y [M, N]. Returns 0, or -1 without
+ * memory. */
+int specdist_q8m_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *sc, int64_t N, float *y) {
+    BLOCK_MATMUL(q8m_group, qs, sc, 256, 16)
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -716,7 +735,7 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  [q, k = each head rms_norm'd (q_norm, k_norm: Qwen3)];
  *   a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
- * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, specdist_q8_mm, specdist_q8_16_mm or a dense one
+ * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, one of the Q8 kernels or a dense one
  * (float32, bfloat16 or float16 weights) by its weight's kind, plus its bias if any, so a row's result is computed
  * as the layer-by-layer calls compute it, alone, whatever the rows around it. The call replaces about ten
  * Python-level operations a layer, over a third of a batch-1 forward's time.
@@ -731,11 +750,11 @@ typedef struct {
     const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const float *scales; /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16 or LIN_Q8_16 */
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16 or LIN_Q8M */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5 };
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
     int64_t i = 0;
@@ -749,6 +768,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     switch (w->kind) {
     case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
     case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
+    case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

@@ -4,7 +4,7 @@ computes them, and attention over the slot KV cache whose rows do not depend on 
 **Block matmuls.** torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a GGUF model's Q4
 blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
 :func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves (:func:`q8_mm` also with a scale
-per 16 elements, GGUF Q6_K's codes as signed bytes): each row of ``x`` is
+per 16 elements, GGUF Q6_K's codes as signed bytes, or with an offset per block, Q5_1 / Q5_K): each row of ``x`` is
 quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
 an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
 :func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
@@ -76,6 +76,12 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
+# The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
+# Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M = 0, 1, 2, 3, 4, 5, 6
+DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
+Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16}  # packed floats a block of a group of 8 rows
 
 
 def _cache_dir() -> str:
@@ -120,7 +126,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm):  # (x, M, K, codes, scales, N, y)
+    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm):
+        # (x, M, K, codes, scales, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         fn.restype = ctypes.c_int
     for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
@@ -177,24 +184,31 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return packed.contiguous(), scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16).contiguous()
 
 
-def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8 (-127..127), ``scales`` float32 ``[N, K/32]``
-    (a scale per block: GGUF Q8_0) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K).
-    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 h]`` float32, ``h`` scales a block
-    (the C file's ``q8_group_halves``: the 8 rows' first-half scales, then their second-half ones; zero rows pad
-    the last group)."""
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
+            mins: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
+    block: GGUF Q8_0, kind ``LIN_Q8``) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K, ``LIN_Q8_16``);
+    ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
+    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` float32 (the C file's
+    ``q8_group_halves``: the 8 rows' scales, or first-half then second-half scales, or scales then offsets;
+    zero rows pad the last group)."""
     n, k = codes.shape
     g = k // GROUP
     h = scales.shape[1] // g
-    if h not in (1, 2) or scales.shape[1] != h * g:
-        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one or two a block)")
+    if h not in (1, 2) or scales.shape[1] != h * g or (mins is not None and (h != 1 or mins.shape[1] != g)):
+        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one or two a block, one with "
+                         "offsets)")
+    per_block = scales.float().reshape(n, g, h)  # [N, G, f]: the floats a block has, in the kernel's order
+    if mins is not None:
+        per_block = torch.stack([scales.float(), mins.float()], -1)
+    f = per_block.shape[-1]
     pad = -n % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, h * g)])
+        per_block = torch.cat([per_block, per_block.new_zeros(pad, g, f)])
     packed = codes.reshape(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 256)  # byte 32 j + 4 row + e
-    sc = scales.float().reshape(-1, 8, g, h).permute(0, 2, 3, 1)  # [N/8, G, half, row]
-    return packed.contiguous(), sc.reshape(-1, g, 8 * h).contiguous()
+    sc = per_block.reshape(-1, 8, g, f).permute(0, 2, 3, 1)  # [N/8, G, f, row]
+    return packed.contiguous(), sc.reshape(-1, g, 8 * f).contiguous()
 
 
 def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
@@ -229,18 +243,20 @@ def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
     return _call(library().specdist_q4_mm, x, codes, scales, n)
 
 
-def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q8 blocks packed by :func:`pack_q8`
-    (``w = d * c``, ``d`` per block or per 16 elements as ``scales`` holds them)."""
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q8) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q8 blocks packed by :func:`pack_q8` as ``kind``:
+    ``LIN_Q8`` (``w = d * c``), ``LIN_Q8_16`` (``d`` per 16 elements) or ``LIN_Q8M`` (``w = d * c + m``)."""
     if torch.compiler.is_compiling():
-        return torch.ops.specdist.q8_mm(x, codes, scales, n)
-    return _call(_q8_fn(scales), x, codes, scales, n)
+        return torch.ops.specdist.q8_mm(x, codes, scales, n, kind)
+    return _call(_q8_fn(kind, scales), x, codes, scales, n)
 
 
-def _q8_fn(scales: torch.Tensor):
-    """The Q8 kernel for packed ``scales [groups, G, 8 h]``: one scale a block (h = 1) or one per 16 elements."""
+def _q8_fn(kind: int, scales: torch.Tensor):
+    """The Q8 kernel of ``kind``, after checking that the packed ``scales`` are that kind's."""
+    if kind not in Q8_KINDS or scales.shape[-1] != _SCALE_FLOATS[kind]:
+        raise ValueError(f"q8_mm: scales {tuple(scales.shape)} are not those of kind {kind}")
     lib = library()
-    return lib.specdist_q8_16_mm if scales.shape[-1] == 16 else lib.specdist_q8_mm
+    return {LIN_Q8: lib.specdist_q8_mm, LIN_Q8_16: lib.specdist_q8_16_mm, LIN_Q8M: lib.specdist_q8m_mm}[kind]
 
 
 # Rows up to which f32_mm runs a float32 model's layers and head. Default model's layers, torch's GEMM over
@@ -368,15 +384,11 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     return out
 
 
-# the kinds of a layer's matmul (the C file's block_linear); LIN_Q8_16: Q8 codes with a scale per 16 (GGUF Q6_K)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16 = 0, 1, 2, 3, 4, 5
-DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16}  # a block kind's packed floats per block of a group of 8 rows
 
 
 class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
-    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
+    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
     ``n = 0``: no matmul (the k and v slots beside a fused q/k/v)."""
 
@@ -511,8 +523,8 @@ def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -
 
 
 @torch.library.custom_op("specdist::q8_mm", mutates_args=())
-def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    return _call(_q8_fn(scales), x, codes, scales, n)
+def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    return _call(_q8_fn(kind, scales), x, codes, scales, n)
 
 
 @_q4_op.register_fake
@@ -521,7 +533,7 @@ def _(x, codes, scales, n):
 
 
 @_q8_op.register_fake
-def _(x, codes, scales, n):
+def _(x, codes, scales, n, kind):
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 

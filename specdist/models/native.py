@@ -2,18 +2,20 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q6_K by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
 are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as those (activations rounded per
 32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). A Q5_0 block's codes ``q - 16`` are signed bytes with
 one scale, so it runs as Q8_0 does (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
-built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). A Q6_K tensor's codes run as signed bytes
+built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). Q5_1 and Q5_K blocks (``w = d q + m``, q in
+0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) run on the Q8 kernel with an offset per block, as Q4_1 runs
+on the Q4 one. A Q6_K tensor's codes run as signed bytes
 ``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
-elsewhere it stays float (as four int4 passes it would read more than bf16 does). Most Q4_K_M files hold
+elsewhere it stays float (as four int4 passes it would read more than bf16 does). Most Q4_K_M and Q5_K_M files hold
 Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
-embeddings, F16/F32 or other K-quant linears, and linears whose output rows the int4 kernel cannot tile,
+embeddings, F16/F32, Q2_K / Q3_K / IQ linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
@@ -21,7 +23,7 @@ permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF m
 row order comes from running its tensor processor on a column of row indices. Each block
 tensor is then checked against the float weight transformers loaded: the file's blocks,
 de-quantized here in float32, must equal it to float32 rounding (Q4_1's ``m + 8 d`` rounds once
-more than gguf's ``d * c + m``), or the load fails naming the tensor. A row permutation leaves blocks whole: a block spans 32 columns of one row.
+more than gguf's ``d * c + m``, as do Q4_K's, Q5_1's and Q5_K's), or the load fails naming the tensor. A row permutation leaves blocks whole: a block spans 32 columns of one row.
 
 A tied output head (``lm_head`` sharing the embedding's weight) gets its own native copy of
 the embedding's blocks; the embedding keeps its float table for the token lookup.
@@ -42,9 +44,10 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 
 log = logging.getLogger("specdist.load")
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGUF block types that run natively
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # GGUF block types run natively
 CPU_BLOCKS_ONLY = ("Q6_K",)  # native only where the CPU block kernels run them
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
+Q5_K_BYTES = 176  # a Q5_K super-block: Q4_K's 16 bytes of scales, 32 of high bits, 128 of low 4 bits for 256
 Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 
 
@@ -61,18 +64,23 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return _decode_q4_k(raw, rows, cols)
     if kind == "Q6_K":
         return _decode_q6_k(raw, rows, cols)
+    if kind == "Q5_K":
+        return _decode_q5_k(raw, rows, cols)
     nb = cols // GROUP
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22}[kind]  # bytes per block of 32
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
     if kind == "Q8_0":
         return _q8_halves(torch.from_numpy(blocks[..., 2:].copy().view(np.int8)), d)
-    if kind == "Q5_0":  # w = d * (q - 16): q's high bits in a uint32 of the block, its low 4 as Q4_0's
-        qh = blocks[..., 2:6].copy().view(np.uint32)  # [rows, nb, 1]
-        high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [rows, nb, 32]
-        qs = blocks[..., 6:]  # [rows, nb, 16]
-        low = np.concatenate([qs & 15, qs >> 4], -1)  # [rows, nb, 32]
-        return _q8_halves(torch.from_numpy((low | high.astype(np.uint8) << 4).astype(np.int8) - 16), d)
+    if kind in ("Q5_0", "Q5_1"):  # q's high bits in a uint32 of the block (after Q5_1's m), its low 4 as Q4_0's
+        qh = blocks[..., -20:-16].copy().view(np.uint32)  # [rows, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, nb, 32]
+        qs = blocks[..., -16:]  # [rows, nb, 16]
+        q = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1) | high << 4)  # [rows, nb, 32] in 0..31
+        if kind == "Q5_0":  # w = d * (q - 16)
+            return _q8_halves(q.to(torch.int8) - 16, d)
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        return _q8_halves(q, d, m)  # w = d * q + m
     qs = torch.from_numpy(blocks[..., -16:].copy())  # [rows, nb, 16]: element j low nibble, j + 16 high
     codes = torch.cat([qs & 15, qs >> 4], -1).to(torch.int32).reshape(rows, cols)  # [rows, cols]
     if kind == "Q4_0":  # w = d * (c - 8)
@@ -81,14 +89,17 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
     return codes, d, m + 8 * d, 1  # Q4_1: w = d * c + m = d * (c - 8) + (m + 8 d)
 
 
-def _q8_halves(c8: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Signed codes ``c8 [rows, nb, 32]`` with a scale ``d [rows, nb]`` a block (``w = d * c8``: Q8_0, and Q5_0's
-    ``q - 16``) as two int4 halves over a doubled input: ``c8 = 16 * high + low``, high in -8..7, low in 0..15."""
+def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
+               m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Byte codes ``c8 [rows, nb, 32]`` (-128..127) with a scale ``d [rows, nb]`` a block and an offset ``m`` or
+    none (``w = d * c8 + m``: Q8_0, Q5_0's ``q - 16``; Q5_1's and Q5_K's ``q``) as two int4 halves over a doubled
+    input: ``c8 = 16 * high + low``, high in -8..7 (scale 16 d, zero 0), low in 0..15 (scale d, zero 8 d + m)."""
     rows = c8.shape[0]
     c8 = c8.to(torch.int16)
     high, low = c8 >> 4, c8 & 15
     codes = torch.cat([(high + 8).reshape(rows, -1), low.reshape(rows, -1)], 1).to(torch.uint8)  # [rows, 2 * cols]
-    return codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1), 2
+    zero = 8 * d if m is None else 8 * d + m
+    return codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), zero], 1), 2
 
 
 def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -96,16 +107,36 @@ def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     ``sc`` and min ``m``, so sub-block j is ``w = (d * sc_j) * c - dmin * m_j``, Q4_1's form with the scale
     ``d * sc_j`` (exact in float32) and the zero ``8 d sc_j - dmin m_j``. The codes are the file's."""
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q4_K_BYTES)  # [rows, nb, 144]
+    scale, low = _k_scales(blocks)
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 groups of 32 bytes: sub-block 2i low nibbles, 2i + 1 high
+    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, cols)  # [rows, cols]
+    return torch.from_numpy(codes.astype(np.int32)), scale, 8 * scale - low, 1
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's sub-block scales and mins, ``(d * sc, dmin * m)`` each ``[rows, cols / 32]`` (exact in
+    float32), from the super-blocks' first 16 bytes: d, dmin (fp16), then 6-bit scales and mins in 12 bytes."""
+    rows = blocks.shape[0]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     lo, hi, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # the 12 scale bytes, 4 at a time
     sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], -1).astype(np.float32)  # [rows, nb, 8]
     mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], -1).astype(np.float32)
-    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 groups of 32 bytes: sub-block 2i low nibbles, 2i + 1 high
-    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, cols)  # [rows, cols]
-    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, -1))  # [rows, cols / 32]
-    low = torch.from_numpy((dmin[..., None] * mn).reshape(rows, -1))
-    return torch.from_numpy(codes.astype(np.int32)), scale, 8 * scale - low, 1
+    return (torch.from_numpy((d[..., None] * sc).reshape(rows, -1)),
+            torch.from_numpy((dmin[..., None] * mn).reshape(rows, -1)))
+
+
+def _decode_q5_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q5_K as byte codes with an offset (:func:`_q8_halves`): Q4_K's scales and mins, then 32 bytes whose bit j
+    is the high bit of sub-block j's element, then 128 bytes of low 4 bits laid out as Q4_K's codes;
+    ``w = (d * sc) * q - dmin * m``."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, Q5_K_BYTES)  # [rows, nb, 176]
+    scale, low = _k_scales(blocks)
+    qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # [rows, nb, -, e]
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [rows, nb, sub-block, e]
+    qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1, 8, 32) | high << 4  # [rows, nb, 8, 32] in 0..31
+    return _q8_halves(torch.from_numpy(q.reshape(rows, -1, 32)), scale, -low)
 
 
 def _decode_q6_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

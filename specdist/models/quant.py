@@ -21,7 +21,8 @@ activations; fp32 activations take a path 10x slower). This is GGUF's Q4_0 (``ze
 and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so a GGUF
 file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
-input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes. Q6_K's codes ``q = 16 h + l``
+input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes; Q5_0 (``c8 = q - 16``) likewise, and
+Q5_1 / Q5_K (``w = d q + m``, ``c8 = q``) with the low half's zero ``8 d + m``. Q6_K's codes ``q = 16 h + l``
 (``h in 0..3``, ``l in 0..15``) with a scale ``D`` per 16 elements, ``w = D (q - 32)``, become four int4 segments
 over a quadrupled input, each holding one half (16 elements) of every block of 32 and zero weights in the other:
 ``16 D (h - 2)`` (codes h, scale 16 D, zero 96 D; code 2 where masked) for the first and the second halves, then
@@ -31,8 +32,9 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
-  with float32 ``(d, m)`` pairs, Q8_0 as its signed bytes (one pass, not two halves), Q6_K as signed bytes
-  ``q - 32`` with its two scales a block (one pass, not four segments), repacked in
+  with float32 ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
+  with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
+  segments), repacked in
   groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32
   to bytes.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
@@ -140,12 +142,11 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" where cpu_kernels run them (x86 CPUs with AVX2), else None (torch's int4
-        # kernels)
+        # blocks: "q4" / "q8" / "q8_16" / "q8m" where cpu_kernels run them (x86 CPUs with AVX2, BLOCK_KINDS), else
+        # None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
-            self.blocks, pack = _BLOCK_PACKERS[repeat_input]
-            packed, sz = pack(codes, scales.float(), zeros.float())
+            self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
         elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
             # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
             inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
@@ -189,8 +190,10 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            mm = cpu_kernels.q4_mm if self.blocks == "q4" else cpu_kernels.q8_mm  # q8_16: q8_mm, by its scales
-            y = mm(x2, self.packed, self.scales_and_zeros, self.out_features)  # [n, out] float32
+            if self.blocks == "q4":
+                y = cpu_kernels.q4_mm(x2, self.packed, self.scales_and_zeros, self.out_features)  # [n, out] float32
+            else:
+                y = cpu_kernels.q8_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
             if self.repeat_input > 1:
@@ -219,27 +222,32 @@ def _shaped(y: torch.Tensor, lead: tuple, dtype: torch.dtype, bias: torch.Tensor
     return y + (bias if bias.dtype == dtype else bias.to(dtype))
 
 
-def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q4 blocks (``w = d * c + m``, here ``m = zero - 8 * scale``) packed for cpu_kernels.q4_mm."""
     out, k = codes.shape
     g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]
     gguf = (g[..., :16] | (g[..., 16:] << 4))  # [out, G, 16]: byte i holds element i low, i + 16 high
-    return cpu_kernels.pack_q4(gguf, torch.stack([scales, zeros - 8 * scales], 1))  # (d, m) [out, 2, G]
+    return ("q4", *cpu_kernels.pack_q4(gguf, torch.stack([scales, zeros - 8 * scales], 1)))  # (d, m) [out, 2, G]
 
 
-def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q8_0 back from its two int4 halves (see the module doc), packed for cpu_kernels.q8_mm."""
+def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Byte codes back from two int4 halves (see the module doc): with the high half's scale 16 times the low
+    half's, ``w = (ch - 8) 16 d + zh + (cl - 8) d + zl = d c + m`` for the signed byte ``c = 16 (ch - 8) + cl`` and
+    the offset ``m = zh + zl - 8 d``. Q8_0 and Q5_0 (m = 0) pack for the Q8 kernel, Q5_1 and Q5_K for the one with
+    offsets."""
     k = codes.shape[1] // 2
     d = scales[:, k // GROUP:]
-    if not (torch.equal(scales[:, : k // GROUP], 16 * d) and torch.equal(zeros[:, k // GROUP:], 8 * d)
-            and not zeros[:, : k // GROUP].any()):
-        raise ValueError("repeat_input=2 holds GGUF Q8_0 halves only: scales (16 d, d), zeros (0, 8 d)")
+    if not torch.equal(scales[:, : k // GROUP], 16 * d):
+        raise ValueError("repeat_input=2 holds byte codes as two int4 halves only: scales (16 d, d)")
     codes = codes.to(torch.int16)
-    c8 = 16 * (codes[:, :k] - 8) + codes[:, k:]  # [out, K] in -128..127
-    return cpu_kernels.pack_q8(c8.to(torch.int8), d)
+    c8 = (16 * (codes[:, :k] - 8) + codes[:, k:]).to(torch.int8)  # [out, K] in -128..127
+    m = zeros[:, : k // GROUP] + zeros[:, k // GROUP:] - 8 * d  # [out, G]
+    if not m.any():
+        return ("q8", *cpu_kernels.pack_q8(c8, d))
+    return ("q8m", *cpu_kernels.pack_q8(c8, d, m))
 
 
-def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q6_K back from its four int4 segments (see the module doc) as signed bytes ``q - 32`` with a scale
     per 16 elements, packed for cpu_kernels.q8_mm."""
     out, k = codes.shape[0], codes.shape[1] // 4
@@ -254,11 +262,14 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     half = torch.arange(2)
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
     q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
-    return cpu_kernels.pack_q8(q.to(torch.int8), d.transpose(1, 2).reshape(out, 2 * (k // GROUP)))
+    return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d.transpose(1, 2).reshape(out, 2 * (k // GROUP))))
 
 
-# repeat_input -> (Int4GroupLinear.blocks, its packer) for the CPU block kernels
-_BLOCK_PACKERS = {1: ("q4", _q4_blocks), 2: ("q8", _q8_blocks), 4: ("q8_16", _q6_blocks)}
+# repeat_input -> the packer for the CPU block kernels: (Int4GroupLinear.blocks, codes, scales)
+_BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _q6_blocks}
+# Int4GroupLinear.blocks -> the kernels' matmul kind
+BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
+               "q8m": cpu_kernels.LIN_Q8M}
 
 
 def untie_lm_head(model: nn.Module) -> None:

@@ -84,7 +84,7 @@ from specdist.models.kv_cache import SlotKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
-from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
+from specdist.models.quant import BLOCK_KINDS, Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
 from specdist.models.fusion import fuse_projections
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
@@ -686,10 +686,6 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
-# Int4GroupLinear.blocks -> the layer kernel's matmul kind
-_BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16}
-
-
 def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
     """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.llama_layer` runs (GGUF blocks,
     or a dense float32 weight on the CPU, held in float32 or a half-width dtype; a float32 bias or none), else
@@ -698,8 +694,8 @@ def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return None
     bias = bias.detach() if bias is not None else None
-    if type(linear) is Int4GroupLinear and linear.blocks in _BLOCK_KINDS:
-        return linear.packed, linear.scales_and_zeros, linear.out_features, _BLOCK_KINDS[linear.blocks], bias
+    if type(linear) is Int4GroupLinear and linear.blocks in BLOCK_KINDS:
+        return linear.packed, linear.scales_and_zeros, linear.out_features, BLOCK_KINDS[linear.blocks], bias
     if type(linear) is Int8WeightOnlyLinear and linear.block_codes is not None:
         return linear.block_codes, linear.block_scales, linear.out_features, cpu_kernels.LIN_Q8, bias
     w = getattr(linear, "weight", None)
