@@ -12,8 +12,8 @@ Shape::
                                      #   CUDA GPUs, on the CPU the measured choice (specdist.models.dtypes)
       weights: auto                  # native: a GGUF file's Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K and Q6_K linears run
                                      #   on their own blocks (specdist/models/native.py), not de-quantized;
-                                     #   float: every weight in dtype; auto: native for a GGUF file on one
-                                     #   rank, float otherwise (native does not shard across ranks yet)
+                                     #   float: every weight in dtype; auto: native for a GGUF file (each
+                                     #   tensor-parallel rank its part of the blocks), float otherwise
     draft:
       method: self-w8                # model | self-w8 | self-w4 | ngram | suffix | hybrid | eagle3 | none (self-w4:
                                      #   the target's own 4-bit copy, a GGUF file's own blocks where it is one;
@@ -364,9 +364,6 @@ class Config:
             if self.engine.compile in (True, "on") and self.cluster.tensor_parallel_size > 1:
                 raise ConfigError("engine.compile", "compiled passes run on one rank; with tensor_parallel_size "
                                   f"{self.cluster.tensor_parallel_size} use auto (drafts compiled on CUDA) or off")
-            if self.target.weights == "native" and self.cluster.tensor_parallel_size > 1:
-                raise ConfigError("target.weights", "native runs on one rank; with tensor_parallel_size "
-                                  f"{self.cluster.tensor_parallel_size} use auto or float")
         return self
 
     @property

@@ -1108,8 +1108,6 @@ BAD_VALUES = {
     "hub model id": ({"model": {"target": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, "/model/target"),
     "unknown dtype": ({"target": {"dtype": "fp8"}}, "/target/dtype"),
     "unknown weights": ({"target": {"weights": "int4"}}, "/target/weights"),
-    "native weights across ranks": ({"target": {"weights": "native"}},
-                                    "target.weights: native runs on one rank"),
     "compiled passes across ranks": ({"engine": {"compile": "on"}}, "engine.compile: compiled passes run on one rank"),
     "unknown compile mode": ({"engine": {"compile": "max"}}, "/engine/compile"),
     "unknown coupling": ({"sampling": {"coupling": "maximal"}}, "/sampling/coupling"),
@@ -1196,25 +1194,14 @@ def test_weights_choices_match_the_config_loader():
     assert _chart().values["target"]["weights"] == specdist_config.TargetConfig.weights == "auto"
 
 
-def test_native_weights_render_on_one_rank_only():
-    """target.weights reaches the config; native, which the loader refuses across ranks, renders with one rank
-    and fails with a message naming the value (and why) with more."""
+def test_weights_reach_the_config_on_any_number_of_ranks():
+    """target.weights reaches the config, on one rank and across tensor-parallel ranks (native blocks shard)."""
     for weights in specdist_config.WEIGHTS:
-        docs = render({"target": {"weights": weights, "tensorParallelSize": 1}})
-        assert check_invariants(docs) == []
-        cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
-        assert (cfg.target.weights, cfg.cluster.tensor_parallel_size) == (weights, 1)
-    for weights in ("auto", "float"):
-        cfg = specdist_config.load_config(yaml.safe_load(config_map(
-            render({"target": {"weights": weights}}))["data"]["config.yaml"]))
-        assert (cfg.target.weights, cfg.cluster.tensor_parallel_size) == (weights, 3)
-    with pytest.raises(helm.HelmError) as e:
-        render({"target": {"weights": "native", "tensorParallelSize": 2}})
-    assert "target.weights: native runs on one rank" in str(e.value) and "tensorParallelSize 2" in str(e.value)
-    # the rule the chart mirrors: the loader refuses the same config
-    with pytest.raises(ConfigError, match="target.weights"):
-        specdist_config.load_config({"target": {"weights": "native"},
-                                     "cluster": {"enabled": True, "tensor_parallel_size": 2}})
+        for ranks in (1, 2, 3):
+            docs = render({"target": {"weights": weights, "tensorParallelSize": ranks}})
+            assert check_invariants(docs) == []
+            cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
+            assert (cfg.target.weights, cfg.cluster.tensor_parallel_size) == (weights, ranks)
 
 
 def test_coupling_reaches_the_config():

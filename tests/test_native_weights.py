@@ -308,7 +308,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H, ff: int = FF,
-                    linear_types: list[dict] | None = None, head_type: str = HEAD_TYPE) -> str:
+                    linear_types: list[dict] | None = None, head_type: str = HEAD_TYPE, vocab: int = GGUF_VOCAB) -> str:
     """A tiny GGUF Llama: ``len(linear_types)`` layers (default LINEAR_TYPES), each linear in its GGUF type."""
     linear_types = LINEAR_TYPES if linear_types is None else linear_types
     rng = np.random.default_rng(seed)
@@ -323,13 +323,13 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H
     w.add_rope_dimension_count(hidden // HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(GGUF_VOCAB)
-    words = ["a", "b", "c", "d", "e", "f", "g", "<eos>"] + [f"w{i}" for i in range(8, GGUF_VOCAB)]
+    w.add_vocab_size(vocab)
+    words = ["a", "b", "c", "d", "e", "f", "g", "<eos>"] + [f"w{i}" for i in range(8, vocab)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(words)
-    w.add_token_types([1] * GGUF_VOCAB)
-    w.add_token_scores([0.0] * GGUF_VOCAB)
+    w.add_token_types([1] * vocab)
+    w.add_token_scores([0.0] * vocab)
     w.add_token_merges([])
     w.add_bos_token_id(0)
     w.add_eos_token_id(7)
@@ -350,7 +350,7 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H
     hd = hidden // HEADS
     shapes = dict(attn_q=(hidden, hidden), attn_k=(KV_HEADS * hd, hidden), attn_v=(KV_HEADS * hd, hidden),
                   attn_output=(hidden, hidden), ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
-    tensor("token_embd.weight", (GGUF_VOCAB, hidden), head_type)
+    tensor("token_embd.weight", (vocab, hidden), head_type)
     tensor("output_norm.weight", (hidden,), "F32")
     for i, types in enumerate(linear_types):
         tensor(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
@@ -593,6 +593,65 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     assert float((one_call - op_by_op).abs().max()) <= 1e-3 * float(op_by_op.abs().max())
 
 
+def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: list[str]) -> None:
+    """A tensor-parallel rank: its shard of the GGUF file on native blocks, then the module's ops (rank 0 keeps
+    the logits) and the kinds of its modules."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from specdist.models.runner import CausalLMRunner
+    from specdist.models.sharding import load_sharded
+    from test_tensor_parallel import OPS, run_ops
+    from workers.tensor_parallel import broadcast_object, init_process_group
+
+    init_process_group(rank, world_size, "127.0.0.1", port, "cpu")
+    model = load_sharded(resolve_model(args[0]), "float32", "cpu", rank, world_size, weights=args[1])
+    runner = CausalLMRunner(model, num_slots=2, max_len=32)
+    logits = run_ops(runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
+    kinds = {n: (type(m).__name__, getattr(getattr(m, "blocks", None), "blocks", None) or getattr(m, "blocks", None))
+             for n, m in model.named_modules() if n.endswith(("_proj", "lm_head"))}
+    torch.save({"logits": logits, "kinds": kinds}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the K-quant mix's Q6_K needs the CPU block kernels")
+def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path):
+    """Two gloo ranks load a Q4_K_M-style file natively: each column-parallel projection and the vocabulary-
+    parallel head keep their rows' blocks, each row-parallel one (o, down) its input columns' blocks (whole blocks
+    of 32, in every input copy of a Q8_0 / Q6_K layout), checked against the rank's float slice at load. The
+    logits of the ragged ops equal one process's native model's up to the order of the row-parallel partial sums
+    (all-reduced), which moves an activation's byte rounding now and then; ``weights: float`` keeps floats."""
+    from specdist.models.runner import CausalLMRunner
+    from test_tensor_parallel import OPS, run_ops, spawn_ranks
+
+    path = write_tiny_gguf(str(tmp_path / "tp.gguf"), seed=8, hidden=256, ff=512, linear_types=K_MIXES["Q4_K_M"],
+                           head_type="Q6_K", vocab=64)
+    with gguf_parsed_once():
+        one = CausalLMRunner(load_model(resolve_model(path), "float32", weights="native"), num_slots=2, max_len=32)
+    want = run_ops(one, OPS)
+    ranks = spawn_ranks(_native_rank, [path, "native"], tmp_path)
+    for r, res in enumerate(ranks):
+        kinds = res["kinds"]
+        assert kinds["lm_head"] == ("VocabParallelLMHead", "q8_16"), r
+        for i, layer in enumerate(K_MIXES["Q4_K_M"]):
+            for short, kind in layer.items():
+                name = f"model.layers.{i}.{HF_NAMES[short]}"
+                row_parallel = short in ("attn_output", "ffn_down")
+                assert kinds[name] == ("RowParallelLinear" if row_parallel else "Int4GroupLinear",
+                                       BLOCKS.get(kind, "q4")), (r, name)
+    got = ranks[0]["logits"]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):  # measured: 0 (the byte rounding of the next input absorbed every difference)
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-2 * float(b.abs().max())
+        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
+    floats = spawn_ranks(_native_rank, [path, "float"], tmp_path)
+    assert all(kind[1] is None for kind in floats[0]["kinds"].values())
+    # the float shards compute other numbers (activations not rounded to bytes): the blocks above were used
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(floats[0]["logits"], want)) > 1e-4
+
+
 def test_native_logits_close_to_the_float_models(gguf_models):
     """Same weights (up to bf16 scales), bf16 activations into the linears. Measured max |native - float| /
     max |float logits| = 1.9% on these sequences (on random ones the model run wholly in bf16 is about
@@ -676,13 +735,8 @@ def test_config_target_weights_and_self_w4():
         with pytest.raises(ConfigError, match=r"config target\.weights"):
             load_config({"target": {"weights": bad}})
     cluster = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1}
-    with pytest.raises(ConfigError, match=r"config target\.weights.*tensor_parallel_size 2"):
-        load_config({"target": {"weights": "native"}, "cluster": cluster})
-    for ok in ("auto", "float"):  # auto: float on several ranks
+    for ok in ("auto", "native", "float"):  # every choice on several ranks too (each rank its part of the blocks)
         assert load_config({"target": {"weights": ok}, "cluster": cluster}).target.weights == ok
-    # one rank, or no deployment: native is fine
-    assert load_config({"target": {"weights": "native"}, "cluster": {**cluster, "tensor_parallel_size": 1}})
-    assert load_config({"target": {"weights": "native"}, "cluster": {"tensor_parallel_size": 2}})
     cfg = load_config({"target": {"dtype": "bfloat16"}, "draft": {"method": "self-w4", "dtype": "float16"}})
     assert cfg.draft.method == "self-w4" and cfg.draft_dtype == "bfloat16"  # the target's own copy
     assert load_config({"draft": {"method": "self-w4", "pipeline": True}}).draft.pipelined

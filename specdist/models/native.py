@@ -32,6 +32,8 @@ the embedding's blocks; the embedding keeps its float table for the token lookup
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -171,7 +173,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, r
     return w.reshape(rows, repeat, n // repeat).sum(1)  # the halves add up (Q8_0)
 
 
-def _reproduces(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, loaded: torch.Tensor,
+def reproduces(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, loaded: torch.Tensor,
                 chunk: int = 4096) -> bool:
     """Whether the blocks de-quantize to ``loaded`` (to its dtype's rounding), ``chunk`` rows at a time (a
     vocabulary-sized head's float copy would otherwise be held whole, ``repeat`` times over)."""
@@ -211,13 +213,11 @@ def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(processor.process(index, gguf_name).weights[:, 0]))
 
 
-@torch.no_grad()
-def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights") -> dict[str, int]:
-    """Replace the model's block-quantized linears (in place) by int4 groups from ``gguf_path``.
-
-    Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when
-    the file holds none, or when a tensor's blocks do not reproduce the loaded weight.
-    """
+def native_tensors(model: nn.Module, gguf_path: str, device: torch.device,
+                   wanted: Callable[[str, nn.Module], bool]) -> Iterator[NativeTensor]:
+    """The file's block-quantized linears that run natively on ``device`` and whose module ``wanted(name, module)``
+    accepts, each decoded whole (:func:`decode_blocks`) with its rows in transformers' order. A tied head's
+    blocks are the embedding's, owned by ``lm_head`` (the embedding keeps its float table for the lookups)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -226,38 +226,69 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
     processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
     name_map = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> transformers parameter name
     modules = dict(model.named_modules(remove_duplicate=False))
-    tied_head = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.get_input_embeddings().weight
-    replaced: dict[str, int] = {}
+    embed, head = model.get_input_embeddings(), getattr(model, "lm_head", None)
+    # tied: the head is the embedding's weight, or (a tensor-parallel rank's head) a view of its rows
+    tied = head is not None and (head.weight is embed.weight or getattr(head, "tied_to", None) is not None)
+    cpu_blocks = device.type == "cpu" and cpu_kernels.available()
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         hf_name = name_map.get(tensor.name)
         if kind not in NATIVE_TYPES or hf_name is None or not hf_name.endswith(".weight"):
             continue
-        owners = [hf_name[: -len(".weight")]]
-        if tied_head and modules.get(owners[0]) is model.get_input_embeddings():
-            owners = ["lm_head"]  # the embedding keeps its table; the head gets the blocks
-        target = modules.get(owners[0])
-        if type(target) is not nn.Linear:
+        if kind in CPU_BLOCKS_ONLY and not cpu_blocks:
             continue
-        if kind in CPU_BLOCKS_ONLY and not (target.weight.device.type == "cpu" and cpu_kernels.available()):
+        owner = hf_name[: -len(".weight")]
+        if tied and modules.get(owner) is embed:
+            owner = "lm_head"
+        if owner not in modules or not wanted(owner, modules[owner]):
             continue
-        rows, cols = target.weight.shape
-        if rows % INT4_ROWS:  # the int4 kernel cannot tile these rows: the float weight stays
-            continue
-        codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, cols)
-        if codes.shape[0] != rows:
-            raise ConfigError(key, f"{tensor.name}: {codes.shape[0]} rows in the file, {rows} in the model")
+        rows = tensor.data.shape[0]
+        codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, int(tensor.shape[0]))  # shape: (cols, rows)
         order = _row_order(processor, tensor.name, rows)
-        codes, scales, zeros = codes[order], scales[order], zeros[order]
-        loaded = target.weight.detach().cpu()
-        if not _reproduces(codes, scales, zeros, repeat, loaded):
-            raise ConfigError(key, f"{tensor.name} ({kind}): its blocks do not reproduce the weight transformers "
-                                   f"loaded for {owners[0]}; load it with weights: float")
-        dev = target.weight.device
-        native = Int4GroupLinear(codes.to(dev), scales.to(dev), zeros.to(dev), target.bias, repeat)
-        parent, _, attr = owners[0].rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, native)
-        replaced[kind] = replaced.get(kind, 0) + 1
+        yield NativeTensor(owner, modules[owner], tensor.name, kind, codes[order], scales[order], zeros[order], repeat)
+
+
+@dataclass
+class NativeTensor:
+    """One GGUF tensor as int4 groups (:func:`decode_blocks`), whole, in transformers' row order."""
+
+    owner: str  # the module's name in the model
+    module: nn.Module  # the module that holds its float weight now
+    name: str  # the GGUF tensor's name
+    kind: str  # its GGUF type
+    codes: torch.Tensor  # [rows, repeat * cols]
+    scales: torch.Tensor  # [rows, repeat * cols / 32]
+    zeros: torch.Tensor  # [rows, repeat * cols / 32]
+    repeat: int
+
+
+def install(model: nn.Module, owner: str, module: nn.Module) -> None:
+    """``model.<owner> = module``."""
+    parent, _, attr = owner.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+@torch.no_grad()
+def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights") -> dict[str, int]:
+    """Replace the model's block-quantized linears (in place) by int4 groups from ``gguf_path``.
+
+    Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when
+    the file holds none, or when a tensor's blocks do not reproduce the loaded weight.
+    """
+    device = next(model.parameters()).device
+    replaced: dict[str, int] = {}
+    # a linear whose rows the int4 kernel cannot tile (out_features % INT4_ROWS) keeps its float weight
+    wanted = lambda name, m: type(m) is nn.Linear and m.out_features % INT4_ROWS == 0  # noqa: E731
+    for t in native_tensors(model, gguf_path, device, wanted):
+        target = t.module
+        if t.codes.shape[0] != target.out_features:
+            raise ConfigError(key, f"{t.name}: {t.codes.shape[0]} rows in the file, {target.out_features} in the model")
+        if not reproduces(t.codes, t.scales, t.zeros, t.repeat, target.weight.detach().cpu()):
+            raise ConfigError(key, f"{t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
+                                   f"loaded for {t.owner}; load it with weights: float")
+        install(model, t.owner, Int4GroupLinear(t.codes.to(device), t.scales.to(device), t.zeros.to(device),
+                                                target.bias, t.repeat))
+        replaced[t.kind] = replaced.get(t.kind, 0) + 1
     if not replaced:
         raise ConfigError(key, f"{gguf_path} holds no {'/'.join(NATIVE_TYPES)} linear weights to run natively")
     untie_lm_head(model)

@@ -47,9 +47,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from specdist.models.cpu_kernels import GROUP
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported, source_model_type
-from specdist.models.loader import ModelSource, format_bytes, load_model, progress_reporter, quiet_transformers
+from specdist.models.loader import (ModelSource, format_bytes, gguf_parsed_once, load_model, progress_reporter,
+                                    quiet_transformers)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
 ROW = ("o_proj", "down_proj")  # nn.Linear: the rank's input columns, all-reduced output
@@ -106,23 +108,26 @@ class Cut:
 
 # ---------------------------------------------------------------- sharded modules
 class RowParallelLinear(nn.Module):
-    """``y = sum over ranks (x_r @ W_r.T) + b``: the rank's input columns, then an all-reduce."""
+    """``y = sum over ranks (x_r @ W_r.T) + b``: the rank's input columns, then an all-reduce. ``blocks``: the
+    rank's columns as GGUF blocks (:func:`shard_native_blocks`; ``weight`` is then None), or None."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, group=None, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.group = in_local, out_features, group
         self.weight = nn.Parameter(torch.empty(out_features, in_local, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.blocks: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_local] -> [..., out]
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.blocks is None else self.blocks(x)
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelLMHead(nn.Module):
     """The rank's vocabulary rows. Rank 0 of the group returns the full ``[..., V]`` logits
-    (gathered from every rank); the others return their local ``[..., V_r]``."""
+    (gathered from every rank); the others return their local ``[..., V_r]``. ``blocks``: the rank's rows as
+    GGUF blocks, bias included (:func:`shard_native_blocks`; ``weight`` is then None), or None."""
 
     def __init__(self, hidden: int, vocab_sizes: list[int], rank: int, bias: bool, group=None,
                  device=None, dtype=None):
@@ -131,9 +136,10 @@ class VocabParallelLMHead(nn.Module):
         self.in_features, self.out_features = hidden, vocab_sizes[rank]
         self.weight = nn.Parameter(torch.empty(vocab_sizes[rank], hidden, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(vocab_sizes[rank], device=device, dtype=dtype)) if bias else None
+        self.blocks: nn.Module | None = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., V] on rank 0, [..., V_r] elsewhere
-        local = F.linear(h, self.weight, self.bias)  # [..., V_r]
+        local = F.linear(h, self.weight, self.bias) if self.blocks is None else self.blocks(h)  # [..., V_r]
         width = max(self.vocab_sizes)
         padded = F.pad(local, (0, width - local.shape[-1])).contiguous()  # gather needs equal shapes
         dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -434,6 +440,57 @@ def materialise(model: nn.Module, cuts: dict[str, Cut], source, rank: int, world
         head.weight = nn.Parameter(embed.detach()[a:b], requires_grad=False)  # a view of the rank's rows
 
 
+# ---------------------------------------------------------------- GGUF blocks, sharded
+def take_blocks(cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, rank: int,
+                world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rank's part of a linear's int4 groups (:func:`specdist.models.native.decode_blocks`: ``codes [N, r K]``,
+    ``scales`` and ``zeros [N, r K / 32]``) by the weight's cut: its rows, or its input columns in each of the
+    ``r`` input copies. None where a column cut splits a block of 32 (the float weight then stays)."""
+    if cut.dim == 0:
+        return cut.take(codes, rank, world_size), cut.take(scales, rank, world_size), cut.take(zeros, rank, world_size)
+    k = codes.shape[1] // repeat
+    ranges = cut.ranges(rank, world_size)
+    if sum(cut.parts) != k or any(a % GROUP or b % GROUP for a, b in ranges):
+        return None
+    cols = torch.cat([torch.arange(s * k + a, s * k + b) for s in range(repeat) for a, b in ranges])
+    groups = cols[::GROUP] // GROUP  # each block's first column: its (scale, zero) index
+    return codes[:, cols], scales[:, groups], zeros[:, groups]
+
+
+@torch.no_grad()
+def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], rank: int, world_size: int,
+                        key: str = "target.weights") -> dict[str, int]:
+    """Run a partitioned GGUF model's block-quantized linears on the rank's part of the file's own blocks (in
+    place): column-parallel projections and the vocabulary-parallel head keep their rows' blocks, row-parallel
+    ones their input columns' (whole blocks of 32; the partial sums are all-reduced as before). Each part is checked
+    against the float slice the rank loaded. Returns how many linears run natively per GGUF type; a linear whose
+    part the int4 kernels cannot take (rows not a multiple of 16, a block split) keeps its float slice."""
+    from specdist.errors import ConfigError
+    from specdist.models.native import native_tensors, reproduces
+    from specdist.models.quant import INT4_ROWS, Int4GroupLinear
+
+    device = next(model.parameters()).device
+    sharded = (nn.Linear, RowParallelLinear, VocabParallelLMHead)
+    replaced: dict[str, int] = {}
+    for t in native_tensors(model, gguf_path, device, lambda name, m: type(m) in sharded and f"{name}.weight" in cuts):
+        target = t.module
+        part = take_blocks(cuts[f"{t.owner}.weight"], t.codes, t.scales, t.zeros, t.repeat, rank, world_size)
+        if part is None or part[0].shape[0] % INT4_ROWS:
+            continue
+        if not reproduces(*part, t.repeat, target.weight.detach().cpu()):
+            raise ConfigError(key, f"{t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
+                                   f"weight for {t.owner}; load it with weights: float")
+        bias = None if type(target) is RowParallelLinear else target.bias  # row-parallel: added after the sum
+        blocks = Int4GroupLinear(*(x.to(device) for x in part), bias, t.repeat)
+        if type(target) is nn.Linear:
+            parent, _, attr = t.owner.rpartition(".")
+            setattr(model.get_submodule(parent), attr, blocks)
+        else:
+            target.blocks, target.weight = blocks, None
+        replaced[t.kind] = replaced.get(t.kind, 0) + 1
+    return replaced
+
+
 # ---------------------------------------------------------------- the loader
 @dataclass(frozen=True)
 class LoadReport:
@@ -450,7 +507,8 @@ def load_sharded(
     progress: Callable[[str], None] | None = None, weights: str = "float",
 ) -> nn.Module:
     """Rank ``rank``'s shard of the model in ``dtype`` (``auto`` resolved for ``device``), in eval mode, on
-    ``device``; ``world_size == 1``: :func:`load_model` (with ``weights``; shards are float).
+    ``device``; ``world_size == 1``: :func:`load_model`. ``weights`` (``target.weights``): native or auto run a
+    GGUF file's block-quantized linears on the rank's part of their blocks (:func:`shard_native_blocks`).
 
     Safetensors checkpoints whose keys are the model's parameter names are read slice by slice
     (replicated tensors whole, once); anything else (GGUF, keys transformers converts on load) is
@@ -499,6 +557,11 @@ def load_sharded(
         materialise(model, cuts, InMemoryTensors(full.state_dict()), rank, world_size, device)
         model.generation_config = full.generation_config
         del full
+        if source.gguf_file and weights in ("native", "auto"):
+            with gguf_parsed_once():
+                native = shard_native_blocks(model, source.gguf_path, cuts, rank, world_size)
+            report(f"{who}: native GGUF blocks: " + (", ".join(f"{n} {k}" for k, n in sorted(native.items()))
+                                                      or "none (every part keeps its floats)"))
         read = total = size
         how = "full checkpoint, sliced in memory"
     model.eval()

@@ -95,9 +95,6 @@ app.kubernetes.io/part-of: specdist
 {{- if and (has (toString .Values.engine.compile) (list "on" "true")) (gt (int .Values.target.tensorParallelSize) 1) -}}
 {{- fail (printf "engine.compile: compiled passes run on one rank; with target.tensorParallelSize %d use auto or off" (int .Values.target.tensorParallelSize)) -}}
 {{- end -}}
-{{- if and (eq (toString .Values.target.weights) "native") (gt (int .Values.target.tensorParallelSize) 1) -}}
-{{- fail (printf "target.weights: native runs on one rank (its quantized blocks are not sharded); with target.tensorParallelSize %d use auto or float" (int .Values.target.tensorParallelSize)) -}}
-{{- end -}}
 {{- with .Values.engine.compileCacheDir -}}
 {{- $dir := trimSuffix "/" (toString .) -}}
 {{- $cache := $.Values.security.cacheDir -}}
