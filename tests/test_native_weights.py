@@ -611,12 +611,18 @@ def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: lis
     model = load_sharded(resolve_model(args[0]), "float32", device, rank, world_size, weights=args[1])
     runner = CausalLMRunner(model, num_slots=2, max_len=32)
     logits = run_ops(runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
+    # the same ops with every layer op by op (a fresh cache), against the layer calls (two a layer, the partial
+    # outputs summed between them)
+    layer_calls = sum(k is not None and k.reduce is not None for k in runner.layer_kernels)
+    op_runner = CausalLMRunner(model, num_slots=2, max_len=32)
+    op_runner.layer_kernels = [None] * len(op_runner.layer_kernels)
+    op_by_op = run_ops(op_runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
     kinds = {}
     for name, m in model.named_modules():
         if name.endswith(("_proj", "lm_head")):
             blocks = m if type(m) is Int4GroupLinear else getattr(m, "blocks", None)
             kinds[name] = (type(m).__name__, blocks is not None, getattr(blocks, "blocks", None))
-    torch.save({"logits": logits, "kinds": kinds}, out_path)
+    torch.save({"logits": logits, "kinds": kinds, "layer_calls": layer_calls, "op_by_op": op_by_op}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -626,7 +632,8 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
     """Two ranks (gloo; NCCL on two GPUs) load a Q4_K_M-style file natively: each column-parallel projection and
     the vocabulary-parallel head keep their rows' blocks, each row-parallel one (o, down) its input columns'
     blocks (whole blocks of 32, in every input copy of a Q8_0 / Q6_K layout), checked against the rank's float
-    slice at load; Q6_K stays float off the CPU kernels. The logits of the ragged ops equal one process's native
+    slice at load; Q6_K stays float off the CPU kernels. On the CPU kernels each rank's layer runs as two
+    llama_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The logits of the ragged ops equal one process's native
     model's up to the order of the row-parallel partial sums (all-reduced), which moves an activation's rounding
     now and then; ``weights: float`` keeps floats and computes other numbers."""
     from specdist.models.runner import CausalLMRunner
@@ -653,6 +660,10 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
             assert res["kinds"][name] == (sharded, on_blocks, kernel), (r, name)
     got = ranks[0]["logits"]
     assert len(got) == len(want)
+    # the ranks' layers run as llama_layer calls where the CPU kernels run (their own silu: within 1e-3)
+    assert all(res["layer_calls"] == (len(K_MIXES["Q4_K_M"]) if cpu_blocks else 0) for res in ranks)
+    for a, b in zip(got, ranks[0]["op_by_op"]):
+        assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max())
     # measured on the CPU kernels: equal (the byte rounding of the next input absorbed every difference)
     tol = 1e-2 if cpu_blocks else 5e-2  # torch's int4 kernels: bf16 partial sums, all-reduced
     for a, b in zip(got, want):

@@ -744,6 +744,10 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * value projection beside Q4_K queries and keys).
  * scratch: M * (2 D + (Hq + 2 Hkv) hd + Hq hd + 3 I) floats, and M * Hq hd more with separate q, k, v. The cache
  * arguments are specdist_rope_attention's.
+ * part: LAYER_WHOLE; or (a tensor-parallel rank, whose o and down projections hold its input columns) LAYER_ATTENTION,
+ * which stops with the o projection's partial output in scratch [M (D + (Hq + 2 Hkv) hd + Hq hd), + M D), h
+ * untouched, and LAYER_MLP, which runs the rest from h (the caller has added the summed partials) and stops with the
+ * down projection's partial output there.
  * Returns 0, or -1 without memory.
  */
 typedef struct {
@@ -755,6 +759,7 @@ typedef struct {
 } block_linear;
 
 enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6 };
+enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
     int64_t i = 0;
@@ -818,10 +823,11 @@ int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float 
                          const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
                          const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,
                          const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
-                         float scale, float softcap, float *scratch) {
+                         float scale, float softcap, float *scratch, int part) {
     const int64_t M = B * T, nq = Hq * hd, nqkv = lin[0].n + lin[1].n + lin[2].n, I = lin[4].n / 2;
     float *x = scratch, *qkv = x + M * D, *a = qkv + M * nqkv, *p = a + M * nq, *gu = p + M * D, *act = gu + M * 2 * I;
     float *tmp = act + M * I;  /* a part of q, k, v where they are separate (at most Hq hd columns) */
+    if (part == LAYER_MLP) goto mlp;
     specdist_rms_norm(h, M, D, norm1, eps, x);
     if (parts_mm(lin, 3, x, M, D, qkv, tmp)) return -1;
     if (q_norm != NULL)  /* each head's query and key RMS-normed over hd before the rotation (Qwen3) */
@@ -835,11 +841,14 @@ int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float 
                                 window, scale, softcap, a))
         return -1;
     if (block_mm(&lin[3], a, M, nq, p)) return -1;
+    if (part == LAYER_ATTENTION) return 0;
     add_rows(h, p, M * D);
+mlp:
     specdist_rms_norm(h, M, D, norm2, eps, x);
     if (block_mm(&lin[4], x, M, D, gu)) return -1;
     silu_mul(gu, M, I, act);
     if (block_mm(&lin[5], act, M, I, p)) return -1;
+    if (part == LAYER_MLP) return 0;
     add_rows(h, p, M * D);
     return 0;
 }

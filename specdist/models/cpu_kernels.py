@@ -67,6 +67,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -148,7 +149,7 @@ def library() -> ctypes.CDLL | None:
     # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[4], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
     #  L1, slots, write_pos, qpos, window, scale, cap, scratch)
     lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
-                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]  # ..., part
     lib.specdist_llama_layer.restype = ctypes.c_int
     return lib
 
@@ -406,11 +407,16 @@ class LayerWeights:
     first) and W_down (dense kinds: the weight ``[rows, K]`` and None; ``bias``: a float32 ``[rows]`` added
     to every output row, or None). W_qkv may be a list of three, W_q, W_k and W_v, where they do not fuse (their
     kinds differ). It keeps the tensors, so the pointers it hands the C code stay valid.
-    ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows)."""
+    ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows).
+    ``reduce``: on a tensor-parallel rank whose W_o and W_down hold its input columns (no biases in ``linears``),
+    ``(all_reduce, o bias, down bias)``: :func:`llama_layer` sums each projection's partial output over the ranks
+    with ``all_reduce`` (in place), adds the bias (or None), then the residual."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
                  linears: list[Matmul | list[Matmul]],
-                 qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+                 qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 reduce: tuple[Callable[[torch.Tensor], object], torch.Tensor | None, torch.Tensor | None] | None = None):
+        self.reduce = reduce
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
         # Qwen3: the per-head RMS norms of queries and keys ([hd] weights each) and their eps, or None
@@ -453,6 +459,10 @@ class LayerWeights:
         """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens (separate q, k, v: a part's output too)."""
         return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i + (self.attn if self.split else 0))
 
+    def projection_out(self, rows: int) -> tuple[int, int]:
+        """Where in the scratch a part of the layer leaves its projection's output: ``(offset, floats)``."""
+        return rows * (self.d + self.nqkv + self.attn), rows * self.d
+
 
 def _inputs(linear: tuple) -> int:
     """The input width of a ``(codes, scales, rows, kind, bias)`` matmul."""
@@ -470,7 +480,9 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     the gate/up matmul, ``silu(gate) * up``, the down projection and its residual add. Updates ``h``
     [B, T, D] (contiguous float32) in place and returns it; the cache arguments are :func:`rope_attention`'s
     (the head counts come from the weights and the cache). ``scratch``: at least ``weights.scratch(B * T)``
-    floats, reusable across the layers of a forward."""
+    floats, reusable across the layers of a forward. With ``weights.reduce`` (a tensor-parallel rank) the layer
+    runs in two calls, each projection's partial output summed over the ranks between them: the residual adds
+    ``sum + bias``, as the row-parallel linear computes it op by op."""
     bsz, t, d = h.shape
     hd = k_cache.shape[-1]
     hq, hkv = weights.attn // hd, k_cache.shape[1]
@@ -485,14 +497,30 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
         scratch = torch.empty(need, dtype=torch.float32)
     cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
     slots, write_pos, query_pos = (_dense(x, torch.int64) for x in (slots, write_pos, query_pos))
-    if library().specdist_llama_layer(
-            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
-            qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0, weights.linears,
-            hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv16, k_cache.shape[2],
-            slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0, scale, softcap or 0.0,
-            scratch.data_ptr()):
-        raise MemoryError("llama_layer: no memory for its activations")
+
+    def run(part: int) -> None:
+        if library().specdist_llama_layer(
+                h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
+                qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0,
+                weights.linears, hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                kv16, k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0,
+                scale, softcap or 0.0, scratch.data_ptr(), part):
+            raise MemoryError("llama_layer: no memory for its activations")
+
+    if weights.reduce is None:
+        run(_LAYER_WHOLE)
+        return h
+    all_reduce, o_bias, down_bias = weights.reduce
+    start, n = weights.projection_out(bsz * t)
+    out = scratch[start : start + n].view(bsz, t, d)  # the projection's partial output, [B, T, D]
+    for part, bias in ((_LAYER_ATTENTION, o_bias), (_LAYER_MLP, down_bias)):
+        run(part)
+        all_reduce(out)
+        h += out if bias is None else out + bias
     return h
+
+
+_LAYER_WHOLE, _LAYER_ATTENTION, _LAYER_MLP = 0, 1, 2  # the C file's parts of a layer
 
 
 @torch.library.custom_op("specdist::rms_norm", mutates_args=())

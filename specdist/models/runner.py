@@ -728,12 +728,25 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     # q, k and v fused, or three matmuls where their kinds differ (a Q4_K_M file's Q6_K v_proj)
     parts = [_block_linear(qkv.inner)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
                                                                                             attn.v_proj)]
-    linears = [_block_linear(m) for m in (attn.o_proj, gate_up.inner, mlp.down_proj)]
+    # a tensor-parallel rank: o and down hold its input columns on blocks, their partial outputs summed over the
+    # group between the layer's two calls (cpu_kernels.llama_layer's reduce)
+    row_parallel = [getattr(m, "blocks", None) is not None and hasattr(m, "group") for m in (attn.o_proj, mlp.down_proj)]
+    if any(row_parallel) and not all(row_parallel):
+        return None
+    o, down = (attn.o_proj.blocks, mlp.down_proj.blocks) if all(row_parallel) else (attn.o_proj, mlp.down_proj)
+    linears = [_block_linear(m) for m in (o, gate_up.inner, down)]
     if any(w is None for w in parts + linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
         return None
     linears = [parts if len(parts) == 3 else parts[0]] + linears
     qk_norms = (qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None
-    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms)
+    reduce = None
+    if all(row_parallel):
+        import torch.distributed as dist
+
+        group = attn.o_proj.group
+        reduce = (lambda t: dist.all_reduce(t, group=group), attn.o_proj.bias, mlp.down_proj.bias)
+    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms,
+                                    reduce)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
