@@ -708,6 +708,23 @@ def test_native_logits_close_to_the_float_models(gguf_models):
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_a_gguf_file_without_blocks_loads_floats_under_auto(tmp_path):
+    """A GGUF file whose linears are all F16 (no block type): ``weights: auto`` (the default) keeps transformers'
+    floats, ``native`` refuses it naming target.weights, and a self-w4 draft quantizes the floats to int4 groups."""
+    path = write_tiny_gguf(str(tmp_path / "f16.gguf"), linear_types=[dict.fromkeys(HF_NAMES, "F16")] * 2,
+                           head_type="F16")
+    src = resolve_model(path)
+    with gguf_parsed_once():
+        model = load_model(src, "float32", weights="auto")
+        assert all(type(m) is nn.Linear for m in _linears(model).values())
+        with pytest.raises(ConfigError, match=r"config target\.weights: .* holds no .* to run natively"):
+            load_model(src, "float32", weights="native")
+        draft = self_draft(model, "self-w4", path)
+    assert draft is not model
+    # every linear, the head included (untied from the embedding)
+    assert collections.Counter(type(m).__name__ for m in _linears(draft).values()) == {"Int4GroupLinear": 15}
+
+
 def test_native_load_in_bfloat16_passes_the_check(tiny_gguf):
     """A bf16 load rounds transformers' floats once more: the blocks still reproduce them (rtol 2 eps of bf16)."""
     with gguf_parsed_once():

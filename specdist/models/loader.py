@@ -298,8 +298,8 @@ def load_model(
     """The model in ``dtype`` (``auto``: :func:`~specdist.models.dtypes.resolve_dtype`) on ``device``, in eval mode.
 
     ``weights`` (``target.weights``): ``native`` or ``auto`` run a GGUF file's block-quantized linears
-    on their blocks; ``float`` keeps transformers' de-quantized floats. A checkpoint that is not
-    GGUF loads as stored either way.
+    on their blocks (``native`` refuses a file with none; ``auto`` keeps its floats); ``float`` keeps
+    transformers' de-quantized floats. A checkpoint that is not GGUF loads as stored either way.
 
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
@@ -329,7 +329,7 @@ def load_model(
         from specdist.models.native import use_native_blocks
 
         with gguf_parsed_once():
-            use_native_blocks(model, source.gguf_path)
+            use_native_blocks(model, source.gguf_path, required=weights == "native")
     report(f"loaded {source.role} {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return model
 

@@ -220,7 +220,7 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
     """The target's own low-bit copy for a self draft (``draft.method``).
 
     ``self-w8``: int8 per output channel. ``self-w4``: int4 groups of 32; where the target comes
-    from a GGUF file (``gguf_path``), the file's own blocks; where the target already runs on
+    from a GGUF file (``gguf_path``), the file's own blocks (where it holds some); where the target already runs on
     int4 groups (``target.weights: native``), the target itself (its modules are shared; the
     draft then proposes what the target computes, at the target's cost).
     """
@@ -233,7 +233,8 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
     if gguf_path is None:
         return quantized_copy(target, Int4GroupLinear)
     clone = unfused_copy(target)
-    use_native_blocks(clone, gguf_path, "draft.method")
+    if not use_native_blocks(clone, gguf_path, "draft.method", required=False):
+        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, Q2_K): groups of the floats
     return clone
 
 
@@ -299,11 +300,13 @@ def install(model: nn.Module, owner: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights") -> dict[str, int]:
+def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights",
+                      required: bool = True) -> dict[str, int]:
     """Replace the model's block-quantized linears (in place) by int4 groups from ``gguf_path``.
 
-    Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when
-    the file holds none, or when a tensor's blocks do not reproduce the loaded weight.
+    Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
+    blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
+    linear that runs natively here; otherwise (``auto``: an F16 file, Q2_K) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}
@@ -320,7 +323,10 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
                                                 target.bias, t.repeat))
         replaced[t.kind] = replaced.get(t.kind, 0) + 1
     if not replaced:
-        raise ConfigError(key, f"{gguf_path} holds no {'/'.join(NATIVE_TYPES)} linear weights to run natively")
+        if required:
+            raise ConfigError(key, f"{gguf_path} holds no {'/'.join(NATIVE_TYPES)} linear weights to run natively")
+        log.info("native GGUF blocks: none in %s (the floats stay)", gguf_path)
+        return replaced
     untie_lm_head(model)
     log.info("native GGUF blocks: %s", ", ".join(f"{n} {k}" for k, n in sorted(replaced.items())))
     return replaced

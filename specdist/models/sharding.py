@@ -560,6 +560,11 @@ def load_sharded(
         if source.gguf_file and weights in ("native", "auto"):
             with gguf_parsed_once():
                 native = shard_native_blocks(model, source.gguf_path, cuts, rank, world_size)
+            if not native and weights == "native":
+                from specdist.errors import ConfigError
+
+                raise ConfigError("target.weights", f"{source.gguf_path}: no linear runs natively on rank {rank} of "
+                                                    f"{world_size}; load it with weights: auto or float")
             report(f"{who}: native GGUF blocks: " + (", ".join(f"{n} {k}" for k, n in sorted(native.items()))
                                                       or "none (every part keeps its floats)"))
         read = total = size
