@@ -310,8 +310,9 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}
-    # a linear whose rows the int4 kernel cannot tile (out_features % INT4_ROWS) keeps its float weight
-    wanted = lambda name, m: type(m) is nn.Linear and m.out_features % INT4_ROWS == 0  # noqa: E731
+    def wanted(name: str, m: nn.Module) -> bool:  # a linear the int4 kernel cannot tile keeps its float weight
+        return type(m) is nn.Linear and m.out_features % INT4_ROWS == 0
+
     for t in native_tensors(model, gguf_path, device, wanted):
         target = t.module
         if t.codes.shape[0] != target.out_features:

@@ -466,7 +466,7 @@ def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], 
     against the float slice the rank loaded. Returns how many linears run natively per GGUF type; a linear whose
     part the int4 kernels cannot take (rows not a multiple of 16, a block split) keeps its float slice."""
     from specdist.errors import ConfigError
-    from specdist.models.native import native_tensors, reproduces
+    from specdist.models.native import install, native_tensors, reproduces
     from specdist.models.quant import INT4_ROWS, Int4GroupLinear
 
     device = next(model.parameters()).device
@@ -483,8 +483,7 @@ def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], 
         bias = None if type(target) is RowParallelLinear else target.bias  # row-parallel: added after the sum
         blocks = Int4GroupLinear(*(x.to(device) for x in part), bias, t.repeat)
         if type(target) is nn.Linear:
-            parent, _, attr = t.owner.rpartition(".")
-            setattr(model.get_submodule(parent), attr, blocks)
+            install(model, t.owner, blocks)
         else:
             target.blocks, target.weight = blocks, None
         replaced[t.kind] = replaced.get(t.kind, 0) + 1
