@@ -146,10 +146,10 @@ def library() -> ctypes.CDLL | None:
     lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                                             ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_rope_attention.restype = ctypes.c_int
-    # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[4], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
-    #  L1, slots, write_pos, qpos, window, scale, cap, scratch)
+    # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[6], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
+    #  L1, slots, write_pos, qpos, window, scale, cap, scratch, part)
     lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
-                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]  # ..., part
+                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]
     lib.specdist_llama_layer.restype = ctypes.c_int
     return lib
 
@@ -383,8 +383,6 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
             window, scale, softcap, out.data_ptr()):
         raise MemoryError("attention kernel: no memory for its queries")
     return out
-
-
 
 
 class BlockLinear(ctypes.Structure):

@@ -117,7 +117,7 @@ def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     scale, low = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 groups of 32 bytes: sub-block 2i low nibbles, 2i + 1 high
     codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, cols)  # [rows, cols]
-    return torch.from_numpy(codes.astype(np.int32)), scale, 8 * scale - low, 1
+    return torch.from_numpy(np.ascontiguousarray(codes)), scale, 8 * scale - low, 1  # codes uint8
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
