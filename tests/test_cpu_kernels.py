@@ -152,6 +152,44 @@ def test_q8_blocks_with_an_offset_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales, mins) for i in range(m)]), y)
 
 
+KINDS = {"q4": None, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 21, 64), (5, 200, 576), (9, 40, 1536)])
+def test_float16_scales_give_the_float32_bits(kind, m, n, k):
+    """Scales that are all float16 values (GGUF's legacy blocks) pack as float16, half the bytes, and every kind's
+    kernel gives the bits it gives on the same scales in float32; one scale off the float16 grid keeps the weight's
+    scales in float32; scales of another dtype are refused."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    per_block = 2 if kind == "q8_16" else 1
+    scales = (torch.rand(n, per_block * (k // GROUP), generator=g) * 0.02).half().float()
+    mins = (-torch.rand(n, k // GROUP, generator=g) * 0.16).half().float() if kind == "q8m" else None
+    if kind == "q4":
+        codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8, generator=g)
+        packed, sc = cpu_kernels.pack_q4(codes, torch.stack([scales, -8 * scales], 1))
+
+        def run(s):
+            return cpu_kernels.q4_mm(x, packed, s, n)
+    else:
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        packed, sc = cpu_kernels.pack_q8(codes, scales, mins)
+
+        def run(s):
+            return cpu_kernels.q8_mm(x, packed, s, n, KINDS[kind])
+    assert sc.dtype == torch.float16 and sc.is_contiguous()
+    assert torch.equal(run(sc), run(sc.float()))
+    with pytest.raises(ValueError, match="float32 or float16"):
+        run(sc.double())
+    off_grid = scales.clone()
+    off_grid[-1, -1] *= 1 + 2**-20  # no float16 holds it (11 significant bits)
+    if kind == "q4":
+        assert cpu_kernels.pack_q4(codes, torch.stack([off_grid, -8 * off_grid], 1))[1].dtype == torch.float32
+    else:
+        assert cpu_kernels.pack_q8(codes, off_grid, mins)[1].dtype == torch.float32
+
+
 def test_extreme_inputs():
     """Zero blocks, a block of equal elements (every byte 127), codes at the ends of their range, and the largest
     byte sums (no 16-bit saturation inside the multiply-add)."""

@@ -53,6 +53,7 @@ NATIVE = ("Q4_0", "Q4_1", "Q8_0")
 ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K: 256-wide rows)
 REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q3_K": 4, "Q6_K": 4}  # int4 segments a weight (else 1)
 # the CPU kernel each runs on ("q4" for the others)
+LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # types whose block scales are float16 in the file
 BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q3_K": "q8_16", "Q6_K": "q8_16"}
 
 
@@ -136,11 +137,15 @@ def test_int4_linear_from_linear_is_q4_1_rounding(int4_backend):
     lin = Int4GroupLinear.from_linear(linear)
     w = linear.weight.detach()
     g = w.reshape(32, 2, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    step = (hi - lo) / 15  # [out, G]: the asymmetric min/max rule
+    lo, hi = g.amin(-1).half().float(), g.amax(-1)  # the minimum and the step as float16 values, as GGUF stores them
+    step = ((hi - lo) / 15).half().float()  # [out, G]: the asymmetric min/max rule
     codes = torch.round((g - lo[..., None]) / step[..., None]).clamp(0, 15).reshape(32, 64)
     wq = dequantize(codes, step, lo + 8 * step, 1)
-    assert float(((wq - w).abs() / step.repeat_interleave(GROUP, 1)).max()) <= 0.5 + 1e-4  # half a step
+    # half a step, plus the float16 roundings of the minimum (half its ulp) and of the step (15 of its ulps at most)
+    bound = (0.5 + 15 * 2**-11) * step + 2**-11 * lo.abs()
+    assert float(((wq - w).abs() / bound.repeat_interleave(GROUP, 1)).max()) <= 1.0
+    if lin.blocks:
+        assert lin.scales_and_zeros.dtype == torch.float16  # read at half the bytes
     mag = _magnitude(codes, step, lo + 8 * step, 1)
     x = torch.randn(7, 64).bfloat16().float()
     _assert_int4_matmul(lambda t: lin(t) - linear.bias.detach(), wq, mag, x, lin.blocks is not None)  # bias: float32
@@ -596,11 +601,14 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     runner = CausalLMRunner(nat, 1, 40)
     kernels = runner.layer_kernels
     assert all(k is not None for k in kernels)
+    half = cpu_kernels.LIN_HALF_SCALES
     for layer, kernel in zip(types, kernels):  # q/k/v one fused matmul where they share a kernel, else three
         qkv = [BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")]
         want = [BLOCK_KINDS[b] for b in (qkv[:1] if len(set(qkv)) == 1 else qkv)]
-        assert [int(lin.kind) for lin in kernel.linears[:3] if lin.n] == want
-        assert int(kernel.linears[5].kind) == BLOCK_KINDS[BLOCKS.get(layer["ffn_down"], "q4")]
+        assert [int(lin.kind) & ~half for lin in kernel.linears[:3] if lin.n] == want
+        assert int(kernel.linears[5].kind) & ~half == BLOCK_KINDS[BLOCKS.get(layer["ffn_down"], "q4")]
+        # the legacy types' scales are float16 values in the file: the kernels read them at that width
+        assert (layer["ffn_down"] in LEGACY) <= bool(int(kernel.linears[5].kind) & half)
     assert any(len({BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")}) > 1 for layer in types)
     slot = runner.cache.allocate()
     one_call = runner.forward([slot], [ids[0].tolist()], [12])

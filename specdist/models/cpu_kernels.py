@@ -12,7 +12,9 @@ time, so that one vector multiply-add yields partial sums of 8 outputs side by s
 weight vector serves up to four rows of ``x`` (prefill and verification rows share the weight traffic).
 Calls of at most 4 rows (a decode step, a short verification) are bound by reading the weights, and
 prefetch them a few kB ahead of the block being multiplied.
-Weights keep the file's float scales (fp16, exact in fp32); nothing is rounded to bf16.
+Weights keep the file's scales, nothing rounded: packed as float16 where every scale (and offset) of the weight
+is a float16 value, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 store them (a Q4 block then reads 0.625 bytes a
+weight instead of 0.75; the kernels convert them exactly), else as float32 (K-quants' products ``d * sc``).
 
 **Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
 decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, each output a dot product over
@@ -80,6 +82,7 @@ GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
 LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M = 0, 1, 2, 3, 4, 5, 6
+LIN_HALF_SCALES = 16  # a block kind's flag: its packed scales are float16 (the C file's block_linear)
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
 _SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16}  # packed floats a block of a group of 8 rows
@@ -128,8 +131,8 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm):
-        # (x, M, K, codes, scales, N, y)
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+        # (x, M, K, codes, scales, half: scales are float16, N, y)
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
         fn.restype = ctypes.c_int
     for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
@@ -170,9 +173,9 @@ def available() -> bool:
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q4 blocks in :func:`q4_mm`'s layout. ``codes [N, G, 16]`` uint8 (byte i of a block: element i
     in the low nibble, i + 16 in the high), ``scales [N, 2, G]`` float32 (each row's d, then its m).
-    Returns ``codes [ceil(N/8), G, 128]`` uint8 and ``scales [ceil(N/8), G, 16]`` float32: rows in groups
-    of 8 (zero rows pad the last), a block's vector j holding 4 elements of each row (the C file's
-    ``q4_group``)."""
+    Returns ``codes [ceil(N/8), G, 128]`` uint8 and ``scales [ceil(N/8), G, 16]`` (:func:`packed_scales`'
+    dtype): rows in groups of 8 (zero rows pad the last), a block's vector j holding 4 elements of each row (the
+    C file's ``q4_group``)."""
     n, g, _ = codes.shape
     pad = -n % 8
     if pad:
@@ -182,7 +185,15 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     lo = elems[..., :16].reshape(-1, g, 8, 4, 4)  # [N/8, G, row, j, e]: element 4 j + e
     hi = elems[..., 16:].reshape(-1, g, 8, 4, 4)  # element 16 + 4 j + e
     packed = (lo | hi << 4).permute(0, 1, 3, 2, 4).reshape(-1, g, 128)  # byte 32 j + 4 row + e
-    return packed.contiguous(), scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16).contiguous()
+    return packed.contiguous(), packed_scales(scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16))
+
+
+def packed_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Float32 block scales as the kernels read them: float16 where every one is a float16 value (each converts
+    back exactly, so the products are the same bits at half the scale bytes), else float32. Contiguous."""
+    half = scales.to(torch.float16)
+    exact = bool(torch.equal(half.float(), scales)) and scales.numel() > 0
+    return (half if exact else scales).contiguous()
 
 
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
@@ -190,7 +201,7 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
     """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
     block: GGUF Q8_0, kind ``LIN_Q8``) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K, ``LIN_Q8_16``);
     ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
-    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` float32 (the C file's
+    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` (:func:`packed_scales`' dtype; the C file's
     ``q8_group_halves``: the 8 rows' scales, or first-half then second-half scales, or scales then offsets;
     zero rows pad the last group)."""
     n, k = codes.shape
@@ -209,7 +220,7 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
         per_block = torch.cat([per_block, per_block.new_zeros(pad, g, f)])
     packed = codes.reshape(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 256)  # byte 32 j + 4 row + e
     sc = per_block.reshape(-1, 8, g, f).permute(0, 2, 3, 1)  # [N/8, G, f, row]
-    return packed.contiguous(), sc.reshape(-1, g, 8 * f).contiguous()
+    return packed.contiguous(), packed_scales(sc.reshape(-1, g, 8 * f))
 
 
 def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
@@ -225,13 +236,19 @@ def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
+SCALE_DTYPES = (torch.float32, torch.float16)  # packed block scales the kernels read
+
+
 def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     x = _dense(x, torch.float32)  # [M, K]
     m, k = x.shape
     if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
         raise ValueError(f"block kernel: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
+    if scales.dtype not in SCALE_DTYPES or not scales.is_contiguous():
+        raise ValueError(f"block kernel: scales must be contiguous float32 or float16, not {scales.dtype}")
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
-    if m and fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr()):
+    half = int(scales.dtype == torch.float16)
+    if m and fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), half, n, y.data_ptr()):
         raise MemoryError(f"block kernel: no memory to quantize a [{m}, {k}] input")
     return y
 
@@ -389,7 +406,8 @@ class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
     (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
-    ``n = 0``: no matmul (the k and v slots beside a fused q/k/v)."""
+    ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind with float16 scales carries
+    ``LIN_HALF_SCALES``."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64),
                 ("bias", ctypes.c_void_p)]
@@ -432,7 +450,8 @@ class LayerWeights:
         slots = flat[:len(qkv)] + [None] * (3 - len(qkv)) + flat[len(qkv):]  # q (or qkv), k, v, o, gate_up, down
         self.linears = (BlockLinear * 6)(*(
             BlockLinear() if lin is None else  # n = 0: no such part
-            BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2], int(lin[3]),
+            BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2],
+                        int(lin[3]) | (LIN_HALF_SCALES if lin[1] is not None and lin[1].dtype == torch.float16 else 0),
                         lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
         self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
         self.d = self.norm1.shape[0]
@@ -446,8 +465,8 @@ class LayerWeights:
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
                 raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
-            if kind not in DENSE_KINDS and scales.shape[-1] != _SCALE_FLOATS[kind]:
-                raise ValueError(f"llama_layer: scales {tuple(scales.shape)} are not kind {kind}'s")
+            if kind not in DENSE_KINDS and (scales.shape[-1] != _SCALE_FLOATS[kind] or scales.dtype not in SCALE_DTYPES):
+                raise ValueError(f"llama_layer: scales {tuple(scales.shape)} {scales.dtype} are not kind {kind}'s")
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"llama_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
         if self.split and qkv[0][2] != self.attn:

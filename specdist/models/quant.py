@@ -175,14 +175,16 @@ class Int4GroupLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4GroupLinear:
-        """Asymmetric min/max codes per group of 32 (GGUF Q4_1's rule: scale = (max - min) / 15)."""
+        """Asymmetric min/max codes per group of 32 (GGUF Q4_1's rule: scale = (max - min) / 15, and the scale and
+        the minimum float16 values, so the block kernels read them at half the bytes)."""
         w = linear.weight.detach().to(torch.float32)  # [out, in]
         out, k = w.shape
         if k % GROUP:
             raise ValueError(f"int4 groups need in_features divisible by {GROUP}, got {k}")
         g = w.reshape(out, k // GROUP, GROUP)  # [out, G, 32]
-        lo, hi = g.amin(-1), g.amax(-1)  # [out, G]
-        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))  # [out, G]
+        lo, hi = g.amin(-1).half().float(), g.amax(-1)  # [out, G]
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi)).half().float()  # [out, G]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a tiny range rounds to 0 in float16
         codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(out, k)  # [out, in]
         return cls(codes, scale, lo + 8 * scale, linear.bias)
 
