@@ -54,6 +54,7 @@ ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # every 
 REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q3_K": 4, "Q6_K": 4}  # int4 segments a weight (else 1)
 # the CPU kernel each runs on ("q4" for the others)
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # types whose block scales are float16 in the file
+K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # types whose scales are a float16 factor per 256 times integers
 BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q3_K": "q8_16", "Q6_K": "q8_16"}
 
 
@@ -127,6 +128,53 @@ def test_int4_linear_computes_its_dequantized_weight(kind, int4_backend):
     assert torch.equal(lin_b(x), lin(x) + bias)
     # bf16 activations: the same numbers in bf16 give the same bits, returned in bf16
     assert lin(x.bfloat16()).dtype == torch.bfloat16 and torch.equal(lin(x.bfloat16()), lin(x).bfloat16())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="block kernels need an x86 CPU with AVX2 and a C compiler")
+@pytest.mark.parametrize("kind", K_TYPES)
+def test_k_quant_scales_stay_in_their_file_form(kind):
+    """On the CPU kernels a K-quant keeps its scales as the file holds them (native.super_scales: a float16 factor
+    per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K and Q3_K give
+    the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32 path recomputes (zero - 8 d), stay within
+    the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
+    the groups' scales (a tampered integer) keep the float32 scales; rows stand alone as in the batch; a column cut
+    through a super-block keeps float32 scales for that part."""
+    from specdist.models.sharding import Cut, take_blocks, take_super_scales
+
+    cols = 512
+    raw = _quantized(48, cols, kind, seed=K_TYPES.index(kind) + 40)
+    codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
+    factors, ints = native.super_scales(raw, kind, cols)
+    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, 2)
+    flt = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
+    lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat, super_scales=(factors, ints))
+    assert lin.blocks == flt.blocks == BLOCKS.get(kind, "q4")
+    assert lin.scales_and_zeros.dtype == torch.uint8 and flt.scales_and_zeros.dtype == torch.float32
+    assert lin.scales_and_zeros.nbytes * 2 < flt.scales_and_zeros.nbytes
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(2))
+    y = lin(x)
+    if kind in ("Q6_K", "Q3_K"):
+        assert torch.equal(y, flt(x))
+    _assert_int4_matmul(lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x,
+                        True)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(7)]), y)
+    tampered = ints.clone()
+    tampered[3, 5, 0] += 1
+    assert Int4GroupLinear(codes, scales, zeros, repeat_input=repeat,
+                           super_scales=(factors, tampered)).scales_and_zeros.dtype == torch.float32
+    # a row-parallel cut: whole super-blocks on 2 ranks; 4 ranks split them (128 columns each)
+    for world, whole in ((2, True), (4, False)):
+        cut = Cut(1, (cols,))
+        part = take_super_scales(cut, factors, ints, 1, world)
+        assert (part is not None) == whole
+        if whole:
+            blocks = take_blocks(cut, codes, scales, zeros, repeat, 1, world)
+            ranked = Int4GroupLinear(*blocks, repeat_input=repeat, super_scales=part)
+            assert ranked.scales_and_zeros.dtype == torch.uint8
+            xs = x[:, cols // 2 :]
+            assert torch.equal(ranked(xs), Int4GroupLinear(*blocks, repeat_input=repeat, super_scales=(
+                factors[:, 1:], ints[:, cols // 2 // GROUP :]))(xs))
+            _assert_int4_matmul(ranked, dequantize(*blocks, repeat), _magnitude(*blocks, repeat), xs, True)
 
 
 def test_int4_linear_from_linear_is_q4_1_rounding(int4_backend):
@@ -568,8 +616,8 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     bytes with a scale and an offset per block, Q6_K as bytes with a scale per 16; on CUDA, or a CPU without the
     block kernels, Q6_K stays float: four int4 passes would read more than bf16), each the float weight
     transformers de-quantized (identity probe); the logits stay close to the float model's. A layer whose q, k
-    and v differ in kind (no fusion) still runs as one llama_layer call, with three matmuls for q/k/v: its logits
-    are the op-by-op path's up to the call's own silu."""
+    and v differ in kind or in their scales' form (no fusion) still runs as one llama_layer call, with three
+    matmuls for q/k/v: its logits are the op-by-op path's up to the call's own silu."""
     from specdist.models.quant import BLOCK_KINDS
     from specdist.models.runner import CausalLMRunner
 
@@ -601,14 +649,18 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     runner = CausalLMRunner(nat, 1, 40)
     kernels = runner.layer_kernels
     assert all(k is not None for k in kernels)
-    half = cpu_kernels.LIN_HALF_SCALES
+    half, flags = cpu_kernels.LIN_HALF_SCALES, cpu_kernels.LIN_HALF_SCALES | cpu_kernels.LIN_SUPER_SCALES
     for layer, kernel in zip(types, kernels):  # q/k/v one fused matmul where they share a kernel, else three
         qkv = [BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")]
-        want = [BLOCK_KINDS[b] for b in (qkv[:1] if len(set(qkv)) == 1 else qkv)]
-        assert [int(lin.kind) & ~half for lin in kernel.linears[:3] if lin.n] == want
-        assert int(kernel.linears[5].kind) & ~half == BLOCK_KINDS[BLOCKS.get(layer["ffn_down"], "q4")]
-        # the legacy types' scales are float16 values in the file: the kernels read them at that width
+        # fused where the kinds and their scales' forms agree (super-block scales only with super-block scales)
+        forms = {(b, layer[s] in K_TYPES) for b, s in zip(qkv, ("attn_q", "attn_k", "attn_v"))}
+        want = [BLOCK_KINDS[b] for b in (qkv[:1] if len(forms) == 1 else qkv)]
+        assert [int(lin.kind) & ~flags for lin in kernel.linears[:3] if lin.n] == want
+        assert int(kernel.linears[5].kind) & ~flags == BLOCK_KINDS[BLOCKS.get(layer["ffn_down"], "q4")]
+        # the legacy types' scales are float16 values in the file: the kernels read them at that width; the
+        # K-quants' in their file's form (a factor per super-block, an integer per block)
         assert (layer["ffn_down"] in LEGACY) <= bool(int(kernel.linears[5].kind) & half)
+        assert (layer["ffn_down"] in K_TYPES) <= bool(int(kernel.linears[5].kind) & cpu_kernels.LIN_SUPER_SCALES)
     assert any(len({BLOCKS.get(layer[s], "q4") for s in ("attn_q", "attn_k", "attn_v")}) > 1 for layer in types)
     slot = runner.cache.allocate()
     one_call = runner.forward([slot], [ids[0].tolist()], [12])
@@ -642,12 +694,15 @@ def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: lis
     op_runner = CausalLMRunner(model, num_slots=2, max_len=32)
     op_runner.layer_kernels = [None] * len(op_runner.layer_kernels)
     op_by_op = run_ops(op_runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
-    kinds = {}
+    kinds, scales = {}, {}  # scales: the packed scales' dtype of each projection on the CPU block kernels
     for name, m in model.named_modules():
         if name.endswith(("_proj", "lm_head")):
             blocks = m if type(m) is Int4GroupLinear else getattr(m, "blocks", None)
             kinds[name] = (type(m).__name__, blocks is not None, getattr(blocks, "blocks", None))
-    torch.save({"logits": logits, "kinds": kinds, "layer_calls": layer_calls, "op_by_op": op_by_op}, out_path)
+            if getattr(blocks, "blocks", None):
+                scales[name] = str(blocks.scales_and_zeros.dtype)
+    torch.save({"logits": logits, "kinds": kinds, "layer_calls": layer_calls, "op_by_op": op_by_op,
+                "scales": scales}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -657,7 +712,8 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
     """Two ranks (gloo; NCCL on two GPUs) load a Q4_K_M-style file natively: each column-parallel projection and
     the vocabulary-parallel head keep their rows' blocks, each row-parallel one (o, down) its input columns'
     blocks (whole blocks of 32, in every input copy of a Q8_0 / Q6_K layout), checked against the rank's float
-    slice at load; Q6_K stays float off the CPU kernels. On the CPU kernels each rank's layer runs as two
+    slice at load; Q6_K stays float off the CPU kernels. A K-quant part keeps its super-block scales where its
+    columns hold whole super-blocks of 256, else float32 ones. On the CPU kernels each rank's layer runs as two
     llama_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The logits of the ragged ops equal one process's native
     model's up to the order of the row-parallel partial sums (all-reduced), which moves an activation's rounding
     now and then; ``weights: float`` keeps floats and computes other numbers."""
@@ -683,6 +739,10 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
                 ("o_proj", "down_proj")) else "Int4GroupLinear" if on_blocks else "Linear"
             kernel = BLOCKS.get(kind, "q4") if cpu_blocks and on_blocks else None
             assert res["kinds"][name] == (sharded, on_blocks, kernel), (r, name)
+            if kernel:  # K-quant scales in their file's form unless the rank's input columns split a super-block
+                split = name.endswith("o_proj")  # 256 inputs: 128 a rank (down_proj: 512, 256 a rank)
+                want_dtype = "torch.float16" if kind in LEGACY else "torch.float32" if split else "torch.uint8"
+                assert res["scales"][name] == want_dtype, (r, name)
     got = ranks[0]["logits"]
     assert len(got) == len(want)
     # the ranks' layers run as llama_layer calls where the CPU kernels run (their own silu: within 1e-3)

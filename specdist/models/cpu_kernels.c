@@ -12,9 +12,11 @@
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
  *   Q4, Q8M: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
- * A weight's scales (and offsets) are float32, or float16 where every one of them is a float16 value (GGUF's
- * Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store theirs so): F16C converts each exactly on load, so the products are the
- * same bits at a sixth fewer bytes a Q4 block (0.625 bytes a weight instead of 0.75).
+ * A weight's scales (and offsets) are float32; or float16 where every one of them is a float16 value (GGUF's
+ * Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store theirs so), converted exactly on load; or, for the K-quants, their file's
+ * form: a float16 factor per 256 elements times a small integer per block or per 16, multiplied on load (exact in
+ * float32). The products are the same bits as with float32 scales, at fewer bytes: a Q4 block reads 0.625 bytes a
+ * weight with float16 scales and 0.59 with a Q4_K super-block's, instead of 0.75 (block_scale).
  * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8) in groups of 8 rows whose codes
  * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
@@ -113,22 +115,40 @@ static inline __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Eight packed scales starting at element i: float32, or float16 (half = 1) converted exactly. half is a constant
- * after inlining. */
-static inline __attribute__((always_inline)) __m256 load_scales(const void *s, int64_t i, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
-                : _mm256_loadu_ps((const float *)s + i);
+/* How a matmul's block scales are stored (cpu_kernels.py packed_scales / pack_super_scales). */
+enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_SUPER = 2 };
+/* Bytes of one super-block's scales for 8 rows: FLOATS vectors of 8 float32 factors, then PER_BLOCK vectors of 8 int8
+ * multipliers for each of its 8 blocks. */
+#define SUPER_BYTES(FLOATS, PER_BLOCK) (32 * (FLOATS) + 64 * (PER_BLOCK))
+
+/* The 8 rows' scale vector j (0 .. per_block - 1) of block g; mode, per_block and floats are constants after inlining.
+ *   SCALES_F32, SCALES_F16: [G, per_block, 8] float32, or float16 values converted exactly.
+ *   SCALES_SUPER (GGUF's K-quants, whose scales are a float16 factor per 256 elements times a small integer per block
+ *   or per 16): [G / 8] super-blocks of SUPER_BYTES(floats, per_block) bytes. Vector j is factor vector j (floats = 2:
+ *   Q4_K's d and -dmin), or the only one, times the block's int8 multipliers j. The product of a float16 value and an
+ *   int8 is exact in float32, so the scale has the bits of the one computed at load, at an eighth of its bytes. */
+static inline __attribute__((always_inline)) __m256 block_scale(const void *s, int64_t g, int j, int mode, int per_block,
+                                                                int floats) {
+    if (mode == SCALES_SUPER) {
+        const char *sb = (const char *)s + (g / 8) * SUPER_BYTES(floats, per_block);
+        const __m256 factor = _mm256_loadu_ps((const float *)sb + 8 * (floats == 2 ? j : 0));
+        const __m128i ints = _mm_loadl_epi64((const __m128i *)(sb + 32 * floats + 8 * ((g % 8) * per_block + j)));
+        return _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ints)));
+    }
+    const int64_t i = 8 * (g * per_block + j);
+    return mode == SCALES_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
+                              : _mm256_loadu_ps((const float *)s + i);
 }
 
 /* Outputs of one group of 8 weight rows (columns of y) for R rows of quantized x (R a constant after
  * inlining), into acc[0..R): lane c of acc[r] is y[r, 8 * group + c].
  * Q4 group: codes [G, 4, 32] bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of row c in
- * its low nibble and element 16 + 4 j + e in its high nibble; scales [G, 2, 8] (float32, or float16 with half): the
- * 8 rows' d, then their m.
+ * its low nibble and element 16 + 4 j + e in its high nibble; scales (block_scale's layout, two vectors a block):
+ * the 8 rows' d, then their m.
  * A block's byte products summed in 16 bits are exact: 8 multiply-adds of pairs, each at most 2 * 15 * 127. */
 static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes, const void *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                            int half, __m256 *acc) {
+                                                            int mode, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
@@ -154,7 +174,7 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
                 if (R > 1) __asm__("" : "+x"(sums[r]));
             }
         }
-        const __m256 d = load_scales(scales, g * 16, half), m = load_scales(scales, g * 16 + 8, half);
+        const __m256 d = block_scale(scales, g, 0, mode, 2, 2), m = block_scale(scales, g, 1, mode, 2, 2);
         for (int r = 0; r < R; ++r) {
             const int64_t i = (m0 + r) * G + g;
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));  /* [8] block dots */
@@ -165,19 +185,19 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
 }
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
- * row c; scales [G, halves + mins, 8]: each row's scale for the block (halves = 1: GGUF Q8_0), or for its elements
- * 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding the first half; with
+ * row c; scales (block_scale's layout, halves + mins vectors a block): each row's scale for the block (halves = 1:
+ * GGUF Q8_0), or for its elements 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding
+ * the first half; with
  * mins = 1 (and halves = 1) each row's offset m next, added as m times the x block's sum (GGUF Q5_1, Q5_K).
  * vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
 static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *codes, const void *scales, int64_t G,
                                                                    const quantized_x *qx, int64_t m0, int R,
-                                                                   int prefetch, int half, int halves, int mins,
+                                                                   int prefetch, int mode, int halves, int mins,
                                                                    __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const int8_t *block = codes + g * 256;
-        const int64_t sg = g * 8 * (halves + mins);  /* the block's first scale */
         if (prefetch)
             for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
         __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
@@ -190,7 +210,7 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
                 if (R > 1) __asm__("" : "+x"(sums[r]));  /* a running sum in a register, as in q4_group */
             }
             if (halves == 2 && j == 3) {  /* the first half's sums times its scales, then the second half's */
-                const __m256 d = load_scales(scales, sg, half);
+                const __m256 d = block_scale(scales, g, 0, mode, halves + mins, 1 + mins);
                 for (int r = 0; r < R; ++r) {
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
                                              _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])), acc[r]);
@@ -198,12 +218,12 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
                 }
             }
         }
-        const __m256 d = load_scales(scales, sg + 8 * (halves - 1), half);
+        const __m256 d = block_scale(scales, g, halves - 1, mode, halves + mins, 1 + mins);
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
                                      acc[r]);
         if (mins) {
-            const __m256 m = load_scales(scales, sg + 8, half);
+            const __m256 m = block_scale(scales, g, 1, mode, halves + mins, 1 + mins);
             for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[(m0 + r) * G + g]), acc[r]);
         }
     }
@@ -211,20 +231,20 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
 
 static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const void *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                            int half, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, half, 1, 0, acc);
+                                                            int mode, __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8_16_group(const int8_t *codes, const void *scales, int64_t G,
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int half, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, half, 2, 0, acc);
+                                                               int mode, __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 2, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8m_group(const int8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                             int half, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, half, 1, 1, acc);
+                                                             int mode, __m256 *acc) {
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 1, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -238,34 +258,39 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
     for (int64_t c = 0; n0 + c < N; ++c) y[n0 + c] = lanes[c];
 }
 
-/* One tile of rows through GROUP_FN with the row count and the scales' width (HALF) as constants. */
-#define BLOCK_TILE(GROUP_FN, HALF)                                                                  \
+/* One tile of rows through GROUP_FN with the row count and the scales' mode as constants. */
+#define BLOCK_TILE(GROUP_FN, MODE)                                                                  \
     switch (rows) { /* a constant row count per call: each inlines with its loops unrolled */     \
-    case 4: GROUP_FN(cw, sw, G, &qx, m0, 4, one_tile, HALF, acc); break;                          \
-    case 3: GROUP_FN(cw, sw, G, &qx, m0, 3, one_tile, HALF, acc); break;                          \
-    case 2: GROUP_FN(cw, sw, G, &qx, m0, 2, one_tile, HALF, acc); break;                          \
-    default: GROUP_FN(cw, sw, G, &qx, m0, 1, one_tile, HALF, acc); break;                         \
+    case 4: GROUP_FN(cw, sw, G, &qx, m0, 4, one_tile, MODE, acc); break;                          \
+    case 3: GROUP_FN(cw, sw, G, &qx, m0, 3, one_tile, MODE, acc); break;                          \
+    case 2: GROUP_FN(cw, sw, G, &qx, m0, 2, one_tile, MODE, acc); break;                          \
+    default: GROUP_FN(cw, sw, G, &qx, m0, 1, one_tile, MODE, acc); break;                         \
     }
 
 /* The body of a block matmul: quantize x, then groups of 8 output columns over the threads, rows of x in
- * tiles of ROWS_TILE (the last tile's size and the scales' width pick an inlined copy). */
-#define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, SCALE_FLOATS)                             \
+ * tiles of ROWS_TILE (the last tile's size and the scales' mode pick an inlined copy). PER_BLOCK and FLOATS: the
+ * scale vectors a block and the factor vectors a super-block (block_scale). */
+#define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, PER_BLOCK, FLOATS)                        \
+    const int64_t G = K / QK, groups = (N + 7) / 8;                                                 \
+    if (mode == SCALES_SUPER && G % 8) return -2; /* super-blocks of 256 elements */                \
     quantized_x qx;                                                                                 \
     if (quantize_input(x, M, K, &qx)) return -1;                                                    \
-    const int64_t G = K / QK, groups = (N + 7) / 8;                                                 \
     const int one_tile = M <= ROWS_TILE; /* bound by the weights' bytes: prefetch them */           \
-    const int64_t scale_bytes = half ? 2 : 4;                                                       \
+    const int64_t scale_stride = mode == SCALES_SUPER ? G / 8 * SUPER_BYTES(FLOATS, PER_BLOCK)      \
+                                                      : G * 8 * (PER_BLOCK) * (mode == SCALES_F16 ? 2 : 4); \
     _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")                 \
     for (int64_t c = 0; c < groups; ++c) {                                                          \
         __m256 acc[ROWS_TILE];                                                                      \
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                             \
             const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                        \
             const void *cw = CODES + c * G * (CODE_BYTES);                                          \
-            const void *sw = (const char *)(SCALES) + c * G * (SCALE_FLOATS) * scale_bytes;         \
-            if (half) {                                                                             \
-                BLOCK_TILE(GROUP_FN, 1)                                                             \
+            const void *sw = (const char *)(SCALES) + c * scale_stride; /* the group's scales */    \
+            if (mode == SCALES_SUPER) {                                                             \
+                BLOCK_TILE(GROUP_FN, SCALES_SUPER)                                                  \
+            } else if (mode == SCALES_F16) {                                                        \
+                BLOCK_TILE(GROUP_FN, SCALES_F16)                                                    \
             } else {                                                                                \
-                BLOCK_TILE(GROUP_FN, 0)                                                             \
+                BLOCK_TILE(GROUP_FN, SCALES_F32)                                                    \
             }                                                                                       \
             for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);         \
         }                                                                                           \
@@ -273,35 +298,37 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
     release_input(&qx);                                                                             \
     return 0;
 
-/* Every block matmul takes sc as float32 (half = 0) or float16 (half = 1) values, in the layout its comment gives. */
+/* Every block matmul takes its scales sc in a mode (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts,
+ * for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K that is not
+ * a multiple of 256. */
 
 /* Q4: codes [ceil(N/8), G, 128] bytes, scales [ceil(N/8), G, 16] (q4_group's layout; cpu_kernels.py
  * pack_q4 builds it from GGUF's). y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int half, int64_t N,
+int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
                    float *y) {
-    BLOCK_MATMUL(q4_group, qs, sc, 128, 16)
+    BLOCK_MATMUL(q4_group, qs, sc, 128, 2, 2)
 }
 
 /* Q8: codes [ceil(N/8), G, 256] signed bytes, scales [ceil(N/8), G, 8] (q8_group's layout; pack_q8).
  * y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int half, int64_t N,
+int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
                    float *y) {
-    BLOCK_MATMUL(q8_group, qs, sc, 256, 8)
+    BLOCK_MATMUL(q8_group, qs, sc, 256, 1, 1)
 }
 
 /* Q8 with a scale per 16 elements (GGUF Q6_K: its codes minus 32): codes as specdist_q8_mm's, scales
  * [ceil(N/8), G, 2, 8] (pack_q8 with [N, K/16] scales). y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q8_16_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int half, int64_t N,
+int specdist_q8_16_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
                       float *y) {
-    BLOCK_MATMUL(q8_16_group, qs, sc, 256, 16)
+    BLOCK_MATMUL(q8_16_group, qs, sc, 256, 2, 1)
 }
 
 /* Q8 with an offset per block (GGUF Q5_1 and Q5_K: w = d * q + m): codes as specdist_q8_mm's, scales
  * [ceil(N/8), G, 2, 8], the 8 rows' d then their m (pack_q8 with mins). y [M, N]. Returns 0, or -1 without
  * memory. */
-int specdist_q8m_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int half, int64_t N,
+int specdist_q8m_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
                     float *y) {
-    BLOCK_MATMUL(q8m_group, qs, sc, 256, 16)
+    BLOCK_MATMUL(q8m_group, qs, sc, 256, 2, 2)
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -782,11 +809,12 @@ typedef struct {
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
     int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16 or LIN_Q8M; a block kind may carry
-                          * LIN_HALF_SCALES: its scales are float16 */
+                          * LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_HALF_SCALES = 16 };
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_HALF_SCALES = 16,
+       LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
@@ -798,15 +826,15 @@ static void add_rows(float *h, const float *a, int64_t n) {
 /* y [M, n] = x [M, K] @ W.T (+ bias: one float32 add an element, as torch's y + b after the matmul). */
 static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K, float *y) {
     int rc;
-    const int half = (w->kind & LIN_HALF_SCALES) != 0;
-    switch (w->kind & ~LIN_HALF_SCALES) {
-    case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, half, w->n, y); break;
-    case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, half, w->n, y); break;
-    case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, half, w->n, y); break;
+    const int mode = w->kind & LIN_HALF_SCALES ? SCALES_F16 : w->kind & LIN_SUPER_SCALES ? SCALES_SUPER : SCALES_F32;
+    switch (w->kind & ~(LIN_HALF_SCALES | LIN_SUPER_SCALES)) {
+    case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
-    default: rc = specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, half, w->n, y); break;
+    default: rc = specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     }
     if (rc == 0 && w->bias != NULL)
         for (int64_t m = 0; m < M; ++m) add_rows(y + m * w->n, w->bias, w->n);

@@ -12,9 +12,12 @@ time, so that one vector multiply-add yields partial sums of 8 outputs side by s
 weight vector serves up to four rows of ``x`` (prefill and verification rows share the weight traffic).
 Calls of at most 4 rows (a decode step, a short verification) are bound by reading the weights, and
 prefetch them a few kB ahead of the block being multiplied.
-Weights keep the file's scales, nothing rounded: packed as float16 where every scale (and offset) of the weight
-is a float16 value, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 store them (a Q4 block then reads 0.625 bytes a
-weight instead of 0.75; the kernels convert them exactly), else as float32 (K-quants' products ``d * sc``).
+Weights keep the file's scales, nothing rounded, in the fewest bytes that hold them exactly: float16 where every
+scale (and offset) of the weight is a float16 value, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 store them
+(:func:`packed_scales`); a K-quant's in its file's form, a float16 factor per 256 elements times an int8 per block
+or per 16, multiplied on load (:func:`pack_super_scales`; the product is exact in float32); else float32. A Q4 block
+reads 0.625 bytes a weight with float16 scales and 0.59 with Q4_K's, instead of 0.75; a Q6_K weight 1.08 instead
+of 1.25.
 
 **Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
 decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, each output a dot product over
@@ -82,10 +85,13 @@ GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
 LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M = 0, 1, 2, 3, 4, 5, 6
-LIN_HALF_SCALES = 16  # a block kind's flag: its packed scales are float16 (the C file's block_linear)
+# a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
+LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
 _SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16}  # packed floats a block of a group of 8 rows
+# kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2)}
 
 
 def _cache_dir() -> str:
@@ -131,7 +137,7 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm):
-        # (x, M, K, codes, scales, half: scales are float16, N, y)
+        # (x, M, K, codes, scales, scale mode: SCALE_MODES, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
         fn.restype = ctypes.c_int
     for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
@@ -188,6 +194,26 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return packed.contiguous(), packed_scales(scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16))
 
 
+def pack_super_scales(factors: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """K-quant scales in their file's form, as the kernels read them (the C file's ``block_scale``, mode
+    ``SCALES_SUPER``): ``factors [N, G / 8, F]`` float32 (float16 values: a super-block's d, and -dmin where F = 2)
+    and ``ints [N, G, P]`` int8 (each block's multipliers: Q4_K's sc and m, Q6_K's two scales per 16). Scale vector
+    ``j`` of block ``g`` is ``factors[:, g // 8, j if F == 2 else 0] * ints[:, g, j]``. Returns
+    ``[ceil(N/8), G / 8, 32 F + 64 P]`` uint8: per group of 8 rows and super-block, the factors (float32, [F, 8 rows])
+    then the 8 blocks' multipliers ([block, P, 8 rows]); zero rows pad the last group."""
+    n, sb, f = factors.shape
+    p = ints.shape[2]
+    if ints.shape[:2] != (n, 8 * sb):
+        raise ValueError(f"pack_super_scales: {tuple(ints.shape)} multipliers for {tuple(factors.shape)} factors")
+    pad = -n % 8
+    factors = torch.cat([factors.float(), factors.new_zeros(pad, sb, f, dtype=torch.float32)])  # [N8, SB, F]
+    ints = torch.cat([ints.to(torch.int8), ints.new_zeros(pad, 8 * sb, p, dtype=torch.int8)])  # [N8, G, P]
+    fb = factors.reshape(-1, 8, sb, f).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [N8/8, SB, F, 8 rows * 4]
+    ib = ints.reshape(-1, 8, sb, 8, p).permute(0, 2, 3, 4, 1).contiguous().view(torch.uint8)  # [.., SB, block, P, row]
+    groups = fb.shape[0]
+    return torch.cat([fb.reshape(groups, sb, -1), ib.reshape(groups, sb, -1)], -1).contiguous()
+
+
 def packed_scales(scales: torch.Tensor) -> torch.Tensor:
     """Float32 block scales as the kernels read them: float16 where every one is a float16 value (each converts
     back exactly, so the products are the same bits at half the scale bytes), else float32. Contiguous."""
@@ -236,19 +262,37 @@ def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-SCALE_DTYPES = (torch.float32, torch.float16)  # packed block scales the kernels read
+# packed block scales the kernels read, by dtype: float32 or float16 values, or super-block bytes (pack_super_scales);
+# the C file's scale modes
+SCALE_MODES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
+_MODE_FLAGS = (0, LIN_HALF_SCALES, LIN_SUPER_SCALES)
 
 
-def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
+    """A block kind with its scales' flag (float16 scales: ``LIN_HALF_SCALES``; super-blocks: ``LIN_SUPER_SCALES``),
+    after checking that ``scales`` (``[groups, G, ...]`` packed) are in one of that kind's layouts."""
+    mode = SCALE_MODES.get(scales.dtype) if scales is not None else None
+    if mode is None or not scales.is_contiguous():
+        raise ValueError(f"block kernel: scales must be contiguous float32, float16 or uint8 super-blocks, not "
+                         f"{None if scales is None else scales.dtype}")
+    f, p = SUPER_LAYOUT[kind]
+    if scales.shape[-1] != (32 * f + 64 * p if mode == 2 else _SCALE_FLOATS[kind]):
+        raise ValueError(f"block kernel: scales {tuple(scales.shape)} {scales.dtype} are not those of kind {kind}")
+    return kind | _MODE_FLAGS[mode]
+
+
+def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     x = _dense(x, torch.float32)  # [M, K]
     m, k = x.shape
     if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
         raise ValueError(f"block kernel: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
-    if scales.dtype not in SCALE_DTYPES or not scales.is_contiguous():
-        raise ValueError(f"block kernel: scales must be contiguous float32 or float16, not {scales.dtype}")
+    scales_kind(kind, scales)
+    mode = SCALE_MODES[scales.dtype]
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
-    half = int(scales.dtype == torch.float16)
-    if m and fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), half, n, y.data_ptr()):
+    rc = fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), mode, n, y.data_ptr()) if m else 0
+    if rc == -2:
+        raise ValueError(f"block kernel: super-block scales need inputs in multiples of 256, not {k}")
+    if rc:
         raise MemoryError(f"block kernel: no memory to quantize a [{m}, {k}] input")
     return y
 
@@ -258,7 +302,7 @@ def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) ->
     (``w = d * c + m``)."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.q4_mm(x, codes, scales, n)
-    return _call(library().specdist_q4_mm, x, codes, scales, n)
+    return _call(library().specdist_q4_mm, x, codes, scales, n, LIN_Q4)
 
 
 def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q8) -> torch.Tensor:
@@ -266,13 +310,13 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, ki
     ``LIN_Q8`` (``w = d * c``), ``LIN_Q8_16`` (``d`` per 16 elements) or ``LIN_Q8M`` (``w = d * c + m``)."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.q8_mm(x, codes, scales, n, kind)
-    return _call(_q8_fn(kind, scales), x, codes, scales, n)
+    return _call(_q8_fn(kind), x, codes, scales, n, kind)
 
 
-def _q8_fn(kind: int, scales: torch.Tensor):
-    """The Q8 kernel of ``kind``, after checking that the packed ``scales`` are that kind's."""
-    if kind not in Q8_KINDS or scales.shape[-1] != _SCALE_FLOATS[kind]:
-        raise ValueError(f"q8_mm: scales {tuple(scales.shape)} are not those of kind {kind}")
+def _q8_fn(kind: int):
+    """The Q8 kernel of ``kind``."""
+    if kind not in Q8_KINDS:
+        raise ValueError(f"q8_mm: kind {kind} is not one of the Q8 kinds {Q8_KINDS}")
     lib = library()
     return {LIN_Q8: lib.specdist_q8_mm, LIN_Q8_16: lib.specdist_q8_16_mm, LIN_Q8M: lib.specdist_q8m_mm}[kind]
 
@@ -406,8 +450,8 @@ class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
     (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
-    ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind with float16 scales carries
-    ``LIN_HALF_SCALES``."""
+    ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind carries its scales' flag
+    (:func:`scales_kind`)."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64),
                 ("bias", ctypes.c_void_p)]
@@ -451,7 +495,7 @@ class LayerWeights:
         self.linears = (BlockLinear * 6)(*(
             BlockLinear() if lin is None else  # n = 0: no such part
             BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2],
-                        int(lin[3]) | (LIN_HALF_SCALES if lin[1] is not None and lin[1].dtype == torch.float16 else 0),
+                        int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1]),
                         lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
         self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
         self.d = self.norm1.shape[0]
@@ -465,8 +509,6 @@ class LayerWeights:
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
                 raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
-            if kind not in DENSE_KINDS and (scales.shape[-1] != _SCALE_FLOATS[kind] or scales.dtype not in SCALE_DTYPES):
-                raise ValueError(f"llama_layer: scales {tuple(scales.shape)} {scales.dtype} are not kind {kind}'s")
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"llama_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
         if self.split and qkv[0][2] != self.attn:
@@ -564,12 +606,12 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, 
 
 @torch.library.custom_op("specdist::q4_mm", mutates_args=())
 def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    return _call(library().specdist_q4_mm, x, codes, scales, n)
+    return _call(library().specdist_q4_mm, x, codes, scales, n, LIN_Q4)
 
 
 @torch.library.custom_op("specdist::q8_mm", mutates_args=())
 def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
-    return _call(_q8_fn(kind, scales), x, codes, scales, n)
+    return _call(_q8_fn(kind), x, codes, scales, n, kind)
 
 
 @_q4_op.register_fake

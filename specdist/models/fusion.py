@@ -84,9 +84,11 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             off += n
         return FusedLinear(fused, sizes)
     # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; the block
-    # kernels (cpu_kernels) hold groups of 8 rows, and an Int4GroupLinear has a multiple of 16
+    # kernels (cpu_kernels) hold groups of 8 rows, and an Int4GroupLinear has a multiple of 16. Float16 and float32
+    # block scales concatenate as float32 (the same values); super-block scales only with super-block scales.
     if (all(type(p) is Int4GroupLinear for p in parts) and len({(p.repeat_input, p.blocks) for p in parts}) == 1
-            and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))):
+            and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))
+            and len({p.scales_and_zeros.dtype == torch.uint8 for p in parts}) == 1):
         dim = parts[0].rows_dim_of_scales
         fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
         # a shallow copy shares the module's buffer dict (torch keeps it in nn.Module._buffers): unshare it

@@ -120,17 +120,50 @@ def _decode_q4_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return torch.from_numpy(np.ascontiguousarray(codes)), scale, 8 * scale - low, 1  # codes uint8
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's sub-block scales and mins, ``(d * sc, dmin * m)`` each ``[rows, cols / 32]`` (exact in
-    float32), from the super-blocks' first 16 bytes: d, dmin (fp16), then 6-bit scales and mins in 12 bytes."""
-    rows = blocks.shape[0]
+def _k_scale_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's super-block factors and sub-block integers from the super-blocks' first 16 bytes: d, dmin
+    (fp16, as float32 ``[rows, nb]``), then 6-bit scales ``sc`` and mins ``m`` in 12 bytes (uint8 ``[rows, nb, 8]``)."""
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     lo, hi, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # the 12 scale bytes, 4 at a time
-    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], -1).astype(np.float32)  # [rows, nb, 8]
-    mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], -1).astype(np.float32)
-    return (torch.from_numpy((d[..., None] * sc).reshape(rows, -1)),
-            torch.from_numpy((dmin[..., None] * mn).reshape(rows, -1)))
+    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], -1)  # [rows, nb, 8]
+    mn = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], -1)
+    return d, dmin, sc, mn
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's sub-block scales and mins, ``(d * sc, dmin * m)`` each ``[rows, cols / 32]`` (exact in
+    float32)."""
+    rows = blocks.shape[0]
+    d, dmin, sc, mn = _k_scale_parts(blocks)
+    return (torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(rows, -1)),
+            torch.from_numpy((dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)))
+
+
+def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A K-quant tensor's scales in their file's form, ``(factors [rows, cols / 256, F] float32, ints
+    [rows, cols / 32, 2] int8)`` (:func:`specdist.models.cpu_kernels.pack_super_scales`), or None for other types.
+    Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
+    factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. The products are
+    :func:`decode_blocks`' scales."""
+    if kind not in ("Q4_K", "Q5_K", "Q6_K", "Q3_K"):
+        return None
+    rows, nb = raw.shape[0], cols // 256
+    size = {"Q4_K": Q4_K_BYTES, "Q5_K": Q5_K_BYTES, "Q6_K": Q6_K_BYTES, "Q3_K": Q3_K_BYTES}[kind]
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin, sc, mn = _k_scale_parts(blocks)
+        factors, ints = np.stack([d, -dmin], -1), np.stack([sc, mn], -1).astype(np.int8)  # [rows, nb, 2], [.., 8, 2]
+    elif kind == "Q6_K":
+        factors = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+        ints = blocks[..., 192:208].copy().view(np.int8)  # [rows, nb, 16]
+    else:
+        lo_sc = (blocks[..., 96:104].reshape(rows, nb, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+        hi_sc = (blocks[..., 104:108].reshape(rows, nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        ints = ((lo_sc.reshape(rows, nb, 16) | hi_sc.reshape(rows, nb, 16) << 4).astype(np.int16) - 32).astype(np.int8)
+        factors = blocks[..., 108:110].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+    return torch.from_numpy(np.ascontiguousarray(factors)), torch.from_numpy(np.ascontiguousarray(ints)).reshape(
+        rows, cols // GROUP, 2)
 
 
 def _decode_q5_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -274,9 +307,12 @@ def native_tensors(model: nn.Module, gguf_path: str, device: torch.device,
         if owner not in modules or not wanted(owner, modules[owner]):
             continue
         rows = tensor.data.shape[0]
-        codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, int(tensor.shape[0]))  # shape: (cols, rows)
+        cols = int(tensor.shape[0])  # shape: (cols, rows)
+        codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, cols)
         order = _row_order(processor, tensor.name, rows)
-        yield NativeTensor(owner, modules[owner], tensor.name, kind, codes[order], scales[order], zeros[order], repeat)
+        sup = super_scales(tensor.data, kind, cols) if cpu_blocks else None
+        yield NativeTensor(owner, modules[owner], tensor.name, kind, codes[order], scales[order], zeros[order], repeat,
+                           None if sup is None else (sup[0][order], sup[1][order]))
 
 
 @dataclass
@@ -291,6 +327,8 @@ class NativeTensor:
     scales: torch.Tensor  # [rows, repeat * cols / 32]
     zeros: torch.Tensor  # [rows, repeat * cols / 32]
     repeat: int
+    # K-quants on the CPU kernels: (factors [rows, cols / 256, F], ints [rows, cols / 32, 2]) (super_scales), else None
+    super: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def install(model: nn.Module, owner: str, module: nn.Module) -> None:
@@ -321,7 +359,7 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
             raise ConfigError(key, f"{t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
                                    f"loaded for {t.owner}; load it with weights: float")
         install(model, t.owner, Int4GroupLinear(t.codes.to(device), t.scales.to(device), t.zeros.to(device),
-                                                target.bias, t.repeat))
+                                                target.bias, t.repeat, t.super))
         replaced[t.kind] = replaced.get(t.kind, 0) + 1
     if not replaced:
         if required:

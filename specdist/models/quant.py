@@ -32,18 +32,20 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
-  with float32 ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
+  with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
   with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
-  segments), repacked in
-  groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32
-  to bytes.
+  segments), repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per
+  block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
+  (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
+  float32.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
   bf16 activations, output rows in tiles.
 
 Either way the numerics are close to, not equal to, the file's de-quantized floats; whatever they
 are, the target's numerics define p.
 Cost: half a byte per weight plus 4 bytes per group of 32 (0.625 byte per weight; Q4 blocks on the
-CPU kernels: 8 bytes per group, 0.75).
+CPU kernels: 4 bytes per group with float16 scales, 0.625; 3 with Q4_K's super-block scales, 0.59; 8 with float32
+scales, 0.75).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Int8WeightOnlyLinear(nn.Module):
     weight_int8: torch.Tensor | None  # [out, in] int8, codes in -127..127 (torch's kernel; None on the blocks)
     scales: torch.Tensor  # [out] bf16
     block_codes: torch.Tensor | None  # [ceil(out/8), in/32, 256] int8: the codes packed for the CPU kernel
-    block_scales: torch.Tensor | None  # [ceil(out/8), in/32, 8] float32: the row's scale per block (packed)
+    block_scales: torch.Tensor | None  # [ceil(out/8), in/32, 8] float16 or float32: the row's scale per block (packed)
     bias: torch.Tensor | None  # [out] float32
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -132,8 +134,11 @@ class Int4GroupLinear(nn.Module):
     bias: torch.Tensor | None  # [out] float32
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, repeat_input: int = 1) -> None:
-        # codes [out, in_eff] integers in 0..15 (any integer dtype); scales, zeros [out, in_eff / 32]
+                 bias: torch.Tensor | None = None, repeat_input: int = 1,
+                 super_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        # codes [out, in_eff] integers in 0..15 (any integer dtype); scales, zeros [out, in_eff / 32];
+        # super_scales: a K-quant's scales in its file's form (native.super_scales), which the CPU block kernels read
+        # in place of the float32 ones where they give the same scales
         super().__init__()
         out, in_eff = codes.shape
         if in_eff % GROUP or in_eff % repeat_input:
@@ -147,6 +152,8 @@ class Int4GroupLinear(nn.Module):
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
             self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
+            if super_scales is not None:
+                sz = _super_packed(self.blocks, codes, scales.float(), zeros.float(), repeat_input, *super_scales, sz)
         elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
             # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
             inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
@@ -265,6 +272,30 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
     q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
     return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d.transpose(1, 2).reshape(out, 2 * (k // GROUP))))
+
+
+def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
+                  factors: torch.Tensor, ints: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """The block kernels' scales for a K-quant in its file's form (cpu_kernels.pack_super_scales: a float16 factor per
+    256 elements times an int8 per block or per 16, 0.09 bytes a weight of Q4_K against 0.25 as float32 pairs) where
+    those products are exactly the scales (and offsets) the weight's int4 groups hold; else ``packed``, the float32
+    ones. ``factors [out, in / 256, F]``, ``ints [out, in / 32, 2]``: native.super_scales."""
+    out, k = codes.shape[0], codes.shape[1] // repeat
+    g = k // GROUP
+    if k % 256 or factors.shape != (out, k // 256, factors.shape[2]) or ints.shape != (out, g, 2):
+        return packed
+    f = factors.float().repeat_interleave(8, 1)  # [out, G, F]: each block's factors
+    prod = f[..., :1] * ints.float()  # [out, G, 2]: factor 0 times both ints
+    if blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
+        exact = torch.equal(prod[..., 0], scales) and torch.equal(zeros, 8 * scales + f[..., 1] * ints[..., 1].float())
+    elif blocks == "q8m" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
+        d = scales[:, g:]
+        exact = torch.equal(prod[..., 0], d) and torch.equal(zeros[:, g:], 8 * d + f[..., 1] * ints[..., 1].float())
+    elif blocks == "q8_16" and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
+        exact = torch.equal(prod, scales.reshape(out, 4, g)[:, 2:].permute(0, 2, 1))
+    else:
+        return packed
+    return cpu_kernels.pack_super_scales(factors, ints) if exact else packed
 
 
 # repeat_input -> the packer for the CPU block kernels: (Int4GroupLinear.blocks, codes, scales)

@@ -457,6 +457,21 @@ def take_blocks(cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torc
     return codes[:, cols], scales[:, groups], zeros[:, groups]
 
 
+def take_super_scales(cut: Cut, factors: torch.Tensor, ints: torch.Tensor, rank: int,
+                      world_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rank's part of a K-quant's super-block scales (:func:`specdist.models.native.super_scales`: ``factors
+    [N, K / 256, F]``, ``ints [N, K / 32, 2]``) by the weight's cut, as :func:`take_blocks` takes its blocks. None where a
+    column cut splits a super-block of 256 (the float32 block scales then serve)."""
+    if cut.dim == 0:
+        return cut.take(factors, rank, world_size), cut.take(ints, rank, world_size)
+    ranges = cut.ranges(rank, world_size)
+    if any(a % 256 or b % 256 for a, b in ranges):
+        return None
+    supers = torch.cat([torch.arange(a // 256, b // 256) for a, b in ranges])
+    blocks = torch.cat([torch.arange(a // GROUP, b // GROUP) for a, b in ranges])
+    return factors[:, supers], ints[:, blocks]
+
+
 @torch.no_grad()
 def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], rank: int, world_size: int,
                         key: str = "target.weights") -> dict[str, int]:
@@ -481,7 +496,8 @@ def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], 
             raise ConfigError(key, f"{t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
                                    f"weight for {t.owner}; load it with weights: float")
         bias = None if type(target) is RowParallelLinear else target.bias  # row-parallel: added after the sum
-        blocks = Int4GroupLinear(*(x.to(device) for x in part), bias, t.repeat)
+        sup = None if t.super is None else take_super_scales(cuts[f"{t.owner}.weight"], *t.super, rank, world_size)
+        blocks = Int4GroupLinear(*(x.to(device) for x in part), bias, t.repeat, sup)
         if type(target) is nn.Linear:
             install(model, t.owner, blocks)
         else:
