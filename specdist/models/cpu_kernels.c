@@ -267,9 +267,20 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
     default: GROUP_FN(cw, sw, G, &qx, m0, 1, one_tile, MODE, acc); break;                         \
     }
 
+/* A group's super-block scales as float32 vectors ([G, per_block, 8]: SCALES_F32's layout), the products block_scale
+ * computes, so that a call of several tiles multiplies them out once per group instead of once per tile. */
+static inline __attribute__((always_inline)) void expand_super(const void *s, int64_t G, int per_block, int floats,
+                                                               float *out) {
+    for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < per_block; ++j)
+            _mm256_storeu_ps(out + 8 * (g * per_block + j), block_scale(s, g, j, SCALES_SUPER, per_block, floats));
+}
+
 /* The body of a block matmul: quantize x, then groups of 8 output columns over the threads, rows of x in
  * tiles of ROWS_TILE (the last tile's size and the scales' mode pick an inlined copy). PER_BLOCK and FLOATS: the
- * scale vectors a block and the factor vectors a super-block (block_scale). */
+ * scale vectors a block and the factor vectors a super-block (block_scale). Super-block scales are multiplied out
+ * as each block is reached in a call of one tile (bound by the weights' bytes), and once per group into a
+ * thread's buffer in calls of several tiles (bound by the arithmetic, which the products would add to per tile). */
 #define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, PER_BLOCK, FLOATS)                        \
     const int64_t G = K / QK, groups = (N + 7) / 8;                                                 \
     if (mode == SCALES_SUPER && G % 8) return -2; /* super-blocks of 256 elements */                \
@@ -278,22 +289,33 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
     const int one_tile = M <= ROWS_TILE; /* bound by the weights' bytes: prefetch them */           \
     const int64_t scale_stride = mode == SCALES_SUPER ? G / 8 * SUPER_BYTES(FLOATS, PER_BLOCK)      \
                                                       : G * 8 * (PER_BLOCK) * (mode == SCALES_F16 ? 2 : 4); \
-    _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")                 \
-    for (int64_t c = 0; c < groups; ++c) {                                                          \
-        __m256 acc[ROWS_TILE];                                                                      \
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                             \
-            const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                        \
+    _Pragma("omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)")                                      \
+    {                                                                                               \
+        /* the group's expanded super-block scales (NULL: one tile, or no memory: products per tile) */ \
+        float *expanded = mode == SCALES_SUPER && !one_tile                                         \
+                              ? (float *)malloc(sizeof(float) * (size_t)(G * 8 * (PER_BLOCK))) : NULL; \
+        _Pragma("omp for schedule(static)")                                                         \
+        for (int64_t c = 0; c < groups; ++c) {                                                      \
+            __m256 acc[ROWS_TILE];                                                                  \
             const void *cw = CODES + c * G * (CODE_BYTES);                                          \
             const void *sw = (const char *)(SCALES) + c * scale_stride; /* the group's scales */    \
-            if (mode == SCALES_SUPER) {                                                             \
-                BLOCK_TILE(GROUP_FN, SCALES_SUPER)                                                  \
-            } else if (mode == SCALES_F16) {                                                        \
-                BLOCK_TILE(GROUP_FN, SCALES_F16)                                                    \
-            } else {                                                                                \
-                BLOCK_TILE(GROUP_FN, SCALES_F32)                                                    \
+            if (expanded) {                                                                         \
+                expand_super(sw, G, PER_BLOCK, FLOATS, expanded);                                   \
+                sw = expanded;                                                                      \
             }                                                                                       \
-            for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);         \
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                         \
+                const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                    \
+                if (mode == SCALES_SUPER && !expanded) {                                            \
+                    BLOCK_TILE(GROUP_FN, SCALES_SUPER)                                              \
+                } else if (mode == SCALES_F16) {                                                    \
+                    BLOCK_TILE(GROUP_FN, SCALES_F16)                                                \
+                } else {                                                                            \
+                    BLOCK_TILE(GROUP_FN, SCALES_F32)                                                \
+                }                                                                                   \
+                for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);     \
+            }                                                                                       \
         }                                                                                           \
+        free(expanded);                                                                             \
     }                                                                                               \
     release_input(&qx);                                                                             \
     return 0;
