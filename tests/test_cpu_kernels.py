@@ -152,6 +152,28 @@ def test_q8_blocks_with_an_offset_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales, mins) for i in range(m)]), y)
 
 
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_nibbles_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
+    """Q4 codes c = q + 8 with a scale per 16 (GGUF Q3_K's codes, -4..3, as nibbles: LIN_Q4_16): each half's exact
+    byte sum times its scale minus 8 scales times the x half's sum; rows stand alone as in the batch; a Q4 kind
+    that is not one is refused."""
+    g = torch.Generator().manual_seed(m * 1000 + n + 316)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.02
+    c = (q + 8).to(torch.uint8).reshape(n, k // GROUP, GROUP)
+    codes, _ = cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, torch.zeros(n, 2, k // GROUP))
+    _, packed_scales = cpu_kernels.pack_q8(q, scales)
+
+    def run(rows):
+        return cpu_kernels.q4_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
+    y = run(x)
+    _check(y, x, _q8_weight(q, scales))
+    assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
+    with pytest.raises(ValueError, match="not one of the Q4 kinds"):
+        cpu_kernels.q4_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q8_16)
+
+
 KINDS = {"q4": None, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
 
 

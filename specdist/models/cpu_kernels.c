@@ -8,6 +8,7 @@
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
  *   Q8_16 (GGUF Q6_K, Q3_K): signed codes c (Q6_K: q - 32) and a float d per 16 elements (two per block): w = d * c.
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
+ *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
@@ -50,8 +51,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x [M, K] float -> q [M, K] int8, d [M, K/32], s [M, K/32] (s = d * sum(q) over the block). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+/* x [M, K] float -> q [M, K] int8, d [M, K/32], s [M, K/32] (s = d * sum(q) over the block), hs [M, K/32, 2]
+ * (d * sum(q) over each half of the block). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, float *hs) {
     const int64_t G = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WEIGHTS)
@@ -70,10 +72,11 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
         /* round to nearest even (the default MXCSR mode), then pack 4 x 8 int32 to 32 int8 */
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-        __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        t = _mm_hadd_epi32(t, t);
-        t = _mm_hadd_epi32(t, t);
+        const __m256i first = _mm256_add_epi32(i0, i1), second = _mm256_add_epi32(i2, i3);  /* elements 0-15, 16-31 */
+        __m128i t = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(first), _mm256_extracti128_si256(first, 1)),
+                                   _mm_add_epi32(_mm256_castsi256_si128(second), _mm256_extracti128_si256(second, 1)));
+        t = _mm_hadd_epi32(t, t);  /* lanes 0, 1: the halves' sums */
+        const int32_t half0 = _mm_cvtsi128_si32(t), half1 = _mm_extract_epi32(t, 1);
         __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
         __m256i p = _mm256_packs_epi16(p01, p23);
         /* packs works within 128-bit lanes: put the 32-bit groups back in element order */
@@ -82,13 +85,15 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
         /* a NaN or infinity in the block makes its scale NaN, so that it reaches the output */
         const float poison = 0.0f * hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
         d[i] = dx + poison;
-        s[i] = dx * (float)_mm_cvtsi128_si32(t) + poison;
+        s[i] = dx * (float)(half0 + half1) + poison;
+        hs[2 * i] = dx * (float)half0 + poison;
+        hs[2 * i + 1] = dx * (float)half1 + poison;
     }
 }
 
 typedef struct {
     int8_t *q;
-    float *d, *s;
+    float *d, *s, *h;  /* quantize_rows' d, s and hs */
 } quantized_x;
 
 static int quantize_input(const float *x, int64_t M, int64_t K, quantized_x *qx) {
@@ -96,16 +101,17 @@ static int quantize_input(const float *x, int64_t M, int64_t K, quantized_x *qx)
     qx->q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     qx->d = (float *)malloc(sizeof(float) * (size_t)(M * G));
     qx->s = (float *)malloc(sizeof(float) * (size_t)(M * G));
-    if (!qx->q || !qx->d || !qx->s) {
-        free(qx->q); free(qx->d); free(qx->s);
+    qx->h = (float *)malloc(sizeof(float) * (size_t)(2 * M * G));
+    if (!qx->q || !qx->d || !qx->s || !qx->h) {
+        free(qx->q); free(qx->d); free(qx->s); free(qx->h);
         return -1;
     }
-    quantize_rows(x, M, K, qx->q, qx->d, qx->s);
+    quantize_rows(x, M, K, qx->q, qx->d, qx->s, qx->h);
     return 0;
 }
 
 static void release_input(quantized_x *qx) {
-    free(qx->q); free(qx->d); free(qx->s);
+    free(qx->q); free(qx->d); free(qx->s); free(qx->h);
 }
 
 /* One dword of a row's quantized block (4 bytes) in every 32-bit lane. */
@@ -180,6 +186,48 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));  /* [8] block dots */
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(qx->d[i])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[i]), acc[r]);
+        }
+    }
+}
+
+/* Q4 with a scale per 16 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in
+ * 0..15 (the low nibbles hold elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of
+ * the element's half (block_scale's layout, two vectors a block). Each half's exact byte sum times its scale, minus
+ * 8 d_h times the x half's sum. */
+static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                               int mode, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256 minus8 = _mm256_set1_ps(-8.0f);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *block = codes + g * 128;
+        if (prefetch) {
+            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        }
+        __m256i first[ROWS_TILE], second[ROWS_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
+        for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
+                first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
+                second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+                if (R > 1) __asm__("" : "+x"(first[r]), "+x"(second[r]));  /* as in q4_group */
+            }
+        }
+        const __m256 d0 = block_scale(scales, g, 0, mode, 2, 1), d1 = block_scale(scales, g, 1, mode, 2, 1);
+        const __m256 m0v = _mm256_mul_ps(minus8, d0), m1v = _mm256_mul_ps(minus8, d1);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = (m0 + r) * G + g;
+            const __m256 xd = _mm256_set1_ps(qx->d[i]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(first[r], ones)), _mm256_mul_ps(d0, xd), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(second[r], ones)), _mm256_mul_ps(d1, xd),
+                                     acc[r]);
+            acc[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(qx->h[2 * i]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m1v, _mm256_set1_ps(qx->h[2 * i + 1]), acc[r]);
         }
     }
 }
@@ -329,6 +377,13 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
 int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
                    float *y) {
     BLOCK_MATMUL(q4_group, qs, sc, 128, 2, 2)
+}
+
+/* Q4 with a scale per 16: codes as specdist_q4_mm's (c = q + 8), scales [ceil(N/8), G, 2, 8] as specdist_q8_16_mm's.
+ * y [M, N]. */
+int specdist_q4_16_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
+                      float *y) {
+    BLOCK_MATMUL(q4_16_group, qs, sc, 128, 2, 1)
 }
 
 /* Q8: codes [ceil(N/8), G, 256] signed bytes, scales [ceil(N/8), G, 8] (q8_group's layout; pack_q8).
@@ -830,12 +885,12 @@ typedef struct {
     const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16 or LIN_Q8M; a block kind may carry
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M or LIN_Q4_16; a block kind may carry
                           * LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_HALF_SCALES = 16,
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_HALF_SCALES = 16,
        LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
@@ -853,6 +908,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q4_16: rc = specdist_q4_16_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

@@ -84,14 +84,15 @@ LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M = 0, 1, 2, 3, 4, 5, 6
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 = 0, 1, 2, 3, 4, 5, 6, 7
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16}  # packed floats a block of a group of 8 rows
+Q4_KINDS = (LIN_Q4, LIN_Q4_16)  # codes packed by pack_q4, run by q4_mm
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16}  # packed floats a block, 8 rows
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2)}
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2)}
 
 
 def _cache_dir() -> str:
@@ -136,7 +137,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm):
+    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm, lib.specdist_q4_16_mm):
         # (x, M, K, codes, scales, scale mode: SCALE_MODES, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
         fn.restype = ctypes.c_int
@@ -297,12 +298,20 @@ def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
     return y
 
 
-def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q4 blocks packed by :func:`pack_q4`
-    (``w = d * c + m``)."""
+def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q4) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q4 blocks packed by :func:`pack_q4` as ``kind``:
+    ``LIN_Q4`` (``w = d * c + m``) or ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16 elements, scales packed as
+    ``LIN_Q8_16``'s)."""
     if torch.compiler.is_compiling():
-        return torch.ops.specdist.q4_mm(x, codes, scales, n)
-    return _call(library().specdist_q4_mm, x, codes, scales, n, LIN_Q4)
+        return torch.ops.specdist.q4_mm(x, codes, scales, n, kind)
+    return _call(_q4_fn(kind), x, codes, scales, n, kind)
+
+
+def _q4_fn(kind: int):
+    """The Q4 kernel of ``kind``."""
+    if kind not in Q4_KINDS:
+        raise ValueError(f"q4_mm: kind {kind} is not one of the Q4 kinds {Q4_KINDS}")
+    return library().specdist_q4_mm if kind == LIN_Q4 else library().specdist_q4_16_mm
 
 
 def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q8) -> torch.Tensor:
@@ -448,7 +457,7 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
 
 class BlockLinear(ctypes.Structure):
     """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
-    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
+    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``, ``LIN_Q4_16``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
     ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind carries its scales' flag
     (:func:`scales_kind`)."""
@@ -605,8 +614,8 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, 
 
 
 @torch.library.custom_op("specdist::q4_mm", mutates_args=())
-def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    return _call(library().specdist_q4_mm, x, codes, scales, n, LIN_Q4)
+def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    return _call(_q4_fn(kind), x, codes, scales, n, kind)
 
 
 @torch.library.custom_op("specdist::q8_mm", mutates_args=())
@@ -615,7 +624,7 @@ def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, k
 
 
 @_q4_op.register_fake
-def _(x, codes, scales, n):
+def _(x, codes, scales, n, kind):
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 

@@ -34,7 +34,7 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
   with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
   with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
-  segments), repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per
+  segments), Q3_K as nibbles with its two scales a block, repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per
   block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
   float32.
@@ -147,7 +147,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" / "q8m" where cpu_kernels run them (x86 CPUs with AVX2, BLOCK_KINDS), else
+        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" where cpu_kernels run them (x86 CPUs with AVX2, BLOCK_KINDS), else
         # None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -199,8 +199,8 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            if self.blocks == "q4":
-                y = cpu_kernels.q4_mm(x2, self.packed, self.scales_and_zeros, self.out_features)  # [n, out] float32
+            if self.blocks in ("q4", "q4_16"):  # [n, out] float32
+                y = cpu_kernels.q4_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
             else:
                 y = cpu_kernels.q8_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
         else:
@@ -258,7 +258,8 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q6_K back from its four int4 segments (see the module doc) as signed bytes ``q - 32`` with a scale
-    per 16 elements, packed for cpu_kernels.q8_mm."""
+    per 16 elements, packed for cpu_kernels.q8_mm; where every code fits in 4 bits (Q3_K's, -4..3), as nibbles
+    ``q - 32 + 8`` for cpu_kernels.q4_mm's ``LIN_Q4_16`` instead, half the code bytes."""
     out, k = codes.shape[0], codes.shape[1] // 4
     codes = codes.to(torch.int16).reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
@@ -271,7 +272,13 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     half = torch.arange(2)
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
     q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
-    return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d.transpose(1, 2).reshape(out, 2 * (k // GROUP))))
+    d16 = d.transpose(1, 2).reshape(out, 2 * (k // GROUP))  # [out, K / 16]
+    if int(q.min()) >= -8 and int(q.max()) <= 7:  # 4-bit codes (Q3_K's -4..3): nibbles c = q + 8, half the bytes
+        c = (q + 8).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
+        _, scales_packed = cpu_kernels.pack_q8(q.to(torch.int8), d16)
+        return ("q4_16", cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, d16.new_zeros(out, 2, k // GROUP))[0],
+                scales_packed)
+    return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d16))
 
 
 def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
@@ -291,7 +298,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
     elif blocks == "q8m" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
         d = scales[:, g:]
         exact = torch.equal(prod[..., 0], d) and torch.equal(zeros[:, g:], 8 * d + f[..., 1] * ints[..., 1].float())
-    elif blocks == "q8_16" and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
+    elif blocks in ("q8_16", "q4_16") and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
         exact = torch.equal(prod, scales.reshape(out, 4, g)[:, 2:].permute(0, 2, 1))
     else:
         return packed
@@ -302,7 +309,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _q6_blocks}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
-               "q8m": cpu_kernels.LIN_Q8M}
+               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16}
 
 
 def untie_lm_head(model: nn.Module) -> None:
