@@ -50,12 +50,12 @@ from test_exactness_frequency import sample_engine, speculative_law
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
-ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K: 256-wide rows)
-REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q3_K": 4, "Q6_K": 4}  # int4 segments a weight (else 1)
+ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # every type native runs (K: 256-wide rows)
+REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_K": 4}  # int4 segments a weight (else 1)
 # the CPU kernel each runs on ("q4" for the others)
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # types whose block scales are float16 in the file
-K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # types whose scales are a float16 factor per 256 times integers
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q3_K": "q4_16", "Q6_K": "q8_16"}
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # types whose scales are a float16 factor per 256 times integers
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q2_K": "q4m_16", "Q3_K": "q4_16", "Q6_K": "q8_16"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -103,6 +103,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
         return q5_k_bytes(rows, cols, seed, scale=std / 250)
     if kind == "Q3_K":
         return q3_k_bytes(rows, cols, seed, scale=std / 80)
+    if kind == "Q2_K":
+        return q2_k_bytes(rows, cols, seed, scale=std / 20)
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal((rows, cols)) * std + rng.standard_normal((rows, 1)) * std).astype(np.float32)
     return gguf.quants.quantize(a, Q[kind])
@@ -134,7 +136,7 @@ def test_int4_linear_computes_its_dequantized_weight(kind, int4_backend):
 @pytest.mark.parametrize("kind", K_TYPES)
 def test_k_quant_scales_stay_in_their_file_form(kind):
     """On the CPU kernels a K-quant keeps its scales as the file holds them (native.super_scales: a float16 factor
-    per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K and Q3_K give
+    per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K, Q3_K and Q2_K give
     the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32 path recomputes (zero - 8 d), stay within
     the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
     the groups' scales (a tampered integer) keep the float32 scales; rows stand alone as in the batch; a column cut
@@ -145,7 +147,7 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     raw = _quantized(48, cols, kind, seed=K_TYPES.index(kind) + 40)
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
     factors, ints = native.super_scales(raw, kind, cols)
-    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, 2)
+    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, 4 if kind == "Q2_K" else 2)
     flt = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat, super_scales=(factors, ints))
     assert lin.blocks == flt.blocks == BLOCKS.get(kind, "q4")
@@ -153,7 +155,7 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     assert lin.scales_and_zeros.nbytes * 2 < flt.scales_and_zeros.nbytes
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(2))
     y = lin(x)
-    if kind in ("Q6_K", "Q3_K"):
+    if kind in ("Q6_K", "Q3_K", "Q2_K"):
         assert torch.equal(y, flt(x))
     _assert_int4_matmul(lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x,
                         True)
@@ -309,6 +311,16 @@ def q5_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, nb * 176))
 
 
+def q2_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random Q2_K super-blocks ``[rows, cols / 256 * 84]`` uint8: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes
+    (random bytes are valid), then fp16 d and dmin in [0.1, 2] x ``scale`` (weights up to about 3 * 15 * d)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 256
+    rest = rng.integers(0, 256, (rows, nb, 80), dtype=np.uint8)
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 2)).astype(np.float16).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([rest, d], -1).reshape(rows, nb * 84))
+
+
 def q3_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q3_K super-blocks ``[rows, cols / 256 * 110]`` uint8: 32 bytes of mask bits, 64 of 2-bit codes, 12 of
     6-bit scales (random bytes are valid), and an fp16 d in [0.1, 2] x ``scale`` (weights up to about 4 * 32 * d)."""
@@ -328,7 +340,7 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    packers = {"Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes}
+    packers = {"Q2_K": q2_k_bytes, "Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes}
     raw = packers[kind](rows, cols, 11) if kind.endswith("_K") else \
         gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
@@ -590,10 +602,14 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
-# what llama.cpp's Q3_K_M, Q4_K_M and Q5_K_M write: Q3_K / Q4_K / Q5_K, larger types for value / down projections
+# what llama.cpp's Q2_K, Q3_K_M, Q4_K_M and Q5_K_M write: Q2_K / Q3_K / Q4_K / Q5_K, larger types for value / down projections
 # in some layers and a Q6_K head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width);
 # layer 0 of each mixes kinds in q/k/v (no fusion)
 K_MIXES = {
+    "Q2_K": [dict(attn_q="Q2_K", attn_k="Q2_K", attn_v="Q3_K", attn_output="Q3_K", ffn_gate="Q2_K", ffn_up="Q2_K",
+                  ffn_down="Q4_K"),
+             dict(attn_q="Q2_K", attn_k="Q2_K", attn_v="Q4_K", attn_output="Q3_K", ffn_gate="Q2_K", ffn_up="Q2_K",
+                  ffn_down="Q3_K")],
     "Q4_K_M": [dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
                     ffn_down="Q6_K"),
                dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",

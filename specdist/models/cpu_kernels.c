@@ -9,6 +9,7 @@
  *   Q8_16 (GGUF Q6_K, Q3_K): signed codes c (Q6_K: q - 32) and a float d per 16 elements (two per block): w = d * c.
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
+ *   Q4M_16 (GGUF Q2_K): codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
@@ -130,14 +131,15 @@ enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_SUPER = 2 };
 /* The 8 rows' scale vector j (0 .. per_block - 1) of block g; mode, per_block and floats are constants after inlining.
  *   SCALES_F32, SCALES_F16: [G, per_block, 8] float32, or float16 values converted exactly.
  *   SCALES_SUPER (GGUF's K-quants, whose scales are a float16 factor per 256 elements times a small integer per block
- *   or per 16): [G / 8] super-blocks of SUPER_BYTES(floats, per_block) bytes. Vector j is factor vector j (floats = 2:
- *   Q4_K's d and -dmin), or the only one, times the block's int8 multipliers j. The product of a float16 value and an
+ *   or per 16): [G / 8] super-blocks of SUPER_BYTES(floats, per_block) bytes. Vector j is the block's int8 multipliers
+ *   j times factor vector j * floats / per_block: the only one (floats = 1), or with floats = 2 (d, -dmin) the first
+ *   for the scales and the second for the offsets (Q4_K: j = 0, 1; Q2_K: j = 0, 1 and 2, 3). The product of a float16 value and an
  *   int8 is exact in float32, so the scale has the bits of the one computed at load, at an eighth of its bytes. */
 static inline __attribute__((always_inline)) __m256 block_scale(const void *s, int64_t g, int j, int mode, int per_block,
                                                                 int floats) {
     if (mode == SCALES_SUPER) {
         const char *sb = (const char *)s + (g / 8) * SUPER_BYTES(floats, per_block);
-        const __m256 factor = _mm256_loadu_ps((const float *)sb + 8 * (floats == 2 ? j : 0));
+        const __m256 factor = _mm256_loadu_ps((const float *)sb + 8 * (j * floats / per_block));
         const __m128i ints = _mm_loadl_epi64((const __m128i *)(sb + 32 * floats + 8 * ((g % 8) * per_block + j)));
         return _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ints)));
     }
@@ -193,12 +195,14 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
 /* Q4 with a scale per 16 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in
  * 0..15 (the low nibbles hold elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of
  * the element's half (block_scale's layout, two vectors a block). Each half's exact byte sum times its scale, minus
- * 8 d_h times the x half's sum. */
-static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
-                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int mode, __m256 *acc) {
+ * 8 d_h times the x half's sum. With mins (GGUF Q2_K): codes c = q, w = d_h c + m_h with an offset per half too
+ * (four vectors a block: d_0, d_1, m_0, m_1). */
+static inline __attribute__((always_inline)) void q4_16_halves(const uint8_t *codes, const void *scales, int64_t G,
+                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                                int mode, int mins, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256 minus8 = _mm256_set1_ps(-8.0f);
+    const int per_block = mins ? 4 : 2, floats = mins ? 2 : 1;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const uint8_t *block = codes + g * 128;
@@ -218,8 +222,10 @@ static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *cod
                 if (R > 1) __asm__("" : "+x"(first[r]), "+x"(second[r]));  /* as in q4_group */
             }
         }
-        const __m256 d0 = block_scale(scales, g, 0, mode, 2, 1), d1 = block_scale(scales, g, 1, mode, 2, 1);
-        const __m256 m0v = _mm256_mul_ps(minus8, d0), m1v = _mm256_mul_ps(minus8, d1);
+        const __m256 d0 = block_scale(scales, g, 0, mode, per_block, floats);
+        const __m256 d1 = block_scale(scales, g, 1, mode, per_block, floats);
+        const __m256 m0v = mins ? block_scale(scales, g, 2, mode, per_block, floats) : _mm256_mul_ps(minus8, d0);
+        const __m256 m1v = mins ? block_scale(scales, g, 3, mode, per_block, floats) : _mm256_mul_ps(minus8, d1);
         for (int r = 0; r < R; ++r) {
             const int64_t i = (m0 + r) * G + g;
             const __m256 xd = _mm256_set1_ps(qx->d[i]);
@@ -230,6 +236,18 @@ static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *cod
             acc[r] = _mm256_fmadd_ps(m1v, _mm256_set1_ps(qx->h[2 * i + 1]), acc[r]);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                               int mode, __m256 *acc) {
+    q4_16_halves(codes, scales, G, qx, m0, R, prefetch, mode, 0, acc);
+}
+
+static inline __attribute__((always_inline)) void q4m_16_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                                int mode, __m256 *acc) {
+    q4_16_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
 }
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
@@ -384,6 +402,13 @@ int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, cons
 int specdist_q4_16_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
                       float *y) {
     BLOCK_MATMUL(q4_16_group, qs, sc, 128, 2, 1)
+}
+
+/* Q4 with a scale and an offset per 16 (GGUF Q2_K: w = d_h q + m_h): codes as specdist_q4_mm's (c = q), scales
+ * [ceil(N/8), G, 4, 8]: the 8 rows' d_0, d_1, m_0, m_1 (block_scale's layout). y [M, N]. */
+int specdist_q4m_16_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
+                       float *y) {
+    BLOCK_MATMUL(q4m_16_group, qs, sc, 128, 4, 2)
 }
 
 /* Q8: codes [ceil(N/8), G, 256] signed bytes, scales [ceil(N/8), G, 8] (q8_group's layout; pack_q8).
@@ -885,12 +910,13 @@ typedef struct {
     const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M or LIN_Q4_16; a block kind may carry
-                          * LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant super-block scales) */
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 or LIN_Q4M_16;
+                          * a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
+                          * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_HALF_SCALES = 16,
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q4M_16 = 8, LIN_HALF_SCALES = 16,
        LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
@@ -909,6 +935,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = specdist_q4_16_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q4M_16: rc = specdist_q4m_16_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

@@ -84,15 +84,16 @@ LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 = 0, 1, 2, 3, 4, 5, 6, 7
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q4M_16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
-Q4_KINDS = (LIN_Q4, LIN_Q4_16)  # codes packed by pack_q4, run by q4_mm
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16}  # packed floats a block, 8 rows
+Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_Q4M_16)  # codes packed by pack_q4, run by q4_mm
+# packed floats a block of a group of 8 rows
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q4M_16: 32}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2)}
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q4M_16: (2, 4)}
 
 
 def _cache_dir() -> str:
@@ -137,7 +138,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm, lib.specdist_q4_16_mm):
+    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm, lib.specdist_q4_16_mm,
+               lib.specdist_q4m_16_mm):
         # (x, M, K, codes, scales, scale mode: SCALE_MODES, N, y)
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
         fn.restype = ctypes.c_int
@@ -240,14 +242,21 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
     per_block = scales.float().reshape(n, g, h)  # [N, G, f]: the floats a block has, in the kernel's order
     if mins is not None:
         per_block = torch.stack([scales.float(), mins.float()], -1)
-    f = per_block.shape[-1]
     pad = -n % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        per_block = torch.cat([per_block, per_block.new_zeros(pad, g, f)])
     packed = codes.reshape(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 256)  # byte 32 j + 4 row + e
+    return packed.contiguous(), pack_scale_vectors(per_block)
+
+
+def pack_scale_vectors(per_block: torch.Tensor) -> torch.Tensor:
+    """Each block's scale vectors ``[N, G, P]`` float32 (in the kernel's order) as the kernels read them:
+    ``[ceil(N/8), G, 8 P]`` (:func:`packed_scales`' dtype), vector j of a block holding the 8 rows' j-th float; zero
+    rows pad the last group."""
+    n, g, f = per_block.shape
+    per_block = torch.cat([per_block.float(), per_block.new_zeros(-n % 8, g, f, dtype=torch.float32)])
     sc = per_block.reshape(-1, 8, g, f).permute(0, 2, 3, 1)  # [N/8, G, f, row]
-    return packed.contiguous(), packed_scales(sc.reshape(-1, g, 8 * f))
+    return packed_scales(sc.reshape(-1, g, 8 * f))
 
 
 def unpack_q8(codes: torch.Tensor, n: int) -> torch.Tensor:
@@ -300,8 +309,9 @@ def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
 
 def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q4) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q4 blocks packed by :func:`pack_q4` as ``kind``:
-    ``LIN_Q4`` (``w = d * c + m``) or ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16 elements, scales packed as
-    ``LIN_Q8_16``'s)."""
+    ``LIN_Q4`` (``w = d * c + m``), ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16 elements, scales packed as
+    ``LIN_Q8_16``'s) or ``LIN_Q4M_16`` (``w = d * c + m``, ``d`` and ``m`` per 16: :func:`pack_scale_vectors` of
+    ``(d_0, d_1, m_0, m_1)`` a block)."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.q4_mm(x, codes, scales, n, kind)
     return _call(_q4_fn(kind), x, codes, scales, n, kind)
@@ -311,7 +321,8 @@ def _q4_fn(kind: int):
     """The Q4 kernel of ``kind``."""
     if kind not in Q4_KINDS:
         raise ValueError(f"q4_mm: kind {kind} is not one of the Q4 kinds {Q4_KINDS}")
-    return library().specdist_q4_mm if kind == LIN_Q4 else library().specdist_q4_16_mm
+    lib = library()
+    return {LIN_Q4: lib.specdist_q4_mm, LIN_Q4_16: lib.specdist_q4_16_mm, LIN_Q4M_16: lib.specdist_q4m_16_mm}[kind]
 
 
 def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q8) -> torch.Tensor:

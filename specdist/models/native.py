@@ -2,9 +2,9 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K or Q6_K by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
-bit for bit; on x86 CPUs the file's scales in float32 and llama.cpp's kernels' arithmetic, elsewhere
+bit for bit; on x86 CPUs the file's scales exactly and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
 are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as those (activations rounded per
 32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). A Q5_0 block's codes ``q - 16`` are signed bytes with
@@ -14,9 +14,10 @@ built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). Q5_1 
 on the Q4 one. A Q6_K tensor's codes run as signed bytes
 ``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
-6-bit scale per 16) run the same way as ``q3 + 32``. Most Q4_K_M and Q5_K_M files hold
+6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and
+an offset per 16) run as nibbles with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold
 Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
-embeddings, F16/F32, Q2_K / IQ linears, and linears whose output rows the int4 kernel cannot tile,
+embeddings, F16/F32, IQ linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
@@ -48,8 +49,9 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 log = logging.getLogger("specdist.load")
 
 # GGUF block types run natively
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-CPU_BLOCKS_ONLY = ("Q3_K", "Q6_K")  # native only where the CPU block kernels run them
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K")  # native only where the CPU block kernels run them
+Q2_K_BYTES = 84  # a Q2_K super-block: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, d, dmin (fp16)
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
 Q3_K_BYTES = 110  # a Q3_K super-block: 32 bytes of mask bits, 64 of 2-bit codes, 12 of 6-bit scales, d (fp16)
 Q5_K_BYTES = 176  # a Q5_K super-block: Q4_K's 16 bytes of scales, 32 of high bits, 128 of low 4 bits for 256
@@ -67,6 +69,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
     rows = raw.shape[0]
     if kind == "Q4_K":
         return _decode_q4_k(raw, rows, cols)
+    if kind == "Q2_K":
+        return _decode_q2_k(raw, rows, cols)
     if kind == "Q6_K":
         return _decode_q6_k(raw, rows, cols)
     if kind == "Q5_K":
@@ -142,13 +146,19 @@ def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A K-quant tensor's scales in their file's form, ``(factors [rows, cols / 256, F] float32, ints
-    [rows, cols / 32, 2] int8)`` (:func:`specdist.models.cpu_kernels.pack_super_scales`), or None for other types.
+    [rows, cols / 32, P] int8)`` (:func:`specdist.models.cpu_kernels.pack_super_scales`), or None for other types.
+    Q2_K: factors ``(d, -dmin)``, a block's ints ``(sc_0, sc_1, m_0, m_1)``, its halves' scales ``d sc`` and offsets
+    ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
     factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. The products are
     :func:`decode_blocks`' scales."""
-    if kind not in ("Q4_K", "Q5_K", "Q6_K", "Q3_K"):
+    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K"):
         return None
     rows, nb = raw.shape[0], cols // 256
+    if kind == "Q2_K":  # factors (d, -dmin), a block's ints (sc_0, sc_1, m_0, m_1): its halves' scales and offsets
+        _, sc, mn, d, dmin = _q2_k_parts(raw, rows, cols)
+        ints = np.concatenate([sc.reshape(rows, -1, 2), mn.reshape(rows, -1, 2)], -1).astype(np.int8)  # [rows, G, 4]
+        return torch.from_numpy(np.stack([d, -dmin], -1)), torch.from_numpy(np.ascontiguousarray(ints))
     size = {"Q4_K": Q4_K_BYTES, "Q5_K": Q5_K_BYTES, "Q6_K": Q6_K_BYTES, "Q3_K": Q3_K_BYTES}[kind]
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)
     if kind in ("Q4_K", "Q5_K"):
@@ -214,6 +224,38 @@ def _decode_q3_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return _q6_segments(q6.reshape(rows, cols), d[..., None] * sc)
 
 
+def _q2_k_parts(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                 np.ndarray]:
+    """Q2_K's codes ``q [rows, cols]`` in 0..3, its 4-bit scales ``sc`` and mins ``m`` per 16 (``[rows, nb, 16]``, in
+    element order) and its fp16 ``d`` and ``dmin`` per super-block (float32 ``[rows, nb]``): ``w = d sc q - dmin m``.
+    Element ``128 n + 32 j + e`` of a super-block has its code at bits ``2 j`` of byte ``32 n + e`` of the 64 code
+    bytes; group of 16 ``i`` has its scale in the low nibble of byte ``i`` of the 16 scale bytes, its min in the high."""
+    nb = cols // 256
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q2_K_BYTES)  # [rows, nb, 84]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = (blocks[..., 16:80].reshape(rows, nb, 2, 1, 32) >> shifts) & 3  # [rows, nb, n, j, e]
+    d = blocks[..., 80:82].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    dmin = blocks[..., 82:84].copy().view(np.float16)[..., 0].astype(np.float32)
+    return q.reshape(rows, cols), blocks[..., :16] & 15, blocks[..., :16] >> 4, d, dmin
+
+
+def _decode_q2_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q2_K as four int4 segments (:mod:`specdist.models.quant`'s layout), each holding one half (16 elements) of
+    every block of 32 and zero weights in the other: the values ``D q`` (codes q, scale D, zero 8 D; code 0 where
+    masked) of the first and the second halves, then the offsets ``M`` (codes 15, scale and zero M / 8; code 7
+    where masked) of both, with ``D = d sc`` and ``M = -dmin m`` per 16 (exact in float32)."""
+    q, sc, mn, d, dmin = _q2_k_parts(raw, rows, cols)
+    scale = torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(rows, cols // 32, 2))  # [rows, G, half]
+    offset = torch.from_numpy((-dmin[..., None] * mn.astype(np.float32)).reshape(rows, cols // 32, 2))
+    first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
+    q = torch.from_numpy(np.ascontiguousarray(q))
+    zero, seven, fifteen = (torch.tensor(v, dtype=torch.uint8) for v in (0, 7, 15))
+    offsets = [torch.where(first, fifteen, seven).expand(rows, cols), torch.where(first, seven, fifteen).expand(rows, cols)]
+    codes = torch.cat([torch.where(first, q, zero), torch.where(first, zero, q), *offsets], 1)  # [rows, 4 cols]
+    da, db, ma, mb = scale[..., 0], scale[..., 1], offset[..., 0] / 8, offset[..., 1] / 8  # [rows, G]
+    return codes, torch.cat([da, db, ma, mb], 1), torch.cat([8 * da, 8 * db, ma, mb], 1), 4
+
+
 def _q6_segments(q: np.ndarray, scale: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes ``q [rows, cols]`` in 0..63 with a scale ``D`` per 16 (``scale [rows, nb, 16]``, exact in float32),
     ``w = D (q - 32)``, as :mod:`specdist.models.quant`'s four int4 segments (codes uint8)."""
@@ -267,7 +309,7 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
         return quantized_copy(target, Int4GroupLinear)
     clone = unfused_copy(target)
     if not use_native_blocks(clone, gguf_path, "draft.method", required=False):
-        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, Q2_K): groups of the floats
+        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ types): groups of the floats
     return clone
 
 
@@ -327,7 +369,7 @@ class NativeTensor:
     scales: torch.Tensor  # [rows, repeat * cols / 32]
     zeros: torch.Tensor  # [rows, repeat * cols / 32]
     repeat: int
-    # K-quants on the CPU kernels: (factors [rows, cols / 256, F], ints [rows, cols / 32, 2]) (super_scales), else None
+    # K-quants on the CPU kernels: (factors [rows, cols / 256, F], ints [rows, cols / 32, P]) (super_scales), else None
     super: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -344,7 +386,7 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
 
     Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
     blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
-    linear that runs natively here; otherwise (``auto``: an F16 file, Q2_K) the model keeps its floats.
+    linear that runs natively here; otherwise (``auto``: an F16 file, IQ types) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}

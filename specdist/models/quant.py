@@ -26,7 +26,9 @@ Q5_1 / Q5_K (``w = d q + m``, ``c8 = q``) with the low half's zero ``8 d + m``. 
 (``h in 0..3``, ``l in 0..15``) with a scale ``D`` per 16 elements, ``w = D (q - 32)``, become four int4 segments
 over a quadrupled input, each holding one half (16 elements) of every block of 32 and zero weights in the other:
 ``16 D (h - 2)`` (codes h, scale 16 D, zero 96 D; code 2 where masked) for the first and the second halves, then
-``D l`` (codes l, scale D, zero 8 D; code 0 where masked) for both, all exact in float32. A float linear
+``D l`` (codes l, scale D, zero 8 D; code 0 where masked) for both, all exact in float32. Q2_K's ``w = D q + M``
+(``q in 0..3``, ``D`` and ``M`` per 16) takes four segments too: ``D q`` (codes q, scale D, zero 8 D; code 0 where
+masked) for each half, then ``M`` (codes 15, scale and zero ``M / 8``; code 7 where masked) for each. A float linear
 quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
@@ -34,8 +36,9 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
   with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
   with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
-  segments), Q3_K as nibbles with its two scales a block, repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per
-  block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
+  segments), Q3_K as nibbles with its two scales a block, Q2_K as nibbles with its two scales and offsets a block,
+  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32 to
+  bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
   float32.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
@@ -147,8 +150,8 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" where cpu_kernels run them (x86 CPUs with AVX2, BLOCK_KINDS), else
-        # None (torch's int4 kernels)
+        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q4m_16" where cpu_kernels run them (x86 CPUs with AVX2,
+        # BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
             self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
@@ -199,7 +202,7 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            if self.blocks in ("q4", "q4_16"):  # [n, out] float32
+            if self.blocks in ("q4", "q4_16", "q4m_16"):  # [n, out] float32
                 y = cpu_kernels.q4_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
             else:
                 y = cpu_kernels.q8_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
@@ -267,8 +270,8 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     if not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, :2], 96 * d) and torch.equal(z[:, 2:], 8 * d)
             and bool((codes[:, 0, :, 1] == 2).all()) and bool((codes[:, 1, :, 0] == 2).all())
             and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
-        raise ValueError("repeat_input=4 holds GGUF Q6_K segments only: scales (16 D, D), zeros (96 D, 8 D), "
-                         "masked codes (2, 0)")
+        raise ValueError("repeat_input=4 holds GGUF Q6_K or Q2_K segments only: Q6_K's scales (16 D, D), zeros "
+                         "(96 D, 8 D), masked codes (2, 0)")
     half = torch.arange(2)
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
     q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
@@ -281,19 +284,58 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d16))
 
 
+def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether four int4 segments are GGUF Q2_K's (native._decode_q2_k): values with zero 8 D and code 0 where masked,
+    then offsets with zero = scale and codes 15 / 7."""
+    out, k = codes.shape[0], codes.shape[1] // 4
+    c = codes.reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
+    s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)
+    return (torch.equal(z[:, :2], 8 * s[:, :2]) and torch.equal(z[:, 2:], s[:, 2:])
+            and not c[:, 0, :, 1].any() and not c[:, 1, :, 0].any()
+            and bool((c[:, 2, :, 0] == 15).all()) and bool((c[:, 2, :, 1] == 7).all())
+            and bool((c[:, 3, :, 0] == 7).all()) and bool((c[:, 3, :, 1] == 15).all()))
+
+
+def _q2_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """GGUF's Q2_K back from its four int4 segments: nibbles q with a scale D and an offset M per 16 (``w = D q + M``:
+    the value segments' scales, 8 times the offset segments'), packed for cpu_kernels.q4_mm's ``LIN_Q4M_16``."""
+    out, k = codes.shape[0], codes.shape[1] // 4
+    g = k // GROUP
+    c = codes.to(torch.uint8).reshape(out, 4, g, 2, GROUP // 2)
+    q = torch.stack([c[:, 0, :, 0], c[:, 1, :, 1]], 2).reshape(out, g, GROUP)  # [out, G, 32]: each half's own segment
+    s = scales.reshape(out, 4, g)
+    per_block = torch.stack([s[:, 0], s[:, 1], 8 * s[:, 2], 8 * s[:, 3]], -1)  # [out, G, 4]: D_0, D_1, M_0, M_1
+    return ("q4m_16", cpu_kernels.pack_q4(q[..., :16] | q[..., 16:] << 4, scales.new_zeros(out, 2, g))[0],
+            cpu_kernels.pack_scale_vectors(per_block))
+
+
+def _four_segments(codes: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Four int4 segments (repeat_input=4): GGUF Q2_K's or Q6_K's (Q3_K's) layout."""
+    if _q2_segments(codes, scales, zeros):
+        return _q2_blocks(codes, scales, zeros)
+    return _q6_blocks(codes, scales, zeros)
+
+
 def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
                   factors: torch.Tensor, ints: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """The block kernels' scales for a K-quant in its file's form (cpu_kernels.pack_super_scales: a float16 factor per
     256 elements times an int8 per block or per 16, 0.09 bytes a weight of Q4_K against 0.25 as float32 pairs) where
     those products are exactly the scales (and offsets) the weight's int4 groups hold; else ``packed``, the float32
-    ones. ``factors [out, in / 256, F]``, ``ints [out, in / 32, 2]``: native.super_scales."""
+    ones. ``factors [out, in / 256, F]``, ``ints [out, in / 32, P]``: native.super_scales."""
     out, k = codes.shape[0], codes.shape[1] // repeat
     g = k // GROUP
-    if k % 256 or factors.shape != (out, k // 256, factors.shape[2]) or ints.shape != (out, g, 2):
+    if k % 256 or factors.shape != (out, k // 256, factors.shape[2]) or ints.shape[:2] != (out, g):
         return packed
     f = factors.float().repeat_interleave(8, 1)  # [out, G, F]: each block's factors
-    prod = f[..., :1] * ints.float()  # [out, G, 2]: factor 0 times both ints
-    if blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
+    prod = f[..., :1] * ints[..., :2].float()  # [out, G, 2]: factor 0 times the first two ints
+    if blocks == "q4m_16" and factors.shape[2] == 2 and ints.shape[2] == 4:  # Q2_K: (d sc_h, -dmin m_h) per half
+        s = scales.reshape(out, 4, g)
+        exact = (torch.equal(prod, s[:, :2].permute(0, 2, 1))
+                 and torch.equal(f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)))
+    elif ints.shape[2] != 2:
+        return packed
+    elif blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
         exact = torch.equal(prod[..., 0], scales) and torch.equal(zeros, 8 * scales + f[..., 1] * ints[..., 1].float())
     elif blocks == "q8m" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
         d = scales[:, g:]
@@ -306,10 +348,10 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 
 
 # repeat_input -> the packer for the CPU block kernels: (Int4GroupLinear.blocks, codes, scales)
-_BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _q6_blocks}
+_BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
-               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16}
+               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q4m_16": cpu_kernels.LIN_Q4M_16}
 
 
 def untie_lm_head(model: nn.Module) -> None:
