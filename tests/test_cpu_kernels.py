@@ -43,14 +43,14 @@ def _q8_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def q4(x, codes, scales):
     """The kernel on GGUF's Q4 layout (codes [N, G, 16], scales [N, 2, G]), packed as a model load packs it."""
-    return cpu_kernels.q4_mm(x, *cpu_kernels.pack_q4(codes, scales), codes.shape[0])
+    return cpu_kernels.block_mm(x, *cpu_kernels.pack_q4(codes, scales), codes.shape[0], cpu_kernels.LIN_Q4)
 
 
 def q8(x, codes, scales, mins=None):
     """The Q8 kernels: a scale per block (Q8_0), per 16 elements (Q6_K), or a scale and an offset per block (Q5_1)."""
     kind = cpu_kernels.LIN_Q8M if mins is not None else \
         cpu_kernels.LIN_Q8_16 if scales.shape[1] * 16 == codes.shape[1] else cpu_kernels.LIN_Q8
-    return cpu_kernels.q8_mm(x, *cpu_kernels.pack_q8(codes, scales, mins), codes.shape[0], kind)
+    return cpu_kernels.block_mm(x, *cpu_kernels.pack_q8(codes, scales, mins), codes.shape[0], kind)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -135,7 +135,7 @@ def test_q8_blocks_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
     with pytest.raises(ValueError, match="one or two a block"):
         cpu_kernels.pack_q8(codes, scales[:, : k // GROUP + 1])
     with pytest.raises(ValueError, match="not those of kind"):  # the kernel of another layout is refused
-        cpu_kernels.q8_mm(x, packed, packed_scales, n, cpu_kernels.LIN_Q8)
+        cpu_kernels.block_mm(x, packed, packed_scales, n, cpu_kernels.LIN_Q8)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -166,12 +166,14 @@ def test_nibbles_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
     _, packed_scales = cpu_kernels.pack_q8(q, scales)
 
     def run(rows):
-        return cpu_kernels.q4_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
+        return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
     y = run(x)
     _check(y, x, _q8_weight(q, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
-    with pytest.raises(ValueError, match="not one of the Q4 kinds"):
-        cpu_kernels.q4_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q8_16)
+    with pytest.raises(ValueError, match="do not hold"):  # Q4 codes under a Q8 kind
+        cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q8_16)
+    with pytest.raises(ValueError, match="not a block kind"):
+        cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_F32)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -190,13 +192,13 @@ def test_nibbles_with_a_scale_and_an_offset_per_16_equal_the_quantized_product(m
     assert packed_scales.shape == (-(-n // 8), k // GROUP, 32)
 
     def run(rows):
-        return cpu_kernels.q4_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4M_16)
+        return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4M_16)
     y = run(x)
     _check(y, x, _q8_weight(q.to(torch.int16), scales) + mins.double().repeat_interleave(16, 1))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
 
 
-KINDS = {"q4": None, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
+KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -215,13 +217,13 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
         packed, sc = cpu_kernels.pack_q4(codes, torch.stack([scales, -8 * scales], 1))
 
         def run(s):
-            return cpu_kernels.q4_mm(x, packed, s, n)
+            return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
     else:
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         packed, sc = cpu_kernels.pack_q8(codes, scales, mins)
 
         def run(s):
-            return cpu_kernels.q8_mm(x, packed, s, n, KINDS[kind])
+            return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
     assert sc.dtype == torch.float16 and sc.is_contiguous()
     assert torch.equal(run(sc), run(sc.float()))
     with pytest.raises(ValueError, match="scales must be contiguous"):
@@ -272,7 +274,7 @@ def test_non_finite_inputs_reach_the_output():
 
 def test_under_torch_compile_the_kernels_are_opaque_ops():
     """Traced by dynamo (aot_eager: the graph without inductor's code generation), the matmuls are the
-    custom ops ``specdist::q4_mm`` / ``q8_mm`` and give the eager bits."""
+    custom op ``specdist::block_mm`` and give the eager bits."""
     k, n = 96, 48
     x = torch.randn(5, k)
     c4 = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8)
@@ -282,7 +284,8 @@ def test_under_torch_compile_the_kernels_are_opaque_ops():
     p4, p8 = cpu_kernels.pack_q4(c4, s4), cpu_kernels.pack_q8(c8, s8)
 
     def f(x):
-        return cpu_kernels.q4_mm(x, *p4, n) + cpu_kernels.q8_mm(torch.relu(x), *p8, n)
+        return (cpu_kernels.block_mm(x, *p4, n, cpu_kernels.LIN_Q4)
+                + cpu_kernels.block_mm(torch.relu(x), *p8, n, cpu_kernels.LIN_Q8))
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), f(x))

@@ -386,52 +386,23 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     release_input(&qx);                                                                             \
     return 0;
 
-/* Every block matmul takes its scales sc in a mode (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts,
- * for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K that is not
- * a multiple of 256. */
+/* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, pack_q8's 256) and its scales sc in a mode
+ * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
+ * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
+ * that is not a multiple of 256. */
+#define DEFINE_MATMUL(NAME, GROUP_FN, CODE_T, CODE_BYTES, PER_BLOCK, FLOATS)                                 \
+    static int NAME(const float *x, int64_t M, int64_t K, const CODE_T *qs, const void *sc, int mode, int64_t N, \
+                    float *y) {                                                                              \
+        BLOCK_MATMUL(GROUP_FN, qs, sc, CODE_BYTES, PER_BLOCK, FLOATS)                                        \
+    }
 
-/* Q4: codes [ceil(N/8), G, 128] bytes, scales [ceil(N/8), G, 16] (q4_group's layout; cpu_kernels.py
- * pack_q4 builds it from GGUF's). y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q4_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
-                   float *y) {
-    BLOCK_MATMUL(q4_group, qs, sc, 128, 2, 2)
-}
-
-/* Q4 with a scale per 16: codes as specdist_q4_mm's (c = q + 8), scales [ceil(N/8), G, 2, 8] as specdist_q8_16_mm's.
- * y [M, N]. */
-int specdist_q4_16_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
-                      float *y) {
-    BLOCK_MATMUL(q4_16_group, qs, sc, 128, 2, 1)
-}
-
-/* Q4 with a scale and an offset per 16 (GGUF Q2_K: w = d_h q + m_h): codes as specdist_q4_mm's (c = q), scales
- * [ceil(N/8), G, 4, 8]: the 8 rows' d_0, d_1, m_0, m_1 (block_scale's layout). y [M, N]. */
-int specdist_q4m_16_mm(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, int mode, int64_t N,
-                       float *y) {
-    BLOCK_MATMUL(q4m_16_group, qs, sc, 128, 4, 2)
-}
-
-/* Q8: codes [ceil(N/8), G, 256] signed bytes, scales [ceil(N/8), G, 8] (q8_group's layout; pack_q8).
- * y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
-                   float *y) {
-    BLOCK_MATMUL(q8_group, qs, sc, 256, 1, 1)
-}
-
-/* Q8 with a scale per 16 elements (GGUF Q6_K: its codes minus 32): codes as specdist_q8_mm's, scales
- * [ceil(N/8), G, 2, 8] (pack_q8 with [N, K/16] scales). y [M, N]. Returns 0, or -1 without memory. */
-int specdist_q8_16_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
-                      float *y) {
-    BLOCK_MATMUL(q8_16_group, qs, sc, 256, 2, 1)
-}
-
-/* Q8 with an offset per block (GGUF Q5_1 and Q5_K: w = d * q + m): codes as specdist_q8_mm's, scales
- * [ceil(N/8), G, 2, 8], the 8 rows' d then their m (pack_q8 with mins). y [M, N]. Returns 0, or -1 without
- * memory. */
-int specdist_q8m_mm(const float *x, int64_t M, int64_t K, const int8_t *qs, const void *sc, int mode, int64_t N,
-                    float *y) {
-    BLOCK_MATMUL(q8m_group, qs, sc, 256, 2, 2)
-}
+DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
+DEFINE_MATMUL(matmul_q4m_16, q4m_16_group, uint8_t, 128, 4, 2) /* Q2_K: (d_0, d_1, m_0, m_1) a block */
+DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
+DEFINE_MATMUL(matmul_q8_16, q8_16_group, int8_t, 256, 2, 1)    /* Q6_K: d per 16 */
+DEFINE_MATMUL(matmul_q8m, q8m_group, int8_t, 256, 2, 2)        /* Q5_1, Q5_K: (d, m) a block */
 
 /* ---------------------------------------------------------------------------------------------
  * Dense float32: y [M, N] = x [M, K] @ W.T, W [N, K] as torch's Linear holds it (row-major, unpacked).
@@ -891,8 +862,8 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  *   x = rms_norm(h) (norm1);  q, k, v = x @ Wqkv.T;  [q, k = each head rms_norm'd (q_norm, k_norm: Qwen3)];
  *   a = specdist_rope_attention(q, k, v);  h += a @ Wo.T;
  *   x = rms_norm(h) (norm2);  g, u = x @ Wgu.T;  h += (silu(g) * u) @ Wdown.T
- * with silu(g) = g / (1 + e^-g). Each matmul is specdist_q4_mm, one of the Q8 kernels or a dense one
- * (float32, bfloat16 or float16 weights) by its weight's kind, plus its bias if any, so a row's result is computed
+ * with silu(g) = g / (1 + e^-g). Each matmul is one of the block kernels or a dense one (float32, bfloat16 or
+ * float16 weights) by its weight's kind (specdist_block_mm's), plus its bias if any, so a row's result is computed
  * as the layer-by-layer calls compute it, alone, whatever the rows around it. The call replaces about ten
  * Python-level operations a layer, over a third of a batch-1 forward's time.
  * lin[6]: Wq, Wk, Wv, Wo [D, Hq hd], Wgu [2 I, D], Wdown [D, I] (n = rows): Wq [Hq hd, D] and so on, or Wq the fused
@@ -931,19 +902,28 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     int rc;
     const int mode = w->kind & LIN_HALF_SCALES ? SCALES_F16 : w->kind & LIN_SUPER_SCALES ? SCALES_SUPER : SCALES_F32;
     switch (w->kind & ~(LIN_HALF_SCALES | LIN_SUPER_SCALES)) {
-    case LIN_Q8: rc = specdist_q8_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q8_16: rc = specdist_q8_16_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q8M: rc = specdist_q8m_mm(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q4_16: rc = specdist_q4_16_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q4M_16: rc = specdist_q4m_16_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q8: rc = matmul_q8(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q8_16: rc = matmul_q8_16(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q8M: rc = matmul_q8m(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q4M_16: rc = matmul_q4m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
-    default: rc = specdist_q4_mm(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    default: rc = matmul_q4(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     }
     if (rc == 0 && w->bias != NULL)
         for (int64_t m = 0; m < M; ++m) add_rows(y + m * w->n, w->bias, w->n);
     return rc;
+}
+
+/* y [M, N] = x [M, K] @ W.T for a block-quantized W (codes and scales as the kind's function above takes them;
+ * kind: a block kind with its scales' flag). Returns 0, -1 without memory, -2 for super-block scales of a K that is not
+ * a multiple of 256. */
+int specdist_block_mm(const float *x, int64_t M, int64_t K, const void *codes, const void *scales, int64_t kind,
+                      int64_t N, float *y) {
+    const block_linear w = {codes, scales, N, kind, NULL};
+    return block_mm(&w, x, M, K, y);
 }
 
 /* y [M, sum n] = x [M, K] @ [W0; W1; ...].T for the parts of one matmul (n = 0 ends them): a single part straight

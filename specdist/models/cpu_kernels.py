@@ -3,8 +3,9 @@ computes them, and attention over the slot KV cache whose rows do not depend on 
 
 **Block matmuls.** torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a GGUF model's Q4
 blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
-:func:`q4_mm` / :func:`q8_mm` compute ``x @ W.T`` on the blocks themselves (:func:`q8_mm` also with a scale
-per 16 elements, GGUF Q6_K's codes as signed bytes, or with an offset per block, Q5_1 / Q5_K): each row of ``x`` is
+:func:`block_mm` computes ``x @ W.T`` on the blocks themselves, by the weight's kind: nibbles with a scale and an
+offset per block (Q4_0 / Q4_1 / Q4_K), signed bytes with a scale per block (Q8_0 / Q5_0) or per 16 (Q6_K), bytes
+with an offset per block (Q5_1 / Q5_K), nibbles with a scale per 16 (Q3_K) or with both per 16 (Q2_K): each row of ``x`` is
 quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
 an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
 :func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
@@ -59,8 +60,8 @@ threads in the process's OpenMP runtime (the ``libgomp`` torch already loaded), 
 ``torch.set_num_threads`` governs both. :func:`available` is False on CPUs without AVX2, where
 no compiler works, or with ``SPECDIST_CPU_KERNELS=0``; callers then use torch's kernels.
 
-Under ``torch.compile`` the two matmuls are the custom ops ``specdist::q4_mm`` /
-``specdist::q8_mm`` (opaque to inductor); eager calls go straight to the library.
+Under ``torch.compile`` the block matmul is the custom op ``specdist::block_mm`` (opaque to inductor); eager calls
+go straight to the library.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
-Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8, run by q8_mm
-Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_Q4M_16)  # codes packed by pack_q4, run by q4_mm
+Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
+Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_Q4M_16)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
 # packed floats a block of a group of 8 rows
 _SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q4M_16: 32}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
@@ -138,11 +139,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.specdist_q4_mm, lib.specdist_q8_mm, lib.specdist_q8_16_mm, lib.specdist_q8m_mm, lib.specdist_q4_16_mm,
-               lib.specdist_q4m_16_mm):
-        # (x, M, K, codes, scales, scale mode: SCALE_MODES, N, y)
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
-        fn.restype = ctypes.c_int
+    lib.specdist_block_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]  # (x, M, K, codes, scales, kind, N, y)
+    lib.specdist_block_mm.restype = ctypes.c_int
     for fn in (lib.specdist_f32_mm, lib.specdist_bf16_mm, lib.specdist_f16_mm):
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
         fn.restype = ctypes.c_int
@@ -180,7 +178,7 @@ def available() -> bool:
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q4 blocks in :func:`q4_mm`'s layout. ``codes [N, G, 16]`` uint8 (byte i of a block: element i
+    """GGUF's Q4 blocks in :func:`block_mm`'s Q4 layout. ``codes [N, G, 16]`` uint8 (byte i of a block: element i
     in the low nibble, i + 16 in the high), ``scales [N, 2, G]`` float32 (each row's d, then its m).
     Returns ``codes [ceil(N/8), G, 128]`` uint8 and ``scales [ceil(N/8), G, 16]`` (:func:`packed_scales`'
     dtype): rows in groups of 8 (zero rows pad the last), a block's vector j holding 4 elements of each row (the
@@ -227,7 +225,7 @@ def packed_scales(scales: torch.Tensor) -> torch.Tensor:
 
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
             mins: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8 blocks in :func:`q8_mm`'s layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
+    """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
     block: GGUF Q8_0, kind ``LIN_Q8``) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K, ``LIN_Q8_16``);
     ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
     Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` (:func:`packed_scales`' dtype; the C file's
@@ -291,54 +289,33 @@ def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
     return kind | _MODE_FLAGS[mode]
 
 
-def _call(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
+    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_Q4M_16`` (``w = d * c + m``, both per 16) on
+    :func:`pack_q4`'s codes; ``LIN_Q8`` (``w = d * c``), ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``)
+    on :func:`pack_q8`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`' layout for the kind (vectors
+    a block: ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or :func:`pack_super_scales`'."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdist.block_mm(x, codes, scales, n, kind)
+    return _block_mm(x, codes, scales, n, kind)
+
+
+def _block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     x = _dense(x, torch.float32)  # [M, K]
     m, k = x.shape
-    if codes.shape[0] != -(-n // 8) or codes.shape[1] * GROUP != k:
-        raise ValueError(f"block kernel: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs")
-    scales_kind(kind, scales)
-    mode = SCALE_MODES[scales.dtype]
+    if kind not in Q4_KINDS + Q8_KINDS:
+        raise ValueError(f"block_mm: kind {kind} is not a block kind ({Q4_KINDS + Q8_KINDS})")
+    if codes.shape != (-(-n // 8), k // GROUP, 128 if kind in Q4_KINDS else 256) or k % GROUP:
+        raise ValueError(f"block_mm: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs of kind {kind}")
+    flagged = scales_kind(kind, scales)
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
-    rc = fn(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), mode, n, y.data_ptr()) if m else 0
+    rc = library().specdist_block_mm(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), flagged, n,
+                                     y.data_ptr()) if m else 0
     if rc == -2:
-        raise ValueError(f"block kernel: super-block scales need inputs in multiples of 256, not {k}")
+        raise ValueError(f"block_mm: super-block scales need inputs in multiples of 256, not {k}")
     if rc:
-        raise MemoryError(f"block kernel: no memory to quantize a [{m}, {k}] input")
+        raise MemoryError(f"block_mm: no memory to quantize a [{m}, {k}] input")
     return y
-
-
-def q4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q4) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q4 blocks packed by :func:`pack_q4` as ``kind``:
-    ``LIN_Q4`` (``w = d * c + m``), ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16 elements, scales packed as
-    ``LIN_Q8_16``'s) or ``LIN_Q4M_16`` (``w = d * c + m``, ``d`` and ``m`` per 16: :func:`pack_scale_vectors` of
-    ``(d_0, d_1, m_0, m_1)`` a block)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.specdist.q4_mm(x, codes, scales, n, kind)
-    return _call(_q4_fn(kind), x, codes, scales, n, kind)
-
-
-def _q4_fn(kind: int):
-    """The Q4 kernel of ``kind``."""
-    if kind not in Q4_KINDS:
-        raise ValueError(f"q4_mm: kind {kind} is not one of the Q4 kinds {Q4_KINDS}")
-    lib = library()
-    return {LIN_Q4: lib.specdist_q4_mm, LIN_Q4_16: lib.specdist_q4_16_mm, LIN_Q4M_16: lib.specdist_q4m_16_mm}[kind]
-
-
-def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int = LIN_Q8) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in Q8 blocks packed by :func:`pack_q8` as ``kind``:
-    ``LIN_Q8`` (``w = d * c``), ``LIN_Q8_16`` (``d`` per 16 elements) or ``LIN_Q8M`` (``w = d * c + m``)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.specdist.q8_mm(x, codes, scales, n, kind)
-    return _call(_q8_fn(kind), x, codes, scales, n, kind)
-
-
-def _q8_fn(kind: int):
-    """The Q8 kernel of ``kind``."""
-    if kind not in Q8_KINDS:
-        raise ValueError(f"q8_mm: kind {kind} is not one of the Q8 kinds {Q8_KINDS}")
-    lib = library()
-    return {LIN_Q8: lib.specdist_q8_mm, LIN_Q8_16: lib.specdist_q8_16_mm, LIN_Q8M: lib.specdist_q8m_mm}[kind]
 
 
 # Rows up to which f32_mm runs a float32 model's layers and head. Default model's layers, torch's GEMM over
@@ -624,22 +601,12 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, 
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("specdist::q4_mm", mutates_args=())
-def _q4_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
-    return _call(_q4_fn(kind), x, codes, scales, n, kind)
+@torch.library.custom_op("specdist::block_mm", mutates_args=())
+def _block_mm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    return _block_mm(x, codes, scales, n, kind)
 
 
-@torch.library.custom_op("specdist::q8_mm", mutates_args=())
-def _q8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
-    return _call(_q8_fn(kind), x, codes, scales, n, kind)
-
-
-@_q4_op.register_fake
-def _(x, codes, scales, n, kind):
-    return x.new_empty(x.shape[0], n, dtype=torch.float32)
-
-
-@_q8_op.register_fake
+@_block_mm_op.register_fake
 def _(x, codes, scales, n, kind):
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 

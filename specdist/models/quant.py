@@ -109,8 +109,8 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         if self.block_codes is not None:
-            y = cpu_kernels.q8_mm(x.reshape(-1, self.in_features), self.block_codes, self.block_scales,
-                                  self.out_features)  # [n, out]
+            y = cpu_kernels.block_mm(x.reshape(-1, self.in_features), self.block_codes, self.block_scales,
+                                     self.out_features, cpu_kernels.LIN_Q8)  # [n, out]
             return _shaped(y, lead, x.dtype, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
         if self.in_features % _KERNEL_K_MULTIPLE == 0:
@@ -202,10 +202,8 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            if self.blocks in ("q4", "q4_16", "q4m_16"):  # [n, out] float32
-                y = cpu_kernels.q4_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
-            else:
-                y = cpu_kernels.q8_mm(x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks])
+            y = cpu_kernels.block_mm(x2, self.packed, self.scales_and_zeros, self.out_features,
+                                     BLOCK_KINDS[self.blocks])  # [n, out] float32
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
             if self.repeat_input > 1:
@@ -235,7 +233,7 @@ def _shaped(y: torch.Tensor, lead: tuple, dtype: torch.dtype, bias: torch.Tensor
 
 
 def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """GGUF's Q4 blocks (``w = d * c + m``, here ``m = zero - 8 * scale``) packed for cpu_kernels.q4_mm."""
+    """GGUF's Q4 blocks (``w = d * c + m``, here ``m = zero - 8 * scale``) packed for cpu_kernels.block_mm."""
     out, k = codes.shape
     g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]
     gguf = (g[..., :16] | (g[..., 16:] << 4))  # [out, G, 16]: byte i holds element i low, i + 16 high
@@ -261,8 +259,8 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q6_K back from its four int4 segments (see the module doc) as signed bytes ``q - 32`` with a scale
-    per 16 elements, packed for cpu_kernels.q8_mm; where every code fits in 4 bits (Q3_K's, -4..3), as nibbles
-    ``q - 32 + 8`` for cpu_kernels.q4_mm's ``LIN_Q4_16`` instead, half the code bytes."""
+    per 16 elements (``LIN_Q8_16``); where every code fits in 4 bits (Q3_K's, -4..3), as nibbles ``q - 32 + 8``
+    (``LIN_Q4_16``) instead, half the code bytes."""
     out, k = codes.shape[0], codes.shape[1] // 4
     codes = codes.to(torch.int16).reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
@@ -298,7 +296,7 @@ def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
 
 def _q2_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q2_K back from its four int4 segments: nibbles q with a scale D and an offset M per 16 (``w = D q + M``:
-    the value segments' scales, 8 times the offset segments'), packed for cpu_kernels.q4_mm's ``LIN_Q4M_16``."""
+    the value segments' scales, 8 times the offset segments'), packed for cpu_kernels.block_mm's ``LIN_Q4M_16``."""
     out, k = codes.shape[0], codes.shape[1] // 4
     g = k // GROUP
     c = codes.to(torch.uint8).reshape(out, 4, g, 2, GROUP // 2)
