@@ -177,25 +177,34 @@ def test_nibbles_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_nibbles_with_a_scale_and_an_offset_per_16_equal_the_quantized_product(m, n, k):
-    """Q4 codes with a scale and an offset per 16 (GGUF Q2_K: w = d_h q + m_h, q in 0..3; LIN_Q4M_16): each half's
-    exact byte sum times its scale plus its offset times the x half's sum; rows stand alone as in the batch."""
+def test_two_bit_codes_with_a_scale_and_an_offset_per_16_equal_the_quantized_product(m, n, k):
+    """2-bit codes with a scale and an offset per 16 (GGUF Q2_K: w = d_h q + m_h, q in 0..3; LIN_Q2M_16): each half's
+    exact byte sum times its scale plus its offset times the x half's sum; rows stand alone as in the batch; the
+    packing holds every code where the kernel reads it (one code set at a time)."""
     g = torch.Generator().manual_seed(m * 1000 + n + 216)
     x = torch.randn(m, k, generator=g)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)  # any nibble works; Q2_K's are 0..3
+    q = torch.randint(0, 4, (n, k), dtype=torch.uint8, generator=g)
     scales = torch.rand(n, k // 16, generator=g) * 0.02
     mins = -torch.rand(n, k // 16, generator=g) * 0.1
-    c = q.reshape(n, k // GROUP, GROUP)
-    codes, _ = cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, torch.zeros(n, 2, k // GROUP))
+    codes = cpu_kernels.pack_q2(q.reshape(n, k // GROUP, GROUP))
+    assert codes.shape == (-(-n // 8), k // GROUP, 64)
     per_block = torch.cat([scales.reshape(n, -1, 2), mins.reshape(n, -1, 2)], -1)  # [n, G, 4]: d_0, d_1, m_0, m_1
     packed_scales = cpu_kernels.pack_scale_vectors(per_block)
     assert packed_scales.shape == (-(-n // 8), k // GROUP, 32)
 
-    def run(rows):
-        return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4M_16)
+    def run(rows, c=codes):
+        return cpu_kernels.block_mm(rows, c, packed_scales, n, cpu_kernels.LIN_Q2M_16)
     y = run(x)
     _check(y, x, _q8_weight(q.to(torch.int16), scales) + mins.double().repeat_interleave(16, 1))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
+    # one code of one row set (3) among zeros: only that weight's column of x times its scale reaches that output
+    one = torch.zeros(n, k, dtype=torch.uint8)
+    row, col = n // 2, k - 7
+    one[row, col] = 3
+    y1 = run(x, cpu_kernels.pack_q2(one.reshape(n, k // GROUP, GROUP)))
+    w1 = mins.double().repeat_interleave(16, 1)
+    w1[row, col] += 3 * float(scales[row, col // 16])
+    _check(y1, x, w1)
 
 
 KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}

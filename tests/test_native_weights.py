@@ -55,7 +55,7 @@ REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_
 # the CPU kernel each runs on ("q4" for the others)
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # types whose block scales are float16 in the file
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # types whose scales are a float16 factor per 256 times integers
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q2_K": "q4m_16", "Q3_K": "q4_16", "Q6_K": "q8_16"}
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q8_16"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:

@@ -9,7 +9,7 @@
  *   Q8_16 (GGUF Q6_K, Q3_K): signed codes c (Q6_K: q - 32) and a float d per 16 elements (two per block): w = d * c.
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
- *   Q4M_16 (GGUF Q2_K): codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
+ *   Q2M_16 (GGUF Q2_K): 2-bit codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
@@ -192,29 +192,40 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
     }
 }
 
-/* Q4 with a scale per 16 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in
- * 0..15 (the low nibbles hold elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of
- * the element's half (block_scale's layout, two vectors a block). Each half's exact byte sum times its scale, minus
- * 8 d_h times the x half's sum. With mins (GGUF Q2_K): codes c = q, w = d_h c + m_h with an offset per half too
- * (four vectors a block: d_0, d_1, m_0, m_1). */
-static inline __attribute__((always_inline)) void q4_16_halves(const uint8_t *codes, const void *scales, int64_t G,
-                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                                int mode, int mins, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+/* Codes with a scale per 16, each half of a block summed apart. Without mins (GGUF Q3_K, and Q6_K tensors whose codes
+ * fit in 4 bits): q4_group's codes c = q + 8 in 0..15 (the low nibbles hold elements 0..15 of a block, the high ones
+ * 16..31), w = d_h (c - 8) with d_h the scale of the element's half (block_scale's layout, two vectors a block): each
+ * half's exact byte sum times its scale, minus 8 d_h times the x half's sum. With mins (GGUF Q2_K): 2-bit codes c = q
+ * in 0..3, [G, 2, 32] bytes: byte 4 c + e of vector h holds element 16 h + 4 j + e of row c at bits 2 j, and
+ * w = d_h c + m_h with an offset per half (four vectors a block: d_0, d_1, m_0, m_1). */
+static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes, const void *scales, int64_t G,
+                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                             int mode, int mins, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
     const __m256 minus8 = _mm256_set1_ps(-8.0f);
-    const int per_block = mins ? 4 : 2, floats = mins ? 2 : 1;
+    const int per_block = mins ? 4 : 2, floats = mins ? 2 : 1, block_bytes = mins ? 64 : 128;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-        const uint8_t *block = codes + g * 128;
+        const uint8_t *block = codes + g * block_bytes;
         if (prefetch) {
             _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            if (!mins) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
         __m256i first[ROWS_TILE], second[ROWS_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
         for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+        /* 2-bit codes: the block's two vectors (one a half), loaded once for its four shifts */
+        const __m256i half0 = mins ? _mm256_loadu_si256((const __m256i *)block) : _mm256_setzero_si256();
+        const __m256i half1 = mins ? _mm256_loadu_si256((const __m256i *)(block + 32)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
-            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            __m256i lo, hi;
+            if (mins) {
+                lo = _mm256_and_si256(_mm256_srli_epi16(half0, 2 * j), low2);
+                hi = _mm256_and_si256(_mm256_srli_epi16(half1, 2 * j), low2);
+            } else {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+                lo = _mm256_and_si256(raw, low4);
+                hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
             for (int r = 0; r < R; ++r) {
                 const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
                 first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
@@ -241,13 +252,13 @@ static inline __attribute__((always_inline)) void q4_16_halves(const uint8_t *co
 static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                int mode, __m256 *acc) {
-    q4_16_halves(codes, scales, G, qx, m0, R, prefetch, mode, 0, acc);
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 0, acc);
 }
 
-static inline __attribute__((always_inline)) void q4m_16_group(const uint8_t *codes, const void *scales, int64_t G,
+static inline __attribute__((always_inline)) void q2m_16_group(const uint8_t *codes, const void *scales, int64_t G,
                                                                 const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                 int mode, __m256 *acc) {
-    q4_16_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
 }
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
@@ -387,7 +398,7 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     return 0;
 
 /* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
- * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, pack_q8's 256) and its scales sc in a mode
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, pack_q8's 256, pack_q2's 64) and its scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
  * that is not a multiple of 256. */
@@ -399,7 +410,7 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
 
 DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
 DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
-DEFINE_MATMUL(matmul_q4m_16, q4m_16_group, uint8_t, 128, 4, 2) /* Q2_K: (d_0, d_1, m_0, m_1) a block */
+DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
 DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
 DEFINE_MATMUL(matmul_q8_16, q8_16_group, int8_t, 256, 2, 1)    /* Q6_K: d per 16 */
 DEFINE_MATMUL(matmul_q8m, q8m_group, int8_t, 256, 2, 2)        /* Q5_1, Q5_K: (d, m) a block */
@@ -881,13 +892,13 @@ typedef struct {
     const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 or LIN_Q4M_16;
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 or LIN_Q2M_16;
                           * a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
                           * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q4M_16 = 8, LIN_HALF_SCALES = 16,
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8, LIN_HALF_SCALES = 16,
        LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
@@ -906,7 +917,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     case LIN_Q8_16: rc = matmul_q8_16(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q8M: rc = matmul_q8m(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q4M_16: rc = matmul_q4m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q2M_16: rc = matmul_q2m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

@@ -85,16 +85,18 @@ LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q4M_16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
-Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_Q4M_16)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
+Q4_KINDS = (LIN_Q4, LIN_Q4_16)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
+# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's
+CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, **{k: 256 for k in Q8_KINDS}, LIN_Q2M_16: 64}
 # packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q4M_16: 32}
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q4M_16: (2, 4)}
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4)}
 
 
 def _cache_dir() -> str:
@@ -223,6 +225,17 @@ def packed_scales(scales: torch.Tensor) -> torch.Tensor:
     return (half if exact else scales).contiguous()
 
 
+def pack_q2(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes ``[N, G, 32]`` (0..3, element order) in :func:`block_mm`'s ``LIN_Q2M_16`` layout:
+    ``[ceil(N/8), G, 64]`` uint8, per block two vectors (one a half of it) whose byte ``4 c + e`` holds element
+    ``16 h + 4 j + e`` of row ``c`` at bits ``2 j`` (the C file's ``halves_16``); zero rows pad the last group."""
+    n, g, _ = codes.shape
+    codes = torch.cat([codes.to(torch.uint8), codes.new_zeros(-n % 8, g, GROUP, dtype=torch.uint8)])
+    c = codes.reshape(-1, 8, g, 2, 4, 4)  # [N/8, row, G, half, j, e]
+    packed = c[..., 0, :] | c[..., 1, :] << 2 | c[..., 2, :] << 4 | c[..., 3, :] << 6  # [N/8, row, G, half, e]
+    return packed.permute(0, 2, 3, 1, 4).reshape(-1, g, 64).contiguous()  # byte 32 h + 4 row + e
+
+
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
             mins: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
@@ -291,9 +304,9 @@ def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
 
 def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
-    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_Q4M_16`` (``w = d * c + m``, both per 16) on
-    :func:`pack_q4`'s codes; ``LIN_Q8`` (``w = d * c``), ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``)
-    on :func:`pack_q8`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`' layout for the kind (vectors
+    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16) on :func:`pack_q4`'s codes; ``LIN_Q8`` (``w = d * c``),
+    ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
+    (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`' layout for the kind (vectors
     a block: ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or :func:`pack_super_scales`'."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.block_mm(x, codes, scales, n, kind)
@@ -303,9 +316,9 @@ def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
 def _block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     x = _dense(x, torch.float32)  # [M, K]
     m, k = x.shape
-    if kind not in Q4_KINDS + Q8_KINDS:
-        raise ValueError(f"block_mm: kind {kind} is not a block kind ({Q4_KINDS + Q8_KINDS})")
-    if codes.shape != (-(-n // 8), k // GROUP, 128 if kind in Q4_KINDS else 256) or k % GROUP:
+    if kind not in CODE_BYTES:
+        raise ValueError(f"block_mm: kind {kind} is not a block kind ({tuple(CODE_BYTES)})")
+    if codes.shape != (-(-n // 8), k // GROUP, CODE_BYTES[kind]) or k % GROUP:
         raise ValueError(f"block_mm: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs of kind {kind}")
     flagged = scales_kind(kind, scales)
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]

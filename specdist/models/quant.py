@@ -36,7 +36,7 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
   with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
   with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
-  segments), Q3_K as nibbles with its two scales a block, Q2_K as nibbles with its two scales and offsets a block,
+  segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a block,
   repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32 to
   bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
@@ -150,7 +150,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q4m_16" where cpu_kernels run them (x86 CPUs with AVX2,
+        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q2m_16" where cpu_kernels run them (x86 CPUs with AVX2,
         # BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -283,28 +283,28 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 
 def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
-    """Whether four int4 segments are GGUF Q2_K's (native._decode_q2_k): values with zero 8 D and code 0 where masked,
-    then offsets with zero = scale and codes 15 / 7."""
+    """Whether four int4 segments are GGUF Q2_K's (native._decode_q2_k): values (codes 0..3) with zero 8 D and code 0
+    where masked, then offsets with zero = scale and codes 15 / 7."""
     out, k = codes.shape[0], codes.shape[1] // 4
     c = codes.reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)
-    return (torch.equal(z[:, :2], 8 * s[:, :2]) and torch.equal(z[:, 2:], s[:, 2:])
+    return (torch.equal(z[:, :2], 8 * s[:, :2]) and torch.equal(z[:, 2:], s[:, 2:]) and int(c[:, :2].max()) <= 3
             and not c[:, 0, :, 1].any() and not c[:, 1, :, 0].any()
             and bool((c[:, 2, :, 0] == 15).all()) and bool((c[:, 2, :, 1] == 7).all())
             and bool((c[:, 3, :, 0] == 7).all()) and bool((c[:, 3, :, 1] == 15).all()))
 
 
 def _q2_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """GGUF's Q2_K back from its four int4 segments: nibbles q with a scale D and an offset M per 16 (``w = D q + M``:
-    the value segments' scales, 8 times the offset segments'), packed for cpu_kernels.block_mm's ``LIN_Q4M_16``."""
+    """GGUF's Q2_K back from its four int4 segments: codes q (0..3) with a scale D and an offset M per 16 (``w = D q + M``:
+    the value segments' scales, 8 times the offset segments'), 2-bit codes packed for cpu_kernels.block_mm's
+    ``LIN_Q2M_16``."""
     out, k = codes.shape[0], codes.shape[1] // 4
     g = k // GROUP
     c = codes.to(torch.uint8).reshape(out, 4, g, 2, GROUP // 2)
     q = torch.stack([c[:, 0, :, 0], c[:, 1, :, 1]], 2).reshape(out, g, GROUP)  # [out, G, 32]: each half's own segment
     s = scales.reshape(out, 4, g)
     per_block = torch.stack([s[:, 0], s[:, 1], 8 * s[:, 2], 8 * s[:, 3]], -1)  # [out, G, 4]: D_0, D_1, M_0, M_1
-    return ("q4m_16", cpu_kernels.pack_q4(q[..., :16] | q[..., 16:] << 4, scales.new_zeros(out, 2, g))[0],
-            cpu_kernels.pack_scale_vectors(per_block))
+    return ("q2m_16", cpu_kernels.pack_q2(q), cpu_kernels.pack_scale_vectors(per_block))
 
 
 def _four_segments(codes: torch.Tensor, scales: torch.Tensor,
@@ -327,7 +327,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
         return packed
     f = factors.float().repeat_interleave(8, 1)  # [out, G, F]: each block's factors
     prod = f[..., :1] * ints[..., :2].float()  # [out, G, 2]: factor 0 times the first two ints
-    if blocks == "q4m_16" and factors.shape[2] == 2 and ints.shape[2] == 4:  # Q2_K: (d sc_h, -dmin m_h) per half
+    if blocks == "q2m_16" and factors.shape[2] == 2 and ints.shape[2] == 4:  # Q2_K: (d sc_h, -dmin m_h) per half
         s = scales.reshape(out, 4, g)
         exact = (torch.equal(prod, s[:, :2].permute(0, 2, 1))
                  and torch.equal(f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)))
@@ -349,7 +349,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
-               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q4m_16": cpu_kernels.LIN_Q4M_16}
+               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16}
 
 
 def untie_lm_head(model: nn.Module) -> None:
