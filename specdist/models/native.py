@@ -15,7 +15,7 @@ on the Q4 one. A Q6_K tensor's codes run as signed bytes
 ``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
 6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and
-an offset per 16) run as nibbles with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold
+an offset per 16) run as 2-bit codes with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold
 Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
 embeddings, F16/F32, IQ linears, and linears whose output rows the int4 kernel cannot tile,
 ``out_features % 16 != 0``) keep the float weights transformers loaded.
