@@ -84,7 +84,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
-# Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights
+# Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights, Q4 codes with a scale
+# per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K)
 LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
@@ -200,8 +201,8 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 def pack_super_scales(factors: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
     """K-quant scales in their file's form, as the kernels read them (the C file's ``block_scale``, mode
     ``SCALES_SUPER``): ``factors [N, G / 8, F]`` float32 (float16 values: a super-block's d, and -dmin where F = 2)
-    and ``ints [N, G, P]`` int8 (each block's multipliers: Q4_K's sc and m, Q6_K's two scales per 16). Scale vector
-    ``j`` of block ``g`` is ``factors[:, g // 8, j if F == 2 else 0] * ints[:, g, j]``. Returns
+    and ``ints [N, G, P]`` int8 (each block's multipliers: Q4_K's sc and m, Q6_K's two scales per 16, Q2_K's two
+    scales and two mins). Scale vector ``j`` of block ``g`` is ``factors[:, g // 8, j * F // P] * ints[:, g, j]``. Returns
     ``[ceil(N/8), G / 8, 32 F + 64 P]`` uint8: per group of 8 rows and super-block, the factors (float32, [F, 8 rows])
     then the 8 blocks' multipliers ([block, P, 8 rows]); zero rows pad the last group."""
     n, sb, f = factors.shape
@@ -306,8 +307,9 @@ def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
     ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16) on :func:`pack_q4`'s codes; ``LIN_Q8`` (``w = d * c``),
     ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
-    (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`' layout for the kind (vectors
-    a block: ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or :func:`pack_super_scales`'."""
+    (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
+    layout for the kind (vectors a block: ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
+    :func:`pack_super_scales`'."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.block_mm(x, codes, scales, n, kind)
     return _block_mm(x, codes, scales, n, kind)
