@@ -276,9 +276,8 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     d16 = d.transpose(1, 2).reshape(out, 2 * (k // GROUP))  # [out, K / 16]
     if int(q.min()) >= -8 and int(q.max()) <= 7:  # 4-bit codes (Q3_K's -4..3): nibbles c = q + 8, half the bytes
         c = (q + 8).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
-        _, scales_packed = cpu_kernels.pack_q8(q.to(torch.int8), d16)
         return ("q4_16", cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, d16.new_zeros(out, 2, k // GROUP))[0],
-                scales_packed)
+                cpu_kernels.pack_scale_vectors(d16.reshape(out, k // GROUP, 2)))
     return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d16))
 
 
