@@ -207,6 +207,30 @@ def test_two_bit_codes_with_a_scale_and_an_offset_per_16_equal_the_quantized_pro
     _check(y1, x, w1)
 
 
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_iq4_indices_equal_the_quantized_product(m, n, k):
+    """4-bit indices into GGUF's IQ4 table of signed bytes with a scale per block (IQ4_NL, IQ4_XS: LIN_IQ4, pack_q4's
+    nibble layout): the bits the Q8 kernel gives on the looked-up bytes (the same exact byte sums), rows standing alone
+    as in the batch; the table's extremes (-127 against inputs of +-127) do not saturate the 16-bit pair sums."""
+    g = torch.Generator().manual_seed(m * 1000 + n + 44)
+    x = torch.randn(m, k, generator=g)
+    x[0, :GROUP] = torch.where(torch.arange(GROUP) % 3 == 0, -1.0, 1.0)  # a block of +-127 bytes
+    idx = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    idx[0] = 0  # the table's -127 throughout a row
+    scales = (torch.rand(n, k // GROUP, generator=g) - 0.5) * 0.02  # IQ4_XS's d (ls - 32) may be negative
+    values = torch.tensor(cpu_kernels.IQ4_VALUES, dtype=torch.int8)[idx.long()]  # [n, k]
+    c = idx.reshape(n, k // GROUP, GROUP)
+    codes, _ = cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, torch.zeros(n, 2, k // GROUP))
+    packed_scales = cpu_kernels.pack_scale_vectors(scales[..., None])
+
+    def run(rows):
+        return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_IQ4)
+    y = run(x)
+    _check(y, x, _q8_weight(values, scales))
+    assert torch.equal(y, q8(x, values, scales))
+    assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
+
+
 KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
 
 

@@ -10,6 +10,7 @@
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
  *   Q2M_16 (GGUF Q2_K): 2-bit codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
+ *   IQ4 (GGUF IQ4_NL and IQ4_XS): 4-bit indices i into IQ4_VALUES (16 signed bytes) and a float d: w = d * v[i].
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
@@ -261,26 +262,41 @@ static inline __attribute__((always_inline)) void q2m_16_group(const uint8_t *co
     halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
 }
 
+/* GGUF's IQ4_NL table (IQ4_XS's too): the signed byte an index of IQ4 codes stands for, twice (one per 128-bit lane, as
+ * vpshufb looks up in each lane). */
+#define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
- * row c; scales (block_scale's layout, halves + mins vectors a block): each row's scale for the block (halves = 1:
- * GGUF Q8_0), or for its elements 0..15 and then 16..31 (halves = 2: GGUF Q6_K's scale per 16), vectors 0-3 holding
- * the first half; with
- * mins = 1 (and halves = 1) each row's offset m next, added as m times the x block's sum (GGUF Q5_1, Q5_K).
+ * row c; or, with iq4 (GGUF IQ4_NL, IQ4_XS), q4_group's nibble layout ([G, 4, 32]) of indices into IQ4_VALUES, looked
+ * up into those bytes once for all the rows of x. Scales (block_scale's layout, halves + mins vectors a block): each
+ * row's scale for the block (halves = 1: GGUF Q8_0), or for its elements 0..15 and then 16..31 (halves = 2: GGUF
+ * Q6_K's scale per 16), vectors 0-3 holding the first half; with mins = 1 (and halves = 1) each row's offset m next,
+ * added as m times the x block's sum (GGUF Q5_1, Q5_K).
  * vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
 static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *codes, const void *scales, int64_t G,
                                                                    const quantized_x *qx, int64_t m0, int R,
                                                                    int prefetch, int mode, int halves, int mins,
-                                                                   __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
+                                                                   int iq4, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i values = _mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES);
+    const int block_bytes = iq4 ? 128 : 256;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-        const int8_t *block = codes + g * 256;
+        const int8_t *block = codes + g * block_bytes;
         if (prefetch)
-            for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < block_bytes / 64; ++l)
+                _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
         __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 * j)), wabs = _mm256_sign_epi8(w, w);
+            __m256i w;
+            if (iq4) {  /* elements 4 j + e: vector j % 4's low nibbles for j < 4, its high ones after */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * (j % 4)));
+                w = _mm256_shuffle_epi8(values, _mm256_and_si256(j < 4 ? raw : _mm256_srli_epi16(raw, 4), low4));
+            } else {
+                w = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+            }
+            const __m256i wabs = _mm256_sign_epi8(w, w);
             for (int r = 0; r < R; ++r) {
                 const __m256i xv = broadcast4(qx->q + ((m0 + r) * G + g) * QK + 4 * j);
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)), ones));
@@ -309,19 +325,25 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
 static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const void *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                             int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, acc);
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8_16_group(const int8_t *codes, const void *scales, int64_t G,
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 2, 0, acc);
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 2, 0, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8m_group(const int8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                              int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 1, acc);
+    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 1, 0, acc);
+}
+
+static inline __attribute__((always_inline)) void iq4_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                             int mode, __m256 *acc) {
+    q8_group_halves((const int8_t *)codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, 1, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -398,7 +420,8 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     return 0;
 
 /* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
- * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, pack_q8's 256, pack_q2's 64) and its scales sc in a mode
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q8's 256; pack_q2's 64) and its
+ * scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
  * that is not a multiple of 256. */
@@ -414,6 +437,7 @@ DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit co
 DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
 DEFINE_MATMUL(matmul_q8_16, q8_16_group, int8_t, 256, 2, 1)    /* Q6_K: d per 16 */
 DEFINE_MATMUL(matmul_q8m, q8m_group, int8_t, 256, 2, 2)        /* Q5_1, Q5_K: (d, m) a block */
+DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
 /* ---------------------------------------------------------------------------------------------
  * Dense float32: y [M, N] = x [M, K] @ W.T, W [N, K] as torch's Linear holds it (row-major, unpacked).
@@ -889,17 +913,17 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q8 codes, or the dense weight [n, K] (float32, bfloat16 or float16) */
+    const void *codes;   /* pack_q4 / pack_q8 / pack_q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16 or LIN_Q2M_16;
-                          * a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 or
+                          * LIN_IQ4; a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
                           * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8, LIN_HALF_SCALES = 16,
-       LIN_SUPER_SCALES = 32 };
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
+       LIN_IQ4 = 9, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
@@ -918,6 +942,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     case LIN_Q8M: rc = matmul_q8m(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q2M_16: rc = matmul_q2m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_IQ4: rc = matmul_iq4(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;
     case LIN_F16: rc = specdist_f16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

@@ -85,19 +85,23 @@ LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
 # Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights, Q4 codes with a scale
-# per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+# per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into IQ4_VALUES with a scale per
+# block (IQ4_NL / IQ4_XS)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
+# the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for (the C file's IQ4_VALUES)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
-Q4_KINDS = (LIN_Q4, LIN_Q4_16)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
+Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_IQ4)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
 # each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's
 CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, **{k: 256 for k in Q8_KINDS}, LIN_Q2M_16: 64}
 # packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32}
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4)}
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
+                LIN_IQ4: (1, 1)}
 
 
 def _cache_dir() -> str:
@@ -305,10 +309,11 @@ def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
 
 def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
-    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16) on :func:`pack_q4`'s codes; ``LIN_Q8`` (``w = d * c``),
+    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s codes;
+    ``LIN_Q8`` (``w = d * c``),
     ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
     (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
-    layout for the kind (vectors a block: ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
+    layout for the kind (vectors a block: ``d`` / ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
     :func:`pack_super_scales`'."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.block_mm(x, codes, scales, n, kind)

@@ -2,7 +2,8 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or
+IQ4_XS by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales exactly and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
@@ -16,9 +17,11 @@ on the Q4 one. A Q6_K tensor's codes run as signed bytes
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
 6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and
 an offset per 16) run as 2-bit codes with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold
-Q6_K value and down projections in some layers and a Q6_K output head. Other tensors (norms,
-embeddings, F16/F32, IQ linears, and linears whose output rows the int4 kernel cannot tile,
-``out_features % 16 != 0``) keep the float weights transformers loaded.
+Q6_K value and down projections in some layers and a Q6_K output head. IQ4_NL's and IQ4_XS's 4-bit indices stand for
+the signed bytes of a fixed table (``IQ4_VALUES``) with a scale per block of 32 (IQ4_XS: ``d (ls - 32)``, ``ls`` 6
+bits), so they run as Q8_0 does, on those bytes; the CPU kernels keep them as 4-bit indices (``quant._q8_blocks``).
+Other tensors (norms, embeddings, F16/F32, the other IQ types, and linears whose output rows the int4 kernel cannot
+tile, ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
 permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF mapping: the
@@ -49,13 +52,16 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 log = logging.getLogger("specdist.load")
 
 # GGUF block types run natively
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K")  # native only where the CPU block kernels run them
 Q2_K_BYTES = 84  # a Q2_K super-block: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, d, dmin (fp16)
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
 Q3_K_BYTES = 110  # a Q3_K super-block: 32 bytes of mask bits, 64 of 2-bit codes, 12 of 6-bit scales, d (fp16)
 Q5_K_BYTES = 176  # a Q5_K super-block: Q4_K's 16 bytes of scales, 32 of high bits, 128 of low 4 bits for 256
 Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16)
+IQ4_NL_BYTES = 18  # an IQ4_NL block of 32: d (fp16), 16 bytes of 4-bit indices into IQ4_VALUES
+IQ4_XS_BYTES = 136  # an IQ4_XS super-block: d (fp16), 2 + 4 bytes of 6-bit block scales, 128 of 4-bit indices for 256
+IQ4_VALUES = np.array(cpu_kernels.IQ4_VALUES, np.int8)  # the signed byte an IQ4 index stands for
 
 
 def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -77,6 +83,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return _decode_q5_k(raw, rows, cols)
     if kind == "Q3_K":
         return _decode_q3_k(raw, rows, cols)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        return _decode_iq4(raw, kind, rows, cols)
     nb = cols // GROUP
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
@@ -98,6 +106,37 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return codes, d, torch.zeros_like(d), 1
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))  # [rows, nb]
     return codes, d, m + 8 * d, 1  # Q4_1: w = d * c + m = d * (c - 8) + (m + 8 d)
+
+
+def _iq4_parts(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_NL's or IQ4_XS's indices ``[rows, cols / 32, 32]`` (0..15, element order), the fp16 ``d`` of each block
+    (IQ4_NL) or super-block (IQ4_XS) as float32 ``[rows, nb]``, and each block's integer multiplier ``ls - 32``
+    (``[rows, cols / 32]`` int8; ones for IQ4_NL): ``w = d (ls - 32) IQ4_VALUES[i]``. A block's 16 index bytes hold
+    element ``e`` in the low nibble of byte ``e`` and element ``16 + e`` in the high one (Q4_0's layout). IQ4_XS's
+    block ``b`` of a super-block has the low 4 bits of ``ls`` in byte ``b // 2`` of ``scales_l`` (the high nibble for
+    odd ``b``) and its high 2 bits at bit ``2 b`` of the uint16 ``scales_h``."""
+    if kind == "IQ4_NL":
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, IQ4_NL_BYTES)  # [rows, G, 18]
+        qs, ints = blocks[..., 2:], np.ones((rows, cols // GROUP), np.int8)
+    else:
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // 256, IQ4_XS_BYTES)  # [rows, nb, 136]
+        qs = blocks[..., 8:].reshape(rows, -1, 16)  # [rows, G, 16]
+        high = (blocks[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [rows, nb, 8]
+        low = (blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 15  # [rows, nb, 4, 2]: block 2 i + odd
+        ints = ((low.reshape(rows, -1, 8) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32).astype(np.int8)
+        ints = ints.reshape(rows, -1)  # [rows, G] in -32..31
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    return np.concatenate([qs & 15, qs >> 4], -1), d, ints
+
+
+def _decode_iq4(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          int]:
+    """IQ4_NL and IQ4_XS as byte codes (:func:`_q8_halves`): each index's table byte ``IQ4_VALUES[i]`` (-127..113) with
+    the block's scale ``d (ls - 32)`` (IQ4_NL: ``d``; exact in float32). On the CPU kernels the bytes pack back to
+    their 4-bit indices (``quant._q8_blocks``)."""
+    idx, d, ints = _iq4_parts(raw, kind, rows, cols)
+    scale = np.repeat(d, cols // GROUP // d.shape[1], 1) * ints.astype(np.float32)  # [rows, G]
+    return _q8_halves(torch.from_numpy(IQ4_VALUES[idx]), torch.from_numpy(scale))
 
 
 def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
@@ -150,11 +189,14 @@ def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, t
     Q2_K: factors ``(d, -dmin)``, a block's ints ``(sc_0, sc_1, m_0, m_1)``, its halves' scales ``d sc`` and offsets
     ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
-    factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. The products are
-    :func:`decode_blocks`' scales."""
-    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K"):
+    factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. IQ4_XS: factor ``d``, a
+    block's int ``ls - 32``. The products are :func:`decode_blocks`' scales."""
+    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"):
         return None
     rows, nb = raw.shape[0], cols // 256
+    if kind == "IQ4_XS":
+        _, d, ints = _iq4_parts(raw, kind, rows, cols)
+        return torch.from_numpy(d[..., None]), torch.from_numpy(ints[..., None])  # [rows, nb, 1], [rows, G, 1]
     if kind == "Q2_K":  # factors (d, -dmin), a block's ints (sc_0, sc_1, m_0, m_1): its halves' scales and offsets
         _, sc, mn, d, dmin = _q2_k_parts(raw, rows, cols)
         ints = np.concatenate([sc.reshape(rows, -1, 2), mn.reshape(rows, -1, 2)], -1).astype(np.int8)  # [rows, G, 4]
@@ -309,7 +351,7 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
         return quantized_copy(target, Int4GroupLinear)
     clone = unfused_copy(target)
     if not use_native_blocks(clone, gguf_path, "draft.method", required=False):
-        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ types): groups of the floats
+        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ1-IQ3): groups of the floats
     return clone
 
 
@@ -386,7 +428,7 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
 
     Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
     blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
-    linear that runs natively here; otherwise (``auto``: an F16 file, IQ types) the model keeps its floats.
+    linear that runs natively here; otherwise (``auto``: an F16 file, IQ1-IQ3 types) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}

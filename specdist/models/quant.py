@@ -22,7 +22,8 @@ and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so
 file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
 input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes; Q5_0 (``c8 = q - 16``) likewise, and
-Q5_1 / Q5_K (``w = d q + m``, ``c8 = q``) with the low half's zero ``8 d + m``. Q6_K's codes ``q = 16 h + l``
+Q5_1 / Q5_K (``w = d q + m``, ``c8 = q``) with the low half's zero ``8 d + m``, and IQ4_NL / IQ4_XS (``c8`` the
+signed byte of the IQ4 table each 4-bit index stands for, a scale per block). Q6_K's codes ``q = 16 h + l``
 (``h in 0..3``, ``l in 0..15``) with a scale ``D`` per 16 elements, ``w = D (q - 32)``, become four int4 segments
 over a quadrupled input, each holding one half (16 elements) of every block of 32 and zero weights in the other:
 ``16 D (h - 2)`` (codes h, scale 16 D, zero 96 D; code 2 where masked) for the first and the second halves, then
@@ -37,6 +38,7 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
   with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
   with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
   segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a block,
+  IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
   repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32 to
   bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
@@ -150,7 +152,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q2m_16" where cpu_kernels run them (x86 CPUs with AVX2,
+        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
         # BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -244,17 +246,25 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     """Byte codes back from two int4 halves (see the module doc): with the high half's scale 16 times the low
     half's, ``w = (ch - 8) 16 d + zh + (cl - 8) d + zl = d c + m`` for the signed byte ``c = 16 (ch - 8) + cl`` and
     the offset ``m = zh + zl - 8 d``. Q8_0 and Q5_0 (m = 0) pack for the Q8 kernel, Q5_1 and Q5_K for the one with
-    offsets."""
-    k = codes.shape[1] // 2
+    offsets; bytes that are all values of the IQ4 table (IQ4_NL's, IQ4_XS's) as their 4-bit indices (the same
+    products from half the code bytes)."""
+    out, k = codes.shape[0], codes.shape[1] // 2
     d = scales[:, k // GROUP:]
     if not torch.equal(scales[:, : k // GROUP], 16 * d):
         raise ValueError("repeat_input=2 holds byte codes as two int4 halves only: scales (16 d, d)")
     codes = codes.to(torch.int16)
     c8 = (16 * (codes[:, :k] - 8) + codes[:, k:]).to(torch.int8)  # [out, K] in -128..127
     m = zeros[:, : k // GROUP] + zeros[:, k // GROUP:] - 8 * d  # [out, G]
-    if not m.any():
-        return ("q8", *cpu_kernels.pack_q8(c8, d))
-    return ("q8m", *cpu_kernels.pack_q8(c8, d, m))
+    if m.any():
+        return ("q8m", *cpu_kernels.pack_q8(c8, d, m))
+    index = torch.full((256,), -1, dtype=torch.int16)  # byte + 128 -> its index in the IQ4 table, or -1
+    index[torch.tensor(cpu_kernels.IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
+    idx = index[c8.long() + 128]  # [out, K]
+    if bool((idx >= 0).all()):  # every byte one of IQ4_NL's values (IQ4_NL, IQ4_XS): its 4-bit index, half the bytes
+        g = idx.to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
+        return ("iq4", cpu_kernels.pack_q4(g[..., :16] | g[..., 16:] << 4, d.new_zeros(out, 2, k // GROUP))[0],
+                cpu_kernels.pack_scale_vectors(d[..., None]))
+    return ("q8", *cpu_kernels.pack_q8(c8, d))
 
 
 def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
@@ -325,11 +335,13 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
     if k % 256 or factors.shape != (out, k // 256, factors.shape[2]) or ints.shape[:2] != (out, g):
         return packed
     f = factors.float().repeat_interleave(8, 1)  # [out, G, F]: each block's factors
-    prod = f[..., :1] * ints[..., :2].float()  # [out, G, 2]: factor 0 times the first two ints
+    prod = f[..., :1] * ints[..., :2].float()  # [out, G, <= 2]: factor 0 times the first two ints
     if blocks == "q2m_16" and factors.shape[2] == 2 and ints.shape[2] == 4:  # Q2_K: (d sc_h, -dmin m_h) per half
         s = scales.reshape(out, 4, g)
         exact = (torch.equal(prod, s[:, :2].permute(0, 2, 1))
                  and torch.equal(f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)))
+    elif blocks in ("q8", "iq4") and factors.shape[2] == 1 and ints.shape[2] == 1:  # IQ4_XS: d (ls - 32) a block
+        exact = torch.equal(f[..., 0] * ints[..., 0].float(), scales[:, g:])
     elif ints.shape[2] != 2:
         return packed
     elif blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
@@ -348,7 +360,8 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
-               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16}
+               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
+               "iq4": cpu_kernels.LIN_IQ4}
 
 
 def untie_lm_head(model: nn.Module) -> None:

@@ -460,7 +460,7 @@ def take_blocks(cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torc
 def take_super_scales(cut: Cut, factors: torch.Tensor, ints: torch.Tensor, rank: int,
                       world_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rank's part of a K-quant's super-block scales (:func:`specdist.models.native.super_scales`: ``factors
-    [N, K / 256, F]``, ``ints [N, K / 32, 2]``) by the weight's cut, as :func:`take_blocks` takes its blocks. None where a
+    [N, K / 256, F]``, ``ints [N, K / 32, P]``) by the weight's cut, as :func:`take_blocks` takes its blocks. None where a
     column cut splits a super-block of 256 (the float32 block scales then serve)."""
     if cut.dim == 0:
         return cut.take(factors, rank, world_size), cut.take(ints, rank, world_size)
