@@ -47,9 +47,8 @@ def q4(x, codes, scales):
 
 
 def q8(x, codes, scales, mins=None):
-    """The Q8 kernels: a scale per block (Q8_0), per 16 elements (Q6_K), or a scale and an offset per block (Q5_1)."""
-    kind = cpu_kernels.LIN_Q8M if mins is not None else \
-        cpu_kernels.LIN_Q8_16 if scales.shape[1] * 16 == codes.shape[1] else cpu_kernels.LIN_Q8
+    """The Q8 kernels: a scale per block (Q8_0), or a scale and an offset per block (Q5_1)."""
+    kind = cpu_kernels.LIN_Q8M if mins is not None else cpu_kernels.LIN_Q8
     return cpu_kernels.block_mm(x, *cpu_kernels.pack_q8(codes, scales, mins), codes.shape[0], kind)
 
 
@@ -120,22 +119,37 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_q8_blocks_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
-    """Q8 codes with two scales a block (GGUF Q6_K's scale per 16: codes q - 32 in -32..31; any int8 works):
-    each half's exact byte sum times its own scale, rows standing alone as in the batch."""
+def test_six_bit_codes_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
+    """6-bit codes c = q in 0..63 with a scale per 16 (GGUF Q6_K: w = d_h (c - 32); LIN_Q6_16, a nibble and 2 high bits
+    each): each half's exact byte sum (widened before it could overflow 16 bits: the codes at 63 against bytes of
+    +-127 below) times its scale, minus 32 scales times the x half's sum; rows stand alone as in the batch; the
+    packing holds every code's bits where the kernel reads them; scales or codes of another kind are refused."""
     g = torch.Generator().manual_seed(m * 1000 + n + 16)
     x = torch.randn(m, k, generator=g)
-    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    x[0, :GROUP] = 1.0  # a block of bytes at 127
+    c = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
+    c[0] = 63
     scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.02  # Q6_K's int8 scales may be negative
-    packed, packed_scales = cpu_kernels.pack_q8(codes, scales)
-    assert packed_scales.shape == (-(-n // 8), k // GROUP, 16)
-    y = q8(x, codes, scales)
-    _check(y, x, _q8_weight(codes, scales))
-    assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
-    with pytest.raises(ValueError, match="one or two a block"):
-        cpu_kernels.pack_q8(codes, scales[:, : k // GROUP + 1])
-    with pytest.raises(ValueError, match="not those of kind"):  # the kernel of another layout is refused
-        cpu_kernels.block_mm(x, packed, packed_scales, n, cpu_kernels.LIN_Q8)
+    codes = cpu_kernels.pack_q6(c.reshape(n, k // GROUP, GROUP))
+    assert codes.shape == (-(-n // 8), k // GROUP, 192)
+    packed_scales = cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
+
+    def run(rows, cc=codes):
+        return cpu_kernels.block_mm(rows, cc, packed_scales, n, cpu_kernels.LIN_Q6_16)
+    y = run(x)
+    _check(y, x, _q8_weight(c.to(torch.int16) - 32, scales))
+    assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
+    # one bit of one code set among codes 0: each bit reaches only its own weight
+    for bit in range(6):
+        one = torch.zeros(n, k, dtype=torch.uint8)
+        row, col = n // 2, k - 7
+        one[row, col] = 1 << bit
+        _check(run(x, cpu_kernels.pack_q6(one.reshape(n, k // GROUP, GROUP))), x,
+               _q8_weight(one.to(torch.int16) - 32, scales))
+    with pytest.raises(ValueError, match="not those of kind"):  # one scale a block is another kind's layout
+        cpu_kernels.block_mm(x, codes, cpu_kernels.pack_scale_vectors(scales[:, ::2, None]), n, cpu_kernels.LIN_Q6_16)
+    with pytest.raises(ValueError, match="do not hold"):  # 6-bit codes under another kind
+        cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -163,15 +177,15 @@ def test_nibbles_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
     scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.02
     c = (q + 8).to(torch.uint8).reshape(n, k // GROUP, GROUP)
     codes, _ = cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, torch.zeros(n, 2, k // GROUP))
-    _, packed_scales = cpu_kernels.pack_q8(q, scales)
+    packed_scales = cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
 
     def run(rows):
         return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
     y = run(x)
     _check(y, x, _q8_weight(q, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
-    with pytest.raises(ValueError, match="do not hold"):  # Q4 codes under a Q8 kind
-        cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q8_16)
+    with pytest.raises(ValueError, match="do not hold"):  # Q4 codes under the 6-bit kind
+        cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q6_16)
     with pytest.raises(ValueError, match="not a block kind"):
         cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_F32)
 
@@ -231,7 +245,7 @@ def test_iq4_indices_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
 
 
-KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16, "q8m": cpu_kernels.LIN_Q8M}
+KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q8m": cpu_kernels.LIN_Q8M}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -242,12 +256,18 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
     scales in float32; scales of another dtype are refused."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
-    per_block = 2 if kind == "q8_16" else 1
+    per_block = 2 if kind == "q6_16" else 1
     scales = (torch.rand(n, per_block * (k // GROUP), generator=g) * 0.02).half().float()
     mins = (-torch.rand(n, k // GROUP, generator=g) * 0.16).half().float() if kind == "q8m" else None
     if kind == "q4":
         codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8, generator=g)
         packed, sc = cpu_kernels.pack_q4(codes, torch.stack([scales, -8 * scales], 1))
+
+        def run(s):
+            return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
+    elif kind == "q6_16":
+        codes = torch.randint(0, 64, (n, k // GROUP, GROUP), dtype=torch.uint8, generator=g)
+        packed, sc = cpu_kernels.pack_q6(codes), cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
@@ -265,6 +285,8 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
     off_grid[-1, -1] *= 1 + 2**-20  # no float16 holds it (11 significant bits)
     if kind == "q4":
         assert cpu_kernels.pack_q4(codes, torch.stack([off_grid, -8 * off_grid], 1))[1].dtype == torch.float32
+    elif kind == "q6_16":
+        assert cpu_kernels.pack_scale_vectors(off_grid.reshape(n, k // GROUP, 2)).dtype == torch.float32
     else:
         assert cpu_kernels.pack_q8(codes, off_grid, mins)[1].dtype == torch.float32
 

@@ -1,4 +1,4 @@
-/* CPU kernels for x86 with AVX2 (see cpu_kernels.py): matmuls on GGUF's own 4- and 8-bit blocks, a dense
+/* CPU kernels for x86 with AVX2 (see cpu_kernels.py): matmuls on GGUF's own 2- to 8-bit blocks, a dense
  * float32 matmul for a few rows, and causal attention over a slot KV cache (after them).
  *
  * Matmuls:
@@ -6,9 +6,9 @@
  * y[m, n] = sum_k x[m, k] * W[n, k], W stored as blocks of 32 input columns of one row:
  *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
- *   Q8_16 (GGUF Q6_K, Q3_K): signed codes c (Q6_K: q - 32) and a float d per 16 elements (two per block): w = d * c.
  *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
+ *   Q6_16 (GGUF Q6_K): 6-bit codes c = q in 0..63 (a nibble and 2 high bits) and a float d per 16: w = d * (c - 32).
  *   Q2M_16 (GGUF Q2_K): 2-bit codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
  *   IQ4 (GGUF IQ4_NL and IQ4_XS): 4-bit indices i into IQ4_VALUES (16 signed bytes) and a float d: w = d * v[i].
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
@@ -17,10 +17,10 @@
  *   Q4, Q8M: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
  * A weight's scales (and offsets) are float32; or float16 where every one of them is a float16 value (GGUF's
  * Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store theirs so), converted exactly on load; or, for the K-quants, their file's
- * form: a float16 factor per 256 elements times a small integer per block or per 16, multiplied on load (exact in
+ * form (IQ4_XS's too): a float16 factor per 256 elements times a small integer per block or per 16, multiplied on load (exact in
  * float32). The products are the same bits as with float32 scales, at fewer bytes: a Q4 block reads 0.625 bytes a
  * weight with float16 scales and 0.59 with a Q4_K super-block's, instead of 0.75 (block_scale).
- * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8) in groups of 8 rows whose codes
+ * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8 / pack_q2 / pack_q6) in groups of 8 rows whose codes
  * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
  * no horizontal sums, and each loaded (and unpacked) weight vector serves ROWS_TILE (4) rows of x.
@@ -193,33 +193,39 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
     }
 }
 
-/* Codes with a scale per 16, each half of a block summed apart. Without mins (GGUF Q3_K, and Q6_K tensors whose codes
- * fit in 4 bits): q4_group's codes c = q + 8 in 0..15 (the low nibbles hold elements 0..15 of a block, the high ones
- * 16..31), w = d_h (c - 8) with d_h the scale of the element's half (block_scale's layout, two vectors a block): each
- * half's exact byte sum times its scale, minus 8 d_h times the x half's sum. With mins (GGUF Q2_K): 2-bit codes c = q
- * in 0..3, [G, 2, 32] bytes: byte 4 c + e of vector h holds element 16 h + 4 j + e of row c at bits 2 j, and
- * w = d_h c + m_h with an offset per half (four vectors a block: d_0, d_1, m_0, m_1). */
+/* Unsigned codes with a scale per 16, each half of a block summed apart; bits (2, 4 or 6) a constant after inlining.
+ * 4 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in 0..15 (the low nibbles hold
+ * elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of the element's half
+ * (block_scale's layout, two vectors a block): each half's exact byte sum times its scale, minus 8 d_h times the x
+ * half's sum. 6 (GGUF Q6_K): c = q in 0..63, w = d_h (c - 32), [G, 6, 32] bytes: its low 4 bits as the 4-bit codes,
+ * then its high 2 bits as the 2-bit codes below. 2 (GGUF Q2_K): 2-bit codes c = q in 0..3, [G, 2, 32] bytes: byte
+ * 4 c + e of vector h holds element 16 h + 4 j + e of row c at bits 2 j, and w = d_h c + m_h with an offset per half
+ * (four vectors a block: d_0, d_1, m_0, m_1).
+ * The 16-bit pair sums of 2- and 4-bit codes add up over a block (4 multiply-adds of pairs, each at most
+ * 2 * 15 * 127); 6-bit codes' pairs (at most 2 * 63 * 127) are widened to 32 bits at each multiply-add. */
 static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                             int mode, int mins, __m256 *acc) {
+                                                             int mode, int bits, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
-    const __m256 minus8 = _mm256_set1_ps(-8.0f);
-    const int per_block = mins ? 4 : 2, floats = mins ? 2 : 1, block_bytes = mins ? 64 : 128;
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    const __m256 minus_mid = _mm256_set1_ps(bits == 6 ? -32.0f : -8.0f);  /* the codes' zero point, negated */
+    const int mins = bits == 2, per_block = mins ? 4 : 2, floats = mins ? 2 : 1, block_bytes = 32 * bits;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const uint8_t *block = codes + g * block_bytes;
-        if (prefetch) {
-            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
-            if (!mins) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        }
-        __m256i first[ROWS_TILE], second[ROWS_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
+        if (prefetch)
+            for (int l = 0; l < block_bytes / 64; ++l)
+                _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        /* [R] pair sums of each half, two per weight row: 16 bits (2- and 4-bit codes) or 32 (6-bit) */
+        __m256i first[ROWS_TILE], second[ROWS_TILE];
         for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
-        /* 2-bit codes: the block's two vectors (one a half), loaded once for its four shifts */
-        const __m256i half0 = mins ? _mm256_loadu_si256((const __m256i *)block) : _mm256_setzero_si256();
-        const __m256i half1 = mins ? _mm256_loadu_si256((const __m256i *)(block + 32)) : _mm256_setzero_si256();
+        /* 2-bit codes (or 6-bit codes' high bits): the block's two vectors (one a half), loaded once for four shifts */
+        const uint8_t *twos = bits == 6 ? block + 128 : block;
+        const __m256i half0 = bits != 4 ? _mm256_loadu_si256((const __m256i *)twos) : _mm256_setzero_si256();
+        const __m256i half1 = bits != 4 ? _mm256_loadu_si256((const __m256i *)(twos + 32)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             __m256i lo, hi;
-            if (mins) {
+            if (bits == 2) {
                 lo = _mm256_and_si256(_mm256_srli_epi16(half0, 2 * j), low2);
                 hi = _mm256_and_si256(_mm256_srli_epi16(half1, 2 * j), low2);
             } else {
@@ -227,23 +233,37 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
                 lo = _mm256_and_si256(raw, low4);
                 hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
             }
+            if (bits == 6) {  /* bits 2 j, 2 j + 1 of the high parts to bits 4, 5 (no bit crosses a byte it is kept in) */
+                const __m256i h0 = j < 2 ? _mm256_slli_epi16(half0, 4 - 2 * j) : _mm256_srli_epi16(half0, 2 * j - 4);
+                const __m256i h1 = j < 2 ? _mm256_slli_epi16(half1, 4 - 2 * j) : _mm256_srli_epi16(half1, 2 * j - 4);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(h0, bits45));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(h1, bits45));
+            }
             for (int r = 0; r < R; ++r) {
                 const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
-                first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
-                second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+                const __m256i a = _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j));
+                const __m256i b = _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j));
+                if (bits == 6) {
+                    first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(a, ones));
+                    second[r] = _mm256_add_epi32(second[r], _mm256_madd_epi16(b, ones));
+                } else {
+                    first[r] = _mm256_add_epi16(first[r], a);
+                    second[r] = _mm256_add_epi16(second[r], b);
+                }
                 if (R > 1) __asm__("" : "+x"(first[r]), "+x"(second[r]));  /* as in q4_group */
             }
         }
         const __m256 d0 = block_scale(scales, g, 0, mode, per_block, floats);
         const __m256 d1 = block_scale(scales, g, 1, mode, per_block, floats);
-        const __m256 m0v = mins ? block_scale(scales, g, 2, mode, per_block, floats) : _mm256_mul_ps(minus8, d0);
-        const __m256 m1v = mins ? block_scale(scales, g, 3, mode, per_block, floats) : _mm256_mul_ps(minus8, d1);
+        const __m256 m0v = mins ? block_scale(scales, g, 2, mode, per_block, floats) : _mm256_mul_ps(minus_mid, d0);
+        const __m256 m1v = mins ? block_scale(scales, g, 3, mode, per_block, floats) : _mm256_mul_ps(minus_mid, d1);
         for (int r = 0; r < R; ++r) {
             const int64_t i = (m0 + r) * G + g;
             const __m256 xd = _mm256_set1_ps(qx->d[i]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(first[r], ones)), _mm256_mul_ps(d0, xd), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(second[r], ones)), _mm256_mul_ps(d1, xd),
-                                     acc[r]);
+            const __m256i f = bits == 6 ? first[r] : _mm256_madd_epi16(first[r], ones);  /* [8] 32-bit half dots */
+            const __m256i s = bits == 6 ? second[r] : _mm256_madd_epi16(second[r], ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f), _mm256_mul_ps(d0, xd), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d1, xd), acc[r]);
             acc[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(qx->h[2 * i]), acc[r]);
             acc[r] = _mm256_fmadd_ps(m1v, _mm256_set1_ps(qx->h[2 * i + 1]), acc[r]);
         }
@@ -253,13 +273,19 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
 static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 0, acc);
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 4, acc);
 }
 
 static inline __attribute__((always_inline)) void q2m_16_group(const uint8_t *codes, const void *scales, int64_t G,
                                                                 const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                 int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 2, acc);
+}
+
+static inline __attribute__((always_inline)) void q6_16_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                               int mode, __m256 *acc) {
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 6, acc);
 }
 
 /* GGUF's IQ4_NL table (IQ4_XS's too): the signed byte an index of IQ4 codes stands for, twice (one per 128-bit lane, as
@@ -268,15 +294,12 @@ static inline __attribute__((always_inline)) void q2m_16_group(const uint8_t *co
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
  * row c; or, with iq4 (GGUF IQ4_NL, IQ4_XS), q4_group's nibble layout ([G, 4, 32]) of indices into IQ4_VALUES, looked
- * up into those bytes once for all the rows of x. Scales (block_scale's layout, halves + mins vectors a block): each
- * row's scale for the block (halves = 1: GGUF Q8_0), or for its elements 0..15 and then 16..31 (halves = 2: GGUF
- * Q6_K's scale per 16), vectors 0-3 holding the first half; with mins = 1 (and halves = 1) each row's offset m next,
- * added as m times the x block's sum (GGUF Q5_1, Q5_K).
- * vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
-static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *codes, const void *scales, int64_t G,
-                                                                   const quantized_x *qx, int64_t m0, int R,
-                                                                   int prefetch, int mode, int halves, int mins,
-                                                                   int iq4, __m256 *acc) {
+ * up into those bytes once for all the rows of x. Scales (block_scale's layout, 1 + mins vectors a block): each
+ * row's scale for the block; with mins each row's offset m next, added as m times the x block's sum (GGUF Q5_1,
+ * Q5_K). vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
+static inline __attribute__((always_inline)) void q8_blocks(const int8_t *codes, const void *scales, int64_t G,
+                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                             int mode, int mins, int iq4, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const __m256i values = _mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES);
     const int block_bytes = iq4 ? 128 : 256;
@@ -302,21 +325,13 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w)), ones));
                 if (R > 1) __asm__("" : "+x"(sums[r]));  /* a running sum in a register, as in q4_group */
             }
-            if (halves == 2 && j == 3) {  /* the first half's sums times its scales, then the second half's */
-                const __m256 d = block_scale(scales, g, 0, mode, halves + mins, 1 + mins);
-                for (int r = 0; r < R; ++r) {
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
-                                             _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])), acc[r]);
-                    sums[r] = _mm256_setzero_si256();
-                }
-            }
         }
-        const __m256 d = block_scale(scales, g, halves - 1, mode, halves + mins, 1 + mins);
+        const __m256 d = block_scale(scales, g, 0, mode, 1 + mins, 1 + mins);
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
                                      acc[r]);
         if (mins) {
-            const __m256 m = block_scale(scales, g, 1, mode, halves + mins, 1 + mins);
+            const __m256 m = block_scale(scales, g, 1, mode, 2, 2);
             for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[(m0 + r) * G + g]), acc[r]);
         }
     }
@@ -325,25 +340,19 @@ static inline __attribute__((always_inline)) void q8_group_halves(const int8_t *
 static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const void *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                             int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, 0, acc);
-}
-
-static inline __attribute__((always_inline)) void q8_16_group(const int8_t *codes, const void *scales, int64_t G,
-                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 2, 0, 0, acc);
+    q8_blocks(codes, scales, G, qx, m0, R, prefetch, mode, 0, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void q8m_group(const int8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                              int mode, __m256 *acc) {
-    q8_group_halves(codes, scales, G, qx, m0, R, prefetch, mode, 1, 1, 0, acc);
+    q8_blocks(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void iq4_group(const uint8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                              int mode, __m256 *acc) {
-    q8_group_halves((const int8_t *)codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, 1, acc);
+    q8_blocks((const int8_t *)codes, scales, G, qx, m0, R, prefetch, mode, 0, 1, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -420,7 +429,7 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     return 0;
 
 /* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
- * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q8's 256; pack_q2's 64) and its
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q8's 256; pack_q2's 64; pack_q6's 192) and its
  * scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
@@ -434,8 +443,8 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
 DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
 DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
 DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
+DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1)   /* Q6_K: 6-bit codes (c = q), d per 16 */
 DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
-DEFINE_MATMUL(matmul_q8_16, q8_16_group, int8_t, 256, 2, 1)    /* Q6_K: d per 16 */
 DEFINE_MATMUL(matmul_q8m, q8m_group, int8_t, 256, 2, 2)        /* Q5_1, Q5_K: (d, m) a block */
 DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
@@ -913,16 +922,16 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q8 / pack_q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
+    const void *codes;   /* pack_q4 / pack_q8 / pack_q2 / pack_q6 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 or
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 or
                           * LIN_IQ4; a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
                           * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q8_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q6_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
        LIN_IQ4 = 9, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
@@ -938,7 +947,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     const int mode = w->kind & LIN_HALF_SCALES ? SCALES_F16 : w->kind & LIN_SUPER_SCALES ? SCALES_SUPER : SCALES_F32;
     switch (w->kind & ~(LIN_HALF_SCALES | LIN_SUPER_SCALES)) {
     case LIN_Q8: rc = matmul_q8(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q8_16: rc = matmul_q8_16(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q6_16: rc = matmul_q6_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q8M: rc = matmul_q8m(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q2M_16: rc = matmul_q2m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;

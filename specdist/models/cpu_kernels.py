@@ -84,23 +84,23 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
-# Q8 codes with a scale per 16 (Q6_K) or with an offset per block (Q5_1 / Q5_K), dense weights, Q4 codes with a scale
-# per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into IQ4_VALUES with a scale per
-# block (IQ4_NL / IQ4_XS)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q8_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
+# dense weights, 6-bit codes with a scale per 16 (Q6_K), Q8 codes with an offset per block (Q5_1 / Q5_K), Q4 codes with
+# a scale per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into IQ4_VALUES with a
+# scale per block (IQ4_NL / IQ4_XS)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
 # the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for (the C file's IQ4_VALUES)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
-Q8_KINDS = (LIN_Q8, LIN_Q8_16, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
+Q8_KINDS = (LIN_Q8, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
 Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_IQ4)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
-# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's
-CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, **{k: 256 for k in Q8_KINDS}, LIN_Q2M_16: 64}
+# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q6's
+CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, **{k: 256 for k in Q8_KINDS}, LIN_Q2M_16: 64, LIN_Q6_16: 192}
 # packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q8_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q8_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q6_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
                 LIN_IQ4: (1, 1)}
 
 
@@ -241,21 +241,28 @@ def pack_q2(codes: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 3, 1, 4).reshape(-1, g, 64).contiguous()  # byte 32 h + 4 row + e
 
 
+def pack_q6(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes ``[N, G, 32]`` (0..63, element order) in :func:`block_mm`'s ``LIN_Q6_16`` layout:
+    ``[ceil(N/8), G, 192]`` uint8, per block the low 4 bits as :func:`pack_q4` packs codes, then the high 2 bits as
+    :func:`pack_q2` does (the C file's ``halves_16``); zero rows pad the last group."""
+    n, g, _ = codes.shape
+    c = codes.to(torch.uint8)
+    low = c & 15
+    nibbles, _ = pack_q4(low[..., :16] | low[..., 16:] << 4, torch.zeros(n, 2, g))
+    return torch.cat([nibbles, pack_q2(c >> 4)], -1).contiguous()
+
+
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
             mins: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales`` float32 ``[N, K/32]`` (a scale per
-    block: GGUF Q8_0, kind ``LIN_Q8``) or ``[N, K/16]`` (a scale per 16 elements: GGUF Q6_K, ``LIN_Q8_16``);
-    ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
-    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` (:func:`packed_scales`' dtype; the C file's
-    ``q8_group_halves``: the 8 rows' scales, or first-half then second-half scales, or scales then offsets;
-    zero rows pad the last group)."""
+    """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales [N, K/32]`` float32 (GGUF Q8_0, kind
+    ``LIN_Q8``); ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
+    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` (:func:`packed_scales`' dtype; the C
+    file's ``q8_blocks``: the 8 rows' scales, then their offsets; zero rows pad the last group)."""
     n, k = codes.shape
     g = k // GROUP
-    h = scales.shape[1] // g
-    if h not in (1, 2) or scales.shape[1] != h * g or (mins is not None and (h != 1 or mins.shape[1] != g)):
-        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one or two a block, one with "
-                         "offsets)")
-    per_block = scales.float().reshape(n, g, h)  # [N, G, f]: the floats a block has, in the kernel's order
+    if scales.shape[1] != g or (mins is not None and mins.shape[1] != g):
+        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one a block, and as many offsets)")
+    per_block = scales.float().reshape(n, g, 1)  # [N, G, f]: the floats a block has, in the kernel's order
     if mins is not None:
         per_block = torch.stack([scales.float(), mins.float()], -1)
     pad = -n % 8
@@ -310,8 +317,8 @@ def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
 def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
     ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s codes;
-    ``LIN_Q8`` (``w = d * c``),
-    ``LIN_Q8_16`` (``d`` per 16), ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
+    ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on :func:`pack_q6`'s; ``LIN_Q8`` (``w = d * c``),
+    ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
     (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
     layout for the kind (vectors a block: ``d`` / ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
     :func:`pack_super_scales`'."""
@@ -464,8 +471,8 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
 
 
 class BlockLinear(ctypes.Structure):
-    """One matmul of :func:`llama_layer`: codes and scales packed by :func:`pack_q4` / :func:`pack_q8`
-    (kinds ``LIN_Q4``, ``LIN_Q8``, ``LIN_Q8_16``, ``LIN_Q8M``, ``LIN_Q4_16``), or a dense weight ``[n, K]`` run by :func:`f32_mm`
+    """One matmul of :func:`llama_layer`: codes and scales packed for a block kind (:func:`block_mm`), or a dense
+    weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
     ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind carries its scales' flag
     (:func:`scales_kind`)."""

@@ -12,8 +12,8 @@ are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as t
 one scale, so it runs as Q8_0 does (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
 built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). Q5_1 and Q5_K blocks (``w = d q + m``, q in
 0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) run on the Q8 kernel with an offset per block, as Q4_1 runs
-on the Q4 one. A Q6_K tensor's codes run as signed bytes
-``q - 32`` with its two scales a block of 32 (the Q8 kernel with a scale per 16), where the CPU block kernels run;
+on the Q4 one. A Q6_K tensor's codes run as 6-bit codes
+``q`` (``w = d sc (q - 32)``) with its two scales a block of 32, where the CPU block kernels run;
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
 6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and
 an offset per 16) run as 2-bit codes with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold

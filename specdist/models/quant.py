@@ -36,10 +36,10 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
 
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
   with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
-  with a ``(d, m)`` pair a block, Q6_K as signed bytes ``q - 32`` with its two scales a block (one pass, not four
-  segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a block,
+  with a ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one
+  pass, not four segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a block,
   IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
-  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8``), the activations rounded per block of 32 to
+  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8`` / ``pack_q6`` / ``pack_q2``), the activations rounded per block of 32 to
   bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
   float32.
@@ -152,7 +152,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q8_16" / "q8m" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
+        # blocks: "q4" / "q8" / "q6_16" / "q8m" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
         # BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -268,9 +268,9 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 
 def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """GGUF's Q6_K back from its four int4 segments (see the module doc) as signed bytes ``q - 32`` with a scale
-    per 16 elements (``LIN_Q8_16``); where every code fits in 4 bits (Q3_K's, -4..3), as nibbles ``q - 32 + 8``
-    (``LIN_Q4_16``) instead, half the code bytes."""
+    """GGUF's Q6_K back from its four int4 segments (see the module doc) as 6-bit codes ``q`` (0..63, ``w = D (q - 32)``)
+    with a scale ``D`` per 16 elements (``LIN_Q6_16``: 0.75 code bytes a weight); where every code fits in 4 bits (Q3_K's
+    ``q - 32`` in -4..3), as nibbles ``q - 32 + 8`` (``LIN_Q4_16``) instead, 0.5."""
     out, k = codes.shape[0], codes.shape[1] // 4
     codes = codes.to(torch.int16).reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
@@ -288,7 +288,8 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
         c = (q + 8).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
         return ("q4_16", cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, d16.new_zeros(out, 2, k // GROUP))[0],
                 cpu_kernels.pack_scale_vectors(d16.reshape(out, k // GROUP, 2)))
-    return ("q8_16", *cpu_kernels.pack_q8(q.to(torch.int8), d16))
+    return ("q6_16", cpu_kernels.pack_q6((q + 32).reshape(out, k // GROUP, GROUP)),
+            cpu_kernels.pack_scale_vectors(d16.reshape(out, k // GROUP, 2)))
 
 
 def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -349,7 +350,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
     elif blocks == "q8m" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
         d = scales[:, g:]
         exact = torch.equal(prod[..., 0], d) and torch.equal(zeros[:, g:], 8 * d + f[..., 1] * ints[..., 1].float())
-    elif blocks in ("q8_16", "q4_16") and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
+    elif blocks in ("q6_16", "q4_16") and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
         exact = torch.equal(prod, scales.reshape(out, 4, g)[:, 2:].permute(0, 2, 1))
     else:
         return packed
@@ -359,7 +360,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 # repeat_input -> the packer for the CPU block kernels: (Int4GroupLinear.blocks, codes, scales)
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
-BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q8_16": cpu_kernels.LIN_Q8_16,
+BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16,
                "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
                "iq4": cpu_kernels.LIN_IQ4}
 
