@@ -46,10 +46,9 @@ def q4(x, codes, scales):
     return cpu_kernels.block_mm(x, *cpu_kernels.pack_q4(codes, scales), codes.shape[0], cpu_kernels.LIN_Q4)
 
 
-def q8(x, codes, scales, mins=None):
-    """The Q8 kernels: a scale per block (Q8_0), or a scale and an offset per block (Q5_1)."""
-    kind = cpu_kernels.LIN_Q8M if mins is not None else cpu_kernels.LIN_Q8
-    return cpu_kernels.block_mm(x, *cpu_kernels.pack_q8(codes, scales, mins), codes.shape[0], kind)
+def q8(x, codes, scales):
+    """The Q8 kernel: signed byte codes with a scale per block (Q8_0)."""
+    return cpu_kernels.block_mm(x, *cpu_kernels.pack_q8(codes, scales), codes.shape[0], cpu_kernels.LIN_Q8)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -153,17 +152,31 @@ def test_six_bit_codes_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_q8_blocks_with_an_offset_equal_the_quantized_product(m, n, k):
-    """Q8 codes with a scale and an offset per block (GGUF Q5_1 / Q5_K: w = d q + m, q in 0..31): the block's exact
-    byte sum times d plus m times the x block's sum, as Q4_1 computes it; rows stand alone as in the batch."""
+def test_five_bit_codes_with_an_offset_equal_the_quantized_product(m, n, k):
+    """5-bit codes with a scale and an offset per block (GGUF Q5_1 / Q5_K: w = d q + m, q in 0..31; Q5_0 with
+    m = -16 d; LIN_Q5, a nibble and a high bit each): the block's exact byte sum (each half's 16-bit sums widened apart:
+    codes at 31 against bytes of 127 below) times d plus m times the x block's sum, as Q4_1 computes it; rows stand
+    alone as in the batch; the packing holds each of a code's bits where the kernel reads it."""
     g = torch.Generator().manual_seed(m * 1000 + n + 5)
     x = torch.randn(m, k, generator=g)
-    codes = torch.randint(0, 32, (n, k), dtype=torch.int8, generator=g)
+    x[0, :GROUP] = 1.0  # a block of bytes at 127
+    codes = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+    codes[0] = 31
     scales = torch.rand(n, k // GROUP, generator=g) * 0.01
     mins = -torch.rand(n, k // GROUP, generator=g) * 0.16
-    y = q8(x, codes, scales, mins)
-    _check(y, x, _q8_weight(codes, scales) + mins.double().repeat_interleave(GROUP, 1))
-    assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales, mins) for i in range(m)]), y)
+    packed_scales = cpu_kernels.pack_scale_vectors(torch.stack([scales, mins], -1))
+
+    def run(rows, c=codes):
+        packed = cpu_kernels.pack_q5(c.reshape(n, k // GROUP, GROUP))
+        assert packed.shape == (-(-n // 8), k // GROUP, 160)
+        return cpu_kernels.block_mm(rows, packed, packed_scales, n, cpu_kernels.LIN_Q5)
+    y = run(x)
+    _check(y, x, _q8_weight(codes.to(torch.int16), scales) + mins.double().repeat_interleave(GROUP, 1))
+    assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
+    for bit in range(5):  # one bit of one code set among codes 0
+        one = torch.zeros(n, k, dtype=torch.uint8)
+        one[n // 2, k - 7] = 1 << bit
+        _check(run(x, one), x, _q8_weight(one.to(torch.int16), scales) + mins.double().repeat_interleave(GROUP, 1))
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -245,7 +258,7 @@ def test_iq4_indices_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
 
 
-KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q8m": cpu_kernels.LIN_Q8M}
+KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q5": cpu_kernels.LIN_Q5}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -258,10 +271,16 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
     x = torch.randn(m, k, generator=g)
     per_block = 2 if kind == "q6_16" else 1
     scales = (torch.rand(n, per_block * (k // GROUP), generator=g) * 0.02).half().float()
-    mins = (-torch.rand(n, k // GROUP, generator=g) * 0.16).half().float() if kind == "q8m" else None
+    mins = (-torch.rand(n, k // GROUP, generator=g) * 0.16).half().float()
     if kind == "q4":
         codes = torch.randint(0, 256, (n, k // GROUP, 16), dtype=torch.uint8, generator=g)
         packed, sc = cpu_kernels.pack_q4(codes, torch.stack([scales, -8 * scales], 1))
+
+        def run(s):
+            return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
+    elif kind == "q5":
+        codes = torch.randint(0, 32, (n, k // GROUP, GROUP), dtype=torch.uint8, generator=g)
+        packed, sc = cpu_kernels.pack_q5(codes), cpu_kernels.pack_scale_vectors(torch.stack([scales, mins], -1))
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
@@ -273,7 +292,7 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
     else:
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        packed, sc = cpu_kernels.pack_q8(codes, scales, mins)
+        packed, sc = cpu_kernels.pack_q8(codes, scales)
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
@@ -287,8 +306,10 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
         assert cpu_kernels.pack_q4(codes, torch.stack([off_grid, -8 * off_grid], 1))[1].dtype == torch.float32
     elif kind == "q6_16":
         assert cpu_kernels.pack_scale_vectors(off_grid.reshape(n, k // GROUP, 2)).dtype == torch.float32
+    elif kind == "q5":
+        assert cpu_kernels.pack_scale_vectors(torch.stack([off_grid, mins], -1)).dtype == torch.float32
     else:
-        assert cpu_kernels.pack_q8(codes, off_grid, mins)[1].dtype == torch.float32
+        assert cpu_kernels.pack_q8(codes, off_grid)[1].dtype == torch.float32
 
 
 def test_extreme_inputs():

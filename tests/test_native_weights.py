@@ -58,7 +58,7 @@ LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # types whose block
 # types whose scales are a float16 factor per 256 times integers (super-blocks of 256)
 SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # the CPU kernel each runs on ("q4" for the others)
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q6_16",
+BLOCKS = {"Q8_0": "q8", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q6_16",
           "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 
 

@@ -6,7 +6,8 @@
  * y[m, n] = sum_k x[m, k] * W[n, k], W stored as blocks of 32 input columns of one row:
  *   Q4 (GGUF Q4_0 and Q4_1): codes c in 0..15 and a float pair (d, m): w = d * c + m  (Q4_0: m = -8 d).
  *   Q8 (GGUF Q8_0): signed codes c and a float d: w = d * c.
- *   Q8M (GGUF Q5_1 and Q5_K): codes c (q in 0..31) and a float pair (d, m): w = d * c + m.
+ *   Q5 (GGUF Q5_0, Q5_1 and Q5_K): 5-bit codes c in 0..31 (a nibble and a high bit) and a float pair (d, m):
+ *   w = d * c + m (Q5_0: c = q + 16, m = -16 d).
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
  *   Q6_16 (GGUF Q6_K): 6-bit codes c = q in 0..63 (a nibble and 2 high bits) and a float d per 16: w = d * (c - 32).
  *   Q2M_16 (GGUF Q2_K): 2-bit codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
@@ -14,13 +15,13 @@
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
  * q = round-to-even(x / d_x)), as llama.cpp does, so that a block's dot product is an exact sum of byte
  * products (vpmaddubsw):
- *   Q4, Q8M: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
+ *   Q4, Q5: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
  * A weight's scales (and offsets) are float32; or float16 where every one of them is a float16 value (GGUF's
  * Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store theirs so), converted exactly on load; or, for the K-quants, their file's
  * form (IQ4_XS's too): a float16 factor per 256 elements times a small integer per block or per 16, multiplied on load (exact in
  * float32). The products are the same bits as with float32 scales, at fewer bytes: a Q4 block reads 0.625 bytes a
  * weight with float16 scales and 0.59 with a Q4_K super-block's, instead of 0.75 (block_scale).
- * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q8 / pack_q2 / pack_q6) in groups of 8 rows whose codes
+ * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2) in groups of 8 rows whose codes
  * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
  * no horizontal sums, and each loaded (and unpacked) weight vector serves ROWS_TILE (4) rows of x.
@@ -193,6 +194,47 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
     }
 }
 
+/* Q5 group: 5-bit codes c in 0..31, [G, 5, 32] bytes: their low 4 bits in q4_group's layout, then one vector of their
+ * high bits whose byte 4 c + e holds element 4 j + e of row c at bit j and element 16 + 4 j + e at bit 4 + j;
+ * scales as q4_group's ((d, m) a block): w = d * c + m. Each half's 16-bit pair sums add up over the block (4
+ * multiply-adds of pairs, each at most 2 * 31 * 127); the halves are widened to 32 bits apart before they are added. */
+static inline __attribute__((always_inline)) void q5_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                            const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                            int mode, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *block = codes + g * 160;
+        if (prefetch)
+            for (int l = 0; l < 3; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        __m256i first[ROWS_TILE], second[ROWS_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
+        for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128));
+        for (int j = 0; j < 4; ++j) {
+            /* bit j (first half) or 4 + j (second half) of the high bits to bit 4 (within its byte: a 16-bit shift by at
+             * most 4 moves no bit it keeps across bytes) */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low4),
+                                               _mm256_and_si256(_mm256_slli_epi16(high, 4 - j), bit4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                               _mm256_and_si256(_mm256_srli_epi16(high, j), bit4));
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
+                first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)));
+                second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+                if (R > 1) __asm__("" : "+x"(first[r]), "+x"(second[r]));  /* as in q4_group */
+            }
+        }
+        const __m256 d = block_scale(scales, g, 0, mode, 2, 2), m = block_scale(scales, g, 1, mode, 2, 2);
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = (m0 + r) * G + g;
+            const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(first[r], ones), _mm256_madd_epi16(second[r], ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[i])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[i]), acc[r]);
+        }
+    }
+}
+
 /* Unsigned codes with a scale per 16, each half of a block summed apart; bits (2, 4 or 6) a constant after inlining.
  * 4 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in 0..15 (the low nibbles hold
  * elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of the element's half
@@ -294,12 +336,11 @@ static inline __attribute__((always_inline)) void q6_16_group(const uint8_t *cod
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
  * row c; or, with iq4 (GGUF IQ4_NL, IQ4_XS), q4_group's nibble layout ([G, 4, 32]) of indices into IQ4_VALUES, looked
- * up into those bytes once for all the rows of x. Scales (block_scale's layout, 1 + mins vectors a block): each
- * row's scale for the block; with mins each row's offset m next, added as m times the x block's sum (GGUF Q5_1,
- * Q5_K). vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
+ * up into those bytes once for all the rows of x. Scales (block_scale's layout, one vector a block): each row's scale
+ * for the block. vpmaddubsw takes one unsigned operand: |w| times x with w's sign. */
 static inline __attribute__((always_inline)) void q8_blocks(const int8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                             int mode, int mins, int iq4, __m256 *acc) {
+                                                             int mode, int iq4, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const __m256i values = _mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES);
     const int block_bytes = iq4 ? 128 : 256;
@@ -326,33 +367,23 @@ static inline __attribute__((always_inline)) void q8_blocks(const int8_t *codes,
                 if (R > 1) __asm__("" : "+x"(sums[r]));  /* a running sum in a register, as in q4_group */
             }
         }
-        const __m256 d = block_scale(scales, g, 0, mode, 1 + mins, 1 + mins);
+        const __m256 d = block_scale(scales, g, 0, mode, 1, 1);
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(qx->d[(m0 + r) * G + g])),
                                      acc[r]);
-        if (mins) {
-            const __m256 m = block_scale(scales, g, 1, mode, 2, 2);
-            for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->s[(m0 + r) * G + g]), acc[r]);
-        }
     }
 }
 
 static inline __attribute__((always_inline)) void q8_group(const int8_t *codes, const void *scales, int64_t G,
                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                             int mode, __m256 *acc) {
-    q8_blocks(codes, scales, G, qx, m0, R, prefetch, mode, 0, 0, acc);
-}
-
-static inline __attribute__((always_inline)) void q8m_group(const int8_t *codes, const void *scales, int64_t G,
-                                                             const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                             int mode, __m256 *acc) {
-    q8_blocks(codes, scales, G, qx, m0, R, prefetch, mode, 1, 0, acc);
+    q8_blocks(codes, scales, G, qx, m0, R, prefetch, mode, 0, acc);
 }
 
 static inline __attribute__((always_inline)) void iq4_group(const uint8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                              int mode, __m256 *acc) {
-    q8_blocks((const int8_t *)codes, scales, G, qx, m0, R, prefetch, mode, 0, 1, acc);
+    q8_blocks((const int8_t *)codes, scales, G, qx, m0, R, prefetch, mode, 1, acc);
 }
 
 /* Lanes of v into y[n0 .. min(n0 + 8, N)). */
@@ -429,7 +460,7 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     return 0;
 
 /* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
- * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q8's 256; pack_q2's 64; pack_q6's 192) and its
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q5's 160; pack_q6's 192; pack_q8's 256; pack_q2's 64) and its
  * scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
@@ -441,11 +472,11 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     }
 
 DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, 160, 2, 2)         /* Q5_0, Q5_1, Q5_K: (d, m) a block */
 DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
 DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
 DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1)   /* Q6_K: 6-bit codes (c = q), d per 16 */
 DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
-DEFINE_MATMUL(matmul_q8m, q8m_group, int8_t, 256, 2, 2)        /* Q5_1, Q5_K: (d, m) a block */
 DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
 /* ---------------------------------------------------------------------------------------------
@@ -922,16 +953,16 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q8 / pack_q2 / pack_q6 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
+    const void *codes;   /* pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16 or
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16 or
                           * LIN_IQ4; a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
                           * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q6_16 = 5, LIN_Q8M = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
+enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q6_16 = 5, LIN_Q5 = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
        LIN_IQ4 = 9, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
@@ -948,7 +979,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     switch (w->kind & ~(LIN_HALF_SCALES | LIN_SUPER_SCALES)) {
     case LIN_Q8: rc = matmul_q8(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q6_16: rc = matmul_q6_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
-    case LIN_Q8M: rc = matmul_q8m(x, M, K, (const int8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q5: rc = matmul_q5(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q2M_16: rc = matmul_q2m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_IQ4: rc = matmul_iq4(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;

@@ -83,24 +83,23 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lm",)
 GROUP = 32  # weights per block (GGUF's block size)
-# The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0 / Q5_0),
-# dense weights, 6-bit codes with a scale per 16 (Q6_K), Q8 codes with an offset per block (Q5_1 / Q5_K), Q4 codes with
-# a scale per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into IQ4_VALUES with a
-# scale per block (IQ4_NL / IQ4_XS)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q8M, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
+# The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0), dense
+# weights, 6-bit codes with a scale per 16 (Q6_K), 5-bit codes with a scale and an offset per block (Q5_0 / Q5_1 /
+# Q5_K), Q4 codes with a scale per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into
+# IQ4_VALUES with a scale per block (IQ4_NL / IQ4_XS)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
 # the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for (the C file's IQ4_VALUES)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
-Q8_KINDS = (LIN_Q8, LIN_Q8M)  # codes packed by pack_q8 (256 bytes a block of 8 rows)
 Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_IQ4)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
-# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q6's
-CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, **{k: 256 for k in Q8_KINDS}, LIN_Q2M_16: 64, LIN_Q6_16: 192}
+# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q5's, pack_q6's
+CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, LIN_Q8: 256, LIN_Q2M_16: 64, LIN_Q5: 160, LIN_Q6_16: 192}
 # packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q8M: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q5: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q6_16: (1, 2), LIN_Q8M: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
+SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q6_16: (1, 2), LIN_Q5: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
                 LIN_IQ4: (1, 1)}
 
 
@@ -241,6 +240,21 @@ def pack_q2(codes: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 3, 1, 4).reshape(-1, g, 64).contiguous()  # byte 32 h + 4 row + e
 
 
+def pack_q5(codes: torch.Tensor) -> torch.Tensor:
+    """5-bit codes ``[N, G, 32]`` (0..31, element order) in :func:`block_mm`'s ``LIN_Q5`` layout: ``[ceil(N/8), G, 160]``
+    uint8, per block the low 4 bits as :func:`pack_q4` packs codes, then a vector of the high bits whose byte
+    ``4 c + e`` holds element ``4 j + e`` of row ``c`` at bit ``j`` and element ``16 + 4 j + e`` at bit ``4 + j`` (the C
+    file's ``q5_group``); zero rows pad the last group."""
+    n, g, _ = codes.shape
+    c = codes.to(torch.uint8)
+    low = c & 15
+    nibbles, _ = pack_q4(low[..., :16] | low[..., 16:] << 4, torch.zeros(n, 2, g))
+    high = torch.cat([c >> 4, c.new_zeros(-n % 8, g, GROUP)]).reshape(-1, 8, g, 2, 4, 4)  # [N/8, row, G, half, j, e]
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)  # [half, j, -]: bit 4 half + j
+    bits = (high << shifts).sum(dim=(3, 4), dtype=torch.uint8)  # [N/8, row, G, e] (distinct bits: the sum is an or)
+    return torch.cat([nibbles, bits.permute(0, 2, 1, 3).reshape(-1, g, 32)], -1).contiguous()  # byte 4 row + e
+
+
 def pack_q6(codes: torch.Tensor) -> torch.Tensor:
     """6-bit codes ``[N, G, 32]`` (0..63, element order) in :func:`block_mm`'s ``LIN_Q6_16`` layout:
     ``[ceil(N/8), G, 192]`` uint8, per block the low 4 bits as :func:`pack_q4` packs codes, then the high 2 bits as
@@ -252,19 +266,15 @@ def pack_q6(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles, pack_q2(c >> 4)], -1).contiguous()
 
 
-def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
-            mins: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales [N, K/32]`` float32 (GGUF Q8_0, kind
-    ``LIN_Q8``); ``mins [N, K/32]``: an offset per block, ``w = d * c + m`` (GGUF Q5_1 / Q5_K, ``LIN_Q8M``).
-    Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8 f]`` (:func:`packed_scales`' dtype; the C
-    file's ``q8_blocks``: the 8 rows' scales, then their offsets; zero rows pad the last group)."""
+    ``LIN_Q8``). Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8]`` (:func:`packed_scales`'
+    dtype; the C file's ``q8_blocks``: the 8 rows' scales; zero rows pad the last group)."""
     n, k = codes.shape
     g = k // GROUP
-    if scales.shape[1] != g or (mins is not None and mins.shape[1] != g):
-        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one a block, and as many offsets)")
-    per_block = scales.float().reshape(n, g, 1)  # [N, G, f]: the floats a block has, in the kernel's order
-    if mins is not None:
-        per_block = torch.stack([scales.float(), mins.float()], -1)
+    if scales.shape[1] != g:
+        raise ValueError(f"pack_q8: {scales.shape[1]} scales a row for {g} blocks (one a block)")
+    per_block = scales.float().reshape(n, g, 1)  # [N, G, 1]
     pad = -n % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
@@ -317,8 +327,8 @@ def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
 def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
     ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s codes;
-    ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on :func:`pack_q6`'s; ``LIN_Q8`` (``w = d * c``),
-    ``LIN_Q8M`` (``w = d * c + m``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
+    ``LIN_Q5`` (``w = d * c + m``) on :func:`pack_q5`'s; ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on
+    :func:`pack_q6`'s; ``LIN_Q8`` (``w = d * c``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
     (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
     layout for the kind (vectors a block: ``d`` / ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
     :func:`pack_super_scales`'."""

@@ -9,10 +9,10 @@ bit for bit; on x86 CPUs the file's scales exactly and llama.cpp's kernels' arit
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
 are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as those (activations rounded per
 32 as for Q4_1, where llama.cpp rounds them per 256 for Q4_K). A Q5_0 block's codes ``q - 16`` are signed bytes with
-one scale, so it runs as Q8_0 does (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
-built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256). Q5_1 and Q5_K blocks (``w = d q + m``, q in
-0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) run on the Q8 kernel with an offset per block, as Q4_1 runs
-on the Q4 one. A Q6_K tensor's codes run as 6-bit codes
+one scale, decoded as Q8_0's are (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
+built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256); Q5_1 and Q5_K blocks (``w = d q + m``, q in
+0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) as bytes with an offset per block. The CPU kernels run all three
+as 5-bit codes with a scale and an offset per block (Q5_0: ``q`` with the offset ``-16 d``), as Q4_1 runs on nibbles. A Q6_K tensor's codes run as 6-bit codes
 ``q`` (``w = d sc (q - 32)``) with its two scales a block of 32, where the CPU block kernels run;
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
 6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and

@@ -34,13 +34,13 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
-- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes
-  with ``(d, m)`` pairs, Q8_0 and Q5_0 as signed bytes (one pass, not two halves), Q5_1 and Q5_K as bytes
-  with a ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one
-  pass, not four segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a block,
-  IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
-  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q8`` / ``pack_q6`` / ``pack_q2``), the activations rounded per block of 32 to
-  bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
+- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)`` pairs,
+  Q8_0 as signed bytes (one pass, not two halves), Q5_0, Q5_1 and Q5_K as 5-bit codes (a nibble and a high bit) with a
+  ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one pass, not
+  four segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a
+  block, IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
+  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q8`` / ``pack_q2``), the
+  activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
   (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
   float32.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
@@ -152,7 +152,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q8" / "q6_16" / "q8m" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
+        # blocks: "q4" / "q5" / "q6_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
         # BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -245,9 +245,9 @@ def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Byte codes back from two int4 halves (see the module doc): with the high half's scale 16 times the low
     half's, ``w = (ch - 8) 16 d + zh + (cl - 8) d + zl = d c + m`` for the signed byte ``c = 16 (ch - 8) + cl`` and
-    the offset ``m = zh + zl - 8 d``. Q8_0 and Q5_0 (m = 0) pack for the Q8 kernel, Q5_1 and Q5_K for the one with
-    offsets; bytes that are all values of the IQ4 table (IQ4_NL's, IQ4_XS's) as their 4-bit indices (the same
-    products from half the code bytes)."""
+    the offset ``m = zh + zl - 8 d``. Q8_0 (m = 0) packs for the Q8 kernel; 5-bit codes for the Q5 one (Q5_1 and Q5_K:
+    ``c`` in 0..31 with their offsets; Q5_0: ``c`` in -16..15, as ``c + 16`` with ``m = -16 d``), 0.625 code bytes a
+    weight; bytes that are all values of the IQ4 table (IQ4_NL's, IQ4_XS's) as their 4-bit indices, 0.5."""
     out, k = codes.shape[0], codes.shape[1] // 2
     d = scales[:, k // GROUP:]
     if not torch.equal(scales[:, : k // GROUP], 16 * d):
@@ -255,8 +255,12 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     codes = codes.to(torch.int16)
     c8 = (16 * (codes[:, :k] - 8) + codes[:, k:]).to(torch.int8)  # [out, K] in -128..127
     m = zeros[:, : k // GROUP] + zeros[:, k // GROUP:] - 8 * d  # [out, G]
+    lo = 0 if m.any() else -16  # 5-bit codes: Q5_1's and Q5_K's q, Q5_0's q - 16
+    if int(c8.min()) >= lo and int(c8.max()) < lo + 32:
+        c5 = (c8.to(torch.int16) - lo).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32] in 0..31
+        return ("q5", cpu_kernels.pack_q5(c5), cpu_kernels.pack_scale_vectors(torch.stack([d, m + lo * d], -1)))
     if m.any():
-        return ("q8m", *cpu_kernels.pack_q8(c8, d, m))
+        raise ValueError("repeat_input=2 with offsets holds 5-bit codes (0..31) only")
     index = torch.full((256,), -1, dtype=torch.int16)  # byte + 128 -> its index in the IQ4 table, or -1
     index[torch.tensor(cpu_kernels.IQ4_VALUES) + 128] = torch.arange(16, dtype=torch.int16)
     idx = index[c8.long() + 128]  # [out, K]
@@ -347,7 +351,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
         return packed
     elif blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
         exact = torch.equal(prod[..., 0], scales) and torch.equal(zeros, 8 * scales + f[..., 1] * ints[..., 1].float())
-    elif blocks == "q8m" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
+    elif blocks == "q5" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
         d = scales[:, g:]
         exact = torch.equal(prod[..., 0], d) and torch.equal(zeros[:, g:], 8 * d + f[..., 1] * ints[..., 1].float())
     elif blocks in ("q6_16", "q4_16") and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
@@ -361,7 +365,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16,
-               "q8m": cpu_kernels.LIN_Q8M, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
+               "q5": cpu_kernels.LIN_Q5, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
                "iq4": cpu_kernels.LIN_IQ4}
 
 
