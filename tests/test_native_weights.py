@@ -213,9 +213,9 @@ def test_int4_linear_from_linear_is_q4_1_rounding(int4_backend):
         Int4GroupLinear.from_linear(nn.Linear(32, 8))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def test_int4_linear_rows_do_not_depend_on_the_batch(kind, int4_backend):
-    cols = 256 if kind == "Q6_K" else 128
+    cols = 256 if kind in SUPER_TYPES else 128
     codes, scales, zeros, repeat = decode_blocks(_quantized(64, cols, kind, seed=7), kind, cols)
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
