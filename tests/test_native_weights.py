@@ -51,15 +51,17 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
 # every type native runs (SUPER_TYPES: 256-wide rows)
-ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+GRID = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")  # grid types: a scale per block times grid values with their signs
+ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS") + GRID
 # int4 segments a weight (else 1)
-REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_K": 4, "IQ4_NL": 2, "IQ4_XS": 2}
+REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_K": 4, "IQ4_NL": 2, "IQ4_XS": 2,
+          **{t: 2 for t in GRID}}
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # types whose block scales are float16 in the file
 # types whose scales are a float16 factor per 256 times integers (super-blocks of 256)
-SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") + GRID
 # the CPU kernel each runs on ("q4" for the others)
 BLOCKS = {"Q8_0": "q8", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q6_16",
-          "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
+          "IQ4_NL": "iq4", "IQ4_XS": "iq4", "IQ3_S": "q5", "IQ1_S": "q5", "IQ3_XXS": "q8", "IQ2_XXS": "q8"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -103,6 +105,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
         return iq4_nl_bytes(rows, cols, seed, scale=std / 60)
     if kind == "IQ4_XS":
         return iq4_xs_bytes(rows, cols, seed, scale=std / 60 / 16)
+    if kind in GRID:  # grid values up to 62 (IQ3_XXS), 43 (IQ2_XXS), 15 (IQ3_S), 1 (IQ1_S), times multipliers of 2-31
+        return grid_bytes(kind, rows, cols, seed, scale=std / {"IQ3_XXS": 60, "IQ2_XXS": 40, "IQ3_S": 80, "IQ1_S": 6}[kind])
     if kind == "Q4_K":
         return q4_k_bytes(rows, cols, seed, scale=std / 125)
     if kind == "Q6_K":
@@ -145,7 +149,7 @@ def test_int4_linear_computes_its_dequantized_weight(kind, int4_backend):
 def test_k_quant_scales_stay_in_their_file_form(kind):
     """On the CPU kernels a K-quant (or IQ4_XS) keeps its scales as the file holds them (native.super_scales: a float16
     factor per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K, Q3_K,
-    Q2_K and IQ4_XS give the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32 path recomputes (zero - 8 d), stay within
+    Q2_K, IQ4_XS and the grid types give the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32 path recomputes (zero - 8 d), stay within
     the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
     the groups' scales (a tampered integer) keep the float32 scales; rows stand alone as in the batch; a column cut
     through a super-block keeps float32 scales for that part."""
@@ -155,7 +159,7 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     raw = _quantized(48, cols, kind, seed=SUPER_TYPES.index(kind) + 40)
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
     factors, ints = native.super_scales(raw, kind, cols)
-    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, {"Q2_K": 4, "IQ4_XS": 1}.get(kind, 2))
+    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, {"Q2_K": 4, "IQ4_XS": 1, **{t: 1 for t in GRID}}.get(kind, 2))
     flt = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat, super_scales=(factors, ints))
     assert lin.blocks == flt.blocks == BLOCKS.get(kind, "q4")
@@ -163,7 +167,7 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     assert lin.scales_and_zeros.nbytes * 2 < flt.scales_and_zeros.nbytes
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(2))
     y = lin(x)
-    if kind in ("Q6_K", "Q3_K", "Q2_K", "IQ4_XS"):
+    if kind not in ("Q4_K", "Q5_K"):
         assert torch.equal(y, flt(x))
     _assert_int4_matmul(lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x,
                         True)
@@ -348,6 +352,16 @@ def iq4_nl_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.nda
     return np.ascontiguousarray(np.concatenate([d, qs], -1).reshape(rows, cols // 32 * 18))
 
 
+def grid_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random super-blocks of a grid type (``native.GRID_TYPES``): an fp16 d in [0.1, 2] x ``scale``, then random bytes
+    (every grid index, sign pattern and block scale they spell is valid)."""
+    rng = np.random.default_rng(seed)
+    size = native.GRID_TYPES[kind][0]
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    rest = rng.integers(0, 256, (rows, cols // 256, size - 2), dtype=np.uint8)
+    return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, cols // 256 * size))
+
+
 def iq4_xs_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random IQ4_XS super-blocks ``[rows, cols / 256 * 136]`` uint8: an fp16 d in [0.1, 2] x ``scale``, 2 + 4 bytes of
     6-bit block scales ``ls`` (the block's scale is ``d (ls - 32)``), 128 of 4-bit indices (random bytes are valid;
@@ -369,7 +383,8 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
     packers = {"Q2_K": q2_k_bytes, "Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes,
                "IQ4_NL": iq4_nl_bytes, "IQ4_XS": iq4_xs_bytes}
-    raw = packers[kind](rows, cols, 11) if kind in packers else gguf.quants.quantize(a, Q[kind])
+    raw = packers[kind](rows, cols, 11) if kind in packers else grid_bytes(kind, rows, cols, 11) if kind in GRID else \
+        gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
@@ -629,7 +644,7 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
-# what llama.cpp's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M and IQ4_XS write: Q2_K / Q3_K / Q4_K / Q5_K, larger types for value / down projections
+# what llama.cpp's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS and IQ3_XXS (grid types) write: Q2_K / Q3_K / Q4_K / Q5_K, larger types for value / down projections
 # in some layers and a Q6_K head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width);
 # layer 0 of each mixes kinds in q/k/v (no fusion)
 K_MIXES = {
@@ -650,6 +665,11 @@ K_MIXES = {
                     ffn_up="IQ4_XS", ffn_down="Q5_K"),
                dict(attn_q="IQ4_XS", attn_k="IQ4_XS", attn_v="IQ4_XS", attn_output="IQ4_NL", ffn_gate="IQ4_XS",
                     ffn_up="IQ4_XS", ffn_down="IQ4_NL")],
+    # the grid types, as llama.cpp's IQ3_XXS / IQ2_XXS / IQ1_S presets mix them with larger types for value projections
+    "IQ3_XXS": [dict(attn_q="IQ3_XXS", attn_k="IQ3_XXS", attn_v="IQ3_S", attn_output="IQ3_S", ffn_gate="IQ2_XXS",
+                     ffn_up="IQ2_XXS", ffn_down="IQ1_S"),
+                dict(attn_q="IQ2_XXS", attn_k="IQ2_XXS", attn_v="IQ4_XS", attn_output="IQ3_XXS", ffn_gate="IQ1_S",
+                     ffn_up="IQ1_S", ffn_down="IQ3_S")],
     "Q5_K_M": [dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q5_K", ffn_up="Q5_K",
                     ffn_down="Q6_K"),
                dict(attn_q="Q5_1", attn_k="Q5_1", attn_v="Q5_K", attn_output="Q5_K", ffn_gate="Q5_1", ffn_up="Q5_1",
@@ -692,8 +712,8 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     with torch.no_grad():
         a, b = flt(ids).logits, nat(ids).logits
     # the inputs' byte rounding, amplified by random weights (seed 6; other seeds move the mixes' ratios between 0.015
-    # and 0.77): zero-mean IQ4 weights leave more of it (0.095 here) than the K-quants' offset ones
-    assert float((a - b).abs().max() / a.abs().max()) <= (0.1 if mix == "IQ4_XS" else 0.04)
+    # and 0.77): zero-mean IQ weights leave more of it (0.095 and 0.062 here) than the K-quants' offset ones
+    assert float((a - b).abs().max() / a.abs().max()) <= (0.1 if mix.startswith("IQ") else 0.04)
     if not cpu_blocks:
         return
     runner = CausalLMRunner(nat, 1, 40)

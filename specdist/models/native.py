@@ -2,8 +2,8 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or
-IQ4_XS by an
+replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS or IQ1_S by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales exactly and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
@@ -20,8 +20,10 @@ an offset per 16) run as 2-bit codes with both per 16, on the CPU kernels only. 
 Q6_K value and down projections in some layers and a Q6_K output head. IQ4_NL's and IQ4_XS's 4-bit indices stand for
 the signed bytes of a fixed table (``IQ4_VALUES``) with a scale per block of 32 (IQ4_XS: ``d (ls - 32)``, ``ls`` 6
 bits), so they run as Q8_0 does, on those bytes; the CPU kernels keep them as 4-bit indices (``quant._q8_blocks``).
-Other tensors (norms, embeddings, F16/F32, the other IQ types, and linears whose output rows the int4 kernel cannot
-tile, ``out_features % 16 != 0``) keep the float weights transformers loaded.
+IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S (``GRID_TYPES``) index grids of small integers with signs, times a scale per block
+of 32: they run as those integers in bytes (:func:`_decode_grid`). Other tensors (norms, embeddings, F16/F32, IQ2_XS,
+IQ2_S and IQ1_M, whose scales are per 16, and linears whose output rows the int4 kernel cannot tile,
+``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
 permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF mapping: the
@@ -52,7 +54,8 @@ from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_he
 log = logging.getLogger("specdist.load")
 
 # GGUF block types run natively
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")
 CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K")  # native only where the CPU block kernels run them
 Q2_K_BYTES = 84  # a Q2_K super-block: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, d, dmin (fp16)
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
@@ -62,6 +65,13 @@ Q6_K_BYTES = 210  # a Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bi
 IQ4_NL_BYTES = 18  # an IQ4_NL block of 32: d (fp16), 16 bytes of 4-bit indices into IQ4_VALUES
 IQ4_XS_BYTES = 136  # an IQ4_XS super-block: d (fp16), 2 + 4 bytes of 6-bit block scales, 128 of 4-bit indices for 256
 IQ4_VALUES = np.array(cpu_kernels.IQ4_VALUES, np.int8)  # the signed byte an IQ4 index stands for
+# GGUF's grid types whose weights are a scale per block of 32 times small integers (grid values with their signs): the
+# bytes of a super-block of 256 (each starting with its fp16 d), and the integers' denominator (IQ1_S: grid values
+# -1, 0, 1 plus a delta of +-1/8)
+GRID_TYPES = {"IQ3_S": (110, 1), "IQ3_XXS": (98, 1), "IQ2_XXS": (66, 1), "IQ1_S": (50, 8)}
+# a grid type's block scale is d / GRID_FACTOR times an integer (IQ2_XXS: d (2 ls + 1) / 8; IQ3_XXS: d (2 ls + 1) / 4;
+# IQ3_S: d (1 + 2 sc); IQ1_S: d (2 k + 1) / 8)
+GRID_FACTOR = {"IQ3_S": 1, "IQ3_XXS": 4, "IQ2_XXS": 8, "IQ1_S": 8}
 
 
 def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -85,6 +95,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return _decode_q3_k(raw, rows, cols)
     if kind in ("IQ4_NL", "IQ4_XS"):
         return _decode_iq4(raw, kind, rows, cols)
+    if kind in GRID_TYPES:
+        return _decode_grid(raw, kind, rows, cols)
     nb = cols // GROUP
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
@@ -139,6 +151,47 @@ def _decode_iq4(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch
     return _q8_halves(torch.from_numpy(IQ4_VALUES[idx]), torch.from_numpy(scale))
 
 
+def _grid_multipliers(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """A grid type's block multipliers ``[rows, nb, 8]`` float32, one per block of 32 of each super-block
+    (``blocks [rows, nb, bytes]``): a block's scale is the super-block's ``d`` times it (gguf-py's ``db`` / ``dl``).
+    IQ2_XXS: ``(0.5 + ls) / 4`` with ``ls`` the top 4 bits of the block's second uint32 (of 16 after ``d``); IQ3_XXS:
+    ``(0.5 + ls) / 2``, ``ls`` the top 4 bits of its uint32 after the 64 grid bytes; IQ3_S: ``1 + 2 sc``, ``sc`` its nibble
+    of the last 4 bytes (low first); IQ1_S: ``2 ((qh >> 12) & 7) + 1`` of its uint16 ``qh`` after the 32 grid bytes."""
+    rows, nb, size = blocks.shape
+    if kind == "IQ2_XXS":
+        return (0.5 + (blocks[..., 2:].copy().view(np.uint32).reshape(rows, nb, 8, 2)[..., 1] >> 28)) * 0.25
+    if kind == "IQ3_XXS":
+        return (0.5 + (blocks[..., 66:98].copy().view(np.uint32) >> 28)) * 0.5
+    if kind == "IQ3_S":
+        return 1.0 + 2 * ((blocks[..., 106:110, None] >> np.array([0, 4], np.uint8)) & 15).reshape(rows, nb, 8)
+    return 2.0 * ((blocks[..., 34:50].copy().view(np.uint16) >> 12) & 7) + 1  # IQ1_S
+
+
+def _decode_grid(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          int]:
+    """IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S as byte codes (:func:`_q8_halves`) with a scale per block of 32: the grid
+    values with their signs (IQ1_S: times 8, its values being ``-1, 0, 1`` plus ``+-1/8``) and ``d`` times the block's
+    multiplier (over 8 for IQ1_S; exact in float32). The codes are read from gguf-py's own de-quantization of the
+    blocks with ``d`` set to 1 (grid values times the multiplier: exact), divided by the multipliers (exact: the
+    quotients are small integers)."""
+    import gguf
+
+    size, denominator = GRID_TYPES[kind]
+    nb = cols // 256
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    unit_blocks = blocks.copy()
+    unit_blocks[..., 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    unit = gguf.quants.dequantize(unit_blocks.reshape(rows, -1), gguf.GGMLQuantizationType[kind])  # [rows, cols]
+    mult = _grid_multipliers(blocks, kind).astype(np.float32)  # [rows, nb, 8]
+    values = unit.reshape(rows, nb, 8, 32) / mult[..., None] * denominator  # [rows, nb, 8, 32]: small integers
+    codes = np.rint(values)
+    if not np.array_equal(codes, values) or np.abs(codes).max(initial=0) > 127:
+        raise ValueError(f"{kind}: blocks whose values are not a scale times small integers")
+    scale = (d[..., None] * mult / denominator).reshape(rows, -1)  # [rows, G]
+    return _q8_halves(torch.from_numpy(codes.astype(np.int8).reshape(rows, -1, 32)), torch.from_numpy(scale))
+
+
 def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
                m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Byte codes ``c8 [rows, nb, 32]`` (-128..127) with a scale ``d [rows, nb]`` a block and an offset ``m`` or
@@ -190,10 +243,17 @@ def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, t
     ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
     factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. IQ4_XS: factor ``d``, a
-    block's int ``ls - 32``. The products are :func:`decode_blocks`' scales."""
-    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"):
+    block's int ``ls - 32``. Grid types: factor ``d / GRID_FACTOR``, a block's int its multiplier times that. The products
+    are :func:`decode_blocks`' scales."""
+    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", *GRID_TYPES):
         return None
     rows, nb = raw.shape[0], cols // 256
+    if kind in GRID_TYPES:
+        blocks = np.ascontiguousarray(raw).reshape(rows, nb, GRID_TYPES[kind][0])
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+        ints = _grid_multipliers(blocks, kind) * GRID_FACTOR[kind] / GRID_TYPES[kind][1]  # [rows, nb, 8]: integers
+        return (torch.from_numpy(d / GRID_FACTOR[kind]),
+                torch.from_numpy(ints.astype(np.int8).reshape(rows, -1, 1)))  # [rows, nb, 1], [rows, G, 1]
     if kind == "IQ4_XS":
         _, d, ints = _iq4_parts(raw, kind, rows, cols)
         return torch.from_numpy(d[..., None]), torch.from_numpy(ints[..., None])  # [rows, nb, 1], [rows, G, 1]
@@ -351,7 +411,7 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
         return quantized_copy(target, Int4GroupLinear)
     clone = unfused_copy(target)
     if not use_native_blocks(clone, gguf_path, "draft.method", required=False):
-        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ1-IQ3): groups of the floats
+        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ2_XS): groups of the floats
     return clone
 
 
@@ -428,7 +488,7 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
 
     Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
     blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
-    linear that runs natively here; otherwise (``auto``: an F16 file, IQ1-IQ3 types) the model keeps its floats.
+    linear that runs natively here; otherwise (``auto``: an F16 file, IQ2_XS / IQ2_S / IQ1_M) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}

@@ -345,8 +345,16 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
         s = scales.reshape(out, 4, g)
         exact = (torch.equal(prod, s[:, :2].permute(0, 2, 1))
                  and torch.equal(f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)))
-    elif blocks in ("q8", "iq4") and factors.shape[2] == 1 and ints.shape[2] == 1:  # IQ4_XS: d (ls - 32) a block
-        exact = torch.equal(f[..., 0] * ints[..., 0].float(), scales[:, g:])
+    elif factors.shape[2] == 1 and ints.shape[2] == 1:  # a factor times an int a block (IQ4_XS, grid types), as bytes
+        if blocks in ("q8", "iq4"):
+            exact = torch.equal(f[..., 0] * ints[..., 0].float(), scales[:, g:])
+        elif blocks == "q5":  # bytes in -16..15 as 5-bit codes with the offset -16 d (quant._q8_blocks): (f, -16 f)
+            d = scales[:, g:]
+            exact = (torch.equal(f[..., 0] * ints[..., 0].float(), d)
+                     and not (zeros[:, : g] + zeros[:, g:] - 8 * d).any())
+            factors, ints = torch.cat([factors, -16 * factors], -1), torch.cat([ints, ints], -1)
+        else:
+            return packed
     elif ints.shape[2] != 2:
         return packed
     elif blocks == "q4" and factors.shape[2] == 2:  # Q4_K: (d sc, -dmin m); zeros = 8 d sc - dmin m
