@@ -106,7 +106,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
     if kind == "IQ4_XS":
         return iq4_xs_bytes(rows, cols, seed, scale=std / 60 / 16)
     if kind in GRID:  # grid values up to 62 (IQ3_XXS), 43 (IQ2_XXS), 15 (IQ3_S), 1 (IQ1_S), times multipliers of 2-31
-        return grid_bytes(kind, rows, cols, seed, scale=std / {"IQ3_XXS": 60, "IQ2_XXS": 40, "IQ3_S": 80, "IQ1_S": 6}[kind])
+        scale = std / {"IQ3_XXS": 60, "IQ2_XXS": 40, "IQ3_S": 80, "IQ1_S": 6}[kind]
+        return grid_bytes(kind, rows, cols, seed, scale=scale)
     if kind == "Q4_K":
         return q4_k_bytes(rows, cols, seed, scale=std / 125)
     if kind == "Q6_K":
@@ -149,8 +150,8 @@ def test_int4_linear_computes_its_dequantized_weight(kind, int4_backend):
 def test_k_quant_scales_stay_in_their_file_form(kind):
     """On the CPU kernels a K-quant (or IQ4_XS) keeps its scales as the file holds them (native.super_scales: a float16
     factor per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K, Q3_K,
-    Q2_K, IQ4_XS and the grid types give the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32 path recomputes (zero - 8 d), stay within
-    the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
+    Q2_K, IQ4_XS and the grid types give the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32
+    path recomputes (zero - 8 d), stay within the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
     the groups' scales (a tampered integer) keep the float32 scales; rows stand alone as in the batch; a column cut
     through a super-block keeps float32 scales for that part."""
     from specdist.models.sharding import Cut, take_blocks, take_super_scales
@@ -159,7 +160,8 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     raw = _quantized(48, cols, kind, seed=SUPER_TYPES.index(kind) + 40)
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
     factors, ints = native.super_scales(raw, kind, cols)
-    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, {"Q2_K": 4, "IQ4_XS": 1, **{t: 1 for t in GRID}}.get(kind, 2))
+    per_block = {"Q2_K": 4, "IQ4_XS": 1, **{t: 1 for t in GRID}}.get(kind, 2)  # ints a block
+    assert factors.shape[:2] == (48, cols // 256) and ints.shape == (48, cols // GROUP, per_block)
     flt = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat)
     lin = Int4GroupLinear(codes, scales, zeros, repeat_input=repeat, super_scales=(factors, ints))
     assert lin.blocks == flt.blocks == BLOCKS.get(kind, "q4")

@@ -18,11 +18,11 @@
  *   Q4, Q5: d * d_x * sum(c * q) + m * (d_x * sum(q))      Q8: d * d_x * sum(c * q)
  * A weight's scales (and offsets) are float32; or float16 where every one of them is a float16 value (GGUF's
  * Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store theirs so), converted exactly on load; or, for the K-quants, their file's
- * form (IQ4_XS's too): a float16 factor per 256 elements times a small integer per block or per 16, multiplied on load (exact in
- * float32). The products are the same bits as with float32 scales, at fewer bytes: a Q4 block reads 0.625 bytes a
+ * form (IQ4_XS's and the IQ grid types' too): a float16 factor per 256 elements times a small integer per block or per
+ * 16, multiplied on load (exact in float32). The products are the same bits as with float32 scales, at fewer bytes: a Q4 block reads 0.625 bytes a
  * weight with float16 scales and 0.59 with a Q4_K super-block's, instead of 0.75 (block_scale).
- * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2) in groups of 8 rows whose codes
- * interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
+ * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2) in groups of 8
+ * rows whose codes interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
  * no horizontal sums, and each loaded (and unpacked) weight vector serves ROWS_TILE (4) rows of x.
  * Every output element is computed by the same instruction sequence whatever the number of rows of x and
@@ -460,8 +460,8 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
     return 0;
 
 /* The block matmul of each kind (specdist_block_mm calls them): y [M, N] = x [M, K] @ W.T, W's codes
- * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q5's 160; pack_q6's 192; pack_q8's 256; pack_q2's 64) and its
- * scales sc in a mode
+ * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q5's 160; pack_q6's 192;
+ * pack_q8's 256; pack_q2's 64) and its scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
  * that is not a multiple of 256. */
@@ -953,7 +953,7 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
+    const void *codes;   /* pack_q4 / q5 / q6 / q8 / q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
     int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16 or

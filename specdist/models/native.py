@@ -12,8 +12,9 @@ are Q4_1 blocks with scale ``d * sc`` and zero ``8 d sc - dmin m``, and run as t
 one scale, decoded as Q8_0's are (llama.cpp's Q4_K_M of a model whose width is not a multiple of 256, such as the
 built-in one, holds mostly Q5_0: K-quants need whole super-blocks of 256); Q5_1 and Q5_K blocks (``w = d q + m``, q in
 0..31; Q5_K's d and m per sub-block of 32 as Q4_K's) as bytes with an offset per block. The CPU kernels run all three
-as 5-bit codes with a scale and an offset per block (Q5_0: ``q`` with the offset ``-16 d``), as Q4_1 runs on nibbles. A Q6_K tensor's codes run as 6-bit codes
-``q`` (``w = d sc (q - 32)``) with its two scales a block of 32, where the CPU block kernels run;
+as 5-bit codes with a scale and an offset per block (Q5_0: ``q`` with the offset ``-16 d``), as Q4_1 runs on
+nibbles. A Q6_K tensor's codes run as 6-bit codes ``q`` (``w = d sc (q - 32)``) with its two scales a block of 32,
+where the CPU block kernels run;
 elsewhere it stays float (as four int4 passes it would read more than bf16 does). Q3_K's codes (``q3`` in -4..3, a
 6-bit scale per 16) run the same way as ``q3 + 32`` (on the CPU kernels as nibbles). Q2_K's codes (0..3, a scale and
 an offset per 16) run as 2-bit codes with both per 16, on the CPU kernels only. Most Q4_K_M and Q5_K_M files hold

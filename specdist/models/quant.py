@@ -23,7 +23,8 @@ file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled
 input, ``[x, x] @ [16 d (h + 8 - 8); d (l - 8) + 8 d]``, exact in the codes; Q5_0 (``c8 = q - 16``) likewise, and
 Q5_1 / Q5_K (``w = d q + m``, ``c8 = q``) with the low half's zero ``8 d + m``, and IQ4_NL / IQ4_XS (``c8`` the
-signed byte of the IQ4 table each 4-bit index stands for, a scale per block). Q6_K's codes ``q = 16 h + l``
+signed byte of the IQ4 table each 4-bit index stands for, a scale per block) and the IQ grid types (``c8`` the grid
+values with their signs, ``native.GRID_TYPES``). Q6_K's codes ``q = 16 h + l``
 (``h in 0..3``, ``l in 0..15``) with a scale ``D`` per 16 elements, ``w = D (q - 32)``, become four int4 segments
 over a quadrupled input, each holding one half (16 elements) of every block of 32 and zero weights in the other:
 ``16 D (h - 2)`` (codes h, scale 16 D, zero 96 D; code 2 where masked) for the first and the second halves, then
@@ -40,9 +41,9 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
   four segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a
   block, IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
   repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q8`` / ``pack_q2``), the
-  activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them exactly: float16
-  (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form (``super_scales``), or
-  float32.
+  activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them
+  exactly: float16 (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form
+  (``super_scales``), or float32.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
   bf16 activations, output rows in tiles.
 
@@ -152,8 +153,8 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q5" / "q6_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs with AVX2,
-        # BLOCK_KINDS), else None (torch's int4 kernels)
+        # blocks: "q4" / "q5" / "q6_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs
+        # with AVX2, BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
             self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
