@@ -92,14 +92,14 @@ def _free_port() -> int:
 
 
 def spawn_ranks(fn, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
-                env_extra: dict | None = None) -> list:
-    """Run ``fn(rank, WORLD_SIZE, port, out, args)`` in WORLD_SIZE rank processes (tests/rank_procs.py);
+                env_extra: dict | None = None, world_size: int = WORLD_SIZE) -> list:
+    """Run ``fn(rank, world_size, port, out, args)`` in ``world_size`` rank processes (tests/rank_procs.py);
     their outputs (``torch.load``-ed, or the paths with ``load=False``)."""
     for attempt in range(2):  # a second try if another process grabbed the port meanwhile
         port = _free_port()
-        outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(WORLD_SIZE)]
-        logs = [str(tmp_path / f"rank{r}_{attempt}.log") for r in range(WORLD_SIZE)]
-        procs = start_ranks(fn, lambda r: (r, WORLD_SIZE, port, outs[r], list(args)), WORLD_SIZE, logs, env_extra)
+        outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(world_size)]
+        logs = [str(tmp_path / f"rank{r}_{attempt}.log") for r in range(world_size)]
+        procs = start_ranks(fn, lambda r: (r, world_size, port, outs[r], list(args)), world_size, logs, env_extra)
         join_ranks(procs, timeout_s)
         texts = [open(f).read() for f in logs]
         if all(p.exitcode == 0 for p in procs):
@@ -257,6 +257,53 @@ def test_two_rank_nccl_matches_unsharded(tmp_path, device):
                                        env_extra={"SPECDIST_TEST_DEVICE": "cuda"})]
     assert all(res["control"] == ("gloo", False) for res in ranks)
     _check_logits("llama on NCCL", ref, ranks)
+
+
+def _batch_worker(rank: int, world_size: int, port: int, out_path: str, args: list[str]) -> None:
+    """A rank of the built-in model on its GGUF blocks: request A's logits (a prefill, then a verification of 3
+    tokens) computed alone and beside 1, 3 and 6 other requests of other lengths."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from specdist.models.loader import gguf_parsed_once, resolve_model
+    from specdist.models.runner import CausalLMRunner
+    from specdist.models.sharding import load_sharded
+    from workers.tensor_parallel import init_process_group
+
+    init_process_group(rank, world_size, "127.0.0.1", port, "cpu")
+    with gguf_parsed_once():
+        model = load_sharded(resolve_model("smollm2-135m-instruct"), "float32", "cpu", rank, world_size,
+                             weights="native")
+    runner = CausalLMRunner(model, num_slots=8, max_len=128)
+    prompt, verify = [(7 * i + 3) % 49000 for i in range(30)], [11, 22, 33]
+    results = []
+    for others in (0, 1, 3, 6):
+        slots = [runner.cache.allocate() for _ in range(others + 1)]
+        rest = [[(11 * i + 5 * j + 1) % 49000 for i in range(9 + 4 * j)] for j in range(others)]
+        prefill = runner.forward(slots, [prompt] + rest, [1] * len(slots))[0]  # [1, V]
+        steps = runner.forward(slots, [verify] + [[5 + j, 6] for j in range(others)], [3] + [2] * others)[0]  # [3, V]
+        results.append((prefill.clone(), steps[:3].clone()))
+        for s in slots:
+            runner.cache.free(s)
+    torch.save(results, out_path)  # rank 0: the full vocabulary; the others their rows
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_three_ranks_rows_do_not_depend_on_the_batch(tmp_path):
+    """Three ranks (the default deployment's split of the built-in model, on its GGUF blocks): a request's logits are
+    the same bits alone and beside other requests, in a prefill and a verification step. The row-parallel partial
+    sums are added in rank order (sharding.sum_over_ranks): an all-reduce's ring, whose chunks follow the buffer's
+    size, moved them by up to 0.4 with the batch (two ranks' sums commute, so only three or more show it)."""
+    from specdist.models import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the batch-invariant forward needs the CPU block kernels (x86 with AVX2)")
+    results = spawn_ranks(_batch_worker, [], tmp_path, world_size=3)[0]
+    alone_prefill, alone_steps = results[0]
+    for others, (prefill, steps) in zip((1, 3, 6), results[1:]):
+        assert torch.equal(prefill, alone_prefill), others
+        assert torch.equal(steps, alone_steps), others
 
 
 def test_indivisible_heads_raise():

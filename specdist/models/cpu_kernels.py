@@ -503,8 +503,8 @@ class LayerWeights:
     kinds differ). It keeps the tensors, so the pointers it hands the C code stay valid.
     ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows).
     ``reduce``: on a tensor-parallel rank whose W_o and W_down hold its input columns (no biases in ``linears``),
-    ``(all_reduce, o bias, down bias)``: :func:`llama_layer` sums each projection's partial output over the ranks
-    with ``all_reduce`` (in place), adds the bias (or None), then the residual."""
+    ``(sum_over_ranks, o bias, down bias)``: :func:`llama_layer` sums each projection's partial output over the ranks
+    with ``sum_over_ranks`` (in place), adds the bias (or None), then the residual."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
                  linears: list[Matmul | list[Matmul]],
@@ -603,12 +603,12 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     if weights.reduce is None:
         run(_LAYER_WHOLE)
         return h
-    all_reduce, o_bias, down_bias = weights.reduce
+    sum_over_ranks, o_bias, down_bias = weights.reduce
     start, n = weights.projection_out(bsz * t)
     out = scratch[start : start + n].view(bsz, t, d)  # the projection's partial output, [B, T, D]
     for part, bias in ((_LAYER_ATTENTION, o_bias), (_LAYER_MLP, down_bias)):
         run(part)
-        all_reduce(out)
+        sum_over_ranks(out)
         h += out if bias is None else out + bias
     return h
 

@@ -741,10 +741,10 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     qk_norms = (qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None
     reduce = None
     if all(row_parallel):
-        import torch.distributed as dist
+        from specdist.models.sharding import sum_over_ranks
 
         group = attn.o_proj.group
-        reduce = (lambda t: dist.all_reduce(t, group=group), attn.o_proj.bias, mlp.down_proj.bias)
+        reduce = (lambda t: sum_over_ranks(t, group), attn.o_proj.bias, mlp.down_proj.bias)
     return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms,
                                     reduce)
 

@@ -10,10 +10,10 @@ Rank ``r`` of ``W`` holds, per decoder layer (gpt-fast / Megatron style):
   (``torch.tensor_split`` chunks: may be uneven). Phi-3's fused ``gate_up_proj``: its gate rows,
   then its up rows.
 - ``o_proj`` / ``down_proj`` (row-parallel, :class:`RowParallelLinear`): the matching input
-  columns; the partial products are summed over the group (one all-reduce each), the bias added
-  once after the sum.
+  columns; the partial products are summed over the group (:func:`sum_over_ranks`, once each), the bias
+  added once after the sum.
 - Mixture-of-experts ``experts`` (3D ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``): every
-  expert's intermediate dim is split like a dense MLP's; the experts' output is all-reduced once
+  expert's intermediate dim is split like a dense MLP's; the experts' output is summed over the group once
   (a forward hook). The router is replicated, so every rank routes every token alike.
 - ``lm_head`` (vocab-parallel, :class:`VocabParallelLMHead`): the rank's vocabulary rows; the local
   logits are gathered to rank 0 of the group only (rank 0 returns ``[..., V]``, the others their
@@ -107,8 +107,25 @@ class Cut:
 
 
 # ---------------------------------------------------------------- sharded modules
+def sum_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` summed over the group's ranks, in place, the ranks' parts added in rank order
+    (``((t_0 + t_1) + t_2) + ...``) on every rank: each element's sum depends only on that element's parts. An
+    all-reduce's ring cuts the buffer into chunks by its size and reduces each chunk from a different rank, so with
+    three ranks or more an element's additions would be ordered by where it falls in the buffer, and a row's output
+    would depend on the rows batched with it (two ranks do not: their sum commutes)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)  # parts[r]: rank r's, in group rank order
+    total = parts[0]
+    for p in parts[1:]:
+        total += p
+    return t.copy_(total)
+
+
 class RowParallelLinear(nn.Module):
-    """``y = sum over ranks (x_r @ W_r.T) + b``: the rank's input columns, then an all-reduce. ``blocks``: the
+    """``y = sum over ranks (x_r @ W_r.T) + b``: the rank's input columns, then :func:`sum_over_ranks`. ``blocks``: the
     rank's columns as GGUF blocks (:func:`shard_native_blocks`; ``weight`` is then None), or None."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, group=None, device=None, dtype=None):
@@ -120,7 +137,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_local] -> [..., out]
         y = F.linear(x, self.weight) if self.blocks is None else self.blocks(x)
-        dist.all_reduce(y, group=self.group)
+        sum_over_ranks(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -151,10 +168,9 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat([p[..., :n] for p, n in zip(parts, self.vocab_sizes)], -1)  # [..., V]
 
 
-def _all_reduce_output(group):
+def _sum_output_over_ranks(group):
     def hook(module, args, output):  # the experts' partial sums over the rank's intermediate chunk
-        dist.all_reduce(output, group=group)
-        return output
+        return sum_over_ranks(output, group)
 
     return hook
 
@@ -272,7 +288,7 @@ def _partition_experts(experts: nn.Module, name: str, rank: int, world_size: int
     experts.down_proj = nn.Parameter(torch.empty(e, d, n_local, device="meta", dtype=down.dtype))
     if hasattr(experts, "intermediate_dim"):
         experts.intermediate_dim = n_local
-    experts.register_forward_hook(_all_reduce_output(group))
+    experts.register_forward_hook(_sum_output_over_ranks(group))
     cuts[f"{name}.gate_up_proj"], cuts[f"{name}.down_proj"] = gu_cut, down_cut
 
 
