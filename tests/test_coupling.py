@@ -104,11 +104,10 @@ def test_shared_noise_is_detected() -> None:
 
 
 def test_agreement_rule() -> None:
-    y = torch.tensor([[4, 5, 6, 7], [1, 2, 3, 9], [8, 8, 8, 8]])  # [B, K+1]
-    drafts = torch.tensor([[4, 5, 0], [1, 2, 3], [8, 0, 0]])  # [B, K]
-    res = gumbel_verify(y, drafts, torch.tensor([3, 3, 1]))
-    assert res.num_accepted.tolist() == [2, 3, 1]
-    assert res.tokens.tolist() == [[4, 5, 6, -1], [1, 2, 3, 9], [8, 8, -1, -1]]
+    y = [[4, 5, 6, 7], [1, 2, 3, 9], [8, 8], [3]]  # the target's token at each draft position and the bonus one
+    drafts = [[4, 5, 0], [1, 2, 3], [8], []]
+    assert gumbel_verify(y, drafts) == [2, 3, 1, 0]
+    assert gumbel_verify([[4, 5, 6, 7]], [[0, 5, 6]]) == [0]  # agreement after a disagreement counts for nothing
 
 
 @pytest.mark.parametrize("vocab", [5, 40_000])

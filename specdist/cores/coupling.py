@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import torch
 
-from specdist.cores.rejection import VerifyResult
-
 COUPLINGS = ("gumbel", "rejection")
 
 GUMBEL_ROLE = 0xA0761D6478BD642F  # xor-ed into the key: the Gumbel stream differs from the uniforms'
@@ -112,17 +110,17 @@ def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  #
                       for i in range(0, n, step)]) if n else torch.zeros(0, dtype=torch.long, device=probs.device)
 
 
-def gumbel_verify(
-    target_tokens: torch.Tensor,  # [B, K+1] long: y, the target's Gumbel-max token at each position
-    draft_tokens: torch.Tensor,  # [B, K] long; entries at or past num_draft are ignored
-    num_draft: torch.Tensor,  # [B] long
-) -> VerifyResult:
-    """Accept each request's drafts while they equal ``y``; the token after them is ``y`` at the
-    first disagreement (or at the bonus position)."""
-    bsz, k1 = target_tokens.shape
-    dev = target_tokens.device
-    valid = torch.arange(k1 - 1, device=dev)[None, :] < num_draft[:, None]  # [B, K]
-    agree = (draft_tokens == target_tokens[:, :-1]) & valid
-    n = agree.long().cumprod(-1).sum(-1)  # [B] accepted run
-    keep = torch.arange(k1, device=dev)[None, :] <= n[:, None]  # the run and the token after it
-    return VerifyResult(torch.where(keep, target_tokens, torch.full_like(target_tokens, -1)), n)
+def gumbel_verify(target_tokens: list[list[int]], draft_tokens: list[list[int]]) -> list[int]:
+    """The drafts each request keeps: how many of its drafts ``draft_tokens[b]`` equal ``y``
+    (``target_tokens[b]``: the target's Gumbel-max token at each draft position and the bonus one,
+    ``len(draft_tokens[b]) + 1`` of them) from the first on. The request then emits ``y`` up to and
+    including index ``n``: the token at the first disagreement, or the bonus token. On the host:
+    the rule reads a few ints a request, and torch's per-operation cost on tensors this small is
+    larger than the loop's."""
+    accepted = []
+    for y, d in zip(target_tokens, draft_tokens):
+        n = 0
+        while n < len(d) and d[n] == y[n]:
+            n += 1
+        accepted.append(n)
+    return accepted

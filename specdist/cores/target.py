@@ -405,30 +405,30 @@ class VerifierCore:
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
 
-        dev = logits.device
-        tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
-        tokens = tokens.to(dev)  # [B, K]
-        num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
         if all(r.params.temperature <= 0 and r.params.logprobs is None for r in reqs):
             # every p one-hot on the argmax, and no log-probabilities asked: under either coupling a draft is
             # accepted iff it is the argmax and the token after the run is the argmax there, so the argmax of
-            # the logits decides the step without materialising p ([B, K+1, V]: the bulk of a greedy step's
-            # sampling time at a large batch)
-            probs = None
-            k1 = kdim + 1
-            # one pass over the rows: max() gives the first maximal index, and a NaN as the max
-            top, arg = logits.max(-1)  # [N] each, slot order
-            pos = torch.tensor([b * k1 + j for b in order for j in range(nd[b] + 1)], device=dev)  # into [B, K+1]
-            y = torch.zeros(bsz * k1, dtype=torch.long, device=dev).index_copy_(0, pos, arg).view(bsz, k1)
-            res = gumbel_verify(y, tokens, num_draft)  # positions past a request's drafts are never read
-            unusable = torch.zeros(bsz * k1, dtype=torch.bool, device=dev).index_copy_(0, pos, top.isnan())
-            unusable = unusable.view(bsz, k1).any(1)  # [B]
+            # the logits decides the step without materialising p ([B, K+1, V]), on the host from one copy
+            # of the argmaxes (a handful of torch operations on [B, K+1] tensors cost more than the loop)
+            top, arg = logits.max(-1)  # [N] each, slot order; max() gives the first maximal index, and NaN as the max
+            y, nan = torch.stack((arg, top.isnan().long())).tolist()  # [N] each, one copy to the host
+            rows, at = {}, 0  # request -> its rows of the packed logits
+            for b in order:
+                rows[b], at = slice(at, at + nd[b] + 1), at + nd[b] + 1
+            n_acc = gumbel_verify([y[rows[b]] for b in range(bsz)], drafts)
+            final = [y[rows[b]][n] for b, n in enumerate(n_acc)]
+            bad = [int(any(nan[rows[b]])) for b in range(bsz)]
+            logprobs = {}
         else:
+            dev = logits.device
+            tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
+            tokens = tokens.to(dev)  # [B, K]
+            num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
             probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
-            res = self._decide(reqs, probs, qs, tokens, num_draft, nd, kdim)
-        final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
-        host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
-        n_acc, final, bad, logprobs = self._to_host(host, probs, res.tokens, [r.params.logprobs for r in reqs])
+            res = self._decide(reqs, probs, qs, tokens, num_draft, drafts)
+            final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
+            host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
+            n_acc, final, bad, logprobs = self._to_host(host, probs, res.tokens, [r.params.logprobs for r in reqs])
         if any(bad):
             self._refuse_unusable(items, reqs, nd, bad.index(1))
         t2 = now()
@@ -489,11 +489,13 @@ class VerifierCore:
                             [min(asked[b], num_top) for b in rows])
         return n_acc, final, bad, dict(zip(rows, values))
 
-    def _decide(self, reqs, probs, qs, tokens, num_draft, nd, kdim) -> VerifyResult:
+    def _decide(self, reqs, probs, qs, tokens, num_draft, drafts) -> VerifyResult:
         """Accepted drafts and the token after them, per request by its coupling: the rejection rule
         (:func:`~specdist.cores.rejection.rejection_sample`) or Gumbel-max agreement
         (:func:`~specdist.cores.coupling.gumbel_verify`); a mixed batch runs each on its rows."""
         dev = probs.device
+        nd = [len(d) for d in drafts]
+        kdim = tokens.shape[1]
         gumbel = [b for b, r in enumerate(reqs) if r.coupling == "gumbel"]
         if len(gumbel) < len(reqs):
             q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
@@ -502,9 +504,11 @@ class VerifierCore:
             if not gumbel:
                 return res
         idx = torch.tensor(gumbel, device=dev)
-        gres = gumbel_verify(self._gumbel_tokens([reqs[b] for b in gumbel], probs.index_select(0, idx),
-                                                 [nd[b] for b in gumbel]),
-                             tokens.index_select(0, idx), num_draft.index_select(0, idx))
+        y = self._gumbel_tokens([reqs[b] for b in gumbel], probs.index_select(0, idx), [nd[b] for b in gumbel])
+        n = gumbel_verify([row[: nd[b] + 1] for b, row in zip(gumbel, y.tolist())], [drafts[b] for b in gumbel])
+        n = torch.tensor(n, dtype=torch.long, device=dev)  # [G]
+        keep = torch.arange(kdim + 1, device=dev)[None, :] <= n[:, None]  # [G, K+1]: the run and the token after it
+        gres = VerifyResult(torch.where(keep, y, torch.full_like(y, -1)), n)
         if len(gumbel) == len(reqs):
             return gres
         return VerifyResult(res.tokens.index_copy(0, idx, gres.tokens), res.num_accepted.index_copy(0, idx, gres.num_accepted))
