@@ -117,37 +117,43 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([q8(x[i : i + 1], codes, scales) for i in range(m)]), y)
 
 
+# bits -> (packer, kind, code bytes a block of 8 rows, zero point) of the codes with a scale per 16 in 6 or 7 bits
+WIDE_16 = {6: (cpu_kernels.pack_q6, cpu_kernels.LIN_Q6_16, 192, 32), 7: (cpu_kernels.pack_q7, cpu_kernels.LIN_Q7_16, 256, 64)}
+
+
+@pytest.mark.parametrize("bits", sorted(WIDE_16))
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_six_bit_codes_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
-    """6-bit codes c = q in 0..63 with a scale per 16 (GGUF Q6_K: w = d_h (c - 32); LIN_Q6_16, a nibble and 2 high bits
-    each): each half's exact byte sum (widened before it could overflow 16 bits: the codes at 63 against bytes of
-    +-127 below) times its scale, minus 32 scales times the x half's sum; rows stand alone as in the batch; the
+def test_six_and_seven_bit_codes_with_a_scale_per_16_equal_the_quantized_product(m, n, k, bits):
+    """6-bit codes c = q in 0..63 (GGUF Q6_K, IQ1_M: w = d_h (c - 32); LIN_Q6_16, a nibble and 2 high bits each) and
+    7-bit codes c = q + 64 in 0..127 (IQ2_XS, IQ2_S: w = d_h (c - 64); LIN_Q7_16, a byte each), a scale per 16: each
+    half's exact byte sum (widened before it could overflow 16 bits: the largest codes against bytes of +-127 below)
+    times its scale, minus the zero point's scales times the x half's sum; rows stand alone as in the batch; the
     packing holds every code's bits where the kernel reads them; scales or codes of another kind are refused."""
-    g = torch.Generator().manual_seed(m * 1000 + n + 16)
+    pack, kind, code_bytes, mid = WIDE_16[bits]
+    g = torch.Generator().manual_seed(m * 1000 + n + 16 + bits)
     x = torch.randn(m, k, generator=g)
     x[0, :GROUP] = 1.0  # a block of bytes at 127
-    c = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
-    c[0] = 63
+    c = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    c[0] = (1 << bits) - 1
     scales = (torch.rand(n, k // 16, generator=g) - 0.5) * 0.02  # Q6_K's int8 scales may be negative
-    codes = cpu_kernels.pack_q6(c.reshape(n, k // GROUP, GROUP))
-    assert codes.shape == (-(-n // 8), k // GROUP, 192)
+    codes = pack(c.reshape(n, k // GROUP, GROUP))
+    assert codes.shape == (-(-n // 8), k // GROUP, code_bytes)
     packed_scales = cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
 
     def run(rows, cc=codes):
-        return cpu_kernels.block_mm(rows, cc, packed_scales, n, cpu_kernels.LIN_Q6_16)
+        return cpu_kernels.block_mm(rows, cc, packed_scales, n, kind)
     y = run(x)
-    _check(y, x, _q8_weight(c.to(torch.int16) - 32, scales))
+    _check(y, x, _q8_weight(c.to(torch.int16) - mid, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
     # one bit of one code set among codes 0: each bit reaches only its own weight
-    for bit in range(6):
+    for bit in range(bits):
         one = torch.zeros(n, k, dtype=torch.uint8)
         row, col = n // 2, k - 7
         one[row, col] = 1 << bit
-        _check(run(x, cpu_kernels.pack_q6(one.reshape(n, k // GROUP, GROUP))), x,
-               _q8_weight(one.to(torch.int16) - 32, scales))
+        _check(run(x, pack(one.reshape(n, k // GROUP, GROUP))), x, _q8_weight(one.to(torch.int16) - mid, scales))
     with pytest.raises(ValueError, match="not those of kind"):  # one scale a block is another kind's layout
-        cpu_kernels.block_mm(x, codes, cpu_kernels.pack_scale_vectors(scales[:, ::2, None]), n, cpu_kernels.LIN_Q6_16)
-    with pytest.raises(ValueError, match="do not hold"):  # 6-bit codes under another kind
+        cpu_kernels.block_mm(x, codes, cpu_kernels.pack_scale_vectors(scales[:, ::2, None]), n, kind)
+    with pytest.raises(ValueError, match="do not hold"):  # these codes under a kind of another width
         cpu_kernels.block_mm(x, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
 
 
@@ -258,7 +264,8 @@ def test_iq4_indices_equal_the_quantized_product(m, n, k):
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
 
 
-KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q5": cpu_kernels.LIN_Q5}
+KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q5": cpu_kernels.LIN_Q5,
+         "q7_16": cpu_kernels.LIN_Q7_16}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -269,7 +276,7 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
     scales in float32; scales of another dtype are refused."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
-    per_block = 2 if kind == "q6_16" else 1
+    per_block = 2 if kind in ("q6_16", "q7_16") else 1
     scales = (torch.rand(n, per_block * (k // GROUP), generator=g) * 0.02).half().float()
     mins = (-torch.rand(n, k // GROUP, generator=g) * 0.16).half().float()
     if kind == "q4":
@@ -284,9 +291,10 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
-    elif kind == "q6_16":
-        codes = torch.randint(0, 64, (n, k // GROUP, GROUP), dtype=torch.uint8, generator=g)
-        packed, sc = cpu_kernels.pack_q6(codes), cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
+    elif kind in ("q6_16", "q7_16"):
+        pack, _, _, mid = WIDE_16[6 if kind == "q6_16" else 7]
+        codes = torch.randint(0, 2 * mid, (n, k // GROUP, GROUP), dtype=torch.uint8, generator=g)
+        packed, sc = pack(codes), cpu_kernels.pack_scale_vectors(scales.reshape(n, k // GROUP, 2))
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
@@ -304,7 +312,7 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
     off_grid[-1, -1] *= 1 + 2**-20  # no float16 holds it (11 significant bits)
     if kind == "q4":
         assert cpu_kernels.pack_q4(codes, torch.stack([off_grid, -8 * off_grid], 1))[1].dtype == torch.float32
-    elif kind == "q6_16":
+    elif kind in ("q6_16", "q7_16"):
         assert cpu_kernels.pack_scale_vectors(off_grid.reshape(n, k // GROUP, 2)).dtype == torch.float32
     elif kind == "q5":
         assert cpu_kernels.pack_scale_vectors(torch.stack([off_grid, mins], -1)).dtype == torch.float32

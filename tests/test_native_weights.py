@@ -52,16 +52,18 @@ Q = gguf.GGMLQuantizationType
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
 # every type native runs (SUPER_TYPES: 256-wide rows)
 GRID = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")  # grid types: a scale per block times grid values with their signs
-ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS") + GRID
+GRID16 = ("IQ2_XS", "IQ2_S", "IQ1_M")  # grid types with a scale per 16
+ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS") + GRID + GRID16
 # int4 segments a weight (else 1)
 REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_K": 4, "IQ4_NL": 2, "IQ4_XS": 2,
-          **{t: 2 for t in GRID}}
+          **{t: 2 for t in GRID}, **{t: 4 for t in GRID16}}
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # types whose block scales are float16 in the file
 # types whose scales are a float16 factor per 256 times integers (super-blocks of 256)
-SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") + GRID
+SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") + GRID + GRID16
 # the CPU kernel each runs on ("q4" for the others)
 BLOCKS = {"Q8_0": "q8", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q6_16",
-          "IQ4_NL": "iq4", "IQ4_XS": "iq4", "IQ3_S": "q5", "IQ1_S": "q5", "IQ3_XXS": "q8", "IQ2_XXS": "q8"}
+          "IQ4_NL": "iq4", "IQ4_XS": "iq4", "IQ3_S": "q5", "IQ1_S": "q5", "IQ3_XXS": "q8", "IQ2_XXS": "q8",
+          "IQ2_XS": "q7_16", "IQ2_S": "q7_16", "IQ1_M": "q6_16"}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -108,6 +110,8 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
     if kind in GRID:  # grid values up to 62 (IQ3_XXS), 43 (IQ2_XXS), 15 (IQ3_S), 1 (IQ1_S), times multipliers of 2-31
         scale = std / {"IQ3_XXS": 60, "IQ2_XXS": 40, "IQ3_S": 80, "IQ1_S": 6}[kind]
         return grid_bytes(kind, rows, cols, seed, scale=scale)
+    if kind in GRID16:  # values up to 43 (IQ2_XS, IQ2_S) or 9 (IQ1_M, 8 times its), times multipliers up to 31 / 15
+        return grid16_bytes(kind, rows, cols, seed, scale=std / {"IQ2_XS": 300, "IQ2_S": 300, "IQ1_M": 12}[kind])
     if kind == "Q4_K":
         return q4_k_bytes(rows, cols, seed, scale=std / 125)
     if kind == "Q6_K":
@@ -219,7 +223,7 @@ def test_int4_linear_from_linear_is_q4_1_rounding(int4_backend):
         Int4GroupLinear.from_linear(nn.Linear(32, 8))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_XS", "IQ1_M"])
 def test_int4_linear_rows_do_not_depend_on_the_batch(kind, int4_backend):
     cols = 256 if kind in SUPER_TYPES else 128
     codes, scales, zeros, repeat = decode_blocks(_quantized(64, cols, kind, seed=7), kind, cols)
@@ -364,6 +368,22 @@ def grid_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) 
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, cols // 256 * size))
 
 
+def grid16_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random super-blocks of a grid type with a scale per 16 (``native.GRID16_TYPES``): random bytes (every grid
+    index, sign and scale they spell is valid), then an fp16 d in [0.1, 2] x ``scale`` where the type keeps it
+    (IQ2_XS, IQ2_S: the first 2 bytes; IQ1_M: the top nibbles of its last four uint16, lowest first)."""
+    rng = np.random.default_rng(seed)
+    size, nb = native.GRID16_TYPES[kind][0], cols // 256
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb)).astype(np.float16).view(np.uint16)  # [rows, nb]
+    if kind == "IQ1_M":
+        words = blocks[..., 48:56].view(np.uint16)  # [rows, nb, 4]
+        words[...] = (words & 0x0FFF) | (((d[..., None] >> np.array([0, 4, 8, 12], np.uint16)) & 15) << 12)
+    else:
+        blocks[..., 0:2] = d[..., None].view(np.uint8)
+    return np.ascontiguousarray(blocks.reshape(rows, nb * size))
+
+
 def iq4_xs_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random IQ4_XS super-blocks ``[rows, cols / 256 * 136]`` uint8: an fp16 d in [0.1, 2] x ``scale``, 2 + 4 bytes of
     6-bit block scales ``ls`` (the block's scale is ``d (ls - 32)``), 128 of 4-bit indices (random bytes are valid;
@@ -386,7 +406,7 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     packers = {"Q2_K": q2_k_bytes, "Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes,
                "IQ4_NL": iq4_nl_bytes, "IQ4_XS": iq4_xs_bytes}
     raw = packers[kind](rows, cols, 11) if kind in packers else grid_bytes(kind, rows, cols, 11) if kind in GRID else \
-        gguf.quants.quantize(a, Q[kind])
+        grid16_bytes(kind, rows, cols, 11) if kind in GRID16 else gguf.quants.quantize(a, Q[kind])
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
@@ -672,6 +692,11 @@ K_MIXES = {
                      ffn_up="IQ2_XXS", ffn_down="IQ1_S"),
                 dict(attn_q="IQ2_XXS", attn_k="IQ2_XXS", attn_v="IQ4_XS", attn_output="IQ3_XXS", ffn_gate="IQ1_S",
                      ffn_up="IQ1_S", ffn_down="IQ3_S")],
+    # the grid types with a scale per 16, as llama.cpp's IQ2_XS / IQ1_M presets keep value projections wider
+    "IQ2_XS": [dict(attn_q="IQ2_XS", attn_k="IQ2_XS", attn_v="Q4_K", attn_output="IQ2_XS", ffn_gate="IQ2_XS",
+                    ffn_up="IQ2_XS", ffn_down="IQ2_S"),
+               dict(attn_q="IQ1_M", attn_k="IQ1_M", attn_v="IQ2_S", attn_output="IQ2_XS", ffn_gate="IQ1_M",
+                    ffn_up="IQ1_M", ffn_down="IQ2_XS")],
     "Q5_K_M": [dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q5_K", ffn_up="Q5_K",
                     ffn_down="Q6_K"),
                dict(attn_q="Q5_1", attn_k="Q5_1", attn_v="Q5_K", attn_output="Q5_K", ffn_gate="Q5_1", ffn_up="Q5_1",

@@ -4,9 +4,9 @@
    device-resident verification, the compiled pass, the Gumbel noise's bits against the CPU's, prefix
    caching's copies and rollbacks in a CUDA cache, ``engine.kv_cache_dtype`` keeping the model's dtype there, GGUF
    K-quant, IQ4_XS and IQ grid-type mixes on their blocks through torch's int4 kernels (IQ types as byte halves, as
-   Q8_0; Q2_K, Q3_K and Q6_K staying in the model's dtype there: their block forms are the CPU kernels'); the 2-rank
-   NCCL tensor-parallel checks, floats and each rank's part of a GGUF file's blocks, run when two GPUs exist and are
-   skipped with their reason otherwise). Each has a CPU twin that CI runs;
+   Q8_0; Q2_K, Q3_K, Q6_K and the per-16 IQ types staying in the model's dtype there: their block forms are the CPU
+   kernels'); the 2-rank NCCL tensor-parallel checks, floats and each rank's part of a GGUF file's blocks, run when two
+   GPUs exist and are skipped with their reason otherwise). Each has a CPU twin that CI runs;
 2. ``specdist bench engine`` with a random-weight bf16 Llama of about 1 B parameters as the
    target and a random 4-layer draft (same tokenizer), target alone against speculation,
    printing tokens/s. Random weights make acceptance meaningless; the numbers are the

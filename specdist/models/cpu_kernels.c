@@ -10,6 +10,7 @@
  *   w = d * c + m (Q5_0: c = q + 16, m = -16 d).
  *   Q4_16 (GGUF Q3_K; Q6_K where its codes fit): codes c = q + 8 in 0..15 and a float d per 16: w = d * (c - 8).
  *   Q6_16 (GGUF Q6_K): 6-bit codes c = q in 0..63 (a nibble and 2 high bits) and a float d per 16: w = d * (c - 32).
+ *   Q7_16 (GGUF IQ2_XS and IQ2_S): 7-bit codes c = q + 64 in 0..127, a byte each, and a float d per 16: w = d * (c - 64).
  *   Q2M_16 (GGUF Q2_K): 2-bit codes c = q in 0..3 and a float pair (d, m) per 16: w = d * c + m.
  *   IQ4 (GGUF IQ4_NL and IQ4_XS): 4-bit indices i into IQ4_VALUES (16 signed bytes) and a float d: w = d * v[i].
  * Each row of x is first quantized per block of 32 to signed bytes (d_x = max |x| / 127,
@@ -235,41 +236,46 @@ static inline __attribute__((always_inline)) void q5_group(const uint8_t *codes,
     }
 }
 
-/* Unsigned codes with a scale per 16, each half of a block summed apart; bits (2, 4 or 6) a constant after inlining.
+/* Unsigned codes with a scale per 16, each half of a block summed apart; bits (2, 4, 6 or 7) a constant after inlining.
  * 4 (GGUF Q3_K, and Q6_K tensors whose codes fit in 4 bits): q4_group's codes c = q + 8 in 0..15 (the low nibbles hold
  * elements 0..15 of a block, the high ones 16..31), w = d_h (c - 8) with d_h the scale of the element's half
  * (block_scale's layout, two vectors a block): each half's exact byte sum times its scale, minus 8 d_h times the x
  * half's sum. 6 (GGUF Q6_K): c = q in 0..63, w = d_h (c - 32), [G, 6, 32] bytes: its low 4 bits as the 4-bit codes,
- * then its high 2 bits as the 2-bit codes below. 2 (GGUF Q2_K): 2-bit codes c = q in 0..3, [G, 2, 32] bytes: byte
+ * then its high 2 bits as the 2-bit codes below. 7 (GGUF IQ2_XS, IQ2_S): c = q + 64 in 0..127, w = d_h (c - 64), [G, 8, 32]
+ * bytes as q8_group's codes (vector j: elements 4 j + e of the first half, vector 4 + j: 16 + 4 j + e). 2 (GGUF Q2_K): 2-bit codes c = q in 0..3, [G, 2, 32] bytes: byte
  * 4 c + e of vector h holds element 16 h + 4 j + e of row c at bits 2 j, and w = d_h c + m_h with an offset per half
  * (four vectors a block: d_0, d_1, m_0, m_1).
  * The 16-bit pair sums of 2- and 4-bit codes add up over a block (4 multiply-adds of pairs, each at most
- * 2 * 15 * 127); 6-bit codes' pairs (at most 2 * 63 * 127) are widened to 32 bits at each multiply-add. */
+ * 2 * 15 * 127); 6- and 7-bit codes' pairs (at most 2 * 127 * 127 < 2^15) are widened to 32 bits at each multiply-add. */
 static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes, const void *scales, int64_t G,
                                                              const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                              int mode, int bits, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
     const __m256i bits45 = _mm256_set1_epi8(0x30);
-    const __m256 minus_mid = _mm256_set1_ps(bits == 6 ? -32.0f : -8.0f);  /* the codes' zero point, negated */
-    const int mins = bits == 2, per_block = mins ? 4 : 2, floats = mins ? 2 : 1, block_bytes = 32 * bits;
+    const __m256 minus_mid = _mm256_set1_ps(bits == 7 ? -64.0f : bits == 6 ? -32.0f : -8.0f);  /* the zero point, negated */
+    const int mins = bits == 2, wide = bits >= 6, per_block = mins ? 4 : 2, floats = mins ? 2 : 1;
+    const int block_bytes = bits == 7 ? 256 : 32 * bits;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
         const uint8_t *block = codes + g * block_bytes;
         if (prefetch)
             for (int l = 0; l < block_bytes / 64; ++l)
                 _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
-        /* [R] pair sums of each half, two per weight row: 16 bits (2- and 4-bit codes) or 32 (6-bit) */
+        /* [R] pair sums of each half, two per weight row: 16 bits (2- and 4-bit codes) or 32 (6- and 7-bit) */
         __m256i first[ROWS_TILE], second[ROWS_TILE];
         for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
         /* 2-bit codes (or 6-bit codes' high bits): the block's two vectors (one a half), loaded once for four shifts */
         const uint8_t *twos = bits == 6 ? block + 128 : block;
-        const __m256i half0 = bits != 4 ? _mm256_loadu_si256((const __m256i *)twos) : _mm256_setzero_si256();
-        const __m256i half1 = bits != 4 ? _mm256_loadu_si256((const __m256i *)(twos + 32)) : _mm256_setzero_si256();
+        const __m256i half0 = bits == 2 || bits == 6 ? _mm256_loadu_si256((const __m256i *)twos) : _mm256_setzero_si256();
+        const __m256i half1 = bits == 2 || bits == 6 ? _mm256_loadu_si256((const __m256i *)(twos + 32)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             __m256i lo, hi;
             if (bits == 2) {
                 lo = _mm256_and_si256(_mm256_srli_epi16(half0, 2 * j), low2);
                 hi = _mm256_and_si256(_mm256_srli_epi16(half1, 2 * j), low2);
+            } else if (bits == 7) {
+                lo = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+                hi = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * j));
             } else {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
                 lo = _mm256_and_si256(raw, low4);
@@ -285,7 +291,7 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
                 const int8_t *xb = qx->q + ((m0 + r) * G + g) * QK;
                 const __m256i a = _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j));
                 const __m256i b = _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j));
-                if (bits == 6) {
+                if (wide) {
                     first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(a, ones));
                     second[r] = _mm256_add_epi32(second[r], _mm256_madd_epi16(b, ones));
                 } else {
@@ -302,8 +308,8 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
         for (int r = 0; r < R; ++r) {
             const int64_t i = (m0 + r) * G + g;
             const __m256 xd = _mm256_set1_ps(qx->d[i]);
-            const __m256i f = bits == 6 ? first[r] : _mm256_madd_epi16(first[r], ones);  /* [8] 32-bit half dots */
-            const __m256i s = bits == 6 ? second[r] : _mm256_madd_epi16(second[r], ones);
+            const __m256i f = wide ? first[r] : _mm256_madd_epi16(first[r], ones);  /* [8] 32-bit half dots */
+            const __m256i s = wide ? second[r] : _mm256_madd_epi16(second[r], ones);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f), _mm256_mul_ps(d0, xd), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d1, xd), acc[r]);
             acc[r] = _mm256_fmadd_ps(m0v, _mm256_set1_ps(qx->h[2 * i]), acc[r]);
@@ -328,6 +334,12 @@ static inline __attribute__((always_inline)) void q6_16_group(const uint8_t *cod
                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
                                                                int mode, __m256 *acc) {
     halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 6, acc);
+}
+
+static inline __attribute__((always_inline)) void q7_16_group(const uint8_t *codes, const void *scales, int64_t G,
+                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
+                                                               int mode, __m256 *acc) {
+    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 7, acc);
 }
 
 /* GGUF's IQ4_NL table (IQ4_XS's too): the signed byte an index of IQ4 codes stands for, twice (one per 128-bit lane, as
@@ -476,6 +488,7 @@ DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, 160, 2, 2)         /* Q5_0, Q5_1, Q5
 DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
 DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
 DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1)   /* Q6_K: 6-bit codes (c = q), d per 16 */
+DEFINE_MATMUL(matmul_q7_16, q7_16_group, uint8_t, 256, 2, 1)   /* IQ2_XS, IQ2_S: 7-bit codes (c = q + 64) in bytes, d per 16 */
 DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
 DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
@@ -953,17 +966,17 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * Returns 0, or -1 without memory.
  */
 typedef struct {
-    const void *codes;   /* pack_q4 / q5 / q6 / q8 / q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
+    const void *codes;   /* pack_q4 / q5 / q6 / q7 / q8 / q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
     const void *scales;  /* the blocks' scales (NULL for dense weights) */
     int64_t n;           /* output rows */
-    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16 or
-                          * LIN_IQ4; a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
+    int64_t kind;        /* LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16,
+                          * LIN_IQ4 or LIN_Q7_16; a block kind may carry LIN_HALF_SCALES (float16 scales) or LIN_SUPER_SCALES (K-quant
                           * super-block scales) */
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
 enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q6_16 = 5, LIN_Q5 = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
-       LIN_IQ4 = 9, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
+       LIN_IQ4 = 9, LIN_Q7_16 = 10, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
@@ -982,6 +995,7 @@ static int block_mm(const block_linear *w, const float *x, int64_t M, int64_t K,
     case LIN_Q5: rc = matmul_q5(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q4_16: rc = matmul_q4_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_Q2M_16: rc = matmul_q2m_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
+    case LIN_Q7_16: rc = matmul_q7_16(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_IQ4: rc = matmul_iq4(x, M, K, (const uint8_t *)w->codes, w->scales, mode, w->n, y); break;
     case LIN_F32: rc = specdist_f32_mm(x, M, K, (const float *)w->codes, w->n, y); break;
     case LIN_BF16: rc = specdist_bf16_mm(x, M, K, (const uint16_t *)w->codes, w->n, y); break;

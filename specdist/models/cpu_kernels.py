@@ -86,21 +86,22 @@ GROUP = 32  # weights per block (GGUF's block size)
 # The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0), dense
 # weights, 6-bit codes with a scale per 16 (Q6_K), 5-bit codes with a scale and an offset per block (Q5_0 / Q5_1 /
 # Q5_K), Q4 codes with a scale per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into
-# IQ4_VALUES with a scale per block (IQ4_NL / IQ4_XS)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4 = range(10)
+# IQ4_VALUES with a scale per block (IQ4_NL / IQ4_XS), 7-bit codes in bytes with a scale per 16 (IQ2_XS / IQ2_S)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4, LIN_Q7_16 = range(11)
 # the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for (the C file's IQ4_VALUES)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_IQ4)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
-# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q5's, pack_q6's
-CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, LIN_Q8: 256, LIN_Q2M_16: 64, LIN_Q5: 160, LIN_Q6_16: 192}
+# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q5's, pack_q6's, pack_q7's
+CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, LIN_Q8: 256, LIN_Q2M_16: 64, LIN_Q5: 160, LIN_Q6_16: 192, LIN_Q7_16: 256}
 # packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q5: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8}
+_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q5: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8,
+                 LIN_Q7_16: 16}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
 SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q6_16: (1, 2), LIN_Q5: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
-                LIN_IQ4: (1, 1)}
+                LIN_IQ4: (1, 1), LIN_Q7_16: (1, 2)}
 
 
 def _cache_dir() -> str:
@@ -266,6 +267,14 @@ def pack_q6(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles, pack_q2(c >> 4)], -1).contiguous()
 
 
+def pack_q7(codes: torch.Tensor) -> torch.Tensor:
+    """7-bit codes ``[N, G, 32]`` (0..127, element order) in :func:`block_mm`'s ``LIN_Q7_16`` layout: a byte each,
+    placed as :func:`pack_q8` places its codes, ``[ceil(N/8), G, 256]`` uint8; zero rows pad the last group."""
+    n, g, _ = codes.shape
+    packed, _ = pack_q8(codes.to(torch.int8).reshape(n, g * GROUP), torch.zeros(n, g))
+    return packed.view(torch.uint8)
+
+
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8 blocks in :func:`block_mm`'s Q8 layout. ``codes [N, K]`` int8, ``scales [N, K/32]`` float32 (GGUF Q8_0, kind
     ``LIN_Q8``). Returns ``codes [ceil(N/8), G, 256]`` int8 and ``scales [ceil(N/8), G, 8]`` (:func:`packed_scales`'
@@ -328,8 +337,8 @@ def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
     ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s codes;
     ``LIN_Q5`` (``w = d * c + m``) on :func:`pack_q5`'s; ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on
-    :func:`pack_q6`'s; ``LIN_Q8`` (``w = d * c``) on :func:`pack_q8`'s; ``LIN_Q2M_16``
-    (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
+    :func:`pack_q6`'s; ``LIN_Q7_16`` (``w = d * (c - 64)``, ``d`` per 16) on :func:`pack_q7`'s; ``LIN_Q8``
+    (``w = d * c``) on :func:`pack_q8`'s; ``LIN_Q2M_16`` (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
     layout for the kind (vectors a block: ``d`` / ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
     :func:`pack_super_scales`'."""
     if torch.compiler.is_compiling():

@@ -2,8 +2,8 @@
 
 transformers loads a GGUF file by de-quantizing every tensor to float (the default model:
 92 MB of Q4_1 / Q8_0 blocks become 540 MB of fp32 read per token). :func:`use_native_blocks`
-replaces each ``nn.Linear`` whose GGUF tensor is Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
-IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS or IQ1_S by an
+replaces each ``nn.Linear`` whose GGUF tensor is one of ``NATIVE_TYPES`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
+Q2_K to Q6_K, and the IQ types) by an
 :class:`~specdist.models.quant.Int4GroupLinear` built from the file's own blocks (the codes
 bit for bit; on x86 CPUs the file's scales exactly and llama.cpp's kernels' arithmetic, elsewhere
 scales in bf16 for torch's int4 kernels: see :mod:`specdist.models.quant`). A Q4_K tensor's sub-blocks of 32
@@ -22,9 +22,10 @@ Q6_K value and down projections in some layers and a Q6_K output head. IQ4_NL's 
 the signed bytes of a fixed table (``IQ4_VALUES``) with a scale per block of 32 (IQ4_XS: ``d (ls - 32)``, ``ls`` 6
 bits), so they run as Q8_0 does, on those bytes; the CPU kernels keep them as 4-bit indices (``quant._q8_blocks``).
 IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S (``GRID_TYPES``) index grids of small integers with signs, times a scale per block
-of 32: they run as those integers in bytes (:func:`_decode_grid`). Other tensors (norms, embeddings, F16/F32, IQ2_XS,
-IQ2_S and IQ1_M, whose scales are per 16, and linears whose output rows the int4 kernel cannot tile,
-``out_features % 16 != 0``) keep the float weights transformers loaded.
+of 32: they run as those integers in bytes (:func:`_decode_grid`). IQ2_XS, IQ2_S and IQ1_M (``GRID16_TYPES``) have a
+scale per 16: their integers run as Q6_K's codes do, 7-bit (IQ2_XS, IQ2_S) or 6-bit (IQ1_M), on the CPU block kernels
+only (:func:`_decode_grid16`). Other tensors (norms, embeddings, F16/F32, and linears whose output rows the int4 kernel
+cannot tile, ``out_features % 16 != 0``) keep the float weights transformers loaded.
 
 Which GGUF tensor is which module, and how transformers reorders its rows (Llama's q/k
 permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF mapping: the
@@ -56,8 +57,9 @@ log = logging.getLogger("specdist.load")
 
 # GGUF block types run natively
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")
-CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K")  # native only where the CPU block kernels run them
+                "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M")
+# native only where the CPU block kernels run them (a scale per 16: as torch's int4 groups they would take four passes)
+CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K", "IQ2_XS", "IQ2_S", "IQ1_M")
 Q2_K_BYTES = 84  # a Q2_K super-block: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, d, dmin (fp16)
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes for 256
 Q3_K_BYTES = 110  # a Q3_K super-block: 32 bytes of mask bits, 64 of 2-bit codes, 12 of 6-bit scales, d (fp16)
@@ -73,6 +75,10 @@ GRID_TYPES = {"IQ3_S": (110, 1), "IQ3_XXS": (98, 1), "IQ2_XXS": (66, 1), "IQ1_S"
 # a grid type's block scale is d / GRID_FACTOR times an integer (IQ2_XXS: d (2 ls + 1) / 8; IQ3_XXS: d (2 ls + 1) / 4;
 # IQ3_S: d (1 + 2 sc); IQ1_S: d (2 k + 1) / 8)
 GRID_FACTOR = {"IQ3_S": 1, "IQ3_XXS": 4, "IQ2_XXS": 8, "IQ1_S": 8}
+# the grid types with a scale per 16: super-block bytes, and the zero point of their codes (mid: the integers in
+# -mid..127 - mid; IQ2_XS, IQ2_S: grid values 8, 25, 43 with signs; IQ1_M: 8 times -1, 0, 1 plus +-1/8). A scale is
+# d / 8 times 2 s + 1 (IQ2_XS, IQ2_S: d (0.5 + s) / 4, s 4 bits; IQ1_M: d (2 s + 1) with the values times 8, s 3 bits).
+GRID16_TYPES = {"IQ2_XS": (74, 64), "IQ2_S": (82, 64), "IQ1_M": (56, 32)}
 
 
 def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -98,6 +104,8 @@ def decode_blocks(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, 
         return _decode_iq4(raw, kind, rows, cols)
     if kind in GRID_TYPES:
         return _decode_grid(raw, kind, rows, cols)
+    if kind in GRID16_TYPES:
+        return _decode_grid16(raw, kind, rows, cols)
     nb = cols // GROUP
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[kind]  # bytes per block of 32
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)  # [rows, nb, size]
@@ -193,6 +201,50 @@ def _decode_grid(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torc
     return _q8_halves(torch.from_numpy(codes.astype(np.int8).reshape(rows, -1, 32)), torch.from_numpy(scale))
 
 
+def _grid16_parts(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A per-16 grid type's super-block ``d`` (fp16 as float32, ``[rows, nb]``) and its 16 multipliers ``2 s + 1``
+    (``[rows, nb, 16]``, in element order): a group of 16's scale is ``d (2 s + 1) / 8``. IQ2_XS: ``d`` first, the 4-bit
+    ``s`` in the 8 bytes after the 64 of codes (low nibble first); IQ2_S: the same 8 bytes at the end; IQ1_M: its four
+    uint16 after the 48 bytes of codes hold ``s`` 3 bits at a time from bit 0 (four each) and ``d``'s 16 bits in their
+    top nibbles (the first one's lowest)."""
+    rows, nb, size = blocks.shape
+    if kind == "IQ1_M":
+        sc = blocks[..., 48:56].copy().view(np.uint16)  # [rows, nb, 4]
+        d = ((sc >> 12) << np.array([0, 4, 8, 12], np.uint16)).sum(-1, dtype=np.uint16)  # distinct bits: a sum is an or
+        s = (sc[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7  # [rows, nb, 4, 4]
+        return d.view(np.float16).astype(np.float32), 2 * s.reshape(rows, nb, 16).astype(np.int16) + 1
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = (blocks[..., size - 8:, None] >> np.array([0, 4], np.uint8)) & 15  # [rows, nb, 8, 2]
+    return d, 2 * s.reshape(rows, nb, 16).astype(np.int16) + 1
+
+
+def _decode_grid16(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                            int]:
+    """IQ2_XS, IQ2_S and IQ1_M as integer codes with a scale per 16 (:func:`_q6_segments` with their ``mid``): the grid
+    values with their signs (IQ1_M: times 8) and ``d (2 s + 1) / 8`` (exact in float32). The integers are read from
+    gguf-py's own de-quantization with ``d`` set to 1, divided by the multipliers (exact: small integers)."""
+    import gguf
+
+    size, mid = GRID16_TYPES[kind]
+    nb = cols // 256
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, size)
+    d, mult = _grid16_parts(blocks, kind)  # [rows, nb], [rows, nb, 16]
+    unit_blocks = blocks.copy()
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint16)[0]
+    if kind == "IQ1_M":  # d's nibbles in the top 4 bits of the four scale words
+        words = unit_blocks[..., 48:56].view(np.uint16)
+        words[...] = (words & 0x0FFF) | (((one >> np.array([0, 4, 8, 12], np.uint16)) & 15) << 12)
+    else:
+        unit_blocks[..., 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    unit = gguf.quants.dequantize(unit_blocks.reshape(rows, -1), gguf.GGMLQuantizationType[kind])  # [rows, cols]
+    values = unit.reshape(rows, nb, 16, 16) / mult[..., None] * 8  # [rows, nb, 16, 16]: integers
+    codes = np.rint(values)
+    if not np.array_equal(codes, values) or codes.min(initial=0) < -mid or codes.max(initial=0) > 127 - mid:
+        raise ValueError(f"{kind}: blocks whose values are not a scale per 16 times small integers")
+    scale = d[..., None] * mult.astype(np.float32) / 8  # [rows, nb, 16]
+    return _q6_segments((codes.astype(np.int16) + mid).reshape(rows, cols), scale, mid)
+
+
 def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
                m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Byte codes ``c8 [rows, nb, 32]`` (-128..127) with a scale ``d [rows, nb]`` a block and an offset ``m`` or
@@ -244,11 +296,16 @@ def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, t
     ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
     factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. IQ4_XS: factor ``d``, a
-    block's int ``ls - 32``. Grid types: factor ``d / GRID_FACTOR``, a block's int its multiplier times that. The products
-    are :func:`decode_blocks`' scales."""
-    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", *GRID_TYPES):
+    block's int ``ls - 32``. Grid types: factor ``d / GRID_FACTOR``, a block's int its multiplier times that; IQ2_XS,
+    IQ2_S and IQ1_M: factor ``d / 8``, a block's ints its two ``2 s + 1``. The products are :func:`decode_blocks`'
+    scales."""
+    if kind not in ("Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", *GRID_TYPES, *GRID16_TYPES):
         return None
     rows, nb = raw.shape[0], cols // 256
+    if kind in GRID16_TYPES:
+        d, mult = _grid16_parts(np.ascontiguousarray(raw).reshape(rows, nb, GRID16_TYPES[kind][0]), kind)
+        return (torch.from_numpy(d[..., None] / 8),
+                torch.from_numpy(mult.astype(np.int8).reshape(rows, -1, 2)))  # [rows, nb, 1], [rows, G, 2]
     if kind in GRID_TYPES:
         blocks = np.ascontiguousarray(raw).reshape(rows, nb, GRID_TYPES[kind][0])
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
@@ -359,18 +416,21 @@ def _decode_q2_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return codes, torch.cat([da, db, ma, mb], 1), torch.cat([8 * da, 8 * db, ma, mb], 1), 4
 
 
-def _q6_segments(q: np.ndarray, scale: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Codes ``q [rows, cols]`` in 0..63 with a scale ``D`` per 16 (``scale [rows, nb, 16]``, exact in float32),
-    ``w = D (q - 32)``, as :mod:`specdist.models.quant`'s four int4 segments (codes uint8)."""
+def _q6_segments(q: np.ndarray, scale: np.ndarray, mid: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Codes ``q [rows, cols]`` in 0..2 mid - 1 (``mid`` 32: 6 bits; 64: 7 bits) with a scale ``D`` per 16
+    (``scale [rows, nb, 16]``, exact in float32), ``w = D (q - mid)``, as :mod:`specdist.models.quant`'s four int4
+    segments (codes uint8): ``16 D (h - mid / 16)`` (codes ``h = q >> 4``, scale 16 D, zero ``(128 - mid) D``; code
+    ``mid / 16`` where masked) for each half, then ``D l`` (``l = q & 15``, zero 8 D; code 0 where masked)."""
     rows, cols = q.shape
     scale = torch.from_numpy(np.ascontiguousarray(scale).reshape(rows, cols // 32, 2))  # [rows, G, half]
     first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
-    h, lo = torch.from_numpy(q >> 4), torch.from_numpy(q & 15)
-    two, zero = torch.tensor(2, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)
-    codes = torch.cat([torch.where(first, h, two), torch.where(first, two, h),
+    h, lo = torch.from_numpy((q >> 4).astype(np.uint8)), torch.from_numpy((q & 15).astype(np.uint8))
+    masked, zero = torch.tensor(mid // 16, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)
+    codes = torch.cat([torch.where(first, h, masked), torch.where(first, masked, h),
                        torch.where(first, lo, zero), torch.where(first, zero, lo)], 1)  # [rows, 4 cols]
     da, db = scale[..., 0], scale[..., 1]  # [rows, G]
-    return codes, torch.cat([16 * da, 16 * db, da, db], 1), torch.cat([96 * da, 96 * db, 8 * da, 8 * db], 1), 4
+    z = 128 - mid
+    return codes, torch.cat([16 * da, 16 * db, da, db], 1), torch.cat([z * da, z * db, 8 * da, 8 * db], 1), 4
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -412,7 +472,7 @@ def self_draft(target: nn.Module, method: str, gguf_path: str | None = None) -> 
         return quantized_copy(target, Int4GroupLinear)
     clone = unfused_copy(target)
     if not use_native_blocks(clone, gguf_path, "draft.method", required=False):
-        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16, IQ2_XS): groups of the floats
+        return quantized_copy(target, Int4GroupLinear)  # no blocks in the file (F16): groups of the floats
     return clone
 
 
@@ -489,7 +549,8 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
 
     Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
     blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
-    linear that runs natively here; otherwise (``auto``: an F16 file, IQ2_XS / IQ2_S / IQ1_M) the model keeps its floats.
+    linear that runs natively here; otherwise (``auto``: an F16 file, or types that run natively on the CPU block kernels
+    only, elsewhere) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}

@@ -38,9 +38,10 @@ Two backends run these blocks, chosen by device when the module is built (``bloc
 - x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)`` pairs,
   Q8_0 as signed bytes (one pass, not two halves), Q5_0, Q5_1 and Q5_K as 5-bit codes (a nibble and a high bit) with a
   ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one pass, not
-  four segments), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a
+  four segments; IQ1_M too), IQ2_XS and IQ2_S as 7-bit codes in bytes with their two scales a block (their segments'
+  zeros ``64 D``), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a
   block, IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
-  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q8`` / ``pack_q2``), the
+  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q7`` / ``pack_q8`` / ``pack_q2``), the
   activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them
   exactly: float16 (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form
   (``super_scales``), or float32.
@@ -153,7 +154,7 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q5" / "q6_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs
+        # blocks: "q4" / "q5" / "q6_16" / "q7_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs
         # with AVX2, BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
@@ -273,28 +274,34 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
 
 
 def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """GGUF's Q6_K back from its four int4 segments (see the module doc) as 6-bit codes ``q`` (0..63, ``w = D (q - 32)``)
-    with a scale ``D`` per 16 elements (``LIN_Q6_16``: 0.75 code bytes a weight); where every code fits in 4 bits (Q3_K's
-    ``q - 32`` in -4..3), as nibbles ``q - 32 + 8`` (``LIN_Q4_16``) instead, 0.5."""
+    """Codes with a scale ``D`` per 16 elements back from four int4 segments (see the module doc): ``q = 16 h + l - mid``
+    with ``mid`` 32 (GGUF Q6_K, Q3_K, IQ1_M: the h segments' zeros ``96 D``, masked code 2) or 64 (IQ2_XS, IQ2_S: zeros
+    ``64 D``, masked code 4), ``w = D q``. Packed in the fewest bits that hold every code: nibbles ``q + 8``
+    (``LIN_Q4_16``, 0.5 code bytes a weight: Q3_K's -4..3), 6-bit codes ``q + 32`` (``LIN_Q6_16``, 0.75) or 7-bit codes
+    ``q + 64`` in bytes (``LIN_Q7_16``, 1)."""
     out, k = codes.shape[0], codes.shape[1] // 4
     codes = codes.to(torch.int16).reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
     d = s[:, 2:]  # [out, half, G]: the l segments' scales are D
-    if not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, :2], 96 * d) and torch.equal(z[:, 2:], 8 * d)
-            and bool((codes[:, 0, :, 1] == 2).all()) and bool((codes[:, 1, :, 0] == 2).all())
-            and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
-        raise ValueError("repeat_input=4 holds GGUF Q6_K or Q2_K segments only: Q6_K's scales (16 D, D), zeros "
-                         "(96 D, 8 D), masked codes (2, 0)")
+    mid = next((m for m in (32, 64) if torch.equal(z[:, :2], (128 - m) * d)), None)
+    if mid is None or not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, 2:], 8 * d)
+                           and bool((codes[:, 0, :, 1] == mid // 16).all()) and bool((codes[:, 1, :, 0] == mid // 16).all())
+                           and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
+        raise ValueError("repeat_input=4 holds GGUF Q6_K or Q2_K segments only: scales (16 D, D), zeros "
+                         "((128 - mid) D, 8 D), masked codes (mid / 16, 0) for mid 32 or 64")
     half = torch.arange(2)
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
-    q = (16 * h + low - 32).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -32..31
-    d16 = d.transpose(1, 2).reshape(out, 2 * (k // GROUP))  # [out, K / 16]
-    if int(q.min()) >= -8 and int(q.max()) <= 7:  # 4-bit codes (Q3_K's -4..3): nibbles c = q + 8, half the bytes
+    q = (16 * h + low - mid).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -mid..127 - mid
+    d16 = cpu_kernels.pack_scale_vectors(d.transpose(1, 2).reshape(out, k // GROUP, 2))  # each half's D
+    lo, hi = int(q.min()), int(q.max())
+    if lo >= -8 and hi <= 7:  # 4-bit codes (Q3_K's -4..3): nibbles c = q + 8
         c = (q + 8).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
-        return ("q4_16", cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, d16.new_zeros(out, 2, k // GROUP))[0],
-                cpu_kernels.pack_scale_vectors(d16.reshape(out, k // GROUP, 2)))
-    return ("q6_16", cpu_kernels.pack_q6((q + 32).reshape(out, k // GROUP, GROUP)),
-            cpu_kernels.pack_scale_vectors(d16.reshape(out, k // GROUP, 2)))
+        return "q4_16", cpu_kernels.pack_q4(c[..., :16] | c[..., 16:] << 4, d.new_zeros(out, 2, k // GROUP))[0], d16
+    if lo >= -32 and hi <= 31:
+        return "q6_16", cpu_kernels.pack_q6((q + 32).reshape(out, k // GROUP, GROUP)), d16
+    if lo < -64 or hi > 63:
+        raise ValueError(f"codes with a scale per 16 in -64..63 only, not {lo}..{hi}")
+    return "q7_16", cpu_kernels.pack_q7((q + 64).reshape(out, k // GROUP, GROUP)), d16
 
 
 def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -363,7 +370,7 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
     elif blocks == "q5" and factors.shape[2] == 2:  # Q5_K as byte halves (quant's module doc): low half's d, zero
         d = scales[:, g:]
         exact = torch.equal(prod[..., 0], d) and torch.equal(zeros[:, g:], 8 * d + f[..., 1] * ints[..., 1].float())
-    elif blocks in ("q6_16", "q4_16") and factors.shape[2] == 1:  # Q6_K / Q3_K segments: the l segments' scales per 16
+    elif blocks in ("q6_16", "q4_16", "q7_16") and factors.shape[2] == 1:  # segments: the l segments' scales per 16
         exact = torch.equal(prod, scales.reshape(out, 4, g)[:, 2:].permute(0, 2, 1))
     else:
         return packed
@@ -375,7 +382,7 @@ _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
 BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16,
                "q5": cpu_kernels.LIN_Q5, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
-               "iq4": cpu_kernels.LIN_IQ4}
+               "iq4": cpu_kernels.LIN_IQ4, "q7_16": cpu_kernels.LIN_Q7_16}
 
 
 def untie_lm_head(model: nn.Module) -> None:
