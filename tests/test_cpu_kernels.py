@@ -118,7 +118,8 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
 
 
 # bits -> (packer, kind, code bytes a block of 8 rows, zero point) of the codes with a scale per 16 in 6 or 7 bits
-WIDE_16 = {6: (cpu_kernels.pack_q6, cpu_kernels.LIN_Q6_16, 192, 32), 7: (cpu_kernels.pack_q7, cpu_kernels.LIN_Q7_16, 256, 64)}
+WIDE_16 = {6: (cpu_kernels.pack_q6, cpu_kernels.LIN_Q6_16, 192, 32),
+           7: (cpu_kernels.pack_q7, cpu_kernels.LIN_Q7_16, 256, 64)}
 
 
 @pytest.mark.parametrize("bits", sorted(WIDE_16))

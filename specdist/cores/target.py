@@ -511,7 +511,8 @@ class VerifierCore:
         gres = VerifyResult(torch.where(keep, y, torch.full_like(y, -1)), n)
         if len(gumbel) == len(reqs):
             return gres
-        return VerifyResult(res.tokens.index_copy(0, idx, gres.tokens), res.num_accepted.index_copy(0, idx, gres.num_accepted))
+        return VerifyResult(res.tokens.index_copy(0, idx, gres.tokens),
+                            res.num_accepted.index_copy(0, idx, gres.num_accepted))
 
     @staticmethod
     def _gumbel_tokens(reqs: list[_TargetRequest], probs: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [G, K+1] long

@@ -220,8 +220,8 @@ def _grid16_parts(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray
 
 def _decode_grid16(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                             int]:
-    """IQ2_XS, IQ2_S and IQ1_M as integer codes with a scale per 16 (:func:`_q6_segments` with their ``mid``): the grid
-    values with their signs (IQ1_M: times 8) and ``d (2 s + 1) / 8`` (exact in float32). The integers are read from
+    """IQ2_XS, IQ2_S and IQ1_M as integer codes with a scale per 16 (:func:`_per16_segments` with their ``mid``): the
+    grid values with their signs (IQ1_M: times 8) and ``d (2 s + 1) / 8`` (exact in float32). The integers are read from
     gguf-py's own de-quantization with ``d`` set to 1, divided by the multipliers (exact: small integers)."""
     import gguf
 
@@ -242,7 +242,7 @@ def _decode_grid16(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[to
     if not np.array_equal(codes, values) or codes.min(initial=0) < -mid or codes.max(initial=0) > 127 - mid:
         raise ValueError(f"{kind}: blocks whose values are not a scale per 16 times small integers")
     scale = d[..., None] * mult.astype(np.float32) / 8  # [rows, nb, 16]
-    return _q6_segments((codes.astype(np.int16) + mid).reshape(rows, cols), scale, mid)
+    return _per16_segments((codes.astype(np.int16) + mid).reshape(rows, cols), scale, mid)
 
 
 def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
@@ -363,7 +363,7 @@ def _decode_q6_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     q = (high.reshape(rows, cols) << 4) | low.reshape(rows, cols)  # [rows, cols] in 0..63
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nb, 16]
     d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
-    return _q6_segments(q, d[..., None] * sc)
+    return _per16_segments(q, d[..., None] * sc)
 
 
 def _decode_q3_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -381,7 +381,7 @@ def _decode_q3_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     hi_sc = (blocks[..., 104:108].reshape(rows, nb, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
     sc = (lo_sc.reshape(rows, nb, 16) | hi_sc.reshape(rows, nb, 16) << 4).astype(np.float32) - 32  # [rows, nb, 16]
     d = blocks[..., 108:110].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
-    return _q6_segments(q6.reshape(rows, cols), d[..., None] * sc)
+    return _per16_segments(q6.reshape(rows, cols), d[..., None] * sc)
 
 
 def _q2_k_parts(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
@@ -416,7 +416,8 @@ def _decode_q2_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return codes, torch.cat([da, db, ma, mb], 1), torch.cat([8 * da, 8 * db, ma, mb], 1), 4
 
 
-def _q6_segments(q: np.ndarray, scale: np.ndarray, mid: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _per16_segments(q: np.ndarray, scale: np.ndarray,
+                    mid: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes ``q [rows, cols]`` in 0..2 mid - 1 (``mid`` 32: 6 bits; 64: 7 bits) with a scale ``D`` per 16
     (``scale [rows, nb, 16]``, exact in float32), ``w = D (q - mid)``, as :mod:`specdist.models.quant`'s four int4
     segments (codes uint8): ``16 D (h - mid / 16)`` (codes ``h = q >> 4``, scale 16 D, zero ``(128 - mid) D``; code

@@ -273,7 +273,8 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return ("q8", *cpu_kernels.pack_q8(c8, d))
 
 
-def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+def _per16_blocks(codes: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Codes with a scale ``D`` per 16 elements back from four int4 segments (see the module doc): ``q = 16 h + l - mid``
     with ``mid`` 32 (GGUF Q6_K, Q3_K, IQ1_M: the h segments' zeros ``96 D``, masked code 2) or 64 (IQ2_XS, IQ2_S: zeros
     ``64 D``, masked code 4), ``w = D q``. Packed in the fewest bits that hold every code: nibbles ``q + 8``
@@ -284,8 +285,9 @@ def _q6_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)  # [out, segment, G]
     d = s[:, 2:]  # [out, half, G]: the l segments' scales are D
     mid = next((m for m in (32, 64) if torch.equal(z[:, :2], (128 - m) * d)), None)
+    masked = None if mid is None else mid // 16  # the h segments' code where the other half's weights are
     if mid is None or not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, 2:], 8 * d)
-                           and bool((codes[:, 0, :, 1] == mid // 16).all()) and bool((codes[:, 1, :, 0] == mid // 16).all())
+                           and bool((codes[:, 0, :, 1] == masked).all()) and bool((codes[:, 1, :, 0] == masked).all())
                            and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
         raise ValueError("repeat_input=4 holds GGUF Q6_K or Q2_K segments only: scales (16 D, D), zeros "
                          "((128 - mid) D, 8 D), masked codes (mid / 16, 0) for mid 32 or 64")
@@ -334,7 +336,7 @@ def _four_segments(codes: torch.Tensor, scales: torch.Tensor,
     """Four int4 segments (repeat_input=4): GGUF Q2_K's or Q6_K's (Q3_K's) layout."""
     if _q2_segments(codes, scales, zeros):
         return _q2_blocks(codes, scales, zeros)
-    return _q6_blocks(codes, scales, zeros)
+    return _per16_blocks(codes, scales, zeros)
 
 
 def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
