@@ -16,6 +16,7 @@ import sys
 
 SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # seconds ray.init waits for the GCS server to start
 
 
 def use_loopback_ray() -> None:
@@ -35,6 +36,10 @@ def init_local_ray(num_cpus: int | None = None, loopback: bool = True) -> None:
     has); ``loopback``: every Ray process listens on 127.0.0.1 only."""
     if loopback:
         use_loopback_ray()
+    # Ray waits 30 s for its GCS server to write its port, then fails the start; on a small machine
+    # busy with other work (a two-core box running the test suite's other worker) the GCS has taken
+    # longer. 120 s unless the operator set it (Ray's own variable, read by ray.init).
+    os.environ.setdefault(GCS_PORT_WAIT_ENV, "120")
     import ray
 
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from cluster.local import init_local_ray, use_loopback_ray
+from cluster.local import GCS_PORT_WAIT_ENV, init_local_ray, use_loopback_ray
 from model_zoo import TINY_WORDS, save_word_tokenizer  # noqa: F401 (TINY_WORDS: id 7 is EOS)
 
 # Every Ray cluster of the tests (in process, `ray start`, the demo's) listens on loopback only.
@@ -358,7 +358,12 @@ def pytest_configure(config):
 
     Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads:
     two workers of two threads each on two cores would oversubscribe them, and OpenMP's spinning
-    threads slow down badly when they do."""
+    threads slow down badly when they do.
+
+    Every Ray cluster a test starts (in process, ``ray start --head``, ``ray.cluster_utils.Cluster``) waits
+    up to 120 s for its GCS server, not Ray's 30: beside the other worker's tests it has taken longer
+    (cluster/local.py)."""
+    os.environ.setdefault(GCS_PORT_WAIT_ENV, "120")
     gc.set_threshold(100_000, 50, 100)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
