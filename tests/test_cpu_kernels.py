@@ -3,7 +3,7 @@
 The reference quantizes ``x`` as the kernel does (per block of 32, step ``max |x| / 127``, round half
 to even) and multiplies in float64: the kernel's integer block sums are exact, so the only
 difference left is float32 accumulation (``2**-20`` of ``|x^| @ |W|.T`` bounds it). Shapes cover
-one and several tiles of 2 rows of ``x``, weights below and above the threshold where OpenMP threads
+one and several tiles of rows of ``x``, weights below and above the threshold where OpenMP threads
 start, and output counts that are not multiples of anything (the packed groups of 8 rows padded).
 """
 
@@ -59,9 +59,10 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert float(((y.double() - ref).abs() / bound).max()) <= 1.0
 
 
-# row counts 1-9: every tile of ROWS_TILE (4) rows and every tail (1, 2, 3 rows) after full tiles
+# row counts 1-9, 13 and 15: every tile size up to the largest kind's (7 rows) alone, and calls split into tiles that
+# differ by one row (9: 5 + 4 or 3 + 3 + 3; 13: 7 + 6 or 5 + 4 + 4; 15: 5 + 5 + 5 or 4 + 4 + 4 + 3)
 SHAPES = [(1, 16, 64), (3, 40, 96), (3, 21, 64), (2, 13, 96), (4, 48, 576), (5, 200, 576), (6, 24, 64), (7, 40, 96),
-          (9, 1536, 576), (2, 120, 1536)]
+          (8, 24, 576), (9, 1536, 576), (13, 40, 96), (15, 24, 64), (2, 120, 1536)]
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 41, 96), (4, 9, 13), (7, 200, 576), (17, 63, 1536), (32, 130, 576)])

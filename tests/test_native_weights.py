@@ -171,13 +171,14 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     assert lin.blocks == flt.blocks == BLOCKS.get(kind, "q4")
     assert lin.scales_and_zeros.dtype == torch.uint8 and flt.scales_and_zeros.dtype == torch.float32
     assert lin.scales_and_zeros.nbytes * 2 < flt.scales_and_zeros.nbytes
-    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(2))
+    # 9 rows: several tiles of every kind (super-block scales multiplied out once per group), one row each alone
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(2))
     y = lin(x)
     if kind not in ("Q4_K", "Q5_K"):
         assert torch.equal(y, flt(x))
     _assert_int4_matmul(lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x,
                         True)
-    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(7)]), y)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), y)
     tampered = ints.clone()
     tampered[3, 5, 0] += 1
     assert Int4GroupLinear(codes, scales, zeros, repeat_input=repeat,

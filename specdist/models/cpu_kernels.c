@@ -25,7 +25,9 @@
  * The weights are repacked at load (cpu_kernels.py pack_q4 / pack_q5 / pack_q6 / pack_q8 / pack_q2) in groups of 8
  * rows whose codes interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
- * no horizontal sums, and each loaded (and unpacked) weight vector serves ROWS_TILE (4) rows of x.
+ * no horizontal sums, and each loaded (and unpacked) weight vector serves a tile of rows of x: up to the kind's largest
+ * tile (3 to 7 rows, as many as its running sums leave registers for), the call's rows split into tiles whose sizes
+ * differ by at most one (so no tile of one row follows full ones).
  * Every output element is computed by the same instruction sequence whatever the number of rows of x and
  * wherever it falls in a tile (its block's exact integer sum, then one float multiply-add per block in
  * block order), so a row's result does not depend on the batch around it.
@@ -38,13 +40,12 @@
 #include <string.h>
 
 #define QK 32         /* elements per block */
-#define ROWS_TILE 4   /* rows of x sharing one loaded (and unpacked) weight block */
-_Static_assert(ROWS_TILE == 4, "BLOCK_MATMUL inlines tiles of 4, 3, 2 and 1 rows");
+#define MAX_TILE 7    /* the most rows of x sharing one loaded (and unpacked) weight block (BLOCK_TILE inlines 1-7) */
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (1 << 16)
-/* Calls of at most one tile of rows are bound by reading the weights: each block then prefetches the code bytes
- * this far ahead (the groups lie one after another), which measured 1-7% faster forwards at 1-4 rows here and
- * nothing at 8 or more, where the arithmetic is the limit and the weights are reused from L1. */
+/* A group's first tile of rows reads its weights from memory (the later tiles find them in L1): each of its blocks
+ * prefetches the code bytes this far ahead (the groups lie one after another). Measured 1-7% faster forwards at 1-4
+ * rows here, and 1.3-1.5x faster on a head too large for the caches (Q8, 49152 x 576) at 5-12 rows. */
 #define PREFETCH_BYTES 4096
 #define HEADS_TILE 3  /* query heads of one KV head that share each loaded key and value row in attention */
 
@@ -168,7 +169,7 @@ static inline __attribute__((always_inline)) void q4_group(const uint8_t *codes,
             _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
             _mm_prefetch((const char *)block + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
-        __m256i sums[ROWS_TILE];  /* [R] 16 lanes of 16 bits: two per weight row */
+        __m256i sums[MAX_TILE];  /* [R] 16 lanes of 16 bits: two per weight row */
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
@@ -208,7 +209,7 @@ static inline __attribute__((always_inline)) void q5_group(const uint8_t *codes,
         const uint8_t *block = codes + g * 160;
         if (prefetch)
             for (int l = 0; l < 3; ++l) _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
-        __m256i first[ROWS_TILE], second[ROWS_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
+        __m256i first[MAX_TILE], second[MAX_TILE];  /* [R] 16-bit pair sums of each half, two per weight row */
         for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
         const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128));
         for (int j = 0; j < 4; ++j) {
@@ -262,7 +263,7 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
             for (int l = 0; l < block_bytes / 64; ++l)
                 _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
         /* [R] pair sums of each half, two per weight row: 16 bits (2- and 4-bit codes) or 32 (6- and 7-bit) */
-        __m256i first[ROWS_TILE], second[ROWS_TILE];
+        __m256i first[MAX_TILE], second[MAX_TILE];
         for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
         /* 2-bit codes (or 6-bit codes' high bits): the block's two vectors (one a half), loaded once for four shifts */
         const uint8_t *twos = bits == 6 ? block + 128 : block;
@@ -362,7 +363,7 @@ static inline __attribute__((always_inline)) void q8_blocks(const int8_t *codes,
         if (prefetch)
             for (int l = 0; l < block_bytes / 64; ++l)
                 _mm_prefetch((const char *)block + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
-        __m256i sums[ROWS_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
+        __m256i sums[MAX_TILE];  /* [R] 8 lanes of 32 bits: one per weight row */
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
             __m256i w;
@@ -409,14 +410,20 @@ static inline void store_group(float *y, int64_t N, int64_t n0, __m256 v) {
     for (int64_t c = 0; n0 + c < N; ++c) y[n0 + c] = lanes[c];
 }
 
-/* One tile of rows through GROUP_FN with the row count and the scales' mode as constants. */
-#define BLOCK_TILE(GROUP_FN, MODE)                                                                  \
+/* One tile of rows through GROUP_FN with the row count and the scales' mode as constants; row counts above the kind's
+ * TILE (a constant) never occur and their copies are not compiled. */
+#define TILE_CASE(GROUP_FN, MODE, TILE, R)                                                          \
+    case R:                                                                                         \
+        if ((R) <= (TILE)) GROUP_FN(cw, sw, G, &qx, m0, R, prefetch, MODE, acc);                    \
+        break;
+#define BLOCK_TILE(GROUP_FN, MODE, TILE)                                                            \
     switch (rows) { /* a constant row count per call: each inlines with its loops unrolled */     \
-    case 4: GROUP_FN(cw, sw, G, &qx, m0, 4, one_tile, MODE, acc); break;                          \
-    case 3: GROUP_FN(cw, sw, G, &qx, m0, 3, one_tile, MODE, acc); break;                          \
-    case 2: GROUP_FN(cw, sw, G, &qx, m0, 2, one_tile, MODE, acc); break;                          \
-    default: GROUP_FN(cw, sw, G, &qx, m0, 1, one_tile, MODE, acc); break;                         \
+    TILE_CASE(GROUP_FN, MODE, TILE, 7) TILE_CASE(GROUP_FN, MODE, TILE, 6)                         \
+    TILE_CASE(GROUP_FN, MODE, TILE, 5) TILE_CASE(GROUP_FN, MODE, TILE, 4)                         \
+    TILE_CASE(GROUP_FN, MODE, TILE, 3) TILE_CASE(GROUP_FN, MODE, TILE, 2)                         \
+    default: GROUP_FN(cw, sw, G, &qx, m0, 1, prefetch, MODE, acc); break;                         \
     }
+_Static_assert(MAX_TILE == 7, "BLOCK_TILE inlines tiles of 1 to 7 rows");
 
 /* A group's super-block scales as float32 vectors ([G, per_block, 8]: SCALES_F32's layout), the products block_scale
  * computes, so that a call of several tiles multiplies them out once per group instead of once per tile. */
@@ -428,16 +435,18 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
 }
 
 /* The body of a block matmul: quantize x, then groups of 8 output columns over the threads, rows of x in
- * tiles of ROWS_TILE (the last tile's size and the scales' mode pick an inlined copy). PER_BLOCK and FLOATS: the
- * scale vectors a block and the factor vectors a super-block (block_scale). Super-block scales are multiplied out
- * as each block is reached in a call of one tile (bound by the weights' bytes), and once per group into a
- * thread's buffer in calls of several tiles (bound by the arithmetic, which the products would add to per tile). */
-#define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, PER_BLOCK, FLOATS)                        \
+ * ceil(M / TILE) tiles of M / tiles or one more rows (each tile's size and the scales' mode pick an inlined copy).
+ * PER_BLOCK and FLOATS: the scale vectors a block and the factor vectors a super-block (block_scale). Super-block
+ * scales are multiplied out as each block is reached in a call of one tile (bound by the weights' bytes), and once
+ * per group into a thread's buffer in calls of several tiles (bound by the arithmetic, which the products would add
+ * to per tile). */
+#define BLOCK_MATMUL(GROUP_FN, CODES, SCALES, CODE_BYTES, PER_BLOCK, FLOATS, TILE)                  \
     const int64_t G = K / QK, groups = (N + 7) / 8;                                                 \
     if (mode == SCALES_SUPER && G % 8) return -2; /* super-blocks of 256 elements */                \
     quantized_x qx;                                                                                 \
     if (quantize_input(x, M, K, &qx)) return -1;                                                    \
-    const int one_tile = M <= ROWS_TILE; /* bound by the weights' bytes: prefetch them */           \
+    const int64_t tiles = (M + (TILE) - 1) / (TILE);                                                \
+    const int one_tile = tiles == 1;                                                                \
     const int64_t scale_stride = mode == SCALES_SUPER ? G / 8 * SUPER_BYTES(FLOATS, PER_BLOCK)      \
                                                       : G * 8 * (PER_BLOCK) * (mode == SCALES_F16 ? 2 : 4); \
     _Pragma("omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)")                                      \
@@ -447,23 +456,24 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
                               ? (float *)malloc(sizeof(float) * (size_t)(G * 8 * (PER_BLOCK))) : NULL; \
         _Pragma("omp for schedule(static)")                                                         \
         for (int64_t c = 0; c < groups; ++c) {                                                      \
-            __m256 acc[ROWS_TILE];                                                                  \
+            __m256 acc[MAX_TILE];                                                                  \
             const void *cw = CODES + c * G * (CODE_BYTES);                                          \
             const void *sw = (const char *)(SCALES) + c * scale_stride; /* the group's scales */    \
             if (expanded) {                                                                         \
                 expand_super(sw, G, PER_BLOCK, FLOATS, expanded);                                   \
                 sw = expanded;                                                                      \
             }                                                                                       \
-            for (int64_t m0 = 0; m0 < M; m0 += ROWS_TILE) {                                         \
-                const int rows = M - m0 < ROWS_TILE ? (int)(M - m0) : ROWS_TILE;                    \
+            for (int64_t t = 0, m0 = 0; t < tiles; ++t) {                                           \
+                const int rows = (int)(M / tiles + (t < M % tiles)), prefetch = t == 0;             \
                 if (mode == SCALES_SUPER && !expanded) {                                            \
-                    BLOCK_TILE(GROUP_FN, SCALES_SUPER)                                              \
+                    BLOCK_TILE(GROUP_FN, SCALES_SUPER, TILE)                                        \
                 } else if (mode == SCALES_F16) {                                                    \
-                    BLOCK_TILE(GROUP_FN, SCALES_F16)                                                \
+                    BLOCK_TILE(GROUP_FN, SCALES_F16, TILE)                                          \
                 } else {                                                                            \
-                    BLOCK_TILE(GROUP_FN, SCALES_F32)                                                \
+                    BLOCK_TILE(GROUP_FN, SCALES_F32, TILE)                                          \
                 }                                                                                   \
                 for (int r = 0; r < rows; ++r) store_group(y + (m0 + r) * N, N, 8 * c, acc[r]);     \
+                m0 += rows;                                                                         \
             }                                                                                       \
         }                                                                                           \
         free(expanded);                                                                             \
@@ -475,22 +485,24 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
  * [ceil(N/8), G, CODE_BYTES] (pack_q4's 128 bytes a block of 8 rows, IQ4's too; pack_q5's 160; pack_q6's 192;
  * pack_q8's 256; pack_q2's 64) and its scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
- * super-block, for each group of 8 rows in turn). Returns 0, -1 without memory, or -2 for super-block scales of a K
- * that is not a multiple of 256. */
-#define DEFINE_MATMUL(NAME, GROUP_FN, CODE_T, CODE_BYTES, PER_BLOCK, FLOATS)                                 \
+ * super-block, for each group of 8 rows in turn). TILE: the most rows of x a loaded weight vector serves, the fastest
+ * on an AVX2 core with 16 vector registers (measured 5-17 rows, BENCHMARKS.md): kinds with one running sum a row take
+ * 6 or 7, kinds with two (each half's) or with the Q8 sign trick's extra registers 4 or 5. Returns 0, -1 without
+ * memory, or -2 for super-block scales of a K that is not a multiple of 256. */
+#define DEFINE_MATMUL(NAME, GROUP_FN, CODE_T, CODE_BYTES, PER_BLOCK, FLOATS, TILE)                           \
     static int NAME(const float *x, int64_t M, int64_t K, const CODE_T *qs, const void *sc, int mode, int64_t N, \
                     float *y) {                                                                              \
-        BLOCK_MATMUL(GROUP_FN, qs, sc, CODE_BYTES, PER_BLOCK, FLOATS)                                        \
+        BLOCK_MATMUL(GROUP_FN, qs, sc, CODE_BYTES, PER_BLOCK, FLOATS, TILE)                                  \
     }
 
-DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
-DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, 160, 2, 2)         /* Q5_0, Q5_1, Q5_K: (d, m) a block */
-DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1)   /* Q3_K: c = q + 8, d per 16 */
-DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
-DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1)   /* Q6_K: 6-bit codes (c = q), d per 16 */
-DEFINE_MATMUL(matmul_q7_16, q7_16_group, uint8_t, 256, 2, 1)   /* IQ2_XS, IQ2_S: 7-bit codes (c = q + 64) in bytes, d per 16 */
-DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1)          /* Q8_0, Q5_0: d a block */
-DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
+DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2, 7)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, 160, 2, 2, 7)         /* Q5_0, Q5_1, Q5_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1, 6)   /* Q3_K: c = q + 8, d per 16 */
+DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2, 5)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
+DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1, 4)   /* Q6_K: 6-bit codes (c = q), d per 16 */
+DEFINE_MATMUL(matmul_q7_16, q7_16_group, uint8_t, 256, 2, 1, 4)   /* IQ2_XS, IQ2_S: 7-bit codes (c = q + 64) in bytes, d per 16 */
+DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1, 4)          /* Q8_0, Q5_0: d a block */
+DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1, 4)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
 /* ---------------------------------------------------------------------------------------------
  * Dense float32: y [M, N] = x [M, K] @ W.T, W [N, K] as torch's Linear holds it (row-major, unpacked).
