@@ -319,29 +319,17 @@ static inline __attribute__((always_inline)) void halves_16(const uint8_t *codes
     }
 }
 
-static inline __attribute__((always_inline)) void q4_16_group(const uint8_t *codes, const void *scales, int64_t G,
-                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 4, acc);
-}
-
-static inline __attribute__((always_inline)) void q2m_16_group(const uint8_t *codes, const void *scales, int64_t G,
-                                                                const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                                int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 2, acc);
-}
-
-static inline __attribute__((always_inline)) void q6_16_group(const uint8_t *codes, const void *scales, int64_t G,
-                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 6, acc);
-}
-
-static inline __attribute__((always_inline)) void q7_16_group(const uint8_t *codes, const void *scales, int64_t G,
-                                                               const quantized_x *qx, int64_t m0, int R, int prefetch,
-                                                               int mode, __m256 *acc) {
-    halves_16(codes, scales, G, qx, m0, R, prefetch, mode, 7, acc);
-}
+/* halves_16 with its code width fixed: the GROUP_FN signature BLOCK_MATMUL calls. */
+#define HALVES_16_GROUP(NAME, BITS)                                                                        \
+    static inline __attribute__((always_inline)) void NAME(const uint8_t *codes, const void *scales, int64_t G, \
+                                                           const quantized_x *qx, int64_t m0, int R,          \
+                                                           int prefetch, int mode, __m256 *acc) {             \
+        halves_16(codes, scales, G, qx, m0, R, prefetch, mode, BITS, acc);                                 \
+    }
+HALVES_16_GROUP(q2m_16_group, 2)  /* GGUF Q2_K */
+HALVES_16_GROUP(q4_16_group, 4)   /* GGUF Q3_K */
+HALVES_16_GROUP(q6_16_group, 6)   /* GGUF Q6_K, IQ1_M */
+HALVES_16_GROUP(q7_16_group, 7)   /* GGUF IQ2_XS, IQ2_S */
 
 /* GGUF's IQ4_NL table (IQ4_XS's too): the signed byte an index of IQ4 codes stands for, twice (one per 128-bit lane, as
  * vpshufb looks up in each lane). */
