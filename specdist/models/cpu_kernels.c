@@ -26,8 +26,8 @@
  * rows whose codes interleave 4 bytes at a time, so that one 32-byte vector holds 4 codes of each of the 8 rows and one
  * multiply-add against 4 bytes of x broadcast to every lane yields 8 outputs' partial sums side by side:
  * no horizontal sums, and each loaded (and unpacked) weight vector serves a tile of rows of x: up to the kind's largest
- * tile (3 to 7 rows, as many as its running sums leave registers for), the call's rows split into tiles whose sizes
- * differ by at most one (so no tile of one row follows full ones).
+ * tile (4 to 7 rows, DEFINE_MATMUL's TILE), the call's rows split into tiles whose sizes differ by at most one (so no
+ * tile of one row follows full ones).
  * Every output element is computed by the same instruction sequence whatever the number of rows of x and
  * wherever it falls in a tile (its block's exact integer sum, then one float multiply-add per block in
  * block order), so a row's result does not depend on the batch around it.
@@ -474,9 +474,9 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
  * pack_q8's 256; pack_q2's 64) and its scales sc in a mode
  * (SCALES_F32, SCALES_F16, SCALES_SUPER: block_scale's layouts with PER_BLOCK vectors a block and FLOATS factors a
  * super-block, for each group of 8 rows in turn). TILE: the most rows of x a loaded weight vector serves, the fastest
- * on an AVX2 core with 16 vector registers (measured 5-17 rows, BENCHMARKS.md): kinds with one running sum a row take
- * 6 or 7, kinds with two (each half's) or with the Q8 sign trick's extra registers 4 or 5. Returns 0, -1 without
- * memory, or -2 for super-block scales of a K that is not a multiple of 256. */
+ * of 3 to 8 on this AVX2 core over 5-32 rows (BENCHMARKS.md): larger tiles unpack each weight vector for more rows,
+ * until the running sums and accumulators no longer fit the 16 vector registers (tiles of 8 spill). Returns 0, -1
+ * without memory, or -2 for super-block scales of a K that is not a multiple of 256. */
 #define DEFINE_MATMUL(NAME, GROUP_FN, CODE_T, CODE_BYTES, PER_BLOCK, FLOATS, TILE)                           \
     static int NAME(const float *x, int64_t M, int64_t K, const CODE_T *qs, const void *sc, int mode, int64_t N, \
                     float *y) {                                                                              \
