@@ -255,28 +255,63 @@ def test_fused_int4_projections_equal_their_parts(int4_backend):
             parts = (attn.q_proj, attn.k_proj, attn.v_proj)
             assert all(type(p) is Int4GroupLinear for p in parts)
             assert (attn.q_proj.bias is not None) == (family == "qwen2")
+            fused_packed = attn.fused_qkv.inner.packed.untyped_storage().data_ptr()
             for got, p in zip(attn.fused_qkv(x), parts):
                 assert torch.equal(got, p(x))
-                # the part's packed rows are a view of the fused ones: the weights are held once
-                assert p.packed.untyped_storage().data_ptr() == attn.fused_qkv.inner.packed.untyped_storage().data_ptr()
+                # the block kernels' packed rows are views of the fused ones (the weights held once); torch's int4
+                # layouts are packed again from the codes, the parts keeping their own
+                shared = p.packed.untyped_storage().data_ptr() == fused_packed
+                assert shared == (int4_backend == "blocks")
             for got, p in zip(mlp.fused_gate_up(x), (mlp.gate_proj, mlp.up_proj)):
                 assert torch.equal(got, p(x))
-    # hidden 32: k/v have 16 rows, half of torch's CPU kernel's 32-row tile: there q/k/v stay apart and
-    # gate/up fuse; the block kernels hold groups of 8 rows, so everything fuses
+    # hidden 32: k/v have 16 rows, q 32 (a 16-row part between others): everything fuses on either backend
     model = _int4_model("llama")
     assert type(model.model.layers[0].self_attn.k_proj) is Int4GroupLinear
     assert model.model.layers[0].self_attn.k_proj.out_features == 16
-    assert fuse_projections(model) == (2 if int4_backend == "blocks" else 0)
+    assert fuse_projections(model) == 2
+    x32 = x[..., :32]
     for layer in model.model.layers:
-        assert hasattr(layer.self_attn, "fused_qkv") == (int4_backend == "blocks") and hasattr(layer.mlp, "fused_gate_up")
-        x32 = x[..., :32]
-        for got, p in zip(layer.mlp.fused_gate_up(x32), (layer.mlp.gate_proj, layer.mlp.up_proj)):
+        attn, mlp = layer.self_attn, layer.mlp
+        for got, p in zip(attn.fused_qkv(x32), (attn.q_proj, attn.k_proj, attn.v_proj)):
+            assert torch.equal(got, p(x32))
+        for got, p in zip(mlp.fused_gate_up(x32), (mlp.gate_proj, mlp.up_proj)):
             assert torch.equal(got, p(x32))
     # Q8_0 halves (repeat_input 2) and Q4 parts do not concatenate; nor do int4 and int8 parts
     q4 = Int4GroupLinear(*decode_blocks(_quantized(32, 64, "Q4_0", 1), "Q4_0", 64)[:3])
     c, s, z, r = decode_blocks(_quantized(32, 64, "Q8_0", 2), "Q8_0", 64)
     assert _fuse([q4, Int4GroupLinear(c, s, z, repeat_input=r)]) is None
     assert _fuse([q4, Int8WeightOnlyLinear.from_linear(nn.Linear(64, 32))]) is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_fused_int4_parts_off_the_tiles_equal_their_parts(kind, int4_backend):
+    """Parts of 16, 48 and 16 rows start at rows 16 and 64, off any 32- or 64-row tile of torch's int4 layouts (which
+    differ between AVX2, AVX-512 and CUDA): a fusion that slices or concatenates packed rows gives other weights
+    there. The fused module gives each part's own output bit for bit, and the dequantized weight's matmul; the parts
+    keep their own weights (remove_fusion leaves them working), and on torch's layouts their codes read back exactly."""
+    cols, sizes = 64, (16, 48, 16)
+    parts, ws, mags, biases = [], [], [], []
+    for i, rows in enumerate(sizes):
+        codes, scales, zeros, repeat = decode_blocks(_quantized(rows, cols, kind, seed=20 + i), kind, cols)
+        bias = torch.randn(rows, generator=torch.Generator().manual_seed(i))  # [rows]
+        parts.append(Int4GroupLinear(codes, scales, zeros, bias, repeat))
+        if int4_backend == "int4pack":
+            assert torch.equal(parts[-1].codes(), codes.to(torch.uint8))
+        ws.append(dequantize(codes, scales, zeros, repeat))  # [rows, cols]
+        mags.append(_magnitude(codes, scales, zeros, repeat))
+        biases.append(bias)
+    x = torch.randn(2, 7, cols, generator=torch.Generator().manual_seed(5)).bfloat16().float()
+    before = [p(x) for p in parts]  # [2, 7, rows] each
+    fused = _fuse(parts)
+    assert fused is not None and fused.split_sizes == list(sizes)
+    for got, p, y in zip(fused(x), parts, before):
+        assert torch.equal(got, p(x)) and torch.equal(p(x), y)
+    bias = torch.cat(biases)  # [80]
+    _assert_int4_matmul(lambda t: torch.cat(fused(t), -1) - bias, torch.cat(ws), torch.cat(mags), x,
+                        int4_backend == "blocks")
+    if int4_backend == "int4pack":
+        storages = {t.untyped_storage().data_ptr() for t in (fused.inner.packed, *(p.packed for p in parts))}
+        assert len(storages) == 4
 
 
 def test_int4_copy_keeps_linears_the_kernel_cannot_take():

@@ -3,14 +3,17 @@
 One wide matmul instead of three (or two) narrow ones cuts per-op overhead, which
 dominates small-batch decoding on CPU. The fused weight is the row-wise
 concatenation of the originals; afterwards each original module's weight is made a
-*view* into the fused tensor, so no memory is duplicated and the unmodified HF
+*view* into the fused tensor (torch's int4 layouts aside, below), so no memory is duplicated and the unmodified HF
 ``forward`` (used by transformers' own generate) still works on the same model.
 
 Works on ``nn.Linear``, on :class:`~specdist.models.quant.Int8WeightOnlyLinear`
 (per-output-channel scales concatenate exactly) and on :class:`~specdist.models.quant.Int4GroupLinear`
-(packed rows and per-row group scales concatenate along the output rows, in the kernels' tiles of
-whole rows: every part a multiple of 32 rows; a part keeps its own small contiguous scales), with
-biases (Qwen2's q/k/v) when every part has one. Projections of mixed types, or with a bias on some parts only, are left
+(per-row group scales concatenate along the output rows; a part keeps its own small contiguous scales), with
+biases (Qwen2's q/k/v) when every part has one. On the block kernels (``blocks``, the project's own layout of groups
+of 8 rows) packed rows concatenate and the parts become views, as above. torch's int4 layouts are not promised (they
+differ between AVX2, AVX-512 and CUDA), so their packed tensors are never sliced or concatenated: the parts' codes,
+read back through torch's kernel, are concatenated and packed again by torch, any parts of 16 | out rows; the parts
+keep their own packed weights, a second copy. Projections of mixed types, or with a bias on some parts only, are left
 alone; so are models whose projections come fused already (Phi-3).
 """
 
@@ -21,7 +24,7 @@ import copy
 import torch
 from torch import nn
 
-from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, quantize_model_int8
+from specdist.models.quant import Int4GroupLinear, Int8WeightOnlyLinear, pack_int4, quantize_model_int8
 
 
 class FusedLinear(nn.Module):
@@ -83,27 +86,33 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
             sizes.append(n)
             off += n
         return FusedLinear(fused, sizes)
-    # torch's int4 layouts hold rows in tiles (CPU: 32 rows, CUDA: 8): whole tiles concatenate; the block
-    # kernels (cpu_kernels) hold groups of 8 rows, and an Int4GroupLinear has a multiple of 16. Float16 and float32
-    # block scales concatenate as float32 (the same values); super-block scales only with super-block scales.
-    if (all(type(p) is Int4GroupLinear for p in parts) and len({(p.repeat_input, p.blocks) for p in parts}) == 1
-            and (parts[0].blocks or all(p.out_features % 32 == 0 for p in parts))
+    # Float16 and float32 block scales concatenate as float32 (the same values); super-block scales only with
+    # super-block scales.
+    if (all(type(p) is Int4GroupLinear for p in parts)
+            and len({(p.repeat_input, p.blocks, p.in_features, p.packed.device) for p in parts}) == 1
             and len({p.scales_and_zeros.dtype == torch.uint8 for p in parts}) == 1):
-        dim = parts[0].rows_dim_of_scales
+        blocks = parts[0].blocks is not None
         fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
         # a shallow copy shares the module's buffer dict (torch keeps it in nn.Module._buffers): unshare it
         fused._buffers = dict(fused._buffers)  # noqa: SLF001 - torch's nn.Module internals
-        fused.packed = torch.cat([p.packed for p in parts], 0)  # [sum(out), ...] packed rows
-        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim)
+        if blocks:  # the block kernels' layout (cpu_kernels) holds groups of 8 rows, a part (16 | out) whole ones
+            fused.packed = torch.cat([p.packed for p in parts], 0)  # [sum(out) / 8, ...]
+        else:  # torch's int4 layout is not promised (AVX2, AVX-512 and CUDA tile rows differently): pack the
+            # concatenated codes with torch's own op, never slice or concatenate packed rows
+            fused.packed = pack_int4(torch.cat([p.codes() for p in parts], 0))  # codes [sum(out), in * repeat]
+        # per-row values, concatenated along the rows: [G, sum(out), 2] bf16 pairs on torch's layouts
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], parts[0].rows_dim_of_scales)
         fused.bias = bias
         fused.out_features = sum(p.out_features for p in parts)
-        off, per = 0, parts[0].rows_per_packed
-        for p in parts:  # each part's packed rows become a view of the fused ones (no second copy); its
-            # (scale, zero) pairs stay its own: the kernel needs them contiguous, and they are 1/16 of the bytes
-            p.packed = fused.packed[off // per : (off + p.out_features) // per]
-            if biased:
-                p.bias = fused.bias[off : off + p.out_features]
-            off += p.out_features
+        if blocks:  # each part's packed rows become a view of the fused ones (no second copy); its scales stay its
+            # own: the kernel needs them contiguous, and they are 1/16 of the bytes. On torch's layouts the parts keep
+            # their own packed tensors and biases (the fused module holds a second copy of the weights).
+            off = 0
+            for p in parts:
+                p.packed = fused.packed[off // 8 : (off + p.out_features) // 8]
+                if biased:
+                    p.bias = fused.bias[off : off + p.out_features]
+                off += p.out_features
         return FusedLinear(fused, [p.out_features for p in parts])
     return None
 

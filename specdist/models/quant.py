@@ -71,6 +71,7 @@ _KERNEL_K_MULTIPLE = 16
 GROUP = cpu_kernels.GROUP  # input columns per (scale, zero) pair; GGUF's block size
 INT4_ROWS = 16  # the int4 kernels pack output rows in tiles: CPU needs out_features % 16 == 0 (CUDA % 8)
 _CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 columns), largest dividing in_features
+_CODES_CHUNK = 1024  # identity rows per matmul in Int4GroupLinear.codes
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -161,15 +162,8 @@ class Int4GroupLinear(nn.Module):
             self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
             if super_scales is not None:
                 sz = _super_packed(self.blocks, codes, scales.float(), zeros.float(), repeat_input, *super_scales, sz)
-        elif codes.device.type == "cuda":  # the CUDA kernel's tiles: two codes per byte, high nibble first
-            # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
-            inner = next(t for t in _CUDA_INNER_K_TILES if in_eff % (16 * t) == 0)
-            codes = codes.to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
-                (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # noqa: SLF001 - torch's op
-                codes.to(torch.int32).contiguous(), 1)
+            packed = pack_int4(codes)
         if self.blocks is None:
             sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
         self.register_buffer("packed", packed)
@@ -181,11 +175,26 @@ class Int4GroupLinear(nn.Module):
         """The dimension of ``scales_and_zeros`` that runs over output rows."""
         return 0 if self.blocks else 1
 
-    @property
-    def rows_per_packed(self) -> int:
-        """Output rows per index of ``packed``'s first dimension (the block kernels and CUDA's int4 layout
-        hold rows in groups of 8; torch's CPU int4 layout one row per index)."""
-        return 8 if self.blocks or self.packed.is_cuda else 1
+    def codes(self) -> torch.Tensor:
+        """The codes ``[out, in * repeat_input]`` (uint8, 0..15) of torch's int4 layouts (``blocks`` None).
+
+        torch does not promise its packed layout (it differs between AVX2, AVX-512 and CUDA), so the codes are read
+        back through torch's own kernel rather than unpacked by hand: with every ``(scale, zero)`` pair ``(1, 8)`` the
+        kernel's weight is ``(c - 8) * 1 + 8 = c``, and rows of the identity as input return the columns of ``W``,
+        each output one product ``1 * c``: exact in bf16. Costs a matmul of ``in * repeat_input`` rows (run once, when
+        projections are fused); keeping the codes instead would double the weights' bytes for the module's life."""
+        if self.blocks is not None:
+            raise ValueError(f"codes() reads torch's int4 layouts, not the block kernels' ({self.blocks})")
+        k, dev = self.in_features * self.repeat_input, self.packed.device
+        unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16, device=dev)  # (scale, zero): w = c
+        unit = unit.expand(k // GROUP, self.out_features, 2).contiguous()  # [G, out, 2]
+        mm = torch.ops.aten._weight_int4pack_mm if dev.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
+        cols = []  # [n, out] each: W.T's rows start..start + n
+        for start in range(0, k, _CODES_CHUNK):  # in chunks, so the identity's rows never take k * k
+            n = min(_CODES_CHUNK, k - start)
+            eye = torch.eye(n, k, dtype=torch.bfloat16, device=dev).roll(start, 1)  # [n, k]: rows start.. of I
+            cols.append(mm(eye, self.packed, GROUP, unit))
+        return torch.cat(cols).T.to(torch.uint8)  # [out, k]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4GroupLinear:
@@ -223,6 +232,18 @@ class Int4GroupLinear(nn.Module):
         r = f", repeat_input={self.repeat_input}" if self.repeat_input > 1 else ""
         b = f", blocks={self.blocks}" if self.blocks else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}{b}"
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[out, in]`` (integers in 0..15) packed by torch for its int4 kernel on the codes' device. The layout
+    is torch's, unpromised and different per instruction set and device: read it only through torch's kernels."""
+    codes = codes.to(torch.int32)
+    if codes.device.type == "cuda":  # the CUDA op takes two codes per byte, high nibble first
+        # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
+        inner = next(t for t in _CUDA_INNER_K_TILES if codes.shape[1] % (16 * t) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
+            (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # noqa: SLF001 - torch's op
 
 
 def _shaped(y: torch.Tensor, lead: tuple, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
