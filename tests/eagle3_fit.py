@@ -3,12 +3,13 @@
 A random head's q is peaked on random tokens: nearly every draft is rejected, and a test of
 exactness then neither accepts whole drafts nor rejects drafts the target finds likely, which
 is what a wrong verifier gets wrong. :func:`fit_head` trains a head in the published layout
-(written by :func:`specdist.bench.checkpoints.write_random_eagle3_head`) for about 4 s on
+(written by :func:`specdist.bench.checkpoints.write_random_eagle3_head`) for a few seconds on
 the target's own hidden states and next-token distributions, as EAGLE-3 training does: a first
 step from the target's states and a second from the head's own outputs, attending to the first
 step's keys as drafting does ("training-time test"), and writes it back in place.
 
-A helper module of the tests (like gtest.py), not a test module. Seeded: the same head every run.
+A helper module of the tests (like gtest.py), not a test module. Seeded and fitted on one thread:
+the same head every run, whatever thread count the suite runs with.
 """
 
 from __future__ import annotations
@@ -71,7 +72,20 @@ def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: in
     Data: ``seqs`` sequences of ``length`` tokens sampled from the target (temperature 1) after a
     random first token. At position i the head reads the fused target states at i and the token at
     i + 1, and is fitted (KL divergence) to the target's distribution of the token at i + 2,
-    restricted to the draft vocabulary."""
+    restricted to the draft vocabulary.
+
+    Runs on one intra-op thread, restored afterwards: how a kernel splits its sums over threads
+    changes their float rounding, which the training steps carry into a different head. Pinned, the head
+    is the same whatever thread count the caller runs with (pytest-xdist workers take fewer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _fit(head_path, target, steps, seqs, length, seed)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fit(head_path: str, target: torch.nn.Module, steps: int, seqs: int, length: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     head = load_eagle3_head(head_path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     vocab = int(target.config.vocab_size)
@@ -82,10 +96,11 @@ def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: in
             ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=gen)], 1)
         out = target(ids, output_hidden_states=True)
         states = torch.cat([out.hidden_states[i] for i in head.spec.aux_layers], -1)  # [S, L, 3H]
-        p = out.logits.float().softmax(-1)[:, 1:, head.draft_to_target]  # [S, L-1, Vd]: target's next-token law
+        # p[:, t]: the target's law of token t + 1 (its logits at position t), over the draft vocabulary
+        p = out.logits.float().softmax(-1)[..., head.draft_to_target]  # [S, L, Vd]
         p = p / p.sum(-1, keepdim=True)
-    # position i: states at i, token i + 1 -> the law of token i + 2 (the target's at i + 1)
-    tokens, feats, want = ids[:, 1:-1], states[:, :-2], p[:, 1:]
+    # position i: states at i, token i + 1 -> the law of token i + 2 (the target's logits at i + 1)
+    tokens, feats, want = ids[:, 1:-1], states[:, :-2], p[:, 1:-1]
     params = [t for name, t in head.named_parameters()]
     opt = torch.optim.Adam(params, lr=1e-2)
     torch.manual_seed(seed)

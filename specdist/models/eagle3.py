@@ -424,9 +424,10 @@ class Eagle3Head(torch.nn.Module):
     # -- the forward
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [..., H] in the head's dtype, from its own table or the target's."""
+        """Token embeddings [..., H] in the head's dtype on its device, from its own table or the
+        target's; ``ids`` may sit on another device (they are moved to the table's)."""
         if self.embed_tokens is not None:
-            return self.embed_tokens(ids)
+            return self.embed_tokens(ids.to(self.embed_tokens.weight.device))
         table = self.shared_embed[0]
         dev = table.weight.device if hasattr(table, "weight") else ids.device
         w = self.norm.weight  # (a norm's weight: the linears may hold int8 codes, see quantize_linears)
@@ -435,8 +436,11 @@ class Eagle3Head(torch.nn.Module):
     @torch.no_grad()
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The feature of target-computed positions: fc of the 3 aux hidden states concatenated in
-        ``spec.aux_layers`` order. [..., 3 * Ht] -> [..., H]."""
-        return self.fc(aux.to(self.norm.weight.dtype))
+        ``spec.aux_layers`` order. [..., 3 * Ht] -> [..., H], on the head's device in its dtype.
+        ``aux`` may sit on another device (a draft worker decodes the states from the wire on
+        the CPU); it is moved to the head's device and dtype in one copy."""
+        w = self.norm.weight  # (a norm's weight: the linears may hold int8 codes, see quantize_linears)
+        return self.fc(aux.to(device=w.device, dtype=w.dtype))
 
     def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
         """A one-layer K/V cache for this head, in its dtype and on its device."""
@@ -552,7 +556,7 @@ class Eagle3Head(torch.nn.Module):
         elsewhere (target tokens outside the draft vocabulary get no draft probability)."""
         out = torch.full((*draft_logits.shape[:-1], self.spec.vocab_size), -math.inf, dtype=torch.float32,
                          device=draft_logits.device)
-        out[..., self.draft_to_target] = draft_logits.float()
+        out[..., self.draft_to_target.to(out.device)] = draft_logits.float()  # (a no-op on the head's device)
         return out
 
 
