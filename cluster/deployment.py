@@ -275,7 +275,12 @@ class Deployment:
         from specdist.cores.draft import draft_hidden_layers  # (torch and the models: only where a deployment is)
 
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
-        compiled = ec.compiled("cuda" if self._gpu else "cpu")
+        device_type = "cuda" if self._gpu else "cpu"
+        compiled = ec.compiled(device_type)
+        # the workers' KV cache layout (specdist.models.graphs.KVOptions' fields) and CUDA graphs
+        kv = {"kind": "paged" if ec.paged(device_type) else "slots", "block_size": ec.kv_block_size,
+              "max_tokens": ec.kv_cache_tokens, "memory_fraction": ec.gpu_memory_utilization}
+        graphs = ec.graphs(device_type)
         if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
             one_rank = self.spec.tensor_parallel_size == 1
             return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
@@ -284,14 +289,15 @@ class Deployment:
                                        compile_cache_dir=ec.compile_cache_dir,
                                        max_draft_tokens=dc.num_speculative_tokens,
                                        prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype,
-                                       hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0])
+                                       hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0], kv=kv,
+                                       graphs=graphs and one_rank)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
             pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
             suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
             q_top_k=dc.q_top_k, compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
-            prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype)
+            prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs)
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to

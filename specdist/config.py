@@ -57,6 +57,20 @@ Shape::
       kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
                                      #   attention kernels) | auto: float16 for a model on quantized blocks
                                      #   under those kernels (a native GGUF target, a self draft), else model
+      compile: auto                  # on: Inductor-compiled static-shape passes over a slot cache (a compile a
+                                     #   shape bucket) | off | auto (off: the paged cache's CUDA graphs on GPUs)
+      compile_cache_dir: null        # Inductor's on-disk cache; null: ~/.cache/specdist/inductor
+      kv_cache: auto                 # paged: K/V in blocks of kv_block_size tokens, a block table per request,
+                                     #   memory per token held (specdist/models/paged_cache.py), read by the
+                                     #   paged kernels on GPUs | slots: one max_model_len slot per request (the
+                                     #   CPU attention kernels read these) | auto: paged on CUDA, slots on the CPU
+      kv_block_size: 16              # tokens a block (a power of two)
+      kv_cache_tokens: null          # tokens the paged cache holds; null: max_batch_size x max_model_len, on a
+                                     #   GPU capped by gpu_memory_utilization of its free memory at load
+      gpu_memory_utilization: 0.9    # share of the free device memory the paged cache may take at most
+      cuda_graphs: auto              # on | off | auto (on for a paged cache on CUDA): each decode, verify and
+                                     #   draft pass of up to 16 tokens a request is a CUDA graph replay,
+                                     #   every batch bucket captured at load (specdist/models/graphs.py)
     cluster:                         # `specdist serve` on a Ray deployment (workers/ + cluster/)
       enabled: false                 # false: the in-process engine; true: Ray actors over gRPC
       tensor_parallel_size: 1        # target ranks (one node, STRICT_PACK); must divide the model's
@@ -122,7 +136,8 @@ PIPELINE_MISS = ("redraft", "skip", "auto")  # = specdist.cores.draft_pipeline.M
 PROMPT_CHARS_PER_TOKEN = 32
 MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits.max_request_id_chars <= this)
 COUPLINGS = ("gumbel", "rejection")  # = specdist.cores.coupling.COUPLINGS
-COMPILE_MODES = ("auto", "on", "off")  # engine.compile (YAML's bare on / off arrive as booleans)
+COMPILE_MODES = ("auto", "on", "off")  # engine.compile and engine.cuda_graphs (YAML's bare on / off arrive as booleans)
+KV_CACHE_KINDS = ("auto", "slots", "paged")  # = specdist.models.graphs.KV_CACHE_KINDS
 
 
 def target_copy(method: str) -> str | None:
@@ -225,10 +240,15 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
-    compile: bool | str = "auto"  # compiled static-shape passes: on (true), off (false), auto: on CUDA devices
+    compile: bool | str = "auto"  # Inductor-compiled static passes over a slot cache: on (true), off (false, and auto)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
+    kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool | str = "auto"  # captured passes of the paged cache: on, off, auto (on CUDA)
 
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
@@ -248,12 +268,40 @@ class EngineConfig:
             _check_nonempty(self.compile_cache_dir, f"{key}.compile_cache_dir")
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"{key}.prefix_caching", f"must be true or false, got {self.prefix_caching!r}")
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ConfigError(f"{key}.kv_cache", f"must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
+        _check_int(self.kv_block_size, f"{key}.kv_block_size", 1, 1 << 12)
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise ConfigError(f"{key}.kv_block_size", f"must be a power of two, got {self.kv_block_size}")
+        if self.kv_cache_tokens is not None:
+            _check_int(self.kv_cache_tokens, f"{key}.kv_cache_tokens", self.max_model_len, 1 << 40)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"{key}.gpu_memory_utilization", f"must be a number in (0, 1], got {u!r}")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs in COMPILE_MODES):
+            raise ConfigError(f"{key}.cuda_graphs", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), "
+                                                    f"got {self.cuda_graphs!r}")
+        if self.compiled("cpu") and self.kv_cache == "paged":
+            raise ConfigError(f"{key}.compile", "the compiled static pass reads a slot cache: with kv_cache paged "
+                                                "use cuda_graphs (on GPUs) and compile off")
 
     def compiled(self, device_type: str) -> bool:
-        """Whether models run compiled passes on a device of this type (``auto``: CUDA only; on a CPU
-        each shape bucket takes tens of seconds to compile, BENCHMARKS.md: Compiled passes)."""
-        mode = {True: "on", False: "off"}.get(self.compile, self.compile)
-        return mode == "on" or (mode == "auto" and device_type == "cuda")
+        """Whether models run Inductor-compiled static passes (over a slot cache) on a device of this type: only
+        when ``compile`` is on. ``auto`` is off everywhere: on a CPU each shape bucket takes tens of seconds to
+        compile (BENCHMARKS.md: Compiled passes), and on GPUs the paged cache's CUDA graphs do the job in
+        seconds (``cuda_graphs``)."""
+        return {True: "on", False: "off"}.get(self.compile, self.compile) == "on"
+
+    def paged(self, device_type: str) -> bool:
+        """Whether runners keep a paged KV cache on a device of this type (auto: on CUDA, unless the compiled
+        static pass, which reads slots, is on)."""
+        return self.kv_cache == "paged" or (self.kv_cache == "auto" and device_type == "cuda"
+                                            and not self.compiled(device_type))
+
+    def graphs(self, device_type: str) -> bool:
+        """Whether runners capture CUDA graphs of their paged passes on a device of this type."""
+        mode = {True: "on", False: "off"}.get(self.cuda_graphs, self.cuda_graphs)
+        return device_type == "cuda" and self.paged(device_type) and mode in ("on", "auto")
 
 
 @dataclass

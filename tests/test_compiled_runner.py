@@ -14,6 +14,7 @@ import torch
 
 from conftest import devices
 from model_zoo import build_tiny
+from specdist.models.graphs import KVOptions
 from specdist.models.runner import STATIC_MIN_KEYS, CausalLMRunner
 
 
@@ -42,8 +43,8 @@ CASES = [("cpu", "inductor"), ("cpu", "aot_eager"), pytest.param("cuda", "induct
 def test_compiled_pass_matches_eager(device, backend, one_thread) -> None:
     # qwen2: q/k/v biases and sliding-window layers next to full ones (two masks per call)
     model = build_tiny("qwen2", seed=3, vocab_size=32, num_hidden_layers=2).to(device)
-    eager = CausalLMRunner(model, 2, 100)
-    compiled = CausalLMRunner(model, 2, 100)
+    eager = CausalLMRunner(model, 2, 100, kv=KVOptions("slots"))
+    compiled = CausalLMRunner(model, 2, 100, kv=KVOptions("slots"))  # the compiled pass reads a slot cache
     compiled.compile(backend)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     calls = 0
@@ -72,10 +73,16 @@ def test_compiled_pass_matches_eager(device, backend, one_thread) -> None:
 def test_compile_setting_resolves_per_device() -> None:
     from specdist.config import EngineConfig
 
-    for setting, cpu, cuda in (("auto", False, True), ("on", True, True), ("off", False, False),
+    # auto is off everywhere: on GPUs the paged cache's CUDA graphs replace the compiled pass
+    for setting, cpu, cuda in (("auto", False, False), ("on", True, True), ("off", False, False),
                                (True, True, True), (False, False, False)):
         ec = EngineConfig(compile=setting)
         assert (ec.compiled("cpu"), ec.compiled("cuda")) == (cpu, cuda), setting
+    # the paged cache and its graphs: auto on CUDA unless the compiled pass (which reads slots) is on
+    assert (EngineConfig().paged("cuda"), EngineConfig().paged("cpu"), EngineConfig(compile="on").paged("cuda")) == (
+        True, False, False)
+    assert (EngineConfig().graphs("cuda"), EngineConfig().graphs("cpu"), EngineConfig(cuda_graphs="off").graphs("cuda")) \
+        == (True, False, False)
 
 
 @pytest.mark.parametrize("setting", ["on", "auto"])

@@ -131,7 +131,7 @@ def test_real_drafts_pass_the_one_step_identity_by_enumeration(eagle3_models, mo
     T = 0.9, top-p 0.8 on both sides): q is a distribution on the head's 6 tokens that gives its
     drafted token positive mass, and the law of the emitted token, enumerated exactly
     (one_step_distribution, float64), is p to 1e-12."""
-    import specdist.cores.target as target_mod
+    import specdist.cores.verify_batch as target_mod
 
     seen = []
     inner = target_mod.rejection_sample
@@ -225,7 +225,7 @@ def test_eagle3_harness_detects_a_wrong_verifier(eagle3_models, monkeypatch) -> 
     N = 1500, alpha 1e-4 (df 51, threshold 97.3): G must exceed the threshold (seeds fixed: deterministic)."""
     from test_exactness_enumeration import _wrong_verifier
 
-    monkeypatch.setattr("specdist.cores.target.rejection_sample", _wrong_verifier("resample_from_p"))
+    monkeypatch.setattr("specdist.cores.verify_batch.rejection_sample", _wrong_verifier("resample_from_p"))
     case = dataclasses.replace(EAGLE_CASES[0], coupling="rejection")
     g, threshold, st = _g_test(eagle3_models, case, 1500, 410_000_000)
     assert st["none"] >= 1500 // 50, st

@@ -164,10 +164,12 @@ def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- engine
 def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH, setup=None,
-                  transport: str = "local"):
+                  transport: str = "local", kv: str = "slots"):
     """N seeded samples from the scheduler over local transports (Engine) or over gRPC
-    (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1)."""
-    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN)
+    (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1). ``kv``: the
+    KV cache (engine.kv_cache): slots, or paged (blocks of 4 tokens, the paged backend's torch form)."""
+    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN,
+                      kv_cache=kv, kv_block_size=4)
     cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
     served = None
@@ -212,16 +214,17 @@ def check_outputs_and_acceptance(outs, case: Case) -> float:
     return rate
 
 
-def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transport: str = "local") -> None:
+def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transport: str = "local",
+                       kv: str = "slots") -> None:
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5, f"top-k/top-p decision margin {margin:.2e} too small for float32 vs float64"
     p = joint(ptab, case.window)
     assert abs(p.sum() - 1) < 1e-9
 
     t0 = time.perf_counter()
-    outs = sample_engine(models, case, N, seed0, setup=setup, transport=transport)
+    outs = sample_engine(models, case, N, seed0, setup=setup, transport=transport, kv=kv)
     elapsed = time.perf_counter() - t0
-    print(f"\n{case.id} ({transport}): N={N} sequences in {elapsed:.2f}s")
+    print(f"\n{case.id} ({transport}, {kv}): N={N} sequences in {elapsed:.2f}s")
     check_outputs_and_acceptance(outs, case)
 
     counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
@@ -255,10 +258,13 @@ def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transpo
     assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f} (df {df}, N {N}): not the target distribution"
 
 
+@pytest.mark.parametrize("kv", ["slots", "paged"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_engine_samples_target_distribution(models, case: Case) -> None:
-    """G-test, N = 4000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed)."""
-    run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1))
+def test_engine_samples_target_distribution(models, case: Case, kv: str) -> None:
+    """G-test, N = 4000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed).
+    Through either KV cache (the paged one with other seeds: independent samples)."""
+    run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1) + (700_000_000 if kv == "paged" else 0),
+                       kv=kv)
 
 
 REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), token ids only (gumbel)
@@ -340,8 +346,9 @@ SUFFIX_CASES = [
 ]
 
 
-def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: dict):
-    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
+def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: dict, kv: str = "slots"):
+    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN,
+                      kv_cache=kv, kv_block_size=4)
     cfg["draft"].update(draft)
     cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
@@ -350,13 +357,13 @@ def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: di
     return eng.generate([list(case.prompt)] * n, params), eng
 
 
-def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[float, float, dict]:
+def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict, kv: str = "slots") -> tuple[float, float, dict]:
     """(G, threshold, stats) of n engine samples against the target's exact law of the window."""
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5
     p = joint(ptab, case.window)
     t0 = time.perf_counter()
-    outs, eng = sample_suffix_engine(models, case, n, seed0, draft)
+    outs, eng = sample_suffix_engine(models, case, n, seed0, draft, kv)
     assert all(len(o.token_ids) == case.max_tokens and o.finish_reason == "length" for o in outs)
     assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
     h = eng.draft_core.health()
@@ -370,10 +377,12 @@ def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict) -> tuple[
 
 @pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id + ("-adaptive" if d.get("length_policy") else "")
                                                             for c, d in SUFFIX_CASES])
-def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict) -> None:
-    """G-test, N = 4000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed)."""
-    seed0 = 300_000_000 + 1_000_000 * SUFFIX_CASES.index((case, draft))
-    g, threshold, st = suffix_g_test(models, case, N, seed0, draft)
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict, kv: str) -> None:
+    """G-test, N = 4000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed).
+    Through either KV cache (the paged one with other seeds)."""
+    seed0 = 300_000_000 + 1_000_000 * SUFFIX_CASES.index((case, draft)) + (700_000_000 if kv == "paged" else 0)
+    g, threshold, st = suffix_g_test(models, case, N, seed0, draft, kv)
     # the speculative path really ran: drafts proposed, rejected at the first position and accepted whole
     assert st["drafted"] >= N and st["all"] >= N // 50 and st["none"] >= N // 50, st
     if case.method == "hybrid":
@@ -382,17 +391,18 @@ def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dic
     assert g <= threshold, f"{case.id}: G = {g:.1f} > {threshold:.1f}: not the target distribution"
 
 
-def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch) -> None:
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+def test_suffix_harness_detects_a_wrong_verifier(models, monkeypatch, kv: str) -> None:
     """Negative control through the same harness: the verifier resamples from p instead of the
     residual after a rejection (tests/test_exactness_enumeration.py's wrong rule). With suffix
     drafts (mostly the target's likely tokens) that over-weights them; N = 1500 sequences,
     alpha 1e-4: G must exceed the threshold (seeds fixed: deterministic)."""
     from test_exactness_enumeration import _wrong_verifier
 
-    monkeypatch.setattr("specdist.cores.target.rejection_sample", _wrong_verifier("resample_from_p"))
+    monkeypatch.setattr("specdist.cores.verify_batch.rejection_sample", _wrong_verifier("resample_from_p"))
     case, draft = SUFFIX_CASES[0]
     case = dataclasses.replace(case, coupling="rejection")  # the rule this control breaks
-    g, threshold, st = suffix_g_test(models, case, 1500, 310_000_000, draft)
+    g, threshold, st = suffix_g_test(models, case, 1500, 310_000_000, draft, kv)
     assert st["none"] >= 1500 // 50, st  # rejections happened: the wrong rule was exercised
     assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"
 
@@ -408,18 +418,19 @@ def _wrong_noise(kind: str):
     return lambda key, positions: row_starts(0, positions)
 
 
+@pytest.mark.parametrize("kv", ["slots", "paged"])
 @pytest.mark.parametrize("kind", ["position", "request"])
-def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str) -> None:
+def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str, kv: str) -> None:
     """Negative controls of the Gumbel G-tests: noise not keyed by position (tokens of a request
     correlated), noise shared across requests (every request the same tokens). Case model-L2 at
     T = 1 (df 37), N = 1500 sequences, alpha 1e-4: G must exceed the threshold (seeds fixed:
     deterministic); the same harness passes the correct noise in test_engine_samples_target_distribution."""
     wrong = _wrong_noise(kind)
-    monkeypatch.setattr("specdist.cores.target.row_starts", wrong)
+    monkeypatch.setattr("specdist.cores.verify_batch.row_starts", wrong)
     monkeypatch.setattr("specdist.cores.draft.row_starts", wrong)
     case, n = CASES[0], 1500
     p = joint(_prob_table(models["target"], case)[0], case.window)
-    outs = sample_engine(models, case, n, seed0=330_000_000)
+    outs = sample_engine(models, case, n, seed0=330_000_000, kv=kv)
     counts = np.bincount([seq_index(o.token_ids[: case.window]) for o in outs], minlength=VOCAB**case.window)
     cells = merge_cells(p, n)
     g, threshold = g_statistic(counts, p, cells), stats.chi2.isf(ALPHA, len(cells) - 1)

@@ -67,7 +67,7 @@ class _Recorder:
 
     def __init__(self, monkeypatch):
         import specdist.cores.rejection as verification
-        import specdist.cores.target as verifying
+        import specdist.cores.verify_batch as verifying
 
         self.accept: list[torch.Tensor] = []
         self.final: list[torch.Tensor] = []
@@ -176,8 +176,8 @@ def _poison(core, monkeypatch, rid: str, pos: int = 0) -> None:
     runner = core.runner
     real = runner.forward
 
-    def forward(slots, tokens, num_logits, packed=False):
-        out = real(slots, tokens, num_logits, packed=packed).clone()  # the runner returns inference tensors
+    def forward(slots, tokens, num_logits, packed=False, **kw):
+        out = real(slots, tokens, num_logits, packed=packed, **kw).clone()  # the runner returns inference tensors
         slot = core.requests[rid].slot
         if slot in slots and num_logits[slots.index(slot)] > 0:
             i = slots.index(slot)
@@ -224,8 +224,8 @@ def test_nan_logits_fail_the_request_in_the_engine(tiny_models, monkeypatch) -> 
     runner, core = eng.target_core.runner, eng.target_core
     real = runner.forward
 
-    def forward(slots, tokens, num_logits, packed=False):  # NaN everywhere in the bad request's logits
-        out = real(slots, tokens, num_logits, packed=packed).clone()  # the runner returns inference tensors
+    def forward(slots, tokens, num_logits, packed=False, **kw):  # NaN everywhere in the bad request's logits
+        out = real(slots, tokens, num_logits, packed=packed, **kw).clone()  # the runner returns inference tensors
         r = core.requests.get(bad.core_id)
         if r is not None and r.slot in slots:
             i = slots.index(r.slot)

@@ -25,7 +25,7 @@ except ImportError:
 
 from conftest import remote_engine_like, serving_in_process, tiny_config
 from specdist import Engine, InvalidArgument, SamplingParams
-from specdist.cores import target as verifying
+from specdist.cores import verify_batch as verifying
 from specdist.client import RemoteError, SpecDistClient
 from specdist.logprobs import TokenLogprob
 from specdist.cores.sampling import process_logits

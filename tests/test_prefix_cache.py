@@ -28,6 +28,7 @@ from specdist.engine.local import Engine
 from specdist.models import cpu_kernels
 from specdist.models import kv_cache
 from specdist.models.kv_cache import PrefixCache, PrefixIndex, SlotKVCache, common_prefix
+from specdist.models.paged_cache import PagedKVCache
 from specdist.transport.protocol import StartItem
 
 MIN = 4  # the min_tokens of the unit tests' PrefixCache
@@ -49,27 +50,44 @@ def test_common_prefix_equals_a_plain_loop():
         assert common_prefix(a, b) == common_prefix(b, a) == _plain_common_prefix(a, b)
 
 
-def _cache(slots: int = 3, device: str = "cpu") -> SlotKVCache:
+def _cache(slots: int = 3, device: str = "cpu", kind: str = "slots"):
+    if kind == "paged":  # blocks of 4 tokens, room for every slot's 64
+        return PagedKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, head_dim=2, max_len=64,
+                            num_blocks=slots * 16 + 1, block_size=4, device=device)
     return SlotKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, max_len=64, head_dim=2, device=device)
 
 
-def _compute(cache: SlotKVCache, slot: int, tokens: list[int]) -> None:
+def _positions(cache, slot: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """(first index, second index) of positions start..stop-1 of ``slot`` in a layer's K: a slot cache's
+    [slot, head, position], a paged cache's [block, row]."""
+    if cache.paged:
+        bs = cache.block_size
+        return [(cache.tables[slot][p // bs], p % bs) for p in range(start, stop)]
+    return [(slot, p) for p in range(start, stop)]
+
+
+def _compute(cache, slot: int, tokens: list[int]) -> None:
     """Stand-in for a forward: append K/V for ``tokens`` after what ``slot`` holds (entry = token id)."""
     start = cache.lengths[slot]
+    cache.ensure(slot, start + len(tokens))
     for i in range(len(cache.k)):
-        vals = torch.tensor(tokens, dtype=cache.k[i].dtype, device=cache.k[i].device)[None, :, None]  # [1, T, 1]
-        cache.k[i][slot, :, start:start + len(tokens)] = vals
-        cache.v[i][slot, :, start:start + len(tokens)] = -vals
+        for (a, b), t in zip(_positions(cache, slot, start, start + len(tokens)), tokens):
+            if cache.paged:  # [blocks, block_size, heads, head_dim]
+                cache.k[i][a, b, :, 0], cache.v[i][a, b, :, 0] = t, -t
+            else:  # [slots, heads, length, head_dim]
+                cache.k[i][a, :, b, 0], cache.v[i][a, :, b, 0] = t, -t
     cache.lengths[slot] = start + len(tokens)
 
 
-def _held(cache: SlotKVCache, slot: int) -> list[int]:
+def _held(cache, slot: int) -> list[int]:
     """The token ids a slot's K/V stand for (checks K and V of every layer agree)."""
-    n = cache.lengths[slot]
-    for i in range(len(cache.k)):
-        assert torch.equal(cache.k[i][slot, 0, :n, 0], -cache.v[i][slot, 0, :n, 0])
-        assert torch.equal(cache.k[i][slot, 0, :n, 0], cache.k[0][slot, 0, :n, 0])
-    return [int(x) for x in cache.k[0][slot, 0, :n, 0]]
+    out = []
+    for a, b in _positions(cache, slot, 0, cache.lengths[slot]):
+        ks = [(cache.k[i][a, b, 0, 0] if cache.paged else cache.k[i][a, 0, b, 0]) for i in range(len(cache.k))]
+        vs = [(cache.v[i][a, b, 0, 0] if cache.paged else cache.v[i][a, 0, b, 0]) for i in range(len(cache.k))]
+        assert all(k == ks[0] for k in ks) and all(v == -k for v, k in zip(vs, ks))
+        out.append(int(ks[0]))
+    return out
 
 
 def _admit(store: PrefixCache, want: list[int], live=()) -> tuple[int, int]:
@@ -79,9 +97,10 @@ def _admit(store: PrefixCache, want: list[int], live=()) -> tuple[int, int]:
     return slot, held
 
 
-def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted():
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted(kind):
     ops = []
-    cache = _cache()
+    cache = _cache(kind=kind)
     store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
     a = list(range(1, 11))  # 10 tokens
     slot_a, held = _admit(store, a)
@@ -110,17 +129,18 @@ def test_released_slots_are_taken_over_live_prefixes_copied_and_oldest_evicted()
     slot_d, held = _admit(store, [90] * 8)  # nothing matches: the oldest kept slot (b's) is evicted
     assert (slot_d, held) == (slot_b, 0) and list(store.retained) == [slot_c, slot_a]
     assert store.reused_tokens == 16
-    assert {op[0] for op in ops} == {"allocate", "free", "retain", "adopt", "copy"}
+    assert {op[0] for op in ops} == {"allocate", "free", "retain", "adopt", "copy", "reserve"}
 
 
+@pytest.mark.parametrize("kind", ["slots", "paged"])
 @pytest.mark.parametrize("device", devices())
-def test_a_follower_replaying_the_operations_ends_in_the_same_state(device):
+def test_a_follower_replaying_the_operations_ends_in_the_same_state(device, kind):
     """A tensor-parallel follower's PrefixCache replays rank 0's recorded operations: the same
     K/V, lengths, free slots and kept slots (so both report the same slots in use)."""
     ops = []
-    cache = _cache(device=device)
+    cache = _cache(device=device, kind=kind)
     store = PrefixCache(cache, min_tokens=MIN, record=ops.append)
-    follower = PrefixCache(_cache(device=device), min_tokens=MIN)
+    follower = PrefixCache(_cache(device=device, kind=kind), min_tokens=MIN)
     seen = 0
 
     def sync(slot: int | None = None, tokens: list[int] = ()):
@@ -149,7 +169,7 @@ def test_a_follower_replaying_the_operations_ends_in_the_same_state(device):
     slot_e, _ = store.acquire([6] * 9)  # none free: the oldest kept slot evicted
     sync()
     assert held_b == 8 and (slot_c, held_c) == (slot_a, 10) and slot_e == slot_b
-    assert {op[0] for op in ops} == {"allocate", "copy", "retain", "adopt", "free"}
+    assert {op[0] for op in ops} == {"allocate", "copy", "retain", "adopt", "free", "reserve"}
     assert list(follower.retained) == list(store.retained) == [slot_c]
     for i in range(2):
         assert torch.equal(cache.k[i], follower.cache.k[i]) and torch.equal(cache.v[i], follower.cache.v[i])

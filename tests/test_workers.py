@@ -204,7 +204,7 @@ def test_bad_inputs_get_status_codes(workers):
         (lambda: prefill(P(request_id="x", prompt_token_ids=[1],
                            params=common_pb2.SamplingParams(top_p=1.5))), C.INVALID_ARGUMENT, "items[0].params.top_p"),
         (lambda: prefill(*[P(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
-         C.RESOURCE_EXHAUSTED, "items"),
+         C.RESOURCE_EXHAUSTED, f"items[{SLOTS}]"),  # the first request with no room: the ones before it fit
         (lambda: verify(target_pb2.VerifyItem(request_id="nope", seq_len=1)), C.NOT_FOUND, "items[0].request_id"),
     ]
     for fn, code, field in cases:
@@ -260,7 +260,7 @@ def test_bad_inputs_get_status_codes(workers):
         (lambda: start(S(request_id="a", prompt_token_ids=[1] * MAX_LEN)), C.INVALID_ARGUMENT,
          "items[0].prompt_token_ids"),
         (lambda: start(*[S(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
-         C.RESOURCE_EXHAUSTED, "items"),
+         C.RESOURCE_EXHAUSTED, f"items[{SLOTS}]"),
         (lambda: propose(PI(request_id="zz", seq_len=1)), C.NOT_FOUND, "items[0].request_id"),
     ]
     for fn, code, field in draft_cases:
@@ -381,7 +381,7 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
         raises(InvalidArgument, "items[1].request_id", start, [StartItem("c", [1], sp, 1), StartItem("c", [2], sp, 1)])
         raises(InvalidArgument, "items[1].prompt_token_ids", start, [StartItem("c", [1], sp, 1),
                                                                      StartItem("c2", [1, 8], sp, 1)])
-        raises(ResourceExhausted, "items", start, [StartItem(f"c{i}", [1], sp, 1) for i in range(SLOTS + 1)])
+        raises(ResourceExhausted, f"items[{SLOTS}]", start, [StartItem(f"c{i}", [1], sp, 1) for i in range(SLOTS + 1)])
         assert core.kv_slots_in_use() == 0 and not core.requests  # all or nothing: "c" was not admitted
 
     target.prefill([StartItem("c", [1, 2, 3], sp, 1)])
@@ -444,8 +444,8 @@ def test_local_and_remote_transports_raise_the_same_errors(workers):
         for local, remote, start in pairs:
             cases = [
                 ([StartItem("e0", [1], sp, 1), StartItem("e1", [1, 99], sp, 1)], "INVALID_ARGUMENT", 1, ["e1"]),
-                ([StartItem(f"e{i}", [1], sp, 1) for i in range(SLOTS + 1)], "RESOURCE_EXHAUSTED", None,
-                 [f"e{i}" for i in range(SLOTS + 1)]),
+                ([StartItem(f"e{i}", [1], sp, 1) for i in range(SLOTS + 1)], "RESOURCE_EXHAUSTED", SLOTS,
+                 [f"e{SLOTS}"]),  # the first request with no room: the ones before it fit
             ]
             for items, code, item, ids in cases:
                 errs = []

@@ -257,7 +257,8 @@ class TargetRankActor(_ActorBase):
     def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto") -> dict:
+             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
+             kv: dict | None = None, graphs: bool = False) -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
@@ -265,6 +266,7 @@ class TargetRankActor(_ActorBase):
         self._require("created")
         t0 = time.perf_counter()
         from specdist.models.loader import resolve_model
+        from specdist.models.graphs import KVOptions
         from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
         from specdist.cores.target import VerifierCore
@@ -279,11 +281,14 @@ class TargetRankActor(_ActorBase):
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
-        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype,
+                                kv=KVOptions(**kv) if kv else None)
         if self.rank == 0:  # (the other ranks' forwards return nothing)
             runner.hidden_layers = tuple(hidden_layers)
         if compile_k is not None and self.world_size == 1:
             compile_runner(runner, "target", compile_k, compile_cache_dir)
+        if graphs and self.world_size == 1 and runner.attention is not None and runner.device.type == "cuda":
+            runner.capture_graphs(max_tokens=int(max_draft_tokens) + 1)  # (collectives stay out of graphs)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
                                    set_timeout=set_timeout, collective_timeout_s=collective_timeout_s,
                                    prefix_caching=prefix_caching)
@@ -424,6 +429,8 @@ class DraftActor(_ActorBase):
         compile_cache_dir: str | None = None,
         prefix_caching: bool = True,  # engine.prefix_caching: prompt K/V reused across requests
         kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype: a model draft's KV cache elements
+        kv: dict | None = None,  # a model draft's cache layout (specdist.models.graphs.KVOptions' fields)
+        graphs: bool = False,  # engine.cuda_graphs: a model draft's passes captured at load (CUDA, paged cache)
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
@@ -452,12 +459,18 @@ class DraftActor(_ActorBase):
         else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary
             vocab = int(model.config.vocab_size)
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
+        from specdist.models.graphs import KVOptions
+
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
-                                         prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                                         prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                         kv=KVOptions(**kv) if kv else None)
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 
             compile_runner(self.worker.runner, "draft", int(k), compile_cache_dir)
+        runner = self.worker.runner
+        if graphs and runner is not None and runner.attention is not None and runner.device.type == "cuda":
+            runner.capture_graphs(max_tokens=2)  # one token a draft pass, two when it catches up
         self.worker = pipelined(self.worker, pipeline, pipeline_miss)
         self.method, self.k = method, int(k)
         self.load_s = time.perf_counter() - t0

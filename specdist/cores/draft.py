@@ -64,16 +64,18 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdist.config import DraftConfig, target_copy
 from specdist.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
-from specdist.errors import ResourceExhausted
 from specdist.models.eagle3 import Eagle3Head
 from specdist.models.kv_cache import PrefixCache, SlotKVCache
+from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.ngram import NgramIndex
-from specdist.cores.sampling import process_logits, sample_from
+from specdist.cores.device_inputs import HostInputs
+from specdist.cores.sampling import SamplingRows, process_rows, sample_from
 from specdist.sampling_params import SamplingParams
 from specdist.cores.coupling import gumbel_argmax, row_starts
 from specdist.cores.suffix import SuffixIndex, SuffixSettings, SuffixState
@@ -89,7 +91,6 @@ from specdist.transport.protocol import (
     check_token_ids,
     draft_uniform,
     now,
-    sampling_tensors,
 )
 from specdist.transport.wire import fp16_exact
 
@@ -97,6 +98,9 @@ from specdist.transport.wire import fp16_exact
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
 # unseen tokens a draft pass feeds per row; more (a prompt's first draft) go through a forward first
 CATCH_UP_IN_PASS = 2
+# K/V positions a draft may hold past a request's prompt and max_tokens: a proposal of up to 64 tokens
+# (draft.num_speculative_tokens' bound), a guess and a prepared proposal after it (draft_pipeline)
+DRAFT_AHEAD = 2 * 64 + 2
 
 
 @dataclass
@@ -126,7 +130,6 @@ class _Drafting:
     base: list[int]  # sequence position of the first token drafted (the guess, if any)
     passes: list[int]  # draft passes (the guess's included); shortened by the confidence threshold
     guess: bool
-    sampling: tuple  # (temperature [B], top_k [B], top_p [B]) on the host
     toks: list[list[int]]
     rows_q: list[list[torch.Tensor]]  # [V] rows of the sampled tokens, on the device
     guesses: list[int | None]
@@ -174,9 +177,10 @@ class DrafterCore:
     @classmethod
     def from_model(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                    confidence_threshold: float = 0.0, prefix_source: PrefixSource | None = None,
-                   defer_prefill: bool = False, kv_cache_dtype: str = "auto") -> "DrafterCore":
-        """A model draft (``specdist.models.fusion.quantized_copy(target)`` for self-w8)."""
-        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
+                   defer_prefill: bool = False, kv_cache_dtype: str = "auto",
+                   kv: KVOptions | None = None) -> "DrafterCore":
+        """A model draft (``specdist.models.fusion.quantized_copy(target)`` for self-w8); ``kv``: its cache's layout."""
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype, kv=kv)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    defer_prefill=defer_prefill)
 
@@ -199,9 +203,9 @@ class DrafterCore:
     def hybrid(cls, model: torch.nn.Module, max_batch_size: int, max_model_len: int,
                settings: SuffixSettings | None = None, confidence_threshold: float = 0.0,
                prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
-               kv_cache_dtype: str = "auto") -> "DrafterCore":
+               kv_cache_dtype: str = "auto", kv: KVOptions | None = None) -> "DrafterCore":
         """A model draft (the target's self-w8 copy) and the suffix index, chosen per request and step."""
-        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype, kv=kv)
         return cls(runner, runner.vocab_size, max_model_len, confidence_threshold, prefix_source=prefix_source,
                    suffix=settings or SuffixSettings(), defer_prefill=defer_prefill)
 
@@ -237,8 +241,11 @@ class DrafterCore:
                                          f"are {tuple(it.hidden_layers)}; this EAGLE-3 head reads layers "
                                          f"{self.hidden_layers}")
         cache = self.cache
-        if cache is not None and len(items) > self.prefixes.available:
-            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
+        # the most K/V a request holds: prompt, max_tokens and what a pipelined drafter drafts ahead of them
+        need = {it.request_id: min(self.max_model_len, len(prompt) + it.params.max_tokens + DRAFT_AHEAD)
+                for it, prompt in parsed}
+        if cache is not None:
+            self.prefixes.check_room(list(need.values()))
         t0 = now()
         # the K/V each running request's slot holds: its committed tokens up to the slot's length
         live = self.prefixes.live_index((q.slot, q.seq[:cache.lengths[q.slot]]) for q in self.requests.values()
@@ -260,10 +267,10 @@ class DrafterCore:
             # cache holds (PrefixCache), else computed
             src = self.prefix_source(rid) if self.prefix_source is not None and len(r.seq) > 1 else None
             if src is not None and cache.same_layout(src[0]) and src[0].lengths[src[1]] >= len(r.seq) - 1:
-                r.slot = self.prefixes.allocate()
+                r.slot = self.prefixes.allocate(need[rid])
                 cache.copy_prefix(src[0], src[1], r.slot, len(r.seq) - 1)
                 continue
-            r.slot, held = self.prefixes.acquire(r.seq[:-1], live)
+            r.slot, held = self.prefixes.acquire(r.seq[:-1], live, need[rid])
             if held < len(r.seq) - 1:
                 computed.append(r)
         # Deferred: the other prompts' K/V are computed at the request's first draft pass (_catch_up),
@@ -422,7 +429,6 @@ class DrafterCore:
             base=[len(r.seq) + len(a) for r, a in zip(reqs, ahead)],
             passes=[k + g0 if k > 0 or guess else 0 for k in ks],
             guess=guess,
-            sampling=sampling_tensors([r.params for r in reqs]),
             toks=[[] for _ in range(bsz)],
             rows_q=[[] for _ in range(bsz)],
             guesses=[None] * bsz,
@@ -456,42 +462,42 @@ class DrafterCore:
                 and self.cache.lengths[r.slot] == len(r.seq) + len(ahead) - 2)
 
     def _draft_pass(self, d: "_Drafting", j: int, rows: list[int]) -> None:
-        """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``)."""
+        """Pass j of :meth:`_draft_model` over the requests ``rows`` (indices into ``d.reqs``). What the sampling
+        needs from the host rides in the forward's copy (:meth:`_pass_inputs`); the drafted tokens (and, with a
+        confidence threshold, their confidences) come back in one copy."""
         reqs = d.reqs
+        inputs, plan = self._pass_inputs(d, j, rows)
         if self.head is not None:
             logits = self._head_pass(d, j, rows)
+            words = torch.from_numpy(inputs.words()).to(logits.device)
         else:
             if j == 0:  # everything of seq + ahead the cache has not seen yet (usually 1 or 2 tokens)
-                inputs = []
+                feed = []
                 for b in rows:
                     seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
-                    inputs.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
-                inputs = self._catch_up([reqs[b].slot for b in rows], inputs)
+                    feed.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
+                feed = self._catch_up([reqs[b].slot for b in rows], feed)
             else:
-                inputs = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
-            logits = self.runner.forward([reqs[b].slot for b in rows], inputs, [1] * len(rows))[:, 0]  # [n, V], device
-        dev = logits.device
-        idx = torch.tensor(rows)
-        temp, top_k, top_p = d.sampling
-        q = process_logits(logits, temp[idx], top_k[idx], top_p[idx])  # [n, V]
+                feed = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
+            logits = self.runner.forward([reqs[b].slot for b in rows], feed, [1] * len(rows),
+                                         extra=inputs.words())[:, 0]  # [n, V], device
+            words = self.runner.last_extra
+        dd = {k: v.long() if v.dtype == torch.int32 else v for k, v in inputs.unpack(words).items()}
+        q = process_rows(logits, SamplingRows(dd["temperature"], dd["top_k"], dd["top_p"], dd.get("top_p_rows"),
+                                              **plan["decisions"]))  # [n, V]
         x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and the guesses of rejection-coupled rows
-        coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
-        if coupled:  # the token the target takes if its p equals this q: the noise of the same position
-            s = torch.tensor(coupled, device=dev)
-            starts = torch.tensor([row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled],
-                                  dtype=torch.int64, device=dev)  # [m]
-            x[s] = gumbel_argmax(q[s], starts)
+        if plan["coupled"]:  # the token the target takes if its p equals this q: the noise of the same position
+            s = dd["coupled"]
+            x[s] = gumbel_argmax(q.index_select(0, s), dd["noise_keys"])
         if j == 0 and d.guess:  # the bonus token's position: under gumbel, the target's likeliest pick
             for b, t in zip(rows, x.tolist()):
                 d.guesses[b] = t
             return
-        sampled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
+        sampled = plan["sampled"]
         if sampled:
-            s = torch.tensor(sampled, device=dev)
-            r16 = fp16_exact(_top_k_only(q[s], self.q_top_k))  # [m, V]: the q the target will see; sample from it
-            u = torch.tensor([draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled],
-                             dtype=torch.float64)  # [m]
-            x[s] = sample_from(r16, u.to(dev))
+            s = dd["sampled"]
+            r16 = fp16_exact(_top_k_only(q.index_select(0, s), self.q_top_k))  # [m, V]: the q the target will see
+            x[s] = sample_from(r16, dd["uniforms"])
             for m, n in enumerate(sampled):
                 d.rows_q[rows[n]].append(r16[m])
         if self.confidence_threshold > 0:
@@ -506,6 +512,32 @@ class DrafterCore:
         else:
             for b, t in zip(rows, x.tolist()):
                 d.toks[b].append(t)
+
+    def _pass_inputs(self, d: "_Drafting", j: int, rows: list[int]) -> tuple[HostInputs, dict]:
+        """What pass j's sampling needs from the host, for the forward's copy: each row's settings, the Gumbel
+        noise keys of its coupled rows (T > 0) and the uniforms of its sampled rows (rejection coupling, T > 0),
+        and the host's decisions (which stages run, which rows are which)."""
+        reqs = d.reqs
+        h = HostInputs()
+        params = [reqs[b].params for b in rows]
+        temp, top_k, top_p = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+        h.add("temperature", temp, np.float32)
+        h.add("top_k", top_k, np.int32)
+        h.add("top_p", top_p, np.float32)
+        decisions = SamplingRows.decisions(temp, top_k, top_p, self.vocab_size)
+        top_p_rows = decisions.pop("top_p_rows")
+        if top_p_rows:
+            h.add("top_p_rows", top_p_rows, np.int32)
+        coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
+        if coupled:
+            h.add("coupled", coupled, np.int32)
+            h.add("noise_keys", [row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled], np.int64)
+        sampled = [] if j == 0 and d.guess else [
+            n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
+        if sampled:
+            h.add("sampled", sampled, np.int32)
+            h.add("uniforms", [draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled], np.float64)
+        return h, {"decisions": decisions, "coupled": coupled, "sampled": sampled}
 
     def _head_pass(self, d: "_Drafting", j: int, rows: list[int]) -> torch.Tensor:  # -> [n, V] float32
         """eagle3, pass j: the head's logits of the next token of each request of ``rows``.
@@ -715,7 +747,8 @@ def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=N
 def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,
                        model: torch.nn.Module | None = None,
                        prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
-                       prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> DrafterCore | None:
+                       prefix_caching: bool = True, kv_cache_dtype: str = "auto",
+                       kv: KVOptions | None = None) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model
@@ -725,9 +758,9 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     ``defer_prefill``: compute a prompt's K/V at its first draft instead of in ``start``.
     ``draft.q_top_k`` applies to the core's model drafts under the rejection coupling.
     ``prefix_caching``: reuse prompt K/V across requests (``engine.prefix_caching``). ``kv_cache_dtype``:
-    a model draft's KV cache elements (``engine.kv_cache_dtype``)."""
+    a model draft's KV cache elements (``engine.kv_cache_dtype``); ``kv``: its layout (``engine.kv_cache``)."""
     core = _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill,
-                         kv_cache_dtype)
+                         kv_cache_dtype, kv)
     if core is not None:
         core.q_top_k = dc.q_top_k
         if core.prefixes is not None and core.head is None:
@@ -735,7 +768,8 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
     return core
 
 
-def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill, kv_cache_dtype):
+def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_source, defer_prefill, kv_cache_dtype,
+                  kv):
     method = dc.method
     if method == "none":
         return None
@@ -756,10 +790,10 @@ def _drafter_core(dc, vocab_size, max_batch_size, max_model_len, model, prefix_s
     if method == "hybrid":
         return DrafterCore.hybrid(model, max_batch_size, max_model_len, suffix_settings(dc), dc.confidence_threshold,
                                   prefix_source=prefix_source, defer_prefill=defer_prefill,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, kv=kv)
     return DrafterCore.from_model(model, max_batch_size, max_model_len, dc.confidence_threshold,
                                   prefix_source=prefix_source, defer_prefill=defer_prefill,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, kv=kv)
 
 
 WARMUP_ID = "__specdist_warmup__"  # the request id of a worker's warm-up calls (draft and target)

@@ -19,7 +19,35 @@ Pure maths: no Ray, no gRPC.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+
+
+@dataclass
+class SamplingRows:
+    """Per-row settings of :func:`process_rows` on the logits' device, and the host's decisions of which
+    stages run (read off the settings where they were made, so that no decision waits for the device)."""
+
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_k: torch.Tensor  # [N] long, 0 = off
+    top_p: torch.Tensor  # [N] float32 in (0, 1], 1 = off
+    top_p_rows: torch.Tensor | None  # [M] long: the rows top-p cuts (None: none)
+    kmax: int  # the largest k a row keeps (0: top-k off everywhere)
+    any_greedy: bool
+    all_greedy: bool
+
+    @staticmethod
+    def decisions(temperature: list[float], top_k: list[int], top_p: list[float], vocab: int) -> dict:
+        """The host's decisions for rows with these settings (float32, as the rows hold them): kmax,
+        any_greedy, all_greedy, and the rows top-p cuts (``top_p_rows`` as a list)."""
+        t32 = np.asarray(temperature, dtype=np.float32)
+        p32 = np.asarray(top_p, dtype=np.float32)
+        use_top_k = any(k > 0 for k in top_k)
+        return dict(kmax=max(min(k, vocab) if k > 0 else vocab for k in top_k) if use_top_k else 0,
+                    any_greedy=bool((t32 <= 0).any()), all_greedy=bool((t32 <= 0).all()),
+                    top_p_rows=np.flatnonzero(p32 < 1).tolist())
 
 
 def process_logits(
@@ -29,36 +57,40 @@ def process_logits(
     top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
 ) -> torch.Tensor:  # [N, V] float32 probabilities on the logits' device, each row sums to 1
     """Turn raw logits into the sampling distribution each row's request uses."""
+    n, vocab = logits.shape
+    d = SamplingRows.decisions(temperature.tolist(), top_k.tolist(), top_p.tolist(), vocab)
+    dev = logits.device
+    rows = d.pop("top_p_rows")
+    temperature, top_k, top_p = (x.to(dev, non_blocking=True) for x in (temperature, top_k, top_p))
+    return process_rows(logits, SamplingRows(temperature.float(), top_k.long(), top_p.float(),
+                                             torch.tensor(rows, device=dev) if rows else None, **d))
+
+
+def process_rows(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:  # [N, V] -> [N, V] float32 probabilities
+    """:func:`process_logits` with its settings on the device already (no copy, no device sync)."""
     logits = logits.float()
     n, vocab = logits.shape
-    # Which stages run, read off the settings where they live (host tensors: no device sync).
-    use_top_k = bool((top_k > 0).any())
-    top_p_rows = (top_p < 1).nonzero().squeeze(-1)  # [M] the rows top-p cuts
-    any_greedy = bool((temperature <= 0).any())
-    if any_greedy and bool((temperature <= 0).all()):  # every row one-hot: no softmax to compute
+    if s.all_greedy:  # every row one-hot: no softmax to compute
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    kmax = int(torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).max()) if use_top_k else vocab
-    dev = logits.device
-    temperature, top_k, top_p = (x.to(dev, non_blocking=True) for x in (temperature, top_k, top_p))
-    greedy = temperature <= 0  # [N]
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    greedy = s.temperature <= 0  # [N]
+    safe_t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature).float()
     # Subtract the row max first: a tiny temperature then sends non-max entries to -inf
     # instead of overflowing the max itself to +inf (which would make softmax NaN).
     scaled = (logits - logits.max(-1, keepdim=True).values) / safe_t[:, None]  # [N, V], max entry 0
 
-    if use_top_k:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [N]
-        top_vals = scaled.topk(kmax, dim=-1).values  # [N, kmax] descending
+    if s.kmax:
+        k = torch.where(s.top_k > 0, s.top_k.clamp(max=vocab), torch.full_like(s.top_k, vocab))  # [N]
+        top_vals = scaled.topk(s.kmax, dim=-1).values  # [N, kmax] descending
         kth = top_vals.gather(-1, (k - 1)[:, None])  # [N, 1] k-th largest value
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties at the k-th value are kept
 
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
 
-    if len(top_p_rows):  # only those rows: the others keep their probabilities bit for bit
-        idx = top_p_rows.to(dev, non_blocking=True)  # [M]
-        probs = probs.index_copy(0, idx, _top_p(probs.index_select(0, idx), top_p.index_select(0, idx)))
+    if s.top_p_rows is not None:  # only those rows: the others keep their probabilities bit for bit
+        idx = s.top_p_rows
+        probs = probs.index_copy(0, idx, _top_p(probs.index_select(0, idx), s.top_p.index_select(0, idx)))
 
-    if any_greedy:
+    if s.any_greedy:
         onehot = torch.zeros_like(probs)
         onehot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)

@@ -79,16 +79,11 @@ from specdist.errors import (
     InvalidArgument,
     NonFiniteLogits,
     NotFound,
-    ResourceExhausted,
 )
-from specdist.logprobs import split_rows
 from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.models.runner import CausalLMRunner
-from specdist.cores.sampling import process_logits, unusable_rows
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import (
-    ACCEPT_ROLE,
-    SAMPLE_ROLE,
     CallTiming,
     Prefilled,
     ReleasedUnknown,
@@ -99,13 +94,9 @@ from specdist.transport.protocol import (
     check_request_ids,
     LocalTransport,
     check_token_ids,
-    draft_seed,
     now,
-    sampling_tensors,
-    target_uniforms,
 )
-from specdist.cores.coupling import gumbel_argmax, gumbel_verify, row_starts
-from specdist.cores.rejection import VerifyResult, rejection_sample
+from specdist.cores.verify_batch import VerifyBatch
 from specdist.transport.wire import ONE_HOT, decode_distribution
 
 
@@ -150,33 +141,14 @@ class CollectiveDeadline:
             self.rate = max(self.rate, seconds / n_tokens)
 
 
-def apply_op(runner: CausalLMRunner, op: tuple) -> Any:
+def apply_op(runner: CausalLMRunner, op: tuple, extra=None) -> Any:
     """Apply one forward or cache operation (:meth:`SlotKVCache.apply`); the same code on every
-    tensor-parallel rank."""
+    tensor-parallel rank. ``extra``: rank 0's sampling inputs for the forward's copy (runner.forward)."""
     if op[0] == "forward":  # ("forward", slots, tokens, num_logits[, packed])
-        return runner.forward(op[1], op[2], op[3], packed=len(op) > 4 and op[4])
+        return runner.forward(op[1], op[2], op[3], packed=len(op) > 4 and op[4], extra=extra)
     if op[0] == "shutdown":
         return None
     return runner.cache.apply(op)
-
-
-def _logprob_values(
-    probs: torch.Tensor,  # [B, K+1, V] processed p
-    tokens: torch.Tensor,  # [B, K+1] long: the emitted tokens (accepted drafts, then the final one), -1 after
-    rows: list[int],  # the A requests that asked for log-probabilities
-    num_top: int,  # N top entries per position (<= V; 0: none)
-) -> torch.Tensor:  # [A * (K+1) * (1 + 2N)] float64 on probs' device
-    """Per request of ``rows`` and position: log p(token), then the N largest log p and their token ids
-    (:func:`specdist.logprobs.split_rows` reads them). Logs in float32, the precision of p, so the
-    values are the same whether they reach the caller in process or as the wire's float32."""
-    idx = torch.tensor(rows, device=probs.device)  # [A]
-    p = probs.index_select(0, idx)  # [A, K+1, V]
-    tok = tokens.index_select(0, idx).clamp(min=0)  # [A, K+1]; positions past the final token are never read
-    parts = [p.gather(-1, tok[..., None]).log()]  # [A, K+1, 1]
-    if num_top:
-        top_p, top_id = p.topk(num_top, dim=-1)  # [A, K+1, N] each, most likely first
-        parts += [top_p.log(), top_id]
-    return torch.cat([x.double() for x in parts], -1).view(-1)  # [A, K+1, 1 + 2N] flattened
 
 
 class VerifierCore:
@@ -227,12 +199,12 @@ class VerifierCore:
             self._pending.append(op)
 
     def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                 packed: bool = False) -> torch.Tensor:
+                 packed: bool = False, extra=None) -> torch.Tensor:
         op = ("forward", slots, tokens, num_logits, packed)
         n = sum(len(t) for t in tokens)
         if self.world_size == 1:
             t0 = now()
-            out = apply_op(self.runner, op)
+            out = apply_op(self.runner, op, extra)
             self.deadline.observe(n, now() - t0)
             return out
         ops = self._pending + [op]
@@ -244,7 +216,7 @@ class VerifierCore:
             ops.insert(0, ("timeout", timeout))
         t0 = now()
         self._pending = []
-        out = self._collective(lambda: (self._broadcast(ops), apply_op(self.runner, op))[1])
+        out = self._collective(lambda: (self._broadcast(ops), apply_op(self.runner, op, extra))[1])
         self.deadline.observe(n, now() - t0)
         return out
 
@@ -327,8 +299,10 @@ class VerifierCore:
             prompt = check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len, f"items[{i}].prompt_token_ids")
             self._check_hidden_layers(it.hidden_layers, f"items[{i}].hidden_layers")
             parsed.append((it, prompt))
-        if len(items) > self.prefixes.available:
-            raise ResourceExhausted("items", f"{len(items)} requests need KV slots; {self.prefixes.available} are free")
+        # the most K/V a request holds: its prompt and max_tokens (the scheduler caps drafts to them), + 1
+        need = [min(self.max_model_len, len(prompt) + it.params.max_tokens + 1) for it, prompt in parsed]
+        self.prefixes.check_room(need)
+        need_of = {it.request_id: n for (it, _), n in zip(parsed, need)}
         t0 = now()
         # K/V the cache already holds come from there (PrefixCache). A prompt that shares a longer
         # prefix with an earlier prompt of this call (its leader: the earliest with the longest) than
@@ -354,7 +328,7 @@ class VerifierCore:
         for group in waves:
             todo = []
             for it, prompt in group:
-                slot, held = self.prefixes.acquire(prompt[:-1], live)
+                slot, held = self.prefixes.acquire(prompt[:-1], live, need_of[it.request_id])
                 r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling,
                                                                   bool(it.hidden_layers))
                 if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
@@ -395,42 +369,27 @@ class VerifierCore:
         reqs, drafts, qs = self._check_verify(items)
         bsz = len(reqs)
         nd = [len(d) for d in drafts]
-        kdim = max(nd)
 
         t0 = now()
-        order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # contiguous slots attend through views
+        order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # slot order: contiguous slots attend through views
+        batch = VerifyBatch([(len(r.seq), r.params, r.seed, r.coupling) for r in reqs], drafts, order,
+                            [q is not None for q in qs], self.vocab_size)
         logits = self._forward(
             [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order],
-            packed=True)  # [N, V]: each request's nd + 1 rows, requests in slot order, on the model's device
+            packed=True, extra=batch.words())  # [N, V]: each request's nd + 1 rows, slot order, on the model's device
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
-
-        if all(r.params.temperature <= 0 and r.params.logprobs is None for r in reqs):
-            # every p one-hot on the argmax, and no log-probabilities asked: under either coupling a draft is
-            # accepted iff it is the argmax and the token after the run is the argmax there, so the argmax of
-            # the logits decides the step without materialising p ([B, K+1, V]), on the host from one copy
-            # of the argmaxes (a handful of torch operations on [B, K+1] tensors cost more than the loop)
-            top, arg = logits.max(-1)  # [N] each, slot order; max() gives the first maximal index, and NaN as the max
-            y, nan = torch.stack((arg, top.isnan().long())).tolist()  # [N] each, one copy to the host
-            rows, at = {}, 0  # request -> its rows of the packed logits
-            for b in order:
-                rows[b], at = slice(at, at + nd[b] + 1), at + nd[b] + 1
-            n_acc = gumbel_verify([y[rows[b]] for b in range(bsz)], drafts)
-            final = [y[rows[b]][n] for b, n in enumerate(n_acc)]
-            bad = [int(any(nan[rows[b]])) for b in range(bsz)]
-            logprobs = {}
-        else:
-            dev = logits.device
-            tokens = torch.tensor([d + [-1] * (kdim - len(d)) for d in drafts], dtype=torch.long).reshape(bsz, kdim)
-            tokens = tokens.to(dev)  # [B, K]
-            num_draft = torch.tensor(nd, dtype=torch.long, device=dev)  # [B]
-            probs, unusable = self._target_probs(logits, order, [r.params for r in reqs], nd)  # [B, K+1, V], [B]
-            res = self._decide(reqs, probs, qs, tokens, num_draft, drafts)
-            final = res.tokens.gather(1, res.num_accepted[:, None])  # [B, 1]
-            host = torch.cat([res.num_accepted[:, None], final, unusable[:, None].long()], 1)  # [B, 3]
-            n_acc, final, bad, logprobs = self._to_host(host, probs, res.tokens, [r.params.logprobs for r in reqs])
-        if any(bad):
-            self._refuse_unusable(items, reqs, nd, bad.index(1))
+        decision = batch.decide(logits, self.runner.last_extra, qs)  # the step's one copy to the host
+        bad_q = next(((b, jv) for b, jv in enumerate(decision.bad_q) if jv is not None), None)
+        if bad_q is not None:
+            b, (j, v) = bad_q
+            self._undo_forward(reqs)
+            raise InvalidArgument(f"items[{b}].draft_probs[{j}].values",
+                                  f"drafted token {drafts[b][j]} has probability {v:g} in its q: it cannot have been "
+                                  "sampled from it")
+        if any(decision.unusable):
+            self._refuse_unusable(items, reqs, nd, decision.unusable.index(1))
+        n_acc, final = decision.num_accepted, decision.final
         t2 = now()
 
         out = []
@@ -441,143 +400,21 @@ class VerifierCore:
             r.seq.extend(drafts[b][: n_acc[b]])
             r.seq.append(final[b])
             kept = states[row[b], : n_acc[b] + 1] if r.hidden else None  # [n_acc + 1, nD]
-            out.append(Verified(it.request_id, n_acc[b], final[b], logprobs.get(b), kept))
+            out.append(Verified(it.request_id, n_acc[b], final[b], decision.logprobs.get(b), kept))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
 
-    def _target_probs(self, logits: torch.Tensor, order: list[int], params: list[SamplingParams],
-                      nd: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """p of every request's valid positions: ``logits`` [N, V] packed, requests in slot order
-        (``order[i]``: the request of the i-th block, ``nd[b] + 1`` rows each) -> (probs [B, K+1, V] in
-        request order, rows past a request's ``nd[b]`` drafts 0; unusable [B]: a request with a row
-        :func:`unusable_rows` refuses)."""
-        bsz, vocab, kdim = len(order), self.vocab_size, max(nd)
-        # The valid (request, position) pairs in request order, as row indices built on the host:
-        # src into the packed logits, dst into probs (request order).
-        dev = logits.device
-        start, at = {}, 0
-        for b in order:
-            start[b], at = at, at + nd[b] + 1
-        pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]
-        src = torch.tensor([start[b] + j for b, j in pairs], device=dev)  # [N]
-        dst = torch.tensor([b * (kdim + 1) + j for b, j in pairs], device=dev)  # [N]
-        rows = torch.tensor([b for b, _ in pairs])  # [N] request of each pair (host)
-        temp, top_k, top_p = sampling_tensors(params)  # [B] each, host
-        raw = logits.reshape(-1, vocab).index_select(0, src)  # [N, V]
-        p_valid = process_logits(raw, temp[rows], top_k[rows], top_p[rows])  # [N, V]
-        probs = torch.zeros(bsz * (kdim + 1), vocab, device=dev).index_copy_(0, dst, p_valid)
-        probs = probs.view(bsz, kdim + 1, vocab)  # [B, K+1, V]; rows past a request's drafts stay 0
-        unusable = torch.zeros(bsz * (kdim + 1), dtype=torch.bool, device=dev)
-        unusable = unusable.index_copy_(0, dst, unusable_rows(raw, p_valid)).view(bsz, kdim + 1).any(1)  # [B]
-        return probs, unusable
-
-    @staticmethod
-    def _to_host(host: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, asked: list[int | None]):
-        """The one copy to the host: ``host`` [B, 3] (accepted count, final token, unusable flag) and, in
-        the same copy, the log-probabilities of the requests that asked (``asked[b]``: their top entries;
-        None: nothing computed), all as float64 (exact for the counts and ids).
-
-        Returns (accepted counts, final tokens, unusable flags, {b: [TokenLogprob] per emitted token})."""
-        rows = [b for b, n in enumerate(asked) if n is not None]
-        if not rows:
-            n_acc, final, bad = zip(*host.tolist())
-            return n_acc, final, bad, {}
-        bsz, k1, vocab = probs.shape
-        num_top = min(max(asked[b] for b in rows), vocab)
-        flat = torch.cat([host.view(-1).double(), _logprob_values(probs, tokens, rows, num_top)]).tolist()
-        n_acc, final, bad = (tuple(int(v) for v in flat[c: 3 * bsz: 3]) for c in range(3))
-        values = split_rows(flat[3 * bsz:], k1, num_top, [n_acc[b] + 1 for b in rows],
-                            [min(asked[b], num_top) for b in rows])
-        return n_acc, final, bad, dict(zip(rows, values))
-
-    def _decide(self, reqs, probs, qs, tokens, num_draft, drafts) -> VerifyResult:
-        """Accepted drafts and the token after them, per request by its coupling: the rejection rule
-        (:func:`~specdist.cores.rejection.rejection_sample`) or Gumbel-max agreement
-        (:func:`~specdist.cores.coupling.gumbel_verify`); a mixed batch runs each on its rows."""
-        dev = probs.device
-        nd = [len(d) for d in drafts]
-        kdim = tokens.shape[1]
-        gumbel = [b for b, r in enumerate(reqs) if r.coupling == "gumbel"]
-        if len(gumbel) < len(reqs):
-            q = self._draft_q(qs, tokens, nd) if any(x is not None for x in qs) else None  # [B, K, V]
-            u = self._uniforms(reqs, nd, kdim).to(dev)  # [B, 2K+1]: acceptance [B, K], then sample [B, K+1]
-            res = rejection_sample(probs, q, tokens, num_draft, u[:, :kdim], u[:, kdim:])
-            if not gumbel:
-                return res
-        idx = torch.tensor(gumbel, device=dev)
-        y = self._gumbel_tokens([reqs[b] for b in gumbel], probs.index_select(0, idx), [nd[b] for b in gumbel])
-        n = gumbel_verify([row[: nd[b] + 1] for b, row in zip(gumbel, y.tolist())], [drafts[b] for b in gumbel])
-        n = torch.tensor(n, dtype=torch.long, device=dev)  # [G]
-        keep = torch.arange(kdim + 1, device=dev)[None, :] <= n[:, None]  # [G, K+1]: the run and the token after it
-        gres = VerifyResult(torch.where(keep, y, torch.full_like(y, -1)), n)
-        if len(gumbel) == len(reqs):
-            return gres
-        return VerifyResult(res.tokens.index_copy(0, idx, gres.tokens),
-                            res.num_accepted.index_copy(0, idx, gres.num_accepted))
-
-    @staticmethod
-    def _gumbel_tokens(reqs: list[_TargetRequest], probs: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [G, K+1] long
-        """y, the target's Gumbel-max token at each of its positions L .. L+nd (a request holding L
-        tokens), noise keyed by the request's draft seed; greedy rows take their one-hot token
-        without noise, and positions past a request's drafts stay unused."""
-        _, k1, vocab = probs.shape
-        y = probs.argmax(-1)  # [G, K+1]
-        rows, starts = [], []
-        for i, (r, n) in enumerate(zip(reqs, nd)):
-            if r.params.temperature > 0:
-                at = len(r.seq)
-                rows += [i * k1 + j for j in range(n + 1)]
-                starts += row_starts(draft_seed(r.seed), range(at, at + n + 1))
-        if rows:
-            flat = torch.tensor(rows, device=probs.device)
-            y.view(-1)[flat] = gumbel_argmax(probs.view(-1, vocab).index_select(0, flat),
-                                             torch.tensor(starts, dtype=torch.int64, device=probs.device))
-        return y
-
-    @staticmethod
-    def _uniforms(reqs: list[_TargetRequest], nd: list[int], kdim: int) -> torch.Tensor:  # [B, 2K+1] float64, host
-        """Per request (holding L tokens): the acceptance uniforms of its draft positions L .. L+nd-1,
-        then the sample uniforms of the positions L .. L+nd its final token can land on; 1.0 past them
-        (never read: past a request's drafts the sampler masks them out)."""
-        rows = []
-        for r, n in zip(reqs, nd):
-            at, pad = len(r.seq), [1.0] * (kdim - n)
-            rows.append(target_uniforms(r.seed, ACCEPT_ROLE, range(at, at + n)) + pad
-                        + target_uniforms(r.seed, SAMPLE_ROLE, range(at, at + n + 1)) + pad)
-        return torch.tensor(rows, dtype=torch.float64)
-
-    def _refuse_unusable(self, items: list[VerifyItem], reqs: list[_TargetRequest], nd: list[int], b: int) -> None:
-        """Item b's logits cannot be sampled: undo the forward (every request's cache back to all but
-        its last token, as before the call) and fail the call naming item b."""
+    def _undo_forward(self, reqs: list[_TargetRequest]) -> None:
+        """Every request's cache back to all but its last token, as before the call."""
         for r in reqs:
             self._local(("rollback", r.slot, len(r.seq) - 1))
+
+    def _refuse_unusable(self, items: list[VerifyItem], reqs: list[_TargetRequest], nd: list[int], b: int) -> None:
+        """Item b's logits cannot be sampled: undo the forward and fail the call naming item b."""
+        self._undo_forward(reqs)
         at = len(reqs[b].seq)
         raise NonFiniteLogits(f"items[{b}]", f"the target's logits for request {items[b].request_id!r} at sequence "
                               f"positions {at}..{at + nd[b]} contain NaN or leave no positive finite probability: "
                               "no token can be sampled")
-
-    def _draft_q(self, qs: list, tokens: torch.Tensor, nd: list[int]) -> torch.Tensor:  # [B, K, V] on the device
-        """The batch's q: one-hot rows scattered on the device where a request brought none; rows
-        already on the device (an in-process drafter's) copied there; rows decoded on the host
-        (they came over the wire) moved together, in one copy."""
-        bsz, kdim = tokens.shape
-        dev = tokens.device
-        q = torch.zeros(bsz, kdim, self.vocab_size, device=dev)  # [B, K, V]
-        flat = q.view(bsz * kdim, self.vocab_size)
-        one_hot = [b * kdim + j for b in range(bsz) if qs[b] is None for j in range(nd[b])]
-        if one_hot:
-            idx = torch.tensor(one_hot, device=dev)  # [n]
-            flat[idx, tokens.view(-1)[idx]] = 1.0
-        moved = [b for b in range(bsz) if qs[b] is not None and qs[b].device != dev]
-        if moved:
-            idx = torch.tensor([b * kdim + j for b in moved for j in range(nd[b])], device=dev)  # [m]
-            rows = [qs[b] for b in moved]
-            if len({r.device for r in rows}) > 1:  # from several devices: each to this one first
-                rows = [r.to(dev) for r in rows]
-            flat.index_copy_(0, idx, torch.cat(rows).to(dev))
-        for b in range(bsz):
-            if qs[b] is not None and qs[b].device == dev:
-                q[b, : nd[b]] = qs[b]
-        return q
 
     def _check_verify(self, items: list[VerifyItem]):
         """Validate a whole verify batch: (requests, draft token lists, q [n, V] or None per item).
@@ -613,29 +450,7 @@ class VerifierCore:
             reqs.append(r)
             drafts.append(d)
             qs.append(q)
-        self._check_drafted_tokens(drafts, qs)
         return reqs, drafts, qs
-
-    @staticmethod
-    def _check_drafted_tokens(drafts: list[list[int]], qs: list) -> None:
-        """Refuse a draft token to which its own q gives no positive probability (0 or NaN): it cannot
-        have been sampled from that q, and the acceptance rule ``u q(x) < p(x)`` would misjudge it.
-        The one check for in-process and wire-decoded q; one copy to the host for the whole batch."""
-        picked = []  # (item, q(x) of its draft tokens [n] on q's device)
-        for i, (d, q) in enumerate(zip(drafts, qs)):
-            if q is not None and d:
-                picked.append((i, q[torch.arange(len(d), device=q.device), torch.tensor(d, device=q.device)]))
-        if not picked:
-            return
-        dev = picked[0][1].device
-        values = iter(torch.cat([x.to(dev) for _, x in picked]).tolist())
-        for i, x in picked:
-            for j in range(len(x)):
-                v = next(values)
-                if not v > 0:
-                    raise InvalidArgument(f"items[{i}].draft_probs[{j}].values",
-                                          f"drafted token {drafts[i][j]} has probability {v:g} in its q: "
-                                          "it cannot have been sampled from it")
 
     def release(self, request_ids: list[str]) -> None:
         with self._watched("release", 0):

@@ -14,7 +14,8 @@ import torch
 from specdist.config import Config, load_config, target_copy
 from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
 from specdist.models.loader import eos_token_ids
-from specdist.models.runner import CausalLMRunner, compile_runner
+from specdist.models.graphs import KVOptions
+from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
 from specdist.engine.scheduler import PHASES, EngineStats, Scheduler
 from specdist.cores.target import LocalVerifier, VerifierCore
@@ -24,11 +25,14 @@ __all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 
 class Engine(Scheduler):
     compile_s: float = 0.0  # seconds spent compiling and warming compiled passes at load (engine.compile)
+    graphs_s: float = 0.0  # seconds spent capturing CUDA graphs at load (engine.cuda_graphs)
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
+        device = next(target.parameters()).device
+        kv = KVOptions.from_engine(ec, device)
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
-                                                       kv_cache_dtype=ec.kv_cache_dtype),
+                                                       kv_cache_dtype=ec.kv_cache_dtype, kv=kv),
                                         prefix_caching=ec.prefix_caching)
         vocab = self.target_core.vocab_size
         dc = config.draft
@@ -38,7 +42,7 @@ class Engine(Scheduler):
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True,
                                                                  prefix_caching=ec.prefix_caching,
-                                                                 kv_cache_dtype=ec.kv_cache_dtype)
+                                                                 kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.runner.hidden_layers = self.draft_core.hidden_layers
         if ec.compiled(self.target_core.runner.device.type):
@@ -46,6 +50,9 @@ class Engine(Scheduler):
             self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)
             if self.draft_core is not None and self.draft_core.runner is not None:
                 self.compile_s += compile_runner(self.draft_core.runner, "draft", k, ec.compile_cache_dir)
+        if ec.graphs(device.type):
+            self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None,
+                                           dc.num_speculative_tokens if dc.enabled else 0)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 

@@ -25,6 +25,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from specdist.errors import ResourceExhausted
+from specdist.models.paged_cache import KVCacheFull
+
 
 class SlotKVCache:
     def __init__(
@@ -60,9 +63,14 @@ class SlotKVCache:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def allocate(self) -> int:
+    def can_allocate(self, tokens: int | None = None) -> bool:
+        """A new slot fits now (every slot holds ``max_len`` tokens: ``tokens`` does not matter)."""
+        return bool(self._free)
+
+    def allocate(self, tokens: int | None = None) -> int:
+        """A free slot (of ``max_len`` tokens whatever ``tokens`` a paged cache would reserve)."""
         if not self._free:
-            raise RuntimeError("KV cache has no free slot")
+            raise KVCacheFull("KV cache has no free slot")
         slot = self._free.pop()
         self.lengths[slot] = 0
         return slot
@@ -74,6 +82,19 @@ class SlotKVCache:
         self._free.append(slot)
         self._free.sort(reverse=True)  # keep low slots first so running batches stay contiguous
 
+    paged = False  # a slot per request holds max_len tokens (specdist.models.paged_cache: blocks)
+
+    def can_reserve(self, slot: int, tokens: int | None) -> bool:
+        return True
+
+    def reserve(self, slot: int, tokens: int | None) -> None:
+        """A paged cache's reservation; a slot holds ``max_len`` tokens regardless."""
+
+    def ensure(self, slot: int, end: int) -> None:
+        """Positions up to ``end`` of ``slot`` are writable (always, up to ``max_len``)."""
+        if end > self.max_len:
+            raise ValueError(f"slot {slot}: {end} tokens exceed the cache length {self.max_len}")
+
     def rollback(self, slot: int, length: int) -> None:
         """Keep only the first ``length`` tokens of ``slot``. O(1)."""
         if not 0 <= length <= self.lengths[slot]:
@@ -82,7 +103,7 @@ class SlotKVCache:
 
     def same_layout(self, other: "SlotKVCache") -> bool:
         """Same layers, kv heads, length and head_dim (slot counts and dtypes may differ)."""
-        return len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:]
+        return isinstance(other, SlotKVCache) and len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:]
 
     def copy_prefix(self, src: "SlotKVCache", src_slot: int, dst_slot: int, length: int) -> None:
         """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout; converted
@@ -98,9 +119,12 @@ class SlotKVCache:
 
     def apply(self, op: tuple) -> int | None:
         """Apply one recorded cache operation (how tensor-parallel followers replay rank 0's):
-        ``("allocate", slot)`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
-        length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within this cache)."""
+        ``("allocate", slot[, tokens])`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
+        length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within this cache), ``("reserve", slot,
+        tokens)`` (nothing to do here)."""
         kind = op[0]
+        if kind == "reserve":
+            return None
         if kind == "allocate":
             slot = self.allocate()
             if slot != op[1]:
@@ -214,13 +238,45 @@ class PrefixCache:
         self.record(op)
         return out
 
-    def allocate(self) -> int:
-        """A slot with nothing in it, evicting the oldest retained slot if none is free."""
-        if self.cache.num_free == 0 and self.retained:
-            self._op(("free", self._unretain(next(iter(self.retained)))))
-        slot = self.cache.allocate()
-        self.record(("allocate", slot))
+    def allocate(self, tokens: int | None = None) -> int:
+        """A slot with nothing in it that may grow to ``tokens`` (None: the cache length), evicting the
+        oldest retained slots while the cache has no room for it."""
+        self._make_room(tokens)
+        slot = self.cache.allocate(tokens)
+        self.record(("allocate", slot, tokens))
         return slot
+
+    def _make_room(self, tokens: int | None) -> None:
+        while self.retained and not self.cache.can_allocate(tokens):
+            self._op(("free", self._unretain(next(iter(self.retained)))))
+
+    def check_room(self, tokens: list[int | None]) -> None:
+        """Refuse a call's new requests (needing ``tokens`` each, None: the cache length) unless all fit now:
+        :class:`~specdist.errors.ResourceExhausted` naming the first that does not, so that a caller can admit
+        the ones before it and retry that one later. Changes nothing."""
+        n = self.fits(tokens)
+        if n < len(tokens):
+            cache = self.cache
+            what = (f"{cache.num_free + len(self.retained)} KV slots are free" if not cache.paged else
+                    f"{cache.num_blocks - 1 - cache.committed_blocks} KV blocks of {cache.block_size} tokens are "
+                    f"unreserved and {len(self.retained)} cached prefixes can be evicted")
+            raise ResourceExhausted(f"items[{n}]", f"{len(tokens)} requests need room; {what}")
+
+    def fits(self, tokens: list[int | None]) -> int:
+        """How many of new requests needing ``tokens`` each (in order) the cache can take now, counting
+        what evicting every retained slot would free. Changes nothing."""
+        cache = self.cache
+        slots = cache.num_free + len(self.retained)
+        if not cache.paged:  # slots of max_len tokens: the slot count alone decides
+            return min(len(tokens), slots)
+        room = cache.num_blocks - 1 - cache.committed_blocks + sum(len(cache.tables[s]) for s in self.retained)
+        n = 0
+        for t in tokens:
+            room -= cache.blocks_for(cache.max_len if t is None else min(t, cache.max_len), cache.block_size)
+            if n == slots or room < 0:
+                break
+            n += 1
+        return n
 
     def _unretain(self, slot: int) -> int:
         self._index.remove(slot, self.retained.pop(slot))
@@ -244,21 +300,25 @@ class PrefixCache:
             return running, running_slot, False
         return (kept, kept_slot, True) if kept else (0, -1, False)
 
-    def acquire(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = ()
-                ) -> tuple[int, int]:
+    def acquire(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
+                tokens: int | None = None) -> tuple[int, int]:
         """A slot for a request whose prompt K/V are to be ``want`` (the prompt but its last
         token), and how many of ``want`` it holds already. ``live``: (slot, tokens held) of the
-        running requests, whose prefixes may be copied (or their :meth:`live_index`)."""
+        running requests, whose prefixes may be copied (or their :meth:`live_index`). ``tokens``:
+        the most the request may hold (a paged cache reserves that many; None: the cache length)."""
         best, source, retained = self.match(want, live)
         if best < self.min_tokens:
-            return self.allocate(), 0
+            return self.allocate(tokens), 0
         self.reused_tokens += best
         if retained:
             self._unretain(source)
             self.cache.rollback(source, best)
             self.record(("adopt", source, best))
+            while self.retained and not self.cache.can_reserve(source, tokens):
+                self._op(("free", self._unretain(next(iter(self.retained)))))
+            self._op(("reserve", source, tokens))
             return source, best
-        slot = self.allocate()
+        slot = self.allocate(tokens)
         self._op(("copy", source, slot, best))
         return slot, best
 
@@ -270,6 +330,7 @@ class PrefixCache:
             self.retained[slot] = list(tokens[:held])
             self._index.add(slot, self.retained[slot])
             self.record(("retain", slot))
+            self._op(("reserve", slot, 0))  # kept for reuse: it holds its blocks and grows no more
         else:
             self._op(("free", slot))
 

@@ -75,12 +75,16 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
+from specdist.models.attention import PagedAttention, pack_step, unpack_step
+from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions
 from specdist.models.kv_cache import SlotKVCache
+from specdist.models.paged_cache import PagedKVCache
 from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
@@ -106,7 +110,7 @@ class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
-                 kv_cache_dtype: str = "auto", half_storage: bool = True):
+                 kv_cache_dtype: str = "auto", half_storage: bool = True, kv: KVOptions | None = None):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
@@ -151,10 +155,23 @@ class CausalLMRunner:
             self.rope_tables = {key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)}
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
         # whole head, rotary, cache write and attention are one call per layer (after per-head q/k norms, if any)
-        self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
-        self.cache = SlotKVCache(len(self.layers), num_slots, n_kv_local, self.head_dim, max_len,
-                                 kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model)),
-                                 self.device)
+        kv = kv or KVOptions()
+        paged = kv.paged(self.device)
+        self.cpu_attention = (not paged and self.device.type == "cpu" and self.dtype == torch.float32
+                              and cpu_kernels.available())
+        cache_dtype = kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model))
+        self.attention: PagedAttention | None = None  # the paged backend (None: the slot cache's passes below)
+        if paged:
+            per_token = 2 * len(self.layers) * n_kv_local * hd * torch.empty(0, dtype=cache_dtype).element_size()
+            tokens = kv.tokens(self.device, num_slots, max_len, per_token)
+            self.cache = PagedKVCache(len(self.layers), num_slots, n_kv_local, hd, max_len,
+                                      PagedKVCache.blocks_for(tokens, kv.block_size) + 1, kv.block_size, cache_dtype,
+                                      self.device)
+            self.attention = PagedAttention(self.cache, self.scaling, self.windows, self.attn_softcap,
+                                            [self.rope_tables[key] for key in self.rope_keys])
+        else:
+            self.cache = SlotKVCache(len(self.layers), num_slots, n_kv_local, hd, max_len, cache_dtype, self.device)
+        self.graphs: CudaGraphs | None = None  # captured passes of the paged backend (capture_graphs)
         self.cpu_rope_attention = (self.cpu_attention
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
         # where that holds, a Llama-style layer whose matmuls all run on blocks is one C call
@@ -189,6 +206,24 @@ class CausalLMRunner:
                 if tied:  # the embedding looks its rows up in the head's half-width table: still one copy
                     self.model.model.embed_tokens = HalfStoredEmbedding(embed, self.model.lm_head.weight)
 
+    def head_rows(self, hs: torch.Tensor) -> torch.Tensor:  # [N, n, D] -> [N, n, V] float32
+        """The final norm and output head (and logit soft-cap) of hidden states."""
+        return self._head(hs)
+
+    def capture_graphs(self, max_batch_size: int | None = None, max_tokens: int = 1, log=None,
+                       eager_replay: bool = False) -> float:
+        """Capture CUDA graphs of the paged forward (:mod:`specdist.models.graphs`) for every batch bucket (powers
+        of two up to ``max_batch_size``, default the slot count, and that count itself) times every token bucket
+        up to the one holding ``max_tokens``; returns the seconds taken. Forwards outside every bucket (long
+        prefills) run eagerly. ``eager_replay``: the buckets without graphs, on any device (the CPU tests)."""
+        if self.attention is None or (self.device.type != "cuda" and not eager_replay):
+            raise ConfigError("engine.cuda_graphs", "CUDA graphs need a paged KV cache on a CUDA device")
+        top = min(max_batch_size or self.cache.num_slots, self.cache.num_slots)
+        batches = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
+        tokens = [t for t in GRAPH_TOKENS if t == 1 or t // 2 < max_tokens]
+        self.graphs = CudaGraphs(self, eager_replay)
+        return self.graphs.capture(batches, tokens, log)
+
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
         ``torch.compile`` of :meth:`_static_pass`: inductor on CPU, CUDA graphs on GPU
@@ -196,6 +231,9 @@ class CausalLMRunner:
         place). Each bucket compiles at its first call (:meth:`warm_up` does it ahead); the
         compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``). ``backend``: the
         ``torch.compile`` backend (another one traces the same graphs without generating code)."""
+        if self.attention is not None:
+            raise ConfigError("engine.compile", "the compiled static pass reads a slot cache; this runner's is paged "
+                                                "(engine.kv_cache: slots, or cuda_graphs on GPUs)")
         import torch._dynamo  # noqa: F401 - loaded only by processes that compile (its import takes seconds)
 
         cpu_kernels.available()  # known before tracing: traced code then reads it as a constant
@@ -230,6 +268,7 @@ class CausalLMRunner:
         tokens: list[list[int]],
         num_logits: list[int],
         packed: bool = False,
+        extra=None,
     ) -> torch.Tensor:  # [B, max(num_logits), V] (packed: [sum(num_logits), V]) float32 logits, on the model's device
         """Append ``tokens[b]`` to ``slots[b]`` and return logits for the last ``num_logits[b]`` of them.
 
@@ -238,6 +277,10 @@ class CausalLMRunner:
         instead, no padding (a ragged verification reads no zeros). Calls of at most
         ``STATIC_TOKENS[-1]`` tokens per request go through the compiled static-shape pass once
         :meth:`compile` was called.
+
+        ``extra``: int32 words ([W] numpy) the caller needs on the device after the forward (its sampling inputs,
+        :class:`specdist.cores.device_inputs.HostInputs`); they travel in the forward's own host-to-device copy,
+        starting on an even word, and are :attr:`last_extra` [W] int32 after it.
         """
         cache = self.cache
         n_new = [len(t) for t in tokens]
@@ -245,15 +288,65 @@ class CausalLMRunner:
         for s, st, n in zip(slots, starts, n_new):
             if st + n > cache.max_len:
                 raise ValueError(f"slot {s}: {st} + {n} tokens exceed the cache length {cache.max_len}")
-        self.last_hidden = None
-        if self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
+        self.last_hidden = self.last_extra = None
+        if self.attention is not None:
+            logits = self._forward_paged(slots, tokens, starts, num_logits, packed, extra)
+        elif self.compiled is not None and max(n_new) <= STATIC_TOKENS[-1] and max(num_logits) > 0:
             logits = self._forward_static(slots, tokens, starts, num_logits)
             logits = _packed(logits, num_logits) if packed else logits
         else:
             logits = self._forward_eager(slots, tokens, starts, num_logits, packed)
+        if extra is not None and self.last_extra is None:  # the slot cache's passes make copies of their own
+            self.last_extra = torch.from_numpy(extra).to(self.device)
         for s, st, n in zip(slots, starts, n_new):
             cache.lengths[s] = st + n
         return logits  # stays on the device: sampling and verification run there
+
+    def _forward_paged(self, slots, tokens, starts, num_logits, packed, extra):
+        """The paged backend's forward: the blocks each request writes taken first (copy on write where
+        shared), the step's one host-to-device copy, then a captured CUDA graph of the bucket when there
+        is one (:mod:`specdist.models.graphs`), else the pass at the call's own shapes."""
+        cache = self.cache
+        n_new = [len(t) for t in tokens]
+        for s, st, n in zip(slots, starts, n_new):
+            cache.ensure(s, st + n)
+        if self.graphs is not None and max(num_logits) > 0:
+            out = self.graphs.run(slots, tokens, starts, num_logits, extra)
+            if out is not None:
+                logits, self.last_hidden, self.last_extra = out
+                return logits if packed else self._left_aligned_rows(logits, num_logits)
+        bsz, t_max = len(slots), max(n_new)
+        width = PagedKVCache.blocks_for(max(st + n for st, n in zip(starts, n_new)), cache.block_size)
+        host = pack_step(cache, slots, tokens, starts, num_logits, bsz, t_max, width)
+        at = len(host) + len(host) % 2  # the caller's words start on an even word (8-byte views stay aligned)
+        buf = self.attention.send(host if extra is None else np.concatenate([host, [0] * (at - len(host)), extra]))
+        self.last_extra = buf[at:] if extra is not None else None
+        step = unpack_step(buf[: len(host)], bsz, t_max, width, cache.block_size)
+        h, self.last_hidden = self.paged_layers(step)  # [B, T, D]
+        n_rows = sum(num_logits)
+        if n_rows == 0:  # a prefill: no logits, in the layout asked for
+            return torch.zeros(0 if packed else bsz, *(() if packed else (0,)), self.vocab_size, device=self.device)
+        rows = h.reshape(bsz * t_max, 1, -1).index_select(0, step.logits_rows[:n_rows].long())  # [M, 1, D]
+        logits = self._head(rows)[:, 0]  # [M, V]
+        return logits if packed else self._left_aligned_rows(logits, num_logits, step.logits_dst[:n_rows])
+
+    def paged_layers(self, step):  # -> ([B, T, D], [B, T, nD] or None)
+        """The decoder stack over a :class:`~specdist.models.attention.PagedStep` (the paged backend's forward
+        per layer): device work only, what a captured graph replays."""
+        attention = self.attention
+        return self._layers(step.ids, None, lambda i, q, k, v: attention.forward(i, q, k, v, step))
+
+    def _left_aligned_rows(self, logits: torch.Tensor, num_logits: list[int],
+                           dst: torch.Tensor | None = None) -> torch.Tensor:  # [M, V] -> [B, n_out, V]
+        """Packed logits rows (request b's ``num_logits[b]`` rows one after another) in the left-aligned,
+        zero-padded layout; ``dst``: each row's place in ``[B * n_out]`` when the device has it already."""
+        bsz, n_out = len(num_logits), max(num_logits)
+        if min(num_logits) == n_out:
+            return logits.view(bsz, n_out, -1)
+        if dst is None:
+            dst = torch.tensor([b * n_out + j for b, m in enumerate(num_logits) for j in range(m)], device=logits.device)
+        out = logits.new_zeros(bsz * n_out, logits.shape[-1])
+        return out.index_copy_(0, dst.long(), logits).view(bsz, n_out, -1)
 
     def _forward_eager(self, slots, tokens, starts, num_logits, packed=False):
         """The forward at the call's own shapes: keys sliced to the longest sequence, attention in
@@ -422,8 +515,10 @@ class CausalLMRunner:
         :func:`cpu_kernels.rope_attention` (``attend`` unused)."""
         bsz, t_max = ids.shape
         h = self.model.model.embed_tokens(ids)  # [B, T, D]
-        # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded.
-        ropes = {key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
+        # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded. Without
+        # write positions (the paged backend) ``attend`` takes [B * T, H, hd] rows and rotates them itself.
+        ropes = ({key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
+                 if write_pos is not None else None)
         hd = self.head_dim
         taps = {}  # layer index -> its input [B, T, D]
         kernels = self.layer_kernels if fused is not None and not torch.compiler.is_compiling() else [None] * len(self.layers)
@@ -454,6 +549,11 @@ class CausalLMRunner:
                 o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t_max, -1, hd), cos, sin, self.cache.k[i],
                                                self.cache.v[i], fused[0], write_pos, fused[1], self.windows[i],
                                                self.scaling, self.attn_softcap)  # [B, T, Hq, hd]
+                h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
+                continue
+            if ropes is None:
+                o = attend(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
+                           v.reshape(bsz * t_max, -1, hd))  # [B * T, Hq, hd]
                 h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
                 continue
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
@@ -551,6 +651,15 @@ def compile_runner(runner: CausalLMRunner, role: str, k: int, cache_dir: str | N
         shapes = [(1, 1, 1), (1, 2, 1)]
     runner.warm_up(shapes)
     return time.perf_counter() - t0
+
+
+def capture_graphs(target: CausalLMRunner, draft: CausalLMRunner | None, k: int, log=None) -> float:
+    """CUDA graphs of a target verifying up to ``k`` drafts (``k + 1`` tokens a request) and of its draft runner
+    (one token a pass, two when it catches up), every batch bucket; returns the seconds taken."""
+    seconds = target.capture_graphs(max_tokens=k + 1, log=log)
+    if draft is not None and draft.attention is not None:
+        seconds += draft.capture_graphs(max_tokens=2, log=log)
+    return seconds
 
 
 def use_compile_cache(path: str | None) -> str:
