@@ -1,5 +1,6 @@
-"""The GPU check script (``python -m specdist.bench.gpu_check``), run here as far as a CPU allows:
-the one-line refusal without CUDA, the random checkpoints, and the benchmark command it builds."""
+"""The GPU check script (``python -m specdist.bench.gpu_check``), run here as far as a CPU allows: the
+one-line refusal without CUDA, the random checkpoints, the steps' logging, summary and time limits, and
+the decode benchmark (:mod:`specdist.bench.gpu_decode`) on a toy model."""
 
 from __future__ import annotations
 
@@ -34,42 +35,41 @@ def test_random_checkpoint_has_the_requested_size_and_loads(tmp_path):
     assert os.path.getsize(tmp_path / "config.json") > 0
 
 
-def test_benchmark_step_writes_checkpoints_and_calls_bench_engine_with_valid_flags(tmp_path, monkeypatch, capsys):
-    """The benchmark step on the CPU (``--device cpu --tiny``) up to the bench command, which is
-    parsed by the bench's own argument parser instead of run (tests/test_dtypes.py runs the bench
-    with a model draft and several dtypes)."""
-    import argparse
+def test_steps_print_each_test_and_write_the_summary_as_they_end(tmp_path, capsys):
+    """The CPU smoke run of two steps: each test's name, outcome and seconds printed as it ends and listed in
+    gpu_check.json, whose steps carry status, seconds and limit."""
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "env,tests", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "gpu_check: all steps passed" in printed
+    summary = json.load(open(tmp_path / "gpu_check.json"))
+    env, tests = summary["steps"]
+    assert (env["name"], env["status"], tests["name"], tests["status"]) == ("env", "passed", "tests", "passed")
+    assert tests["counts"]["passed"] >= 5 and tests["counts"]["failed"] == 0 and tests["limit_s"] == 240
+    for t in tests["tests"]:
+        assert t["name"].startswith("tests/test_paged_attention.py::") and t["seconds"] >= 0
+        assert f"[gpu_check] {t['outcome'].upper()}" in printed and t["name"] in printed
+    assert summary["passed"] is True and "[gpu_check] PASSED" in open(tmp_path / "gpu_check.log").read()
 
-    from model_zoo import save_word_tokenizer
-    from specdist.bench import engine_bench
 
-    from transformers import AutoTokenizer
+def test_a_step_past_its_limit_is_killed_and_the_summary_says_so(tmp_path):
+    """A step that overruns its limit is killed with its process group; the summary records it as a timeout and
+    the next step still runs."""
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "env,env", "--limit", "env=0.3", "--out", str(tmp_path)])
+    summary = json.load(open(tmp_path / "gpu_check.json"))
+    assert rc == 1 and [s["status"] for s in summary["steps"]] == ["timeout", "timeout"]
+    assert all(s["seconds"] < 30 for s in summary["steps"]) and summary["passed"] is False
 
-    save_word_tokenizer(str(tmp_path / "tok"), 40)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
-    monkeypatch.setattr("specdist.models.loader.load_tokenizer", lambda source, progress=None: tok)
-    calls = []
-    monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--skip-tests", "--workdir", str(tmp_path / "work")])
-    assert rc == 0 and "gpu_check: all steps passed" in capsys.readouterr().out
-    cmd, w4, compiled, eagle, suffix = calls
-    assert cmd[1:5] == w4[1:5] == compiled[1:5] == eagle[1:5] == suffix[1:5] == ["-m", "specdist.cli", "bench", "engine"]
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
-    assert parser.parse_args(w4[5:]).draft == "self-w4"  # the int4 kernel on the device
-    assert (parser.parse_args(compiled[5:]).draft, parser.parse_args(compiled[5:]).compile) == ("self-w4", "on")
-    assert (parser.parse_args(suffix[5:]).draft, parser.parse_args(suffix[5:]).length_policy) == ("suffix", "adaptive")
-    args = parser.parse_args(cmd[5:])
-    assert (args.draft, args.dtype, args.device) == ("model", "float32", "cpu")
-    for path in (args.model, args.draft_model):  # both checkpoints load, with the tokenizer's vocabulary
-        cfg = json.load(open(os.path.join(path, "config.json")))
-        assert cfg["vocab_size"] == len(tok) and os.path.isfile(os.path.join(path, "tokenizer.json"))
-    # the EAGLE-3 step: a head in the published layout that loads for the target it was written for
-    from specdist.models.eagle3 import load_eagle3_head
-    from specdist.models.loader import load_model, resolve_model
 
-    head_args = parser.parse_args(eagle[5:])
-    assert head_args.draft == "eagle3" and head_args.model == args.model
-    target = load_model(resolve_model(args.model), "float32")
-    head = load_eagle3_head(head_args.draft_model, target.config, target.get_input_embeddings(), torch.float32, "cpu")
-    assert head.spec.draft_vocab_size == len(tok) // 3 and head.spec.aux_layers == (1, 1, 0)
+def test_the_decode_benchmark_reports_the_bound_and_transformers_tokens(tmp_path):
+    """gpu_decode on a toy model on the CPU: the bound from the measured bandwidth and the weight bytes, and
+    specdist's greedy tokens equal to transformers' generate on the same model."""
+    from specdist.bench import gpu_decode
+
+    path = str(tmp_path / "decode.json")
+    assert gpu_decode.main(["--device", "cpu", "--tiny", "--models", "random-1b", "--tokens", "12", "--json", path]) == 0
+    report = json.load(open(path))
+    r = report["models"]["random-1b"]
+    assert report["copy_bandwidth_gb_s"] > 0 and r["bound_tok_s"] == pytest.approx(
+        report["copy_bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_token"])
+    assert r["specdist"]["tokens"] == 12 and r["same_tokens_as_transformers"] is True
+    assert r["specdist"]["decode_tok_s"] > 0 and r["transformers"]["decode_tok_s"] > 0
