@@ -5,8 +5,9 @@ forward's own metadata: uniforms, draft tokens, per-row sampling settings, row i
 by one they are a copy each; :class:`HostInputs` packs them into int32 words that ride in the
 forward's one host-to-device copy (``CausalLMRunner.forward(extra=...)``), and
 :meth:`HostInputs.unpack` gives each back as a view of the device buffer: no copy, no sync.
-8-byte arrays (float64 uniforms, int64 noise keys) come first and the runner starts the words
-on an even word, so each view is aligned.
+8-byte arrays (float64 uniforms, int64 indices and noise keys) come first and the runner starts the
+words on an even word, so each view is aligned. Integers travel as int64: the device then reads them
+as index tensors as they are, with no conversion kernel each.
 """
 
 from __future__ import annotations

@@ -467,9 +467,12 @@ class DrafterCore:
         confidence threshold, their confidences) come back in one copy."""
         reqs = d.reqs
         inputs, plan = self._pass_inputs(d, j, rows)
+        if inputs is None:  # every row greedy: its token is the argmax of its logits, nothing to send
+            words = None
         if self.head is not None:
             logits = self._head_pass(d, j, rows)
-            words = torch.from_numpy(inputs.words()).to(logits.device)
+            if inputs is not None:
+                words = torch.from_numpy(inputs.words()).to(logits.device)
         else:
             if j == 0:  # everything of seq + ahead the cache has not seen yet (usually 1 or 2 tokens)
                 feed = []
@@ -480,12 +483,15 @@ class DrafterCore:
             else:
                 feed = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
             logits = self.runner.forward([reqs[b].slot for b in rows], feed, [1] * len(rows),
-                                         extra=inputs.words())[:, 0]  # [n, V], device
+                                         extra=inputs.words() if inputs is not None else None)[:, 0]  # [n, V]
             words = self.runner.last_extra
-        dd = {k: v.long() if v.dtype == torch.int32 else v for k, v in inputs.unpack(words).items()}
-        q = process_rows(logits, SamplingRows(dd["temperature"], dd["top_k"], dd["top_p"], dd.get("top_p_rows"),
-                                              **plan["decisions"]))  # [n, V]
-        x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and the guesses of rejection-coupled rows
+        if inputs is None:
+            x = logits.argmax(-1)  # [n]: the one-hot q's token (process_logits' greedy rows)
+        else:
+            dd = inputs.unpack(words)  # views of the words: int64 indices, float settings and uniforms
+            q = process_rows(logits, SamplingRows(dd["temperature"], dd["top_k"], dd["top_p"], dd.get("top_p_rows"),
+                                                  **plan["decisions"]))  # [n, V]
+            x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and the guesses of rejection-coupled rows
         if plan["coupled"]:  # the token the target takes if its p equals this q: the noise of the same position
             s = dd["coupled"]
             x[s] = gumbel_argmax(q.index_select(0, s), dd["noise_keys"])
@@ -513,29 +519,31 @@ class DrafterCore:
             for b, t in zip(rows, x.tolist()):
                 d.toks[b].append(t)
 
-    def _pass_inputs(self, d: "_Drafting", j: int, rows: list[int]) -> tuple[HostInputs, dict]:
+    def _pass_inputs(self, d: "_Drafting", j: int, rows: list[int]) -> tuple[HostInputs | None, dict]:
         """What pass j's sampling needs from the host, for the forward's copy: each row's settings, the Gumbel
         noise keys of its coupled rows (T > 0) and the uniforms of its sampled rows (rejection coupling, T > 0),
-        and the host's decisions (which stages run, which rows are which)."""
+        and the host's decisions (which stages run, which rows are which). None when every row is greedy."""
         reqs = d.reqs
-        h = HostInputs()
         params = [reqs[b].params for b in rows]
+        if all(p.temperature <= 0 for p in params):
+            return None, {"coupled": [], "sampled": []}
+        h = HostInputs()
         temp, top_k, top_p = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
         h.add("temperature", temp, np.float32)
-        h.add("top_k", top_k, np.int32)
+        h.add("top_k", top_k, np.int64)
         h.add("top_p", top_p, np.float32)
         decisions = SamplingRows.decisions(temp, top_k, top_p, self.vocab_size)
         top_p_rows = decisions.pop("top_p_rows")
         if top_p_rows:
-            h.add("top_p_rows", top_p_rows, np.int32)
+            h.add("top_p_rows", top_p_rows, np.int64)
         coupled = [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling == "gumbel"]
         if coupled:
-            h.add("coupled", coupled, np.int32)
+            h.add("coupled", coupled, np.int64)
             h.add("noise_keys", [row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled], np.int64)
         sampled = [] if j == 0 and d.guess else [
             n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
         if sampled:
-            h.add("sampled", sampled, np.int32)
+            h.add("sampled", sampled, np.int64)
             h.add("uniforms", [draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled], np.float64)
         return h, {"decisions": decisions, "coupled": coupled, "sampled": sampled}
 

@@ -83,29 +83,30 @@ class VerifyBatch:
         if self.greedy and not self.any_q:  # decided from the argmax of the logits: nothing to send
             return
         h = self.inputs = HostInputs()
-        h.add("tokens", [d + [-1] * (kdim - len(d)) for d in drafts], np.int32)  # [B, K]
-        h.add("num_draft", nd, np.int32)
-        h.add("one_hot", [not q for q in has_q], np.int32)  # [B]: q is the one-hot of the token
+        # integers as int64: the device reads them as index tensors without a conversion each
+        h.add("tokens", [d + [-1] * (kdim - len(d)) for d in drafts], np.int64)  # [B, K]
+        h.add("num_draft", nd, np.int64)
+        h.add("one_hot", [not q for q in has_q], np.int64)  # [B]: q is the one-hot of the token
         if self.greedy:
             return
         start, at = {}, 0
         for b in order:
             start[b], at = at, at + nd[b] + 1
         pairs = [(b, j) for b in range(bsz) for j in range(nd[b] + 1)]  # the N valid (request, position) rows
-        h.add("src", [start[b] + j for b, j in pairs], np.int32)  # into the packed logits
-        h.add("dst", [b * (kdim + 1) + j for b, j in pairs], np.int32)  # into [B * (K+1)]
+        h.add("src", [start[b] + j for b, j in pairs], np.int64)  # into the packed logits
+        h.add("dst", [b * (kdim + 1) + j for b, j in pairs], np.int64)  # into [B * (K+1)]
         temp = [self.params[b].temperature for b, _ in pairs]
         top_k = [self.params[b].top_k for b, _ in pairs]
         top_p = [self.params[b].top_p for b, _ in pairs]
         h.add("temperature", temp, np.float32)
-        h.add("top_k", top_k, np.int32)
+        h.add("top_k", top_k, np.int64)
         h.add("top_p", top_p, np.float32)
         self.sampling = SamplingRows.decisions(temp, top_k, top_p, vocab_size)
         if self.sampling["top_p_rows"]:
-            h.add("top_p_rows", self.sampling["top_p_rows"], np.int32)
+            h.add("top_p_rows", self.sampling["top_p_rows"], np.int64)
         gumbel = [r[3] == "gumbel" for r in requests]
         self.any_gumbel, self.all_gumbel = any(gumbel), all(gumbel)
-        h.add("gumbel", gumbel, np.int32)
+        h.add("gumbel", gumbel, np.int64)
         # uniforms: acceptance of positions L .. L+nd-1, then sampling of L .. L+nd; 1.0 past them (never read)
         u = []
         for (length, _, seed, _), n in zip(requests, nd):
@@ -121,11 +122,11 @@ class VerifyBatch:
                 noise_keys += row_starts(draft_seed(seed), range(length, length + nd[b] + 1))
         self.any_noise = bool(noise_rows)
         if noise_rows:
-            h.add("noise_rows", noise_rows, np.int32)
+            h.add("noise_rows", noise_rows, np.int64)
             h.add("noise_keys", noise_keys, np.int64)
         self.logprob_rows = [b for b, n in enumerate(self.asked) if n is not None]
         if self.logprob_rows:
-            h.add("logprob_rows", self.logprob_rows, np.int32)
+            h.add("logprob_rows", self.logprob_rows, np.int64)
 
     def words(self) -> np.ndarray | None:
         """The int32 words for the forward's copy (``CausalLMRunner.forward(extra=...)``), or None."""
@@ -137,7 +138,6 @@ class VerifyBatch:
         b's q rows [n_b, V] (on any device) or None. One device-to-host copy."""
         d = self.inputs.unpack(extra) if self.inputs is not None else {}
         dev = logits.device
-        d = {k: v.long() if v.dtype == torch.int32 else v for k, v in d.items()}
         if "tokens" in d:
             d["tokens"] = d["tokens"].view(self.bsz, self.kdim)  # [B, K]
         q = self._draft_q(qs, d, dev) if self.any_q else None  # [B, K, V]
