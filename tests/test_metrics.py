@@ -225,3 +225,27 @@ def test_serve_refuses_a_busy_metrics_port_before_loading(tiny_models) -> None:
                                   max_queued=4, drain_seconds=0.0)
         with pytest.raises(ListenError, match=f"127.0.0.1:{busy}: the port is in use"):
             run_serve(args)
+
+
+def test_kv_cache_gauges_report_blocks_and_their_use(tiny_models) -> None:
+    """An in-process engine's KV caches in the metrics: a paged target's blocks (the scratch block aside), their
+    size and the share in use while requests run; a slot draft cache in slots."""
+    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K, max_batch_size=4, kv_cache="paged",
+                                         kv_block_size=4, prefix_caching=False))
+    metrics = Metrics(eng)
+    idle = scrape(metrics)
+    blocks = eng.target_core.cache.num_blocks - 1
+    assert value(idle, "specdist_kv_cache_blocks", core="target") == blocks
+    assert value(idle, "specdist_kv_cache_block_tokens", core="target") == 4
+    assert value(idle, "specdist_kv_cache_usage_perc", core="target") == 0
+    assert value(idle, "specdist_kv_cache_blocks", core="draft") == eng.draft_core.cache.usage()["blocks_total"]
+    eng.add_request([1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.step()
+    busy = scrape(metrics)
+    used = eng.target_core.cache.blocks_in_use
+    assert used >= 3 and value(busy, "specdist_kv_cache_usage_perc", core="target") == pytest.approx(used / blocks)
+    while eng.has_unfinished():
+        eng.step()
+    assert value(scrape(metrics), "specdist_kv_cache_usage_perc", core="target") == 0
+    health = eng.target_core.health()
+    assert (health["kv_blocks_total"], health["kv_block_size"], health["kv_blocks_used"]) == (blocks, 4, 0)

@@ -14,6 +14,10 @@ Names follow vLLM's (``vllm:x`` is ``specdist_x``) where vLLM has the metric, wi
 - gauges ``specdist_num_requests_running``, ``specdist_num_requests_waiting``,
   ``specdist_target_kv_slots_used``, ``specdist_draft_kv_slots_used{replica}``: as of the
   coordinator's last pass (or the engine's state, without a coordinator);
+- gauges ``specdist_kv_cache_usage_perc{core}``, ``specdist_kv_cache_blocks{core}``,
+  ``specdist_kv_cache_block_tokens{core}`` (an in-process engine): the share of each KV cache's
+  blocks in use, how many the requests can take and their size (a slot cache counts slots of
+  ``max_model_len`` tokens), read at scrape time;
 - gauges ``specdist_target_releases_pending``, ``specdist_draft_releases_pending{replica}``:
   requests whose release failed and is being retried (``Scheduler.releases_pending``; each may
   still hold a KV slot there), from the snapshot when it has ``releases``, else read from the
@@ -139,7 +143,7 @@ class Metrics:
                                     ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram(p + "step_batch_size", "Requests verified in a step",
                                     buckets=BATCH_BUCKETS, registry=r)
-        r.register(_Gauges(self._snapshot, releases))
+        r.register(_Gauges(self._snapshot, releases, getattr(engine, "kv_cache_usage", None)))
         self._listening = hasattr(engine, "listeners")  # a stand-in engine without step events
         if self._listening:
             engine.listeners.append(self.observe)
@@ -220,9 +224,11 @@ class _Gauges:
     """Running / waiting requests, KV slots and pending releases, read from a snapshot at scrape time
     (pending releases from ``releases``, the engine's counts, when the snapshot has none)."""
 
-    def __init__(self, snapshot: Callable[[], Any], releases: Callable[[], dict[str, int]] | None = None):
+    def __init__(self, snapshot: Callable[[], Any], releases: Callable[[], dict[str, int]] | None = None,
+                 kv_usage: Callable[[], dict[str, dict[str, int]]] | None = None):
         self.snapshot = snapshot
         self.releases = releases
+        self.kv_usage = kv_usage
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.snapshot()
@@ -241,6 +247,21 @@ class _Gauges:
         yield _per_replica(GaugeMetricFamily("specdist_draft_releases_pending",
                                              "Requests whose release on a draft replica failed and is retried",
                                              labels=["replica"]), releases)
+        if self.kv_usage is not None:  # an in-process engine: its caches' counters (ints: a racy read is harmless)
+            usage = self.kv_usage()
+            perc = GaugeMetricFamily("specdist_kv_cache_usage_perc", "Share of the KV cache's blocks in use (a slot "
+                                     "cache: slots)", labels=["core"])
+            blocks = GaugeMetricFamily("specdist_kv_cache_blocks", "KV cache blocks (a slot cache: slots) the "
+                                       "requests can take", labels=["core"])
+            block = GaugeMetricFamily("specdist_kv_cache_block_tokens", "Tokens a KV cache block holds",
+                                      labels=["core"])
+            for core, u in usage.items():
+                perc.add_metric([core], u["blocks_used"] / max(1, u["blocks_total"]))
+                blocks.add_metric([core], u["blocks_total"])
+                block.add_metric([core], u["block_size"])
+            yield perc
+            yield blocks
+            yield block
 
 
 def _per_replica(gauge: GaugeMetricFamily, counts: dict[str, int]) -> GaugeMetricFamily:

@@ -492,6 +492,7 @@ class VerifierCore:
             "requests": len(self.requests),
             "kv_slots_in_use": self.kv_slots_in_use(),
             "kv_slots_total": self.cache.num_slots,
+            **{f"kv_{k}": v for k, v in self.cache.usage().items()},  # kv_blocks_total, kv_blocks_used, kv_block_size
             "kv_slots_cached": len(self.prefixes.retained),
             "prefix_reused_tokens": self.prefixes.reused_tokens,
             "vocab_size": self.vocab_size,

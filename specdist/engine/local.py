@@ -56,6 +56,15 @@ class Engine(Scheduler):
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
         super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
 
+    def kv_cache_usage(self) -> dict[str, dict[str, int]]:
+        """Each core's KV cache usage (``usage()`` of its cache: blocks_total, blocks_used, block_size), by core
+        name as :meth:`kv_slots_in_use` names them; a drafter without a cache (n-gram, suffix) has none."""
+        out = {"target": self.target_core.cache.usage()}
+        cache = self.draft_core.cache if self.draft_core is not None else None
+        if cache is not None:
+            out["draft"] = cache.usage()
+        return out
+
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,
                     target: torch.nn.Module | None = None) -> "Engine":

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from specdist.errors import ResourceExhausted
-from specdist.models.paged_cache import KVCacheFull
+from specdist.models.paged_cache import KVCacheFull, apply_cache_op
 
 
 class SlotKVCache:
@@ -84,6 +84,11 @@ class SlotKVCache:
 
     paged = False  # a slot per request holds max_len tokens (specdist.models.paged_cache: blocks)
 
+    def usage(self) -> dict[str, int]:
+        """What the cache holds, in its allocation units (a slot of ``max_len`` tokens here): blocks_total,
+        blocks_used and block_size (tokens a unit), as the paged cache reports them."""
+        return {"blocks_total": self.num_slots, "blocks_used": self.num_used, "block_size": self.max_len}
+
     def can_reserve(self, slot: int, tokens: int | None) -> bool:
         return True
 
@@ -118,27 +123,8 @@ class SlotKVCache:
         self.lengths[dst_slot] = length
 
     def apply(self, op: tuple) -> int | None:
-        """Apply one recorded cache operation (how tensor-parallel followers replay rank 0's):
-        ``("allocate", slot[, tokens])`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
-        length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within this cache), ``("reserve", slot,
-        tokens)`` (nothing to do here)."""
-        kind = op[0]
-        if kind == "reserve":
-            return None
-        if kind == "allocate":
-            slot = self.allocate()
-            if slot != op[1]:
-                raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
-            return slot
-        if kind == "free":
-            self.free(op[1])
-        elif kind == "rollback":
-            self.rollback(op[1], op[2])
-        elif kind == "copy":
-            self.copy_prefix(self, op[1], op[2], op[3])
-        else:
-            raise ValueError(f"unknown cache operation {kind!r}")
-        return None
+        """Apply one recorded cache operation (:func:`~specdist.models.paged_cache.apply_cache_op`)."""
+        return apply_cache_op(self, op)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -30,6 +30,29 @@ class KVCacheFull(RuntimeError):
     """No room for a sequence: no free slot, or too few blocks for its reservation."""
 
 
+def apply_cache_op(cache, op: tuple) -> int | None:
+    """Apply one recorded cache operation to a KV cache (slot or paged: how tensor-parallel followers replay rank
+    0's): ``("allocate", slot[, tokens])`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
+    length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within the cache), ``("reserve", slot, tokens)``."""
+    kind = op[0]
+    if kind == "allocate":
+        slot = cache.allocate(op[2] if len(op) > 2 else None)
+        if slot != op[1]:
+            raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
+        return slot
+    if kind == "free":
+        cache.free(op[1])
+    elif kind == "rollback":
+        cache.rollback(op[1], op[2])
+    elif kind == "copy":
+        cache.copy_prefix(cache, op[1], op[2], op[3])
+    elif kind == "reserve":
+        cache.reserve(op[1], op[2])
+    else:
+        raise ValueError(f"unknown cache operation {kind!r}")
+    return None
+
+
 class PagedKVCache:
     paged = True
 
@@ -87,6 +110,10 @@ class PagedKVCache:
     @property
     def blocks_in_use(self) -> int:
         return self.num_blocks - 1 - len(self._free_blocks)
+
+    def usage(self) -> dict[str, int]:
+        """Blocks the sequences can take (the scratch block aside), blocks they hold, tokens a block."""
+        return {"blocks_total": self.num_blocks - 1, "blocks_used": self.blocks_in_use, "block_size": self.block_size}
 
     @property
     def committed_blocks(self) -> int:
@@ -177,26 +204,7 @@ class PagedKVCache:
         self.lengths[dst_slot] = length
 
     def apply(self, op: tuple) -> int | None:
-        """Apply one recorded cache operation (how tensor-parallel followers replay rank 0's):
-        ``("allocate", slot[, tokens])``, ``("free", slot)``, ``("rollback", slot, length)``,
-        ``("copy", src_slot, dst_slot, length)`` and ``("reserve", slot, tokens)``."""
-        kind = op[0]
-        if kind == "allocate":
-            slot = self.allocate(op[2] if len(op) > 2 else None)
-            if slot != op[1]:
-                raise RuntimeError(f"tensor-parallel ranks diverged: allocated slot {slot}, rank 0 got {op[1]}")
-            return slot
-        if kind == "free":
-            self.free(op[1])
-        elif kind == "rollback":
-            self.rollback(op[1], op[2])
-        elif kind == "copy":
-            self.copy_prefix(self, op[1], op[2], op[3])
-        elif kind == "reserve":
-            self.reserve(op[1], op[2])
-        else:
-            raise ValueError(f"unknown cache operation {kind!r}")
-        return None
+        return apply_cache_op(self, op)
 
     # ------------------------------------------------------------ what a forward needs
     def ensure(self, slot: int, end: int) -> None:
