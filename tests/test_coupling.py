@@ -132,3 +132,42 @@ def test_noise_is_the_same_on_every_device(device: str) -> None:
     assert torch.equal(dev.cpu(), cpu)
     probs = torch.softmax(torch.randn(16, 4096, generator=torch.Generator().manual_seed(2)), -1)
     assert torch.equal(gumbel_argmax(probs.to(device), starts.to(device)).cpu(), gumbel_argmax(probs, starts))
+
+
+def _unmix64(z: int) -> int:
+    """The inverse of SplitMix64's output function (mix64): the hash is a bijection, so a client can aim it."""
+    m = (1 << 64) - 1
+
+    def unxorshift(x: int, s: int) -> int:
+        y = x
+        for _ in range(64 // s + 1):
+            y = x ^ (y >> s)
+        return y & m
+
+    z = unxorshift(z, 31)
+    z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & m
+    z = unxorshift(z, 27)
+    z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & m
+    return unxorshift(z, 30)
+
+
+def test_the_noise_never_lets_a_zero_probability_token_win() -> None:
+    """The stream element whose top bits are all ones (a client can find the seed that lands on it: the hash is
+    invertible) must still give a uniform strictly below 1: E = -log u > 0, and a token of probability 0 never
+    wins (E / p = 0 / 0 would be NaN, which argmin picks). The same on the draft's side, which uses the same
+    noise."""
+    from specdist.cores.coupling import _GOLDEN, _signed, mix64
+
+    x = _unmix64((1 << 64) - 1)
+    assert mix64(x) == (1 << 64) - 1
+    start = _signed(x - _GOLDEN)  # token 0's element (start + 1 * golden) is x
+    starts = torch.tensor([start, start], dtype=torch.int64)
+    e = exponential_noise(starts, 3)  # [2, 3]
+    assert torch.isfinite(e).all() and (e > 0).all(), e
+    probs = torch.tensor([[0.0, 0.3, 0.7], [0.0, 1.0, 0.0]])  # token 0 impossible; row 2 one token possible
+    assert gumbel_argmax(probs, starts).tolist()[1] == 1
+    assert gumbel_argmax(probs, starts).tolist()[0] in (1, 2)
+    # the smallest element too: u > 0, E finite
+    x0 = _unmix64(0)
+    e0 = exponential_noise(torch.tensor([_signed(x0 - _GOLDEN)], dtype=torch.int64), 1)
+    assert torch.isfinite(e0).all() and (e0 > 0).all()

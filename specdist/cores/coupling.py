@@ -26,12 +26,14 @@ never emitted. Agreement probability at a position: ``sum_x 1 / sum_j max(p_j / 
 The noise. Row ``(key, n)`` starts a SplitMix64 stream at ``mix64(key ^ GUMBEL_ROLE) + n *
 2^32 * golden`` and token ``x`` takes its element ``x + 1``: ``z = mix64(start + (x + 1) *
 golden)`` (64-bit wrapping arithmetic, the same on the host in Python and on any torch device in
-int64), ``u = (z >> 11 + 1/2) / 2^53`` in (0, 1) and ``G = -log(-log u)`` in float64. Positions
+int64), ``u = (z >> 12 + 1/2) / 2^52`` strictly inside (0, 1) (52 bits and the half: every value exact
+in float64, so no element rounds to 1, which would give ``E = 0``) and ``G = -log(-log u)`` in
+float64. Positions
 are < 2^32 (far above any context) and vocabularies < 2^32, so no two (position, token) pairs of
 a key share an element. The key is the drafter's seed (:func:`specdist.transport.protocol.draft_seed` of
 the request seed), which both sides know; the rejection coupling's uniforms use other roles.
 The argmax is taken as ``argmin_x E(x) / p'(x)`` with ``E = -log u`` (the same token, one
-logarithm per entry). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
+logarithm per entry), a token with ``p'(x) = 0`` masked to ``+inf`` (never ``0 / 0``). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
 entry of each sampled position the target scores (greedy rows need no noise).
 """
 
@@ -92,7 +94,7 @@ def _offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
 def exponential_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int64 -> [N, V] float64
     """``E = -log u`` ~ Exp(1) of every token of each row (``G = -log E`` is its Gumbel noise)."""
     z = _mix64_t(starts[:, None] + _offsets(vocab_size, starts.device)[None, :])  # [N, V]
-    return -torch.log((_srl(z, 11).double() + 0.5) * 2.0**-53)
+    return -torch.log((_srl(z, 12).double() + 0.5) * 2.0**-52)  # u in (0, 1): 52 bits + 1/2 are exact
 
 
 # noise computed for at most this many (row, token) pairs at once: the int64 temporaries (2 MiB) stay in
@@ -103,11 +105,17 @@ CHUNK_ELEMENTS = 1 << 18
 def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # [N, V], [N] -> [N] long
     """``argmax_x log probs(x) + G(x)``: a sample from each row, fixed by its noise. Computed as
     ``argmin_x E(x) / probs(x)`` (the same token: ``log`` is increasing; one logarithm per entry
-    instead of three); ``probs(x) = 0`` gives ``inf``, never the minimum of a row with mass."""
+    instead of three); a token with ``probs(x) = 0`` scores ``+inf`` (masked, not divided: ``E > 0`` holds by
+construction, the mask keeps it so whatever the noise), never the minimum of a row with mass."""
     n, vocab = probs.shape
     step = max(1, CHUNK_ELEMENTS // vocab)
-    return torch.cat([(exponential_noise(starts[i : i + step], vocab) / probs[i : i + step].double()).argmin(-1)
-                      for i in range(0, n, step)]) if n else torch.zeros(0, dtype=torch.long, device=probs.device)
+
+    def scores(i: int) -> torch.Tensor:  # [step, V] E / p, +inf where p = 0
+        p = probs[i: i + step].double()
+        return torch.where(p > 0, exponential_noise(starts[i: i + step], vocab) / p, torch.inf)
+
+    return torch.cat([scores(i).argmin(-1) for i in range(0, n, step)]) if n else torch.zeros(
+        0, dtype=torch.long, device=probs.device)
 
 
 def gumbel_verify(target_tokens: list[list[int]], draft_tokens: list[list[int]]) -> list[int]:
