@@ -50,7 +50,8 @@ Shape::
                                      #   prefill holds up every running request's next token; null: no bound
       device: auto                   # auto | cpu | cuda | cuda:N
       num_threads: null              # torch intra-op threads; null keeps torch's default
-      seed: 0                        # seeds requests that do not bring their own
+      seed: null                     # seeds requests that do not bring their own: null draws each from the
+                                     #   operating system's randomness (64 bits); an integer makes them repeat
       prefix_caching: true           # a prompt starting with 16+ tokens that a running or finished request
                                      #   holds takes their K/V instead of computing them (finished requests'
                                      #   slots are kept until a new request needs one)
@@ -239,7 +240,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     device: str = "auto"
     num_threads: int | None = None
-    seed: int = 0
+    seed: int | None = None  # None: unseeded requests draw their seeds from the OS (secure, differ per start)
     compile: bool | str = "auto"  # Inductor-compiled static passes over a slot cache: on (true), off (false, and auto)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
@@ -260,7 +261,8 @@ class EngineConfig:
             raise ConfigError(f"{key}.device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads is not None:
             _check_int(self.num_threads, f"{key}.num_threads", 1, 1024)
-        _check_int(self.seed, f"{key}.seed", 0, 2**63 - 1)
+        if self.seed is not None:
+            _check_int(self.seed, f"{key}.seed", 0, 2**63 - 1)
         if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile in COMPILE_MODES)):
             raise ConfigError(f"{key}.compile", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), "
                                                 f"got {self.compile!r}")

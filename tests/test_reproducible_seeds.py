@@ -107,3 +107,22 @@ def _outputs_of(eng, sp) -> list[list[int]]:
         return [o.token_ids for o in eng.generate(PROMPTS, sp)]
     finally:
         eng.close()
+
+
+def test_unseeded_requests_draw_64_bit_seeds_from_the_os_unless_the_config_seeds_them(tiny_models) -> None:
+    """Without ``engine.seed`` every unseeded request's seed comes from the operating system's randomness: two
+    engines (a restart, another replica) give the same request different seeds, and the seeds use all 64 bits
+    (of 64 draws, P(none >= 2**63) = 2**-64). With ``engine.seed`` set they repeat, still over 64 bits."""
+    def seeds(**engine) -> list[int]:
+        cfg = tiny_config(tiny_models, "none")
+        cfg["engine"].update(engine)
+        eng = Engine.from_config(cfg)
+        try:
+            return [eng.add_request([1, 2, 3], SamplingParams(max_tokens=1)).seed for _ in range(64)]
+        finally:
+            eng.close()
+
+    a, b = seeds(), seeds()
+    assert a[0] != b[0] and len(set(a) | set(b)) == 128
+    assert max(a) >= 2**63 and all(0 <= s < 2**64 for s in a)
+    assert seeds(seed=5) == seeds(seed=5) and max(seeds(seed=5)) >= 2**63

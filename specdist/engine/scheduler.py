@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import random
 import threading
 import uuid
 from collections import deque
@@ -255,7 +256,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._core_ids = itertools.count()
         self._uid = uuid.uuid4().hex[:8]
-        self._seeds = torch.Generator().manual_seed(ec.seed)
+        # seeds of requests that bring none: the OS's randomness, or a stream of the configured seed (64 bits each)
+        self._seeds = random.SystemRandom() if ec.seed is None else random.Random(ec.seed)
         self._pool: ThreadPoolExecutor | None = None  # parallel Propose when several replicas draft
         self._probe_pool: ThreadPoolExecutor | None = None  # probes of ejected draft replicas
         self._probes: dict[int, tuple] = {}  # replica -> (future of its probe, ids it releases)
@@ -278,7 +280,7 @@ class Scheduler:
                                   max_model_len=self.max_model_len, chat=chat)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a model with a tokenizer")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt=text,
