@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdist.errors import ConfigError
+from specdist.errors import ConfigError, SpecDistError
+from specdist.models.gguf_check import GGUFError, check_gguf
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported, source_model_type
 
@@ -118,12 +119,14 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
             if f.name == fname:
                 path = str(f.locate())
                 if os.path.isfile(path):
+                    check_gguf_file(path, key)
                     return ModelSource(os.path.dirname(path), fname, spec, key)
         raise ConfigError(key, f"package {dist} is installed but holds no {fname}")
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(key, f"GGUF file {spec!r} does not exist")
+        check_gguf_file(path, key)
         return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path), spec, key)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -190,19 +193,30 @@ def _fast_gguf_reader(base: type) -> type:
             fmt = _GGUF_FORMATS.get(itype)
             if itype != _GGUF_STRING and fmt is None:  # nested arrays: the stock path
                 return super()._get_field_parts(orig_offs, raw_type)
+            if orig_offs + 12 > len(view):
+                raise ValueError(f"an array header at offset {orig_offs} runs past the end of the file")
             count = int.from_bytes(view[orig_offs + 4:orig_offs + 12], "little")
             parts = [view[orig_offs:orig_offs + 4].cast("I"), view[orig_offs + 4:orig_offs + 12].cast("Q")]
             offs = orig_offs + 12
+            left = len(view) - offs
             if itype == _GGUF_STRING:  # each: uint64 length, then the bytes
+                if count * 8 > left:  # every string takes at least its length
+                    raise ValueError(f"an array of {count} strings at offset {orig_offs}: {left} bytes are left")
                 for _ in range(count):
                     n = int.from_bytes(view[offs:offs + 8], "little")
+                    if offs + 8 + n > len(view):
+                        raise ValueError(f"a string of {n} bytes at offset {offs} runs past the end of the file")
                     parts.append(view[offs:offs + 8].cast("Q"))
                     parts.append(view[offs + 8:offs + 8 + n])
                     offs += 8 + n
                 idxs = list(range(3, 2 + 2 * count + 1, 2))
             else:
                 size = struct.calcsize(fmt)
-                parts += [view[o:o + size].cast(fmt) for o in range(offs, offs + size * count, size)]
+                if count * size > left:
+                    raise ValueError(f"an array of {count} values of {size} bytes at offset {orig_offs}: {left} bytes "
+                                     "are left")
+                values = view[offs:offs + size * count].cast(fmt)  # one cast; each element a view of it
+                parts += [values[i:i + 1] for i in range(count)]
                 offs += size * count
                 idxs = list(range(2, 2 + count))
             types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if count else [])  # as the stock reader's
@@ -314,7 +328,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    with gguf_parsed_once():
+    with gguf_parsed_once(), gguf_errors(source):
         model = AutoModelForCausalLM.from_pretrained(
             source.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **kwargs
         )
@@ -328,10 +342,43 @@ def load_model(
     if source.gguf_file and weights in ("native", "auto"):
         from specdist.models.native import use_native_blocks
 
-        with gguf_parsed_once():
+        with gguf_parsed_once(), gguf_errors(source):
             use_native_blocks(model, source.gguf_path, required=weights == "native")
     report(f"loaded {source.role} {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return model
+
+
+def check_gguf_file(path: str, key: str) -> None:
+    """ConfigError naming ``key`` and the file unless its GGUF structure holds (:func:`check_gguf`), checked once
+    per file and version (size, modification time) in a process."""
+    st = os.stat(path)
+    try:
+        _checked_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    except GGUFError as e:
+        raise ConfigError(key, f"{path}: not a valid GGUF file: {e}") from None
+    except OSError as e:
+        raise ConfigError(key, f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_gguf(path: str, size: int, mtime_ns: int) -> None:  # a failure raises, and is not cached
+    check_gguf(path)
+
+
+@contextmanager
+def gguf_errors(source: ModelSource) -> Iterator[None]:
+    """A damaged GGUF file that passed the header check (its tensor data does not hold what its header says)
+    fails as a ConfigError naming the file, not with numpy's or struct's error from deep inside a reader."""
+    try:
+        yield
+    except SpecDistError:
+        raise
+    except (ValueError, struct.error, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError,
+            RuntimeError) as e:  # (RuntimeError: transformers' shape checks of the tensors it read)
+        if not source.gguf_file:
+            raise
+        raise ConfigError(source.key or "target.model", f"{source.gguf_path}: a damaged GGUF file "
+                                                        f"({type(e).__name__}: {e})") from None
 
 
 def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None = None):
@@ -351,7 +398,7 @@ def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None =
     if source.gguf_file:  # rebuilt from the GGUF file: seconds, so say so before
         report(f"loading the tokenizer of {source.short_name} ...")
     t0 = time.perf_counter()
-    with gguf_parsed_once():
+    with gguf_parsed_once(), gguf_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **kwargs)
     report(f"loaded the tokenizer of {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return tokenizer
