@@ -55,7 +55,11 @@ speculative output equals plain decoding and a seed's tokens do not depend on th
 
 The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; gcc and
 clang work) into ``~/.cache/specdist/kernels`` (``$SPECDIST_KERNEL_CACHE`` overrides), one file
-per source and flags hash, written atomically so that concurrent workers share it. It runs its
+per source and flags hash, written atomically so that concurrent workers share it. The folder is
+created 0700, and a library is loaded only from a folder and a file of this user that nobody else
+can write (opened, checked, then loaded through the open file): elsewhere the kernels are built
+again in a private temporary folder, since anyone who can write to the cache could plant code
+under the library's name. It runs its
 threads in the process's OpenMP runtime (the ``libgomp`` torch already loaded), so
 ``torch.set_num_threads`` governs both. :func:`available` is False on CPUs without AVX2, where
 no compiler works, or with ``SPECDIST_CPU_KERNELS=0``; callers then use torch's kernels.
@@ -108,27 +112,83 @@ def _cache_dir() -> str:
     return os.environ.get("SPECDIST_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdist", "kernels")
 
 
-def _build() -> str:
-    """Compile the C file unless its library is cached; returns the library's path."""
+def library_name() -> str:
+    """The library's file name: a hash of the C source, the compiler and its flags."""
     cc = os.environ.get("CC", "cc")
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    path = os.path.join(out_dir, f"cpu_kernels-{digest}.so")
+    return f"cpu_kernels-{digest}.so"
+
+
+def _unsafe(st: os.stat_result, what: str) -> str | None:
+    """Why a file or folder this process would trust is not safe: owned by another user, or writable by others."""
+    if st.st_uid != os.getuid():
+        return f"{what} belongs to uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"{what} is writable by others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _private_dir(path: str) -> str | None:
+    """``path`` created 0700 if missing; why it cannot be trusted (another user's, or writable by others), else
+    None. Only a folder nobody else can write holds a library this process loads: anyone who can write there could
+    plant code under the library's (computable) name."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return _unsafe(os.stat(path), f"the kernel cache {path}")
+
+
+def _build(out_dir: str) -> str:
+    """Compile the C file into ``out_dir`` unless its library is there; returns the library's path."""
+    cc = os.environ.get("CC", "cc")
+    path = os.path.join(out_dir, library_name())
     if os.path.exists(path):
         return path
-    os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, *LIBS], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-400:]}")
+        os.chmod(tmp, 0o700)
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _load(path: str) -> ctypes.CDLL:
+    """Load the library at ``path`` once it checks out: a regular file (not a link) of this user that nobody else
+    can write, opened first and loaded through that open file (``/proc/self/fd``), so what was checked is what
+    loads. OSError saying why otherwise."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        import stat
+
+        why = _unsafe(st, f"the kernel library {path}") or (None if stat.S_ISREG(st.st_mode) else f"{path} is not a file")
+        if why:
+            raise OSError(why)
+        via = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(via if os.path.exists(via) else path)
+    finally:
+        os.close(fd)
+
+
+def _open_library() -> ctypes.CDLL:
+    """The kernels from the cache (``$SPECDIST_KERNEL_CACHE`` or the home cache), or, where the cache or the library in
+    it is not this user's alone, built again in a fresh private folder (said once in the log)."""
+    cache = _cache_dir()
+    why = _private_dir(cache)
+    if why is None:
+        try:
+            return _load(_build(cache))
+        except OSError as e:
+            if "failed" in str(e):  # the compiler: a private folder would not help
+                raise
+            why = str(e)
+    log.warning("%s: building the kernels in a private folder for this process instead", why)
+    return _load(_build(tempfile.mkdtemp(prefix="specdist-kernels-")))
 
 
 @functools.cache
@@ -141,7 +201,7 @@ def library() -> ctypes.CDLL | None:
                  torch.backends.cpu.get_cpu_capability())
         return None
     try:
-        lib = ctypes.CDLL(_build())
+        lib = _open_library()
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
         return None
