@@ -380,15 +380,14 @@ def test_under_torch_compile_the_kernels_are_opaque_ops():
 def test_the_library_builds_into_its_cache(tmp_path, monkeypatch):
     """One shared object per source and flags, built once; a compiler that fails is reported, not raised past
     :func:`cpu_kernels.library` (callers fall back to torch's int4 kernel)."""
-    monkeypatch.setenv("SPECDIST_KERNEL_CACHE", str(tmp_path))
-    path = cpu_kernels._build()
+    path = cpu_kernels._build(str(tmp_path))
     assert path.startswith(str(tmp_path)) and path.endswith(".so")
     mtime = (tmp_path / path.split("/")[-1]).stat().st_mtime_ns
-    assert cpu_kernels._build() == path and (tmp_path / path.split("/")[-1]).stat().st_mtime_ns == mtime
+    assert cpu_kernels._build(str(tmp_path)) == path and (tmp_path / path.split("/")[-1]).stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]  # no temporary file left
     monkeypatch.setenv("CC", "false")
     with pytest.raises(OSError, match="false failed"):
-        cpu_kernels._build()
+        cpu_kernels._build(str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]
 
 

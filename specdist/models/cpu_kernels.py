@@ -380,16 +380,20 @@ SCALE_MODES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 _MODE_FLAGS = (0, LIN_HALF_SCALES, LIN_SUPER_SCALES)
 
 
-def scales_kind(kind: int, scales: torch.Tensor | None) -> int:
+def scales_kind(kind: int, scales: torch.Tensor | None, n: int, k: int) -> int:
     """A block kind with its scales' flag (float16 scales: ``LIN_HALF_SCALES``; super-blocks: ``LIN_SUPER_SCALES``),
-    after checking that ``scales`` (``[groups, G, ...]`` packed) are in one of that kind's layouts."""
+    after checking that ``scales`` are that kind's layout for ``n`` rows of ``k`` inputs: ``[ceil(n/8), k / 32, ...]``
+    packed per block, ``[ceil(n/8), k / 256, ...]`` per super-block (the C code reads them unchecked)."""
     mode = SCALE_MODES.get(scales.dtype) if scales is not None else None
     if mode is None or not scales.is_contiguous():
         raise ValueError(f"block kernel: scales must be contiguous float32, float16 or uint8 super-blocks, not "
                          f"{None if scales is None else scales.dtype}")
     f, p = SUPER_LAYOUT[kind]
-    if scales.shape[-1] != (32 * f + 64 * p if mode == 2 else _SCALE_FLOATS[kind]):
-        raise ValueError(f"block kernel: scales {tuple(scales.shape)} {scales.dtype} are not those of kind {kind}")
+    want = (-(-n // 8), k // (8 * GROUP) if mode == 2 else k // GROUP,
+            32 * f + 64 * p if mode == 2 else _SCALE_FLOATS[kind])
+    if tuple(scales.shape) != want:
+        raise ValueError(f"block kernel: scales {tuple(scales.shape)} {scales.dtype} are not those of kind {kind} "
+                         f"for {n} rows of {k} inputs ({want})")
     return kind | _MODE_FLAGS[mode]
 
 
@@ -413,7 +417,7 @@ def _block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
         raise ValueError(f"block_mm: kind {kind} is not a block kind ({tuple(CODE_BYTES)})")
     if codes.shape != (-(-n // 8), k // GROUP, CODE_BYTES[kind]) or k % GROUP:
         raise ValueError(f"block_mm: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs of kind {kind}")
-    flagged = scales_kind(kind, scales)
+    flagged = scales_kind(kind, scales, n, k)
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
     rc = library().specdist_block_mm(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), flagged, n,
                                      y.data_ptr()) if m else 0
@@ -481,8 +485,50 @@ def _kv16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     return int(k_cache.dtype == torch.float16)
 
 
+# the last index tensors found in range, held (so no other tensor can take their identity) with their versions and
+# the call's sizes: the layers of a forward pass the same ones, checked once
+_checked: list = [None]
+
+
+def _check_cache_call(what: str, q_dtype: torch.dtype, q_hd: int, hq: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, bsz: int, t: int, query_pos: torch.Tensor,
+                      write_pos: torch.Tensor | None = None) -> None:
+    """ValueError unless a kernel call's shapes agree and its indices lie inside the cache: ``slots`` [B] in
+    [0, slots), ``query_pos`` (and ``write_pos``) [B, T] in [0, L + 1). The C code indexes with them unchecked.
+    O(B * T), and once for the index tensors that every layer of a forward gets (kept by identity and version)."""
+    if q_dtype != torch.float32:
+        raise ValueError(f"{what}: queries must be float32, not {q_dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{what}: k and v caches must be contiguous [slots, kv heads, length, head size] of one "
+                         f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    n_slots, hkv, l1, hd = k_cache.shape
+    if q_hd != hd or hq % hkv:
+        raise ValueError(f"{what}: {hq} query heads of {q_hd} do not fit a cache of {hkv} heads of {hd}")
+    held = (slots, query_pos, write_pos)
+    # torch's mutation counter where it keeps one (inference tensors have none: the same object is taken as unchanged,
+    # as nothing writes a forward's index tensors in place between its layers)
+    versions = tuple(x._version if x is not None and not x.is_inference() else 0 for x in held)  # noqa: SLF001
+    last = _checked[0]
+    if last is not None and all(a is b for a, b in zip(last[0], held)) and last[1:] == (versions, n_slots, l1, bsz, t):
+        return
+    if slots.shape != (bsz,):
+        raise ValueError(f"{what}: slots {tuple(slots.shape)} for {bsz} requests")
+    if bsz and not (0 <= int(slots.min()) and int(slots.max()) < n_slots):
+        raise ValueError(f"{what}: slots {slots.tolist()} outside the cache's {n_slots}")
+    for name, pos in (("query_pos", query_pos), ("write_pos", write_pos)):
+        if pos is None:
+            continue
+        if pos.shape != (bsz, t):
+            raise ValueError(f"{what}: {name} {tuple(pos.shape)} for {bsz} requests of {t} tokens")
+        if pos.numel() and not (0 <= int(pos.min()) and int(pos.max()) < l1):
+            raise ValueError(f"{what}: {name} from {int(pos.min())} to {int(pos.max())}, outside the cache's "
+                             f"positions 0..{l1 - 1}")
+    _checked[0] = (held, versions, n_slots, l1, bsz, t)
+
+
 def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float, softcap: float) -> torch.Tensor:
     bsz, hq, t, hd = q.shape
+    _check_cache_call("attention kernel", q.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos)
     kv16 = _kv16(k_cache, v_cache)
     if q.stride(3) != 1:
         q = q.contiguous()
@@ -530,6 +576,14 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
                     softcap: float) -> torch.Tensor:
     bsz, t, hq, hd = q.shape
     hkv = k.shape[2]
+    _check_cache_call("rope_attention kernel", q.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos, write_pos)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != torch.float32 or x.shape != (bsz, t, k_cache.shape[1], hd):
+            raise ValueError(f"rope_attention kernel: {name} {tuple(x.shape)} {x.dtype}; the cache wants float32 "
+                             f"{(bsz, t, k_cache.shape[1], hd)}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (bsz, t, hd):
+            raise ValueError(f"rope_attention kernel: {name} {tuple(x.shape)} for {(bsz, t, hd)}")
     kv16 = _kv16(k_cache, v_cache)
     views = []
     for x in (q, k, v):  # rows of hd contiguous, heads adjacent: (request, token) strides are free
@@ -598,7 +652,7 @@ class LayerWeights:
         self.linears = (BlockLinear * 6)(*(
             BlockLinear() if lin is None else  # n = 0: no such part
             BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2],
-                        int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1]),
+                        int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1], lin[2], _inputs(lin)),
                         lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
         self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
         self.d = self.norm1.shape[0]
@@ -653,6 +707,10 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     qn = weights.qk_norms
     if qn is not None and not qn[0].shape == qn[1].shape == (hd,):
         raise ValueError(f"llama_layer: q/k norms {tuple(qn[0].shape)}, {tuple(qn[1].shape)} for heads of {hd}")
+    _check_cache_call("llama_layer", h.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos, write_pos)
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (bsz, t, hd):
+            raise ValueError(f"llama_layer: {name} {tuple(x.shape)} for {(bsz, t, hd)}")
     kv16 = _kv16(k_cache, v_cache)
     need = weights.scratch(bsz * t)
     if scratch is None or scratch.numel() < need:
