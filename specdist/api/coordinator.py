@@ -518,6 +518,13 @@ class Coordinator:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
         return request_id
 
+    def check_room(self, n: int = 1) -> None:
+        """Refuse ``n`` new requests now unless the server takes requests and has room for them (cheap, on the event
+        loop): what a front end asks before it reads, renders or tokenizes anything. Admission checks again."""
+        self._check_serving()
+        if len(self._live) + n > self.max_queued:
+            raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+
     def _check_serving(self) -> None:
         """Refuse any request while draining or closed, the target down or lost, the engine thread dead."""
         if self._draining:

@@ -95,6 +95,8 @@ from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
+BODY_TIMEOUT_S = 30.0  # a request body not read whole within this gets 408 (slow uploads hold memory and a connection)
+SPARE_CONNECTIONS = 32  # connections past max_queued (health, metrics, models, refused tries) before uvicorn's 503
 # each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
 # server's state, to retry later, not a client's quota (429). CANCELLED: 499, the client closed.
 HTTP_STATUS = {
@@ -172,15 +174,16 @@ class APIError(Exception):
     """An OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -426,6 +429,7 @@ class _OpenAIFrontEnd:
         engine thread); on a refusal close those already open."""
         streams: list[RequestStream] = []
         try:
+            self.coordinator.check_room(len(call.params))  # every choice's room, before the template and tokenizer
             prompt = await self.coordinator.encode(call.prompt, chat=call.chat)
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
@@ -445,6 +449,14 @@ class _OpenAIFrontEnd:
                 s.close()
             raise
         return streams
+
+    def check_room(self, n: int = 1) -> None:
+        """503 (or the refusal's own status) unless the coordinator can take ``n`` more requests now."""
+        try:
+            self.coordinator.check_room(n)
+        except Exception as e:  # noqa: BLE001 - each refusal has its code
+            code = refusal_code(e, "HTTP request")
+            raise APIError(HTTP_STATUS[code], str(e), type="server_error", code=code.name.lower()) from None
 
     def check_model(self, body: _Common) -> None:
         if body.model is not None and body.model != self.model:
@@ -536,6 +548,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
         return e.response()
 
     async def generate(request: Request, model: type[_Common], chat: bool) -> Response:
+        front.check_room()  # a full server answers before it reads the body, renders or tokenizes (as gRPC does)
         try:
             body = model.model_validate_json(await _body(request, front.limits.max_message_bytes))
         except ValidationError as e:
@@ -597,19 +610,28 @@ def _bearer_auth(token: str) -> Callable[[Request], Awaitable[None]]:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body; 413 once it is over ``limit`` bytes (``limits.max_message_bytes``)."""
+    """The request body; 413 once it is over ``limit`` bytes (``limits.max_message_bytes``), 408 when it has not
+    arrived whole within ``BODY_TIMEOUT_S`` (the connection is then closed)."""
     # 413, not RESOURCE_EXHAUSTED's 503: HTTP has a status of its own for a body over the limit
     too_large = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
 
 
 async def _until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -691,8 +713,12 @@ class HttpServer:
 
 
 async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                     model_name: str | None = None, security: ServerSecurity | None = None) -> HttpServer:
+                     model_name: str | None = None, security: ServerSecurity | None = None,
+                     max_connections: int | None = None) -> HttpServer:
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
+
+    ``max_connections``: connections (and requests in progress) past which uvicorn answers 503 at once
+    (default: the coordinator's ``max_queued`` plus ``SPARE_CONNECTIONS``).
 
     ``security``: HTTPS with its certificate (a client certificate required with a client CA),
     and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.transport.security`).
@@ -710,8 +736,9 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     bound = sock.getsockname()[1]
     security = security or ServerSecurity()
     tls = security.tls.uvicorn_kwargs() if security.tls is not None else {}
+    cap = max_connections or getattr(coordinator, "max_queued", 256) + SPARE_CONNECTIONS
     config = uvicorn.Config(create_app(coordinator, model_name, security.token), log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)
+                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, limit_concurrency=cap, **tls)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"specdist-http-{bound}")
     while not server.started:  # startup takes a few event-loop turns; the socket already queues connections
