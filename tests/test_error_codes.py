@@ -238,6 +238,9 @@ class _RefusingCoordinator:
     def __init__(self, error: BaseException):
         self.error = error
 
+    def check_room(self, n=1):  # room enough: the refusal comes at admission
+        pass
+
     async def encode(self, prompt, chat=False):
         return prompt
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import LoopThread, tiny_config
+from conftest import wait_until, LoopThread, tiny_config
 from test_coordinator import collect
 from specdist import Engine, SamplingParams
 from specdist.client import RemoteError, SpecDistClient
@@ -135,9 +135,14 @@ def coordinator_counters(loop_thread, coordinator) -> dict[str, int]:
     return loop_thread.run(read())
 
 
+def client_id(engine_id: str) -> str:
+    """A client's request id from the engine's (the id within its caller's scope: ``scope/id``)."""
+    return engine_id.split("/", 1)[-1]
+
+
 def running_ids(*ids: str):
     """A hold_when predicate: any of these request ids is in the running batch with output already."""
-    return lambda eng: any(r.request_id in ids and r.output.token_ids for r in eng.running)
+    return lambda eng: any(client_id(r.request_id) in ids and r.output.token_ids for r in eng.running)
 
 
 def check_against_engine(client, ref, prompt, **kw) -> None:
@@ -281,7 +286,7 @@ def test_cancel_and_disconnect_free_everything(srv, ref):
     # 60 tokens (>= 13 steps, so >= 13 chunks: more than its client reads first) the engine
     # stops advancing until the abort has run. Disconnects land wherever they land.
     cancel_ids = [f"cancel-{i}" for i in range(0, 24, 2)]
-    srv.gate.hold_when = lambda eng: any(r.request_id in cancel_ids and len(r.output.token_ids) >= 50
+    srv.gate.hold_when = lambda eng: any(client_id(r.request_id) in cancel_ids and len(r.output.token_ids) >= 50
                                          for r in eng.running)
     rng = random.Random(1)
     outcomes: list = [None] * 24
@@ -323,6 +328,49 @@ def test_cancel_and_disconnect_free_everything(srv, ref):
     ended = sum(after[k] - before[k] for k in ("requests_finished", "requests_cancelled", "requests_failed"))
     assert ended == after["requests_total"] - before["requests_total"]
     check_against_engine(srv.client, ref, "b a d", max_tokens=20, temperature=0)
+
+
+def test_request_ids_belong_to_their_caller(srv):
+    """Another client (its own connection) can neither cancel a request by its id nor learn that the id is live
+    (ALREADY_EXISTS): ids are scoped to the caller's connection. The owner cancels its own. (Channels of one process
+    share gRPC's connection unless told otherwise: the other client's is its own, as another process's is.)"""
+    other = SpecDistClient(grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)]))
+    live = lambda: srv.coordinator.counters()["live_requests"]  # noqa: E731 - (a racy read of a dict size: fine)
+    try:
+        # one: the other client cannot cancel it; its owner can
+        srv.gate.hold_when = lambda eng: any(len(r.output.token_ids) >= 3 for r in eng.running)
+        gen = srv.client.generate([1, 2], max_tokens=40, temperature=0, ignore_eos=True, request_id="mine")
+        assert next(gen).request_id == "mine"
+        with pytest.raises(RemoteError) as e:
+            other.cancel("mine")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        srv.client.cancel("mine")
+        assert list(gen)[-1].finish_reason == "abort"
+        # two: the same id from the other client is its own request, admitted beside the first's
+        gen = srv.client.generate([1, 2], max_tokens=40, temperature=0, ignore_eos=True, request_id="dup")
+        next(gen)
+        theirs: list = []
+        t = threading.Thread(target=lambda: theirs.extend(
+            _outcome(lambda: list(other.generate([3, 1], max_tokens=2, temperature=0, request_id="dup")))))
+        t.start()
+        wait_until("the other client's request admitted (or refused)", lambda: live() == 2 or theirs, 10)
+        srv.gate.hold_when = None
+        t.join(30)
+        assert theirs and not isinstance(theirs[0], Exception), theirs
+        assert theirs[-1].finish_reason == "length" and theirs[-1].request_id == "dup"
+        assert list(gen)[-1].finish_reason == "length"
+    finally:
+        srv.gate.hold_when = None
+        other.close()
+    wait_idle(srv.client)
+
+
+def _outcome(fn) -> list:
+    """fn()'s result, or [the exception it raised]."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return [e]
 
 
 def test_cancel_unknown_id(srv):

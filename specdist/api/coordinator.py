@@ -156,6 +156,11 @@ class DuplicateRequestId(InvalidArgument):
         return (type(self), (self.request_id,))
 
 
+def scoped(scope: str, request_id: str) -> str:
+    """The coordinator's (and the engine's) key of a caller's request id: the id within its caller's scope."""
+    return f"{scope}/{request_id}" if scope else request_id
+
+
 @dataclass
 class Delta:
     """What one engine step produced for one request. The last delta has ``finish_reason`` set."""
@@ -215,8 +220,9 @@ class RequestStream:
     finished; it is idempotent.
     """
 
-    def __init__(self, coordinator: "Coordinator", request_id: str):
-        self.request_id = request_id
+    def __init__(self, coordinator: "Coordinator", request_id: str, key: str | None = None):
+        self.request_id = request_id  # the caller's id (what its deltas carry)
+        self.key = key or request_id  # the coordinator's and the engine's: the id within its caller's scope
         self._coord = coordinator
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.done = False  # the final delta was delivered to this stream
@@ -238,12 +244,15 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self._coord.stream_closed(self.request_id, self.done)
+        self._coord.stream_closed(self.key, self.done)
 
     def deliver(self, delta: Delta) -> None:
-        """Queue a delta for the consumer (on the event loop); dropped once the stream is closed."""
+        """Queue a delta for the consumer (on the event loop), under the caller's id; dropped once the stream is
+        closed."""
         self.done = self.done or delta.finished
         if not self.closed:
+            if delta.request_id != self.request_id:
+                delta = dataclasses.replace(delta, request_id=self.request_id)
             self._queue.put_nowait(delta)
 
 
@@ -473,6 +482,7 @@ class Coordinator:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         chat: bool = False,
+        scope: str = "",
     ) -> RequestStream:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end).
 
@@ -480,17 +490,20 @@ class Coordinator:
         the engine thread, or an :class:`EncodedPrompt` (:meth:`encode`: one prompt for several
         requests). Raises :class:`Overloaded`, :class:`ShuttingDown`, :class:`TargetDown`,
         :class:`EngineDown`, ``InvalidArgument`` (bad prompt, params or id; :class:`DuplicateRequestId`).
+        ``scope``: whose id it is (the caller, :func:`scoped`): ids are unique, and cancelled, within a scope, so
+        a caller neither sees nor touches another's requests by their ids.
         """
-        request_id = self._admissible(request_id)
+        request_id = self._admissible(request_id, scope)
         if not isinstance(prompt, EncodedPrompt):
             prompt = await self.encode(prompt, chat)
-            request_id = self._admissible(request_id)  # again: the server may have changed meanwhile
-        stream = RequestStream(self, request_id)
-        self._live[request_id] = stream  # reserved before the await: admission and ids stay race-free
+            request_id = self._admissible(request_id, scope)  # again: the server may have changed meanwhile
+        key = scoped(scope, request_id)
+        stream = RequestStream(self, request_id, key)
+        self._live[key] = stream  # reserved before the await: admission and ids stay race-free
         try:
-            added = self._call(lambda: self._add(prompt, params, request_id))
+            added = self._call(lambda: self._add(prompt, params, key))
         except BaseException:  # closed, or the engine thread died, since the checks above
-            del self._live[request_id]
+            del self._live[key]
             raise
         stream.admission = added
         try:
@@ -499,12 +512,12 @@ class Coordinator:
             added.add_done_callback(lambda f: self._admitted(stream, f) and stream.close())
             raise
         except Exception:
-            self._live.pop(request_id, None)
+            self._live.pop(key, None)
             raise
         self._admitted(stream, added)
         return stream
 
-    def _admissible(self, request_id: str | None) -> str:
+    def _admissible(self, request_id: str | None, scope: str = "") -> str:
         """Refuse a request the server cannot take now (cheap checks, on the event loop); its id."""
         self._check_serving()
         self.start()
@@ -512,7 +525,7 @@ class Coordinator:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidArgument("request_id", f"must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self._live:
+        if scoped(scope, request_id) in self._live:
             raise DuplicateRequestId(request_id)
         if len(self._live) >= self.max_queued:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
@@ -537,8 +550,10 @@ class Coordinator:
         if self._engine_error is not None:
             raise self._engine_down()
 
-    async def cancel(self, request_id: str) -> bool:
-        """Abort a live request; its stream ends with "abort". False if no live request has that id."""
+    async def cancel(self, request_id: str, scope: str = "") -> bool:
+        """Abort a live request of ``scope``; its stream ends with "abort". False if no live request of that scope
+        has that id."""
+        request_id = scoped(scope, request_id)
         if request_id not in self._live:
             return False
         if self._closed or self._engine_error is not None:  # each live request is being ended already
@@ -593,7 +608,7 @@ class Coordinator:
     def _admitted(self, stream: RequestStream, added: asyncio.Future) -> bool:
         """Book a request whose add command has run; False (and forget it) if the add failed."""
         if added.cancelled() or added.exception() is not None:
-            self._live.pop(stream.request_id, None)
+            self._live.pop(stream.key, None)
             return False
         self._totals["requests_total"] += 1
         self._active_streams += 1

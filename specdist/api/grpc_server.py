@@ -7,7 +7,8 @@ message that does not parse (``request: ...``); a message over
 ``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id
 already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
 server UNAVAILABLE, as is one after the engine thread died; Cancel of an id no running request
-has NOT_FOUND. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
+has NOT_FOUND. Request ids belong to the connection that sent them (:func:`caller`): another client
+neither cancels a request by its id nor gets ALREADY_EXISTS for it. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
 and the stream then ends with the delta's ``code``: UNAVAILABLE (a retry may succeed) when the
 target failed (a rank died, naming it) or is down, or the engine thread died; INTERNAL for
 anything else. The details are the delta's ``message``, the failure's class without worker
@@ -28,7 +29,7 @@ UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
 from __future__ import annotations
 
 import asyncio
-
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -69,7 +70,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             params = sampling_params_from_proto(request.params)
             check_request(self.limits, prompt, params, request.request_id or None)
             stream = await self.coordinator.open(
-                prompt, params, request.request_id or None, chat=request.apply_chat_template
+                prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context)
             )
         except Exception as e:  # noqa: BLE001 - each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
@@ -90,7 +91,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request_id(self.limits, request.request_id)
         except InvalidArgument as e:
             await context.abort(grpc_status_of(e), str(e))
-        if not await self.coordinator.cancel(request.request_id):
+        if not await self.coordinator.cancel(request.request_id, scope=caller(context)):
             e = NotFound("request_id", f"no running request has id {request.request_id!r}")
             await context.abort(grpc_status_of(e), str(e))
         return specdist_pb2.CancelResponse()
@@ -121,6 +122,13 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         return request.text
+
+
+def caller(context: grpc.aio.ServicerContext) -> str:
+    """The scope of a caller's request ids (:meth:`Coordinator.open`): its connection. Every client holds the one
+    shared token, so the connection (its peer address) is what tells them apart: a client cancels, and learns of,
+    only the requests it sent on its own channel."""
+    return hashlib.sha256(context.peer().encode()).hexdigest()[:16]
 
 
 def _wire_message(e: Exception) -> str:
