@@ -36,6 +36,7 @@ Shape::
                                      #   continuation frequencies) falls below this
       suffix_max_spec_factor: 1.0    # a suffix draft has at most factor x (matched suffix length) tokens
       suffix_cache_requests: 256     # finished requests kept in the index (oldest evicted); 0: live ones only
+      suffix_cache_tokens: 262144    # and their tokens at most (oldest evicted): about 1.7 kB of trie a token
       suffix_min_score: 2.0          # hybrid: the suffix draft when its score (expected accepted tokens by
                                      #   the counts) is >= min(this, k), else the self-w8 model draft
       pipeline: off                  # on: model drafts and EAGLE-3 heads prepare each request's next drafts while
@@ -172,6 +173,7 @@ class DraftConfig:
     suffix_min_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
     suffix_cache_requests: int = 256
+    suffix_cache_tokens: int = 262_144
     suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
@@ -194,6 +196,7 @@ class DraftConfig:
         _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
         _check_int(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256)
         _check_int(self.suffix_cache_requests, f"{key}.suffix_cache_requests", 0, 1 << 20)
+        _check_int(self.suffix_cache_tokens, f"{key}.suffix_cache_tokens", 0, 1 << 32)
         if not 0.0 <= self.suffix_min_prob <= 1.0:
             raise ConfigError(f"{key}.suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob!r}")
         if not 0.0 < self.suffix_max_spec_factor <= 256.0:

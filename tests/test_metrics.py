@@ -249,3 +249,14 @@ def test_kv_cache_gauges_report_blocks_and_their_use(tiny_models) -> None:
     assert value(scrape(metrics), "specdist_kv_cache_usage_perc", core="target") == 0
     health = eng.target_core.health()
     assert (health["kv_blocks_total"], health["kv_block_size"], health["kv_blocks_used"]) == (blocks, 4, 0)
+
+
+def test_the_suffix_index_size_is_reported(tiny_models) -> None:
+    eng = Engine.from_config(tiny_config(tiny_models, method="suffix", k=K))
+    metrics = Metrics(eng)
+    assert value(scrape(metrics), "specdist_suffix_index_cached_tokens") == 0
+    eng.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    after = scrape(metrics)
+    size = eng.suffix_index_size()  # the finished request: its prompt and the output the drafter was told of
+    assert value(after, "specdist_suffix_index_cached_tokens") == size["cached_tokens"] >= 6
+    assert value(after, "specdist_suffix_index_nodes") == size["nodes"] > 0

@@ -454,3 +454,22 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
             assert actor.worker.requests == {}
         finally:
             actor.executor.shutdown()
+
+
+def test_the_index_is_bounded_in_tokens_not_only_in_requests() -> None:
+    """A client sending long random requests cannot fill the index: finished sequences beyond ``cache_tokens``
+    tokens are evicted, oldest first, whatever ``cache_requests`` allows; the live ones stay. The index reports
+    its size (nodes, cached tokens)."""
+    import random
+
+    rng = random.Random(5)
+    idx = SuffixIndex(max_depth=8, cache_requests=256, cache_tokens=500)
+    for _ in range(40):
+        idx.add([rng.randrange(1000) for _ in range(120)])  # 40 x 120 tokens: 4,800 finished
+    st = idx.stats()
+    assert st["cached_tokens"] <= 500 and st["cached"] == 4  # the newest four fit; 4 x 120 = 480
+    live = idx.start([rng.randrange(1000) for _ in range(900)])  # a live sequence counts, and is never evicted
+    assert idx.stats()["cached_tokens"] <= 500 and len(live) == 900
+    idx.add([1] * 800)  # one finished sequence over the bound: not kept at all
+    assert idx.stats()["cached_tokens"] <= 500
+    assert idx.stats()["nodes"] <= (500 + 900) * 8  # nodes bounded by the tokens held times the depth

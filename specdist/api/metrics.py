@@ -17,7 +17,8 @@ Names follow vLLM's (``vllm:x`` is ``specdist_x``) where vLLM has the metric, wi
 - gauges ``specdist_kv_cache_usage_perc{core}``, ``specdist_kv_cache_blocks{core}``,
   ``specdist_kv_cache_block_tokens{core}`` (an in-process engine): the share of each KV cache's
   blocks in use, how many the requests can take and their size (a slot cache counts slots of
-  ``max_model_len`` tokens), read at scrape time;
+  ``max_model_len`` tokens), read at scrape time; ``specdist_suffix_index_nodes`` and
+  ``specdist_suffix_index_cached_tokens``: the size of an in-process suffix drafter's index;
 - gauges ``specdist_target_releases_pending``, ``specdist_draft_releases_pending{replica}``:
   requests whose release failed and is being retried (``Scheduler.releases_pending``; each may
   still hold a KV slot there), from the snapshot when it has ``releases``, else read from the
@@ -143,7 +144,8 @@ class Metrics:
                                     ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram(p + "step_batch_size", "Requests verified in a step",
                                     buckets=BATCH_BUCKETS, registry=r)
-        r.register(_Gauges(self._snapshot, releases, getattr(engine, "kv_cache_usage", None)))
+        r.register(_Gauges(self._snapshot, releases, getattr(engine, "kv_cache_usage", None),
+                           getattr(engine, "suffix_index_size", None)))
         self._listening = hasattr(engine, "listeners")  # a stand-in engine without step events
         if self._listening:
             engine.listeners.append(self.observe)
@@ -225,10 +227,12 @@ class _Gauges:
     (pending releases from ``releases``, the engine's counts, when the snapshot has none)."""
 
     def __init__(self, snapshot: Callable[[], Any], releases: Callable[[], dict[str, int]] | None = None,
-                 kv_usage: Callable[[], dict[str, dict[str, int]]] | None = None):
+                 kv_usage: Callable[[], dict[str, dict[str, int]]] | None = None,
+                 suffix_size: Callable[[], dict[str, int] | None] | None = None):
         self.snapshot = snapshot
         self.releases = releases
         self.kv_usage = kv_usage
+        self.suffix_size = suffix_size
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.snapshot()
@@ -262,6 +266,12 @@ class _Gauges:
             yield perc
             yield blocks
             yield block
+        size = self.suffix_size() if self.suffix_size is not None else None
+        if size is not None:  # the in-process drafter's suffix index (bounded by draft.suffix_cache_*)
+            yield GaugeMetricFamily("specdist_suffix_index_nodes", "Nodes of the draft's suffix index",
+                                    value=size["nodes"])
+            yield GaugeMetricFamily("specdist_suffix_index_cached_tokens", "Tokens of the finished requests the suffix "
+                                    "index keeps", value=size["cached_tokens"])
 
 
 def _per_replica(gauge: GaugeMetricFamily, counts: dict[str, int]) -> GaugeMetricFamily:

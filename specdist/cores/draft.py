@@ -155,7 +155,8 @@ class DrafterCore:
         self.hidden_layers: tuple[int, ...] = tuple(head.spec.aux_layers) if head is not None else ()
         self.ngram = ngram
         self.suffix_settings = suffix
-        self.suffix = SuffixIndex(suffix.max_depth, suffix.cache_requests) if suffix is not None else None
+        self.suffix = (SuffixIndex(suffix.max_depth, suffix.cache_requests, suffix.cache_tokens)
+                       if suffix is not None else None)
         self.drafts_by_source = {"suffix": 0, "model": 0}  # hybrid: request steps drafted by each
         self.vocab_size = int(vocab_size)
         self.max_model_len = max_model_len
@@ -629,7 +630,7 @@ class DrafterCore:
         }
         if self.suffix is not None:
             s = self.suffix.stats()
-            out.update(suffix_nodes=s["nodes"], suffix_cached_requests=s["cached"])
+            out.update(suffix_nodes=s["nodes"], suffix_cached_requests=s["cached"], suffix_cached_tokens=s["cached_tokens"])
             if self.runner is not None:
                 out.update(hybrid_suffix_drafts=self.drafts_by_source["suffix"],
                            hybrid_model_drafts=self.drafts_by_source["model"])
@@ -639,7 +640,7 @@ class DrafterCore:
 def suffix_settings(dc: DraftConfig) -> SuffixSettings:
     """The ``draft.suffix_*`` keys of a config."""
     return SuffixSettings(dc.suffix_max_depth, dc.suffix_min_prob, dc.suffix_max_spec_factor,
-                          dc.suffix_cache_requests, dc.suffix_min_score)
+                          dc.suffix_cache_requests, dc.suffix_cache_tokens, dc.suffix_min_score)
 
 
 def _top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], rows renormalised

@@ -37,8 +37,9 @@ continuation. ``count(child) <= count(node)`` always holds.
   were the target's law (SuffixDecoding's score): the hybrid drafter uses it to choose.
   Cost O(D) per drafted token (+ the branching of a node whose cached argmax went stale).
 - **Memory bound**: a released sequence stays in the trie as a *cached* one; beyond
-  ``cache_requests`` of them the oldest is evicted by decrementing exactly the counts its
-  insertion added (O(len * D)), pruning nodes whose count reaches 0. The live sequences of
+  ``cache_requests`` of them, or ``cache_tokens`` of their tokens, the oldest is evicted by
+  decrementing exactly the counts its insertion added (O(len * D)), pruning nodes whose count
+  reaches 0 (a bound in requests alone let long requests hold gigabytes). The live sequences of
   the core are held in addition. Node count <= sum over held sequences of len * D (repeated
   text shares nodes, and a pruned node's id is reused). A node is an id into lists of ints
   (one ``{token: child}`` dict more where it branches), so the garbage collector has no object
@@ -70,6 +71,7 @@ class SuffixSettings:
     min_prob: float = 0.1  # stop the draft before its path probability drops below this
     max_spec_factor: float = 1.0  # at most floor(factor * match length) tokens
     cache_requests: int = 256  # finished sequences kept (oldest evicted first)
+    cache_tokens: int = 262_144  # their tokens kept at most (oldest evicted first): about 0.45 GB of trie
     min_score: float = 2.0  # hybrid: take the suffix draft when its score is >= this, else the model's
 
 
@@ -109,13 +111,15 @@ class SuffixIndex:
     to a full collection, not hundreds of thousands of objects to walk (which took about half a
     second in a 16-request engine). Pruned ids are reused."""
 
-    def __init__(self, max_depth: int = 24, cache_requests: int = 256):
+    def __init__(self, max_depth: int = 24, cache_requests: int = 256, cache_tokens: int = 262_144):
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2 (a match and its continuation), got {max_depth}")
-        if cache_requests < 0:
-            raise ValueError(f"cache_requests must be >= 0, got {cache_requests}")
+        if cache_requests < 0 or cache_tokens < 0:
+            raise ValueError(f"cache_requests and cache_tokens must be >= 0, got {cache_requests}, {cache_tokens}")
         self.max_depth = int(max_depth)
         self.cache_requests = int(cache_requests)
+        self.cache_tokens = int(cache_tokens)
+        self.cached_tokens = 0  # tokens of the cached sequences
         # per node id (the root included):
         self.token: list[int] = [-1]  # the edge label into the node
         self.count: list[int] = [0]  # occurrences of the node's string
@@ -209,8 +213,9 @@ class SuffixIndex:
         st.active = []
         self.live -= 1
         self.cached.append(st.tokens)
-        while len(self.cached) > self.cache_requests:
-            self._remove(self.cached.popleft())
+        self.cached_tokens += len(st.tokens)
+        while self.cached and (len(self.cached) > self.cache_requests or self.cached_tokens > self.cache_tokens):
+            self._evict_oldest()
 
     def add(self, tokens) -> None:
         """Insert a finished sequence (start + finish)."""
@@ -219,7 +224,12 @@ class SuffixIndex:
     def forget_finished(self) -> None:
         """Remove every cached finished sequence; live sequences keep their counts and states."""
         while self.cached:
-            self._remove(self.cached.popleft())
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        tokens = self.cached.popleft()
+        self.cached_tokens -= len(tokens)
+        self._remove(tokens)
 
     def _remove(self, tokens) -> None:
         """Subtract exactly the counts inserting ``tokens`` added; prune nodes left at 0. O(len * D).
@@ -309,4 +319,4 @@ class SuffixIndex:
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
         return {"nodes": self.num_nodes, "live": self.live, "cached": len(self.cached),
-                "cached_tokens": sum(len(s) for s in self.cached)}
+                "cached_tokens": self.cached_tokens}
