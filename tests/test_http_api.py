@@ -294,20 +294,31 @@ def test_disconnect_while_waiting_for_json_frees_every_slot(srv):
     assert srv.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
 
 
-def test_full_server_is_503_and_a_refused_choice_frees_the_others(srv):
+def test_full_server_is_503_and_a_refused_choice_frees_the_others(srv, monkeypatch):
     max_queued = srv.coordinator.max_queued
-    srv.hold.when = lambda engine: True  # nothing advances: the first choice stays live while the second is refused
+    srv.hold.when = lambda engine: True  # nothing advances: an admitted first choice stays live
+    before = srv.coordinator.counters()["requests_cancelled"]
     try:
         srv.coordinator.max_queued = 1
+        # room for one, two asked for: refused before any choice is admitted
         with pytest.raises(openai.InternalServerError) as e:
             srv.client.completions.create(model=srv.model, prompt="a", n=2, max_tokens=4)
         assert e.value.status_code == 503 and e.value.body["code"] == "resource_exhausted"
         assert e.value.body["type"] == "server_error" and "max_queued=1" in e.value.body["message"]
-        counters = wait_idle(srv.coordinator)  # the admitted first choice was aborted
+        assert wait_idle(srv.coordinator)["requests_cancelled"] == before  # nothing was admitted
+        # the room taken between the check and the admission (the check passes, admission refuses the second
+        # choice): the admitted first choice is aborted
+        monkeypatch.setattr(srv.coordinator, "check_room", lambda n=1: None)
+        with pytest.raises(openai.InternalServerError) as e:
+            srv.client.completions.create(model=srv.model, prompt="a", n=2, max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "resource_exhausted"
+        counters = wait_idle(srv.coordinator)
     finally:
+        monkeypatch.undo()
         srv.coordinator.max_queued = max_queued
         srv.hold.when = None
-    assert counters["requests_cancelled"] >= 1
+    assert counters["requests_cancelled"] == before + 1
+    assert srv.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
 
 
 def test_a_failed_request_is_a_500_or_an_error_event(srv):
