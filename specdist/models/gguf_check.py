@@ -58,6 +58,13 @@ class _Walk:
             raise GGUFError(f"{what} claims {n} bytes; {self.left()} are left in the file")
         return bytes(self.take(n, what))
 
+    def name(self, what: str) -> str:
+        """A string that must be UTF-8 (a metadata key, a tensor's name)."""
+        try:
+            return self.string(what).decode()
+        except UnicodeDecodeError:
+            raise GGUFError(f"{what} is not UTF-8") from None
+
     def value(self, vtype: int, what: str, depth: int = 0) -> object:
         """Walk one value; returns it for scalars and strings (None for arrays: only walked)."""
         if vtype in _SCALARS:
@@ -120,11 +127,7 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
         raise GGUFError(f"{n_kv} metadata entries claimed; {w.left()} bytes are left in the file")
     alignment = 32
     for i in range(n_kv):
-        key = w.string(f"metadata key {i}")
-        try:
-            name = key.decode()
-        except UnicodeDecodeError:
-            raise GGUFError(f"metadata key {i} is not UTF-8") from None
+        name = w.name(f"metadata key {i}")
         vtype = w.u32(f"the type of {name!r}")
         value = w.value(vtype, repr(name))
         if name == "general.alignment":
@@ -136,11 +139,7 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
     infos = []
     names: set[str] = set()
     for i in range(n_tensors):
-        raw = w.string(f"the name of tensor {i}")
-        try:
-            name = raw.decode()
-        except UnicodeDecodeError:
-            raise GGUFError(f"the name of tensor {i} is not UTF-8") from None
+        name = w.name(f"the name of tensor {i}")
         if name in names:
             raise GGUFError(f"tensor {name!r} appears twice")
         names.add(name)
