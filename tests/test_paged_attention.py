@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,9 +27,6 @@ from specdist.models.graphs import KVOptions
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.paged_cache import KVCacheFull, PagedKVCache
 from specdist.models.runner import CausalLMRunner
-
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
 
 def _tiny_llama(seed: int = 0, **over):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -124,7 +120,6 @@ def test_64_requests_of_100_tokens_fit_where_8_slots_of_2048_do_today(tiny_model
 
 
 # --------------------------------------------------------------------------- the kernels
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 def test_the_kernels_under_triton_s_interpreter_equal_the_reference():
     """float32 and float16, sliding windows and soft-caps, grouped-query heads, ragged requests, padded rows;
     full and partial rotary. In a process of its own (tests/paged_kernels_check.py: the interpreter must be on
