@@ -290,14 +290,15 @@ class Deployment:
                                        max_draft_tokens=dc.num_speculative_tokens,
                                        prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype,
                                        hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0], kv=kv,
-                                       graphs=graphs and one_rank)
+                                       graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
             pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
             suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
             q_top_k=dc.q_top_k, compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
-            prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs)
+            prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs,
+            prefix_scope=ec.prefix_cache_scope)
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to

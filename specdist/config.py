@@ -37,6 +37,8 @@ Shape::
       suffix_max_spec_factor: 1.0    # a suffix draft has at most factor x (matched suffix length) tokens
       suffix_cache_requests: 256     # finished requests kept in the index (oldest evicted); 0: live ones only
       suffix_cache_tokens: 262144    # and their tokens at most (oldest evicted): about 1.7 kB of trie a token
+      suffix_scope: tenant           # tenant: one index a tenant (a token of --auth-token-file), so that no tenant
+                                     #   reads another's text through its own acceptance | shared: one for all
       suffix_min_score: 2.0          # hybrid: the suffix draft when its score (expected accepted tokens by
                                      #   the counts) is >= min(this, k), else the self-w8 model draft
       pipeline: off                  # on: model drafts and EAGLE-3 heads prepare each request's next drafts while
@@ -56,6 +58,9 @@ Shape::
       prefix_caching: true           # a prompt starting with 16+ tokens that a running or finished request
                                      #   holds takes their K/V instead of computing them (finished requests'
                                      #   slots are kept until a new request needs one)
+      prefix_cache_scope: shared     # shared: a prompt reuses K/V any request computed | tenant: only its tenant's
+                                     #   (a token of --auth-token-file): its time to first token says nothing of
+                                     #   what other tenants sent
       kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
                                      #   attention kernels) | auto: float16 for a model on quantized blocks
                                      #   under those kernels (a native GGUF target, a self draft), else model
@@ -108,6 +113,10 @@ Shape::
       max_stop_token_ids: 64         # stop_token_ids per request
       max_request_id_chars: 256      # request_id length (at most 256); visible ASCII only (it is logged)
       max_n: 16                      # choices per HTTP request (n): each is one engine request
+      speculative_stats: true        # false: responses carry no drafted / accepted / steps counts (usage.speculative,
+                                     #   RequestStats), and a stream sends one token a chunk, so that a client does
+                                     #   not read its drafts' acceptance off them (the chunks' timing still follows
+                                     #   the steps; draft.suffix_scope: tenant keeps other tenants' text out of drafts)
 """
 
 from __future__ import annotations
@@ -140,6 +149,7 @@ MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits
 COUPLINGS = ("gumbel", "rejection")  # = specdist.cores.coupling.COUPLINGS
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile and engine.cuda_graphs (YAML's bare on / off arrive as booleans)
 KV_CACHE_KINDS = ("auto", "slots", "paged")  # = specdist.models.graphs.KV_CACHE_KINDS
+SCOPES = ("tenant", "shared")  # draft.suffix_scope, engine.prefix_cache_scope (= specdist.cores.suffix.SUFFIX_SCOPES)
 
 
 def target_copy(method: str) -> str | None:
@@ -174,6 +184,7 @@ class DraftConfig:
     suffix_max_spec_factor: float = 1.0
     suffix_cache_requests: int = 256
     suffix_cache_tokens: int = 262_144
+    suffix_scope: str = "tenant"  # = specdist.cores.suffix.SUFFIX_SCOPES
     suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
@@ -197,6 +208,8 @@ class DraftConfig:
         _check_int(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256)
         _check_int(self.suffix_cache_requests, f"{key}.suffix_cache_requests", 0, 1 << 20)
         _check_int(self.suffix_cache_tokens, f"{key}.suffix_cache_tokens", 0, 1 << 32)
+        if self.suffix_scope not in SCOPES:
+            raise ConfigError(f"{key}.suffix_scope", f"must be one of {', '.join(SCOPES)}, got {self.suffix_scope!r}")
         if not 0.0 <= self.suffix_min_prob <= 1.0:
             raise ConfigError(f"{key}.suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob!r}")
         if not 0.0 < self.suffix_max_spec_factor <= 256.0:
@@ -247,6 +260,7 @@ class EngineConfig:
     compile: bool | str = "auto"  # Inductor-compiled static passes over a slot cache: on (true), off (false, and auto)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
+    prefix_cache_scope: str = "shared"  # shared | tenant: whose K/V a request reuses
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
     kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
     kv_block_size: int = 16
@@ -273,6 +287,9 @@ class EngineConfig:
             _check_nonempty(self.compile_cache_dir, f"{key}.compile_cache_dir")
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"{key}.prefix_caching", f"must be true or false, got {self.prefix_caching!r}")
+        if self.prefix_cache_scope not in SCOPES:
+            raise ConfigError(f"{key}.prefix_cache_scope", f"must be one of {', '.join(SCOPES)}, got "
+                                                           f"{self.prefix_cache_scope!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ConfigError(f"{key}.kv_cache", f"must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
         _check_int(self.kv_block_size, f"{key}.kv_block_size", 1, 1 << 12)
@@ -365,9 +382,12 @@ class LimitsConfig:
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
     max_n: int = 16
+    speculative_stats: bool = True  # responses carry the drafted / accepted / steps counts
 
     def validate(self, key: str) -> None:
         _check_int(self.max_message_bytes, f"{key}.max_message_bytes", 1024, 2**31 - 1)
+        if not isinstance(self.speculative_stats, bool):
+            raise ConfigError(f"{key}.speculative_stats", f"must be true or false, got {self.speculative_stats!r}")
         for name in ("max_stop", "max_stop_chars", "max_stop_token_ids", "max_n"):
             _check_int(getattr(self, name), f"{key}.{name}", 1, 2**31 - 1)
         if self.max_prompt_chars is not None:

@@ -293,7 +293,7 @@ async def test_commands_queued_during_a_step_run_before_the_next_step():
         deltas_b = [d async for d in b]
     after = engine.log[mark:]
     assert after[0][0] == "step" and after[0][1] == ["a"]  # the step that was running
-    assert after[1] == ("add", "b", {}) and after[2] == ("abort", "a")  # then the commands, in order
+    assert after[1] == ("add", "b", {"tenant": ""}) and after[2] == ("abort", "a")  # then the commands, in order
     assert after[3] == ("step", ["b"])  # and only then the next step, without "a"
     assert rest_a[-1].finish_reason == "abort" and deltas_b[-1].finish_reason == "length"
     assert coord.counters()["requests_cancelled"] == 1
@@ -358,7 +358,7 @@ async def test_prompts_reach_the_engine_as_token_ids_templated_only_for_chat():
         await collect(coord, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], params(1),
                       request_id="conversation", chat=True)
     adds = {e[1]: e[2] for e in engine.log if e[0] == "add"}
-    assert adds == {"plain": {}, "chat": {}, "conversation": {}}  # no chat flag: the engine gets ids
+    assert adds == {k: {"tenant": ""} for k in ("plain", "chat", "conversation")}  # no chat flag: the engine gets ids
     assert engine.prompts == {"plain": [ord("h"), ord("i")], "chat": [ord(c) for c in "<hi>"],
                        "conversation": [ord(c) for c in "<a><b>"]}
 

@@ -244,7 +244,7 @@ class _RefusingCoordinator:
     async def encode(self, prompt, chat=False):
         return prompt
 
-    async def open(self, prompt, params, request_id, chat=False):
+    async def open(self, prompt, params, request_id, chat=False, **kw):
         raise self.error
 
 

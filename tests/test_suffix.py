@@ -297,7 +297,8 @@ def test_core_keeps_released_sequences_and_frees_live_state():
     core.start([StartItem("a", [1, 2, 3, 4, 5, 6], sp, 1)])
     core.propose([ProposeItem("a", 0, [1, 2], 0, 8)])  # commits 1, 2 (no drafts asked)
     core.release(["a"])
-    assert core.requests == {} and core.suffix.live == 0 and len(core.suffix.cached) == 1
+    index = core.suffix.for_tenant("")  # every request here is the one tenant's
+    assert core.requests == {} and index.live == 0 and len(index.cached) == 1
     core.start([StartItem("b", [0, 1, 2], sp, 2)])
     (p,), _ = core.propose([ProposeItem("b", 0, [], 4, 3)])
     assert p.token_ids == [3, 4] and p.q is None  # "1 2" -> 3 -> 4, capped at 1.0 x match length 2
@@ -308,13 +309,14 @@ def test_core_keeps_released_sequences_and_frees_live_state():
     core.release(["b", "b"])
     core.start([StartItem("c", [7], sp, 3)])
     core.release(["c"])  # three finished with room for 2: a's sequence is evicted
-    assert len(core.suffix.cached) == 2 and core.suffix.live == 0
-    assert dump(core.suffix) == substring_counts([[0, 1, 2, 3, 4, 5], [7]], 6)  # b's last drafts never committed
+    assert len(index.cached) == 2 and index.live == 0
+    assert dump(index) == substring_counts([[0, 1, 2, 3, 4, 5], [7]], 6)  # b's last drafts never committed
     # forgetting the finished requests: a new request drafts nothing from them, as on a fresh core
     core.forget_finished()
     core.start([StartItem("d", [0, 1, 2], sp, 4)])
     (p,), _ = core.propose([ProposeItem("d", 0, [], 4, 3)])
-    assert len(p) == 0 and not core.suffix.cached and dump(core.suffix) == substring_counts([[0, 1, 2]], 6)
+    index = core.suffix.for_tenant("")
+    assert len(p) == 0 and not index.cached and dump(index) == substring_counts([[0, 1, 2]], 6)
     core.release(["d"])
 
 
@@ -428,7 +430,7 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
                               suffix={"suffix_max_depth": 5, "suffix_min_score": 0.5})
             assert info["method"] == method and info["vocab_size"] == 8
             actor.warmup()
-            assert actor.worker.method == method and actor.worker.suffix.max_depth == 5
+            assert actor.worker.method == method and actor.worker.suffix.settings.max_depth == 5
             assert actor.worker.requests == {}
             with ServedCores(eng.target_core, [actor.worker]) as served:
                 remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses,

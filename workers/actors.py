@@ -258,7 +258,7 @@ class TargetRankActor(_ActorBase):
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
              prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
-             kv: dict | None = None, graphs: bool = False) -> dict:
+             kv: dict | None = None, graphs: bool = False, prefix_scope: str = "shared") -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
@@ -291,7 +291,7 @@ class TargetRankActor(_ActorBase):
             runner.capture_graphs(max_tokens=int(max_draft_tokens) + 1)  # (collectives stay out of graphs)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
                                    set_timeout=set_timeout, collective_timeout_s=collective_timeout_s,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, prefix_scope=prefix_scope)
         self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
@@ -431,6 +431,7 @@ class DraftActor(_ActorBase):
         kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype: a model draft's KV cache elements
         kv: dict | None = None,  # a model draft's cache layout (specdist.models.graphs.KVOptions' fields)
         graphs: bool = False,  # engine.cuda_graphs: a model draft's passes captured at load (CUDA, paged cache)
+        prefix_scope: str = "shared",  # engine.prefix_cache_scope: whose prompt K/V a request reuses
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
@@ -463,7 +464,7 @@ class DraftActor(_ActorBase):
 
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
                                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                         kv=KVOptions(**kv) if kv else None)
+                                         kv=KVOptions(**kv) if kv else None, prefix_scope=prefix_scope)
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 

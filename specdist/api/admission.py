@@ -44,6 +44,7 @@ class Limits:
     max_stop_token_ids: int
     max_request_id_chars: int
     max_n: int
+    speculative_stats: bool = True  # responses carry the drafted / accepted / steps counts
 
     @classmethod
     def of(cls, engine) -> "Limits":
@@ -58,6 +59,7 @@ class Limits:
             max_stop_token_ids=c.max_stop_token_ids,
             max_request_id_chars=c.max_request_id_chars,
             max_n=c.max_n,
+            speculative_stats=c.speculative_stats,
         )
 
 
@@ -128,18 +130,20 @@ def bare_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def request_stats(m: RequestMetrics) -> dict[str, Any]:
-    """One finished request's statistics (the fields of the wire's ``RequestStats``)."""
+def request_stats(m: RequestMetrics, speculative: bool = True) -> dict[str, Any]:
+    """One finished request's statistics (the fields of the wire's ``RequestStats``); ``speculative`` False
+    (``limits.speculative_stats``): the drafted / accepted / steps / pipeline counts left at 0."""
+    spec = speculative
     return dict(
         prompt_tokens=m.prompt_tokens,
         output_tokens=m.output_tokens,
-        drafted=m.drafted,
-        accepted=m.accepted,
-        steps=m.steps,
+        drafted=m.drafted if spec else 0,
+        accepted=m.accepted if spec else 0,
+        steps=m.steps if spec else 0,
         time_to_first_token_s=m.time_to_first_token or 0.0,
         total_time_s=m.total_time or 0.0,
-        pipeline_hits=m.pipeline_hits,
-        pipeline_misses=m.pipeline_misses,
+        pipeline_hits=m.pipeline_hits if spec else 0,
+        pipeline_misses=m.pipeline_misses if spec else 0,
     )
 
 

@@ -248,12 +248,20 @@ class RequestStream:
 
     def deliver(self, delta: Delta) -> None:
         """Queue a delta for the consumer (on the event loop), under the caller's id; dropped once the stream is
-        closed."""
+        closed. Where the server keeps speculative counts from clients (``limits.speculative_stats`` false), a
+        step's tokens go one a delta (its text with the last), so that a chunk's size does not say how many
+        drafts were accepted."""
         self.done = self.done or delta.finished
-        if not self.closed:
-            if delta.request_id != self.request_id:
-                delta = dataclasses.replace(delta, request_id=self.request_id)
-            self._queue.put_nowait(delta)
+        if self.closed:
+            return
+        if delta.request_id != self.request_id:
+            delta = dataclasses.replace(delta, request_id=self.request_id)
+        if self._coord.one_token_deltas and len(delta.token_ids) > 1:
+            ids, lps = delta.token_ids, delta.logprobs
+            for i in range(len(ids) - 1):
+                self._queue.put_nowait(Delta(self.request_id, [ids[i]], "", logprobs=lps[i:i + 1] if lps else None))
+            delta = dataclasses.replace(delta, token_ids=ids[-1:], logprobs=lps[-1:] if lps else None)
+        self._queue.put_nowait(delta)
 
 
 @dataclass
@@ -304,6 +312,9 @@ class Coordinator:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
         self.max_queued = max_queued
+        # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)
+        limits = getattr(getattr(engine, "config", None), "limits", None)  # (a stand-in engine may have no config)
+        self.one_token_deltas = not getattr(limits, "speculative_stats", True)
         # shared between the event loop and the engine thread, under _cond
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
@@ -483,6 +494,7 @@ class Coordinator:
         request_id: str | None = None,
         chat: bool = False,
         scope: str = "",
+        tenant: str = "",
     ) -> RequestStream:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end).
 
@@ -491,7 +503,8 @@ class Coordinator:
         requests). Raises :class:`Overloaded`, :class:`ShuttingDown`, :class:`TargetDown`,
         :class:`EngineDown`, ``InvalidArgument`` (bad prompt, params or id; :class:`DuplicateRequestId`).
         ``scope``: whose id it is (the caller, :func:`scoped`): ids are unique, and cancelled, within a scope, so
-        a caller neither sees nor touches another's requests by their ids.
+        a caller neither sees nor touches another's requests by their ids. ``tenant``: who the request belongs to
+        (:func:`specdist.transport.security.tenant_of`): the cores share state only within a tenant.
         """
         request_id = self._admissible(request_id, scope)
         if not isinstance(prompt, EncodedPrompt):
@@ -501,7 +514,7 @@ class Coordinator:
         stream = RequestStream(self, request_id, key)
         self._live[key] = stream  # reserved before the await: admission and ids stay race-free
         try:
-            added = self._call(lambda: self._add(prompt, params, key))
+            added = self._call(lambda: self._add(prompt, params, key, tenant))
         except BaseException:  # closed, or the engine thread died, since the checks above
             del self._live[key]
             raise
@@ -752,9 +765,9 @@ class Coordinator:
             log.exception("specdist coordinator pass failed")
             return self._fail_everyone(e), None, False
 
-    def _add(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str) -> None:
+    def _add(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str, tenant: str = "") -> None:
         """Add a tokenized prompt (its ids: the engine's checks of them are cheap)."""
-        req = self.engine.add_request(prompt.ids, params, request_id)
+        req = self.engine.add_request(prompt.ids, params, request_id, tenant=tenant)
         req.prompt = prompt.text
         req.metrics.arrival_time = prompt.arrival
         self._tracked[request_id] = _Tracked(req)

@@ -44,7 +44,7 @@ from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.api.admission import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
-from specdist.transport.security import ServerSecurity
+from specdist.transport.security import ServerSecurity, tenant_of
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.transport.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -57,10 +57,11 @@ _PARAM_FIELDS = frozenset(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.f
 class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     """Generate / Cancel / GetServerInfo, each a thin translation onto the coordinator."""
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, token: str | tuple[str, ...] | None = None):
         self.coordinator = coordinator
         self.engine: Engine = coordinator.engine
         self.limits = Limits.of(self.engine)
+        self.token = token  # the server's token(s): with one a tenant, a request's tenant is its token's
 
     async def Generate(
         self, request: specdist_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -70,7 +71,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             params = sampling_params_from_proto(request.params)
             check_request(self.limits, prompt, params, request.request_id or None)
             stream = await self.coordinator.open(
-                prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context)
+                prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context),
+                tenant=tenant_of(_authorization(context), self.token)
             )
         except Exception as e:  # noqa: BLE001 - each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
@@ -78,7 +80,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             await context.abort(grpc_status(code), message)
         try:
             async for delta in stream:
-                yield _response(delta)
+                yield _response(delta, self.limits.speculative_stats)
                 if delta.finish_reason == "error":
                     await context.abort(grpc_status(delta.code or ErrorCode.INTERNAL), delta.message or "request failed")
         finally:  # also on client disconnect (the handler task is cancelled): aborts the request
@@ -124,6 +126,12 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
         return request.text
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's ``authorization`` metadata value (the interceptor checked it already)."""
+    value = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
 def caller(context: grpc.aio.ServicerContext) -> str:
     """The scope of a caller's request ids (:meth:`Coordinator.open`): its connection. Every client holds the one
     shared token, so the connection (its peer address) is what tells them apart: a client cancels, and learns of,
@@ -138,7 +146,7 @@ def _wire_message(e: Exception) -> str:
     return str(e)
 
 
-def _response(d: Delta) -> specdist_pb2.GenerateResponse:
+def _response(d: Delta, speculative: bool = True) -> specdist_pb2.GenerateResponse:
     msg = specdist_pb2.GenerateResponse(
         request_id=d.request_id,
         token_ids=d.token_ids,
@@ -150,7 +158,7 @@ def _response(d: Delta) -> specdist_pb2.GenerateResponse:
     elif isinstance(d.stop_reason, int):
         msg.stop_reason_token = d.stop_reason
     if d.metrics is not None:
-        msg.stats.CopyFrom(common_pb2.RequestStats(**request_stats(d.metrics)))
+        msg.stats.CopyFrom(common_pb2.RequestStats(**request_stats(d.metrics, speculative)))
     if d.logprobs:
         msg.logprobs.extend(logprobs.to_proto(d.logprobs))
     return msg
@@ -245,7 +253,7 @@ async def serve(
     security = security or ServerSecurity()
     coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
-    servicer = SpecDecodeServicer(coordinator)
+    servicer = SpecDecodeServicer(coordinator, security.token)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,
                                    servicer.limits.max_message_bytes, token=security.token, tls=security.tls,
                                    reflection=True, serving=False)

@@ -90,7 +90,7 @@ from specdist.errors import ErrorCode, FieldError, InvalidArgument
 from specdist.api.admission import Limits, bare_host, check_request, refusal_code, server_info
 from specdist.logprobs import TokenLogprob
 from specdist.engine.request import RequestMetrics
-from specdist.transport.security import ServerSecurity, bearer_ok, unauthenticated_message
+from specdist.transport.security import tenant_of, ServerSecurity, bearer_ok, unauthenticated_message
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer
 
@@ -316,8 +316,9 @@ def _finish_reason(d: Delta | None) -> str:
     return d.finish_reason
 
 
-def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
-    """``usage`` of one API call over its choices' final metrics (module docstring)."""
+def usage(metrics: Sequence[RequestMetrics], speculative: bool = True) -> dict[str, Any]:
+    """``usage`` of one API call over its choices' final metrics (module docstring); without ``speculative``
+    (``limits.speculative_stats`` false) no ``speculative`` entry."""
     total = RequestMetrics(
         prompt_tokens=metrics[0].prompt_tokens,
         output_tokens=sum(m.output_tokens for m in metrics),
@@ -328,10 +329,14 @@ def usage(metrics: Sequence[RequestMetrics]) -> dict[str, Any]:
         pipeline_hits=sum(m.pipeline_hits for m in metrics),
         pipeline_misses=sum(m.pipeline_misses for m in metrics),
     )
-    return {
+    out = {
         "prompt_tokens": total.prompt_tokens,
         "completion_tokens": total.output_tokens,
         "total_tokens": total.prompt_tokens + total.output_tokens,
+    }
+    if not speculative:
+        return out
+    return out | {
         "speculative": {
             "drafted": total.drafted,
             "accepted": total.accepted,
@@ -424,16 +429,16 @@ class _OpenAIFrontEnd:
         self.model = model_name or self.info["target_model"]
         self.created = int(time.time())
 
-    async def open(self, call: _Call) -> list[RequestStream]:
+    async def open(self, call: _Call, tenant: str = "") -> list[RequestStream]:
         """Admit one engine request per choice (the prompt templated and tokenized once, off the
-        engine thread); on a refusal close those already open."""
+        engine thread), as ``tenant``'s; on a refusal close those already open."""
         streams: list[RequestStream] = []
         try:
             self.coordinator.check_room(len(call.params))  # every choice's room, before the template and tokenizer
             prompt = await self.coordinator.encode(call.prompt, chat=call.chat)
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
-                streams.append(await self.coordinator.open(prompt, params, rid))
+                streams.append(await self.coordinator.open(prompt, params, rid, tenant=tenant))
         except Exception as e:  # noqa: BLE001 - each refusal has its code
             for s in streams:
                 s.close()
@@ -485,7 +490,7 @@ class _OpenAIFrontEnd:
         choices = [_choice(call, i, "".join(t), _finish_reason(d),
                            logprobs=self._logprobs(call, ids[i], logprobs.get(i)))
                    for i, (t, d) in enumerate(zip(texts, finals))]
-        return self.envelope(call, choices, usage=usage([d.metrics for d in finals]))
+        return self.envelope(call, choices, usage=usage([d.metrics for d in finals], self.limits.speculative_stats))
 
     def _logprobs(self, call: _Call, ids: list[int], logprobs: list[TokenLogprob] | None,
                   fmt: _Logprobs | None = None) -> dict[str, Any] | None:
@@ -515,7 +520,8 @@ class _OpenAIFrontEnd:
             for d in finals:
                 _finish_reason(d)  # a stream that ended without its final delta
             if call.include_usage:
-                yield _event(self.envelope(call, [], usage=usage([d.metrics for d in finals])))
+                yield _event(self.envelope(call, [], usage=usage([d.metrics for d in finals],
+                                                                  self.limits.speculative_stats)))
             yield b"data: [DONE]\n\n"
         except APIError as e:
             yield _event(e.body())
@@ -526,10 +532,12 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------- the app
-def create_app(coordinator: Coordinator, model_name: str | None = None, token: str | None = None) -> FastAPI:
+def create_app(coordinator: Coordinator, model_name: str | None = None,
+               token: str | tuple[str, ...] | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring).
 
-    ``token``: /v1/*, /metrics and /openapi.json answer 401 without ``Authorization: Bearer <token>``.
+    ``token``: /v1/*, /metrics and /openapi.json answer 401 without ``Authorization: Bearer <token>`` (a tuple:
+    any of them, one a tenant: a request's tenant is its token's, :func:`specdist.transport.security.tenant_of`).
     """
     front = _OpenAIFrontEnd(coordinator, model_name)
     # FastAPI's own /openapi.json route has no dependencies; this app serves it itself, behind the
@@ -555,7 +563,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, token: s
             raise _schema_error(e) from None
         front.check_model(body)
         call = _parse(body, chat, front.limits)
-        streams = await front.open(call)
+        streams = await front.open(call, tenant_of(request.headers.get("authorization"), token))
         if call.stream:
             return _EventStream(front.events(call, streams))
         result = await _unless_disconnected(request.receive, front.complete(call, streams))

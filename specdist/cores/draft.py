@@ -78,7 +78,7 @@ from specdist.cores.device_inputs import HostInputs
 from specdist.cores.sampling import SamplingRows, process_rows, sample_from
 from specdist.sampling_params import SamplingParams
 from specdist.cores.coupling import gumbel_argmax, row_starts
-from specdist.cores.suffix import SuffixIndex, SuffixSettings, SuffixState
+from specdist.cores.suffix import SuffixIndex, SuffixIndexes, SuffixSettings, SuffixState
 from specdist.transport.protocol import (
     CallTiming,
     Proposal,
@@ -113,7 +113,9 @@ class DraftRequest:
     coupling: str = "rejection"  # gumbel: tokens are argmax log q + G, and no q goes to the target
     slot: int | None = None  # model drafts: KV slot holding a prefix of seq (+ stale drafts)
     index: NgramIndex | None = None  # n-gram drafts: lookup table over seq
-    suffix: SuffixState | None = None  # suffix / hybrid drafts: seq's place in the core's suffix index
+    suffix: SuffixState | None = None  # suffix / hybrid drafts: seq's place in its tenant's suffix index
+    suffix_index: SuffixIndex | None = None  # that index
+    tenant: str = ""  # whose request it is (StartItem.tenant)
     # eagle3: the target's hidden states not fed to the head yet ([m, nD] each, positions fed .. len(seq) - 2)
     states: list = field(default_factory=list)
     fed: int = 0  # eagle3: positions whose head K/V come from the target's states (0 .. fed - 1)
@@ -155,8 +157,8 @@ class DrafterCore:
         self.hidden_layers: tuple[int, ...] = tuple(head.spec.aux_layers) if head is not None else ()
         self.ngram = ngram
         self.suffix_settings = suffix
-        self.suffix = (SuffixIndex(suffix.max_depth, suffix.cache_requests, suffix.cache_tokens)
-                       if suffix is not None else None)
+        # one suffix index a tenant (or one shared: suffix_scope), each request holding its own's
+        self.suffix = SuffixIndexes(suffix) if suffix is not None else None
         self.drafts_by_source = {"suffix": 0, "model": 0}  # hybrid: request steps drafted by each
         self.vocab_size = int(vocab_size)
         self.max_model_len = max_model_len
@@ -248,19 +250,29 @@ class DrafterCore:
         if cache is not None:
             self.prefixes.check_room(list(need.values()))
         t0 = now()
-        # the K/V each running request's slot holds: its committed tokens up to the slot's length
-        live = self.prefixes.live_index((q.slot, q.seq[:cache.lengths[q.slot]]) for q in self.requests.values()
-                                        if q.slot is not None) if cache is not None else None
+        # the K/V each running request's slot holds: its committed tokens up to the slot's length, per share of the
+        # prefix cache (a tenant's, or everyone's)
+        lives: dict[str, object] = {}
+
+        def live(tenant: str):
+            key = self.prefixes.key(tenant)
+            if key not in lives:
+                lives[key] = self.prefixes.live_index((q.slot, q.seq[:cache.lengths[q.slot]])
+                                                      for q in self.requests.values()
+                                                      if q.slot is not None and self.prefixes.key(q.tenant) == key)
+            return lives[key]
+
         new = []
         for it, prompt in parsed:
-            r = DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling)
+            r = DraftRequest(prompt, it.params, int(it.seed), coupling=it.coupling, tenant=it.tenant)
             if cache is not None:
                 new.append((it.request_id, r))
             elif self.ngram is not None:
                 r.index = NgramIndex(*self.ngram)
                 r.index.extend(prompt)
             if self.suffix is not None:
-                r.suffix = self.suffix.start(prompt)  # O(len(prompt) * max_depth)
+                r.suffix_index = self.suffix.for_tenant(it.tenant)
+                r.suffix = r.suffix_index.start(prompt)  # O(len(prompt) * max_depth)
             self.requests[it.request_id] = r
         computed = []
         for rid, r in new:
@@ -271,7 +283,7 @@ class DrafterCore:
                 r.slot = self.prefixes.allocate(need[rid])
                 cache.copy_prefix(src[0], src[1], r.slot, len(r.seq) - 1)
                 continue
-            r.slot, held = self.prefixes.acquire(r.seq[:-1], live, need[rid])
+            r.slot, held = self.prefixes.acquire(r.seq[:-1], live(r.tenant), need[rid], r.tenant)
             if held < len(r.seq) - 1:
                 computed.append(r)
         # Deferred: the other prompts' K/V are computed at the request's first draft pass (_catch_up),
@@ -349,7 +361,7 @@ class DrafterCore:
         if r.index is not None:
             r.index.extend(kept)
         if r.suffix is not None:
-            self.suffix.extend(r.suffix, kept)
+            r.suffix_index.extend(r.suffix, kept)
         if r.slot is not None:
             # the cache holds the accepted drafts, then stale ones: drop those (after a hybrid's suffix
             # proposal it holds a prefix of the old seq: kept as it is); with prepared drafts it holds
@@ -380,7 +392,7 @@ class DrafterCore:
     def _draft_suffix(self, items: list[ProposeItem], reqs: list[DraftRequest], ks: list[int]) -> list[Proposal]:
         """Suffix drafts (q one-hot); hybrid: the model drafts the requests whose suffix score is low."""
         st = self.suffix_settings
-        drafts = [self.suffix.lookup(r.suffix, k, st.min_prob, st.max_spec_factor) if k > 0 else None
+        drafts = [r.suffix_index.lookup(r.suffix, k, st.min_prob, st.max_spec_factor) if k > 0 else None
                   for r, k in zip(reqs, ks)]
         out = [Proposal(it.request_id, d.tokens, match_lengths=d.depths) if d is not None else Proposal(it.request_id, [])
                for it, d in zip(items, drafts)]
@@ -604,9 +616,9 @@ class DrafterCore:
                 self.released_unknown.add(rid)
                 continue
             if r.slot is not None:  # kept for later prompts that start the same way
-                self.prefixes.release(r.slot, r.seq)
+                self.prefixes.release(r.slot, r.seq, r.tenant)
             if r.suffix is not None:  # its sequence stays as a cached one (oldest evicted)
-                self.suffix.finish(r.suffix)
+                self.suffix.finish(r.suffix_index, r.suffix)
 
     def forget_finished(self) -> None:
         """A suffix index forgets the finished requests it keeps (``suffix_cache_requests``): what
@@ -640,7 +652,7 @@ class DrafterCore:
 def suffix_settings(dc: DraftConfig) -> SuffixSettings:
     """The ``draft.suffix_*`` keys of a config."""
     return SuffixSettings(dc.suffix_max_depth, dc.suffix_min_prob, dc.suffix_max_spec_factor,
-                          dc.suffix_cache_requests, dc.suffix_cache_tokens, dc.suffix_min_score)
+                          dc.suffix_cache_requests, dc.suffix_cache_tokens, dc.suffix_min_score, dc.suffix_scope)
 
 
 def _top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], rows renormalised
@@ -757,7 +769,7 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
                        model: torch.nn.Module | None = None,
                        prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
                        prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                       kv: KVOptions | None = None) -> DrafterCore | None:
+                       kv: KVOptions | None = None, prefix_scope: str = "shared") -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: the loaded draft model for the methods that draft with one: a separate model
@@ -774,6 +786,7 @@ def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, ma
         core.q_top_k = dc.q_top_k
         if core.prefixes is not None and core.head is None:
             core.prefixes.enabled = prefix_caching
+            core.prefixes.scope = prefix_scope  # (engine.prefix_cache_scope)
     return core
 
 

@@ -60,7 +60,9 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["SuffixDraft", "SuffixIndex", "SuffixSettings", "SuffixState"]
+__all__ = ["SuffixDraft", "SuffixIndex", "SuffixIndexes", "SuffixSettings", "SuffixState", "SUFFIX_SCOPES"]
+
+SUFFIX_SCOPES = ("tenant", "shared")  # draft.suffix_scope
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class SuffixSettings:
     cache_requests: int = 256  # finished sequences kept (oldest evicted first)
     cache_tokens: int = 262_144  # their tokens kept at most (oldest evicted first): about 0.45 GB of trie
     min_score: float = 2.0  # hybrid: take the suffix draft when its score is >= this, else the model's
+    scope: str = "tenant"  # one index a tenant, or "shared" by every request (SuffixIndexes)
 
 
 ROOT = 0  # the root's node id: the empty string
@@ -320,3 +323,47 @@ class SuffixIndex:
     def stats(self) -> dict:
         return {"nodes": self.num_nodes, "live": self.live, "cached": len(self.cached),
                 "cached_tokens": self.cached_tokens}
+
+
+class SuffixIndexes:
+    """A drafter's suffix indexes: one a tenant (``scope`` "tenant": a request drafts from the text of its own
+    tenant's requests only, so no tenant learns another's text from its own acceptance), or one for everyone
+    (``scope`` "shared"). Each index keeps ``settings``' bounds; an index left with nothing is dropped."""
+
+    def __init__(self, settings: SuffixSettings):
+        if settings.scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix scope must be one of {SUFFIX_SCOPES}, got {settings.scope!r}")
+        self.settings, self.scope = settings, settings.scope
+        self.indexes: dict[str, SuffixIndex] = {}
+
+    def for_tenant(self, tenant: str) -> SuffixIndex:
+        """The index a request of ``tenant`` reads and writes."""
+        key = tenant if self.scope == "tenant" else ""
+        index = self.indexes.get(key)
+        if index is None:
+            st = self.settings
+            index = self.indexes[key] = SuffixIndex(st.max_depth, st.cache_requests, st.cache_tokens)
+        return index
+
+    def finish(self, index: SuffixIndex, st: SuffixState) -> None:
+        """A request of ``index`` ends (:meth:`SuffixIndex.finish`); an index that then holds nothing is dropped."""
+        index.finish(st)
+        if index.live == 0 and not index.cached:
+            for key, held in list(self.indexes.items()):
+                if held is index:
+                    del self.indexes[key]
+
+    def forget_finished(self) -> None:
+        for index in list(self.indexes.values()):
+            index.forget_finished()
+        self.indexes = {k: i for k, i in self.indexes.items() if i.live}
+
+    def stats(self) -> dict:
+        """The indexes' sizes summed, and how many there are."""
+        out = {"nodes": 0, "live": 0, "cached": 0, "cached_tokens": 0}
+        for index in self.indexes.values():
+            for k, v in index.stats().items():
+                out[k] += v
+        out["indexes"] = len(self.indexes)
+        return out
+

@@ -109,6 +109,7 @@ class _TargetRequest:
     seed: int  # keys the target's uniforms (transport.target_uniforms)
     coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.cores.coupling (noise keyed by draft_seed)
     hidden: bool = False  # its results carry the hidden states of runner.hidden_layers (StartItem.hidden_layers)
+    tenant: str = ""  # whose request it is (StartItem.tenant): prompt K/V are reused within its share (PrefixCache)
 
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
@@ -157,7 +158,7 @@ class VerifierCore:
     def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
                  broadcast: Callable[[Any], Any] | None = None,
                  set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, prefix_scope: str = "shared"):
         if world_size > 1 and broadcast is None:
             raise ValueError("a tensor-parallel verifier needs a broadcast function")
         self.runner = runner
@@ -175,7 +176,7 @@ class VerifierCore:
         self.broken: str | None = None  # why the tensor-parallel group failed (rank 0)
         self._call: tuple[str, float, float] | None = None  # the call running: (name, began at, bound in s)
         # prompt K/V shared across requests; its cache operations reach the followers like ours
-        self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self._record)
+        self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self._record, scope=prefix_scope)
 
     @property
     def cache(self):
@@ -311,14 +312,25 @@ class VerifierCore:
         # groups: with a system prompt every prompt shares, the second of two equal prompts waits for
         # the first, which itself waits (for the system prompt) on the call's first prompt.
         # K/V held: all but the last token
-        live = self.prefixes.live_index((r.slot, r.seq[:-1]) for r in self.requests.values())
+        # (per share of the prefix cache: a tenant's, or everyone's)
+        prefixes = self.prefixes
+        lives: dict[str, object] = {}
+
+        def live(tenant: str):  # the running requests of tenant's share, indexed (built at first use)
+            key = prefixes.key(tenant)
+            if key not in lives:
+                lives[key] = prefixes.live_index((r.slot, r.seq[:-1]) for r in self.requests.values()
+                                                 if prefixes.key(r.tenant) == key)
+            return lives[key]
+
         waves: list[list] = [[]]
         wave_of: list[int] = []  # the wave of each prompt of the call so far
-        in_call = self.prefixes.live_index(())  # those prompts, by position in the call
+        in_calls: dict[str, object] = {}  # those prompts, by position in the call, per share
         for i, (it, prompt) in enumerate(parsed):
             want = prompt[:-1]
-            shared, lead = in_call.longest(want) if self.prefixes.enabled else (0, -1)
-            later = shared >= self.prefixes.min_tokens and shared > self.prefixes.match(want, live)[0]
+            in_call = in_calls.setdefault(prefixes.key(it.tenant), prefixes.live_index(()))
+            shared, lead = in_call.longest(want) if prefixes.enabled else (0, -1)
+            later = shared >= prefixes.min_tokens and shared > prefixes.match(want, live(it.tenant), it.tenant)[0]
             wave_of.append(wave_of[lead] + 1 if later else 0)
             in_call.add(i, want)
             if wave_of[i] == len(waves):
@@ -328,9 +340,9 @@ class VerifierCore:
         for group in waves:
             todo = []
             for it, prompt in group:
-                slot, held = self.prefixes.acquire(prompt[:-1], live, need_of[it.request_id])
+                slot, held = prefixes.acquire(prompt[:-1], live(it.tenant), need_of[it.request_id], it.tenant)
                 r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling,
-                                                                  bool(it.hidden_layers))
+                                                                  bool(it.hidden_layers), it.tenant)
                 if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
                     self._local(("rollback", slot, 0))
                     held = 0
@@ -342,7 +354,7 @@ class VerifierCore:
                     if r.hidden:
                         hidden[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
             for it, prompt in group:
-                live.add(self.requests[it.request_id].slot, prompt[:-1])
+                live(it.tenant).add(self.requests[it.request_id].slot, prompt[:-1])
         out = [Prefilled(it.request_id, hidden.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
                for it in items]
         return out, CallTiming({"prefill": now() - t0})
@@ -463,7 +475,7 @@ class VerifierCore:
             if r is None:
                 self.released_unknown.add(rid)
             else:  # kept for later prompts that start the same way, or freed
-                self.prefixes.release(r.slot, r.seq[:-1])
+                self.prefixes.release(r.slot, r.seq[:-1], r.tenant)
         if not self.requests and self._pending:  # going idle: the followers free their slots now too
             ops, self._pending = self._pending, []
             self._collective(lambda: self._broadcast(ops))

@@ -33,7 +33,7 @@ class Engine(Scheduler):
         kv = KVOptions.from_engine(ec, device)
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
                                                        kv_cache_dtype=ec.kv_cache_dtype, kv=kv),
-                                        prefix_caching=ec.prefix_caching)
+                                        prefix_caching=ec.prefix_caching, prefix_scope=ec.prefix_cache_scope)
         vocab = self.target_core.vocab_size
         dc = config.draft
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
@@ -42,6 +42,7 @@ class Engine(Scheduler):
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True,
                                                                  prefix_caching=ec.prefix_caching,
+                                                                 prefix_scope=ec.prefix_cache_scope,
                                                                  kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.runner.hidden_layers = self.draft_core.hidden_layers

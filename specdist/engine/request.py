@@ -108,6 +108,7 @@ class Request:
     output: OutputState
     seed: int = 0  # keys the target's uniforms; the draft's seed is transport.draft_seed(seed)
     core_id: str = ""  # this request's id on the target and draft cores (unique per scheduler)
+    tenant: str = ""  # who it belongs to (StartItem.tenant): the cores share state only within a tenant
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     acceptance: Acceptance = field(default_factory=Acceptance)  # observed, for the draft-length rule
     replica: int | None = None  # the draft replica it is assigned to; None: no drafts

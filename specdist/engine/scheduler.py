@@ -271,8 +271,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, chat: bool = False) -> Request:
-        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.engine.prompts)."""
+                    request_id: str | None = None, chat: bool = False, tenant: str = "") -> Request:
+        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.engine.prompts).
+        ``tenant``: who it belongs to (the servers pass the caller's, :func:`specdist.transport.security.tenant_of`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
@@ -289,6 +290,7 @@ class Scheduler:
             output=OutputState(params, self.eos_ids, self.tokenizer),
             seed=int(seed),
             core_id=self._new_core_id(),
+            tenant=tenant,
         )
         req.metrics.prompt_tokens = len(ids)
         req.metrics.arrival_time = now()
@@ -700,7 +702,7 @@ class Scheduler:
         them before it failed: they are released there (retried later if that fails too).
         """
         items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling,
-                           self._hidden_layers(r)) for r in rs]
+                           self._hidden_layers(r), r.tenant) for r in rs]
         results, failed, _, _ = self._call_isolating(method, items)
         unknown = [items[j].request_id for j, e in failed.items() if e.code not in _REFUSED_CODES]
         if unknown:

@@ -202,17 +202,28 @@ class PrefixCache:
     applies to a follower's PrefixCache (tensor-parallel ranks > 0), so that its cache and its
     set of kept slots stay rank 0's. ``enabled=False``: released slots are freed at once and
     nothing is reused.
+
+    ``scope`` "tenant": a request reuses only the K/V of its own tenant's requests (its time to
+    first token then says nothing of what other tenants sent); "shared": anyone's. The callers
+    pass each request's tenant, and build the running requests' index per tenant (:meth:`key`).
     """
 
     def __init__(self, cache: SlotKVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
-                 record: Callable[[tuple], None] | None = None):
+                 record: Callable[[tuple], None] | None = None, scope: str = "shared"):
         self.cache = cache
         self.enabled = enabled
         self.min_tokens = min_tokens
         self.record = record or (lambda op: None)
+        self.scope = scope
         self.retained: OrderedDict[int, list[int]] = OrderedDict()  # slot -> its tokens, oldest first
-        self._index = PrefixIndex(min_tokens)  # the retained slots' tokens, by their first min_tokens
+        # the retained slots' tokens, by their first min_tokens, one index a scope key (key()); each slot's key
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._key_of: dict[int, str] = {}
         self.reused_tokens = 0  # prompt tokens whose K/V came from here instead of a forward
+
+    def key(self, tenant: str) -> str:
+        """The share a request of ``tenant`` reuses K/V within: its tenant's, or everyone's ("")."""
+        return tenant if self.scope == "tenant" else ""
 
     @property
     def available(self) -> int:
@@ -265,34 +276,39 @@ class PrefixCache:
         return n
 
     def _unretain(self, slot: int) -> int:
-        self._index.remove(slot, self.retained.pop(slot))
+        tokens = self.retained.pop(slot)
+        index = self._indexes.get(self._key_of.pop(slot, ""))
+        if index is not None:  # (a follower keeps slots, not tokens: no index)
+            index.remove(slot, tokens)
         return slot
 
     def live_index(self, live: Iterable[tuple[int, Sequence[int]]]) -> PrefixIndex:
         """The running requests' (slot, tokens held) indexed for :meth:`match` (build it once per call)."""
         return PrefixIndex(self.min_tokens, live)
 
-    def match(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = ()
-              ) -> tuple[int, int, bool]:
+    def match(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
+              tenant: str = "") -> tuple[int, int, bool]:
         """The longest prefix of ``want`` held here of at least ``min_tokens`` tokens: (length, slot,
         whether the slot is retained); (0, -1, False) when there is none or reuse is off.
         ``live``: the running requests' (slot, tokens held), or their :meth:`live_index`."""
         if not self.enabled:
             return 0, -1, False
         live = live if isinstance(live, PrefixIndex) else self.live_index(live)
-        kept, kept_slot = self._index.longest(want)
+        index = self._indexes.get(self.key(tenant))
+        kept, kept_slot = index.longest(want) if index is not None else (0, -1)
         running, running_slot = live.longest(want)
         if running > kept:
             return running, running_slot, False
         return (kept, kept_slot, True) if kept else (0, -1, False)
 
     def acquire(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
-                tokens: int | None = None) -> tuple[int, int]:
+                tokens: int | None = None, tenant: str = "") -> tuple[int, int]:
         """A slot for a request whose prompt K/V are to be ``want`` (the prompt but its last
         token), and how many of ``want`` it holds already. ``live``: (slot, tokens held) of the
         running requests, whose prefixes may be copied (or their :meth:`live_index`). ``tokens``:
-        the most the request may hold (a paged cache reserves that many; None: the cache length)."""
-        best, source, retained = self.match(want, live)
+        the most the request may hold (a paged cache reserves that many; None: the cache length). ``tenant``: whose
+        request it is (``live`` must then hold requests of its share only, :meth:`key`)."""
+        best, source, retained = self.match(want, live, tenant)
         if best < self.min_tokens:
             return self.allocate(tokens), 0
         self.reused_tokens += best
@@ -308,13 +324,14 @@ class PrefixCache:
         self._op(("copy", source, slot, best))
         return slot, best
 
-    def release(self, slot: int, tokens: Sequence[int]) -> None:
+    def release(self, slot: int, tokens: Sequence[int], tenant: str = "") -> None:
         """A request is done with ``slot``; ``tokens`` are the ones whose K/V it holds (at least
         ``cache.lengths[slot]`` of them). Retained if long enough to be reused, else freed."""
         held = self.cache.lengths[slot]
         if self.enabled and held >= self.min_tokens:
             self.retained[slot] = list(tokens[:held])
-            self._index.add(slot, self.retained[slot])
+            key = self._key_of[slot] = self.key(tenant)
+            self._indexes.setdefault(key, PrefixIndex(self.min_tokens)).add(slot, self.retained[slot])
             self.record(("retain", slot))
             self._op(("reserve", slot, 0))  # kept for reuse: it holds its blocks and grows no more
         else:

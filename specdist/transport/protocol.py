@@ -57,6 +57,9 @@ class StartItem:
     # target layers whose input hidden states the verifier returns for this request (an EAGLE-3 drafter
     # reads them, specdist.cores.draft); () none. Must be the layers the target keeps (runner.hidden_layers)
     hidden_layers: tuple[int, ...] = ()
+    # who the request belongs to (specdist.transport.security.tenant_of; "" one tenant): the cores share state
+    # across requests (the suffix index; the prefix cache where configured) only within a tenant
+    tenant: str = ""
 
 
 @dataclass

@@ -9,6 +9,9 @@ Server side (``specdist serve``):
   header; on the HTTP port: /v1/*, /metrics and /openapi.json), except the probes: the gRPC
   health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED / HTTP
   401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
+  A file of several lines holds one token a line, one per **tenant** (:func:`tenant_of`): the
+  requests of different tenants share no drafting state (the suffix index) and, where the config
+  says so, no prompt K/V either, so one tenant cannot read another's text through them.
 
 Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
 CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
@@ -25,6 +28,7 @@ or key that does not load, or a key that does not match its certificate is a one
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from collections.abc import Awaitable, Callable
@@ -53,15 +57,19 @@ def read_file(path: str, flag: str) -> bytes:
     return data
 
 
-def read_token(path: str, flag: str = "--auth-token-file") -> str:
-    """The token in ``path``, surrounding whitespace stripped; it must be one printable ASCII word."""
+def read_token(path: str, flag: str = "--auth-token-file") -> str | tuple[str, ...]:
+    """The token in ``path``, surrounding whitespace stripped; it must be one printable ASCII word. A file of
+    several lines holds one token a line, one per tenant (:func:`tenant_of`): returned as a tuple."""
     try:
-        token = read_file(path, flag).decode("ascii").strip()
+        lines = [line.strip() for line in read_file(path, flag).decode("ascii").splitlines() if line.strip()]
     except UnicodeDecodeError:
         raise SecurityConfigError(f"{flag} {path}: the token must be ASCII") from None
-    if not token.isprintable() or any(c.isspace() for c in token):
-        raise SecurityConfigError(f"{flag} {path}: the token must be one word of printable characters")
-    return token
+    for token in lines:
+        if not token.isprintable() or any(c.isspace() for c in token):
+            raise SecurityConfigError(f"{flag} {path}: a token must be one word of printable characters")
+    if len(set(lines)) != len(lines):
+        raise SecurityConfigError(f"{flag} {path}: a token appears twice")
+    return lines[0] if len(lines) == 1 else tuple(lines)
 
 
 def _check_pair(tls_cert: str | None, tls_key: str | None) -> None:
@@ -71,12 +79,34 @@ def _check_pair(tls_cert: str | None, tls_key: str | None) -> None:
         raise SecurityConfigError(f"{given} needs {missing}")
 
 
-def bearer_ok(header: str | None, token: str) -> bool:
-    """Whether an ``authorization`` value is ``Bearer <token>`` (scheme case-insensitive, constant-time compare)."""
+def bearer_ok(header: str | None, token: str | tuple[str, ...]) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <token>`` (scheme case-insensitive, constant-time compare);
+    ``token`` may be several (one a tenant): any of them."""
+    return _matched(header, token) is not None
+
+
+def _matched(header: str | None, token: str | tuple[str, ...]) -> str | None:
+    """The token an ``authorization`` value carries, if it is one of ``token``; every token is compared (in
+    constant time each), so the time does not say which one matched or how far a guess got."""
     if not header:
-        return False
+        return None
     scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    given_bytes = given.strip().encode()
+    found = None
+    for t in (token,) if isinstance(token, str) else token:
+        if hmac.compare_digest(given_bytes, t.encode()):
+            found = t
+    return found if scheme.lower() == "bearer" else None
+
+
+def tenant_of(header: str | None, token: str | tuple[str, ...] | None) -> str:
+    """The tenant a request belongs to: with several tokens (one a tenant), a name derived from the one it carries
+    (a hash: the token itself is never kept or logged); with one token or none, "" (every client one tenant).
+    The cores scope what requests share across each other (the suffix index, optionally the prefix cache) by it."""
+    if token is None or isinstance(token, str) or len(token) < 2:
+        return ""
+    matched = _matched(header, token)
+    return "" if matched is None else "tenant-" + hashlib.sha256(matched.encode()).hexdigest()[:16]
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -155,10 +185,10 @@ class ServerTLS:
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """What ``specdist serve`` was given: TLS (or None) and the token (or None)."""
+    """What ``specdist serve`` was given: TLS (or None) and the token (or None; a tuple: one token a tenant)."""
 
     tls: ServerTLS | None = None
-    token: str | None = None
+    token: str | tuple[str, ...] | None = None
 
     @classmethod
     def from_args(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
@@ -176,7 +206,7 @@ class ServerSecurity:
         return "https" if self.tls is not None else "http"
 
 
-def auth_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor] | None:
+def auth_interceptors(token: str | tuple[str, ...] | None) -> list[grpc.aio.ServerInterceptor] | None:
     """``grpc.aio.server(interceptors=...)``: the token check when a token is set, else none."""
     return [TokenAuthInterceptor(token)] if token else None
 
@@ -184,7 +214,7 @@ def auth_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor] | N
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the health service."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str | tuple[str, ...]):
         self._token = token
 
     async def intercept_service(

@@ -250,14 +250,15 @@ def start_items_to_proto(items: list[StartItem], message):
     item = target_pb2.PrefillItem if message is target_pb2.PrefillRequest else draft_pb2.StartItem
     return message(items=[item(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
                                params=sampling_params_to_proto(it.params), seed=it.seed,
-                               coupling=_COUPLING_TO_PROTO[it.coupling], hidden_layers=it.hidden_layers)
+                               coupling=_COUPLING_TO_PROTO[it.coupling], hidden_layers=it.hidden_layers,
+                               tenant=it.tenant)
                           for it in items])
 
 
 def start_items_from_proto(msg) -> list[StartItem]:
     return [StartItem(it.request_id, list(it.prompt_token_ids),
                       sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed),
-                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"), tuple(it.hidden_layers))
+                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"), tuple(it.hidden_layers), it.tenant)
             for i, it in enumerate(msg.items)]
 
 
