@@ -4,7 +4,8 @@ tests/test_gguf_files.py, under a memory limit). Prints one JSON line a case: ho
 The cases start from a valid tiny GGUF Llama (tests/test_native_weights.py's writer) and break it: the
 file cut at several points, a metadata array or string whose length runs past the end, tensor and
 metadata counts past the end, a tensor's offset past the end, huge dimensions, a type whose block size
-disagrees with the data, and seeded random byte flips in the header. Every case must end either in
+disagrees with the data, a block scale that is NaN or infinite (its blocks do not reproduce), and seeded
+random byte flips in the header. Every case must end either in
 specdist's ConfigError naming the file (or, for a flip that leaves the file valid, in a loaded model).
 """
 
@@ -42,6 +43,8 @@ def _fields(path: str) -> dict:
     out["type"] = out["dims"] + 8 * n_dims
     out["offset"] = out["type"] + 4
     out["data_start"] = r.data_offset
+    q = next(t for t in r.tensors if t.tensor_type.name.startswith("Q"))  # a block type: a scale first
+    out["first_scale"] = int(q.data_offset)
     return out
 
 
@@ -66,6 +69,10 @@ def cases(valid: bytes, f: dict) -> list[tuple[str, bytes]]:
     out.append(("another quantization type", bytes(_put(bytearray(valid), f["type"], "<I", 12))))  # Q4_K: 256-blocks
     out.append(("an unknown type", bytes(_put(bytearray(valid), f["type"], "<I", 250))))
     out.append(("tensor data cut by one byte", valid[:-1]))
+    # the header is sound, the data is not: a block's scale NaN, or infinite; dequantized by transformers and by
+    # specdist's blocks, the two must disagree in a way the blocks check sees
+    out.append(("a block scale NaN: its blocks do not reproduce", bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7E00))))
+    out.append(("a block scale infinite: its blocks do not reproduce", bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7C00))))
     rng = random.Random(1234)
     for i in range(40):  # seeded byte flips in the header and the tensor infos
         b = bytearray(valid)

@@ -561,9 +561,9 @@ def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weigh
     for t in native_tensors(model, gguf_path, device, wanted):
         target = t.module
         if t.codes.shape[0] != target.out_features:
-            raise ConfigError(key, f"{t.name}: {t.codes.shape[0]} rows in the file, {target.out_features} in the model")
+            raise ConfigError(key, f"{gguf_path}: {t.name}: {t.codes.shape[0]} rows in the file, {target.out_features} in the model")
         if not reproduces(t.codes, t.scales, t.zeros, t.repeat, target.weight.detach().cpu()):
-            raise ConfigError(key, f"{t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
+            raise ConfigError(key, f"{gguf_path}: {t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
                                    f"loaded for {t.owner}; load it with weights: float")
         install(model, t.owner, Int4GroupLinear(t.codes.to(device), t.scales.to(device), t.zeros.to(device),
                                                 target.bias, t.repeat, t.super))

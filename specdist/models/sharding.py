@@ -509,7 +509,7 @@ def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], 
         if part is None or part[0].shape[0] % INT4_ROWS:
             continue
         if not reproduces(*part, t.repeat, target.weight.detach().cpu()):
-            raise ConfigError(key, f"{t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
+            raise ConfigError(key, f"{gguf_path}: {t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
                                    f"weight for {t.owner}; load it with weights: float")
         bias = None if type(target) is RowParallelLinear else target.bias  # row-parallel: added after the sum
         sup = None if t.super is None else take_super_scales(cuts[f"{t.owner}.weight"], *t.super, rank, world_size)
