@@ -4,8 +4,9 @@ tests/gguf_fuzz_cases.py breaks a valid tiny GGUF Llama in every way a header ca
 lengths, offsets and dimensions past the end, types whose block sizes disagree with the data, random byte
 flips) and a way its data can (a block scale NaN or infinite: its blocks do not reproduce), and loads each
 the way specdist does (tokenizer, float model, native blocks), in a process of its own under a 3 GiB data
-limit (``RLIMIT_DATA``) and a time limit: a runaway allocation fails there instead of taking the machine. Also specdist's own header reader, given counts and lengths past the end,
-refuses them at once (it appended empty views until memory ran out)."""
+limit (``RLIMIT_DATA``) and a time limit: a runaway allocation fails there instead of taking the machine.
+Also specdist's own header reader, given counts and lengths past the end, refuses them at once (it appended
+empty views until memory ran out)."""
 
 from __future__ import annotations
 
