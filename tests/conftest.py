@@ -370,10 +370,13 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))  # torch's default: the cores it may use
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """The tests on the shared local Ray cluster run one after another, where the first of them was
     collected, so the cluster comes up once (each bring-up and shutdown costs seconds). Every test of
-    a Ray module goes to one pytest-xdist worker (``--dist loadgroup``), in this order."""
+    a Ray module goes to one pytest-xdist worker (``--dist loadgroup``), in this order. First among the
+    hooks: xdist's own reads the ``xdist_group`` marks when it runs (after this hook, or the marks are
+    not seen and the Ray modules' tests are spread over both workers, two Ray clusters starting at once)."""
     on_ray = [item for item in items if _uses_local_ray(item)]
     if on_ray:
         first = items.index(on_ray[0])
@@ -393,6 +396,36 @@ def pytest_runtest_teardown(item, nextitem):
     if _uses_local_ray(item) and (nextitem is None or not _uses_local_ray(nextitem)):
         stop_local_ray()
     return result
+
+
+def frozen_adaptive_policy(k: int, chosen: list[int] | None = None):
+    """The adaptive rule with costs frozen at synthetic values (real wall times would make a run, though not its
+    law, nondeterministic: a slow moment prices drafts out): draft 4 ms a pass + 25 us a row, verify 60 ms + 25 us
+    a token, no probing. Its choices then depend on acceptances (and match lengths) only: set it as an engine's
+    ``length_policy``. ``k``: the most a request drafts; ``chosen``: each k it picks is appended."""
+    from specdist.engine.draft_length import DraftLengthPolicy
+
+    pol = DraftLengthPolicy(k, "adaptive")
+    for _ in range(20):
+        pol.observe_draft(0, 1, 1, 0.004025)
+        pol.observe_draft(0, 2, 6, 0.00815)
+        pol.observe_draft(0, 3, 4, 0.0121)
+        pol.observe_verify(1, 0.060025)
+        pol.observe_verify(9, 0.060225)
+    pol.observe_overhead(0.0)
+    pol.last_drafted = [10**9]  # no probing either
+    for name in ("observe_draft", "observe_verify", "observe_overhead"):
+        setattr(pol, name, lambda *a: None)
+    if chosen is not None:
+        inner = pol.choose
+
+        def choose(caps, accs, replicas=None, first=None, match_lengths=None):
+            ks = inner(caps, accs, replicas, first, match_lengths)
+            chosen.extend(ks)
+            return ks
+
+        pol.choose = choose
+    return pol
 
 
 TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
