@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import remote_engine_like, tiny_config
+from conftest import frozen_adaptive_policy, remote_engine_like, tiny_config
 from gtest import (  # noqa: F401  (constants used below)
     ALPHA,
     BATCH,
@@ -294,34 +294,12 @@ def test_generate_with_more_prompts_than_slots(tiny_models) -> None:
 
 def test_adaptive_draft_length_samples_target_distribution(models) -> None:
     """The adaptive rule picks k per request from its past acceptances; the output law must not
-    change. Costs are frozen at synthetic values (real wall times would make the run, though not
-    its law, nondeterministic), chosen so that k ranges over 0..K with the observed acceptance.
-    G-test as above: N = 4000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 78, threshold 133.2)."""
-    from specdist.engine.draft_length import DraftLengthPolicy
-
+    change. Costs frozen (:func:`frozen_adaptive_policy`), chosen so that k ranges over 0..K with the observed
+    acceptance. G-test as above: N = 4000, alpha 1e-4, case model-4-3 T=1.2 top-k 5 (df 78, threshold 133.2)."""
     chosen: list[int] = []
 
     def setup(eng) -> None:
-        pol = DraftLengthPolicy(K, "adaptive")
-        for _ in range(20):  # draft 4 ms per pass + 25 us per row; verify 60 ms + 25 us per token
-            pol.observe_draft(0, 1, 1, 0.004025)
-            pol.observe_draft(0, 2, 6, 0.00815)
-            pol.observe_draft(0, 3, 4, 0.0121)
-            pol.observe_verify(1, 0.060025)
-            pol.observe_verify(9, 0.060225)
-        pol.observe_overhead(0.0)
-        pol.last_drafted = [10**9]  # no probing either
-        for name in ("observe_draft", "observe_verify", "observe_overhead"):
-            setattr(pol, name, lambda *a: None)  # frozen costs: the choices depend on acceptances only
-        inner = pol.choose
-
-        def choose(caps, accs, replicas=None, first=None, match_lengths=None):
-            ks = inner(caps, accs, replicas, first, match_lengths)
-            chosen.extend(ks)
-            return ks
-
-        pol.choose = choose
-        eng.length_policy = pol
+        eng.length_policy = frozen_adaptive_policy(K, chosen)
 
     case = CASES[3]  # 4 tokens, so a first step may draft up to K = 3
     run_frequency_case(models, case, seed0=77_000_000, setup=setup)
@@ -352,6 +330,8 @@ def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: di
     cfg["draft"].update(draft)
     cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
+    if draft.get("length_policy") == "adaptive":
+        eng.length_policy = frozen_adaptive_policy(K)  # deterministic choices: how much is drafted must not vary
     params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
                              top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
     return eng.generate([list(case.prompt)] * n, params), eng

@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ServedCores, tiny_config
+from conftest import ServedCores, frozen_adaptive_policy, tiny_config
 from specdist.config import load_config
 from specdist.cores.draft import DrafterCore, build_drafter_core
 from specdist.engine.local import Engine
@@ -386,6 +386,7 @@ def test_adaptive_rule_cuts_suffix_proposals_to_its_choice(tiny_models, referenc
     eng = Engine.from_config(tiny_config(tiny_models, "suffix", 6, length_policy="adaptive"))
     sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
     assert eng.generate([prompt], sp)[0].token_ids == reference(prompt, m)
+    eng.length_policy = frozen_adaptive_policy(6)  # the rule's choices from acceptances, not from this moment's timing
     seen, proposed = [], []
     choose, verify, propose = eng.length_policy.choose, eng.verifier.verify, eng.replicas[0].drafter.propose
 
