@@ -7,16 +7,22 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+from importlib import resources
+from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import tiny_config
 from specdist.bench import tasks as tasks_bench
+from specdist.bench import tasks_data
 from specdist.bench.tasks_data import CHAT, CODE_EDIT, MULTI_TURN, QA, SUMMARIZE, TASKS
 from specdist.cli import main
 
 TASK_NAMES = ["chat", "code-edit", "summarize", "qa", "multi-turn"]
+TASK_COUNTS = {"chat": 64, "code-edit": 32, "summarize": 7, "qa": 7, "multi-turn": 7}
+SOURCE_KEYS = {"code-edit": {"instruction", "code"}, "summarize": {"instruction", "text"},
+               "qa": {"passage", "question", "answer"}}
 ROW_KEYS = {"concurrency", "task", "variant", "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted",
             "drafted", "accepted", "acceptance", "tokens_per_step", "speedup", "same_tokens_as_none", "phase_s"}
 REQUEST_KEYS = {"prompt", "pass", "batch", "seed", "prompt_tokens", "tokens", "finish_reason", "steps", "emitted",
@@ -52,6 +58,45 @@ def test_task_data_is_well_formed():
         assert passage in conv[0]["content"] and conv[0]["content"].endswith(question)
     assert [len(c) for c in TASKS["multi-turn"]] == [len(m) for m in MULTI_TURN]
     assert all(len(c) >= 5 for c in TASKS["multi-turn"])  # at least 2 exchanges before the last turn
+
+
+def _is_prompt(prompt) -> bool:
+    """A non-empty string, or a non-empty list of {role, content} messages with non-empty strings."""
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
+        and isinstance(m["content"], str) and m["role"] and m["content"].strip() for m in prompt)
+
+
+def test_task_data_file_loads():
+    """The prompts are package data (specdist/bench/data/tasks.jsonl): one JSON object per line, the tasks in
+    order with their counts, each prompt well-formed; the module's names are read from it, and
+    pyproject.toml ships it in the wheel."""
+    data = resources.files("specdist.bench") / tasks_data.DATA_DIR / tasks_data.DATA_FILE
+    lines = data.read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records == tasks_data.load_records()
+    assert all(isinstance(r, dict) for r in records)
+    names = [r["task"] for r in records]
+    assert list(dict.fromkeys(names)) == TASK_NAMES
+    assert names == sorted(names, key=TASK_NAMES.index)  # each task's lines together, in order
+    assert {t: names.count(t) for t in TASK_NAMES} == TASK_COUNTS
+    assert {t: len(p) for t, p in TASKS.items()} == TASK_COUNTS
+    for r in records:
+        assert set(r) == {"task", "prompt"} | ({"source"} if r["task"] in SOURCE_KEYS else set()), r.keys()
+        assert _is_prompt(r["prompt"]), r
+        if r["task"] in SOURCE_KEYS:
+            assert set(r["source"]) == SOURCE_KEYS[r["task"]]
+            assert all(isinstance(v, str) and v.strip() for v in r["source"].values())
+    assert [r["prompt"] for r in records] == [p for t in TASK_NAMES for p in TASKS[t]]
+    assert CHAT == [r["prompt"][0]["content"] for r in records if r["task"] == "chat"]
+    assert MULTI_TURN == TASKS["multi-turn"]
+    assert [len(CODE_EDIT), len(SUMMARIZE), len(QA)] == [TASK_COUNTS[t] for t in ("code-edit", "summarize", "qa")]
+    assert all(type(x) is tuple for x in CODE_EDIT + SUMMARIZE + QA)
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert "data/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["specdist.bench"]
 
 
 def test_plain_text_and_batches():

@@ -1,10 +1,11 @@
 """``specdist bench tasks``: a Spec-Bench-style suite: per task and draft, acceptance, tokens per step
 and speedup over plain decoding, measured side by side in one run.
 
-Tasks (:mod:`specdist.bench.tasks_data`, written into the repository): ``chat`` (open questions),
+Tasks (the prompts are data: ``specdist/bench/data/tasks.jsonl``, shipped with the package, one JSON
+line per prompt, read by :mod:`specdist.bench.tasks_data`): ``chat`` (open questions),
 ``code-edit`` (rewrite a given 20-40 line Python function with one change: the answer mostly
 repeats the input), ``summarize`` (a text of a few paragraphs), ``qa`` (extractive questions on
-a passage) and ``multi-turn`` (answer the last turn of a chat history), 7-8 prompts each (chat 64 and
+a passage) and ``multi-turn`` (answer the last turn of a chat history), 7 prompts each (chat 64 and
 code-edit 32, so that 16 clients send distinct prompts: four rounds of chat, two of code editing),
 about 140 to 400 tokens once rendered by the default model's chat template. Each prompt goes through the
 model's chat template by :func:`specdist.engine.prompts.encode_prompt`, what ``Engine.generate(...,
