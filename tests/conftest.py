@@ -398,6 +398,16 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
+def model_drafter(model, max_batch_size: int, max_model_len: int, confidence_threshold: float = 0.0):
+    """A drafter core drafting with ``model`` (the ``model`` method's proposer over a runner of its own)."""
+    from specdist.cores.draft import DrafterCore
+    from specdist.cores.proposers.model import ModelProposer
+    from specdist.models.runner import CausalLMRunner
+
+    return DrafterCore(ModelProposer(CausalLMRunner(model, max_batch_size, max_model_len), confidence_threshold),
+                       max_model_len)
+
+
 def frozen_adaptive_policy(k: int, chosen: list[int] | None = None):
     """The adaptive rule with costs frozen at synthetic values (real wall times would make a run, though not its
     law, nondeterministic: a slow moment prices drafts out): draft 4 ms a pass + 25 us a row, verify 60 ms + 25 us

@@ -17,6 +17,7 @@ import torch
 from conftest import devices, remote_engine_like, tiny_config
 from gtest import K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, draft_stats, g_test_outputs, joint
 
+from specdist.cores.proposers.eagle3 import Eagle3Proposer
 from specdist.cores.rejection import one_step_distribution
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
@@ -58,7 +59,7 @@ def test_states_reach_the_head_for_every_position(eagle3_models) -> None:
     def recording(items):
         for it in items:
             r = eng.draft_core.requests[it.request_id]
-            have = r.fed + sum(int(x.shape[0]) for x in r.states)
+            have = r.state.fed + sum(int(x.shape[0]) for x in r.state.states)
             seen.append((have + (0 if it.hidden is None else int(it.hidden.shape[0])), it.seq_len - 1))
         return propose(items)
 
@@ -144,7 +145,7 @@ def test_real_drafts_pass_the_one_step_identity_by_enumeration(eagle3_models, mo
     eng = _engine(eagle3_models)
     eng.coupling = "rejection"
     eng.generate(PROMPTS * 4, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True))
-    unmapped = sorted(set(range(VOCAB)) - set(eng.draft_core.head.draft_to_target.tolist()))
+    unmapped = sorted(set(range(VOCAB)) - set(eng.draft_core.proposer.head.draft_to_target.tolist()))
     rows = 0
     for probs, q, tokens, num_draft in seen:
         if q is None:
@@ -245,8 +246,8 @@ def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_m
     head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]), eagle3_models["target"],
                             "float32", "cpu")
     ids = torch.arange(VOCAB)
-    assert torch.equal(head.embed(ids), eng.draft_core.head.embed(ids))
-    assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.head.parameters()))
+    assert torch.equal(head.embed(ids), eng.draft_core.proposer.head.embed(ids))
+    assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.proposer.head.parameters()))
 
 
 def _target_states(target, ids: torch.Tensor) -> torch.Tensor:
@@ -292,7 +293,7 @@ def test_a_head_on_the_device_drafts_from_states_decoded_on_the_cpu(eagle3_model
                             "float32", device)
     assert head.norm.weight.device.type == device
     target = AutoModelForCausalLM.from_pretrained(eagle3_models["target"])
-    cores = {"cpu states": DrafterCore.from_head(head, 2, 32), "device states": DrafterCore.from_head(head, 2, 32)}
+    cores = {"cpu states": DrafterCore(Eagle3Proposer(head, 2, 32), 32), "device states": DrafterCore(Eagle3Proposer(head, 2, 32), 32)}
     prompt, k = [5, 6, 1, 2, 3, 4], 3
     sp = SamplingParams(temperature=1.0, max_tokens=16)
     for core in cores.values():
@@ -336,7 +337,7 @@ def test_the_fitted_head_drafts_the_next_token(eagle3_models) -> None:
     from specdist.cores.draft import DrafterCore
 
     target = AutoModelForCausalLM.from_pretrained(eagle3_models["target"])
-    head = _engine(eagle3_models).draft_core.head
+    head = _engine(eagle3_models).draft_core.proposer.head
     n, length = 32, 12
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -346,7 +347,7 @@ def test_the_fitted_head_drafts_the_next_token(eagle3_models) -> None:
         p = target(ids).logits.softmax(-1)  # [n, length, V]; p[:, t]: the law of token t + 1
     states = _target_states(target, ids)
     rows = [(b, c) for b in range(n) for c in range(2, length - 1)]  # prefix ids[b, :c]: the draft is token c
-    core = DrafterCore.from_head(head, len(rows), 32)
+    core = DrafterCore(Eagle3Proposer(head, len(rows), 32), 32)
     sp = SamplingParams(temperature=1.0, max_tokens=4)
     core.start([StartItem(f"{b}-{c}", ids[b, :c].tolist(), sp, 0, hidden_layers=(0, 1, 2)) for b, c in rows])
     props, _ = core.propose([ProposeItem(f"{b}-{c}", 0, [], 1, c, hidden=states[b, :c - 1]) for b, c in rows])
@@ -376,7 +377,7 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
     sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in Engine.from_config(tiny_config(eagle3_models, method="none")).generate(prompts, sp)]
     eng = _engine(eagle3_models)
-    second = DrafterCore.from_head(eng.draft_core.head, 8, eng.draft_core.max_model_len)
+    second = DrafterCore(Eagle3Proposer(eng.draft_core.proposer.head, 8, eng.draft_core.max_model_len), eng.draft_core.max_model_len)
     with ServedCores(eng.target_core, [eng.draft_core, second]) as served:
         remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses, vocab_size=VOCAB,
                               eos_ids=eng.eos_ids)

@@ -456,7 +456,7 @@ def test_kv_slots_free_after_every_finish_and_abort(make_engine, method):
     assert len(out.token_ids) == 6
     assert_idle(eng)
     if method in ("suffix", "hybrid"):  # every finished or aborted request's live index state is gone
-        assert not eng.draft_core.requests and eng.draft_core.suffix.stats()["live"] == 0
+        assert not eng.draft_core.requests and eng.draft_core.proposer.index_stats()["live"] == 0
 
 
 @pytest.mark.parametrize("method", ["self", "model", "ngram", "none"])

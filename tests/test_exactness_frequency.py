@@ -407,7 +407,7 @@ def test_gumbel_harness_detects_wrong_noise(models, monkeypatch, kind: str, kv: 
     deterministic); the same harness passes the correct noise in test_engine_samples_target_distribution."""
     wrong = _wrong_noise(kind)
     monkeypatch.setattr("specdist.cores.verify_batch.row_starts", wrong)
-    monkeypatch.setattr("specdist.cores.draft.row_starts", wrong)
+    monkeypatch.setattr("specdist.cores.proposers.model.row_starts", wrong)
     case, n = CASES[0], 1500
     p = joint(_prob_table(models["target"], case)[0], case.window)
     outs = sample_engine(models, case, n, seed0=330_000_000, kv=kv)
@@ -425,7 +425,7 @@ def test_truncated_q_samples_target_distribution(models) -> None:
     support: list[int] = []
 
     def setup(eng) -> None:
-        eng.draft_core.q_top_k = 3
+        eng.draft_core.proposer.q_top_k = 3
         drafter = eng.replicas[0].drafter
         propose = drafter.propose
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from specdist.cores.proposers.ngram import NgramProposer
 from specdist.cores.draft import DrafterCore
 from specdist.transport.grpc_host import HEALTH_SERVICE, LIVENESS, GrpcHostThread
 from specdist.transport.security import bearer_metadata
@@ -32,7 +33,7 @@ LIMIT = 64 << 10  # bytes: far below grpc's 4 MiB default, so a test message can
 
 @pytest.fixture
 def servicer():
-    s = DraftServicer(DrafterCore.from_ngram(8, 64))
+    s = DraftServicer(DrafterCore(NgramProposer(8), 64))
     yield s
     s.shutdown()
 

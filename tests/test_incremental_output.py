@@ -18,7 +18,7 @@ import random
 import pytest
 
 from conftest import save_tiny_llama
-from specdist.cores.ngram import NgramIndex
+from specdist.cores.proposers.ngram import NgramIndex
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer, OutputState
 

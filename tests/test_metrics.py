@@ -13,7 +13,7 @@ from collections import Counter as Tally
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import LoopThread, tiny_config
+from conftest import LoopThread, model_drafter, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.api.metrics import FINISH_REASONS, Metrics
@@ -136,13 +136,13 @@ def test_counter_deltas_equal_the_per_request_stats(tiny_models) -> None:
 
 def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
     """The scheduler over one target and two in-process draft replicas (a copy of the draft each)."""
-    from specdist.cores.draft import DrafterCore, LocalDrafter
+    from specdist.cores.draft import LocalDrafter
     from specdist.models.loader import load_model, resolve_model
 
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
     cfg = eng.config
     src = resolve_model(tiny_models["draft"], "draft.model")
-    cores = [DrafterCore.from_model(load_model(src, cfg.draft.dtype), cfg.engine.max_batch_size,
+    cores = [model_drafter(load_model(src, cfg.draft.dtype), cfg.engine.max_batch_size,
                                     cfg.engine.max_model_len, cfg.draft.confidence_threshold) for _ in range(2)]
     sched = Scheduler(cfg, LocalVerifier(eng.target_core), [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
                       eng.tokenizer, eng.eos_ids)

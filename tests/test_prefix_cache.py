@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from conftest import devices
+from conftest import devices, model_drafter
 from specdist import SamplingParams
 from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
@@ -274,13 +274,13 @@ def test_model_drafter_reuses_its_own_prompt_kv(tiny_models):
         (proposal,), _ = core.propose([ProposeItem(rid, 0, [], 3, len(prompt))])
         return proposal.token_ids
 
-    reused = DrafterCore.from_model(model, 2, 64)
+    reused = model_drafter(model, 2, 64)
     first = drafts(reused, "a")
     reused.release(["a"])
     assert reused.kv_slots_in_use() == 0 and len(reused.prefixes.retained) == 1
     again = drafts(reused, "b")
     assert reused.prefixes.reused_tokens == len(prompt) - 1
-    fresh = drafts(DrafterCore.from_model(model, 2, 64), "c")
+    fresh = drafts(model_drafter(model, 2, 64), "c")
     assert first == again == fresh
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import host_servicer, tiny_config
+from conftest import host_servicer, model_drafter, tiny_config
 from test_coordinator import collect
 from gtest import (
     ALPHA,
@@ -34,7 +34,6 @@ from gtest import (
     seq_index,
 )
 from specdist.api.coordinator import Coordinator
-from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
@@ -122,7 +121,7 @@ class Cluster:
 
     def __init__(self, target_path: str, draft_path: str, slots: int, max_len: int):
         self.target = VerifierCore(CausalLMRunner(load_model(ModelSource(target_path, None), "float32"), slots, max_len))
-        self.drafts = [DrafterCore.from_model(load_model(ModelSource(draft_path, None), "float32"), slots, max_len)
+        self.drafts = [model_drafter(load_model(ModelSource(draft_path, None), "float32"), slots, max_len)
                        for _ in range(2)]
         self.servicers = [SlowableTargetServicer(self.target)] + [SlowableDraftServicer(d) for d in self.drafts]
         ts = self.servicers[0]

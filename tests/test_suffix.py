@@ -21,6 +21,7 @@ from collections import Counter
 import pytest
 
 from conftest import ServedCores, frozen_adaptive_policy, tiny_config
+from specdist.cores.proposers.suffix import SuffixProposer
 from specdist.config import load_config
 from specdist.cores.draft import DrafterCore, build_drafter_core
 from specdist.engine.local import Engine
@@ -292,12 +293,12 @@ def test_settings_validation_and_constructor_errors():
 
 # ---------------------------------------------------------------- 2. the drafter core
 def test_core_keeps_released_sequences_and_frees_live_state():
-    core = DrafterCore.from_suffix(8, 64, SuffixSettings(max_depth=6, cache_requests=2))
+    core = DrafterCore(SuffixProposer(8, SuffixSettings(max_depth=6, cache_requests=2)), 64)
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     core.start([StartItem("a", [1, 2, 3, 4, 5, 6], sp, 1)])
     core.propose([ProposeItem("a", 0, [1, 2], 0, 8)])  # commits 1, 2 (no drafts asked)
     core.release(["a"])
-    index = core.suffix.for_tenant("")  # every request here is the one tenant's
+    index = core.proposer.indexes.for_tenant("")  # every request here is the one tenant's
     assert core.requests == {} and index.live == 0 and len(index.cached) == 1
     core.start([StartItem("b", [0, 1, 2], sp, 2)])
     (p,), _ = core.propose([ProposeItem("b", 0, [], 4, 3)])
@@ -315,7 +316,7 @@ def test_core_keeps_released_sequences_and_frees_live_state():
     core.forget_finished()
     core.start([StartItem("d", [0, 1, 2], sp, 4)])
     (p,), _ = core.propose([ProposeItem("d", 0, [], 4, 3)])
-    index = core.suffix.for_tenant("")
+    index = core.proposer.indexes.for_tenant("")
     assert len(p) == 0 and not index.cached and dump(index) == substring_counts([[0, 1, 2]], 6)
     core.release(["d"])
 
@@ -431,7 +432,8 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
                               suffix={"suffix_max_depth": 5, "suffix_min_score": 0.5})
             assert info["method"] == method and info["vocab_size"] == 8
             actor.warmup()
-            assert actor.worker.method == method and actor.worker.suffix.settings.max_depth == 5
+            suffix = getattr(actor.worker.proposer, "suffix", actor.worker.proposer)  # hybrid: its suffix part
+            assert actor.worker.method == method and suffix.settings.max_depth == 5
             assert actor.worker.requests == {}
             with ServedCores(eng.target_core, [actor.worker]) as served:
                 remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses,

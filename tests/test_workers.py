@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import rank_procs
-from conftest import host_servicer, tiny_config
+from conftest import host_servicer, model_drafter, tiny_config
+from specdist.cores.proposers.ngram import NgramProposer
 from specdist.cores.draft import DrafterCore
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
 from specdist.models.runner import CausalLMRunner
@@ -44,10 +45,10 @@ def _target_model(tiny_models):
 def workers(tiny_models):
     """Target worker + a model draft worker + an n-gram draft worker, all served over gRPC."""
     target = VerifierCore(CausalLMRunner(_target_model(tiny_models), SLOTS, MAX_LEN))
-    model_draft = DrafterCore.from_model(load_model(ModelSource(tiny_models["draft"], None), "float32"), SLOTS, MAX_LEN)
-    ngram_draft = DrafterCore.from_ngram(target.vocab_size, MAX_LEN)
+    model_draft = model_drafter(load_model(ModelSource(tiny_models["draft"], None), "float32"), SLOTS, MAX_LEN)
+    ngram_draft = DrafterCore(NgramProposer(target.vocab_size), MAX_LEN)
     # the target's own weights as the draft: greedy drafts are then all accepted (the accept path)
-    self_draft = DrafterCore.from_model(_target_model(tiny_models), SLOTS, MAX_LEN)
+    self_draft = model_drafter(_target_model(tiny_models), SLOTS, MAX_LEN)
     ts = TargetServicer(target)
     ds = {name: DraftServicer(w) for name, w in (("model", model_draft), ("ngram", ngram_draft), ("self", self_draft))}
     srv_t = host_servicer(ts)

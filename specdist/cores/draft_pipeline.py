@@ -97,7 +97,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdist.cores.draft import DrafterCore, DraftRequest
+from specdist.cores.draft import DrafterCore
+from specdist.cores.proposers.base import DraftRequest
 from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
 
 log = logging.getLogger(__name__)
@@ -156,9 +157,9 @@ class DraftPipeline:
     """
 
     def __init__(self, core: DrafterCore, miss: str = "redraft"):
-        if core.runner is None and core.head is None:
-            raise ValueError("pipelined drafting needs a model or EAGLE-3 drafter (n-gram drafts cost nothing to "
-                             "prepare)")
+        if not core.proposer.drafts_ahead:
+            raise ValueError(f"pipelined drafting needs a method that drafts ahead (model or EAGLE-3 drafts), not "
+                             f"{core.method!r} (lookups cost nothing to prepare)")
         if miss not in MISS_POLICIES:
             raise ValueError(f"miss policy must be one of {MISS_POLICIES}, got {miss!r}")
         self.core = core
@@ -365,8 +366,8 @@ class DraftPipeline:
 
 
 def pipelined(core: DrafterCore, pipeline: bool, miss: str = "redraft") -> "DrafterCore | DraftPipeline":
-    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when it drafts with a model only or an
-    EAGLE-3 head."""
-    if not pipeline or core.method not in ("model", "eagle3"):
+    """The core to host: wrapped in a DraftPipeline (``draft.pipeline``) when its method drafts ahead (a model
+    only, an EAGLE-3 head)."""
+    if not pipeline or not core.proposer.drafts_ahead:
         return core
     return DraftPipeline(core, miss)

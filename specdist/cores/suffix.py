@@ -3,7 +3,7 @@
 What: in the spirit of SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975; Snowflake's
 Arctic Inference), a draft is read off the statistics of earlier text: find the longest
 suffix of the request's sequence that occurred before *with a continuation*, and follow the
-most frequent continuation. Unlike prompt lookup (:mod:`specdist.cores.ngram`, one sequence, the
+most frequent continuation. Unlike prompt lookup (:mod:`specdist.cores.proposers.ngram`, one sequence, the
 latest occurrence) the index holds **every request** of a drafter core, prompts and outputs:
 the live ones as they grow and up to ``cache_requests`` finished ones, so agentic loops,
 code edits ("rewrite this text"), and repeated prompts draft long runs at no model cost.

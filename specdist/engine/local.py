@@ -69,8 +69,7 @@ class Engine(Scheduler):
     def suffix_index_size(self) -> dict[str, int] | None:
         """The draft's suffix index (methods suffix, hybrid): nodes, live and cached sequences, cached tokens; None
         without one."""
-        index = getattr(self.draft_core, "suffix", None) if self.draft_core is not None else None
-        return index.stats() if index is not None else None
+        return self.draft_core.proposer.index_stats() if self.draft_core is not None else None
 
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,

@@ -1,17 +1,40 @@
-"""Incremental n-gram index for prompt-lookup drafting.
+"""Prompt lookup (``draft.method: ngram``): the continuation of the latest earlier occurrence of the sequence's
+last n tokens, n from ``ngram_max`` down to ``ngram_min``; q is one-hot.
 
-Prompt lookup guesses the next tokens by finding the latest earlier occurrence of
-the sequence's last n tokens (longest n first, ``ngram_max`` down to ``ngram_min``)
-and copying what followed it. Scanning the sequence for that occurrence costs
-O(len) Python work per step; this index keeps, for every n-gram, the latest start
-at which it occurs *with at least one token after it*, so a lookup is
-O(ngram_max + k) dictionary work and appending a token is O(ngram_max²).
-
-An n-gram ending at position i is recorded only once the token at i + 1 exists,
-so the sequence's own suffix never matches itself.
+Each request keeps an :class:`NgramIndex` of its own sequence (its ``state``). The index keeps, for every
+n-gram, the latest start at which it occurs *with at least one token after it*, so a lookup is
+O(ngram_max + k) dictionary work instead of a scan of the sequence, and appending a token is O(ngram_max^2).
+An n-gram ending at position i is recorded only once the token at i + 1 exists, so the sequence's own suffix
+never matches itself.
 """
 
 from __future__ import annotations
+
+from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
+
+
+@register
+class NgramProposer(Proposer):
+    methods = ("ngram",)
+
+    def __init__(self, vocab_size: int, ngram_min: int = 1, ngram_max: int = 3):
+        NgramIndex(ngram_min, ngram_max)  # refuses a bad range now
+        self.vocab_size = int(vocab_size)
+        self.ngram = (ngram_min, ngram_max)
+
+    @classmethod
+    def build(cls, dc, ctx: BuildContext) -> "NgramProposer":
+        return cls(ctx.vocab_size, dc.ngram_min, dc.ngram_max)
+
+    def start(self, r: DraftRequest) -> None:
+        r.state = NgramIndex(*self.ngram)
+        r.state.extend(r.seq)
+
+    def commit(self, r: DraftRequest, kept, n_acc, prev, prepared, hidden) -> None:
+        r.state.extend(kept)
+
+    def propose(self, reqs: list[DraftRequest], ks: list[int]) -> list[Draft]:
+        return [Draft(r.state.lookup(k) if k > 0 else []) for r, k in zip(reqs, ks)]
 
 
 class NgramIndex:
