@@ -301,6 +301,22 @@ def stop_local_ray() -> None:
     assert raylets() == 0, "a raylet outlived ray.shutdown()"
 
 
+def start_local_ray() -> None:
+    """init_local_ray(LOCAL_RAY_CPUS), once more if its raylet never registered. Ray forks its processes from
+    this one with a Python preexec_fn, which is unsafe where threads run (a test worker has gRPC servers and thread
+    pools by then): a start can leave the raylet without a line of log, and ray.init gives up after its fixed
+    30 s ("The current node timed out during startup"). The next start in the same process comes up."""
+    import ray
+
+    try:
+        init_local_ray(LOCAL_RAY_CPUS)
+    except Exception as e:  # noqa: BLE001 - Ray raises a plain Exception for it
+        if "timed out during startup" not in str(e):
+            raise
+        ray.shutdown()
+        init_local_ray(LOCAL_RAY_CPUS)
+
+
 def assert_nothing_left_on_ray() -> None:
     """Every placement group removed, every actor dead, and all LOCAL_RAY_CPUS free again
     (resources come back asynchronously after the groups are removed: polled for up to 20 s)."""
@@ -329,7 +345,7 @@ def local_ray():
     import ray
 
     if not ray.is_initialized():
-        init_local_ray(LOCAL_RAY_CPUS)
+        start_local_ray()
     yield
     try:
         assert_nothing_left_on_ray()

@@ -75,11 +75,15 @@ def test_connections_past_the_cap_get_503(srv):
     host, port = http.address.rsplit(":", 1)
     idle = []
     try:
-        for _ in range(6):  # each holds a request open: its headers sent, its body pending
+        state = http.server.server_state
+        for n in range(1, 6):  # each holds a request open: its headers sent, its body pending
             s = socket.create_connection((host, int(port)), timeout=10)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
             idle.append(s)
-        r = client.get(f"http://{http.address}/v1/models")
+            # the server runs its request before the next connection comes (a request read after the next
+            # connection's accept would count it, and be refused itself)
+            wait_until(f"request {n} running", lambda n=n: len(state.tasks) == n and len(state.connections) == n, 10)
+        r = client.get(f"http://{http.address}/v1/models")  # the sixth connection: the cap is 6
         assert r.status_code == 503
     finally:
         for s in idle:
