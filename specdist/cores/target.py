@@ -65,7 +65,7 @@ the group as for any broken rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +181,12 @@ class VerifierCore:
     @property
     def cache(self):
         return self.runner.cache
+
+    def keep_hidden_layers(self, layers: Sequence[int]) -> None:
+        """Keep the hidden states of ``layers`` in every forward, for the requests that ask for them
+        (``StartItem.hidden_layers``: an EAGLE-3 draft reads them). Before any request, and before
+        the runner is compiled or its CUDA graphs captured."""
+        self.runner.hidden_layers = tuple(layers)
 
     @property
     def hidden_width(self) -> int:

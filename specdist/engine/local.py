@@ -45,7 +45,7 @@ class Engine(Scheduler):
                                                                  prefix_scope=ec.prefix_cache_scope,
                                                                  kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
-            self.target_core.runner.hidden_layers = self.draft_core.hidden_layers
+            self.target_core.keep_hidden_layers(self.draft_core.hidden_layers)
         if ec.compiled(self.target_core.runner.device.type):
             k = dc.num_speculative_tokens if dc.enabled else 0
             self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)
