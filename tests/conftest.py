@@ -234,6 +234,15 @@ def healthy_replicas(engine) -> int:
     return sum(rep.ejected_at is None for rep in engine.replicas)
 
 
+def set_scheduler_clock(monkeypatch, t: list[float]) -> None:
+    """The scheduler's clock (its step timing, the draft pool's probes, the release retries) reads
+    ``t[0]``, which the test advances: their schedules without sleeps."""
+    from specdist.engine import calls, draft_pool, output, scheduler
+
+    for module in (scheduler, draft_pool, calls, output):
+        monkeypatch.setattr(module, "now", lambda: t[0])
+
+
 class LoopThread:
     """An asyncio event loop on a daemon thread; ``run(coro)`` waits for the result."""
 

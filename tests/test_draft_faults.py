@@ -1,10 +1,9 @@
 """A draft replica that fails is ejected, its requests go on without drafts (exact output), new
-requests avoid it, and it is re-admitted once it answers a probe (specdist/engine/scheduler.py)."""
+requests avoid it, and it is re-admitted once it answers a probe (specdist/engine/draft_pool.py)."""
 
 from __future__ import annotations
 
-from conftest import healthy_replicas, tiny_config
-from specdist.engine import scheduler as scheduler_mod
+from conftest import healthy_replicas, set_scheduler_clock, tiny_config
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import TransportError
@@ -65,7 +64,7 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
     eng = engine(models, True)
     flaky = eng.replicas[0].drafter
     t = [1000.0]
-    monkeypatch.setattr(scheduler_mod, "now", lambda: t[0])  # the probe schedule on a clock of our own
+    set_scheduler_clock(monkeypatch, t)  # the probe schedule on a clock of our own
     try:
         reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
         eng.step()
@@ -84,16 +83,16 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
         assert late.replica is None and flaky.calls["release"] == probes
         t[0] += 0.6
         eng.step()  # due: a probe goes out (on the probe thread) and fails
-        eng._probes[0][0].exception(timeout=30)  # wait for the probe itself
+        eng.scheduler.pool.probes[0][0].exception(timeout=30)  # wait for the probe itself
         eng.step()  # its failure is read: backoff to 1 s
-        assert flaky.calls["release"] == probes + 1 and healthy_replicas(eng) == 0 and not eng._probes
+        assert flaky.calls["release"] == probes + 1 and healthy_replicas(eng) == 0 and not eng.scheduler.pool.probes
         flaky.down = False  # restarted
         t[0] += 0.5
         eng.step()  # not yet due
-        assert healthy_replicas(eng) == 0 and not eng._probes
+        assert healthy_replicas(eng) == 0 and not eng.scheduler.pool.probes
         t[0] += 0.6
         eng.step()  # due: probed
-        eng._probes[0][0].exception(timeout=30)
+        eng.scheduler.pool.probes[0][0].exception(timeout=30)
         eng.step()  # answered: re-admitted
         assert healthy_replicas(eng) == 1
         while not late.finished:

@@ -176,7 +176,7 @@ def test_a_failing_listener_is_logged_and_the_step_goes_on(tiny_models, caplog) 
 
     seen: list = []
     eng.listeners += [broken, seen.append]
-    with caplog.at_level(logging.ERROR, logger="specdist.engine.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="specdist.engine.output"):
         out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == expected.token_ids and out.finish_reason == "length"
     steps = [e for e in seen if isinstance(e, StepEvent)]

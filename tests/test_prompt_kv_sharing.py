@@ -51,7 +51,7 @@ def test_self_w8_draft_reuses_the_target_prompt_kv(tiny_models) -> None:
     runner.forward = forward
     prompts = [[1, 2, 3, 4, 5, 6], [3], [2, 2, 2, 2]]
     reqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p in prompts]
-    eng._admit()
+    eng.scheduler.admit()
     assert calls == []  # no draft prefill
     for r in reqs:
         n = len(r.prompt_ids) - 1

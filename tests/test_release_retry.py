@@ -1,4 +1,4 @@
-"""A release that failed is not forgotten (specdist/engine/scheduler.py): the ids stay pending per core and
+"""A release that failed is not forgotten (specdist/engine/calls.py): the ids stay pending per core and
 are released again (batched, with a bounded backoff) until the core answers, so a target or draft
 worker that was briefly unavailable does not keep the KV slots for good, and requests queued behind
 them are still admitted (no RESOURCE_EXHAUSTED requeue loop)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import healthy_replicas, tiny_config
-from specdist.engine import scheduler as scheduler_mod
+from conftest import healthy_replicas, set_scheduler_clock, tiny_config
+from specdist.engine.calls import RELEASE_RETRY_MAX_S
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode
 from specdist.api.metrics import Metrics
@@ -42,7 +42,7 @@ class FailingRelease:
 def clock(monkeypatch):
     """The scheduler's clock, advanced by the test (the retry schedule without sleeps)."""
     t = [1000.0]
-    monkeypatch.setattr(scheduler_mod, "now", lambda: t[0])
+    set_scheduler_clock(monkeypatch, t)
     return t
 
 
@@ -144,7 +144,7 @@ def test_a_down_target_is_retried_with_backoff_and_the_pending_count_is_exported
         assert 2 <= len(retries) <= 8, len(retries)
         assert all(sorted(c) == sorted(r.core_id for r in reqs) for c in retries)
         flaky.down = False  # back
-        settle(eng, clock, lambda: eng.releases_pending() == {"target": 0}, step_s=scheduler_mod.RELEASE_RETRY_MAX_S)
+        settle(eng, clock, lambda: eng.releases_pending() == {"target": 0}, step_s=RELEASE_RETRY_MAX_S)
         assert eng.target_core.kv_slots_in_use() == 0 and eng.target_core.requests == {}
         assert "specdist_target_releases_pending 0.0" in metrics.render()[0].decode()
         out = eng.generate(PROMPTS[:4], GREEDY)  # admitted and served as usual

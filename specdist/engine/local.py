@@ -1,8 +1,10 @@
 """The in-process engine: the scheduler over local transports.
 
-:class:`Engine` is :class:`~specdist.engine.scheduler.Scheduler` (the one speculative step) driving a
-:class:`~specdist.cores.target.VerifierCore` and a :class:`~specdist.cores.draft.DrafterCore` that
-live in this process, the very classes a deployment's target and draft workers host. A
+:class:`Engine` builds a :class:`~specdist.cores.target.VerifierCore` and a
+:class:`~specdist.cores.draft.DrafterCore` that live in this process, the very classes a
+deployment's target and draft workers host, and holds the
+:class:`~specdist.engine.scheduler.Scheduler` (the one speculative step) that drives them; its
+API is the scheduler's (:class:`~specdist.engine.base.EngineBase`). A
 ``self-w8`` draft (the target's own int8 copy) copies the target's prompt K/V instead of a
 second prefill.
 """
@@ -17,13 +19,17 @@ from specdist.models.loader import eos_token_ids
 from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
-from specdist.engine.scheduler import PHASES, EngineStats, Scheduler
+from specdist.engine.base import EngineBase
+from specdist.engine.output import PHASES, EngineStats
+from specdist.engine.scheduler import Scheduler
 from specdist.cores.target import LocalVerifier, VerifierCore
 
 __all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 
 
-class Engine(Scheduler):
+class Engine(EngineBase):
+    """The scheduler over a target and a draft in this process (``target_core``, ``draft_core``)."""
+
     compile_s: float = 0.0  # seconds spent compiling and warming compiled passes at load (engine.compile)
     graphs_s: float = 0.0  # seconds spent capturing CUDA graphs at load (engine.cuda_graphs)
 
@@ -55,7 +61,8 @@ class Engine(Scheduler):
             self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None,
                                            dc.num_speculative_tokens if dc.enabled else 0)
         drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
-        super().__init__(config, LocalVerifier(self.target_core), drafters, tokenizer, eos_token_ids(target, tokenizer))
+        self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
+                                   eos_token_ids(target, tokenizer))
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Each core's KV cache usage (``usage()`` of its cache: blocks_total, blocks_used, block_size), by core

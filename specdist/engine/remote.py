@@ -1,8 +1,8 @@
 """The distributed engine: the same scheduler as :class:`~specdist.engine.local.Engine`, over gRPC transports.
 
-:class:`RemoteEngine` is :class:`~specdist.engine.scheduler.Scheduler` driving a target worker (the
-rank 0 of a possibly tensor-parallel target) and any number of draft workers through
-:mod:`specdist.transport.remote`. It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
+:class:`RemoteEngine` holds a :class:`~specdist.engine.scheduler.Scheduler` driving a target worker
+(the rank 0 of a possibly tensor-parallel target) and any number of draft workers through
+:mod:`specdist.transport.remote`; its API is the scheduler's (:class:`~specdist.engine.base.EngineBase`). It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
 target's tokenizer and config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
 never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
@@ -21,11 +21,14 @@ from specdist.config import Config, load_config
 from specdist.cores.draft import draft_hidden_layers
 from specdist.errors import InvalidArgument
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.engine.base import EngineBase
 from specdist.engine.scheduler import Scheduler
 from specdist.transport.wire import message_limit_bytes
 
 
-class RemoteEngine(Scheduler):
+class RemoteEngine(EngineBase):
+    """The scheduler over a target worker and draft workers, by gRPC."""
+
     def __init__(
         self,
         config: str | dict | Config | None,
@@ -53,7 +56,7 @@ class RemoteEngine(Scheduler):
                                     cfg.engine.max_model_len)
         verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
         drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers) for a in addresses]
-        super().__init__(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
+        self.scheduler = Scheduler(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
 
     @classmethod
     def from_addresses(

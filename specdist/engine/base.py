@@ -1,0 +1,122 @@
+"""What the two engines share: the scheduler they hold, and its API.
+
+:class:`~specdist.engine.local.Engine` (the cores in this process) and
+:class:`~specdist.engine.remote.RemoteEngine` (the workers over gRPC) each build their transports
+and one :class:`~specdist.engine.scheduler.Scheduler` over them, held as ``scheduler``. An engine
+is not a scheduler: the names :class:`EngineBase` lists are the scheduler's, read, written and
+called there (``engine.step()``, ``engine.listeners.append(...)``, ``engine.target_diagnosis = ...``),
+and it adds the drivers that run requests to completion over the step (:meth:`EngineBase.generate`,
+:meth:`EngineBase.stream`). What else a scheduler holds (its draft pool, its output processor)
+is reached through ``engine.scheduler``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from specdist.engine.request import RequestOutput
+from specdist.engine.scheduler import Scheduler
+from specdist.errors import InvalidArgument
+from specdist.sampling_params import SamplingParams
+
+
+class _OfScheduler:
+    """An engine attribute that is its scheduler's: read, written and called there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner: type | None = None):
+        return self if engine is None else getattr(engine.scheduler, self.name)
+
+    def __set__(self, engine, value) -> None:
+        setattr(engine.scheduler, self.name, value)
+
+
+class EngineBase:
+    """An engine: the :class:`Scheduler` it built (``scheduler``), its API, and the drivers of its step."""
+
+    scheduler: Scheduler
+
+    # requests and the step
+    add_request = _OfScheduler()
+    abort = _OfScheduler()
+    release = _OfScheduler()
+    step = _OfScheduler()
+    has_unfinished = _OfScheduler()
+    waiting = _OfScheduler()
+    running = _OfScheduler()
+    # what it holds on the cores, and their health
+    kv_slots_in_use = _OfScheduler()
+    releases_pending = _OfScheduler()
+    retarget = _OfScheduler()
+    replica_down = _OfScheduler()
+    readmit = _OfScheduler()
+    close = _OfScheduler()
+    target_diagnosis = _OfScheduler()
+    # observation
+    stats = _OfScheduler()
+    listeners = _OfScheduler()
+    # what it runs over, and its settings
+    config = _OfScheduler()
+    verifier = _OfScheduler()
+    replicas = _OfScheduler()
+    num_draft_replicas = _OfScheduler()
+    tokenizer = _OfScheduler()
+    vocab_size = _OfScheduler()
+    eos_ids = _OfScheduler()
+    max_model_len = _OfScheduler()
+    max_batch_size = _OfScheduler()
+    max_prefill_tokens = _OfScheduler()
+    k = _OfScheduler()
+    length_policy = _OfScheduler()
+    coupling = _OfScheduler()
+
+    last_output: RequestOutput  # the last :meth:`stream`'s final output (set when it ends)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Run a batch of prompts together to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise InvalidArgument("prompts", "must be a list of prompts (text or token-id lists)")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidArgument("params", f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(self.add_request(p, sp, chat=chat))
+            done = 0  # reqs[:done] are finished (a scan of every request per step would be quadratic)
+            while done < len(reqs):
+                if reqs[done].finished:
+                    done += 1
+                else:
+                    self.step()
+        finally:  # an exception or interrupt mid-run must not leave slots or queue entries behind
+            self.scheduler.abort_requests([r for r in reqs if not r.finished])
+        return [r.to_output() for r in reqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[str]:
+        """Yield text pieces as they are produced; the final output is then ``self.last_output``."""
+        req = self.add_request(prompt, params, chat=chat)
+        try:
+            while not req.finished:
+                self.step()
+                delta = req.output.take_delta()
+                if delta:
+                    yield delta
+            tail = req.output.take_delta()
+            if tail:
+                yield tail
+        finally:
+            if not req.finished:
+                self.abort(req.request_id)
+        self.last_output = req.to_output()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
