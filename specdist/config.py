@@ -310,7 +310,7 @@ class EngineConfig:
     def compiled(self, device_type: str) -> bool:
         """Whether models run Inductor-compiled static passes (over a slot cache) on a device of this type: only
         when ``compile`` is on. ``auto`` is off everywhere: on a CPU each shape bucket takes tens of seconds to
-        compile (BENCHMARKS.md: Compiled passes), and on GPUs the paged cache's CUDA graphs do the job in
+        compile (docs/performance.md), and on GPUs the paged cache's CUDA graphs do the job in
         seconds (``cuda_graphs``)."""
         return {True: "on", False: "off"}.get(self.compile, self.compile) == "on"
 

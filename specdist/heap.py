@@ -2,7 +2,7 @@
 
 A loaded engine holds some 430,000 objects that Python's cyclic garbage collector tracks (torch,
 transformers, the tokenizer, the model's modules), alive for the life of the process. A full
-collection walks every one of them: about 220 ms on the 2-core development machine (BENCHMARKS.md),
+collection walks every one of them: about 220 ms on the 2-core development machine (docs/performance.md),
 a stall of every request in flight. :func:`freeze` after bring-up moves them into the permanent generation that
 collections skip (``gc.freeze``; vLLM and SGLang freeze after loading too). Objects created later are
 collected as before, and frozen ones are still freed by reference counting when they die; only

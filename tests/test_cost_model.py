@@ -1,4 +1,4 @@
-"""Tests for the idealised cost model (spec-math.md, section 3) and its plot."""
+"""Tests for the idealised cost model (docs/exactness.md, section 7) and its plot."""
 
 from __future__ import annotations
 

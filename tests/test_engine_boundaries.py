@@ -1,6 +1,6 @@
 """Boundary cases of the speculative step, through the real Engine on tiny models.
 
-Covers spec-math.md section 2 items 3 and 4: greedy equality (against target-only
+Covers docs/exactness.md section 2: greedy equality (against target-only
 decoding and against plain HF ``generate``), rejection at the first position, all
 drafts accepted (self-draft, ``p == q``), a stop token / EOS / stop string inside an
 accepted run, ``max_tokens`` and the context limit reached inside a draft, KV slots

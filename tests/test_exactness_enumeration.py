@@ -1,6 +1,6 @@
 """Exactness of speculative verification by exact enumeration (no sampling).
 
-Contract: /work/shared/docs/spec-math.md sections 1-2. Three families of checks:
+Contract: docs/exactness.md sections 1-2. Three families of checks:
 
 1. ``one_step_distribution(p, q) == p`` entry by entry (float64, atol 1e-12) for many
    random ``(p, q)`` pairs produced by :func:`process_logits` with *independent*

@@ -1,4 +1,4 @@
-"""Frequency tests of exactness through the real engine (spec-math.md section 2, test 2).
+"""Frequency tests of exactness through the real engine (docs/exactness.md sections 2-3).
 
 For a fixed prompt, the exact law of the first ``W`` generated tokens is computed from
 the *target model alone*: the target checkpoint is loaded with plain

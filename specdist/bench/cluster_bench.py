@@ -46,7 +46,7 @@ Passes. ``--repeat N`` measures every variant N times: pass p runs the variants 
 rotated by p (a config variant's server, Ray deployment included, starts afresh in each pass), and
 each level's figures pool its passes (requests, seconds, tokens, phases summed; percentiles over all
 requests). A shared machine's throughput drifts over minutes (10-30% on the development VM:
-BENCHMARKS.md), so one pass of each variant, run one after the other, can put the drift on one of them. The report ends with each level's pooled
+docs/performance.md), so one pass of each variant, run one after the other, can put the drift on one of them. The report ends with each level's pooled
 ratio of the first variant's output tokens/s over each other's, and each pass's ratio.
 
 ``--json PATH`` writes one object (strict JSON: no NaN or Infinity), schema

@@ -6,7 +6,7 @@ verification of 4 and of 8 drafts), median of ``--repeats`` timed runs after two
 each dtype in turn in one process. The dtype that is faster at every size is the one ``auto`` should
 mean on such a CPU (``specdist.models.dtypes.cpu_auto_dtype``: bfloat16 where the CPU multiplies it
 natively, float32 elsewhere); float32 when none is. Run it on a quiet machine and record the table
-in BENCHMARKS.md.
+in docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Gumbel-max coupling: drafter-invariant exact speculative decoding (spec-math.md section 5).
+"""Gumbel-max coupling: drafter-invariant exact speculative decoding (docs/exactness.md section 3).
 
 After Daliri, Musco and Suresh, "Coupling without Communication and Drafter-Invariant
 Speculative Decoding" (2024). For position ``n`` of a request every token ``x`` of the

@@ -25,7 +25,7 @@ redrafted (``k`` passes that buy ``E(a, k) - 1`` more tokens, which pays whereve
 does), and under load a miss beside hits is skipped. A request that was never prepared (its first
 step) drafts as usual.
 
-Exactness (``../shared/docs/spec-math.md``: the verifier keeps the target's law for any
+Exactness (``docs/exactness.md``: the verifier keeps the target's law for any
 proposal ``(d, q)`` whose tokens are sampled from the q rows it sends, with randomness
 independent of the target's acceptance and residual draws, and whose length is fixed before
 verification):
@@ -80,7 +80,7 @@ Cost model (per request, one draft replica, draft forward ``c_d`` per pass, veri
 :func:`specdist.engine.cost_model.pipelined_report` evaluates these (``specdist cost-model --pipeline``). Preparing
 for further outcomes (a second guess, or ``j < k`` accepted followed by a guessed residual
 token) would add rows to every prepared pass to win ``k c_d`` with the probability of that
-outcome; BENCHMARKS.md ("Pipelined drafting") has the measured ``a``, ``b`` and hit rates
+outcome; docs/performance.md (and its git history) has the measured ``a``, ``b`` and hit rates
 that this choice rests on.
 
 Timing: ``CallTiming.phases["draft"]`` of a ``propose`` is what the caller waited for

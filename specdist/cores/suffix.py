@@ -31,7 +31,7 @@ continuation. ``count(child) <= count(node)`` always holds.
   the plain greedy descent while it lasts and falls back to a shorter suffix where the depth
   bound (or the end of the matched text) stops it. Each token records the depth of the node it
   was read from (``depths``: its match length), the best predictor of its acceptance measured
-  (BENCHMARKS.md), by which the length rule prices draft positions
+  (docs/performance.md), by which the length rule prices draft positions
   (:mod:`specdist.engine.draft_length`). The draft's **score** is the sum of the
   path probabilities of its tokens, the expected number of accepted tokens if the counts
   were the target's law (SuffixDecoding's score): the hybrid drafter uses it to choose.
@@ -50,7 +50,7 @@ continuation. ``count(child) <= count(node)`` always holds.
 
 Exactness: the draft is a function of committed tokens only (this request's and others'),
 fixed before the target verifies it; ``q`` is one-hot on it, accepted with probability
-``p(x)`` (spec-math.md section 1). Because the index is shared, a seeded request's tokens at
+``p(x)`` (docs/exactness.md section 1). Because the index is shared, a seeded request's tokens at
 temperature > 0 may depend on what other requests wrote before (its law does not).
 """
 

@@ -1,4 +1,4 @@
-"""Idealised cost model of speculative decoding (spec-math.md, section 3).
+"""Idealised cost model of speculative decoding (docs/exactness.md, section 7).
 
 Assumptions of the toy model:
 

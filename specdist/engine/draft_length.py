@@ -14,7 +14,7 @@ reproduce exactly.
 
 - ``E(a, k) = 1 + a + ... + a^k`` is the expected number of tokens a request emits in a
   step with ``k`` drafts when each position is accepted with probability ``a``
-  (spec-math: the i.i.d. acceptance model);
+  (docs/exactness.md section 7: the i.i.d. acceptance model);
 - ``alpha_b`` is the request's observed acceptance: its accepted and tried draft
   positions, decayed by ``REQUEST_DECAY`` per step and pulled towards the draft's global
   acceptance (decayed by ``GLOBAL_DECAY`` per step) with ``PRIOR_WEIGHT`` pseudo-positions.
@@ -53,7 +53,7 @@ by its own conditional rate ``a_bj`` (accepted given positions ``1..j-1`` were) 
 match-length bucket (``MATCH_EDGES``, all requests, prior ``MATCH_PRIOR``, decayed like the global
 rate): ``E`` becomes ``1 + sum_j prod_{i <= j} a_bi`` and a position stays when
 ``prod_{i <= j} a_bi >= lambda * c_1``. The match length predicts acceptance far better than a
-request's recent rate (BENCHMARKS.md: 14% after a one-token match, 86-100% after 9 or more), so deep
+request's recent rate (docs/performance.md: 14% after a one-token match, 86-100% after 9 or more), so deep
 matches are drafted under load, where an i.i.d. rate averaged over a request's shallow and deep
 matches would price them all out.
 
@@ -111,7 +111,7 @@ GUESS_PRIOR = 0.5  # pipelined drafting: the guess hit rate before any was obser
 DINKELBACH_ROUNDS = 4
 # Model-free drafts: a position's acceptance given the positions before it were accepted, by the length of
 # the match its token was read after (Proposal.match_lengths). Buckets [1], [2], [3], [4], [5, 8], [9, 16],
-# [17, ...); the priors are the rates measured over the task suite's five tasks (BENCHMARKS.md: suffix
+# [17, ...); the priors are the rates measured over the task suite's five tasks (docs/performance.md: suffix
 # positions by match length), held with PRIOR_WEIGHT pseudo-positions and then learned like the global
 # rate (GLOBAL_DECAY).
 MATCH_EDGES = (1, 2, 3, 4, 5, 9, 17)

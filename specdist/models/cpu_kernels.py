@@ -430,7 +430,7 @@ def _block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
 
 # Rows up to which f32_mm runs a float32 model's layers and head. Default model's layers, torch's GEMM over
 # f32_mm: 48 rows 1.7x, 64 rows 1.5x, 128 rows 1.2x on two threads; 64 rows 1.0x, 128 rows 0.87x on one
-# (BENCHMARKS.md).
+# (docs/performance.md).
 F32_MAX_ROWS = 64
 
 

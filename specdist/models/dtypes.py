@@ -16,7 +16,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 DTYPE_CHOICES = (*TORCH_DTYPES, "auto")
 
 # `auto` on the CPU: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX tiles), float32
-# elsewhere. `specdist bench runner` (BENCHMARKS.md, "Dtypes") measured CausalLMRunner.forward of the default
+# elsewhere. `specdist bench runner` (docs/performance.md) measured CausalLMRunner.forward of the default
 # model for 1, 5 and 9 tokens: on a CPU with AVX-512 BF16, bf16 won at every size; on an AVX2 CPU without it,
 # torch's bf16 matmuls ran 1.2x (1 token) to 3.9x (7 tokens) slower than float32. A bf16 checkpoint loaded in
 # float32 keeps its weights in bf16 there (HalfStoredLinear below: same bits, half the bytes).

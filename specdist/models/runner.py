@@ -677,7 +677,7 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
     the bytes, read by the CPU attention kernels (their rows convert each element exactly); ``auto``:
     float16 where those kernels run attention for a model on quantized blocks (``blocks``: a GGUF target's
     own, a self draft's), whose numerics are llama.cpp's already (at 16 requests or 1000 cached tokens
-    attention reads the cache from memory, and half the bytes make it 1.6-2x faster: BENCHMARKS.md); the
+    attention reads the cache from memory, and half the bytes make it 1.6-2x faster: docs/performance.md); the
     model's own elsewhere, so a float model keeps transformers' numerics. ConfigError for float16 where
     the kernels do not run (torch's attention would need a converted copy)."""
     check_kv_cache_dtype(choice)
