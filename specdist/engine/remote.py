@@ -2,8 +2,9 @@
 
 :class:`RemoteEngine` holds a :class:`~specdist.engine.scheduler.Scheduler` driving a target worker
 (the rank 0 of a possibly tensor-parallel target) and any number of draft workers through
-:mod:`specdist.transport.remote`; its API is the scheduler's (:class:`~specdist.engine.base.EngineBase`). It holds no model: :meth:`RemoteEngine.from_addresses` reads only the
-target's tokenizer and config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
+:mod:`specdist.transport.remote`; its API is the scheduler's (:class:`~specdist.engine.base.EngineBase`).
+It holds no model: :meth:`RemoteEngine.from_addresses` reads only the target's tokenizer and
+config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
 never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
 ``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
