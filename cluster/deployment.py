@@ -151,6 +151,7 @@ class Deployment:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
+    cpu_kernels: str = ""  # the CPU backend target rank 0 loaded with (engine.cpu_kernels), for GetServerInfo
     listeners: list = field(default_factory=list)  # callables given each WorkerEvent (supervisor thread)
     supervisor: object = None  # cluster.supervisor.Supervisor, while started
     _owns_ray: bool = False
@@ -290,7 +291,8 @@ class Deployment:
                                        max_draft_tokens=dc.num_speculative_tokens,
                                        prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype,
                                        hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0], kv=kv,
-                                       graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope)
+                                       graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope,
+                                       cpu_kernels=ec.cpu_kernels)
         return h.actor.load.remote(
             dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
@@ -298,7 +300,7 @@ class Deployment:
             suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
             q_top_k=dc.q_top_k, compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
             prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs,
-            prefix_scope=ec.prefix_cache_scope)
+            prefix_scope=ec.prefix_cache_scope, cpu_kernels=ec.cpu_kernels)
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to
@@ -318,7 +320,9 @@ class Deployment:
                 ip, port = "127.0.0.1", 0
             wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in targets})
             self._done("rendezvous", f"{len(targets)} target rank(s) joined")
-        wait("load", {h.name: self._load_call(h) for h in handles})
+        loaded = wait("load", {h.name: self._load_call(h) for h in handles})
+        if targets and targets[0].rank == 0:  # what GetServerInfo reports: the CPU backend of target rank 0
+            self.cpu_kernels = loaded[targets[0].name].get("cpu_kernels", "")
         cfg = self.config
         self._done("load", f"{cfg.target.model} on {len(targets)} rank(s), {len(drafts)} {cfg.draft.method} draft(s)")
         for h in targets[1:]:

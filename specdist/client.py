@@ -88,6 +88,7 @@ class ServerInfo:
     counters: dict[str, int] = field(default_factory=dict)
     draft_pipeline: bool = False  # drafts prepared while the target verifies (draft.pipeline)
     draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip" | "auto"
+    cpu_kernels: str = ""  # which kernels run the target on the CPU (engine.cpu_kernels); "" if unknown
 
 
 class SpecDistClient:
@@ -190,6 +191,7 @@ class SpecDistClient:
             counters,
             msg.draft_pipeline,
             msg.draft_pipeline_miss,
+            msg.cpu_kernels,
         )
 
     def health(self, service: str = "") -> str:

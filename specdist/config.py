@@ -64,6 +64,9 @@ Shape::
       kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
                                      #   attention kernels) | auto: float16 for a model on quantized blocks
                                      #   under those kernels (a native GGUF target, a self draft), else model
+      cpu_kernels: auto              # specdist's C kernels (built at install; x86-64 with AVX2, FMA, F16C) for the
+                                     #   CPU's matmuls and attention: auto (where they run; else torch's, said on
+                                     #   stderr and in GetServerInfo) | required (refuse to start without them) | off
       compile: auto                  # on: Inductor-compiled static-shape passes over a slot cache (a compile a
                                      #   shape bucket) | off | auto (off: the paged cache's CUDA graphs on GPUs)
       compile_cache_dir: null        # Inductor's on-disk cache; null: ~/.cache/specdist/inductor
@@ -241,6 +244,9 @@ class DraftConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype
+# engine.cpu_kernels: specdist's C kernels where they run here, else torch's (auto); always, refusing to start
+# without them (required); never (off). specdist.models.cpu_kernels.configure applies it.
+CPU_KERNEL_MODES = ("auto", "required", "off")
 
 
 def check_kv_cache_dtype(value, key: str = "engine.kv_cache_dtype") -> None:
@@ -262,6 +268,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
     prefix_cache_scope: str = "shared"  # shared | tenant: whose K/V a request reuses
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
+    cpu_kernels: str = "auto"  # auto | required | off (CPU_KERNEL_MODES)
     kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None
@@ -271,6 +278,9 @@ class EngineConfig:
     def validate(self, key: str) -> None:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
         check_kv_cache_dtype(self.kv_cache_dtype, f"{key}.kv_cache_dtype")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ConfigError(f"{key}.cpu_kernels", f"must be one of {', '.join(CPU_KERNEL_MODES)}, got "
+                                                    f"{self.cpu_kernels!r}")
         _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
         if self.max_prefill_tokens is not None:
             _check_int(self.max_prefill_tokens, f"{key}.max_prefill_tokens", 1, 1 << 30)

@@ -377,20 +377,6 @@ def test_under_torch_compile_the_kernels_are_opaque_ops():
     assert torch.equal(compiled(x), f(x))
 
 
-def test_the_library_builds_into_its_cache(tmp_path, monkeypatch):
-    """One shared object per source and flags, built once; a compiler that fails is reported, not raised past
-    :func:`cpu_kernels.library` (callers fall back to torch's int4 kernel)."""
-    path = cpu_kernels._build(str(tmp_path))
-    assert path.startswith(str(tmp_path)) and path.endswith(".so")
-    mtime = (tmp_path / path.split("/")[-1]).stat().st_mtime_ns
-    assert cpu_kernels._build(str(tmp_path)) == path and (tmp_path / path.split("/")[-1]).stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]  # no temporary file left
-    monkeypatch.setenv("CC", "false")
-    with pytest.raises(OSError, match="false failed"):
-        cpu_kernels._build(str(tmp_path))
-    assert [p.name for p in tmp_path.iterdir()] == [path.split("/")[-1]]
-
-
 # ----------------------------------------------------------------------------- attention
 def _reference_attention(q, kc, vc, slots, qpos, window, scale, cap):
     """Float64 softmax attention of each query over keys max(0, p - window + 1) .. p of its slot."""
@@ -580,7 +566,7 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
 
 def _each_layer_both_ways(runner, seed: int):
     """Each layer of ``runner`` on a random input of 2 requests x 3 tokens, op by op and as one
-    ``llama_layer`` call (the next layer's input is the op-by-op output): ``[(op-by-op output, call output,
+    ``decoder_layer`` call (the next layer's input is the op-by-op output): ``[(op-by-op output, call output,
     (K, V) the op-by-op layer wrote, (K, V) the call wrote)]`` and ``(last input, slots, write_pos, cos, sin)``."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, 3, runner.config.hidden_size, generator=g)
@@ -592,7 +578,7 @@ def _each_layer_both_ways(runner, seed: int):
         want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
         cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
         runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
-        got = cpu_kernels.llama_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
+        got = cpu_kernels.decoder_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
                                       runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
         out.append((want, got, cache, (runner.cache.k[i].clone(), runner.cache.v[i].clone())))
         h = want
@@ -601,7 +587,7 @@ def _each_layer_both_ways(runner, seed: int):
 
 def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
     """Layer i of a block model through the separate kernels and torch ops (the runner's path without
-    cpu_kernels.llama_layer)."""
+    cpu_kernels.decoder_layer)."""
     from specdist.models import runner as runner_mod
 
     layer, hd = runner.layers[i], runner.head_dim
@@ -619,8 +605,8 @@ def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
 
 # qwen2: q/k/v biases (the kernel adds them after the matmul); qwen3: per-head q/k RMS norms before the rotation
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
-    """cpu_kernels.llama_layer runs each layer of a Llama model on blocks: it writes the cache rows the op-by-op
+def test_a_decoder_layer_on_blocks_is_one_kernel_call(family):
+    """cpu_kernels.decoder_layer runs each layer of a Llama model on blocks: it writes the cache rows the op-by-op
     layer writes (the same kernels up to attention, biases added as torch adds them, q/k norms by the same row
     kernel: same bits), and its output
     differs from that layer's only by its own silu (e^-g from exp8, not torch's exp) moving a few activations'
@@ -642,7 +628,7 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
     if family != "llama":
         return
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_kernels.llama_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
+        cpu_kernels.decoder_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
                                 runner.cache.v[0], slots, write_pos, write_pos, None, runner.scaling)
     n = len(runner.layers)
     runner.hidden_layers = (0, 1, n)  # taps: the embeddings, layer 1's input, the last layer's output
@@ -657,7 +643,7 @@ def test_a_llama_layer_on_blocks_is_one_kernel_call(family):
     assert all(k is None for k in CausalLMRunner(_block_model("gemma2"), 1, 40).layer_kernels)
 
 
-def test_a_float32_llama_layer_is_one_kernel_call_for_a_few_rows():
+def test_a_float32_decoder_layer_is_one_kernel_call_for_a_few_rows():
     """A float32 Llama model's layers run as one call too (dense weights through f32_mm): the same cache bits as
     the op-by-op layer (its q/k/v through torch's GEMM, which rounds differently: the rows agree within float32
     rounding) and the same output; calls of more than F32_MAX_ROWS tokens run op by op, and the output head

@@ -564,10 +564,10 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
             if seccomp != "RuntimeDefault":
                 p.append(f"{what}: seccompProfile {seccomp!r}, not RuntimeDefault")
             env = _env(c)
-            if not env.get("SPECDIST_KERNEL_CACHE"):
-                p.append(f"{what}: SPECDIST_KERNEL_CACHE unset: the CPU kernels compile into $HOME/.cache")
+            if not env.get("XDG_CACHE_HOME"):
+                p.append(f"{what}: XDG_CACHE_HOME unset: caches are written under $HOME on the read-only root")
             writable = _writable_dirs(spec, c)
-            cache_env = ("SPECDIST_KERNEL_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+            cache_env = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
             for path in ["/tmp", "/tmp/ray", *(env[k] for k in cache_env if env.get(k))]:
                 if not _on(path, writable):
                     p.append(f"{what}: {path} is not on a writable emptyDir (the root filesystem is read-only)")
@@ -971,11 +971,11 @@ MUTATIONS = {
         seccompProfile={"type": "Unconfined"}), "seccompProfile 'Unconfined'"),
     "service account token": ("defaults", lambda d: _group(d, "target")["template"]["spec"].pop(SERVICE_ACCOUNT_TOKEN),
                               "target pods: automountServiceAccountToken is not false"),
-    "kernel cache on the root filesystem": ("defaults", lambda d: _set_env(_worker(d, "target"), "SPECDIST_KERNEL_CACHE",
-                                                                           "/home/ray/kernels"),
-                                            "/home/ray/kernels is not on a writable emptyDir"),
-    "kernel cache unset": ("defaults", lambda d: _set_env(_head_container(d), "SPECDIST_KERNEL_CACHE", None),
-                           "SPECDIST_KERNEL_CACHE unset"),
+    "Triton cache on the root filesystem": ("defaults", lambda d: _set_env(_worker(d, "target"), "TRITON_CACHE_DIR",
+                                                                           "/home/ray/triton"),
+                                            "/home/ray/triton is not on a writable emptyDir"),
+    "cache home unset": ("defaults", lambda d: _set_env(_head_container(d), "XDG_CACHE_HOME", None),
+                         "XDG_CACHE_HOME unset"),
     "no /tmp": ("defaults", lambda d: _worker(d, "draft")["volumeMounts"].pop(0), "/tmp/ray is not on a writable emptyDir"),
     "compile cache on the root filesystem": ("defaults", lambda d: _set_config(
         d, lambda c: c["engine"].update(compile_cache_dir="/opt/inductor")),
@@ -1471,9 +1471,8 @@ def test_every_pod_runs_non_root_on_a_read_only_root_filesystem():
                 assert c["securityContext"] == want_container, (case, name)
                 mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
                 assert (mounts["/tmp"], mounts[sec["cacheDir"]]) == ("specdist-tmp", "specdist-cache")
-                assert _env(c)["SPECDIST_KERNEL_CACHE"] == f"{sec['cacheDir']}/specdist/kernels"
-    # the variables are the ones specdist reads (specdist/models/cpu_kernels.py, runner.py:use_compile_cache)
-    assert 'os.environ.get("SPECDIST_KERNEL_CACHE")' in (REPO / "specdist" / "models" / "cpu_kernels.py").read_text()
+                assert _env(c)["XDG_CACHE_HOME"] == sec["cacheDir"]
+    # the variable is the one specdist reads (runner.py:use_compile_cache)
     assert '"TORCHINDUCTOR_CACHE_DIR"' in (REPO / "specdist" / "models" / "runner.py").read_text()
     # other ids and another cache directory reach every pod
     docs = render({"security": {"runAsUser": 2000, "runAsGroup": 3000, "fsGroup": 4000, "cacheDir": "/var/cache/sd"},

@@ -747,7 +747,7 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     bytes with a scale and an offset per block, Q6_K as bytes with a scale per 16; on CUDA, or a CPU without the
     block kernels, Q6_K stays float: four int4 passes would read more than bf16), each the float weight
     transformers de-quantized (identity probe); the logits stay close to the float model's. A layer whose q, k
-    and v differ in kind or in their scales' form (no fusion) still runs as one llama_layer call, with three
+    and v differ in kind or in their scales' form (no fusion) still runs as one decoder_layer call, with three
     matmuls for q/k/v: its logits are the op-by-op path's up to the call's own silu."""
     from specdist.models.quant import BLOCK_KINDS
     from specdist.models.runner import CausalLMRunner
@@ -848,7 +848,7 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
     blocks (whole blocks of 32, in every input copy of a Q8_0 / Q6_K layout), checked against the rank's float
     slice at load; Q6_K stays float off the CPU kernels. A K-quant part keeps its super-block scales where its
     columns hold whole super-blocks of 256, else float32 ones. On the CPU kernels each rank's layer runs as two
-    llama_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The logits of the ragged ops equal one process's native
+    decoder_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The logits of the ragged ops equal one process's native
     model's up to the order of the row-parallel partial sums (all-reduced), which moves an activation's rounding
     now and then; ``weights: float`` keeps floats and computes other numbers."""
     from specdist.models.runner import CausalLMRunner
@@ -879,7 +879,7 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
                 assert res["scales"][name] == want_dtype, (r, name)
     got = ranks[0]["logits"]
     assert len(got) == len(want)
-    # the ranks' layers run as llama_layer calls where the CPU kernels run (their own silu: within 1e-3)
+    # the ranks' layers run as decoder_layer calls where the CPU kernels run (their own silu: within 1e-3)
     assert all(res["layer_calls"] == (len(K_MIXES["Q4_K_M"]) if cpu_blocks else 0) for res in ranks)
     for a, b in zip(got, ranks[0]["op_by_op"]):
         assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max())

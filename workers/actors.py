@@ -145,6 +145,7 @@ class _ActorBase:
             torch.set_num_threads(num_threads)
         self.cpu = pin_process(cpu) if cpu is not None else None
         self.worker = None
+        self.cpu_kernels = ""  # the CPU backend engine.cpu_kernels chose at load (cpu_kernels.backend)
         self.servicer = None
         self.grpc: GrpcHostThread | None = None
         self.grpc_address: str | None = None  # "host:port" others dial while the gRPC server is up
@@ -163,6 +164,12 @@ class _ActorBase:
         if self.state not in states:
             raise RuntimeError(f"{self.role}: called in state {self.state!r}; expected one of {states}")
 
+    def _use_cpu_kernels(self, mode: str) -> None:
+        """Apply engine.cpu_kernels in this process before a model loads (ConfigError for required without them)."""
+        from specdist.models import cpu_kernels
+
+        self.cpu_kernels = cpu_kernels.configure(mode)
+
     def _base_health(self) -> dict:
         out = {
             "role": self.role,
@@ -176,6 +183,7 @@ class _ActorBase:
             "load_s": self.load_s,
             "warmup_s": self.warmup_s,
             "frozen_objects": self.frozen_objects,  # start-up objects kept out of the collector's walks
+            "cpu_kernels": self.cpu_kernels,  # which kernels run this process's CPU matmuls (engine.cpu_kernels)
         }
         if self.worker is not None:
             out.update(self.worker.health())
@@ -258,7 +266,8 @@ class TargetRankActor(_ActorBase):
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
              prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
-             kv: dict | None = None, graphs: bool = False, prefix_scope: str = "shared") -> dict:
+             kv: dict | None = None, graphs: bool = False, prefix_scope: str = "shared",
+             cpu_kernels: str = "auto") -> dict:
         """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
@@ -273,6 +282,7 @@ class TargetRankActor(_ActorBase):
 
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
+        self._use_cpu_kernels(cpu_kernels)
         # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
         model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size,
                              weights=weights)
@@ -295,7 +305,8 @@ class TargetRankActor(_ActorBase):
         self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
-        return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
+        return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s,
+                "cpu_kernels": self.cpu_kernels}
 
     @_shippable_errors
     def warmup(self) -> float:
@@ -432,6 +443,7 @@ class DraftActor(_ActorBase):
         kv: dict | None = None,  # a model draft's cache layout (specdist.models.graphs.KVOptions' fields)
         graphs: bool = False,  # engine.cuda_graphs: a model draft's passes captured at load (CUDA, paged cache)
         prefix_scope: str = "shared",  # engine.prefix_cache_scope: whose prompt K/V a request reuses
+        cpu_kernels: str = "auto",  # engine.cpu_kernels: specdist's C kernels (auto, required) or torch's (off)
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
@@ -447,6 +459,7 @@ class DraftActor(_ActorBase):
         if method == "none" or method not in DRAFT_METHODS:
             raise ConfigError("draft.method", "a draft actor runs model, self-w8, self-w4, ngram, suffix, hybrid or "
                                               f"eagle3, not {method!r}")
+        self._use_cpu_kernels(cpu_kernels)
         dc = DraftConfig(method=method, model=draft_model_spec if method in HEAD_METHODS else None,
                          confidence_threshold=confidence_threshold, ngram_min=ngram_min, ngram_max=ngram_max,
                          q_top_k=q_top_k, **(suffix or {}))

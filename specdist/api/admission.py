@@ -160,6 +160,7 @@ def server_info(engine) -> dict[str, Any]:
         max_model_len=engine.max_model_len,
         draft_pipeline=cfg.draft.pipelined,
         draft_pipeline_miss=cfg.draft.pipeline_miss if cfg.draft.pipelined else "",
+        cpu_kernels=getattr(engine, "cpu_kernels", ""),  # Engine: this process's; RemoteEngine: its target rank 0's
     )
 
 

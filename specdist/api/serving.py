@@ -274,6 +274,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
         engine = RemoteEngine.from_addresses(cfg, target, drafts, worker_secret=backend.deployment.worker_secret)
         engine.tensor_parallel_size = cc.tensor_parallel_size  # reported by GetServerInfo
+        engine.cpu_kernels = backend.deployment.cpu_kernels  # (the target rank's, which the engine does not load)
         backend.engine = engine
     except BaseException:
         if backend.engine is None and backend.deployment is not None:

@@ -16,6 +16,7 @@ import torch
 from specdist.config import Config, load_config, target_copy
 from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
 from specdist.models.loader import eos_token_ids
+from specdist.models import cpu_kernels
 from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
@@ -35,6 +36,9 @@ class Engine(EngineBase):
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
+        # engine.cpu_kernels in this process (from_config applied it before loading; the runners read it); the
+        # backend it chose is GetServerInfo's cpu_kernels
+        self.cpu_kernels = cpu_kernels.configure(ec.cpu_kernels)
         device = next(target.parameters()).device
         kv = KVOptions.from_engine(ec, device)
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
@@ -89,6 +93,7 @@ class Engine(EngineBase):
         cfg = load_config(source)
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
+        cpu_kernels.configure(cfg.engine.cpu_kernels)  # before the weights: native blocks are packed for the kernels
         device = device_for(cfg.engine.device)
         src = resolve_model(cfg.target.model, "target.model")
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header

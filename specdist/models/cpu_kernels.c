@@ -39,7 +39,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32         /* elements per block */
+/* The block size QK, the kinds of a matmul (LIN_*) with each block kind's code bytes, scale layout and tile, the parts
+ * of a layer (LAYER_*) and IQ4_VALUES come from specdist/models/kernel_abi.py, which setup.py passes as -D macros:
+ * the Python side reads the same definitions. SPECDIST_ABI is their digest with this file's (specdist_abi). */
+#ifndef SPECDIST_ABI
+#error "compile through setup.py (pip install .): specdist/models/kernel_abi.py defines the macros this file uses"
+#endif
+
+const char *specdist_abi(void) { return SPECDIST_ABI; }
+
 #define MAX_TILE 7    /* the most rows of x sharing one loaded (and unpacked) weight block (BLOCK_TILE inlines 1-7) */
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (1 << 16)
@@ -331,9 +339,8 @@ HALVES_16_GROUP(q4_16_group, 4)   /* GGUF Q3_K */
 HALVES_16_GROUP(q6_16_group, 6)   /* GGUF Q6_K, IQ1_M */
 HALVES_16_GROUP(q7_16_group, 7)   /* GGUF IQ2_XS, IQ2_S */
 
-/* GGUF's IQ4_NL table (IQ4_XS's too): the signed byte an index of IQ4 codes stands for, twice (one per 128-bit lane, as
- * vpshufb looks up in each lane). */
-#define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+/* IQ4_VALUES (kernel_abi.py): GGUF's IQ4_NL table (IQ4_XS's too), the signed byte an index of IQ4 codes stands for;
+ * set twice in a vector (one per 128-bit lane, as vpshufb looks up in each lane). */
 
 /* Q8 group: codes [G, 8, 32] signed bytes: vector j of block g holds, at byte 4 c + e, element 4 j + e of
  * row c; or, with iq4 (GGUF IQ4_NL, IQ4_XS), q4_group's nibble layout ([G, 4, 32]) of indices into IQ4_VALUES, looked
@@ -483,14 +490,14 @@ static inline __attribute__((always_inline)) void expand_super(const void *s, in
         BLOCK_MATMUL(GROUP_FN, qs, sc, CODE_BYTES, PER_BLOCK, FLOATS, TILE)                                  \
     }
 
-DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, 128, 2, 2, 7)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
-DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, 160, 2, 2, 7)         /* Q5_0, Q5_1, Q5_K: (d, m) a block */
-DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, 128, 2, 1, 6)   /* Q3_K: c = q + 8, d per 16 */
-DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, 64, 4, 2, 5)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
-DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, 192, 2, 1, 4)   /* Q6_K: 6-bit codes (c = q), d per 16 */
-DEFINE_MATMUL(matmul_q7_16, q7_16_group, uint8_t, 256, 2, 1, 4)   /* IQ2_XS, IQ2_S: 7-bit codes (c = q + 64) in bytes, d per 16 */
-DEFINE_MATMUL(matmul_q8, q8_group, int8_t, 256, 1, 1, 4)          /* Q8_0, Q5_0: d a block */
-DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, 128, 1, 1, 4)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
+DEFINE_MATMUL(matmul_q4, q4_group, uint8_t, Q4_CODE_BYTES, Q4_PER_BLOCK, Q4_FLOATS, Q4_TILE)         /* Q4_0, Q4_1, Q4_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q5, q5_group, uint8_t, Q5_CODE_BYTES, Q5_PER_BLOCK, Q5_FLOATS, Q5_TILE)         /* Q5_0, Q5_1, Q5_K: (d, m) a block */
+DEFINE_MATMUL(matmul_q4_16, q4_16_group, uint8_t, Q4_16_CODE_BYTES, Q4_16_PER_BLOCK, Q4_16_FLOATS, Q4_16_TILE)   /* Q3_K: c = q + 8, d per 16 */
+DEFINE_MATMUL(matmul_q2m_16, q2m_16_group, uint8_t, Q2M_16_CODE_BYTES, Q2M_16_PER_BLOCK, Q2M_16_FLOATS, Q2M_16_TILE)  /* Q2_K: 2-bit codes, (d_0, d_1, m_0, m_1) a block */
+DEFINE_MATMUL(matmul_q6_16, q6_16_group, uint8_t, Q6_16_CODE_BYTES, Q6_16_PER_BLOCK, Q6_16_FLOATS, Q6_16_TILE)   /* Q6_K: 6-bit codes (c = q), d per 16 */
+DEFINE_MATMUL(matmul_q7_16, q7_16_group, uint8_t, Q7_16_CODE_BYTES, Q7_16_PER_BLOCK, Q7_16_FLOATS, Q7_16_TILE)   /* IQ2_XS, IQ2_S: 7-bit codes (c = q + 64) in bytes, d per 16 */
+DEFINE_MATMUL(matmul_q8, q8_group, int8_t, Q8_CODE_BYTES, Q8_PER_BLOCK, Q8_FLOATS, Q8_TILE)          /* Q8_0, Q5_0: d a block */
+DEFINE_MATMUL(matmul_iq4, iq4_group, uint8_t, IQ4_CODE_BYTES, IQ4_PER_BLOCK, IQ4_FLOATS, IQ4_TILE)       /* IQ4_NL, IQ4_XS: indices into IQ4_VALUES, d a block */
 
 /* ---------------------------------------------------------------------------------------------
  * Dense float32: y [M, N] = x [M, K] @ W.T, W [N, K] as torch's Linear holds it (row-major, unpacked).
@@ -978,9 +985,6 @@ typedef struct {
     const float *bias;   /* [n] added to every output row (Qwen2's q/k/v), or NULL */
 } block_linear;
 
-enum { LIN_Q4 = 0, LIN_Q8 = 1, LIN_F32 = 2, LIN_BF16 = 3, LIN_F16 = 4, LIN_Q6_16 = 5, LIN_Q5 = 6, LIN_Q4_16 = 7, LIN_Q2M_16 = 8,
-       LIN_IQ4 = 9, LIN_Q7_16 = 10, LIN_HALF_SCALES = 16, LIN_SUPER_SCALES = 32 };
-enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_MLP = 2 };
 
 static void add_rows(float *h, const float *a, int64_t n) {
     int64_t i = 0;
@@ -1053,7 +1057,7 @@ static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
     }
 }
 
-int specdist_llama_layer(float *h, int64_t B, int64_t T, int64_t D, const float *norm1, const float *norm2,
+int specdist_decoder_layer(float *h, int64_t B, int64_t T, int64_t D, const float *norm1, const float *norm2,
                          float eps, const float *q_norm, const float *k_norm, float qk_eps,
                          const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
                          const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,

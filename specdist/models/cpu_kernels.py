@@ -39,7 +39,7 @@ in the call; byte-rounded activations then carry such a bit into a different rou
 may hold float16 (``engine.kv_cache_dtype``): half the bytes to read, which is what attention costs
 at many requests or long contexts on a CPU; each element converts exactly to float32 on load.
 
-**Layers.** :func:`llama_layer` runs a whole Llama-style decoder layer on blocks (RMS norms, the fused
+**Layers.** :func:`decoder_layer` runs a whole Llama-style decoder layer on blocks (RMS norms, the fused
 q/k/v and gate/up matmuls, rotary, cache write and attention, SiLU, the residual adds) in one call, so a
 layer costs one Python-level call instead of about ten: at batch 1 the operations between the kernels
 took over a third of a forward's time. The runner uses it wherever every matmul of a layer runs on blocks,
@@ -53,16 +53,15 @@ forward is invariant: a position's logits are the same bits whether it is decode
 verified among k drafts or batched with other requests (``tests/test_cpu_kernels.py``), so greedy
 speculative output equals plain decoding and a seed's tokens do not depend on the drafts.
 
-The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; gcc and
-clang work) into ``~/.cache/specdist/kernels`` (``$SPECDIST_KERNEL_CACHE`` overrides), one file
-per source and flags hash, written atomically so that concurrent workers share it. The folder is
-created 0700, and a library is loaded only from a folder and a file of this user that nobody else
-can write (opened, checked, then loaded through the open file): elsewhere the kernels are built
-again in a private temporary folder, since anyone who can write to the cache could plant code
-under the library's name. It runs its
-threads in the process's OpenMP runtime (the ``libgomp`` torch already loaded), so
-``torch.set_num_threads`` governs both. :func:`available` is False on CPUs without AVX2, where
-no compiler works, or with ``SPECDIST_CPU_KERNELS=0``; callers then use torch's kernels.
+The C file is compiled when the package is installed (``setup.py``: ``pip install .`` or ``pip install -e .``)
+into a library beside this module, which is loaded with ctypes on first use. The kinds, the block layouts and the
+flags it is compiled with are defined once, in :mod:`specdist.models.kernel_abi`; the library reports their digest
+with its source's, and a library that does not match the installed source is refused (rebuild with
+``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C). ``engine.cpu_kernels``
+chooses (:func:`configure`): ``auto`` runs the kernels where they load and torch's kernels elsewhere, ``required``
+refuses to start without them, ``off`` runs torch's; the backend that runs is said once on stderr, and in gRPC's
+``GetServerInfo`` (:func:`backend`). The library runs its threads in the process's OpenMP runtime (the ``libgomp``
+torch already loaded), so ``torch.set_num_threads`` governs both.
 
 Under ``torch.compile`` the block matmul is the custom op ``specdist::block_mm`` (opaque to inductor); eager calls
 go straight to the library.
@@ -72,138 +71,149 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
+import importlib.machinery
 import os
-import subprocess
-import tempfile
+import platform
+import sys
 from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger("specdist.kernels")
+from specdist.config import CPU_KERNEL_MODES
+from specdist.errors import ConfigError
+from specdist.models import kernel_abi as abi
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
-LIBS = ("-lm",)
-GROUP = 32  # weights per block (GGUF's block size)
-# The kinds of a matmul (the C file's block_linear): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0), dense
-# weights, 6-bit codes with a scale per 16 (Q6_K), 5-bit codes with a scale and an offset per block (Q5_0 / Q5_1 /
-# Q5_K), Q4 codes with a scale per 16 (Q3_K), 2-bit codes with a scale and an offset per 16 (Q2_K), 4-bit indices into
-# IQ4_VALUES with a scale per block (IQ4_NL / IQ4_XS), 7-bit codes in bytes with a scale per 16 (IQ2_XS / IQ2_S)
-LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4, LIN_Q7_16 = range(11)
-# the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for (the C file's IQ4_VALUES)
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# a block kind's flags (the C file's block_linear): its packed scales are float16 values, or K-quant super-blocks
-LIN_HALF_SCALES, LIN_SUPER_SCALES = 16, 32
+LIBRARY = "_cpu_kernels"  # the extension setup.py builds, beside this module
+GROUP = abi.GROUP  # weights per block (GGUF's block size)
+# The kinds of a matmul (kernel_abi.BLOCK_KINDS, DENSE_KINDS): Q4 blocks (GGUF Q4_0 / Q4_1 / Q4_K), Q8 blocks (Q8_0),
+# dense weights (float32, bfloat16, float16), 6-bit codes with a scale per 16 (Q6_K), 5-bit codes with a scale and an
+# offset per block (Q5_0 / Q5_1 / Q5_K), Q4 codes with a scale per 16 (Q3_K), 2-bit codes with a scale and an offset
+# per 16 (Q2_K), 4-bit indices into IQ4_VALUES with a scale per block (IQ4_NL / IQ4_XS), 7-bit codes in bytes with a
+# scale per 16 (IQ2_XS / IQ2_S)
+_NUMBER = {name: number for name, number, *_ in abi.BLOCK_KINDS} | dict(abi.DENSE_KINDS)
+LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4, LIN_Q7_16 = (
+    _NUMBER[n] for n in ("Q4", "Q8", "F32", "BF16", "F16", "Q6_16", "Q5", "Q4_16", "Q2M_16", "IQ4", "Q7_16"))
+IQ4_VALUES = abi.IQ4_VALUES  # the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for
+# a block kind's flags: its packed scales are float16 values, or K-quant super-blocks
+LIN_HALF_SCALES, LIN_SUPER_SCALES = abi.HALF_SCALES, abi.SUPER_SCALES
 DENSE_KINDS = (LIN_F32, LIN_BF16, LIN_F16)  # dense weights [n, K] (float32, bfloat16, float16), no scales
 Q4_KINDS = (LIN_Q4, LIN_Q4_16, LIN_IQ4)  # codes packed by pack_q4 (128 bytes a block of 8 rows)
-# each block kind's code bytes a block of 8 rows: pack_q4's, pack_q8's, pack_q2's, pack_q5's, pack_q6's, pack_q7's
-CODE_BYTES = {**{k: 128 for k in Q4_KINDS}, LIN_Q8: 256, LIN_Q2M_16: 64, LIN_Q5: 160, LIN_Q6_16: 192, LIN_Q7_16: 256}
-# packed floats a block of a group of 8 rows
-_SCALE_FLOATS = {LIN_Q4: 16, LIN_Q8: 8, LIN_Q6_16: 16, LIN_Q5: 16, LIN_Q4_16: 16, LIN_Q2M_16: 32, LIN_IQ4: 8,
-                 LIN_Q7_16: 16}
+# each block kind's code bytes a block of 8 rows (pack_q4's, pack_q8's, pack_q2's, pack_q5's, pack_q6's, pack_q7's)
+CODE_BYTES = {number: code_bytes for _, number, code_bytes, *_ in abi.BLOCK_KINDS}
+# packed floats a block of a group of 8 rows: 8 a scale or offset vector
+_SCALE_FLOATS = {number: 8 * per_block for _, number, _, _, per_block, _ in abi.BLOCK_KINDS}
 # kind -> (factor vectors, int8 vectors a block) of its super-block scales (pack_super_scales; the C file's block_scale)
-SUPER_LAYOUT = {LIN_Q4: (2, 2), LIN_Q8: (1, 1), LIN_Q6_16: (1, 2), LIN_Q5: (2, 2), LIN_Q4_16: (1, 2), LIN_Q2M_16: (2, 4),
-                LIN_IQ4: (1, 1), LIN_Q7_16: (1, 2)}
+SUPER_LAYOUT = {number: (floats, per_block) for _, number, _, floats, per_block, _ in abi.BLOCK_KINDS}
 
 
-def _cache_dir() -> str:
-    return os.environ.get("SPECDIST_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdist", "kernels")
-
-
-def library_name() -> str:
-    """The library's file name: a hash of the C source, the compiler and its flags."""
-    cc = os.environ.get("CC", "cc")
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    return f"cpu_kernels-{digest}.so"
-
-
-def _unsafe(st: os.stat_result, what: str) -> str | None:
-    """Why a file or folder this process would trust is not safe: owned by another user, or writable by others."""
-    if st.st_uid != os.getuid():
-        return f"{what} belongs to uid {st.st_uid}"
-    if st.st_mode & 0o022:
-        return f"{what} is writable by others (mode {st.st_mode & 0o777:o})"
+def library_path() -> str | None:
+    """The kernels' library as the install built it beside this module, or None where none was built."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, LIBRARY + suffix)
+        if os.path.isfile(path):
+            return path
     return None
 
 
-def _private_dir(path: str) -> str | None:
-    """``path`` created 0700 if missing; why it cannot be trusted (another user's, or writable by others), else
-    None. Only a folder nobody else can write holds a library this process loads: anyone who can write there could
-    plant code under the library's (computable) name."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return _unsafe(os.stat(path), f"the kernel cache {path}")
-
-
-def _build(out_dir: str) -> str:
-    """Compile the C file into ``out_dir`` unless its library is there; returns the library's path."""
-    cc = os.environ.get("CC", "cc")
-    path = os.path.join(out_dir, library_name())
-    if os.path.exists(path):
-        return path
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+def missing_cpu_features() -> list[str]:
+    """The CPU features the kernels are compiled for (kernel_abi.CPU_FEATURES) that this CPU lacks, read from
+    ``/proc/cpuinfo`` (the kernel lists only what the OS enables); elsewhere from torch's CPU capability."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return list(abi.CPU_FEATURES)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, *LIBS], capture_output=True, text=True, timeout=300)
-        if done.returncode:
-            raise OSError(f"{cc} failed: {done.stderr.strip()[-400:]}")
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return [] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else list(abi.CPU_FEATURES)
+    return [f for f in abi.CPU_FEATURES if f not in flags]
 
 
-def _load(path: str) -> ctypes.CDLL:
-    """Load the library at ``path`` once it checks out: a regular file (not a link) of this user that nobody else
-    can write, opened first and loaded through that open file (``/proc/self/fd``), so what was checked is what
-    loads. OSError saying why otherwise."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+_NOT_BUILT = ("the C kernels were not built with this install (no C compiler, or not x86-64); reinstall with one: "
+              "pip install .")
+
+
+def _open() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library, or None and why not: not built, this CPU lacks a feature, or :func:`_load` refuses it."""
+    path = library_path()
+    if path is None:
+        return None, _NOT_BUILT
+    missing = missing_cpu_features()
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}, which the C kernels need"
+    return _load(path)
+
+
+def built_problem() -> str | None:
+    """Why this install has no kernel library it would load (not built, or built from another source), else None.
+    The CPU's features are not asked: an image is built on one machine and runs on others (the Dockerfile runs
+    this)."""
+    path = library_path()
+    lib, why = (None, _NOT_BUILT) if path is None else _load(path)
+    return None if lib is not None else f"specdist: {why}"
+
+
+def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library at ``path`` loaded, or None and why not: writable by others, or built from another source than
+    the one installed beside this module (its digest, :func:`kernel_abi.abi_digest`)."""
+    mode = os.stat(path).st_mode
+    if mode & 0o022:  # anyone who can write it could replace the code this process runs
+        return None, f"{path} is writable by others (mode {mode & 0o777:o}): not loaded"
     try:
-        st = os.fstat(fd)
-        import stat
+        lib = ctypes.CDLL(path)
+        lib.specdist_abi.restype = ctypes.c_char_p
+        built = lib.specdist_abi().decode()
+    except (OSError, AttributeError) as e:
+        return None, f"{path} does not load ({e})"
+    with open(SOURCE, "rb") as f:
+        if built != abi.abi_digest(f.read()):
+            return None, f"{path} was built from another source than {SOURCE}: rebuild it with pip install -e ."
+    return lib, f"specdist's C kernels ({', '.join(f.upper() for f in abi.CPU_FEATURES)})"
 
-        why = _unsafe(st, f"the kernel library {path}") or (None if stat.S_ISREG(st.st_mode) else f"{path} is not a file")
-        if why:
-            raise OSError(why)
-        via = f"/proc/self/fd/{fd}"
-        return ctypes.CDLL(via if os.path.exists(via) else path)
-    finally:
-        os.close(fd)
+
+_mode = "auto"  # engine.cpu_kernels, as configure() last set it
+_said: set[str] = set()  # the backend lines said on stderr in this process
 
 
-def _open_library() -> ctypes.CDLL:
-    """The kernels from the cache (``$SPECDIST_KERNEL_CACHE`` or the home cache), or, where the cache or the library in
-    it is not this user's alone, built again in a fresh private folder (said once in the log)."""
-    cache = _cache_dir()
-    why = _private_dir(cache)
-    if why is None:
-        try:
-            return _load(_build(cache))
-        except OSError as e:
-            if "failed" in str(e):  # the compiler: a private folder would not help
-                raise
-            why = str(e)
-    log.warning("%s: building the kernels in a private folder for this process instead", why)
-    return _load(_build(tempfile.mkdtemp(prefix="specdist-kernels-")))
+def configure(mode: str) -> str:
+    """Apply ``engine.cpu_kernels`` (``auto``, ``required`` or ``off``) in this process, before a model loads; returns
+    the backend that runs (:func:`backend`), said once on stderr. ``required`` without the kernels raises ConfigError
+    saying why they do not run here."""
+    global _mode, _available
+    if mode not in CPU_KERNEL_MODES:
+        raise ConfigError("engine.cpu_kernels", f"must be one of {', '.join(CPU_KERNEL_MODES)}, not {mode!r}")
+    if mode == "required" and _opened()[0] is None:
+        raise ConfigError("engine.cpu_kernels", f"required, but they do not run here: {_opened()[1]}")
+    if mode != _mode:
+        _mode, _available = mode, None
+    line = backend()
+    if line not in _said:
+        _said.add(line)
+        print(f"specdist: CPU kernels: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def backend() -> str:
+    """Which kernels run the CPU's matmuls and attention in this process, in one line."""
+    lib, why = _opened()
+    if _mode == "off":
+        return "torch's kernels (engine.cpu_kernels: off)"
+    return why if lib is not None else f"torch's kernels: {why}"
+
+
+_opened = functools.cache(_open)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they do not run here (engine.cpu_kernels: off, or :func:`backend` says why)."""
+    return None if _mode == "off" else _library()
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot run here (logged once, with the reason)."""
-    if os.environ.get("SPECDIST_CPU_KERNELS", "1") == "0":
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("block kernels: this CPU has no AVX2 (%s); torch's int4 kernel runs the blocks",
-                 torch.backends.cpu.get_cpu_capability())
-        return None
-    try:
-        lib = _open_library()
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("block kernels unavailable (%s); torch's int4 kernel runs the blocks", e)
+def _library() -> ctypes.CDLL | None:
+    lib = _opened()[0]
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.specdist_block_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]  # (x, M, K, codes, scales, kind, N, y)
@@ -225,13 +235,13 @@ def library() -> ctypes.CDLL | None:
     lib.specdist_rope_attention.restype = ctypes.c_int
     # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[6], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
     #  L1, slots, write_pos, qpos, window, scale, cap, scratch, part)
-    lib.specdist_llama_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
+    lib.specdist_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
                                          ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]
-    lib.specdist_llama_layer.restype = ctypes.c_int
+    lib.specdist_decoder_layer.restype = ctypes.c_int
     return lib
 
 
-_available: bool | None = None  # library() loaded, once known (fixed for the process)
+_available: bool | None = None  # library() loaded, once known (until configure() changes the mode)
 
 
 def available() -> bool:
@@ -604,7 +614,7 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
 
 
 class BlockLinear(ctypes.Structure):
-    """One matmul of :func:`llama_layer`: codes and scales packed for a block kind (:func:`block_mm`), or a dense
+    """One matmul of :func:`decoder_layer`: codes and scales packed for a block kind (:func:`block_mm`), or a dense
     weight ``[n, K]`` run by :func:`f32_mm`
     (``LIN_F32``, ``LIN_BF16``, ``LIN_F16``: float32, or the bfloat16 / float16 that holds it exactly).
     ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind carries its scales' flag
@@ -619,14 +629,14 @@ Matmul = tuple[torch.Tensor, "torch.Tensor | None", int, int, "torch.Tensor | No
 
 
 class LayerWeights:
-    """A Llama-style decoder layer's weights as :func:`llama_layer` reads them: the two RMS norms' weights
+    """A Llama-style decoder layer's weights as :func:`decoder_layer` reads them: the two RMS norms' weights
     (float32, contiguous) and eps, and ``(codes, scales, rows, kind, bias)`` of W_qkv, W_o, W_gate_up (gate rows
     first) and W_down (dense kinds: the weight ``[rows, K]`` and None; ``bias``: a float32 ``[rows]`` added
     to every output row, or None). W_qkv may be a list of three, W_q, W_k and W_v, where they do not fuse (their
     kinds differ). It keeps the tensors, so the pointers it hands the C code stay valid.
     ``dense``: some matmul is dense (the runner calls such a layer for up to :data:`F32_MAX_ROWS` rows).
     ``reduce``: on a tensor-parallel rank whose W_o and W_down hold its input columns (no biases in ``linears``),
-    ``(sum_over_ranks, o bias, down bias)``: :func:`llama_layer` sums each projection's partial output over the ranks
+    ``(sum_over_ranks, o bias, down bias)``: :func:`decoder_layer` sums each projection's partial output over the ranks
     with ``sum_over_ranks`` (in place), adds the bias (or None), then the residual."""
 
     def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
@@ -641,13 +651,13 @@ class LayerWeights:
                                                        _dense(qk_norms[1], torch.float32), float(qk_norms[2]))
         qkv = linears[0] if isinstance(linears[0], list) else [linears[0]]
         if len(qkv) not in (1, 3):
-            raise ValueError(f"llama_layer: {len(qkv)} q/k/v matmuls (one fused, or three)")
+            raise ValueError(f"decoder_layer: {len(qkv)} q/k/v matmuls (one fused, or three)")
         flat = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None)
                 for c, s, n, k, b in qkv + list(linears[1:])]
         self.tensors = [t for lin in flat for t in (lin[0], lin[1], lin[4]) if t is not None]
         for t in self.tensors:
             if not t.is_contiguous():
-                raise ValueError("llama_layer: block codes and scales must be contiguous")
+                raise ValueError("decoder_layer: block codes and scales must be contiguous")
         slots = flat[:len(qkv)] + [None] * (3 - len(qkv)) + flat[len(qkv):]  # q (or qkv), k, v, o, gate_up, down
         self.linears = (BlockLinear * 6)(*(
             BlockLinear() if lin is None else  # n = 0: no such part
@@ -664,15 +674,15 @@ class LayerWeights:
             codes, scales, n, kind, bias = lin
             rows = n if kind in DENSE_KINDS else -(-n // 8)
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
-                raise ValueError(f"llama_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
+                raise ValueError(f"decoder_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
                                  f"{k} inputs")
             if bias is not None and bias.shape != (n,):
-                raise ValueError(f"llama_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
+                raise ValueError(f"decoder_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
         if self.split and qkv[0][2] != self.attn:
-            raise ValueError(f"llama_layer: W_q has {qkv[0][2]} rows for {self.attn} attention outputs")
+            raise ValueError(f"decoder_layer: W_q has {qkv[0][2]} rows for {self.attn} attention outputs")
 
     def scratch(self, rows: int) -> int:
-        """Floats of scratch :func:`llama_layer` needs for ``rows`` tokens (separate q, k, v: a part's output too)."""
+        """Floats of scratch :func:`decoder_layer` needs for ``rows`` tokens (separate q, k, v: a part's output too)."""
         return rows * (2 * self.d + self.nqkv + self.attn + 3 * self.i + (self.attn if self.split else 0))
 
     def projection_out(self, rows: int) -> tuple[int, int]:
@@ -686,11 +696,11 @@ def _inputs(linear: tuple) -> int:
     return codes.shape[1] if kind in DENSE_KINDS else codes.shape[1] * GROUP
 
 
-def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, query_pos: torch.Tensor,
                 window: int | None, scale: float, softcap: float | None = None,
                 scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_llama_layer``): RMS norm,
+    """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_decoder_layer``): RMS norm,
     the fused q/k/v matmul (then each head's q and k RMS-normed where ``weights.qk_norms``: Qwen3),
     :func:`rope_attention`, the output projection and its residual add, RMS norm,
     the gate/up matmul, ``silu(gate) * up``, the down projection and its residual add. Updates ``h``
@@ -703,14 +713,14 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     hd = k_cache.shape[-1]
     hq, hkv = weights.attn // hd, k_cache.shape[1]
     if not h.is_contiguous() or h.dtype != torch.float32 or d != weights.d or weights.nqkv != (hq + 2 * hkv) * hd:
-        raise ValueError(f"llama_layer: h {tuple(h.shape)} {h.dtype} does not fit the layer's weights")
+        raise ValueError(f"decoder_layer: h {tuple(h.shape)} {h.dtype} does not fit the layer's weights")
     qn = weights.qk_norms
     if qn is not None and not qn[0].shape == qn[1].shape == (hd,):
-        raise ValueError(f"llama_layer: q/k norms {tuple(qn[0].shape)}, {tuple(qn[1].shape)} for heads of {hd}")
-    _check_cache_call("llama_layer", h.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos, write_pos)
+        raise ValueError(f"decoder_layer: q/k norms {tuple(qn[0].shape)}, {tuple(qn[1].shape)} for heads of {hd}")
+    _check_cache_call("decoder_layer", h.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos, write_pos)
     for name, x in (("cos", cos), ("sin", sin)):
         if x.shape != (bsz, t, hd):
-            raise ValueError(f"llama_layer: {name} {tuple(x.shape)} for {(bsz, t, hd)}")
+            raise ValueError(f"decoder_layer: {name} {tuple(x.shape)} for {(bsz, t, hd)}")
     kv16 = _kv16(k_cache, v_cache)
     need = weights.scratch(bsz * t)
     if scratch is None or scratch.numel() < need:
@@ -719,13 +729,13 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     slots, write_pos, query_pos = (_dense(x, torch.int64) for x in (slots, write_pos, query_pos))
 
     def run(part: int) -> None:
-        if library().specdist_llama_layer(
+        if library().specdist_decoder_layer(
                 h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
                 qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0,
                 weights.linears, hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 kv16, k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0,
                 scale, softcap or 0.0, scratch.data_ptr(), part):
-            raise MemoryError("llama_layer: no memory for its activations")
+            raise MemoryError("decoder_layer: no memory for its activations")
 
     if weights.reduce is None:
         run(_LAYER_WHOLE)
@@ -740,7 +750,7 @@ def llama_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: 
     return h
 
 
-_LAYER_WHOLE, _LAYER_ATTENTION, _LAYER_MLP = 0, 1, 2  # the C file's parts of a layer
+_LAYER_WHOLE, _LAYER_ATTENTION, _LAYER_MLP = abi.LAYER_WHOLE, abi.LAYER_ATTENTION, abi.LAYER_MLP  # the parts of a layer
 
 
 @torch.library.custom_op("specdist::rms_norm", mutates_args=())

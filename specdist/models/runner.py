@@ -51,7 +51,7 @@ does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an exp
 attention (:func:`_softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
 kernels of :mod:`specdist.models.cpu_kernels` attend instead (each row from the cache itself), and a
 Llama-style layer whose matmuls all run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
-:func:`cpu_kernels.llama_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
+:func:`cpu_kernels.decoder_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
 between them, which at batch 1 was about a third of a forward. A layer of dense float32 weights is one call
 too for calls of up to ``cpu_kernels.F32_MAX_ROWS`` tokens (:func:`cpu_kernels.f32_mm` reads the weights once
 for all the rows, where torch's GEMM re-packs them at every call: a 7-token verification of the default model
@@ -175,7 +175,7 @@ class CausalLMRunner:
         self.cpu_rope_attention = (self.cpu_attention
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
         # where that holds, a Llama-style layer whose matmuls all run on blocks is one C call
-        # (cpu_kernels.llama_layer); None for a layer that runs op by op
+        # (cpu_kernels.decoder_layer); None for a layer that runs op by op
         self.layer_kernels = [None if self.sandwich or not self.cpu_rope_attention else _layer_kernel(layer)
                               for layer in self.layers]
         if half_storage:
@@ -534,7 +534,7 @@ class CausalLMRunner:
                     h = h.contiguous()
                     scratch = torch.empty(max(w.scratch(bsz * t_max) for w in kernels if w is not None))
                 cos, sin = ropes[self.rope_keys[i]]
-                h = cpu_kernels.llama_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], fused[0],
+                h = cpu_kernels.decoder_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], fused[0],
                                             write_pos, fused[1], self.windows[i], self.scaling, self.attn_softcap,
                                             scratch)
                 continue
@@ -796,7 +796,7 @@ _LLAMA_STYLE_NORMS = frozenset(
 
 
 def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
-    """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.llama_layer` runs (GGUF blocks,
+    """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.decoder_layer` runs (GGUF blocks,
     or a dense float32 weight on the CPU, held in float32 or a half-width dtype; a float32 bias or none), else
     None."""
     bias = getattr(linear, "bias", None)
@@ -819,7 +819,7 @@ _HALF_KINDS = {torch.bfloat16: cpu_kernels.LIN_BF16, torch.float16: cpu_kernels.
 
 
 def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
-    """The weights :func:`cpu_kernels.llama_layer` reads for a Llama-style decoder layer (Llama-style RMS
+    """The weights :func:`cpu_kernels.decoder_layer` reads for a Llama-style decoder layer (Llama-style RMS
     norms, per-head q/k norms of that style or none, q/k/v fused or not, fused gate/up projections, SiLU, every matmul
     on blocks or dense, float32 biases or none), else None."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -838,7 +838,7 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     parts = [_block_linear(qkv.inner)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
                                                                                             attn.v_proj)]
     # a tensor-parallel rank: o and down hold its input columns on blocks, their partial outputs summed over the
-    # group between the layer's two calls (cpu_kernels.llama_layer's reduce)
+    # group between the layer's two calls (cpu_kernels.decoder_layer's reduce)
     row_parallel = [getattr(m, "blocks", None) is not None and hasattr(m, "group") for m in (attn.o_proj, mlp.down_proj)]
     if any(row_parallel) and not all(row_parallel):
         return None

@@ -122,8 +122,6 @@ app.kubernetes.io/part-of: specdist
 {{- with .Values.security.cacheDir }}
 - name: XDG_CACHE_HOME
   value: {{ . }}
-- name: SPECDIST_KERNEL_CACHE
-  value: {{ . }}/specdist/kernels
 - name: TRITON_CACHE_DIR
   value: {{ . }}/triton
 {{- if not $.Values.engine.compileCacheDir }}
