@@ -12,6 +12,7 @@ and an architecture outside the table is refused before any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -26,6 +27,7 @@ from specdist import Engine, SamplingParams
 from specdist.errors import ConfigError
 from specdist.models.families import SUPPORTED_MODEL_TYPES
 from specdist.models.loader import load_model, resolve_model
+from specdist.models import families as families_module
 from specdist.models import runner as runner_module
 from specdist.models import cpu_kernels
 from specdist.models.runner import CausalLMRunner
@@ -62,6 +64,27 @@ def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T
 # cover the SDPA forms there too (CUDA always takes SDPA): (device, attention) pairs
 PLACES = [pytest.param("cpu", "kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
           ("cpu", "sdpa"), pytest.param("cuda", "sdpa", marks=devices()[1].marks)]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_is_one_kernel_call_where_its_family_declares_that_shape(family: str, monkeypatch) -> None:
+    """The family declares which layers the fused layer kernel computes (``Family.layer_kernel``); the runner reads
+    the declaration, then checks the modules (norm types, kinds, activation) before it builds the call. Rotary
+    tables the kernel does not compute (scaled ones whose width differs from the head's) keep layers op by op."""
+    model = build_tiny(family, seed=1)
+    model_type = model.config.model_type
+    declared = families_module.FAMILIES[model_type].layer_kernel == families_module.PRENORM_SWIGLU
+    runner = CausalLMRunner(model, num_slots=2, max_len=32, kv_cache_dtype="model")
+    fused = [k is not None for k in runner.layer_kernels]
+    assert fused == [declared and runner.cpu_rope_attention] * len(runner.layers), (family, fused)
+    if family in ("llama", "qwen2", "qwen3", "mistral"):
+        assert all(fused)  # (the plain rotary of these zoo entries runs in the kernel)
+    if declared:  # the same modules in a family that declares nothing run op by op
+        monkeypatch.setitem(families_module.FAMILIES, model_type,
+                            dataclasses.replace(families_module.FAMILIES[model_type], layer_kernel=None))
+        runner = CausalLMRunner(model, num_slots=2, max_len=32, kv_cache_dtype="model")
+        assert runner.layer_kernels == [None] * len(runner.layers)
 
 
 @pytest.mark.parametrize("device,attention", PLACES)

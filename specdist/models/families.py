@@ -28,19 +28,26 @@ class Family:
     window: str
     attn_softcap: bool = False  # tanh soft-cap of attention scores (config.attn_logit_softcapping)
     final_softcap: bool = False  # tanh soft-cap of the logits (config.final_logit_softcapping)
+    # The shape of its decoder layers, where one kernel call runs a whole layer on the CPU: "prenorm-swiglu" (RMS
+    # norm, attention with rotary, residual add, RMS norm, silu(gate) * up, down, residual add: what
+    # cpu_kernels.decoder_layer computes), or None (the runner calls each operation: sandwich norms, GELU, MoE).
+    layer_kernel: str | None = None
+
+
+PRENORM_SWIGLU = "prenorm-swiglu"  # the layer cpu_kernels.decoder_layer runs
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama 2 / 3.x (RoPE default, linear, llama3, yarn, dynamic)", "none"),
-    "mistral": Family("Mistral (sliding window)", "config"),
-    "qwen2": Family("Qwen2 / Qwen2.5 (qkv bias, sliding-window layers)", "layer"),
-    "qwen3": Family("Qwen3 (q/k norm)", "layer"),
+    "llama": Family("Llama 2 / 3.x (RoPE default, linear, llama3, yarn, dynamic)", "none", layer_kernel=PRENORM_SWIGLU),
+    "mistral": Family("Mistral (sliding window)", "config", layer_kernel=PRENORM_SWIGLU),
+    "qwen2": Family("Qwen2 / Qwen2.5 (qkv bias, sliding-window layers)", "layer", layer_kernel=PRENORM_SWIGLU),
+    "qwen3": Family("Qwen3 (q/k norm)", "layer", layer_kernel=PRENORM_SWIGLU),
     "qwen3_moe": Family("Qwen3-MoE (mixture of experts)", "layer"),
     "gemma2": Family("Gemma 2 (soft-caps, pre/post norms, local/global layers)", "layer",
                      attn_softcap=True, final_softcap=True),
     "gemma3_text": Family("Gemma 3 text (q/k norm, local RoPE base, local/global layers)", "layer",
                           final_softcap=True),
-    "phi3": Family("Phi-3 (fused qkv and gate/up)", "config"),
+    "phi3": Family("Phi-3 (fused qkv and gate/up)", "config", layer_kernel=PRENORM_SWIGLU),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

@@ -49,8 +49,9 @@ fused kernels: no mask when every request has one query at one common position (
 then slices the keys), ``is_causal`` for a one-request prefill from position 0 that the window
 does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
 attention (:func:`_softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
-kernels of :mod:`specdist.models.cpu_kernels` attend instead (each row from the cache itself), and a
-Llama-style layer whose matmuls all run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
+kernels of :mod:`specdist.models.cpu_kernels` attend instead (each row from the cache itself), and in a family
+that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose matmuls all
+run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
 :func:`cpu_kernels.decoder_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
 between them, which at batch 1 was about a third of a forward. A layer of dense float32 weights is one call
 too for calls of up to ``cpu_kernels.F32_MAX_ROWS`` tokens (:func:`cpu_kernels.f32_mm` reads the weights once
@@ -85,7 +86,7 @@ from specdist.models.attention import PagedAttention, pack_step, unpack_step
 from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.paged_cache import PagedKVCache
-from specdist.models.families import SUPPORTED_MODEL_TYPES, Family, check_supported
+from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
 from specdist.models.quant import BLOCK_KINDS, Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
@@ -174,10 +175,10 @@ class CausalLMRunner:
         self.graphs: CudaGraphs | None = None  # captured passes of the paged backend (capture_graphs)
         self.cpu_rope_attention = (self.cpu_attention
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
-        # where that holds, a Llama-style layer whose matmuls all run on blocks is one C call
-        # (cpu_kernels.decoder_layer); None for a layer that runs op by op
-        self.layer_kernels = [None if self.sandwich or not self.cpu_rope_attention else _layer_kernel(layer)
-                              for layer in self.layers]
+        # where that holds and the family declares its layers the shape cpu_kernels.decoder_layer computes, a layer
+        # whose matmuls all run on blocks (or dense float32) is one C call; None for a layer that runs op by op
+        fused = family.layer_kernel == PRENORM_SWIGLU and self.cpu_rope_attention
+        self.layer_kernels = [_layer_kernel(layer) if fused else None for layer in self.layers]
         if half_storage:
             self._store_half_width()
 
@@ -191,11 +192,14 @@ class CausalLMRunner:
             if kernel is None or not kernel.dense:
                 continue
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = ([store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj"))]
-                   if hasattr(attn, "fused_qkv") else [store_half_width(attn, n) for n in ("q_proj", "k_proj", "v_proj")])
-            stored = qkv + [store_half_width(attn, "o_proj"),
-                      store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj")),
-                      store_half_width(mlp, "down_proj")]
+            if hasattr(attn, "fused_qkv"):
+                qkv = [store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj"))]
+            else:  # Phi-3's own qkv_proj, or three
+                qkv = [store_half_width(attn, n) for n in (("qkv_proj",) if hasattr(attn, "qkv_proj")
+                                                           else ("q_proj", "k_proj", "v_proj"))]
+            gate_up = (store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj"))
+                       if hasattr(mlp, "fused_gate_up") else store_half_width(mlp, "gate_up_proj"))
+            stored = qkv + [store_half_width(attn, "o_proj"), gate_up, store_half_width(mlp, "down_proj")]
             if any(stored):
                 self.layer_kernels[i] = _layer_kernel(layer)
         head, embed = getattr(self.model, "lm_head", None), self.model.model.embed_tokens
@@ -829,22 +833,32 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
         return None
     if norms[0].variance_epsilon != norms[1].variance_epsilon or (qk and qk[0].variance_epsilon != qk[1].variance_epsilon):
         return None
-    qkv, gate_up = getattr(attn, "fused_qkv", None), getattr(mlp, "fused_gate_up", None)
-    if gate_up is None or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+    # q/k/v as one matmul (fused at load, or Phi-3's own qkv_proj: q rows, then k, then v) or three; gate/up as one
+    # (fused at load, or Phi-3's own gate_up_proj: gate rows, then up), halves of equal size
+    qkv = attn.fused_qkv.inner if hasattr(attn, "fused_qkv") else getattr(attn, "qkv_proj", None)
+    if hasattr(mlp, "fused_gate_up"):
+        gate_up, halves = mlp.fused_gate_up.inner, mlp.fused_gate_up.split_sizes
+    elif hasattr(mlp, "gate_up_proj"):
+        gate_up = mlp.gate_up_proj
+        halves = [gate_up.out_features // 2] * 2 if gate_up.out_features % 2 == 0 else [0, 1]
+    else:
+        return None
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+    if type(act).__name__ not in ("SiLUActivation", "SiLU") or halves[0] != halves[1]:
         return None
     if qkv is None and not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
         return None
     # q, k and v fused, or three matmuls where their kinds differ (a Q4_K_M file's Q6_K v_proj)
-    parts = [_block_linear(qkv.inner)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
-                                                                                            attn.v_proj)]
+    parts = [_block_linear(qkv)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
+                                                                                       attn.v_proj)]
     # a tensor-parallel rank: o and down hold its input columns on blocks, their partial outputs summed over the
     # group between the layer's two calls (cpu_kernels.decoder_layer's reduce)
     row_parallel = [getattr(m, "blocks", None) is not None and hasattr(m, "group") for m in (attn.o_proj, mlp.down_proj)]
     if any(row_parallel) and not all(row_parallel):
         return None
     o, down = (attn.o_proj.blocks, mlp.down_proj.blocks) if all(row_parallel) else (attn.o_proj, mlp.down_proj)
-    linears = [_block_linear(m) for m in (o, gate_up.inner, down)]
-    if any(w is None for w in parts + linears) or gate_up.split_sizes[0] != gate_up.split_sizes[1]:
+    linears = [_block_linear(m) for m in (o, gate_up, down)]
+    if any(w is None for w in parts + linears):
         return None
     linears = [parts if len(parts) == 3 else parts[0]] + linears
     qk_norms = (qk[0].weight, qk[1].weight, qk[0].variance_epsilon) if qk else None
