@@ -155,3 +155,31 @@ def test_a_library_from_another_source_or_writable_by_others_is_refused(fresh_ke
     os.chmod(copy, 0o777)
     lib, why = cpu_kernels._open()
     assert lib is None and "is writable by others (mode 777)" in why
+
+
+@pytest.mark.skipif(not X86 or shutil.which(os.environ.get("CC", "cc")) is None,
+                    reason="the kernels are built for x86-64, with a C compiler")
+def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tmp_path):
+    """What a non-editable install (the Docker image's `pip install .`) gets: the wheel holds the library beside the
+    C source and kernel_abi.py, and specdist imported from the unpacked wheel loads that library."""
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path / "wheel"), str(REPO)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("specdist-*.whl")
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        z.extractall(tmp_path / "site")
+    assert any(re.fullmatch(r"specdist/models/_cpu_kernels\..*\.so", n) for n in names), names
+    assert {"specdist/models/cpu_kernels.c", "specdist/models/kernel_abi.py"} <= set(names)
+    probe = ("from specdist.models import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+             "print(k.built_problem()); print(k.backend())")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert run.returncode == 0, run.stderr[-2000:]
+    module, library, problem, backend = run.stdout.splitlines()[-4:]
+    assert module.startswith(str(tmp_path / "site")) and library.startswith(str(tmp_path / "site")), run.stdout
+    assert problem == "None"
+    if not cpu_kernels.missing_cpu_features():
+        assert backend == "specdist's C kernels (AVX2, FMA, F16C)"
