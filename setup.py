@@ -32,6 +32,12 @@ class BuildKernels(build_ext):
         if machine not in ("x86_64", "amd64"):
             _say(f"the CPU kernels are for x86-64 with AVX2, not {machine}: not built (torch's kernels run instead)")
             return
+        # the compiler alone, without Python's own CFLAGS (-fwrapv, -g, ...): the kernels are compiled with
+        # kernel_abi.CFLAGS only, whatever the Python build, so their code (and speed) does not depend on it
+        cc = self.compiler.compiler_so
+        self.compiler.set_executable("compiler_so", [*(a for a in cc[: next((i for i, a in enumerate(cc)
+                                                                              if a.startswith("-")), len(cc))]),
+                                                     "-fPIC"])
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any compiler or linker failure leaves the fallback, said once
