@@ -10,7 +10,7 @@ from specdist.errors import InvalidArgument
 
 INT32_END = 2**31  # max_tokens, top_k and token ids travel as int32 (common.proto); larger ones are refused
 MAX_LOGPROBS = 20  # most top entries ``logprobs`` may ask for per token (OpenAI's and vLLM's default bound)
-# The samplers use temperature and top_p as float32 (specdist.transport.protocol.sampling_tensors, the wire's
+# The samplers use temperature and top_p as float32 (specdist.cores.sampling.SamplingRows, the wire's
 # float fields), so they are checked as the float32 they become: a positive value must be a normal
 # float32, [FLOAT32_MIN_NORMAL, FLOAT32_MAX]. Below it float32 makes it 0 or subnormal (flushed to 0
 # where a device or compiled kernel flushes subnormals): top_p keeps nothing (NaN probabilities), a

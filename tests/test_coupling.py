@@ -20,9 +20,9 @@ from specdist.cores.coupling import (
     exponential_noise,
     gumbel_argmax,
     gumbel_verify,
-    mix64,
     row_starts,
 )
+from specdist.randomness import mix64
 
 ALPHA = 1e-4
 
@@ -156,11 +156,12 @@ def test_the_noise_never_lets_a_zero_probability_token_win() -> None:
     invertible) must still give a uniform strictly below 1: E = -log u > 0, and a token of probability 0 never
     wins (E / p = 0 / 0 would be NaN, which argmin picks). The same on the draft's side, which uses the same
     noise."""
-    from specdist.cores.coupling import _GOLDEN, _signed, mix64
+    from specdist.cores.coupling import _signed
+    from specdist.randomness import GOLDEN
 
     x = _unmix64((1 << 64) - 1)
     assert mix64(x) == (1 << 64) - 1
-    start = _signed(x - _GOLDEN)  # token 0's element (start + 1 * golden) is x
+    start = _signed(x - GOLDEN)  # token 0's element (start + 1 * golden) is x
     starts = torch.tensor([start, start], dtype=torch.int64)
     e = exponential_noise(starts, 3)  # [2, 3]
     assert torch.isfinite(e).all() and (e > 0).all(), e
@@ -169,5 +170,5 @@ def test_the_noise_never_lets_a_zero_probability_token_win() -> None:
     assert gumbel_argmax(probs, starts).tolist()[0] in (1, 2)
     # the smallest element too: u > 0, E finite
     x0 = _unmix64(0)
-    e0 = exponential_noise(torch.tensor([_signed(x0 - _GOLDEN)], dtype=torch.int64), 1)
+    e0 = exponential_noise(torch.tensor([_signed(x0 - GOLDEN)], dtype=torch.int64), 1)
     assert torch.isfinite(e0).all() and (e0 > 0).all()

@@ -26,13 +26,12 @@ from specdist.errors import FailedPrecondition, FieldError, InvalidArgument
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
 from specdist.cores.sampling import process_logits
+from specdist.randomness import draft_seed, draft_uniform
 from specdist.transport.protocol import (
     Proposal,
     StartItem,
     TransportError,
     VerifyItem,
-    draft_seed,
-    draft_uniform,
 )
 from specdist.cores.target import LocalVerifier, VerifierCore
 
@@ -87,7 +86,7 @@ class _Recorder:
 
 # --------------------------------------------------------------------------- 1. target uniforms
 def test_target_uniform_key_uses_all_64_seed_bits_and_separates_roles() -> None:
-    from specdist.transport.protocol import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
+    from specdist.randomness import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
 
     for s in (0, SEED, 2**40 + 7):
         for role in (ACCEPT_ROLE, SAMPLE_ROLE):
@@ -122,7 +121,7 @@ def test_target_uniforms_depend_only_on_seed_position_and_role(core, monkeypatch
     """Same seed, different prompt lengths and draft lengths in one call: the acceptance uniform of a
     position is the same whichever request and draft length reach it, and each final token is sampled
     with the sample-role uniform of its own position."""
-    from specdist.transport.protocol import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
+    from specdist.randomness import ACCEPT_ROLE, SAMPLE_ROLE, target_uniforms
 
     rec = _Recorder(monkeypatch)
     _prefill(core, "a", [1, 2, 3, 4, 5], SEED)  # drafts at positions 5, 6, 7

@@ -26,7 +26,7 @@ from specdist.models.runner import CausalLMRunner
 from specdist.cores.sampling import process_logits
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import OutputState
-from specdist.transport.protocol import draft_seed
+from specdist.randomness import draft_seed
 from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.cores.target import VerifierCore
 from specdist.transport.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, sampling_params_to_proto

@@ -30,7 +30,7 @@ int64), ``u = (z >> 12 + 1/2) / 2^52`` strictly inside (0, 1) (52 bits and the h
 in float64, so no element rounds to 1, which would give ``E = 0``) and ``G = -log(-log u)`` in
 float64. Positions
 are < 2^32 (far above any context) and vocabularies < 2^32, so no two (position, token) pairs of
-a key share an element. The key is the drafter's seed (:func:`specdist.transport.protocol.draft_seed` of
+a key share an element. The key is the drafter's seed (:func:`specdist.randomness.draft_seed` of
 the request seed), which both sides know; the rejection coupling's uniforms use other roles.
 The argmax is taken as ``argmin_x E(x) / p'(x)`` with ``E = -log u`` (the same token, one
 logarithm per entry), a token with ``p'(x) = 0`` masked to ``+inf`` (never ``0 / 0``). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
@@ -41,31 +41,23 @@ from __future__ import annotations
 
 import torch
 
+from specdist.randomness import GOLDEN, M64, MIX_C1, MIX_C2, mix64
+
 COUPLINGS = ("gumbel", "rejection")
 
 GUMBEL_ROLE = 0xA0761D6478BD642F  # xor-ed into the key: the Gumbel stream differs from the uniforms'
-_M64 = 0xFFFFFFFFFFFFFFFF
-_GOLDEN = 0x9E3779B97F4A7C15
-_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _signed(x: int) -> int:
     """A uint64 as the int64 with the same bits."""
-    x &= _M64
+    x &= M64
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def mix64(x: int) -> int:
-    """SplitMix64's output function on the host (a bijection on uint64)."""
-    x = ((x ^ (x >> 30)) * _C1) & _M64
-    x = ((x ^ (x >> 27)) * _C2) & _M64
-    return x ^ (x >> 31)
 
 
 def row_starts(key: int, positions: list[int]) -> list[int]:
     """The int64 stream start of each position's noise row (host side, exact)."""
-    base = mix64((int(key) ^ GUMBEL_ROLE) & _M64)
-    return [_signed(base + (int(n) << 32) * _GOLDEN) for n in positions]
+    base = mix64((int(key) ^ GUMBEL_ROLE) & M64)
+    return [_signed(base + (int(n) << 32) * GOLDEN) for n in positions]
 
 
 def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -74,7 +66,7 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64_t(z: torch.Tensor) -> torch.Tensor:  # int64, wrapping: the bits of mix64 (z is overwritten)
-    for shift, mult in ((30, _signed(_C1)), (27, _signed(_C2)), (31, None)):
+    for shift, mult in ((30, _signed(MIX_C1)), (27, _signed(MIX_C2)), (31, None)):
         z.bitwise_xor_(torch.bitwise_right_shift(z, shift).bitwise_and_((1 << (64 - shift)) - 1))
         if mult is not None:
             z.mul_(mult)
@@ -87,7 +79,7 @@ _OFFSETS: dict[tuple, torch.Tensor] = {}  # (vocab, device) -> [V] int64: (x + 1
 def _offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
     key = (vocab_size, str(device))
     if key not in _OFFSETS:
-        _OFFSETS[key] = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+        _OFFSETS[key] = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _signed(GOLDEN)
     return _OFFSETS[key]
 
 

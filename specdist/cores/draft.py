@@ -33,16 +33,13 @@ from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, 
 from specdist.models.graphs import KVOptions
 from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.sampling_params import SamplingParams
+from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
 from specdist.transport.protocol import (
     CallTiming,
     LocalTransport,
     Proposal,
     ProposeItem,
-    ReleasedUnknown,
     StartItem,
-    check_prompt,
-    check_request_ids,
-    check_token_ids,
     now,
 )
 

@@ -10,7 +10,7 @@ verifies them:
    sequence); the guess ``g`` is its mode, the draft's best bet for the target's bonus token;
 2. **prepare**: ``k`` more passes sample ``d'_1..d'_k`` after ``x, d_1..d_k, g``, exactly as
    sequential drafting would after that prefix (same q, same uniforms: position keyed,
-   :func:`~specdist.transport.protocol.draft_uniform`).
+   :func:`~specdist.randomness.draft_uniform`).
 
 The next ``propose`` says what the target kept. When it accepted all ``k`` drafts and then
 emitted ``g`` (a **hit**), the true prefix is the assumed one and ``d'`` is returned at once

@@ -22,7 +22,7 @@ and the request seed.
 Uniforms: a request holding ``L`` tokens (``len(seq)``, prompt + emitted) before a step has its
 draft token ``d_j`` (j = 0..k-1) at sequence position ``L + j`` and its final (residual or
 bonus) token at ``L + accepted``. ``d_j`` is accepted or rejected with
-:func:`~specdist.transport.protocol.target_uniforms` ``(seed, ACCEPT_ROLE, [L + j])``; the final token is
+:func:`~specdist.randomness.target_uniforms` ``(seed, ACCEPT_ROLE, [L + j])``; the final token is
 sampled with ``(seed, SAMPLE_ROLE, [L + accepted])``, so the sample uniform of every position it
 can land on (``L .. L + k``) goes to the sampler. Each is a pure function of (seed, position,
 role): it depends neither on the draft lengths nor on the steps before, all 64 seed bits count,
@@ -83,17 +83,14 @@ from specdist.errors import (
 from specdist.models.kv_cache import PrefixCache, SlotKVCache
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
+from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
 from specdist.transport.protocol import (
     CallTiming,
     Prefilled,
-    ReleasedUnknown,
     StartItem,
     Verified,
     VerifyItem,
-    check_prompt,
-    check_request_ids,
     LocalTransport,
-    check_token_ids,
     now,
 )
 from specdist.cores.verify_batch import VerifyBatch
@@ -106,7 +103,7 @@ class _TargetRequest:
     slot: int
     seq: list[int]  # prompt + emitted tokens; all but the last are in the cache
     params: SamplingParams
-    seed: int  # keys the target's uniforms (transport.target_uniforms)
+    seed: int  # keys the target's uniforms (specdist.randomness.target_uniforms)
     coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.cores.coupling (noise keyed by draft_seed)
     hidden: bool = False  # its results carry the hidden states of runner.hidden_layers (StartItem.hidden_layers)
     tenant: str = ""  # whose request it is (StartItem.tenant): prompt K/V are reused within its share (PrefixCache)

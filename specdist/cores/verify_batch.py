@@ -28,7 +28,7 @@ from specdist.cores.device_inputs import HostInputs
 from specdist.cores.rejection import VerifyResult, rejection_sample
 from specdist.cores.sampling import SamplingRows, process_rows, unusable_rows
 from specdist.logprobs import split_rows
-from specdist.transport.protocol import ACCEPT_ROLE, SAMPLE_ROLE, draft_seed, target_uniforms
+from specdist.randomness import ACCEPT_ROLE, SAMPLE_ROLE, draft_seed, target_uniforms
 
 
 @dataclass

@@ -106,7 +106,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     output: OutputState
-    seed: int = 0  # keys the target's uniforms; the draft's seed is transport.draft_seed(seed)
+    seed: int = 0  # keys the target's uniforms; the draft's seed is specdist.randomness.draft_seed(seed)
     core_id: str = ""  # this request's id on the target and draft cores (unique per scheduler)
     tenant: str = ""  # who it belongs to (StartItem.tenant): the cores share state only within a tenant
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

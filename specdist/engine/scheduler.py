@@ -6,7 +6,7 @@
    prompts fit ``engine.max_prefill_tokens``): pick a draft replica
    (:meth:`~specdist.engine.draft_pool.DraftPool.choose`: by measured speed, then load),
    ``verifier.prefill`` (every prompt token but the last goes into the target's cache),
-   ``drafter.start`` with :func:`~specdist.transport.protocol.draft_seed` of the request seed;
+   ``drafter.start`` with :func:`~specdist.randomness.draft_seed` of the request seed;
 2. **choose** each request's draft length ``k_b`` (:mod:`specdist.engine.draft_length`: a fixed k, or
    adaptive from its observed acceptance and the measured costs, down to 0), capped so
    neither ``max_tokens`` nor the context limit can be overrun inside a draft;
@@ -67,6 +67,7 @@ from specdist.engine.output import PHASES, EngineStats, OutputProcessor, Request
 from specdist.engine.prompts import encode_prompt
 from specdist.engine.request import Request
 from specdist.errors import ErrorCode, InvalidArgument
+from specdist.randomness import draft_seed
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import (
     HIT,
@@ -77,7 +78,6 @@ from specdist.transport.protocol import (
     TransportError,
     Verifier,
     VerifyItem,
-    draft_seed,
     now,
 )
 

@@ -17,29 +17,21 @@ Every call is all or nothing: the core validates the whole batch before it chang
 state. A failure raises :class:`TransportError` carrying the request ids it concerns (one
 item, or the whole call when no item is to blame); the scheduler decides what that means.
 
-Seeds: the verifier gets a request's seed itself, the drafter :func:`draft_seed` of it, on either
-transport, so one seed gives one output wherever it runs. Every uniform is counter-based (an
-element of a SplitMix64 stream, all 64 seed bits used): the drafter samples the draft token at
-sequence position ``n`` with :func:`draft_uniform` ``(draft seed, n)``; the verifier accepts or
-rejects the draft token at position ``n`` with :func:`target_uniforms` ``(seed, ACCEPT_ROLE, [n])``
-and samples the residual or bonus token at position ``n`` with ``(seed, SAMPLE_ROLE, [n])``. They are
-functions of the position, not of how many draws came before, so drafting the same positions
-ahead of time (pipelined drafting, :mod:`specdist.cores.draft_pipeline`) or again after a rejection gives the
-tokens sequential drafting gives, and the target's draws do not depend on the draft lengths.
+A request's seeds and the uniforms they key (the verifier gets the seed, the drafter
+:func:`~specdist.randomness.draft_seed` of it) are :mod:`specdist.randomness`; the checks the cores
+make on a call's items are :mod:`specdist.transport.checks`.
 """
 
 from __future__ import annotations
 
-import operator
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from specdist.errors import ErrorCode, FailedPrecondition, FieldError, InvalidArgument, SpecDistError, blamed_item
+from specdist.errors import ErrorCode, FieldError, SpecDistError, blamed_item
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 
@@ -52,7 +44,7 @@ class StartItem:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int  # the uniforms' seed on the core that receives it (drafters: draft_seed(request seed))
+    seed: int  # the uniforms' seed on the core that receives it (drafters: specdist.randomness.draft_seed(request seed))
     coupling: str = "rejection"  # how drafts are decided (specdist.cores.coupling.COUPLINGS); both cores get the same
     # target layers whose input hidden states the verifier returns for this request (an EAGLE-3 drafter
     # reads them, specdist.cores.draft); () none. Must be the layers the target keeps (runner.hidden_layers)
@@ -216,122 +208,7 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
-# ---------------------------------------------------------------- seeds
-# The draft's random stream must differ from the target's (else draft samples and acceptance
-# uniforms could be correlated, which breaks exactness). XOR with a fixed odd 64-bit constant is
-# a bijection on uint64 without fixed points, so the two seeds always differ and a fixed request
-# seed still reproduces the whole run.
-DRAFT_SEED_XOR = 0x9E3779B97F4A7C15
-
-# The target's two streams of a request: the uniforms that accept or reject draft tokens and
-# those that sample the final (residual or bonus) token. Each is keyed by ``seed ^ role``. The
-# drafter keeps its own key ``draft_seed(seed) = seed ^ DRAFT_SEED_XOR`` (its cores only ever see
-# that seed, and a remote drafter must not need to know the roles); the three constants are
-# distinct and nonzero, so one request's three keys are pairwise distinct and its three streams
-# are distinct SplitMix64 streams.
-ACCEPT_ROLE = 0xD1B54A32D192ED03
-SAMPLE_ROLE = 0x8CB92BA72F3D8DD7
-
-
-def draft_seed(seed: int) -> int:
-    """The drafter's seed for a request whose verifier gets ``seed``."""
-    return (int(seed) ^ DRAFT_SEED_XOR) & 0xFFFFFFFFFFFFFFFF
-
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix64(x: int) -> int:
-    """The SplitMix64 output function (a bijection on uint64 with full avalanche)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def _stream_uniforms(key: int, positions: Iterable[int]) -> list[float]:
-    """Elements ``positions`` of the SplitMix64 stream that starts at the mixed ``key``, as uniforms
-    in [0, 1) (53 bits). Counter-based: any position, in any order, any number of times."""
-    start = _mix64(int(key) & _M64)
-    return [(_mix64((start + (int(n) + 1) * _GOLDEN) & _M64) >> 11) * 2.0**-53 for n in positions]
-
-
-def draft_uniform(seed: int, position: int) -> float:
-    """The uniform that samples the draft token at sequence ``position`` (``seed``: the drafter's)."""
-    return _stream_uniforms(seed, (position,))[0]
-
-
-def target_uniforms(seed: int, role: int, positions: Iterable[int]) -> list[float]:
-    """The target's uniforms of one ``role`` (ACCEPT_ROLE or SAMPLE_ROLE) for the tokens at sequence
-    ``positions`` of the request with ``seed``: pure functions of (seed, position, role)."""
-    return _stream_uniforms(int(seed) ^ role, positions)
-
-
-# ---------------------------------------------------------------- checks the cores share
-def check_request_ids(ids: Sequence[str], field: str = "items") -> None:
-    """Non-empty and distinct within one call."""
-    seen: set[str] = set()
-    for i, rid in enumerate(ids):
-        if not rid:
-            raise InvalidArgument(f"{field}[{i}].request_id", "must be non-empty")
-        if rid in seen:
-            raise InvalidArgument(f"{field}[{i}].request_id", f"duplicate request id {rid!r} in one call")
-        seen.add(rid)
-
-
-class ReleasedUnknown:
-    """Ids a core was told to release while it did not hold them (the newest ``capacity``).
-
-    A start or prefill can reach a core after its caller gave up on it: the worker was stopped or
-    slow, the call's deadline passed, and the scheduler released the id (its release may overtake
-    the call: another connection, another server thread). Started then, the request would hold a
-    KV slot that nothing releases again. The scheduler gives every admission a fresh id, so a start
-    of an id released before is always such a late call, and the core refuses it.
-    """
-
-    def __init__(self, capacity: int = 4096):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def add(self, request_id: str) -> None:
-        self._ids[request_id] = None
-        self._ids.move_to_end(request_id)
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-    def refuse(self, ids: Sequence[str], field: str = "items") -> None:
-        """FailedPrecondition naming the first of ``ids`` that was released before it started."""
-        for i, rid in enumerate(ids):
-            if rid in self._ids:
-                raise FailedPrecondition(f"{field}[{i}].request_id",
-                                         f"request {rid!r} was released before it started (a late call)")
-
-
-def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
-    out = [operator.index(t) for t in ids]
-    for t in out:
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(field, f"token id {t} is outside the vocabulary [0, {vocab_size})")
-    return out
-
-
-def check_prompt(ids, vocab_size: int, max_model_len: int, field: str) -> list[int]:
-    out = check_token_ids(ids, vocab_size, field)
-    if not out:
-        raise InvalidArgument(field, "is empty")
-    if len(out) >= max_model_len:
-        raise InvalidArgument(field, f"has {len(out)} tokens; the context limit is {max_model_len} (prompt + output)")
-    return out
-
-
-def sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str = "cpu"):
-    """Per-request (temperature [B] float32, top_k [B] long, top_p [B] float32) for process_logits."""
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    return temp, top_k, top_p
-
-
+# ---------------------------------------------------------------- errors, and cores in this process
 def error_for_items(message: str, blame: str, code: ErrorCode, request_ids: Sequence[str]) -> TransportError:
     """A failed call as a TransportError: the item ``blame`` names (:func:`~specdist.errors.blamed_item`:
     a core's field, or the details a remote core sent), or the whole call."""

@@ -6,7 +6,7 @@ the *processed* draft distribution (:func:`specdist.cores.sampling.process_rows`
 applies to p) after rounding it to ``r = fp16_exact(q)``, the distribution the wire can carry exactly: the
 draft reports r, the target verifies against r, so exactness holds on either transport and both give the same
 tokens. Greedy requests have a one-hot q (no tensor). The token at sequence position ``n`` is sampled with the
-uniform :func:`~specdist.transport.protocol.draft_uniform` ``(seed, n)`` (under the Gumbel coupling, the noise
+uniform :func:`~specdist.randomness.draft_uniform` ``(seed, n)`` (under the Gumbel coupling, the noise
 of position ``n``), so the tokens depend on the positions drafted, not on how often the request drafted before.
 
 With ``confidence_threshold > 0`` a request stops drafting early once the draft's untempered probability of
@@ -34,7 +34,8 @@ from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Pro
 from specdist.cores.sampling import SamplingRows, process_rows, sample_from
 from specdist.errors import ConfigError
 from specdist.models.runner import CausalLMRunner
-from specdist.transport.protocol import draft_uniform, now
+from specdist.randomness import draft_uniform
+from specdist.transport.protocol import now
 from specdist.transport.wire import fp16_exact
 
 # unseen tokens a draft pass feeds per row; more (a prompt's first draft) go through a forward first
