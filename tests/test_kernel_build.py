@@ -90,7 +90,8 @@ def test_a_build_without_a_compiler_goes_on_and_says_so_in_one_line(tmp_path):
 
 
 def test_without_the_kernels_auto_says_so_once_and_required_refuses(fresh_kernels, capsys):
-    fresh_kernels.setattr(cpu_kernels, "library_path", lambda: None)  # an install where no compiler built them
+    fresh_kernels.setattr(cpu_kernels, "library_candidates", lambda: [])  # no compiler built them
+    fresh_kernels.setattr(cpu_kernels, "library_path", lambda: None)
     assert cpu_kernels.configure("auto") == cpu_kernels.configure("auto") == cpu_kernels.backend()
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdist:")]
     assert said == ["specdist: CPU kernels: torch's kernels: the C kernels were not built with this install (no C "
@@ -114,7 +115,7 @@ def test_the_image_builds_the_kernels_and_fails_without_them():
 
 
 def test_required_without_the_kernels_stops_the_cli_in_one_line(fresh_kernels, tiny_models, tmp_path, capsys):
-    fresh_kernels.setattr(cpu_kernels, "library_path", lambda: None)
+    fresh_kernels.setattr(cpu_kernels, "library_candidates", lambda: [])
     cfg = tiny_config(tiny_models, "none", 1)
     cfg.setdefault("engine", {})["cpu_kernels"] = "required"
     path = tmp_path / "c.yaml"
@@ -141,7 +142,7 @@ def test_a_library_from_another_source_or_writable_by_others_is_refused(fresh_ke
     copy = tmp_path / os.path.basename(cpu_kernels.library_path())
     shutil.copy(cpu_kernels.library_path(), copy)
     os.chmod(copy, 0o755)
-    fresh_kernels.setattr(cpu_kernels, "library_path", lambda: str(copy))
+    fresh_kernels.setattr(cpu_kernels, "library_candidates", lambda: [str(copy)])
     if cpu_kernels.missing_cpu_features():
         pytest.skip("this CPU does not run the kernels")
     assert cpu_kernels._open()[0] is not None  # the same bytes at another path: its digest matches the source
@@ -183,3 +184,27 @@ def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tm
     assert problem == "None"
     if not cpu_kernels.missing_cpu_features():
         assert backend == "specdist's C kernels (AVX2, FMA, F16C)"
+
+
+@pytest.mark.skipif(cpu_kernels.library_path() is None or bool(cpu_kernels.missing_cpu_features()),
+                    reason="needs the installed library, on a CPU that runs it")
+def test_a_copy_of_the_sources_without_the_library_loads_the_installed_one(tmp_path):
+    """A Ray job's working_dir is such a copy (Ray leaves out what .gitignore names, the built library among them):
+    its workers import specdist from the copy and load the library the machine's install built from the same
+    source; an edited copy's source does not match it and gets torch's kernels, saying why."""
+    shutil.copytree(REPO / "specdist", tmp_path / "specdist", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    probe = ("from specdist.models import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+             "print(k.library_candidates()[0]); print(k.backend())")
+
+    def run() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.splitlines()[-4:]
+
+    module, own, loaded, backend = run()
+    assert module.startswith(str(tmp_path)) and own == "None", (module, own)
+    assert loaded == cpu_kernels.library_path() and backend == "specdist's C kernels (AVX2, FMA, F16C)"
+    with open(tmp_path / "specdist" / "models" / "cpu_kernels.c", "a") as f:
+        f.write("\n/* a change the install was not built from */\n")
+    backend = run()[-1]
+    assert backend.startswith("torch's kernels: ") and "was built from another source" in backend

@@ -72,9 +72,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
+import importlib.metadata
+import json
 import os
 import platform
 import sys
+import urllib.parse
 from collections.abc import Callable
 
 import torch
@@ -107,14 +110,38 @@ _SCALE_FLOATS = {number: 8 * per_block for _, number, _, _, per_block, _ in abi.
 SUPER_LAYOUT = {number: (floats, per_block) for _, number, _, floats, per_block, _ in abi.BLOCK_KINDS}
 
 
-def library_path() -> str | None:
-    """The kernels' library as the install built it beside this module, or None where none was built."""
-    here = os.path.dirname(os.path.abspath(__file__))
+def _library_in(models_dir: str) -> str | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, LIBRARY + suffix)
+        path = os.path.join(models_dir, LIBRARY + suffix)
         if os.path.isfile(path):
             return path
     return None
+
+
+def library_path() -> str | None:
+    """The kernels' library as the install built it beside this module, or None where none was built."""
+    return _library_in(os.path.dirname(os.path.abspath(__file__)))
+
+
+def library_candidates() -> list[str]:
+    """The libraries this process may load, in order: beside this module; else those of the copies of specdist
+    installed here (on ``sys.path``, or an editable install's project). The second case is a copy of the sources
+    without the library, as a Ray job's ``working_dir`` is (it leaves out what ``.gitignore`` names): the workers
+    then load the library the machine's install built, which :func:`_load` accepts only if it was built from the
+    very source this copy holds."""
+    own = library_path()
+    if own is not None:
+        return [own]
+    dirs = [os.path.join(entry or ".", "specdist", "models") for entry in sys.path]
+    for dist in importlib.metadata.distributions(name="specdist"):
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        if url.get("dir_info", {}).get("editable") and url.get("url", "").startswith("file://"):
+            dirs.append(os.path.join(urllib.parse.unquote(url["url"][len("file://"):]), "specdist", "models"))
+    found = (_library_in(d) for d in dict.fromkeys(os.path.abspath(d) for d in dirs))
+    return list(dict.fromkeys(p for p in found if p is not None))
 
 
 def missing_cpu_features() -> list[str]:
@@ -135,14 +162,21 @@ _NOT_BUILT = ("the C kernels were not built with this install (no C compiler, or
 
 
 def _open() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded library, or None and why not: not built, this CPU lacks a feature, or :func:`_load` refuses it."""
-    path = library_path()
-    if path is None:
+    """The loaded library (the first of :func:`library_candidates` :func:`_load` accepts), or None and why not: none
+    built, this CPU lacks a feature, or :func:`_load` refuses each."""
+    paths = library_candidates()
+    if not paths:
         return None, _NOT_BUILT
     missing = missing_cpu_features()
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}, which the C kernels need"
-    return _load(path)
+    refusals = []
+    for path in paths:
+        lib, why = _load(path)
+        if lib is not None:
+            return lib, why
+        refusals.append(why)
+    return None, "; ".join(refusals)
 
 
 def built_problem() -> str | None:
