@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from specdist.config import PIPELINE_MISS
 from specdist.errors import SpecDistError
 
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--guess-hit", type=float, default=None,
                     help="with --pipeline: probability that the draft's guess of the bonus token is right "
                          "(default: alpha)")
-    cm.add_argument("--miss", choices=("redraft", "skip", "auto"), default="redraft",
+    cm.add_argument("--miss", choices=PIPELINE_MISS, default="redraft",
                     help="with --pipeline: what a request whose prepared prefix did not hold does (one request: "
                          "auto redrafts, as redraft)")
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")

@@ -135,13 +135,13 @@ import yaml
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")  # = specdist.models.dtypes.DTYPE_CHOICES
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # specdist.models.dtypes maps the first three to torch
 DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "eagle3", "none")
 HEAD_METHODS = ("model", "eagle3")  # the methods that draft with the model draft.model names
 SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
-LENGTH_POLICIES = ("fixed", "adaptive")  # = specdist.engine.draft_length.POLICIES
-PIPELINE_MISS = ("redraft", "skip", "auto")  # = specdist.cores.draft_pipeline.MISS_POLICIES
+LENGTH_POLICIES = ("fixed", "adaptive")  # draft.length_policy (specdist.engine.draft_length)
+PIPELINE_MISS = ("redraft", "skip", "auto")  # draft.pipeline_miss (specdist.cores.draft_pipeline)
 # limits.max_prompt_chars when null: this many characters for each token of engine.max_model_len.
 # Generous: text averages about 4 characters a token (code a few more), so a prompt that fits the
 # context is not refused by it, and one far longer is refused before it is tokenized. A deployment
@@ -149,10 +149,10 @@ PIPELINE_MISS = ("redraft", "skip", "auto")  # = specdist.cores.draft_pipeline.M
 # punctuation) sets limits.max_prompt_chars.
 PROMPT_CHARS_PER_TOKEN = 32
 MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits.max_request_id_chars <= this)
-COUPLINGS = ("gumbel", "rejection")  # = specdist.cores.coupling.COUPLINGS
+COUPLINGS = ("gumbel", "rejection")  # how drafts are decided: specdist.cores.coupling, specdist.cores.rejection
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile and engine.cuda_graphs (YAML's bare on / off arrive as booleans)
-KV_CACHE_KINDS = ("auto", "slots", "paged")  # = specdist.models.graphs.KV_CACHE_KINDS
-SCOPES = ("tenant", "shared")  # draft.suffix_scope, engine.prefix_cache_scope (= specdist.cores.suffix.SUFFIX_SCOPES)
+KV_CACHE_KINDS = ("auto", "slots", "paged")  # engine.kv_cache
+SCOPES = ("tenant", "shared")  # draft.suffix_scope (specdist.cores.suffix), engine.prefix_cache_scope
 
 
 def target_copy(method: str) -> str | None:
@@ -187,7 +187,7 @@ class DraftConfig:
     suffix_max_spec_factor: float = 1.0
     suffix_cache_requests: int = 256
     suffix_cache_tokens: int = 262_144
-    suffix_scope: str = "tenant"  # = specdist.cores.suffix.SUFFIX_SCOPES
+    suffix_scope: str = "tenant"  # one of SCOPES
     suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
@@ -240,7 +240,7 @@ class DraftConfig:
     @property
     def pipelined(self) -> bool:
         """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
-        return self.pipeline and self.method in ("model", "eagle3", *SELF_DRAFTS)
+        return self.pipeline and self.method in (*HEAD_METHODS, *SELF_DRAFTS)
 
 
 KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype

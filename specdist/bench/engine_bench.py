@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from specdist.config import COMPILE_MODES, DTYPES, HEAD_METHODS, LENGTH_POLICIES, SELF_DRAFTS
+
 PROMPTS = [
     "Explain gravity to a ten-year-old.",
     "Write a short poem about the sea.",
@@ -46,7 +48,7 @@ HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative optio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=("self-w8", "self-w4", "ngram", "suffix", "model", "eagle3"),
+    p.add_argument("--draft", default="self-w8", choices=(*SELF_DRAFTS, "ngram", "suffix", *HEAD_METHODS),
                    help="draft method")
     p.add_argument("--weights", default="float", choices=("float", "native"),
                    help="the target's weights (target.weights); transformers' systems always run the floats")
@@ -56,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="engine.compile of the specdist engines (compiled static-shape passes)")
-    p.add_argument("--length-policy", choices=("fixed", "adaptive"), default="fixed",
+    p.add_argument("--length-policy", choices=LENGTH_POLICIES, default="fixed",
                    help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)")
     p.add_argument("--prompts", type=int, default=8, help=f"how many chat prompts (max {len(PROMPTS)})")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specdist.config import load_config
     from specdist.engine.local import Engine, device_for
-    from specdist.models.dtypes import DTYPE_CHOICES, resolve_dtype
+    from specdist.models.dtypes import resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.native import self_draft, use_native_blocks
     from specdist.models.fusion import quantized_copy, unfused_copy
@@ -105,13 +107,13 @@ def run(args: argparse.Namespace) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    if (args.draft in ("model", "eagle3")) != (args.draft_model is not None):
+    if (args.draft in HEAD_METHODS) != (args.draft_model is not None):
         raise ValueError("--draft-model: needed with --draft model or eagle3, and only then")
     device = device_for(args.device)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:
-        if d not in DTYPE_CHOICES:
-            raise ValueError(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPE_CHOICES)}")
+        if d not in DTYPES:
+            raise ValueError(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
     dtypes = list(dict.fromkeys(resolve_dtype(d, device) for d in dtypes))  # auto: this device's choice
     temps = [float(t) for t in args.temperatures.split(",")]
     n_prompts = max(1, min(args.prompts, len(PROMPTS)))
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         if args.weights == "native" and src.gguf_path:
             target = unfused_copy(hf_target)
             use_native_blocks(target, src.gguf_path)
-        if args.draft in ("self-w8", "self-w4"):
+        if args.draft in SELF_DRAFTS:
             draft_model = self_draft(target, args.draft, src.gguf_path)
         elif args.draft == "model":
             draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                            "compile": args.compile}}
         draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
                      "dtype": dtype}
-        if args.draft in ("model", "eagle3"):
+        if args.draft in HEAD_METHODS:
             draft_cfg["model"] = args.draft_model
         engines = {
             "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),

@@ -43,8 +43,6 @@ import torch
 
 from specdist.randomness import GOLDEN, M64, MIX_C1, MIX_C2, mix64
 
-COUPLINGS = ("gumbel", "rejection")
-
 GUMBEL_ROLE = 0xA0761D6478BD642F  # xor-ed into the key: the Gumbel stream differs from the uniforms'
 
 

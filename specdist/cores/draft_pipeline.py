@@ -97,14 +97,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdist.config import PIPELINE_MISS
 from specdist.cores.draft import DrafterCore
 from specdist.cores.proposers.base import DraftRequest
 from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
 
 log = logging.getLogger(__name__)
-
-MISS_POLICIES = ("redraft", "skip", "auto")
-
 
 def prepared_prefix_holds(proposed: int, num_accepted: int, new_token_ids: list[int], guess: int) -> bool:
     """The committed sequence is the prefix a preparation assumed: all ``proposed`` drafts were
@@ -160,8 +158,8 @@ class DraftPipeline:
         if not core.proposer.drafts_ahead:
             raise ValueError(f"pipelined drafting needs a method that drafts ahead (model or EAGLE-3 drafts), not "
                              f"{core.method!r} (lookups cost nothing to prepare)")
-        if miss not in MISS_POLICIES:
-            raise ValueError(f"miss policy must be one of {MISS_POLICIES}, got {miss!r}")
+        if miss not in PIPELINE_MISS:
+            raise ValueError(f"miss policy must be one of {PIPELINE_MISS}, got {miss!r}")
         self.core = core
         self.miss = miss
         self.prepared: dict[str, _Prepared] = {}

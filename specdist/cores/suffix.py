@@ -60,9 +60,9 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["SuffixDraft", "SuffixIndex", "SuffixIndexes", "SuffixSettings", "SuffixState", "SUFFIX_SCOPES"]
+from specdist.config import SCOPES
 
-SUFFIX_SCOPES = ("tenant", "shared")  # draft.suffix_scope
+__all__ = ["SuffixDraft", "SuffixIndex", "SuffixIndexes", "SuffixSettings", "SuffixState"]
 
 
 @dataclass(frozen=True)
@@ -331,8 +331,8 @@ class SuffixIndexes:
     (``scope`` "shared"). Each index keeps ``settings``' bounds; an index left with nothing is dropped."""
 
     def __init__(self, settings: SuffixSettings):
-        if settings.scope not in SUFFIX_SCOPES:
-            raise ValueError(f"suffix scope must be one of {SUFFIX_SCOPES}, got {settings.scope!r}")
+        if settings.scope not in SCOPES:
+            raise ValueError(f"suffix scope must be one of {SCOPES}, got {settings.scope!r}")
         self.settings, self.scope = settings, settings.scope
         self.indexes: dict[str, SuffixIndex] = {}
 

@@ -25,6 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdist.config import PIPELINE_MISS
+
 __all__ = [
     "CostReport",
     "PipelinedReport",
@@ -252,8 +254,8 @@ def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
     if isinstance(guess_hit, bool) or not isinstance(guess_hit, (int, float)) or not 0.0 <= guess_hit <= 1.0:
         raise ValueError(f"guess_hit must be in [0, 1], got {guess_hit!r}")
     b = float(guess_hit)
-    if miss not in ("redraft", "skip", "auto"):
-        raise ValueError(f"miss must be redraft, skip or auto, got {miss!r}")
+    if miss not in PIPELINE_MISS:
+        raise ValueError(f"miss must be one of {', '.join(PIPELINE_MISS)}, got {miss!r}")
     h = alpha**k * b
     e = expected_tokens(alpha, k)
     overlapped = max(1.0, (k + 1) * c)

@@ -93,7 +93,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-POLICIES = ("fixed", "adaptive")
+from specdist.config import LENGTH_POLICIES
 
 REQUEST_DECAY = 0.8  # per step: a request's acceptance memory is ~5 steps
 GLOBAL_DECAY = 0.98  # per step: the draft's overall acceptance memory is ~50 steps
@@ -263,8 +263,8 @@ class DraftLengthPolicy:
     match: MatchAcceptance = field(default_factory=MatchAcceptance)  # model-free drafts: rates by match length
 
     def __post_init__(self) -> None:
-        if self.mode not in POLICIES:
-            raise ValueError(f"length policy must be one of {POLICIES}, got {self.mode!r}")
+        if self.mode not in LENGTH_POLICIES:
+            raise ValueError(f"length policy must be one of {LENGTH_POLICIES}, got {self.mode!r}")
         self.draft_cost = [LinearFit((0.1, 0.8, 0.1)) for _ in range(max(1, self.num_replicas))]
         self.verify_cost = LinearFit((0.9, 0.1))
         self.last_drafted = [0] * max(1, self.num_replicas)

@@ -12,8 +12,9 @@ import contextlib
 
 import torch
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = (*TORCH_DTYPES, "auto")
+from specdist.config import DTYPES
+
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # the config's dtypes in torch
 
 # `auto` on the CPU: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX tiles), float32
 # elsewhere. `specdist bench runner` (docs/performance.md) measured CausalLMRunner.forward of the default
@@ -38,7 +39,7 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
     float16 on other CUDA GPUs, :func:`cpu_auto_dtype` on the CPU. Other names come back as given."""
     if name != "auto":
         if name not in TORCH_DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+            raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
         return name
     device = torch.device(device)
     if device.type == "cuda":

@@ -27,8 +27,6 @@ import torch
 
 from specdist.models.attention import pack_step, step_size, unpack_step
 
-KV_CACHE_KINDS = ("auto", "slots", "paged")  # engine.kv_cache
-GRAPH_MODES = ("auto", "on", "off")  # engine.cuda_graphs
 GRAPH_TOKENS = (1, 2, 4, 8, 16, 32)  # tokens-per-request buckets (32: a verification of up to 31 drafts)
 EXTRA_WORDS_PER_ROW = 32  # room a graph's input buffer keeps for runner.forward's ``extra`` words
 ACTIVATION_MARGIN = 0.9  # share of the free device memory the paged cache may take when it sizes itself

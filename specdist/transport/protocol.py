@@ -45,7 +45,7 @@ class StartItem:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the uniforms' seed on the core that receives it (drafters: specdist.randomness.draft_seed(request seed))
-    coupling: str = "rejection"  # how drafts are decided (specdist.cores.coupling.COUPLINGS); both cores get the same
+    coupling: str = "rejection"  # how drafts are decided (specdist.config.COUPLINGS); both cores get the same
     # target layers whose input hidden states the verifier returns for this request (an EAGLE-3 drafter
     # reads them, specdist.cores.draft); () none. Must be the layers the target keeps (runner.hidden_layers)
     hidden_layers: tuple[int, ...] = ()
