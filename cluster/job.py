@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cluster.job: error: interrupted", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:  # noqa: BLE001  one clear line, then tear down
+    except Exception as e:  # one clear line, then tear down
         print(f"cluster.job: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if ray.is_initialized():
                 ray.shutdown()  # disconnects from the job's cluster; does not stop it
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -87,14 +87,14 @@ class Supervisor:
         while not self._stop.wait(self.interval_s):
             try:
                 check()
-            except Exception:  # noqa: BLE001 - keep supervising
+            except Exception:  # keep supervising
                 log.exception("supervisor check failed")
 
     def _emit(self, event: WorkerEvent) -> None:
         for listener in list(self.deployment.listeners):
             try:
                 listener(event)
-            except Exception:  # noqa: BLE001 - a listener must not stop the supervisor
+            except Exception:  # a listener must not stop the supervisor
                 log.exception("worker event listener failed on %s", event)
 
     # ------------------------------------------------------------ the target group
@@ -116,7 +116,7 @@ class Supervisor:
                 return
             try:
                 address = self.deployment.rebuild_target(same_port=attempt == 1)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if self._stop.is_set():
                     return
                 log.error("target rebuild %d/%d failed: %s", attempt, self.attempts, e)
@@ -177,7 +177,7 @@ class Supervisor:
             self._draft_down(h, "recovering", f"was restarted by Ray (pid {old_pid} -> {pid})")
             try:
                 address = self.deployment.recover_draft(i)
-            except Exception as e:  # noqa: BLE001 - let Ray restart it again (one of its max_restarts)
+            except Exception as e:  # let Ray restart it again (one of its max_restarts)
                 log.error("%s: recovery failed (%s); restarting it", h.name, e)
                 ray.kill(h.actor, no_restart=False)
                 return

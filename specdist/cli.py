@@ -140,7 +140,7 @@ class _StderrHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter("[specdist] %(message)s"))
 
     @property
-    def stream(self):  # noqa: D102
+    def stream(self):
         return sys.stderr
 
     @stream.setter

@@ -426,7 +426,7 @@ class Coordinator:
         def run() -> None:
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the outcome goes to the future
+            except BaseException as e:  # the outcome goes to the future
                 fut.set_exception(e)
 
         with self._cond:
@@ -441,7 +441,7 @@ class Coordinator:
         for listener in list(self.availability_listeners):
             try:
                 listener(self.accepting)
-            except Exception:  # noqa: BLE001 - a listener must not break the loop
+            except Exception:  # a listener must not break the loop
                 log.exception("availability listener failed")
 
     def start_draining(self) -> None:
@@ -599,7 +599,7 @@ class Coordinator:
         def run() -> None:
             try:
                 result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            except BaseException as e:  # handed to the awaiting coroutine
                 self._post(_settle, fut, None, e)
             else:
                 self._post(_settle, fut, result, None)
@@ -686,7 +686,7 @@ class Coordinator:
     def _engine_main(self) -> None:
         try:
             self._serve()
-        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so, fail everything
+        except BaseException as e:  # a bug in the loop itself: say so, fail everything
             log.exception("the specdist engine thread died; failing every request, refusing new ones, "
                           "health NOT_SERVING")
             self._die(e)
@@ -705,14 +705,14 @@ class Coordinator:
         for command in queued:
             try:
                 command.fail(error)
-            except Exception:  # noqa: BLE001 - keep failing the others
+            except Exception:  # keep failing the others
                 log.exception("failing a queued command after the engine thread died failed")
         snapshot = None
         try:
             self._fail_everyone(exc)  # releases every tracked request's slots; the streams get _engine_died's deltas
             eng = self.engine
             snapshot = _Snapshot(len(eng.running), len(eng.waiting), eng.kv_slots_in_use())
-        except Exception:  # noqa: BLE001 - the engine is in an unknown state: the streams still end
+        except Exception:  # the engine is in an unknown state: the streams still end
             log.exception("releasing the engine's requests after the engine thread died failed")
         self._post(self._engine_died, f"the engine thread died ({self._engine_error})", snapshot)
 
@@ -810,7 +810,7 @@ class Coordinator:
                 if not t.req.finished:
                     t.req.output.finish("error")
                 self.engine.release(t.req)
-            except Exception:  # noqa: BLE001 - keep failing the others
+            except Exception:  # keep failing the others
                 log.exception("releasing request %r after an internal error failed", rid)
             deltas.append(Delta(rid, [], "", "error", error=f"internal error: {exc!r}", message=INTERNAL_MESSAGE))
         return deltas
@@ -847,7 +847,7 @@ def _describe(exc: BaseException) -> str:
     """``"ExcType: message"``, even for an exception whose ``str()`` fails."""
     try:
         text = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not stop the dying thread
+    except Exception:  # a broken __str__ must not stop the dying thread
         text = "<unprintable>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -74,7 +74,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
                 prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context),
                 tenant=tenant_of(_authorization(context), self.token)
             )
-        except Exception as e:  # noqa: BLE001 - each refusal has its code; INTERNAL: not the client's fault
+        except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
             message = "internal error" if code == ErrorCode.INTERNAL else _wire_message(e)
             await context.abort(grpc_status(code), message)

@@ -439,7 +439,7 @@ class _OpenAIFrontEnd:
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
                 streams.append(await self.coordinator.open(prompt, params, rid, tenant=tenant))
-        except Exception as e:  # noqa: BLE001 - each refusal has its code
+        except Exception as e:  # each refusal has its code
             for s in streams:
                 s.close()
             code = refusal_code(e, "HTTP " + call.object)
@@ -459,7 +459,7 @@ class _OpenAIFrontEnd:
         """503 (or the refusal's own status) unless the coordinator can take ``n`` more requests now."""
         try:
             self.coordinator.check_room(n)
-        except Exception as e:  # noqa: BLE001 - each refusal has its code
+        except Exception as e:  # each refusal has its code
             code = refusal_code(e, "HTTP request")
             raise APIError(HTTP_STATUS[code], str(e), type="server_error", code=code.name.lower()) from None
 

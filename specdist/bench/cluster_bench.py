@@ -302,7 +302,7 @@ def _http_call(url: str, body: dict | None = None, timeout: float = 30.0):
     except urllib.error.HTTPError as e:
         try:
             msg = json.loads(e.read())["error"]["message"]
-        except Exception:  # noqa: BLE001 - not an OpenAI-shaped error: the status line says enough
+        except Exception:  # not an OpenAI-shaped error: the status line says enough
             msg = e.reason
         raise BenchError(f"{url}: HTTP {e.code}: {msg}") from None
     except (urllib.error.URLError, OSError) as e:
@@ -607,7 +607,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
 
 def run(args: argparse.Namespace) -> int:
     levels, variants, bases = check_args(args)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
     pooled: dict[tuple[str, Level], LevelResult] = {}  # (variant, level) -> its passes pooled
 
     def measure(name: str, send: Callable[[RequestSpec], RequestTiming], srv: InProcessServer | None = None):
@@ -663,9 +663,9 @@ def run(args: argparse.Namespace) -> int:
                     described[name] = _variant(name, "config", args.protocol, None, server_info(srv.engine),
                                                VARIANTS[name], cfg)
                 if args.protocol == "http":
-                    send = lambda r, b=srv.http_base: http_request(b, r)  # noqa: E731
+                    send = lambda r, b=srv.http_base: http_request(b, r)
                 else:
-                    send = lambda r, a=srv.address: grpc_request(a, r)  # noqa: E731
+                    send = lambda r, a=srv.address: grpc_request(a, r)
                 measure(name, send, srv)
             finally:
                 srv.close()

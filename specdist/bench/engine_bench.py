@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     dtypes = list(dict.fromkeys(resolve_dtype(d, device) for d in dtypes))  # auto: this device's choice
     temps = [float(t) for t in args.temperatures.split(",")]
     n_prompts = max(1, min(args.prompts, len(PROMPTS)))
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
 
     src = resolve_model(args.model, "--model")
     tok = load_tokenizer(src)

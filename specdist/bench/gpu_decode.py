@@ -75,7 +75,7 @@ def load(name: str, dtype: torch.dtype, device: torch.device, tiny: bool):
 
         try:
             src = resolve_model("smollm2-135m-instruct")
-        except Exception as e:  # noqa: BLE001 - the wheel is optional: say why and skip
+        except Exception as e:  # the wheel is optional: say why and skip
             print(f"builtin: not available ({e})", flush=True)
             return None
         return load_model(src, {torch.bfloat16: "bfloat16", torch.float32: "float32",

@@ -277,7 +277,7 @@ def run_client(address: str, rng: random.Random, limits, max_tokens: int, deadli
             req = draw_request(rng, limits, max_tokens)
             try:
                 outcome = send(client, address, req)
-            except Exception as e:  # noqa: BLE001 - anything a client meets is an outcome of the run
+            except Exception as e:  # anything a client meets is an outcome of the run
                 outcome = f"unexpected: {req.kind} request: {type(e).__name__}: {e}"
             tally.add(req.kind, outcome)
 
@@ -365,7 +365,7 @@ class Sampler(threading.Thread):
                 s = self.read(time.monotonic() - self.t0)
                 self.samples.append(s)
                 self.on_sample(s)
-            except Exception as e:  # noqa: BLE001 - a failed reading is reported, not fatal to the run
+            except Exception as e:  # a failed reading is reported, not fatal to the run
                 if len(self.errors) < MAX_EXAMPLES:
                     self.errors.append(f"{type(e).__name__}: {e}")
             next_t += self.interval_s
@@ -526,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
     from specdist.api.admission import Limits
     from specdist.api.serving import start_backend
 
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
     cfg = load_config(args.config).to_dict()
     where = "a Ray deployment" if cfg["cluster"]["enabled"] else "the in-process engine"
     log(f"starting a server on {where}")
@@ -549,7 +549,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_postfix(requests=tally.sent, unexpected=tally.outcomes["unexpected"], refresh=True)
 
         t0 = time.monotonic()
-        read = lambda t: take_sample(t, procs, srv.coordinator, deployment)  # noqa: E731
+        read = lambda t: take_sample(t, procs, srv.coordinator, deployment)
         sampler = Sampler(read, args.sample_interval, t0, on_sample)
         sampler.start()
         log(f"soak: {args.minutes:g} min, {args.concurrency} clients, sampling {len(procs)} process(es) "

@@ -307,7 +307,7 @@ def run_clients(engine, prompts: list, params: list, clients: int) -> list:
 # ---------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
     plan = check_args(args)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
     import torch
 
     from specdist.engine.local import Engine, device_for

@@ -355,7 +355,7 @@ class DraftPipeline:
                 for b, rid in enumerate(ids):
                     if guesses[b] is not None and alive(b):
                         self.prepared[rid] = _Prepared(guesses[b], toks[b], qs[b])
-        except Exception:  # noqa: BLE001 - a failed preparation only costs its hits
+        except Exception:  # a failed preparation only costs its hits
             log.exception("pipelined drafting: preparing %d requests failed; they draft on demand", len(ids))
         finally:
             job.finished = now()

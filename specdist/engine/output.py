@@ -155,5 +155,5 @@ class OutputProcessor:
         for listener in list(self.listeners):
             try:
                 listener(event)
-            except Exception:  # noqa: BLE001 - an observer must not break the step
+            except Exception:  # an observer must not break the step
                 log.exception("step-event listener %r failed", listener)

@@ -35,7 +35,7 @@ def render_chat(tokenizer, conversation: str | Sequence[dict]) -> str:
     messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else list(conversation)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template that cannot render this input
+    except Exception as e:  # a template that cannot render this input
         raise InvalidArgument("apply_chat_template", f"the chat template failed: {e}") from None
 
 

@@ -538,7 +538,7 @@ class Scheduler:
         if failed and whole and self.target_diagnosis is not None:
             try:
                 why = self.target_diagnosis()
-            except Exception:  # noqa: BLE001 - the diagnosis is a courtesy; the failure stands
+            except Exception:  # the diagnosis is a courtesy; the failure stands
                 log.exception("target diagnosis failed")
         return {i: (f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}",
                     ErrorCode.UNAVAILABLE if whole and (why or e.code in _TARGET_DOWN_CODES) else ErrorCode.INTERNAL)

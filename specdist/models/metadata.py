@@ -28,7 +28,7 @@ def model_metadata(spec: str, key: str = "target.model"):
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     try:
         gen = GenerationConfig.from_pretrained(src.directory, local_files_only=True, **extra)
-    except Exception:  # noqa: BLE001 - no generation_config.json: the model config's values stand
+    except Exception:  # no generation_config.json: the model config's values stand
         gen = GenerationConfig.from_model_config(config)
     tokenizer = load_tokenizer(src)
     vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)

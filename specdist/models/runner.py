@@ -238,7 +238,7 @@ class CausalLMRunner:
         if self.attention is not None:
             raise ConfigError("engine.compile", "the compiled static pass reads a slot cache; this runner's is paged "
                                                 "(engine.kv_cache: slots, or cuda_graphs on GPUs)")
-        import torch._dynamo  # noqa: F401 - loaded only by processes that compile (its import takes seconds)
+        import torch._dynamo  # loaded only by processes that compile (its import takes seconds)
 
         cpu_kernels.available()  # known before tracing: traced code then reads it as a constant
         cuda = self.device.type == "cuda"

@@ -53,7 +53,7 @@ class CappedHealthServicer(health_aio.HealthServicer):
         self.max_watches = max_watches
         self.watches = 0  # Watch streams open now
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:  # noqa: N802 (grpc's name)
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:  # grpc's method name (CamelCase)
         if self.watches >= self.max_watches:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"at most {self.max_watches} health Watch streams may be open at once")

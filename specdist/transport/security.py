@@ -319,7 +319,7 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
     class QuietHandler(WSGIRequestHandler):
         timeout = METRICS_CONNECTION_TIMEOUT_S  # a client that stalls mid-request frees its thread
 
-        def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
+        def log_message(self, format, *args):  # no access log on stderr
             pass
 
     httpd = make_server(addr.strip("[]"), port, app, Server, handler_class=QuietHandler)
