@@ -607,16 +607,15 @@ def gguf_models(tiny_gguf):
 def test_one_parse_gives_what_separate_parses_give(tiny_gguf, monkeypatch):
     """Inside gguf_parsed_once the header metadata is parsed once (the tokenizer's config and the
     model's config share it), and every caller gets an equal, separate copy of it."""
-    import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from specdist.models.loader import _install_gguf_caches
+    from specdist.models.loader import _reader_class
 
-    _install_gguf_caches()
     fresh = gguf_utils.load_gguf_checkpoint(tiny_gguf)  # outside: a parse of its own
     parses = []
-    reader = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(1) or reader(*a, **k))
+    reader_cls = _reader_class()  # what gguf.GGUFReader makes inside gguf_parsed_once
+    init = reader_cls.__init__
+    monkeypatch.setattr(reader_cls, "__init__", lambda self, *a, **k: parses.append(1) or init(self, *a, **k))
     with gguf_parsed_once():
         first = gguf_utils.load_gguf_checkpoint(tiny_gguf)
         first["config"]["model_type"] = "changed by a caller"

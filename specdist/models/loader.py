@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import dataclasses
 import functools
 import importlib.metadata
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +53,9 @@ class ModelSource:
     # for progress lines only (not part of the identity): the spec as written and its config key
     spec: str | None = field(default=None, compare=False)
     key: str | None = field(default=None, compare=False)
+    # the model_type its config.json or GGUF header declares, read when it was resolved (None: unknown or not read;
+    # not part of the identity)
+    model_type: str | None = field(default=None, compare=False)
 
     @property
     def gguf_path(self) -> str | None:
@@ -108,7 +113,9 @@ def progress_reporter(progress: Callable[[str], None] | None) -> Callable[[str],
 
 
 def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
-    """Turn a model spec into a local source, or raise ConfigError naming ``key``."""
+    """Turn a model spec into a local source, or raise ConfigError naming ``key``. Its ``model_type`` is read
+    on the way (``config.json``, or the GGUF header's architecture; no weights), so that loading it reads
+    neither again. A config's specs are resolved once, at start (:func:`specdist.models.metadata.resolve_sources`)."""
     if spec in BUILTIN_MODELS:
         dist, fname = BUILTIN_MODELS[spec]
         try:
@@ -120,21 +127,30 @@ def resolve_model(spec: str, key: str = "target.model") -> ModelSource:
                 path = str(f.locate())
                 if os.path.isfile(path):
                     check_gguf_file(path, key)
-                    return ModelSource(os.path.dirname(path), fname, spec, key)
+                    return _with_model_type(ModelSource(os.path.dirname(path), fname, spec, key))
         raise ConfigError(key, f"package {dist} is installed but holds no {fname}")
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ConfigError(key, f"GGUF file {spec!r} does not exist")
         check_gguf_file(path, key)
-        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path), spec, key)
+        return _with_model_type(ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path), spec, key))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(key, f"directory {spec!r} has no config.json: not a Hugging Face model")
-        return ModelSource(os.path.abspath(path), None, spec, key)
+        return _with_model_type(ModelSource(os.path.abspath(path), None, spec, key))
     raise ConfigError(
         key, f"{spec!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), a model directory or a .gguf file"
     )
+
+
+def _with_model_type(src: ModelSource) -> ModelSource:
+    return dataclasses.replace(src, model_type=source_model_type(src.directory, src.gguf_file))
+
+
+def declared_model_type(source: ModelSource) -> str | None:
+    """The model_type ``source`` declares: read when it was resolved, else (a source made by hand) now."""
+    return source.model_type or source_model_type(source.directory, source.gguf_file)
 
 
 def quiet_transformers() -> None:
@@ -156,7 +172,11 @@ def quiet_transformers() -> None:
 
 # path -> parsed gguf.GGUFReader, inside gguf_parsed_once (None outside: every reader is new)
 _GGUF_READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdist_gguf_readers", default=None)
-_gguf_caches_installed = False  # gguf's reader and name table are wrapped (once per process)
+# gguf's reader and name table and transformers' load_gguf_checkpoint are replaced while any gguf_parsed_once is
+# open in the process (_gguf_scopes of them), and what was there before is put back when the last one closes
+_gguf_lock = threading.Lock()
+_gguf_scopes = 0
+_gguf_saved: tuple | None = None
 
 
 # struct formats of gguf's scalar value types (GGUFValueType), for the reader's array fast path
@@ -225,21 +245,36 @@ def _fast_gguf_reader(base: type) -> type:
     return Reader
 
 
-def _install_gguf_caches() -> None:
-    """Make transformers' GGUF loading parse less (idempotent).
+@functools.cache
+def _reader_class() -> type:
+    """The fast reader over gguf's own ``GGUFReader`` class (built once)."""
+    import gguf
+
+    return _fast_gguf_reader(gguf.gguf_reader.GGUFReader)
+
+
+@functools.cache
+def _cached_name_map(get_tensor_name_map: Callable) -> Callable:
+    """gguf's ``get_tensor_name_map`` with its tables kept (one per (architecture, number of blocks))."""
+    return functools.lru_cache(maxsize=None)(get_tensor_name_map)
+
+
+def _replace_gguf_parsers() -> tuple:
+    """Make transformers' GGUF loading parse less; returns what was replaced, for :func:`_restore_gguf_parsers`.
 
     Transformers parses a GGUF file's header (with its whole tokenizer vocabulary, seconds) once
     for the config and again for the weights: inside :func:`gguf_parsed_once` the second use gets
     the first parse. It also rebuilds gguf's tensor-name table (all architectures' aliases) once
     per submodule: that table depends only on (architecture, number of blocks), so it is built
     once per pair. Both are read only by transformers, so the loaded tensors are the same.
+    Transformers looks ``gguf.GGUFReader`` and ``load_gguf_checkpoint`` up at each load, so the
+    replacements take effect for the loads inside the scope only.
     """
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    global _gguf_caches_installed
-    if _gguf_caches_installed:
-        return
-    reader_cls = _fast_gguf_reader(gguf.gguf_reader.GGUFReader)  # (the class: gguf.GGUFReader is replaced below)
+    saved = (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.load_gguf_checkpoint)
+    reader_cls = _reader_class()
 
     def reader(path, mode="r"):
         cache = _GGUF_READERS.get()
@@ -250,14 +285,9 @@ def _install_gguf_caches() -> None:
             cache[key] = reader_cls(path, mode)
         return cache[key]
 
-    gguf.GGUFReader = reader  # transformers imports it from gguf at each load
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-
     # The metadata (config, tokenizer vocabulary) transformers parses out of the header, field by
     # field, for the tokenizer's config and again for the model's: parsed once per file too.
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    parse = gguf_utils.load_gguf_checkpoint
+    parse = saved[2]
 
     def load_gguf_checkpoint(path, return_tensors=False, **kwargs):
         cache = _GGUF_READERS.get()
@@ -268,8 +298,17 @@ def _install_gguf_caches() -> None:
             cache[key] = parse(path, return_tensors=False)
         return _copied(cache[key])  # callers may change what they get
 
-    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint  # looked up at each call by transformers
-    _gguf_caches_installed = True
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = _cached_name_map(saved[1])
+    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint
+    return saved
+
+
+def _restore_gguf_parsers(saved: tuple) -> None:
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.load_gguf_checkpoint = saved
 
 
 def _copied(x):
@@ -289,20 +328,34 @@ def _copied(x):
 def gguf_parsed_once() -> Iterator[None]:
     """Within: each GGUF file is parsed at most once, by every load inside (a tokenizer and its
     model share one parse of the header). The parses are dropped on exit of the outermost: they
-    map the file. Nested uses share the outer one."""
-    try:
-        _install_gguf_caches()
-    except ImportError:  # transformers raises its own error naming the missing gguf package
-        yield
-        return
-    if _GGUF_READERS.get() is not None:
-        yield
-        return
-    token = _GGUF_READERS.set({})
+    map the file. Nested uses share the outer one.
+
+    Only while one is open (in any thread) are gguf's ``GGUFReader`` and ``get_tensor_name_map`` and
+    transformers' ``load_gguf_checkpoint`` specdist's (:func:`_replace_gguf_parsers`); when the last one
+    closes, what was there before is put back: importing specdist, or having loaded with it, changes
+    neither library for other code in the process."""
+    global _gguf_scopes, _gguf_saved
+    with _gguf_lock:
+        try:
+            if _gguf_scopes == 0:
+                _gguf_saved = _replace_gguf_parsers()
+        except ImportError:  # transformers raises its own error naming the missing gguf package
+            replaced = False
+        else:
+            _gguf_scopes += 1
+            replaced = True
+    token = _GGUF_READERS.set({}) if replaced and _GGUF_READERS.get() is None else None
     try:
         yield
     finally:
-        _GGUF_READERS.reset(token)
+        if token is not None:
+            _GGUF_READERS.reset(token)
+        if replaced:
+            with _gguf_lock:
+                _gguf_scopes -= 1
+                if _gguf_scopes == 0:
+                    saved, _gguf_saved = _gguf_saved, None
+                    _restore_gguf_parsers(saved)
 
 
 def load_model(
@@ -318,7 +371,7 @@ def load_model(
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
     # an architecture the runner cannot serve is refused before any weight is read
-    check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
+    check_supported(declared_model_type(source), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)  # auto: the device's choice
     report = progress_reporter(progress)
     size, fmt = source.checkpoint_bytes()

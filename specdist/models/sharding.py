@@ -49,9 +49,9 @@ from torch import nn
 
 from specdist.models.cpu_kernels import GROUP
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
-from specdist.models.families import check_supported, source_model_type
-from specdist.models.loader import (ModelSource, format_bytes, gguf_parsed_once, load_model, progress_reporter,
-                                    quiet_transformers)
+from specdist.models.families import check_supported
+from specdist.models.loader import (ModelSource, declared_model_type, format_bytes, gguf_parsed_once, load_model,
+                                    progress_reporter, quiet_transformers)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
 ROW = ("o_proj", "down_proj")  # nn.Linear: the rank's input columns, all-reduced output
@@ -551,7 +551,7 @@ def load_sharded(
     if world_size == 1:
         return load_model(source, dtype, device, progress, weights)
     # an architecture the runner cannot serve is refused before any weight is read, as by load_model
-    check_supported(source_model_type(source.directory, source.gguf_file), source.key or "target.model")
+    check_supported(declared_model_type(source), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)
     report = progress_reporter(progress)
     quiet_transformers()
