@@ -152,6 +152,9 @@ class Deployment:
     draft_addresses: list = field(default_factory=list)
     worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
     cpu_kernels: str = ""  # the CPU backend target rank 0 loaded with (engine.cpu_kernels), for GetServerInfo
+    # the config's models (specdist.models.metadata.ModelSources), as start() was given them or made them: sent
+    # to every actor's load (each spec resolved once, by whoever first needs it), kept for rebuilds and restarts
+    sources: object = None
     listeners: list = field(default_factory=list)  # callables given each WorkerEvent (supervisor thread)
     supervisor: object = None  # cluster.supervisor.Supervisor, while started
     _owns_ray: bool = False
@@ -167,18 +170,27 @@ class Deployment:
 
     # ------------------------------------------------------------ bring-up
     def start(
-        self, config, ray_address: str | None = None, host: str = "127.0.0.1", timeout_s: float = 300.0
+        self, config, ray_address: str | None = None, host: str = "127.0.0.1", timeout_s: float = 300.0,
+        sources=None,
     ) -> tuple[str, list[str]]:
-        """Bring the deployment up; returns (target "host:port", [draft "host:port", ...])."""
+        """Bring the deployment up; returns (target "host:port", [draft "host:port", ...]).
+
+        ``sources``: the config's models as :func:`specdist.models.metadata.resolve_sources` resolved them
+        (``specdist serve`` does, at start, and reads the target's config there): the actors load the resolved
+        files and resolve nothing. None: each spec is resolved by whoever first needs it: this process (the
+        head counts of a tensor-parallel target, an EAGLE-3 head's layers) or, failing in phase ``load``, the
+        actor that loads it."""
         import ray
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement
         from specdist.api.admission import bare_host
+        from specdist.models.metadata import ModelSources
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
         cfg = self.config = load_config(config)
+        self.sources = ModelSources.of(cfg) if sources is None else sources
         if self.spec is None:
             self.spec = ClusterSpec.from_config(cfg.cluster)
         spec = self.spec.validate()
@@ -205,7 +217,7 @@ class Deployment:
             )
             self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
             if spec.tensor_parallel_size > 1:  # before any actor exists: a target that cannot shard fails at once
-                _check_shardable(cfg, spec.tensor_parallel_size)
+                _check_shardable(self.sources, spec.tensor_parallel_size)
             self._create_targets()
             self._create_drafts()
             ports = {h.name: p for h, p in zip(self.drafts, spec.draft_ports)}
@@ -282,19 +294,21 @@ class Deployment:
         kv = {"kind": "paged" if ec.paged(device_type) else "slots", "block_size": ec.kv_block_size,
               "max_tokens": ec.kv_cache_tokens, "memory_fraction": ec.gpu_memory_utilization}
         graphs = ec.graphs(device_type)
+        sources = self.sources  # (resolved, or resolved by the actor: each receives a copy)
         if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
             one_rank = self.spec.tensor_parallel_size == 1
-            return h.actor.load.remote(cfg.target.model, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
+            hidden_layers = draft_hidden_layers(dc, sources)[0]
+            return h.actor.load.remote(sources, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
                                        self.spec.collective_timeout_s, weights=cfg.target.weights,
                                        compile_k=dc.num_speculative_tokens if compiled and one_rank else None,
                                        compile_cache_dir=ec.compile_cache_dir,
                                        max_draft_tokens=dc.num_speculative_tokens,
                                        prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype,
-                                       hidden_layers=draft_hidden_layers(dc, cfg.target.model)[0], kv=kv,
+                                       hidden_layers=hidden_layers, kv=kv,
                                        graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope,
                                        cpu_kernels=ec.cpu_kernels)
         return h.actor.load.remote(
-            dc.method, cfg.target.model, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
+            dc.method, sources, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
             ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
             pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
             suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
@@ -542,14 +556,13 @@ class Deployment:
             self._owns_ray = False
 
 
-def _check_shardable(cfg: Config, world_size: int) -> None:
+def _check_shardable(sources, world_size: int) -> None:
     """DeploymentError unless the target's head counts split over ``world_size`` ranks (read from
-    its config on the driver, before any rank loads weights)."""
-    from specdist.models.metadata import model_config
+    its config (``sources.config()``, kept for the actors) on the driver, before any rank loads weights)."""
     from specdist.models.sharding import check_shardable
 
     try:
-        check_shardable(model_config(cfg.target.model, "target.model"), world_size)
+        check_shardable(sources.config(), world_size)
     except ValueError as e:
         raise DeploymentError(f"target.model: {e}") from None
 

@@ -231,9 +231,12 @@ def _generate(args: argparse.Namespace) -> int:
              f"{cfg.cluster.num_draft_workers} draft worker(s) (bring-up takes a while)")
     else:
         _log(f"running in process: {cfg.target.model}, draft={cfg.draft.method}")
-    chat, tokenizer = _check_prompt(cfg, args.prompt, raw=args.raw)  # the tokenizer only: before any weights
+    from specdist.models.metadata import resolve_sources
+
+    sources = resolve_sources(cfg)  # the model specs, resolved once: the backend takes them (and the tokenizer)
+    chat, tokenizer = _check_prompt(cfg, args.prompt, raw=args.raw, sources=sources)  # before any weights
     t0 = time.perf_counter()
-    backend = start_backend(cfg, args.ray_address, log=_log, tokenizer=tokenizer)
+    backend = start_backend(cfg, args.ray_address, log=_log, sources=sources)
     try:
         load_s = time.perf_counter() - t0
         engine = backend.engine
@@ -291,15 +294,17 @@ def _client_security(args: argparse.Namespace) -> dict:
     return client_kwargs_from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
 
 
-def _check_prompt(cfg, prompt: str, raw: bool):
+def _check_prompt(cfg, prompt: str, raw: bool, sources=None):
     """Check the prompt with the target's tokenizer alone: (whether to apply the chat template, tokenizer).
+    ``sources``: the config's models, resolved (:func:`specdist.models.metadata.resolve_sources`; None: here);
+    the tokenizer loaded stays with them.
 
     A model without a chat template gets the raw prompt. Raises InvalidArgument (empty, too long).
     """
-    from specdist.models.loader import load_tokenizer, resolve_model
+    from specdist.models.metadata import resolve_sources
     from specdist.engine.prompts import encode_prompt
 
-    tokenizer = load_tokenizer(resolve_model(cfg.target.model, "target.model"))
+    tokenizer = (resolve_sources(cfg) if sources is None else sources).tokenizer()
     chat = not raw and tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
     encode_prompt(tokenizer, prompt, vocab_size=len(tokenizer) if tokenizer is not None else 0,
                   max_model_len=cfg.engine.max_model_len, chat=chat)

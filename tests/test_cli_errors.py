@@ -194,7 +194,8 @@ class _FakeEngine:
 def _fake_backend(monkeypatch, deployed: bool, **engine_kwargs):
     made = {}
 
-    def start_backend(config, ray_address=None, worker_host="127.0.0.1", log=None, tokenizer=None):
+    def start_backend(config, ray_address=None, worker_host="127.0.0.1", log=None, tokenizer=None,
+                      sources=None):
         cfg = load_config(config)
         made["engine"] = _FakeEngine(cfg, **engine_kwargs)
         made["deployment"] = _FakeDeployment() if deployed else None

@@ -240,11 +240,12 @@ def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_m
     import specdist.models.loader as loader
     from specdist.config import DraftConfig
     from specdist.cores.draft import load_draft_model
+    from specdist.models.metadata import ModelSources
 
     eng = _engine(eagle3_models)
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
-    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]), eagle3_models["target"],
-                            "float32", "cpu")
+    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
+                            ModelSources(eagle3_models["target"], eagle3_models["eagle3"]), "float32", "cpu")
     ids = torch.arange(VOCAB)
     assert torch.equal(head.embed(ids), eng.draft_core.proposer.head.embed(ids))
     assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.proposer.head.parameters()))
@@ -287,10 +288,11 @@ def test_a_head_on_the_device_drafts_from_states_decoded_on_the_cpu(eagle3_model
 
     from specdist.config import DraftConfig
     from specdist.cores.draft import DrafterCore, load_draft_model
+    from specdist.models.metadata import ModelSources
     from specdist.transport.wire import hidden_from_proto, hidden_to_proto
 
-    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]), eagle3_models["target"],
-                            "float32", device)
+    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
+                            ModelSources(eagle3_models["target"], eagle3_models["eagle3"]), "float32", device)
     assert head.norm.weight.device.type == device
     target = AutoModelForCausalLM.from_pretrained(eagle3_models["target"])
     cores = {"cpu states": DrafterCore(Eagle3Proposer(head, 2, 32), 32), "device states": DrafterCore(Eagle3Proposer(head, 2, 32), 32)}

@@ -262,20 +262,23 @@ class TargetRankActor(_ActorBase):
 
     # ------------------------------------------------------------ model
     @_shippable_errors
-    def load(self, model_spec: str, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
+    def load(self, model, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
              collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
              compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
              prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
              kv: dict | None = None, graphs: bool = False, prefix_scope: str = "shared",
              cpu_kernels: str = "auto") -> dict:
-        """Load this rank's model. ``compile_k``: compile the runner's passes (engine.compile) and warm
+        """Load this rank's model. ``model``: the config's models as the driver resolved them
+        (:class:`~specdist.models.metadata.ModelSources`, what a deployment passes: this rank loads the resolved
+        target's files and resolves no spec), or the target's spec (resolved here). ``compile_k``: compile the
+        runner's passes (engine.compile) and warm
         the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
         ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
         ``hidden_layers``: the layers whose hidden states rank 0 keeps for an EAGLE-3 draft head."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.models.loader import resolve_model
         from specdist.models.graphs import KVOptions
+        from specdist.models.metadata import ModelSources
         from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
         from specdist.cores.target import VerifierCore
@@ -284,8 +287,8 @@ class TargetRankActor(_ActorBase):
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
         self._use_cpu_kernels(cpu_kernels)
         # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
-        model = load_sharded(resolve_model(model_spec, "target.model"), dtype, self.device, self.rank, self.world_size,
-                             weights=weights)
+        sources = model if isinstance(model, ModelSources) else ModelSources(model)
+        model = load_sharded(sources.target, dtype, self.device, self.rank, self.world_size, weights=weights)
         broadcast = set_timeout = None
         if self.world_size > 1:
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
@@ -422,8 +425,8 @@ class DraftActor(_ActorBase):
     def load(
         self,
         method: str,
-        target_model_spec: str,
-        draft_model_spec: str | None = None,
+        target,  # the config's models (ModelSources, resolved by the driver), or the target's spec
+        draft_model_spec: str | None = None,  # with a target spec: draft.model (methods model and eagle3)
         dtype: str = "float32",  # the draft's: Config.draft_dtype (self drafts: the target's); auto resolved here
         k: int = 4,
         max_batch_size: int = 8,
@@ -447,7 +450,10 @@ class DraftActor(_ActorBase):
     ) -> dict:
         """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
         model checked against the target's vocabulary, or the target's own copy, or none; then the
-        core, compiled passes (``compile_passes``) and the pipeline (``pipeline``)."""
+        core, compiled passes (``compile_passes``) and the pipeline (``pipeline``). ``target``: the
+        :class:`~specdist.models.metadata.ModelSources` a deployment passes (resolved, with what the
+        driver read of the target: nothing is resolved or read again here), or the target's spec (with
+        ``draft_model_spec``: resolved here as first used)."""
         self._require("created")
         t0 = time.perf_counter()
         from specdist.config import DRAFT_METHODS, HEAD_METHODS, DraftConfig
@@ -455,19 +461,22 @@ class DraftActor(_ActorBase):
         from specdist.engine.local import device_for
         from specdist.errors import ConfigError
         from specdist.cores.draft_pipeline import pipelined
+        from specdist.models.metadata import ModelSources
 
         if method == "none" or method not in DRAFT_METHODS:
             raise ConfigError("draft.method", "a draft actor runs model, self-w8, self-w4, ngram, suffix, hybrid or "
                                               f"eagle3, not {method!r}")
         self._use_cpu_kernels(cpu_kernels)
-        dc = DraftConfig(method=method, model=draft_model_spec if method in HEAD_METHODS else None,
+        if isinstance(target, ModelSources):
+            sources = target
+        else:
+            sources = ModelSources(target, draft_model_spec if method in HEAD_METHODS else None)
+        dc = DraftConfig(method=method, model=sources.draft_spec if method in HEAD_METHODS else None,
                          confidence_threshold=confidence_threshold, ngram_min=ngram_min, ngram_max=ngram_max,
                          q_top_k=q_top_k, **(suffix or {}))
-        model = load_draft_model(dc, target_model_spec, dtype, device_for(device))
+        model = load_draft_model(dc, sources, dtype, device_for(device))
         if model is None:  # n-gram and suffix drafts: the target's vocabulary, read without weights
-            from specdist.models.metadata import model_metadata
-
-            _, vocab, _ = model_metadata(target_model_spec, "target.model")
+            vocab = sources.vocab_size()
         elif method == "eagle3":  # a head load_draft_model found to fit the target
             vocab = model.spec.vocab_size
         else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary

@@ -227,21 +227,29 @@ class Backend:
 
 
 def start_backend(config: Any, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                  log: Callable[[str], None] = _log, tokenizer: Any = None) -> Backend:
+                  log: Callable[[str], None] = _log, tokenizer: Any = None, sources: Any = None) -> Backend:
     """Load the engine (cluster.enabled false), or bring a Ray deployment up and connect a RemoteEngine to it.
 
-    ``tokenizer``: the target's, when the caller already loaded it (the in-process engine then reuses it).
+    The config's model specs are resolved once, here (:func:`specdist.models.metadata.resolve_sources`; a bad
+    spec fails before anything starts), unless the caller did (``sources``); the engine, or the deployment, its
+    workers and the RemoteEngine, take what they resolved to. A deployment's coordinator reads the target's
+    config, vocabulary, EOS ids and tokenizer first (one parse of a GGUF header), which the workers then get.
+    ``tokenizer``: the target's, when the caller already loaded it (then not loaded again).
 
     Blocking. On any failure (also KeyboardInterrupt) everything created here is torn down again.
     """
     from specdist.config import load_config
+    from specdist.models.metadata import resolve_sources
 
     cfg = load_config(config)
     check_dependencies(cfg)
+    sources = resolve_sources(cfg) if sources is None else sources
+    if tokenizer is not None:
+        sources.use_tokenizer(tokenizer)
     if not cfg.cluster.enabled:
         from specdist.engine.local import Engine
 
-        return Backend(Engine.from_config(cfg, tokenizer=tokenizer))
+        return Backend(Engine.from_config(cfg, sources=sources))
 
     import ray  # lazily: only a deployment needs Ray, cluster/ and workers/
 
@@ -250,6 +258,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     from specdist.api.admission import bare_host
     from specdist.engine.remote import RemoteEngine
 
+    sources.read_target_metadata()  # the coordinator's, and what the workers would otherwise each read again
     cc = cfg.cluster
     backend = Backend(engine=None)
     try:
@@ -269,10 +278,12 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
         log(f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
             f"(timeout {cc.bringup_timeout_s:g}s)")
         backend.deployment = Deployment.from_config(cfg)
-        target, drafts = backend.deployment.start(cfg, host=worker_host, timeout_s=cc.bringup_timeout_s)
+        target, drafts = backend.deployment.start(cfg, host=worker_host, timeout_s=cc.bringup_timeout_s,
+                                                  sources=sources)
         backend.target_address, backend.draft_addresses = target, list(drafts)
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
-        engine = RemoteEngine.from_addresses(cfg, target, drafts, worker_secret=backend.deployment.worker_secret)
+        engine = RemoteEngine.from_addresses(cfg, target, drafts, sources=sources,
+                                             worker_secret=backend.deployment.worker_secret)
         engine.tensor_parallel_size = cc.tensor_parallel_size  # reported by GetServerInfo
         engine.cpu_kernels = backend.deployment.cpu_kernels  # (the target rank's, which the engine does not load)
         backend.engine = engine

@@ -311,14 +311,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from specdist.engine.local import Engine, device_for
-    from specdist.models.loader import gguf_parsed_once, load_tokenizer, resolve_model
+    from specdist.models.loader import gguf_parsed_once
+    from specdist.models.metadata import ModelSources
     from specdist.sampling_params import SamplingParams
 
     engines: dict = {}
     configs: dict[str, dict] = {}
     try:
         with gguf_parsed_once():
-            tok = load_tokenizer(resolve_model(plan.base["target"]["model"], "target.model"))
+            # the models every variant uses (the target; the base's draft model for a model draft), each spec
+            # resolved once, as first used, and the tokenizer loaded once
+            sources = ModelSources(plan.base["target"]["model"], plan.base["draft"].get("model"))
+            tok = sources.tokenizer()
             prompts, chat = encode_tasks(tok, plan.tasks, plan.prompts)
             if not chat:
                 log("[bench tasks] the model has no chat template: prompts go in as plain User:/Assistant: text")
@@ -329,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg = variant_config(plan.base, name, **engine_cfg)
                 log(f"[bench tasks] building the {name} engine")
                 shared = next(iter(engines.values())).target_core.runner.model if engines else None
-                engines[name] = Engine.from_config(cfg, tokenizer=tok, target=shared)  # one copy of the target
+                engines[name] = Engine.from_config(cfg, target=shared, sources=sources)  # one copy of the target
                 configs[name] = engines[name].config.to_dict()
         device = device_for(plan.base["engine"]["device"])
         cells: dict[tuple[int, str, str], Cell] = {}

@@ -9,8 +9,9 @@ changing anything, keeps each request's committed tokens, sampling settings, see
 with prompt K/V shared across requests (:class:`~specdist.models.kv_cache.PrefixCache`).
 
 :func:`build_drafter_core` is the one place that turns a ``draft:`` config into a core, and
-:func:`load_draft_model` the one that loads what it drafts with (each method's ``load``); the engine and the
-draft worker actor both call them. :func:`warm_up_drafter` is a draft worker's warm-up before it serves.
+:func:`load_draft_model` the one that loads what it drafts with (each method's ``load``, from the config's
+models resolved once: :class:`~specdist.models.metadata.ModelSources`); the engine and the draft worker actor
+both call them. :func:`warm_up_drafter` is a draft worker's warm-up before it serves.
 
 In process ``start`` runs no draft forward: a self draft copies the target's prompt K/V, and any other prompt
 is prefilled by the request's first draft pass, so a request that never drafts (the length rule gave it k = 0
@@ -23,6 +24,7 @@ back to the accepted prefix in O(1), then drafts ``num_tokens`` tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +44,9 @@ from specdist.transport.protocol import (
     StartItem,
     now,
 )
+
+if TYPE_CHECKING:
+    from specdist.models.metadata import ModelSources
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
 PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
@@ -237,24 +242,28 @@ class DrafterCore:
         } | self.proposer.stats()
 
 
-def load_draft_model(dc: DraftConfig, target_model: str, dtype: str, device: torch.device | str = "cpu",
+def load_draft_model(dc: DraftConfig, sources: ModelSources, dtype: str, device: torch.device | str = "cpu",
                      target: torch.nn.Module | None = None, target_tokenizer=None):
     """What ``dc.method`` drafts with (its proposer's ``load``), in ``dtype`` on ``device``: a draft model checked
     against the target's vocabulary, the target's own low-precision copy, an EAGLE-3 head; None for the
-    model-free methods and ``none``. ``target``, ``target_tokenizer``: the loaded target's, if the caller has
-    them."""
+    model-free methods and ``none``. ``sources``: the config's models, resolved once
+    (:func:`specdist.models.metadata.resolve_sources`; nothing here resolves a spec again). ``target``,
+    ``target_tokenizer``: the loaded target's, if the caller has them."""
     if dc.method == "none":
         return None
-    return proposer_class(dc.method).load(dc, target_model, dtype, device, target, target_tokenizer)
+    return proposer_class(dc.method).load(dc, sources, dtype, device, target, target_tokenizer)
 
 
-def draft_hidden_layers(dc: DraftConfig, target_model: str) -> tuple[tuple[int, ...], int]:
+def draft_hidden_layers(dc: DraftConfig, sources: ModelSources) -> tuple[tuple[int, ...], int]:
     """The target layers whose hidden states the drafts of ``dc`` read and the values per position they make,
-    without loading anything ((), 0 for the methods that read none): what a process that holds no draft (the
-    coordinator, a target rank) needs to know of it."""
+    without loading anything ((), 0 for the methods that read none, which use nothing of ``sources``): what a
+    process that holds no draft (the coordinator, a target rank) needs to know of it. Worked out once per
+    ``sources`` (kept in ``sources.hidden``)."""
     if dc.method == "none":
         return (), 0
-    return proposer_class(dc.method).hidden_layers_of(dc, target_model)
+    if dc.method not in sources.hidden:
+        sources.hidden[dc.method] = proposer_class(dc.method).hidden_layers_of(dc, sources)
+    return sources.hidden[dc.method]
 
 
 def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,

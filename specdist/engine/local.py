@@ -18,6 +18,7 @@ from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, 
 from specdist.models.loader import eos_token_ids
 from specdist.models import cpu_kernels
 from specdist.models.graphs import KVOptions
+from specdist.models.metadata import ModelSources
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
 from specdist.engine.base import EngineBase
@@ -84,25 +85,29 @@ class Engine(EngineBase):
 
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,
-                    target: torch.nn.Module | None = None) -> "Engine":
+                    target: torch.nn.Module | None = None, sources: ModelSources | None = None) -> "Engine":
         """Load the models a config names. ``tokenizer``: the target's, if the caller already has it;
         ``target``: the target model as the config's ``target`` section loads it, if the caller
-        already has it (engines over one model share its weights; each keeps its own KV cache)."""
-        from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
+        already has it (engines over one model share its weights; each keeps its own KV cache);
+        ``sources``: the config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them, if
+        the caller did (else resolved here, once: the target's spec, then ``draft.model``'s, before any weight
+        is read). Nothing below resolves a spec again."""
+        from specdist.models.loader import gguf_parsed_once, load_model
+        from specdist.models.metadata import resolve_sources
 
         cfg = load_config(source)
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         cpu_kernels.configure(cfg.engine.cpu_kernels)  # before the weights: native blocks are packed for the kernels
         device = device_for(cfg.engine.device)
-        src = resolve_model(cfg.target.model, "target.model")
+        sources = resolve_sources(cfg) if sources is None else sources
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
             if tokenizer is None:
-                tokenizer = load_tokenizer(src)
+                tokenizer = sources.tokenizer()
             if target is None:
-                target = load_model(src, cfg.target.dtype, device, weights=cfg.target.weights)
+                target = load_model(sources.target, cfg.target.dtype, device, weights=cfg.target.weights)
             # a draft model checked against the target's vocabulary, or the target's own copy
-            draft = load_draft_model(cfg.draft, cfg.target.model, cfg.draft_dtype, device, target, tokenizer)
+            draft = load_draft_model(cfg.draft, sources, cfg.draft_dtype, device, target, tokenizer)
         return cls(cfg, target, tokenizer, draft)
 
 

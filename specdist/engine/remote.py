@@ -4,8 +4,9 @@
 (the rank 0 of a possibly tensor-parallel target) and any number of draft workers through
 :mod:`specdist.transport.remote`; its API is the scheduler's (:class:`~specdist.engine.base.EngineBase`).
 It holds no model: :meth:`RemoteEngine.from_addresses` reads only the target's tokenizer and
-config (vocabulary size, EOS ids). It imports ``specdist.v1`` and
-never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
+config (vocabulary size, EOS ids), through the config's models resolved once
+(:class:`~specdist.models.metadata.ModelSources`; a caller that resolved them passes ``sources``).
+It imports ``specdist.v1`` and never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
 (:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
 ``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
 hung workers are found sooner: drafts by their measured-latency deadlines, target ranks by a
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from specdist.config import Config, load_config
 from specdist.cores.draft import draft_hidden_layers
 from specdist.errors import InvalidArgument
+from specdist.models.metadata import ModelSources, resolve_sources
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
 from specdist.engine.base import EngineBase
 from specdist.engine.scheduler import Scheduler
@@ -41,7 +43,10 @@ class RemoteEngine(EngineBase):
         draft_max_batch_size: int | None = None,
         rpc_timeout_s: float = 600.0,
         worker_secret: str | None = None,
+        sources: ModelSources | None = None,
     ):
+        """``sources``: the config's models (an EAGLE-3 draft's layers are read from the head and the target's
+        config); None: resolved from the config if a draft method needs them."""
         cfg = load_config(config)
         if vocab_size is None:
             if tokenizer is None:
@@ -51,7 +56,9 @@ class RemoteEngine(EngineBase):
         self.tensor_parallel_size = cfg.cluster.tensor_parallel_size
         addresses = draft_addresses if cfg.draft.enabled else ()
         # eagle3: the target layers the head reads, and their values per position
-        layers, width = draft_hidden_layers(cfg.draft, cfg.target.model) if addresses else ((), 0)
+        if addresses and sources is None:
+            sources = ModelSources.of(cfg)  # each spec resolved only if the draft method reads its model
+        layers, width = draft_hidden_layers(cfg.draft, sources) if addresses else ((), 0)
         # no call carries more than max_batch_size requests (a drafter's share of them included)
         limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens, width,
                                     cfg.engine.max_model_len)
@@ -61,11 +68,14 @@ class RemoteEngine(EngineBase):
 
     @classmethod
     def from_addresses(
-        cls, config: str | dict | Config | None, target_address: str, draft_addresses: Sequence[str] = (), **kwargs
+        cls, config: str | dict | Config | None, target_address: str, draft_addresses: Sequence[str] = (),
+        sources: ModelSources | None = None, **kwargs
     ) -> "RemoteEngine":
-        """Load only the target's tokenizer and config (vocabulary size, EOS ids); no weights."""
-        from specdist.models.metadata import model_metadata
-
+        """Load only the target's tokenizer and config (vocabulary size, EOS ids); no weights. ``sources``: the
+        config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them (and what they read
+        already is not read again); None: resolved here."""
         cfg = load_config(config)
-        tokenizer, vocab, eos = model_metadata(cfg.target.model, "target.model")
-        return cls(cfg, target_address, draft_addresses, tokenizer=tokenizer, vocab_size=vocab, eos_ids=eos, **kwargs)
+        sources = resolve_sources(cfg) if sources is None else sources
+        sources.read_target_metadata()
+        return cls(cfg, target_address, draft_addresses, tokenizer=sources.tokenizer(), vocab_size=sources.vocab_size(),
+                   eos_ids=sources.eos_ids(), sources=sources, **kwargs)

@@ -14,7 +14,8 @@ A proposer is one draft method (one module of :mod:`specdist.cores.proposers`) a
 
 A method that drafts with a model owns the KV cache (``cache``) whose slots the core gives its requests, and
 ``prefill`` computes the prompts' K/V the core asks for. ``load`` loads what the method drafts with (a model,
-a head) and ``build`` makes the proposer of a ``draft:`` config section: the one factory of a method.
+a head; from the config's models resolved once, :class:`~specdist.models.metadata.ModelSources`) and ``build``
+makes the proposer of a ``draft:`` config section: the one factory of a method.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from specdist.config import DraftConfig
     from specdist.models.graphs import KVOptions
     from specdist.models.kv_cache import SlotKVCache
+    from specdist.models.metadata import ModelSources
     from specdist.models.runner import CausalLMRunner
     from specdist.transport.protocol import StartItem
 
@@ -105,15 +107,16 @@ class Proposer:
 
     # ------------------------------------------------------------ making one
     @classmethod
-    def load(cls, dc: DraftConfig, target_model: str, dtype: str, device, target: torch.nn.Module | None = None,
+    def load(cls, dc: DraftConfig, sources: ModelSources, dtype: str, device, target: torch.nn.Module | None = None,
              target_tokenizer=None) -> object:
-        """What the method drafts with, loaded for the target ``target_model`` (``target``: it loaded, if the
-        caller has it); None: nothing to load."""
+        """What the method drafts with, loaded from ``sources`` (the config's models, resolved once) for their
+        target (``target``: it loaded, if the caller has it); None: nothing to load."""
         return None
 
     @classmethod
-    def hidden_layers_of(cls, dc: DraftConfig, target_model: str) -> tuple[tuple[int, ...], int]:
-        """The target layers whose states the method reads and the values per position, without loading it."""
+    def hidden_layers_of(cls, dc: DraftConfig, sources: ModelSources) -> tuple[tuple[int, ...], int]:
+        """The target layers whose states the method reads and the values per position, without loading it
+        (``sources``: the config's models; a method that reads no states uses nothing of them)."""
         return (), 0
 
     @classmethod

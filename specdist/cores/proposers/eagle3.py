@@ -57,29 +57,25 @@ class Eagle3Proposer(ModelProposer):
 
     # ------------------------------------------------------------ making one
     @classmethod
-    def load(cls, dc, target_model: str, dtype: str, device, target=None, target_tokenizer=None):
-        """The head directory ``dc.model`` (:func:`specdist.models.eagle3.load_eagle3_head`), refused unless it
-        fits the target (hidden size, vocabulary, layers): with ``target`` loaded, in its dtype with its
-        embedding; without (a draft worker), in ``dtype`` with the target's config and, unless the head embeds
-        tokens itself, the target's input embedding alone (read from its safetensors; other checkpoints, GGUF
-        files among them, load the target for it). Its linears run on int8 weights where the CPU's Q8 kernel
-        does (:func:`specdist.models.eagle3.quantize_linears`)."""
+    def load(cls, dc, sources, dtype: str, device, target=None, target_tokenizer=None):
+        """The head directory ``sources.draft`` (:func:`specdist.models.eagle3.load_eagle3_head`), refused unless
+        it fits the target (hidden size, vocabulary, layers): with ``target`` loaded, in its dtype with its
+        embedding; without (a draft worker), in ``dtype`` with the target's config (``sources.config()``) and,
+        unless the head embeds tokens itself, the target's input embedding alone (read from its safetensors;
+        other checkpoints, GGUF files among them, load the target for it). Its linears run on int8 weights
+        where the CPU's Q8 kernel does (:func:`specdist.models.eagle3.quantize_linears`)."""
         from specdist.models.dtypes import resolve_dtype
         from specdist.models.eagle3 import load_eagle3_head, quantize_linears, read_eagle3_spec
-        from specdist.models.loader import load_model, resolve_model
-        from specdist.models.metadata import model_config
+        from specdist.models.loader import load_model
         from specdist.models.sharding import load_input_embedding
 
-        head = resolve_model(dc.model, "draft.model")
-        if head.gguf_file is not None:
-            raise ConfigError("draft.model",
-                              "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
+        head = _head_source(sources)
         if target is not None:
             embedding = target.get_input_embeddings()
             return quantize_linears(load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype,
                                                      device))
-        src = resolve_model(target_model, "target.model")
-        config = model_config(target_model, "target.model")
+        src = sources.target
+        config = sources.config()
         torch_dtype = getattr(torch, resolve_dtype(dtype, torch.device(device)))
         embedding = None
         if not read_eagle3_spec(head.directory, config).own_embed:
@@ -89,15 +85,14 @@ class Eagle3Proposer(ModelProposer):
         return quantize_linears(load_eagle3_head(head.directory, config, embedding, torch_dtype, device))
 
     @classmethod
-    def hidden_layers_of(cls, dc, target_model: str) -> tuple[tuple[int, ...], int]:
-        """From the head's config.json and the target's config, no weights (refused as :meth:`load` refuses a
-        head that does not fit): what a process that holds no head (the coordinator, a target rank) needs."""
+    def hidden_layers_of(cls, dc, sources) -> tuple[tuple[int, ...], int]:
+        """From the head's config.json and the target's config (``sources``), no weights (refused as :meth:`load`
+        refuses a head that does not fit): what a process that holds no head (the coordinator, a target rank)
+        needs."""
         from specdist.models.eagle3 import check_eagle3_target, read_eagle3_spec
-        from specdist.models.loader import resolve_model
-        from specdist.models.metadata import model_config
 
-        target_config = model_config(target_model, "target.model")
-        spec = read_eagle3_spec(resolve_model(dc.model, "draft.model").directory, target_config)
+        target_config = sources.config()
+        spec = read_eagle3_spec(_head_source(sources).directory, target_config)
         check_eagle3_target(spec, target_config)
         return tuple(spec.aux_layers), len(spec.aux_layers) * spec.target_hidden_size
 
@@ -207,3 +202,14 @@ class Eagle3Proposer(ModelProposer):
             d.feats[b] = o[-1]
         words = torch.from_numpy(inputs.words()).to(logits.device) if inputs is not None else None
         return logits, words
+
+
+def _head_source(sources):
+    """The head's source (``draft.model``), refused unless it is a directory."""
+    head = sources.draft
+    if head is None:
+        raise ConfigError("draft.model", "method 'eagle3' needs an EAGLE-3 head")
+    if head.gguf_file is not None:
+        raise ConfigError("draft.model",
+                          "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
+    return head

@@ -74,32 +74,31 @@ class ModelProposer(Proposer):
 
     # ------------------------------------------------------------ making one
     @classmethod
-    def load(cls, dc, target_model: str, dtype: str, device, target=None, target_tokenizer=None):
-        """``model``: the draft model ``dc.model``, refused unless its vocabulary is the target's
+    def load(cls, dc, sources, dtype: str, device, target=None, target_tokenizer=None):
+        """``model``: the draft model ``sources.draft``, refused unless its vocabulary is the target's
         (:func:`check_draft_vocab` against ``target`` and ``target_tokenizer`` when the caller has them, else
-        against ``target_model``'s config and tokenizer, read without weights). Self drafts (and ``hybrid``'s
-        self-w8): the target's low-precision copy (:func:`specdist.models.native.self_draft`) of ``target`` (a
-        self-w4 copy of a target already on int4 groups shares its modules) or, without one, of the target
-        loaded here: a GGUF file's own blocks for self-w4, the floats (quantized) otherwise."""
-        from specdist.models.loader import load_model, load_tokenizer, resolve_model
+        against the target's config and tokenizer as ``sources`` reads them, without weights). Self drafts
+        (and ``hybrid``'s self-w8): the target's low-precision copy (:func:`specdist.models.native.self_draft`) of
+        ``target`` (a self-w4 copy of a target already on int4 groups shares its modules) or, without one, of
+        the target loaded here from ``sources.target``: a GGUF file's own blocks for self-w4, the floats
+        (quantized) otherwise."""
+        from specdist.models.loader import load_model, load_tokenizer
 
         if dc.method == "model":
-            if not dc.model:
+            dsrc = sources.draft
+            if dsrc is None:
                 raise ConfigError("draft.model", "method 'model' needs a draft model")
-            dsrc = resolve_model(dc.model, "draft.model")
             draft = load_model(dsrc, dtype, device)
             if target is not None:
                 vocab = int(target.config.vocab_size)
             else:
-                from specdist.models.metadata import model_metadata
-
-                target_tokenizer, vocab, _ = model_metadata(target_model, "target.model")
+                vocab, target_tokenizer = sources.vocab_size(), sources.tokenizer()
             check_draft_vocab(draft, vocab, load_tokenizer(dsrc), target_tokenizer)
             return draft
         from specdist.models.native import self_draft
 
         copy = target_copy(dc.method)
-        src = resolve_model(target_model, "target.model")
+        src = sources.target
         if target is None:
             target = load_model(src, dtype, device, weights="native" if copy == "self-w4" else "float")
         return self_draft(target, copy, src.gguf_path)
