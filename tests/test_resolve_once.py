@@ -93,6 +93,10 @@ def test_a_gguf_engine_reads_its_header_once(tmp_path, counted):
     assert counted["architecture"] == {path: 1}
     assert sum(counted["reader"].values()) == 1
     assert len(eng.generate([[1, 2, 3]], PARAMS)[0].token_ids) == PARAMS.max_tokens
+    # a worker's load (no enclosing scope): the weights and the native blocks from one parse too
+    counted["reader"].clear()
+    loader.load_model(loader.resolve_model(path), "float32", weights="native")
+    assert sum(counted["reader"].values()) == 1
 
 
 def test_the_sources_resolve_each_spec_once_and_keep_what_they_read(eagle3_models, counted):

@@ -370,6 +370,12 @@ def load_model(
 
     ``progress`` receives a line before and after loading; None: the ``specdist.load`` logger (INFO).
     """
+    with gguf_parsed_once():  # a GGUF file's weights and native blocks: one parse of its header
+        return _load_model(source, dtype, device, progress, weights)
+
+
+def _load_model(source: ModelSource, dtype: str, device: torch.device | str, progress: Callable[[str], None] | None,
+                weights: str) -> torch.nn.Module:
     # an architecture the runner cannot serve is refused before any weight is read
     check_supported(declared_model_type(source), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)  # auto: the device's choice

@@ -548,6 +548,12 @@ def load_sharded(
     after: its config is parsed with its weights). The model carries a :class:`LoadReport` as
     ``load_report``; ``progress`` (default: the ``specdist.load`` logger) gets a line before and after.
     """
+    with gguf_parsed_once():  # a GGUF file's config, weights and native blocks: one parse of its header
+        return _load_sharded(source, dtype, device, rank, world_size, group, progress, weights)
+
+
+def _load_sharded(source: ModelSource, dtype: str, device: torch.device | str, rank: int, world_size: int, group,
+                  progress: Callable[[str], None] | None, weights: str) -> nn.Module:
     if world_size == 1:
         return load_model(source, dtype, device, progress, weights)
     # an architecture the runner cannot serve is refused before any weight is read, as by load_model
