@@ -36,10 +36,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CUDA_TEST_FILES = ("tests/test_paged_attention.py", "tests/test_model_families.py", "tests/test_dtypes.py",
-                   "tests/test_native_weights.py", "tests/test_device_resident.py", "tests/test_tensor_parallel.py",
-                   "tests/test_compiled_runner.py", "tests/test_coupling.py", "tests/test_prefix_cache.py",
-                   "tests/test_eagle3.py")
+CUDA_TEST_FILES = ("tests/unit/test_paged_attention.py", "tests/unit/test_model_families.py", "tests/unit/test_dtypes.py",
+                   "tests/unit/test_native_weights.py", "tests/unit/test_device_resident.py", "tests/distributed/test_tensor_parallel.py",
+                   "tests/unit/test_compiled_runner.py", "tests/unit/test_coupling.py", "tests/engine/test_prefix_cache.py",
+                   "tests/engine/test_eagle3.py")
 LIMITS = {"env": 60, "tests": 240, "decode": 180, "tasks": 150, "drafts": 150}  # seconds, full run
 QUICK_LIMITS = {"env": 60, "tests": 150, "decode": 120}
 TEST_LOG_ENV = "SPECDIST_TEST_LOG"  # the pytest plugin below appends one JSON line a test there
@@ -223,7 +223,7 @@ def _tests_step(run: Run, py: str, limit: float, args) -> None:
     cmd = [py, "-m", "pytest", "-n", "0", "-p", "specdist.bench.gpu_check", "-q", "-rfE", "--no-header"]
     marks = "cuda" if args.device.startswith("cuda") else "cuda or not cuda"
     if args.tiny:  # the CPU smoke run: the plugin and the logging, on one small file
-        files, marks = ["tests/test_paged_attention.py"], "not cuda"
+        files, marks = ["tests/unit/test_paged_attention.py"], "not cuda"
     try:
         import pytest_timeout  # noqa: F401
 

@@ -61,7 +61,7 @@ target never sees", not the hit rule itself: reusing ``d'`` after a partial acce
 rows it was sampled from* would still be exact (the verifier's guarantee holds for any proposal
 law), only accepted less often, with the drafter's cache holding K/V of a prefix that is not the
 request's. Reusing it with q of the *true* prefix (re-scoring prepared tokens) is not exact.
-``tests/test_pipeline.py`` enumerates both laws, and runs the second through the engine, where
+``tests/engine/test_pipeline.py`` enumerates both laws, and runs the second through the engine, where
 the frequency test fails it. The hit rule is :func:`prepared_prefix_holds`, the one place that
 decides.
 

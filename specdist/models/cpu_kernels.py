@@ -50,7 +50,7 @@ adds it after a block matmul.
 **Batch invariance.** A row's result is computed by the same instructions in the same order
 whatever the rows around it, in every kernel here. With native blocks and this attention the whole
 forward is invariant: a position's logits are the same bits whether it is decoded alone,
-verified among k drafts or batched with other requests (``tests/test_cpu_kernels.py``), so greedy
+verified among k drafts or batched with other requests (``tests/unit/test_cpu_kernels.py``), so greedy
 speculative output equals plain decoding and a seed's tokens do not depend on the drafts.
 
 The C file is compiled when the package is installed (``setup.py``: ``pip install .`` or ``pip install -e .``)
