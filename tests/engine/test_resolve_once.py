@@ -83,7 +83,7 @@ def test_a_gguf_engine_reads_its_header_once(tmp_path, counted):
     """A GGUF target with its self-w4 draft: the spec resolved once, the header's architecture read once (at
     resolution), and gguf's reader parses the file once for the tokenizer, the config, the weights and the
     draft's native blocks."""
-    from test_native_weights import write_tiny_gguf
+    from support.gguf_writer import write_tiny_gguf
 
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
     cfg = {"target": {"model": path, "weights": "native"}, "draft": {"method": "self-w4", "num_speculative_tokens": 3},
@@ -209,7 +209,7 @@ def test_loading_leaves_gguf_and_transformers_as_they_were(tmp_path):
     """In a fresh process (a clean import order): gguf's GGUFReader and get_tensor_name_map and transformers'
     load_gguf_checkpoint are captured before specdist is imported; loading a GGUF model and its tokenizer
     replaces them inside gguf_parsed_once only, and leaves the originals in place after."""
-    from test_native_weights import write_tiny_gguf
+    from support.gguf_writer import write_tiny_gguf
 
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
     script = textwrap.dedent(f"""
@@ -256,7 +256,7 @@ def test_the_fast_reader_is_gone_once_the_scope_closes(tmp_path):
     import gguf
 
     from specdist.models.loader import gguf_parsed_once
-    from test_native_weights import write_tiny_gguf
+    from support.gguf_writer import write_tiny_gguf
 
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
     with gguf_parsed_once():
