@@ -19,7 +19,7 @@ import pytest
 from scipy import stats
 
 from support.helpers import host_servicer, model_drafter, tiny_config
-from test_coordinator import collect
+from support.helpers import collect
 from support.gtest import (
     ALPHA,
     K as FREQ_K,

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from test_tensor_parallel import WORLD_SIZE, spawn_ranks
+from support.rank_procs import WORLD_SIZE, spawn_ranks
 
 # about 440 MB in fp32: 4 layers of 11 M parameters, embedding and head of 32.8 M each
 BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,

@@ -9,39 +9,13 @@ ragged ops on each and saves what it saw; the tests compare that with the unshar
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 
 from support.helpers import devices
-from support.rank_procs import join_ranks, start_ranks
-
-WORLD_SIZE = 2
-TIMEOUT_S = 150
-
-# Rank 0 broadcasts each op; all ranks apply it. Ragged prefill, a 3-token verify step,
-# rollback of the rejected tokens, then a step with the slots in non-contiguous order.
-OPS = [
-    ("forward", [0, 1], [[1, 2, 3, 4, 5], [6, 2]], [5, 2]),
-    ("forward", [0, 1], [[3, 1, 4], [5, 0, 6]], [3, 3]),
-    ("rollback", 0, 6),  # slot 0 accepted 1 of 3
-    ("rollback", 1, 4),  # slot 1 accepted 2 of 3
-    ("forward", [1, 0], [[2, 2, 7], [4]], [3, 1]),
-    ("forward", [0], [[5]], [1]),  # single query, no mask
-]
-
-
-def run_ops(runner, ops, broadcast=None) -> list[torch.Tensor]:
-    out = []
-    for i in range(len(ops)):
-        op = ops[i] if broadcast is None else broadcast(ops[i] if ops is not None else None)
-        if op[0] == "forward":
-            out.append(runner.forward(op[1], op[2], op[3]).cpu())
-        else:
-            runner.cache.rollback(op[1], op[2])
-    return out
+from support.rank_procs import OPS, WORLD_SIZE, run_ops, spawn_ranks
 
 
 def _shapes(model, runner) -> dict:
@@ -83,34 +57,6 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[st
     torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(fn, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
-                env_extra: dict | None = None, world_size: int = WORLD_SIZE) -> list:
-    """Run ``fn(rank, world_size, port, out, args)`` in ``world_size`` rank processes (tests/support/rank_procs.py);
-    their outputs (``torch.load``-ed, or the paths with ``load=False``)."""
-    for attempt in range(2):  # a second try if another process grabbed the port meanwhile
-        port = _free_port()
-        outs = [str(tmp_path / f"rank{r}_{attempt}.pt") for r in range(world_size)]
-        logs = [str(tmp_path / f"rank{r}_{attempt}.log") for r in range(world_size)]
-        procs = start_ranks(fn, lambda r: (r, world_size, port, outs[r], list(args)), world_size, logs, env_extra)
-        join_ranks(procs, timeout_s)
-        texts = [open(f).read() for f in logs]
-        if all(p.exitcode == 0 for p in procs):
-            return [torch.load(o, weights_only=False) for o in outs] if load else outs
-        if attempt == 0 and any("address already in use" in t.lower() for t in texts):
-            continue
-        report = "\n".join(
-            f"--- rank {r} exit code {p.exitcode} ---\n{t[-3000:]}" for r, (p, t) in enumerate(zip(procs, texts))
-        )
-        pytest.fail(f"tensor-parallel ranks failed:\n{report}")
-    raise AssertionError("unreachable")
 
 
 def _family_cases() -> list[str]:

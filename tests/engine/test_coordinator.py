@@ -23,6 +23,7 @@ import pytest
 from specdist.api.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
+from support.helpers import collect
 
 WAIT_S = 10.0
 
@@ -220,15 +221,6 @@ async def wait_until(predicate, timeout: float = WAIT_S) -> None:
 
 def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0)
-
-
-async def collect(coord: Coordinator, prompt, params: SamplingParams | None = None, **kwargs) -> list:
-    """Every delta of one request, through the public streaming path (``open``, then the stream)."""
-    stream = await coord.open(prompt, params, **kwargs)
-    try:
-        return [d async for d in stream]
-    finally:
-        stream.close()
 
 
 def engine_threads() -> list[threading.Thread]:

@@ -42,7 +42,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from support.helpers import frozen_adaptive_policy, remote_engine_like, tiny_config
+from support.helpers import frozen_adaptive_policy, sample_engine, tiny_config
+from support.gtest import speculative_law
 from support.gtest import (  # noqa: F401  (constants used below)
     ALPHA,
     BATCH,
@@ -79,123 +80,6 @@ CASES = [
     Case("ngram", 2, 2, temperature=0.9, top_p=0.8),  # df 3, threshold 21.1 (a peaked target)
     Case("ngram", 3, 3),  # df 79, threshold 134.5
 ]
-
-
-# ----------------------------------------------------------------------------- laws
-def ngram_lookup(seq: list[int], k: int) -> list[int]:
-    """Prompt lookup as documented: continuation of the latest earlier match of the longest suffix."""
-    length = len(seq)
-    for n in range(min(NGRAM_MAX, length - 1), NGRAM_MIN - 1, -1):
-        for start in range(length - n - 1, -1, -1):
-            if seq[start : start + n] == seq[length - n :]:
-                return seq[start + n : start + n + k]
-    return []
-
-
-def speculative_law(ptab, qtab, case: Case, rule: str) -> np.ndarray:
-    """Exact law of the first ``window`` tokens under the engine's schedule and a verification rule.
-
-    ``rule``: "exact" (residual on rejection) or "resample_from_p" (a wrong sampler).
-    Draft length per step: min(k, max_tokens - 1 - emitted); model drafts are enumerated
-    with their q-probabilities, n-gram drafts are the lookup (q one-hot). Draft
-    positions past the window are dropped: they cannot change the first ``window`` tokens.
-    """
-    w = case.window
-    size = VOCAB**w
-    memo: dict[tuple, np.ndarray] = {}
-
-    def dist_from(state: tuple) -> np.ndarray:
-        if state in memo:
-            return memo[state]
-        out = np.zeros(size)
-
-        def emit(seq: tuple, weight: float) -> None:
-            if weight <= 0:
-                return
-            if len(seq) >= w:  # a whole window: one cell (no vector per sequence: this runs ~10^5 times)
-                out[seq_index(list(seq[:w]))] += weight
-            else:
-                out[:] += weight * dist_from(seq)
-
-        kb = max(0, min(K, case.max_tokens - 1 - len(state)))
-        keep = w - len(state)
-        if qtab is None:
-            full = tuple(ngram_lookup(case.prompt + list(state), kb)) if kb else ()
-            drafts = [(full[:keep], 1.0, len(full))]
-        else:
-            drafts = []
-
-            def rec(x: tuple, wx: float) -> None:
-                if len(x) == min(kb, keep):
-                    drafts.append((x, wx, kb))
-                    return
-                q = qtab[state + x]
-                for t in np.nonzero(q)[0]:
-                    rec(x + (int(t),), wx * q[t])
-
-            rec((), 1.0)
-        for x, wx, n_full in drafts:
-            reach = 1.0
-            for j in range(len(x) + 1):
-                pre = state + x[:j]
-                if len(pre) >= w:
-                    emit(pre, wx * reach)
-                    break
-                p = ptab[pre]
-                if j == n_full:  # every draft accepted: bonus token from p
-                    for t in np.nonzero(p)[0]:
-                        emit(pre + (int(t),), wx * reach * p[t])
-                    break
-                q = qtab[pre] if qtab is not None else np.eye(VOCAB)[x[j]]
-                a = min(1.0, p[x[j]] / q[x[j]])
-                if reach * (1 - a) > 0:
-                    r = np.clip(p - q, 0, None)
-                    final = r / r.sum() if rule == "exact" else p
-                    for t in np.nonzero(final)[0]:
-                        emit(pre + (int(t),), wx * reach * (1 - a) * final[t])
-                reach *= a
-                if reach == 0:
-                    break
-        memo[state] = out
-        return out
-
-    return dist_from(())
-
-
-# ----------------------------------------------------------------------------- engine
-def sample_engine(models: dict, case: Case, n: int, seed0: int, max_batch_size: int = BATCH, setup=None,
-                  transport: str = "local", kv: str = "slots"):
-    """N seeded samples from the scheduler over local transports (Engine) or over gRPC
-    (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1). ``kv``: the
-    KV cache (engine.kv_cache): slots, or paged (blocks of 4 tokens, the paged backend's torch form)."""
-    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size, max_model_len=MAX_MODEL_LEN,
-                      kv_cache=kv, kv_block_size=4)
-    cfg["sampling"] = {"coupling": case.coupling}
-    eng = Engine.from_config(cfg)
-    served = None
-    if transport == "remote":
-        eng, served = remote_engine_like(eng)
-    if setup is not None:
-        setup(eng)
-    params = [
-        SamplingParams(
-            max_tokens=case.max_tokens,
-            temperature=case.temperature,
-            top_k=case.top_k,
-            top_p=case.top_p,
-            seed=seed0 + i,
-            ignore_eos=True,
-        )
-        for i in range(n)
-    ]
-    # One call: requests join the running batch as others finish (continuous batching),
-    # so batches mix requests at different positions and draft lengths.
-    try:
-        return eng.generate([list(case.prompt)] * n, params)
-    finally:
-        if served is not None:
-            eng.close()
-            served.close()
 
 
 def check_outputs_and_acceptance(outs, case: Case) -> float:

@@ -21,7 +21,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from support.helpers import wait_until, LoopThread, tiny_config
-from test_coordinator import collect
+from support.helpers import collect
 from specdist import Engine, SamplingParams
 from specdist.client import RemoteError, SpecDistClient
 from specdist.api.grpc_server import serve

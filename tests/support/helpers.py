@@ -294,3 +294,52 @@ def serving_in_process(tiny_models):
     finally:
         lt.run(serving.stop())
         lt.close()
+
+
+async def collect(coord, prompt, params=None, **kwargs) -> list:
+    """Every delta of one request, through the public streaming path (``open``, then the stream)."""
+    stream = await coord.open(prompt, params, **kwargs)
+    try:
+        return [d async for d in stream]
+    finally:
+        stream.close()
+
+
+# ----------------------------------------------------------------------------- engine
+def sample_engine(models: dict, case, n: int, seed0: int, max_batch_size: int | None = None, setup=None,
+                  transport: str = "local", kv: str = "slots"):
+    """N seeded samples from the scheduler over local transports (Engine) or over gRPC
+    (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1). ``kv``: the
+    KV cache (engine.kv_cache): slots, or paged (blocks of 4 tokens, the paged backend's torch form)."""
+    from specdist.engine.local import Engine
+    from specdist.sampling_params import SamplingParams
+    from support.gtest import BATCH, K, MAX_MODEL_LEN
+
+    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size or BATCH, max_model_len=MAX_MODEL_LEN,
+                      kv_cache=kv, kv_block_size=4)
+    cfg["sampling"] = {"coupling": case.coupling}
+    eng = Engine.from_config(cfg)
+    served = None
+    if transport == "remote":
+        eng, served = remote_engine_like(eng)
+    if setup is not None:
+        setup(eng)
+    params = [
+        SamplingParams(
+            max_tokens=case.max_tokens,
+            temperature=case.temperature,
+            top_k=case.top_k,
+            top_p=case.top_p,
+            seed=seed0 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+    # One call: requests join the running batch as others finish (continuous batching),
+    # so batches mix requests at different positions and draft lengths.
+    try:
+        return eng.generate([list(case.prompt)] * n, params)
+    finally:
+        if served is not None:
+            eng.close()
+            served.close()

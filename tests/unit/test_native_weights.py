@@ -48,7 +48,8 @@ from specdist.models.fusion import quantized_copy, unfused_copy
 from specdist.models.quant import GROUP, Int4GroupLinear, Int8WeightOnlyLinear
 from specdist.sampling_params import SamplingParams
 from test_dtypes import PROMPTS, TIE, _check_greedy, _compare_with_plain, _reference_logits
-from test_exactness_frequency import sample_engine, speculative_law
+from support.gtest import speculative_law
+from support.helpers import sample_engine
 
 gguf = pytest.importorskip("gguf")
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
@@ -609,7 +610,7 @@ def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: lis
 
     from specdist.models.runner import CausalLMRunner
     from specdist.models.sharding import load_sharded
-    from test_tensor_parallel import OPS, run_ops
+    from support.rank_procs import OPS, run_ops
     from workers.tensor_parallel import broadcast_object, init_process_group
 
     device = f"cuda:{rank}" if os.environ.get("SPECDIST_TEST_DEVICE") == "cuda" else "cpu"
@@ -648,7 +649,7 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
     model's up to the order of the row-parallel partial sums (all-reduced), which moves an activation's rounding
     now and then; ``weights: float`` keeps floats and computes other numbers."""
     from specdist.models.runner import CausalLMRunner
-    from test_tensor_parallel import OPS, run_ops, spawn_ranks
+    from support.rank_procs import OPS, run_ops, spawn_ranks
 
     cpu_blocks = device == "cpu" and cpu_kernels.available()
     env = {"SPECDIST_TEST_DEVICE": "cuda"} if device == "cuda" else None
