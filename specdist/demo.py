@@ -83,6 +83,7 @@ async def _serve_and_query(backend, args: argparse.Namespace) -> None:
               f"draft_replicas={info.draft_replicas}; after the run: running={c['running_requests']} "
               f"queued={c['queued_requests']} target_kv_slots={c['target_kv_slots_used']} "
               f"draft_kv_slots={c['draft_kv_slots_used']}")
+        print(f"server: CPU kernels of the target: {info.cpu_kernels or 'unknown'}")
     finally:
         await serving.server.stop()  # the backend is closed by run()
 
