@@ -35,6 +35,10 @@ class RepeatLast(Proposer):
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
+    @classmethod
+    def build(cls, dc, ctx) -> "RepeatLast":
+        return cls(ctx.vocab_size)
+
     def start(self, r: DraftRequest) -> None:
         r.state = 0
 

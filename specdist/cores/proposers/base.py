@@ -20,6 +20,7 @@ makes the proposer of a ``draft:`` config section: the one factory of a method.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -84,7 +85,7 @@ def register(cls: type[Proposer]) -> type[Proposer]:
     return cls
 
 
-class Proposer:
+class Proposer(ABC):
     """One draft method. Not thread-safe: the core calls it one call at a time."""
 
     methods: ClassVar[tuple[str, ...]] = ()  # the draft.method names it serves; the first names it in health
@@ -120,8 +121,9 @@ class Proposer:
         return (), 0
 
     @classmethod
+    @abstractmethod
     def build(cls, dc: DraftConfig, ctx: BuildContext) -> Proposer:
-        raise NotImplementedError
+        """The method's proposer for a drafter core (``ctx``: the model ``load`` gave, the sizes, the KV layout)."""
 
     # ------------------------------------------------------------ calls
     def check_start(self, item: StartItem, field: str) -> None:
@@ -142,9 +144,9 @@ class Proposer:
         ``r.seq`` after its first ``prev`` tokens. ``prepared``: drafts after that sequence the cache already
         holds (a pipelined preparation that held). ``hidden``: the target's states of the committed positions."""
 
+    @abstractmethod
     def propose(self, reqs: list[DraftRequest], ks: list[int]) -> list[Draft]:
         """At most ``ks[b]`` tokens after each request's committed sequence (k = 0: none)."""
-        raise NotImplementedError
 
     def release(self, r: DraftRequest) -> None:
         """The request ended (its slot is the core's to free)."""
