@@ -34,10 +34,9 @@ class BuildKernels(build_ext):
             return
         # the compiler alone, without Python's own CFLAGS (-fwrapv, -g, ...): the kernels are compiled with
         # kernel_abi.CFLAGS only, whatever the Python build, so their code (and speed) does not depend on it
-        cc = self.compiler.compiler_so
-        self.compiler.set_executable("compiler_so", [*(a for a in cc[: next((i for i, a in enumerate(cc)
-                                                                              if a.startswith("-")), len(cc))]),
-                                                     "-fPIC"])
+        cc = self.compiler.compiler_so  # e.g. ["gcc", "-Wsign-compare", ..., "-fPIC"]; CC may be several words
+        first_flag = next((i for i, a in enumerate(cc) if a.startswith("-")), len(cc))
+        self.compiler.set_executable("compiler_so", [*cc[:first_flag], "-fPIC"])
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any compiler or linker failure leaves the fallback, said once
