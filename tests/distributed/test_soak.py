@@ -57,6 +57,14 @@ def test_verdict_flat_noise_passes_a_leak_fails_a_spike_does_not():
     # integer series: threads jumping between 29 and 30 stay flat; one fd leaked per minute fails
     threads = [29.0 + (rng.random() < 0.3) for _ in T]
     assert fit_trend(T, threads, tolerance("threads", 29)).verdict == "flat"
+    # a dynamic pool that settles 2 threads higher a third of the way in stays flat
+    # (a short run in CI fitted +2.02 from that); one thread leaked per minute fails
+    assert tolerance("threads", 35) == 4 and tolerance("threads", 300) == 30
+    pool = [31.0 + 2 * (t > T[len(T) // 3]) + (rng.random() < 0.2) for t in T]
+    assert fit_trend(T, pool, tolerance("threads", 33)).verdict == "flat"
+    assert fit_trend(T, pool, 2.0).verdict == "grows"  # what a tolerance of 2 threads made of it
+    leak = [35.0 + int(t // 60) for t in T]
+    assert fit_trend(T, leak, tolerance("threads", 45)).verdict == "grows"
     fds = [18.0 + int(t // 60) for t in T]
     assert fit_trend(T, fds, tolerance("fds", 18)).verdict == "grows"
 
