@@ -90,7 +90,7 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
         def grpc_request() -> None:
             chunks = []
             try:
-                for c in client.generate([1], max_tokens=50, ignore_eos=True, request_id="in-flight"):
+                for c in client.generate([1], max_tokens=50, ignore_eos=True, temperature=0.0, request_id="in-flight"):
                     chunks.append(c)
                     first_chunk["grpc"].set()
                 outcome["grpc"] = ("finished", chunks[-1].finish_reason)
@@ -99,7 +99,9 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
 
         def http_request() -> None:
             events = []
-            body = {"prompt": [2], "max_tokens": 50, "ignore_eos": True, "stream": True}
+            # greedy: the first token is the same every run (an unseeded sample that decodes to part of a
+            # character streams no text until the next token, which the held step never makes)
+            body = {"prompt": [2], "max_tokens": 50, "ignore_eos": True, "stream": True, "temperature": 0.0}
             try:
                 with httpx.Client(trust_env=False, timeout=WAIT_S) as http, \
                         http.stream("POST", base + "/v1/completions", json=body) as r:
