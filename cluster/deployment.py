@@ -44,7 +44,6 @@ an explicit :class:`ClusterSpec` still overrides it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -185,11 +184,13 @@ class Deployment:
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement
         from specdist.api.admission import bare_host
+        from specdist.cores.proposers import check_draft
         from specdist.models.metadata import ModelSources
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
         cfg = self.config = load_config(config)
+        check_draft(cfg.draft)  # before any actor is placed
         self.sources = ModelSources.of(cfg) if sources is None else sources
         if self.spec is None:
             self.spec = ClusterSpec.from_config(cfg.cluster)
@@ -286,6 +287,7 @@ class Deployment:
 
     def _load_call(self, h: _Handle):
         from specdist.cores.draft import draft_hidden_layers  # (torch and the models: only where a deployment is)
+        from specdist.cores.proposers import draft_dtype
 
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
         device_type = "cuda" if self._gpu else "cpu"
@@ -308,11 +310,8 @@ class Deployment:
                                        graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope,
                                        cpu_kernels=ec.cpu_kernels)
         return h.actor.load.remote(
-            dc.method, sources, dc.model, cfg.draft_dtype, dc.num_speculative_tokens, ec.max_batch_size,
-            ec.max_model_len, dc.confidence_threshold, dc.ngram_min, dc.ngram_max, "cuda" if self._gpu else "cpu",
-            pipeline=dc.pipelined, pipeline_miss=dc.pipeline_miss,
-            suffix={f: v for f, v in dataclasses.asdict(dc).items() if f.startswith("suffix_")},
-            q_top_k=dc.q_top_k, compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
+            dc, sources, draft_dtype(cfg), ec.max_batch_size, ec.max_model_len, "cuda" if self._gpu else "cpu",
+            compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
             prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs,
             prefix_scope=ec.prefix_cache_scope, cpu_kernels=ec.cpu_kernels)
 

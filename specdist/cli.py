@@ -221,11 +221,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
     from specdist.config import load_config
     from specdist.sampling_params import SamplingParams
-    from specdist.api.serving import check_dependencies, describe, shut_down, start_backend
+    from specdist.api.serving import check_config, describe, shut_down, start_backend
 
     params = SamplingParams(**_sampling_kwargs(args))
     cfg = load_config(args.config)
-    check_dependencies(cfg)
+    check_config(cfg)
     if cfg.cluster.enabled:
         _log(f"running on a Ray deployment: TP={cfg.cluster.tensor_parallel_size}, "
              f"{cfg.cluster.num_draft_workers} draft worker(s) (bring-up takes a while)")

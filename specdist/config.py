@@ -1,7 +1,9 @@
 """Deployment config: YAML file or dict, validated at load.
 
 Every unknown key and every bad value is a one-line :class:`ConfigError` naming
-the dotted key (``draft.method``), so a typo never silently falls back to a default.
+the dotted key (``draft.method``), so a typo never silently falls back to a default. The draft
+methods sit above the config: their names and their own ``draft.`` keys are checked by
+:func:`specdist.cores.proposers.check_draft` (the same errors), which serving calls next.
 
 Shape::
 
@@ -28,6 +30,8 @@ Shape::
                                      #   measured step costs, down to 0 under load (specdist/engine/draft_length.py)
                                      #   | fixed: every request drafts k (seeded runs reproduce token for token)
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
+      # from ngram_min to suffix_min_score: the methods' own keys (any other draft.<key> too); the loader keeps
+      # them in DraftConfig.settings and the method checks them (specdist.cores.proposers.check_draft)
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
       suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix.py): longest substring
@@ -128,7 +132,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -136,9 +140,6 @@ from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # specdist.models.dtypes maps the first three to torch
-DRAFT_METHODS = ("model", "self-w8", "self-w4", "ngram", "suffix", "hybrid", "eagle3", "none")
-HEAD_METHODS = ("model", "eagle3")  # the methods that draft with the model draft.model names
-SELF_DRAFTS = ("self-w8", "self-w4")  # copies of the target at lower precision
 WEIGHTS = ("auto", "native", "float")
 LENGTH_POLICIES = ("fixed", "adaptive")  # draft.length_policy (specdist.engine.draft_length)
 PIPELINE_MISS = ("redraft", "skip", "auto")  # draft.pipeline_miss (specdist.cores.draft_pipeline)
@@ -155,11 +156,6 @@ KV_CACHE_KINDS = ("auto", "slots", "paged")  # engine.kv_cache
 SCOPES = ("tenant", "shared")  # draft.suffix_scope (specdist.cores.suffix), engine.prefix_cache_scope
 
 
-def target_copy(method: str) -> str | None:
-    """The self draft (copy of the target) a draft method drafts with: hybrid drafts with self-w8's."""
-    return "self-w8" if method == "hybrid" else method if method in SELF_DRAFTS else None
-
-
 @dataclass
 class TargetConfig:
     model: str = "smollm2-135m-instruct"
@@ -174,73 +170,46 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
+    """How requests are drafted: the method (a name :mod:`specdist.cores.proposers` registers; ``none``: no
+    drafting) and the settings every method reads. Any other ``draft.`` key is one method's own setting
+    (``ngram_min``, ``suffix_max_depth``, ...) and lands in ``settings``: the config sits below the methods, so
+    the method's name, whether it reads ``draft.model`` and its own settings are checked by
+    :func:`specdist.cores.proposers.check_draft`, which everything that serves a config calls before loading."""
+
     method: str = "self-w8"
     model: str | None = None
     dtype: str = "float32"
     num_speculative_tokens: int = 4
     confidence_threshold: float = 0.0
     length_policy: str = "adaptive"
-    ngram_min: int = 1
-    ngram_max: int = 3
-    suffix_max_depth: int = 24
-    suffix_min_prob: float = 0.1
-    suffix_max_spec_factor: float = 1.0
-    suffix_cache_requests: int = 256
-    suffix_cache_tokens: int = 262_144
-    suffix_scope: str = "tenant"  # one of SCOPES
-    suffix_min_score: float = 2.0
     pipeline: bool = False  # YAML on/off read as booleans
     pipeline_miss: str = "redraft"
     q_top_k: int = 0  # rejection coupling: drafts sample from q's top q_top_k tokens only (0: all)
+    settings: dict[str, Any] = field(default_factory=dict)  # every other draft.<key>, as written: the methods'
+
+    EXTRA_KEYS: ClassVar[str] = "settings"  # build_section puts keys that are no field here
 
     def validate(self, key: str) -> None:
-        _check_choice(self.method, DRAFT_METHODS, f"{key}.method")
+        _check_nonempty(self.method, f"{key}.method")
+        if self.model is not None:
+            _check_nonempty(self.model, f"{key}.model")
         _check_choice(self.pipeline_miss, PIPELINE_MISS, f"{key}.pipeline_miss")
         _check_choice(self.dtype, DTYPES, f"{key}.dtype")
-        if self.method in HEAD_METHODS:
-            _check_nonempty(self.model, f"{key}.model")
-        elif self.model is not None:
-            raise ConfigError(f"{key}.model", f"is only used with methods 'model' and 'eagle3', not {self.method!r}")
         _check_int(self.num_speculative_tokens, f"{key}.num_speculative_tokens", 1, 64)
         _check_choice(self.length_policy, LENGTH_POLICIES, f"{key}.length_policy")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ConfigError(f"{key}.confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold!r}")
         _check_int(self.q_top_k, f"{key}.q_top_k", 0, 1 << 24)
-        _check_int(self.ngram_min, f"{key}.ngram_min", 1, 64)
-        _check_int(self.ngram_max, f"{key}.ngram_max", self.ngram_min, 64)
-        _check_int(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256)
-        _check_int(self.suffix_cache_requests, f"{key}.suffix_cache_requests", 0, 1 << 20)
-        _check_int(self.suffix_cache_tokens, f"{key}.suffix_cache_tokens", 0, 1 << 32)
-        if self.suffix_scope not in SCOPES:
-            raise ConfigError(f"{key}.suffix_scope", f"must be one of {', '.join(SCOPES)}, got {self.suffix_scope!r}")
-        if not 0.0 <= self.suffix_min_prob <= 1.0:
-            raise ConfigError(f"{key}.suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob!r}")
-        if not 0.0 < self.suffix_max_spec_factor <= 256.0:
-            raise ConfigError(f"{key}.suffix_max_spec_factor",
-                              f"must be in (0, 256], got {self.suffix_max_spec_factor!r}")
-        if not 0.0 <= self.suffix_min_score <= 64.0:
-            raise ConfigError(f"{key}.suffix_min_score", f"must be in [0, 64], got {self.suffix_min_score!r}")
+        if not isinstance(self.settings, dict):
+            raise ConfigError(f"{key}.settings", f"must be a mapping, got {type(self.settings).__name__}")
+        fields = {f.name for f in dataclasses.fields(self)}
+        for name in self.settings:
+            if not isinstance(name, str) or name in fields:
+                raise ConfigError(f"{key}.settings", f"{name!r} is not a method's own setting")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
-
-    @property
-    def sampled_lengths(self) -> bool:
-        """Draft lengths depend on the draft's own samples: a model draft stopped by the confidence
-        threshold. (Suffix and n-gram drafts stop as a function of committed tokens only.)"""
-        return self.confidence_threshold > 0 and self.method not in ("ngram", "suffix", "none")
-
-    @property
-    def model_free(self) -> bool:
-        """Drafts are lookups with no model pass (n-gram, suffix): the adaptive rule has them proposed as long
-        as each request may draft, then keeps the positions worth verifying (specdist.engine.draft_length)."""
-        return self.method in ("ngram", "suffix")
-
-    @property
-    def pipelined(self) -> bool:
-        """Drafts are prepared during verification (model drafts; n-gram lookups cost nothing)."""
-        return self.pipeline and self.method in (*HEAD_METHODS, *SELF_DRAFTS)
 
 
 KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype
@@ -449,14 +418,11 @@ class Config:
                                   f"{self.cluster.tensor_parallel_size} use auto (drafts compiled on CUDA) or off")
         return self
 
-    @property
-    def draft_dtype(self) -> str:
-        """The dtype the draft runs in: draft.dtype for a separate model; self drafts are the target's copy,
-        and an EAGLE-3 head runs in the target's dtype (that of the hidden states it reads)."""
-        return self.target.dtype if target_copy(self.draft.method) or self.draft.method == "eagle3" else self.draft.dtype
-
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as YAML would write it: the draft methods' own settings as ``draft.`` keys again."""
+        d = dataclasses.asdict(self)
+        d["draft"].update(d["draft"].pop("settings"))
+        return d
 
 
 def load_config(source: str | os.PathLike | dict | Config | None) -> Config:
@@ -479,24 +445,33 @@ def load_config(source: str | os.PathLike | dict | Config | None) -> Config:
         data = source
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"must be a mapping, got {type(data).__name__}")
-    return _build(Config, data, "").validate()
+    return build_section(Config, data, "").validate()
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def build_section(cls: type, data: Any, prefix: str) -> Any:
+    """The dataclass ``cls`` from the mapping ``data`` (a config section at the dotted ``prefix``): each value
+    coerced to its field's type, sections built recursively; a key that is no field is a ConfigError, unless
+    ``cls.EXTRA_KEYS`` names a dict field that takes such keys as they are. Not validated (``validate``)."""
     if not isinstance(data, dict):
         raise ConfigError(prefix or "<root>", f"must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
+    extra = getattr(cls, "EXTRA_KEYS", None)
+    kwargs: dict[str, Any] = {extra: {}} if extra else {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            raise ConfigError(dotted, f"unknown key (expected one of: {', '.join(sorted(names))})")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, dotted)
+        if key == extra:
+            if not isinstance(value, dict):
+                raise ConfigError(dotted, f"must be a mapping, got {type(value).__name__}")
+            kwargs[extra].update(value)
+        elif key in names:
+            hint = hints[key]
+            kwargs[key] = build_section(hint, value, dotted) if dataclasses.is_dataclass(hint) \
+                else _coerce(value, hint, dotted)
+        elif extra and isinstance(key, str):
+            kwargs[extra][key] = value
         else:
-            kwargs[key] = _coerce(value, hint, dotted)
+            raise ConfigError(dotted, f"unknown key (expected one of: {', '.join(sorted(names))})")
     return cls(**kwargs)
 
 

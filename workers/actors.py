@@ -424,21 +424,12 @@ class DraftActor(_ActorBase):
     @_shippable_errors
     def load(
         self,
-        method: str,
+        draft,  # the config's draft section: a DraftConfig, or a mapping as a config file's draft: holds it
         target,  # the config's models (ModelSources, resolved by the driver), or the target's spec
-        draft_model_spec: str | None = None,  # with a target spec: draft.model (methods model and eagle3)
-        dtype: str = "float32",  # the draft's: Config.draft_dtype (self drafts: the target's); auto resolved here
-        k: int = 4,
+        dtype: str = "float32",  # the draft's: specdist.cores.proposers.draft_dtype; auto resolved here
         max_batch_size: int = 8,
         max_model_len: int = 2048,
-        confidence_threshold: float = 0.0,
-        ngram_min: int = 1,
-        ngram_max: int = 3,
         device: str = "auto",
-        pipeline: bool = False,  # draft.pipeline (model drafts): prepare next drafts during verification
-        pipeline_miss: str = "redraft",
-        suffix: dict | None = None,  # the draft.suffix_* keys (methods suffix and hybrid; defaults if None)
-        q_top_k: int = 0,  # draft.q_top_k: rejection-coupled drafts send their q's top q_top_k tokens only
         compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
         compile_cache_dir: str | None = None,
         prefix_caching: bool = True,  # engine.prefix_caching: prompt K/V reused across requests
@@ -448,39 +439,32 @@ class DraftActor(_ActorBase):
         prefix_scope: str = "shared",  # engine.prefix_cache_scope: whose prompt K/V a request reuses
         cpu_kernels: str = "auto",  # engine.cpu_kernels: specdist's C kernels (auto, required) or torch's (off)
     ) -> dict:
-        """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the draft
-        model checked against the target's vocabulary, or the target's own copy, or none; then the
-        core, compiled passes (``compile_passes``) and the pipeline (``pipeline``). ``target``: the
-        :class:`~specdist.models.metadata.ModelSources` a deployment passes (resolved, with what the
-        driver read of the target: nothing is resolved or read again here), or the target's spec (with
-        ``draft_model_spec``: resolved here as first used)."""
+        """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the method's proposer
+        (checked: :func:`specdist.cores.proposers.check_draft`), what it drafts with (a draft model checked
+        against the target's vocabulary, the target's own copy, a head, or nothing), then the core, compiled
+        passes (``compile_passes``) and the pipeline (``draft.pipeline``). ``target``: the
+        :class:`~specdist.models.metadata.ModelSources` a deployment passes (resolved, with what the driver read
+        of the target: nothing is resolved or read again here), or the target's spec (then ``draft.model`` is
+        resolved here as first used)."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.config import DRAFT_METHODS, HEAD_METHODS, DraftConfig
+        from specdist.config import DraftConfig, build_section
         from specdist.cores.draft import build_drafter_core, load_draft_model
+        from specdist.cores.draft_pipeline import pipelined
+        from specdist.cores.proposers import check_draft, draft_traits
         from specdist.engine.local import device_for
         from specdist.errors import ConfigError
-        from specdist.cores.draft_pipeline import pipelined
         from specdist.models.metadata import ModelSources
 
-        if method == "none" or method not in DRAFT_METHODS:
-            raise ConfigError("draft.method", "a draft actor runs model, self-w8, self-w4, ngram, suffix, hybrid or "
-                                              f"eagle3, not {method!r}")
+        dc = draft if isinstance(draft, DraftConfig) else build_section(DraftConfig, draft, "draft")
+        dc.validate("draft")
+        if not dc.enabled:
+            raise ConfigError("draft.method", "a draft actor needs a draft method, not 'none'")
+        check_draft(dc)
         self._use_cpu_kernels(cpu_kernels)
-        if isinstance(target, ModelSources):
-            sources = target
-        else:
-            sources = ModelSources(target, draft_model_spec if method in HEAD_METHODS else None)
-        dc = DraftConfig(method=method, model=sources.draft_spec if method in HEAD_METHODS else None,
-                         confidence_threshold=confidence_threshold, ngram_min=ngram_min, ngram_max=ngram_max,
-                         q_top_k=q_top_k, **(suffix or {}))
+        sources = target if isinstance(target, ModelSources) else ModelSources(target, dc.model)
         model = load_draft_model(dc, sources, dtype, device_for(device))
-        if model is None:  # n-gram and suffix drafts: the target's vocabulary, read without weights
-            vocab = sources.vocab_size()
-        elif method == "eagle3":  # a head load_draft_model found to fit the target
-            vocab = model.spec.vocab_size
-        else:  # the target's copy, or a draft model load_draft_model found to share the target's vocabulary
-            vocab = int(model.config.vocab_size)
+        vocab = sources.vocab_size()  # the target's: what the method drafts with was checked to share it
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
         from specdist.models.graphs import KVOptions
 
@@ -490,15 +474,15 @@ class DraftActor(_ActorBase):
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 
-            compile_runner(self.worker.runner, "draft", int(k), compile_cache_dir)
+            compile_runner(self.worker.runner, "draft", dc.num_speculative_tokens, compile_cache_dir)
         runner = self.worker.runner
         if graphs and runner is not None and runner.attention is not None and runner.device.type == "cuda":
             runner.capture_graphs(max_tokens=2)  # one token a draft pass, two when it catches up
-        self.worker = pipelined(self.worker, pipeline, pipeline_miss)
-        self.method, self.k = method, int(k)
+        self.worker = pipelined(self.worker, draft_traits(dc).pipelined, dc.pipeline_miss)
+        self.method, self.k = dc.method, dc.num_speculative_tokens
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
-        return {"index": self.index, "method": method, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
+        return {"index": self.index, "method": dc.method, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
 
     @_shippable_errors
     def warmup(self) -> float:

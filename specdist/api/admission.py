@@ -150,6 +150,7 @@ def request_stats(m: RequestMetrics, speculative: bool = True) -> dict[str, Any]
 def server_info(engine) -> dict[str, Any]:
     """What the engine serves (the fields of the wire's ``ServerInfo`` besides its counters)."""
     cfg = engine.config
+    pipelined = engine.traits.pipelined
     return dict(
         target_model=cfg.target.model,
         draft_method=cfg.draft.method,
@@ -158,8 +159,8 @@ def server_info(engine) -> dict[str, Any]:
         draft_replicas=draft_replicas(engine),
         num_speculative_tokens=engine.k,
         max_model_len=engine.max_model_len,
-        draft_pipeline=cfg.draft.pipelined,
-        draft_pipeline_miss=cfg.draft.pipeline_miss if cfg.draft.pipelined else "",
+        draft_pipeline=pipelined,
+        draft_pipeline_miss=cfg.draft.pipeline_miss if pipelined else "",
         cpu_kernels=getattr(engine, "cpu_kernels", ""),  # Engine: this process's; RemoteEngine: its target rank 0's
     )
 

@@ -147,8 +147,13 @@ def check_listen(host: str, port: int) -> None:
         raise ListenError(f"cannot listen on {host}:{port}: {why}")
 
 
-def check_dependencies(cfg: Any) -> None:
-    """Raise MissingDependency naming the extra when the config needs one that is not installed."""
+def check_config(cfg: Any) -> None:
+    """What a loaded config needs before anything starts, beyond what load_config checks: a draft method that
+    serves ``draft.method`` with its settings (:func:`specdist.cores.proposers.check_draft`: a ConfigError
+    naming the key), and the extras it runs on (MissingDependency naming the extra when one is not installed)."""
+    from specdist.cores.proposers import check_draft
+
+    check_draft(cfg.draft)
     if not cfg.cluster.enabled:
         return
     if not _importable("ray"):
@@ -242,7 +247,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     from specdist.models.metadata import resolve_sources
 
     cfg = load_config(config)
-    check_dependencies(cfg)
+    check_config(cfg)
     sources = resolve_sources(cfg) if sources is None else sources
     if tokenizer is not None:
         sources.use_tokenizer(tokenizer)
@@ -433,7 +438,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                              getattr(args, "tls_client_ca", None),
                                              getattr(args, "auth_token_file", None))
     cfg = load_config(args.config)
-    check_dependencies(cfg)
+    check_config(cfg)
     http_port = getattr(args, "http_port", None)
     if http_port is not None:
         check_http_dependencies()

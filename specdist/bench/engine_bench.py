@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from specdist.config import COMPILE_MODES, DTYPES, HEAD_METHODS, LENGTH_POLICIES, SELF_DRAFTS
+from specdist.config import COMPILE_MODES, DTYPES, LENGTH_POLICIES
 
 PROMPTS = [
     "Explain gravity to a ten-year-old.",
@@ -48,8 +48,8 @@ HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative optio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8", choices=(*SELF_DRAFTS, "ngram", "suffix", *HEAD_METHODS),
-                   help="draft method")
+    p.add_argument("--draft", default="self-w8",
+                   help="draft method (a draft.method: model, self-w8, self-w4, ngram, suffix, hybrid, eagle3, ...)")
     p.add_argument("--weights", default="float", choices=("float", "native"),
                    help="the target's weights (target.weights); transformers' systems always run the floats")
     p.add_argument("--draft-model", default=None,
@@ -107,8 +107,14 @@ def run(args: argparse.Namespace) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    if (args.draft in HEAD_METHODS) != (args.draft_model is not None):
-        raise ValueError("--draft-model: needed with --draft model or eagle3, and only then")
+    from specdist.cores.proposers import proposer_class, proposer_methods
+
+    if args.draft not in proposer_methods():
+        raise ValueError(f"--draft: unknown draft method {args.draft!r}; choose from {', '.join(proposer_methods())}")
+    method = proposer_class(args.draft)
+    if method.reads_draft_model != (args.draft_model is not None):
+        readers = [m for m in proposer_methods() if proposer_class(m).reads_draft_model]
+        raise ValueError(f"--draft-model: needed with --draft {' or '.join(readers)}, and only then")
     device = device_for(args.device)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:
@@ -136,16 +142,17 @@ def run(args: argparse.Namespace) -> int:
         if args.weights == "native" and src.gguf_path:
             target = unfused_copy(hf_target)
             use_native_blocks(target, src.gguf_path)
-        if args.draft in SELF_DRAFTS:
-            draft_model = self_draft(target, args.draft, src.gguf_path)
+        if method.target_copy(args.draft):  # the engine's own copy, of the native target where it runs on blocks
+            draft_model = self_draft(target, method.target_copy(args.draft), src.gguf_path)
         elif args.draft == "model":
             draft_model = load_model(resolve_model(args.draft_model, "--draft-model"), dtype, device)
-        elif args.draft == "eagle3":  # as the engine loads it (int8 linears on x86 CPUs)
+        elif method.reads_draft_model:  # a head, as the engine loads it (int8 linears on x86 CPUs)
             from specdist.config import DraftConfig
             from specdist.cores.draft import load_draft_model
+            from specdist.models.metadata import ModelSources
 
-            draft_model = load_draft_model(DraftConfig(method="eagle3", model=args.draft_model), args.model, dtype,
-                                           device, target=target)
+            draft_model = load_draft_model(DraftConfig(method=args.draft, model=args.draft_model),
+                                           ModelSources(args.model, args.draft_model), dtype, device, target=target)
         else:
             draft_model = None
         assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                            "compile": args.compile}}
         draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
                      "dtype": dtype}
-        if args.draft in HEAD_METHODS:
+        if method.reads_draft_model:
             draft_cfg["model"] = args.draft_model
         engines = {
             "engine-target": Engine(load_config({**base, "draft": {"method": "none"}}), target, tok),

@@ -211,6 +211,7 @@ def variant_config(base: dict, name: str, **engine) -> dict:
 def check_args(args: argparse.Namespace) -> Plan:
     """The run's plan; ValueError naming the flag (ConfigError for the config), before any weight loads."""
     from specdist.config import load_config
+    from specdist.cores.proposers import check_draft
     from specdist.errors import ConfigError
 
     tasks = list(dict.fromkeys(flag_items(args.tasks, "--tasks")))
@@ -243,7 +244,7 @@ def check_args(args: argparse.Namespace) -> Plan:
     base = load_config(args.config).to_dict()
     for name in drafts:
         try:
-            load_config(variant_config(base, name))
+            check_draft(load_config(variant_config(base, name)).draft)
         except ConfigError as e:
             raise ValueError(f"--drafts {name!r}: {e}") from None
     return Plan(tasks, drafts, levels, prompts, args.rounds, args.repeat, max_tokens, base)

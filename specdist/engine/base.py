@@ -69,6 +69,7 @@ class EngineBase:
     max_batch_size = _OfScheduler()
     max_prefill_tokens = _OfScheduler()
     k = _OfScheduler()
+    traits = _OfScheduler()
     length_policy = _OfScheduler()
     coupling = _OfScheduler()
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from specdist.config import Config, load_config, target_copy
+from specdist.config import Config, load_config
 from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
+from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, target_copy
 from specdist.models.loader import eos_token_ids
 from specdist.models import cpu_kernels
 from specdist.models.graphs import KVOptions
@@ -37,6 +38,7 @@ class Engine(EngineBase):
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
+        traits = draft_traits(config.draft)  # refuses a draft section no method serves, before anything is built
         # engine.cpu_kernels in this process (from_config applied it before loading; the runners read it); the
         # backend it chose is GetServerInfo's cpu_kernels
         self.cpu_kernels = cpu_kernels.configure(ec.cpu_kernels)
@@ -48,7 +50,7 @@ class Engine(EngineBase):
         vocab = self.target_core.vocab_size
         dc = config.draft
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
-        share = self.target_core.prefix_kv if target_copy(dc.method) else None
+        share = self.target_core.prefix_kv if target_copy(dc) else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
         self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
                                                                  prefix_source=share, defer_prefill=True,
@@ -65,9 +67,10 @@ class Engine(EngineBase):
         if ec.graphs(device.type):
             self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None,
                                            dc.num_speculative_tokens if dc.enabled else 0)
-        drafters = [LocalDrafter(pipelined(self.draft_core, dc.pipelined, dc.pipeline_miss))] if self.draft_core is not None else []
+        drafters = ([LocalDrafter(pipelined(self.draft_core, traits.pipelined, dc.pipeline_miss))]
+                    if self.draft_core is not None else [])
         self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
-                                   eos_token_ids(target, tokenizer))
+                                   eos_token_ids(target, tokenizer), traits=traits)
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Each core's KV cache usage (``usage()`` of its cache: blocks_total, blocks_used, block_size), by core
@@ -96,6 +99,7 @@ class Engine(EngineBase):
         from specdist.models.metadata import resolve_sources
 
         cfg = load_config(source)
+        check_draft(cfg.draft)  # before anything resolves or loads
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         cpu_kernels.configure(cfg.engine.cpu_kernels)  # before the weights: native blocks are packed for the kernels
@@ -107,7 +111,7 @@ class Engine(EngineBase):
             if target is None:
                 target = load_model(sources.target, cfg.target.dtype, device, weights=cfg.target.weights)
             # a draft model checked against the target's vocabulary, or the target's own copy
-            draft = load_draft_model(cfg.draft, sources, cfg.draft_dtype, device, target, tokenizer)
+            draft = load_draft_model(cfg.draft, sources, draft_dtype(cfg), device, target, tokenizer)
         return cls(cfg, target, tokenizer, draft)
 
 

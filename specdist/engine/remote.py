@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from specdist.config import Config, load_config
 from specdist.cores.draft import draft_hidden_layers
+from specdist.cores.proposers import check_draft, draft_traits
 from specdist.errors import InvalidArgument
 from specdist.models.metadata import ModelSources, resolve_sources
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
@@ -48,6 +49,7 @@ class RemoteEngine(EngineBase):
         """``sources``: the config's models (an EAGLE-3 draft's layers are read from the head and the target's
         config); None: resolved from the config if a draft method needs them."""
         cfg = load_config(config)
+        traits = draft_traits(cfg.draft)  # refuses a draft section no method serves
         if vocab_size is None:
             if tokenizer is None:
                 raise InvalidArgument("vocab_size", "is required without a tokenizer")
@@ -64,7 +66,7 @@ class RemoteEngine(EngineBase):
                                     cfg.engine.max_model_len)
         verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
         drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers) for a in addresses]
-        self.scheduler = Scheduler(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size)
+        self.scheduler = Scheduler(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size, traits)
 
     @classmethod
     def from_addresses(
@@ -75,6 +77,7 @@ class RemoteEngine(EngineBase):
         config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them (and what they read
         already is not read again); None: resolved here."""
         cfg = load_config(config)
+        check_draft(cfg.draft)  # before anything resolves
         sources = resolve_sources(cfg) if sources is None else sources
         sources.read_target_metadata()
         return cls(cfg, target_address, draft_addresses, tokenizer=sources.tokenizer(), vocab_size=sources.vocab_size(),

@@ -73,6 +73,7 @@ from specdist.transport.protocol import (
     HIT,
     CallTiming,
     Drafter,
+    DraftTraits,
     ProposeItem,
     StartItem,
     TransportError,
@@ -111,9 +112,13 @@ class Scheduler:
         tokenizer=None,
         eos_ids: frozenset[int] | Sequence[int] = frozenset(),
         draft_max_batch_size: int | None = None,
+        traits: DraftTraits = DraftTraits(),
     ):
+        """``traits``: what the draft method is like (:func:`specdist.cores.proposers.draft_traits`: the engines
+        read them off the method; the default is a method with none of them)."""
         ec = config.engine
         self.config = config
+        self.traits = traits
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.vocab_size = int(verifier.vocab_size)
@@ -129,17 +134,17 @@ class Scheduler:
         self.k = config.draft.num_speculative_tokens if self.pool else 0
         # model-free drafts (lookups) under the adaptive rule are proposed first, as long as each request may
         # draft, and the rule keeps the positions worth verifying, priced by their match lengths
-        self._propose_first = (bool(self.pool) and config.draft.model_free
+        self._propose_first = (bool(self.pool) and traits.model_free
                                and config.draft.length_policy == "adaptive")
         self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
                                                num_replicas=max(1, len(self.pool)),
-                                               pipelined=config.draft.pipelined and bool(self.pool),
+                                               pipelined=traits.pipelined and bool(self.pool),
                                                model_free=self._propose_first)
         # The cost fits steer later lengths, so they must not see what a step's uniforms decided. Where
         # the draft's own samples cut its length (confidence threshold), the tokens past a rejection are
         # sampled with uniforms of positions the next steps draft again: the fits then take the planned
         # lengths, not the realised ones.
-        self._planned_costs = config.draft.sampled_lengths
+        self._planned_costs = traits.sampled_lengths
         self.coupling = config.sampling.coupling  # both cores of every request get it at admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -194,6 +194,16 @@ class Verifier(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class DraftTraits:
+    """What the scheduler plans by, of the draft method its drafters serve
+    (:func:`specdist.cores.proposers.draft_traits` reads them off the method's proposer)."""
+
+    model_free: bool = False  # drafts are lookups without a model pass: proposed before the length choice
+    pipelined: bool = False  # drafters prepare each request's next drafts while the target verifies
+    sampled_lengths: bool = False  # a draft's length depends on its own samples (a confidence threshold)
+
+
 class Drafter(Protocol):
     name: str
     is_remote: bool

@@ -300,7 +300,7 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--tasks", "chat,poetry"], "--tasks: unknown task 'poetry'; choose from chat, code-edit, summarize, qa, "
                                  "multi-turn"),
-    (["--drafts", "none,eagle"], "--drafts 'eagle': config draft.method: must be one of "),
+    (["--drafts", "none,eagle"], "--drafts 'eagle': config draft.method: no draft method 'eagle'; there are eagle3, "),
     (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
     (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
     (["--drafts", "none,suffix:0"], "--drafts 'suffix:0': K in METHOD:K must be a positive integer"),

@@ -206,7 +206,7 @@ def _fake_backend(monkeypatch, deployed: bool, **engine_kwargs):
         return made["backend"]
 
     monkeypatch.setattr(serve_cli, "start_backend", start_backend)
-    monkeypatch.setattr(serve_cli, "check_dependencies", lambda cfg: None)
+    monkeypatch.setattr(serve_cli, "check_config", lambda cfg: None)
     return made
 
 

@@ -49,6 +49,8 @@ import yaml
 
 from specdist import config as specdist_config
 from specdist.cli import build_parser
+from specdist.cores.proposers import check_draft, proposer_class, proposer_methods
+from specdist.cores.proposers.suffix import SuffixKeys, SuffixProposer
 from specdist.errors import ConfigError
 from specdist.transport.grpc_host import LIVENESS
 from specdist.v1 import specdist_pb2
@@ -179,9 +181,11 @@ def _load_rendered_config(cm: dict, problems: list[str]):
         path = Path(d) / "config.yaml"
         path.write_text(text)
         try:
-            return specdist_config.load_config(str(path))
+            cfg = specdist_config.load_config(str(path))
+            check_draft(cfg.draft)  # what `specdist serve` checks next, before it loads anything
+            return cfg
         except ConfigError as e:
-            problems.append(f"config.yaml: specdist.config rejects it: {e}")
+            problems.append(f"config.yaml: specdist rejects it: {e}")
             return None
 
 
@@ -861,7 +865,7 @@ MUTATIONS = {
                              .update({"nvidia.com/gpu": 3}), "use_gpu false"),
     "config the loader rejects": ("cpu-demo-values.yaml",
                                   lambda d: _set_config(d, lambda c: c["draft"].update(method="medusa")),
-                                  "specdist.config rejects it: config draft.method"),
+                                  "specdist rejects it: config draft.method: no draft method 'medusa'"),
     "Service port": ("defaults", lambda d: one(d, "Service")["spec"]["ports"][0].update(port=50052), "Service port"),
     "container port": ("defaults",
                        lambda d: _container_port(d, "grpc").update(containerPort=50052),
@@ -1077,12 +1081,24 @@ def test_invariant_checker_catches(name):
 
 def test_cpu_demo_matches_default_config():
     """The CPU demo (and the chart's defaults) render configs/default.yaml, with use_gpu made explicit."""
-    want = specdist_config.load_config(str(REPO / "configs" / "default.yaml")).to_dict()
+    want = _effective(specdist_config.load_config(str(REPO / "configs" / "default.yaml")))
     assert want["cluster"]["use_gpu"] == "auto"
     want["cluster"]["use_gpu"] = False  # on Kubernetes the chart says it: the target pod has no GPU
     for case in ("defaults", "cpu-demo-values.yaml"):
         cfg = yaml.safe_load(one(rendered(case), "ConfigMap")["data"]["config.yaml"])
-        assert specdist_config.load_config(cfg).to_dict() == want, case
+        assert _effective(specdist_config.load_config(cfg)) == want, case
+
+
+def _effective(cfg) -> dict:
+    """``cfg.to_dict()`` with every method's own settings as the methods read them (defaults where not set)."""
+    import dataclasses
+
+    d = cfg.to_dict()
+    for name in proposer_methods():
+        own = proposer_class(name).settings_of(cfg.draft)
+        if own is not None:
+            d["draft"].update(dataclasses.asdict(own))
+    return d
 
 
 def test_gpu_shape():
@@ -1103,7 +1119,7 @@ BAD_VALUES = {
     "negative draft replicas": ({"draft": {"replicas": -1}}, "/draft/replicas"),
     "GPUs != tensor-parallel size": ({"target": {"tensorParallelSize": 8, "gpusPerPod": 4},
                                       "draft": {"gpusPerReplica": 1}}, "/target/gpusPerPod"),
-    "unknown draft method": ({"draft": {"method": "medusa"}}, "/draft/method"),
+    "malformed draft method": ({"draft": {"method": "self w8"}}, "/draft/method"),  # names: checked at start
     "draft replicas with method none": ({"draft": {"method": "none", "replicas": 1}}, "/draft/replicas"),
     "CPU drafts next to a GPU target": ({"target": {"tensorParallelSize": 2, "gpusPerPod": 2}}, "/draft/gpusPerReplica"),
     "GPU drafts next to a CPU target": ({"draft": {"gpusPerReplica": 1}}, "/draft/gpusPerReplica"),
@@ -1168,7 +1184,10 @@ def test_bad_values_are_rejected_naming_the_key(name):
 
 def test_schema_choices_match_the_config_loader():
     schema = _chart().schema
-    assert schema["properties"]["draft"]["properties"]["method"]["enum"] == list(specdist_config.DRAFT_METHODS)
+    # draft.method: any registered method (a new one is a module of specdist: the chart names none of them)
+    method = jsonschema.Draft202012Validator(schema["properties"]["draft"]["properties"]["method"])
+    assert all(method.is_valid(m) for m in (*proposer_methods(), "none", "repeat-last", "self_w2"))
+    assert not any(method.is_valid(m) for m in ("", "Model", "-x", "a b", "x;y", 3))
     assert schema["$defs"]["dtype"]["enum"] == list(specdist_config.DTYPES)
     chain = schema["properties"]["target"]["allOf"]  # one if/then per tensor-parallel size
     assert [c["if"]["properties"]["tensorParallelSize"]["const"] for c in chain] == \
@@ -1236,7 +1255,7 @@ def test_suffix_values_match_the_config_loader():
     """Each draft.suffix* value: the chart's default is the config's, and the schema accepts exactly what the
     loader does at and around both ends of its range."""
     schema = _chart().schema["properties"]["draft"]["properties"]
-    defaults = specdist_config.DraftConfig()
+    defaults = SuffixKeys()
     for name, key in SUFFIX_VALUES.items():
         assert _chart().values["draft"][name] == getattr(defaults, key), name
         sub = schema[name]
@@ -1246,7 +1265,7 @@ def test_suffix_values_match_the_config_loader():
         for value in (lo - step, lo, lo + step, hi - step, hi, hi + step):
             in_schema = jsonschema.Draft202012Validator(sub).is_valid(value)
             try:
-                specdist_config.load_config({"draft": {key: value}})
+                check_draft(specdist_config.load_config({"draft": {"method": "suffix", key: value}}).draft)
                 in_loader = True
             except ConfigError:
                 in_loader = False
@@ -1262,7 +1281,8 @@ def test_suffix_values_reach_the_config():
         assert check_invariants(docs) == []
         cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"])).draft
         assert cfg.method == "hybrid"
-        assert {name: getattr(cfg, key) for name, key in SUFFIX_VALUES.items()} == draft
+        own = SuffixProposer.settings_of(cfg)
+        assert {name: getattr(own, key) for name, key in SUFFIX_VALUES.items()} == draft
 
 
 def test_chart_renders_every_config_key():
@@ -1277,7 +1297,23 @@ def test_chart_renders_every_config_key():
         missing = fields - set(cfg[section.name])
         if section.name == "cluster":
             missing -= {"gpus_per_draft"}  # rendered with GPUs only (the loader requires it > 0)
+        if section.name == "draft":
+            missing -= {"settings"}  # the methods' own keys: draft.settings (test_draft_settings_reach_the_config)
         assert not missing, f"{section.name}: the chart does not render {sorted(missing)}"
+
+
+def test_draft_settings_reach_the_config():
+    """A method's own settings the chart does not name reach the config as set (draft.settings); the schema
+    refuses a key the chart renders from a named value (it would be written twice) and non-scalar values."""
+    docs = render({"draft": {"method": "repeat-last", "settings": {"repeat_cap": 2, "mode": "x", "on": True,
+                                                                  "ratio": 0.25}}})
+    cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"])).draft
+    assert cfg.method == "repeat-last"
+    assert {k: cfg.settings[k] for k in ("repeat_cap", "mode", "on", "ratio")} == \
+        {"repeat_cap": 2, "mode": "x", "on": True, "ratio": 0.25}  # "on": a string key, not YAML's boolean
+    for bad in ({"ngram_min": 2}, {"q_top_k": 1}, {"Key": 1}, {"x": [1]}, {"x": {"y": 1}}):
+        with pytest.raises(helm.HelmError):
+            render({"draft": {"settings": bad}})
 
 
 def test_wait_for_workers_counts_alive_non_head_nodes():

@@ -39,8 +39,8 @@ def actors(tiny_models):
     draft = DraftActor(0, num_threads=None)
     try:
         target.load(tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN)
-        draft.load("model", tiny_models["target"], tiny_models["draft"], k=K, max_batch_size=8, max_model_len=MAX_LEN,
-                   device="cpu")
+        draft.load({"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
+                   tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN, device="cpu")
         target_address = target.start_grpc("127.0.0.1", 0, SECRET)
         draft_address = draft.start_grpc("127.0.0.1", 0, SECRET)
         yield target, draft, target_address, draft_address

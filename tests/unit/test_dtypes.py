@@ -21,6 +21,7 @@ from support.helpers import devices, tiny_config
 from specdist import config as config_module
 from specdist.config import Config, load_config
 from specdist.cores.draft import DrafterCore
+from specdist.cores.proposers import draft_dtype
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import dtypes
@@ -206,9 +207,10 @@ def test_config_accepts_auto_and_names_the_key_of_a_bad_dtype():
             load_config({key: {"dtype": "fp8"}})
     # self-w8 is the target's own copy: it runs in target.dtype; a separate draft in draft.dtype
     mixed = {"target": {"dtype": "bfloat16"}, "draft": {"dtype": "float16"}}
-    assert load_config(mixed).draft_dtype == "bfloat16"
-    assert load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}}).draft_dtype == "float16"
-    assert Config().draft_dtype == Config().target.dtype
+    assert draft_dtype(load_config(mixed)) == "bfloat16"
+    assert draft_dtype(load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}})) == \
+        "float16"
+    assert draft_dtype(Config()) == Config().target.dtype
 
 
 def test_auto_resolves_per_device(monkeypatch, tiny_models):
@@ -231,13 +233,14 @@ def test_auto_resolves_per_device(monkeypatch, tiny_models):
 
 
 def test_draft_actor_loads_in_the_dtype_it_is_given(tiny_models):
-    """A deployment passes Config.draft_dtype; self-w8 loads the target in it, a model draft itself."""
+    """A deployment passes draft_dtype(config); self-w8 loads the target in it, a model draft itself."""
     from workers.actors import DraftActor
 
     for method, spec, dtype in (("self-w8", None, "bfloat16"), ("model", tiny_models["draft"], "float16")):
         actor = DraftActor(0, None)
         try:
-            actor.load(method, tiny_models["target"], spec, dtype, 3, 2, 32, device="cpu")
+            actor.load({"method": method, "model": spec, "num_speculative_tokens": 3}, tiny_models["target"], dtype, 2,
+                       32, device="cpu")
             assert actor.worker.runner.dtype == TORCH_DTYPES[dtype]
             assert actor.worker.cache.k[0].dtype == TORCH_DTYPES[dtype]
         finally:

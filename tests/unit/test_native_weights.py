@@ -38,6 +38,7 @@ from support.gguf_writer import (GRID, GRID16, HEAD_TYPE, HF_NAMES, LAYERS, LINE
                                  grid_bytes, iq4_nl_bytes, iq4_xs_bytes, q2_k_bytes, q3_k_bytes, q4_k_bytes,
                                  q5_k_bytes, q6_k_bytes, write_tiny_gguf, _quantized)
 from specdist.config import load_config
+from specdist.cores.proposers import check_draft, draft_dtype, draft_traits
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import cpu_kernels, native
@@ -795,10 +796,10 @@ def test_config_target_weights_and_self_w4():
     for ok in ("auto", "native", "float"):  # every choice on several ranks too (each rank its part of the blocks)
         assert load_config({"target": {"weights": ok}, "cluster": cluster}).target.weights == ok
     cfg = load_config({"target": {"dtype": "bfloat16"}, "draft": {"method": "self-w4", "dtype": "float16"}})
-    assert cfg.draft.method == "self-w4" and cfg.draft_dtype == "bfloat16"  # the target's own copy
-    assert load_config({"draft": {"method": "self-w4", "pipeline": True}}).draft.pipelined
-    with pytest.raises(ConfigError, match=r"config draft\.method"):
-        load_config({"draft": {"method": "self-w2"}})
+    assert cfg.draft.method == "self-w4" and draft_dtype(cfg) == "bfloat16"  # the target's own copy
+    assert draft_traits(load_config({"draft": {"method": "self-w4", "pipeline": True}}).draft).pipelined
+    with pytest.raises(ConfigError, match=r"config draft\.method: no draft method 'self-w2'"):
+        check_draft(load_config({"draft": {"method": "self-w2"}}).draft)
 
 
 # ----------------------------------------------------------------------------- 5. engine, self-w4 (tiny, float target)

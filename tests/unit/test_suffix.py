@@ -24,6 +24,7 @@ from support.helpers import ServedCores, frozen_adaptive_policy, tiny_config
 from specdist.cores.proposers.suffix import SuffixProposer
 from specdist.config import load_config
 from specdist.cores.draft import DrafterCore, build_drafter_core
+from specdist.cores.proposers import check_draft, draft_dtype
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
@@ -281,11 +282,11 @@ def test_settings_validation_and_constructor_errors():
                      ("suffix_min_prob", -0.1), ("suffix_max_spec_factor", 0.0), ("suffix_cache_requests", -1),
                      ("suffix_min_score", -1.0), ("suffix_max_depth", 2.5), ("suffix_min_prob", "x")):
         with pytest.raises(ConfigError) as e:
-            load_config({"draft": {"method": "suffix", key: bad}})
+            check_draft(load_config({"draft": {"method": "suffix", key: bad}}).draft)
         assert e.value.key == f"draft.{key}" and "\n" not in str(e.value), (key, bad)
     cfg = load_config({"draft": {"method": "hybrid", "suffix_max_depth": 2, "suffix_min_prob": 0,
                                  "suffix_cache_requests": 0, "suffix_min_score": 0}})
-    assert cfg.draft.suffix_min_prob == 0.0 and cfg.draft_dtype == cfg.target.dtype
+    assert SuffixProposer.settings_of(cfg.draft).suffix_min_prob == 0.0 and draft_dtype(cfg) == cfg.target.dtype
     with pytest.raises(ConfigError, match="needs a draft model"):
         build_drafter_core(cfg.draft, 8, 2, 32)
     assert build_drafter_core(load_config({"draft": {"method": "none"}}).draft, 8, 2, 32) is None
@@ -428,8 +429,8 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
         eng = Engine.from_config(cfg)
         actor = DraftActor(0, num_threads=None)
         try:
-            info = actor.load(method, tiny_models["target"], None, "float32", 3, 8, 64, device="cpu",
-                              suffix={"suffix_max_depth": 5, "suffix_min_score": 0.5})
+            info = actor.load({**cfg["draft"], "suffix_max_depth": 5, "suffix_min_score": 0.5}, tiny_models["target"],
+                              "float32", 8, 64, device="cpu")
             assert info["method"] == method and info["vocab_size"] == 8
             actor.warmup()
             suffix = getattr(actor.worker.proposer, "suffix", actor.worker.proposer)  # hybrid: its suffix part

@@ -12,8 +12,15 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from specdist.cores.proposers.base import PROPOSERS, Proposer
 from specdist.errors import ConfigError
+from specdist.transport.protocol import DraftTraits
+
+if TYPE_CHECKING:
+    from specdist.config import Config, DraftConfig
 
 _discovered = False
 
@@ -31,6 +38,56 @@ def proposer_methods() -> tuple[str, ...]:
     """Every registered ``draft.method`` name, sorted."""
     _discover()
     return tuple(sorted(PROPOSERS))
+
+
+def check_draft(dc: DraftConfig) -> type[Proposer] | None:
+    """What :func:`~specdist.config.load_config` cannot check of a ``draft:`` section (the methods sit above the
+    config): that a registered method serves ``draft.method``, that ``draft.model`` is given exactly when the
+    method drafts with it, that every other key is some method's own setting, and the method's settings' values.
+    One-line ConfigErrors naming the key. The proposer class, None for method ``none``. Everything that serves
+    a config calls it before anything loads (the engines, the serving assembly, the deployment, a draft actor)."""
+    _discover()
+    own = {f.name for cls in PROPOSERS.values() if cls.settings is not None for f in dataclasses.fields(cls.settings)}
+    for key in dc.settings:
+        if key not in own:
+            shared = {f.name for f in dataclasses.fields(dc)} - {dc.EXTRA_KEYS}
+            raise ConfigError(f"draft.{key}", f"unknown key (expected one of: {', '.join(sorted(shared | own))})")
+    readers = sorted(m for m, cls in PROPOSERS.items() if cls.reads_draft_model)
+    if not dc.enabled:
+        cls = None
+    else:
+        cls = proposer_class(dc.method)
+        if cls.reads_draft_model and dc.model is None:
+            raise ConfigError("draft.model", f"must be a non-empty string, got None (method {dc.method!r} drafts "
+                                             "with the model named here)")
+    if dc.model is not None and (cls is None or not cls.reads_draft_model):
+        raise ConfigError("draft.model", f"is only used with methods {' and '.join(map(repr, readers))}, not "
+                                         f"{dc.method!r}")
+    if cls is not None:
+        cls.settings_of(dc)
+    return cls
+
+
+def draft_traits(dc: DraftConfig) -> DraftTraits:
+    """What the scheduler plans by, of ``dc``'s method (all False for ``none``)."""
+    cls = check_draft(dc)
+    if cls is None:
+        return DraftTraits()
+    return DraftTraits(model_free=cls.model_free, pipelined=dc.pipeline and cls.drafts_ahead,
+                       sampled_lengths=dc.confidence_threshold > 0 and not cls.model_free)
+
+
+def draft_dtype(cfg: Config) -> str:
+    """The dtype the draft's model runs in: ``draft.dtype`` for a model of its own; the target's for a copy of
+    the target and for a head reading its hidden states (:attr:`Proposer.runs_in_target_dtype`)."""
+    cls = check_draft(cfg.draft)
+    return cfg.target.dtype if cls is not None and cls.runs_in_target_dtype else cfg.draft.dtype
+
+
+def target_copy(dc: DraftConfig) -> str | None:
+    """The copy of the target ``dc``'s method drafts with (``self-w8``, ``self-w4``), None if none."""
+    cls = check_draft(dc)
+    return None if cls is None else cls.target_copy(dc.method)
 
 
 def _discover() -> None:

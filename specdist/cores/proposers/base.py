@@ -20,6 +20,7 @@ makes the proposer of a ``draft:`` config section: the one factory of a method.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -88,8 +89,14 @@ def register(cls: type[Proposer]) -> type[Proposer]:
 class Proposer(ABC):
     """One draft method. Not thread-safe: the core calls it one call at a time."""
 
+    # What the method is, read before anything loads (specdist.cores.proposers: check_draft, draft_traits):
     methods: ClassVar[tuple[str, ...]] = ()  # the draft.method names it serves; the first names it in health
+    reads_draft_model: ClassVar[bool] = False  # draft.model names what it drafts with (given exactly then)
+    model_free: ClassVar[bool] = False  # drafts are lookups without a model pass (proposed before the length choice)
     drafts_ahead: ClassVar[bool] = False  # has draft_ahead (pipelined drafting, specdist.cores.draft_pipeline)
+    runs_in_target_dtype: ClassVar[bool] = False  # its model runs in target.dtype (not draft.dtype)
+    # its own draft.<key> settings: a dataclass of them with their defaults and a validate(key) (None: none)
+    settings: ClassVar[type | None] = None
     shares_prefixes: ClassVar[bool] = True  # requests may share prompt K/V (the core's prefix cache over `cache`)
     vocab_size: int
     cache: SlotKVCache | None = None  # the K/V the core hands out slots of; None: model-free
@@ -107,6 +114,25 @@ class Proposer(ABC):
         return 0
 
     # ------------------------------------------------------------ making one
+    @classmethod
+    def settings_of(cls, dc: DraftConfig):
+        """The method's :attr:`settings` as ``dc`` sets them (the rest at their defaults), validated (ConfigError
+        naming the ``draft.`` key); None for a method without settings."""
+        if cls.settings is None:
+            return None
+        from specdist.config import build_section
+
+        names = {f.name for f in dataclasses.fields(cls.settings)}
+        own = build_section(cls.settings, {k: v for k, v in dc.settings.items() if k in names}, "draft")
+        own.validate("draft")
+        return own
+
+    @classmethod
+    def target_copy(cls, method: str) -> str | None:
+        """The copy of the target (``self-w8``, ``self-w4``: :func:`specdist.models.native.self_draft`) the method
+        drafts with, whose prompt K/V are the target's; None: it drafts with no copy of the target."""
+        return None
+
     @classmethod
     def load(cls, dc: DraftConfig, sources: ModelSources, dtype: str, device, target: torch.nn.Module | None = None,
              target_tokenizer=None) -> object:

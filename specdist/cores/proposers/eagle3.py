@@ -38,6 +38,7 @@ class HeadState:
 @register
 class Eagle3Proposer(ModelProposer):
     methods = ("eagle3",)
+    runs_in_target_dtype = True  # the hidden states it reads are in the target's dtype
     shares_prefixes = False
 
     def __init__(self, head: Eagle3Head, max_batch_size: int, max_model_len: int, confidence_threshold: float = 0.0,

@@ -10,26 +10,32 @@ committed token at its next model pass.
 from __future__ import annotations
 
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, register
-from specdist.cores.proposers.model import ModelProposer
-from specdist.cores.proposers.suffix import SuffixProposer, suffix_settings
+from specdist.cores.proposers.model import SelfDraftProposer
+from specdist.cores.proposers.suffix import SuffixKeys, SuffixProposer
 from specdist.cores.suffix import SuffixSettings
 from specdist.models.runner import CausalLMRunner
 
 
 @register
-class HybridProposer(ModelProposer):
+class HybridProposer(SelfDraftProposer):
     methods = ("hybrid",)
     drafts_ahead = False  # the suffix drafts cost nothing to prepare; the pipeline is for model drafts
+    settings = SuffixKeys
 
     def __init__(self, runner: CausalLMRunner, settings: SuffixSettings | None = None,
                  confidence_threshold: float = 0.0, q_top_k: int = 0):
-        super().__init__(runner, confidence_threshold, q_top_k)
+        super().__init__(runner, confidence_threshold, q_top_k, "hybrid")
         self.suffix = SuffixProposer(runner.vocab_size, settings)
         self.drafts_by_source = {"suffix": 0, "model": 0}  # request steps drafted by each
 
     @classmethod
     def build(cls, dc, ctx: BuildContext) -> "HybridProposer":
-        return cls(cls.runner_of(ctx, dc.method), suffix_settings(dc), dc.confidence_threshold, dc.q_top_k)
+        return cls(cls.runner_of(ctx, dc.method), cls.settings_of(dc).index_settings(), dc.confidence_threshold,
+                   dc.q_top_k)
+
+    @classmethod
+    def target_copy(cls, method: str) -> str | None:
+        return "self-w8"
 
     def start(self, r: DraftRequest) -> None:
         self.suffix.start(r)

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdist.config import SELF_DRAFTS, target_copy
 from specdist.cores.coupling import gumbel_argmax, row_starts
 from specdist.cores.device_inputs import HostInputs
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
@@ -59,7 +58,8 @@ class Drafting:
 
 @register
 class ModelProposer(Proposer):
-    methods = ("model", *SELF_DRAFTS)
+    methods = ("model",)
+    reads_draft_model = True
     drafts_ahead = True
 
     def __init__(self, runner: CausalLMRunner, confidence_threshold: float = 0.0, q_top_k: int = 0):
@@ -75,33 +75,21 @@ class ModelProposer(Proposer):
     # ------------------------------------------------------------ making one
     @classmethod
     def load(cls, dc, sources, dtype: str, device, target=None, target_tokenizer=None):
-        """``model``: the draft model ``sources.draft``, refused unless its vocabulary is the target's
+        """The draft model ``sources.draft``, refused unless its vocabulary is the target's
         (:func:`check_draft_vocab` against ``target`` and ``target_tokenizer`` when the caller has them, else
-        against the target's config and tokenizer as ``sources`` reads them, without weights). Self drafts
-        (and ``hybrid``'s self-w8): the target's low-precision copy (:func:`specdist.models.native.self_draft`) of
-        ``target`` (a self-w4 copy of a target already on int4 groups shares its modules) or, without one, of
-        the target loaded here from ``sources.target``: a GGUF file's own blocks for self-w4, the floats
-        (quantized) otherwise."""
+        against the target's config and tokenizer as ``sources`` reads them, without weights)."""
         from specdist.models.loader import load_model, load_tokenizer
 
-        if dc.method == "model":
-            dsrc = sources.draft
-            if dsrc is None:
-                raise ConfigError("draft.model", "method 'model' needs a draft model")
-            draft = load_model(dsrc, dtype, device)
-            if target is not None:
-                vocab = int(target.config.vocab_size)
-            else:
-                vocab, target_tokenizer = sources.vocab_size(), sources.tokenizer()
-            check_draft_vocab(draft, vocab, load_tokenizer(dsrc), target_tokenizer)
-            return draft
-        from specdist.models.native import self_draft
-
-        copy = target_copy(dc.method)
-        src = sources.target
-        if target is None:
-            target = load_model(src, dtype, device, weights="native" if copy == "self-w4" else "float")
-        return self_draft(target, copy, src.gguf_path)
+        dsrc = sources.draft
+        if dsrc is None:
+            raise ConfigError("draft.model", f"method {dc.method!r} needs a draft model")
+        draft = load_model(dsrc, dtype, device)
+        if target is not None:
+            vocab = int(target.config.vocab_size)
+        else:
+            vocab, target_tokenizer = sources.vocab_size(), sources.tokenizer()
+        check_draft_vocab(draft, vocab, load_tokenizer(dsrc), target_tokenizer)
+        return draft
 
     @classmethod
     def runner_of(cls, ctx: BuildContext, method: str) -> CausalLMRunner:
@@ -290,6 +278,46 @@ class ModelProposer(Proposer):
         return [toks[-CATCH_UP_IN_PASS:] for toks in inputs]
 
 
+@register
+class SelfDraftProposer(ModelProposer):
+    """The target's own low-precision copy as the draft model (``self-w8``: int8, ``self-w4``: 4-bit)."""
+
+    methods = ("self-w8", "self-w4")
+    reads_draft_model = False
+    runs_in_target_dtype = True
+
+    def __init__(self, runner: CausalLMRunner, confidence_threshold: float = 0.0, q_top_k: int = 0,
+                 copy: str = "self-w8"):
+        super().__init__(runner, confidence_threshold, q_top_k)
+        self.copy = copy
+
+    @property
+    def method(self) -> str:
+        return self.copy
+
+    @classmethod
+    def target_copy(cls, method: str) -> str | None:
+        return method
+
+    @classmethod
+    def load(cls, dc, sources, dtype: str, device, target=None, target_tokenizer=None):
+        """The target's low-precision copy (:func:`specdist.models.native.self_draft`) of ``target`` (a self-w4
+        copy of a target already on int4 groups shares its modules) or, without one, of the target loaded here
+        from ``sources.target``: a GGUF file's own blocks for self-w4, the floats (quantized) otherwise."""
+        from specdist.models.loader import load_model
+        from specdist.models.native import self_draft
+
+        copy = cls.target_copy(dc.method)
+        src = sources.target
+        if target is None:
+            target = load_model(src, dtype, device, weights="native" if copy == "self-w4" else "float")
+        return self_draft(target, copy, src.gguf_path)
+
+    @classmethod
+    def build(cls, dc, ctx: BuildContext) -> "SelfDraftProposer":
+        return cls(cls.runner_of(ctx, dc.method), dc.confidence_threshold, dc.q_top_k, dc.method)
+
+
 def top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], rows renormalised
     """q restricted to each row's k largest entries (ties: those topk returns); k = 0: q itself."""
     if k <= 0 or k >= q.shape[-1]:
@@ -297,6 +325,7 @@ def top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], ro
     vals, idx = q.topk(k, dim=-1)  # [m, k]
     kept = torch.zeros_like(q).scatter_(-1, idx, vals)
     return kept / kept.sum(-1, keepdim=True)
+
 
 
 def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:

@@ -10,12 +10,32 @@ never matches itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
+from specdist.errors import ConfigError
+
+
+@dataclass
+class NgramKeys:
+    """The method's ``draft.`` keys: the n-gram lengths tried, longest first."""
+
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def validate(self, key: str) -> None:
+        if not 1 <= self.ngram_min <= 64:
+            raise ConfigError(f"{key}.ngram_min", f"must be an integer in [1, 64], got {self.ngram_min!r}")
+        if not self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError(f"{key}.ngram_max", f"must be an integer in [{self.ngram_min}, 64], got "
+                                                  f"{self.ngram_max!r}")
 
 
 @register
 class NgramProposer(Proposer):
     methods = ("ngram",)
+    model_free = True
+    settings = NgramKeys
 
     def __init__(self, vocab_size: int, ngram_min: int = 1, ngram_max: int = 3):
         NgramIndex(ngram_min, ngram_max)  # refuses a bad range now
@@ -24,7 +44,8 @@ class NgramProposer(Proposer):
 
     @classmethod
     def build(cls, dc, ctx: BuildContext) -> "NgramProposer":
-        return cls(ctx.vocab_size, dc.ngram_min, dc.ngram_max)
+        keys = cls.settings_of(dc)
+        return cls(ctx.vocab_size, keys.ngram_min, keys.ngram_max)
 
     def start(self, r: DraftRequest) -> None:
         r.state = NgramIndex(*self.ngram)

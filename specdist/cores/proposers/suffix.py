@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdist.config import SCOPES
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
 from specdist.cores.suffix import SuffixIndex, SuffixIndexes, SuffixSettings, SuffixState
+from specdist.errors import ConfigError
 
 
 @dataclass
@@ -23,15 +25,48 @@ class Suffixed:
     state: SuffixState
 
 
-def suffix_settings(dc) -> SuffixSettings:
-    """The ``draft.suffix_*`` keys of a config's draft section."""
-    return SuffixSettings(dc.suffix_max_depth, dc.suffix_min_prob, dc.suffix_max_spec_factor,
-                          dc.suffix_cache_requests, dc.suffix_cache_tokens, dc.suffix_min_score, dc.suffix_scope)
+@dataclass
+class SuffixKeys:
+    """The suffix index's ``draft.`` keys (methods ``suffix`` and ``hybrid``): :class:`SuffixSettings` as a config
+    names them."""
+
+    suffix_max_depth: int = 24
+    suffix_min_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
+    suffix_cache_requests: int = 256
+    suffix_cache_tokens: int = 262_144
+    suffix_scope: str = "tenant"  # one of config.SCOPES
+    suffix_min_score: float = 2.0
+
+    def validate(self, key: str) -> None:
+        _in_range(self.suffix_max_depth, f"{key}.suffix_max_depth", 2, 256, integer=True)
+        _in_range(self.suffix_cache_requests, f"{key}.suffix_cache_requests", 0, 1 << 20, integer=True)
+        _in_range(self.suffix_cache_tokens, f"{key}.suffix_cache_tokens", 0, 1 << 32, integer=True)
+        if self.suffix_scope not in SCOPES:
+            raise ConfigError(f"{key}.suffix_scope", f"must be one of {', '.join(SCOPES)}, got {self.suffix_scope!r}")
+        _in_range(self.suffix_min_prob, f"{key}.suffix_min_prob", 0.0, 1.0)
+        if not 0.0 < self.suffix_max_spec_factor <= 256.0:
+            raise ConfigError(f"{key}.suffix_max_spec_factor",
+                              f"must be in (0, 256], got {self.suffix_max_spec_factor!r}")
+        _in_range(self.suffix_min_score, f"{key}.suffix_min_score", 0.0, 64.0)
+
+    def index_settings(self) -> SuffixSettings:
+        return SuffixSettings(self.suffix_max_depth, self.suffix_min_prob, self.suffix_max_spec_factor,
+                              self.suffix_cache_requests, self.suffix_cache_tokens, self.suffix_min_score,
+                              self.suffix_scope)
+
+
+def _in_range(value, key: str, lo, hi, integer: bool = False) -> None:
+    if not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(key, f"must be {kind} in [{lo}, {hi}], got {value!r}")
 
 
 @register
 class SuffixProposer(Proposer):
     methods = ("suffix",)
+    model_free = True
+    settings = SuffixKeys
 
     def __init__(self, vocab_size: int, settings: SuffixSettings | None = None):
         self.vocab_size = int(vocab_size)
@@ -40,7 +75,7 @@ class SuffixProposer(Proposer):
 
     @classmethod
     def build(cls, dc, ctx: BuildContext) -> "SuffixProposer":
-        return cls(ctx.vocab_size, suffix_settings(dc))
+        return cls(ctx.vocab_size, cls.settings_of(dc).index_settings())
 
     def start(self, r: DraftRequest) -> None:
         index = self.indexes.for_tenant(r.tenant)
