@@ -153,6 +153,29 @@ def test_cluster_without_ray_names_the_extra(command, tiny_models, tmp_path, mon
     assert _one_line_error(capsys) == 'specdist: error: cluster.enabled needs Ray: pip install -e ".[distributed]"'
 
 
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hello"], ["demo"]])
+@pytest.mark.parametrize("draft,message", [
+    ({"method": "medusa"}, "config draft.method: no draft method 'medusa'; there are eagle3, hybrid, model, "),
+    ({"method": "ngram", "ngram_mx": 3}, "config draft.ngram_mx: unknown key (expected one of: confidence_threshold,"),
+    ({"method": "suffix", "suffix_min_prob": 2.0}, "config draft.suffix_min_prob: must be a number in [0.0, 1.0], "),
+    ({"method": "ngram", "model": "x"}, "config draft.model: is only used with methods 'eagle3' and 'model', not "),
+])
+def test_a_draft_section_no_method_serves_is_one_line_before_anything_loads(command, draft, message, tiny_models,
+                                                                             tmp_path, monkeypatch, capsys):
+    """The draft methods check their names and settings (specdist.cores.proposers.check_draft) where load_config
+    cannot: every command that serves a config calls them first, before the port, the models or Ray."""
+    monkeypatch.setattr(serve_cli, "check_listen", _never("check_listen"))
+    monkeypatch.setattr(loader, "load_model", _never("load_model"))
+    monkeypatch.setattr(loader, "load_tokenizer", _never("load_tokenizer"))
+    monkeypatch.setattr(loader, "resolve_model", _never("resolve_model"))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": {"model": tiny_models["target"]}, "draft": draft}))
+    with pytest.raises(SystemExit) as ei:
+        main([command[0], "--config", str(path), *command[1:]])
+    assert ei.value.code == 2
+    assert _one_line_error(capsys).startswith(f"specdist: error: {message}")
+
+
 def test_tensor_parallel_needs_only_ray(tiny_models, tmp_path, monkeypatch):
     """Tensor parallelism is plain torch.distributed: a 2-rank config passes the checks with Ray alone."""
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` would raise
