@@ -5,14 +5,17 @@ Each module defines a :class:`~specdist.cores.proposers.base.Proposer` subclass 
 copies, ``self-w8`` / ``self-w4``), ``ngram`` (prompt lookup), ``suffix`` (SuffixDecoding), ``hybrid`` (the
 suffix index or the target's int8 copy, per request and step) and ``eagle3`` (an EAGLE-3 head). A new method is
 a new module here: :func:`proposer_class` imports every module of this package the first time it is asked.
+
+What the rest of the system needs of a method it reads off the method's class, never off a list of names:
+:func:`check_draft` (the ``draft:`` section against the registry: the config sits below the methods),
+:func:`draft_traits` (what the scheduler plans by), :func:`draft_dtype` and :func:`target_copy`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
-
-import dataclasses
 from typing import TYPE_CHECKING
 
 from specdist.cores.proposers.base import PROPOSERS, Proposer
