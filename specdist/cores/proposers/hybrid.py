@@ -24,7 +24,7 @@ class HybridProposer(SelfDraftProposer):
 
     def __init__(self, runner: CausalLMRunner, settings: SuffixSettings | None = None,
                  confidence_threshold: float = 0.0, q_top_k: int = 0):
-        super().__init__(runner, confidence_threshold, q_top_k, "hybrid")
+        super().__init__(runner, confidence_threshold, q_top_k, method="hybrid")
         self.suffix = SuffixProposer(runner.vocab_size, settings)
         self.drafts_by_source = {"suffix": 0, "model": 0}  # request steps drafted by each
 

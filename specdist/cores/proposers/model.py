@@ -287,13 +287,13 @@ class SelfDraftProposer(ModelProposer):
     runs_in_target_dtype = True
 
     def __init__(self, runner: CausalLMRunner, confidence_threshold: float = 0.0, q_top_k: int = 0,
-                 copy: str = "self-w8"):
+                 method: str = "self-w8"):
         super().__init__(runner, confidence_threshold, q_top_k)
-        self.copy = copy
+        self.served = method  # the draft.method it was built for (one class serves several)
 
     @property
     def method(self) -> str:
-        return self.copy
+        return self.served
 
     @classmethod
     def target_copy(cls, method: str) -> str | None:
