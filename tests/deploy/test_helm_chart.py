@@ -1311,6 +1311,10 @@ def test_draft_settings_reach_the_config():
     assert cfg.method == "repeat-last"
     assert {k: cfg.settings[k] for k in ("repeat_cap", "mode", "on", "ratio")} == \
         {"repeat_cap": 2, "mode": "x", "on": True, "ratio": 0.25}  # "on": a string key, not YAML's boolean
+    # the keys settings may not use are exactly those the chart renders from named values (kept in step here)
+    rendered_keys = set(yaml.safe_load(config_map(render({}))["data"]["config.yaml"])["draft"])
+    refused = _chart().schema["properties"]["draft"]["properties"]["settings"]["propertyNames"]["not"]["enum"]
+    assert set(refused) == rendered_keys | {"settings"}
     for bad in ({"ngram_min": 2}, {"q_top_k": 1}, {"Key": 1}, {"x": [1]}, {"x": {"y": 1}}):
         with pytest.raises(helm.HelmError):
             render({"draft": {"settings": bad}})
