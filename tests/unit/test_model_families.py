@@ -30,6 +30,7 @@ from specdist.models.loader import load_model, resolve_model
 from specdist.models import families as families_module
 from specdist.models import runner as runner_module
 from specdist.models import cpu_kernels
+from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner
 
 SEQ_LEN = 24  # windows are 4-5 tokens; the original context of llama-dynamic and phi3-longrope is 16
@@ -60,10 +61,11 @@ def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T
                           for t in seq]).cpu()
 
 
-# CPU float32 attends through specdist's CPU kernels where they run (x86 with AVX2); "sdpa" turns them off to
-# cover the SDPA forms there too (CUDA always takes SDPA): (device, attention) pairs
+# (device, attention) pairs. CPU float32 attends through specdist's CPU kernels where they run (x86 with AVX2);
+# "sdpa" turns them off to cover the slot cache's SDPA forms; "paged" builds what CUDA builds (the paged cache
+# and its backend: the torch reference on the CPU, the Triton kernels on CUDA), so CI runs the CUDA configuration.
 PLACES = [pytest.param("cpu", "kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
-          ("cpu", "sdpa"), pytest.param("cuda", "sdpa", marks=devices()[1].marks)]
+          ("cpu", "sdpa"), ("cpu", "paged"), pytest.param("cuda", "paged", marks=devices()[1].marks)]
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")
@@ -171,12 +173,13 @@ GENERATE_FAMILIES = [f for f in FAMILIES if f != "phi3-longrope"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", [devices()[0], "cpu-paged", devices()[1]])  # cpu-paged: CUDA's cache on the CPU
 @pytest.mark.parametrize("method", ["model", "self-w8"])
 @pytest.mark.parametrize("family", GENERATE_FAMILIES)
 def test_greedy_speculative_equals_transformers_generate(zoo, family: str, method: str, device: str) -> None:
     paths = zoo(family)
-    cfg = tiny_config(paths, method=method, k=3, device=device)
+    device, _, paged = device.partition("-")
+    cfg = tiny_config(paths, method=method, k=3, device=device, **({"kv_cache": "paged"} if paged else {}))
     engine = Engine.from_config(cfg)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
