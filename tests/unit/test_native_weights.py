@@ -567,7 +567,11 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     for name, m in blocks.items():
         w = fl[name].weight.detach() if name != "lm_head" else flt.get_input_embeddings().weight.detach()
         probe = m(torch.eye(m.in_features, device=device)).T  # [out, in]
-        assert float((probe - w).abs().max()) <= 2**-7 * float(w.abs().max()), name
+        # torch's int4 kernel (CUDA, or a CPU without the block kernels) takes its (scale, zero) pairs in bfloat16
+        # and rounds its output to bfloat16: 2^-9 of |zero| + 8 |scale| + |w|, about 2^-7.4 of max |w|, on top of
+        # the re-quantization's own error (seen on an H100: IQ3_XXS 0.0089 of max |w|)
+        tol = 2**-7 if m.blocks else 2**-6
+        assert float((probe - w).abs().max()) <= tol * float(w.abs().max()), name
     ids = torch.tensor([[0, 5, 3, 9, 14, 2, 2, 15, 8, 1, 4, 6]], device=device)
     with torch.no_grad():
         a, b = flt(ids).logits, nat(ids).logits
