@@ -63,9 +63,12 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix64_t(z: torch.Tensor) -> torch.Tensor:  # int64, wrapping: the bits of mix64 (z is overwritten)
+def _mix64_t(z: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The bits of mix64 of int64 ``z`` (wrapping), computed in place in ``z``; ``scratch``: a tensor like ``z``
+    for the shifted copies (allocated when not given)."""
+    t = torch.empty_like(z) if scratch is None else scratch
     for shift, mult in ((30, _signed(MIX_C1)), (27, _signed(MIX_C2)), (31, None)):
-        z.bitwise_xor_(torch.bitwise_right_shift(z, shift).bitwise_and_((1 << (64 - shift)) - 1))
+        z.bitwise_xor_(torch.bitwise_right_shift(z, shift, out=t).bitwise_and_((1 << (64 - shift)) - 1))
         if mult is not None:
             z.mul_(mult)
     return z
@@ -82,14 +85,32 @@ def _offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 
 def exponential_noise(starts: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int64 -> [N, V] float64
-    """``E = -log u`` ~ Exp(1) of every token of each row (``G = -log E`` is its Gumbel noise)."""
-    z = _mix64_t(starts[:, None] + _offsets(vocab_size, starts.device)[None, :])  # [N, V]
-    return -torch.log((_srl(z, 12).double() + 0.5) * 2.0**-52)  # u in (0, 1): 52 bits + 1/2 are exact
+    """``E = -log u`` ~ Exp(1) of every token of each row (``G = -log E`` is its Gumbel noise). Made in place in
+    the hash's own storage: two [N, V] int64 tensors at the peak (the hash and its shifted copies)."""
+    z = starts[:, None] + _offsets(vocab_size, starts.device)[None, :]  # [N, V] int64
+    scratch = torch.empty_like(z)
+    _mix64_t(z, scratch)
+    bits = torch.bitwise_right_shift(z, 12, out=scratch).bitwise_and_((1 << 52) - 1)  # [N, V] the top 52 bits
+    e = z.view(torch.float64).copy_(bits)  # [N, V] in z's storage: integers < 2^52 are exact in float64
+    del scratch, bits
+    return e.add_(0.5).mul_(2.0**-52).log_().neg_()  # u in (0, 1): 52 bits + 1/2 are exact
 
 
-# noise computed for at most this many (row, token) pairs at once: the int64 temporaries (2 MiB) stay in
-# the CPU's cache, about 3x faster than whole batches on the development machine
+# On the CPU the noise is computed for at most this many (row, token) pairs at once: the int64 temporaries
+# (2 MiB) stay in the cache, about 3x faster than whole batches on the development machine.
 CHUNK_ELEMENTS = 1 << 18
+
+
+def rows_per_chunk(device_type: str, rows: int, vocab: int) -> int:
+    """Rows of noise computed at once on a device of ``device_type``: a cache-sized chunk on the CPU; every row
+    elsewhere. A chunk costs a fixed number of kernels (about 20), so on a GPU a call launches that many whatever
+    its rows and vocabulary, where cache-sized chunks (2 rows at a 128k vocabulary) would launch over a thousand
+    for a sampled verification. The price is the whole call's temporaries at once: two [rows, V] int64 tensors
+    and a [rows, V] bool (2.4 GB for 1,088 rows of a 128k vocabulary), which the memory plan's sampler
+    profile counts. The tokens do not depend on the chunking: each row's noise and argmin are its own."""
+    if device_type == "cpu":
+        return max(1, CHUNK_ELEMENTS // max(1, vocab))
+    return max(1, rows)
 
 
 def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # [N, V], [N] -> [N] long
@@ -98,14 +119,16 @@ def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  #
     instead of three); a token with ``probs(x) = 0`` scores ``+inf`` (masked, not divided: ``E > 0`` holds by
 construction, the mask keeps it so whatever the noise), never the minimum of a row with mass."""
     n, vocab = probs.shape
-    step = max(1, CHUNK_ELEMENTS // vocab)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=probs.device)
+    step = rows_per_chunk(probs.device.type, n, vocab)
 
-    def scores(i: int) -> torch.Tensor:  # [step, V] E / p, +inf where p = 0
-        p = probs[i: i + step].double()
-        return torch.where(p > 0, exponential_noise(starts[i: i + step], vocab) / p, torch.inf)
+    def pick(i: int) -> torch.Tensor:  # [step] the rows' tokens
+        p = probs[i: i + step]  # [step, V]
+        scores = exponential_noise(starts[i: i + step], vocab).div_(p)  # [step, V] float64 E / p (p exact in float64)
+        return scores.masked_fill_((p > 0).logical_not_(), torch.inf).argmin(-1)  # +inf where p = 0 (or NaN)
 
-    return torch.cat([scores(i).argmin(-1) for i in range(0, n, step)]) if n else torch.zeros(
-        0, dtype=torch.long, device=probs.device)
+    return pick(0) if step >= n else torch.cat([pick(i) for i in range(0, n, step)])
 
 
 def gumbel_verify(target_tokens: list[list[int]], draft_tokens: list[list[int]]) -> list[int]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from support.helpers import devices
 from support.gtest import g_statistic, merge_cells
@@ -119,6 +120,84 @@ def test_chunked_argmax_equals_one_pass(vocab: int, monkeypatch) -> None:
     want = (probs.double().log() + gumbel_noise(starts, vocab)).argmax(-1)
     monkeypatch.setattr(coupling, "CHUNK_ELEMENTS", vocab * 2)  # three chunks of two rows
     assert torch.equal(gumbel_argmax(probs, starts), want)
+
+
+def _host_argmax(probs: torch.Tensor, starts: list[int]) -> list[int]:
+    """The coupling's token of each row computed on the host from its definition (coupling.py's module doc): the
+    SplitMix64 element ``x + 1`` of the row's stream, ``u = (z >> 12 + 1/2) / 2^52``, ``argmin E / p`` with
+    ``E = -log u`` and ``+inf`` where ``p = 0`` (NaN too: never below a number), in Python floats."""
+    from specdist.randomness import GOLDEN, M64
+
+    out = []
+    for row, start in zip(probs.double().tolist(), starts):
+        scores = [-math.log(((mix64((start + (x + 1) * GOLDEN) & M64) >> 12) + 0.5) * 2.0**-52) / p if p > 0
+                  else math.inf for x, p in enumerate(row)]
+        out.append(min(range(len(row)), key=scores.__getitem__))
+    return out
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_tokens_do_not_depend_on_the_chunking(device_type: str, monkeypatch) -> None:
+    """gumbel_argmax chunked as on the CPU (in chunks of two rows here) and as on a GPU (every row at once): the
+    tokens of the noise's definition, computed on the host, row by row; rows with zeros, a one-token row and a
+    NaN row (no token with mass: +inf everywhere, token 0) among them."""
+    import specdist.cores.coupling as coupling
+
+    vocab = 300
+    probs = torch.softmax(3 * torch.randn(7, vocab, generator=torch.Generator().manual_seed(4)), -1)
+    probs[1, ::2] = 0
+    probs[2] = 0
+    probs[2, 17] = 1
+    probs[3] = float("nan")
+    starts = row_starts(2**63 + 5, range(40, 47))
+    monkeypatch.setattr(coupling, "CHUNK_ELEMENTS", 2 * vocab)  # the CPU rule: chunks of two rows
+    rule = coupling.rows_per_chunk
+    monkeypatch.setattr(coupling, "rows_per_chunk", lambda _device_type, rows, v: rule(device_type, rows, v))
+    assert coupling.rows_per_chunk("cpu", 7, vocab) == (2 if device_type == "cpu" else 7)
+    got = gumbel_argmax(probs, torch.tensor(starts, dtype=torch.int64)).tolist()
+    assert got == _host_argmax(probs, starts)
+    assert got[2] == 17 and got[3] == 0 and got[1] % 2 == 1
+
+
+class _Kernels(TorchDispatchMode):
+    """The aten operations dispatched while active that are not views: each a kernel launch on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1_000), (17, 32_000), (1_088, 128_256), (4_096, 262_144)])
+def test_the_noise_launches_a_fixed_number_of_kernels_on_a_device(rows: int, vocab: int) -> None:
+    """On a device other than the CPU (the meta device here: shapes only, no memory, so a verification of 64
+    requests x 17 positions over a 128k vocabulary costs nothing) one call is one chunk: the same operations
+    whatever its rows and vocabulary, about 25 (cache-sized chunks were 2 rows at 128k: 10,000 operations)."""
+    def call(rows: int, vocab: int) -> list[str]:
+        probs = torch.empty(rows, vocab, device="meta")
+        starts = torch.empty(rows, dtype=torch.int64, device="meta")
+        gumbel_argmax(probs, starts)  # the token offsets of a vocabulary are made once, then kept
+        with _Kernels() as k:
+            tokens = gumbel_argmax(probs, starts)
+        assert tokens.shape == (rows,)
+        return k.ops
+
+    ops = call(rows, vocab)
+    assert len(ops) <= 25, f"{len(ops)} operations for {rows} x {vocab}: {ops}"
+    assert ops == call(1, 8)
+
+
+def test_the_cpu_still_computes_the_noise_in_cache_sized_chunks() -> None:
+    """The CPU rule: 2^18 (row, token) pairs a chunk (rows of a 128k vocabulary: 2 a chunk; at least one)."""
+    from specdist.cores.coupling import CHUNK_ELEMENTS, rows_per_chunk
+
+    assert rows_per_chunk("cpu", 1_088, 128_256) == CHUNK_ELEMENTS // 128_256 == 2
+    assert rows_per_chunk("cpu", 5, 1 << 20) == 1
+    assert rows_per_chunk("cuda", 1_088, 128_256) == 1_088
 
 
 @pytest.mark.parametrize("device", devices())
