@@ -33,6 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -384,6 +385,7 @@ class Eagle3Head(torch.nn.Module):
         self.rotary = (self._rotary(spec),)
         self.rope_cos: torch.Tensor | None = None  # [n, hd] float32 tables over positions 0..n-1
         self.rope_sin: torch.Tensor | None = None
+        self.last_extra: torch.Tensor | None = None  # [W] int32: the caller's words of the last forward (extra=)
 
     @staticmethod
     def _rotary(spec: Eagle3Spec):
@@ -440,11 +442,12 @@ class Eagle3Head(torch.nn.Module):
         ``aux`` may sit on another device (a draft worker decodes the states from the wire on
         the CPU); it is moved to the head's device and dtype in one copy."""
         w = self.norm.weight  # (a norm's weight: the linears may hold int8 codes, see quantize_linears)
-        return self.fc(aux.to(device=w.device, dtype=w.dtype))
+        return self.fc(to_device(aux, w.device).to(w.dtype))
 
     def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
         """A one-layer K/V cache for this head, in its dtype and on its device."""
         w = self.norm.weight
+        self._rope_tables(max_len + 1)  # made and moved here, not in a pass
         return SlotKVCache(1, num_slots, self.spec.num_kv_heads, self.spec.head_dim, max_len, dtype=w.dtype,
                            device=w.device)
 
@@ -459,7 +462,7 @@ class Eagle3Head(torch.nn.Module):
 
     @torch.no_grad()  # inference only: the cache is written in place
     def forward(self, cache: SlotKVCache, slots: list[int], tokens: list[list[int]],
-                features: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                features: list[torch.Tensor], extra: np.ndarray | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Append ``tokens[b]`` (n_b >= 1 ids) to ``slots[b]`` at its current length, with the
         features ``features[b]`` [n_b, H] of those positions (fused target states or the head's
         own prenorm outputs); write their K/V into ``cache`` and advance ``cache.lengths``.
@@ -467,6 +470,12 @@ class Eagle3Head(torch.nn.Module):
         Returns the logits of each row's last token over the target vocabulary, [B, V] float32
         (-inf at target ids no draft id maps to), and per row the prenorm outputs [n_b, H] of
         all its tokens (the features of the next positions when the head drafts on).
+
+        What the pass needs from the host (ids, positions, slots) goes to the device in one copy that does not
+        block the host (:func:`to_device`), and nothing comes back: no pass waits for the device. ``extra``: int32
+        words ([W] numpy) the caller needs on the device too (a draft pass's sampling inputs,
+        :class:`specdist.cores.device_inputs.HostInputs`); they ride in that copy, starting on an even word, and
+        are :attr:`last_extra` ([W] int32 on the device) after the call (None without).
         """
         spec = self.spec
         w = self.norm.weight  # the head's dtype and device (its linears may be int8)
@@ -489,24 +498,40 @@ class Eagle3Head(torch.nn.Module):
                 raise ValueError(f"slot {slots[b]} holds {starts[b]} tokens; {lens[b]} more exceed the cache's "
                                  f"max_len {cache.max_len}")
         t_max = max(lens)
+        bt = n_rows * t_max
 
-        # Right-padded batch. Row b's token j sits at position starts[b] + j; a padded entry
-        # (j >= n_b) writes the scratch column and queries as if it were the row's last token,
-        # so that its attention row is never empty (its outputs are dropped).
-        j = torch.arange(t_max)
-        start_t = torch.tensor(starts)[:, None]
-        len_t = torch.tensor(lens)[:, None]
-        valid = j[None] < len_t  # [B, T]
-        query_pos = start_t + torch.minimum(j[None], len_t - 1)  # [B, T]
-        write_pos = torch.where(valid, query_pos, torch.full_like(query_pos, cache.scratch))  # [B, T]
-        ids = torch.zeros(n_rows, t_max, dtype=torch.int64)
-        feat = torch.zeros(n_rows, t_max, spec.hidden_size, dtype=dtype, device=dev)
+        # Right-padded batch, made on the host. Row b's token j sits at position starts[b] + j; a padded entry
+        # (j >= n_b) writes the scratch column and queries as if it were the row's last token, so that its
+        # attention row is never empty (its outputs are dropped).
+        j = np.arange(t_max)[None]  # [1, T]
+        len_a, start_a = np.asarray(lens)[:, None], np.asarray(starts)[:, None]  # [B, 1]
+        valid = j < len_a  # [B, T]
+        query_pos = start_a + np.minimum(j, len_a - 1)  # [B, T]
+        write_pos = np.where(valid, query_pos, cache.scratch)  # [B, T]
+        ids = np.zeros((n_rows, t_max), dtype=np.int64)
         for b in range(n_rows):
-            ids[b, :lens[b]] = torch.tensor(tokens[b], dtype=torch.int64)
-            feat[b, :lens[b]] = features[b].to(device=dev, dtype=dtype)
+            ids[b, :lens[b]] = tokens[b]
+        flat = np.arange(bt).reshape(n_rows, t_max)  # [B, T] each entry's row of the flattened batch
+        # one int64 array: ids, query and write positions [B * T] each, slots [B], each row's last entry [B],
+        # the entries that hold tokens [sum n_b]
+        host = np.concatenate([ids.ravel(), query_pos.ravel(), write_pos.ravel(), slots, flat[:, 0] + len_a[:, 0] - 1,
+                               flat[valid]]).astype(np.int64)
+        words = host.view(np.int32)  # an even count: the caller's words start 8-byte aligned
+        buf = to_device(torch.from_numpy(words if extra is None else np.concatenate([words, extra])), dev)
+        meta = buf[: words.size].view(torch.int64)
+        ids_d, qp, wp = (meta[i * bt: (i + 1) * bt].view(n_rows, t_max) for i in range(3))  # [B, T] each
+        slot_t = meta[3 * bt: 3 * bt + n_rows]  # [B]
+        last_rows = meta[3 * bt + n_rows: 3 * bt + 2 * n_rows]  # [B]
+        token_rows = meta[3 * bt + 2 * n_rows:]  # [sum n_b]
+        self.last_extra = buf[words.size:] if extra is not None else None
+        fed = torch.cat([f.to(device=dev, dtype=dtype) for f in features])  # [sum n_b, H]
+        if sum(lens) == bt:  # no padding
+            feat = fed.view(n_rows, t_max, spec.hidden_size)
+        else:
+            feat = fed.new_zeros(bt, spec.hidden_size).index_copy_(0, token_rows, fed).view(n_rows, t_max, -1)
 
         # Inputs of the layer: the normed embedding beside the normed feature.
-        e = self.input_layernorm(self.embed(ids.to(dev)))  # [B, T, H]
+        e = self.input_layernorm(self.embed(ids_d))  # [B, T, H]
         if spec.norm_before_residual:
             g = self.hidden_norm(feat)
             residual = g
@@ -521,14 +546,11 @@ class Eagle3Head(torch.nn.Module):
         k = self.k_proj(x).view(n_rows, t_max, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(n_rows, t_max, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
         cos_table, sin_table = self._rope_tables(cache.max_len + 1)
-        qp = query_pos.to(dev)
         cos = cos_table[qp].to(dtype)[:, None]  # [B, 1, T, hd]
         sin = sin_table[qp].to(dtype)[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
 
-        slot_t = torch.tensor(slots, device=dev)
-        wp = write_pos.to(dev)
         # cache.k[0][slot, :, pos] indexed by [B, 1] slots and [B, T] positions: [B, T, nkv, hd]
         cache.k[0][slot_t[:, None], :, wp] = k.transpose(1, 2)
         cache.v[0][slot_t[:, None], :, wp] = v.transpose(1, 2)
@@ -548,7 +570,7 @@ class Eagle3Head(torch.nn.Module):
 
         for b, s in enumerate(slots):
             cache.lengths[s] = starts[b] + lens[b]
-        last = out[torch.arange(n_rows, device=dev), torch.tensor(lens, device=dev) - 1]  # [B, H]
+        last = out.reshape(bt, -1).index_select(0, last_rows)  # [B, H]
         return self.target_logits(self.lm_head(self.norm(last))), [out[b, :lens[b]] for b in range(n_rows)]
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -558,6 +580,17 @@ class Eagle3Head(torch.nn.Module):
                          device=draft_logits.device)
         out[..., self.draft_to_target.to(out.device)] = draft_logits.float()  # (a no-op on the head's device)
         return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from the host without waiting for the device: a non-blocking copy, through pinned
+    memory on CUDA (torch's pinned allocator keeps the staging memory until the copy ran; a blocking copy waits
+    for everything queued on the device first). Other moves as ``Tensor.to``."""
+    if t.device == device:
+        return t
+    if t.device.type != "cpu" or device.type == "cpu":
+        return t.to(device)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def quantize_linears(head: Eagle3Head) -> Eagle3Head:

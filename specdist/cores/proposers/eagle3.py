@@ -198,11 +198,13 @@ class Eagle3Proposer(ModelProposer):
         else:
             feed = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]  # (after a guess: the guess)
             feats = [d.feats[b][None] for b in rows]  # [1, H]
-        logits, outs = head.forward(self.cache, slots, feed, feats)  # [n, V], n x [m, H]
+        # the sampling inputs ride in the forward's one copy: the pass waits for the device only when the caller
+        # reads its tokens back (ModelProposer.draft_pass)
+        logits, outs = head.forward(self.cache, slots, feed, feats,
+                                    extra=inputs.words() if inputs is not None else None)  # [n, V], n x [m, H]
         for b, o in zip(rows, outs):
             d.feats[b] = o[-1]
-        words = torch.from_numpy(inputs.words()).to(logits.device) if inputs is not None else None
-        return logits, words
+        return logits, head.last_extra
 
 
 def _head_source(sources):
