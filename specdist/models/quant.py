@@ -6,7 +6,10 @@ A draft is a copy of the target whose every ``nn.Linear`` (``lm_head`` included,
 untied from the embedding) stores its weight as int8 with one bf16 scale per
 output row (symmetric, absmax / 127). On x86 CPUs it runs through the Q8 block kernel
 (:mod:`specdist.models.cpu_kernels`: the row's scale for each block of 32, activations rounded
-per block to bytes); elsewhere activations run in bf16 through ``torch.ops.aten._weight_int8pack_mm``.
+per block to bytes); elsewhere activations run in bf16 through ``torch.ops.aten._weight_int8pack_mm``. Not on
+CUDA: torch's CUDA kernel of that op is a naive loop (a thread per output, no tiling, float32 activations), slower
+than the bf16 matmul of the target the copy would draft for, so :func:`quantize_model_int8` refuses CUDA weights
+(:data:`INT8_ON_CUDA`); ``self-w4`` runs there on torch's int4 kernel (tinygemm, 0.625 bytes a weight).
 
 Cost: 1 byte per weight plus 2 bytes per output channel (vs 4 bytes in fp32); a
 tied ``lm_head`` gets its own int8 copy, adding ``vocab * hidden`` bytes. Embeddings
@@ -63,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdist.errors import ConfigError
 from specdist.models import cpu_kernels
 from specdist.models.dtypes import HalfStoredLinear
 
@@ -72,6 +76,10 @@ GROUP = cpu_kernels.GROUP  # input columns per (scale, zero) pair; GGUF's block 
 INT4_ROWS = 16  # the int4 kernels pack output rows in tiles: CPU needs out_features % 16 == 0 (CUDA % 8)
 _CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 columns), largest dividing in_features
 _CODES_CHUNK = 1024  # identity rows per matmul in Int4GroupLinear.codes
+# the refusal of int8 weight-only linears on CUDA (the module doc says why), on the setting that asks for them
+INT8_ON_CUDA = ("draft.method", "'self-w8' does not run on CUDA: torch's int8 weight-only matmul there is a naive "
+                "kernel, slower than the target it would draft for; use 'self-w4' (torch's int4 kernel) or a draft "
+                "model ('model')")
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -165,7 +173,7 @@ class Int4GroupLinear(nn.Module):
         else:
             packed = pack_int4(codes)
         if self.blocks is None:
-            sz = torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, out, 2]
+            sz = int4_scales_and_zeros(scales, zeros)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
@@ -188,7 +196,7 @@ class Int4GroupLinear(nn.Module):
         k, dev = self.in_features * self.repeat_input, self.packed.device
         unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16, device=dev)  # (scale, zero): w = c
         unit = unit.expand(k // GROUP, self.out_features, 2).contiguous()  # [G, out, 2]
-        mm = torch.ops.aten._weight_int4pack_mm if dev.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
+        mm = int4_mm(dev.type)
         cols = []  # [n, out] each: W.T's rows start..start + n
         for start in range(0, k, _CODES_CHUNK):  # in chunks, so the identity's rows never take k * k
             n = min(_CODES_CHUNK, k - start)
@@ -223,9 +231,7 @@ class Int4GroupLinear(nn.Module):
                 x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
             if x2.device != self.packed.device:
                 raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
-            # torch's int4 matmul kernels exist only as private aten ops
-            mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
-            y = mm(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
+            y = int4_mm(x2.device.type)(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
         return _shaped(y, lead, x.dtype, self.bias)
 
     def extra_repr(self) -> str:
@@ -234,11 +240,26 @@ class Int4GroupLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{r}{b}"
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[out, in]`` (integers in 0..15) packed by torch for its int4 kernel on the codes' device. The layout
-    is torch's, unpromised and different per instruction set and device: read it only through torch's kernels."""
+def int4_mm(device_type: str):
+    """torch's int4 weight-only matmul for a device type: ``(x [n, in] bf16, packed, group, scales_and_zeros) ->
+    [n, out]``; the packed layout is :func:`pack_int4`'s for that device type. (Private aten ops: torch gives
+    these kernels no public name.)"""
+    if device_type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm  # noqa: SLF001 - tinygemm: bf16 x, [out / 8, in / (16 t), 32, t / 2]
+    return torch.ops.aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:  # [out, G] x2 -> [G, out, 2]
+    """The (scale, zero) pairs of torch's int4 kernels: bf16, groups first, contiguous."""
+    return torch.stack([scales, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+
+
+def pack_int4(codes: torch.Tensor, device_type: str | None = None) -> torch.Tensor:
+    """Codes ``[out, in]`` (integers in 0..15) packed by torch for its int4 kernel on ``device_type`` (default: the
+    codes' device's). The layout is torch's, unpromised and different per instruction set and device: read it only
+    through torch's kernels (:func:`int4_mm`)."""
     codes = codes.to(torch.int32)
-    if codes.device.type == "cuda":  # the CUDA op takes two codes per byte, high nibble first
+    if (device_type or codes.device.type) == "cuda":  # the CUDA op takes two codes per byte, high nibble first
         # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
         inner = next(t for t in _CUDA_INNER_K_TILES if codes.shape[1] % (16 * t) == 0)
         return torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
@@ -423,7 +444,10 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
     """Replace every ``nn.Linear`` (a runner's :class:`~specdist.models.dtypes.HalfStoredLinear` too: the same
     numbers) unless ``skip(name)`` by ``kind.from_linear`` in place; returns ``model``.
     ``kind``: :class:`Int8WeightOnlyLinear`, or :class:`Int4GroupLinear` for linears whose inputs split
-    into groups of 32 and whose outputs into the kernel's tiles of 16 rows (any other stays float)."""
+    into groups of 32 and whose outputs into the kernel's tiles of 16 rows (any other stays float). Int8 on CUDA
+    weights is refused (:data:`INT8_ON_CUDA`)."""
+    if kind is Int8WeightOnlyLinear and any(p.device.type == "cuda" for p in model.parameters()):
+        raise ConfigError(*INT8_ON_CUDA)
     replaced: dict[int, nn.Module] = {}  # keeps shared Linear modules shared
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, (nn.Linear, HalfStoredLinear)) or (skip is not None and skip(name)):

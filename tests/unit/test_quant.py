@@ -136,3 +136,63 @@ def test_hf_forward_and_generate(tiny_llama: LlamaForCausalLM) -> None:
         assert agree >= 0.8
         out = draft.generate(ids[:1], max_new_tokens=5, do_sample=False)  # [1, 17]
     assert out.shape[0] == 1 and 12 < out.shape[1] <= 17  # may stop early at eos
+
+
+def test_self_w8_is_refused_on_cuda_in_one_line() -> None:
+    """torch's CUDA int8 weight-only matmul is a naive kernel, slower than the target a self-w8 copy drafts for:
+    quantizing CUDA weights to int8 is refused naming draft.method, before any linear is replaced. The weights are
+    fake CUDA tensors (shapes and a device, no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specdist.errors import ConfigError
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16, bias=False))
+    with FakeTensorMode():
+        for lin in model:
+            lin.weight = nn.Parameter(torch.empty(lin.weight.shape, device="cuda"))
+        assert model[0].weight.device.type == "cuda"
+        with pytest.raises(ConfigError) as e:
+            quantize_model_int8(model)
+    assert e.value.key == "draft.method" and "\n" not in str(e.value), str(e.value)
+    assert "'self-w8' does not run on CUDA" in e.value.message and "'self-w4'" in e.value.message
+    assert all(type(m) is nn.Linear for m in model)  # nothing replaced
+
+
+def _tinygemm_checks(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> None:
+    """The argument checks of torch's CUDA int4 kernels (aten/src/ATen/native/cuda/int4mm.cu,
+    ``_weight_int4pack_mm_cuda`` and ``_convert_weight_to_int4pack_cuda``), which the meta kernels leave out."""
+    inner = packed.shape[3] * 2  # k tiles of 16 columns packed together
+    k, n = x.shape[1], packed.shape[0] * 8
+    assert inner in (2, 4, 8) and k % (inner * 16) == 0  # the conversion's checks
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+    assert packed.dtype == torch.int32 and packed.is_contiguous() and packed.dim() == 4
+    assert packed.shape[1] == k // (inner * 16) and packed.shape[2] == 32
+    assert group in (32, 64, 128, 256) and k >= group and k % group == 0
+    assert sz.dim() == 3 and sz.shape[1] == n and sz.shape[2] == 2 and sz.shape[0] == k // group
+    assert sz.dtype == torch.bfloat16 and sz.is_contiguous()
+
+
+# (out, in, repeat_input): the built-in model's projections (hidden 576, ff 1536), a 1 B target's (2048, 5632),
+# Qwen2.5-0.5B's (896, 4864), tiny test models' (96 inputs: 2 inner k tiles) and GGUF's Q8_0 / Q6_K segment layouts
+CUDA_SHAPES = [(576, 576, 1), (1536, 576, 1), (576, 1536, 1), (5632, 2048, 1), (2048, 5632, 1), (4864, 896, 1),
+               (896, 4864, 1), (64, 96, 1), (576, 576, 2), (896, 4864, 4)]
+
+
+@pytest.mark.parametrize("out_features,in_features,repeat", CUDA_SHAPES)
+def test_the_cuda_int4_layout_fits_torch_s_kernel(out_features: int, in_features: int, repeat: int) -> None:
+    """self-w4 on CUDA runs torch's int4 kernel (tinygemm): the codes packed for CUDA, the (scale, zero) pairs and
+    the bf16 activations as Int4GroupLinear makes them pass that kernel's checks, at the shapes of the supported
+    families. Fake meta tensors: torch's meta kernels give the CUDA layouts' shapes, no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specdist.models.quant import GROUP, int4_mm, int4_scales_and_zeros, pack_int4
+
+    k = in_features * repeat
+    with FakeTensorMode():
+        packed = pack_int4(torch.empty(out_features, k, dtype=torch.uint8, device="meta"), "cuda")
+        groups = torch.empty(out_features, k // GROUP, device="meta")  # [out, G] scales (and zeros)
+        sz = int4_scales_and_zeros(groups, groups)
+        x = torch.empty(3, in_features, device="meta").to(torch.bfloat16).repeat(1, repeat).contiguous()
+        _tinygemm_checks(x, packed, GROUP, sz)
+        y = int4_mm("cuda")(x, packed, GROUP, sz)
+    assert tuple(y.shape) == (3, out_features) and y.dtype == torch.bfloat16
