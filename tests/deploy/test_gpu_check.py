@@ -1,11 +1,14 @@
 """The GPU check script (``python -m specdist.bench.gpu_check``), run here as far as a CPU allows: the
-one-line refusal without CUDA, the random checkpoints, the steps' logging, summary and time limits, and
-the decode benchmark (:mod:`specdist.bench.gpu_decode`) on a toy model."""
+one-line refusal without CUDA, the random checkpoints, the steps' logging, summary and time limits (and the
+leases they add up to), failures recorded instead of raised, and the decode benchmark
+(:mod:`specdist.bench.gpu_decode`) on a toy model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -45,7 +48,7 @@ def test_steps_print_each_test_and_write_the_summary_as_they_end(tmp_path, capsy
     summary = json.load(open(tmp_path / "gpu_check.json"))
     env, tests = summary["steps"]
     assert (env["name"], env["status"], tests["name"], tests["status"]) == ("env", "passed", "tests", "passed")
-    assert tests["counts"]["passed"] >= 5 and tests["counts"]["failed"] == 0 and tests["limit_s"] == 240
+    assert tests["counts"]["passed"] >= 5 and tests["counts"]["failed"] == 0 and tests["limit_s"] == gpu_check.LIMITS["tests"]
     for t in tests["tests"]:
         assert t["name"].startswith("tests/unit/test_paged_attention.py::") and t["seconds"] >= 0
         assert f"[gpu_check] {t['outcome'].upper()}" in printed and t["name"] in printed
@@ -74,3 +77,80 @@ def test_the_decode_benchmark_reports_the_bound_and_transformers_tokens(tmp_path
         report["copy_bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_token"])
     assert r["specdist"]["tokens"] == 12 and r["same_tokens_as_transformers"] is True
     assert r["specdist"]["decode_tok_s"] > 0 and r["transformers"]["decode_tok_s"] > 0
+
+
+def test_the_runs_fit_their_leases_by_construction():
+    """--quick within 5 minutes, the full run within 8: the start-up and the steps' limits add up to at most the
+    lease (a step is killed at its limit, the drafts step's parts share its limit), each test's timeout fits its
+    step, and the fast cuda tests run right after env, the slow ones after decode in a step of their own."""
+    for quick, lease in ((True, gpu_check.QUICK_S), (False, gpu_check.FULL_S)):
+        steps = gpu_check.plan(quick)
+        total = gpu_check.STARTUP_S + sum(limit for _, limit in steps)
+        assert total <= lease, f"{'quick' if quick else 'full'}: {total} s of limits for a {lease} s lease: {steps}"
+        names = [name for name, _ in steps]
+        assert names[:3] == ["env", "tests", "decode"]
+    assert gpu_check.QUICK_S == 300 and gpu_check.FULL_S == 480
+    assert [n for n, _ in gpu_check.plan(False)] == ["env", "tests", "decode", "tests-slow", "tasks", "drafts"]
+    assert gpu_check.DRAFTS_SETUP_S + len(gpu_check.DRAFT_VARIANTS) * gpu_check.MIN_VARIANT_S <= gpu_check.LIMITS["drafts"]
+    for name in ("tests", "tests-slow"):
+        cmd = gpu_check.tests_command(name, "python", gpu_check.LIMITS[name], "cuda", False)
+        timeout = float(cmd[cmd.index("--timeout") + 1])
+        assert 0 < timeout <= gpu_check.LIMITS[name]
+        marks = cmd[cmd.index("-m", cmd.index("--timeout")) + 1]
+        assert marks == ("cuda and slow" if name == "tests-slow" else "cuda and not slow")
+
+
+def test_the_tests_steps_find_every_cuda_test_file_telling_ones_first():
+    """Every test file with a cuda twin (``devices()``) or the cuda marker is in the tests steps, those of FIRST
+    first in its order; with a limit below the default timeout the timeout follows the limit."""
+    files = gpu_check.cuda_test_files()
+    for path in ("tests/unit/test_paged_attention.py", "tests/unit/test_model_families.py",
+                 "tests/unit/test_coupling.py", "tests/engine/test_eagle3.py", "tests/distributed/test_tensor_parallel.py"):
+        assert path in files
+    first = [f for f in gpu_check.FIRST if f in files]
+    assert files[: len(first)] == first and files[0] == "tests/unit/test_paged_attention.py"
+    for f in files:
+        text = open(os.path.join(gpu_check.ROOT, f)).read()
+        assert "devices(" in text or "mark.cuda" in text
+    cmd = gpu_check.tests_command("tests", "python", 30, "cuda", False)
+    assert cmd[cmd.index("--timeout") + 1] == "30" and cmd[-len(files):] == files
+
+
+def test_a_drafts_setup_that_fails_is_recorded_and_the_run_goes_on(tmp_path):
+    """The drafts step writes its checkpoints (and finds the built-in tokenizer) in a limited step of its own:
+    cut at its limit, it is recorded as a timeout, the variants as skipped, and the next step still runs;
+    gpu_check itself raises nothing."""
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "drafts,env", "--limit", "drafts=0.5",
+                         "--out", str(tmp_path)])
+    summary = json.load(open(tmp_path / "gpu_check.json"))
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert rc == 1 and summary["passed"] is False
+    assert steps["drafts-setup"]["status"] == "timeout" and steps["drafts-setup"]["limit_s"] == 0.5
+    for v in gpu_check.DRAFT_VARIANTS:
+        assert steps[f"drafts-{v}"]["status"] == "skipped" and "drafts-setup timeout" in steps[f"drafts-{v}"]["error"]
+    assert steps["env"]["status"] == "passed"
+
+
+def test_a_step_that_cannot_start_or_read_its_results_is_recorded(tmp_path, monkeypatch):
+    """A step whose command cannot start, and one whose results cannot be read, fail with the reason in
+    gpu_check.json; the run goes on and ends with its exit status, not a traceback."""
+    run = gpu_check.Run(str(tmp_path), str(tmp_path), argparse.Namespace(quick=True, device="cpu", tiny=True))
+    missing = run.step("missing", [str(tmp_path / "no-such-program")], 5)
+    assert missing["status"] == "failed" and missing["error"].startswith("cannot start:")
+
+    def unreadable(entry):
+        raise ValueError("not JSON")
+
+    bad = run.step("bad", [sys.executable, "-c", "print('[gpu_check] a line')"], 30, parse=unreadable)
+    assert bad["status"] == "failed" and "ValueError: not JSON" in bad["error"]
+    saved = json.load(open(tmp_path / "gpu_check.json"))
+    assert [s["status"] for s in saved["steps"]] == ["failed", "failed"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("configs/gpu.yaml unreadable")
+
+    monkeypatch.setattr(gpu_check, "_cpu_config", broken)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--steps", "tasks,env", "--out", str(tmp_path / "t")]) == 1
+    steps = json.load(open(tmp_path / "t" / "gpu_check.json"))["steps"]
+    assert [(s["name"], s["status"]) for s in steps] == [("tasks", "failed"), ("env", "passed")]
+    assert steps[0]["error"] == "RuntimeError: configs/gpu.yaml unreadable"
