@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 
 import numpy as np
 import torch
@@ -83,7 +84,8 @@ import torch.nn.functional as F
 from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
 from specdist.models.attention import PagedAttention, pack_step, unpack_step
-from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions
+from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions, on_runner_device
+from specdist.models.host_reads import HostReadError
 from specdist.models.kv_cache import SlotKVCache
 from specdist.models.paged_cache import PagedKVCache
 from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
@@ -219,14 +221,24 @@ class CausalLMRunner:
         """Capture CUDA graphs of the paged forward (:mod:`specdist.models.graphs`) for every batch bucket (powers
         of two up to ``max_batch_size``, default the slot count, and that count itself) times every token bucket
         up to the one holding ``max_tokens``; returns the seconds taken. Forwards outside every bucket (long
-        prefills) run eagerly. ``eager_replay``: the buckets without graphs, on any device (the CPU tests)."""
+        prefills) run eagerly. ``eager_replay``: the buckets without graphs, on any device (the CPU tests). Where
+        the pass reads the device on the host (:mod:`specdist.models.host_reads`), one line on stderr says so and
+        this runner runs uncaptured."""
         if self.attention is None or (self.device.type != "cuda" and not eager_replay):
             raise ConfigError("engine.cuda_graphs", "CUDA graphs need a paged KV cache on a CUDA device")
         top = min(max_batch_size or self.cache.num_slots, self.cache.num_slots)
         batches = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
         tokens = [t for t in GRAPH_TOKENS if t == 1 or t // 2 < max_tokens]
-        self.graphs = CudaGraphs(self, eager_replay)
-        return self.graphs.capture(batches, tokens, log)
+        graphs = CudaGraphs(self, eager_replay)
+        self.graphs = None
+        try:
+            seconds = graphs.capture(batches, tokens, log)
+        except HostReadError as e:
+            print(f"cuda graphs: off for this {self.config.model_type} runner, its pass reads the device on the host: "
+                  f"{e}", file=sys.stderr, flush=True)
+            return 0.0
+        self.graphs = graphs
+        return seconds
 
     def compile(self, backend: str = "inductor") -> None:
         """Route calls of up to ``STATIC_TOKENS[-1]`` tokens per request through
@@ -306,10 +318,12 @@ class CausalLMRunner:
             cache.lengths[s] = st + n
         return logits  # stays on the device: sampling and verification run there
 
+    @on_runner_device
     def _forward_paged(self, slots, tokens, starts, num_logits, packed, extra):
         """The paged backend's forward: the blocks each request writes taken first (copy on write where
         shared), the step's one host-to-device copy, then a captured CUDA graph of the bucket when there
-        is one (:mod:`specdist.models.graphs`), else the pass at the call's own shapes."""
+        is one (:mod:`specdist.models.graphs`), else the pass at the call's own shapes; on the runner's device (the
+        current CUDA device for the Triton kernels, :func:`~specdist.models.graphs.device_guard`)."""
         cache = self.cache
         n_new = [len(t) for t in tokens]
         for s, st, n in zip(slots, starts, n_new):

@@ -241,7 +241,7 @@ def test_the_graph_buckets_give_the_eager_pass_s_logits_and_carry_the_callers_wo
             if graphs:
                 lines = []
                 eng.target_core.runner.capture_graphs(max_tokens=4, log=lines.append, eager_replay=True)
-                assert len(lines) == 3 * 3  # batches 1, 2, 4 x tokens 1, 2, 4
+                assert len(lines) == 3 * 3 + 1  # batches 1, 2, 4 x tokens 1, 2, 4, then the whole
                 if eng.draft_core.runner is not None:
                     eng.draft_core.runner.capture_graphs(max_tokens=2, log=lines.append, eager_replay=True)
             prompts = [[1, 2, 3, 4, 5], [6, 7, 1], [2] * 12]
