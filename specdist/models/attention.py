@@ -55,6 +55,7 @@ class PagedStep:
     n_new: torch.Tensor  # [B] int32: its new tokens
     logits_rows: torch.Tensor  # [B * T] int32: rows whose logits are returned (first num_logits rows used)
     logits_dst: torch.Tensor  # [B * T] int32: where each of those goes in the [B, n_out] left-aligned layout
+    extra: torch.Tensor | None = None  # [W] int32: the caller's words that rode in the same copy, or None
 
 
 def step_size(bsz: int, tokens: int, width: int) -> int:

@@ -48,7 +48,7 @@ Attention runs through ``F.scaled_dot_product_attention`` in forms that let PyTo
 fused kernels: no mask when every request has one query at one common position (a window
 then slices the keys), ``is_causal`` for a one-request prefill from position 0 that the window
 does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
-attention (:func:`_softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
+attention (:func:`specdist.models.backends.slots.softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
 kernels of :mod:`specdist.models.cpu_kernels` attend instead (each row from the cache itself), and in a family
 that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose matmuls all
 run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
@@ -77,16 +77,14 @@ import copy
 import itertools
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
-from specdist.models.attention import PagedAttention, pack_step, unpack_step
+from specdist.models.backends import SlotStep, backend_class, choose_backend
 from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions, on_runner_device
 from specdist.models.host_reads import HostReadError
-from specdist.models.kv_cache import SlotKVCache
 from specdist.models.paged_cache import PagedKVCache
 from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models import cpu_kernels
@@ -113,7 +111,8 @@ class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
-                 kv_cache_dtype: str = "auto", half_storage: bool = True, kv: KVOptions | None = None):
+                 kv_cache_dtype: str = "auto", half_storage: bool = True, kv: KVOptions | None = None,
+                 attention_backend: str = "auto"):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
@@ -141,8 +140,6 @@ class CausalLMRunner:
         self.attn_softcap = cfg.attn_logit_softcapping if family.attn_softcap else None
         self.final_softcap = cfg.final_logit_softcapping if family.final_softcap else None
         self.windows = [_window(family, cfg, layer.self_attn) for layer in self.layers]
-        self.mask_windows = list(dict.fromkeys(self.windows))  # the static pass builds one mask per window
-        self.mask_of_layer = [self.mask_windows.index(w) for w in self.windows]
         self.compiled = None  # the compiled _static_pass, once compile() ran
         # Layers whose input hidden states every forward keeps (an EAGLE-3 head reads them,
         # specdist.models.eagle3; the number of layers: the last one's output): () keeps none. ``last_hidden`` is the latest forward's
@@ -159,21 +156,21 @@ class CausalLMRunner:
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
         # whole head, rotary, cache write and attention are one call per layer (after per-head q/k norms, if any)
         kv = kv or KVOptions()
-        paged = kv.paged(self.device)
-        self.cpu_attention = (not paged and self.device.type == "cpu" and self.dtype == torch.float32
-                              and cpu_kernels.available())
+        backend = _backend_for(attention_backend, kv, self.device, self.dtype)
+        paged = backend.kv_layout == "paged"
+        self.cpu_attention = backend.name == "cpu"
         cache_dtype = kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model))
-        self.attention: PagedAttention | None = None  # the paged backend (None: the slot cache's passes below)
+        num_blocks = None
         if paged:
             per_token = 2 * len(self.layers) * n_kv_local * hd * torch.empty(0, dtype=cache_dtype).element_size()
             tokens = kv.tokens(self.device, num_slots, max_len, per_token)
-            self.cache = PagedKVCache(len(self.layers), num_slots, n_kv_local, hd, max_len,
-                                      PagedKVCache.blocks_for(tokens, kv.block_size) + 1, kv.block_size, cache_dtype,
-                                      self.device)
-            self.attention = PagedAttention(self.cache, self.scaling, self.windows, self.attn_softcap,
-                                            [self.rope_tables[key] for key in self.rope_keys])
-        else:
-            self.cache = SlotKVCache(len(self.layers), num_slots, n_kv_local, hd, max_len, cache_dtype, self.device)
+            num_blocks = PagedKVCache.blocks_for(tokens, kv.block_size) + 1
+        self.cache = backend.make_cache(len(self.layers), num_slots, n_kv_local, hd, max_len, cache_dtype, self.device,
+                                        num_blocks, kv.block_size)
+        # the attention backend (specdist.models.backends): every pass's attention goes through it
+        self.backend = backend(self.cache, self.scaling, self.windows, self.attn_softcap,
+                               [self.rope_tables[key] for key in self.rope_keys])
+        self.attention = self.backend if paged else None  # the paged backend, which CUDA graphs replay
         self.graphs: CudaGraphs | None = None  # captured passes of the paged backend (capture_graphs)
         self.cpu_rope_attention = (self.cpu_attention
                                    and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
@@ -324,22 +321,16 @@ class CausalLMRunner:
         shared), the step's one host-to-device copy, then a captured CUDA graph of the bucket when there
         is one (:mod:`specdist.models.graphs`), else the pass at the call's own shapes; on the runner's device (the
         current CUDA device for the Triton kernels, :func:`~specdist.models.graphs.device_guard`)."""
-        cache = self.cache
-        n_new = [len(t) for t in tokens]
-        for s, st, n in zip(slots, starts, n_new):
-            cache.ensure(s, st + n)
         if self.graphs is not None and max(num_logits) > 0:
+            for s, st, t in zip(slots, starts, tokens):
+                self.cache.ensure(s, st + len(t))
             out = self.graphs.run(slots, tokens, starts, num_logits, extra)
             if out is not None:
                 logits, self.last_hidden, self.last_extra = out
                 return logits if packed else self._left_aligned_rows(logits, num_logits)
-        bsz, t_max = len(slots), max(n_new)
-        width = PagedKVCache.blocks_for(max(st + n for st, n in zip(starts, n_new)), cache.block_size)
-        host = pack_step(cache, slots, tokens, starts, num_logits, bsz, t_max, width)
-        at = len(host) + len(host) % 2  # the caller's words start on an even word (8-byte views stay aligned)
-        buf = self.attention.send(host if extra is None else np.concatenate([host, [0] * (at - len(host)), extra]))
-        self.last_extra = buf[at:] if extra is not None else None
-        step = unpack_step(buf[: len(host)], bsz, t_max, width, cache.block_size)
+        bsz, t_max = len(slots), max(len(t) for t in tokens)
+        step = self.backend.plan(slots, tokens, starts, num_logits, bsz, t_max, extra)
+        self.last_extra = step.extra
         h, self.last_hidden = self.paged_layers(step)  # [B, T, D]
         n_rows = sum(num_logits)
         if n_rows == 0:  # a prefill: no logits, in the layout asked for
@@ -351,8 +342,7 @@ class CausalLMRunner:
     def paged_layers(self, step):  # -> ([B, T, D], [B, T, nD] or None)
         """The decoder stack over a :class:`~specdist.models.attention.PagedStep` (the paged backend's forward
         per layer): device work only, what a captured graph replays."""
-        attention = self.attention
-        return self._layers(step.ids, None, lambda i, q, k, v: attention.forward(i, q, k, v, step))
+        return self._layers(step)
 
     def _left_aligned_rows(self, logits: torch.Tensor, num_logits: list[int],
                            dst: torch.Tensor | None = None) -> torch.Tensor:  # [M, V] -> [B, n_out, V]
@@ -369,39 +359,12 @@ class CausalLMRunner:
     def _forward_eager(self, slots, tokens, starts, num_logits, packed=False):
         """The forward at the call's own shapes: keys sliced to the longest sequence, attention in
         the cheapest form SDPA accepts (no mask, ``is_causal``, or a mask)."""
-        dev = self.device
         bsz, n_new = len(slots), [len(t) for t in tokens]
         t_max = max(n_new)
         if self.cpu_attention and sum(n_new) < bsz * t_max:
             return self._forward_rows(slots, tokens, starts, num_logits, packed)
-        ids, write_pos, query_pos = self._positions(tokens, starts, t_max)
-        s_len = max(st + n for st, n in zip(starts, n_new))  # keys attended: [0, S)
-        one_position = t_max == 1 and min(starts) == max(starts)  # one query per request, all at one position
-        prefill = bsz == 1 and starts[0] == 0
-        plans: dict[int | None, tuple] = {}  # window -> (first key, mask, is_causal), made at first use
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        contiguous = slots == list(range(slots[0], slots[0] + bsz))
-
-        def attend(i, q, k, v):  # [B, Hq, T, hd], [B, Hkv, T, hd] x2 -> [B, Hq, T, hd]
-            kc, vc = self._write(i, slot_t, write_pos, k, v)
-            window = self.windows[i]
-            if self.cpu_attention:  # straight from the cache, each query over its own visible keys
-                return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, window, self.scaling, self.attn_softcap)
-            plan = plans.get(window)
-            if plan is None:
-                plan = plans[window] = _attention_plan(window, query_pos, min(starts), s_len, one_position,
-                                                       prefill and (window is None or t_max <= window))
-            lo, mask, causal = plan
-            if contiguous:
-                keys = kc[slots[0] : slots[0] + bsz, :, lo:s_len]  # view, no copy: [B, Hkv, S', hd]
-                vals = vc[slots[0] : slots[0] + bsz, :, lo:s_len]
-            else:
-                keys = kc[:, :, lo:s_len].index_select(0, slot_t)  # copies only the attended keys
-                vals = vc[:, :, lo:s_len].index_select(0, slot_t)
-            return self._attention(q, keys, vals, mask, causal)
-
-        fused = (slot_t, query_pos) if self.cpu_rope_attention else None
-        h, self.last_hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [B, T, D], [B, T, nD] or None
+        step = self.backend.plan(slots, tokens, starts, num_logits, bsz, t_max)
+        h, self.last_hidden = self._layers(step)  # [B, T, D], [B, T, nD] or None
         logits = self._logits(h, n_new, num_logits)
         return _packed(logits, num_logits) if packed else logits
 
@@ -414,16 +377,9 @@ class CausalLMRunner:
         bsz, n_new = len(slots), [len(t) for t in tokens]
         offs = list(itertools.accumulate(n_new, initial=0))  # request b's rows: offs[b] .. offs[b + 1] - 1
         row_slots = [s for s, n in zip(slots, n_new) for _ in range(n)]
-        ids, write_pos, query_pos = self._positions([[t] for ts in tokens for t in ts],
-                                                    [st + j for st, n in zip(starts, n_new) for j in range(n)], 1)
-        slot_t = torch.tensor(row_slots, dtype=torch.long, device=dev)
-
-        def attend(i, q, k, v):  # [N, Hq, 1, hd], [N, Hkv, 1, hd] x2 -> [N, Hq, 1, hd]
-            kc, vc = self._write(i, slot_t, write_pos, k, v)
-            return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, self.windows[i], self.scaling, self.attn_softcap)
-
-        fused = (slot_t, query_pos) if self.cpu_rope_attention else None
-        h, hidden = self._layers(ids.to(dev), write_pos, attend, fused)  # [N, 1, D], [N, 1, nD] or None
+        step = self.backend.plan(row_slots, [[t] for ts in tokens for t in ts],
+                                 [st + j for st, n in zip(starts, n_new) for j in range(n)], [0] * offs[-1], offs[-1], 1)
+        h, hidden = self._layers(step)  # [N, 1, D], [N, 1, nD] or None
         t_max = max(n_new)
         pad = torch.tensor([b * t_max + j for b, n in enumerate(n_new) for j in range(n)], device=dev)  # [N]
         if hidden is not None:  # [B, T, nD] as the padded layout gives it (zeros past each request's tokens)
@@ -450,15 +406,12 @@ class CausalLMRunner:
         t_pad = next(t for t in STATIC_TOKENS if t >= max(n_new))
         s_len = max(st + n for st, n in zip(starts, n_new))
         s_pad = min(max(STATIC_MIN_KEYS, _bucket(s_len)), cache.max_len)  # never the scratch column
-        # Padded rows are empty requests on slot 0: every token writes the scratch column.
-        slots_p = list(slots) + [slots[0]] * (b_pad - bsz)
-        tokens_p = list(tokens) + [[]] * (b_pad - bsz)
-        starts_p = list(starts) + [0] * (b_pad - bsz)
-        ids, write_pos, query_pos = self._positions(tokens_p, starts_p, t_pad)
+        # Padded rows are empty requests on the first slot: every token writes the scratch column.
+        step = self.backend.plan(slots, tokens, starts, num_logits, b_pad, t_pad)
         j = torch.arange(s_pad, device=dev)  # [S]
-        p = query_pos[:, :, None]  # [B, T, 1]
+        p = step.query_pos[:, :, None]  # [B, T, 1]
         masks = []
-        for window in self.mask_windows:  # key j visible to a query at p iff p - window < j <= p
+        for window in self.backend.mask_windows:  # key j visible to a query at p iff p - window < j <= p
             visible = j <= p
             if window is not None:
                 visible &= j > p - window
@@ -468,10 +421,9 @@ class CausalLMRunner:
         n_t = torch.tensor(n_new + [1] * (b_pad - bsz))
         offs = torch.tensor(list(num_logits) + [1] * (b_pad - bsz))
         out_idx = ((n_t - offs)[:, None] + torch.arange(n_pad)[None, :]).clamp(min=0, max=t_pad - 1)  # [B, n_pad]
-        slot_t = torch.tensor(slots_p, dtype=torch.long, device=dev)
         if self.cpu_attention:  # the kernel reads each query's keys itself: no masks, no key length
             masks = []
-        args = (ids.to(dev), write_pos, query_pos, slot_t, tuple(masks), out_idx.to(dev))
+        args = (step.ids, step.write_pos, step.query_pos, step.slots, tuple(masks), out_idx.to(dev))
         # One graph per (batch, tokens, logits rows) bucket, each serving every key length (CUDA graphs:
         # recorded per keys bucket): the key length is dynamic, the rest static (not made dynamic when
         # a second bucket shows up, which measured slower than a graph of its own).
@@ -495,51 +447,21 @@ class CausalLMRunner:
         """Pure tensor work at fixed shapes (what :meth:`compile` compiles): ``ids`` [B, T],
         ``write_pos`` and ``query_pos`` [B, T], ``slot_t`` [B], ``masks`` one [B, 1, T, S] per distinct
         window (none where :func:`cpu_kernels.attention` attends), ``out_idx`` [B, n] -> logits [B, n, V] float32."""
-
-        def attend(i, q, k, v):
-            kc, vc = self._write(i, slot_t, write_pos, k, v)
-            if self.cpu_attention:
-                return cpu_kernels.attention(q, kc, vc, slot_t, query_pos, self.windows[i], self.scaling, self.attn_softcap)
-            s_pad = masks[0].shape[-1]
-            keys = kc[:, :, :s_pad].index_select(0, slot_t)  # [B, Hkv, S, hd]
-            vals = vc[:, :, :s_pad].index_select(0, slot_t)
-            return self._attention(q, keys, vals, masks[self.mask_of_layer[i]], False)
-
-        h, hidden = self._layers(ids, write_pos, attend, (slot_t, query_pos) if self.cpu_rope_attention else None)
+        step = SlotStep(ids.shape[0], ids.shape[1], ids, slot_t, write_pos, query_pos, masks=masks)
+        h, hidden = self._layers(step)
         return self._head(h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))), hidden
 
-    def _positions(self, tokens, starts, t_max):
-        """Host-side layout of a call: ``ids`` [B, T] (0-padded, host), ``write_pos`` [B, T] (each
-        token's position, padded ones the scratch column) and ``query_pos`` [B, T] (padded queries
-        take their row's last position: their outputs are discarded, and every query sees at least
-        one key whatever the window), both on the device."""
-        ids = torch.tensor([list(t) + [0] * (t_max - len(t)) for t in tokens], dtype=torch.long)  # [B, T]
-        ar = torch.arange(t_max)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        n_t = torch.tensor([len(t) for t in tokens], dtype=torch.long)
-        positions = start_t[:, None] + ar[None, :]  # [B, T]
-        valid = ar[None, :] < n_t[:, None]  # [B, T]
-        write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
-        last = (start_t + n_t - 1).clamp(min=0)  # [B]
-        query_pos = torch.minimum(positions, last[:, None])  # [B, T]
-        return ids, write_pos.to(self.device), query_pos.to(self.device)
-
-    def _layers(self, ids, write_pos, attend, fused=None):  # [B, T] -> ([B, T, D], [B, T, nD] or None)
-        """The decoder stack: the last layer's output and the inputs of :attr:`hidden_layers`
-        (concatenated in that order; None when there are none). ``attend(i, q, k, v)`` writes layer
-        i's new keys and values into the cache and returns the attention output; the eager and
-        static passes differ only there. ``fused`` = ``(slots, query_pos)`` where
-        :attr:`cpu_rope_attention` holds: each layer's rotary, cache write and attention are then
-        :func:`cpu_kernels.rope_attention` (``attend`` unused)."""
+    def _layers(self, step):  # -> ([B, T, D], [B, T, nD] or None)
+        """The decoder stack over one step's metadata (the backend's ``plan``, ``step.ids`` [B, T]): the last
+        layer's output and the inputs of :attr:`hidden_layers` (concatenated in that order; None when there
+        are none). Each layer's attention is the backend's ``forward`` over the step's B * T rows; a layer with a
+        :attr:`layer_kernels` entry (the CPU backend) is one C call instead."""
+        ids = step.ids
         bsz, t_max = ids.shape
         h = self.model.model.embed_tokens(ids)  # [B, T, D]
-        # RoPE of each token's write position: padded tokens get the scratch row, outputs discarded. Without
-        # write positions (the paged backend) ``attend`` takes [B * T, H, hd] rows and rotates them itself.
-        ropes = ({key: (cos[write_pos], sin[write_pos]) for key, (cos, sin) in self.rope_tables.items()}  # [B, T, rd]
-                 if write_pos is not None else None)
         hd = self.head_dim
         taps = {}  # layer index -> its input [B, T, D]
-        kernels = self.layer_kernels if fused is not None and not torch.compiler.is_compiling() else [None] * len(self.layers)
+        kernels = self.layer_kernels if not torch.compiler.is_compiling() else [None] * len(self.layers)
         if bsz * t_max > cpu_kernels.F32_MAX_ROWS:  # float32 layers: torch's GEMM is the faster one from there
             kernels = [None if w is not None and w.dense else w for w in kernels]
         scratch = None  # the layer kernels' activations, shared by the layers of this call
@@ -551,10 +473,10 @@ class CausalLMRunner:
                 if scratch is None:
                     h = h.contiguous()
                     scratch = torch.empty(max(w.scratch(bsz * t_max) for w in kernels if w is not None))
-                cos, sin = ropes[self.rope_keys[i]]
-                h = cpu_kernels.decoder_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], fused[0],
-                                            write_pos, fused[1], self.windows[i], self.scaling, self.attn_softcap,
-                                            scratch)
+                cos, sin = self.backend.rope_at(step, i)  # [B, T, hd]
+                h = cpu_kernels.decoder_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], step.slots,
+                                              step.write_pos, step.query_pos, self.windows[i], self.scaling,
+                                              self.attn_softcap, scratch)
                 continue
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = _qkv(attn, x, self.qkv_split)
@@ -562,24 +484,9 @@ class CausalLMRunner:
             k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
             if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            if fused is not None:
-                cos, sin = ropes[self.rope_keys[i]]
-                o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t_max, -1, hd), cos, sin, self.cache.k[i],
-                                               self.cache.v[i], fused[0], write_pos, fused[1], self.windows[i],
-                                               self.scaling, self.attn_softcap)  # [B, T, Hq, hd]
-                h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
-                continue
-            if ropes is None:
-                o = attend(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
-                           v.reshape(bsz * t_max, -1, hd))  # [B * T, Hq, hd]
-                h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
-                continue
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd]
-            v = v.reshape(bsz, t_max, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-            cos, sin = ropes[self.rope_keys[i]]
-            q, k = _apply_rope(q, k, cos, sin)
-            o = attend(i, q, k, v)  # [B, Hq, T, hd]
-            h = self._residual(layer, h, attn.o_proj(o.transpose(1, 2).reshape(bsz, t_max, -1)))
+            o = self.backend.forward(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
+                                     v.reshape(bsz * t_max, -1, hd), step)  # [B * T, Hq, hd]
+            h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
         if len(self.layers) in self.hidden_layers:  # past the last layer: its output before the final norm
             taps[len(self.layers)] = h
         return h, torch.cat([taps[i] for i in self.hidden_layers], -1) if taps else None
@@ -592,19 +499,6 @@ class CausalLMRunner:
             return h + _rms_norm(layer.post_feedforward_layernorm, m)
         h = h + a
         return h + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, h))
-
-    def _write(self, i, slot_t, write_pos, k, v):
-        """Layer i's new keys / values [B, Hkv, T, hd] into each row's slot at its positions."""
-        kc, vc = self.cache.k[i], self.cache.v[i]  # [N, Hkv, L+1, hd]
-        kc[slot_t[:, None], :, write_pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, Hkv, hd]
-        vc[slot_t[:, None], :, write_pos] = v.transpose(1, 2).to(vc.dtype)
-        return kc, vc
-
-    def _attention(self, q, keys, vals, mask, causal):  # -> [B, Hq, T, hd]
-        if self.attn_softcap is not None:
-            return _softcap_attention(q, keys, vals, mask, causal, self.scaling, self.attn_softcap)
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                              enable_gqa=q.shape[1] != keys.shape[1])
 
     def _logits(self, h, n_new, num_logits):
         """Logits of the last ``num_logits[b]`` valid tokens of each row, left-aligned, zero-padded."""
@@ -621,6 +515,20 @@ class CausalLMRunner:
     def _head(self, hs):  # [B, n, D] -> [B, n, V] float32
         logits = _lm_head(self.model.lm_head, _rms_norm(self.model.model.norm, hs)).float()
         return _softcap(logits, self.final_softcap)  # Gemma: tanh soft-cap of the logits
+
+
+def _backend_for(name: str, kv: KVOptions, device: torch.device, dtype: torch.dtype):
+    """The attention backend class of ``engine.attention_backend`` (auto: by ``engine.kv_cache``, the device and
+    the dtype) for a runner on ``device`` in ``dtype``; a named one must run there and read the cache asked for."""
+    if name in (None, "auto"):
+        return choose_backend(kv.kind, device, dtype)
+    backend = backend_class(name)
+    why = backend.unavailable(device, dtype)
+    if why is None and kv.kind not in ("auto", backend.kv_layout):
+        why = f"it reads a {backend.kv_layout} cache, engine.kv_cache is {kv.kind}"
+    if why is not None:
+        raise ConfigError("engine.attention_backend", f"{name}: {why}")
+    return backend
 
 
 @torch.inference_mode()
@@ -737,41 +645,6 @@ def _window(family: Family, config, attn) -> int | None:
     else:
         window = None
     return int(window) if window else None
-
-
-def _attention_plan(window, query_pos, first_query, s_len, one_position, causal_prefill):
-    """How one call attends under one window: ``(lo, mask, is_causal)``, keys ``[lo, s_len)``.
-
-    ``query_pos`` [B, T] (on the device) holds each query's position, ``first_query`` the lowest.
-    No mask where slicing or ``is_causal`` expresses the visible keys; else a [B, 1, T, S - lo]
-    boolean mask: key j visible iff ``p - window < j <= p``.
-    """
-    lo = 0 if window is None else max(0, first_query - window + 1)  # no query sees a key before lo
-    if one_position:
-        return lo, None, False  # one query per request at position s_len - 1: it sees all of [lo, s_len)
-    if causal_prefill:
-        return 0, None, True
-    j = torch.arange(lo, s_len, device=query_pos.device)  # [S']
-    p = query_pos[:, :, None]  # [B, T, 1]
-    visible = j <= p
-    if window is not None:
-        visible &= j > p - window
-    return lo, visible[:, None], False  # [B, 1, T, S']
-
-
-def _softcap_attention(q, k, v, mask, causal, scale, cap):  # [B, Hq, T, hd], [B, Hkv, S, hd] -> [B, Hq, T, hd]
-    """Attention whose scores are soft-capped (Gemma 2), computed as transformers' eager
-    attention does: scores scaled, capped by ``tanh(s / cap) * cap``, masked, softmax in fp32."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, T, S]
-    scores = _softcap(scores, cap)
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # [T, S], T == S
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -914,19 +787,3 @@ def _mlp(mlp, x):
         gate, up = fused(x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp(x)
-
-
-def _apply_rope(q, k, cos, sin):
-    """Rotary embedding (half-rotation convention of the HF models); a table narrower than the
-    head rotates its first ``rd`` dims and passes the rest (partial rotary)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, rd]
-    rd = cos.shape[-1]
-    if rd == q.shape[-1]:
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-    return (torch.cat((_rotate(q[..., :rd], cos, sin), q[..., rd:]), dim=-1),
-            torch.cat((_rotate(k[..., :rd], cos, sin), k[..., rd:]), dim=-1))
-
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -28,7 +28,7 @@ from specdist.errors import ConfigError
 from specdist.models.families import SUPPORTED_MODEL_TYPES
 from specdist.models.loader import load_model, resolve_model
 from specdist.models import families as families_module
-from specdist.models import runner as runner_module
+from specdist.models.backends import slots as slot_backends
 from specdist.models import cpu_kernels
 from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner
@@ -93,23 +93,26 @@ def test_a_layer_is_one_kernel_call_where_its_family_declares_that_shape(family:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family: str, device: str, attention: str, monkeypatch) -> None:
     forms = set()  # the attention forms the schedule ran: "none" (no mask), "causal", "mask"
-    plan = runner_module._attention_plan
+    plan = slot_backends.attention_plan
 
     def spy(*args):
         lo, mask, causal = plan(*args)
         forms.add("causal" if causal else "none" if mask is None else "mask")
         return lo, mask, causal
 
-    monkeypatch.setattr(runner_module, "_attention_plan", spy)
+    monkeypatch.setattr(slot_backends, "attention_plan", spy)
     model = build_tiny(family, seed=1).to(device)
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, model.config.vocab_size, (SEQ_LEN,), generator=gen).tolist() for _ in SLOTS]
     refs = [_reference_logits(model, s, family) for s in seqs]
     # the model's own cache dtype: the float64 reference is checked at fp32 rounding (test_cpu_kernels covers float16)
-    runner = CausalLMRunner(model, num_slots=5, max_len=32, kv_cache_dtype="model")
-    assert runner.cpu_attention == (device == "cpu" and cpu_kernels.available())
-    if attention == "sdpa":
-        runner.cpu_attention = runner.cpu_rope_attention = False
+    kv = KVOptions("paged" if attention == "paged" else "slots")
+    backend = "sdpa" if attention == "sdpa" else "auto"
+    runner = CausalLMRunner(model, num_slots=5, max_len=32, kv_cache_dtype="model", kv=kv, attention_backend=backend)
+    assert runner.cpu_attention == (attention == "kernels")
+    assert (runner.attention is not None) == (attention == "paged")
+    if device == "cuda":  # CUDA's default is the paged cache: this place is what an engine there builds
+        assert KVOptions().paged(runner.device) and runner.backend.name == "paged"
     assert [runner.cache.allocate() for _ in range(5)] == [0, 1, 2, 3, 4]
     pos = [0] * len(SLOTS)
     for step in SCHEDULE:
@@ -128,7 +131,10 @@ def test_logits_match_transformers(family: str, device: str, attention: str, mon
             # per op; observed at most 1.4e-5 on logits up to 9 in size (7x margin). A modelling
             # error (a norm weight, the window, a RoPE table, a soft-cap, the scale) moves them by
             # 0.1 or more.
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{family}: step {step}, request {r}")
+            err = (got - want).abs()  # [n + j, V]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda _: (
+                f"{family}: step {step}, request {r}: max error {float(err.max()):.3g} at token "
+                f"{int(err.amax(1).argmax())} of {n + j} (positions from {pos[r]})"))
             pos[r] += n
             runner.cache.rollback(SLOTS[r], pos[r])
     assert pos == [SEQ_LEN] * len(SLOTS)

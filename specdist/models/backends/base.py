@@ -56,6 +56,15 @@ class AttentionBackend(ABC):
     def __init__(self, cache, scaling: float, windows: list[int | None], softcap: float | None,
                  rope: list[tuple[torch.Tensor, torch.Tensor]]):
         self.cache, self.scaling, self.windows, self.softcap, self.rope = cache, scaling, windows, softcap, rope
+        # each layer's table as the index of the first layer with the same one (steps compute each table once)
+        first = {}
+        self.rope_index = [first.setdefault(id(cos), i) for i, (cos, _) in enumerate(rope)]
+        self.mask_windows = list(dict.fromkeys(windows))  # a padded (static) pass builds one mask per window
+        self.mask_of_layer = [self.mask_windows.index(w) for w in windows]
+
+    def rope_at(self, step, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, rd] of layer i at the step's write positions (slot steps)."""
+        return step.rope(self.rope_index[i], self.rope[i])
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -91,19 +100,20 @@ class SlotStep:
     slots: torch.Tensor  # [B] int64: each request's slot
     write_pos: torch.Tensor  # [B, T] int64: each token's position (padded: the scratch column)
     query_pos: torch.Tensor  # [B, T] int64: each query's position (padded: its request's last)
-    slot_ids: list[int]  # the same slots, on the host
-    starts: list[int]  # tokens each request held before the step (host)
-    n_new: list[int]  # its new tokens (host)
+    slot_ids: list[int] | None = None  # the same slots on the host (None in a padded pass: keys by masks)
+    starts: list[int] | None = None  # tokens each request held before the step (host)
+    n_new: list[int] | None = None  # its new tokens (host)
     extra: torch.Tensor | None = None  # [W] int32: the caller's words on the device
-    ropes: dict = field(default_factory=dict)  # id(cos table) -> (cos, sin) [B, T, rd] at write_pos
+    masks: tuple | None = None  # a padded pass's [B, 1, T, S] boolean masks, one per distinct window
+    ropes: dict = field(default_factory=dict)  # table index -> (cos, sin) [B, T, rd] at write_pos
     plans: dict = field(default_factory=dict)  # window -> (first key, mask, is_causal) of the SDPA forms
 
-    def rope(self, table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, rd] of this step's write positions, from one table, computed once a step."""
-        got = self.ropes.get(id(table[0]))
+    def rope(self, key: int, table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, rd] of this step's write positions, from one table (``key`` names it), once a step."""
+        got = self.ropes.get(key)
         if got is None:
             cos, sin = table
-            got = self.ropes[id(cos)] = (cos[self.write_pos], sin[self.write_pos])
+            got = self.ropes[key] = (cos[self.write_pos], sin[self.write_pos])
         return got
 
     @property

@@ -51,7 +51,7 @@ class _SlotBackend(AttentionBackend):
         bsz, t, hd = step.bsz, step.tokens, q.shape[-1]
         q, k = q.reshape(bsz, t, -1, hd).transpose(1, 2), k.reshape(bsz, t, -1, hd).transpose(1, 2)
         v = v.reshape(bsz, t, -1, hd).transpose(1, 2)
-        cos, sin = step.rope(self.rope[i])
+        cos, sin = self.rope_at(step, i)
         return *apply_rope(q, k, cos, sin), v
 
 
@@ -69,6 +69,12 @@ class SdpaBackend(_SlotBackend):
         q, k, v = self._heads(i, q, k, v, step)  # [B, Hq, T, hd], [B, Hkv, T, hd] x2
         kc, vc = self._write(i, step, k, v)
         window = self.windows[i]
+        if step.masks is not None:  # a padded pass (compiled): keys padded to the masks' length, one mask a window
+            s_pad = step.masks[0].shape[-1]
+            keys = kc[:, :, :s_pad].index_select(0, step.slots)  # [B, Hkv, S, hd]
+            vals = vc[:, :, :s_pad].index_select(0, step.slots)
+            o = sdpa(q, keys, vals, step.masks[self.mask_of_layer[i]], False, self.scaling, self.softcap)
+            return o.transpose(1, 2).reshape(step.bsz * step.tokens, -1, q.shape[-1])
         s_len = max(st + n for st, n in zip(step.starts, step.n_new))  # keys attended: [0, S)
         plan = step.plans.get(window)
         if plan is None:
@@ -106,7 +112,7 @@ class CpuKernelBackend(_SlotBackend):
 
     def forward(self, i, q, k, v, step: SlotStep) -> torch.Tensor:
         bsz, t, hd = step.bsz, step.tokens, q.shape[-1]
-        cos, sin = step.rope(self.rope[i])  # [B, T, rd]
+        cos, sin = self.rope_at(step, i)  # [B, T, rd]
         if cos.shape[-1] == hd:  # one call: rotary, write, attention
             o = cpu_kernels.rope_attention(q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd),
                                            v.reshape(bsz, t, -1, hd), cos, sin, self.cache.k[i], self.cache.v[i],
