@@ -53,8 +53,8 @@ QUICK_S, FULL_S = 300, 480  # the leases the runs are sized for: --quick within 
 STARTUP_S = 20  # this script's own start before its first step (python, torch's import, the CUDA check)
 # seconds per step, in the order they run; on an H100 (torch 2.11) the quick run's env took 6 s, all the cuda
 # tests 139 s (fast and slow together), decode 63 s (transformers' generate of 128 tokens at 13 tok/s included)
-LIMITS = {"env": 15, "tests": 140, "decode": 90, "tests-slow": 80, "tasks": 50, "drafts": 85}
-QUICK_LIMITS = {"env": 15, "tests": 140, "decode": 90}
+LIMITS = {"env": 15, "tests": 140, "decode": 75, "tests-slow": 80, "tasks": 70, "drafts": 80}
+QUICK_LIMITS = {"env": 15, "tests": 160, "decode": 90}
 TEST_TIMEOUT_S = 60  # pytest-timeout's limit on one test (a hung test fails alone instead of eating its step)
 DRAFTS_SETUP_S = 25  # of the drafts step's limit: writing the random checkpoints, finding the built-in tokenizer
 MIN_VARIANT_S = 5  # a drafts variant left less than this is skipped, not started
