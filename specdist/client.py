@@ -89,6 +89,7 @@ class ServerInfo:
     draft_pipeline: bool = False  # drafts prepared while the target verifies (draft.pipeline)
     draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip" | "auto"
     cpu_kernels: str = ""  # which kernels run the target on the CPU (engine.cpu_kernels); "" if unknown
+    memory_plan: str = ""  # how the GPU's memory was planned at load (specdist.models.memory_plan); "" if not
 
 
 class SpecDistClient:
@@ -192,6 +193,7 @@ class SpecDistClient:
             msg.draft_pipeline,
             msg.draft_pipeline_miss,
             msg.cpu_kernels,
+            msg.memory_plan,
         )
 
     def health(self, service: str = "") -> str:

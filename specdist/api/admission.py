@@ -162,6 +162,7 @@ def server_info(engine) -> dict[str, Any]:
         draft_pipeline=pipelined,
         draft_pipeline_miss=cfg.draft.pipeline_miss if pipelined else "",
         cpu_kernels=getattr(engine, "cpu_kernels", ""),  # Engine: this process's; RemoteEngine: its target rank 0's
+        memory_plan=getattr(engine, "memory_plan", ""),  # Engine: its GPU's plan (specdist.models.memory_plan)
     )
 
 

@@ -19,6 +19,8 @@ from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, tar
 from specdist.models.loader import eos_token_ids
 from specdist.models import cpu_kernels
 from specdist.models.graphs import KVOptions
+from specdist.models.memory_plan import (Measure, MemoryPlan, Profile, bucket_passes, longest_prefill, measure_for,
+                                         plan_memory)
 from specdist.models.metadata import ModelSources
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
@@ -26,6 +28,8 @@ from specdist.engine.base import EngineBase
 from specdist.engine.output import PHASES, EngineStats
 from specdist.engine.scheduler import Scheduler
 from specdist.cores.target import LocalVerifier, VerifierCore
+from specdist.cores.verify_batch import VerifyBatch
+from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 
@@ -35,6 +39,7 @@ class Engine(EngineBase):
 
     compile_s: float = 0.0  # seconds spent compiling and warming compiled passes at load (engine.compile)
     graphs_s: float = 0.0  # seconds spent capturing CUDA graphs at load (engine.cuda_graphs)
+    memory_plan: str = ""  # the paged caches' sizes and what they were planned from, one line (GPUs; GetServerInfo)
 
     def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
         ec = config.engine
@@ -43,7 +48,9 @@ class Engine(EngineBase):
         # backend it chose is GetServerInfo's cpu_kernels
         self.cpu_kernels = cpu_kernels.configure(ec.cpu_kernels)
         device = next(target.parameters()).device
-        kv = KVOptions.from_engine(ec, device)
+        # on a GPU the paged caches start at one sequence each and take their size from the memory plan below
+        measure = measure_for(device)
+        kv = KVOptions.from_engine(ec, device, deferred=measure is not None)
         self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
                                                        kv_cache_dtype=ec.kv_cache_dtype, kv=kv),
                                         prefix_caching=ec.prefix_caching, prefix_scope=ec.prefix_cache_scope)
@@ -59,18 +66,38 @@ class Engine(EngineBase):
                                                                  kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.keep_hidden_layers(self.draft_core.hidden_layers)
+        k = dc.num_speculative_tokens if dc.enabled else 0
+        if kv.deferred:
+            self.memory_plan = self._plan_memory(ec, k, measure).line()
         if ec.compiled(self.target_core.runner.device.type):
-            k = dc.num_speculative_tokens if dc.enabled else 0
             self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)
             if self.draft_core is not None and self.draft_core.runner is not None:
                 self.compile_s += compile_runner(self.draft_core.runner, "draft", k, ec.compile_cache_dir)
         if ec.graphs(device.type):
-            self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None,
-                                           dc.num_speculative_tokens if dc.enabled else 0)
+            self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None, k)
         drafters = ([LocalDrafter(pipelined(self.draft_core, traits.pipelined, dc.pipeline_miss))]
                     if self.draft_core is not None else [])
         self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
                                    eos_token_ids(target, tokenizer), traits=traits)
+
+    def _plan_memory(self, ec, k: int, measure: Measure) -> MemoryPlan:
+        """Size the paged caches of the target and of a draft model from a profile of the passes serving runs
+        (:mod:`specdist.models.memory_plan`): each runner's graph buckets (held where they become CUDA graphs, as
+        :func:`capture_graphs` takes them: verifying ``k`` drafts, drafting two tokens a pass) and its longest
+        prefill, and the sampler of a verification at the largest batch."""
+        graphed = ec.graphs(self.target_core.runner.device.type)
+        runners = {"target": (self.target_core.runner, k + 1)}
+        draft = self.draft_core.runner if self.draft_core is not None else None
+        if draft is not None and draft.attention is not None:
+            runners["draft"] = (draft, 2)
+        profile = Profile()
+        for runner, tokens in runners.values():
+            (profile.graphs if graphed else profile.eager).append(bucket_passes(runner, tokens))
+            profile.eager.append(longest_prefill(runner))
+        profile.eager += sampler_passes(self.target_core.vocab_size, ec.max_batch_size, max(k, 1),
+                                        self.target_core.runner.device)
+        return plan_memory({name: r.cache for name, (r, _) in runners.items()}, ec.gpu_memory_utilization, profile,
+                           measure)
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Each core's KV cache usage (``usage()`` of its cache: blocks_total, blocks_used, block_size), by core
@@ -113,6 +140,23 @@ class Engine(EngineBase):
             # a draft model checked against the target's vocabulary, or the target's own copy
             draft = load_draft_model(cfg.draft, sources, draft_dtype(cfg), device, target, tokenizer)
         return cls(cfg, target, tokenizer, draft)
+
+
+def sampler_passes(vocab: int, bsz: int, k: int, device: torch.device) -> list:
+    """The verification sampler at its largest: ``bsz`` requests of ``k`` drafts each, sampled (top-k, top-p and
+    the most log-probabilities), once all rejection-coupled with dense q rows (made inside the pass, as a drafter
+    in the process makes them) and once all Gumbel-coupled (noise for every row)."""
+    def run(coupling: str) -> None:
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS)
+        drafts = [[b % vocab] * k for b in range(bsz)]
+        has_q = [coupling == "rejection"] * bsz
+        batch = VerifyBatch([(1, params, b, coupling) for b in range(bsz)], drafts, list(range(bsz)), has_q, vocab)
+        logits = torch.randn(bsz * (k + 1), vocab, device=device)  # [B * (K+1), V] as the target's pass packs them
+        extra = torch.from_numpy(batch.words()).to(device)
+        qs = [torch.softmax(torch.randn(k, vocab, device=device), -1) if q else None for q in has_q]  # [K, V] each
+        batch.decide(logits, extra, qs)
+
+    return [lambda: run("rejection"), lambda: run("gumbel")]
 
 
 def device_for(name: str | None) -> torch.device:

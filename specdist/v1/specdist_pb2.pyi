@@ -62,7 +62,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("target_model", "draft_method", "draft_model", "tensor_parallel_size", "draft_replicas", "num_speculative_tokens", "max_model_len", "counters", "draft_pipeline", "draft_pipeline_miss", "cpu_kernels")
+    __slots__ = ("target_model", "draft_method", "draft_model", "tensor_parallel_size", "draft_replicas", "num_speculative_tokens", "max_model_len", "counters", "draft_pipeline", "draft_pipeline_miss", "cpu_kernels", "memory_plan")
     class Counters(_message.Message):
         __slots__ = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_kv_slots_used", "requests_total", "requests_finished", "requests_cancelled", "requests_failed", "active_streams")
         RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ServerInfo(_message.Message):
     DRAFT_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PIPELINE_MISS_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PLAN_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_method: str
     draft_model: str
@@ -106,4 +107,5 @@ class ServerInfo(_message.Message):
     draft_pipeline: bool
     draft_pipeline_miss: str
     cpu_kernels: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_replicas: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Union[ServerInfo.Counters, _Mapping]] = ..., draft_pipeline: _Optional[bool] = ..., draft_pipeline_miss: _Optional[str] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
+    memory_plan: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_replicas: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Union[ServerInfo.Counters, _Mapping]] = ..., draft_pipeline: _Optional[bool] = ..., draft_pipeline_miss: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., memory_plan: _Optional[str] = ...) -> None: ...
