@@ -79,9 +79,15 @@ Shape::
                                      #   paged kernels on GPUs | slots: one max_model_len slot per request (the
                                      #   CPU attention kernels read these) | auto: paged on CUDA, slots on the CPU
       kv_block_size: 16              # tokens a block (a power of two)
-      kv_cache_tokens: null          # tokens the paged cache holds; null: max_batch_size x max_model_len, on a
-                                     #   GPU capped by gpu_memory_utilization of its free memory at load
-      gpu_memory_utilization: 0.9    # share of the free device memory the paged cache may take at most
+      kv_cache_tokens: null          # tokens each paged cache (target, model draft) holds; null: planned on a GPU
+                                     #   (gpu_memory_utilization), else max_batch_size x max_model_len
+      gpu_memory_utilization: 0.9    # share of the GPU's total memory the engine plans to use: the KV caches get
+                                     #   total x this - weights - CUDA graphs - the peak of the eager passes -
+                                     #   memory outside torch, measured at load by running them
+                                     #   (specdist/models/memory_plan.py); the target's and the draft's cache
+                                     #   hold the same tokens; one line on stderr and GetServerInfo's
+                                     #   memory_plan say what each got; too little for one max_model_len
+                                     #   sequence: an error naming this key
       cuda_graphs: auto              # on | off | auto (on for a paged cache on CUDA): each decode, verify and
                                      #   draft pass of up to 16 tokens a request is a CUDA graph replay,
                                      #   every batch bucket captured at load (specdist/models/graphs.py)
