@@ -54,6 +54,13 @@ def call_isolating(method, items: list, count: Callable[[], None] = lambda: None
             if e.item is not None and e.code in PER_ITEM_CODES and e.item < len(idx):
                 failed[idx.pop(e.item)] = e
                 continue
+            if e.item is not None and e.code == ErrorCode.RESOURCE_EXHAUSTED and 0 < e.item < len(idx):
+                # out of room from the item it names on (a core's check_room): the ones before it fit, and are
+                # retried alone; failing them too would requeue every request of a cache that holds some of them
+                for i in idx[e.item:]:
+                    failed[i] = e
+                idx = idx[: e.item]
+                continue
             for i in idx:
                 failed[i] = e
             return None, failed, CallTiming(), now() - t0

@@ -305,3 +305,49 @@ def test_every_public_name_of_the_scheduler_is_the_engines() -> None:
     sched = FakeEngine().scheduler
     public = {n for n in dir(sched) if not n.startswith("_")}
     assert public - set(dir(EngineBase)) == {"pool", "output", "admit", "abort_requests"}
+
+
+def test_a_core_out_of_room_from_an_item_on_takes_the_ones_before_it() -> None:
+    """check_room's contract (``items[n]``: the first n fit): those are retried alone and start; the rest fail
+    RESOURCE_EXHAUSTED (requeued by the scheduler). Item 0 out of room fails the whole call, as before."""
+    calls = []
+
+    def start(items):
+        calls.append(list(items))
+        if len(items) > 2:
+            raise TransportError("items[2]: no room", [], ErrorCode.RESOURCE_EXHAUSTED, item=2)
+        return [f"ok {it}" for it in items], CallTiming()
+
+    results, failed, _, _ = call_isolating(start, ["a", "b", "c", "d"])
+    assert results == ["ok a", "ok b"] and sorted(failed) == [2, 3]
+    assert all(e.code == ErrorCode.RESOURCE_EXHAUSTED for e in failed.values())
+    assert calls == [["a", "b", "c", "d"], ["a", "b"]]
+
+    def full(items):
+        raise TransportError("items[0]: no room", [], ErrorCode.RESOURCE_EXHAUSTED, item=0)
+
+    results, failed, _, _ = call_isolating(full, ["a", "b"])
+    assert results is None and sorted(failed) == [0, 1]
+
+
+def test_a_draft_cache_holding_fewer_sequences_than_the_batch_still_admits(tiny_models) -> None:
+    """A paged draft cache with room for two requests' reservations out of four: two start, the others wait for
+    their room, and every request ends with the tokens a roomy engine gives (before: all four requeued every
+    step, none ever started)."""
+    from specdist import Engine, SamplingParams
+    from support.helpers import tiny_config
+
+    def run(**engine):
+        eng = Engine.from_config(tiny_config(tiny_models, k=3, max_batch_size=4, max_model_len=64, kv_cache="paged",
+                                             **engine))
+        reqs = [eng.add_request([1, 2, 3, 4, 5 + i % 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+                for i in range(4)]
+        for _ in range(200):  # bounded: a livelock fails below instead of hanging
+            if not (eng.running or eng.waiting):
+                break
+            eng.step()
+        assert not eng.running and not eng.waiting, (len(eng.running), len(eng.waiting))
+        assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
+        return [r.output.token_ids for r in reqs]
+
+    assert run(kv_cache_tokens=144) == run()
