@@ -44,6 +44,7 @@ an explicit :class:`ClusterSpec` still overrides it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -288,13 +289,13 @@ class Deployment:
     def _load_call(self, h: _Handle):
         from specdist.cores.draft import draft_hidden_layers  # (torch and the models: only where a deployment is)
         from specdist.cores.proposers import draft_dtype
+        from specdist.models.graphs import KVOptions
 
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
         device_type = "cuda" if self._gpu else "cpu"
         compiled = ec.compiled(device_type)
-        # the workers' KV cache layout (specdist.models.graphs.KVOptions' fields) and CUDA graphs
-        kv = {"kind": "paged" if ec.paged(device_type) else "slots", "block_size": ec.kv_block_size,
-              "max_tokens": ec.kv_cache_tokens, "memory_fraction": ec.gpu_memory_utilization}
+        # the workers' KV cache layout and attention backend (KVOptions' fields: the engine's own) and CUDA graphs
+        kv = dataclasses.asdict(KVOptions.from_engine(ec, device_type))
         graphs = ec.graphs(device_type)
         sources = self.sources  # (resolved, or resolved by the actor: each receives a copy)
         if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)

@@ -78,6 +78,9 @@ Shape::
                                      #   memory per token held (specdist/models/paged_cache.py), read by the
                                      #   paged kernels on GPUs | slots: one max_model_len slot per request (the
                                      #   CPU attention kernels read these) | auto: paged on CUDA, slots on the CPU
+      attention_backend: auto        # the attention backend by name (specdist/models/backends/): paged (Triton
+                                     #   on CUDA), paged-torch, sdpa, cpu (the C kernels) | auto: by kv_cache,
+                                     #   the device and the dtype; a named one must read the layout kv_cache gives
       kv_block_size: 16              # tokens a block (a power of two)
       kv_cache_tokens: null          # tokens each paged cache (target, model draft) holds; null: planned on a GPU
                                      #   (gpu_memory_utilization), else max_batch_size x max_model_len
@@ -136,6 +139,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -245,6 +249,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
     cpu_kernels: str = "auto"  # auto | required | off (CPU_KERNEL_MODES)
     kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
+    attention_backend: str = "auto"  # a registered backend's name (specdist.models.backends) | auto
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -277,6 +282,9 @@ class EngineConfig:
                                                            f"{self.prefix_cache_scope!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ConfigError(f"{key}.kv_cache", f"must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
+        if not (isinstance(self.attention_backend, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]*", self.attention_backend)):
+            raise ConfigError(f"{key}.attention_backend", f"must be auto or a backend's name, got "
+                                                          f"{self.attention_backend!r}")
         _check_int(self.kv_block_size, f"{key}.kv_block_size", 1, 1 << 12)
         if self.kv_block_size & (self.kv_block_size - 1):
             raise ConfigError(f"{key}.kv_block_size", f"must be a power of two, got {self.kv_block_size}")

@@ -152,8 +152,11 @@ def check_config(cfg: Any) -> None:
     serves ``draft.method`` with its settings (:func:`specdist.cores.proposers.check_draft`: a ConfigError
     naming the key), and the extras it runs on (MissingDependency naming the extra when one is not installed)."""
     from specdist.cores.proposers import check_draft
+    from specdist.models.backends import backend_class
 
     check_draft(cfg.draft)
+    if cfg.engine.attention_backend != "auto":
+        backend_class(cfg.engine.attention_backend)  # a ConfigError naming the key and the registered names
     if not cfg.cluster.enabled:
         return
     if not _importable("ray"):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdist.models.attention import pack_step, step_size, unpack_step
+from specdist.models.attention import pack_step, step_layout, step_size, unpack_step
 from specdist.models.host_reads import HostReadError, HostReadGuard
 
 # transformers' MoE experts implementation the graphs' passes take where the model's own reads the host (grouped
@@ -59,6 +59,7 @@ class KVOptions:
     max_tokens: int | None = None
     memory_fraction: float = ACTIVATION_MARGIN
     deferred: bool = False
+    backend: str = "auto"  # engine.attention_backend: a registered backend's name, or auto
 
     @classmethod
     def from_engine(cls, ec, device: torch.device | str, deferred: bool = False) -> "KVOptions":
@@ -66,7 +67,7 @@ class KVOptions:
         ``device``; ``deferred``: a paged cache the caller plans, unless ``kv_cache_tokens`` sets its size."""
         paged = ec.paged(torch.device(device).type)
         return cls("paged" if paged else "slots", ec.kv_block_size, ec.kv_cache_tokens, ec.gpu_memory_utilization,
-                   deferred and paged and ec.kv_cache_tokens is None)
+                   deferred and paged and ec.kv_cache_tokens is None, ec.attention_backend)
 
     def paged(self, device: torch.device) -> bool:
         return self.kind == "paged" or (self.kind == "auto" and device.type == "cuda")
@@ -244,8 +245,7 @@ class CudaGraphs:
     @torch.inference_mode()
     def _capture_one(self, bsz: int, tokens: int) -> _Graph:
         buf, size, run = self._pass(bsz, tokens)
-        bt = bsz * tokens
-        rows = buf[size - 2 * bt: size - bt]
+        rows = buf[step_layout(bsz, tokens, self.runner.cache.max_blocks)["logits_rows"]]
         if self.eager_replay:
             with HostReadGuard(self.runner.device):
                 out, hidden = run()

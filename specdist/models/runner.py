@@ -112,7 +112,7 @@ class CausalLMRunner:
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
                  kv_cache_dtype: str = "auto", half_storage: bool = True, kv: KVOptions | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str | None = None):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
@@ -156,7 +156,7 @@ class CausalLMRunner:
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
         # whole head, rotary, cache write and attention are one call per layer (after per-head q/k norms, if any)
         kv = kv or KVOptions()
-        backend = _backend_for(attention_backend, kv, self.device, self.dtype)
+        backend = _backend_for(attention_backend or kv.backend, kv, self.device, self.dtype)
         paged = backend.kv_layout == "paged"
         self.cpu_attention = backend.name == "cpu"
         cache_dtype = kv_dtype(kv_cache_dtype, self.dtype, self.cpu_attention, on_cpu_blocks(model))

@@ -156,3 +156,33 @@ def test_stand_ins_equal_the_reference(name: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     worst = float(run.stdout.split()[-1])
     assert worst <= 2e-5, f"{name}: max error {worst:.3g}"
+
+
+def test_the_backend_is_chosen_by_name_from_the_config(tmp_path) -> None:
+    """``engine.attention_backend`` reaches the runner (in process and, through KVOptions, the Ray workers); a
+    name no backend has, or one that cannot run here, is a one-line ConfigError naming the key."""
+    from specdist.api.serving import check_config
+    from specdist.config import load_config
+    from specdist.errors import ConfigError
+    from specdist.models.graphs import KVOptions
+    from specdist.models.runner import CausalLMRunner
+    from support.helpers import save_tiny_llama
+
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(str(tmp_path / "m"), seed=1)
+    cfg = load_config({"target": {"model": path}, "draft": {"method": "none"},
+                       "engine": {"device": "cpu", "attention_backend": "sdpa", "max_model_len": 32}})
+    kv = KVOptions.from_engine(cfg.engine, "cpu")
+    assert kv.backend == "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert CausalLMRunner(model, 2, 32, kv=kv).backend.name == "sdpa"
+    assert CausalLMRunner(model, 2, 32, kv=KVOptions("paged", backend="paged-torch")).backend.name == "paged-torch"
+    with pytest.raises(ConfigError, match="engine.attention_backend.*flash.*there are cpu, paged, paged-torch, sdpa"):
+        check_config(load_config({"target": {"model": path}, "engine": {"attention_backend": "flash"}}))
+    with pytest.raises(ConfigError, match="engine.attention_backend: paged: the Triton kernels need CUDA"):
+        CausalLMRunner(model, 2, 32, kv=KVOptions("paged", backend="paged"))
+    with pytest.raises(ConfigError, match="engine.attention_backend: paged-torch: it reads a paged cache"):
+        CausalLMRunner(model, 2, 32, kv=KVOptions("slots", backend="paged-torch"))
+    with pytest.raises(ConfigError, match="engine.attention_backend"):
+        load_config({"target": {"model": path}, "engine": {"attention_backend": "Not A Name"}})
