@@ -58,24 +58,41 @@ class PagedStep:
     extra: torch.Tensor | None = None  # [W] int32: the caller's words that rode in the same copy, or None
 
 
+_SEGMENTS = ("ids", "starts", "n_new", "table", "logits_rows", "logits_dst")  # a step buffer's, in order
+_ALIGN = 4  # int32 words: every segment starts on 16 bytes (the kernels' pointers are then specialised once)
+
+
+def _segment_lengths(bsz: int, tokens: int, width: int) -> tuple[int, ...]:
+    bt = bsz * tokens
+    return bt, bsz, bsz, bsz * width, bt, bt
+
+
+def step_layout(bsz: int, tokens: int, width: int) -> dict[str, slice]:
+    """Where each segment of a step's buffer (:func:`pack_step`) lies: ``ids [B*T] | starts [B] | n_new [B] |
+    table [B*width] | logits_rows [B*T] | logits_dst [B*T]``, each starting on a multiple of 4 words (16 bytes:
+    Triton specialises a kernel on whether each pointer is 16-byte aligned, so views at batch-dependent
+    misalignments would compile it again per bucket), zeros between."""
+    out, at = {}, 0
+    for name, n in zip(_SEGMENTS, _segment_lengths(bsz, tokens, width)):
+        out[name] = slice(at, at + n)
+        at += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
 def step_size(bsz: int, tokens: int, width: int) -> int:
-    """Ints in one step's buffer (:func:`pack_step`)."""
-    return 3 * bsz * tokens + 2 * bsz + bsz * width
+    """Ints in one step's buffer (:func:`pack_step`; a multiple of 4)."""
+    return sum(-(-n // _ALIGN) * _ALIGN for n in _segment_lengths(bsz, tokens, width))
 
 
 def pack_step(cache: PagedKVCache, slots: list[int], tokens: list[list[int]], starts: list[int],
               num_logits: list[int], bsz: int, t_pad: int, width: int) -> list[int]:
-    """The host's part of a step, as one flat int list: ``ids [B*T] | starts [B] | n_new [B] |
-    table [B*width] | logits_rows [B*T] | logits_dst [B*T]``; requests past ``len(slots)`` (graph
-    padding) are empty. ``logits_rows``: request b's last ``num_logits[b]`` tokens, requests one after
-    another; ``logits_dst``: their places in ``[B, max(num_logits)]``."""
-    n_real = len(slots)
-    pad_b = bsz - n_real
+    """The host's part of a step, as one flat int list of :func:`step_size` ints laid out as :func:`step_layout`
+    says; requests past ``len(slots)`` (graph padding) are empty. ``logits_rows``: request b's last
+    ``num_logits[b]`` tokens, requests one after another; ``logits_dst``: their places in ``[B, max(num_logits)]``."""
     ids: list[int] = []
     for t in tokens:
         ids += t
         ids += [0] * (t_pad - len(t))
-    ids += [0] * (pad_b * t_pad)
     n_new = [len(t) for t in tokens]
     rows: list[int] = []
     dst: list[int] = []
@@ -83,17 +100,21 @@ def pack_step(cache: PagedKVCache, slots: list[int], tokens: list[list[int]], st
     for b, (n, m) in enumerate(zip(n_new, num_logits)):
         rows += range(b * t_pad + n - m, b * t_pad + n)
         dst += range(b * n_out, b * n_out + m)
-    fill = bsz * t_pad - len(rows)
-    table = cache.table_rows(slots, width) + [0] * (pad_b * width)
-    return (ids + list(starts) + [0] * pad_b + n_new + [0] * pad_b + table + rows + [0] * fill + dst + [0] * fill)
+    values = {"ids": ids, "starts": list(starts), "n_new": n_new, "table": cache.table_rows(slots, width),
+              "logits_rows": rows, "logits_dst": dst}
+    out = [0] * step_size(bsz, t_pad, width)  # padding requests, unused rows and the gaps: zeros
+    for name, where in step_layout(bsz, t_pad, width).items():
+        out[where.start: where.start + len(values[name])] = values[name]
+    return out
 
 
 def unpack_step(buf: torch.Tensor, bsz: int, t_pad: int, width: int, block_size: int) -> PagedStep:
     """The device's part: views of ``buf`` (what :func:`pack_step` wrote) and the positions and cache rows
     derived from them. Only device work: safe inside a CUDA graph."""
     bt = bsz * t_pad
-    ids, starts, n_new, table, rows, dst = torch.split(buf, [bt, bsz, bsz, bsz * width, bt, bt])
-    table = table.view(bsz, width)
+    seg = {name: buf[where] for name, where in step_layout(bsz, t_pad, width).items()}
+    starts, n_new = seg["starts"], seg["n_new"]
+    table = seg["table"].view(bsz, width)
     t = torch.arange(t_pad, device=buf.device, dtype=torch.int32)  # [T]
     valid = t[None, :] < n_new[:, None]  # [B, T]
     pos = starts[:, None] + t[None, :]  # [B, T]
@@ -101,8 +122,8 @@ def unpack_step(buf: torch.Tensor, bsz: int, t_pad: int, width: int, block_size:
     pos = torch.minimum(pos, last[:, None])  # padded rows: their request's last position
     block = table.gather(1, (pos // block_size).long())  # [B, T]
     slot_mapping = torch.where(valid, block.long() * block_size + (pos % block_size).long(), 0)
-    return PagedStep(bsz, t_pad, ids.view(bsz, t_pad), pos.reshape(bt), slot_mapping.reshape(bt), table, starts,
-                     n_new, rows, dst)
+    return PagedStep(bsz, t_pad, seg["ids"].view(bsz, t_pad), pos.reshape(bt), slot_mapping.reshape(bt), table,
+                     starts, n_new, seg["logits_rows"], seg["logits_dst"])
 
 
 class PagedAttention:
