@@ -11,11 +11,27 @@ from __future__ import annotations
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from specdist.models.attention import paged_attention_reference, rope_and_write_reference
+from specdist.models.triton_attention import _tanh
 
 ATTENTION_CASES = [(None, None), (5, None), (None, 4.0), (6, 3.0)]  # (window, softcap)
+# split-KV over long contexts: (window, softcap, splits; None: the launcher's choice, 2 for these shapes)
+SPLIT_CASES = [(None, None, None), (None, None, 3), (100, None, 5), (None, 30.0, 16), (100, 30.0, 3)]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TANH_ULPS = 2.5  # the kernels' tanh against float64, in float32 epsilons of the result (torch's CPU tanh: 0.5)
+
+
+def _compare(got, want, n_new, bsz: int, t_pad: int, dtype) -> str | None:
+    err = (got.float() - want.float()).abs().max().item()
+    if not err <= TOLERANCE[dtype] * (1 + want.float().abs().max().item()):
+        return f"max error {err:.3g}"
+    padded = torch.arange(t_pad, device=got.device)[None, :] >= n_new[:, None].long()  # [B, T]
+    if padded.any() and got.view(bsz, t_pad, -1)[padded].abs().max().item() != 0:
+        return "padded rows are not zeros"
+    return None
 
 
 def check_attention(device: str, dtype: torch.dtype, window, softcap) -> str | None:
@@ -32,13 +48,47 @@ def check_attention(device: str, dtype: torch.dtype, window, softcap) -> str | N
     q = torch.randn(bsz * t_pad, hq, hd, dtype=dtype, device=device)
     want = paged_attention_reference(q, kc, vc, table, starts, n_new, t_pad, 0.3, window, softcap)
     got = paged_attention(q, kc, vc, table, starts, n_new, t_pad, 0.3, window, softcap)
-    err = (got.float() - want.float()).abs().max().item()
-    if not err <= TOLERANCE[dtype] * (1 + want.float().abs().max().item()):
-        return f"max error {err:.3g}"
-    padded = torch.arange(t_pad, device=device)[None, :] >= n_new[:, None].long()  # [B, T]
-    if got.view(bsz, t_pad, -1)[padded].abs().max().item() != 0:
-        return "padded rows are not zeros"
-    return None
+    return _compare(got, want, n_new, bsz, t_pad, dtype)
+
+
+def check_split_attention(device: str, dtype: torch.dtype, window, softcap, splits, t_pad: int = 4) -> str | None:
+    """Split-KV against the reference: 4 query heads a KV head, block tables of 640 keys, ragged requests (a
+    verification at position 600, one token at 37, an empty graph-padding request); ``t_pad`` 20: a prefill of
+    20 tokens at 500 (two row blocks of 64). ``splits`` key ranges a row block (some past the short rows' keys)."""
+    from specdist.models.triton_attention import paged_attention, split_count
+
+    torch.manual_seed(2)
+    bsz, hq, hkv, hd, bs, width = 3, 8, 2, 32, 16, 40
+    nb = bsz * width + 1
+    kc = torch.randn(nb, bs, hkv, hd, dtype=dtype, device=device)
+    vc = torch.randn(nb, bs, hkv, hd, dtype=dtype, device=device)
+    table = (torch.randperm(nb - 1) + 1).view(bsz, width).to(torch.int32).to(device)
+    first = [500, 20] if t_pad == 20 else [600, 4]
+    starts = torch.tensor([first[0], 37, 0], dtype=torch.int32, device=device)
+    n_new = torch.tensor([first[1], 1, 0], dtype=torch.int32, device=device)
+    q = torch.randn(bsz * t_pad, hq, hd, dtype=dtype, device=device)
+    if splits is None and split_count(bsz * hkv, width * bs) < 2:
+        return "the launcher's rule does not split these shapes"
+    want = paged_attention_reference(q, kc, vc, table, starts, n_new, t_pad, 0.2, window, softcap)
+    got = paged_attention(q, kc, vc, table, starts, n_new, t_pad, 0.2, window, softcap, splits=splits)
+    return _compare(got, want, n_new, bsz, t_pad, dtype)
+
+
+@triton.jit
+def _tanh_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _tanh(tl.load(X + i)))
+
+
+def check_tanh(device: str) -> str | None:
+    """The soft-cap's tanh (triton_attention._tanh) against float64: None within TANH_ULPS, else the worst."""
+    small = torch.logspace(-7, 1.7, 2048, dtype=torch.float64)  # 1e-7 .. 50, both signs
+    x = torch.cat([torch.linspace(-30, 30, 4096, dtype=torch.float64), small, -small]).float().to(device)
+    y = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, y, N=x.numel())
+    want = torch.tanh(x.double())
+    ulps = ((y.double() - want).abs() / (want.abs() * torch.finfo(torch.float32).eps)).max().item()
+    return None if ulps <= TANH_ULPS else f"tanh off by {ulps:.3g} float32 epsilons"
 
 
 def check_rope(device: str, dtype: torch.dtype, rotary: int) -> str | None:
@@ -68,15 +118,22 @@ def check_rope(device: str, dtype: torch.dtype, rotary: int) -> str | None:
 
 def main() -> int:
     failed = 0
+
+    def report(what: str, why: str | None) -> None:
+        nonlocal failed
+        print(f"{what}: {why or 'ok'}")
+        failed += why is not None
+
+    report("tanh", check_tanh("cpu"))
     for dtype in (torch.float32, torch.float16):  # the interpreter has no bfloat16
         for window, softcap in ATTENTION_CASES:
-            why = check_attention("cpu", dtype, window, softcap)
-            print(f"attention {dtype} window {window} softcap {softcap}: {why or 'ok'}")
-            failed += why is not None
+            report(f"attention {dtype} window {window} softcap {softcap}", check_attention("cpu", dtype, window, softcap))
+        for window, softcap, splits in SPLIT_CASES:
+            report(f"split-KV {dtype} window {window} softcap {softcap} splits {splits}",
+                   check_split_attention("cpu", dtype, window, softcap, splits))
+        report(f"split-KV prefill {dtype} window 64 splits 3", check_split_attention("cpu", dtype, 64, None, 3, 20))
         for rotary in (32, 16):
-            why = check_rope("cpu", dtype, rotary)
-            print(f"rope {dtype} rotary {rotary}: {why or 'ok'}")
-            failed += why is not None
+            report(f"rope {dtype} rotary {rotary}", check_rope("cpu", dtype, rotary))
     return 1 if failed else 0
 
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from support.helpers import devices, tiny_config
-from support.paged_kernels_check import ATTENTION_CASES, check_attention, check_rope
+from support.paged_kernels_check import (ATTENTION_CASES, SPLIT_CASES, check_attention, check_rope,
+                                         check_split_attention, check_tanh)
 from specdist import SamplingParams
 from specdist.engine.local import Engine
 from specdist.models.graphs import KVOptions
@@ -124,13 +125,14 @@ def test_64_requests_of_100_tokens_fit_where_8_slots_of_2048_do_today(tiny_model
 @pytest.mark.slow
 def test_the_kernels_under_triton_s_interpreter_equal_the_reference():
     """float32 and float16, sliding windows and soft-caps, grouped-query heads, ragged requests, padded rows;
-    full and partial rotary. In a process of its own (tests/support/paged_kernels_check.py: the interpreter must be on
-    before Triton is imported)."""
+    split-KV over long contexts (ranges past the short rows' keys, a prefill of two row blocks); the soft-cap's
+    tanh within 2.5 float32 epsilons of float64's; full and partial rotary. In a process of its own
+    (tests/support/paged_kernels_check.py: the interpreter must be on before Triton is imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, os.path.join(SUPPORT, "paged_kernels_check.py")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": ok") == 12, run.stdout
+    assert run.stdout.count(": ok") == 1 + 2 * (len(ATTENTION_CASES) + len(SPLIT_CASES) + 1 + 2), run.stdout
 
 
 CUDA = devices()[1].marks
@@ -142,6 +144,22 @@ CUDA = devices()[1].marks
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_compiled_attention_kernel_equals_the_reference(dtype, window, softcap):
     assert check_attention("cuda", dtype, window, softcap) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap,splits", SPLIT_CASES)
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_split_kv_kernels_equal_the_reference(dtype, window, softcap, splits):
+    assert check_split_attention("cuda", dtype, window, softcap, splits) is None
+    assert check_split_attention("cuda", dtype, 64, softcap, splits or 3, t_pad=20) is None  # a prefill
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_soft_cap_tanh_is_as_exact_as_torch_s():
+    """The GPU's exp and division are approximate: the soft-cap's tanh still within 2.5 float32 epsilons."""
+    assert check_tanh("cuda") is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
