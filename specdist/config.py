@@ -75,7 +75,7 @@ Shape::
                                      #   shape bucket) | off | auto (off: the paged cache's CUDA graphs on GPUs)
       compile_cache_dir: null        # Inductor's on-disk cache; null: ~/.cache/specdist/inductor
       kv_cache: auto                 # paged: K/V in blocks of kv_block_size tokens, a block table per request,
-                                     #   memory per token held (specdist/models/paged_cache.py), read by the
+                                     #   memory per token held (specdist/models/kv/paged.py), read by the
                                      #   paged kernels on GPUs | slots: one max_model_len slot per request (the
                                      #   CPU attention kernels read these) | auto: paged on CUDA, slots on the CPU
       attention_backend: auto        # the attention backend by name (specdist/models/backends/): paged (Triton
@@ -224,7 +224,7 @@ class DraftConfig:
 
 KV_CACHE_DTYPES = ("auto", "model", "float16")  # engine.kv_cache_dtype
 # engine.cpu_kernels: specdist's C kernels where they run here, else torch's (auto); always, refusing to start
-# without them (required); never (off). specdist.models.cpu_kernels.configure applies it.
+# without them (required); never (off). specdist.models.kernels.cpu_kernels.configure applies it.
 CPU_KERNEL_MODES = ("auto", "required", "off")
 
 
@@ -244,7 +244,7 @@ class EngineConfig:
     seed: int | None = None  # None: unseeded requests draw their seeds from the OS (secure, differ per start)
     compile: bool | str = "auto"  # Inductor-compiled static passes over a slot cache: on (true), off (false, and auto)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
-    prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv_cache.PrefixCache)
+    prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv.prefix.PrefixCache)
     prefix_cache_scope: str = "shared"  # shared | tenant: whose K/V a request reuses
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
     cpu_kernels: str = "auto"  # auto | required | off (CPU_KERNEL_MODES)

@@ -166,7 +166,7 @@ class _ActorBase:
 
     def _use_cpu_kernels(self, mode: str) -> None:
         """Apply engine.cpu_kernels in this process before a model loads (ConfigError for required without them)."""
-        from specdist.models import cpu_kernels
+        from specdist.models.kernels import cpu_kernels
 
         self.cpu_kernels = cpu_kernels.configure(mode)
 

@@ -6,7 +6,7 @@ engine calls it directly (:class:`LocalDrafter`); a draft worker hosts the same 
 ``draft.method``: model and self drafts, n-gram, suffix, hybrid, EAGLE-3); the core validates every call before
 changing anything, keeps each request's committed tokens, sampling settings, seed and last proposal
 (:class:`~specdist.cores.proposers.base.DraftRequest`), and gives the requests slots of the proposer's KV cache
-with prompt K/V shared across requests (:class:`~specdist.models.kv_cache.PrefixCache`).
+with prompt K/V shared across requests (:class:`~specdist.models.kv.prefix.PrefixCache`).
 
 :func:`build_drafter_core` is the one place that turns a ``draft:`` config into a core, and
 :func:`load_draft_model` the one that loads what it drafts with (each method's ``load``, from the config's
@@ -33,7 +33,8 @@ from specdist.cores.proposers import proposer_class
 from specdist.cores.proposers.base import BuildContext, DraftRequest, Proposer
 from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from specdist.models.graphs import KVOptions
-from specdist.models.kv_cache import PrefixCache, SlotKVCache
+from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.prefix import PrefixCache
 from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
 from specdist.transport.protocol import (

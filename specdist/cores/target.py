@@ -80,7 +80,8 @@ from specdist.errors import (
     NonFiniteLogits,
     NotFound,
 )
-from specdist.models.kv_cache import PrefixCache, SlotKVCache
+from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.prefix import PrefixCache
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids

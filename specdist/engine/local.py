@@ -17,7 +17,7 @@ from specdist.config import Config, load_config
 from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
 from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, target_copy
 from specdist.models.loader import eos_token_ids
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.graphs import KVOptions
 from specdist.models.memory_plan import (Measure, MemoryPlan, Profile, bucket_passes, longest_prefill, measure_for,
                                          plan_memory)

@@ -70,7 +70,7 @@ class HalfStoredLinear(torch.nn.Module):
     """A float32 ``nn.Linear`` whose weight is held in the half-width dtype that holds it exactly
     (:func:`half_width`): half the bytes to keep and to read, the same numbers. ``forward`` multiplies by the
     weight converted back to float32 (what the ``nn.Linear`` computed, bit for bit); the CPU kernels read the
-    half-width weight itself (:func:`specdist.models.cpu_kernels.f32_mm` converts each element exactly as it
+    half-width weight itself (:func:`specdist.models.kernels.cpu_kernels.f32_mm` converts each element exactly as it
     loads it), which is where decoding and verification on the CPU spend their time."""
 
     def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor):

@@ -22,7 +22,7 @@ are read that way here. SGLang instead adds 1 to config ids whose first entry is
 such as SpecForge record "output of layer k", which is the state entering layer k + 1): the two
 servers disagree there, so a checkpoint's ids are worth checking against how it was trained.
 
-The forward runs over a :class:`~specdist.models.kv_cache.SlotKVCache` of one layer, for ragged
+The forward runs over a :class:`~specdist.models.kv.slots.SlotKVCache` of one layer, for ragged
 batches (rows right-padded; padded positions write the cache's scratch column).
 """
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from specdist.errors import ConfigError
-from specdist.models.kv_cache import SlotKVCache
+from specdist.models.kv.slots import SlotKVCache
 
 FIELD = "draft.model"  # the config setting every refusal here names
 
@@ -599,7 +599,7 @@ def quantize_linears(head: Eagle3Head) -> Eagle3Head:
     batch 1 reads a quarter of the bytes. Measured on the built-in model's random head (16,384-token
     draft vocabulary): 13.5 -> 3.5 ms a pass, total variation 0.002 between the two q (docs/performance.md).
     The draft's numerics are its own: exactness does not depend on them. Elsewhere nothing changes."""
-    from specdist.models import cpu_kernels
+    from specdist.models.kernels import cpu_kernels
     from specdist.models.quant import quantize_model_int8
 
     if head.norm.weight.device.type == "cpu" and cpu_kernels.available():

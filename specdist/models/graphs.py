@@ -3,9 +3,9 @@
 A step of ``B`` requests and ``T`` tokens each runs the graph of the smallest bucket that holds
 it (``B' >= B``, ``T' >= T``); the rest of the bucket is padding that writes the scratch block.
 Every input of a graph is one static int32 buffer on the device, the layout of
-:func:`specdist.models.attention.pack_step`; a step fills it with its one host-to-device copy from
+:func:`specdist.models.backends.paged.pack_step`; a step fills it with its one host-to-device copy from
 a pinned buffer and replays the graph, which derives positions and cache rows on the device
-(:func:`~specdist.models.attention.unpack_step`), runs the decoder stack over the paged kernels
+(:func:`~specdist.models.backends.paged.unpack_step`), runs the decoder stack over the paged kernels
 (whose key lengths are read from device memory, so one graph serves every length); its static output is
 the last layer's hidden states ``[B' * T', D]``. The rows the step asked for are then selected from them (one
 ``index_select``, which also frees them from the next replay) and the final norm and output head run on those
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdist.models.attention import pack_step, step_layout, step_size, unpack_step
+from specdist.models.backends.paged import pack_step, step_layout, step_size, unpack_step
 from specdist.models.host_reads import HostReadError, HostReadGuard
 
 # transformers' MoE experts implementation the graphs' passes take where the model's own reads the host (grouped

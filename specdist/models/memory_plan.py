@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from specdist.errors import ConfigError
-from specdist.models.paged_cache import PagedKVCache
+from specdist.models.kv.paged import PagedKVCache
 
 GIB = 1 << 30
 

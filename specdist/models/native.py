@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from specdist.errors import ConfigError
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.fusion import quantized_copy, unfused_copy
 from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_head
 
@@ -291,7 +291,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A K-quant tensor's scales in their file's form, ``(factors [rows, cols / 256, F] float32, ints
-    [rows, cols / 32, P] int8)`` (:func:`specdist.models.cpu_kernels.pack_super_scales`), or None for other types.
+    [rows, cols / 32, P] int8)`` (:func:`specdist.models.kernels.cpu_kernels.pack_super_scales`), or None for other types.
     Q2_K: factors ``(d, -dmin)``, a block's ints ``(sc_0, sc_1, m_0, m_1)``, its halves' scales ``d sc`` and offsets
     ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:

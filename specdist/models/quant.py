@@ -5,7 +5,7 @@
 A draft is a copy of the target whose every ``nn.Linear`` (``lm_head`` included,
 untied from the embedding) stores its weight as int8 with one bf16 scale per
 output row (symmetric, absmax / 127). On x86 CPUs it runs through the Q8 block kernel
-(:mod:`specdist.models.cpu_kernels`: the row's scale for each block of 32, activations rounded
+(:mod:`specdist.models.kernels.cpu_kernels`: the row's scale for each block of 32, activations rounded
 per block to bytes); elsewhere activations run in bf16 through ``torch.ops.aten._weight_int8pack_mm``. Not on
 CUDA: torch's CUDA kernel of that op is a naive loop (a thread per output, no tiling, float32 activations), slower
 than the bf16 matmul of the target the copy would draft for, so :func:`quantize_model_int8` refuses CUDA weights
@@ -38,7 +38,7 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
-- x86 CPUs with AVX2: :mod:`specdist.models.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)`` pairs,
+- x86 CPUs with AVX2: :mod:`specdist.models.kernels.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)`` pairs,
   Q8_0 as signed bytes (one pass, not two halves), Q5_0, Q5_1 and Q5_K as 5-bit codes (a nibble and a high bit) with a
   ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one pass, not
   four segments; IQ1_M too), IQ2_XS and IQ2_S as 7-bit codes in bytes with their two scales a block (their segments'
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdist.errors import ConfigError
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredLinear
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
@@ -84,7 +84,7 @@ INT8_ON_CUDA = ("draft.method", "'self-w8' does not run on CUDA: torch's int8 we
 
 class Int8WeightOnlyLinear(nn.Module):
     """``y = x @ (weight_int8 * scales[:, None]).T + bias``: on x86 CPUs through the Q8 block kernel of
-    :mod:`specdist.models.cpu_kernels` (a row's scale repeated for each block of 32, activations rounded
+    :mod:`specdist.models.kernels.cpu_kernels` (a row's scale repeated for each block of 32, activations rounded
     per block to bytes), elsewhere through torch's int8 kernel with bf16 activations."""
 
     weight_int8: torch.Tensor | None  # [out, in] int8, codes in -127..127 (torch's kernel; None on the blocks)
@@ -463,7 +463,7 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
 
 
 def on_cpu_blocks(model: nn.Module) -> bool:
-    """Whether any of the model's linears runs on quantized blocks through :mod:`specdist.models.cpu_kernels`
+    """Whether any of the model's linears runs on quantized blocks through :mod:`specdist.models.kernels.cpu_kernels`
     (a native GGUF target, a self-w4 / self-w8 draft): its activations are rounded to bytes per block."""
     return any(getattr(m, "blocks", None) is not None or getattr(m, "block_codes", None) is not None
                for m in model.modules())

@@ -49,7 +49,7 @@ fused kernels: no mask when every request has one query at one common position (
 then slices the keys), ``is_causal`` for a one-request prefill from position 0 that the window
 does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
 attention (:func:`specdist.models.backends.slots.softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
-kernels of :mod:`specdist.models.cpu_kernels` attend instead (each row from the cache itself), and in a family
+kernels of :mod:`specdist.models.kernels.cpu_kernels` attend instead (each row from the cache itself), and in a family
 that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose matmuls all
 run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
 :func:`cpu_kernels.decoder_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
@@ -85,9 +85,9 @@ from specdist.errors import ConfigError
 from specdist.models.backends import SlotStep, backend_class, choose_backend
 from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions, on_runner_device
 from specdist.models.host_reads import HostReadError
-from specdist.models.paged_cache import PagedKVCache
+from specdist.models.kv.paged import PagedKVCache
 from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
 from specdist.models.quant import BLOCK_KINDS, Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
 from specdist.models.fusion import fuse_projections
@@ -340,7 +340,7 @@ class CausalLMRunner:
         return logits if packed else self._left_aligned_rows(logits, num_logits, step.logits_dst[:n_rows])
 
     def paged_layers(self, step):  # -> ([B, T, D], [B, T, nD] or None)
-        """The decoder stack over a :class:`~specdist.models.attention.PagedStep` (the paged backend's forward
+        """The decoder stack over a :class:`~specdist.models.backends.paged.PagedStep` (the paged backend's forward
         per layer): device work only, what a captured graph replays."""
         return self._layers(step)
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from specdist.models.cpu_kernels import GROUP
+from specdist.models.kernels.cpu_kernels import GROUP
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported
 from specdist.models.loader import (ModelSource, declared_model_type, format_bytes, gguf_parsed_once, load_model,

@@ -96,7 +96,7 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     assert out.count("    tokens=") == 3 and "tokens/s" in out and "acceptance" in out
     assert "tensor_parallel=1 draft_replicas=1" in out
     assert "running=0 queued=0 target_kv_slots=0 draft_kv_slots=0" in out
-    from specdist.models import cpu_kernels
+    from specdist.models.kernels import cpu_kernels
 
     # GetServerInfo reports what the target rank loaded with (engine.cpu_kernels: auto), this machine's backend
     assert f"server: CPU kernels of the target: {cpu_kernels.backend()}\n" in out

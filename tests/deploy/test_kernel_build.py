@@ -1,7 +1,7 @@
 """The CPU kernels are built when the package is installed, checked before they load, and chosen by
 ``engine.cpu_kernels``.
 
-``pip install -e .`` (the README's commands, ``.ci/run``) compiles ``specdist/models/cpu_kernels.c`` into a library
+``pip install -e .`` (the README's commands, ``.ci/run``) compiles ``specdist/models/kernels/cpu_kernels.c`` into a library
 beside the module (``setup.py``); without a C compiler the install goes on and says so in one line. At run time the
 library loads only where the CPU has the features it was compiled for and its digest matches the installed source;
 ``auto`` says once on stderr which kernels run, ``required`` refuses to start without them.
@@ -22,7 +22,7 @@ import yaml
 
 from specdist.cli import main
 from specdist.errors import ConfigError
-from specdist.models import cpu_kernels, kernel_abi
+from specdist.models.kernels import cpu_kernels, kernel_abi
 
 from support.helpers import tiny_config
 
@@ -173,9 +173,9 @@ def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tm
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         z.extractall(tmp_path / "site")
-    assert any(re.fullmatch(r"specdist/models/_cpu_kernels\..*\.so", n) for n in names), names
-    assert {"specdist/models/cpu_kernels.c", "specdist/models/kernel_abi.py"} <= set(names)
-    probe = ("from specdist.models import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+    assert any(re.fullmatch(r"specdist/models/kernels/_cpu_kernels\..*\.so", n) for n in names), names
+    assert {"specdist/models/kernels/cpu_kernels.c", "specdist/models/kernels/kernel_abi.py"} <= set(names)
+    probe = ("from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
              "print(k.built_problem()); print(k.backend())")
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
@@ -195,7 +195,7 @@ def test_a_copy_of_the_sources_without_the_library_loads_the_installed_one(tmp_p
     its workers import specdist from the copy and load the library the machine's install built from the same
     source; an edited copy's source does not match it and gets torch's kernels, saying why."""
     shutil.copytree(REPO / "specdist", tmp_path / "specdist", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    probe = ("from specdist.models import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+    probe = ("from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
              "print(k.library_candidates()[0]); print(k.backend())")
 
     def run() -> list[str]:

@@ -244,7 +244,7 @@ def test_three_ranks_rows_do_not_depend_on_the_batch(tmp_path):
     the same bits alone and beside other requests, in a prefill and a verification step. The row-parallel partial
     sums are added in rank order (sharding.sum_over_ranks): an all-reduce's ring, whose chunks follow the buffer's
     size, moved them by up to 0.4 with the batch (two ranks' sums commute, so only three or more show it)."""
-    from specdist.models import cpu_kernels
+    from specdist.models.kernels import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("the batch-invariant forward needs the CPU block kernels (x86 with AVX2)")

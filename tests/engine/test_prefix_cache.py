@@ -1,4 +1,4 @@
-"""Prompt K/V reused across requests (specdist.models.kv_cache.PrefixCache, ``engine.prefix_caching``).
+"""Prompt K/V reused across requests (specdist.models.kv.prefix.PrefixCache, ``engine.prefix_caching``).
 
 - The cache's bookkeeping on a small SlotKVCache whose K/V are written by hand (each position's
   entries hold its token id, so a reused prefix is checkable entry by entry): a finished
@@ -25,10 +25,11 @@ from support.helpers import devices, model_drafter
 from specdist import SamplingParams
 from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
-from specdist.models import cpu_kernels
-from specdist.models import kv_cache
-from specdist.models.kv_cache import PrefixCache, PrefixIndex, SlotKVCache, common_prefix
-from specdist.models.paged_cache import PagedKVCache
+from specdist.models.kernels import cpu_kernels
+from specdist.models.kv import prefix as kv_prefix
+from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.prefix import PrefixCache, PrefixIndex, common_prefix
+from specdist.models.kv.paged import PagedKVCache
 from specdist.transport.protocol import StartItem
 
 MIN = 4  # the min_tokens of the unit tests' PrefixCache
@@ -196,7 +197,7 @@ def test_a_prompt_is_compared_only_with_lists_that_start_like_it(monkeypatch):
     held += [want[:MIN + i] + [999] for i in range(16)]  # share MIN .. MIN + 15 tokens with want
     index = PrefixIndex(MIN, enumerate(held))
     calls = []
-    monkeypatch.setattr(kv_cache, "common_prefix", lambda a, b: calls.append(1) or common_prefix(a, b))
+    monkeypatch.setattr(kv_prefix, "common_prefix", lambda a, b: calls.append(1) or common_prefix(a, b))
     assert index.longest(want) == (MIN + 15, 255) and len(calls) == 16
     calls.clear()
     assert index.longest(want[:MIN - 1]) == (0, -1) and index.longest([7] * 40) == (0, -1) and not calls

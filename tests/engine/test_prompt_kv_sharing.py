@@ -7,7 +7,7 @@ import torch
 
 from support.helpers import tiny_config
 from specdist.engine.local import Engine
-from specdist.models.kv_cache import SlotKVCache
+from specdist.models.kv.slots import SlotKVCache
 from specdist.sampling_params import SamplingParams
 
 

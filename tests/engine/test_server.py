@@ -171,7 +171,7 @@ def test_health_reflection_and_server_info(srv):
     assert (info.draft_method, info.num_speculative_tokens, info.max_model_len) == ("model", 3, 64)
     assert (info.tensor_parallel_size, info.draft_replicas) == (1, 1)
     assert info.target_model.endswith("target") and info.draft_model.endswith("draft")
-    from specdist.models import cpu_kernels
+    from specdist.models.kernels import cpu_kernels
 
     assert info.cpu_kernels == cpu_kernels.backend() != ""  # which kernels run the target (engine.cpu_kernels)
 

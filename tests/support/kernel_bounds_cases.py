@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from specdist.models import cpu_kernels as ck
+from specdist.models.kernels import cpu_kernels as ck
 
 S, H, L1, D = 2, 2, 9, 8  # cache slots, kv heads, positions (the last a scratch column), head size
 B, T, HQ = 2, 3, 4

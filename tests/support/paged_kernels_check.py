@@ -1,4 +1,4 @@
-"""The Triton kernels of specdist.models.triton_attention against the torch reference, case by case.
+"""The Triton kernels of specdist.models.kernels.triton_attention against the torch reference, case by case.
 
 Imported by tests/unit/test_paged_attention.py (the GPU cases, compiled), and run as a script with
 TRITON_INTERPRET=1 set before Triton is imported (the CPU cases, under Triton's interpreter: it needs
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdist.models.attention import paged_attention_reference, rope_and_write_reference
-from specdist.models.triton_attention import _tanh
+from specdist.models.backends.paged import paged_attention_reference, rope_and_write_reference
+from specdist.models.kernels.triton_attention import _tanh
 
 ATTENTION_CASES = [(None, None), (5, None), (None, 4.0), (6, 3.0)]  # (window, softcap)
 # split-KV over long contexts: (window, softcap, splits; None: the launcher's choice, 2 for these shapes)
@@ -36,7 +36,7 @@ def _compare(got, want, n_new, bsz: int, t_pad: int, dtype) -> str | None:
 
 def check_attention(device: str, dtype: torch.dtype, window, softcap) -> str | None:
     """None when the kernel equals the reference (within the dtype's tolerance, padded rows exactly 0), else why."""
-    from specdist.models.triton_attention import paged_attention
+    from specdist.models.kernels.triton_attention import paged_attention
 
     torch.manual_seed(0)
     bsz, t_pad, hq, hkv, hd, nb, bs, width = 3, 5, 6, 2, 32, 40, 4, 6
@@ -55,7 +55,7 @@ def check_split_attention(device: str, dtype: torch.dtype, window, softcap, spli
     """Split-KV against the reference: 4 query heads a KV head, block tables of 640 keys, ragged requests (a
     verification at position 600, one token at 37, an empty graph-padding request); ``t_pad`` 20: a prefill of
     20 tokens at 500 (two row blocks of 64). ``splits`` key ranges a row block (some past the short rows' keys)."""
-    from specdist.models.triton_attention import paged_attention, split_count
+    from specdist.models.kernels.triton_attention import paged_attention, split_count
 
     torch.manual_seed(2)
     bsz, hq, hkv, hd, bs, width = 3, 8, 2, 32, 16, 40
@@ -93,7 +93,7 @@ def check_tanh(device: str) -> str | None:
 
 def check_rope(device: str, dtype: torch.dtype, rotary: int) -> str | None:
     """None when the fused rotary + cache write equals the reference, else why (``rotary`` < 32: partial)."""
-    from specdist.models.triton_attention import rope_and_write
+    from specdist.models.kernels.triton_attention import rope_and_write
 
     torch.manual_seed(1)
     n, hq, hkv, hd, nb, bs = 7, 6, 2, 32, 10, 4

@@ -1,4 +1,4 @@
-"""The launches of specdist.models.triton_attention's kernels, recorded on a CPU and compiled for sm_90.
+"""The launches of specdist.models.kernels.triton_attention's kernels, recorded on a CPU and compiled for sm_90.
 
 - :class:`Recorder`: while active, each ``kernel[grid](...)`` of the module is bound by Triton's own JIT
   binder for a CUDA sm_90 target (``create_function_from_signature``, what ``JITFunction.run`` calls; it
@@ -6,7 +6,7 @@
   not run: its compile key (what ``JITFunction.run`` looks its compiled kernels up by) and what
   ``triton.compile`` takes (signature, constexprs, attributes, options).
 - :func:`launch_step`: one layer's launches at the shapes a runner step has (the step buffer's views
-  from :func:`~specdist.models.attention.unpack_step`, q / k / v as views of one fused projection).
+  from :func:`~specdist.models.backends.paged.unpack_step`, q / k / v as views of one fused projection).
 - :func:`compile_sm90`: a recorded launch compiled for the H100 / H200 (``GPUTarget("cuda", 90, 32)``,
   no GPU needed: Triton ships its ptxas), with the registers and spills its ``ptxas -v`` reported.
 - ``FAMILY_SHAPES``: the attention shapes of the supported families' checkpoints and of the tiny
@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-import specdist.models.triton_attention as kernels
-from specdist.models.attention import step_size, unpack_step
+import specdist.models.kernels.triton_attention as kernels
+from specdist.models.backends.paged import step_size, unpack_step
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from support import SUPPORT
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (x86 with AVX2)")

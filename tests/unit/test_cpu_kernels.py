@@ -1,4 +1,4 @@
-"""The CPU block kernels (``specdist/models/cpu_kernels.c``): GGUF Q4 / Q8 blocks against an exact reference.
+"""The CPU block kernels (``specdist/models/kernels/cpu_kernels.c``): GGUF Q4 / Q8 blocks against an exact reference.
 
 The reference quantizes ``x`` as the kernel does (per block of 32, step ``max |x| / 127``, round half
 to even) and multiplies in float64: the kernel's integer block sums are exact, so the only
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="block kernels need x86 AVX2 and a C compiler")
 

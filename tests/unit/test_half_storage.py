@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, half_width
 from specdist.models.runner import CausalLMRunner
 

@@ -24,7 +24,7 @@ from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models.graphs import KVOptions
 from specdist.models.memory_plan import CacheNeed, CudaMeasure, Profile, plan, plan_memory
-from specdist.models.paged_cache import PagedKVCache
+from specdist.models.kv.paged import PagedKVCache
 from specdist.v1 import specdist_pb2
 
 GIB = 1 << 30

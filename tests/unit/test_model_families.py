@@ -29,7 +29,7 @@ from specdist.models.families import SUPPORTED_MODEL_TYPES
 from specdist.models.loader import load_model, resolve_model
 from specdist.models import families as families_module
 from specdist.models.backends import slots as slot_backends
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.graphs import KVOptions
 from specdist.models.runner import CausalLMRunner
 

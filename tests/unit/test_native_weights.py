@@ -41,7 +41,8 @@ from specdist.config import load_config
 from specdist.cores.proposers import check_draft, draft_dtype, draft_traits
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
-from specdist.models import cpu_kernels, native
+from specdist.models import native
+from specdist.models.kernels import cpu_kernels
 from specdist.models.fusion import _fuse, fuse_projections
 from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 from specdist.models.native import decode_blocks, dequantize, self_draft, use_native_blocks

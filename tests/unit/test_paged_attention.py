@@ -1,9 +1,9 @@
 """The paged KV cache and its attention backend.
 
-- :class:`~specdist.models.paged_cache.PagedKVCache`: blocks taken as sequences grow and returned on
+- :class:`~specdist.models.kv.paged.PagedKVCache`: blocks taken as sequences grow and returned on
   rollback, prefix sharing with copy on write, reservations, memory per token held;
-- the Triton kernels of :mod:`specdist.models.triton_attention` against the torch reference of
-  :mod:`specdist.models.attention`: on the CPU under Triton's interpreter (float32 / float16), on a GPU
+- the Triton kernels of :mod:`specdist.models.kernels.triton_attention` against the torch reference of
+  :mod:`specdist.models.backends.paged`: on the CPU under Triton's interpreter (float32 / float16), on a GPU
   compiled (bfloat16 and float32);
 - the runner and the engine over the paged cache: the same logits and greedy tokens as the slot cache,
   on the CPU and (cuda) with CUDA graphs, and 64 requests of 100 tokens in the memory that 8 slots of
@@ -25,8 +25,8 @@ from support.paged_kernels_check import (ATTENTION_CASES, SPLIT_CASES, check_att
 from specdist import SamplingParams
 from specdist.engine.local import Engine
 from specdist.models.graphs import KVOptions
-from specdist.models.kv_cache import SlotKVCache
-from specdist.models.paged_cache import KVCacheFull, PagedKVCache
+from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.paged import KVCacheFull, PagedKVCache
 from specdist.models.runner import CausalLMRunner
 from support import SUPPORT
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.fusion import quantized_copy
 from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8
 

@@ -1,6 +1,6 @@
 """The paged attention's Triton kernels as the GPU would compile and launch them, checked on a CPU.
 
-- Every kernel of specdist/models/triton_attention.py compiles for sm_90 (H100 / H200) at the head sizes,
+- Every kernel of specdist/models/kernels/triton_attention.py compiles for sm_90 (H100 / H200) at the head sizes,
   grouped-query ratios, soft-caps and dtypes of the supported families, with no register spills in ptxas's
   report and the key loop software-pipelined (the interpreter accepts code that the real compiler refuses;
   this finds it before a device does).
@@ -23,10 +23,10 @@ import torch
 import yaml
 
 from support.triton_launches import FAMILY_SHAPES, Recorder, compile_sm90, launch_step
-from specdist.models.attention import pack_step, step_layout, step_size, unpack_step
+from specdist.models.backends.paged import pack_step, step_layout, step_size, unpack_step
 from specdist.models.graphs import GRAPH_TOKENS, KVOptions
-from specdist.models.paged_cache import PagedKVCache
-from specdist.models.triton_attention import MAX_SPLITS, SPLIT_MIN_KEYS, paged_attention, split_count
+from specdist.models.kv.paged import PagedKVCache
+from specdist.models.kernels.triton_attention import MAX_SPLITS, SPLIT_MIN_KEYS, paged_attention, split_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

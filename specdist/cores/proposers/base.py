@@ -32,7 +32,7 @@ from specdist.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from specdist.config import DraftConfig
     from specdist.models.graphs import KVOptions
-    from specdist.models.kv_cache import SlotKVCache
+    from specdist.models.kv.slots import SlotKVCache
     from specdist.models.metadata import ModelSources
     from specdist.models.runner import CausalLMRunner
     from specdist.transport.protocol import StartItem

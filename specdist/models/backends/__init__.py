@@ -5,7 +5,7 @@ attention output), and the KV cache layout each one reads (:meth:`AttentionBacke
 
 | name | cache | where it runs |
 |---|---|---|
-| ``paged`` | paged blocks | CUDA with Triton (the kernels of :mod:`specdist.models.triton_attention`) |
+| ``paged`` | paged blocks | CUDA with Triton (the kernels of :mod:`specdist.models.kernels.triton_attention`) |
 | ``paged-torch`` | paged blocks | anywhere: torch's reference of the same kernels |
 | ``sdpa`` | a slot a request | anywhere: torch's scaled-dot-product attention |
 | ``cpu`` | a slot a request | an x86 CPU with specdist's C kernels, float32 |

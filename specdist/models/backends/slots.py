@@ -1,4 +1,4 @@
-"""The slot cache's backends (:class:`~specdist.models.kv_cache.SlotKVCache`: a slot of ``max_len + 1``
+"""The slot cache's backends (:class:`~specdist.models.kv.slots.SlotKVCache`: a slot of ``max_len + 1``
 positions a request, the last one the scratch column padded tokens write): ``sdpa``, torch's
 scaled-dot-product attention in the cheapest form it accepts, and ``cpu``, specdist's C kernels, which read
 each query's keys from the cache itself (rows independent of the batch)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdist.models import cpu_kernels
+from specdist.models.kernels import cpu_kernels
 from specdist.models.backends.base import AttentionBackend, SlotStep, register
-from specdist.models.kv_cache import SlotKVCache
+from specdist.models.kv.slots import SlotKVCache
 
 
 class _SlotBackend(AttentionBackend):
@@ -96,7 +96,7 @@ class SdpaBackend(_SlotBackend):
 
 @register
 class CpuKernelBackend(_SlotBackend):
-    """specdist's C kernels (:mod:`specdist.models.cpu_kernels`): each query over its own slot's visible keys,
+    """specdist's C kernels (:mod:`specdist.models.kernels.cpu_kernels`): each query over its own slot's visible keys,
     read from the cache; where the rotary turns the whole head, rotary, cache write and attention are one call a
     layer (:func:`cpu_kernels.rope_attention`). Every row the same bits whatever the batch."""
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the paged attention backend (:mod:`specdist.models.attention`) on GPUs.
+"""Triton kernels of the paged attention backend (:mod:`specdist.models.backends.paged`) on GPUs.
 
 Rows: a step of ``B`` requests and ``T`` tokens per request has ``N = B * T`` rows, request ``b``'s
 token ``t`` at row ``b * T + t``; a request with fewer than ``T`` new tokens leaves its last rows padded.
@@ -23,7 +23,7 @@ token ``t`` at row ``b * T + t``; a request with fewer than ``T`` new tokens lea
 
 Compile keys: every int that varies from step to step (``T``, the table's row stride, the window,
 the split count) is ``do_not_specialize``, and the step buffer's segments start on 16 bytes
-(:func:`~specdist.models.attention.step_layout`), so a kernel compiles once per row-block size
+(:func:`~specdist.models.backends.paged.step_layout`), so a kernel compiles once per row-block size
 (decode and verification, or prefill) and dtype, never per bucket or prompt length.
 
 All are plain Triton: they run under ``TRITON_INTERPRET=1`` on a CPU (float16 / float32; the

@@ -55,7 +55,7 @@ speculative output equals plain decoding and a seed's tokens do not depend on th
 
 The C file is compiled when the package is installed (``setup.py``: ``pip install .`` or ``pip install -e .``)
 into a library beside this module, which is loaded with ctypes on first use. The kinds, the block layouts and the
-flags it is compiled with are defined once, in :mod:`specdist.models.kernel_abi`; the library reports their digest
+flags it is compiled with are defined once, in :mod:`specdist.models.kernels.kernel_abi`; the library reports their digest
 with its source's, and a library that does not match the installed source is refused (rebuild with
 ``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C). ``engine.cpu_kernels``
 chooses (:func:`configure`): ``auto`` runs the kernels where they load and torch's kernels elsewhere, ``required``
@@ -84,7 +84,7 @@ import torch
 
 from specdist.config import CPU_KERNEL_MODES
 from specdist.errors import ConfigError
-from specdist.models import kernel_abi as abi
+from specdist.models.kernels import kernel_abi as abi
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 LIBRARY = "_cpu_kernels"  # the extension setup.py builds, beside this module
@@ -132,14 +132,14 @@ def library_candidates() -> list[str]:
     own = library_path()
     if own is not None:
         return [own]
-    dirs = [os.path.join(entry or ".", "specdist", "models") for entry in sys.path]
+    dirs = [os.path.join(entry or ".", "specdist", "models", "kernels") for entry in sys.path]
     for dist in importlib.metadata.distributions(name="specdist"):
         try:
             url = json.loads(dist.read_text("direct_url.json") or "{}")
         except ValueError:
             continue
         if url.get("dir_info", {}).get("editable") and url.get("url", "").startswith("file://"):
-            dirs.append(os.path.join(urllib.parse.unquote(url["url"][len("file://"):]), "specdist", "models"))
+            dirs.append(os.path.join(urllib.parse.unquote(url["url"][len("file://"):]), "specdist", "models", "kernels"))
     found = (_library_in(d) for d in dict.fromkeys(os.path.abspath(d) for d in dirs))
     return list(dict.fromkeys(p for p in found if p is not None))
 

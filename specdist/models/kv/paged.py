@@ -1,7 +1,7 @@
 """Paged KV cache: K/V in fixed-size blocks, a block table per sequence (vLLM's layout).
 
 Layout, per layer: ``k[layer]`` and ``v[layer]`` are ``[num_blocks, block_size, n_kv_heads, head_dim]``.
-A sequence ("slot", as in :class:`~specdist.models.kv_cache.SlotKVCache`, whose interface this
+A sequence ("slot", as in :class:`~specdist.models.kv.slots.SlotKVCache`, whose interface this
 keeps) owns the blocks its table lists: position ``p`` lives in block ``table[p // block_size]``
 at row ``p % block_size``. Block 0 is never handed out: padded tokens of a batch write there
 (:attr:`scratch_block`) and padded table entries point there.
