@@ -122,58 +122,6 @@ def unpack_step(buf: torch.Tensor, bsz: int, t_pad: int, width: int, block_size:
                      starts, n_new, seg["logits_rows"], seg["logits_dst"])
 
 
-class PagedAttention:
-    """The paged backend over one :class:`PagedKVCache` (see the module doc). ``windows``: each layer's
-    sliding window (None: full); ``rope``: each layer's (cos, sin) tables [max_len + 1, rd]."""
-
-    name = "paged"
-
-    def __init__(self, cache: PagedKVCache, scaling: float, windows: list[int | None], softcap: float | None,
-                 rope: list[tuple[torch.Tensor, torch.Tensor]], use_triton: bool | None = None):
-        self.cache = cache
-        self.scaling, self.windows, self.softcap, self.rope = scaling, windows, softcap, rope
-        device = cache.k[0].device
-        self.use_triton = (device.type == "cuda" and triton_available()) if use_triton is None else use_triton
-        # the fused rotary needs transformers' duplicated halves (cos = cat(c, c)), as every family has
-        self.fused_rope = self.use_triton and all(
-            torch.equal(c[:, : c.shape[1] // 2], c[:, c.shape[1] // 2:]) for c, _ in rope)
-        self.pinned = device.type == "cuda"
-
-    def send(self, host, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's one host-to-device copy: ``host`` (from :func:`pack_step`) through a pinned staging tensor
-        on GPUs, copied without blocking the host (torch's pinned allocator keeps the staging memory until the
-        copy ran), into ``into`` when given (a CUDA graph's static buffer). Returns the device buffer."""
-        src = torch.from_numpy(np.asarray(host, dtype=np.int32))
-        if self.pinned:
-            src = src.pin_memory()
-        if into is not None:
-            return into.copy_(src, non_blocking=True)
-        dev = self.cache.k[0].device
-        return src.to(dev, non_blocking=True) if dev.type != "cpu" else src
-
-    def plan(self, host: list[int], bsz: int, t_pad: int, width: int) -> PagedStep:
-        """Once a step: the copy (:meth:`send`) and the metadata derived on the device."""
-        return unpack_step(self.send(host), bsz, t_pad, width, self.cache.block_size)
-
-    def forward(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PagedStep) -> torch.Tensor:
-        """Layer ``i``: q [N, Hq, hd], k, v [N, Hkv, hd] (N = B * T rows, before the rotary) -> [N, Hq, hd]."""
-        kc, vc = self.cache.k[i], self.cache.v[i]
-        cos, sin = self.rope[i]
-        if self.fused_rope:
-            from specdist.models.kernels.triton_attention import rope_and_write
-
-            rope_and_write(q, k, v, cos, sin, step.positions, step.slot_mapping, kc, vc)
-        else:
-            q = rope_and_write_reference(q, k, v, cos, sin, step.positions, step.slot_mapping, kc, vc)
-        if self.use_triton:
-            from specdist.models.kernels.triton_attention import paged_attention
-
-            return paged_attention(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
-                                   self.windows[i], self.softcap)
-        return paged_attention_reference(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
-                                         self.windows[i], self.softcap)
-
-
 def rope_and_write_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
     """torch's form of :func:`specdist.models.kernels.triton_attention.rope_and_write`: returns the rotated q
     [N, Hq, hd] (q itself is left alone) and writes the rotated k and v into the caches."""
@@ -226,12 +174,20 @@ def paged_attention_reference(q, k_cache, v_cache, table, starts, n_new, t_pad: 
     return o.reshape(rows, hq, hd)
 
 
-class _PagedBackend(PagedAttention, AttentionBackend):
+class _PagedBackend(AttentionBackend):
+    """The paged backends over one :class:`PagedKVCache` (see the module doc): the Triton kernels or their torch
+    reference (``use_triton_kernels``)."""
+
     kv_layout = "paged"
     use_triton_kernels = False
 
     def __init__(self, cache, scaling, windows, softcap, rope):
-        PagedAttention.__init__(self, cache, scaling, windows, softcap, rope, use_triton=self.use_triton_kernels)
+        super().__init__(cache, scaling, windows, softcap, rope)
+        self.use_triton = self.use_triton_kernels
+        # the fused rotary needs transformers' duplicated halves (cos = cat(c, c)), as every family has
+        self.fused_rope = self.use_triton and all(
+            torch.equal(c[:, : c.shape[1] // 2], c[:, c.shape[1] // 2:]) for c, _ in rope)
+        self.pinned = cache.k[0].device.type == "cuda"
 
     @classmethod
     def make_cache(cls, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=None,
@@ -259,6 +215,36 @@ class _PagedBackend(PagedAttention, AttentionBackend):
         step = unpack_step(buf[: len(host)], bsz, t_pad, width, cache.block_size)
         step.extra = buf[at: at + len(extra)] if extra is not None else None
         return step
+
+    def send(self, host, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's one host-to-device copy: ``host`` (from :func:`pack_step`) through a pinned staging tensor
+        on GPUs, copied without blocking the host (torch's pinned allocator keeps the staging memory until the
+        copy ran), into ``into`` when given (a CUDA graph's static buffer). Returns the device buffer."""
+        src = torch.from_numpy(np.asarray(host, dtype=np.int32))
+        if self.pinned:
+            src = src.pin_memory()
+        if into is not None:
+            return into.copy_(src, non_blocking=True)
+        dev = self.cache.k[0].device
+        return src.to(dev, non_blocking=True) if dev.type != "cpu" else src
+
+    def forward(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PagedStep) -> torch.Tensor:
+        """Layer ``i``: q [N, Hq, hd], k, v [N, Hkv, hd] (N = B * T rows, before the rotary) -> [N, Hq, hd]."""
+        kc, vc = self.cache.k[i], self.cache.v[i]
+        cos, sin = self.rope[i]
+        if self.fused_rope:
+            from specdist.models.kernels.triton_attention import rope_and_write
+
+            rope_and_write(q, k, v, cos, sin, step.positions, step.slot_mapping, kc, vc)
+        else:
+            q = rope_and_write_reference(q, k, v, cos, sin, step.positions, step.slot_mapping, kc, vc)
+        if self.use_triton:
+            from specdist.models.kernels.triton_attention import paged_attention
+
+            return paged_attention(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
+                                   self.windows[i], self.softcap)
+        return paged_attention_reference(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
+                                         self.windows[i], self.softcap)
 
 
 @register
