@@ -132,7 +132,18 @@ Shape::
       speculative_stats: true        # false: responses carry no drafted / accepted / steps counts (usage.speculative,
                                      #   RequestStats), and a stream sends one token a chunk, so that a client does
                                      #   not read its drafts' acceptance off them (the chunks' timing still follows
-                                     #   the steps; draft.suffix_scope: tenant keeps other tenants' text out of drafts)
+                                     #   the steps; draft.suffix_scope: tenant keeps other tenants' text out of drafts)    router:                          # which replica a request goes to, with several (specdist/api/router.py)
+      policy: speculative            # round-robin | least-loaded (power of two choices) | prefix (longest cached
+                                     #   prefix, least load past imbalance_threshold) | speculative: the earliest
+                                     #   expected finish from the replicas' measured tokens a step, step time,
+                                     #   prefix caches and the sessions their suffix indexes hold
+      imbalance_threshold:           # prefix: route by load instead when max - min requests > absolute and
+        absolute: 32                 #   max > relative x min (SGLang's cache-aware router)
+        relative: 1.5
+      stats_period_s: 2.0            # a replica's stats older than this are not trusted: a replica that stops
+                                     #   reporting is avoided until it reports again
+      session_blocks: 2              # a request with no session (OpenAI user, gRPC session_id): the hash of its
+                                     #   prompt's first this-many KV blocks is its session key
 """
 
 from __future__ import annotations
@@ -403,6 +414,42 @@ class SamplingConfig:
         _check_choice(self.coupling, COUPLINGS, f"{key}.coupling")
 
 
+ROUTER_POLICIES = ("round-robin", "least-loaded", "prefix", "speculative")  # router.policy (specdist.api.router)
+
+
+@dataclass
+class ImbalanceThreshold:
+    """When the ``prefix`` policy routes by load: the most and least loaded replicas' requests differ by more
+    than ``absolute`` and the most is more than ``relative`` x the least (both must hold, as in SGLang)."""
+
+    absolute: int = 32
+    relative: float = 1.5
+
+    def validate(self, key: str) -> None:
+        _check_int(self.absolute, f"{key}.absolute", 0, 1 << 30)
+        if isinstance(self.relative, bool) or not isinstance(self.relative, (int, float)) \
+                or not 1.0 <= self.relative < float("inf"):
+            raise ConfigError(f"{key}.relative", f"must be a number >= 1, got {self.relative!r}")
+
+
+@dataclass
+class RouterConfig:
+    """How a request picks one of several replicas (:mod:`specdist.api.router`)."""
+
+    policy: str = "speculative"
+    imbalance_threshold: ImbalanceThreshold = field(default_factory=ImbalanceThreshold)
+    stats_period_s: float = 2.0
+    session_blocks: int = 2
+
+    def validate(self, key: str) -> None:
+        _check_choice(self.policy, ROUTER_POLICIES, f"{key}.policy")
+        self.imbalance_threshold.validate(f"{key}.imbalance_threshold")
+        p = self.stats_period_s
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < float("inf"):
+            raise ConfigError(f"{key}.stats_period_s", f"must be a number > 0, got {p!r}")
+        _check_int(self.session_blocks, f"{key}.session_blocks", 1, 1 << 16)
+
+
 @dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -411,6 +458,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def validate(self) -> "Config":
         self.target.validate("target")
@@ -419,6 +467,7 @@ class Config:
         self.engine.validate("engine")
         self.cluster.validate("cluster")
         self.limits.validate("limits")
+        self.router.validate("router")
         if self.cluster.enabled:  # cross-section rules only matter for a deployment
             n = self.cluster.num_draft_workers
             if self.draft.enabled and n < 1:

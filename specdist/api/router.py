@@ -1,0 +1,384 @@
+"""Which replica a request goes to: the policies of ``router.policy``, over the stats the replicas report.
+
+Every replica (one speculative group: its target ranks and draft workers) reports :class:`ReplicaStats`
+(``record_routing_stats`` on Ray Serve, a snapshot in the simulator of ``specdist bench router``): the
+requests it runs and queues with their remaining tokens and kind, the tokens a target step gives each kind
+of request there (measured: accepted drafts + 1), its step time and prefill time a token, the hashes of the
+KV blocks its prefix cache holds and the session keys its suffix index holds. A :class:`Router` keeps the
+latest report of each replica, adds the requests it sent since (a report lags), and asks its policy:
+
+- ``round-robin``: the next replica in turn;
+- ``least-loaded``: power of two choices: two replicas drawn (seeded), the one with fewer requests;
+- ``prefix``: the longest cached prefix of the prompt (ties: fewer requests); by load alone while the
+  load is imbalanced past ``router.imbalance_threshold`` (SGLang's cache-aware router);
+- ``speculative``: the earliest expected finish of this request, :meth:`SpeculativePolicy.expected_finish`.
+
+A report older than ``router.stats_period_s`` is not trusted: that replica gets nothing until it reports
+again (unless no replica has a fresh report: then every replica is a candidate, in turn). The pure parts
+here import nothing of Ray, so the same code decides on Serve (:mod:`specdist.api.serve_router`) and in
+the simulator.
+
+Sessions: a request's session key is its tenant and its session (the OpenAI ``user`` field or the gRPC
+``session_id``), or, without one, its tenant and the hash of its prompt's first ``router.session_blocks``
+blocks; :func:`session_key` hashes the tenant in, so a key never matches another tenant's session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdist.config import ROUTER_POLICIES, RouterConfig
+
+__all__ = [
+    "POLICIES", "Pending", "ReplicaStats", "RouteRequest", "Router", "block_hashes", "cached_prefix_blocks",
+    "make_policy", "session_key",
+]
+
+DEFAULT_KIND = "default"
+# Tokens a step assumed for a kind a replica has not measured yet (and no other kind either): plain decoding.
+PRIOR_TOKENS_PER_STEP = 1.0
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, scope: str = "") -> tuple[int, ...]:
+    """The chained hashes of the prompt's whole blocks: block i's hash covers tokens [0, (i + 1) x block_size),
+    so equal hashes mean equal prefixes (as vLLM's prefix cache keys its blocks). ``scope``: a tenant under
+    ``engine.prefix_cache_scope: tenant`` (its blocks never match another tenant's), else empty."""
+    out: list[int] = []
+    h = hashlib.blake2b(scope.encode(), digest_size=8).digest()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start:start + block_size])
+        h = hashlib.blake2b(h + block, digest_size=8).digest()
+        out.append(int.from_bytes(h, "little"))
+    return tuple(out)
+
+
+def session_key(tenant: str, session: str | None, prompt_blocks: Sequence[int], session_blocks: int) -> str:
+    """The key a replica's suffix index and the router know a session by: its tenant with its session id, or
+    with the hash of its prompt's first ``session_blocks`` blocks when it has none (a conversation's turns
+    share their first blocks). Hashed with the tenant, so equal ids of two tenants are two keys."""
+    if session is not None:
+        body = "s\x00" + session
+    else:
+        body = "p\x00" + ",".join(str(b) for b in prompt_blocks[:session_blocks])
+    return hashlib.blake2b(f"{tenant}\x00{body}".encode(), digest_size=12).hexdigest()
+
+
+def cached_prefix_blocks(prompt_blocks: Sequence[int], cached: Iterable[int] | frozenset[int]) -> int:
+    """How many of the prompt's leading blocks the cache holds (chained hashes: a block counts only after all
+    the blocks before it)."""
+    held = cached if isinstance(cached, (set, frozenset)) else frozenset(cached)
+    n = 0
+    for b in prompt_blocks:
+        if b not in held:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a request before it runs: its prompt as block hashes (``block_size`` tokens a
+    block), its prompt and most output tokens, its kind (acceptance differs by kind: ``edit``, ``write``,
+    ``chat``, ...; ``default`` when the client names none) and its session key (:func:`session_key`)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    prompt_blocks: tuple[int, ...] = ()
+    kind: str = DEFAULT_KIND
+    session: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens,
+                "prompt_blocks": list(self.prompt_blocks), "kind": self.kind, "session": self.session}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RouteRequest:
+        return cls(str(d["request_id"]), int(d["prompt_tokens"]), int(d["max_tokens"]),
+                   tuple(int(b) for b in d.get("prompt_blocks", ())), str(d.get("kind", DEFAULT_KIND)),
+                   str(d.get("session", "")))
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request queued or running on a replica: tokens it may still produce, and its kind."""
+
+    request_id: str
+    remaining_tokens: int
+    kind: str = DEFAULT_KIND
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's report, as of ``reported_at`` (seconds on the router's clock).
+
+    ``tokens_per_step``: measured tokens a target step gives a request of each kind (accepted drafts + 1);
+    ``session_tokens_per_step``: the same over requests whose session the suffix index held when they
+    started; a target step's seconds as measured, fitted on the requests verifying in it: ``step_s`` +
+    ``step_s_per_request`` x requests (0 and 0 before any was measured); ``prefill_s_per_token``: seconds a
+    prompt token's prefill adds to a step; ``cached_blocks``: block hashes (:func:`block_hashes`) its prefix cache holds;
+    ``sessions``: the session keys (:func:`session_key`) its suffix index holds."""
+
+    replica_id: str
+    reported_at: float
+    max_batch_size: int = 1
+    queued: tuple[Pending, ...] = ()
+    running: tuple[Pending, ...] = ()
+    tokens_per_step: dict[str, float] = field(default_factory=dict)
+    session_tokens_per_step: dict[str, float] = field(default_factory=dict)
+    step_s: float = 0.0
+    step_s_per_request: float = 0.0
+    prefill_s_per_token: float = 0.0
+    cached_blocks: frozenset[int] = frozenset()
+    sessions: frozenset[str] = frozenset()
+
+    @property
+    def load(self) -> int:
+        return len(self.queued) + len(self.running)
+
+    def step_tokens(self, kind: str, held: bool = False) -> float:
+        """Tokens a step of a request of this kind (its session held or not): measured, else this replica's
+        mean over the kinds it measured, else :data:`PRIOR_TOKENS_PER_STEP`."""
+        if held and kind in self.session_tokens_per_step:
+            return self.session_tokens_per_step[kind]
+        if kind in self.tokens_per_step:
+            return self.tokens_per_step[kind]
+        if self.tokens_per_step:
+            return sum(self.tokens_per_step.values()) / len(self.tokens_per_step)
+        return PRIOR_TOKENS_PER_STEP
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``record_routing_stats`` (Serve sends it to every router)."""
+        def pend(p: Pending) -> list:
+            return [p.request_id, p.remaining_tokens, p.kind]
+
+        return {"replica_id": self.replica_id, "reported_at": self.reported_at, "max_batch_size": self.max_batch_size,
+                "queued": [pend(p) for p in self.queued], "running": [pend(p) for p in self.running],
+                "tokens_per_step": dict(self.tokens_per_step),
+                "session_tokens_per_step": dict(self.session_tokens_per_step), "step_s": self.step_s,
+                "step_s_per_request": self.step_s_per_request,
+                "prefill_s_per_token": self.prefill_s_per_token, "cached_blocks": sorted(self.cached_blocks),
+                "sessions": sorted(self.sessions)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], replica_id: str | None = None) -> ReplicaStats:
+        def pend(items) -> tuple[Pending, ...]:
+            return tuple(Pending(str(r), int(n), str(k)) for r, n, k in items)
+
+        return cls(replica_id if replica_id is not None else str(d["replica_id"]), float(d["reported_at"]),
+                   int(d.get("max_batch_size", 1)), pend(d.get("queued", ())), pend(d.get("running", ())),
+                   {str(k): float(v) for k, v in d.get("tokens_per_step", {}).items()},
+                   {str(k): float(v) for k, v in d.get("session_tokens_per_step", {}).items()},
+                   float(d.get("step_s", 0.0)), float(d.get("step_s_per_request", 0.0)),
+                   float(d.get("prefill_s_per_token", 0.0)),
+                   frozenset(int(b) for b in d.get("cached_blocks", ())),
+                   frozenset(str(s) for s in d.get("sessions", ())))
+
+
+@dataclass
+class View:
+    """What a policy sees of one trusted replica: its report, with the requests this router sent it since
+    (counted as queued, their prompts as cached and their sessions as held: they will be)."""
+
+    stats: ReplicaStats
+    sent: tuple[RouteRequest, ...] = ()
+
+    @property
+    def replica_id(self) -> str:
+        return self.stats.replica_id
+
+    @property
+    def load(self) -> int:
+        return self.stats.load + len(self.sent)
+
+    def pending(self) -> list[Pending]:
+        return [*self.stats.queued, *self.stats.running,
+                *(Pending(r.request_id, r.max_tokens, r.kind) for r in self.sent)]
+
+    def cached_blocks(self, request: RouteRequest) -> int:
+        n = cached_prefix_blocks(request.prompt_blocks, self.stats.cached_blocks)
+        for r in self.sent:  # a prompt sent there is cached there once it runs
+            m = 0
+            for a, b in zip(request.prompt_blocks, r.prompt_blocks):
+                if a != b:
+                    break
+                m += 1
+            n = max(n, m)
+        return n
+
+    def holds_session(self, request: RouteRequest) -> bool:
+        return bool(request.session) and (request.session in self.stats.sessions
+                                          or any(r.session == request.session for r in self.sent))
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    def deco(cls: type[Policy]) -> type[Policy]:
+        POLICIES[name] = cls
+        cls.name = name
+        return cls
+    return deco
+
+
+class Policy:
+    """Picks one of the trusted replicas (at least one) for a request."""
+
+    name = ""
+
+    def __init__(self, config: RouterConfig, block_size: int, seed: int = 0):
+        self.config = config
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        raise NotImplementedError
+
+
+@register("round-robin")
+class RoundRobinPolicy(Policy):
+    def __init__(self, config: RouterConfig, block_size: int, seed: int = 0):
+        super().__init__(config, block_size, seed)
+        self.turn = 0
+
+    def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        ids = sorted(v.replica_id for v in replicas)
+        chosen = ids[self.turn % len(ids)]
+        self.turn += 1
+        return chosen
+
+
+@register("least-loaded")
+class LeastLoadedPolicy(Policy):
+    """Power of two choices (Serve's default router): two replicas drawn, the one with fewer requests."""
+
+    def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        if len(replicas) == 1:
+            return replicas[0].replica_id
+        a, b = self.rng.sample(range(len(replicas)), 2)
+        return (replicas[b] if replicas[b].load < replicas[a].load else replicas[a]).replica_id
+
+
+@register("prefix")
+class PrefixPolicy(Policy):
+    """Longest cached prefix (ties: fewer requests, then the replica's id); by load alone past the imbalance
+    threshold (max - min requests > absolute and max > relative x min)."""
+
+    def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        loads = [v.load for v in replicas]
+        th = self.config.imbalance_threshold
+        if max(loads) - min(loads) > th.absolute and max(loads) > th.relative * min(loads):
+            return min(replicas, key=lambda v: (v.load, v.replica_id)).replica_id
+        return min(replicas, key=lambda v: (-v.cached_blocks(request), v.load, v.replica_id)).replica_id
+
+
+@register("speculative")
+class SpeculativePolicy(Policy):
+    """The earliest expected finish of this request (:meth:`expected_finish`)."""
+
+    def expected_finish(self, request: RouteRequest, view: View) -> float:
+        """Seconds until this request would finish on the replica: (the target steps before it gets a batch
+        slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
+        lacks.
+
+        Steps before a slot: the replica's pending work in target steps (each queued or running request's
+        remaining tokens over the tokens a step gives its kind there), laid on its ``max_batch_size`` slots:
+        the running requests hold theirs, the queued ones (then those this router sent since the report)
+        take the first slots to free, and this request the next (0 while a slot is free: a batch runs its
+        requests side by side). Step time with it: the measured fit at the batch it joins (the running, queued
+        and sent requests and itself, at most ``max_batch_size``), so that requests sent between two
+        reports do not all pile onto the replica that reported the fastest steps. Its own steps: its ``max_tokens`` over the
+        tokens a step gives its kind there, more where the suffix index holds its session (measured on such
+        requests). Affinity is this term and the prefill: the replica holding the session drafts better and
+        prefills less."""
+        s = view.stats
+        slots = [p.remaining_tokens / s.step_tokens(p.kind) for p in s.running]
+        slots += [0.0] * max(0, s.max_batch_size - len(slots))
+        heapq.heapify(slots)
+        for p in [*s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
+            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / s.step_tokens(p.kind))
+        wait = slots[0]
+        own = request.max_tokens / s.step_tokens(request.kind, held=view.holds_session(request))
+        uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
+        batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
+        step = s.step_s + s.step_s_per_request * batch
+        return (wait + own) * step + uncached * s.prefill_s_per_token
+
+    def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        return min(replicas, key=lambda v: (self.expected_finish(request, v), v.load, v.replica_id)).replica_id
+
+
+def make_policy(config: RouterConfig, block_size: int, seed: int = 0) -> Policy:
+    """The policy ``config.policy`` names (validated: one of :data:`specdist.config.ROUTER_POLICIES`)."""
+    return POLICIES[config.policy](config, block_size, seed)
+
+
+assert tuple(POLICIES) == ROUTER_POLICIES, "the config's policy names and the registry's must agree"
+
+
+class Router:
+    """The latest report of each replica, the requests sent since, and the policy deciding.
+
+    ``report(stats)`` takes a replica's report (an older one than held is ignored); ``choose(request, now,
+    candidates)`` picks among ``candidates`` (default: every replica that reported) and books the request
+    on the chosen replica; ``done(replica_id, request_id)`` when it ends. A booked request stays counted
+    until it ends or a report made after it was sent lists it or not (then the report speaks for it)."""
+
+    def __init__(self, config: RouterConfig, block_size: int, seed: int = 0):
+        self.config = config
+        self.policy = make_policy(config, block_size, seed)
+        self.stats: dict[str, ReplicaStats] = {}
+        self.sent: dict[str, dict[str, tuple[float, RouteRequest]]] = {}  # replica -> request id -> (sent, req)
+        self.turn = 0  # round-robin over every candidate when none is trusted
+
+    def report(self, stats: ReplicaStats) -> None:
+        held = self.stats.get(stats.replica_id)
+        if held is not None and held.reported_at > stats.reported_at:
+            return
+        self.stats[stats.replica_id] = stats
+        sent = self.sent.get(stats.replica_id)
+        if sent:  # the report speaks for what was sent before it was made
+            for rid in [rid for rid, (t, _) in sent.items() if t <= stats.reported_at]:
+                del sent[rid]
+
+    def forget(self, replica_id: str) -> None:
+        """A replica gone (dead, scaled down)."""
+        self.stats.pop(replica_id, None)
+        self.sent.pop(replica_id, None)
+
+    def trusted(self, now: float, candidates: Iterable[str] | None = None) -> list[View]:
+        ids = self.stats.keys() if candidates is None else candidates
+        out = []
+        for rid in ids:
+            s = self.stats.get(rid)
+            if s is not None and now - s.reported_at <= self.config.stats_period_s:
+                out.append(View(s, tuple(r for _, r in self.sent.get(rid, {}).values())))
+        return out
+
+    def choose(self, request: RouteRequest, now: float, candidates: Sequence[str] | None = None,
+               book: bool = True) -> str:
+        """The replica for ``request``; ``book``: count it there now (else :meth:`book` once it is sent)."""
+        views = self.trusted(now, candidates)
+        if views:
+            chosen = self.policy.choose(request, views, now)
+        else:
+            ids = sorted(self.stats if candidates is None else candidates)
+            if not ids:
+                raise LookupError("no replica to route to")
+            chosen = ids[self.turn % len(ids)]
+            self.turn += 1
+        if book:
+            self.book(chosen, request, now)
+        return chosen
+
+    def book(self, replica_id: str, request: RouteRequest, now: float) -> None:
+        self.sent.setdefault(replica_id, {})[request.request_id] = (now, request)
+
+    def done(self, replica_id: str, request_id: str) -> None:
+        self.sent.get(replica_id, {}).pop(request_id, None)
