@@ -1,0 +1,86 @@
+"""The router's policies on Ray Serve: :class:`SpecdistRequestRouter`, a ``ray.serve.request_router.RequestRouter``.
+
+Serve calls ``choose_replicas(candidate_replicas, pending_request)`` for each request; each candidate's
+``routing_stats`` is the dict its replica's ``record_routing_stats`` last returned
+(:meth:`specdist.api.router.ReplicaStats.to_dict`, ``reported_at`` on ``time.time()``). What the router
+knows of the request comes from the caller: the ingress passes :meth:`RouteRequest.to_dict` as the
+keyword argument ``specdist_route`` of the handle call (a request without it is routed by load alone);
+its session may also come from Serve's ``metadata.session_id``. The answer ranks the chosen replica first
+and the others after it, so Serve falls back to them when the chosen one's queue is full.
+
+Deployment options: ``request_router_config=RequestRouterConfig(request_router_class=SpecdistRequestRouter,
+request_router_kwargs={"router": RouterConfig fields as a dict, "block_size": engine.kv_block_size})``
+and ``request_routing_stats_period_s`` below ``router.stats_period_s``. Importing this module imports Ray
+Serve; nothing else in ``specdist`` imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from specdist.api.router import ReplicaStats, RouteRequest, Router, session_key
+from specdist.config import RouterConfig, build_section
+
+__all__ = ["ROUTE_KWARG", "SpecdistRequestRouter"]
+
+ROUTE_KWARG = "specdist_route"  # the handle call's keyword argument carrying RouteRequest.to_dict()
+
+
+class SpecdistRequestRouter(FIFOMixin, RequestRouter):
+    """Serve's request router running :class:`specdist.api.router.Router` (policy by ``router.policy``)."""
+
+    def initialize_state(self, router: dict | None = None, block_size: int = 16, seed: int = 0,
+                         tenant: str = "", **_: Any) -> None:
+        """``router``: the config's ``router:`` section as a dict (checked as the config checks it)."""
+        cfg = build_section(RouterConfig, router or {}, "router")
+        cfg.validate("router")
+        self.tenant = tenant  # the tenant of requests whose route names none (a one-tenant deployment)
+        self.router = Router(cfg, block_size, seed)
+        self.seen: dict[str, float] = {}  # replica id -> reported_at of the report taken
+
+    def route_request(self, pending_request: PendingRequest | None) -> RouteRequest:
+        """The RouteRequest the caller attached; a session id from Serve's metadata when it has none."""
+        meta = getattr(pending_request, "metadata", None)
+        request_id = getattr(meta, "internal_request_id", "") or str(id(pending_request))
+        d = (getattr(pending_request, "kwargs", None) or {}).get(ROUTE_KWARG)
+        if d is None:
+            return RouteRequest(request_id, 0, 0)
+        req = RouteRequest.from_dict({**d, "request_id": request_id})
+        sid = getattr(meta, "session_id", "")
+        if not req.session and sid:  # scoped by tenant like every key (specdist.api.router.session_key)
+            req = RouteRequest(req.request_id, req.prompt_tokens, req.max_tokens, req.prompt_blocks, req.kind,
+                               session_key(str(d.get("tenant", self.tenant)), sid, (), 0))
+        return req
+
+    def take_reports(self, replicas: list[RunningReplica]) -> None:
+        for r in replicas:
+            rid = r.replica_id.to_full_id_str()
+            stats = r.routing_stats
+            if stats and "reported_at" in stats and self.seen.get(rid) != stats["reported_at"]:
+                self.router.report(ReplicaStats.from_dict(stats, replica_id=rid))
+                self.seen[rid] = stats["reported_at"]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        self.take_reports(candidate_replicas)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        chosen = self.router.choose(self.route_request(pending_request), time.time(), list(by_id), book=False)
+        rest = [r for rid, r in by_id.items() if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Serve sent the request (to the chosen replica, or to one ranked after it): count it there."""
+        self.router.book(replica_id.to_full_id_str(), self.route_request(pending_request), time.time())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.router.done(replica_id.to_full_id_str(), internal_request_id)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.router.forget(replica_id.to_full_id_str())
+        self.seen.pop(replica_id.to_full_id_str(), None)
