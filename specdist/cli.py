@@ -8,6 +8,7 @@
     specdist bench engine [--quick] [--dtype float32,bfloat16]
     specdist bench runner                     # forward per dtype: what dtype auto means on the CPU
     specdist bench tasks [--quick] [--drafts none,self-w8,ngram]   # per task: acceptance, tokens/step, speedup
+    specdist bench router --simulate 32 --workload sessions        # routing policies side by side
 
 Bad input is a one-line ``specdist: error: ...`` on stderr and exit status 2 (a request the
 server aborted or failed: exit status 1). Whatever can be checked without the weights (the
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench import tasks as tasks_bench
 
     tasks_bench.add_arguments(bt)
+    brt = bsub.add_parser("router", help="routing policies side by side on one workload (--simulate N: simulated "
+                                         "replicas)", **fmt)
+    from specdist.bench import router_bench
+
+    router_bench.add_arguments(brt)
     _help_for_every_default(parser)
     return parser
 
@@ -202,6 +208,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return run(args)
         if args.command == "bench" and args.bench_command == "tasks":
             from specdist.bench.tasks import run
+
+            return run(args)
+        if args.command == "bench" and args.bench_command == "router":
+            from specdist.bench.router_bench import run
 
             return run(args)
     except SpecDistError as e:

@@ -1,0 +1,342 @@
+"""N simulated replicas on a simulated clock, routed by :class:`specdist.api.router.Router` (``bench router
+--simulate N``).
+
+A replica is a continuously batched speculative engine whose costs follow :class:`SimModel`:
+
+- a step admits waiting requests (first come, up to ``max_batch_size`` running) and prefills the part of
+  their prompts its prefix cache lacks; every running request verifies k drafts; the step lasts
+  ``step_base_s + verify_token_s x (k + 1) x verifying requests + prefill_token_s x prefill tokens``;
+- a request's drafts are accepted one by one with its kind's probability (``alpha``), higher
+  (``session_alpha``) when the replica's suffix index held its session when it started: it verifies,
+  emits the accepted drafts and one token of the target's, and an admitted request emits its first token
+  at the end of its prefill step;
+- the prefix cache keeps ``cache_blocks`` blocks (least recently used out): a prompt's blocks from its
+  admission on, prompt and answer once it ends (a session's next turn extends them); the suffix index
+  keeps the last ``index_sessions`` session keys started there;
+- every ``report_s`` (staggered) a replica reports :class:`~specdist.api.router.ReplicaStats`: its queue,
+  its running requests' remaining tokens (``max_tokens`` less those emitted: a replica does not know when
+  a request will stop), the tokens a step it measured per kind (and per kind with the session held), its
+  step time fitted on its batch over the last 64 steps (the decode part), its prefill cost a token, cached block hashes and held sessions.
+
+Arrivals: a workload's sessions (or single requests) start at Poisson times whose rate puts the cluster
+at ``load`` x its estimated capacity; a session's next turn arrives a pause (exponential, mean
+``think_s``) after its last turn ended. At N replicas the workload runs ``ceil(N / 2)`` copies, each copy's
+words mapped to other token ids (no copy hits another's cache). Every random draw (arrival times, pauses,
+each request's acceptances) comes from seeds of the request's own, so every policy sees the same requests
+with the same luck. Nothing sleeps: events run in time order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import zlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from specdist.api.router import (
+    Pending, ReplicaStats, RouteRequest, Router, block_hashes, cached_prefix_blocks, session_key,
+)
+from specdist.bench.router_workloads import Turn, load
+from specdist.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """The simulated replicas' costs. The step costs are of the order of an 8 B target in bfloat16 on one
+    H100-class GPU (assumed, not measured here: the figures measured so far are a 1 B model's 1.7 ms step,
+    docs/performance.md); the acceptances match the task suite's measured tokens a step at k = 4 (code
+    editing about 3.1-4.3, chat about 1.5: alpha 0.8 and 0.35 give 3.4 and 1.5); ``session_alpha`` (a
+    session's earlier turns in the suffix index) is an assumption of this model."""
+
+    step_base_s: float = 0.012
+    verify_token_s: float = 0.00006
+    prefill_token_s: float = 0.00004
+    k: int = 4
+    alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.35, "edit": 0.8, "write": 0.3})
+    session_alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.5, "edit": 0.92, "write": 0.35})
+    max_batch_size: int = 16
+    block_size: int = 16
+    cache_blocks: int = 8192
+    index_sessions: int = 64
+    report_s: float = 0.5
+    think_s: float = 1.0
+
+    def expected_tokens(self, alpha: float) -> float:
+        return (1 - alpha ** (self.k + 1)) / (1 - alpha)
+
+
+@dataclass
+class SimRequest:
+    rid: str
+    turn: Turn
+    tokens: tuple[int, ...]  # the prompt's token ids
+    route: RouteRequest
+    full_blocks: tuple[int, ...]  # block hashes of prompt + answer (what the cache keeps once it ends)
+    rng: random.Random
+    arrival: float
+    next_turn: SimRequest | None = None
+    pause: float = 0.0  # before the next turn arrives
+    replica: str = ""
+    held: bool = False
+    emitted: int = 0
+    steps: int = 0  # verification steps
+    step_tokens: int = 0  # tokens those steps emitted
+    drafted: int = 0
+    accepted: int = 0
+    hit_tokens: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class SimReplica:
+    def __init__(self, rid: str, model: SimModel):
+        self.rid, self.m = rid, model
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.index: OrderedDict[str, None] = OrderedDict()
+        self.measured: dict[tuple[str, bool], list[int]] = {}  # (kind, held) -> [tokens, steps]
+        self.recent_steps: deque[tuple[int, float]] = deque(maxlen=64)  # (requests verifying, decode seconds)
+        self.busy = False
+        self.admitted: list[SimRequest] = []
+        self.cache_view: frozenset[int] = frozenset()
+        self.cache_dirty = False
+
+    def remember(self, blocks) -> None:
+        for b in blocks:
+            self.cache[b] = None
+            self.cache.move_to_end(b)
+        while len(self.cache) > self.m.cache_blocks:
+            self.cache.popitem(last=False)
+        self.cache_dirty = True
+
+    def start_step(self) -> float:
+        """Admit, draw this step's acceptances; the step's duration (its results apply at its end)."""
+        m = self.m
+        self.admitted = []
+        prefill = 0
+        while self.waiting and len(self.running) + len(self.admitted) < m.max_batch_size:
+            r = self.waiting.popleft()
+            n = cached_prefix_blocks(r.route.prompt_blocks, self.cache)
+            r.hit_tokens = min(n * m.block_size, len(r.tokens) - 1)
+            prefill += len(r.tokens) - r.hit_tokens
+            r.held = bool(r.route.session) and r.route.session in self.index
+            self.remember(r.route.prompt_blocks)
+            if r.route.session:
+                self.index[r.route.session] = None
+                self.index.move_to_end(r.route.session)
+                while len(self.index) > m.index_sessions:
+                    self.index.popitem(last=False)
+            self.admitted.append(r)
+        decode = m.step_base_s + m.verify_token_s * (m.k + 1) * len(self.running)
+        self.recent_steps.append((len(self.running), decode))
+        return decode + m.prefill_token_s * prefill
+
+    def end_step(self, now: float) -> list[SimRequest]:
+        """Apply the step's tokens; the requests that ended."""
+        m, done = self.m, []
+        for r in self.running:
+            alpha = (m.session_alpha if r.held else m.alpha)[r.turn.kind]
+            acc = 0
+            while acc < m.k and r.rng.random() < alpha:
+                acc += 1
+            n = min(acc + 1, r.turn.output_tokens - r.emitted)
+            r.emitted += n
+            r.steps += 1
+            r.step_tokens += n
+            r.drafted += m.k
+            r.accepted += acc
+            got = self.measured.setdefault((r.turn.kind, r.held), [0, 0])
+            got[0] += n
+            got[1] += 1
+        for r in self.admitted:
+            r.emitted = 1
+            r.first_token = now
+        self.running += self.admitted
+        self.admitted = []
+        for r in [r for r in self.running if r.emitted >= r.turn.output_tokens]:
+            r.finished = now
+            self.running.remove(r)
+            self.remember(r.full_blocks)
+            done.append(r)
+        return done
+
+    def stats(self, now: float) -> ReplicaStats:
+        if self.cache_dirty:
+            self.cache_view, self.cache_dirty = frozenset(self.cache), False
+
+        def pend(rs) -> tuple[Pending, ...]:
+            return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind) for r in rs)
+
+        tps = {k: t / s for (k, held), (t, s) in self.measured.items() if not held and s}
+        held_tps = {k: t / s for (k, held), (t, s) in self.measured.items() if held and s}
+        step_s, per_request = fit_steps(self.recent_steps)
+        return ReplicaStats(self.rid, now, self.m.max_batch_size, pend(self.waiting),
+                            pend([*self.running, *self.admitted]), tps, held_tps, step_s, per_request,
+                            self.m.prefill_token_s,
+                            self.cache_view, frozenset(self.index))
+
+
+def fit_steps(samples) -> tuple[float, float]:
+    """Least squares of a step's decode seconds on its verifying requests: (intercept, slope >= 0); the mean
+    and 0 while every sample had the same batch; 0 and 0 without samples."""
+    if not samples:
+        return 0.0, 0.0
+    n = len(samples)
+    mb = sum(b for b, _ in samples) / n
+    mt = sum(t for _, t in samples) / n
+    var = sum((b - mb) ** 2 for b, _ in samples)
+    slope = max(0.0, sum((b - mb) * (t - mt) for b, t in samples) / var) if var > 0 else 0.0
+    return mt - slope * mb, slope
+
+
+def build_requests(workload: str, replicas: int, model: SimModel, load_factor: float, seed: int,
+                   session_blocks: int, copies: int | None = None) -> list[SimRequest]:
+    """The workload's first turns (later turns hang off them), with arrival times, for N replicas."""
+    groups = load(workload)
+    copies = copies or max(1, math.ceil(replicas / 2))
+    turns = [t for g in groups for t in g]
+    mean_out = sum(t.output_tokens for t in turns) / len(turns)
+    mean_prompt = sum(len(t.prompt) for t in turns) / len(turns)
+    e = sum(model.expected_tokens(model.alpha[t.kind]) for t in turns) / len(turns)
+    b = model.max_batch_size
+    full_step = model.step_base_s + model.verify_token_s * (model.k + 1) * b
+    # a replica's requests a second at full batch: decode steps plus each request's prefill (no cache hits)
+    per_request_s = (mean_out / e) * full_step / b + mean_prompt * model.prefill_token_s
+    rate = load_factor * replicas / per_request_s / (len(turns) / len(groups))  # sessions (groups) a second
+    order = random.Random(f"{seed}-order")
+    arrivals = random.Random(f"{seed}-arrivals")
+    firsts: list[SimRequest] = []
+    t = 0.0
+    keyed = [(c, gi) for c in range(copies) for gi in range(len(groups))]
+    order.shuffle(keyed)
+    vocab: dict[tuple[int, str], int] = {}
+    for c, gi in keyed:
+        t += arrivals.expovariate(rate)
+        chain: list[SimRequest] = []
+        pauses = random.Random(f"{seed}-pause-{c}-{gi}")
+        for turn in groups[gi]:
+            rid = f"c{c}-g{gi}-t{turn.turn}"
+            ids = tuple(vocab.setdefault((c, w), zlib.crc32(f"{c}:{w}".encode()) & 0x7FFFFFFF) for w in turn.prompt)
+            answer = tuple(vocab.setdefault((c, w), zlib.crc32(f"{c}:{w}".encode()) & 0x7FFFFFFF)
+                           for w in turn.answer)
+            blocks = block_hashes(ids, model.block_size)
+            sess = session_key("default", None, blocks, session_blocks)
+            route = RouteRequest(rid, len(ids), turn.max_tokens, blocks, turn.kind, sess)
+            full = block_hashes(ids + answer, model.block_size) if answer else blocks
+            r = SimRequest(rid, turn, ids, route, full, random.Random(f"{seed}-{rid}"), 0.0,
+                           pause=pauses.expovariate(1 / model.think_s))
+            if chain:
+                chain[-1].next_turn = r
+            chain.append(r)
+        chain[0].arrival = t
+        firsts.append(chain[0])
+    return firsts
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int
+    output_tokens: int
+    tokens_per_step: float
+    acceptance: float
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    ttft_p50: float
+    ttft_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    tokens_per_s: float
+    seconds: float
+    choices: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile, nearest rank."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def simulate(policy: str, workload: str, replicas: int, seed: int = 0, load_factor: float = 0.7,
+             model: SimModel | None = None, router_config: RouterConfig | None = None) -> PolicyResult:
+    """One workload through N simulated replicas routed by ``policy``."""
+    m = model or SimModel()
+    base = router_config or RouterConfig()
+    cfg = RouterConfig(policy, base.imbalance_threshold, base.stats_period_s, base.session_blocks)
+    firsts = build_requests(workload, replicas, m, load_factor, seed, cfg.session_blocks)
+    router = Router(cfg, m.block_size, seed)
+    reps = {f"r{i:03d}": SimReplica(f"r{i:03d}", m) for i in range(replicas)}
+    events: list = []
+    seq = 0
+
+    def push(t: float, kind: str, payload) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    for i, rid in enumerate(reps):  # reports staggered over one period; the first at 0
+        router.report(reps[rid].stats(0.0))
+        push(m.report_s * (1 + i / replicas), "report", rid)
+    for r in firsts:
+        push(r.arrival, "arrive", r)
+    done: list[SimRequest] = []
+    open_requests = sum(1 + _later(r) for r in firsts)
+    while events and len(done) < open_requests:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            r = payload
+            r.replica = router.choose(r.route, now)
+            rep = reps[r.replica]
+            rep.waiting.append(r)
+            if not rep.busy:
+                rep.busy = True
+                push(now + rep.start_step(), "step", rep.rid)
+        elif kind == "step":
+            rep = reps[payload]
+            for r in rep.end_step(now):
+                done.append(r)
+                router.done(rep.rid, r.rid)
+                if r.next_turn is not None:
+                    r.next_turn.arrival = now + r.pause
+                    push(r.next_turn.arrival, "arrive", r.next_turn)
+            if rep.waiting or rep.running:
+                push(now + rep.start_step(), "step", rep.rid)
+            else:
+                rep.busy = False
+        else:
+            router.report(reps[payload].stats(now))
+            push(now + m.report_s, "report", payload)
+    assert len(done) == open_requests, "every request ends"
+    return summarize(policy, done)
+
+
+def _later(r: SimRequest) -> int:
+    n = 0
+    while r.next_turn is not None:
+        r, n = r.next_turn, n + 1
+    return n
+
+
+def summarize(policy: str, done: list[SimRequest]) -> PolicyResult:
+    out = sum(r.emitted for r in done)
+    t0 = min(r.arrival for r in done)
+    t1 = max(r.finished for r in done)
+    choices: dict[str, int] = {}
+    for r in done:
+        choices[r.replica] = choices.get(r.replica, 0) + 1
+    steps = sum(r.steps for r in done)
+    drafted = sum(r.drafted for r in done)
+    return PolicyResult(
+        policy, len(done), out, sum(r.step_tokens for r in done) / max(1, steps),
+        sum(r.accepted for r in done) / max(1, drafted), sum(r.hit_tokens for r in done),
+        sum(len(r.tokens) for r in done),
+        percentile([r.first_token - r.arrival for r in done], 50),
+        percentile([r.first_token - r.arrival for r in done], 99),
+        percentile([r.finished - r.arrival for r in done], 50), percentile([r.finished - r.arrival for r in done], 99),
+        out / (t1 - t0), t1 - t0, dict(sorted(choices.items())))
