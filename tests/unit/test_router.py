@@ -297,3 +297,18 @@ def test_bench_router_cli(tmp_path, capsys):
     assert [r["policy"] for r in doc["results"]] == ["speculative", "least-loaded"]
     assert doc["ratios"]["least-loaded"]["speculative"]["tokens_per_s"] > 0
     assert "ratios to least-loaded" in capsys.readouterr().out
+
+
+def test_the_workload_files_are_what_their_generator_writes_and_turns_extend_the_last():
+    from importlib import resources
+
+    from specdist.bench.router_workloads import WORKLOADS, generate, load
+
+    for name in WORKLOADS:
+        text = (resources.files("specdist.bench") / "data" / f"router_{name}.jsonl").read_text(encoding="utf-8")
+        assert text == "".join(json.dumps(d) + "\n" for d in generate(name)), name
+    for turns in load("sessions"):
+        for a, b in zip(turns, turns[1:]):
+            assert b.prompt[:len(a.prompt) + len(a.answer)] == a.prompt + a.answer
+    kinds = [g[0].kind for g in load("mixed")]
+    assert kinds.count("edit") == kinds.count("write") == len(kinds) // 2
