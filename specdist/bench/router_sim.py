@@ -40,6 +40,7 @@ from specdist.api.router import (
 )
 from specdist.bench.router_workloads import Turn, load
 from specdist.config import RouterConfig
+from specdist.engine.cost_model import expected_tokens
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class SimModel:
     think_s: float = 1.0
 
     def expected_tokens(self, alpha: float) -> float:
-        return (1 - alpha ** (self.k + 1)) / (1 - alpha)
+        return expected_tokens(alpha, self.k)
 
 
 @dataclass
