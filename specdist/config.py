@@ -115,6 +115,13 @@ Shape::
                                      #   1 s apart, doubling; then the server stays NOT_SERVING
       collective_timeout_s: 10.0     # least time a tensor-parallel collective may wait for a rank; grows to
                                      #   20 x the measured forward time for larger forwards
+      replicas: null                 # null: one speculative group behind this process's coordinator; a count, or
+                                     #   {min, max, ...}: that many groups as Ray Serve replicas (cluster/serve.py),
+                                     #   each a whole group (its ranks and drafts in the replica's placement group)
+                                     #   with its own coordinator, chosen per request by router.policy; with
+                                     #   min < max Serve's autoscaler adds and drains replicas:
+                                     #   {min: 1, max: 4, target_ongoing_requests: null (engine.max_batch_size),
+                                     #   upscale_delay_s: 10, downscale_delay_s: 60}
     limits:                          # what one public request may ask for (gRPC and HTTP alike); beyond a
                                      #   limit: INVALID_ARGUMENT / HTTP 400 naming the field (specdist/api/admission.py)
       max_message_bytes: 4194304     # largest gRPC message either way and HTTP request body (gRPC:
@@ -132,7 +139,8 @@ Shape::
       speculative_stats: true        # false: responses carry no drafted / accepted / steps counts (usage.speculative,
                                      #   RequestStats), and a stream sends one token a chunk, so that a client does
                                      #   not read its drafts' acceptance off them (the chunks' timing still follows
-                                     #   the steps; draft.suffix_scope: tenant keeps other tenants' text out of drafts)    router:                          # which replica a request goes to, with several (specdist/api/router.py)
+                                     #   the steps; draft.suffix_scope: tenant keeps other tenants' text out of drafts)
+    router:                          # which replica a request goes to, with several (specdist/api/router.py)
       policy: speculative            # round-robin | least-loaded (power of two choices) | prefix (longest cached
                                      #   prefix, least load past imbalance_threshold) | speculative: the earliest
                                      #   expected finish from the replicas' measured tokens a step, step time,
@@ -348,8 +356,11 @@ class ClusterConfig:
     health_timeout_s: float = 5.0
     rebuild_attempts: int = 3
     collective_timeout_s: float = 10.0
+    replicas: Any = None  # None | int | a mapping: see ReplicasConfig.of
 
     def validate(self, key: str) -> None:
+        if self.replicas is not None:
+            ReplicasConfig.of(self.replicas, f"{key}.replicas")
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{key}.enabled", f"must be true or false, got {self.enabled!r}")
         _check_int(self.tensor_parallel_size, f"{key}.tensor_parallel_size", 1, 1024)
@@ -371,6 +382,54 @@ class ClusterConfig:
     def gpu(self) -> bool | None:
         """use_gpu as a tri-state: None = auto."""
         return None if self.use_gpu == "auto" else bool(self.use_gpu)
+
+    @property
+    def replica_plan(self) -> "ReplicasConfig | None":
+        """``replicas`` resolved (None: no Serve replicas, one group behind this process)."""
+        return None if self.replicas is None else ReplicasConfig.of(self.replicas, "cluster.replicas")
+
+
+@dataclass(frozen=True)
+class ReplicasConfig:
+    """``cluster.replicas``: how many speculative groups run as Ray Serve replicas. A count is fixed
+    (``min == max``); a mapping with ``min < max`` turns on Serve's autoscaling between them, aiming at
+    ``target_ongoing_requests`` a replica (None: ``engine.max_batch_size``, a full batch)."""
+
+    min: int = 1
+    max: int = 1
+    target_ongoing_requests: float | None = None
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max > self.min
+
+    @classmethod
+    def of(cls, value: Any, key: str = "cluster.replicas") -> "ReplicasConfig":
+        if isinstance(value, ReplicasConfig):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, dict)):
+            raise ConfigError(key, f"must be a count or a mapping {{min, max, ...}}, got {value!r}")
+        if isinstance(value, int):
+            _check_int(value, key, 1, 4096)
+            return cls(value, value)
+        data = dict(value)
+        if "min" in data and "max" not in data:
+            data["max"] = data["min"]
+        out = build_section(cls, data, key)
+        _check_int(out.min, f"{key}.min", 1, 4096)
+        _check_int(out.max, f"{key}.max", 1, 4096)
+        if out.max < out.min:
+            raise ConfigError(f"{key}.max", f"must be >= min ({out.min}), got {out.max}")
+        t = out.target_ongoing_requests
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ConfigError(f"{key}.target_ongoing_requests", f"must be a number > 0 or null, got {t!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            v = getattr(out, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(f"{key}.{name}", f"must be a number >= 0, got {v!r}")
+        return out
 
 
 @dataclass
@@ -468,6 +527,8 @@ class Config:
         self.cluster.validate("cluster")
         self.limits.validate("limits")
         self.router.validate("router")
+        if self.cluster.replicas is not None and not self.cluster.enabled:
+            raise ConfigError("cluster.replicas", "needs cluster.enabled: true (each replica is a Ray deployment)")
         if self.cluster.enabled:  # cross-section rules only matter for a deployment
             n = self.cluster.num_draft_workers
             if self.draft.enabled and n < 1:
