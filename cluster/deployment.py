@@ -90,6 +90,23 @@ class ClusterSpec:
     health_timeout_s: float = 5.0  # a worker not answering health() within this is hung
     rebuild_attempts: int = 3  # target group rebuilds in a row before giving up
     collective_timeout_s: float = 10.0  # floor of the target ranks' collective timeout
+    # A Serve replica's placement group (cluster/placement.replica_bundles) to place the workers in, and the
+    # replica's rank: with pin_cpus its processes share the cores of its own slice of the node
+    placement_group: object = None
+    replica_index: int | None = None
+
+    def core_of(self, slot: int) -> int | None:
+        """The core a worker is pinned to (``slot``: rank r is r, draft i is tensor_parallel_size + i), or None
+        without ``pin_cpus``. One group: a core each (modulo the node's cores, in the actor). Replica k of a
+        Serve deployment: its processes round-robin over its own w cores, k x w ... k x w + w - 1, w = the
+        logical CPUs its workers ask for (at least 1), so replicas never share a core."""
+        if not self.pin_cpus:
+            return None
+        if self.replica_index is None:
+            return slot
+        w = max(1, int(self.tensor_parallel_size * self.cpus_per_rank + self.num_draft_workers * self.cpus_per_draft
+                       + 1e-9))
+        return self.replica_index * w + slot % w
 
     @classmethod
     def from_config(cls, config, **deployment) -> "ClusterSpec":
@@ -99,7 +116,8 @@ class ClusterSpec:
         from specdist.config import ClusterConfig
 
         cc = config if isinstance(config, ClusterConfig) else load_config(config).cluster
-        allowed = {"target_port", "draft_ports", "num_threads", "max_concurrency", "name", "shutdown_timeout_s"}
+        allowed = {"target_port", "draft_ports", "num_threads", "max_concurrency", "name", "shutdown_timeout_s",
+                   "placement_group", "replica_index"}
         unknown = set(deployment) - allowed
         if unknown:
             raise TypeError(f"not deployment arguments: {sorted(unknown)} (the cluster: config section sets those)")
@@ -183,7 +201,7 @@ class Deployment:
         import ray
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
-        from cluster.placement import create_placement
+        from cluster.placement import create_placement, place_within
         from specdist.api.admission import bare_host
         from specdist.cores.proposers import check_draft
         from specdist.models.metadata import ModelSources
@@ -212,12 +230,17 @@ class Deployment:
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
-            self.placement = create_placement(
-                spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
-                cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
-                gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()), name=spec.name,
-            )
-            self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
+            if spec.placement_group is not None:  # a Serve replica's group (cluster/serve.py): placed already
+                self.placement = place_within(spec.placement_group, spec.tensor_parallel_size, spec.num_draft_workers)
+                self._done("placement", f"within the replica's placement group on {device}")
+            else:
+                self.placement = create_placement(
+                    spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
+                    cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
+                    gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()),
+                    name=spec.name,
+                )
+                self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
             if spec.tensor_parallel_size > 1:  # before any actor exists: a target that cannot shard fails at once
                 _check_shardable(self.sources, spec.tensor_parallel_size)
             self._create_targets()
@@ -260,13 +283,14 @@ class Deployment:
         spec = self.spec
         tp = spec.tensor_parallel_size
         for r in range(tp):
+            pg, index = self.placement.target_slot(r)
             cls = ray.remote(TargetRankActor).options(
                 num_cpus=spec.cpus_per_rank, num_gpus=1 if self._gpu else 0, max_concurrency=spec.max_concurrency,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement.target, placement_group_bundle_index=r),
+                    placement_group=pg, placement_group_bundle_index=index),
             )
-            cpu = r if spec.pin_cpus else None
+            cpu = spec.core_of(r)
             self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads, cpu), "target", r))
 
     def _create_drafts(self) -> None:
@@ -277,13 +301,15 @@ class Deployment:
         from workers.actors import DraftActor
 
         spec = self.spec
-        for i, pg in enumerate(self.placement.drafts):
+        for i in range(spec.num_draft_workers):
+            pg, index = self.placement.draft_slot(i)
             cls = ray.remote(DraftActor).options(
                 num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if self._gpu else 0,
                 max_concurrency=spec.max_concurrency, max_restarts=spec.max_restarts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=index),
             )
-            cpu = spec.tensor_parallel_size + i if spec.pin_cpus else None
+            cpu = spec.core_of(spec.tensor_parallel_size + i)
             self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
 
     def _load_call(self, h: _Handle):
@@ -472,7 +498,7 @@ class Deployment:
         with room (then restarts the actor there); None when it is placed."""
         from cluster.placement import unplaced
 
-        return unplaced(self.placement.drafts[index], f"draft {index}")
+        return unplaced(self.placement.draft_slot(index)[0], f"draft {index}")
 
     def rebuild_target(self, timeout_s: float | None = None, same_port: bool = True) -> str:
         """Replace the whole target group: kill every rank, create them anew in the same placement

@@ -40,10 +40,54 @@ class DeploymentPlacement:
     drafts: list = field(default_factory=list)  # one PlacementGroup per draft replica
     target_bundle: dict = field(default_factory=dict)
     draft_bundle: dict = field(default_factory=dict)
+    # Within a Serve replica's group (place_within): the bundle index of rank 0 and of draft 0 in ``target``,
+    # which then also holds the drafts; the group is the replica's, so it is never removed here.
+    target_offset: int = 0
+    draft_offset: int | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.draft_offset is None
 
     @property
     def groups(self) -> list:
-        return [self.target, *self.drafts]
+        return [self.target, *self.drafts] if self.owned else []
+
+    def target_slot(self, rank: int) -> tuple[object, int]:
+        """(placement group, bundle index) of target rank ``rank``."""
+        return self.target, self.target_offset + rank
+
+    def draft_slot(self, index: int) -> tuple[object, int]:
+        """(placement group, bundle index) of draft ``index``."""
+        if self.owned:
+            return self.drafts[index], 0
+        return self.target, self.draft_offset + index
+
+
+COORDINATOR_BUNDLE = {"CPU": 0.1}  # a Serve replica's own bundle: its coordinator (the engine thread, gRPC calls)
+
+
+def replica_bundles(tp_size: int, num_drafts: int, use_gpu: bool, cpus_per_rank: float = 1.0,
+                    cpus_per_draft: float = 1.0, gpus_per_draft: float = 1.0) -> tuple[list[dict], str]:
+    """The bundles and strategy of one Serve replica's placement group: its coordinator's bundle first (Serve
+    places the replica actor there), then one per target rank, then one per draft (:func:`place_within`).
+    STRICT_PACK with tensor parallelism (the ranks' collectives stay on one node), else PACK."""
+    tb = bundle(cpus_per_rank, 1.0 if use_gpu else 0.0)
+    db = bundle(cpus_per_draft, gpus_per_draft if use_gpu else 0.0)
+    bundles = [dict(COORDINATOR_BUNDLE)] + [dict(tb) for _ in range(tp_size)] + [dict(db) for _ in range(num_drafts)]
+    return bundles, "STRICT_PACK" if tp_size > 1 else "PACK"
+
+
+def place_within(group: object, tp_size: int, num_drafts: int) -> DeploymentPlacement:
+    """The placement of a deployment inside a Serve replica's group laid out by :func:`replica_bundles`: placed
+    already (the replica runs in it), and removed with the replica by Serve."""
+    specs = getattr(group, "bundle_specs", None)
+    if specs is not None and len(specs) < 1 + tp_size + num_drafts:
+        raise PlacementError(f"the replica's placement group has {len(specs)} bundles; {tp_size} target rank(s) and "
+                             f"{num_drafts} draft(s) need {1 + tp_size + num_drafts} (cluster/placement.replica_bundles)")
+    tb = dict(specs[1]) if specs else {}
+    db = dict(specs[1 + tp_size]) if specs and num_drafts else {}
+    return DeploymentPlacement(group, [], tb, db, target_offset=1, draft_offset=1 + tp_size)
 
 
 def bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -208,7 +252,7 @@ def unplaced(pg, what: str) -> str | None:
 def remove_placement(placement: DeploymentPlacement) -> None:
     from ray.util.placement_group import remove_placement_group
 
-    for pg in placement.groups:
+    for pg in placement.groups:  # (none for a Serve replica's group: Serve removes it)
         try:
             remove_placement_group(pg)
         except Exception:  # already removed, or the cluster is gone

@@ -356,7 +356,7 @@ class ClusterConfig:
     health_timeout_s: float = 5.0
     rebuild_attempts: int = 3
     collective_timeout_s: float = 10.0
-    replicas: Any = None  # None | int | a mapping: see ReplicasConfig.of
+    replicas: object | None = None  # a count or a mapping: see ReplicasConfig.of
 
     def validate(self, key: str) -> None:
         if self.replicas is not None:
