@@ -32,12 +32,13 @@ import heapq
 import math
 import random
 import zlib
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from specdist.api.router import (
-    Pending, ReplicaStats, RouteRequest, Router, block_hashes, cached_prefix_blocks, session_key,
+    Pending, ReplicaStats, RouteRequest, Router, block_hashes, session_key,
 )
+from specdist.api.replica_stats import ReplicaLedger
 from specdist.bench.router_workloads import Turn, load
 from specdist.config import RouterConfig
 from specdist.engine.cost_model import expected_tokens
@@ -92,47 +93,31 @@ class SimRequest:
 
 
 class SimReplica:
+    """A simulated replica: its requests follow :class:`SimModel`; what it reports is kept by the same
+    :class:`~specdist.api.replica_stats.ReplicaLedger` a live replica keeps."""
+
     def __init__(self, rid: str, model: SimModel):
         self.rid, self.m = rid, model
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.cache: OrderedDict[int, None] = OrderedDict()
-        self.index: OrderedDict[str, None] = OrderedDict()
-        self.measured: dict[tuple[str, bool], list[int]] = {}  # (kind, held) -> [tokens, steps]
-        self.recent_steps: deque[tuple[int, float]] = deque(maxlen=64)  # (requests verifying, decode seconds)
+        self.ledger = ReplicaLedger(model.cache_blocks, model.index_sessions)
         self.busy = False
         self.admitted: list[SimRequest] = []
-        self.cache_view: frozenset[int] = frozenset()
-        self.cache_dirty = False
-
-    def remember(self, blocks) -> None:
-        for b in blocks:
-            self.cache[b] = None
-            self.cache.move_to_end(b)
-        while len(self.cache) > self.m.cache_blocks:
-            self.cache.popitem(last=False)
-        self.cache_dirty = True
 
     def start_step(self) -> float:
         """Admit, draw this step's acceptances; the step's duration (its results apply at its end)."""
-        m = self.m
+        m, ledger = self.m, self.ledger
         self.admitted = []
         prefill = 0
         while self.waiting and len(self.running) + len(self.admitted) < m.max_batch_size:
             r = self.waiting.popleft()
-            n = cached_prefix_blocks(r.route.prompt_blocks, self.cache)
+            n = ledger.cached_blocks(r.route.prompt_blocks)
             r.hit_tokens = min(n * m.block_size, len(r.tokens) - 1)
             prefill += len(r.tokens) - r.hit_tokens
-            r.held = bool(r.route.session) and r.route.session in self.index
-            self.remember(r.route.prompt_blocks)
-            if r.route.session:
-                self.index[r.route.session] = None
-                self.index.move_to_end(r.route.session)
-                while len(self.index) > m.index_sessions:
-                    self.index.popitem(last=False)
+            r.held = ledger.admit(r.route)
             self.admitted.append(r)
         decode = m.step_base_s + m.verify_token_s * (m.k + 1) * len(self.running)
-        self.recent_steps.append((len(self.running), decode))
+        ledger.step(len(self.running), decode)
         return decode + m.prefill_token_s * prefill
 
     def end_step(self, now: float) -> list[SimRequest]:
@@ -149,9 +134,7 @@ class SimReplica:
             r.step_tokens += n
             r.drafted += m.k
             r.accepted += acc
-            got = self.measured.setdefault((r.turn.kind, r.held), [0, 0])
-            got[0] += n
-            got[1] += 1
+            self.ledger.tokens(r.turn.kind, r.held, n)
         for r in self.admitted:
             r.emitted = 1
             r.first_token = now
@@ -160,37 +143,17 @@ class SimReplica:
         for r in [r for r in self.running if r.emitted >= r.turn.output_tokens]:
             r.finished = now
             self.running.remove(r)
-            self.remember(r.full_blocks)
+            self.ledger.finish(r.route.request_id, r.full_blocks)
             done.append(r)
         return done
 
     def stats(self, now: float) -> ReplicaStats:
-        if self.cache_dirty:
-            self.cache_view, self.cache_dirty = frozenset(self.cache), False
-
         def pend(rs) -> tuple[Pending, ...]:
             return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind) for r in rs)
 
-        tps = {k: t / s for (k, held), (t, s) in self.measured.items() if not held and s}
-        held_tps = {k: t / s for (k, held), (t, s) in self.measured.items() if held and s}
-        step_s, per_request = fit_steps(self.recent_steps)
-        return ReplicaStats(self.rid, now, self.m.max_batch_size, pend(self.waiting),
-                            pend([*self.running, *self.admitted]), tps, held_tps, step_s, per_request,
-                            self.m.prefill_token_s,
-                            self.cache_view, frozenset(self.index))
-
-
-def fit_steps(samples) -> tuple[float, float]:
-    """Least squares of a step's decode seconds on its verifying requests: (intercept, slope >= 0); the mean
-    and 0 while every sample had the same batch; 0 and 0 without samples."""
-    if not samples:
-        return 0.0, 0.0
-    n = len(samples)
-    mb = sum(b for b, _ in samples) / n
-    mt = sum(t for _, t in samples) / n
-    var = sum((b - mb) ** 2 for b, _ in samples)
-    slope = max(0.0, sum((b - mb) * (t - mt) for b, t in samples) / var) if var > 0 else 0.0
-    return mt - slope * mb, slope
+        self.ledger.prefill_s_per_token = self.m.prefill_token_s  # (the model's, known exactly here)
+        return self.ledger.stats(self.rid, now, self.m.max_batch_size, pend(self.waiting),
+                                 pend([*self.running, *self.admitted]))
 
 
 def build_requests(workload: str, replicas: int, model: SimModel, load_factor: float, seed: int,
