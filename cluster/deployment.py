@@ -425,6 +425,18 @@ class Deployment:
                     raise DeploymentError(f"{name} failed in phase {phase!r}: {cause}") from e
         return calls
 
+    def connect(self):
+        """A :class:`~specdist.engine.remote.RemoteEngine` over this started deployment (its coordinator's
+        engine): the target's rank 0 and the drafts, with the worker secret; what GetServerInfo reports of the
+        workers (tensor-parallel size, rank 0's CPU kernels) set on it."""
+        from specdist.engine.remote import RemoteEngine
+
+        engine = RemoteEngine.from_addresses(self.config, self.target_address, self.draft_addresses,
+                                             sources=self.sources, worker_secret=self.worker_secret)
+        engine.tensor_parallel_size = self.spec.tensor_parallel_size
+        engine.cpu_kernels = self.cpu_kernels
+        return engine
+
     # ------------------------------------------------------------ operations
     def actors(self) -> list:
         return [h.actor for h in self.targets + self.drafts]

@@ -242,7 +242,7 @@ class SpecDistServer:
 
 async def serve(
     engine: Engine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0,
-    security: ServerSecurity | None = None,
+    security: ServerSecurity | None = None, coordinator: "Coordinator | None" = None,
 ) -> tuple[SpecDistServer, Coordinator]:
     """Start SpecDecode + health + reflection on ``host:port`` (0 picks a free port: see ``.port``).
 
@@ -251,7 +251,8 @@ async def serve(
     (:mod:`specdist.transport.security`). Messages over ``limits.max_message_bytes`` are refused.
     """
     security = security or ServerSecurity()
-    coordinator = Coordinator(engine, max_queued=max_queued)
+    if coordinator is None:  # (given: the front over Serve replicas, specdist.api.replica_set.ReplicaFront)
+        coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
     servicer = SpecDecodeServicer(coordinator, security.token)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,

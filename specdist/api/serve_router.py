@@ -17,6 +17,7 @@ Serve; nothing else in ``specdist`` imports it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -27,6 +28,9 @@ from specdist.config import RouterConfig, build_section
 __all__ = ["ROUTE_KWARG", "SpecdistRequestRouter"]
 
 ROUTE_KWARG = "specdist_route"  # the handle call's keyword argument carrying RouteRequest.to_dict()
+# Called with (replica id, report) for each new report a router in this process takes: the front doors read
+# which replicas report and their counters (specdist.api.replica_set.ReplicaReports) without asking them.
+REPORT_OBSERVERS: list[Callable[[str, dict], None]] = []
 
 
 class SpecdistRequestRouter(FIFOMixin, RequestRouter):
@@ -62,6 +66,8 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
             if stats and "reported_at" in stats and self.seen.get(rid) != stats["reported_at"]:
                 self.router.report(ReplicaStats.from_dict(stats, replica_id=rid))
                 self.seen[rid] = stats["reported_at"]
+                for observe in list(REPORT_OBSERVERS):
+                    observe(rid, stats)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -79,6 +85,12 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.router.done(replica_id.to_full_id_str(), internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of running replicas (with their latest reports: the controller asks each replica every
+        stats period and sends the set on): the reports are taken now, not only when a request is routed."""
+        super().update_replicas(replicas)
+        self.take_reports(list(replicas))
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

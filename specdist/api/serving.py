@@ -198,6 +198,7 @@ class Backend:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     owns_ray: bool = False  # ray.init was called here: ray.shutdown() on close
+    replicas: Any = None  # cluster.serve.Replicas with cluster.replicas: its front serves instead of a Coordinator
     _closed: bool = False
     _actors_stopped: int = 0
 
@@ -220,6 +221,8 @@ class Backend:
             return
         self._closed = True
         try:
+            if self.replicas is not None:
+                self.replicas.close()  # Serve drains and stops each replica (its group with it)
             if self.deployment is not None:
                 self._actors_stopped = len(self.deployment.targets) + len(self.deployment.drafts)
                 try:
@@ -235,7 +238,8 @@ class Backend:
 
 
 def start_backend(config: Any, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                  log: Callable[[str], None] = _log, tokenizer: Any = None, sources: Any = None) -> Backend:
+                  log: Callable[[str], None] = _log, tokenizer: Any = None, sources: Any = None,
+                  max_queued: int = 256, drain_seconds: float = 5.0) -> Backend:
     """Load the engine (cluster.enabled false), or bring a Ray deployment up and connect a RemoteEngine to it.
 
     The config's model specs are resolved once, here (:func:`specdist.models.metadata.resolve_sources`; a bad
@@ -264,7 +268,6 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     from cluster.deployment import Deployment
     from cluster.local import LOOPBACK_HOSTS, init_local_ray
     from specdist.api.admission import bare_host
-    from specdist.engine.remote import RemoteEngine
 
     sources.read_target_metadata()  # the coordinator's, and what the workers would otherwise each read again
     cc = cfg.cluster
@@ -277,12 +280,22 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
             else:
                 need = cc.tensor_parallel_size * cc.cpus_per_rank + cc.num_draft_workers * cc.cpus_per_draft
+                if cc.replicas is not None:
+                    from cluster.serve import ceil_cpus
+
+                    need = ceil_cpus(cfg)
                 num_cpus = max(os.cpu_count() or 1, math.ceil(need))
                 log(f"starting a local Ray cluster with {num_cpus} logical CPUs")
                 backend.owns_ray = True
                 # a cluster of this one machine: on loopback, as are the workers (unless
                 # --worker-host says otherwise)
                 init_local_ray(num_cpus, loopback=bare_host(worker_host) in LOOPBACK_HOSTS)
+        if cc.replicas is not None:  # speculative groups as Serve replicas, chosen per request by the router
+            from cluster.serve import start_replicas
+
+            backend.replicas = start_replicas(cfg, sources, max_queued, drain_seconds, worker_host, log)
+            backend.engine = backend.replicas.front.engine
+            return backend
         log(f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
             f"(timeout {cc.bringup_timeout_s:g}s)")
         backend.deployment = Deployment.from_config(cfg)
@@ -290,11 +303,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
                                                   sources=sources)
         backend.target_address, backend.draft_addresses = target, list(drafts)
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
-        engine = RemoteEngine.from_addresses(cfg, target, drafts, sources=sources,
-                                             worker_secret=backend.deployment.worker_secret)
-        engine.tensor_parallel_size = cc.tensor_parallel_size  # reported by GetServerInfo
-        engine.cpu_kernels = backend.deployment.cpu_kernels  # (the target rank's, which the engine does not load)
-        backend.engine = engine
+        backend.engine = backend.deployment.connect()
     except BaseException:
         if backend.engine is None and backend.deployment is not None:
             backend.engine = _NoEngine()
@@ -369,9 +378,11 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
     if http_port is not None:
         check_http_dependencies()
     if backend is None:
-        backend = start_backend(config, ray_address, worker_host)
+        backend = start_backend(config, ray_address, worker_host, max_queued=max_queued, drain_seconds=drain_seconds)
+    front = backend.replicas.front if backend.replicas is not None else None
     try:
-        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds, security)
+        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds, security,
+                                          coordinator=front)
     except BaseException:
         await asyncio.to_thread(backend.close)
         raise
@@ -455,7 +466,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # bring-up can take minutes: SIGTERM then interrupts it like Ctrl-C, so it tears down what it made
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"))
+        backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"),
+                                max_queued=args.max_queued, drain_seconds=args.drain_seconds)
     finally:
         signal.signal(signal.SIGTERM, previous)
     # this process serves from here on: its start-up objects leave the garbage collector's walks
