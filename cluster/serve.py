@@ -260,19 +260,22 @@ class Replicas:
     front: ReplicaFront
     transport: ServeReplicas
     reports: ReplicaReports
+    owns_serve: bool = False  # Serve was started here: shut down on close (its controller with it)
 
     def close(self) -> None:
         from ray import serve
 
-        from specdist.api import serve_router
+        from specdist.api import replica_set
 
         self.transport.close()
-        if self.reports.take in serve_router.REPORT_OBSERVERS:
-            serve_router.REPORT_OBSERVERS.remove(self.reports.take)
+        if self.reports.take in replica_set.REPORT_OBSERVERS:
+            replica_set.REPORT_OBSERVERS.remove(self.reports.take)
         try:
             serve.delete(APP_NAME)
+            if self.owns_serve:
+                serve.shutdown()
         except Exception:  # noqa: BLE001  (Serve or Ray already gone)
-            log.debug("serve.delete failed", exc_info=True)
+            log.debug("serve.delete / shutdown failed", exc_info=True)
 
 
 def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: float = 5.0,
@@ -284,7 +287,7 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
     from ray import serve
 
     from cluster.placement import live_nodes
-    from specdist.api import serve_router
+    from specdist.api import replica_set
 
     plan: ReplicasConfig = cfg.cluster.replica_plan
     gpu = cfg.cluster.gpu
@@ -295,6 +298,7 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
                               live_nodes())
     if why:
         raise ReplicasError(f"cluster.replicas: {why}")
+    owns_serve = not _serve_running()
     serve.start(proxy_location="Disabled")
     app = serve.deployment(SpecdistReplica).options(**opts).bind(
         cfg.to_dict(), sources, max_queued, worker_host)
@@ -303,9 +307,11 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
              f"(timeout {timeout:g}s)")
     done: dict[str, Any] = {}
 
-    def run() -> None:
+    def run() -> None:  # (a thread: handle calls may not wait on an event loop, which the caller may run)
         try:
-            done["handle"] = serve.run(app, name=APP_NAME, route_prefix=None)
+            handle = serve.run(app, name=APP_NAME, route_prefix=None)
+            done["info"] = handle.describe.remote().result(timeout_s=timeout)  # (starts the handle's router here)
+            done["handle"] = handle
         except BaseException as e:  # noqa: BLE001
             done["error"] = e
 
@@ -316,6 +322,8 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
         status = _describe_status()
         try:
             serve.delete(APP_NAME)
+            if owns_serve:
+                serve.shutdown()
         except Exception:  # noqa: BLE001
             pass
         if "error" in done:
@@ -324,21 +332,31 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
 
         raise ReplicasError(f"the replicas did not come up within {timeout:g}s ({status}); free per node: "
                             f"{free_per_node()}")
-    handle = done["handle"].get_app_handle(APP_NAME) if not hasattr(done["handle"], "options") else done["handle"]
     reports = ReplicaReports(cfg.router.stats_period_s)
-    serve_router.REPORT_OBSERVERS.append(reports.take)
-    transport = ServeReplicas(handle)
+    replica_set.REPORT_OBSERVERS.append(reports.take)
+    transport = ServeReplicas(done["handle"])
     try:
-        info = handle.describe.remote().result(timeout_s=timeout)  # (also starts the handle's router here)
+        info = done["info"]
         info.pop("replica_id", None)
         engine = FrontEngine(cfg, sources.tokenizer(), replicas=lambda: transport.running, **info)
         front = ReplicaFront(engine, transport, max_queued, counters=reports.counters)
     except BaseException:
-        transport.close()
-        serve.delete(APP_NAME)
+        Replicas(None, transport, reports, owns_serve).close()
         raise
     log_line(f"{transport.running} replica(s) serving; router policy {cfg.router.policy}")
-    return Replicas(front, transport, reports)
+    return Replicas(front, transport, reports, owns_serve)
+
+
+def _serve_running() -> bool:
+    """Whether a Serve controller runs on this Ray cluster already (someone else's Serve: not ours to stop)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:  # (serve.status() would start one)
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:  # no such actor
+        return False
 
 
 def _describe_status() -> str:

@@ -42,6 +42,11 @@ __all__ = ["Admitted", "FrontEngine", "Refused", "ReplicaFront", "ReplicaTranspo
 
 log = logging.getLogger(__name__)
 
+# Called with (replica id, report) for each new report a Serve router in this process takes
+# (specdist.api.serve_router): the front doors learn which replicas report, and their counters
+# (ReplicaReports), without asking them.
+REPORT_OBSERVERS: list[Callable[[str, dict], None]] = []
+
 
 class ReplicasDown(SpecDistError):
     """No replica could take or finish the request (UNAVAILABLE)."""

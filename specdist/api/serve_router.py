@@ -17,7 +17,6 @@ Serve; nothing else in ``specdist`` imports it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -28,9 +27,6 @@ from specdist.config import RouterConfig, build_section
 __all__ = ["ROUTE_KWARG", "SpecdistRequestRouter"]
 
 ROUTE_KWARG = "specdist_route"  # the handle call's keyword argument carrying RouteRequest.to_dict()
-# Called with (replica id, report) for each new report a router in this process takes: the front doors read
-# which replicas report and their counters (specdist.api.replica_set.ReplicaReports) without asking them.
-REPORT_OBSERVERS: list[Callable[[str, dict], None]] = []
 
 
 class SpecdistRequestRouter(FIFOMixin, RequestRouter):
@@ -60,13 +56,17 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
         return req
 
     def take_reports(self, replicas: list[RunningReplica]) -> None:
+        # (imported here: Serve may ship this class by value, with copies of this module's globals; the module
+        # imported at call time is this process's own, where the front doors' observers are)
+        from specdist.api import replica_set
+
         for r in replicas:
             rid = r.replica_id.to_full_id_str()
             stats = r.routing_stats
             if stats and "reported_at" in stats and self.seen.get(rid) != stats["reported_at"]:
                 self.router.report(ReplicaStats.from_dict(stats, replica_id=rid))
                 self.seen[rid] = stats["reported_at"]
-                for observe in list(REPORT_OBSERVERS):
+                for observe in list(replica_set.REPORT_OBSERVERS):
                     observe(rid, stats)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

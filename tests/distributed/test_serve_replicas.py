@@ -1,0 +1,94 @@
+"""Speculative groups as Ray Serve replicas (cluster/serve.py) behind the unchanged gRPC and HTTP front doors.
+
+On the tests' local Ray cluster (4 logical CPUs, loopback): two replicas of the tiny models, each one target rank
+and one draft worker placed in its replica's placement group. Checked: a seeded sampled request gives the same
+tokens on either replica (the router sends it to both in turn), greedy equals the in-process engine, cancel
+reaches the replica, the replicas' counters come back to 0, and stopping leaves nothing on Ray.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from support.helpers import LoopThread, assert_nothing_left_on_ray, tiny_config, wait_until
+from specdist.client import SpecDistClient
+from specdist.config import load_config
+from specdist.engine.local import Engine
+from specdist.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+POLL_LIMIT_S = 120.0
+PROMPT = [1, 2, 3, 4]
+
+
+def _config(tiny_models, replicas=2, policy: str = "round-robin") -> dict:
+    cfg = tiny_config(tiny_models, method="model", k=3)
+    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1, "cpus_per_rank": 0.5,
+                      "cpus_per_draft": 0.5, "bringup_timeout_s": 240, "health_interval_s": 0.5,
+                      "replicas": replicas}
+    cfg["router"] = {"policy": policy, "stats_period_s": 1.0}
+    return cfg
+
+
+def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
+    from specdist.api.serving import start_serving
+
+    cfg = _config(tiny_models)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = Engine.from_config(tiny_config(tiny_models, method="model", k=3)).generate([PROMPT], greedy)[0].token_ids
+    lt = LoopThread()
+    serving = None
+    try:
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0, http_port=0), timeout=300)
+        front = serving.backend.replicas.front
+        client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
+        info = client.server_info()
+        assert (info.tensor_parallel_size, info.draft_replicas, info.draft_method) == (1, 1, "model")
+
+        # a seeded sampled request: the same tokens whichever replica ran it (round-robin: both do)
+        runs = [client.generate_text(PROMPT, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)[1]
+                for _ in range(4)]
+        assert len(front.routed) == 2 and all(n == 2 for n in front.routed.values()), front.routed
+        assert all(r == runs[0] for r in runs), runs
+        assert client.generate_text(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)[1] == want
+
+        # cancel: the stream ends, the replica aborts it; the replicas' counters back at 0
+        async def cancel_one() -> str:
+            s = await front.open(PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True, temperature=1.0, seed=1),
+                                 request_id="long")
+            first = await s.__anext__()
+            assert first.token_ids
+            assert await front.cancel("long")
+            return s.replica_id
+
+        assert lt.run(cancel_one(), timeout=POLL_LIMIT_S)
+
+        wait_until("the replicas report no request", lambda: serving.backend.replicas.reports.counters().get(
+            "live_requests", -1) == 0 and front.counters()["live_requests"] == 0, POLL_LIMIT_S, 0.2)
+        assert front.tally["requests_cancelled"] == 1
+    finally:
+        if serving is not None:
+            lt.run(serving.stop(drain_seconds=2), timeout=180)
+        lt.close()
+    wait_until("Serve's actors gone", _no_live_actors, 60, 0.5)
+    assert_nothing_left_on_ray()
+
+
+def _no_live_actors() -> bool:
+    from ray._private.state import actors as actor_table
+
+    return all(a["State"] == "DEAD" for a in actor_table().values())
+
+
+def test_more_replicas_than_the_cluster_holds_fail_at_once_naming_what_is_missing(local_ray, tiny_models):
+    from specdist.api.serving import start_backend
+    from cluster.serve import ReplicasError
+
+    t0 = time.monotonic()
+    with pytest.raises(ReplicasError, match=r"cluster.replicas: 8 replica\(s\) need .*missing \{CPU: 4.8\}"):
+        start_backend(load_config(_config(tiny_models, replicas=8)))
+    assert time.monotonic() - t0 < 30
+    assert_nothing_left_on_ray()
