@@ -108,6 +108,15 @@ def check_request_id(limits: Limits, request_id: str) -> None:
         raise InvalidArgument("request_id", "must be visible ASCII characters (no spaces or control characters)")
 
 
+def check_session_id(limits: Limits, session_id: str, name: str = "session_id") -> None:
+    """A client's session id (gRPC ``session_id``, HTTP ``user``): as a request id, 1 to ``max_request_id_chars``
+    visible ASCII characters."""
+    if not session_id or len(session_id) > limits.max_request_id_chars:
+        raise InvalidArgument(name, f"must have 1 to {limits.max_request_id_chars} characters, got {len(session_id)}")
+    if not _REQUEST_ID_CHARS.fullmatch(session_id):
+        raise InvalidArgument(name, "must be visible ASCII characters (no spaces or control characters)")
+
+
 # what the coordinator refuses a request with: bad input (InvalidArgument; DuplicateRequestId is
 # ALREADY_EXISTS), a full queue (Overloaded), shutting down or the target down (ShuttingDown, TargetDown)
 REFUSAL_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.ALREADY_EXISTS, ErrorCode.RESOURCE_EXHAUSTED,
@@ -163,6 +172,8 @@ def server_info(engine) -> dict[str, Any]:
         draft_pipeline_miss=cfg.draft.pipeline_miss if pipelined else "",
         cpu_kernels=getattr(engine, "cpu_kernels", ""),  # Engine: this process's; RemoteEngine: its target rank 0's
         memory_plan=getattr(engine, "memory_plan", ""),  # Engine: its GPU's plan (specdist.models.memory_plan)
+        replicas=int(getattr(engine, "replica_count", 1)),  # Serve replicas running (replica_set.FrontEngine)
+        router_policy=getattr(engine, "router_policy", ""),
     )
 
 

@@ -495,6 +495,7 @@ class Coordinator:
         chat: bool = False,
         scope: str = "",
         tenant: str = "",
+        session: str | None = None,
     ) -> RequestStream:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end).
 
@@ -504,7 +505,9 @@ class Coordinator:
         :class:`EngineDown`, ``InvalidArgument`` (bad prompt, params or id; :class:`DuplicateRequestId`).
         ``scope``: whose id it is (the caller, :func:`scoped`): ids are unique, and cancelled, within a scope, so
         a caller neither sees nor touches another's requests by their ids. ``tenant``: who the request belongs to
-        (:func:`specdist.transport.security.tenant_of`): the cores share state only within a tenant.
+        (:func:`specdist.transport.security.tenant_of`): the cores share state only within a tenant. ``session``:
+        the client's session id, which only a router over several groups uses (ReplicaFront.open): one group
+        holds every session already.
         """
         request_id = self._admissible(request_id, scope)
         if not isinstance(prompt, EncodedPrompt):

@@ -41,7 +41,9 @@ from specdist import logprobs
 from specdist.api.coordinator import Coordinator, Delta
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
-from specdist.api.admission import Limits, check_request, check_request_id, refusal_code, request_stats, server_info
+from specdist.api.admission import (
+    Limits, check_request, check_request_id, check_session_id, refusal_code, request_stats, server_info,
+)
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
 from specdist.transport.security import ServerSecurity, tenant_of
@@ -70,9 +72,11 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             prompt = self._prompt(request)
             params = sampling_params_from_proto(request.params)
             check_request(self.limits, prompt, params, request.request_id or None)
+            if request.session_id:
+                check_session_id(self.limits, request.session_id)
             stream = await self.coordinator.open(
                 prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context),
-                tenant=tenant_of(_authorization(context), self.token)
+                tenant=tenant_of(_authorization(context), self.token), session=request.session_id or None
             )
         except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback

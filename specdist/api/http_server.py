@@ -87,7 +87,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdist.api.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import ErrorCode, FieldError, InvalidArgument
-from specdist.api.admission import Limits, bare_host, check_request, refusal_code, server_info
+from specdist.api.admission import Limits, bare_host, check_request, check_session_id, refusal_code, server_info
 from specdist.logprobs import TokenLogprob
 from specdist.engine.request import RequestMetrics
 from specdist.transport.security import tenant_of, ServerSecurity, bearer_ok, unauthenticated_message
@@ -224,6 +224,7 @@ class _Call:
     created: int = field(default_factory=lambda: int(time.time()))
     max_tokens_field: str = "max_tokens"
     stop_is_text: bool = False  # "stop": "x" rather than a list: its limit names "stop", not "stop[0]"
+    session: str | None = None  # the OpenAI "user" field: the session the router keeps together
 
     @property
     def object(self) -> str:
@@ -255,8 +256,13 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
         prompt, given, max_tokens = _one_prompt(body.prompt), "max_tokens", body.max_tokens
+    if body.user:
+        try:
+            check_session_id(limits, body.user, "user")
+        except InvalidArgument as e:
+            raise _bad(e.field, e.message) from None
     call = _Call(chat, prompt, [], body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                 max_tokens_field=given, stop_is_text=isinstance(body.stop, str))
+                 max_tokens_field=given, stop_is_text=isinstance(body.stop, str), session=body.user or None)
     if max_tokens is None:
         max_tokens = limits.max_tokens if chat else SamplingParams.max_tokens
     kwargs = dict(max_tokens=max_tokens, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
@@ -438,7 +444,7 @@ class _OpenAIFrontEnd:
             prompt = await self.coordinator.encode(call.prompt, chat=call.chat)
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
-                streams.append(await self.coordinator.open(prompt, params, rid, tenant=tenant))
+                streams.append(await self.coordinator.open(prompt, params, rid, tenant=tenant, session=call.session))
         except Exception as e:  # each refusal has its code
             for s in streams:
                 s.close()

@@ -96,11 +96,19 @@ class FrontEngine:
     num_draft_replicas: int = 0
     cpu_kernels: str = ""
     memory_plan: str = ""
-    replicas: Callable[[], int] = lambda: 0  # replicas reporting now
+    replicas: Callable[[], int] = lambda: 0  # Serve replicas running now
 
     @property
     def traits(self) -> Any:
         return _Traits(self.pipelined)
+
+    @property
+    def replica_count(self) -> int:
+        return self.replicas()
+
+    @property
+    def router_policy(self) -> str:
+        return self.config.router.policy
 
 
 @dataclass(frozen=True)

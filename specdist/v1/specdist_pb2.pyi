@@ -14,18 +14,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "params", "request_id", "apply_chat_template")
+    __slots__ = ("text", "token_ids", "params", "request_id", "apply_chat_template", "session_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     params: _common_pb2.SamplingParams
     request_id: str
     apply_chat_template: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+    session_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stop_reason_text", "stop_reason_token", "stats", "logprobs")
@@ -62,7 +64,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("target_model", "draft_method", "draft_model", "tensor_parallel_size", "draft_replicas", "num_speculative_tokens", "max_model_len", "counters", "draft_pipeline", "draft_pipeline_miss", "cpu_kernels", "memory_plan")
+    __slots__ = ("target_model", "draft_method", "draft_model", "tensor_parallel_size", "draft_replicas", "num_speculative_tokens", "max_model_len", "counters", "draft_pipeline", "draft_pipeline_miss", "cpu_kernels", "memory_plan", "replicas", "router_policy")
     class Counters(_message.Message):
         __slots__ = ("running_requests", "queued_requests", "target_kv_slots_used", "draft_kv_slots_used", "requests_total", "requests_finished", "requests_cancelled", "requests_failed", "active_streams")
         RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,8 @@ class ServerInfo(_message.Message):
     DRAFT_PIPELINE_MISS_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_POLICY_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_method: str
     draft_model: str
@@ -108,4 +112,6 @@ class ServerInfo(_message.Message):
     draft_pipeline_miss: str
     cpu_kernels: str
     memory_plan: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_replicas: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Union[ServerInfo.Counters, _Mapping]] = ..., draft_pipeline: _Optional[bool] = ..., draft_pipeline_miss: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., memory_plan: _Optional[str] = ...) -> None: ...
+    replicas: int
+    router_policy: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_replicas: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Union[ServerInfo.Counters, _Mapping]] = ..., draft_pipeline: _Optional[bool] = ..., draft_pipeline_miss: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., memory_plan: _Optional[str] = ..., replicas: _Optional[int] = ..., router_policy: _Optional[str] = ...) -> None: ...

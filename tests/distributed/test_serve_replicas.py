@@ -47,6 +47,7 @@ def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
         client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
         info = client.server_info()
         assert (info.tensor_parallel_size, info.draft_replicas, info.draft_method) == (1, 1, "model")
+        assert (info.replicas, info.router_policy) == (2, "round-robin")
 
         # a seeded sampled request: the same tokens whichever replica ran it (round-robin: both do)
         runs = [client.generate_text(PROMPT, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)[1]

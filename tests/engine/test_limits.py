@@ -74,6 +74,8 @@ def _grpc_cases():
         ("request_id", dict(request_id="r" * 12), dict(request_id="r" * 13), "request_id"),
         ("request_id chars", dict(request_id="ok-id_1.:"), dict(request_id="a b"), "request_id"),
         ("request_id control", dict(request_id="ok"), dict(request_id="ok\n"), "request_id"),
+        ("session_id", dict(session_id="s" * 12), dict(session_id="s" * 13), "session_id"),
+        ("session_id chars", dict(session_id="user-7"), dict(session_id="a b"), "session_id"),
     ]
 
 
@@ -82,7 +84,7 @@ def _grpc_request(fields: dict) -> specdist_pb2.GenerateRequest:
     params = dict(max_tokens=2, temperature=0)
     params.update(fields.pop("params", {}))
     req = specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(**params),
-                                       request_id=fields.pop("request_id", ""))
+                                       request_id=fields.pop("request_id", ""), session_id=fields.pop("session_id", ""))
     if "token_ids" in fields:
         req.token_ids.ids.extend(fields.pop("token_ids"))
     else:
@@ -138,6 +140,8 @@ HTTP_CASES = [
      dict(messages=[{"role": "user", "content": "a b " * 4 + "c"}]), "messages"),
     ("chat", dict(max_completion_tokens=20), dict(max_completion_tokens=21), "max_completion_tokens"),
     ("chat", dict(max_tokens=20), dict(max_tokens=21), "max_tokens"),
+    ("completions", dict(user="u" * 12), dict(user="u" * 13), "user"),  # the session id: as a request id
+    ("chat", dict(user="team-7"), dict(user="a b"), "user"),
 ]
 
 
