@@ -7,7 +7,8 @@ message that does not parse (``request: ...``); a message over
 ``limits.max_message_bytes`` is RESOURCE_EXHAUSTED (grpc's own check); a request id
 already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EXHAUSTED; a draining
 server UNAVAILABLE, as is one after the engine thread died; Cancel of an id no running request
-has NOT_FOUND. Request ids belong to the connection that sent them (:func:`caller`): another client
+has NOT_FOUND. Request ids belong to the tenant and the connection that sent them (:func:`caller`): another
+client, or another tenant on the same connection (a proxy multiplexing its clients onto one HTTP/2 connection),
 neither cancels a request by its id nor gets ALREADY_EXISTS for it. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
 and the stream then ends with the delta's ``code``: UNAVAILABLE (a retry may succeed) when the
 target failed (a rank died, naming it) or is down, or the engine thread died; INTERNAL for
@@ -74,9 +75,10 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request(self.limits, prompt, params, request.request_id or None)
             if request.session_id:
                 check_session_id(self.limits, request.session_id)
+            tenant = tenant_of(_authorization(context), self.token)
             stream = await self.coordinator.open(
-                prompt, params, request.request_id or None, chat=request.apply_chat_template, scope=caller(context),
-                tenant=tenant_of(_authorization(context), self.token), session=request.session_id or None
+                prompt, params, request.request_id or None, chat=request.apply_chat_template,
+                scope=caller(context, tenant), tenant=tenant, session=request.session_id or None
             )
         except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
@@ -97,7 +99,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request_id(self.limits, request.request_id)
         except InvalidArgument as e:
             await context.abort(grpc_status_of(e), str(e))
-        if not await self.coordinator.cancel(request.request_id, scope=caller(context)):
+        scope = caller(context, tenant_of(_authorization(context), self.token))
+        if not await self.coordinator.cancel(request.request_id, scope=scope):
             e = NotFound("request_id", f"no running request has id {request.request_id!r}")
             await context.abort(grpc_status_of(e), str(e))
         return specdist_pb2.CancelResponse()
@@ -136,11 +139,12 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return value.decode("latin-1") if isinstance(value, bytes) else value
 
 
-def caller(context: grpc.aio.ServicerContext) -> str:
-    """The scope of a caller's request ids (:meth:`Coordinator.open`): its connection. Every client holds the one
-    shared token, so the connection (its peer address) is what tells them apart: a client cancels, and learns of,
-    only the requests it sent on its own channel."""
-    return hashlib.sha256(context.peer().encode()).hexdigest()[:16]
+def caller(context: grpc.aio.ServicerContext, tenant: str = "") -> str:
+    """The scope of a caller's request ids (:meth:`Coordinator.open`): its tenant (:func:`tenant_of`, "" with one
+    token or none) and its connection (the peer address). The clients of one token tell each other apart by their
+    connections; the tenants of a proxy that multiplexes them onto one connection, by their tokens: a client
+    cancels, and learns of, only the requests its own tenant sent on its own channel."""
+    return hashlib.sha256(f"{tenant}\0{context.peer()}".encode()).hexdigest()[:16]
 
 
 def _wire_message(e: Exception) -> str:

@@ -1,0 +1,138 @@
+"""Tenants behind one proxy connection, and what the server shares between tenants by default.
+
+- Request ids: a proxy that multiplexes its clients onto one HTTP/2 connection sends every tenant's calls from
+  one peer address; ids are scoped by tenant as well as by connection, so tenant B neither learns that A's id is
+  live (ALREADY_EXISTS) nor cancels A's request by it.
+- The prompt K/V cache: ``engine.prefix_cache_scope`` is ``tenant`` unless ``shared`` is asked for, and a server
+  with several tenants says on stderr at start which one it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from support.helpers import LoopThread, tiny_config, wait_until
+from specdist import Engine
+from specdist.api.grpc_server import serve
+from specdist.client import RemoteError, SpecDistClient
+from specdist.transport.security import ServerSecurity
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
+
+
+class Hold:
+    """Wraps engine.step (called on the coordinator's engine thread only): while ``when(engine)`` is true a step
+    does nothing (commands such as adds and aborts still run between steps)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.real_step, self.when = engine, engine.step, None
+        engine.step = self.step
+
+    def step(self):
+        when = self.when
+        if when is not None and when(self.engine):
+            time.sleep(0.001)
+            return []
+        return self.real_step()
+
+
+class Served:
+    """A started server, its coordinator and Hold, and the one channel the tests share."""
+
+    def __init__(self, lt, server, coordinator, hold, channel):
+        self.lt, self.server, self.coordinator, self.hold, self.channel = lt, server, coordinator, hold, channel
+
+    def live(self) -> int:
+        return self.coordinator.counters()["live_requests"]  # (a racy read of a dict's size: fine)
+
+
+@pytest.fixture(scope="module")
+def two_tenants(tiny_models):
+    """A gRPC server with two tenant tokens, its engine held by a Hold, and one channel both tenants use."""
+    lt = LoopThread()
+    engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
+    hold = Hold(engine)
+    server, coordinator = lt.run(serve(engine, "127.0.0.1", 0, security=ServerSecurity(token=(TOKEN_A, TOKEN_B))))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")  # one connection: what a multiplexing proxy has
+    try:
+        yield Served(lt, server, coordinator, hold, channel)
+    finally:
+        hold.when = None
+        channel.close()
+        lt.run(server.stop(0))
+        lt.close()
+
+
+def test_a_tenant_on_the_same_connection_neither_sees_nor_cancels_anothers_request_id(two_tenants):
+    s = two_tenants
+    a, b = SpecDistClient(s.channel, token=TOKEN_A), SpecDistClient(s.channel, token=TOKEN_B)
+    s.hold.when = lambda eng: any(len(r.output.token_ids) >= 2 for r in eng.running)
+    try:
+        gen = a.generate([1, 2], max_tokens=20, temperature=0, ignore_eos=True, request_id="x")
+        assert next(gen).request_id == "x"
+        with pytest.raises(RemoteError) as e:  # B's Cancel(x) does not reach A's request
+            b.cancel("x")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        theirs: list = []
+
+        def b_generates() -> None:
+            try:
+                theirs.extend(b.generate([3, 1], max_tokens=2, temperature=0, request_id="x"))
+            except RemoteError as err:  # ALREADY_EXISTS would tell B that A's id is live
+                theirs.append(err)
+
+        t = threading.Thread(target=b_generates)
+        t.start()
+        wait_until("B's request admitted beside A's (or refused)", lambda: s.live() == 2 or theirs, 10)
+        s.hold.when = None
+        t.join(30)
+        assert theirs and not isinstance(theirs[-1], Exception), theirs
+        assert theirs[-1].finish_reason == "length" and theirs[-1].request_id == "x"
+        assert list(gen)[-1].finish_reason == "length"  # A's request ran to its end: not aborted by B
+        # A cancels its own id on the shared connection
+        s.hold.when = lambda eng: any(len(r.output.token_ids) >= 2 for r in eng.running)
+        gen = a.generate([1, 2], max_tokens=20, temperature=0, ignore_eos=True, request_id="y")
+        next(gen)
+        a.cancel("y")
+        assert list(gen)[-1].finish_reason == "abort"
+    finally:
+        s.hold.when = None
+
+
+def test_the_prefix_cache_is_per_tenant_unless_shared_is_asked_for():
+    from specdist.config import load_config, tenant_scope_line
+
+    assert load_config({}).engine.prefix_cache_scope == "tenant"
+    shared = load_config({"engine": {"prefix_cache_scope": "shared"}})
+    assert shared.engine.prefix_cache_scope == "shared"
+    # one tenant (one token or none): nothing to say; several: the scope in one line, a warning when shared
+    assert tenant_scope_line(load_config({}), 1) is None
+    line = tenant_scope_line(load_config({}), 3)
+    assert "3 tenants" in line and "engine.prefix_cache_scope: tenant" in line and "\n" not in line
+    line = tenant_scope_line(shared, 2)
+    assert line.startswith("warning: ") and "engine.prefix_cache_scope: shared" in line and "\n" not in line
+    line = tenant_scope_line(load_config({"draft": {"method": "suffix", "suffix_scope": "shared"}}), 2)
+    assert line.startswith("warning: ") and "draft.suffix_scope: shared" in line
+
+
+def test_a_server_with_several_tenants_says_its_scopes_at_start(tiny_models, capfd):
+    lt = LoopThread()
+    try:
+        for tokens, want in (((TOKEN_A, TOKEN_B), "2 tenants"), (TOKEN_A, None)):
+            engine = Engine.from_config(tiny_config(tiny_models, "none"))
+            capfd.readouterr()
+            server, _ = lt.run(serve(engine, "127.0.0.1", 0, security=ServerSecurity(token=tokens)))
+            lt.run(server.stop(0))
+            lines = [ln for ln in capfd.readouterr().err.splitlines() if "prefix_cache_scope" in ln]
+            if want is None:
+                assert lines == []
+            else:
+                assert len(lines) == 1 and want in lines[0] and "engine.prefix_cache_scope: tenant" in lines[0]
+    finally:
+        lt.close()
