@@ -39,6 +39,57 @@ def rope_case(**bad):
                                      args["v_cache"], args["slots"], args["write_pos"], args["query_pos"], None, 0.3)
 
 
+DM, I = 16, 8  # a decoder layer's width and MLP width (its heads: HQ and H of D)
+
+
+def layer_weights(**bad):
+    """Dense float32 weights of a decoder layer over the cache above (``bad`` replaces a norm or a matmul's weight)."""
+    g = torch.Generator().manual_seed(1)
+    w = dict(norm1=torch.ones(DM), norm2=torch.ones(DM), qkv=torch.randn((HQ + 2 * H) * D, DM, generator=g) * 0.1,
+             o=torch.randn(DM, HQ * D, generator=g) * 0.1, gate_up=torch.randn(2 * I, DM, generator=g) * 0.1,
+             down=torch.randn(DM, I, generator=g) * 0.1)
+    w.update(bad)
+    dense = [(w[name], None, w[name].shape[0], ck.LIN_F32, None) for name in ("qkv", "o", "gate_up", "down")]
+    return ck.LayerWeights(w["norm1"], w["norm2"], 1e-6, dense)
+
+
+def layer_case(**bad):
+    def call():
+        g, cache, slots, pos = good()
+        weights = layer_weights(**bad)
+        h = torch.randn(B, T, DM, generator=g)
+        ck.decoder_layer(h, weights, torch.ones(B, T, D), torch.zeros(B, T, D), cache["k_cache"], cache["v_cache"],
+                         slots, pos, pos, None, 0.3)
+    return call
+
+
+def edited_in_place(kernel: str):
+    """Index tensors made under inference mode (no version counter), checked by a first call, then one position
+    moved far outside the cache in place: the second call must be refused, not read or write there."""
+    def call():
+        with torch.inference_mode():
+            g, cache, slots, pos = good()
+            write = pos.clone()
+            q, k, v = (torch.randn(B, T, n, D, generator=g) for n in (HQ, H, H))
+            cos, sin = torch.ones(B, T, D), torch.zeros(B, T, D)
+            weights = layer_weights()
+
+            def run():
+                if kernel == "attention":
+                    ck.attention(q.transpose(1, 2), cache["k_cache"], cache["v_cache"], slots, pos, None, 0.3)
+                elif kernel == "rope":
+                    ck.rope_attention(q, k, v, cos, sin, cache["k_cache"], cache["v_cache"], slots, write, pos, None,
+                                      0.3)
+                else:
+                    ck.decoder_layer(torch.randn(B, T, DM, generator=g), weights, cos, sin, cache["k_cache"],
+                                     cache["v_cache"], slots, write, pos, None, 0.3)
+
+            run()
+            (pos if kernel == "attention" else write)[1, 2] = 1 << 40
+            run()
+    return call
+
+
 CASES = {
     "attention: valid": attention_case(),
     "attention: slot past the cache": attention_case(slots=torch.tensor([0, 2])),
@@ -59,6 +110,17 @@ CASES = {
     "rope: cache heads differ from k": rope_case(k=torch.randn(B, T, 1, D), v=torch.randn(B, T, 1, D)),
     "rope: cos of another shape": rope_case(cos=torch.ones(B, T, D // 2)),
     "rope: float16 queries": rope_case(q=torch.randn(B, T, HQ, D).half()),
+    "rms_norm: valid": lambda: ck.rms_norm(torch.randn(3, 40), torch.ones(40), 1e-6),
+    "rms_norm: weight shorter than the rows": lambda: ck.rms_norm(torch.randn(3, 40), torch.ones(8), 1e-6),
+    "rms_norm: weight of two dimensions": lambda: ck.rms_norm(torch.randn(3, 40), torch.ones(2, 40), 1e-6),
+    "layer: valid": layer_case(),
+    "layer: W_o of too few rows": layer_case(o=torch.zeros(DM // 2, HQ * D)),
+    "layer: W_down of too few rows": layer_case(down=torch.zeros(DM - 1, I)),
+    "layer: W_gate_up of odd rows": layer_case(gate_up=torch.zeros(2 * I + 1, DM)),
+    "layer: norm2 shorter": layer_case(norm2=torch.ones(DM // 2)),
+    "attention: query position edited in place under inference mode": edited_in_place("attention"),
+    "rope: write position edited in place under inference mode": edited_in_place("rope"),
+    "layer: write position edited in place under inference mode": edited_in_place("layer"),
 }
 
 

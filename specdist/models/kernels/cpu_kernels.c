@@ -622,7 +622,7 @@ int specdist_f16_mm(const float *x, int64_t M, int64_t K, const uint16_t *w, int
  * value vector loaded and converted once for all of them.
  *
  * q: element (b, h, t, :) at q + b * qs_b + h * qs_h + t * qs_t (hd contiguous floats).
- * k_cache, v_cache: [slots, Hkv, L1, hd], float32, or IEEE float16 when kv16 (half the bytes to read: at
+ * k_cache, v_cache: [S, Hkv, L1, hd], float32, or IEEE float16 when kv16 (half the bytes to read: at
  *   16 requests attention is bound by reading the cache); request b reads slot slots[b], head h reads kv head
  *   h / (Hq / Hkv). The query at position p = qpos[b * T + t] sees keys j with lo <= j <= p, where
  *   lo = p - window + 1 for a sliding window (window > 0), else 0.
@@ -631,7 +631,7 @@ int specdist_f16_mm(const float *x, int64_t M, int64_t K, const uint16_t *w, int
  * Every output row is a function of its query and its keys alone, summed in one fixed order, so it
  * does not depend on the batch, the number of queries in the call, the heads computed beside it or the
  * cache's other contents.
- * Returns 0, or -1 without memory.
+ * Returns 0, -1 without memory, or BAD_INDEX (nothing read) for a slot or position outside the cache.
  */
 static inline float dot_row(const float *a, const float *b, int64_t n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -809,11 +809,26 @@ static void attend_row_scalar(const float *qv, const void *kb, const void *vb, i
     for (int64_t c = 0; c < hd; ++c) o[c] *= inv;
 }
 
+/* The return of an attention call handed a slot outside [0, S) or a position outside [0, L1): nothing was read or
+ * written. The Python side checks the indices too, with messages, but keeps its verdict for index tensors it has
+ * seen (their versions unchanged); this check holds whatever happened to them since (an in-place edit under
+ * inference mode, which keeps no version). O(B T) compares. */
+#define BAD_INDEX (-3)
+
+static int indices_outside(int64_t B, int64_t T, int64_t S, int64_t L1, const int64_t *slots, const int64_t *pos) {
+    for (int64_t b = 0; b < B; ++b)
+        if (slots[b] < 0 || slots[b] >= S) return 1;
+    for (int64_t i = 0; pos != NULL && i < B * T; ++i)
+        if (pos[i] < 0 || pos[i] >= L1) return 1;
+    return 0;
+}
+
 int specdist_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t hd,
                        int64_t qs_b, int64_t qs_h, int64_t qs_t,
-                       const void *k_cache, const void *v_cache, int kv16, int64_t Hkv, int64_t L1,
+                       const void *k_cache, const void *v_cache, int kv16, int64_t Hkv, int64_t S, int64_t L1,
                        const int64_t *slots, const int64_t *qpos, int64_t window, float scale, float softcap,
                        float *out) {
+    if (indices_outside(B, T, S, L1, slots, qpos)) return BAD_INDEX;
     const int64_t group = Hq / Hkv, items = B * T * Hkv;  /* an item: one query's heads over one KV head */
     int64_t max_keys = 1, work = 0;
     for (int64_t i = 0; i < B * T; ++i) {
@@ -897,7 +912,7 @@ void specdist_rms_norm(const float *x, int64_t M, int64_t D, const float *w, flo
  * rows. q [B, T, Hq, hd], k and v [B, T, Hkv, hd]: strided views (token stride qs_t / ks_t / vs_t,
  * request stride *_b, heads contiguous rows of hd); cos, sin [B, T, hd] contiguous; write_pos [B, T]
  * (padded tokens write the scratch column). A float16 cache (kv16) stores each key and value rounded to
- * nearest even. Returns 0, or -1 without memory.
+ * nearest even. Returns 0, -1 without memory, or BAD_INDEX (nothing written) for a slot or position outside the cache.
  */
 static inline void rotate_row(const float *x, const float *c, const float *s, int64_t hd, float *out) {
     const int64_t half = hd / 2;
@@ -921,9 +936,10 @@ static void store_kv(const float *x, int64_t hd, void *dst, int kv16) {
 int specdist_rope_attention(const float *q, const float *k, const float *v, int64_t B, int64_t T, int64_t Hq,
                             int64_t Hkv, int64_t hd, int64_t qs_b, int64_t qs_t, int64_t ks_b, int64_t ks_t,
                             int64_t vs_b, int64_t vs_t, const float *cos_t, const float *sin_t,
-                            void *k_cache, void *v_cache, int kv16, int64_t L1, const int64_t *slots,
+                            void *k_cache, void *v_cache, int kv16, int64_t S, int64_t L1, const int64_t *slots,
                             const int64_t *write_pos, const int64_t *qpos, int64_t window, float scale,
                             float softcap, float *out) {
+    if (indices_outside(B, T, S, L1, slots, write_pos) || indices_outside(B, T, S, L1, slots, qpos)) return BAD_INDEX;
     /* rotated queries [B, T, Hq, hd], then one rotated key row */
     float *qr = (float *)malloc(sizeof(float) * (size_t)((B * T * Hq + 1) * hd));
     if (!qr) return -1;
@@ -949,7 +965,7 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
             for (int64_t h = 0; h < Hq; ++h)
                 rotate_row(q + b * qs_b + t * qs_t + h * hd, cos_t + (b * T + t) * hd, sin_t + (b * T + t) * hd, hd,
                            qr + ((b * T + t) * Hq + h) * hd);
-    const int rc = specdist_attention(qr, B, Hq, T, hd, T * Hq * hd, hd, Hq * hd, k_cache, v_cache, kv16, Hkv, L1,
+    const int rc = specdist_attention(qr, B, Hq, T, hd, T * Hq * hd, hd, Hq * hd, k_cache, v_cache, kv16, Hkv, S, L1,
                                       slots, qpos, window, scale, softcap, out);
     free(qr);
     return rc;
@@ -973,7 +989,7 @@ int specdist_rope_attention(const float *q, const float *k, const float *v, int6
  * which stops with the o projection's partial output in scratch [M (D + (Hq + 2 Hkv) hd + Hq hd), + M D), h
  * untouched, and LAYER_MLP, which runs the rest from h (the caller has added the summed partials) and stops with the
  * down projection's partial output there.
- * Returns 0, or -1 without memory.
+ * Returns 0, -1 without memory, or BAD_INDEX (h untouched) for a slot or position outside the cache.
  */
 typedef struct {
     const void *codes;   /* pack_q4 / q5 / q6 / q7 / q8 / q2 codes, or the dense weight [n, K] (float32, bfloat16, float16) */
@@ -1060,8 +1076,8 @@ static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
 int specdist_decoder_layer(float *h, int64_t B, int64_t T, int64_t D, const float *norm1, const float *norm2,
                          float eps, const float *q_norm, const float *k_norm, float qk_eps,
                          const block_linear *lin, int64_t Hq, int64_t Hkv, int64_t hd,
-                         const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t L1,
-                         const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
+                         const float *cos_t, const float *sin_t, void *k_cache, void *v_cache, int kv16, int64_t S,
+                         int64_t L1, const int64_t *slots, const int64_t *write_pos, const int64_t *qpos, int64_t window,
                          float scale, float softcap, float *scratch, int part) {
     const int64_t M = B * T, nq = Hq * hd, nqkv = lin[0].n + lin[1].n + lin[2].n, I = lin[4].n / 2;
     float *x = scratch, *qkv = x + M * D, *a = qkv + M * nqkv, *p = a + M * nq, *gu = p + M * D, *act = gu + M * 2 * I;
@@ -1075,10 +1091,10 @@ int specdist_decoder_layer(float *h, int64_t B, int64_t T, int64_t D, const floa
             for (int64_t j = 0; j < Hq; ++j) rms_norm_row(row + j * hd, hd, q_norm, qk_eps, row + j * hd);
             for (int64_t j = 0; j < Hkv; ++j) rms_norm_row(row + nq + j * hd, hd, k_norm, qk_eps, row + nq + j * hd);
         }
-    if (specdist_rope_attention(qkv, qkv + nq, qkv + nq + Hkv * hd, B, T, Hq, Hkv, hd, T * nqkv, nqkv, T * nqkv, nqkv,
-                                T * nqkv, nqkv, cos_t, sin_t, k_cache, v_cache, kv16, L1, slots, write_pos, qpos,
-                                window, scale, softcap, a))
-        return -1;
+    const int rc = specdist_rope_attention(qkv, qkv + nq, qkv + nq + Hkv * hd, B, T, Hq, Hkv, hd, T * nqkv, nqkv,
+                                           T * nqkv, nqkv, T * nqkv, nqkv, cos_t, sin_t, k_cache, v_cache, kv16, S, L1,
+                                           slots, write_pos, qpos, window, scale, softcap, a);
+    if (rc) return rc;
     if (block_mm(&lin[3], a, M, nq, p)) return -1;
     if (part == LAYER_ATTENTION) return 0;
     add_rows(h, p, M * D);

@@ -256,21 +256,21 @@ def _library() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr]  # (x, M, K, w, N, y)
         fn.restype = ctypes.c_int
     f32, i32 = ctypes.c_float, ctypes.c_int
-    # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, L1, slots, qpos, window, scale, cap, out)
-    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64,
-                                       f32, f32, ptr]
+    # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, S, L1, slots, qpos, window, scale, cap, out)
+    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, i64, ptr, ptr,
+                                       i64, f32, f32, ptr]
     lib.specdist_attention.restype = ctypes.c_int
     lib.specdist_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]  # (x, M, D, w, eps, out)
     lib.specdist_rms_norm.restype = None
-    # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, kv16, L1, slots,
+    # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, kv16, S, L1, slots,
     #  write_pos, qpos, window, scale, cap, out)
     lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                                            ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+                                            ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
     lib.specdist_rope_attention.restype = ctypes.c_int
     # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[6], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
-    #  L1, slots, write_pos, qpos, window, scale, cap, scratch, part)
+    #  S, L1, slots, write_pos, qpos, window, scale, cap, scratch, part)
     lib.specdist_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
-                                         ptr, ptr, i32, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]
+                                         ptr, ptr, i32, i64, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]
     lib.specdist_decoder_layer.restype = ctypes.c_int
     return lib
 
@@ -570,6 +570,18 @@ def _check_cache_call(what: str, q_dtype: torch.dtype, q_hd: int, hq: int, k_cac
     _checked[0] = (held, versions, n_slots, l1, bsz, t)
 
 
+_BAD_INDEX = -3  # what the C code returns for a slot or position outside the cache (it then reads and writes nothing)
+
+
+def _refuse_indices(what: str, slots: torch.Tensor, *positions: torch.Tensor) -> None:
+    """The ValueError for indices the C code found outside the cache after :func:`_check_cache_call` had let them by
+    (index tensors edited in place since: under inference mode torch keeps no version to tell)."""
+    _checked[0] = None  # that verdict no longer holds
+    spans = ", ".join(f"{int(p.min())}..{int(p.max())}" for p in positions if p.numel())
+    raise ValueError(f"{what}: slots {slots.tolist()} or positions ({spans}) lie outside the cache (index tensors "
+                     "changed in place after they were checked?)")
+
+
 def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float, softcap: float) -> torch.Tensor:
     bsz, hq, t, hd = q.shape
     _check_cache_call("attention kernel", q.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos)
@@ -578,9 +590,13 @@ def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float,
         q = q.contiguous()
     slots, query_pos = _dense(slots, torch.int64), _dense(query_pos, torch.int64)
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)  # [B, T, Hq, hd]
-    if library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
-                                    k_cache.data_ptr(), v_cache.data_ptr(), kv16, k_cache.shape[1], k_cache.shape[2],
-                                    slots.data_ptr(), query_pos.data_ptr(), window, scale, softcap, out.data_ptr()):
+    n_slots, hkv, l1, _ = k_cache.shape
+    rc = library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), kv16, hkv, n_slots, l1, slots.data_ptr(),
+                                      query_pos.data_ptr(), window, scale, softcap, out.data_ptr())
+    if rc == _BAD_INDEX:
+        _refuse_indices("attention kernel", slots, query_pos)
+    if rc:
         raise MemoryError("attention kernel: no memory for its scores")
     return out.transpose(1, 2)
 
@@ -593,6 +609,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 0 or weight.shape != (x.shape[-1],):  # the C code reads D weights for rows of D
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {tuple(x.shape[-1:])}")
     x, w = _dense(x, torch.float32), _dense(weight, torch.float32)
     out = torch.empty_like(x)
     library().specdist_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps, out.data_ptr())
@@ -638,11 +656,14 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     cos, sin = _dense(cos, torch.float32), _dense(sin, torch.float32)
     slots, write_pos, query_pos = (_dense(t, torch.int64) for t in (slots, write_pos, query_pos))
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)
-    if library().specdist_rope_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), kv16, k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
-            window, scale, softcap, out.data_ptr()):
+    rc = library().specdist_rope_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        kv16, k_cache.shape[0], k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window,
+        scale, softcap, out.data_ptr())
+    if rc == _BAD_INDEX:
+        _refuse_indices("rope_attention kernel", slots, query_pos, write_pos)
+    if rc:
         raise MemoryError("attention kernel: no memory for its queries")
     return out
 
@@ -699,8 +720,15 @@ class LayerWeights:
                         int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1], lin[2], _inputs(lin)),
                         lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
         self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
+        if self.norm1.dim() != 1 or self.norm2.shape != self.norm1.shape:
+            raise ValueError(f"decoder_layer: norm weights {tuple(self.norm1.shape)} and {tuple(self.norm2.shape)}; "
+                             "both must be [D]")
         self.d = self.norm1.shape[0]
         o, gate_up, down = flat[len(qkv):]
+        # the C code writes o's and down's rows into the residual [M, D] and splits gate_up's in two halves
+        if o[2] != self.d or down[2] != self.d or gate_up[2] % 2:
+            raise ValueError(f"decoder_layer: W_o has {o[2]} rows, W_down {down[2]}, for a residual of {self.d}; "
+                             f"W_gate_up {gate_up[2]} (gate and up rows: an even number)")
         self.nqkv, self.i = sum(lin[2] for lin in flat[:len(qkv)]), gate_up[2] // 2
         self.attn = _inputs(o)  # W_o's inputs: query heads x head size
         self.split = len(qkv) == 3
@@ -763,12 +791,15 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
     slots, write_pos, query_pos = (_dense(x, torch.int64) for x in (slots, write_pos, query_pos))
 
     def run(part: int) -> None:
-        if library().specdist_decoder_layer(
-                h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
-                qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0,
-                weights.linears, hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                kv16, k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window or 0,
-                scale, softcap or 0.0, scratch.data_ptr(), part):
+        rc = library().specdist_decoder_layer(
+            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
+            qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0,
+            weights.linears, hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            kv16, k_cache.shape[0], k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
+            window or 0, scale, softcap or 0.0, scratch.data_ptr(), part)
+        if rc == _BAD_INDEX:
+            _refuse_indices("decoder_layer", slots, query_pos, write_pos)
+        if rc:
             raise MemoryError("decoder_layer: no memory for its activations")
 
     if weights.reduce is None:
