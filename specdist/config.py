@@ -62,9 +62,11 @@ Shape::
       prefix_caching: true           # a prompt starting with 16+ tokens that a running or finished request
                                      #   holds takes their K/V instead of computing them (finished requests'
                                      #   slots are kept until a new request needs one)
-      prefix_cache_scope: shared     # shared: a prompt reuses K/V any request computed | tenant: only its tenant's
-                                     #   (a token of --auth-token-file): its time to first token says nothing of
-                                     #   what other tenants sent
+      prefix_cache_scope: tenant     # tenant: a prompt reuses only its tenant's K/V (a token of --auth-token-file),
+                                     #   so its time to first token says nothing of what other tenants sent (with
+                                     #   one token or none every request is the one tenant's: all K/V is reused)
+                                     #   | shared: any request's (asked for explicitly; a timing oracle between
+                                     #   tenants, said on stderr at start)
       kv_cache_dtype: auto           # KV cache elements: model (the model's dtype) | float16 (read by the CPU
                                      #   attention kernels) | auto: float16 for a model on quantized blocks
                                      #   under those kernels (a native GGUF target, a self draft), else model
@@ -264,7 +266,7 @@ class EngineConfig:
     compile: bool | str = "auto"  # Inductor-compiled static passes over a slot cache: on (true), off (false, and auto)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: ~/.cache/specdist/inductor
     prefix_caching: bool = True  # reuse prompt K/V across requests (specdist.models.kv.prefix.PrefixCache)
-    prefix_cache_scope: str = "shared"  # shared | tenant: whose K/V a request reuses
+    prefix_cache_scope: str = "tenant"  # tenant | shared: whose K/V a request reuses (shared only when asked for)
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
     cpu_kernels: str = "auto"  # auto | required | off (CPU_KERNEL_MODES)
     kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
@@ -547,6 +549,21 @@ class Config:
         d = dataclasses.asdict(self)
         d["draft"].update(d["draft"].pop("settings"))
         return d
+
+
+def tenant_scope_line(cfg: Config, tenants: int) -> str | None:
+    """What a server with ``tenants`` tenants (tokens of --auth-token-file) shares between them, in one line for
+    stderr at start: None with one tenant (or none), a warning when prompt K/V or suffix drafts are shared."""
+    if tenants < 2:
+        return None
+    shared = [f"engine.prefix_cache_scope: {cfg.engine.prefix_cache_scope}"] if cfg.engine.prefix_cache_scope == \
+        "shared" else []
+    if cfg.draft.method in ("suffix", "hybrid") and cfg.draft.settings.get("suffix_scope") == "shared":
+        shared.append("draft.suffix_scope: shared")
+    if shared:
+        return (f"warning: {tenants} tenants share prompt K/V or drafts ({', '.join(shared)}): a tenant's timing or "
+                "acceptance tells what another sent")
+    return f"{tenants} tenants: prompt K/V reused within a tenant only (engine.prefix_cache_scope: tenant)"
 
 
 def load_config(source: str | os.PathLike | dict | Config | None) -> Config:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -40,6 +41,7 @@ from grpc_health.v1 import health_pb2
 
 from specdist import logprobs
 from specdist.api.coordinator import Coordinator, Delta
+from specdist.config import tenant_scope_line
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.api.admission import (
@@ -256,9 +258,15 @@ async def serve(
 
     Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
     credentials for the port, and a token every method but the health service requires
-    (:mod:`specdist.transport.security`). Messages over ``limits.max_message_bytes`` are refused.
+    (:mod:`specdist.transport.security`); with several tokens (tenants) one line on stderr says what the
+    tenants share (:func:`specdist.config.tenant_scope_line`). Messages over ``limits.max_message_bytes`` are
+    refused.
     """
     security = security or ServerSecurity()
+    token = security.token
+    line = tenant_scope_line(engine.config, len(token) if isinstance(token, tuple) else 1)
+    if line is not None:
+        print(f"[specdist] {line}", file=sys.stderr, flush=True)
     if coordinator is None:  # (given: the front over Serve replicas, specdist.api.replica_set.ReplicaFront)
         coordinator = Coordinator(engine, max_queued=max_queued)
     coordinator.start()
