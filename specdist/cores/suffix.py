@@ -40,7 +40,8 @@ continuation. ``count(child) <= count(node)`` always holds.
   ``cache_requests`` of them, or ``cache_tokens`` of their tokens, the oldest is evicted by
   decrementing exactly the counts its insertion added (O(len * D)), pruning nodes whose count
   reaches 0 (a bound in requests alone let long requests hold gigabytes). The live sequences of
-  the core are held in addition. Node count <= sum over held sequences of len * D (repeated
+  the core are held in addition. With one index a tenant (:class:`SuffixIndexes`) the bounds are one
+  budget for all the indexes together: the least recently used tenant's oldest sequence goes first. Node count <= sum over held sequences of len * D (repeated
   text shares nodes, and a pruned node's id is reused). A node is an id into lists of ints
   (one ``{token: child}`` dict more where it branches), so the garbage collector has no object
   per node to walk. Measured (CPython 3.11, D = 24, Zipf-distributed tokens over a 49k
@@ -229,10 +230,16 @@ class SuffixIndex:
         while self.cached:
             self._evict_oldest()
 
-    def _evict_oldest(self) -> None:
+    def _evict_oldest(self) -> int:
+        """Evict the oldest cached sequence; its length."""
         tokens = self.cached.popleft()
         self.cached_tokens -= len(tokens)
         self._remove(tokens)
+        return len(tokens)
+
+    def evict_oldest(self) -> int:
+        """Evict the oldest cached sequence (there must be one); its length in tokens."""
+        return self._evict_oldest()
 
     def _remove(self, tokens) -> None:
         """Subtract exactly the counts inserting ``tokens`` added; prune nodes left at 0. O(len * D).
@@ -328,30 +335,46 @@ class SuffixIndex:
 class SuffixIndexes:
     """A drafter's suffix indexes: one a tenant (``scope`` "tenant": a request drafts from the text of its own
     tenant's requests only, so no tenant learns another's text from its own acceptance), or one for everyone
-    (``scope`` "shared"). Each index keeps ``settings``' bounds; an index left with nothing is dropped."""
+    (``scope`` "shared"). ``settings``' bounds (``cache_requests``, ``cache_tokens``) are one budget for all the
+    indexes together, not one each (20 tenants would hold 20 times the bound): past it, the least recently used
+    tenant's oldest cached sequence is evicted first. An index left with nothing is dropped."""
 
     def __init__(self, settings: SuffixSettings):
         if settings.scope not in SCOPES:
             raise ValueError(f"suffix scope must be one of {SCOPES}, got {settings.scope!r}")
         self.settings, self.scope = settings, settings.scope
-        self.indexes: dict[str, SuffixIndex] = {}
+        self.indexes: dict[str, SuffixIndex] = {}  # least recently used tenant first
 
     def for_tenant(self, tenant: str) -> SuffixIndex:
-        """The index a request of ``tenant`` reads and writes."""
+        """The index a request of ``tenant`` reads and writes (now the most recently used)."""
         key = tenant if self.scope == "tenant" else ""
-        index = self.indexes.get(key)
+        index = self.indexes.pop(key, None)
         if index is None:
             st = self.settings
-            index = self.indexes[key] = SuffixIndex(st.max_depth, st.cache_requests, st.cache_tokens)
+            index = SuffixIndex(st.max_depth, st.cache_requests, st.cache_tokens)
+        self.indexes[key] = index
         return index
 
     def finish(self, index: SuffixIndex, st: SuffixState) -> None:
-        """A request of ``index`` ends (:meth:`SuffixIndex.finish`); an index that then holds nothing is dropped."""
+        """A request of ``index`` ends (:meth:`SuffixIndex.finish`), its index now the most recently used; the
+        budget is enforced over every index; an index that then holds nothing is dropped."""
         index.finish(st)
-        if index.live == 0 and not index.cached:
-            for key, held in list(self.indexes.items()):
-                if held is index:
-                    del self.indexes[key]
+        key = next((k for k, held in self.indexes.items() if held is index), None)
+        if key is not None:
+            self.indexes[key] = self.indexes.pop(key)
+        self._within_budget()
+        self.indexes = {k: i for k, i in self.indexes.items() if i.live or i.cached}
+
+    def _within_budget(self) -> None:
+        """Evict cached sequences, the least recently used tenant's oldest first, until the indexes together hold
+        at most ``cache_requests`` of them and ``cache_tokens`` of their tokens."""
+        st = self.settings
+        requests = sum(len(i.cached) for i in self.indexes.values())
+        tokens = sum(i.cached_tokens for i in self.indexes.values())
+        for index in list(self.indexes.values()):
+            while index.cached and (requests > st.cache_requests or tokens > st.cache_tokens):
+                tokens -= index.evict_oldest()
+                requests -= 1
 
     def forget_finished(self) -> None:
         for index in list(self.indexes.values()):
