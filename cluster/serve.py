@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from specdist.api.coordinator import Coordinator, EncodedPrompt
-from specdist.api.replica_set import Admitted, FrontEngine, Refused, ReplicaFront, ReplicaReports
+from specdist.api.replica_set import Admitted, FrontEngine, FrontMetrics, Refused, ReplicaFront, ReplicaReports
 from specdist.api.replica_stats import EngineLedger
 from specdist.api.router import RouteRequest
 from specdist.config import Config, ReplicasConfig, load_config
@@ -340,6 +340,7 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
         info.pop("replica_id", None)
         engine = FrontEngine(cfg, sources.tokenizer(), replicas=lambda: transport.running, **info)
         front = ReplicaFront(engine, transport, max_queued, counters=reports.counters)
+        front.metrics = FrontMetrics(front, reports)
     except BaseException:
         Replicas(None, transport, reports, owns_serve).close()
         raise

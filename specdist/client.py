@@ -90,6 +90,8 @@ class ServerInfo:
     draft_pipeline_miss: str = ""  # with draft_pipeline: "redraft" | "skip" | "auto"
     cpu_kernels: str = ""  # which kernels run the target on the CPU (engine.cpu_kernels); "" if unknown
     memory_plan: str = ""  # how the GPU's memory was planned at load (specdist.models.memory_plan); "" if not
+    replicas: int = 1  # speculative groups serving (Serve replicas with cluster.replicas)
+    router_policy: str = ""  # router.policy with several replicas
 
 
 class SpecDistClient:
@@ -137,13 +139,14 @@ class SpecDistClient:
         request_id: str | None = None,
         apply_chat_template: bool = False,
         logprobs: int | None = None,
+        session_id: str | None = None,
     ) -> Iterator[GenerateChunk]:
         """Stream a generation. Unset (None) sampling fields take the server's defaults. ``logprobs``:
         each chunk's ``logprobs`` gives its tokens' log-probabilities with that many top entries."""
         return self._stream(generate_request(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
-            apply_chat_template=apply_chat_template, logprobs=logprobs))
+            apply_chat_template=apply_chat_template, logprobs=logprobs, session_id=session_id))
 
     def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
@@ -194,6 +197,8 @@ class SpecDistClient:
             msg.draft_pipeline_miss,
             msg.cpu_kernels,
             msg.memory_plan,
+            msg.replicas,
+            msg.router_policy,
         )
 
     def health(self, service: str = "") -> str:
@@ -222,6 +227,7 @@ def generate_request(
     request_id: str | None = None,
     apply_chat_template: bool = False,
     logprobs: int | None = None,
+    session_id: str | None = None,
 ) -> specdist_pb2.GenerateRequest:
     """The ``GenerateRequest`` that :meth:`SpecDistClient.generate` sends (for callers of the stub itself)."""
     params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
@@ -232,7 +238,8 @@ def generate_request(
         if value is not None:
             setattr(params, name, value)
     req = specdist_pb2.GenerateRequest(
-        params=params, request_id=request_id or "", apply_chat_template=apply_chat_template
+        params=params, request_id=request_id or "", apply_chat_template=apply_chat_template,
+        session_id=session_id or "",
     )
     if isinstance(prompt, str):
         req.text = prompt

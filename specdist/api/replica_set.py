@@ -38,7 +38,7 @@ from specdist.engine.prompts import encode_prompt
 from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
 from specdist.sampling_params import SamplingParams
 
-__all__ = ["Admitted", "FrontEngine", "Refused", "ReplicaFront", "ReplicaTransport", "ReplicasDown"]
+__all__ = ["Admitted", "FrontEngine", "FrontMetrics", "Refused", "ReplicaFront", "ReplicaTransport", "ReplicasDown"]
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class ReplicaFront:
         self.session_blocks = cfg.router.session_blocks
         self.tenant_prefixes = cfg.engine.prefix_cache_scope == "tenant"
         self._replica_counters = counters or (lambda: {})
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else FrontMetrics(self)
         self.availability_listeners: list[Callable[[bool], None]] = []
         self._live: dict[str, ReplicaStream] = {}
         self._draining = self._closed = False
@@ -356,6 +356,53 @@ class ReplicaFront:
                                           "requests_failed")},
             "active_streams": len(self._live), "live_requests": len(self._live),
         }
+
+
+class FrontMetrics:
+    """The front's Prometheus series (``/metrics``, ``--metrics-port``): the replicas running, the router's
+    choices per replica and its retries, this front's request totals, and each replica's gauges as of its last
+    routing report. Read at scrape time; nothing is timed here (each replica's engine times its own steps)."""
+
+    def __init__(self, front: "ReplicaFront", reports: "ReplicaReports | None" = None):
+        from prometheus_client import CollectorRegistry
+
+        self.front, self.reports = front, reports
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        f = self.front
+        yield GaugeMetricFamily("specdist_replicas", "Speculative groups (Serve replicas) running",
+                                value=f.engine.replica_count)
+        routed = CounterMetricFamily("specdist_router_requests", "Requests the router sent to each replica",
+                                     labels=["replica", "policy"])
+        for rid, n in sorted(f.routed.items()):
+            routed.add_metric([rid, f.engine.router_policy], n)
+        yield routed
+        yield CounterMetricFamily("specdist_router_retries", "Requests sent to a second replica after theirs "
+                                  "failed before their first token", value=f.tally["retried"])
+        totals = CounterMetricFamily("specdist_front_requests", "Requests through this front, by outcome",
+                                     labels=["outcome"])
+        for k in ("requests_total", "requests_finished", "requests_cancelled", "requests_failed"):
+            totals.add_metric([k.removeprefix("requests_")], f.tally[k])
+        yield totals
+        if self.reports is not None:
+            gauges = {name: GaugeMetricFamily(f"specdist_replica_{name}", f"{name} on each replica (its last report)",
+                                              labels=["replica"]) for name in ("running", "queued", "live_requests")}
+            for rid, r in sorted(self.reports.fresh().items()):
+                for name, g in gauges.items():
+                    g.add_metric([rid], (r.get("counters") or {}).get(name, 0))
+            yield from gauges.values()
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
