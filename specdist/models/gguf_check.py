@@ -10,6 +10,13 @@ nothing per element beyond the walk itself; metadata arrays longer than ``MAX_AR
 are refused (a tokenizer's vocabulary and merges are a few hundred thousand: every element later
 becomes Python objects in transformers' reader).
 
+Bounds by the bytes left are not enough: gguf's reader spends about 3 kB and 90 us on each metadata entry and
+tensor, so a 2 MB file of 100,000 one-byte entries cost it 9 s and 313 MB. Hence absolute caps, far above what
+real files hold (a few dozen entries; about 10 tensors a layer, 30 with unmerged experts): ``MAX_METADATA``
+entries, ``MAX_METADATA_BYTES`` of metadata and ``MAX_ARRAY`` array elements in all, ``MAX_TENSORS`` tensors and,
+where the header says its architecture's ``block_count``, ``TENSORS_PER_BLOCK`` a block plus ``TENSORS_OUTSIDE``.
+Tensors' data ranges must not overlap (a reader would hand out one range as two weights).
+
 The format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): ``GGUF``, version (2 or 3),
 tensor count and metadata count (uint64), the metadata (key string, value type, value), the
 tensor infos (name, dimension count, dimensions, type, offset), then the tensor data from the
@@ -20,7 +27,11 @@ from __future__ import annotations
 
 import os
 
-MAX_ARRAY = 1 << 22  # metadata array elements read at most (4,194,304)
+MAX_ARRAY = 1 << 22  # metadata array elements read at most (4,194,304), in one array and in all
+MAX_METADATA = 4096  # metadata entries (real files: 20 to 60)
+MAX_METADATA_BYTES = 64 << 20  # the metadata's bytes (a 256k-token vocabulary with its merges: about 10 MB)
+MAX_TENSORS = 16384  # tensors in a file (a 126-layer model: about 1,200)
+TENSORS_PER_BLOCK, TENSORS_OUTSIDE = 64, 64  # tensors a layer (block) and outside the layers, by block_count
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 2  # arrays of arrays at most this deep
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
@@ -35,6 +46,7 @@ class _Walk:
     def __init__(self, data: memoryview):
         self.data = data
         self.at = 0
+        self.elements = 0  # metadata array elements walked so far (MAX_ARRAY in all)
 
     def left(self) -> int:
         return len(self.data) - self.at
@@ -76,8 +88,10 @@ class _Walk:
             raise GGUFError(f"{what} has value type {vtype}, which GGUF does not define")
         itype = self.u32(f"the element type of {what}")
         count = self.u64(f"the length of {what}")
-        if count > MAX_ARRAY:
-            raise GGUFError(f"{what} is an array of {count} elements; at most {MAX_ARRAY} are read")
+        self.elements += count
+        if count > MAX_ARRAY or self.elements > MAX_ARRAY:
+            raise GGUFError(f"{what} is an array of {count} elements, {self.elements} in all; at most {MAX_ARRAY} are "
+                            "read")
         if itype in _SCALARS:
             self.take(count * _SCALARS[itype], f"the {count} elements of {what}")
             return None
@@ -123,17 +137,33 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
         raise GGUFError(f"GGUF version {version}; versions 2 and 3 are read")
     n_tensors = w.u64("the tensor count")
     n_kv = w.u64("the metadata count")
+    if n_kv > MAX_METADATA:
+        raise GGUFError(f"{n_kv} metadata entries claimed; at most {MAX_METADATA} are read")
     if n_kv * 13 > w.left():  # key length (8), type (4), at least one byte of value
         raise GGUFError(f"{n_kv} metadata entries claimed; {w.left()} bytes are left in the file")
+    if n_tensors > MAX_TENSORS:  # (checked against the blocks after the metadata)
+        raise GGUFError(f"{n_tensors} tensors claimed; at most {MAX_TENSORS} are read")
     alignment = 32
+    ints: dict[str, int] = {}  # integer metadata, for the block count
+    architecture = None
     for i in range(n_kv):
         name = w.name(f"metadata key {i}")
         vtype = w.u32(f"the type of {name!r}")
         value = w.value(vtype, repr(name))
+        if w.at > MAX_METADATA_BYTES:
+            raise GGUFError(f"the metadata runs past {MAX_METADATA_BYTES} bytes (at {name!r}); no more is read")
         if name == "general.alignment":
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
                 raise GGUFError(f"general.alignment is {value!r}, not a power of two")
             alignment = value
+        elif name == "general.architecture" and isinstance(value, bytes):
+            architecture = value.decode(errors="replace")
+        elif isinstance(value, int):
+            ints[name] = value
+    blocks = ints.get(f"{architecture}.block_count")
+    if blocks is not None and n_tensors > TENSORS_PER_BLOCK * blocks + TENSORS_OUTSIDE:
+        raise GGUFError(f"{n_tensors} tensors claimed for {blocks} blocks; at most {TENSORS_PER_BLOCK} a block and "
+                        f"{TENSORS_OUTSIDE} outside them are read")
     if n_tensors * 28 > w.left():  # name length (8), dims count (4), type (4), offset (8), a dimension (4+)
         raise GGUFError(f"{n_tensors} tensors claimed; {w.left()} bytes are left in the file")
     infos = []
@@ -169,3 +199,9 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
         if start + offset + nbytes > size:
             raise GGUFError(f"tensor {name!r} needs bytes {start + offset}..{start + offset + nbytes}; the file "
                             f"ends at {size} (cut short?)")
+    end, last = 0, None  # the data ranges in file order: each must start at or after the previous one's end
+    for name, offset, nbytes in sorted(infos, key=lambda info: info[1]):
+        if offset < end:
+            raise GGUFError(f"tensor {name!r} (data bytes {offset}..{offset + nbytes}) overlaps tensor {last!r} "
+                            f"(up to {end})")
+        end, last = offset + nbytes, name
