@@ -203,8 +203,9 @@ class Deployment:
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement, place_within
         from specdist.api.admission import bare_host
-        from specdist.cores.proposers import check_draft
+        from specdist.cores.proposers import check_draft, target_copy
         from specdist.models.metadata import ModelSources
+        from specdist.models.quant import refuse_int8_on
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
@@ -230,6 +231,7 @@ class Deployment:
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
+            refuse_int8_on(target_copy(cfg.draft), device)  # self-w8 on GPUs: refused before any actor is placed
             if spec.placement_group is not None:  # a Serve replica's group (cluster/serve.py): placed already
                 self.placement = place_within(spec.placement_group, spec.tensor_parallel_size, spec.num_draft_workers)
                 self._done("placement", f"within the replica's placement group on {device}")

@@ -155,12 +155,34 @@ def check_config(cfg: Any) -> None:
     from specdist.models.backends import backend_class
 
     check_draft(cfg.draft)
+    _check_draft_device(cfg)
     if cfg.engine.attention_backend != "auto":
         backend_class(cfg.engine.attention_backend)  # a ConfigError naming the key and the registered names
     if not cfg.cluster.enabled:
         return
     if not _importable("ray"):
         raise MissingDependency(f"cluster.enabled needs Ray: {INSTALL_DISTRIBUTED}")
+
+
+def _check_draft_device(cfg: Any) -> None:
+    """A draft that cannot run on the device the models will: ``self-w8`` (and hybrid's) on CUDA
+    (:func:`specdist.models.quant.refuse_int8_on`), a one-line ConfigError naming ``draft.method``. In process the
+    device is ``engine.device`` (auto: CUDA when this machine has it); on Ray ``cluster.use_gpu``, else
+    ``engine.device`` when it names one (auto there: the deployment checks it once it knows the cluster's GPUs)."""
+    from specdist.cores.proposers import target_copy
+    from specdist.engine.local import device_for
+    from specdist.models.quant import refuse_int8_on
+
+    copy = target_copy(cfg.draft)
+    if copy is None:
+        return
+    device = cfg.engine.device
+    if cfg.cluster.enabled:
+        gpu = cfg.cluster.gpu
+        device = ("cuda" if gpu else "cpu") if gpu is not None else device
+        if device == "auto":
+            return
+    refuse_int8_on(copy, device_for(device).type)
 
 
 def check_http_dependencies() -> None:

@@ -22,6 +22,7 @@ from specdist.models.graphs import KVOptions
 from specdist.models.memory_plan import (Measure, MemoryPlan, Profile, bucket_passes, longest_prefill, measure_for,
                                          plan_memory)
 from specdist.models.metadata import ModelSources
+from specdist.models.quant import refuse_int8_on
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
 from specdist.cores.draft_pipeline import pipelined
 from specdist.engine.base import EngineBase
@@ -131,6 +132,7 @@ class Engine(EngineBase):
             torch.set_num_threads(cfg.engine.num_threads)
         cpu_kernels.configure(cfg.engine.cpu_kernels)  # before the weights: native blocks are packed for the kernels
         device = device_for(cfg.engine.device)
+        refuse_int8_on(target_copy(cfg.draft), device.type)  # self-w8 on CUDA: refused before any weight loads
         sources = resolve_sources(cfg) if sources is None else sources
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
             if tokenizer is None:

@@ -8,7 +8,8 @@ output row (symmetric, absmax / 127). On x86 CPUs it runs through the Q8 block k
 (:mod:`specdist.models.kernels.cpu_kernels`: the row's scale for each block of 32, activations rounded
 per block to bytes); elsewhere activations run in bf16 through ``torch.ops.aten._weight_int8pack_mm``. Not on
 CUDA: torch's CUDA kernel of that op is a naive loop (a thread per output, no tiling, float32 activations), slower
-than the bf16 matmul of the target the copy would draft for, so :func:`quantize_model_int8` refuses CUDA weights
+than the bf16 matmul of the target the copy would draft for, so a config that asks for it on CUDA is refused
+before any model loads (:func:`refuse_int8_on`) and :func:`quantize_model_int8` refuses CUDA weights
 (:data:`INT8_ON_CUDA`); ``self-w4`` runs there on torch's int4 kernel (tinygemm, 0.625 bytes a weight).
 
 Cost: 1 byte per weight plus 2 bytes per output channel (vs 4 bytes in fp32); a
@@ -80,6 +81,15 @@ _CODES_CHUNK = 1024  # identity rows per matmul in Int4GroupLinear.codes
 INT8_ON_CUDA = ("draft.method", "'self-w8' does not run on CUDA: torch's int8 weight-only matmul there is a naive "
                 "kernel, slower than the target it would draft for; use 'self-w4' (torch's int4 kernel) or a draft "
                 "model ('model')")
+
+
+def refuse_int8_on(copy: str | None, device_type: str) -> None:
+    """ConfigError (:data:`INT8_ON_CUDA`) where a draft that is the target's ``self-w8`` copy (``copy``: what
+    :func:`specdist.cores.proposers.target_copy` says the method drafts with; hybrid's is ``self-w8``) would run on
+    CUDA: what a config is checked by before any model loads, so the refusal does not wait for the target's
+    weights and their copy."""
+    if copy == "self-w8" and device_type == "cuda":
+        raise ConfigError(*INT8_ON_CUDA)
 
 
 class Int8WeightOnlyLinear(nn.Module):
