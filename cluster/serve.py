@@ -101,6 +101,7 @@ class SpecdistReplica:
         """What the router knows of this replica (:class:`~specdist.api.router.ReplicaStats`), with its counters."""
         d = self.ledger.stats(self.replica_id, time.time(), self.max_batch_size).to_dict()
         d["counters"] = self.coordinator.counters()
+        d["accepting"] = self.coordinator.accepting  # False: its target is down or it drains; routed around
         return d
 
     async def describe(self) -> dict:
@@ -125,7 +126,7 @@ class SpecdistReplica:
         try:
             stream = await self.coordinator.open(prompt, params, request_id, scope=scope, tenant=tenant)
         except Exception as e:  # noqa: BLE001  (a refusal: the front raises it as it is)
-            yield Refused(e)
+            yield Refused(e, self.replica_id)
             return
         route = RouteRequest.from_dict({**(specdist_route or {}), "request_id": stream.key,
                                         "prompt_tokens": len(prompt.ids),
@@ -179,11 +180,11 @@ class ServeReplicas:
         self._stop.set()
 
     def open(self, prompt: EncodedPrompt, params, request_id: str, scope: str, tenant: str, route: RouteRequest,
-             age_s: float) -> Any:
+             age_s: float, avoid: str = "") -> Any:
         from specdist.api.serve_router import ROUTE_KWARG
 
         return self.handle.generate.remote(prompt, params, request_id, scope, tenant, age_s,
-                                           **{ROUTE_KWARG: {**route.to_dict(), "tenant": tenant}})
+                                           **{ROUTE_KWARG: {**route.to_dict(), "tenant": tenant, "avoid": avoid}})
 
     def failure(self, exc: BaseException) -> str | None:
         """A replica that died or became unreachable (Ray's actor errors); None for anything else."""

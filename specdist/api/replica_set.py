@@ -35,7 +35,7 @@ from specdist.api.coordinator import (
 )
 from specdist.api.router import RouteRequest, block_hashes, session_key
 from specdist.engine.prompts import encode_prompt
-from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
+from specdist.errors import ErrorCode, InvalidArgument, SpecDistError, code_of
 from specdist.sampling_params import SamplingParams
 
 __all__ = ["Admitted", "FrontEngine", "FrontMetrics", "Refused", "ReplicaFront", "ReplicaTransport", "ReplicasDown"]
@@ -54,6 +54,14 @@ class ReplicasDown(SpecDistError):
     code = ErrorCode.UNAVAILABLE
 
 
+class ReplicaRefused(ReplicasDown):
+    """A replica refused a request as unavailable (its target down, draining): another may take it."""
+
+    def __init__(self, message: str, replica_id: str = ""):
+        super().__init__(message)
+        self.replica_id = replica_id
+
+
 @dataclass(frozen=True)
 class Admitted:
     """A replica's first answer to a stream: it took the request."""
@@ -66,16 +74,18 @@ class Refused:
     """A replica's first answer to a stream: its coordinator refused the request with ``error``."""
 
     error: BaseException
+    replica_id: str = ""
 
 
 class ReplicaTransport(Protocol):
     """How the front reaches the replicas (``cluster.serve.ServeReplicas`` on Ray Serve)."""
 
     def open(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str, scope: str, tenant: str,
-             route: RouteRequest, age_s: float) -> Any:
+             route: RouteRequest, age_s: float, avoid: str = "") -> Any:
         """Start a stream on a replica chosen by the router: an async iterator of :class:`Admitted` or
         :class:`Refused` first, then :class:`Delta` s; ``cancel()`` ends it. ``age_s``: seconds since the
-        request arrived here (its time to first token counts from then)."""
+        request arrived here (its time to first token counts from then); ``avoid``: a replica that just
+        failed it (another is chosen where there is one)."""
 
     def failure(self, exc: BaseException) -> str | None:
         """Why ``exc`` means the replica (not the request) failed, or None."""
@@ -154,6 +164,15 @@ class ReplicaStream:
                                        error=f"replica failed: {why}", message="the replica serving it failed"))
             if not isinstance(item, Delta):
                 continue  # (a second Admitted after a reopen is consumed by reopen itself)
+            if (item.finish_reason == "error" and item.code == ErrorCode.UNAVAILABLE and not item.token_ids
+                    and not self._delivered and self._reopen is not None):
+                # its replica's group went down before its first token (a target rank lost): once elsewhere
+                log.warning("request %s: replica %s unavailable before its first token (%s); sent to another",
+                            self.request_id, self.replica_id, item.error)
+                self._front.tally["retried"] += 1
+                reopen, self._reopen = self._reopen, None
+                self._call, self.replica_id = await reopen()
+                continue
             if item.token_ids:
                 self._delivered = True
             if item.finished:
@@ -277,25 +296,36 @@ class ReplicaFront:
         key = scoped(scope, request_id)
         route = self.route(prompt, params, key, tenant, session)
         self._live[key] = None  # type: ignore[assignment]  (reserved across the awaits below)
+        retried = False
         try:
-            call, replica = await self._open_on_replica(prompt, params, request_id, scope, tenant, route)
+            try:
+                call, replica = await self._open_on_replica(prompt, params, request_id, scope, tenant, route)
+            except (ReplicaRefused, ReplicasDown) as e:
+                # that replica's group is down or draining (the router learns it at its next report): once more,
+                # elsewhere
+                retried = True
+                self.tally["retried"] += 1
+                call, replica = await self._open_on_replica(prompt, params, request_id, scope, tenant, route,
+                                                            avoid=getattr(e, "replica_id", ""))
         except BaseException:
             self._live.pop(key, None)
             raise
 
         async def reopen() -> tuple[Any, str]:
-            return await self._open_on_replica(prompt, params, request_id, scope, tenant, route)
+            return await self._open_on_replica(prompt, params, request_id, scope, tenant, route,
+                                               avoid=stream.replica_id)
 
-        stream = ReplicaStream(self, request_id, key, call, replica, reopen)
+        stream = ReplicaStream(self, request_id, key, call, replica, None if retried else reopen)
         self._live[key] = stream
         self.tally["requests_total"] += 1
         return stream
 
     async def _open_on_replica(self, prompt: EncodedPrompt, params, request_id: str, scope: str, tenant: str,
-                               route: RouteRequest) -> tuple[Any, str]:
-        """Open the stream and read the replica's first answer: (call, replica id); its refusal raised."""
+                               route: RouteRequest, avoid: str = "") -> tuple[Any, str]:
+        """Open the stream and read the replica's first answer: (call, replica id); its refusal raised (an
+        UNAVAILABLE one as :class:`ReplicaRefused`, naming the replica)."""
         call = self.transport.open(prompt, params, request_id, scope, tenant, route,
-                                   time.perf_counter() - prompt.arrival)
+                                   time.perf_counter() - prompt.arrival, avoid)
         try:
             first = await call.__anext__()
         except StopAsyncIteration:
@@ -306,6 +336,8 @@ class ReplicaFront:
                 raise
             raise ReplicasDown(f"no replica could take the request: {why}") from None
         if isinstance(first, Refused):
+            if code_of(first.error) == ErrorCode.UNAVAILABLE:
+                raise ReplicaRefused(str(first.error), getattr(first, "replica_id", "")) from first.error
             raise first.error
         assert isinstance(first, Admitted), first
         self.routed[first.replica_id] += 1

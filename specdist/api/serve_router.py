@@ -64,7 +64,10 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
             rid = r.replica_id.to_full_id_str()
             stats = r.routing_stats
             if stats and "reported_at" in stats and self.seen.get(rid) != stats["reported_at"]:
-                self.router.report(ReplicaStats.from_dict(stats, replica_id=rid))
+                if stats.get("accepting", True):
+                    self.router.report(ReplicaStats.from_dict(stats, replica_id=rid))
+                else:  # its target is down or it drains: no request until it reports again accepting
+                    self.router.forget(rid)
                 self.seen[rid] = stats["reported_at"]
                 for observe in list(replica_set.REPORT_OBSERVERS):
                     observe(rid, stats)
@@ -75,6 +78,9 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
             return []
         self.take_reports(candidate_replicas)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        avoid = ((getattr(pending_request, "kwargs", None) or {}).get(ROUTE_KWARG) or {}).get("avoid")
+        if avoid in by_id and len(by_id) > 1:  # the replica that just failed this request: any other first
+            del by_id[avoid]
         chosen = self.router.choose(self.route_request(pending_request), time.time(), list(by_id), book=False)
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]

@@ -102,3 +102,70 @@ def test_more_replicas_than_the_cluster_holds_fail_at_once_naming_what_is_missin
         start_backend(load_config(_config(tiny_models, replicas=8)))
     assert time.monotonic() - t0 < 30
     assert_nothing_left_on_ray()
+
+
+def test_a_replica_losing_its_target_rank_under_load(local_ray, tiny_models):
+    """SIGKILL one replica's target rank mid-stream: that replica's streams end with UNAVAILABLE within seconds
+    (those with no token yet go to the other replica), new requests meanwhile are answered by the other, the
+    group is rebuilt and serves again, and every counter is back at 0."""
+    import asyncio
+    import os
+    import signal
+
+    from ray._private.state import actors as actor_table
+
+    from specdist.api.serving import start_serving
+    from specdist.errors import ErrorCode
+
+    cfg = _config(tiny_models, policy="least-loaded")
+    cfg["cluster"].update(health_interval_s=0.2, health_timeout_s=2.0, collective_timeout_s=3.0)
+    lt = LoopThread()
+    serving = None
+    try:
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0), timeout=300)
+        front = serving.backend.replicas.front
+        params = SamplingParams(max_tokens=56, ignore_eos=True, temperature=1.0, seed=3)
+        ranks = [a["Pid"] for a in actor_table().values()
+                 if a["ActorClassName"] == "TargetRankActor" and a["State"] == "ALIVE"]
+        assert len(ranks) == 2, ranks
+        victim = ranks[0]
+
+        async def run() -> tuple[list, float]:
+            streams = [await front.open([1, 2, 3, i], params, request_id=f"s{i}") for i in range(6)]
+            firsts = [await s.__anext__() for s in streams]  # every stream has started
+            os.kill(victim, signal.SIGSTOP)  # its replica's steps stop here...
+            os.kill(victim, signal.SIGKILL)  # ... and its rank dies
+            killed = time.monotonic()
+            ends = []
+            for s, d in zip(streams, firsts):
+                last = d
+                while not last.finished:
+                    last = await asyncio.wait_for(s.__anext__(), 60)
+                ends.append((s.replica_id, last.finish_reason, last.code, time.monotonic() - killed))
+            return ends, killed
+
+        ends, _ = lt.run(run(), timeout=180)
+        failed = {rid for rid, reason, _, _ in ends if reason == "error"}
+        assert len(failed) == 1, ends  # the victim's replica, and only it
+        for rid, reason, code, after in ends:
+            if rid in failed:
+                assert code == ErrorCode.UNAVAILABLE and after < 15, ends
+            else:
+                assert reason == "length", ends
+
+        # meanwhile (the group rebuilding) new requests are answered: by the other replica
+        client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
+        for i in range(4):
+            assert client.generate_text([2, i], temperature=0.0, max_tokens=8, ignore_eos=True)[2] == "length"
+        # the group is rebuilt in its replica and serves again; nothing left on either
+        wait_until("the rebuilt replica reports accepting again", lambda: len(
+            [r for r in serving.backend.replicas.reports.fresh().values() if r.get("accepting")]) == 2,
+            POLL_LIMIT_S, 0.2)
+        wait_until("both replicas' counters at 0", lambda: serving.backend.replicas.reports.counters().get(
+            "live_requests", -1) == 0 and front.counters()["live_requests"] == 0, POLL_LIMIT_S, 0.2)
+    finally:
+        if serving is not None:
+            lt.run(serving.stop(drain_seconds=2), timeout=180)
+        lt.close()
+    wait_until("Serve's actors gone", _no_live_actors, 60, 0.5)
+    assert_nothing_left_on_ray()
