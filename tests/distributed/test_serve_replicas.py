@@ -169,3 +169,84 @@ def test_a_replica_losing_its_target_rank_under_load(local_ray, tiny_models):
         lt.close()
     wait_until("Serve's actors gone", _no_live_actors, 60, 0.5)
     assert_nothing_left_on_ray()
+
+
+@pytest.fixture
+def one_replica_cluster():
+    """A Ray cluster of this machine's processes with room for one replica only (1 CPU at its head; the test's
+    replica takes 0.1 + 0.45 + 0.45): the second node (1 CPU) joins when the test says. Torn down with no raylet left."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from support.helpers import raylets, stop_local_ray
+
+    if ray.is_initialized():  # the shared local cluster of other tests: not this one
+        stop_local_ray()
+    lean = {"include_log_monitor": False}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                      "no_monitor": True, **lean})
+    try:
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, lambda: c.add_node(num_cpus=1, **lean)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+        wait_until("every raylet gone", lambda: raylets() == 0, 30, 0.2)
+
+
+def test_autoscaling_grows_with_a_queue_and_shrinks_when_idle(one_replica_cluster, tiny_models):
+    """cluster.replicas {min 1, max 2}: a queue of requests makes Serve want a second replica, which starts once a
+    node with room joins; with both serving, idle time shrinks them back to one (drained: its streams end
+    first). Every request is answered."""
+    import threading
+
+    from cluster.serve import APP_NAME, DEPLOYMENT_NAME
+    from ray import serve
+
+    from specdist.api.serving import start_serving
+
+    _, add_node = one_replica_cluster
+    cfg = _config(tiny_models, replicas={"min": 1, "max": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                                         "downscale_delay_s": 4}, policy="least-loaded")
+    cfg["cluster"].update(cpus_per_rank=0.45, cpus_per_draft=0.45)
+
+    def states() -> dict:
+        return dict(serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states or {})
+
+    lt = LoopThread()
+    serving = None
+    stop, results, lock = threading.Event(), [], threading.Lock()
+    try:
+        serving = lt.run(start_serving(cfg, "127.0.0.1", 0), timeout=300)
+        front = serving.backend.replicas.front
+        assert states() == {"RUNNING": 1}
+
+        def clients(i: int) -> None:
+            client = SpecDistClient(serving.address, timeout=POLL_LIMIT_S)
+            for n in range(400):  # bounded: the test stops it long before
+                if stop.is_set():
+                    break
+                _, ids, finish, _ = client.generate_text([1, i, n % 7], temperature=0.0, max_tokens=40,
+                                                         ignore_eos=True)
+                with lock:
+                    results.append((finish, len(ids)))
+
+        threads = [threading.Thread(target=clients, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_until("Serve wants a second replica", lambda: sum(states().values()) == 2, POLL_LIMIT_S, 0.2)
+        add_node()  # a node with room joins: the pending replica is placed and comes up
+        wait_until("two replicas running", lambda: states().get("RUNNING") == 2, 240, 0.5)
+        wait_until("both replicas took requests", lambda: len(front.routed) == 2, POLL_LIMIT_S, 0.2)
+        stop.set()
+        for t in threads:
+            t.join(POLL_LIMIT_S)
+        wait_until("idle: back to one replica", lambda: states() == {"RUNNING": 1}, 120, 0.5)
+        assert results and all(r == ("length", 40) for r in results), results[:5]
+        assert front.tally["requests_total"] == front.tally["requests_finished"] == len(results)
+    finally:
+        stop.set()
+        if serving is not None:
+            lt.run(serving.stop(drain_seconds=2), timeout=180)
+        lt.close()
