@@ -7,7 +7,10 @@ in parallel over the actors and each bounded by what is left of ``timeout_s``:
 
 1. ``start``: every actor process answers ``ping``;
 2. ``rendezvous`` (TP > 1): rank 0's ``address()``, then ``init_distributed`` on every rank;
-3. ``load``: every rank loads and shards the target, every draft loads its model;
+3. ``load``: every rank loads and shards the target, every draft loads its model; then ``memory`` (GPUs):
+   every worker with a paged cache measures its passes beside it, the caches are planned together
+   (:func:`specdist.models.memory_plan.plan_together`: each worker's device as the engine plans its own, every
+   cache then held to the fewest tokens any got) and resized; the plans are logged and reported;
 4. ``follow``: ranks > 0 enter ``run_follower()`` (kept as background ObjectRefs);
 5. ``warmup``: rank 0 (followers replay it) and every draft;
 6. ``serve``: gRPC on rank 0 and on every draft, each requiring the deployment's worker secret;
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -170,6 +174,9 @@ class Deployment:
     draft_addresses: list = field(default_factory=list)
     worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
     cpu_kernels: str = ""  # the CPU backend target rank 0 loaded with (engine.cpu_kernels), for GetServerInfo
+    # GPUs: each worker's memory plan (worker name -> its line) and the tokens every paged cache holds (phase memory)
+    memory_plans: dict = field(default_factory=dict)
+    kv_tokens: int | None = None
     # the config's models (specdist.models.metadata.ModelSources), as start() was given them or made them: sent
     # to every actor's load (each spec resolved once, by whoever first needs it), kept for rebuilds and restarts
     sources: object = None
@@ -322,8 +329,9 @@ class Deployment:
         cfg, ec, dc = self.config, self.config.engine, self.config.draft
         device_type = "cuda" if self._gpu else "cpu"
         compiled = ec.compiled(device_type)
-        # the workers' KV cache layout and attention backend (KVOptions' fields: the engine's own) and CUDA graphs
-        kv = dataclasses.asdict(KVOptions.from_engine(ec, device_type))
+        # the workers' KV cache layout and attention backend (KVOptions' fields: the engine's own) and CUDA graphs;
+        # a paged cache deferred (on a GPU each worker then starts at one sequence: phase memory plans them)
+        kv = dataclasses.asdict(KVOptions.from_engine(ec, device_type, deferred=True))
         graphs = ec.graphs(device_type)
         sources = self.sources  # (resolved, or resolved by the actor: each receives a copy)
         if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
@@ -367,6 +375,7 @@ class Deployment:
             self.cpu_kernels = loaded[targets[0].name].get("cpu_kernels", "")
         cfg = self.config
         self._done("load", f"{cfg.target.model} on {len(targets)} rank(s), {len(drafts)} {cfg.draft.method} draft(s)")
+        self._plan_memory(handles, wait)
         for h in targets[1:]:
             self.follower_refs[h.rank] = h.actor.run_follower.remote()
         if targets:
@@ -391,6 +400,37 @@ class Deployment:
         frozen = self._wait("freeze", {h.name: h.actor.freeze_heap.remote() for h in handles}, deadline, timeout_s,
                             watch_followers=bool(targets))
         self._done("freeze", ", ".join(f"{name} {n}" for name, n in frozen.items()) + " objects frozen")
+
+    def _plan_memory(self, handles: list, wait) -> None:
+        """Phase ``memory`` (GPUs; nothing to do elsewhere, as in the engine): every worker with a deferred paged
+        cache measures its passes beside it (all ranks at once: their profiled forwards meet in the collectives),
+        this process plans them together (:func:`specdist.models.memory_plan.plan_together`: each within its own
+        device, then every cache held to the fewest tokens any got, and a worker brought up again to what the
+        others hold), and each takes its plan. The plans are logged on stderr, one line a worker, kept in
+        ``memory_plans`` (GetServerInfo's ``memory_plan``, :meth:`connect`) and in each worker's health. A
+        worker whose cache cannot hold one ``max_model_len`` sequence fails the bring-up (a ConfigError naming
+        ``engine.gpu_memory_utilization``)."""
+        from specdist.models.memory_plan import plan_together
+
+        u = self.config.engine.gpu_memory_utilization
+        share = {h.name: min(1.0, self.spec.gpus_per_draft) if h.kind == "draft" else 1.0 for h in handles}
+        measured = wait("memory", {h.name: h.actor.measure_memory.remote(u * share[h.name]) for h in handles})
+        measured = {name: m for name, m in measured.items() if m is not None}
+        if not measured:
+            return
+        plans = plan_together(measured, cap=self.kv_tokens)
+        lines = wait("memory", {h.name: h.actor.apply_memory_plan.remote(plans[h.name]) for h in handles
+                                if h.name in plans})
+        self.kv_tokens = min(t for p in plans.values() for t in p.tokens.values())
+        for name, line in lines.items():
+            self.memory_plans[name] = line
+            print(f"{name}: {line}", file=sys.stderr, flush=True)
+        self._done("memory", f"{self.kv_tokens:,} tokens a KV cache on {len(lines)} worker(s)")
+
+    @property
+    def memory_plan(self) -> str:
+        """Every worker's memory plan (by worker name, ``; `` between), or "" where none was planned."""
+        return "; ".join(f"{name}: {line}" for name, line in self.memory_plans.items())
 
     def _done(self, phase: str, what: str) -> None:
         log.info("bring-up: %s done after %.1f s (%s)", phase, time.monotonic() - self._t0, what)
@@ -437,6 +477,7 @@ class Deployment:
                                              sources=self.sources, worker_secret=self.worker_secret)
         engine.tensor_parallel_size = self.spec.tensor_parallel_size
         engine.cpu_kernels = self.cpu_kernels
+        engine.memory_plan = self.memory_plan
         return engine
 
     # ------------------------------------------------------------ operations
@@ -591,6 +632,7 @@ class Deployment:
         self.targets, self.drafts, self.follower_refs = [], [], {}
         self.placement, self.target_address, self.draft_addresses = None, None, []
         self.worker_secret = None
+        self.memory_plans, self.kv_tokens = {}, None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False

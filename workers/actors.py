@@ -8,10 +8,16 @@ deployment, and ``health()`` / ``shutdown()`` must still be answered meanwhile.
 Lifecycle (Ray Serve style), driven by :class:`cluster.deployment.Deployment`::
 
     TargetRankActor:  address() [rank 0] -> init_distributed() [all ranks] -> load() [all ranks,
-                      in parallel: sharding is collective] -> run_follower() [ranks > 0, kept as a
-                      background ObjectRef] -> warmup() [rank 0; followers replay it]
-                      -> start_grpc() [rank 0] -> ... -> drain() -> shutdown()
-    DraftActor:       load() -> warmup() -> start_grpc() -> ... -> drain() -> shutdown()
+                      in parallel: sharding is collective] -> measure_memory() -> apply_memory_plan()
+                      [all ranks, GPUs] -> run_follower() [ranks > 0, kept as a background ObjectRef]
+                      -> warmup() [rank 0; followers replay it] -> start_grpc() [rank 0] -> ... -> drain()
+                      -> shutdown()
+    DraftActor:       load() -> measure_memory() -> apply_memory_plan() [GPUs] -> warmup() -> start_grpc()
+                      -> ... -> drain() -> shutdown()
+
+Memory (GPUs): a paged cache the deployment asks to defer starts at one sequence; ``measure_memory`` profiles
+the engine's passes beside it (:mod:`specdist.models.memory_plan`) and ``apply_memory_plan`` gives it what the
+deployment planned for every worker together (CUDA graphs are captured after that); elsewhere both are no-ops.
 
 Every call into a worker (warm-up, RPCs, shutdown) runs on ONE executor thread per actor
 (models and collectives are not thread-safe); the gRPC server runs on the actor's own asyncio
@@ -156,6 +162,8 @@ class _ActorBase:
         self.load_s: float | None = None
         # objects freeze_heap() froze (0 before): counted once there, as gc.get_freeze_count() walks them all
         self.frozen_objects = 0
+        self.memory_plan = ""  # its paged caches' plan, one line (GPUs: measure_memory / apply_memory_plan)
+        self._planned: tuple | None = None  # (caches by name, measure, capture the graphs after) while deferred
 
     def _on_worker_thread(self, fn, *args):
         return self.executor.submit(fn, *args).result()
@@ -184,6 +192,7 @@ class _ActorBase:
             "warmup_s": self.warmup_s,
             "frozen_objects": self.frozen_objects,  # start-up objects kept out of the collector's walks
             "cpu_kernels": self.cpu_kernels,  # which kernels run this process's CPU matmuls (engine.cpu_kernels)
+            "memory_plan": self.memory_plan,  # how its GPU's memory was planned ("" where nothing was)
         }
         if self.worker is not None:
             out.update(self.worker.health())
@@ -204,6 +213,50 @@ class _ActorBase:
             time.sleep(0.05)
         left = len(self.worker.requests) if self.worker is not None else 0
         return {"drained": left == 0, "in_flight": left}
+
+    def _defer(self, kv: dict | None, device: torch.device):
+        """The KVOptions of ``kv`` for this process's runner: a deferred paged cache stays deferred only on a
+        device the memory plan measures (as in the engine: :func:`specdist.models.memory_plan.measure_for`)."""
+        from specdist.models import memory_plan
+        from specdist.models.graphs import KVOptions
+
+        if not kv:
+            return None, None
+        opts = KVOptions(**kv)
+        measure = memory_plan.measure_for(device) if opts.deferred else None
+        opts.deferred = measure is not None
+        return opts, measure
+
+    def _runner_profile(self):  # (caches by name, Profile) of what this process serves (role-specific)
+        raise NotImplementedError
+
+    @_shippable_errors
+    def measure_memory(self, utilization: float):
+        """Measure this process's passes beside its deferred paged caches (:func:`specdist.models.memory_plan.
+        measure_memory`, the engine's terms); None where nothing is deferred (the CPU, ``engine.kv_cache_tokens``,
+        a drafter without a model cache). The deployment plans every worker's together and sends each its plan."""
+        self._require("loaded")
+        if self._planned is None:
+            return None
+        from specdist.models.memory_plan import measure_memory
+
+        caches, measure, _ = self._planned
+        return measure_memory(caches, float(utilization), self._runner_profile(), measure)
+
+    @_shippable_errors
+    def apply_memory_plan(self, plan) -> str:
+        """Resize the deferred caches to ``plan`` (a :class:`~specdist.models.memory_plan.MemoryPlan` from the
+        deployment), then capture the CUDA graphs load left for after it; returns the plan's line."""
+        self._require("loaded")
+        from specdist.models.memory_plan import apply_plan
+
+        caches, measure, capture = self._planned
+        apply_plan(caches, plan.tokens, measure)
+        self._planned = None
+        if capture is not None:
+            capture()
+        self.memory_plan = plan.line()
+        return self.memory_plan
 
     def _stop_grpc(self) -> None:
         if self.grpc is not None:
@@ -277,7 +330,6 @@ class TargetRankActor(_ActorBase):
         ``hidden_layers``: the layers whose hidden states rank 0 keeps for an EAGLE-3 draft head."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.models.graphs import KVOptions
         from specdist.models.metadata import ModelSources
         from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
@@ -294,14 +346,20 @@ class TargetRankActor(_ActorBase):
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
-        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype,
-                                kv=KVOptions(**kv) if kv else None)
+        # on a GPU a deferred paged cache starts at one sequence; the deployment plans it (measure_memory)
+        opts, measure = self._defer(kv, self.device)
+        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype, kv=opts)
         if self.rank == 0:  # (the other ranks' forwards return nothing)
             runner.hidden_layers = tuple(hidden_layers)
         if compile_k is not None and self.world_size == 1:
             compile_runner(runner, "target", compile_k, compile_cache_dir)
-        if graphs and self.world_size == 1 and runner.attention is not None and runner.device.type == "cuda":
-            runner.capture_graphs(max_tokens=int(max_draft_tokens) + 1)  # (collectives stay out of graphs)
+        self.graphed = graphs and self.world_size == 1 and runner.attention is not None and runner.device.type == "cuda"
+        capture = (lambda: runner.capture_graphs(max_tokens=int(max_draft_tokens) + 1)) if self.graphed else None
+        if measure is not None:  # the graphs once the cache has its planned size
+            self._planned = ({"target": runner.cache}, measure, capture)
+        elif capture is not None:
+            capture()  # (collectives stay out of graphs)
+        self.max_batch_size = int(max_batch_size)
         self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
                                    set_timeout=set_timeout, collective_timeout_s=collective_timeout_s,
                                    prefix_caching=prefix_caching, prefix_scope=prefix_scope)
@@ -310,6 +368,19 @@ class TargetRankActor(_ActorBase):
         self.state = "loaded"
         return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s,
                 "cpu_kernels": self.cpu_kernels}
+
+    def _runner_profile(self):
+        """What the engine profiles of its target (:meth:`specdist.engine.local.Engine._plan_memory`): the graph
+        buckets verifying up to k drafts and the longest prefill, on every rank in the same order (their
+        collectives meet); on rank 0, which samples, also the verification sampler at the largest batch."""
+        from specdist.engine.local import sampler_passes
+        from specdist.models.memory_plan import runner_profile
+
+        runner, k = self.worker.runner, self.max_draft_tokens
+        profile = runner_profile({"target": (runner, k + 1)}, self.graphed)
+        if self.rank == 0:
+            profile.eager += sampler_passes(self.worker.vocab_size, self.max_batch_size, max(k, 1), runner.device)
+        return profile
 
     @_shippable_errors
     def warmup(self) -> float:
@@ -466,23 +537,36 @@ class DraftActor(_ActorBase):
         model = load_draft_model(dc, sources, dtype, device_for(device))
         vocab = sources.vocab_size()  # the target's: what the method drafts with was checked to share it
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
-        from specdist.models.graphs import KVOptions
-
+        # on a GPU a model draft's deferred paged cache starts at one sequence; the deployment plans it
+        opts, measure = self._defer(kv, device_for(device))
         self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
                                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                         kv=KVOptions(**kv) if kv else None, prefix_scope=prefix_scope)
+                                         kv=opts, prefix_scope=prefix_scope)
         if compile_passes and self.worker.runner is not None:
             from specdist.models.runner import compile_runner
 
             compile_runner(self.worker.runner, "draft", dc.num_speculative_tokens, compile_cache_dir)
         runner = self.worker.runner
-        if graphs and runner is not None and runner.attention is not None and runner.device.type == "cuda":
-            runner.capture_graphs(max_tokens=2)  # one token a draft pass, two when it catches up
+        paged = runner is not None and runner.attention is not None
+        self.graphed = graphs and paged and runner.device.type == "cuda"
+        capture = (lambda: runner.capture_graphs(max_tokens=2)) if self.graphed else None  # two when it catches up
+        if measure is not None and paged:  # the graphs once the cache has its planned size
+            self._planned = ({"draft": runner.cache}, measure, capture)
+        elif capture is not None:
+            capture()
+        self.draft_runner = runner
         self.worker = pipelined(self.worker, draft_traits(dc).pipelined, dc.pipeline_miss)
         self.method, self.k = dc.method, dc.num_speculative_tokens
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
         return {"index": self.index, "method": dc.method, "vocab_size": self.worker.vocab_size, "load_s": self.load_s}
+
+    def _runner_profile(self):
+        """What the engine profiles of a model draft: its graph buckets (one token a pass, two when it catches up)
+        and its longest prefill."""
+        from specdist.models.memory_plan import runner_profile
+
+        return runner_profile({"draft": (self.draft_runner, 2)}, self.graphed)
 
     @_shippable_errors
     def warmup(self) -> float:

@@ -19,8 +19,7 @@ from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, tar
 from specdist.models.loader import eos_token_ids
 from specdist.models.kernels import cpu_kernels
 from specdist.models.graphs import KVOptions
-from specdist.models.memory_plan import (Measure, MemoryPlan, Profile, bucket_passes, longest_prefill, measure_for,
-                                         plan_memory)
+from specdist.models.memory_plan import Measure, MemoryPlan, measure_for, plan_memory, runner_profile
 from specdist.models.metadata import ModelSources
 from specdist.models.quant import refuse_int8_on
 from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
@@ -91,10 +90,7 @@ class Engine(EngineBase):
         draft = self.draft_core.runner if self.draft_core is not None else None
         if draft is not None and draft.attention is not None:
             runners["draft"] = (draft, 2)
-        profile = Profile()
-        for runner, tokens in runners.values():
-            (profile.graphs if graphed else profile.eager).append(bucket_passes(runner, tokens))
-            profile.eager.append(longest_prefill(runner))
+        profile = runner_profile(runners, graphed)
         profile.eager += sampler_passes(self.target_core.vocab_size, ec.max_batch_size, max(k, 1),
                                         self.target_core.runner.device)
         return plan_memory({name: r.cache for name, (r, _) in runners.items()}, ec.gpu_memory_utilization, profile,

@@ -26,6 +26,13 @@ never a smaller cache (a draft that cannot hold a request would draft nothing).
 
 Everything the plan reads of the device goes through a :class:`Measure` (:class:`CudaMeasure` on GPUs), so the
 plan is tested on a CPU with the device's numbers faked.
+
+The in-process engine measures, plans and resizes in one call (:func:`plan_memory`). A Ray deployment's workers
+hold their caches in processes of their own, each on its own device: each worker measures
+(:func:`measure_memory`, its passes given by :func:`runner_profile` as the engine's are), the deployment plans
+them together (:func:`plan_together`: each within its own device, then every cache held to the fewest tokens any
+got, so that tensor-parallel ranks hold the same blocks and a draft's cache the target's tokens), and each worker
+takes its plan (:func:`apply_plan`).
 """
 
 from __future__ import annotations
@@ -165,6 +172,41 @@ def plan(total: int, utilization: float, weights: int, graphs: int, peak: int, n
 
 
 @dataclass
+class Measured:
+    """What one process measured of its device and its caches: :func:`plan`'s arguments (bytes). Shipped from a
+    deployment's worker to the process that plans (:func:`plan_together`)."""
+
+    total: int
+    utilization: float
+    weights: int
+    graphs: int
+    peak: int
+    non_torch: int
+    needs: list[CacheNeed]
+
+    def plan(self, key: str = "engine") -> MemoryPlan:
+        """:func:`plan` of these terms."""
+        return plan(self.total, self.utilization, self.weights, self.graphs, self.peak, self.non_torch, self.needs,
+                    key)
+
+
+def plan_together(measured: dict[str, Measured], key: str = "engine", cap: int | None = None) -> dict[str, MemoryPlan]:
+    """The plans of processes that each hold paged caches on a device of their own (a deployment's target ranks and
+    draft workers, by name): each planned by :func:`plan` within its own device (a ConfigError naming ``key``'s
+    setting where one cannot hold a sequence), then every cache of every process held to the fewest tokens any
+    got, and to ``cap`` (what the processes already serving hold, for one that joins later): the ranks of a
+    tensor-parallel target replay rank 0's block operations, so they need the same blocks, and a request's tokens
+    sit in the target's cache and a draft's alike."""
+    plans = {who: m.plan(key) for who, m in measured.items()}
+    fewest = min([t for p in plans.values() for t in p.tokens.values()] + ([cap] if cap is not None else []))
+    for who, p in plans.items():
+        needs = measured[who].needs
+        p.tokens = {n.name: fewest // n.block_size * n.block_size for n in needs}
+        p.bytes = {n.name: (p.tokens[n.name] + n.block_size) * n.bytes_per_token for n in needs}
+    return plans
+
+
+@dataclass
 class Profile:
     """The passes :func:`plan_memory` measures: ``graphs``, one a runner whose passes become CUDA graphs (their
     memory is held for good: the peaks add up); ``eager``, passes run eagerly one at a time (the largest peak
@@ -199,11 +241,21 @@ def longest_prefill(runner) -> Callable[[], None]:
     return run
 
 
-def plan_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile, measure: Measure,
-                key: str = "engine", log: Callable[[str], None] | None = None) -> MemoryPlan:
-    """Measure ``profile`` on the device, plan the ``caches`` (by name; each empty, as a deferred runner built it)
-    and give each its planned blocks (:func:`resize`). ``log``: told the plan's line (default: stderr)."""
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+def runner_profile(runners: dict[str, tuple[object, int]], graphed: bool) -> Profile:
+    """The passes of runners (by name: the runner and the tokens a request of its graph buckets carries at most:
+    ``k + 1`` verifying, two drafting): each one's graph buckets (a graph profile where they become CUDA graphs,
+    else an eager one) and its longest prefill."""
+    profile = Profile()
+    for runner, tokens in runners.values():
+        (profile.graphs if graphed else profile.eager).append(bucket_passes(runner, tokens))
+        profile.eager.append(longest_prefill(runner))
+    return profile
+
+
+def measure_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile,
+                   measure: Measure) -> Measured:
+    """Measure ``profile`` on the device beside the ``caches`` (by name; each empty, as a deferred runner built
+    it): the terms :func:`plan` gives them from."""
     weights = measure.allocated() - sum(c.num_blocks * c.block_size * c.bytes_per_token for c in caches.values())
     graphs = sum(measure.peak_after(fn) for fn in profile.graphs)
     peak = max((measure.peak_after(fn) for fn in profile.eager), default=0)
@@ -212,13 +264,27 @@ def plan_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Pr
     non_torch = max(0, total - free - measure.reserved())
     needs = [CacheNeed(name, c.bytes_per_token, c.block_size, c.max_blocks * c.block_size,
                        c.num_slots * c.max_blocks * c.block_size) for name, c in caches.items()]
-    out = plan(total, utilization, weights, graphs, peak, non_torch, needs, key)
+    return Measured(total, utilization, weights, graphs, peak, non_torch, needs)
+
+
+def apply_plan(caches: dict[str, PagedKVCache], tokens: dict[str, int], measure: Measure) -> None:
+    """Give each of the ``caches`` (by name, empty) the blocks of its planned ``tokens`` and the scratch block
+    (:func:`resize`), every minimal cache freed first."""
     layouts = {name: _layout(c) for name, c in caches.items()}
     for c in caches.values():  # every minimal cache freed before the planned ones are taken
         c.k, c.v = [], []
     measure.release()
     for name, c in caches.items():
-        resize(c, PagedKVCache.blocks_for(out.tokens[name], c.block_size) + 1, layouts[name])
+        resize(c, PagedKVCache.blocks_for(tokens[name], c.block_size) + 1, layouts[name])
+
+
+def plan_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile, measure: Measure,
+                key: str = "engine", log: Callable[[str], None] | None = None) -> MemoryPlan:
+    """Measure ``profile`` on the device, plan the ``caches`` (by name; each empty, as a deferred runner built it)
+    and give each its planned blocks (:func:`resize`). ``log``: told the plan's line (default: stderr)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    out = measure_memory(caches, utilization, profile, measure).plan(key)
+    apply_plan(caches, out.tokens, measure)
     log(out.line())
     return out
 
