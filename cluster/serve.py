@@ -81,6 +81,8 @@ class SpecdistReplica:
         self.tenant_prefixes = ec.prefix_cache_scope == "tenant"
         self.max_batch_size = ec.max_batch_size
         self._warm = False
+        self._target_health: Any = None  # rank 0's health() asked for, not yet read (_prefix_reused_tokens)
+        self._reused_tokens = 0
 
     async def _ready(self) -> None:
         """Start the coordinator on the replica's event loop and warm its engine up (once)."""
@@ -100,9 +102,27 @@ class SpecdistReplica:
     def record_routing_stats(self) -> dict:
         """What the router knows of this replica (:class:`~specdist.api.router.ReplicaStats`), with its counters."""
         d = self.ledger.stats(self.replica_id, time.time(), self.max_batch_size).to_dict()
-        d["counters"] = self.coordinator.counters()
+        d["counters"] = {**self.coordinator.counters(), "prefix_reused_tokens": self._prefix_reused_tokens()}
         d["accepting"] = self.coordinator.accepting  # False: its target is down or it drains; routed around
         return d
+
+    def _prefix_reused_tokens(self) -> int:
+        """Prompt tokens rank 0's prefix cache served since it started (its health's ``prefix_reused_tokens``), as
+        of the last answer: asked for here and read at the next report, so a report never waits on the target."""
+        import ray
+
+        ref = self._target_health
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            try:
+                self._reused_tokens = int(ray.get(ref).get("prefix_reused_tokens", self._reused_tokens))
+            except Exception:  # noqa: BLE001  (a rank being rebuilt: the last figure stands)
+                pass
+            ref = None
+        d = self.deployment
+        if ref is None and d is not None and d.targets:
+            ref = d.targets[0].actor.health.remote()
+        self._target_health = ref
+        return self._reused_tokens
 
     async def describe(self) -> dict:
         """What the front doors report of the replicas (:class:`~specdist.api.replica_set.FrontEngine`'s fields
@@ -153,8 +173,9 @@ class ServeReplicas:
     """The front's transport to the replicas: a streaming handle of the deployment (the router runs in this
     process); which replicas run, from Serve's status, refreshed on a thread (never on the event loop)."""
 
-    def __init__(self, handle: Any, period_s: float = 1.0):
+    def __init__(self, handle: Any, period_s: float = 1.0, app_name: str = APP_NAME):
         self.handle = handle.options(stream=True)
+        self.app_name = app_name
         self.running = 0
         self._stop = threading.Event()
         self._period = period_s
@@ -166,7 +187,7 @@ class ServeReplicas:
         from ray import serve
 
         try:
-            app = serve.status().applications.get(APP_NAME)
+            app = serve.status().applications.get(self.app_name)
             dep = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
             self.running = int((dep.replica_states or {}).get("RUNNING", 0)) if dep is not None else 0
         except Exception:  # noqa: BLE001  (the controller is busy or gone: keep the last count)
@@ -254,6 +275,48 @@ def replicas_cannot_fit(bundles: list[dict], n: int, strategy: str, nodes: dict)
     return None
 
 
+def _use_gpu(cfg: Config) -> bool:
+    import ray
+
+    gpu = cfg.cluster.gpu
+    if gpu is not None:
+        return bool(gpu)
+    if cfg.engine.device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return cfg.engine.device.startswith("cuda")
+
+
+def replica_app(cfg: Config, sources: Any, max_queued: int, drain_s: float, worker_host: str) -> Any:
+    """The bound Serve deployment of ``cfg``'s replicas (checked first against the cluster's resources:
+    more replicas than it holds fail at once, naming what is missing)."""
+    from ray import serve
+
+    from cluster.placement import live_nodes
+
+    opts = deployment_options(cfg, max_queued, drain_s, _use_gpu(cfg))
+    why = replicas_cannot_fit(opts["placement_group_bundles"], cfg.cluster.replica_plan.min,
+                              opts["placement_group_strategy"], live_nodes())
+    if why:
+        raise ReplicasError(f"cluster.replicas: {why}")
+    return serve.deployment(SpecdistReplica).options(**opts).bind(cfg.to_dict(), sources, max_queued, worker_host)
+
+
+def make_front(cfg: Config, tokenizer: Any, handle: Any, info: dict, max_queued: int,
+               app_name: str = APP_NAME) -> "Replicas":
+    """The front over running replicas: ``handle`` the replicas' deployment handle, ``info`` one replica's
+    :meth:`SpecdistReplica.describe`."""
+    from specdist.api import replica_set
+
+    reports = ReplicaReports(cfg.router.stats_period_s)
+    replica_set.REPORT_OBSERVERS.append(reports.take)
+    transport = ServeReplicas(handle, app_name=app_name)
+    info = {k: v for k, v in info.items() if k != "replica_id"}
+    engine = FrontEngine(cfg, tokenizer, replicas=lambda: transport.running, **info)
+    front = ReplicaFront(engine, transport, max_queued, counters=reports.counters)
+    front.metrics = FrontMetrics(front, reports)
+    return Replicas(front, transport, reports, app_name=app_name)
+
+
 @dataclasses.dataclass
 class Replicas:
     """The replicas of a ``specdist serve`` and the front over them; :meth:`close` deletes the application."""
@@ -262,6 +325,8 @@ class Replicas:
     transport: ServeReplicas
     reports: ReplicaReports
     owns_serve: bool = False  # Serve was started here: shut down on close (its controller with it)
+    app_name: str = APP_NAME
+    owns_app: bool = True  # deployed here (``specdist serve``): deleted on close; not inside Serve's own app
 
     def close(self) -> None:
         from ray import serve
@@ -271,8 +336,10 @@ class Replicas:
         self.transport.close()
         if self.reports.take in replica_set.REPORT_OBSERVERS:
             replica_set.REPORT_OBSERVERS.remove(self.reports.take)
+        if not self.owns_app:
+            return
         try:
-            serve.delete(APP_NAME)
+            serve.delete(self.app_name)
             if self.owns_serve:
                 serve.shutdown()
         except Exception:  # noqa: BLE001  (Serve or Ray already gone)
@@ -284,25 +351,12 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
     """Deploy ``cfg``'s replicas on Serve (Ray initialised) and return the front over them, once every
     replica serves; within ``cluster.bringup_timeout_s``, else :class:`ReplicasError` naming what is missing
     (resources checked first: more replicas than the cluster holds fail at once)."""
-    import ray
     from ray import serve
 
-    from cluster.placement import live_nodes
-    from specdist.api import replica_set
-
     plan: ReplicasConfig = cfg.cluster.replica_plan
-    gpu = cfg.cluster.gpu
-    use_gpu = bool(gpu) if gpu is not None else (
-        ray.cluster_resources().get("GPU", 0) > 0 if cfg.engine.device == "auto" else cfg.engine.device.startswith("cuda"))
-    opts = deployment_options(cfg, max_queued, drain_s, use_gpu)
-    why = replicas_cannot_fit(opts["placement_group_bundles"], plan.min, opts["placement_group_strategy"],
-                              live_nodes())
-    if why:
-        raise ReplicasError(f"cluster.replicas: {why}")
+    app = replica_app(cfg, sources, max_queued, drain_s, worker_host)
     owns_serve = not _serve_running()
     serve.start(proxy_location="Disabled")
-    app = serve.deployment(SpecdistReplica).options(**opts).bind(
-        cfg.to_dict(), sources, max_queued, worker_host)
     timeout = cfg.cluster.bringup_timeout_s
     log_line(f"deploying {plan.min}{f'..{plan.max}' if plan.autoscaling else ''} replica(s) on Ray Serve "
              f"(timeout {timeout:g}s)")
@@ -333,20 +387,14 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
 
         raise ReplicasError(f"the replicas did not come up within {timeout:g}s ({status}); free per node: "
                             f"{free_per_node()}")
-    reports = ReplicaReports(cfg.router.stats_period_s)
-    replica_set.REPORT_OBSERVERS.append(reports.take)
-    transport = ServeReplicas(done["handle"])
     try:
-        info = done["info"]
-        info.pop("replica_id", None)
-        engine = FrontEngine(cfg, sources.tokenizer(), replicas=lambda: transport.running, **info)
-        front = ReplicaFront(engine, transport, max_queued, counters=reports.counters)
-        front.metrics = FrontMetrics(front, reports)
+        replicas = make_front(cfg, sources.tokenizer(), done["handle"], done["info"], max_queued)
     except BaseException:
-        Replicas(None, transport, reports, owns_serve).close()
+        serve.delete(APP_NAME)
         raise
-    log_line(f"{transport.running} replica(s) serving; router policy {cfg.router.policy}")
-    return Replicas(front, transport, reports, owns_serve)
+    replicas.owns_serve = owns_serve
+    log_line(f"{replicas.transport.running} replica(s) serving; router policy {cfg.router.policy}")
+    return replicas
 
 
 def _serve_running() -> bool:
@@ -382,3 +430,81 @@ def ceil_cpus(cfg: Config) -> int:
     cc, plan = cfg.cluster, cfg.cluster.replica_plan
     one = COORDINATOR_BUNDLE["CPU"] + cc.tensor_parallel_size * cc.cpus_per_rank + cc.num_draft_workers * cc.cpus_per_draft
     return math.ceil(one * plan.max)
+
+
+class SpecdistFront:
+    """The front doors as a Serve deployment, for a Serve application of its own (KubeRay's RayService): its
+    replica serves ``specdist.v1.SpecDecode`` (gRPC: health, reflection, TLS, tenant tokens, limits) and, with
+    ``http_port``, the OpenAI-compatible HTTP API, on fixed ports of its node, over the replicas' handle, as
+    ``specdist serve`` does in its own process. One per node at most (``max_replicas_per_node``: the ports)."""
+
+    async def __init__(self, config: dict, replicas: Any, grpc_port: int = 50051, http_port: int | None = None,
+                       host: str = "0.0.0.0", max_queued: int = 256, drain_seconds: float = 5.0,
+                       tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+                       auth_token_file: str | None = None):
+        from ray import serve
+
+        from specdist.api.grpc_server import serve as grpc_serve
+        from specdist.models.metadata import resolve_sources
+        from specdist.transport.security import ServerSecurity
+
+        cfg = load_config(config)
+        security = ServerSecurity.from_args(tls_cert, tls_key, tls_client_ca, auth_token_file)
+        sources = resolve_sources(cfg)
+        info = await replicas.describe.remote()
+        self.replicas = make_front(cfg, sources.tokenizer(), replicas, info, max_queued,
+                                   app_name=serve.get_replica_context().app_name)
+        self.replicas.owns_app = False  # Serve's own application: Serve removes it
+        front = self.replicas.front
+        self.server, _ = await grpc_serve(front.engine, host, grpc_port, max_queued, drain_seconds, security,
+                                          coordinator=front)
+        self.http = None
+        if http_port is not None:
+            from specdist.api.http_server import start_http
+
+            self.http = await start_http(front, host, http_port, security=security)
+        self.drain_seconds = drain_seconds
+
+    async def check_health(self) -> None:
+        """Serve's health check: the gRPC server runs (the replicas have their own)."""
+        if self.server is None:
+            raise RuntimeError("the front's gRPC server is stopped")
+
+    def ports(self) -> dict:
+        """The ports it serves on (for a client that asks Serve)."""
+        return {"grpc": self.server.port, "http": self.http.port if self.http is not None else None}
+
+    def __del__(self) -> None:
+        r = getattr(self, "replicas", None)
+        if r is not None:
+            r.close()
+
+
+def build_app(args: dict) -> Any:
+    """Serve's application builder (``import_path: cluster.serve:build_app`` in a Serve config; KubeRay's
+    RayService renders one from the chart's values). ``args``: ``config`` (specdist's config, a mapping or a
+    path; ``cluster.replicas`` set), and the front doors' ``grpc_port``, ``http_port``, ``host``, ``max_queued``,
+    ``drain_seconds``, ``worker_host``, ``tls_cert``, ``tls_key``, ``tls_client_ca``, ``auth_token_file``
+    (as ``specdist serve``'s flags). Checked here, so a bad config fails the deploy in one line."""
+    from ray import serve
+
+    from specdist.api.serving import check_config
+    from specdist.models.metadata import resolve_sources
+
+    args = dict(args)
+    unknown = set(args) - {"config", "grpc_port", "http_port", "host", "max_queued", "drain_seconds", "worker_host",
+                           "tls_cert", "tls_key", "tls_client_ca", "auth_token_file"}
+    if unknown:
+        raise ReplicasError(f"build_app: unknown args {sorted(unknown)}")
+    cfg = load_config(args.pop("config"))
+    check_config(cfg)
+    if cfg.cluster.replicas is None:
+        raise ReplicasError("cluster.replicas: a Serve application needs it set (a count, or {min, max})")
+    max_queued = int(args.get("max_queued", 256))
+    drain = float(args.get("drain_seconds", 5.0))
+    sources = resolve_sources(cfg)
+    replicas = replica_app(cfg, sources, max_queued, drain, args.pop("worker_host", "127.0.0.1"))
+    return serve.deployment(SpecdistFront).options(
+        name="SpecdistFront", num_replicas=1, max_replicas_per_node=1, ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=max_queued, graceful_shutdown_timeout_s=drain,
+    ).bind(cfg.to_dict(), replicas, **args)

@@ -250,3 +250,34 @@ def test_autoscaling_grows_with_a_queue_and_shrinks_when_idle(one_replica_cluste
         if serving is not None:
             lt.run(serving.stop(drain_seconds=2), timeout=180)
         lt.close()
+
+
+def test_the_serve_application_serves_grpc_from_its_front_deployment(local_ray, tiny_models):
+    """cluster.serve:build_app, as a RayService's Serve config imports it: a front deployment serving gRPC on its
+    port over one replica; a config without cluster.replicas is refused in one line."""
+    import socket
+
+    from ray import serve
+
+    from cluster.serve import ReplicasError, build_app
+
+    cfg = tiny_config(tiny_models, method="model", k=3)
+    with pytest.raises(ReplicasError, match=r"^cluster.replicas: a Serve application needs it set"):
+        build_app({"config": {**cfg, "cluster": {"enabled": True, "num_draft_workers": 1}}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(proxy_location="Disabled")
+    try:
+        serve.run(build_app({"config": _config(tiny_models, replicas=1), "grpc_port": port, "host": "127.0.0.1"}),
+                  name="specdist-rs", route_prefix=None)
+        client = SpecDistClient(f"127.0.0.1:{port}", timeout=POLL_LIMIT_S)
+        wait_until("the front sees its replica", lambda: client.server_info().replicas == 1, POLL_LIMIT_S, 0.2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        want = Engine.from_config(cfg).generate([PROMPT], greedy)[0].token_ids
+        assert client.generate_text(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)[1] == want
+        assert client.health() == "SERVING"
+    finally:
+        serve.shutdown()
+    wait_until("Serve's actors gone", _no_live_actors, 60, 0.5)
+    assert_nothing_left_on_ray()
