@@ -71,6 +71,7 @@ open for probes. FastAPI's ``/docs`` and ``/redoc`` pages are not served.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import socket
@@ -82,6 +83,8 @@ from typing import Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -96,7 +99,8 @@ from specdist.engine.stopping import IncrementalDetokenizer
 
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
 BODY_TIMEOUT_S = 30.0  # a request body not read whole within this gets 408 (slow uploads hold memory and a connection)
-SPARE_CONNECTIONS = 32  # connections past max_queued (health, metrics, models, refused tries) before uvicorn's 503
+SPARE_CONNECTIONS = 32  # connections past max_queued (metrics, models, refused tries) before a 503
+UNCAPPED_PATHS = frozenset({"/health"})  # answered past the connection cap: a probe must see a busy server as up
 # each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
 # server's state, to retry later, not a client's quota (429). CANCELLED: 499, the client closed.
 HTTP_STATUS = {
@@ -708,6 +712,104 @@ class _Server(uvicorn.Server):
 
 
 @dataclass
+class _Guard:
+    """What every connection of one server is held to (``limits.http_*``), and the open connections by peer."""
+
+    idle_timeout_s: float
+    write_timeout_s: float
+    per_peer: int | None
+    peers: collections.Counter = field(default_factory=collections.Counter)
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 connection with the timers uvicorn lacks (h11 chosen explicitly: these hook its methods).
+
+    - idle: a connection with no request in progress (just opened, headers still arriving, or after a
+      response) is closed ``idle_timeout_s`` after it began waiting; bytes that arrive do not extend it, so
+      neither a silent client nor one sending its headers a byte at a time holds a place for long;
+    - write: a response whose client reads nothing (the transport's buffer full, uvicorn's ``pause_writing``)
+      for ``write_timeout_s`` is aborted; the disconnect ends the response, which closes its streams and
+      so cancels its requests;
+    - per peer: a client address past ``per_peer`` open connections has the new one closed at once.
+    """
+
+    guard: _Guard  # set on the subclass each server makes (start_http)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._idle = self._write = None
+        self.peer = self.client[0] if self.client else ""
+        g = self.guard
+        self.counted = g.per_peer is None or g.peers[self.peer] < g.per_peer
+        if not self.counted:
+            transport.close()
+            return
+        g.peers[self.peer] += 1
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._idle, self._write):
+            if timer is not None:
+                timer.cancel()
+        self._idle = self._write = None
+        if self.counted:
+            self.counted = False
+            self.guard.peers[self.peer] -= 1
+            if not self.guard.peers[self.peer]:
+                del self.guard.peers[self.peer]
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle and self._idle is not None:  # a request's headers are in
+            self._idle.cancel()
+            self._idle = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request (handle_events)
+        if self.cycle is None or self.cycle.response_complete:
+            self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = self.loop.call_later(self.guard.idle_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write is None:
+            self._write = self.loop.call_later(self.guard.write_timeout_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write is not None:
+            self._write.cancel()
+            self._write = None
+
+
+class _Capped:
+    """The app behind the connection cap: past ``cap`` open connections (or ``cap`` requests in progress) a
+    request gets 503 at once, as uvicorn's ``limit_concurrency`` answers, except the paths of UNCAPPED_PATHS."""
+
+    def __init__(self, app: FastAPI, state: Any, cap: int):
+        self.app, self.state, self.cap = app, state, cap
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        # both sets hold this request's own (as uvicorn's limit_concurrency counts: up to cap - 1 connections)
+        full = len(self.state.connections) >= self.cap or len(self.state.tasks) > self.cap
+        if full and scope["type"] == "http" and scope["path"] not in UNCAPPED_PATHS:
+            await service_unavailable(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+@dataclass
 class HttpServer:
     """A started HTTP server (a task on the event loop); ``stop()`` ends it."""
 
@@ -731,8 +833,10 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
                      max_connections: int | None = None) -> HttpServer:
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
 
-    ``max_connections``: connections (and requests in progress) past which uvicorn answers 503 at once
-    (default: the coordinator's ``max_queued`` plus ``SPARE_CONNECTIONS``).
+    ``max_connections``: connections (and requests in progress) past which a request gets 503 at once, except
+    ``GET /health`` (default: the coordinator's ``max_queued`` plus ``SPARE_CONNECTIONS``). Each connection is
+    held to the config's ``limits.http_idle_timeout_s``, ``http_write_timeout_s`` and
+    ``http_connections_per_peer`` (:class:`_GuardedH11`).
 
     ``security``: HTTPS with its certificate (a client certificate required with a client CA),
     and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.transport.security`).
@@ -751,9 +855,15 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     security = security or ServerSecurity()
     tls = security.tls.uvicorn_kwargs() if security.tls is not None else {}
     cap = max_connections or getattr(coordinator, "max_queued", 256) + SPARE_CONNECTIONS
-    config = uvicorn.Config(create_app(coordinator, model_name, security.token), log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, limit_concurrency=cap, **tls)
+    limits = coordinator.engine.config.limits
+    guard = _Guard(limits.http_idle_timeout_s, limits.http_write_timeout_s, limits.http_connections_per_peer)
+    protocol = type("_Connection", (_GuardedH11,), {"guard": guard})
+    app = _Capped(create_app(coordinator, model_name, security.token), None, cap)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=protocol,
+                            timeout_keep_alive=limits.http_idle_timeout_s,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)
     server = _Server(config)
+    app.state = server.server_state
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"specdist-http-{bound}")
     while not server.started:  # startup takes a few event-loop turns; the socket already queues connections
         if task.done():
