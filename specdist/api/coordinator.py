@@ -14,7 +14,8 @@ leave the running batch between steps, and an aborted request (``cancel()``, or 
 consumer that went away) frees its KV slots within one step.
 
 Admission: at most ``max_queued`` requests are live (running + waiting) at once;
-one more raises :class:`Overloaded`. A step that raises fails only the requests that
+one more raises :class:`Overloaded`. With a ``tenant_quota`` one tenant holds at most that many of them;
+one more of its requests raises :class:`TenantQuotaExceeded` while other tenants are still admitted. A step that raises fails only the requests that
 were in the batch (they get a final ``finish_reason="error"`` delta and their slots
 are released); waiting requests carry on, and the thread keeps serving. A failure
 outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) fails
@@ -99,6 +100,13 @@ class Overloaded(SpecDistError):
     """The server already holds ``max_queued`` requests."""
 
     code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class TenantQuotaExceeded(Overloaded):
+    """The request's tenant already holds its quota of live requests (``limits.max_queued_per_tenant``): gRPC
+    RESOURCE_EXHAUSTED like a full server, HTTP 429 (the tenant's own quota, not the server's state)."""
+
+    http_status = 429
 
 
 class ShuttingDown(SpecDistError):
@@ -220,9 +228,10 @@ class RequestStream:
     finished; it is idempotent.
     """
 
-    def __init__(self, coordinator: "Coordinator", request_id: str, key: str | None = None):
+    def __init__(self, coordinator: "Coordinator", request_id: str, key: str | None = None, tenant: str = ""):
         self.request_id = request_id  # the caller's id (what its deltas carry)
         self.key = key or request_id  # the coordinator's and the engine's: the id within its caller's scope
+        self.tenant = tenant  # whose request it is (the tenant quota counts them)
         self._coord = coordinator
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.done = False  # the final delta was delivered to this stream
@@ -307,11 +316,14 @@ class _Command:
 class Coordinator:
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_queued: int = 256):
+    def __init__(self, engine: Engine, max_queued: int = 256, tenant_quota: int | None = None):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if tenant_quota is not None and tenant_quota < 1:
+            raise ValueError(f"tenant_quota must be >= 1, got {tenant_quota}")
         self.engine = engine
         self.max_queued = max_queued
+        self.tenant_quota = tenant_quota  # live requests one tenant may hold (None: no quota)
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)
         limits = getattr(getattr(engine, "config", None), "limits", None)  # (a stand-in engine may have no config)
         self.one_token_deltas = not getattr(limits, "speculative_stats", True)
@@ -509,12 +521,12 @@ class Coordinator:
         the client's session id, which only a router over several groups uses (ReplicaFront.open): one group
         holds every session already.
         """
-        request_id = self._admissible(request_id, scope)
+        request_id = self._admissible(request_id, scope, tenant)
         if not isinstance(prompt, EncodedPrompt):
             prompt = await self.encode(prompt, chat)
-            request_id = self._admissible(request_id, scope)  # again: the server may have changed meanwhile
+            request_id = self._admissible(request_id, scope, tenant)  # again: the server may have changed meanwhile
         key = scoped(scope, request_id)
-        stream = RequestStream(self, request_id, key)
+        stream = RequestStream(self, request_id, key, tenant)
         self._live[key] = stream  # reserved before the await: admission and ids stay race-free
         try:
             added = self._call(lambda: self._add(prompt, params, key, tenant))
@@ -533,7 +545,7 @@ class Coordinator:
         self._admitted(stream, added)
         return stream
 
-    def _admissible(self, request_id: str | None, scope: str = "") -> str:
+    def _admissible(self, request_id: str | None, scope: str = "", tenant: str = "") -> str:
         """Refuse a request the server cannot take now (cheap checks, on the event loop); its id."""
         self._check_serving()
         self.start()
@@ -545,6 +557,10 @@ class Coordinator:
             raise DuplicateRequestId(request_id)
         if len(self._live) >= self.max_queued:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+        quota = self.tenant_quota
+        if quota is not None and sum(s.tenant == tenant for s in self._live.values()) >= quota:  # O(live)
+            raise TenantQuotaExceeded(f"this tenant holds {quota} live requests (limits.max_queued_per_tenant="
+                                      f"{quota}); retry later")
         return request_id
 
     def check_room(self, n: int = 1) -> None:

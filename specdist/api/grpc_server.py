@@ -268,7 +268,9 @@ async def serve(
     if line is not None:
         print(f"[specdist] {line}", file=sys.stderr, flush=True)
     if coordinator is None:  # (given: the front over Serve replicas, specdist.api.replica_set.ReplicaFront)
-        coordinator = Coordinator(engine, max_queued=max_queued)
+        tenants = len(token) if isinstance(token, tuple) else 1
+        coordinator = Coordinator(engine, max_queued=max_queued,
+                                  tenant_quota=engine.config.limits.tenant_quota(max_queued, tenants))
     coordinator.start()
     servicer = SpecDecodeServicer(coordinator, security.token)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,

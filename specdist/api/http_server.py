@@ -458,7 +458,8 @@ class _OpenAIFrontEnd:
             if code == ErrorCode.INTERNAL:  # logged there, with its traceback
                 raise APIError(HTTP_STATUS[code], "internal error", type="server_error",
                                code="internal_error") from None
-            raise APIError(HTTP_STATUS[code], str(e), type="server_error", code=code.name.lower()) from None
+            status = getattr(e, "http_status", HTTP_STATUS[code])  # a tenant's quota: 429 (TenantQuotaExceeded)
+            raise APIError(status, str(e), type="server_error", code=code.name.lower()) from None
         except BaseException:
             for s in streams:
                 s.close()

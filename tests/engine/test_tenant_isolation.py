@@ -5,6 +5,8 @@
   live (ALREADY_EXISTS) nor cancels A's request by it.
 - The prompt K/V cache: ``engine.prefix_cache_scope`` is ``tenant`` unless ``shared`` is asked for, and a server
   with several tenants says on stderr at start which one it runs.
+- Places: ``limits.max_queued_per_tenant`` (by default half of ``max_queued`` with several tenants): a tenant at its
+  quota is refused (gRPC RESOURCE_EXHAUSTED, HTTP 429) while another tenant is still admitted.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ import time
 import grpc
 import pytest
 
+try:  # the [http] extra's client (as tests/engine/test_security.py)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
 from support.helpers import LoopThread, tiny_config, wait_until
 from specdist import Engine
 from specdist.api.grpc_server import serve
+from specdist.api.serving import Backend, start_serving
 from specdist.client import RemoteError, SpecDistClient
 from specdist.transport.security import ServerSecurity
+from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,3 +145,77 @@ def test_a_server_with_several_tenants_says_its_scopes_at_start(tiny_models, cap
                 assert len(lines) == 1 and want in lines[0] and "engine.prefix_cache_scope: tenant" in lines[0]
     finally:
         lt.close()
+
+
+QUOTA, MAX_QUEUED = 2, 8
+
+
+@pytest.fixture(scope="module")
+def front_doors(tiny_models):
+    """``specdist serve``'s ports in process (gRPC, HTTP API, metrics) with two tenant tokens, a tenant quota of
+    QUOTA of MAX_QUEUED places, and the engine held by a Hold."""
+    lt = LoopThread()
+    engine = Engine.from_config(dict(tiny_config(tiny_models, "model", 3), limits={"max_queued_per_tenant": QUOTA}))
+    hold = Hold(engine)
+    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
+                                   max_queued=MAX_QUEUED, http_port=0, metrics_port=0,
+                                   security=ServerSecurity(token=(TOKEN_A, TOKEN_B))))
+    channel = grpc.insecure_channel(serving.address)
+    try:
+        yield Served(lt, serving, serving.server.coordinator, hold, channel)
+    finally:
+        hold.when = None
+        channel.close()
+        lt.run(serving.stop())
+        lt.close()
+
+
+def test_a_tenant_at_its_quota_is_refused_while_another_is_admitted(front_doors):
+    from specdist.config import load_config
+    from specdist.errors import ConfigError
+
+    limits = load_config({}).limits
+    assert limits.tenant_quota(8, 2) == 4 and limits.tenant_quota(7, 3) == 4 and limits.tenant_quota(8, 1) is None
+    assert load_config({"limits": {"max_queued_per_tenant": 3}}).limits.tenant_quota(8, 1) == 3
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="limits.max_queued_per_tenant"):
+            load_config({"limits": {"max_queued_per_tenant": bad}})
+
+    s = front_doors
+    stub = specdist_pb2_grpc.SpecDecodeStub(s.channel)
+    http = httpx.Client(base_url=f"http://{s.server.http.address}", trust_env=False, timeout=60)
+    auth = {k: {"authorization": f"Bearer {t}"} for k, t in (("a", TOKEN_A), ("b", TOKEN_B))}
+
+    def call(token: str, n: int, timeout: float | None = None):
+        request = specdist_pb2.GenerateRequest(token_ids=specdist_pb2.TokenIds(ids=[1, 2]), params=common_pb2.
+                                               SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return stub.Generate(request, metadata=(("authorization", f"Bearer {token}"),),  # started: not read yet
+                             timeout=timeout)
+
+    s.hold.when = lambda eng: True  # nothing advances: every request stays live
+    outcomes: dict = {}
+    threads = []
+    try:
+        held = [call(TOKEN_A, 3) for _ in range(QUOTA)]
+        wait_until("tenant A's requests live", lambda: s.live() == QUOTA, 10)
+        with pytest.raises(grpc.RpcError) as e:  # (admitted, it would wait for the hold: DEADLINE_EXCEEDED)
+            list(call(TOKEN_A, 3, timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_per_tenant" in e.value.details()
+        r = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+                      headers=auth["a"], timeout=10)
+        assert r.status_code == 429 and "max_queued_per_tenant" in r.json()["error"]["message"], r.text
+        # tenant B is admitted, on gRPC and HTTP, though A holds its quota
+        threads = [threading.Thread(target=lambda: outcomes.__setitem__("grpc", list(call(TOKEN_B, 3))[-1])),
+                   threading.Thread(target=lambda: outcomes.__setitem__("http", http.post(
+                       "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True}, headers=auth["b"])))]
+        for t in threads:
+            t.start()
+        wait_until("tenant B's requests live beside A's", lambda: s.live() == QUOTA + 2, 10)
+    finally:
+        s.hold.when = None
+        for t in threads:
+            t.join(60)
+    assert outcomes["grpc"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert outcomes["http"].status_code == 200 and outcomes["http"].json()["choices"][0]["finish_reason"] == "length"
+    assert all(list(c)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH for c in held)
+    http.close()
