@@ -140,6 +140,17 @@ Shape::
       max_stop_token_ids: 64         # stop_token_ids per request
       max_request_id_chars: 256      # request_id length (at most 256); visible ASCII only (it is logged)
       max_n: 16                      # choices per HTTP request (n): each is one engine request
+      max_messages: 1024             # chat messages per request; each also costs 32 characters
+                                     #   (PROMPT_CHARS_PER_TOKEN) of max_prompt_chars
+      max_logprob_entries: 262144    # n x (logprobs + 1) x max_tokens of one request (HTTP: 400 naming
+                                     #   logprobs / top_logprobs past it)
+      http_idle_timeout_s: 15.0      # an HTTP connection with no request in progress (none yet, headers
+                                     #   still arriving, or between requests) is closed after this
+      http_write_timeout_s: 30.0     # an HTTP response (a stream) whose client reads nothing for this long is
+                                     #   dropped and its requests cancelled
+      http_connections_per_peer: 64  # open HTTP connections one client address may hold (more are closed at
+                                     #   once); behind a proxy every client is the proxy's address: raise it or
+                                     #   null (no cap). GET /health is outside every connection cap
       max_queued_per_tenant: null    # live requests (running + waiting) one tenant (a token of --auth-token-file)
                                      #   may hold, of --max-queued for all: beyond it RESOURCE_EXHAUSTED / HTTP 429
                                      #   while other tenants are still admitted; null: half of --max-queued
@@ -453,6 +464,11 @@ class LimitsConfig:
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
     max_n: int = 16
+    max_messages: int = 1024  # chat messages per request (each also costs MESSAGE_COST_CHARS of the prompt limit)
+    max_logprob_entries: int = 262144  # n x (logprobs + 1) x max_tokens of one request
+    http_idle_timeout_s: float = 15.0  # an HTTP connection without a request in progress this long is closed
+    http_write_timeout_s: float = 30.0  # an HTTP response whose client reads nothing this long is dropped
+    http_connections_per_peer: int | None = 64  # open HTTP connections one client address may hold; None: any
     speculative_stats: bool = True  # responses carry the drafted / accepted / steps counts
     max_queued_per_tenant: int | None = None  # a tenant's live requests; None: see tenant_quota
 
@@ -469,6 +485,14 @@ class LimitsConfig:
         if self.max_tokens is not None:  # at least the default a request without max_tokens gets
             _check_int(self.max_tokens, f"{key}.max_tokens", SamplingParams.max_tokens, 2**31 - 1)
         _check_int(self.max_request_id_chars, f"{key}.max_request_id_chars", 1, MAX_REQUEST_ID_LEN)
+        _check_int(self.max_messages, f"{key}.max_messages", 1, 2**31 - 1)
+        _check_int(self.max_logprob_entries, f"{key}.max_logprob_entries", 1, 2**31 - 1)
+        for name in ("http_idle_timeout_s", "http_write_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key}.{name}", f"must be a number > 0, got {value!r}")
+        if self.http_connections_per_peer is not None:
+            _check_int(self.http_connections_per_peer, f"{key}.http_connections_per_peer", 1, 2**31 - 1)
         if self.max_queued_per_tenant is not None:
             _check_int(self.max_queued_per_tenant, f"{key}.max_queued_per_tenant", 1, 2**31 - 1)
 
