@@ -156,6 +156,16 @@ REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), 
 
 
 @pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
+def test_serve_replicas_sample_target_distribution(local_ray, models, case: Case) -> None:
+    """The same G-test through two Ray Serve replicas behind the router (cluster/serve.py; round-robin, so each
+    replica draws about half): N = 4000, alpha 1e-4 per case, other seeds than the other runs; the analytic
+    negative controls as every case."""
+    run_frequency_case(models, case, seed0=900_000_000 + 1_000_000 * CASES.index(case), transport="serve")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
 def test_remote_transport_samples_target_distribution(models, case: Case) -> None:
     """The same G-test through the gRPC transports (q encoded, sent, decoded; seeds derived on the

@@ -318,6 +318,10 @@ def sample_engine(models: dict, case, n: int, seed0: int, max_batch_size: int | 
     cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size or BATCH, max_model_len=MAX_MODEL_LEN,
                       kv_cache=kv, kv_block_size=4)
     cfg["sampling"] = {"coupling": case.coupling}
+    if transport == "serve":
+        params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
+                                 top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+        return sample_through_replicas(cfg, list(case.prompt), params)
     eng = Engine.from_config(cfg)
     served = None
     if transport == "remote":
@@ -343,3 +347,47 @@ def sample_engine(models: dict, case, n: int, seed0: int, max_batch_size: int | 
         if served is not None:
             eng.close()
             served.close()
+
+
+def sample_through_replicas(cfg: dict, prompt: list[int], params: list, replicas: int = 2, concurrency: int = 64):
+    """Each request of ``params`` (on ``prompt``) through ``replicas`` Ray Serve replicas of ``cfg`` (one target rank
+    and one draft worker each, on the tests' local Ray; round-robin, so every replica serves), ``concurrency``
+    at a time through the front (ReplicaFront). Outputs like Engine.generate's: ``token_ids``, ``finish_reason``,
+    ``metrics``; ``replica`` says which replica ran it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdist.api.serving import start_backend
+    from specdist.config import load_config
+
+    cfg = {**cfg, "cluster": {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
+                              "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 240,
+                              "replicas": replicas},
+           "router": {"policy": "round-robin", "stats_period_s": 5.0}}
+    backend = start_backend(load_config(cfg), max_queued=max(256, concurrency))
+    front = backend.replicas.front
+    lt = LoopThread()
+
+    async def one(p):
+        s = await front.open(prompt, p)
+        ids, last = [], None
+        async for d in s:
+            ids += d.token_ids
+            last = d
+        return SimpleNamespace(token_ids=ids, finish_reason=last.finish_reason, metrics=last.metrics,
+                               replica=s.replica_id)
+
+    async def every():
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(p):
+            async with gate:
+                return await one(p)
+
+        return await asyncio.gather(*(gated(p) for p in params))
+
+    try:
+        return lt.run(every(), timeout=900)
+    finally:
+        lt.close()
+        backend.close()
