@@ -21,7 +21,11 @@ The worker secret (:attr:`Deployment.worker_secret`, 32 random bytes in hex, fre
 bring-up, never logged) is handed to the actors with ``start_grpc``; every worker call but the
 health service's must carry it as ``authorization: Bearer <secret>``, so a process that can
 reach a worker port cannot call ``Verify`` or ``Propose``. The coordinator's
-:class:`~specdist.engine.remote.RemoteEngine` sends it (``worker_secret=``).
+:class:`~specdist.engine.remote.RemoteEngine` sends it (``worker_secret=``). Beside it the deployment makes its
+worker TLS (:attr:`Deployment.worker_tls`, :class:`~specdist.transport.worker_tls.WorkerTLS`: a CA of its own,
+made in memory, and one certificate it signed), handed to the actors the same way: every worker link is mutual TLS,
+so the secret, prompts and tokens do not cross the network in the clear, and only a holder of the deployment's
+certificate completes a handshake with a worker.
 
 A phase that does not finish in time raises :class:`DeploymentError` naming the actors that
 did not come up (and the phase); any failure tears down everything created so far. Each
@@ -57,6 +61,7 @@ from dataclasses import dataclass, field
 from specdist.config import Config, load_config
 from specdist.errors import SpecDistError
 from specdist.transport.security import new_worker_secret
+from specdist.transport.worker_tls import WorkerTLS
 
 
 log = logging.getLogger("specdist.load")
@@ -173,6 +178,7 @@ class Deployment:
     target_address: str | None = None
     draft_addresses: list = field(default_factory=list)
     worker_secret: str | None = field(default=None, repr=False)  # every worker port requires it
+    worker_tls: WorkerTLS | None = field(default=None, repr=False)  # every worker link's mutual TLS
     cpu_kernels: str = ""  # the CPU backend target rank 0 loaded with (engine.cpu_kernels), for GetServerInfo
     # GPUs: each worker's memory plan (worker name -> its line) and the tokens every paged cache holds (phase memory)
     memory_plans: dict = field(default_factory=dict)
@@ -234,6 +240,7 @@ class Deployment:
         self._t0 = time.monotonic()
         self._stopping.clear()
         self.worker_secret = new_worker_secret()
+        self.worker_tls = WorkerTLS.generate()
         self._host = host
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
@@ -384,8 +391,8 @@ class Deployment:
         self._wait("warmup", {h.name: h.actor.warmup.remote() for h in warm}, deadline, timeout_s,
                    watch_followers=bool(targets))
         self._done("warmup", f"{len(warm)} actor(s)")
-        calls = {h.name: h.actor.start_grpc.remote(self._host, ports.get(h.name) or 0, self.worker_secret)
-                 for h in warm}
+        calls = {h.name: h.actor.start_grpc.remote(self._host, ports.get(h.name) or 0, self.worker_secret,
+                                                   self.worker_tls) for h in warm}
         addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=bool(targets))
         for h in warm:
             h.address = addrs[h.name]
@@ -474,7 +481,8 @@ class Deployment:
         from specdist.engine.remote import RemoteEngine
 
         engine = RemoteEngine.from_addresses(self.config, self.target_address, self.draft_addresses,
-                                             sources=self.sources, worker_secret=self.worker_secret)
+                                             sources=self.sources, worker_secret=self.worker_secret,
+                                             worker_tls=self.worker_tls)
         engine.tensor_parallel_size = self.spec.tensor_parallel_size
         engine.cpu_kernels = self.cpu_kernels
         engine.memory_plan = self.memory_plan
@@ -587,7 +595,7 @@ class Deployment:
             if "phase 'serve'" not in str(e) or not h.port:
                 raise
             log.warning("%s: its old port is taken (%s); serving on a free one", h.name, e)
-            call = {h.name: h.actor.start_grpc.remote(self._host, 0, self.worker_secret)}
+            call = {h.name: h.actor.start_grpc.remote(self._host, 0, self.worker_secret, self.worker_tls)}
             h.address = self._wait("serve", call, time.monotonic() + timeout_s, timeout_s)[h.name]
             self.draft_addresses = [d.address for d in self.drafts]
         return h.address
@@ -631,7 +639,7 @@ class Deployment:
             remove_placement(self.placement)
         self.targets, self.drafts, self.follower_refs = [], [], {}
         self.placement, self.target_address, self.draft_addresses = None, None, []
-        self.worker_secret = None
+        self.worker_secret = self.worker_tls = None
         self.memory_plans, self.kv_tokens = {}, None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()

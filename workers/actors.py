@@ -25,7 +25,9 @@ loop thread (:class:`specdist.transport.grpc_host.GrpcHostThread`, the host the 
 The gRPC server also serves ``grpc.health.v1.Health``: SERVING once started, NOT_SERVING while
 draining or shut down. With a ``secret`` (the deployment's worker secret, given to
 ``start_grpc``) every call but the health service's needs ``authorization: Bearer <secret>``
-metadata, else UNAUTHENTICATED (:func:`specdist.transport.security.auth_interceptors`).
+metadata, else UNAUTHENTICATED (:func:`specdist.transport.security.auth_interceptors`). With ``tls``
+(the deployment's :class:`~specdist.transport.worker_tls.WorkerTLS`, given beside the secret) the port speaks
+mutual TLS only: a plaintext client, or one without a certificate of the deployment's CA, fails its handshake.
 """
 
 from __future__ import annotations
@@ -124,12 +126,13 @@ def _reachable_host(bind_host: str) -> str:
     return bind_host
 
 
-def _serve(servicer, service_name: str, add, host: str, port: int, secret: str | None) -> GrpcHostThread:
+def _serve(servicer, service_name: str, add, host: str, port: int, secret: str | None, tls) -> GrpcHostThread:
     """Host ``servicer`` (registered by ``add(servicer, server)``) with the health service on
     ``host:port`` on a loop thread of its own: messages up to the servicer's limit, ``secret``
-    required of every caller but the health service's, SERVING from the start."""
+    required of every caller but the health service's, mutual TLS with ``tls`` (a
+    :class:`~specdist.transport.worker_tls.WorkerTLS`: only its CA's certificates get in), SERVING from the start."""
     return GrpcHostThread({service_name: lambda server: add(servicer, server)}, host, port, servicer.message_limit,
-                          token=secret, serving=True)
+                          token=secret, tls=tls, serving=True)
 
 
 def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
@@ -406,10 +409,10 @@ class TargetRankActor(_ActorBase):
 
     # ------------------------------------------------------------ serving
     @_shippable_errors
-    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None, tls=None) -> str:
         """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port; host ``node``: this
         node's IP); returns the "host:port" others dial. ``secret``: required of every caller (the
-        deployment's worker secret)."""
+        deployment's worker secret); ``tls``: the deployment's mutual TLS (a WorkerTLS), else plaintext."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 serves gRPC; ranks > 0 run run_follower()")
         self._require("loaded", "warm")
@@ -419,7 +422,7 @@ class TargetRankActor(_ActorBase):
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
         host = _bind_host(host)
         self.grpc = _serve(self.servicer, target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
-                           target_pb2_grpc.add_TargetWorkerServicer_to_server, host, port, secret)
+                           target_pb2_grpc.add_TargetWorkerServicer_to_server, host, port, secret, tls)
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
         return self.grpc_address
@@ -580,10 +583,10 @@ class DraftActor(_ActorBase):
         return self.warmup_s
 
     @_shippable_errors
-    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None) -> str:
+    def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None, tls=None) -> str:
         """Serve DraftWorker + health on ``host:port`` (0 = a free port; host ``node``: this node's
         IP); returns the "host:port" others dial. ``secret``: required of every caller (the
-        deployment's worker secret)."""
+        deployment's worker secret); ``tls``: the deployment's mutual TLS (a WorkerTLS), else plaintext."""
         self._require("loaded", "warm")
         from workers.draft_worker import DraftServicer
 
@@ -591,7 +594,7 @@ class DraftActor(_ActorBase):
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
         host = _bind_host(host)
         self.grpc = _serve(self.servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
-                           draft_pb2_grpc.add_DraftWorkerServicer_to_server, host, port, secret)
+                           draft_pb2_grpc.add_DraftWorkerServicer_to_server, host, port, secret, tls)
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
         return self.grpc_address

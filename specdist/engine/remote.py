@@ -7,7 +7,8 @@ It holds no model: :meth:`RemoteEngine.from_addresses` reads only the target's t
 config (vocabulary size, EOS ids), through the config's models resolved once
 (:class:`~specdist.models.metadata.ModelSources`; a caller that resolved them passes ``sources``).
 It imports ``specdist.v1`` and never ``workers/`` or ``cluster/``. ``worker_secret``: the deployment's worker secret
-(:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call.
+(:attr:`cluster.deployment.Deployment.worker_secret`), sent on every worker call; ``worker_tls``: its mutual TLS
+(:class:`~specdist.transport.worker_tls.WorkerTLS`), every worker channel's.
 ``rpc_timeout_s``: the longest any worker call may take (a large prefill on a slow target);
 hung workers are found sooner: drafts by their measured-latency deadlines, target ranks by a
 deployment's supervisor and the collective timeouts. Worker calls may carry messages up to
@@ -25,6 +26,7 @@ from specdist.cores.proposers import check_draft, draft_traits
 from specdist.errors import InvalidArgument
 from specdist.models.metadata import ModelSources, resolve_sources
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.transport.worker_tls import WorkerTLS
 from specdist.engine.base import EngineBase
 from specdist.engine.scheduler import Scheduler
 from specdist.transport.wire import message_limit_bytes
@@ -45,6 +47,7 @@ class RemoteEngine(EngineBase):
         rpc_timeout_s: float = 600.0,
         worker_secret: str | None = None,
         sources: ModelSources | None = None,
+        worker_tls: WorkerTLS | None = None,
     ):
         """``sources``: the config's models (an EAGLE-3 draft's layers are read from the head and the target's
         config); None: resolved from the config if a draft method needs them."""
@@ -64,8 +67,8 @@ class RemoteEngine(EngineBase):
         # no call carries more than max_batch_size requests (a drafter's share of them included)
         limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens, width,
                                     cfg.engine.max_model_len)
-        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit)
-        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers) for a in addresses]
+        verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit, worker_tls)
+        drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers, worker_tls) for a in addresses]
         self.scheduler = Scheduler(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size, traits)
 
     @classmethod

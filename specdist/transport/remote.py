@@ -13,7 +13,9 @@ request id goes on the error, otherwise every request of the call does.
 
 Authentication: with a ``secret`` (a deployment's worker secret, :mod:`specdist.transport.security`)
 every call carries it as ``authorization: Bearer <secret>`` metadata; a worker that requires
-it refuses calls without it (UNAUTHENTICATED).
+it refuses calls without it (UNAUTHENTICATED). With ``tls`` (the deployment's
+:class:`~specdist.transport.worker_tls.WorkerTLS`) the channel is mutual TLS: the worker must show the
+deployment's certificate, and this side shows it too (a worker serving with it refuses anyone else).
 
 Deadlines: a call may take ``timeout_s``, except a drafter's Start and Propose and a Release:
 the larger of ``DEADLINE_FLOOR_S`` and ``DEADLINE_FACTOR`` times that method's recent wall time
@@ -47,6 +49,7 @@ import grpc
 from specdist.errors import ErrorCode
 from specdist.transport.grpc_status import error_code
 from specdist.transport.security import bearer_metadata
+from specdist.transport.worker_tls import WorkerTLS
 from specdist.transport.protocol import (
     CallTiming,
     Prefilled,
@@ -119,10 +122,11 @@ class _Remote:
     is_remote = True
 
     def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT):
+                 message_limit: int = NO_MESSAGE_LIMIT, tls: WorkerTLS | None = None):
         self.timeout_s = timeout_s
         self.message_limit = message_limit
         self._metadata = bearer_metadata(secret)
+        self.tls = tls
         self._latency: dict[str, float] = {}  # method name -> EMA of its calls' wall seconds (per token)
         self._swap = threading.Lock()  # reconnect() from the step's thread and cut() from a supervisor's
         self.channel = None
@@ -134,7 +138,9 @@ class _Remote:
         the same model, and its first calls keep short deadlines. Safe from any thread."""
         options = grpc_message_options(self.message_limit) + CHANNEL_OPTIONS
         with self._swap:
-            old, channel = self.channel, grpc.insecure_channel(address, options=options)
+            old = self.channel
+            channel = (self.tls.channel(address, options) if self.tls is not None
+                       else grpc.insecure_channel(address, options=options))
             self.address, self.name = address, f"{self.name_prefix}{address}"
             self.channel, self.stub = channel, self.stub_class(channel)
         if old is not None:
@@ -203,9 +209,9 @@ class RemoteVerifier(_Remote):
     name_prefix = "target "
 
     def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT):
+                 message_limit: int = NO_MESSAGE_LIMIT, tls: WorkerTLS | None = None):
         self.vocab_size = int(vocab_size)
-        super().__init__(address, timeout_s, secret, message_limit)
+        super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
         resp, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
@@ -227,10 +233,11 @@ class RemoteDrafter(_Remote):
     stub_class = draft_pb2_grpc.DraftWorkerStub
 
     def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT, hidden_layers: tuple[int, ...] = ()):
+                 message_limit: int = NO_MESSAGE_LIMIT, hidden_layers: tuple[int, ...] = (),
+                 tls: WorkerTLS | None = None):
         """``hidden_layers``: the target layers the worker's EAGLE-3 head reads (its config's), () for other drafts."""
         self.hidden_layers = tuple(hidden_layers)
-        super().__init__(address, timeout_s, secret, message_limit)
+        super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def start(self, items: list[StartItem]) -> CallTiming:
         _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),

@@ -55,7 +55,8 @@ def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, eag
     dep = Deployment(spec)
     try:
         target_addr, draft_addrs = dep.start(cfg, timeout_s=BRING_UP_TIMEOUT_S)
-        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret) as remote:
+        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret,
+                                         worker_tls=dep.worker_tls) as remote:
             outs = remote.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == want
         assert sum(o.metrics.accepted for o in outs) > 0 and any(o.metrics.accepted < o.metrics.drafted for o in outs)

@@ -155,8 +155,8 @@ def _dead(pid: int) -> bool:
 
 
 def _check_up(dep, target_addr: str, draft_addrs: list[str]) -> None:
-    """Every actor healthy and on loopback; the worker ports answer health to anyone, and Verify
-    and Propose only with the deployment's worker secret."""
+    """Every actor healthy and on loopback; the worker ports speak mutual TLS only (the deployment's
+    certificate), answer health to its holders, and Verify and Propose only with the deployment's worker secret."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     health = dep.health()
@@ -172,7 +172,11 @@ def _check_up(dep, target_addr: str, draft_addrs: list[str]) -> None:
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     assert all(h["node_ip"] == "127.0.0.1" for h in health.values()), health
     assert all(a.startswith("127.0.0.1:") for a in [target_addr, *draft_addrs])
-    chans = [grpc.insecure_channel(a) for a in [target_addr, *draft_addrs]]
+    for address in [target_addr, *draft_addrs]:  # mutual TLS only: a plaintext handshake fails
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as ei:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    chans = [dep.worker_tls.channel(a) for a in [target_addr, *draft_addrs]]
     try:
         for ch in chans:
             grpc.channel_ready_future(ch).result(timeout=30)
@@ -202,12 +206,12 @@ def _drain_and_stop(lt, serving) -> None:
     dep, backend = serving.backend.deployment, serving.backend
     drained = dep.drain(timeout_s=5)
     assert all(d["drained"] for d in drained.values()), drained
-    with grpc.insecure_channel(backend.draft_addresses[0]) as ch:
+    with dep.worker_tls.channel(backend.draft_addresses[0]) as ch:
         with pytest.raises(grpc.RpcError) as ei:
             draft_pb2_grpc.DraftWorkerStub(ch).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
                 request_id="late", prompt_token_ids=[1])]), metadata=bearer_metadata(dep.worker_secret), timeout=30)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
-    with grpc.insecure_channel(backend.target_address) as ch:
+    with dep.worker_tls.channel(backend.target_address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     actors, pgs = dep.actors(), list(dep.placement.groups)
