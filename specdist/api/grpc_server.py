@@ -24,7 +24,10 @@ stays SERVING through drains and target rebuilds, and turns NOT_SERVING when the
 recover by itself (:attr:`Coordinator.unrecoverable`: the engine thread died, the target group
 is lost): a liveness probe then restarts the process.
 With a token (:mod:`specdist.transport.security`) every method except the health service's is
-UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata.
+UNAUTHENTICATED without ``authorization: Bearer <token>`` metadata. GetServerInfo's counters (every tenant's
+traffic) go only to a caller that may see them (:func:`~specdist.transport.security.sees_everything`: the admin
+token of ``--admin-token-file``; without one, nobody on a server of several tenants); anyone else gets the
+ServerInfo without its ``counters``.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from specdist.api.admission import (
 )
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
-from specdist.transport.security import ServerSecurity, tenant_of
+from specdist.transport.security import ServerSecurity, sees_everything, tenant_of
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.transport.wire import finish_reason_to_proto, sampling_params_from_proto
 
@@ -62,11 +65,13 @@ _PARAM_FIELDS = frozenset(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.f
 class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     """Generate / Cancel / GetServerInfo, each a thin translation onto the coordinator."""
 
-    def __init__(self, coordinator: Coordinator, token: str | tuple[str, ...] | None = None):
+    def __init__(self, coordinator: Coordinator, token: str | tuple[str, ...] | None = None,
+                 admin_token: str | None = None):
         self.coordinator = coordinator
         self.engine: Engine = coordinator.engine
         self.limits = Limits.of(self.engine)
         self.token = token  # the server's token(s): with one a tenant, a request's tenant is its token's
+        self.admin_token = admin_token  # who reads the counters (sees_everything)
 
     async def Generate(
         self, request: specdist_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -110,6 +115,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     async def GetServerInfo(
         self, request: specdist_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> specdist_pb2.ServerInfo:
+        if not sees_everything(_authorization(context), self.token, self.admin_token):
+            return specdist_pb2.ServerInfo(**server_info(self.engine))  # no counters: they show every tenant's
         c = self.coordinator.counters()
         counters = specdist_pb2.ServerInfo.Counters(
             running_requests=c["running"],
@@ -272,10 +279,10 @@ async def serve(
         coordinator = Coordinator(engine, max_queued=max_queued,
                                   tenant_quota=engine.config.limits.tenant_quota(max_queued, tenants))
     coordinator.start()
-    servicer = SpecDecodeServicer(coordinator, security.token)
+    servicer = SpecDecodeServicer(coordinator, security.token, security.admin_token)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,
                                    servicer.limits.max_message_bytes, token=security.token, tls=security.tls,
-                                   reflection=True, serving=False)
+                                   reflection=True, serving=False, admin_token=security.admin_token)
     wrapped = SpecDistServer(hosted, coordinator, drain_seconds)
     try:
         await coordinator.warm_up()

@@ -93,7 +93,9 @@ from specdist.errors import ErrorCode, FieldError, InvalidArgument
 from specdist.api.admission import Limits, bare_host, check_request, check_session_id, refusal_code, server_info
 from specdist.logprobs import TokenLogprob
 from specdist.engine.request import RequestMetrics
-from specdist.transport.security import tenant_of, ServerSecurity, bearer_ok, unauthenticated_message
+from specdist.transport.security import (
+    METRICS_FORBIDDEN, ServerSecurity, bearer_ok, sees_everything, tenant_of, unauthenticated_message,
+)
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer
 
@@ -544,7 +546,7 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 # ---------------------------------------------------------------- the app
 def create_app(coordinator: Coordinator, model_name: str | None = None,
-               token: str | tuple[str, ...] | None = None) -> FastAPI:
+               token: str | tuple[str, ...] | None = None, admin_token: str | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring).
 
     ``token``: /v1/*, /metrics and /openapi.json answer 401 without ``Authorization: Bearer <token>`` (a tuple:
@@ -604,7 +606,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
             status = "target down" if coordinator.target_is_down else "shutting down"
         return JSONResponse({"status": status}, status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", dependencies=[Depends(_metrics_auth(token, admin_token))])  # every tenant's traffic
     async def metrics() -> Response:
         m = getattr(coordinator, "metrics", None)
         if m is None:
@@ -614,6 +616,23 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
         return Response(body, headers={"Content-Type": content_type})
 
     return app
+
+
+def _metrics_auth(token: str | tuple[str, ...] | None, admin_token: str | None) -> Callable[[Request], Awaitable[None]]:
+    """/metrics' dependency: for whoever may see every tenant's traffic (the admin token, :func:`sees_everything`);
+    403 to a tenant's token, 401 to anything else."""
+
+    async def check(request: Request) -> None:
+        header = request.headers.get("authorization")
+        if sees_everything(header, token, admin_token):
+            return
+        if token is not None and bearer_ok(header, token):
+            raise APIError(HTTP_STATUS[ErrorCode.PERMISSION_DENIED], METRICS_FORBIDDEN, type="permission_error",
+                           code="admin_token_required")
+        raise APIError(HTTP_STATUS[ErrorCode.UNAUTHENTICATED], unauthenticated_message(header),
+                       type="authentication_error", code="invalid_api_key")
+
+    return check
 
 
 def _bearer_auth(token: str) -> Callable[[Request], Awaitable[None]]:
@@ -859,7 +878,7 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     limits = coordinator.engine.config.limits
     guard = _Guard(limits.http_idle_timeout_s, limits.http_write_timeout_s, limits.http_connections_per_peer)
     protocol = type("_Connection", (_GuardedH11,), {"guard": guard})
-    app = _Capped(create_app(coordinator, model_name, security.token), None, cap)
+    app = _Capped(create_app(coordinator, model_name, security.token, security.admin_token), None, cap)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=protocol,
                             timeout_keep_alive=limits.http_idle_timeout_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)

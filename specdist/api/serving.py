@@ -93,6 +93,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
     parser.add_argument("--tls-client-ca", default=None, metavar="PATH",
                         help="require client certificates signed by this CA (PEM; needs --tls-cert)")
+    parser.add_argument("--admin-token-file", default=None, metavar="PATH",
+                        help="the token that reads /metrics and GetServerInfo's counters (every tenant's traffic); "
+                             "with several tenants and none, nobody reads them")
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, ca: bool = False) -> None:
@@ -472,7 +475,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     args.security = ServerSecurity.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
                                              getattr(args, "tls_client_ca", None),
-                                             getattr(args, "auth_token_file", None))
+                                             getattr(args, "auth_token_file", None),
+                                             getattr(args, "admin_token_file", None))
     cfg = load_config(args.config)
     check_config(cfg)
     http_port = getattr(args, "http_port", None)
@@ -551,6 +555,9 @@ async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> 
     cfg = engine.config
     sec = args.security
     _log(describe_security(sec))
+    if isinstance(sec.token, tuple) and len(sec.token) > 1 and sec.admin_token is None:
+        _log("several tenants and no --admin-token-file: /metrics and GetServerInfo's counters are refused to every "
+             "token")
     _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
          f"on {serving.address}")
     if sec.token is not None and sec.tls is None:

@@ -93,10 +93,10 @@ class GrpcHost:
 
 async def start_grpc_host(services: Mapping[str, AddService], host: str, port: int, message_limit: int, *,
                           token: str | None = None, tls: ServerTLS | None = None, reflection: bool = False,
-                          serving: bool = False) -> GrpcHost:
+                          serving: bool = False, admin_token: str | None = None) -> GrpcHost:
     """Build the server (module docstring), bind ``host:port``, set every health status to
     ``serving`` and start it. Call it on the event loop that is to run the server."""
-    server = grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(token))
+    server = grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(token, admin_token))
     for add in services.values():
         add(server)
     health = CappedHealthServicer()

@@ -13,6 +13,12 @@ Server side (``specdist serve``):
   requests of different tenants share no drafting state (the suffix index) and, where the config
   says so, no prompt K/V either, so one tenant cannot read another's text through them.
 
+- ``--admin-token-file``: one token for what shows every tenant's traffic: ``/metrics`` (on the HTTP port
+  and ``--metrics-port``) and GetServerInfo's counters (:func:`sees_everything`). The admin token calls nothing
+  else (PERMISSION_DENIED). With it, a tenant's token on /metrics is 403 and GetServerInfo answers a tenant without
+  counters. Without it a server of several tenants shows those to nobody (a tenant alone on a server would read
+  its acceptance from the counters); with one token or none, the token holder (or anyone) sees them, as before.
+
 Client side (:class:`~specdist.client.SpecDistClient`, ``specdist generate --server``): a root
 CA to trust, an optional client certificate and key, and the token, sent as metadata on every call.
 
@@ -39,6 +45,7 @@ import grpc
 from specdist.errors import SpecDistError
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes: open without a token
+ADMIN_METHODS = frozenset({"/specdist.v1.SpecDecode/GetServerInfo"})  # what the admin token may call
 
 
 class SecurityConfigError(SpecDistError):
@@ -107,6 +114,17 @@ def tenant_of(header: str | None, token: str | tuple[str, ...] | None) -> str:
         return ""
     matched = _matched(header, token)
     return "" if matched is None else "tenant-" + hashlib.sha256(matched.encode()).hexdigest()[:16]
+
+
+def sees_everything(header: str | None, token: str | tuple[str, ...] | None, admin_token: str | None) -> bool:
+    """Whether a call carrying ``header`` may read what shows every tenant's traffic (/metrics, GetServerInfo's
+    counters): with an admin token, only that token; without one, nobody on a server of several tenants, and
+    otherwise whoever passed the token check (the one token, or anyone without a token)."""
+    if admin_token is not None:
+        return bearer_ok(header, admin_token)
+    if isinstance(token, tuple) and len(token) > 1:
+        return False
+    return token is None or bearer_ok(header, token)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -189,33 +207,44 @@ class ServerSecurity:
 
     tls: ServerTLS | None = None
     token: str | tuple[str, ...] | None = None
+    admin_token: str | None = None  # /metrics and GetServerInfo's counters (sees_everything)
 
     @classmethod
     def from_args(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-                  auth_token_file: str | None = None) -> "ServerSecurity":
+                  auth_token_file: str | None = None, admin_token_file: str | None = None) -> "ServerSecurity":
         """Check the flag combination and read every file (before any model loads)."""
         _check_pair(tls_cert, tls_key)
         if tls_client_ca is not None and tls_cert is None:
             raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key (client certificates need TLS)")
         tls = None if tls_cert is None else ServerTLS.load(tls_cert, tls_key, tls_client_ca)
         token = None if auth_token_file is None else read_token(auth_token_file)
-        return cls(tls, token)
+        admin = None if admin_token_file is None else read_token(admin_token_file, "--admin-token-file")
+        if isinstance(admin, tuple):
+            raise SecurityConfigError(f"--admin-token-file {admin_token_file}: one token, not one a line")
+        if admin is not None and admin in ((token,) if isinstance(token, str) else token or ()):
+            raise SecurityConfigError(f"--admin-token-file {admin_token_file}: the admin token is a tenant's token "
+                                      "too (--auth-token-file)")
+        return cls(tls, token, admin)
 
     @property
     def scheme(self) -> str:
         return "https" if self.tls is not None else "http"
 
 
-def auth_interceptors(token: str | tuple[str, ...] | None) -> list[grpc.aio.ServerInterceptor] | None:
-    """``grpc.aio.server(interceptors=...)``: the token check when a token is set, else none."""
-    return [TokenAuthInterceptor(token)] if token else None
+def auth_interceptors(token: str | tuple[str, ...] | None,
+                      admin_token: str | None = None) -> list[grpc.aio.ServerInterceptor] | None:
+    """``grpc.aio.server(interceptors=...)``: the token check when a token (or an admin token) is set, else none."""
+    return [TokenAuthInterceptor(token, admin_token)] if token or admin_token else None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the health service."""
+    """Refuses every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the health service;
+    ``admin_token`` passes for :data:`ADMIN_METHODS` only (PERMISSION_DENIED elsewhere). ``token`` None with an
+    admin token: the other methods need no token."""
 
-    def __init__(self, token: str | tuple[str, ...]):
+    def __init__(self, token: str | tuple[str, ...] | None, admin_token: str | None = None):
         self._token = token
+        self._admin = admin_token
 
     async def intercept_service(
         self,
@@ -227,17 +256,24 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if isinstance(header, bytes):
             header = header.decode("latin-1")
-        if bearer_ok(header, self._token):
+        if self._token is None or bearer_ok(header, self._token):
             return await continuation(details)
+        if self._admin is not None and bearer_ok(header, self._admin):
+            if details.method in ADMIN_METHODS:
+                return await continuation(details)
+            handler = await continuation(details)
+            return _refusal(handler, "the admin token reads server info and metrics only",
+                            grpc.StatusCode.PERMISSION_DENIED)
         handler = await continuation(details)  # only for its kind (streaming or not); it is not run
         return _refusal(handler, unauthenticated_message(header))
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED, reading nothing."""
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str,
+             code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with ``code``, reading nothing."""
 
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     streaming = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
     make = {
@@ -275,6 +311,7 @@ def client_kwargs_from_files(tls_ca: str | None = None, tls_cert: str | None = N
     return kw
 
 
+METRICS_FORBIDDEN = "the metrics show every tenant's traffic: they need the admin token (--admin-token-file)"
 METRICS_CONNECTION_TIMEOUT_S = 10.0  # --metrics-port: a connection's TLS handshake, then each read or write
 
 
@@ -297,8 +334,8 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
 
     security = security or ServerSecurity()
     app = make_wsgi_app(registry)
-    if security.token is not None:
-        app = _wsgi_bearer(app, security.token)
+    if security.token is not None or security.admin_token is not None:
+        app = _wsgi_bearer(app, security.token, security.admin_token)
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -330,13 +367,17 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
     return httpd
 
 
-def _wsgi_bearer(app, token: str):
-    """A WSGI app answering 401 unless the request carries ``Authorization: Bearer <token>``."""
+def _wsgi_bearer(app, token: str | tuple[str, ...] | None, admin_token: str | None = None):
+    """A WSGI app answering unless the request may see every tenant's traffic (:func:`sees_everything`): 403 to
+    a tenant's token, 401 to anything else."""
 
     def guarded(environ, start_response):
         header = environ.get("HTTP_AUTHORIZATION")
-        if bearer_ok(header, token):
+        if sees_everything(header, token, admin_token):
             return app(environ, start_response)
+        if token is not None and bearer_ok(header, token):
+            start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
+            return [METRICS_FORBIDDEN.encode() + b"\n"]
         start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
                                             ("WWW-Authenticate", "Bearer")])
         return [unauthenticated_message(header).encode() + b"\n"]

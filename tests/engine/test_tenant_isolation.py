@@ -5,6 +5,8 @@
   live (ALREADY_EXISTS) nor cancels A's request by it.
 - The prompt K/V cache: ``engine.prefix_cache_scope`` is ``tenant`` unless ``shared`` is asked for, and a server
   with several tenants says on stderr at start which one it runs.
+- What shows every tenant's traffic (/metrics on the HTTP port and the metrics port, GetServerInfo's counters)
+  needs the admin token (``--admin-token-file``); a tenant's token is refused it.
 - Places: ``limits.max_queued_per_tenant`` (by default half of ``max_queued`` with several tenants): a tenant at its
   quota is refused (gRPC RESOURCE_EXHAUSTED, HTTP 429) while another tenant is still admitted.
 """
@@ -33,6 +35,7 @@ from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOKEN_A, TOKEN_B = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
+ADMIN = "admin-token-0123456789abcdef"
 
 
 class Hold:
@@ -152,14 +155,14 @@ QUOTA, MAX_QUEUED = 2, 8
 
 @pytest.fixture(scope="module")
 def front_doors(tiny_models):
-    """``specdist serve``'s ports in process (gRPC, HTTP API, metrics) with two tenant tokens, a tenant quota of
-    QUOTA of MAX_QUEUED places, and the engine held by a Hold."""
+    """``specdist serve``'s ports in process (gRPC, HTTP API, metrics) with two tenant tokens and an admin token, a
+    tenant quota of QUOTA of MAX_QUEUED places, and the engine held by a Hold."""
     lt = LoopThread()
     engine = Engine.from_config(dict(tiny_config(tiny_models, "model", 3), limits={"max_queued_per_tenant": QUOTA}))
     hold = Hold(engine)
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
                                    max_queued=MAX_QUEUED, http_port=0, metrics_port=0,
-                                   security=ServerSecurity(token=(TOKEN_A, TOKEN_B))))
+                                   security=ServerSecurity(token=(TOKEN_A, TOKEN_B), admin_token=ADMIN)))
     channel = grpc.insecure_channel(serving.address)
     try:
         yield Served(lt, serving, serving.server.coordinator, hold, channel)
@@ -219,3 +222,40 @@ def test_a_tenant_at_its_quota_is_refused_while_another_is_admitted(front_doors)
     assert outcomes["http"].status_code == 200 and outcomes["http"].json()["choices"][0]["finish_reason"] == "length"
     assert all(list(c)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH for c in held)
     http.close()
+
+
+def test_only_the_admin_token_reads_every_tenants_traffic(front_doors, tmp_path):
+    from specdist.transport.security import SecurityConfigError, sees_everything
+
+    s = front_doors
+    stub = specdist_pb2_grpc.SpecDecodeStub(s.channel)
+    SpecDistClient(s.channel, token=TOKEN_A).generate_text([1, 2], max_tokens=2)  # traffic the counters count
+
+    def info(token: str) -> specdist_pb2.ServerInfo:
+        return stub.GetServerInfo(specdist_pb2.GetServerInfoRequest(), metadata=(("authorization", f"Bearer {token}"),))
+
+    tenant_view, admin_view = info(TOKEN_A), info(ADMIN)
+    assert not tenant_view.HasField("counters") and tenant_view.target_model == admin_view.target_model
+    assert admin_view.HasField("counters") and admin_view.counters.requests_total >= 1
+    with pytest.raises(RemoteError) as e:  # the admin token reads; it does not generate
+        list(SpecDistClient(s.channel, token=ADMIN).generate([1, 2], max_tokens=2))
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    for url in (f"http://{s.server.http.address}/metrics", f"http://127.0.0.1:{s.server.metrics_port}/metrics"):
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            assert http.get(url, headers={"authorization": f"Bearer {TOKEN_A}"}).status_code == 403, url
+            assert http.get(url).status_code == 401, url
+            r = http.get(url, headers={"authorization": f"Bearer {ADMIN}"})
+            assert r.status_code == 200 and "specdist_request_success_total" in r.text, url
+    # without an admin token: nobody on a server of several tenants; the token holder with one token, as before
+    assert not sees_everything(f"Bearer {TOKEN_A}", (TOKEN_A, TOKEN_B), None)
+    assert sees_everything(f"Bearer {TOKEN_A}", TOKEN_A, None) and sees_everything(None, None, None)
+    assert not sees_everything(f"Bearer {TOKEN_A}", TOKEN_A, ADMIN)
+    # --admin-token-file: one token, not a tenant's
+    tokens, admin = tmp_path / "tokens", tmp_path / "admin"
+    tokens.write_text(f"{TOKEN_A}\n{TOKEN_B}\n")
+    for bad in (f"{TOKEN_B}\n", f"{ADMIN}\n{ADMIN}x\n"):
+        admin.write_text(bad)
+        with pytest.raises(SecurityConfigError, match="--admin-token-file"):
+            ServerSecurity.from_args(auth_token_file=str(tokens), admin_token_file=str(admin))
+    admin.write_text(ADMIN + "\n")
+    assert ServerSecurity.from_args(auth_token_file=str(tokens), admin_token_file=str(admin)).admin_token == ADMIN
