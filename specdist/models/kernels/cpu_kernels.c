@@ -41,12 +41,15 @@
 
 /* The block size QK, the kinds of a matmul (LIN_*) with each block kind's code bytes, scale layout and tile, the parts
  * of a layer (LAYER_*) and IQ4_VALUES come from specdist/models/kernel_abi.py, which setup.py passes as -D macros:
- * the Python side reads the same definitions. SPECDIST_ABI is their digest with this file's (specdist_abi). */
+ * the Python side reads the same definitions. SPECDIST_ABI is their digest with this file's. */
 #ifndef SPECDIST_ABI
 #error "compile through setup.py (pip install .): specdist/models/kernel_abi.py defines the macros this file uses"
 #endif
 
-const char *specdist_abi(void) { return SPECDIST_ABI; }
+/* The digest in an ELF section of its own (.specdist_abi): cpu_kernels.py reads it from the library file's bytes and
+ * refuses a library built from another source before loading it, so none of that library's code (its constructors
+ * run as it loads) ever runs. */
+__attribute__((used, section(".specdist_abi"))) static const char specdist_abi_note[] = SPECDIST_ABI;
 
 #define MAX_TILE 7    /* the most rows of x sharing one loaded (and unpacked) weight block (BLOCK_TILE inlines 1-7) */
 /* Weights below this many elements run on the calling thread: waking a team costs more than it saves. */

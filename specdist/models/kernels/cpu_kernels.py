@@ -55,9 +55,10 @@ speculative output equals plain decoding and a seed's tokens do not depend on th
 
 The C file is compiled when the package is installed (``setup.py``: ``pip install .`` or ``pip install -e .``)
 into a library beside this module, which is loaded with ctypes on first use. The kinds, the block layouts and the
-flags it is compiled with are defined once, in :mod:`specdist.models.kernels.kernel_abi`; the library reports their digest
-with its source's, and a library that does not match the installed source is refused (rebuild with
-``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C). ``engine.cpu_kernels``
+flags it is compiled with are defined once, in :mod:`specdist.models.kernels.kernel_abi`; the library carries their digest
+with its source's in an ELF section, read from the file before it is loaded, and a library that does not match the
+installed source, or that anyone but root or this user could have written, is refused before any of its code runs
+(:func:`_load`; rebuild with ``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C). ``engine.cpu_kernels``
 chooses (:func:`configure`): ``auto`` runs the kernels where they load and torch's kernels elsewhere, ``required``
 refuses to start without them, ``off`` runs torch's; the backend that runs is said once on stderr, and in gRPC's
 ``GetServerInfo`` (:func:`backend`). The library runs its threads in the process's OpenMP runtime (the ``libgomp``
@@ -76,6 +77,8 @@ import importlib.metadata
 import json
 import os
 import platform
+import stat
+import struct
 import sys
 import urllib.parse
 from collections.abc import Callable
@@ -124,16 +127,18 @@ def library_path() -> str | None:
 
 
 def library_candidates() -> list[str]:
-    """The libraries this process may load, in order: beside this module; else those of the copies of specdist
-    installed here (on ``sys.path``, or an editable install's project). The second case is a copy of the sources
+    """The libraries this process may load, in order: beside this module; else that of the installed specdist
+    (where its install put its files, or an editable install's project). The second case is a copy of the sources
     without the library, as a Ray job's ``working_dir`` is (it leaves out what ``.gitignore`` names): the workers
     then load the library the machine's install built, which :func:`_load` accepts only if it was built from the
-    very source this copy holds."""
+    very source this copy holds. No other ``sys.path`` entry is searched (the current directory is one): a library
+    runs only from where specdist is."""
     own = library_path()
     if own is not None:
         return [own]
-    dirs = [os.path.join(entry or ".", "specdist", "models", "kernels") for entry in sys.path]
+    dirs = []
     for dist in importlib.metadata.distributions(name="specdist"):
+        dirs.append(str(dist.locate_file(os.path.join("specdist", "models", "kernels"))))
         try:
             url = json.loads(dist.read_text("direct_url.json") or "{}")
         except ValueError:
@@ -189,21 +194,91 @@ def built_problem() -> str | None:
 
 
 def _load(path: str) -> tuple[ctypes.CDLL | None, str]:
-    """The library at ``path`` loaded, or None and why not: writable by others, or built from another source than
-    the one installed beside this module (its digest, :func:`kernel_abi.abi_digest`)."""
-    mode = os.stat(path).st_mode
-    if mode & 0o022:  # anyone who can write it could replace the code this process runs
-        return None, f"{path} is writable by others (mode {mode & 0o777:o}): not loaded"
+    """The library at ``path`` loaded, or None and why not. Everything is decided before any of its code runs (its
+    constructors run as it loads), on one open file: that file must be a regular file owned by root or this user
+    that no one else can write, in directories no one else can change (:func:`_unsafe`), and the digest in its
+    bytes (:func:`embedded_digest`) must be that of the source installed beside this module
+    (:func:`kernel_abi.abi_digest`). Then that same open file is loaded, through ``/proc/self/fd``: a file put at
+    ``path`` after the checks is not what runs."""
+    real = os.path.realpath(path)
     try:
-        lib = ctypes.CDLL(path)
-        lib.specdist_abi.restype = ctypes.c_char_p
-        built = lib.specdist_abi().decode()
-    except (OSError, AttributeError) as e:
+        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        return None, f"{path} does not open ({e.strerror or e})"
+    try:
+        why = _unsafe(fd, real)
+        if why is not None:
+            return None, why
+        with open(SOURCE, "rb") as f:
+            if embedded_digest(fd) != abi.abi_digest(f.read()):
+                return None, f"{path} was built from another source than {SOURCE}: rebuild it with pip install -e ."
+        through = f"/proc/self/fd/{fd}"
+        if not os.path.exists(through):
+            return None, f"{path}: no /proc/self/fd here to load the checked file through: not loaded"
+        lib = ctypes.CDLL(through)
+    except OSError as e:
         return None, f"{path} does not load ({e})"
-    with open(SOURCE, "rb") as f:
-        if built != abi.abi_digest(f.read()):
-            return None, f"{path} was built from another source than {SOURCE}: rebuild it with pip install -e ."
+    finally:
+        os.close(fd)
     return lib, f"specdist's C kernels ({', '.join(f.upper() for f in abi.CPU_FEATURES)})"
+
+
+def _trusted_uids() -> set[int]:
+    """Who may own the library and the directories above it: root and this process's user."""
+    return {0, os.geteuid()}
+
+
+def _unsafe(fd: int, path: str) -> str | None:
+    """Why the file open at ``fd`` (``path``: its real path) may hold code that someone other than root or this user
+    put there, else None: its type, owner and mode, and the owner and mode of every directory above it (one that
+    others can write lets them replace the file; with the sticky bit, as /tmp has, only their own entries)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file: not loaded"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by others (mode {st.st_mode & 0o777:o}): not loaded"
+    trusted = _trusted_uids()
+    if st.st_uid not in trusted:
+        return f"{path} is owned by uid {st.st_uid}, neither root nor this user: not loaded"
+    parent = os.path.dirname(path)
+    while True:
+        d = os.stat(parent)
+        if d.st_uid not in trusted:
+            return f"{parent} (above {path}) is owned by uid {d.st_uid}, neither root nor this user: not loaded"
+        if d.st_mode & 0o022 and not d.st_mode & stat.S_ISVTX:
+            return f"{parent} (above {path}) is writable by others (mode {d.st_mode & 0o777:o}): not loaded"
+        if os.path.dirname(parent) == parent:
+            return None
+        parent = os.path.dirname(parent)
+
+
+ABI_SECTION = b".specdist_abi"  # the ELF section the C file keeps its digest in (kernel_abi.abi_digest)
+
+
+def embedded_digest(fd: int) -> str | None:
+    """The digest in the ``.specdist_abi`` section of the library open at ``fd``, read from its bytes (nothing of it
+    runs), or None where it has none: not a 64-bit little-endian ELF file, or built without the section."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 64, 0)  # the ELF header
+    if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
+        return None
+    (table_at,) = struct.unpack_from("<Q", head, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", head, 0x3A)
+    if entry_size != 64 or not 0 < count <= 4096 or names_index >= count or table_at + 64 * count > size:
+        return None
+    table = os.pread(fd, 64 * count, table_at)
+    # each section header: name (offset into the names section), type, flags, address, offset, size
+    sections = [struct.unpack_from("<IIQQQQ", table, 64 * i) for i in range(count)]
+
+    def content(index: int, most: int) -> bytes:
+        at, n = sections[index][4:6]
+        return os.pread(fd, n, at) if n <= most and at + n <= size else b""
+
+    names = content(names_index, 1 << 20)
+    for index, (name, *_) in enumerate(sections):
+        if names[name:name + len(ABI_SECTION) + 1] == ABI_SECTION + b"\0":
+            return content(index, 256).rstrip(b"\0").decode("ascii", "replace")
+    return None
 
 
 _mode = "auto"  # engine.cpu_kernels, as configure() last set it
