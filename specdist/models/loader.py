@@ -16,6 +16,7 @@ command line prints the ``specdist`` logger tree on stderr).
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import copy
 import dataclasses
@@ -403,8 +404,60 @@ def _load_model(source: ModelSource, dtype: str, device: torch.device | str, pro
 
         with gguf_parsed_once(), gguf_errors(source):
             use_native_blocks(model, source.gguf_path, required=weights == "native")
+    own_weights(model)
     report(f"loaded {source.role} {source.short_name} in {time.perf_counter() - t0:.1f} s")
     return model
+
+
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges ``[start, end)`` of this process that map a file (``/proc/self/maps``: the lines that name
+    one), sorted; None where there is no such table (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)  # range, perms, offset, dev, inode, path
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            out.append((int(start, 16), int(end, 16)))
+    return sorted(out)
+
+
+def own_weights(model: torch.nn.Module) -> int:
+    """Copy into the process's own memory every tensor of ``model`` (parameters, buffers, other tensor attributes
+    of its modules) that is a view of a mapped file; returns the bytes copied.
+
+    Transformers hands out safetensors tensors whose dtype matches as views of the file's mapping, and gguf's
+    reader maps its file with numpy: such a weight reads the file's pages as it runs. A file rewritten in place
+    under a running server (``cp new old``, ``rsync --inplace``, a volume re-sync) then changes the weights without
+    a word, or, cut short, kills the process with SIGBUS at its next forward. Owned, the weights are what was
+    loaded whatever happens to the file (docs/deployment.md says how to replace one). Each tensor keeps its
+    identity (its ``.data`` is replaced), so tied weights stay tied."""
+    ranges = _file_mappings()
+    starts = [start for start, _ in ranges or ()]
+
+    def mapped(t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or t.numel() == 0:
+            return False
+        if ranges is None:  # no table of mappings: the storages torch itself mapped from a file
+            return getattr(t.untyped_storage(), "filename", None) is not None
+        at = t.data_ptr()
+        i = bisect.bisect_right(starts, at) - 1
+        return i >= 0 and at < ranges[i][1]
+
+    copied = 0
+    with torch.no_grad():
+        for module in model.modules():
+            tensors = [*module._parameters.values(), *module._buffers.values(),  # noqa: SLF001
+                       *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+            for t in tensors:
+                if t is not None and mapped(t):
+                    t.data = t.detach().clone()
+                    copied += t.numel() * t.element_size()
+    return copied
 
 
 def check_gguf_file(path: str, key: str) -> None:
