@@ -170,11 +170,33 @@ def server_info(engine) -> dict[str, Any]:
         max_model_len=engine.max_model_len,
         draft_pipeline=pipelined,
         draft_pipeline_miss=cfg.draft.pipeline_miss if pipelined else "",
-        cpu_kernels=getattr(engine, "cpu_kernels", ""),  # Engine: this process's; RemoteEngine: its target rank 0's
+        cpu_kernels=public_kernels(getattr(engine, "cpu_kernels", "")),  # Engine: this process's; RemoteEngine: its
+        # target rank 0's
         memory_plan=getattr(engine, "memory_plan", ""),  # Engine: its GPU's plan (specdist.models.memory_plan)
         replicas=int(getattr(engine, "replica_count", 1)),  # Serve replicas running (replica_set.FrontEngine)
         router_policy=getattr(engine, "router_policy", ""),
     )
+
+
+# What server info says of the CPU kernels: a fixed vocabulary, never the backend's own words, which name the
+# library's absolute path when it was refused (those go to the server log).
+KERNELS_OFF = "torch's kernels (engine.cpu_kernels: off)"
+KERNELS_NOT_BUILT = "torch's kernels: the C kernels were not built with this install"
+KERNELS_CPU = "torch's kernels: this CPU lacks the instructions the C kernels need"
+KERNELS_REFUSED = "torch's kernels: the C kernels were refused (the server log says why)"
+_KERNELS_ON = re.compile(r"specdist's C kernels \([A-Z0-9, ]*\)")  # the features are a fixed list
+
+
+def public_kernels(described: str) -> str:
+    """``described`` (:func:`specdist.models.kernels.cpu_kernels.backend`'s line) as one of the fixed phrases
+    above ("" when unknown): no path or error text of the host reaches a client."""
+    if not described or _KERNELS_ON.fullmatch(described) or described == KERNELS_OFF:
+        return described
+    if described.startswith("torch's kernels: the C kernels were not built"):
+        return KERNELS_NOT_BUILT
+    if described.startswith("torch's kernels: this CPU lacks"):
+        return KERNELS_CPU
+    return KERNELS_REFUSED
 
 
 def draft_replicas(engine) -> int:

@@ -4,8 +4,8 @@ Server side (``specdist serve``):
 - ``--tls-cert`` / ``--tls-key``: PEM certificate chain and private key; every public port then
   speaks TLS. ``--tls-client-ca``: clients must also present a certificate signed by this CA
   (mutual TLS).
-- ``--auth-token-file``: a file holding one token (surrounding whitespace stripped), read once
-  at start. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
+- ``--auth-token-file``: a file holding one token (surrounding whitespace stripped; at least 16
+  characters; lines starting with ``#`` are comments), read once at start. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
   header; on the HTTP port: /v1/*, /metrics and /openapi.json), except the probes: the gRPC
   health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED / HTTP
   401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
@@ -64,16 +64,26 @@ def read_file(path: str, flag: str) -> bytes:
     return data
 
 
+MIN_TOKEN_CHARS = 16  # a shorter token is a guessable one
+
+
 def read_token(path: str, flag: str = "--auth-token-file") -> str | tuple[str, ...]:
-    """The token in ``path``, surrounding whitespace stripped; it must be one printable ASCII word. A file of
-    several lines holds one token a line, one per tenant (:func:`tenant_of`): returned as a tuple."""
+    """The token in ``path``, surrounding whitespace stripped; it must be one printable ASCII word of at least
+    :data:`MIN_TOKEN_CHARS` characters. Blank lines and lines starting with ``#`` (comments) are skipped. A file of
+    several tokens holds one a line, one per tenant (:func:`tenant_of`): returned as a tuple."""
     try:
-        lines = [line.strip() for line in read_file(path, flag).decode("ascii").splitlines() if line.strip()]
+        lines = [line.strip() for line in read_file(path, flag).decode("ascii").splitlines()]
     except UnicodeDecodeError:
         raise SecurityConfigError(f"{flag} {path}: the token must be ASCII") from None
-    for token in lines:
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not lines:
+        raise SecurityConfigError(f"{flag} {path}: no token in the file (only comments or blank lines)")
+    for n, token in enumerate(lines, 1):
         if not token.isprintable() or any(c.isspace() for c in token):
             raise SecurityConfigError(f"{flag} {path}: a token must be one word of printable characters")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise SecurityConfigError(f"{flag} {path}: token {n} has {len(token)} characters; a token needs at "
+                                      f"least {MIN_TOKEN_CHARS}")
     if len(set(lines)) != len(lines):
         raise SecurityConfigError(f"{flag} {path}: a token appears twice")
     return lines[0] if len(lines) == 1 else tuple(lines)
