@@ -30,7 +30,9 @@ Targets (any mix; each is one "variant" of the results):
 - ``--config C``: starts servers one after another, one per entry of :data:`VARIANTS` named
   by ``--variants``, each from C with that entry's overrides deep-merged in: the
   single-process engine when ``cluster.enabled`` is false, else the whole Ray deployment
-  (local Ray cluster or ``--ray-address``), with the same coordinator in front, reached over
+  (local Ray cluster or ``--ray-address``; with ``cluster.replicas``, as in the variants
+  ``replicas-1`` / ``deployment``, Ray Serve replicas behind the replicas' front, whose engines
+  run in the replicas: no per-step breakdown for them), with the same coordinator in front, reached over
   gRPC or, with ``--protocol http``, over the HTTP API. For these it also prints the per-step
   breakdown, in ms per step and as shares of the coordinator's busy time: prefill, draft,
   verify (worker compute), network + serialization (RPC wall time minus the worker's reported
@@ -116,6 +118,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-spec": {"draft": {"method": "none", "model": None}, "cluster": {"num_draft_workers": 0}},
     "pipelined": {"draft": {"pipeline": True}},  # drafts prepared during verification (specdist/cores/draft_pipeline.py)
     "sequential": {"draft": {"pipeline": False}},  # draft, then verify
+    # one speculative group as a Ray Serve replica (cluster/serve.py) against today's deployment behind one
+    # coordinator (cluster.replicas unset), the same config otherwise
+    "replicas-1": {"cluster": {"enabled": True, "replicas": 1}},
+    "deployment": {"cluster": {"enabled": True, "replicas": None}},
 }
 
 DEFAULT_CONCURRENCY = "1,4,16"
@@ -540,6 +546,8 @@ class InProcessServer:
             raise
         self.engine = backend.engine
         self.coordinator = self.serving.server.coordinator
+        # the engine and its step timings are in this process (not in Serve replicas): the per-step breakdown
+        self.phases = getattr(backend, "replicas", None) is None
         self.address = self.serving.address
         self.http_base = f"http://{self.serving.http.address}" if http else None
 
@@ -615,11 +623,11 @@ def run(args: argparse.Namespace) -> int:
         # loaded, allocations), which would fall on whichever level and variant comes first
         send(RequestSpec(PROMPTS[0], min(WARMUP_TOKENS, args.max_tokens), args.temperature, 999, not args.raw))
         for lv in levels:
-            if srv is not None:
+            if srv is not None and srv.phases:
                 srv.engine.stats.reset()
                 srv.coordinator.timing.reset()
             res = run_level(send, name, lv, args, log)
-            if srv is not None:
+            if srv is not None and srv.phases:
                 st = srv.engine.stats
                 res.phase_s, res.steps = phase_seconds(srv.engine, srv.coordinator), st.steps
                 res.draft_hidden_s, res.draft_exposed_s = st.draft_hidden_s, st.phase_s.get("draft", 0.0)
@@ -655,7 +663,8 @@ def run(args: argparse.Namespace) -> int:
         base_cfg = load_config(args.config).to_dict()
 
         def serve_and_measure(name: str, cfg: dict) -> None:
-            where = "a Ray deployment" if cfg["cluster"]["enabled"] else "the in-process engine"
+            where = "the in-process engine" if not cfg["cluster"]["enabled"] else "a Ray deployment" if \
+                cfg["cluster"].get("replicas") is None else "Ray Serve replicas"
             log(f"starting a server on {where}: {name}")
             srv = InProcessServer(start_backend(cfg, args.ray_address, log=log), http=args.protocol == "http")
             try:

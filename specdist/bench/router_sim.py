@@ -207,7 +207,7 @@ class PolicyResult:
     output_tokens: int
     tokens_per_step: float
     acceptance: float
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int | None  # None: not measured
     prompt_tokens: int
     ttft_p50: float
     ttft_p99: float

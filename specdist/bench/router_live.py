@@ -1,0 +1,220 @@
+"""``specdist bench router`` on real replicas: one workload through each policy, the replicas brought up afresh
+for each (``cluster.replicas`` of ``--config``, the policy set in its ``router:`` section), so no policy starts
+with the caches another left.
+
+The workload (:mod:`specdist.bench.router_workloads`) is cut to its first ``--requests`` requests in file order
+(whole sessions, the last one cut short) and sized for the replicas' models:
+
+- texts are tokenized by the target's tokenizer, without a chat template; a session's turn n is sent as turn
+  n-1's prompt ids, the output ids the replica gave it and turn n's new text (its ``user`` part), so each
+  prompt extends the last prompt and answer token for token, as a chat client's next turn does; with
+  ``--max-text-words W`` each request's new text is cut to its first W words (small models' short contexts);
+- a request asks for ``max(1, round(output_tokens x --output-scale))`` tokens (``ignore_eos``: each makes that
+  many), seeded sampling at ``--temperature`` (the seed from its id: the same tokens on any replica, so every
+  policy sends the same prompts); a turn that would not fit ``engine.max_model_len`` ends its session there;
+- ``--clients`` concurrent clients, each taking the next session (or single request) when it finished its last,
+  and sending a session's turns one after the other (a closed loop, no think time); sessions carry their id as
+  the request's session (``ReplicaFront.open(session=...)``: the router's affinity key).
+
+Measured per request on the client side: TTFT and end to end from just before ``open`` to its first token and
+its end; from the final delta's :class:`~specdist.engine.request.RequestMetrics`: verification steps, tokens
+they emitted, drafts and accepted drafts. Prefix-cache hit tokens: prompt tokens whose K/V the replicas' target
+ranks took from their prefix caches during the run (``prefix_reused_tokens`` of rank 0's health, which each
+replica reports in its routing stats' counters; the difference over the run, summed over the replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from specdist.bench.router_sim import PolicyResult, percentile
+from specdist.bench.router_workloads import load
+from specdist.errors import SpecDistError
+
+REPORT_WAIT_S = 120.0  # the longest wait for the replicas' routing reports (before and after a run)
+
+
+@dataclass(frozen=True)
+class LiveTurn:
+    """One request of the cut workload: the text it adds (turn 0: its whole prompt) and the tokens it asks for."""
+
+    rid: str
+    session: str | None
+    kind: str
+    text: str
+    max_tokens: int
+
+
+@dataclass
+class LiveResult:
+    """One request as it ran."""
+
+    rid: str
+    replica: str
+    prompt_tokens: int
+    output_tokens: int
+    sent: float
+    first: float
+    end: float
+    steps: int
+    emitted: int
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class Plan:
+    groups: list[list[LiveTurn]]
+    skipped: list[str] = field(default_factory=list)  # turns not sent: their prompt would not fit
+
+
+def plan(workload: str, requests: int, output_scale: float, max_words: int = 0) -> Plan:
+    """The workload's first ``requests`` requests, grouped by session (module docstring); ``max_words``: each
+    request's new text cut to its first that many words (0: whole)."""
+    groups: list[list[LiveTurn]] = []
+    n = 0
+    for gi, group in enumerate(load(workload)):
+        if n >= requests:
+            break
+        turns, prev = [], None
+        for t in group[: requests - n]:
+            new = t.prompt if prev is None else t.prompt[len(prev.prompt) + len(prev.answer):]
+            new = new[:max_words] if max_words else new
+            rid = f"{t.session or f'r{gi:04d}'}-t{t.turn}"
+            turns.append(LiveTurn(rid, t.session, t.kind, " ".join(new),
+                                  max(1, round(t.output_tokens * output_scale))))
+            prev = t
+        groups.append(turns)
+        n += len(turns)
+    return Plan(groups)
+
+
+async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, temperature: float,
+                      max_model_len: int) -> list[LiveResult]:
+    """Send the plan's requests through ``front`` (a :class:`~specdist.api.replica_set.ReplicaFront`)."""
+    from specdist.sampling_params import SamplingParams
+
+    queue = list(reversed(p.groups))
+    done: list[LiveResult] = []
+
+    async def one(turn: LiveTurn, ids: list[int]) -> tuple[LiveResult, list[int]]:
+        params = SamplingParams(temperature=temperature, max_tokens=turn.max_tokens, ignore_eos=True,
+                                seed=zlib.crc32(turn.rid.encode()) & 0x7FFFFFFF)
+        sent = time.perf_counter()
+        stream = await front.open(ids, params, request_id=turn.rid, session=turn.session)
+        out: list[int] = []
+        first = None
+        final = None
+        try:
+            async for d in stream:
+                if d.token_ids and first is None:
+                    first = time.perf_counter()
+                out += d.token_ids
+                if d.finished:
+                    final = d
+        finally:
+            stream.close()
+        end = time.perf_counter()
+        if final is None or final.finish_reason not in ("stop", "length"):
+            why = "no final delta" if final is None else f"{final.finish_reason}: {final.error or final.message}"
+            raise SpecDistError(f"request {turn.rid} failed ({why})")
+        m = final.metrics
+        return LiveResult(turn.rid, stream.replica_id, len(ids), len(out), sent, first or end, end,
+                          m.steps if m else 0, m.emitted if m else 0, m.drafted if m else 0,
+                          m.accepted if m else 0), out
+
+    async def client() -> None:
+        while queue:
+            group = queue.pop()
+            ids: list[int] = []
+            for turn in group:
+                new = tokenizer.encode((" " if ids else "") + turn.text, add_special_tokens=False)
+                ids = ids + list(new)
+                if len(ids) + turn.max_tokens > max_model_len:
+                    p.skipped += [t.rid for t in group[group.index(turn):]]
+                    break
+                r, out = await one(turn, ids)
+                done.append(r)
+                ids = ids + out
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return done
+
+
+async def wait_reports(reports: Any, replicas: int, after: float, rounds: int) -> dict[str, int]:
+    """Each replica's ``prefix_reused_tokens`` once ``replicas`` replicas each reported ``rounds`` times after
+    ``after`` (``time.time()``): a report carries rank 0's answer to the question the report before it asked."""
+    seen: dict[str, set] = {}
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while True:
+        for rid, (_, r) in list(reports.reports.items()):
+            if r.get("reported_at", 0.0) > after:
+                seen.setdefault(rid, set()).add(r["reported_at"])
+        ready = [rid for rid, ts in seen.items() if len(ts) >= rounds]
+        if len(ready) >= replicas:
+            return {rid: int((reports.reports[rid][1].get("counters") or {}).get("prefix_reused_tokens", 0))
+                    for rid in ready}
+        if time.monotonic() > deadline:
+            raise SpecDistError(f"{len(ready)} of {replicas} replicas reported {rounds} times within "
+                                f"{REPORT_WAIT_S:g}s")
+        await asyncio.sleep(0.05)
+
+
+def run_policy(policy: str, config: dict, workload: str, requests: int, clients: int, output_scale: float,
+               temperature: float, ray_address: str | None, log: Callable[[str], None],
+               max_words: int = 0) -> tuple[PolicyResult, list[str]]:
+    """Bring ``config``'s replicas up with ``policy``, run the cut workload through them, take them down:
+    the policy's figures and the turns not sent."""
+    from specdist.api.serving import start_backend
+    from specdist.bench.cluster_bench import apply_overrides
+    from specdist.config import load_config
+
+    cfg = load_config(apply_overrides(config, {"router": {"policy": policy}}))
+    if cfg.cluster.replicas is None or not cfg.cluster.enabled:
+        raise SpecDistError("bench router without --simulate needs cluster.enabled and cluster.replicas in --config")
+    replicas = cfg.cluster.replica_plan.min
+    log(f"[{policy}] bringing up {replicas} replica(s)")
+    backend = start_backend(cfg, ray_address, log=log)
+    try:
+        front, reports = backend.replicas.front, backend.replicas.reports
+        p = plan(workload, requests, output_scale, max_words)
+
+        async def drive() -> tuple[list[LiveResult], int]:
+            try:
+                before = await wait_reports(reports, replicas, time.time(), 2)
+                t0 = time.perf_counter()
+                done = await run_clients(front, front.engine.tokenizer, p, clients, temperature,
+                                         cfg.engine.max_model_len)
+                log(f"[{policy}] {len(done)} requests in {time.perf_counter() - t0:.1f}s")
+                after = await wait_reports(reports, replicas, time.time(), 2)
+                return done, sum(after.values()) - sum(before.get(rid, 0) for rid in after)
+            finally:
+                await front.close()
+
+        done, hits = asyncio.run(drive())
+    finally:
+        backend.close()
+    return summarize(policy, done, hits), p.skipped
+
+
+def summarize(policy: str, done: list[LiveResult], hit_tokens: int | None) -> PolicyResult:
+    """The requests' figures as :class:`~specdist.bench.router_sim.PolicyResult` (the simulated bench's)."""
+    if not done:
+        raise SpecDistError(f"[{policy}] no request ran (every prompt longer than engine.max_model_len?)")
+    out = sum(r.output_tokens for r in done)
+    t0, t1 = min(r.sent for r in done), max(r.end for r in done)
+    steps, drafted = sum(r.steps for r in done), sum(r.drafted for r in done)
+    choices: dict[str, int] = {}
+    for r in done:
+        choices[r.replica] = choices.get(r.replica, 0) + 1
+    ttft = [r.first - r.sent for r in done]
+    e2e = [r.end - r.sent for r in done]
+    return PolicyResult(
+        policy, len(done), out, sum(r.emitted for r in done) / max(1, steps),
+        sum(r.accepted for r in done) / max(1, drafted), hit_tokens, sum(r.prompt_tokens for r in done),
+        percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
+        out / (t1 - t0), t1 - t0, dict(sorted(choices.items())))
