@@ -42,4 +42,6 @@ def init_local_ray(num_cpus: int | None = None, loopback: bool = True) -> None:
     os.environ.setdefault(GCS_PORT_WAIT_ENV, "120")
     import ray
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    # address "local": a cluster of its own, also where another Ray runs on this machine (ray.init without an
+    # address would join the latest one it finds running, or refuse num_cpus on finding several)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
