@@ -19,7 +19,10 @@ one more of its requests raises :class:`TenantQuotaExceeded` while other tenants
 were in the batch (they get a final ``finish_reason="error"`` delta and their slots
 are released); waiting requests carry on, and the thread keeps serving. A failure
 outside ``engine.step`` (a bug in the coordinator or the engine's bookkeeping) fails
-every request the engine holds, and the thread keeps serving. ``close()`` aborts every
+every request the engine holds, and the thread keeps serving. :data:`STEP_FAILURES_NOT_READY` steps failing in
+a row (a full disk under ``engine.compile: on``, a broken device) turn ``accepting`` False, and so readiness
+NOT_SERVING (gRPC health, HTTP /health), until a step succeeds; requests are still admitted meanwhile (one that
+succeeds makes the server ready again), and liveness is not touched. ``close()`` aborts every
 request, stops the thread and joins it.
 
 Engine thread death: an error that escapes every handler above (one that is not an
@@ -94,6 +97,9 @@ INTERNAL_MESSAGE = "internal error"
 STEP_FAILED_MESSAGE = "internal error: the engine step failed"
 TARGET_FAILED_MESSAGE = "internal error: the target failed the request"
 _TARGET_RANK = re.compile(r"\btarget rank (\d+)\b")  # how a deployment's diagnosis names a rank
+
+
+STEP_FAILURES_NOT_READY = 3  # steps failing in a row after which the server is not ready (until one succeeds)
 
 
 class Overloaded(SpecDistError):
@@ -332,6 +338,7 @@ class Coordinator:
         self._commands: deque[_Command] = deque()
         self._stop_requested = False
         self._engine_error: str | None = None  # set once by the dying engine thread: why it died
+        self._step_failures = 0  # steps failed in a row (written by the engine thread, read anywhere)
         # engine thread only
         self._tracked: dict[str, _Tracked] = {}
         # event loop only
@@ -383,9 +390,16 @@ class Coordinator:
 
     @property
     def accepting(self) -> bool:
-        """Whether new requests are admitted (False once draining or closed, while the target is down,
-        and for good once the engine thread has died)."""
-        return not self._draining and self._target_down is None and self._engine_error is None
+        """Whether the server is ready (health SERVING): False once draining or closed, while the target is down,
+        while steps keep failing (:attr:`steps_failing`), and for good once the engine thread has died. New
+        requests are refused in each of those cases but the failing steps."""
+        return not self._draining and self._target_down is None and self._engine_error is None \
+            and not self.steps_failing
+
+    @property
+    def steps_failing(self) -> bool:
+        """Whether the last :data:`STEP_FAILURES_NOT_READY` steps or more failed, none succeeding since."""
+        return self._step_failures >= STEP_FAILURES_NOT_READY
 
     @property
     def engine_error(self) -> str | None:
@@ -775,6 +789,15 @@ class Coordinator:
                 except Exception as e:
                     log.exception("engine step failed")
                     self._fail_batch(e)
+                    self._step_failures += 1
+                    if self._step_failures == STEP_FAILURES_NOT_READY:
+                        log.error("%d engine steps failed in a row: not ready until one succeeds", self._step_failures)
+                        self._post(self._availability_changed)
+                else:
+                    was_failing, self._step_failures = self.steps_failing, 0
+                    if was_failing:
+                        log.warning("an engine step succeeded again: ready")
+                        self._post(self._availability_changed)
                 self.timing.step_s += time.perf_counter() - ts
             deltas = [d for rid, t in list(self._tracked.items()) if (d := self._collect(rid, t)) is not None]
             eng = self.engine

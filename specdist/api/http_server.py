@@ -602,8 +602,10 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
             return JSONResponse({"status": "ok"})
         if getattr(coordinator, "engine_error", None) is not None:  # a stand-in coordinator may not have it
             status = "engine down"
-        else:
-            status = "target down" if coordinator.target_is_down else "shutting down"
+        elif coordinator.target_is_down:
+            status = "target down"
+        else:  # (steps_failing: a stand-in coordinator may not have it)
+            status = "steps failing" if getattr(coordinator, "steps_failing", False) else "shutting down"
         return JSONResponse({"status": status}, status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
 
     @app.get("/metrics", dependencies=[Depends(_metrics_auth(token, admin_token))])  # every tenant's traffic
