@@ -67,7 +67,8 @@ CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.
              "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
-CI_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+# the chart's own production values file is linted and checked like the ci/ files
+CI_FILES = sorted((CHART / "ci").glob("*-values.yaml")) + [CHART / "values-production.yaml"]
 CASES = {"defaults": {}} | {f.name: yaml.safe_load(f.read_text()) or {} for f in CI_FILES}
 # rendered like CASES, checked by their own tests (not run through every schema check: their RayCluster
 # differs from the defaults only in the head's ports and flags)
@@ -281,7 +282,7 @@ def check_invariants(docs: list[dict]) -> list[str]:
             secret_mounts[m["mountPath"].rstrip("/")] = vol["secret"]
     secret_of = {}
     if args is not None:
-        for flag in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+        for flag in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "admin_token_file"):
             path = getattr(args, flag)
             if path is None:
                 continue
@@ -354,7 +355,8 @@ def check_invariants(docs: list[dict]) -> list[str]:
                 p.append("ServiceMonitor: https without a tlsConfig")
             if args is not None and args.tls_client_ca and not (ep.get("tlsConfig") or {}).get("cert"):
                 p.append("ServiceMonitor: the server wants a client certificate; tlsConfig has none")
-            token = secret_of.get("auth_token_file")  # (Secret, key) or None
+            # (Secret, key) or None: the admin token where there is one (it alone reads /metrics)
+            token = secret_of.get("admin_token_file") or secret_of.get("auth_token_file")
             cred = (ep.get("authorization") or {}).get("credentials") or {}
             if token is not None and (cred.get("name"), cred.get("key")) != token:
                 p.append(f"ServiceMonitor: authorization {cred} is not the server's token {token}")
@@ -1796,3 +1798,68 @@ def _merge(a: dict, b: dict) -> dict:
 def test_chart_readme_says_what_was_verified():
     text = (CHART / "README.md").read_text()
     assert "Verified offline" in text and "Not verified" in text
+
+
+# ================================================================ hardening: reserved keys, NOTES, production values
+
+
+def _render_without_schema(values: dict, tmp_path: Path) -> dict[str, str]:
+    """``helm template --skip-schema-validation``: the chart rendered with its values schema left out."""
+    import shutil
+
+    copy_dir = tmp_path / "specdist"
+    shutil.copytree(CHART, copy_dir)
+    (copy_dir / "values.schema.json").unlink()
+    return helm.Chart.load(copy_dir).render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+
+
+def test_reserved_draft_keys_fail_in_the_templates_without_the_schema(tmp_path):
+    """A key draft.settings may not use fails in the templates too: with the schema skipped,
+    ``draft.settings: {suffix_scope: shared}`` would otherwise undo tenant isolation (the config's last key wins)."""
+    reserved = _chart().schema["properties"]["draft"]["properties"]["settings"]["propertyNames"]["not"]["enum"]
+    cfg = yaml.safe_load(config_map([d for d in yaml.safe_load_all(
+        _render_without_schema({"draft": {"settings": {"repeat_cap": 2}}}, tmp_path)
+        ["specdist/templates/configmap.yaml"]) if d])["data"]["config.yaml"])
+    assert cfg["draft"]["repeat_cap"] == 2 and cfg["draft"]["suffix_scope"] == "tenant"  # the control renders
+    for key in [*reserved, "Bad-Key"]:
+        value = {"settings": {"x": 1}} if key == "settings" else "shared"
+        with pytest.raises(helm.HelmError) as e:
+            _render_without_schema({"draft": {"settings": {key: value}}}, tmp_path / key)
+        assert f"draft.settings.{key}" in str(e.value) or repr(key).replace("'", '"') in str(e.value), str(e.value)
+
+
+def _notes(values: dict) -> str:
+    out = _chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+    return out["specdist/templates/NOTES.txt"]
+
+
+def test_notes_say_when_the_release_is_not_locked_down():
+    notes = _notes({})
+    assert "WARNING: this release is not locked down" in notes
+    assert "no token (serve.auth.tokenSecretName)" in notes and "no TLS (serve.tls.secretName)" in notes
+    assert "open to any peer: gRPC, metrics" in notes
+    partly = _notes({"serve": {"auth": {"tokenSecretName": "t"}}, "networkPolicy": {"enabled": False}})
+    assert "no token" not in partly and "the token cross the network in plaintext" in partly
+    assert "open to any peer: every port (networkPolicy.enabled: false)" in partly
+    production = yaml.safe_load((CHART / "values-production.yaml").read_text())
+    assert "WARNING" not in _notes(production)
+
+
+def test_production_values_lock_the_release_down():
+    """values-production.yaml: TLS with client certificates, tenant tokens and an admin token that alone reads the
+    metrics (the ServiceMonitor scrapes with it), every public port admitting named peers only."""
+    docs = rendered("values-production.yaml")
+    head = pod_templates(one(docs, "RayCluster"))["head"]["spec"]["containers"][0]
+    args = shlex.split(head["args"][0])
+    auth = "/var/run/secrets/specdist/auth"
+    for flag, value in (("--auth-token-file", f"{auth}/tokens"), ("--admin-token-file", f"{auth}/admin"),
+                        ("--tls-client-ca", "/var/run/secrets/specdist/tls/ca.crt")):
+        assert value in args[args.index(flag) + 1], (flag, args)
+    sm = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert sm["scheme"] == "https" and sm["authorization"]["credentials"]["key"] == "admin"
+    cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
+    assert cfg.engine.prefix_cache_scope == "tenant" and cfg.limits.speculative_stats is False
+    public = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-public")]
+    assert public and all(rule.get("from") for p in public for rule in p["spec"]["ingress"])
+    with pytest.raises(helm.HelmError, match="serve.auth.adminTokenKey"):
+        render({"serve": {"auth": {"tokenSecretName": "t", "tokenKey": "k", "adminTokenKey": "k"}}})

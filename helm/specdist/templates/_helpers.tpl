@@ -89,6 +89,12 @@ app.kubernetes.io/part-of: specdist
 {{- if and .Values.bench.enabled (or .Values.serve.tls.secretName .Values.serve.auth.tokenSecretName) -}}
 {{- fail "bench.enabled: `specdist bench cluster` has no TLS or token flags; the bench job cannot reach a server with serve.tls or serve.auth" -}}
 {{- end -}}
+{{- if and .Values.serve.auth.adminTokenKey (not .Values.serve.auth.tokenSecretName) -}}
+{{- fail "serve.auth.adminTokenKey: needs serve.auth.tokenSecretName (the Secret holding it)" -}}
+{{- end -}}
+{{- if and .Values.serve.auth.adminTokenKey (eq .Values.serve.auth.adminTokenKey .Values.serve.auth.tokenKey) -}}
+{{- fail "serve.auth.adminTokenKey: must differ from serve.auth.tokenKey (the admin token is no tenant's)" -}}
+{{- end -}}
 {{- if and .Values.serve.tls.clientCA (not .Values.serve.tls.secretName) -}}
 {{- fail "serve.tls.clientCA: needs serve.tls.secretName (client certificates need TLS)" -}}
 {{- end -}}
@@ -105,6 +111,23 @@ app.kubernetes.io/part-of: specdist
 {{- if and (eq .Values.ray.auth.mode "disabled") .Values.ray.auth.secretName -}}
 {{- fail "ray.auth.secretName: only used with ray.auth.mode token" -}}
 {{- end -}}
+{{- /* draft.settings may not name a key the chart renders from a named value: the config would hold it twice and
+     the last would win (suffix_scope: shared undoing tenant isolation). The schema refuses them too; this holds
+     under --skip-schema-validation. */ -}}
+{{- range $key, $_ := .Values.draft.settings -}}
+{{- if has $key (include "specdist.reservedDraftKeys" $ | splitList " ") -}}
+{{- fail (printf "draft.settings.%s: the chart renders this key from its own value (draft.* or model.draft); set that instead" $key) -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z][a-z0-9_]*$" $key) -}}
+{{- fail (printf "draft.settings: %q is not a setting's name (lowercase letters, digits and _)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The draft keys the ConfigMap renders from named values (and "settings"): draft.settings may not use them.
+     values.schema.json's draft.settings.propertyNames lists the same (tests/deploy/test_helm_chart.py). */}}
+{{- define "specdist.reservedDraftKeys" -}}
+method model dtype num_speculative_tokens length_policy confidence_threshold ngram_min ngram_max suffix_max_depth suffix_min_prob suffix_max_spec_factor suffix_cache_requests suffix_cache_tokens suffix_scope suffix_min_score pipeline pipeline_miss q_top_k settings
 {{- end -}}
 
 {{/* Environment of every Ray container: no hub downloads; Ray auth when it is off. */}}
@@ -277,7 +300,7 @@ affinity:
 {{- with .Values.serve.http }}{{ if .enabled }} --http-port {{ .port | int }}{{ end }}{{ end -}}
 {{- with .Values.metrics }}{{ if .enabled }} --metrics-port {{ .port | int }}{{ end }}{{ end -}}
 {{- with .Values.serve.tls }}{{ if .secretName }} --tls-cert {{ $tls }}/tls.crt --tls-key {{ $tls }}/tls.key{{ if .clientCA }} --tls-client-ca {{ $tls }}/ca.crt{{ end }}{{ end }}{{ end -}}
-{{- with .Values.serve.auth }}{{ if .tokenSecretName }} --auth-token-file {{ include "specdist.authDir" $ }}/{{ .tokenKey }}{{ end }}{{ end -}}
+{{- with .Values.serve.auth }}{{ if .tokenSecretName }} --auth-token-file {{ include "specdist.authDir" $ }}/{{ .tokenKey }}{{ if .adminTokenKey }} --admin-token-file {{ include "specdist.authDir" $ }}/{{ .adminTokenKey }}{{ end }}{{ end }}{{ end -}}
 {{- end -}}
 
 {{/* The head's Secret volumes (TLS, token) and their read-only mounts. The files belong to root and to fsGroup
@@ -297,6 +320,10 @@ affinity:
     items:
       - key: {{ .tokenKey }}
         path: {{ .tokenKey }}
+      {{- with .adminTokenKey }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
 {{- end }}{{ end }}
 {{- end -}}
 
