@@ -118,26 +118,11 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
         raise SpecDistError(f"{args.config}: bench router on real replicas needs cluster.enabled and "
                             "cluster.replicas (or --simulate N)")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    import ray
-
-    own_ray = args.ray_address is None and not ray.is_initialized()
-    if own_ray:  # one local Ray cluster for every policy's replicas (each brought up and taken down on it)
-        import math
-        import os
-
-        from cluster.local import init_local_ray
-        from cluster.serve import ceil_cpus
-
-        init_local_ray(max(os.cpu_count() or 1, math.ceil(ceil_cpus(cfg))))
     results, skipped = [], []
-    try:
-        for p in policies:
-            r, skipped = run_policy(p, cfg.to_dict(), args.workload, args.requests, args.clients, args.output_scale,
-                                    args.temperature, args.ray_address, log, args.max_text_words)
-            results.append(r)
-    finally:
-        if own_ray:
-            ray.shutdown()
+    for p in policies:  # (each policy's replicas on a local Ray cluster of their own, unless --ray-address)
+        r, skipped = run_policy(p, cfg.to_dict(), args.workload, args.requests, args.clients, args.output_scale,
+                                args.temperature, args.ray_address, log, args.max_text_words)
+        results.append(r)
     header = (f"workload {args.workload}, {cfg.cluster.replica_plan.min} replicas of {args.config}, "
               f"{results[0].requests} requests ({len(skipped)} turns too long for engine.max_model_len left out), "
               f"{args.clients} clients, output scale {args.output_scale:g}, temperature {args.temperature:g}"
