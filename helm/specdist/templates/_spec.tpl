@@ -71,6 +71,25 @@ cluster:
   rebuild_attempts: {{ .rebuildAttempts | int }}
   collective_timeout_s: {{ .collectiveTimeoutSeconds | float64 }}
   {{- end }}
+  {{- $r := .Values.replicas }}
+  {{- if kindIs "map" $r }}
+  replicas:
+    min: {{ $r.min | int }}
+    max: {{ (hasKey $r "max" | ternary $r.max $r.min) | int }}
+    {{- if hasKey $r "targetOngoingRequests" }}
+    target_ongoing_requests: {{ if kindIs "invalid" $r.targetOngoingRequests }}null{{ else }}{{ include "specdist.yamlFloat" $r.targetOngoingRequests }}{{ end }}
+    {{- end }}
+    {{- if hasKey $r "upscaleDelaySeconds" }}
+    upscale_delay_s: {{ include "specdist.yamlFloat" $r.upscaleDelaySeconds }}
+    {{- end }}
+    {{- if hasKey $r "downscaleDelaySeconds" }}
+    downscale_delay_s: {{ include "specdist.yamlFloat" $r.downscaleDelaySeconds }}
+    {{- end }}
+  {{- else if kindIs "invalid" $r }}
+  replicas: null
+  {{- else }}
+  replicas: {{ $r | int }}
+  {{- end }}
 {{- with .Values.router }}
 router:
   policy: {{ .policy | quote }}
