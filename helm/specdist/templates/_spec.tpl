@@ -112,6 +112,11 @@ limits:
   max_n: {{ .maxN | int64 }}
   speculative_stats: {{ ternary true false (ne .speculativeStats false) }}
   max_queued_per_tenant: {{ if .maxQueuedPerTenant }}{{ .maxQueuedPerTenant | int64 }}{{ else }}null{{ end }}
+  max_messages: {{ .maxMessages | int64 }}
+  max_logprob_entries: {{ .maxLogprobEntries | int64 }}
+  http_idle_timeout_s: {{ include "specdist.yamlFloat" .httpIdleTimeoutSeconds }}
+  http_write_timeout_s: {{ include "specdist.yamlFloat" .httpWriteTimeoutSeconds }}
+  http_connections_per_peer: {{ if .httpConnectionsPerPeer }}{{ .httpConnectionsPerPeer | int64 }}{{ else }}null{{ end }}
 {{- end }}
 {{- end -}}
 
