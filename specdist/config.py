@@ -140,7 +140,7 @@ Shape::
       max_stop_token_ids: 64         # stop_token_ids per request
       max_request_id_chars: 256      # request_id length (at most 256); visible ASCII only (it is logged)
       max_n: 16                      # choices per HTTP request (n): each is one engine request
-      max_messages: 1024             # chat messages per request; each also costs 32 characters
+      max_messages: 1024             # chat messages per request; each past the first costs 32 characters
                                      #   (PROMPT_CHARS_PER_TOKEN) of max_prompt_chars
       max_logprob_entries: 262144    # n x (logprobs + 1) x max_tokens of one request (HTTP: 400 naming
                                      #   logprobs / top_logprobs past it)
@@ -464,7 +464,7 @@ class LimitsConfig:
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
     max_n: int = 16
-    max_messages: int = 1024  # chat messages per request (each also costs MESSAGE_COST_CHARS of the prompt limit)
+    max_messages: int = 1024  # chat messages per request (each past the first costs MESSAGE_COST_CHARS more)
     max_logprob_entries: int = 262144  # n x (logprobs + 1) x max_tokens of one request
     http_idle_timeout_s: float = 15.0  # an HTTP connection without a request in progress this long is closed
     http_write_timeout_s: float = 30.0  # an HTTP response whose client reads nothing this long is dropped

@@ -14,6 +14,7 @@ OpenAI-compatible HTTP API (:mod:`specdist.api.http_server`), both clients of on
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from specdist.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: an id is logged, so no newline or escape
+MESSAGE_COST_CHARS = PROMPT_CHARS_PER_TOKEN  # what a chat message counts against max_prompt_chars besides its text
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Limits:
     max_request_id_chars: int
     max_n: int
     speculative_stats: bool = True  # responses carry the drafted / accepted / steps counts
+    max_messages: int = 1024
+    max_logprob_entries: int = 262144  # n x (logprobs + 1) x max_tokens
 
     @classmethod
     def of(cls, engine) -> "Limits":
@@ -60,6 +64,8 @@ class Limits:
             max_request_id_chars=c.max_request_id_chars,
             max_n=c.max_n,
             speculative_stats=c.speculative_stats,
+            max_messages=c.max_messages,
+            max_logprob_entries=c.max_logprob_entries,
         )
 
 
@@ -78,11 +84,16 @@ def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_i
     """
     if n > limits.max_n:
         raise InvalidArgument("n", f"must be <= {limits.max_n}, got {n}")
+    if is_conversation(prompt) and len(prompt) > limits.max_messages:
+        raise InvalidArgument("prompt", f"has {len(prompt)} messages; the limit is {limits.max_messages}")
     if isinstance(prompt, str) or is_conversation(prompt):
-        chars = len(prompt) if isinstance(prompt, str) else sum(
+        # a message past the first costs MESSAGE_COST_CHARS besides its text: the template adds tokens for each,
+        # empty or not (one message counts as a text prompt does)
+        chars = len(prompt) if isinstance(prompt, str) else MESSAGE_COST_CHARS * (len(prompt) - 1) + sum(
             len(v) for m in prompt for v in m.values() if isinstance(v, str))
         if chars > limits.max_prompt_chars:
-            raise InvalidArgument("prompt", f"has {chars} characters; the limit is {limits.max_prompt_chars}")
+            each = "" if isinstance(prompt, str) else f" ({MESSAGE_COST_CHARS} for each message past the first)"
+            raise InvalidArgument("prompt", f"has {chars} characters{each}; the limit is {limits.max_prompt_chars}")
     elif isinstance(prompt, Sequence) and len(prompt) > limits.max_prompt_tokens:
         raise InvalidArgument("prompt", f"has {len(prompt)} token ids; the limit is {limits.max_prompt_tokens}")
     if params.max_tokens > limits.max_tokens:
@@ -97,6 +108,36 @@ def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_i
             "stop_token_ids", f"has {len(params.stop_token_ids)} ids; the limit is {limits.max_stop_token_ids}")
     if request_id is not None:
         check_request_id(limits, request_id)
+
+
+def body_values_budget(limits: Limits) -> int:
+    """The JSON values a request body within ``limits`` can need: its prompt's token ids, a few a message (role,
+    content, name, text parts), its stop lists, and a few dozen for the other fields."""
+    return limits.max_prompt_tokens + 8 * limits.max_messages + limits.max_stop + limits.max_stop_token_ids + 64
+
+
+def body_verdict(body: bytes, max_messages: int, max_values: int) -> tuple[str, str] | None:
+    """A large HTTP body checked before it is parsed where the event loop runs (the HTTP API runs this in a
+    process of its own): (field, message) when it is refused, "" naming the body itself; None when its shape
+    is within the limits (then parsing it there costs what a request within the limits costs)."""
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        return "", f"the body is not valid JSON: {e}"
+    messages = obj.get("messages") if isinstance(obj, dict) else None
+    if isinstance(messages, list) and len(messages) > max_messages:
+        return "messages", f"has {len(messages)} messages; the limit is {max_messages}"
+    values, stack = 0, [obj]
+    while stack:
+        v = stack.pop()
+        values += 1
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    if values > max_values:
+        return "", f"the body has {values} JSON values; a request within the limits has at most {max_values}"
+    return None
 
 
 def check_request_id(limits: Limits, request_id: str) -> None:

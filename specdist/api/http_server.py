@@ -72,8 +72,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import json
+import logging
+import multiprocessing
 import socket
 import time
 import uuid
@@ -90,7 +93,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdist.api.coordinator import Coordinator, Delta, RequestStream
 from specdist.errors import ErrorCode, FieldError, InvalidArgument
-from specdist.api.admission import Limits, bare_host, check_request, check_session_id, refusal_code, server_info
+from specdist.api.admission import (Limits, bare_host, body_values_budget, body_verdict, check_request,
+                                    check_session_id, refusal_code, server_info)
 from specdist.logprobs import TokenLogprob
 from specdist.engine.request import RequestMetrics
 from specdist.transport.security import (
@@ -99,9 +103,12 @@ from specdist.transport.security import (
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer
 
+log = logging.getLogger(__name__)
+
 GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (the coordinator has ended them)
 BODY_TIMEOUT_S = 30.0  # a request body not read whole within this gets 408 (slow uploads hold memory and a connection)
 SPARE_CONNECTIONS = 32  # connections past max_queued (metrics, models, refused tries) before a 503
+LOOP_PARSE_VALUES = 16384  # a body that may hold more JSON values is checked in the parser process first
 UNCAPPED_PATHS = frozenset({"/health"})  # answered past the connection cap: a probe must see a busy server as up
 # each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
 # server's state, to retry later, not a client's quota (429). CANCELLED: 499, the client closed.
@@ -440,6 +447,41 @@ class _OpenAIFrontEnd:
         self.limits = Limits.of(self.engine)
         self.model = model_name or self.info["target_model"]
         self.created = int(time.time())
+        self._parser: concurrent.futures.ProcessPoolExecutor | None = None  # made at the first large body
+
+    async def check_body(self, body: bytes) -> None:
+        """Refuse (400) a body whose JSON is larger than a request within the limits can be, without parsing it
+        on the event loop: parsing costs the loop time for each value (140,000 empty chat messages, 4 MB, cost
+        about a second), and a thread would hold the interpreter's lock all along. A body that may hold more
+        than LOOP_PARSE_VALUES values (counted from its brackets and commas, strings included: an upper bound)
+        is parsed in a process of its own (:func:`specdist.api.admission.body_verdict`) first."""
+        if body.count(b",") + body.count(b"[") + body.count(b"{") < LOOP_PARSE_VALUES:
+            return
+        args = (body, self.limits.max_messages, body_values_budget(self.limits))
+        try:  # submitted from a thread: the pool's first submit starts its process, which waits on the fork
+            verdict = await asyncio.wrap_future(await asyncio.to_thread(self._parser_pool().submit, body_verdict,
+                                                                        *args))
+        except concurrent.futures.BrokenExecutor:  # the process died (memory?): a fresh one next time
+            self._parser = None
+            log.exception("the HTTP body parser process died")
+            raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request body could not be checked; retry",
+                           type="server_error", code="unavailable") from None
+        if verdict is not None:
+            field, message = verdict
+            raise _bad(field, message) if field else APIError(HTTP_STATUS[ErrorCode.INVALID_ARGUMENT], message)
+
+    def _parser_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._parser is None:  # forkserver: a child of a clean process, not of this one and its threads
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
+            self._parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+        return self._parser
+
+    def close(self) -> None:
+        """Stop the parser process, if one was started."""
+        if self._parser is not None:
+            self._parser.shutdown(wait=False, cancel_futures=True)
+            self._parser = None
 
     async def open(self, call: _Call, tenant: str = "") -> list[RequestStream]:
         """Admit one engine request per choice (the prompt templated and tokenized once, off the
@@ -570,8 +612,10 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
 
     async def generate(request: Request, model: type[_Common], chat: bool) -> Response:
         front.check_room()  # a full server answers before it reads the body, renders or tokenizes (as gRPC does)
+        raw = await _body(request, front.limits.max_message_bytes)
+        await front.check_body(raw)
         try:
-            body = model.model_validate_json(await _body(request, front.limits.max_message_bytes))
+            body = model.model_validate_json(raw)
         except ValidationError as e:
             raise _schema_error(e) from None
         front.check_model(body)
@@ -839,6 +883,7 @@ class HttpServer:
     task: asyncio.Task
     host: str
     port: int
+    front: _OpenAIFrontEnd | None = None
 
     @property
     def address(self) -> str:
@@ -848,6 +893,8 @@ class HttpServer:
         """Stop accepting, let open responses end (within GRACEFUL_SHUTDOWN_S), close connections."""
         self.server.should_exit = True
         await asyncio.shield(self.task)
+        if self.front is not None:
+            self.front.close()
 
 
 async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
@@ -893,4 +940,4 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
             task.result()
             raise RuntimeError("the HTTP server exited during startup")
         await asyncio.sleep(0.005)
-    return HttpServer(server, task, host, bound)
+    return HttpServer(server, task, host, bound, app.app.state.front)

@@ -31,7 +31,7 @@ from support.helpers import TINY_CHAT_TEMPLATE, LoopThread, serving_in_process, 
 from specdist import Engine
 from specdist.config import PROMPT_CHARS_PER_TOKEN, load_config
 from specdist.errors import InvalidArgument
-from specdist.api.admission import Limits, check_request
+from specdist.api.admission import MESSAGE_COST_CHARS, Limits, check_request
 from specdist.sampling_params import SamplingParams
 from specdist.transport.security import ServerSecurity, bearer_metadata
 from specdist.api.serving import Backend, start_serving
@@ -170,8 +170,8 @@ def test_max_prompt_chars_default_follows_max_model_len(srv):
     explicit = SimpleNamespace(config=load_config({"limits": {"max_prompt_chars": 1 << 20}}), max_model_len=64)
     assert Limits.of(explicit).max_prompt_chars == 1 << 20  # an explicit setting is honoured
     limits, cap = Limits.of(srv.engine), MAX_MODEL_LEN * PROMPT_CHARS_PER_TOKEN
-    def chat(chars: int) -> list[dict]:  # every string of the messages counts, the roles too
-        return [{"role": "user", "content": "a" * (chars - 14)}, {"role": "assistant", "content": "b"}]
+    def chat(chars: int) -> list[dict]:  # every string of the messages counts, the roles too, and the second message
+        return [{"role": "user", "content": "a" * (chars - 14 - MESSAGE_COST_CHARS)}, {"role": "assistant", "content": "b"}]
 
     check_request(limits, chat(cap), SamplingParams())  # at the cap: passes the character check
     with pytest.raises(InvalidArgument) as e:
