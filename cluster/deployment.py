@@ -215,7 +215,7 @@ class Deployment:
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement, place_within
-        from specdist.api.admission import bare_host
+        from specdist.transport.hosts import bare_host
         from specdist.cores.proposers import check_draft, target_copy
         from specdist.models.metadata import ModelSources
         from specdist.models.quant import refuse_int8_on

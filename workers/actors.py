@@ -43,8 +43,8 @@ import torch
 
 from specdist import heap
 from specdist.cores.draft import WARMUP_ID
-from specdist.api.admission import bare_host
 from specdist.transport.grpc_host import GrpcHostThread
+from specdist.transport.hosts import bare_host
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import Proposal, StartItem, VerifyItem
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -304,7 +304,7 @@ class TargetRankActor(_ActorBase):
 
     @_shippable_errors
     def init_distributed(self, master_addr: str, master_port: int, device: str = "auto") -> None:
-        from specdist.engine.local import device_for
+        from specdist.models.devices import device_for
 
         self.device = device_for(device)
         if self.world_size == 1:
@@ -526,7 +526,7 @@ class DraftActor(_ActorBase):
         from specdist.cores.draft import build_drafter_core, load_draft_model
         from specdist.cores.draft_pipeline import pipelined
         from specdist.cores.proposers import check_draft, draft_traits
-        from specdist.engine.local import device_for
+        from specdist.models.devices import device_for
         from specdist.errors import ConfigError
         from specdist.models.metadata import ModelSources
 

@@ -7,7 +7,8 @@ OpenAI-compatible HTTP API (:mod:`specdist.api.http_server`), both clients of on
   name it (``max_tokens``, ``stop[2]``), which each front door maps onto its own names;
 - :func:`refusal_code`: the :class:`~specdist.errors.ErrorCode` a request refused before
   streaming gets (each front door maps it to its protocol's status);
-- :func:`bare_host`: a listening host without the brackets of an IPv6 literal;
+- :func:`bare_host` (:mod:`specdist.transport.hosts`, imported here for the front ends): a listening host
+  without the brackets of an IPv6 literal;
 - :func:`request_stats`: the per-request statistics both report at the end of a request;
 - :func:`server_info`: what is served (GetServerInfo, ``GET /v1/models``).
 """
@@ -26,6 +27,7 @@ from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.engine.prompts import is_conversation
 from specdist.engine.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
+from specdist.transport.hosts import bare_host as bare_host  # (the front ends import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +175,6 @@ def refusal_code(e: BaseException, what: str) -> ErrorCode:
         return code
     log.exception("%s failed before streaming", what)
     return ErrorCode.INTERNAL
-
-
-def bare_host(host: str) -> str:
-    """``host`` as sockets take it: an IPv6 literal without the brackets of ``[::1]:8000``."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def request_stats(m: RequestMetrics, speculative: bool = True) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, tar
 from specdist.models.loader import eos_token_ids
 from specdist.models.kernels import cpu_kernels
 from specdist.models.graphs import KVOptions
+from specdist.models.devices import device_for
 from specdist.models.memory_plan import Measure, MemoryPlan, measure_for, plan_memory, runner_profile
 from specdist.models.metadata import ModelSources
 from specdist.models.quant import refuse_int8_on
@@ -156,9 +157,3 @@ def sampler_passes(vocab: int, bsz: int, k: int, device: torch.device) -> list:
 
     return [lambda: run("rejection"), lambda: run("gumbel")]
 
-
-def device_for(name: str | None) -> torch.device:
-    """``auto``: CUDA when available, else CPU."""
-    if name in ("auto", None):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)

@@ -102,3 +102,10 @@ def test_specdist_reaches_workers_and_cluster_only_from_the_serving_entry_point(
     reaching = {name for name, path in _modules().items()
                 if any(i.split(".")[0] in ("workers", "cluster") for i in _imports(path))}
     assert reaching <= {"specdist.api.serving"}, reaching
+
+
+def test_workers_import_nothing_of_the_api() -> None:
+    """A worker hosts cores over the transport: the host strings and devices it needs sit below the servers."""
+    reaching = {name: sorted(i for i in _imports(path) if i.startswith("specdist.api"))
+                for name, path in _modules("workers").items()}
+    assert {name: found for name, found in reaching.items() if found} == {}
