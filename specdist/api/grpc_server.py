@@ -274,10 +274,12 @@ async def serve(
     line = tenant_scope_line(engine.config, len(token) if isinstance(token, tuple) else 1)
     if line is not None:
         print(f"[specdist] {line}", file=sys.stderr, flush=True)
-    if coordinator is None:  # (given: the front over Serve replicas, specdist.api.replica_set.ReplicaFront)
-        tenants = len(token) if isinstance(token, tuple) else 1
-        coordinator = Coordinator(engine, max_queued=max_queued,
-                                  tenant_quota=engine.config.limits.tenant_quota(max_queued, tenants))
+    tenants = len(token) if isinstance(token, tuple) else 1
+    quota = engine.config.limits.tenant_quota(max_queued, tenants)
+    if coordinator is None:
+        coordinator = Coordinator(engine, max_queued=max_queued, tenant_quota=quota)
+    else:  # the front over Serve replicas (specdist.api.replica_set.ReplicaFront): the same quota, over them all
+        coordinator.tenant_quota = quota
     coordinator.start()
     servicer = SpecDecodeServicer(coordinator, security.token, security.admin_token)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,

@@ -7,7 +7,8 @@ a Ray Serve replica (``cluster/serve.py``); the gRPC and HTTP servers of :mod:`s
 through a streaming Serve handle, the replica chosen by ``router.policy``
 (:class:`specdist.api.serve_router.SpecdistRequestRouter`, run by the handle in this process).
 
-Here a request is admitted (id unique in its scope, ``max_queued`` live requests at most), its prompt
+Here a request is admitted (id unique in its scope, ``max_queued`` live requests at most, ``tenant_quota`` of
+them one tenant's: ``limits.max_queued_per_tenant``, as one group's coordinator counts them), its prompt
 templated and tokenized (once: the replica takes the ids), its route made (:class:`RouteRequest`: the prompt's
 block hashes, its session key) and its stream opened on a replica through a :class:`ReplicaTransport`, whose
 first answer says which replica took it (or why none did: the replica's refusal, raised here as the same
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdist.api.coordinator import (
-    MAX_REQUEST_ID_LEN, Delta, DuplicateRequestId, EncodedPrompt, Overloaded, ShuttingDown, TOKENIZER_THREADS, scoped,
+    MAX_REQUEST_ID_LEN, Delta, DuplicateRequestId, EncodedPrompt, Overloaded, ShuttingDown, TOKENIZER_THREADS,
+    TenantQuotaExceeded, scoped,
 )
 from specdist.api.router import RouteRequest, block_hashes, session_key
 from specdist.engine.prompts import encode_prompt
@@ -202,10 +204,14 @@ class ReplicaFront:
     """A :class:`~specdist.api.coordinator.Coordinator`'s surface over replicas (module docstring)."""
 
     def __init__(self, engine: FrontEngine, transport: ReplicaTransport, max_queued: int = 256,
-                 counters: Callable[[], dict[str, int]] | None = None, metrics: Any = None):
+                 counters: Callable[[], dict[str, int]] | None = None, metrics: Any = None,
+                 tenant_quota: int | None = None):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if tenant_quota is not None and tenant_quota < 1:
+            raise ValueError(f"tenant_quota must be >= 1, got {tenant_quota}")
         self.engine, self.transport, self.max_queued = engine, transport, max_queued
+        self.tenant_quota = tenant_quota  # live requests one tenant may hold over all replicas (None: no quota)
         cfg = engine.config
         self.block_size = cfg.engine.kv_block_size
         self.session_blocks = cfg.router.session_blocks
@@ -214,6 +220,7 @@ class ReplicaFront:
         self.metrics = metrics if metrics is not None else FrontMetrics(self)
         self.availability_listeners: list[Callable[[bool], None]] = []
         self._live: dict[str, ReplicaStream] = {}
+        self._tenant_of: dict[str, str] = {}  # live request key -> its tenant (the quota counts them)
         self._draining = self._closed = False
         self._encoder = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "specdist-tokenize")
         self.tally: Tally[str] = Tally()  # requests_total / finished / cancelled / failed / retried
@@ -253,7 +260,8 @@ class ReplicaFront:
             return
         self._closed = self._draining = True
         for s in list(self._live.values()):
-            s.close()
+            if s is not None:  # (None: a request still being opened)
+                s.close()
         self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def check_room(self, n: int = 1) -> None:
@@ -289,13 +297,14 @@ class ReplicaFront:
                    session: str | None = None) -> ReplicaStream:
         """Admit a request and open its stream on a replica (``Coordinator.open``'s contract; ``session``: the
         client's session id, for affinity)."""
-        request_id = self._admissible(request_id, scope)
+        request_id = self._admissible(request_id, scope, tenant)
         if not isinstance(prompt, EncodedPrompt):
             prompt = await self.encode(prompt, chat)
-            request_id = self._admissible(request_id, scope)
+            request_id = self._admissible(request_id, scope, tenant)
         key = scoped(scope, request_id)
         route = self.route(prompt, params, key, tenant, session)
         self._live[key] = None  # type: ignore[assignment]  (reserved across the awaits below)
+        self._tenant_of[key] = tenant
         retried = False
         try:
             try:
@@ -309,6 +318,7 @@ class ReplicaFront:
                                                             avoid=getattr(e, "replica_id", ""))
         except BaseException:
             self._live.pop(key, None)
+            self._tenant_of.pop(key, None)
             raise
 
         async def reopen() -> tuple[Any, str]:
@@ -343,7 +353,7 @@ class ReplicaFront:
         self.routed[first.replica_id] += 1
         return call, first.replica_id
 
-    def _admissible(self, request_id: str | None, scope: str = "") -> str:
+    def _admissible(self, request_id: str | None, scope: str = "", tenant: str = "") -> str:
         self._check_serving()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -353,6 +363,10 @@ class ReplicaFront:
             raise DuplicateRequestId(request_id)
         if len(self._live) >= self.max_queued:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+        quota = self.tenant_quota
+        if quota is not None and sum(t == tenant for t in self._tenant_of.values()) >= quota:  # O(live)
+            raise TenantQuotaExceeded(f"this tenant holds {quota} live requests (limits.max_queued_per_tenant="
+                                      f"{quota}); retry later")
         return request_id
 
     async def cancel(self, request_id: str, scope: str = "") -> bool:
@@ -364,6 +378,7 @@ class ReplicaFront:
         return True
 
     def stream_closed(self, key: str, final: Delta | None) -> None:
+        self._tenant_of.pop(key, None)
         if self._live.pop(key, None) is None:
             return
         if final is None:

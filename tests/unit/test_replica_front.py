@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from specdist.api.coordinator import Delta, DuplicateRequestId, Overloaded, TargetDown
+from specdist.api.coordinator import Delta, DuplicateRequestId, Overloaded, TargetDown, TenantQuotaExceeded
 from specdist.api.replica_set import Admitted, FrontEngine, Refused, ReplicaFront
 from specdist.config import load_config
 from specdist.errors import ErrorCode, InvalidArgument
@@ -53,11 +53,11 @@ class Transport:
         return "died" if isinstance(exc, ReplicaDied) else None
 
 
-def _front(scripts, max_queued=4):
+def _front(scripts, max_queued=4, tenant_quota=None):
     cfg = load_config({"target": {"model": "unused"}, "router": {"policy": "round-robin"}})
     engine = FrontEngine(cfg, tokenizer=None, vocab_size=100, max_model_len=64, k=3, replicas=lambda: 2)
     t = Transport(scripts)
-    return ReplicaFront(engine, t, max_queued=max_queued), t
+    return ReplicaFront(engine, t, max_queued=max_queued, tenant_quota=tenant_quota), t
 
 
 def _tok(rid, ids, finish=None, code=None):
@@ -143,3 +143,57 @@ def test_cancel_cancels_the_replica_call_and_admission_bounds_hold():
     assert t.calls[0].cancelled and s.closed
     assert front.counters()["live_requests"] == 0 and front.tally["requests_cancelled"] == 1
     assert len(t.opened) == 1  # the refused opens never reached a replica
+
+
+def test_a_tenant_holds_at_most_its_quota_of_live_requests_over_all_replicas():
+    """limits.max_queued_per_tenant as one group's coordinator enforces it: RESOURCE_EXHAUSTED (HTTP 429) for the
+    tenant over its quota, before any replica is asked; other tenants still served; a place freed is its again."""
+    front, t = _front([[Admitted("A"), _tok("a1", [1])], [Admitted("B"), _tok("a2", [1])],
+                       [Admitted("A"), _tok("b1", [1])], [Admitted("B"), _tok("a3", [1])]], max_queued=8,
+                      tenant_quota=2)
+
+    async def go():
+        a1 = await front.open([1], request_id="a1", scope="acme", tenant="acme")
+        await front.open([1], request_id="a2", scope="acme", tenant="acme")
+        with pytest.raises(TenantQuotaExceeded) as e:
+            await front.open([1], request_id="a3", scope="acme", tenant="acme")
+        assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED and e.value.http_status == 429
+        assert len(t.opened) == 2  # refused here: no replica asked
+        await front.open([1], request_id="b1", scope="umbrella", tenant="umbrella")  # another tenant's place
+        assert await front.cancel("a1", scope="acme") and a1.closed
+        await front.open([1], request_id="a3", scope="acme", tenant="acme")  # a1's place is acme's again
+
+    asyncio.run(go())
+    assert [rid for rid, _ in t.opened] == ["a1", "a2", "b1", "a3"]
+    with pytest.raises(ValueError):
+        _front([], tenant_quota=0)
+
+
+def test_a_request_refused_by_its_replica_frees_its_tenant_s_place():
+    front, t = _front([[Refused(InvalidArgument("params.top_p", "bad"), "A")], [Admitted("A"), _tok("r2", [1])]],
+                      tenant_quota=1)
+
+    async def go():
+        with pytest.raises(InvalidArgument):
+            await front.open([1], request_id="r1", tenant="acme")
+        return await front.open([1], request_id="r2", tenant="acme")
+
+    assert asyncio.run(go()).replica_id == "A"
+
+
+def test_the_grpc_front_door_gives_the_replica_front_the_tenants_quota():
+    """``specdist serve`` with replicas hands its ReplicaFront to the gRPC server, which knows the tenants (one
+    token each): the front enforces the same quota a one-group server's coordinator would."""
+    from specdist.api.grpc_server import serve
+    from specdist.transport.security import ServerSecurity
+
+    front, _ = _front([], max_queued=5)
+    front.engine.config.limits.max_queued_per_tenant = None  # the default: half the places with several tenants
+
+    async def go():
+        server, coordinator = await serve(front.engine, "127.0.0.1", 0, 5, 0.0,
+                                          ServerSecurity(token=("tok-a", "tok-b")), coordinator=front)
+        await server.stop(0)
+        return coordinator
+
+    assert asyncio.run(go()) is front and front.tenant_quota == 3
