@@ -35,7 +35,7 @@ from specdist.api.coordinator import (
     MAX_REQUEST_ID_LEN, Delta, DuplicateRequestId, EncodedPrompt, Overloaded, ShuttingDown, TOKENIZER_THREADS,
     TenantQuotaExceeded, scoped,
 )
-from specdist.api.router import RouteRequest, block_hashes, session_key
+from specdist.api.router import DEFAULT_KIND, RouteRequest, block_hashes, session_key
 from specdist.engine.prompts import encode_prompt
 from specdist.errors import ErrorCode, InvalidArgument, SpecDistError, code_of
 from specdist.sampling_params import SamplingParams
@@ -283,26 +283,27 @@ class ReplicaFront:
         return EncodedPrompt(text, ids, arrival)
 
     def route(self, prompt: EncodedPrompt, params: SamplingParams | None, key: str, tenant: str,
-              session: str | None = None) -> RouteRequest:
+              session: str | None = None, kind: str | None = None) -> RouteRequest:
         """The router's view of a request: its prompt's block hashes (in its tenant's scope when prefixes are
-        cached per tenant) and its session key (its session id, else its first blocks; always with its
-        tenant)."""
+        cached per tenant), its session key (its session id, else its first blocks; always with its tenant) and
+        its kind (the replicas measure acceptance per kind: ``default`` when the caller names none)."""
         blocks = block_hashes(prompt.ids, self.block_size, tenant if self.tenant_prefixes else "")
         max_tokens = (params or SamplingParams()).max_tokens
-        return RouteRequest(key, len(prompt.ids), max_tokens, blocks,
-                            session=session_key(tenant, session or None, blocks, self.session_blocks))
+        return RouteRequest(key, len(prompt.ids), max_tokens, blocks, kind or DEFAULT_KIND,
+                            session_key(tenant, session or None, blocks, self.session_blocks))
 
     async def open(self, prompt: str | Sequence[int] | EncodedPrompt, params: SamplingParams | None = None,
                    request_id: str | None = None, chat: bool = False, scope: str = "", tenant: str = "",
-                   session: str | None = None) -> ReplicaStream:
+                   session: str | None = None, kind: str | None = None) -> ReplicaStream:
         """Admit a request and open its stream on a replica (``Coordinator.open``'s contract; ``session``: the
-        client's session id, for affinity)."""
+        client's session id, for affinity; ``kind``: what sort of request it is (``edit``, ``chat``, ...), whose
+        measured acceptance on each replica the ``speculative`` policy reads)."""
         request_id = self._admissible(request_id, scope, tenant)
         if not isinstance(prompt, EncodedPrompt):
             prompt = await self.encode(prompt, chat)
             request_id = self._admissible(request_id, scope, tenant)
         key = scoped(scope, request_id)
-        route = self.route(prompt, params, key, tenant, session)
+        route = self.route(prompt, params, key, tenant, session, kind)
         self._live[key] = None  # type: ignore[assignment]  (reserved across the awaits below)
         self._tenant_of[key] = tenant
         retried = False

@@ -14,7 +14,9 @@ The workload (:mod:`specdist.bench.router_workloads`) is cut to its first ``--re
   policy sends the same prompts); a turn that would not fit ``engine.max_model_len`` ends its session there;
 - ``--clients`` concurrent clients, each taking the next session (or single request) when it finished its last,
   and sending a session's turns one after the other (a closed loop, no think time); sessions carry their id as
-  the request's session (``ReplicaFront.open(session=...)``: the router's affinity key).
+  the request's session (``ReplicaFront.open(session=...)``: the router's affinity key) and every request its
+  workload kind (``open(kind=...)``: ``edit``, ``write``, ``chat``; the replicas measure tokens a step per kind,
+  which the ``speculative`` policy reads), as the simulator's requests carry theirs.
 
 Measured per request on the client side: TTFT and end to end from just before ``open`` to its first token and
 its end; from the final delta's :class:`~specdist.engine.request.RequestMetrics`: verification steps, tokens
@@ -105,7 +107,7 @@ async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, tempera
         params = SamplingParams(temperature=temperature, max_tokens=turn.max_tokens, ignore_eos=True,
                                 seed=zlib.crc32(turn.rid.encode()) & 0x7FFFFFFF)
         sent = time.perf_counter()
-        stream = await front.open(ids, params, request_id=turn.rid, session=turn.session)
+        stream = await front.open(ids, params, request_id=turn.rid, session=turn.session, kind=turn.kind)
         out: list[int] = []
         first = None
         final = None

@@ -9,6 +9,7 @@ import pytest
 
 from specdist.api.coordinator import Delta, DuplicateRequestId, Overloaded, TargetDown, TenantQuotaExceeded
 from specdist.api.replica_set import Admitted, FrontEngine, Refused, ReplicaFront
+from specdist.api.router import RouteRequest, session_key
 from specdist.config import load_config
 from specdist.errors import ErrorCode, InvalidArgument
 
@@ -42,10 +43,12 @@ class Transport:
     def __init__(self, scripts):
         self.scripts = list(scripts)  # one per open, in order
         self.opened: list[tuple[str, str]] = []  # (request id, avoid)
+        self.routes = []  # the RouteRequest of each open
         self.calls: list[Call] = []
 
     def open(self, prompt, params, request_id, scope, tenant, route, age_s, avoid=""):
         self.opened.append((request_id, avoid))
+        self.routes.append(route)
         self.calls.append(Call(self.scripts.pop(0)))
         return self.calls[-1]
 
@@ -197,3 +200,18 @@ def test_the_grpc_front_door_gives_the_replica_front_the_tenants_quota():
         return coordinator
 
     assert asyncio.run(go()) is front and front.tenant_quota == 3
+
+
+def test_the_route_carries_the_request_s_kind_and_session_to_the_router():
+    front, t = _front([[Admitted("A"), _tok("e", [1], "length")], [Admitted("A"), _tok("d", [1], "length")]])
+
+    async def go():
+        await _drain(await front.open(list(range(40)), request_id="e", tenant="acme", session="s1", kind="edit"))
+        await _drain(await front.open(list(range(40)), request_id="d", tenant="acme"))
+
+    asyncio.run(go())
+    edit, plain = t.routes
+    assert (edit.kind, plain.kind) == ("edit", "default")
+    assert edit.session == session_key("acme", "s1", (), 2) and edit.prompt_tokens == 40
+    assert plain.session == session_key("acme", None, plain.prompt_blocks, 2)  # no session: its first blocks
+    assert RouteRequest.from_dict(edit.to_dict()) == edit  # (what the handle call carries to Serve's router)
