@@ -27,7 +27,7 @@ def check_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise MissingDependency("--plot needs matplotlib: pip install matplotlib") from None
+        raise MissingDependency("--plot needs matplotlib: pip install 'specdist[bench]'") from None
 
 
 def _pyplot():

@@ -478,7 +478,7 @@ def tqdm_class():
     try:
         from tqdm import tqdm
     except ImportError:
-        raise BenchError("the progress bar needs tqdm: pip install tqdm (or pass --no-progress)") from None
+        raise BenchError("the progress bar needs tqdm: pip install 'specdist[bench]' (or pass --no-progress)") from None
     return tqdm
 
 

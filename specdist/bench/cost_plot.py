@@ -17,10 +17,14 @@ def plot_speedup(
     """Plot toy speedup against alpha in [0, 1) for each draft length in ``ks``.
 
     Draws a dashed break-even line at 1.0 and saves a PNG to ``path``, which
-    is returned. matplotlib is imported lazily with the Agg backend.
+    is returned. matplotlib (the ``bench`` extra) is imported here, with the Agg backend; without it a
+    ``MissingDependency`` says what to install.
     """
     if points < 2:
         raise ValueError(f"points must be >= 2, got {points!r}")
+    from specdist.bench.bench_plot import check_matplotlib
+
+    check_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
