@@ -14,21 +14,19 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config
-from specdist.cores.draft import DrafterCore, LocalDrafter, build_drafter_core, load_draft_model
-from specdist.cores.proposers import check_draft, draft_dtype, draft_traits, target_copy
+from specdist.cores.draft import DrafterCore, LocalDrafter, load_draft_model
+from specdist.cores.factory import build_draft_core, build_target_core, hosted_drafter, kv_options, prepare_passes
+from specdist.cores.proposers import ResolvedDraft, resolve_draft
 from specdist.models.loader import eos_token_ids
 from specdist.models.kernels import cpu_kernels
-from specdist.models.graphs import KVOptions
 from specdist.models.devices import device_for
-from specdist.models.memory_plan import Measure, MemoryPlan, measure_for, plan_memory, runner_profile
+from specdist.models.memory_plan import Measure, MemoryPlan, plan_memory, runner_profile
 from specdist.models.metadata import ModelSources
 from specdist.models.quant import refuse_int8_on
-from specdist.models.runner import CausalLMRunner, capture_graphs, compile_runner
-from specdist.cores.draft_pipeline import pipelined
 from specdist.engine.base import EngineBase
 from specdist.engine.output import PHASES, EngineStats
 from specdist.engine.scheduler import Scheduler
-from specdist.cores.target import LocalVerifier, VerifierCore
+from specdist.cores.target import LocalVerifier
 from specdist.cores.verify_batch import VerifyBatch
 from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -42,44 +40,42 @@ class Engine(EngineBase):
     graphs_s: float = 0.0  # seconds spent capturing CUDA graphs at load (engine.cuda_graphs)
     memory_plan: str = ""  # the paged caches' sizes and what they were planned from, one line (GPUs; GetServerInfo)
 
-    def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None):
+    def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None,
+                 resolved: ResolvedDraft | None = None):
+        """``resolved``: the config's draft section as :func:`~specdist.cores.proposers.resolve_draft` checked it,
+        if the caller did (else checked here)."""
         ec = config.engine
-        traits = draft_traits(config.draft)  # refuses a draft section no method serves, before anything is built
+        # refuses a draft section no method serves, before anything is built
+        resolved = resolve_draft(config.draft, config.target.dtype) if resolved is None else resolved
         # engine.cpu_kernels in this process (from_config applied it before loading; the runners read it); the
         # backend it chose is GetServerInfo's cpu_kernels
         self.cpu_kernels = cpu_kernels.configure(ec.cpu_kernels)
-        device = next(target.parameters()).device
         # on a GPU the paged caches start at one sequence each and take their size from the memory plan below
-        measure = measure_for(device)
-        kv = KVOptions.from_engine(ec, device, deferred=measure is not None)
-        self.target_core = VerifierCore(CausalLMRunner(target, ec.max_batch_size, ec.max_model_len,
-                                                       kv_cache_dtype=ec.kv_cache_dtype, kv=kv),
-                                        prefix_caching=ec.prefix_caching, prefix_scope=ec.prefix_cache_scope)
-        vocab = self.target_core.vocab_size
-        dc = config.draft
+        kv, measure = kv_options(ec, next(target.parameters()).device)
+        self.target_core = build_target_core(target, ec, kv)
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
-        share = self.target_core.prefix_kv if target_copy(dc) else None
+        share = self.target_core.prefix_kv if resolved.copy else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
-        self.draft_core: DrafterCore | None = build_drafter_core(dc, vocab, ec.max_batch_size, ec.max_model_len, draft,
-                                                                 prefix_source=share, defer_prefill=True,
-                                                                 prefix_caching=ec.prefix_caching,
-                                                                 prefix_scope=ec.prefix_cache_scope,
-                                                                 kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
+        self.draft_core: DrafterCore | None = build_draft_core(resolved, ec, kv, self.target_core.vocab_size, draft,
+                                                               prefix_source=share, defer_prefill=True)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.keep_hidden_layers(self.draft_core.hidden_layers)
-        k = dc.num_speculative_tokens if dc.enabled else 0
-        if kv.deferred:
+        dc = config.draft
+        k = dc.num_speculative_tokens if resolved.enabled else 0
+        if measure is not None:
             self.memory_plan = self._plan_memory(ec, k, measure).line()
-        if ec.compiled(self.target_core.runner.device.type):
-            self.compile_s = compile_runner(self.target_core.runner, "target", k, ec.compile_cache_dir)
-            if self.draft_core is not None and self.draft_core.runner is not None:
-                self.compile_s += compile_runner(self.draft_core.runner, "draft", k, ec.compile_cache_dir)
-        if ec.graphs(device.type):
-            self.graphs_s = capture_graphs(self.target_core.runner, self.draft_core.runner if self.draft_core else None, k)
-        drafters = ([LocalDrafter(pipelined(self.draft_core, traits.pipelined, dc.pipeline_miss))]
-                    if self.draft_core is not None else [])
+        runners = [(self.target_core.runner, "target")]
+        if self.draft_core is not None and self.draft_core.runner is not None:
+            runners.append((self.draft_core.runner, "draft"))
+        captures = []
+        for runner, role in runners:
+            seconds, capture = prepare_passes(runner, role, k, ec)
+            self.compile_s += seconds
+            captures += [capture] if capture is not None else []
+        self.graphs_s = sum(capture() for capture in captures)
+        drafters = ([LocalDrafter(hosted_drafter(self.draft_core, resolved))] if self.draft_core is not None else [])
         self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
-                                   eos_token_ids(target, tokenizer), traits=traits)
+                                   eos_token_ids(target, tokenizer), traits=resolved.traits)
 
     def _plan_memory(self, ec, k: int, measure: Measure) -> MemoryPlan:
         """Size the paged caches of the target and of a draft model from a profile of the passes serving runs
@@ -113,23 +109,26 @@ class Engine(EngineBase):
 
     @classmethod
     def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,
-                    target: torch.nn.Module | None = None, sources: ModelSources | None = None) -> "Engine":
+                    target: torch.nn.Module | None = None, sources: ModelSources | None = None,
+                    resolved: ResolvedDraft | None = None) -> "Engine":
         """Load the models a config names. ``tokenizer``: the target's, if the caller already has it;
         ``target``: the target model as the config's ``target`` section loads it, if the caller
         already has it (engines over one model share its weights; each keeps its own KV cache);
         ``sources``: the config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them, if
         the caller did (else resolved here, once: the target's spec, then ``draft.model``'s, before any weight
-        is read). Nothing below resolves a spec again."""
+        is read). Nothing below resolves a spec again. ``resolved``: the config's draft section as
+        :func:`~specdist.cores.proposers.resolve_draft` checked it, if the caller did (else checked here, once)."""
         from specdist.models.loader import gguf_parsed_once, load_model
         from specdist.models.metadata import resolve_sources
 
         cfg = load_config(source)
-        check_draft(cfg.draft)  # before anything resolves or loads
+        # before anything resolves or loads (the one check of the draft section)
+        resolved = resolve_draft(cfg.draft, cfg.target.dtype) if resolved is None else resolved
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         cpu_kernels.configure(cfg.engine.cpu_kernels)  # before the weights: native blocks are packed for the kernels
         device = device_for(cfg.engine.device)
-        refuse_int8_on(target_copy(cfg.draft), device.type)  # self-w8 on CUDA: refused before any weight loads
+        refuse_int8_on(resolved.copy, device.type)  # self-w8 on CUDA: refused before any weight loads
         sources = resolve_sources(cfg) if sources is None else sources
         with gguf_parsed_once():  # a GGUF model's tokenizer and weights: one parse of its header
             if tokenizer is None:
@@ -137,8 +136,8 @@ class Engine(EngineBase):
             if target is None:
                 target = load_model(sources.target, cfg.target.dtype, device, weights=cfg.target.weights)
             # a draft model checked against the target's vocabulary, or the target's own copy
-            draft = load_draft_model(cfg.draft, sources, draft_dtype(cfg), device, target, tokenizer)
-        return cls(cfg, target, tokenizer, draft)
+            draft = load_draft_model(cfg.draft, sources, resolved.dtype, device, target, tokenizer)
+        return cls(cfg, target, tokenizer, draft, resolved)
 
 
 def sampler_passes(vocab: int, bsz: int, k: int, device: torch.device) -> list:

@@ -8,7 +8,8 @@ a new module here: :func:`proposer_class` imports every module of this package t
 
 What the rest of the system needs of a method it reads off the method's class, never off a list of names:
 :func:`check_draft` (the ``draft:`` section against the registry: the config sits below the methods),
-:func:`draft_traits` (what the scheduler plans by), :func:`draft_dtype` and :func:`target_copy`.
+:func:`draft_traits` (what the scheduler plans by), :func:`draft_dtype` and :func:`target_copy`. A process that
+serves a config checks its section once, :func:`resolve_draft`, and passes the :class:`ResolvedDraft` on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdist.cores.proposers.base import PROPOSERS, Proposer
@@ -71,9 +73,36 @@ def check_draft(dc: DraftConfig) -> type[Proposer] | None:
     return cls
 
 
+@dataclass(frozen=True)
+class ResolvedDraft:
+    """A ``draft:`` section checked once (:func:`check_draft`) and what the system reads of its method: serving,
+    the engines, the deployment and a draft worker take it instead of checking the section again."""
+
+    section: DraftConfig
+    proposer: type[Proposer] | None  # the method's class; None for method none
+    traits: DraftTraits  # what the scheduler plans by
+    copy: str | None  # the copy of the target it drafts with (self-w8, self-w4), else None
+    dtype: str  # the dtype its model runs in
+
+    @property
+    def enabled(self) -> bool:
+        return self.proposer is not None
+
+
+def resolve_draft(dc: DraftConfig, target_dtype: str) -> ResolvedDraft:
+    """``dc`` checked (:func:`check_draft`, its ConfigErrors) and resolved: ``target_dtype`` (``target.dtype``) is
+    the dtype of a model that runs in the target's (:func:`draft_dtype`)."""
+    cls = check_draft(dc)
+    return ResolvedDraft(dc, cls, _traits(cls, dc), None if cls is None else cls.target_copy(dc.method),
+                         target_dtype if cls is not None and cls.runs_in_target_dtype else dc.dtype)
+
+
 def draft_traits(dc: DraftConfig) -> DraftTraits:
     """What the scheduler plans by, of ``dc``'s method (all False for ``none``)."""
-    cls = check_draft(dc)
+    return _traits(check_draft(dc), dc)
+
+
+def _traits(cls: type[Proposer] | None, dc: DraftConfig) -> DraftTraits:
     if cls is None:
         return DraftTraits()
     return DraftTraits(model_free=cls.model_free, pipelined=dc.pipeline and cls.drafts_ahead,
@@ -83,8 +112,7 @@ def draft_traits(dc: DraftConfig) -> DraftTraits:
 def draft_dtype(cfg: Config) -> str:
     """The dtype the draft's model runs in: ``draft.dtype`` for a model of its own; the target's for a copy of
     the target and for a head reading its hidden states (:attr:`Proposer.runs_in_target_dtype`)."""
-    cls = check_draft(cfg.draft)
-    return cfg.target.dtype if cls is not None and cls.runs_in_target_dtype else cfg.draft.dtype
+    return resolve_draft(cfg.draft, cfg.target.dtype).dtype
 
 
 def target_copy(dc: DraftConfig) -> str | None:
