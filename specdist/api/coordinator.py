@@ -48,7 +48,8 @@ Prompts: a text prompt is templated (``chat``) and tokenized on a small thread p
 loop's side (:meth:`encode`, ``specdist-tokenize-*`` threads) before its add command is queued,
 never on the engine thread: a huge prompt holds up no running stream. A bad prompt is refused
 from there with the same ``InvalidArgument`` naming the field; the engine thread only adds the
-token ids.
+:class:`~specdist.engine.prompts.EncodedPrompt` (its text, ids and arrival), which is not encoded
+or checked again.
 
 Errors told to clients: a failed request's final delta carries ``error`` (everything known, also
 logged where it happened: worker addresses, process ids, exception text) and ``message``, what
@@ -76,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdist.config import MAX_REQUEST_ID_LEN
-from specdist.engine.prompts import encode_prompt
+from specdist.engine.prompts import EncodedPrompt, encode_prompt
 from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
 from specdist.logprobs import TokenLogprob
 from specdist.api.metrics import Metrics
@@ -206,16 +207,6 @@ class _Tracked:
     error: str | None = None  # a failure the coordinator decided (else the request's own)
     message: str | None = None  # ... what the client is told of it
     code: ErrorCode | None = None
-
-
-@dataclass(frozen=True)
-class EncodedPrompt:
-    """A prompt templated and tokenized (:meth:`Coordinator.encode`): ``text`` (None for token ids),
-    ``ids``; ``arrival``: when it arrived (``time.perf_counter()``), before the tokenizing."""
-
-    text: str | None
-    ids: list[int]
-    arrival: float
 
 
 @dataclass
@@ -505,8 +496,11 @@ class Coordinator:
     async def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> EncodedPrompt:
         """Template (``chat``) and tokenize a prompt on the tokenizer threads, off the engine thread
         (:func:`specdist.engine.prompts.encode_prompt`: ``InvalidArgument`` naming the field)."""
-        arrival = time.perf_counter()
         self._check_serving()  # no tokenizing for a request that would be refused anyway
+        return await self._encode(prompt, chat)
+
+    async def _encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool) -> EncodedPrompt:
+        arrival = time.perf_counter()
         eng = self.engine
         text, ids = await asyncio.get_running_loop().run_in_executor(
             self._encoder, lambda: encode_prompt(eng.tokenizer, prompt, vocab_size=eng.vocab_size,
@@ -536,16 +530,16 @@ class Coordinator:
         holds every session already.
         """
         request_id = self._admissible(request_id, scope, tenant)
-        if not isinstance(prompt, EncodedPrompt):
-            prompt = await self.encode(prompt, chat)
-            request_id = self._admissible(request_id, scope, tenant)  # again: the server may have changed meanwhile
         key = scoped(scope, request_id)
         stream = RequestStream(self, request_id, key, tenant)
-        self._live[key] = stream  # reserved before the await: admission and ids stay race-free
+        self._live[key] = stream  # reserved now: its id and its room hold while the prompt is tokenized
         try:
+            if not isinstance(prompt, EncodedPrompt):
+                prompt = await self._encode(prompt, chat)
+                self._check_serving()  # the server may have stopped taking requests meanwhile
             added = self._call(lambda: self._add(prompt, params, key, tenant))
-        except BaseException:  # closed, or the engine thread died, since the checks above
-            del self._live[key]
+        except BaseException:  # a bad prompt, the caller gone, or closed / the engine thread died since the checks
+            self._live.pop(key, None)
             raise
         stream.admission = added
         try:
@@ -692,8 +686,8 @@ class Coordinator:
             added = stream.admission
             if added is not None and not added.done():  # not expected: its add command was failed
                 added.set_exception(self._engine_down())
-            if added is not None and (added.cancelled() or added.exception() is not None):
-                continue  # never admitted: open() raises its error (and forgets the id)
+            if added is None or added.cancelled() or added.exception() is not None:
+                continue  # never admitted (or still tokenized): open() raises its error (and forgets the id)
             self._dispatch(Delta(rid, [], "", "error", error=message, code=ErrorCode.UNAVAILABLE,
                                  message=ENGINE_DOWN_MESSAGE))
         self._availability_changed()
@@ -808,11 +802,8 @@ class Coordinator:
             return self._fail_everyone(e), None, False
 
     def _add(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str, tenant: str = "") -> None:
-        """Add a tokenized prompt (its ids: the engine's checks of them are cheap)."""
-        req = self.engine.add_request(prompt.ids, params, request_id, tenant=tenant)
-        req.prompt = prompt.text
-        req.metrics.arrival_time = prompt.arrival
-        self._tracked[request_id] = _Tracked(req)
+        """Add an encoded prompt (the engine takes it as it is: text, ids and arrival)."""
+        self._tracked[request_id] = _Tracked(self.engine.add_request(prompt, params, request_id, tenant=tenant))
 
     def _abort(self, request_id: str) -> bool:
         return request_id in self._tracked and self.engine.abort(request_id)

@@ -5,7 +5,8 @@
 and one :class:`~specdist.engine.scheduler.Scheduler` over them, held as ``scheduler``. An engine
 is not a scheduler: the names :class:`EngineBase` lists are the scheduler's, read, written and
 called there (``engine.step()``, ``engine.listeners.append(...)``, ``engine.target_diagnosis = ...``),
-and it adds the drivers that run requests to completion over the step (:meth:`EngineBase.generate`,
+and it adds where a prompt is encoded (:meth:`EngineBase.add_request`: once, and the scheduler takes
+the ids) and the drivers that run requests to completion over the step (:meth:`EngineBase.generate`,
 :meth:`EngineBase.stream`). What else a scheduler holds (its draft pool, its output processor)
 is reached through ``engine.scheduler``.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from specdist.engine.request import RequestOutput
+from specdist.engine.prompts import EncodedPrompt, encode_prompt
+from specdist.engine.request import Request, RequestOutput
 from specdist.engine.scheduler import Scheduler
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
+from specdist.transport.protocol import now
 
 
 class _OfScheduler:
@@ -38,8 +41,7 @@ class EngineBase:
 
     scheduler: Scheduler
 
-    # requests and the step
-    add_request = _OfScheduler()
+    # requests and the step (add_request: below, where the prompt is encoded)
     abort = _OfScheduler()
     release = _OfScheduler()
     step = _OfScheduler()
@@ -74,6 +76,25 @@ class EngineBase:
     coupling = _OfScheduler()
 
     last_output: RequestOutput  # the last :meth:`stream`'s final output (set when it ends)
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> EncodedPrompt:
+        """Template (``chat``), tokenize and check a prompt (:func:`~specdist.engine.prompts.encode_prompt`:
+        ``InvalidArgument`` naming the field); its arrival is now."""
+        arrival = now()
+        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len, chat=chat)
+        return EncodedPrompt(text, ids, arrival)
+
+    def add_request(self, prompt: str | Sequence[int] | Sequence[dict] | EncodedPrompt,
+                    params: SamplingParams | None = None, request_id: str | None = None, chat: bool = False,
+                    tenant: str = "") -> Request:
+        """Queue a request. ``prompt``: text, token ids or (``chat``) a conversation, encoded here once
+        (:meth:`encode`; ``chat``: in the model's chat template), or an :class:`EncodedPrompt` encoded
+        already (``chat`` is then ignored). ``tenant``: who it belongs to (the servers pass the caller's,
+        :func:`specdist.transport.security.tenant_of`)."""
+        if not isinstance(prompt, EncodedPrompt):
+            prompt = self.encode(prompt, chat)
+        return self.scheduler.add_request(prompt, params, request_id, tenant)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -13,14 +13,30 @@
 
 Everything here needs only the tokenizer, so callers can check a prompt before loading
 any weights. Errors are :class:`~specdist.errors.InvalidArgument` naming the field.
+
+A prompt is encoded once per request, where it arrives (:meth:`EngineBase.add_request
+<specdist.engine.base.EngineBase.add_request>`, the coordinator's tokenizer threads), and travels
+as an :class:`EncodedPrompt` to the scheduler, which takes it as checked.
 """
 
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from specdist.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt templated, tokenized and checked (:func:`encode_prompt`): ``text`` (None for token ids),
+    ``ids``; ``arrival``: when it arrived (``time.perf_counter()``, the engine's clock), before the tokenizing."""
+
+    text: str | None
+    ids: list[int]
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 def is_conversation(prompt: object) -> bool:

@@ -64,7 +64,7 @@ from specdist.engine.calls import REFUSED_CODES, PendingReleases, call_isolating
 from specdist.engine.draft_length import DraftLengthPolicy
 from specdist.engine.draft_pool import DraftPool, Replica
 from specdist.engine.output import PHASES, EngineStats, OutputProcessor, RequestFinished, StepEvent
-from specdist.engine.prompts import encode_prompt
+from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.request import Request
 from specdist.errors import ErrorCode, InvalidArgument
 from specdist.randomness import draft_seed
@@ -169,29 +169,29 @@ class Scheduler:
         return len(self.pool)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, chat: bool = False, tenant: str = "") -> Request:
-        """Queue a request. ``chat``: wrap a text prompt in the model's chat template (specdist.engine.prompts).
-        ``tenant``: who it belongs to (the servers pass the caller's, :func:`specdist.transport.security.tenant_of`)."""
+    def add_request(self, prompt: EncodedPrompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, tenant: str = "") -> Request:
+        """Queue a request whose prompt was encoded and checked where it arrived (:class:`EncodedPrompt`:
+        :meth:`EngineBase.add_request <specdist.engine.base.EngineBase.add_request>`, the coordinator's
+        tokenizer threads); its arrival time is the prompt's. ``tenant``: who it belongs to (the servers
+        pass the caller's, :func:`specdist.transport.security.tenant_of`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params", f"must be SamplingParams, got {type(params).__name__}")
-        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len, chat=chat)
         output = self.output.output_state(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
-            prompt=text,
-            prompt_ids=ids,
+            prompt=prompt.text,
+            prompt_ids=prompt.ids,
             params=params,
             output=output,
             seed=int(seed),
             core_id=self._new_core_id(),
             tenant=tenant,
         )
-        req.metrics.prompt_tokens = len(ids)
-        req.metrics.arrival_time = now()
+        req.metrics.prompt_tokens = len(prompt.ids)
+        req.metrics.arrival_time = prompt.arrival
         req.queued = True
         self.waiting.append(req)
         return req

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from specdist.api.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.engine.prompts import EncodedPrompt
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
 from support.helpers import collect
@@ -120,6 +121,8 @@ class FakeEngine:
 
     def add_request(self, prompt, params=None, request_id=None, **kwargs):
         self._touch()
+        if isinstance(prompt, EncodedPrompt):  # the coordinator's: tokenized on its threads
+            prompt = prompt.ids
         if not prompt:
             raise InvalidArgument("prompt", "is empty")
         params = params or SamplingParams(max_tokens=4)

@@ -18,6 +18,7 @@ from specdist.errors import ErrorCode, FieldError, blamed_item, code_of
 from specdist.api.admission import bare_host, refusal_code
 from specdist.transport.grpc_status import error_code, grpc_status, grpc_status_of
 from specdist.sampling_params import SamplingParams
+from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.scheduler import Scheduler
 from specdist.transport.protocol import CallTiming, Prefilled, TransportError, Verified, call_local, error_for_items
 
@@ -341,7 +342,8 @@ def _scheduler(target) -> Scheduler:
 def test_a_failing_item_is_dropped_and_the_rest_of_the_batch_verified() -> None:
     target = _Target()
     sched = _scheduler(target)
-    reqs = [sched.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)) for _ in range(3)]
+    reqs = [sched.add_request(EncodedPrompt(None, [1, 2, 3]), SamplingParams(max_tokens=2, ignore_eos=True))
+            for _ in range(3)]
     sched.step()  # admitted and verified once
     target.bad = {reqs[1].core_id}
     target.calls.clear()
@@ -358,7 +360,8 @@ def test_a_whole_call_failure_fails_every_request_with_its_code() -> None:
     sched = _scheduler(target)
     diagnosed = []
     sched.target_diagnosis = lambda: diagnosed.append(1) or "target rank 1 died"
-    reqs = [sched.add_request([1, 2], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(2)]
+    reqs = [sched.add_request(EncodedPrompt(None, [1, 2]), SamplingParams(max_tokens=4, ignore_eos=True))
+            for _ in range(2)]
     sched.step()
     target.whole = errors.Unavailable("worker", "the target group failed")
     sched.step()
@@ -370,7 +373,7 @@ def test_a_whole_call_failure_fails_every_request_with_its_code() -> None:
 def test_admission_requeues_on_resource_exhausted_and_fails_refused_items() -> None:
     target = _Target(whole=errors.ResourceExhausted("items", "no KV slot"))
     sched = _scheduler(target)
-    req = sched.add_request([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    req = sched.add_request(EncodedPrompt(None, [1, 2]), SamplingParams(max_tokens=2, ignore_eos=True))
     sched.step()
     assert req.queued and not req.finished and req.error is None  # back in the queue: no room is not a failure
     assert target.released == []  # refused before it changed anything: nothing to release
@@ -380,7 +383,7 @@ def test_admission_requeues_on_resource_exhausted_and_fails_refused_items() -> N
     sched.step()
     assert req.output.finish_reason == "error" and req.error.startswith("target: INVALID_ARGUMENT: items[0].seq_len")
     target.bad, target.whole = set(), errors.Unavailable("worker", "down")
-    other = sched.add_request([3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    other = sched.add_request(EncodedPrompt(None, [3, 4]), SamplingParams(max_tokens=2, ignore_eos=True))
     sched.step()
     assert other.output.finish_reason == "error"
     assert other.core_id in target.released  # a failure that is not a refusal may have started it: released

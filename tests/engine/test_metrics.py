@@ -17,6 +17,7 @@ from support.helpers import LoopThread, model_drafter, tiny_config
 from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.api.metrics import FINISH_REASONS, Metrics
+from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
 from specdist.api.serving import ListenError, run_serve, start_serving
 from specdist.cores.target import LocalVerifier
@@ -147,7 +148,8 @@ def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
     sched = Scheduler(cfg, LocalVerifier(eng.target_core), [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
                       eng.tokenizer, eng.eos_ids)
     metrics = Metrics(sched)
-    reqs = [sched.add_request([1 + i, 2, 3], SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True))
+    reqs = [sched.add_request(EncodedPrompt(None, [1 + i, 2, 3]),
+                              SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True))
             for i in range(4)]
     sched.step()
     mid = scrape(metrics)
