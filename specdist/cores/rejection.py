@@ -47,20 +47,6 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > RESIDUAL_EPS, r / mass.clamp(min=RESIDUAL_EPS), p)
 
 
-def one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The exact distribution of the token emitted at one draft position.
-
-    Draft ``x ~ q``; with probability ``a(x)`` emit ``x``, else emit a residual sample:
-    ``P(y) = q(y) a(y) + r(y) * sum_x q(x) (1 - a(x))``. Built from the same
-    :func:`acceptance_probability` and :func:`residual_distribution` the sampler uses,
-    so enumeration tests check the real components. Shapes: [..., V] -> [..., V].
-    """
-    a = acceptance_probability(p, q)
-    accepted = q * a
-    rejected_mass = (q * (1 - a)).sum(-1, keepdim=True)
-    return accepted + rejected_mass * residual_distribution(p, q)
-
-
 def final_uniforms(sample_uniforms: torch.Tensor, n: torch.Tensor) -> torch.Tensor:  # [B]
     """The uniform that samples each request's final token, which lands at index ``n`` [B] (its
     accepted drafts): ``sample_uniforms`` [B] as it is, or [B, K+1] at column ``n``."""

@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 from support.helpers import devices, remote_engine_like, tiny_config
+from support.rejection_law import one_step_distribution
 from support.gtest import K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, draft_stats, g_test_outputs, joint
 
 from specdist.cores.proposers.eagle3 import Eagle3Proposer
-from specdist.cores.rejection import one_step_distribution
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams

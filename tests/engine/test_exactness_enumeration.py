@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 import torch
 
+from support.rejection_law import one_step_distribution
+
 from specdist.cores.sampling import process_logits, sample_from
 from specdist.cores.rejection import (
     VerifyResult,
     acceptance_probability,
     final_uniforms,
-    one_step_distribution,
     rejection_sample,
     residual_distribution,
 )

@@ -3,8 +3,8 @@
 Layout, per layer: ``k[layer]`` and ``v[layer]`` are ``[num_blocks, block_size, n_kv_heads, head_dim]``.
 A sequence ("slot", as in :class:`~specdist.models.kv.slots.SlotKVCache`, whose interface this
 keeps) owns the blocks its table lists: position ``p`` lives in block ``table[p // block_size]``
-at row ``p % block_size``. Block 0 is never handed out: padded tokens of a batch write there
-(:attr:`scratch_block`) and padded table entries point there.
+at row ``p % block_size``. Block 0, the scratch block, is never handed out: padded tokens of a batch
+write there and padded table entries point there.
 
 Costs:
 - Memory is ``num_blocks * block_size * bytes_per_token``, sized by tokens held, not by
@@ -95,10 +95,6 @@ class PagedKVCache:
         return -(-num_tokens // block_size)
 
     # ------------------------------------------------------------ the SlotKVCache surface
-    @property
-    def scratch_block(self) -> int:
-        return 0
-
     @property
     def num_free(self) -> int:
         return len(self._free_slots)
