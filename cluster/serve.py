@@ -435,21 +435,23 @@ def ceil_cpus(cfg: Config) -> int:
 class SpecdistFront:
     """The front doors as a Serve deployment, for a Serve application of its own (KubeRay's RayService): its
     replica serves ``specdist.v1.SpecDecode`` (gRPC: health, reflection, TLS, tenant tokens, limits) and, with
-    ``http_port``, the OpenAI-compatible HTTP API, on fixed ports of its node, over the replicas' handle, as
-    ``specdist serve`` does in its own process. One per node at most (``max_replicas_per_node``: the ports)."""
+    ``http_port``, the OpenAI-compatible HTTP API, and with ``metrics_port`` Prometheus ``/metrics``, on fixed ports
+    of its node, over the replicas' handle, as ``specdist serve`` does in its own process. One per node at most
+    (``max_replicas_per_node``: the ports)."""
 
     async def __init__(self, config: dict, replicas: Any, grpc_port: int = 50051, http_port: int | None = None,
                        host: str = "0.0.0.0", max_queued: int = 256, drain_seconds: float = 5.0,
                        tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-                       auth_token_file: str | None = None):
+                       auth_token_file: str | None = None, admin_token_file: str | None = None,
+                       metrics_port: int | None = None):
         from ray import serve
 
         from specdist.api.grpc_server import serve as grpc_serve
         from specdist.models.metadata import resolve_sources
-        from specdist.transport.security import ServerSecurity
+        from specdist.transport.security import ServerSecurity, start_metrics_server
 
         cfg = load_config(config)
-        security = ServerSecurity.from_args(tls_cert, tls_key, tls_client_ca, auth_token_file)
+        security = ServerSecurity.from_args(tls_cert, tls_key, tls_client_ca, auth_token_file, admin_token_file)
         sources = resolve_sources(cfg)
         info = await replicas.describe.remote()
         self.replicas = make_front(cfg, sources.tokenizer(), replicas, info, max_queued,
@@ -463,6 +465,9 @@ class SpecdistFront:
             from specdist.api.http_server import start_http
 
             self.http = await start_http(front, host, http_port, security=security)
+        self.metrics_server = None
+        if metrics_port is not None:
+            self.metrics_server = start_metrics_server(metrics_port, host, front.metrics.registry, security)
         self.drain_seconds = drain_seconds
 
     async def check_health(self) -> None:
@@ -475,25 +480,37 @@ class SpecdistFront:
         return {"grpc": self.server.port, "http": self.http.port if self.http is not None else None}
 
     def __del__(self) -> None:
+        m = getattr(self, "metrics_server", None)
+        if m is not None:
+            m.shutdown()
+            m.server_close()
         r = getattr(self, "replicas", None)
         if r is not None:
             r.close()
 
 
+# build_app's args: the config, worker_host and front_resource, and SpecdistFront's own keyword arguments
+BUILD_APP_ARGS = frozenset({"config", "grpc_port", "http_port", "metrics_port", "host", "max_queued", "drain_seconds",
+                            "worker_host", "front_resource", "tls_cert", "tls_key", "tls_client_ca", "auth_token_file",
+                            "admin_token_file"})
+
+
 def build_app(args: dict) -> Any:
     """Serve's application builder (``import_path: cluster.serve:build_app`` in a Serve config; KubeRay's
     RayService renders one from the chart's values). ``args``: ``config`` (specdist's config, a mapping or a
-    path; ``cluster.replicas`` set), and the front doors' ``grpc_port``, ``http_port``, ``host``, ``max_queued``,
-    ``drain_seconds``, ``worker_host``, ``tls_cert``, ``tls_key``, ``tls_client_ca``, ``auth_token_file``
-    (as ``specdist serve``'s flags). Checked here, so a bad config fails the deploy in one line."""
+    path; ``cluster.replicas`` set), and the front doors' ``grpc_port``, ``http_port``, ``metrics_port``, ``host``,
+    ``max_queued``, ``drain_seconds``, ``worker_host``, ``tls_cert``, ``tls_key``, ``tls_client_ca``,
+    ``auth_token_file``, ``admin_token_file`` (as ``specdist serve``'s flags); ``front_resource``: a custom Ray
+    resource that only the node whose ports the clients reach offers (the chart's head: ``specdist_front``), one
+    unit of which the front asks for instead of CPU, so it runs there. Checked here, so a bad config fails the
+    deploy in one line."""
     from ray import serve
 
     from specdist.api.serving import check_config
     from specdist.models.metadata import resolve_sources
 
     args = dict(args)
-    unknown = set(args) - {"config", "grpc_port", "http_port", "host", "max_queued", "drain_seconds", "worker_host",
-                           "tls_cert", "tls_key", "tls_client_ca", "auth_token_file"}
+    unknown = set(args) - BUILD_APP_ARGS
     if unknown:
         raise ReplicasError(f"build_app: unknown args {sorted(unknown)}")
     cfg = load_config(args.pop("config"))
@@ -504,7 +521,9 @@ def build_app(args: dict) -> Any:
     drain = float(args.get("drain_seconds", 5.0))
     sources = resolve_sources(cfg)
     replicas = replica_app(cfg, sources, max_queued, drain, args.pop("worker_host", "127.0.0.1"))
+    front_resource = args.pop("front_resource", None)
+    actor = {"num_cpus": 0, "resources": {front_resource: 1}} if front_resource else {"num_cpus": 0.1}
     return serve.deployment(SpecdistFront).options(
-        name="SpecdistFront", num_replicas=1, max_replicas_per_node=1, ray_actor_options={"num_cpus": 0.1},
+        name="SpecdistFront", num_replicas=1, max_replicas_per_node=1, ray_actor_options=actor,
         max_ongoing_requests=max_queued, graceful_shutdown_timeout_s=drain,
     ).bind(cfg.to_dict(), replicas, **args)
