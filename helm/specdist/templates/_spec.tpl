@@ -121,8 +121,11 @@ limits:
 {{- end -}}
 
 {{/* The RayCluster spec: the RayCluster form's spec (raycluster.yaml) and the RayService's rayClusterConfig
-     (rayservice.yaml). */}}
+     (rayservice.yaml). The two forms share the head's image, security, Secrets, ports and scheduling; they differ in
+     what the head runs (`specdist serve`, or Ray alone: KubeRay deploys the Serve application onto it), its probes
+     and the worker groups (target + draft, or one `replica` pod a Serve replica). */}}
 {{- define "specdist.rayClusterSpec" -}}
+{{- $svc := eq (include "specdist.rayService" .) "true" -}}
 {{- $full := include "specdist.fullname" . -}}
 {{- $gpu := eq (include "specdist.useGpu" .) "true" -}}
 {{- $cfgDir := include "specdist.configDir" . -}}
@@ -132,10 +135,12 @@ limits:
 {{- $startupBudget := add (int .Values.serve.workerWaitSeconds) (int .Values.serve.bringupTimeoutSeconds) 120 -}}
 rayVersion: {{ .Values.rayVersion | quote }}
 enableInTreeAutoscaling: false
+{{- if not $svc }}
 # A changed spec (a new config, image or shape) recreates every pod: the deployment's shape is fixed
 # at bring-up (one placement group per draft), so draft scaling is a restart of the whole deployment.
 upgradeStrategy:
   type: Recreate
+{{- end }}
 {{- if eq .Values.ray.auth.mode "token" }}
 authOptions:
   mode: token
@@ -150,19 +155,30 @@ headGroupSpec:
     spec:
       clusterIP: None
       publishNotReadyAddresses: true
-  # Nothing of the deployment runs on the head but the public server: no Ray CPUs/GPUs to schedule on.
+  # Nothing of the deployment runs on the head but the public server: no Ray CPUs/GPUs to schedule on. In the
+  # RayService form the front doors (Serve deployment SpecdistFront) run here: build_app's front_resource makes
+  # them ask for this one unit, so that they land on the pod the Service reaches; they take no CPU.
   rayStartParams:
     num-cpus: "0"
     num-gpus: "0"
+    {{- if $svc }}
+    resources: {{ printf "{\"%s\": 1}" (include "specdist.frontResource" .) | quote | quote }}
+    {{- end }}
   template:
     metadata:
       labels:
         {{- include "specdist.podLabels" . | nindent 8 }}
         specdist.io/role: head
       annotations:
-        # The container below starts Ray itself ($KUBERAY_GEN_RAY_START_CMD), then specdist serve.
+        # The container below starts Ray itself ($KUBERAY_GEN_RAY_START_CMD), then specdist serve (RayService
+        # form: waits for the replica pods, then for Ray).
         ray.io/overwrite-container-cmd: "true"
         checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+        {{- if $svc }}
+        # Any change of the Serve config changes the cluster spec too, so KubeRay upgrades by a new cluster
+        # (zero downtime) and never redeploys the application in place (the front's fixed ports would close).
+        checksum/serve-config: {{ include "specdist.serveConfig" . | sha256sum }}
+        {{- end }}
     spec:
       # SIGTERM: specdist serve drains (--drain-seconds), then stops the actors and placement groups.
       terminationGracePeriodSeconds: {{ include "specdist.gracePeriod" . }}
@@ -176,11 +192,24 @@ headGroupSpec:
           imagePullPolicy: {{ .Values.image.pullPolicy }}
           command: ["/bin/bash", "-c", "--"]
           args:
+            {{- if $svc }}
+            # The head turns Ready (readinessProbe: the marker) once every replica pod joined Ray: KubeRay submits
+            # the Serve config only to a Ready head, and build_app checks that the replicas fit the live nodes.
+            - |-
+              ulimit -n 65536
+              /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &
+              ray_pid=$!
+              trap 'kill -TERM "$ray_pid"' TERM
+              python {{ $cfgDir }}/wait_for_workers.py --workers {{ include "specdist.replicasMax" . }} --timeout {{ .Values.serve.workerWaitSeconds | int }}
+              touch {{ include "specdist.joinedMarker" . }}
+              wait "$ray_pid"
+            {{- else }}
             - |-
               ulimit -n 65536
               /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &
               python {{ $cfgDir }}/wait_for_workers.py --workers {{ include "specdist.expectedWorkers" . }} --timeout {{ .Values.serve.workerWaitSeconds | int }}
               exec specdist serve --config {{ $cfgDir }}/config.yaml --host 0.0.0.0 --port {{ $port }} --max-queued {{ .Values.serve.maxQueued | default 256 | int }} --drain-seconds {{ .Values.serve.drainSeconds | int }} --ray-address auto --worker-host {{ .Values.serve.workerHost }}{{ include "specdist.serveExtraArgs" . }}
+            {{- end }}
           env:
             {{- include "specdist.env" . | trim | nindent 12 }}
           ports:
@@ -211,6 +240,26 @@ headGroupSpec:
           # Service stops routing to a draining or rebuilding server), liveness asks Liveness, so that a
           # rebuild does not get the head restarted in the middle of it. With TLS: exec probes
           # (specdist.probe in _helpers.tpl), which start a Python process: hence the longer timeouts.
+          {{- if $svc }}
+          # RayService form: the head runs Ray, Serve's controller and the front doors. Readiness: every replica pod
+          # has joined (the marker of the command above); not the front's health, which comes up only after
+          # KubeRay, waiting for a Ready head, submits the Serve config. Which head the Service reaches is
+          # KubeRay's: the active cluster's, switched only once its application runs. Liveness: the raylet.
+          readinessProbe:
+            exec:
+              command: ["test", "-e", {{ include "specdist.joinedMarker" . | quote }}]
+            periodSeconds: 5
+            timeoutSeconds: 2
+            failureThreshold: 1
+          livenessProbe:
+            httpGet:
+              path: /api/local_raylet_healthz
+              port: 52365
+            initialDelaySeconds: 30
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 60
+          {{- else }}
           startupProbe:
             {{- include "specdist.probe" (dict "root" $ "service" "" "timeout" (ternary 10 1 $tls)) | nindent 12 }}
             periodSeconds: 10
@@ -223,6 +272,7 @@ headGroupSpec:
             {{- include "specdist.probe" (dict "root" $ "service" "specdist.v1.Liveness" "timeout" (ternary 10 5 $tls)) | nindent 12 }}
             periodSeconds: 10
             failureThreshold: 6
+          {{- end }}
           resources:
             {{- toYaml (default dict .Values.head.resources) | nindent 12 }}
           {{- include "specdist.containerSecurity" . | nindent 10 }}
@@ -249,6 +299,51 @@ headGroupSpec:
         {{- . | nindent 8 }}
         {{- end }}
 workerGroupSpecs:
+  {{- if $svc }}
+  # RayService form: one pod a Serve replica, holding its whole speculative group (cluster/placement.py
+  # replica_bundles: the replica's own bundle, every target rank and every draft, STRICT_PACK with tensor
+  # parallelism), so Serve places, restarts, scales and drains a group as one. replicas.max pods from the start
+  # (no in-tree autoscaler): Serve's autoscaler starts and drains replicas on them between min and max.
+  - groupName: replica
+    replicas: {{ include "specdist.replicasMax" . }}
+    minReplicas: {{ include "specdist.replicasMax" . }}
+    maxReplicas: {{ include "specdist.replicasMax" . }}
+    rayStartParams:
+      num-cpus: {{ include "specdist.replicaCpus" . | quote }}
+      num-gpus: {{ include "specdist.replicaGpus" . | quote }}
+    template:
+      metadata:
+        labels:
+          {{- include "specdist.podLabels" . | nindent 10 }}
+          specdist.io/role: replica
+      spec:
+        {{- include "specdist.podSecurity" . | nindent 8 }}
+        {{- with (include "specdist.scheduling" (dict "v" .Values.replicaPod "root" $) | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        containers:
+          - name: ray-worker
+            image: {{ include "specdist.image" . }}
+            imagePullPolicy: {{ .Values.image.pullPolicy }}
+            env:
+              {{- include "specdist.env" . | trim | nindent 14 }}
+            resources:
+              {{- include "specdist.resources" (dict "v" .Values.replicaPod "gpus" (include "specdist.replicaGpus" .) "root" $) | nindent 14 }}
+            {{- include "specdist.containerSecurity" . | nindent 12 }}
+            {{- /* our own probes: KubeRay would otherwise inject a readiness check of a Serve proxy on this pod,
+                   and the proxy runs on the head only (proxy_location HeadOnly) */}}
+            {{- include "specdist.workerProbes" . | nindent 12 }}
+            volumeMounts:
+              {{- include "specdist.writableMounts" . | nindent 14 }}
+              {{- with (include "specdist.modelVolumeMount" . | trim) }}
+              {{- . | nindent 14 }}
+              {{- end }}
+        volumes:
+          {{- include "specdist.writableVolumes" . | nindent 10 }}
+          {{- with (include "specdist.modelVolume" . | trim) }}
+          {{- . | nindent 10 }}
+          {{- end }}
+  {{- else }}
   # The tensor-parallel target: ONE pod holding every rank (cluster/placement.py packs the ranks
   # on one node), so the pod offers tensorParallelSize GPUs, or the ranks' CPUs.
   - groupName: target
@@ -328,4 +423,129 @@ workerGroupSpecs:
           {{- . | nindent 10 }}
           {{- end }}
   {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/* "true" in the RayService form: `replicas` set (a count or {min, max, ...}); "false" in the RayCluster form. */}}
+{{- define "specdist.rayService" -}}
+{{- not (kindIs "invalid" .Values.replicas) -}}
+{{- end -}}
+
+{{/* The most replicas (and replica pods): the count, or replicas.max (replicas.min without one). */}}
+{{- define "specdist.replicasMax" -}}
+{{- $r := .Values.replicas -}}
+{{- if kindIs "map" $r }}{{ (hasKey $r "max" | ternary $r.max $r.min) | int }}{{ else }}{{ $r | int }}{{ end -}}
+{{- end -}}
+
+{{/* The custom Ray resource only the head offers, which the front doors ask for (build_app's front_resource). */}}
+{{- define "specdist.frontResource" -}}specdist_front{{- end -}}
+
+{{/* The file the RayService head's command writes once every replica pod has joined (its readiness). */}}
+{{- define "specdist.joinedMarker" -}}/tmp/specdist-replica-pods-joined{{- end -}}
+
+{{/* Ray CPUs of one replica pod: one replica's placement group (cluster/placement.py replica_bundles: the
+     replica's own bundle COORDINATOR_BUNDLE, 0.1 CPU, then the ranks and the drafts), rounded up (Ray counts
+     whole CPUs a node). */}}
+{{- define "specdist.replicaCpus" -}}
+{{- $ranks := mulf .Values.target.tensorParallelSize .Values.target.cpusPerRank -}}
+{{- $drafts := mulf .Values.draft.replicas .Values.draft.cpusPerReplica -}}
+{{- addf 0.1 $ranks $drafts | ceil | int -}}
+{{- end -}}
+
+{{/* GPUs of one replica pod: one a target rank (target.gpusPerPod) plus the drafts'. */}}
+{{- define "specdist.replicaGpus" -}}
+{{- add (int .Values.target.gpusPerPod) (mul (int .Values.draft.replicas) (int .Values.draft.gpusPerReplica)) -}}
+{{- end -}}
+
+{{/* Ray Serve's config of the RayService form (serveConfigV2; ray.serve.schema.ServeDeploySchema): one
+     application, the builder cluster.serve:build_app, whose args are specdist's config (the ConfigMap's
+     config.yaml, from the same named template) and the front doors' flags as `specdist serve` takes them. No
+     `deployments` overrides: build_app derives the replicas' Serve options (num_replicas, or autoscaling_config
+     from replicas.min / max / ...) from the config's cluster.replicas, so the two cannot disagree. Serve's own
+     HTTP proxy runs on the head only, on 8000, where KubeRay checks its health (/-/healthz) to label the head
+     for the Service; the application is not exposed through it (route_prefix null): clients reach the front's
+     own gRPC / HTTP ports. */}}
+{{- define "specdist.serveConfig" -}}
+{{- $tls := include "specdist.tlsDir" . -}}
+{{- $auth := include "specdist.authDir" . -}}
+proxy_location: HeadOnly
+http_options:
+  host: 0.0.0.0
+  port: {{ include "specdist.serveProxyPort" . }}
+applications:
+  - name: specdist
+    import_path: cluster.serve:build_app
+    route_prefix: null
+    args:
+      grpc_port: {{ .Values.serve.port | int }}
+      {{- if .Values.serve.http.enabled }}
+      http_port: {{ .Values.serve.http.port | int }}
+      {{- end }}
+      {{- if .Values.metrics.enabled }}
+      metrics_port: {{ .Values.metrics.port | int }}
+      {{- end }}
+      host: 0.0.0.0
+      max_queued: {{ .Values.serve.maxQueued | default 256 | int }}
+      drain_seconds: {{ .Values.serve.drainSeconds | int }}
+      worker_host: {{ .Values.serve.workerHost | quote }}
+      front_resource: {{ include "specdist.frontResource" . }}
+      {{- with .Values.serve.tls }}{{ if .secretName }}
+      tls_cert: {{ $tls }}/tls.crt
+      tls_key: {{ $tls }}/tls.key
+      {{- if .clientCA }}
+      tls_client_ca: {{ $tls }}/ca.crt
+      {{- end }}
+      {{- end }}{{ end }}
+      {{- with .Values.serve.auth }}{{ if .tokenSecretName }}
+      auth_token_file: {{ $auth }}/{{ .tokenKey }}
+      {{- if .adminTokenKey }}
+      admin_token_file: {{ $auth }}/{{ .adminTokenKey }}
+      {{- end }}
+      {{- end }}{{ end }}
+      config:
+        {{- include "specdist.config" . | nindent 8 }}
+{{- end -}}
+
+{{/* Ray Serve's HTTP proxy port on the head (Serve's and KubeRay's default, 8000: KubeRay checks it there). */}}
+{{- define "specdist.serveProxyPort" -}}8000{{- end -}}
+
+{{/* Checks of the RayService form (each fails with the value's key first). */}}
+{{- define "specdist.validateRayService" -}}
+{{- $r := .Values.replicas -}}
+{{- if and (kindIs "map" $r) (hasKey $r "max") (lt (int $r.max) (int $r.min)) -}}
+{{- fail (printf "replicas.max: must be >= replicas.min (%d), got %d" (int $r.min) (int $r.max)) -}}
+{{- end -}}
+{{- if .Values.bench.enabled -}}
+{{- fail "bench.enabled: the bench RayJob runs on the RayCluster form's cluster; with replicas (the RayService form) run `specdist bench cluster --server <Service>` yourself" -}}
+{{- end -}}
+{{- $proxy := int (include "specdist.serveProxyPort" .) -}}
+{{- range $p := list (list true "serve.port" .Values.serve.port) (list .Values.serve.http.enabled "serve.http.port" .Values.serve.http.port) (list .Values.metrics.enabled "metrics.port" .Values.metrics.port) -}}
+{{- if and (index $p 0) (eq (int (index $p 2)) $proxy) -}}
+{{- fail (printf "%s: port %d is Ray Serve's HTTP proxy on the head in the RayService form (replicas set; KubeRay checks its health there): pick another" (index $p 1) $proxy) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The ports of the public Service (service.yaml; the RayService's serveService), by the head container's port
+     names. */}}
+{{- define "specdist.servicePorts" -}}
+- name: grpc
+  port: {{ .Values.serve.port | int }}
+  targetPort: grpc
+  protocol: TCP
+  {{- if not .Values.serve.tls.secretName }}
+  appProtocol: kubernetes.io/h2c
+  {{- end }}
+{{- if .Values.serve.http.enabled }}
+- name: http
+  port: {{ .Values.serve.http.port | int }}
+  targetPort: http
+  protocol: TCP
+{{- end }}
+{{- if .Values.metrics.enabled }}
+- name: http-metrics
+  port: {{ .Values.metrics.port | int }}
+  targetPort: http-metrics
+  protocol: TCP
+{{- end }}
 {{- end -}}
