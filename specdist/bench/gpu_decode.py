@@ -8,7 +8,7 @@ model's dtype (``--dtype``, bfloat16 on GPUs):
   token), the paged cache and, on CUDA, captured graphs; decode tokens/s from the request's own first and
   last token times (the prefill left out), over ``--tokens`` tokens after a warm-up request;
 - **transformers**: ``model.generate`` (greedy, its default dynamic cache) on the same model and prompt, over
-  ``--hf-tokens`` tokens (its steady speed needs few: at 13 tok/s each is 75 ms of the lease); its tokens are
+  ``--hf-tokens`` tokens (its steady speed needs few, and each is slow); its tokens are
   compared with specdist's over those;
 - **bound**: the bytes of weights a token reads (every parameter, the input embedding table but the
   row it reads left out) over the device's copy bandwidth measured here (a device-to-device copy,

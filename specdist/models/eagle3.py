@@ -596,8 +596,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def quantize_linears(head: Eagle3Head) -> Eagle3Head:
     """The head's linears (fc, attention, MLP, lm_head) on int8 weights per output row, in place, where
     the CPU's Q8 block kernel runs them (:class:`specdist.models.quant.Int8WeightOnlyLinear`): a pass at
-    batch 1 reads a quarter of the bytes. Measured on the built-in model's random head (16,384-token
-    draft vocabulary): 13.5 -> 3.5 ms a pass, total variation 0.002 between the two q (docs/performance.md).
+    batch 1 reads a quarter of the bytes (its figures: docs/performance.md).
     The draft's numerics are its own: exactness does not depend on them. Elsewhere nothing changes."""
     from specdist.models.kernels import cpu_kernels
     from specdist.models.quant import quantize_model_int8

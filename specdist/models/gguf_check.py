@@ -10,8 +10,9 @@ nothing per element beyond the walk itself; metadata arrays longer than ``MAX_AR
 are refused (a tokenizer's vocabulary and merges are a few hundred thousand: every element later
 becomes Python objects in transformers' reader).
 
-Bounds by the bytes left are not enough: gguf's reader spends about 3 kB and 90 us on each metadata entry and
-tensor, so a 2 MB file of 100,000 one-byte entries cost it 9 s and 313 MB. Hence absolute caps, far above what
+Bounds by the bytes left are not enough: gguf's reader spends memory and time on each metadata entry and
+tensor, so a small file of many one-byte entries costs it seconds and hundreds of MB (docs/performance.md,
+"Figures moved from docstrings"). Hence absolute caps, far above what
 real files hold (a few dozen entries; about 10 tensors a layer, 30 with unmerged experts): ``MAX_METADATA``
 entries, ``MAX_METADATA_BYTES`` of metadata and ``MAX_ARRAY`` array elements in all, ``MAX_TENSORS`` tensors and,
 where the header says its architecture's ``block_count``, ``TENSORS_PER_BLOCK`` a block plus ``TENSORS_OUTSIDE``.

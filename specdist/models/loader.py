@@ -189,8 +189,8 @@ def _fast_gguf_reader(base: type) -> type:
     """gguf's ``GGUFReader`` with array fields parsed from a ``memoryview`` of the mapped file.
 
     The stock reader makes a numpy view of each array element (two per string): a tokenizer's
-    vocabulary and merges are ~100,000 strings, which took it 10 s here, and transformers then
-    turns each string view into a list of numpy scalars (another 7 s). This reader gives each
+    vocabulary and merges are ~100,000 strings, which takes it seconds, and transformers then
+    turns each string view into a list of numpy scalars (seconds more). This reader gives each
     element a ``memoryview`` slice instead (``nbytes``, indexing, ``tolist()`` and ``bytes()`` as
     the numpy part had), with the same parts, indices and types; everything else is the stock
     reader's. Files of the host's byte order only (all GGUF files in use: little-endian)."""
@@ -314,7 +314,7 @@ def _restore_gguf_parsers(saved: tuple) -> None:
 
 def _copied(x):
     """A copy of parsed GGUF metadata: dicts and lists copied, immutable leaves (str, numbers) shared,
-    anything else deep-copied. ``copy.deepcopy`` visits each of a vocabulary's 100,000 strings (1 s)."""
+    anything else deep-copied (``copy.deepcopy`` would visit each of a vocabulary's 100,000 strings)."""
     if isinstance(x, dict):
         return {k: _copied(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

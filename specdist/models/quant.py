@@ -21,7 +21,7 @@ never from the draft.
 **Int4 groups** (:class:`Int4GroupLinear`): a weight ``[out, in]`` stored as 4-bit codes
 ``c in 0..15`` with one bf16 ``(scale, zero)`` pair per 32 input columns of a row, computed as
 ``w = (c - 8) * scale + zero`` by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16
-activations; fp32 activations take a path 10x slower). This is GGUF's Q4_0 (``zero = 0``)
+activations; fp32 activations take a much slower path). This is GGUF's Q4_0 (``zero = 0``)
 and Q4_1 (``w = d * c + m``: ``scale = d``, ``zero = m + 8 d``) block layout, so a GGUF
 file's own blocks run as they are stored (:mod:`specdist.models.native`); Q8_0's signed 8-bit
 codes ``c8 = 16 h + l`` (``h in -8..7``, ``l in 0..15``) become two int4 halves over a doubled

@@ -53,11 +53,11 @@ kernels of :mod:`specdist.models.kernels.cpu_kernels` attend instead (each row f
 that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose matmuls all
 run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
 :func:`cpu_kernels.decoder_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
-between them, which at batch 1 was about a third of a forward. A layer of dense float32 weights is one call
-too for calls of up to ``cpu_kernels.F32_MAX_ROWS`` tokens (:func:`cpu_kernels.f32_mm` reads the weights once
-for all the rows, where torch's GEMM re-packs them at every call: a 7-token verification of the default model
-on one core ran 1.6x faster), and so is a float32 output head; larger calls (prefills, large batches) take
-torch's GEMM op by op.
+between them (at batch 1 that Python is a large share of a forward). A layer of dense float32 weights is one
+call too for calls of up to ``cpu_kernels.F32_MAX_ROWS`` tokens (:func:`cpu_kernels.f32_mm` reads the weights
+once for all the rows, where torch's GEMM re-packs them at every call), and so is a float32 output head; larger
+calls (prefills, large batches) take torch's GEMM op by op. Figures: docs/performance.md, "Figures moved from
+docstrings".
 
 Two passes share the decoder stack (:meth:`CausalLMRunner._layers`) and differ in how they
 attend. The eager pass runs at the call's own shapes. The static pass (:meth:`CausalLMRunner.compile`,
@@ -602,8 +602,8 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
     """The KV cache's dtype for ``engine.kv_cache_dtype``: ``model``: the model's own; ``float16``: half
     the bytes, read by the CPU attention kernels (their rows convert each element exactly); ``auto``:
     float16 where those kernels run attention for a model on quantized blocks (``blocks``: a GGUF target's
-    own, a self draft's), whose numerics are llama.cpp's already (at 16 requests or 1000 cached tokens
-    attention reads the cache from memory, and half the bytes make it 1.6-2x faster: docs/performance.md); the
+    own, a self draft's), whose numerics are llama.cpp's already (with many requests or long contexts
+    attention reads the cache from memory, and half the bytes read are faster: docs/performance.md); the
     model's own elsewhere, so a float model keeps transformers' numerics. ConfigError for float16 where
     the kernels do not run (torch's attention would need a converted copy)."""
     check_kv_cache_dtype(choice)
@@ -618,10 +618,9 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
 
 def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n, D] -> [B, n, V]
     """The output projection. A float32 head on the CPU runs :func:`cpu_kernels.f32_mm` up to
-    ``F32_MAX_ROWS`` rows (the weights read once: [7, 576] x [576, 49152] in 13 ms on one core, torch's GEMM
-    25). Past that, a torch GEMM whose row count is 2 or 3 mod 4 takes the row-by-row path: measured here
-    for [M, 576] x [576, 49152], M = 1..8: 10.5, 22.6, 33.9, 17.3, 17.4, 24.2, 35.2, 18.1 ms. Zero rows
-    pad M to the next multiple of 4 (results sliced off)."""
+    ``F32_MAX_ROWS`` rows (the weights read once for all the rows). Past that, torch's GEMM takes a slow
+    row-by-row path when the row count is 2 or 3 mod 4, so zero rows pad M to the next multiple of 4 (results
+    sliced off). Figures: docs/performance.md, "Figures moved from docstrings"."""
     bsz, n, dim = hs.shape
     m = bsz * n
     if hs.device.type != "cpu" or type(head) not in (torch.nn.Linear, HalfStoredLinear):

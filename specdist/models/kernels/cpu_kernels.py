@@ -23,8 +23,8 @@ of 1.25.
 **Dense float32.** :func:`f32_mm` computes ``x @ W.T`` on a Linear's own float32 weight for a few rows (a
 decode or verification step): tiles of 3 rows of ``x`` against 4 rows of ``W``, each output a dot product over
 ``K`` in a fixed order (rows batch-invariant), ``W`` streamed from memory once for all the rows and
-prefetched 64 kB ahead. torch's GEMM re-packs the weights at every call, which at 4-16 rows cost 1.3-3.8x
-more here; past about :data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
+prefetched 64 kB ahead. torch's GEMM re-packs the weights at every call, which costs more than this at a few
+rows; past about :data:`F32_MAX_ROWS` rows torch's GEMM is the faster one, and the runner uses it there.
 The weight may be held in bfloat16 or float16 where that dtype holds it exactly (a bf16 or fp16 checkpoint
 loaded in float32, :class:`specdist.models.dtypes.HalfStoredLinear`): each element converts exactly to float32
 as it is loaded, the arithmetic is the same, and the bits are those of the float32 weight at half the bytes.
@@ -559,8 +559,8 @@ DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weights f32_mm 
 def f32_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight.T -> [M, N]`` float32, ``weight [N, K]`` as a Linear holds it (no repacking): each
     output a dot product summed in an order fixed by K alone, so rows do not depend on the batch, and the
-    weights read once for up to a few dozen rows (torch's GEMM re-packs them for every call; at 7 rows it
-    ran 3x slower than at one, where this costs about what reading the weights does). ``weight`` may be
+    weights read once for up to a few dozen rows (torch's GEMM re-packs them for every call, where this costs
+    about what reading the weights does). ``weight`` may be
     float32, bfloat16 or float16: each element converts exactly to float32 as it is loaded and the arithmetic
     is the same, so the result has the bits of ``f32_mm(x, weight.float())`` at half the bytes read."""
     x = _dense(x, torch.float32)
