@@ -3,6 +3,8 @@
 :class:`DraftPool` holds one :class:`Replica` per drafter transport and decides:
 
 - **choice**: which replica a new request goes to (by predicted speed, then load);
+- **calls**: a replica's ``start`` and ``propose`` go through :meth:`DraftPool.call`, the replicas' proposals
+  in parallel (:meth:`DraftPool.propose`);
 - **ejection**: a replica that failed a whole call (the worker down, hung past its deadline,
   erroring) or was reported down (:meth:`DraftPool.replica_down`) takes no new requests;
 - **probing**: at the start of a step an ejected replica is probed off the step's thread (a
@@ -14,19 +16,20 @@
   down is not called at all until it answers a probe.
 
 It knows requests only by the fields the scheduler gives them for drafting (``replica``,
-``on_drafter``, ``core_id``); what a request does without drafts is the scheduler's business.
+``on_drafter``, ``core_id``) and calls nothing of the scheduler: it returns each call's results, and
+what a request does with them, or without drafts, is the scheduler's business.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specdist.engine.calls import Call, PendingReleases
-from specdist.transport.protocol import Drafter, TransportError, now
+from specdist.engine.calls import Call, PendingReleases, per_item
+from specdist.transport.protocol import Drafter, ProposeItem, TransportError, now
 
 log = logging.getLogger(__name__)
 
@@ -101,16 +104,27 @@ class DraftPool:
         room[i] -= 1
         return i
 
-    def run(self, work: dict, fn: Callable) -> list:
-        """``fn(i, work[i])`` for each replica i in ``work``, on a thread each when several (replicas
-        work in parallel); the results in ``work``'s order."""
+    # ---------------------------------------------------------------- calls
+    def call(self, i: int, method: str, items: list) -> tuple:
+        """``method`` ("start" or "propose") of replica i's drafter on ``items``, through the scheduler's
+        transport call (:func:`~specdist.engine.calls.call_isolating`: results, failed items, timing, wall); a call that failed as a whole (no
+        item blamed: the worker down, hung past its deadline, erroring) ejects the replica."""
+        out = self._call(getattr(self.replicas[i].drafter, method), items)
+        failed = out[1]
+        if failed and len(failed) == len(items) and not per_item(failed.values()):
+            self.eject(i, next(iter(failed.values())).describe())
+        return out
+
+    def propose(self, work: dict[int, list[ProposeItem]]) -> dict[int, tuple]:
+        """Propose ``work[i]`` on each replica i (:meth:`call`), the replicas in parallel (a thread each when
+        several); each replica's result, by replica."""
         if len(work) == 1:
-            [(i, w)] = work.items()
-            return [fn(i, w)]
+            [(i, items)] = work.items()
+            return {i: self.call(i, "propose", items)}
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="specdist-propose")
-        futures = [self._executor.submit(fn, i, w) for i, w in work.items()]
-        return [f.result() for f in futures]
+        futures = {i: self._executor.submit(self.call, i, "propose", items) for i, items in work.items()}
+        return {i: f.result() for i, f in futures.items()}
 
     # ---------------------------------------------------------------- health
     def eject(self, i: int, message: str) -> None:

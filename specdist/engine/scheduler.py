@@ -127,7 +127,7 @@ class Scheduler:
         self.max_batch_size = ec.max_batch_size
         self.max_prefill_tokens = ec.max_prefill_tokens  # None: no bound
         self.stats = EngineStats()
-        self._lock = threading.Lock()  # stats counters touched from the propose threads
+        self._lock = threading.Lock()  # stats.calls: also counted on the propose threads (DraftPool.propose)
         self._call = functools.partial(call_isolating, count=self._count_call)  # every transport call
         self.pool = DraftPool(drafters if config.draft.enabled else (), draft_max_batch_size or ec.max_batch_size,
                               self._call)
@@ -364,27 +364,31 @@ class Scheduler:
 
     # ---------------------------------------------------------------- propose
     def _propose(self, reqs: list[Request], ks: list[int]) -> None:
-        by_rep: dict[int, list[tuple[Request, int]]] = {}
+        """Propose ``ks[b]`` tokens for each request b that drafts: one call per replica, the replicas in
+        parallel (:meth:`DraftPool.propose`), then each replica's proposals folded into its requests."""
+        work: dict[int, list[tuple[Request, int]]] = {}
         for r, k in zip(reqs, ks):
             if k > 0:
-                by_rep.setdefault(r.replica, []).append((r, k))
-        if not by_rep:
+                work.setdefault(r.replica, []).append((r, k))
+        if not work:
             return
         t0 = now()
-        spans = self.pool.run(by_rep, self._propose_on)
+        results = self.pool.propose({i: [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len,
+                                                     hidden=_joined(r.hidden)) for r, k in w]
+                                     for i, w in work.items()})
         wall = now() - t0
+        spans = [self._proposed(i, work[i], *results[i]) for i in work]
         compute = max((c for c, _ in spans), default=0.0)  # replicas draft in parallel: the slowest counts
         remote = any(rem for _, rem in spans)
         self.stats.phase_s["draft"] += min(compute, wall) if remote else wall
         if remote:
             self.stats.phase_s["network"] += wall - min(compute, wall)
 
-    def _propose_on(self, i: int, work: list[tuple[Request, int]]) -> tuple[float, bool]:
-        """Propose on replica i (may run on the pool's threads). Returns (its compute seconds, is remote)."""
+    def _proposed(self, i: int, work: list[tuple[Request, int]], proposals, failed, timing: CallTiming,
+                  wall: float) -> tuple[float, bool]:
+        """Replica i's answer to ``work`` (its requests and lengths): each proposal onto its request, a
+        request whose item failed detached. Returns (the replica's compute seconds, is remote)."""
         rep = self.replicas[i]
-        items = [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len,
-                             hidden=_joined(r.hidden)) for r, k in work]
-        proposals, failed, timing, wall = self._call(rep.drafter.propose, items)
         ok = [r for j, (r, _) in enumerate(work) if j not in failed]
         ntok = 0
         policy = self.length_policy
@@ -394,9 +398,7 @@ class Scheduler:
             r.proposal = p
             r.num_accepted, r.new_tokens, r.hidden = 0, [], []  # committed on the drafter
             ntok += len(p)
-        if timing.hidden_s:
-            with self._lock:
-                self.stats.draft_hidden_s += timing.hidden_s
+        self.stats.draft_hidden_s += timing.hidden_s
         if ntok:
             rep.propose_s += wall
             rep.proposed_tokens += ntok
@@ -407,8 +409,6 @@ class Scheduler:
             lengths = [k for j, (_, k) in enumerate(work) if j not in failed] if self._planned_costs \
                 else [len(p) for p in proposals]
             policy.observe_draft(i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0))
-        if failed and len(failed) == len(items) and not per_item(failed.values()):
-            self.pool.eject(i, next(iter(failed.values())).describe())
         for j, e in failed.items():  # detached from the drafter; released by the step afterwards
             self._detach(work[j][0], f"draft {rep.drafter.name}: {e.describe()}")
         compute = timing.total if rep.drafter.is_remote else wall
@@ -454,7 +454,8 @@ class Scheduler:
 
     def _prefill(self, new: list[Request]) -> tuple[list[Request], list[Request]]:
         """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
-        ok, requeue, errors, prefilled = self._start_on(self.verifier.prefill, self._release_target, new, int)
+        ok, requeue, errors, prefilled = self._start_on(functools.partial(self._call, self.verifier.prefill),
+                                                        self._release_target, new, int)
         for r, p in zip(ok, prefilled):
             r.on_target = True
             self._target_live += 1
@@ -466,7 +467,8 @@ class Scheduler:
 
     def _start_drafts(self, admitted: list[Request]) -> list[Request]:
         """``drafter.start`` of the admitted requests, one call per replica: those out of room there
-        (to requeue). A failed one goes on without drafts; a call failed as a whole ejects its replica."""
+        (to requeue). A failed one goes on without drafts (a call failed as a whole ejected its replica:
+        :meth:`DraftPool.call`)."""
         requeue: list[Request] = []
         by_rep: dict[int, list[Request]] = {}
         for r in admitted:
@@ -474,10 +476,8 @@ class Scheduler:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            started, full, errors, _ = self._start_on(rep.drafter.start, functools.partial(self.pool.release, i),
-                                                      rs, draft_seed)
-            if errors and len(errors) == len(rs) and not per_item(e for _, e in errors):
-                self.pool.eject(i, errors[0][1].describe())
+            started, full, errors, _ = self._start_on(functools.partial(self.pool.call, i, "start"),
+                                                      functools.partial(self.pool.release, i), rs, draft_seed)
             for r in started:
                 r.on_drafter = True
                 rep.live += 1
@@ -495,8 +495,9 @@ class Scheduler:
             r.queued = True
             self.waiting.appendleft(r)
 
-    def _start_on(self, method, release: Callable[[list[str]], None], rs: list[Request], seed_of):
-        """Start requests on one core: (started, out of room (to requeue), [(request, TransportError)],
+    def _start_on(self, call: Callable[[list[StartItem]], tuple], release: Callable[[list[str]], None],
+                  rs: list[Request], seed_of):
+        """Start requests on one core (``call``: a transport call of its prefill or start): (started, out of room (to requeue), [(request, TransportError)],
         the call's results for the started ones (the verifier's Prefilled; None for a drafter's start)).
 
         A call that failed without blaming an item (a worker down, a deadline) may have started
@@ -504,7 +505,7 @@ class Scheduler:
         """
         items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling,
                            self._hidden_layers(r), r.tenant) for r in rs]
-        results, failed, _, _ = self._call(method, items)
+        results, failed, _, _ = call(items)
         unknown = [items[j].request_id for j, e in failed.items() if e.code not in REFUSED_CODES]
         if unknown:
             release(unknown)
