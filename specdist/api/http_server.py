@@ -36,7 +36,9 @@ Request fields:
   text_offset}``, chat ``logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token,
   logprob, bytes}]}]}``, per chunk when streamed. A token's string is the token decoded alone
   (part of a multi-byte character shows U+FFFD), ``bytes`` its UTF-8; ``text_offset`` is where
-  its text starts in the choice's text.
+  its text starts in the choice's text. A request may ask for at most ``limits.max_logprob_entries``
+  entries, ``n x (logprobs + 1) x max_tokens`` (else a 400 naming ``logprobs`` / ``top_logprobs``);
+  they are formatted as the tokens arrive, each token id decoded once.
 - ``user``: accepted and ignored. Any other field is refused with a 400 naming it: a field
   this server does not implement (a penalty, ``logit_bias``, tools) would otherwise be
   silently ignored.
@@ -74,6 +76,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -109,6 +112,7 @@ GRACEFUL_SHUTDOWN_S = 5.0  # stop(): how long uvicorn waits for open responses (
 BODY_TIMEOUT_S = 30.0  # a request body not read whole within this gets 408 (slow uploads hold memory and a connection)
 SPARE_CONNECTIONS = 32  # connections past max_queued (metrics, models, refused tries) before a 503
 LOOP_PARSE_VALUES = 16384  # a body that may hold more JSON values is checked in the parser process first
+TOKEN_TEXT_CACHE = 1 << 16  # token ids whose decoded text a front end keeps (log-probabilities' entries)
 UNCAPPED_PATHS = frozenset({"/health"})  # answered past the connection cap: a probe must see a busy server as up
 # each error code's HTTP status. RESOURCE_EXHAUSTED is 503 like UNAVAILABLE: a full queue is the
 # server's state, to retry later, not a client's quota (429). CANCELLED: 499, the client closed.
@@ -286,6 +290,7 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
     try:
         first = SamplingParams(**kwargs, seed=body.seed)
         check_request(limits, prompt, first, n=body.n)  # the choices differ only in their seeds
+        _check_logprob_entries(limits, first, body.n, call)
         seeds = [None if body.seed is None else body.seed + i for i in range(1, body.n)]
         if body.seed is not None and seeds and body.seed < 2**64 <= seeds[-1]:
             raise InvalidArgument("seed", "seed + n - 1 must be < 2**64 (choice i samples with seed + i)")
@@ -303,6 +308,18 @@ def _logprobs_asked(body: _Common, chat: bool) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
         raise _bad("top_logprobs", "needs logprobs: true")
     return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _check_logprob_entries(limits: Limits, params: SamplingParams, n: int, call: _Call) -> None:
+    """Refuse log-probabilities past ``limits.max_logprob_entries``: each choice's tokens, each with its own
+    entry and ``logprobs`` top entries, are formatted (a token's text each) and held until sent."""
+    if params.logprobs is None:
+        return
+    entries = n * (params.logprobs + 1) * params.max_tokens
+    if entries > limits.max_logprob_entries:
+        top, most = call.param("logprobs"), call.max_tokens_field
+        raise InvalidArgument("logprobs", f"n x ({top} + 1) x {most} = {n} x {params.logprobs + 1} x "
+                              f"{params.max_tokens} = {entries} entries; the limit is {limits.max_logprob_entries}")
 
 
 def _one_prompt(prompt: str | list) -> str | list[int]:
@@ -383,10 +400,11 @@ def _choice(call: _Call, index: int, text: str | None, finish: str | None, first
 
 class _Logprobs:
     """One choice's log-probabilities in OpenAI's shapes (module docstring), a block of tokens at a
-    time: a streamed choice keeps its text offset from chunk to chunk."""
+    time: a streamed choice keeps its text offset from chunk to chunk. ``token_text``: a token id's
+    (text, UTF-8 bytes), cached by the front end (:meth:`_OpenAIFrontEnd.token_text`)."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, chat: bool, token_text: Callable[[int], tuple[str, list[int]]]):
+        self.chat, self.token_text = chat, token_text
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.offset = 0  # characters of the choice's text before the next token
 
@@ -395,17 +413,13 @@ class _Logprobs:
             content = [dict(self._entry(t, lp.logprob), top_logprobs=[self._entry(i, v) for i, v in lp.top])
                        for t, lp in zip(ids, logprobs)]
             return {"content": content, "refusal": None}
-        return {"tokens": [self._text(t) for t in ids], "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._text(i): v for i, v in lp.top} for lp in logprobs],
+        return {"tokens": [self.token_text(t)[0] for t in ids], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(i)[0]: v for i, v in lp.top} for lp in logprobs],
                 "text_offset": [self._advance(t) for t in ids]}
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _text(self, token: int) -> str:
-        """The token decoded alone (special tokens included); ``token_id:N`` without a tokenizer."""
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+        text, utf8 = self.token_text(token)  # utf8 is shared between entries: encoded at once, never changed
+        return {"token": text, "logprob": logprob, "bytes": utf8}
 
     def _advance(self, token: int) -> int:
         """Where ``token``'s text starts in the choice's text (the text the detokenizer released before it)."""
@@ -413,6 +427,41 @@ class _Logprobs:
         if self.detok is not None:
             self.offset += len(self.detok.push([token]))
         return at
+
+
+class _LogprobsJSON:
+    """A JSON response's ``logprobs`` for one choice, encoded a block at a time as its deltas arrive: each
+    block's lists are turned into JSON text at once, so the response's end joins strings instead of
+    formatting every entry in one burst on the event loop (and no entry stays alive as Python objects)."""
+
+    def __init__(self):
+        self.lists: dict[str, list[str]] = {}  # key -> the JSON text of each block's items (without brackets)
+        self.scalars: dict[str, Any] = {}  # key -> its value (chat's "refusal")
+
+    def add(self, block: dict[str, Any]) -> None:
+        for key, value in block.items():
+            if isinstance(value, list):
+                items = self.lists.setdefault(key, [])
+                if value:
+                    items.append(_json(value)[1:-1])
+            else:
+                self.scalars[key] = value
+
+    def text(self) -> str:
+        members = [f"{_json(k)}:[{','.join(v)}]" for k, v in self.lists.items()]
+        members += [f"{_json(k)}:{_json(v)}" for k, v in self.scalars.items()]
+        return "{" + ",".join(members) + "}"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _json_with(obj: dict[str, Any], raw: dict[str, str]) -> str:
+    """``obj`` as JSON, with the members of ``raw`` (key -> a value's JSON text) added at its end."""
+    head = _json(obj)[:-1]  # without the closing brace
+    members = ",".join(f"{_json(k)}:{v}" for k, v in raw.items())
+    return head + ("," if obj and members else "") + members + "}"
 
 
 async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
@@ -448,6 +497,14 @@ class _OpenAIFrontEnd:
         self.model = model_name or self.info["target_model"]
         self.created = int(time.time())
         self._parser: concurrent.futures.ProcessPoolExecutor | None = None  # made at the first large body
+        # a token id's (text, UTF-8 bytes) for log-probabilities: one decode per id, not per entry
+        self.token_text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(self._decode_token)
+
+    def _decode_token(self, token: int) -> tuple[str, list[int]]:
+        """The token decoded alone (special tokens included); ``token_id:N`` without a tokenizer."""
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+        return text, list(text.encode())
 
     async def check_body(self, body: bytes) -> None:
         """Refuse (400) a body whose JSON is larger than a request within the limits can be, without parsing it
@@ -528,37 +585,44 @@ class _OpenAIFrontEnd:
         return {"id": call.response_id, "object": call.object, "created": call.created, "model": self.model,
                 "choices": choices, **extra}
 
-    async def complete(self, call: _Call, streams: list[RequestStream]) -> dict[str, Any]:
-        """Every choice to its end: the JSON response."""
+    async def complete(self, call: _Call, streams: list[RequestStream]) -> bytes:
+        """Every choice to its end: the JSON response's body. Log-probabilities are encoded as their deltas
+        arrive (:class:`_LogprobsJSON`)."""
         texts = [[] for _ in streams]
-        ids: list[list[int]] = [[] for _ in streams]
-        logprobs: dict[int, list[TokenLogprob]] = {}  # choice -> its tokens' (requests that asked)
+        formats = [_Logprobs(self.engine.tokenizer, call.chat, self.token_text) for _ in streams]
+        encoded: dict[int, _LogprobsJSON] = {}  # choice -> its logprobs so far (requests that asked)
         finals: list[Delta | None] = [None] * len(streams)
         async with contextlib.aclosing(_merged(streams)) as merged:
             async for i, d in merged:
                 texts[i].append(d.text)
                 if d.logprobs is not None:
-                    ids[i] += d.token_ids
-                    logprobs.setdefault(i, []).extend(d.logprobs)
+                    encoded.setdefault(i, _LogprobsJSON()).add(formats[i].block(d.token_ids, d.logprobs))
                 if d.finished:
                     finals[i] = d
-        choices = [_choice(call, i, "".join(t), _finish_reason(d),
-                           logprobs=self._logprobs(call, ids[i], logprobs.get(i)))
-                   for i, (t, d) in enumerate(zip(texts, finals))]
-        return self.envelope(call, choices, usage=usage([d.metrics for d in finals], self.limits.speculative_stats))
+        choices = []
+        for i, (t, d) in enumerate(zip(texts, finals)):
+            choice = _choice(call, i, "".join(t), _finish_reason(d))
+            if i in encoded:
+                del choice["logprobs"]
+                choices.append(_json_with(choice, {"logprobs": encoded[i].text()}))
+            else:
+                choices.append(_json(choice))
+        envelope = self.envelope(call, [], usage=usage([d.metrics for d in finals], self.limits.speculative_stats))
+        del envelope["choices"]
+        return _json_with(envelope, {"choices": "[" + ",".join(choices) + "]"}).encode()
 
     def _logprobs(self, call: _Call, ids: list[int], logprobs: list[TokenLogprob] | None,
-                  fmt: _Logprobs | None = None) -> dict[str, Any] | None:
+                  fmt: _Logprobs) -> dict[str, Any] | None:
         """A choice's ``logprobs`` for these tokens; None when the request did not ask."""
         if logprobs is None:
             return None
-        return (fmt or _Logprobs(self.engine.tokenizer, call.chat)).block(ids, logprobs)
+        return fmt.block(ids, logprobs)
 
     async def events(self, call: _Call, streams: list[RequestStream]) -> AsyncIterator[bytes]:
         """The Server-Sent Events of a streamed response."""
         extra = {"usage": None} if call.include_usage else {}
         finals: list[Delta | None] = [None] * len(streams)
-        formats = [_Logprobs(self.engine.tokenizer, call.chat) for _ in streams]
+        formats = [_Logprobs(self.engine.tokenizer, call.chat, self.token_text) for _ in streams]
         try:
             if call.chat:  # the first chunk of each choice names the role
                 yield _event(self.envelope(call, [_choice(call, i, "", None, first=True) for i in range(len(streams))],
@@ -624,7 +688,9 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
         if call.stream:
             return _EventStream(front.events(call, streams))
         result = await _unless_disconnected(request.receive, front.complete(call, streams))
-        return JSONResponse(result) if result is not None else Response(status_code=HTTP_STATUS[ErrorCode.CANCELLED])
+        if result is None:
+            return Response(status_code=HTTP_STATUS[ErrorCode.CANCELLED])
+        return Response(result, media_type="application/json")
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
