@@ -23,6 +23,8 @@ import importlib
 import inspect
 import json
 import math
+import re
+import shlex
 
 import helm_python as helm
 import jsonschema
@@ -434,3 +436,18 @@ def test_bad_values_fail_naming_the_value(name):
 def test_http_on_port_8000_stays_valid_in_the_raycluster_form():
     """Control for the proxy-port check: it applies to the RayService form only."""
     assert one(render({"serve": {"http": {"enabled": True}}}), "RayCluster")
+
+
+def test_docs_commands_render_a_valid_rayservice(crd):
+    """The helm commands of docs/deployment.md's RayService section render a RayService that validates."""
+    text = (CHART.parents[1] / "docs" / "deployment.md").read_text()
+    start = text.index("### Replicas on Ray Serve (RayService)")
+    section = text[start:text.index("\n## ", start)]
+    cmds = [shlex.split(c) for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+            for c in block.splitlines() if c.startswith("helm install")]
+    assert len(cmds) == 2
+    for argv in cmds:
+        values = helm.parse_set_string(argv[argv.index("--set") + 1])
+        rs = rayservice(render(values))
+        assert crd_errors(crd, rs) == [] and operator_rule_problems(rs) == []
+        assert _load(app_args(rs)["config"]).cluster.replica_plan is not None
