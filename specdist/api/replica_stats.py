@@ -9,8 +9,8 @@ by the engine's step events) and the simulated ones of ``specdist bench router -
   kept by the replica itself, so that every router sees the same);
 - the session keys its suffix index holds (the sessions it served, least recently used first out);
 - tokens a target step gave each kind of request, apart for requests whose session it held when they started;
-- its recent steps' seconds against the requests verifying in them (:func:`fit_steps`), and a prefill token's
-  seconds;
+- its recent steps' seconds against the requests verifying in them (:func:`fit_steps`; the last steps at each
+  batch size), and a prefill token's seconds;
 - the requests it holds, queued or running, with the tokens each may still produce.
 
 Not thread-safe: the live replica calls it under its own lock (:class:`EngineLedger`).
@@ -27,13 +27,16 @@ from specdist.api.router import DEFAULT_KIND, Pending, ReplicaStats, RouteReques
 
 __all__ = ["EngineLedger", "ReplicaLedger", "fit_steps"]
 
-RECENT_STEPS = 64  # steps the step-time fit looks back on
+RECENT_STEPS = 16  # steps the step-time fit looks back on, at each batch size
 PREFILL_EMA = 0.2  # weight of the newest prefill measurement in the prefill-seconds-a-token average
 
 
 def fit_steps(samples: Iterable[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares of a step's seconds on its verifying requests: (intercept, slope >= 0); the mean and 0
-    while every sample had the same batch; 0 and 0 without samples."""
+    """Least squares of a step's seconds on its verifying requests: (intercept, slope >= 0); 0 and 0 without
+    samples. While every sample had the same batch the slope cannot be told from the intercept: the step is
+    taken as proportional to its requests (intercept 0, the mean over the batch), the cost of a compute-bound
+    replica, so that load counts on a replica until it measured otherwise (with the mean as the intercept and
+    slope 0, the router would see a replica as fast with any number of requests as with its first)."""
     samples = list(samples)
     if not samples:
         return 0.0, 0.0
@@ -42,7 +45,7 @@ def fit_steps(samples: Iterable[tuple[int, float]]) -> tuple[float, float]:
     ms = sum(s for _, s in samples) / n
     var = sum((b - mb) ** 2 for b, _ in samples)
     if var == 0:
-        return ms, 0.0
+        return (0.0, ms / mb) if mb >= 1 else (ms, 0.0)
     slope = max(0.0, sum((b - mb) * (s - ms) for b, s in samples) / var)
     return max(0.0, ms - slope * mb), slope
 
@@ -65,7 +68,9 @@ class ReplicaLedger:
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.index: OrderedDict[str, None] = OrderedDict()
         self.measured: dict[tuple[str, bool], list[float]] = {}  # (kind, held) -> [tokens, request steps]
-        self.recent_steps: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (requests verifying, seconds)
+        # requests verifying -> seconds of the last steps at that batch: kept apart, so that a replica running one
+        # batch size for long (a full batch) still has the other sizes it ran, and the fit its slope
+        self.recent_steps: dict[int, deque[float]] = {}
         self.prefill_s_per_token = 0.0
         self.requests: dict[str, _Held] = {}
         self._cache_view: frozenset[int] | None = frozenset()
@@ -110,7 +115,7 @@ class ReplicaLedger:
 
     def step(self, requests: int, seconds: float) -> None:
         """A target step verified ``requests`` requests in ``seconds`` (prefill left out)."""
-        self.recent_steps.append((int(requests), float(seconds)))
+        self.recent_steps.setdefault(int(requests), deque(maxlen=RECENT_STEPS)).append(float(seconds))
 
     def prefill(self, tokens: int, seconds: float) -> None:
         """``tokens`` prompt tokens were prefilled in ``seconds``."""
@@ -149,7 +154,7 @@ class ReplicaLedger:
             self._cache_view = frozenset(self.cache)
         tps = {k: t / s for (k, held), (t, s) in self.measured.items() if not held and s}
         held_tps = {k: t / s for (k, held), (t, s) in self.measured.items() if held and s}
-        step_s, per_request = fit_steps(self.recent_steps)
+        step_s, per_request = fit_steps((b, x) for b, xs in self.recent_steps.items() for x in xs)
         return ReplicaStats(replica_id, now, max_batch_size, tuple(queued), tuple(running), tps, held_tps, step_s,
                             per_request, self.prefill_s_per_token, self._cache_view, frozenset(self.index))
 
@@ -196,7 +201,9 @@ class EngineLedger:
             if prefill_s > 0 and self._prefill_tokens:
                 self.ledger.prefill(self._prefill_tokens, prefill_s)
                 self._prefill_tokens = 0
-            if event.requests:
+            if any(s.request_id in self.ledger.requests for s in event.requests):
+                # (a step only of requests not opened through the replica, its engine's warm-up, is left out: its
+                # first-call costs would stand in the fit as this replica's step time)
                 self.ledger.step(len(event.requests), max(0.0, event.step_s))
             for s in event.requests:
                 self.ledger.stepped(s.request_id, s.kept)

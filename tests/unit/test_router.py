@@ -146,6 +146,64 @@ def test_a_slot_free_costs_a_new_request_nothing_but_a_full_batch_makes_it_wait(
     assert fb == pytest.approx((5000 + 50) * (0.01 + 0.004) + 16 * 0.0001)
 
 
+def test_a_replica_that_measured_no_step_yet_is_not_free():
+    """Its expected finish uses the other replicas' step time (the same group on the same hardware), so its load
+    counts: not every request until its first report with steps in it."""
+    measured = stats("a", running=busy(1))
+    unmeasured = stats("b", running=busy(3), step_s=0.0, step_s_per_request=0.0)
+    assert router("speculative", measured, unmeasured).choose(req(), 0.1) == "a"
+    idle = stats("b", step_s=0.0, step_s_per_request=0.0)
+    assert router("speculative", measured, idle).choose(req(), 0.1) == "b"  # (less load: there still)
+
+
+def test_steps_measured_at_one_batch_size_still_make_load_count():
+    """The live failure of issue 51's bench: each replica had measured its steps at one batch size only (the
+    slope unknown), the fit then read as a flat step time, and every request went to the replica whose few
+    steps had been the fastest, whatever it ran. Now a step is taken as proportional to its requests until
+    the replica measured otherwise: the busy replica's four requests make it the later finish."""
+    from specdist.api.replica_stats import ReplicaLedger, fit_steps
+
+    assert fit_steps([(1, 0.1), (1, 0.1)]) == (0.0, pytest.approx(0.1))
+    assert fit_steps([(0, 0.012)]) == (pytest.approx(0.012), 0.0)  # (no request in it: its intercept)
+    assert fit_steps([(1, 0.1), (3, 0.3)]) == (pytest.approx(0.0), pytest.approx(0.1))
+    ledgers = {"a": ReplicaLedger(64), "b": ReplicaLedger(64)}
+    for name, seconds in (("a", 0.10), ("b", 0.12)):  # a's steps (alone) were a little faster
+        for _ in range(3):
+            ledgers[name].step(1, seconds)
+    for i in range(4):
+        ledgers["a"].admit(RouteRequest(f"p{i}", 16, 100, kind="chat"))
+    r = Router(RouterConfig(policy="speculative"), BS)
+    for name, ledger in ledgers.items():
+        r.report(ledger.stats(name, 0.0, 8))
+    assert r.choose(req(max_tokens=100, kind="chat"), 0.1) == "b"
+    # a replica full for long (every recent step at one batch) keeps the slope its smaller batches showed
+    full = ReplicaLedger(64)
+    for b, seconds in ((1, 0.0123), (2, 0.0126)) + ((16, 0.0168),) * 200:
+        full.step(b, seconds)
+    s = full.stats("f", 0.0, 16)
+    assert s.step_s == pytest.approx(0.012) and s.step_s_per_request == pytest.approx(0.0003)
+
+
+def test_a_replica_s_step_time_leaves_its_engine_s_warm_up_out():
+    """The warm-up request (run on the engine before the replica serves, not opened through it) pays the
+    first-call costs: its steps stood in the fit as the replica's step time (0.66 s against 0.18 s of the
+    other replica in the live bench) and kept requests away from it."""
+    from specdist.api.replica_stats import EngineLedger
+    from specdist.engine.output import StepEvent
+    from specdist.engine.request import RequestStep
+
+    def event(seconds, *ids):
+        return StepEvent(len(ids), {}, seconds, 0.0, [RequestStep(i, None, 0, 0, 1, 1) for i in ids])
+
+    ledger = EngineLedger(64, BS)
+    ledger(event(0.66, "warm-up"))
+    assert ledger.stats("r", 0.0, 8).step_s == 0.0 and ledger.stats("r", 0.0, 8).step_s_per_request == 0.0
+    ledger.admit("k1", list(range(8)), 10)
+    ledger(event(0.05, "k1"))
+    s = ledger.stats("r", 0.0, 8)
+    assert s.step_s + s.step_s_per_request == pytest.approx(0.05) and s.running[0].remaining_tokens == 9
+
+
 def test_stale_replicas_are_avoided_until_they_report_again():
     r = router("speculative", stats("a", at=0.0), stats("b", at=0.0, running=busy(3)), stats_period_s=2.0)
     assert r.choose(req("q1"), 1.0) == "a"
