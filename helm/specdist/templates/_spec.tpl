@@ -180,7 +180,9 @@ headGroupSpec:
         checksum/serve-config: {{ include "specdist.serveConfig" . | sha256sum }}
         {{- end }}
     spec:
+      {{- if not $svc }}
       # SIGTERM: specdist serve drains (--drain-seconds), then stops the actors and placement groups.
+      {{- end }}
       terminationGracePeriodSeconds: {{ include "specdist.gracePeriod" . }}
       {{- include "specdist.podSecurity" . | nindent 6 }}
       {{- with (include "specdist.scheduling" (dict "v" .Values.head "root" $) | trim) }}
