@@ -282,7 +282,8 @@ class PrefixPolicy(Policy):
 class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`)."""
 
-    def expected_finish(self, request: RouteRequest, view: View, fit: tuple[float, float] | None = None) -> float:
+    def expected_finish(self, request: RouteRequest, view: View,
+                        fit: tuple[float, float, float] | None = None) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
         slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
         lacks.
@@ -294,16 +295,19 @@ class SpeculativePolicy(Policy):
         requests side by side). Step time with it: the measured fit at the batch it joins (the running, queued
         and sent requests and itself, at most ``max_batch_size``; kept for its whole run: under load a slot
         that frees is taken again), so that requests sent between two reports do not all pile onto the
-        replica that reported the fastest steps. ``fit``: the (step_s, step_s_per_request) to use where the
-        replica measured no step yet (:meth:`choose`: the other replicas' mean; the replicas run the same
-        group), so that a replica is not free of cost, whatever it holds, for lack of a measurement. Its own
+        replica that reported the fastest steps. ``fit``: the (step_s, step_s_per_request, prefill_s_per_token)
+        to use where the replica measured no step (no prefill) yet (:meth:`choose`: the other replicas' mean;
+        the replicas run the same group), so that a replica is not free of cost, whatever it holds and
+        whatever it lacks of the prompt, for lack of a measurement. Its own
         steps: its ``max_tokens`` over the tokens a step gives its kind there, more where the suffix index
         holds its session (measured on such requests). Affinity is this term and the prefill: the replica
         holding the session drafts better and prefills less."""
         s = view.stats
-        step_s, per_request = s.step_s, s.step_s_per_request
+        step_s, per_request, prefill = s.step_s, s.step_s_per_request, s.prefill_s_per_token
         if step_s <= 0 and per_request <= 0 and fit is not None:
-            step_s, per_request = fit
+            step_s, per_request = fit[0], fit[1]
+        if prefill <= 0 and fit is not None:
+            prefill = fit[2]
         slots = [p.remaining_tokens / s.step_tokens(p.kind) for p in s.running]
         slots += [0.0] * max(0, s.max_batch_size - len(slots))
         heapq.heapify(slots)
@@ -313,14 +317,22 @@ class SpeculativePolicy(Policy):
         own = request.max_tokens / s.step_tokens(request.kind, held=view.holds_session(request))
         uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
         batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
-        return (wait + own) * (step_s + per_request * batch) + uncached * s.prefill_s_per_token
+        return (wait + own) * (step_s + per_request * batch) + uncached * prefill
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
-        measured = [(v.stats.step_s, v.stats.step_s_per_request) for v in replicas
-                    if v.stats.step_s > 0 or v.stats.step_s_per_request > 0]
-        fit = (sum(a for a, _ in measured) / len(measured), sum(b for _, b in measured) / len(measured)) \
-            if measured else None
+        fit = self.measured_fit(replicas)
         return min(replicas, key=lambda v: (self.expected_finish(request, v, fit), v.load, v.replica_id)).replica_id
+
+    @staticmethod
+    def measured_fit(replicas: Sequence[View]) -> tuple[float, float, float] | None:
+        """The trusted replicas' mean step fit and prefill cost, over those that measured them (None: none did)."""
+        steps = [(v.stats.step_s, v.stats.step_s_per_request) for v in replicas
+                 if v.stats.step_s > 0 or v.stats.step_s_per_request > 0]
+        prefills = [v.stats.prefill_s_per_token for v in replicas if v.stats.prefill_s_per_token > 0]
+        if not steps and not prefills:
+            return None
+        n = max(1, len(steps))
+        return (sum(a for a, _ in steps) / n, sum(b for _, b in steps) / n, sum(prefills) / max(1, len(prefills)))
 
 
 def make_policy(config: RouterConfig, block_size: int, seed: int = 0) -> Policy:

@@ -154,6 +154,13 @@ def test_a_replica_that_measured_no_step_yet_is_not_free():
     assert router("speculative", measured, unmeasured).choose(req(), 0.1) == "a"
     idle = stats("b", step_s=0.0, step_s_per_request=0.0)
     assert router("speculative", measured, idle).choose(req(), 0.1) == "b"  # (less load: there still)
+    # nor free of prefill: a session's long prompt goes where its prefix is cached, not to the replica that has not
+    # prefilled anything yet (its prefill seconds a token still 0)
+    prompt = list(range(400))
+    q = req(tokens=prompt, max_tokens=10)
+    cached = stats("a", running=busy(1), cached_blocks=frozenset(q.prompt_blocks), prefill_s_per_token=0.004)
+    fresh = stats("b", prefill_s_per_token=0.0)
+    assert router("speculative", cached, fresh).choose(q, 0.1) == "a"
 
 
 def test_steps_measured_at_one_batch_size_still_make_load_count():
