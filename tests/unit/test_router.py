@@ -299,6 +299,14 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
         assert "i1" in router.router.sent[rid2]
         router.on_request_completed(reps[1].replica_id, "i1")
         assert "i1" not in router.router.sent[rid2]
+        # what ReplicaFront's transport puts in the handle call (cluster.serve.ServeReplicas.open) reaches the policy:
+        # kind, session key and prompt blocks, under Serve's own request id
+        sent = req(tokens=prompt, kind="edit", session="s1")
+        call = PendingRequest(args=["prompt", None, "rid", "", "t", 0.0],
+                              kwargs={ROUTE_KWARG: {**sent.to_dict(), "tenant": "t", "avoid": ""}},
+                              metadata=RequestMetadata(request_id="c", internal_request_id="i3"))
+        seen = router.route_request(call)
+        assert (seen.request_id, seen.kind, seen.session, seen.prompt_blocks) == ("i3", "edit", sent.session, blocks)
         bare = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="b", internal_request_id="i2"))
         assert len((await router.choose_replicas(reps, bare))[0]) == 1  # no route: by load alone, still one
         with pytest.raises(ConfigError):
