@@ -30,6 +30,8 @@ Shape::
                                      #   measured step costs, down to 0 under load (specdist/engine/draft_length.py)
                                      #   | fixed: every request drafts k (seeded runs reproduce token for token)
       confidence_threshold: 0.0      # model drafts: stop a draft early once q(token) < this; 0 = fixed k
+      q_top_k: 0                     # rejection coupling: model drafts sample from q's top q_top_k tokens only
+                                     #   (q renormalised over them, and only they travel); 0: all
       # from ngram_min to suffix_min_score: the methods' own keys (any other draft.<key> too); the loader keeps
       # them in DraftConfig.settings and the method checks them (specdist.cores.proposers.check_draft)
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
@@ -52,6 +54,10 @@ Shape::
       pipeline_miss: redraft         # with pipeline on, a request whose prepared prefix did not hold:
                                      #   redraft (draft it now) | skip (no drafts this step) | auto (redraft
                                      #   unless every other request of the step has its drafts ready)
+    sampling:
+      coupling: gumbel               # gumbel: a seeded request's tokens do not depend on the drafts (Gumbel-max,
+                                     #   specdist/cores/coupling.py) | rejection: accept with min(1, p/q),
+                                     #   else sample the residual
     engine:
       max_model_len: 2048            # prompt + output tokens per request
       max_batch_size: 8              # requests running at once (KV slots)
