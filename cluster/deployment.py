@@ -51,7 +51,6 @@ an explicit :class:`ClusterSpec` still overrides it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -186,6 +185,9 @@ class Deployment:
     # the config's models (specdist.models.metadata.ModelSources), as start() was given them or made them: sent
     # to every actor's load (each spec resolved once, by whoever first needs it), kept for rebuilds and restarts
     sources: object = None
+    # the config's draft section checked once (specdist.cores.proposers.ResolvedDraft), as start() was given it or
+    # made it: sent whole to every draft actor's load (which checks it no more)
+    draft: object = None
     listeners: list = field(default_factory=list)  # callables given each WorkerEvent (supervisor thread)
     supervisor: object = None  # cluster.supervisor.Supervisor, while started
     _owns_ray: bool = False
@@ -202,7 +204,7 @@ class Deployment:
     # ------------------------------------------------------------ bring-up
     def start(
         self, config, ray_address: str | None = None, host: str = "127.0.0.1", timeout_s: float = 300.0,
-        sources=None,
+        sources=None, draft=None,
     ) -> tuple[str, list[str]]:
         """Bring the deployment up; returns (target "host:port", [draft "host:port", ...]).
 
@@ -210,20 +212,22 @@ class Deployment:
         (``specdist serve`` does, at start, and reads the target's config there): the actors load the resolved
         files and resolve nothing. None: each spec is resolved by whoever first needs it: this process (the
         head counts of a tensor-parallel target, an EAGLE-3 head's layers) or, failing in phase ``load``, the
-        actor that loads it."""
+        actor that loads it. ``draft``: the config's draft section as
+        :func:`specdist.cores.proposers.resolve_draft` checked it, if the caller did (else checked here)."""
         import ray
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement, place_within
         from specdist.transport.hosts import bare_host
-        from specdist.cores.proposers import check_draft, target_copy
+        from specdist.cores.proposers import resolve_draft
         from specdist.models.metadata import ModelSources
         from specdist.models.quant import refuse_int8_on
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
         cfg = self.config = load_config(config)
-        check_draft(cfg.draft)  # before any actor is placed
+        # before any actor is placed (the one check of the draft section)
+        self.draft = resolve_draft(cfg.draft, cfg.target.dtype) if draft is None else draft
         self.sources = ModelSources.of(cfg) if sources is None else sources
         if self.spec is None:
             self.spec = ClusterSpec.from_config(cfg.cluster)
@@ -245,7 +249,7 @@ class Deployment:
         self._gpu = use_gpu = self._use_gpu(cfg)
         device = "cuda" if use_gpu else "cpu"
         try:
-            refuse_int8_on(target_copy(cfg.draft), device)  # self-w8 on GPUs: refused before any actor is placed
+            refuse_int8_on(self.draft.copy, device)  # self-w8 on GPUs: refused before any actor is placed
             if spec.placement_group is not None:  # a Serve replica's group (cluster/serve.py): placed already
                 self.placement = place_within(spec.placement_group, spec.tensor_parallel_size, spec.num_draft_workers)
                 self._done("placement", f"within the replica's placement group on {device}")
@@ -329,35 +333,22 @@ class Deployment:
             self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
 
     def _load_call(self, h: _Handle):
+        """An actor's load: the config's sections whole (``target:``, ``engine:``, the draft resolved once), which
+        the worker's factory reads (:mod:`specdist.cores.factory`); the device and the rank's collectives are the
+        deployment's."""
         from specdist.cores.draft import draft_hidden_layers  # (torch and the models: only where a deployment is)
-        from specdist.cores.proposers import draft_dtype
-        from specdist.models.graphs import KVOptions
+        from specdist.cores.proposers import resolve_draft
 
-        cfg, ec, dc = self.config, self.config.engine, self.config.draft
-        device_type = "cuda" if self._gpu else "cpu"
-        compiled = ec.compiled(device_type)
-        # the workers' KV cache layout and attention backend (KVOptions' fields: the engine's own) and CUDA graphs;
-        # a paged cache deferred (on a GPU each worker then starts at one sequence: phase memory plans them)
-        kv = dataclasses.asdict(KVOptions.from_engine(ec, device_type, deferred=True))
-        graphs = ec.graphs(device_type)
+        cfg = self.config
+        if self.draft is None:  # (a deployment driven without start(): its config's, checked once, here)
+            self.draft = resolve_draft(cfg.draft, cfg.target.dtype)
         sources = self.sources  # (resolved, or resolved by the actor: each receives a copy)
-        if h.kind == "target":  # compiled passes on one rank only (Config.validate refuses compile: on with TP)
-            one_rank = self.spec.tensor_parallel_size == 1
-            hidden_layers = draft_hidden_layers(dc, sources)[0]
-            return h.actor.load.remote(sources, cfg.target.dtype, ec.max_batch_size, ec.max_model_len,
-                                       self.spec.collective_timeout_s, weights=cfg.target.weights,
-                                       compile_k=dc.num_speculative_tokens if compiled and one_rank else None,
-                                       compile_cache_dir=ec.compile_cache_dir,
-                                       max_draft_tokens=dc.num_speculative_tokens,
-                                       prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype,
-                                       hidden_layers=hidden_layers, kv=kv,
-                                       graphs=graphs and one_rank, prefix_scope=ec.prefix_cache_scope,
-                                       cpu_kernels=ec.cpu_kernels)
-        return h.actor.load.remote(
-            dc, sources, draft_dtype(cfg), ec.max_batch_size, ec.max_model_len, "cuda" if self._gpu else "cpu",
-            compile_passes=compiled, compile_cache_dir=ec.compile_cache_dir,
-            prefix_caching=ec.prefix_caching, kv_cache_dtype=ec.kv_cache_dtype, kv=kv, graphs=graphs,
-            prefix_scope=ec.prefix_cache_scope, cpu_kernels=ec.cpu_kernels)
+        k = cfg.draft.num_speculative_tokens
+        if h.kind == "target":
+            hidden_layers = draft_hidden_layers(cfg.draft, sources)[0]
+            return h.actor.load.remote(sources, cfg.target, cfg.engine, k, hidden_layers,
+                                       self.spec.collective_timeout_s)
+        return h.actor.load.remote(self.draft, sources, cfg.engine, "cuda" if self._gpu else "cpu")
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
         """Bring freshly created actors (``handles``: the whole target group and/or drafts) up to
@@ -482,7 +473,7 @@ class Deployment:
 
         engine = RemoteEngine.from_addresses(self.config, self.target_address, self.draft_addresses,
                                              sources=self.sources, worker_secret=self.worker_secret,
-                                             worker_tls=self.worker_tls)
+                                             worker_tls=self.worker_tls, resolved=self.draft)
         engine.tensor_parallel_size = self.spec.tensor_parallel_size
         engine.cpu_kernels = self.cpu_kernels
         engine.memory_plan = self.memory_plan

@@ -76,6 +76,16 @@ def _shippable_errors(fn):
     return wrapper
 
 
+def _section(cls: type, value, key: str):
+    """A config section as a worker receives it: an instance of ``cls`` as is, else built from a mapping (None:
+    the defaults) as ``load_config`` builds it, and validated."""
+    from specdist.config import build_section
+
+    section = value if isinstance(value, cls) else build_section(cls, value or {}, key)
+    section.validate(key)
+    return section
+
+
 def pin_process(cpu: int) -> int:
     """Pin every thread of this process (threads started later inherit it) to one core:
     ``cpu`` modulo the cores this process may use. Returns the core."""
@@ -217,19 +227,6 @@ class _ActorBase:
         left = len(self.worker.requests) if self.worker is not None else 0
         return {"drained": left == 0, "in_flight": left}
 
-    def _defer(self, kv: dict | None, device: torch.device):
-        """The KVOptions of ``kv`` for this process's runner: a deferred paged cache stays deferred only on a
-        device the memory plan measures (as in the engine: :func:`specdist.models.memory_plan.measure_for`)."""
-        from specdist.models import memory_plan
-        from specdist.models.graphs import KVOptions
-
-        if not kv:
-            return None, None
-        opts = KVOptions(**kv)
-        measure = memory_plan.measure_for(device) if opts.deferred else None
-        opts.deferred = measure is not None
-        return opts, measure
-
     def _runner_profile(self):  # (caches by name, Profile) of what this process serves (role-specific)
         raise NotImplementedError
 
@@ -318,54 +315,48 @@ class TargetRankActor(_ActorBase):
 
     # ------------------------------------------------------------ model
     @_shippable_errors
-    def load(self, model, dtype: str = "float32", max_batch_size: int = 8, max_model_len: int = 2048,
-             collective_timeout_s: float = 10.0, weights: str = "float", compile_k: int | None = None,
-             compile_cache_dir: str | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-             prefix_caching: bool = True, hidden_layers: tuple[int, ...] = (), kv_cache_dtype: str = "auto",
-             kv: dict | None = None, graphs: bool = False, prefix_scope: str = "shared",
-             cpu_kernels: str = "auto") -> dict:
-        """Load this rank's model. ``model``: the config's models as the driver resolved them
-        (:class:`~specdist.models.metadata.ModelSources`, what a deployment passes: this rank loads the resolved
-        target's files and resolves no spec), or the target's spec (resolved here). ``compile_k``: compile the
-        runner's passes (engine.compile) and warm
-        the buckets of verifying up to that many drafts (one rank only: None with tensor parallelism).
-        ``max_draft_tokens``: draft.num_speculative_tokens, which sizes the gRPC message limit.
-        ``hidden_layers``: the layers whose hidden states rank 0 keeps for an EAGLE-3 draft head."""
+    def load(self, model, target=None, engine=None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
+             hidden_layers: tuple[int, ...] = (), collective_timeout_s: float = 10.0) -> dict:
+        """Load this rank's model and build its core through the engine's factory (:mod:`specdist.cores.factory`).
+        ``model``: the config's models as the driver resolved them (:class:`~specdist.models.metadata.ModelSources`,
+        what a deployment passes: this rank loads the resolved target's files and resolves no spec), or the
+        target's spec (resolved here). ``target``, ``engine``: the config's ``target:`` and ``engine:`` sections
+        whole (:class:`~specdist.config.TargetConfig`, :class:`~specdist.config.EngineConfig`, or mappings as a
+        config file holds them; None: the defaults), read by the factory; the device is this rank's
+        (:meth:`init_distributed`). ``max_draft_tokens``: draft.num_speculative_tokens (the passes compiled and
+        captured, the gRPC message limit). ``hidden_layers``: the layers whose hidden states rank 0 keeps for an
+        EAGLE-3 draft head."""
         self._require("created")
         t0 = time.perf_counter()
+        from specdist.config import EngineConfig, TargetConfig
+        from specdist.cores import factory
         from specdist.models.metadata import ModelSources
-        from specdist.models.runner import CausalLMRunner, compile_runner
         from specdist.models.sharding import load_sharded
-        from specdist.cores.target import VerifierCore
 
         if self.world_size > 1 and not self.dist_ready:
             raise RuntimeError("init_distributed() must come before load() when world_size > 1")
-        self._use_cpu_kernels(cpu_kernels)
+        tc, ec = _section(TargetConfig, target, "target"), _section(EngineConfig, engine, "engine")
+        self._use_cpu_kernels(ec.cpu_kernels)
         # world_size 1: the whole model; otherwise only this rank's slices (head counts checked first)
         sources = model if isinstance(model, ModelSources) else ModelSources(model)
-        model = load_sharded(sources.target, dtype, self.device, self.rank, self.world_size, weights=weights)
+        model = load_sharded(sources.target, tc.dtype, self.device, self.rank, self.world_size, weights=tc.weights)
         broadcast = set_timeout = None
         if self.world_size > 1:
             from workers.tensor_parallel import broadcast_object, set_collective_timeout
 
             broadcast, set_timeout = broadcast_object, set_collective_timeout
         # on a GPU a deferred paged cache starts at one sequence; the deployment plans it (measure_memory)
-        opts, measure = self._defer(kv, self.device)
-        runner = CausalLMRunner(model, max_batch_size, max_model_len, kv_cache_dtype=kv_cache_dtype, kv=opts)
-        if self.rank == 0:  # (the other ranks' forwards return nothing)
-            runner.hidden_layers = tuple(hidden_layers)
-        if compile_k is not None and self.world_size == 1:
-            compile_runner(runner, "target", compile_k, compile_cache_dir)
-        self.graphed = graphs and self.world_size == 1 and runner.attention is not None and runner.device.type == "cuda"
-        capture = (lambda: runner.capture_graphs(max_tokens=int(max_draft_tokens) + 1)) if self.graphed else None
+        kv, measure = factory.kv_options(ec, self.device)
+        self.worker = factory.build_target_core(model, ec, kv, hidden_layers, self.rank, self.world_size,
+                                                broadcast, set_timeout, collective_timeout_s)
+        # compiled passes and CUDA graphs on one rank only (collectives stay out of them)
+        _, capture = factory.prepare_passes(self.worker.runner, "target", int(max_draft_tokens), ec, self.world_size)
+        self.graphed = capture is not None
         if measure is not None:  # the graphs once the cache has its planned size
-            self._planned = ({"target": runner.cache}, measure, capture)
+            self._planned = ({"target": self.worker.runner.cache}, measure, capture)
         elif capture is not None:
-            capture()  # (collectives stay out of graphs)
-        self.max_batch_size = int(max_batch_size)
-        self.worker = VerifierCore(runner, rank=self.rank, world_size=self.world_size, broadcast=broadcast,
-                                   set_timeout=set_timeout, collective_timeout_s=collective_timeout_s,
-                                   prefix_caching=prefix_caching, prefix_scope=prefix_scope)
+            capture()
+        self.max_batch_size = ec.max_batch_size
         self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
@@ -496,69 +487,55 @@ class DraftActor(_ActorBase):
         self.k = 0
 
     @_shippable_errors
-    def load(
-        self,
-        draft,  # the config's draft section: a DraftConfig, or a mapping as a config file's draft: holds it
-        target,  # the config's models (ModelSources, resolved by the driver), or the target's spec
-        dtype: str = "float32",  # the draft's: specdist.cores.proposers.draft_dtype; auto resolved here
-        max_batch_size: int = 8,
-        max_model_len: int = 2048,
-        device: str = "auto",
-        compile_passes: bool = False,  # engine.compile: the draft model's passes compiled and warmed at load
-        compile_cache_dir: str | None = None,
-        prefix_caching: bool = True,  # engine.prefix_caching: prompt K/V reused across requests
-        kv_cache_dtype: str = "auto",  # engine.kv_cache_dtype: a model draft's KV cache elements
-        kv: dict | None = None,  # a model draft's cache layout (specdist.models.graphs.KVOptions' fields)
-        graphs: bool = False,  # engine.cuda_graphs: a model draft's passes captured at load (CUDA, paged cache)
-        prefix_scope: str = "shared",  # engine.prefix_cache_scope: whose prompt K/V a request reuses
-        cpu_kernels: str = "auto",  # engine.cpu_kernels: specdist's C kernels (auto, required) or torch's (off)
-    ) -> dict:
-        """Load the draft through the engine's factory path (:mod:`specdist.cores.draft`): the method's proposer
-        (checked: :func:`specdist.cores.proposers.check_draft`), what it drafts with (a draft model checked
-        against the target's vocabulary, the target's own copy, a head, or nothing), then the core, compiled
-        passes (``compile_passes``) and the pipeline (``draft.pipeline``). ``target``: the
-        :class:`~specdist.models.metadata.ModelSources` a deployment passes (resolved, with what the driver read
-        of the target: nothing is resolved or read again here), or the target's spec (then ``draft.model`` is
-        resolved here as first used)."""
+    def load(self, draft, target, engine=None, device: str = "auto", dtype: str | None = None) -> dict:
+        """Load the draft and build its side through the engine's factory (:mod:`specdist.cores.factory`): what
+        the method drafts with (a draft model checked against the target's vocabulary, the target's own copy, a
+        head, or nothing), the core, its compiled passes and CUDA graphs, and the pipeline (``draft.pipeline``).
+        ``draft``: the draft section as the driver resolved it (:class:`~specdist.cores.proposers.ResolvedDraft`,
+        what a deployment passes: checked once, there), or a ``DraftConfig`` or a mapping as a config file's
+        ``draft:`` holds it (checked here). ``target``: the :class:`~specdist.models.metadata.ModelSources` a
+        deployment passes (resolved, with what the driver read of the target: nothing is resolved or read again
+        here), or the target's spec (then ``draft.model`` is resolved here as first used). ``engine``: the
+        config's ``engine:`` section whole (an EngineConfig or a mapping; None: the defaults), read by the
+        factory. ``device``: where the draft runs (the deployment's choice). ``dtype``: its model's dtype (None:
+        the resolved draft's, :func:`~specdist.cores.proposers.draft_dtype`)."""
         self._require("created")
         t0 = time.perf_counter()
-        from specdist.config import DraftConfig, build_section
-        from specdist.cores.draft import build_drafter_core, load_draft_model
-        from specdist.cores.draft_pipeline import pipelined
-        from specdist.cores.proposers import check_draft, draft_traits
-        from specdist.models.devices import device_for
+        from specdist.config import DraftConfig, EngineConfig
+        from specdist.cores.draft import load_draft_model
+        from specdist.cores import factory
+        from specdist.cores.proposers import ResolvedDraft, resolve_draft
         from specdist.errors import ConfigError
+        from specdist.models.devices import device_for
         from specdist.models.metadata import ModelSources
 
-        dc = draft if isinstance(draft, DraftConfig) else build_section(DraftConfig, draft, "draft")
-        dc.validate("draft")
-        if not dc.enabled:
+        if not isinstance(draft, ResolvedDraft):
+            dc = _section(DraftConfig, draft, "draft")
+            draft = resolve_draft(dc, dtype or dc.dtype)
+        dc = draft.section
+        if not draft.enabled:
             raise ConfigError("draft.method", "a draft actor needs a draft method, not 'none'")
-        check_draft(dc)
-        self._use_cpu_kernels(cpu_kernels)
+        ec = _section(EngineConfig, engine, "engine")
+        self._use_cpu_kernels(ec.cpu_kernels)
+        where = device_for(device)
         sources = target if isinstance(target, ModelSources) else ModelSources(target, dc.model)
-        model = load_draft_model(dc, sources, dtype, device_for(device))
+        model = load_draft_model(dc, sources, dtype or draft.dtype, where)
         vocab = sources.vocab_size()  # the target's: what the method drafts with was checked to share it
         # prefill in Start (not deferred): the transport's Start deadline scales with the prompt, Propose's does not
         # on a GPU a model draft's deferred paged cache starts at one sequence; the deployment plans it
-        opts, measure = self._defer(kv, device_for(device))
-        self.worker = build_drafter_core(dc, vocab, max_batch_size, max_model_len, model,
-                                         prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                         kv=opts, prefix_scope=prefix_scope)
-        if compile_passes and self.worker.runner is not None:
-            from specdist.models.runner import compile_runner
-
-            compile_runner(self.worker.runner, "draft", dc.num_speculative_tokens, compile_cache_dir)
-        runner = self.worker.runner
-        paged = runner is not None and runner.attention is not None
-        self.graphed = graphs and paged and runner.device.type == "cuda"
-        capture = (lambda: runner.capture_graphs(max_tokens=2)) if self.graphed else None  # two when it catches up
-        if measure is not None and paged:  # the graphs once the cache has its planned size
+        kv, measure = factory.kv_options(ec, where)
+        core = factory.build_draft_core(draft, ec, kv, vocab, model)
+        runner = core.runner
+        capture = None
+        if runner is not None:
+            _, capture = factory.prepare_passes(runner, "draft", dc.num_speculative_tokens, ec)
+        self.graphed = capture is not None
+        if measure is not None and runner is not None and runner.attention is not None:  # the graphs after the plan
             self._planned = ({"draft": runner.cache}, measure, capture)
         elif capture is not None:
             capture()
         self.draft_runner = runner
-        self.worker = pipelined(self.worker, draft_traits(dc).pipelined, dc.pipeline_miss)
+        self.worker = factory.hosted_drafter(core, draft)
         self.method, self.k = dc.method, dc.num_speculative_tokens
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"

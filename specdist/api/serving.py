@@ -127,7 +127,7 @@ def check_listen(host: str, port: int) -> None:
     """
     if not 0 <= port <= 65535:
         raise ListenError(f"cannot listen on {host}:{port}: the port must be in [0, 65535]")
-    from specdist.api.admission import bare_host
+    from specdist.transport.hosts import bare_host
 
     try:
         infos = socket.getaddrinfo(bare_host(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -150,33 +150,32 @@ def check_listen(host: str, port: int) -> None:
         raise ListenError(f"cannot listen on {host}:{port}: {why}")
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Any) -> Any:
     """What a loaded config needs before anything starts, beyond what load_config checks: a draft method that
-    serves ``draft.method`` with its settings (:func:`specdist.cores.proposers.check_draft`: a ConfigError
-    naming the key), and the extras it runs on (MissingDependency naming the extra when one is not installed)."""
-    from specdist.cores.proposers import check_draft
+    serves ``draft.method`` with its settings (:func:`specdist.cores.proposers.resolve_draft`: a ConfigError
+    naming the key), and the extras it runs on (MissingDependency naming the extra when one is not installed).
+    Returns the draft section resolved (a ResolvedDraft), for :func:`start_backend` to take instead of checking
+    it again."""
+    from specdist.cores.proposers import resolve_draft
     from specdist.models.backends import backend_class
 
-    check_draft(cfg.draft)
-    _check_draft_device(cfg)
+    draft = resolve_draft(cfg.draft, cfg.target.dtype)
+    _check_draft_device(cfg, draft.copy)
     if cfg.engine.attention_backend != "auto":
         backend_class(cfg.engine.attention_backend)  # a ConfigError naming the key and the registered names
-    if not cfg.cluster.enabled:
-        return
-    if not _importable("ray"):
+    if cfg.cluster.enabled and not _importable("ray"):
         raise MissingDependency(f"cluster.enabled needs Ray: {INSTALL_DISTRIBUTED}")
+    return draft
 
 
-def _check_draft_device(cfg: Any) -> None:
-    """A draft that cannot run on the device the models will: ``self-w8`` (and hybrid's) on CUDA
+def _check_draft_device(cfg: Any, copy: str | None) -> None:
+    """A draft whose target copy (``copy``) cannot run on the device the models will: ``self-w8`` (and hybrid's) on CUDA
     (:func:`specdist.models.quant.refuse_int8_on`), a one-line ConfigError naming ``draft.method``. In process the
     device is ``engine.device`` (auto: CUDA when this machine has it); on Ray ``cluster.use_gpu``, else
     ``engine.device`` when it names one (auto there: the deployment checks it once it knows the cluster's GPUs)."""
-    from specdist.cores.proposers import target_copy
-    from specdist.engine.local import device_for
+    from specdist.models.devices import device_for
     from specdist.models.quant import refuse_int8_on
 
-    copy = target_copy(cfg.draft)
     if copy is None:
         return
     device = cfg.engine.device
@@ -264,14 +263,15 @@ class Backend:
 
 def start_backend(config: Any, ray_address: str | None = None, worker_host: str = "127.0.0.1",
                   log: Callable[[str], None] = _log, tokenizer: Any = None, sources: Any = None,
-                  max_queued: int = 256, drain_seconds: float = 5.0) -> Backend:
+                  max_queued: int = 256, drain_seconds: float = 5.0, draft: Any = None) -> Backend:
     """Load the engine (cluster.enabled false), or bring a Ray deployment up and connect a RemoteEngine to it.
 
     The config's model specs are resolved once, here (:func:`specdist.models.metadata.resolve_sources`; a bad
     spec fails before anything starts), unless the caller did (``sources``); the engine, or the deployment, its
     workers and the RemoteEngine, take what they resolved to. A deployment's coordinator reads the target's
     config, vocabulary, EOS ids and tokenizer first (one parse of a GGUF header), which the workers then get.
-    ``tokenizer``: the target's, when the caller already loaded it (then not loaded again).
+    ``tokenizer``: the target's, when the caller already loaded it (then not loaded again). ``draft``: what
+    :func:`check_config` returned, when the caller checked the config (then not checked again).
 
     Blocking. On any failure (also KeyboardInterrupt) everything created here is torn down again.
     """
@@ -279,20 +279,20 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
     from specdist.models.metadata import resolve_sources
 
     cfg = load_config(config)
-    check_config(cfg)
+    draft = check_config(cfg) if draft is None else draft
     sources = resolve_sources(cfg) if sources is None else sources
     if tokenizer is not None:
         sources.use_tokenizer(tokenizer)
     if not cfg.cluster.enabled:
         from specdist.engine.local import Engine
 
-        return Backend(Engine.from_config(cfg, sources=sources))
+        return Backend(Engine.from_config(cfg, sources=sources, resolved=draft))
 
     import ray  # lazily: only a deployment needs Ray, cluster/ and workers/
 
     from cluster.deployment import Deployment
     from cluster.local import LOOPBACK_HOSTS, init_local_ray
-    from specdist.api.admission import bare_host
+    from specdist.transport.hosts import bare_host
 
     sources.read_target_metadata()  # the coordinator's, and what the workers would otherwise each read again
     cc = cfg.cluster
@@ -325,7 +325,7 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
             f"(timeout {cc.bringup_timeout_s:g}s)")
         backend.deployment = Deployment.from_config(cfg)
         target, drafts = backend.deployment.start(cfg, host=worker_host, timeout_s=cc.bringup_timeout_s,
-                                                  sources=sources)
+                                                  sources=sources, draft=draft)
         backend.target_address, backend.draft_addresses = target, list(drafts)
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
         backend.engine = backend.deployment.connect()
@@ -478,7 +478,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                              getattr(args, "auth_token_file", None),
                                              getattr(args, "admin_token_file", None))
     cfg = load_config(args.config)
-    check_config(cfg)
+    draft = check_config(cfg)
     http_port = getattr(args, "http_port", None)
     if http_port is not None:
         check_http_dependencies()
@@ -493,7 +493,7 @@ def run_serve(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"),
-                                max_queued=args.max_queued, drain_seconds=args.drain_seconds)
+                                max_queued=args.max_queued, drain_seconds=args.drain_seconds, draft=draft)
     finally:
         signal.signal(signal.SIGTERM, previous)
     # this process serves from here on: its start-up objects leave the garbage collector's walks

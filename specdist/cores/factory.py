@@ -26,7 +26,8 @@ from specdist.cores.draft_pipeline import pipelined
 from specdist.cores.proposers import ResolvedDraft
 from specdist.cores.target import VerifierCore
 from specdist.models.graphs import KVOptions
-from specdist.models.memory_plan import Measure, measure_for
+from specdist.models import memory_plan
+from specdist.models.memory_plan import Measure
 from specdist.models.runner import CausalLMRunner, compile_runner
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def kv_options(ec: EngineConfig, device: torch.device) -> tuple[KVOptions, Measu
     """The KV layout of ``ec`` for runners on ``device``, and the measure of a paged cache deferred to a memory
     plan (:mod:`specdist.models.memory_plan`: on a device it measures, unless ``engine.kv_cache_tokens`` sizes
     the cache), else None: the runner then starts with one sequence's blocks and the caller plans the rest."""
-    measure = measure_for(device)
+    measure = memory_plan.measure_for(device)  # (looked up on the module: tests stand a GPU's in for it)
     kv = KVOptions.from_engine(ec, device, deferred=measure is not None)
     return kv, measure if kv.deferred else None
 

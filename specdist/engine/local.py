@@ -15,7 +15,7 @@ import torch
 
 from specdist.config import Config, load_config
 from specdist.cores.draft import DrafterCore, LocalDrafter, load_draft_model
-from specdist.cores.factory import build_draft_core, build_target_core, hosted_drafter, kv_options, prepare_passes
+from specdist.cores import factory
 from specdist.cores.proposers import ResolvedDraft, resolve_draft
 from specdist.models.loader import eos_token_ids
 from specdist.models.kernels import cpu_kernels
@@ -51,13 +51,13 @@ class Engine(EngineBase):
         # backend it chose is GetServerInfo's cpu_kernels
         self.cpu_kernels = cpu_kernels.configure(ec.cpu_kernels)
         # on a GPU the paged caches start at one sequence each and take their size from the memory plan below
-        kv, measure = kv_options(ec, next(target.parameters()).device)
-        self.target_core = build_target_core(target, ec, kv)
+        kv, measure = factory.kv_options(ec, next(target.parameters()).device)
+        self.target_core = factory.build_target_core(target, ec, kv)
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
         share = self.target_core.prefix_kv if resolved.copy else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
-        self.draft_core: DrafterCore | None = build_draft_core(resolved, ec, kv, self.target_core.vocab_size, draft,
-                                                               prefix_source=share, defer_prefill=True)
+        self.draft_core: DrafterCore | None = factory.build_draft_core(resolved, ec, kv, self.target_core.vocab_size,
+                                                                       draft, prefix_source=share, defer_prefill=True)
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.keep_hidden_layers(self.draft_core.hidden_layers)
         dc = config.draft
@@ -69,11 +69,11 @@ class Engine(EngineBase):
             runners.append((self.draft_core.runner, "draft"))
         captures = []
         for runner, role in runners:
-            seconds, capture = prepare_passes(runner, role, k, ec)
+            seconds, capture = factory.prepare_passes(runner, role, k, ec)
             self.compile_s += seconds
             captures += [capture] if capture is not None else []
         self.graphs_s = sum(capture() for capture in captures)
-        drafters = ([LocalDrafter(hosted_drafter(self.draft_core, resolved))] if self.draft_core is not None else [])
+        drafters = [] if self.draft_core is None else [LocalDrafter(factory.hosted_drafter(self.draft_core, resolved))]
         self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
                                    eos_token_ids(target, tokenizer), traits=resolved.traits)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from specdist.config import Config, load_config
 from specdist.cores.draft import draft_hidden_layers
-from specdist.cores.proposers import check_draft, draft_traits
+from specdist.cores.proposers import ResolvedDraft, resolve_draft
 from specdist.errors import InvalidArgument
 from specdist.models.metadata import ModelSources, resolve_sources
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
@@ -48,11 +48,14 @@ class RemoteEngine(EngineBase):
         worker_secret: str | None = None,
         sources: ModelSources | None = None,
         worker_tls: WorkerTLS | None = None,
+        resolved: ResolvedDraft | None = None,
     ):
         """``sources``: the config's models (an EAGLE-3 draft's layers are read from the head and the target's
-        config); None: resolved from the config if a draft method needs them."""
+        config); None: resolved from the config if a draft method needs them. ``resolved``: the config's draft
+        section as :func:`~specdist.cores.proposers.resolve_draft` checked it, if the caller did."""
         cfg = load_config(config)
-        traits = draft_traits(cfg.draft)  # refuses a draft section no method serves
+        # refuses a draft section no method serves
+        traits = (resolve_draft(cfg.draft, cfg.target.dtype) if resolved is None else resolved).traits
         if vocab_size is None:
             if tokenizer is None:
                 raise InvalidArgument("vocab_size", "is required without a tokenizer")
@@ -80,7 +83,8 @@ class RemoteEngine(EngineBase):
         config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them (and what they read
         already is not read again); None: resolved here."""
         cfg = load_config(config)
-        check_draft(cfg.draft)  # before anything resolves
+        if kwargs.get("resolved") is None:  # before anything resolves
+            kwargs["resolved"] = resolve_draft(cfg.draft, cfg.target.dtype)
         sources = resolve_sources(cfg) if sources is None else sources
         sources.read_target_metadata()
         return cls(cfg, target_address, draft_addresses, tokenizer=sources.tokenizer(), vocab_size=sources.vocab_size(),

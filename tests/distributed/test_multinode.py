@@ -277,7 +277,7 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
     actor = TargetRankActor(0, 1, num_threads=None)
     stuck, entered = threading.Event(), threading.Event()
     try:
-        actor.load(tiny_models["target"], max_batch_size=2, max_model_len=64, collective_timeout_s=floor_s)
+        actor.load(tiny_models["target"], engine={"max_batch_size": 2, "max_model_len": 64}, collective_timeout_s=floor_s)
         actor.warmup()
         address = actor.start_grpc("127.0.0.1", 0, secret)
         forward = actor.worker.runner.forward

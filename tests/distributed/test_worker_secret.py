@@ -38,9 +38,9 @@ def actors(tiny_models):
     target = TargetRankActor(0, 1, num_threads=None)  # None: leave this process's torch threads alone
     draft = DraftActor(0, num_threads=None)
     try:
-        target.load(tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN)
+        target.load(tiny_models["target"], engine={"max_batch_size": 8, "max_model_len": MAX_LEN})
         draft.load({"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
-                   tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN, device="cpu")
+                   tiny_models["target"], {"max_batch_size": 8, "max_model_len": MAX_LEN}, device="cpu")
         target_address = target.start_grpc("127.0.0.1", 0, SECRET)
         draft_address = draft.start_grpc("127.0.0.1", 0, SECRET)
         yield target, draft, target_address, draft_address

@@ -159,7 +159,7 @@ def test_draft_actor_refuses_a_draft_model_of_another_vocabulary(tiny_models):
     try:
         with pytest.raises(Exception, match="draft.model") as ei:
             actor.load({"method": "model", "model": tiny_models["draft_vocab9"], "num_speculative_tokens": 3},
-                       tiny_models["target"], max_batch_size=2, max_model_len=32, device="cpu")
+                       tiny_models["target"], {"max_batch_size": 2, "max_model_len": 32}, device="cpu")
         assert "vocabulary size 9 differs from the target's 8" in str(ei.value)
         assert actor.state == "created"
     finally:

@@ -94,7 +94,7 @@ def test_engine_compiles_target_and_draft_runners(tiny_models, monkeypatch, sett
     from specdist import Engine
 
     calls = []
-    monkeypatch.setattr("specdist.engine.local.compile_runner",
+    monkeypatch.setattr("specdist.cores.factory.compile_runner",
                         lambda runner, role, k, cache_dir: calls.append((role, k, cache_dir)) or 0.5)
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["engine"].update(compile=setting, compile_cache_dir="/tmp/specdist-inductor-test")

@@ -239,8 +239,8 @@ def test_draft_actor_loads_in_the_dtype_it_is_given(tiny_models):
     for method, spec, dtype in (("self-w8", None, "bfloat16"), ("model", tiny_models["draft"], "float16")):
         actor = DraftActor(0, None)
         try:
-            actor.load({"method": method, "model": spec, "num_speculative_tokens": 3}, tiny_models["target"], dtype, 2,
-                       32, device="cpu")
+            actor.load({"method": method, "model": spec, "num_speculative_tokens": 3}, tiny_models["target"],
+                       {"max_batch_size": 2, "max_model_len": 32}, device="cpu", dtype=dtype)
             assert actor.worker.runner.dtype == TORCH_DTYPES[dtype]
             assert actor.worker.cache.k[0].dtype == TORCH_DTYPES[dtype]
         finally:

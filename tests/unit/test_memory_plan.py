@@ -19,10 +19,10 @@ from support.helpers import tiny_config
 from specdist import SamplingParams
 from specdist.api.admission import server_info
 from specdist.config import EngineConfig
-from specdist.engine import local
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models.graphs import KVOptions
+from specdist.models import memory_plan
 from specdist.models.memory_plan import CacheNeed, CudaMeasure, Profile, plan, plan_memory
 from specdist.models.kv.paged import PagedKVCache
 from specdist.v1 import specdist_pb2
@@ -126,7 +126,7 @@ class FakeCuda:
         for name in ("mem_get_info", "memory_allocated", "memory_reserved", "max_memory_allocated",
                      "reset_peak_memory_stats", "synchronize", "empty_cache"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
-        monkeypatch.setattr(local, "measure_for", CudaMeasure, raising=False)  # the CPU engine plans as on a GPU
+        monkeypatch.setattr(memory_plan, "measure_for", CudaMeasure)  # the CPU engine plans as on a GPU
 
     def mem_get_info(self, device=None):
         return self.total - self.allocated - self.cached - self.other, self.total

@@ -430,7 +430,7 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
         actor = DraftActor(0, num_threads=None)
         try:
             info = actor.load({**cfg["draft"], "suffix_max_depth": 5, "suffix_min_score": 0.5}, tiny_models["target"],
-                              "float32", 8, 64, device="cpu")
+                              {"max_batch_size": 8, "max_model_len": 64}, device="cpu")
             assert info["method"] == method and info["vocab_size"] == 8
             actor.warmup()
             suffix = getattr(actor.worker.proposer, "suffix", actor.worker.proposer)  # hybrid: its suffix part
