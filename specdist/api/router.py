@@ -399,7 +399,14 @@ class Router:
         return chosen
 
     def book(self, replica_id: str, request: RouteRequest, now: float) -> None:
+        """Count ``request`` on ``replica_id`` (moved there if it was booked on another: the caller sent it
+        elsewhere than chosen)."""
+        for rid, sent in self.sent.items():
+            if rid != replica_id:
+                sent.pop(request.request_id, None)
         self.sent.setdefault(replica_id, {})[request.request_id] = (now, request)
 
     def done(self, replica_id: str, request_id: str) -> None:
-        self.sent.get(replica_id, {}).pop(request_id, None)
+        """The request ended (or was never sent): counted nowhere any more."""
+        for sent in self.sent.values():
+            sent.pop(request_id, None)

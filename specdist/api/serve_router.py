@@ -6,7 +6,9 @@ Serve calls ``choose_replicas(candidate_replicas, pending_request)`` for each re
 knows of the request comes from the caller: the ingress passes :meth:`RouteRequest.to_dict` as the
 keyword argument ``specdist_route`` of the handle call (a request without it is routed by load alone);
 its session may also come from Serve's ``metadata.session_id``. The answer ranks the chosen replica first
-and the others after it, so Serve falls back to them when the chosen one's queue is full.
+and the others after it, so Serve falls back to them when the chosen one's queue is full. A request counts on
+the chosen replica from the choice on (moved if Serve sends it to another), so that the next choice, made
+before Serve has heard back from that replica, sees it.
 
 Deployment options: ``request_router_config=RequestRouterConfig(request_router_class=SpecdistRequestRouter,
 request_router_kwargs={"router": RouterConfig fields as a dict, "block_size": engine.kv_block_size})``
@@ -81,12 +83,14 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
         avoid = ((getattr(pending_request, "kwargs", None) or {}).get(ROUTE_KWARG) or {}).get("avoid")
         if avoid in by_id and len(by_id) > 1:  # the replica that just failed this request: any other first
             del by_id[avoid]
-        chosen = self.router.choose(self.route_request(pending_request), time.time(), list(by_id), book=False)
+        # booked now, not once Serve reports it sent (on_request_routed, after the replica's answer): requests
+        # arriving together would otherwise all see the same loads and go to the same replica
+        chosen = self.router.choose(self.route_request(pending_request), time.time(), list(by_id))
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        """Serve sent the request (to the chosen replica, or to one ranked after it): count it there."""
+        """Serve sent the request (to the chosen replica, or to one ranked after it): count it there (only)."""
         self.router.book(replica_id.to_full_id_str(), self.route_request(pending_request), time.time())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

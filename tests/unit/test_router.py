@@ -315,6 +315,39 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
     asyncio.run(go())
 
 
+def test_requests_arriving_together_through_serve_see_each_other():
+    """Serve reports a request sent (on_request_routed) only after the replica answered; four clients' requests
+    were all chosen before that, saw the same loads and went to the same replica (the live bench's first turns).
+    Each counts on its replica from the choice on; sent elsewhere, it moves there; done, it counts nowhere."""
+    pytest.importorskip("ray.serve")
+    import time
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from specdist.api.serve_router import ROUTE_KWARG, SpecdistRequestRouter
+
+    async def go():
+        router = SpecdistRequestRouter(deployment_id=DeploymentID(name="specdist", app_name="app"),
+                                       handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(router={"policy": "speculative"}, block_size=BS)
+        now = time.time()
+        reps = [FakeReplica(n, stats("x", at=now, step_s=0.0, step_s_per_request=0.0).to_dict()) for n in ("r1", "r2")]
+        pending = [PendingRequest(args=[], kwargs={ROUTE_KWARG: req(f"q{i}", tokens=range(16 * i, 16 * i + 16)).to_dict()},
+                                  metadata=RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}"))
+                   for i in range(4)]
+        firsts = [(await router.choose_replicas(reps, p))[0][0].replica_id for p in pending]
+        assert sorted(r.unique_id for r in firsts) == ["r1", "r1", "r2", "r2"]
+        sent = {rid: set(v) for rid, v in router.router.sent.items()}
+        router.on_request_routed(pending[0], reps[1].replica_id, None)  # q0 went to r2 after all
+        moved = {rid: set(v) for rid, v in router.router.sent.items()}
+        assert "i0" in moved[reps[1].replica_id.to_full_id_str()] and sum(len(v) for v in moved.values()) == 4
+        router.on_request_completed(reps[1].replica_id, "i0")
+        assert sum(len(v) for v in router.router.sent.values()) == 3 and sum(len(v) for v in sent.values()) == 4
+
+    asyncio.run(go())
+
+
 # ---- the simulator ---------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
