@@ -136,6 +136,21 @@ class Acceptance:
         self.tried += accepted + (1 if accepted < drafted else 0)
 
 
+@dataclass
+class StepCosts:
+    """What one step measured for the rule: its :class:`~specdist.engine.output.StepEvent` carries it
+    (``costs``), and :meth:`DraftLengthPolicy.observe` learns from it."""
+
+    # each draft call's measured compute: (replica, passes, rows, seconds)
+    draft_runs: list[tuple[int, int, int, float]] = field(default_factory=list)
+    guesses: list[bool] = field(default_factory=list)  # pipelined: each guess of a bonus token tested, whether it held
+    verify_tokens: int = 0  # tokens the verification priced (each with its logits)
+    verify_s: float = 0.0  # its wall seconds
+    overhead_s: float = 0.0  # the step's own seconds besides drafting and verifying
+    # per verified request: (its acceptance, positions it drafted, of those accepted, their match lengths or None)
+    acceptance: list[tuple[Acceptance, int, int, Sequence[int] | None]] = field(default_factory=list)
+
+
 class MatchAcceptance:
     """Decayed accepted / tried draft positions per match-length bucket (``MATCH_EDGES``), all requests."""
 
@@ -385,6 +400,28 @@ class DraftLengthPolicy:
         return tokens / max(self._step_time(ks, reps, cums), 1e-9)
 
     # ------------------------------------------------------------------ learning
+    def observe(self, event) -> None:
+        """Learn from one step: its :class:`~specdist.engine.output.StepEvent` (``event.costs``: a
+        :class:`StepCosts`; ``event.batch_size``), then set ``event.plain_step_s``, the predicted seconds
+        of the same batch without drafts (with what was just learnt)."""
+        c = event.costs
+        for held in c.guesses:
+            self.observe_guess(held)
+        for run in c.draft_runs:
+            self.observe_draft(*run)
+        self.observe_verify(c.verify_tokens, c.verify_s, event.batch_size)
+        for acc, drafted, accepted, lengths in c.acceptance:
+            self.observe_acceptance(acc, drafted, accepted, lengths)
+        self.end_step()
+        self.observe_overhead(c.overhead_s)
+        event.plain_step_s = self.step_time([0] * event.batch_size, [0] * event.batch_size)
+
+    def draft_s(self, replica: int, requests: int) -> float:
+        """Predicted seconds of a full draft (k passes) of ``requests`` requests on ``replica``; 0 while unmeasured
+        (:meth:`specdist.engine.draft_pool.DraftPool.choose`)."""
+        fit, k = self.draft_cost[replica], max(1, self.k)
+        return fit.predict(1, k, k * requests) if fit.ready else 0.0
+
     def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int,
                            match_lengths: Sequence[int] | None = None) -> None:
         """One request's verification result (call once per request per step); ``match_lengths``: those of

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -83,21 +83,21 @@ class DraftPool:
         healthy = [i for i, rep in enumerate(self.replicas) if rep.ejected_at is None]
         return bool(healthy) and not any(room[i] > 0 for i in healthy)
 
-    def choose(self, room: list[int], fits, k: int) -> int | None:
+    def choose(self, room: list[int], draft_s: Callable[[int, int], float]) -> int | None:
         """The replica for a new request, taken from ``room`` (this admission's so far); None: no
         healthy replica has room (every one is ejected: it decodes without drafts).
 
-        Predicted time of a full draft (k passes) with one more request, from the fitted
-        per-replica costs ``fits`` (0 while unmeasured, so every replica gets tried); the replicas
-        within ``REPLICA_SPEED_SLACK`` of the fastest compete on fewest live requests, then the
-        lower measured Propose time per token, then the lower index.
+        ``draft_s(i, n)``: the predicted seconds of a full draft of n requests on replica i (the draft-length
+        rule's, :meth:`~specdist.engine.draft_length.DraftLengthPolicy.draft_s`: 0 while unmeasured, so every
+        replica gets tried), asked with one more request than each holds; the replicas within
+        ``REPLICA_SPEED_SLACK`` of the fastest compete on fewest live requests, then the lower measured Propose
+        time per token, then the lower index.
         """
         free = [i for i, rep in enumerate(self.replicas) if rep.ejected_at is None and room[i] > 0]
         if not free:
             return None
         live = [self.max_batch_size - c for c in room]
-        k = max(1, k)
-        pred = {i: fits[i].predict(1, k, k * (live[i] + 1)) if fits[i].ready else 0.0 for i in free}
+        pred = {i: draft_s(i, live[i] + 1) for i in free}
         best = min(pred.values())
         near = [i for i in free if pred[i] <= best * REPLICA_SPEED_SLACK + 1e-9]
         i = min(near, key=lambda i: (live[i], self.replicas[i].latency_per_token, i))
@@ -107,8 +107,9 @@ class DraftPool:
     # ---------------------------------------------------------------- calls
     def call(self, i: int, method: str, items: list) -> tuple:
         """``method`` ("start" or "propose") of replica i's drafter on ``items``, through the scheduler's
-        transport call (:func:`~specdist.engine.calls.call_isolating`: results, failed items, timing, wall); a call that failed as a whole (no
-        item blamed: the worker down, hung past its deadline, erroring) ejects the replica."""
+        transport call (:func:`~specdist.engine.calls.call_isolating`: results, failed items, timing, wall);
+        a call that failed as a whole (no item blamed: the worker down, hung past its deadline, erroring)
+        ejects the replica."""
         out = self._call(getattr(self.replicas[i].drafter, method), items)
         failed = out[1]
         if failed and len(failed) == len(items) and not per_item(failed.values()):

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specdist.engine.draft_length import StepCosts
 from specdist.engine.request import Request, RequestMetrics, RequestStep
 from specdist.engine.stopping import OutputState
 from specdist.errors import ErrorCode, InvalidArgument
@@ -64,9 +65,11 @@ class StepEvent:
     batch_size: int  # requests verified
     phase_s: dict[str, float]  # seconds per phase (PHASES) spent in this step, its admissions included
     step_s: float  # wall seconds of the step after admission: choose, propose, verify, output, release
-    plain_step_s: float  # predicted seconds of a step without drafts for this batch (the measured costs)
+    # predicted seconds of a step without drafts for this batch: the draft-length rule's, set as it reads the event
+    plain_step_s: float
     requests: list[RequestStep]  # the verified requests, in batch order
     draft_hidden_s: float = 0.0  # pipelined drafting for this step that ran under the previous verification
+    costs: StepCosts = field(default_factory=StepCosts)  # what the draft-length rule learns from (its observe)
 
 
 @dataclass

@@ -9,7 +9,8 @@
    ``drafter.start`` with :func:`~specdist.randomness.draft_seed` of the request seed;
 2. **choose** each request's draft length ``k_b`` (:mod:`specdist.engine.draft_length`: a fixed k, or
    adaptive from its observed acceptance and the measured costs, down to 0), capped so
-   neither ``max_tokens`` nor the context limit can be overrun inside a draft;
+   neither ``max_tokens`` nor the context limit can be overrun inside a draft; the rule learns
+   from what each step measured, which the step's :class:`StepEvent` carries (``costs``);
 3. **propose**: one call per replica with its requests that draft (replicas in parallel),
    each item carrying what the target emitted since that request's last proposal. Model-free
    drafts (n-gram, suffix: lookups, no model pass) under the adaptive rule swap 2 and 3: they
@@ -61,7 +62,7 @@ import torch
 
 from specdist.config import Config
 from specdist.engine.calls import REFUSED_CODES, PendingReleases, call_isolating, per_item
-from specdist.engine.draft_length import DraftLengthPolicy
+from specdist.engine.draft_length import DraftLengthPolicy, StepCosts
 from specdist.engine.draft_pool import DraftPool, Replica
 from specdist.engine.output import PHASES, EngineStats, OutputProcessor, RequestFinished, StepEvent
 from specdist.engine.prompts import EncodedPrompt
@@ -285,7 +286,7 @@ class Scheduler:
         self.admit()
         if not self.running:
             return []
-        policy = self.length_policy
+        costs = StepCosts()  # what this step measures for the draft-length rule: its StepEvent carries it
         tc = now()
         reqs = list(self.running)
         caps = [self._draft_len(r) for r in reqs]
@@ -293,11 +294,12 @@ class Scheduler:
         lengths, proposing_s = None, 0.0
         if self._propose_first:  # lookups cost no model pass: propose all a request may draft, price, cut
             tp = now()
-            self._propose(reqs, [0 if f else c for c, f in zip(caps, first)])
+            self._propose(reqs, [0 if f else c for c, f in zip(caps, first)], costs)
             proposing_s = now() - tp
             caps = [len(r.proposal) if r.proposal is not None else 0 for r in reqs]
             lengths = [r.proposal.match_lengths if r.proposal is not None else None for r in reqs]
-        ks = policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs], first, lengths)
+        ks = self.length_policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs], first,
+                                       lengths)
 
         t0 = now()
         if self._propose_first:
@@ -305,7 +307,7 @@ class Scheduler:
                 if r.proposal is not None:  # a prefix of a proposal is a proposal; none left: a plain step
                     r.proposal = r.proposal.truncated(k) if k > 0 else None
         else:
-            self._propose(reqs, ks)
+            self._propose(reqs, ks, costs)
 
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
         results, failed, timing, wall = self._call(self.verifier.verify, items)
@@ -313,10 +315,10 @@ class Scheduler:
         for i, (msg, code) in self._target_errors(failed, len(items)).items():
             self.output.fail(reqs[i], msg, code)
         if self._planned_costs:
-            ntok = sum((k if it.proposal is not None else 0) + 1 for it, k in zip(items, ks))
+            costs.verify_tokens = sum((k if it.proposal is not None else 0) + 1 for it, k in zip(items, ks))
         else:
-            ntok = sum(len(it.proposal or ()) + 1 for it in items)
-        policy.observe_verify(ntok, wall, len(items))
+            costs.verify_tokens = sum(len(it.proposal or ()) + 1 for it in items)
+        costs.verify_s = wall
         t2 = now()
 
         advanced, records = [], []
@@ -324,24 +326,23 @@ class Scheduler:
         for i, res in zip(done, results or []):
             r = reqs[i]
             advanced.append(r)
-            proposal = self._fold_verified(r, res.num_accepted, res.next_token, res.hidden)
+            proposal = self._fold_verified(r, res.num_accepted, res.next_token, res.hidden, costs)
             records.append(self.output.apply(r, proposal, res.num_accepted, res.next_token, res.logprobs))
         self.stats.steps += 1
         t3 = now()
         t["output"] += t3 - t2
-        policy.end_step()
-        policy.observe_overhead((t0 - tc - proposing_s) + (t3 - t2))
+        costs.overhead_s = (t0 - tc - proposing_s) + (t3 - t2)
         self.release([r for r in self.running if r.finished])
-        plain = policy.step_time([0] * len(reqs), [0] * len(reqs))
         phases = {name: t.get(name, 0.0) - phase0.get(name, 0.0) for name in t}
-        self.output.emit(StepEvent(len(reqs), phases, now() - tc, plain, records,
-                                   self.stats.draft_hidden_s - hidden0))
+        event = StepEvent(len(reqs), phases, now() - tc, 0.0, records, self.stats.draft_hidden_s - hidden0, costs)
+        self.length_policy.observe(event)  # learns from it, and predicts the step without drafts (plain_step_s)
+        self.output.emit(event)
         return advanced
 
-    def _fold_verified(self, r: Request, n_acc: int, next_token: int, hidden=None):
+    def _fold_verified(self, r: Request, n_acc: int, next_token: int, hidden, costs: StepCosts):
         """Fold one verification into request r's drafting state (what its next ProposeItem says, with
-        the kept positions' hidden states for an EAGLE-3 replica) and into the draft-length rule.
-        Returns the proposal it verified (None: none)."""
+        the kept positions' hidden states for an EAGLE-3 replica) and into the step's ``costs`` (what the
+        draft-length rule learns). Returns the proposal it verified (None: none)."""
         p = r.proposal
         if p is not None:  # its drafter holds this proposal: the next ProposeItem says how much survived
             r.num_accepted = n_acc
@@ -350,8 +351,8 @@ class Scheduler:
         if hidden is not None and r.replica is not None:
             r.hidden.append(hidden)
         r.proposal = None
-        self.length_policy.observe_acceptance(r.acceptance, len(p) if p is not None else 0, n_acc,
-                                              p.match_lengths if p is not None else None)
+        costs.acceptance.append((r.acceptance, len(p) if p is not None else 0, n_acc,
+                                 p.match_lengths if p is not None else None))
         return p
 
     def _draft_len(self, r: Request) -> int:
@@ -363,9 +364,10 @@ class Scheduler:
         return max(0, min(self.k, remaining - 1, room - 1))
 
     # ---------------------------------------------------------------- propose
-    def _propose(self, reqs: list[Request], ks: list[int]) -> None:
+    def _propose(self, reqs: list[Request], ks: list[int], costs: StepCosts) -> None:
         """Propose ``ks[b]`` tokens for each request b that drafts: one call per replica, the replicas in
-        parallel (:meth:`DraftPool.propose`), then each replica's proposals folded into its requests."""
+        parallel (:meth:`DraftPool.propose`), then each replica's proposals folded into its requests and
+        its measured costs into ``costs``."""
         work: dict[int, list[tuple[Request, int]]] = {}
         for r, k in zip(reqs, ks):
             if k > 0:
@@ -377,24 +379,23 @@ class Scheduler:
                                                      hidden=_joined(r.hidden)) for r, k in w]
                                      for i, w in work.items()})
         wall = now() - t0
-        spans = [self._proposed(i, work[i], *results[i]) for i in work]
+        spans = [self._proposed(i, work[i], costs, *results[i]) for i in work]
         compute = max((c for c, _ in spans), default=0.0)  # replicas draft in parallel: the slowest counts
         remote = any(rem for _, rem in spans)
         self.stats.phase_s["draft"] += min(compute, wall) if remote else wall
         if remote:
             self.stats.phase_s["network"] += wall - min(compute, wall)
 
-    def _proposed(self, i: int, work: list[tuple[Request, int]], proposals, failed, timing: CallTiming,
-                  wall: float) -> tuple[float, bool]:
+    def _proposed(self, i: int, work: list[tuple[Request, int]], costs: StepCosts, proposals, failed,
+                  timing: CallTiming, wall: float) -> tuple[float, bool]:
         """Replica i's answer to ``work`` (its requests and lengths): each proposal onto its request, a
         request whose item failed detached. Returns (the replica's compute seconds, is remote)."""
         rep = self.replicas[i]
         ok = [r for j, (r, _) in enumerate(work) if j not in failed]
         ntok = 0
-        policy = self.length_policy
         for r, p in zip(ok, proposals or []):
             if p.pipeline is not None and r.full_accept and len(r.new_tokens) == 1:
-                policy.observe_guess(p.pipeline == HIT)  # the guess of its bonus token was tested
+                costs.guesses.append(p.pipeline == HIT)  # the guess of its bonus token was tested
             r.proposal = p
             r.num_accepted, r.new_tokens, r.hidden = 0, [], []  # committed on the drafter
             ntok += len(p)
@@ -403,12 +404,11 @@ class Scheduler:
             rep.propose_s += wall
             rep.proposed_tokens += ntok
         if timing.runs:  # a pipelined drafter reports its draft compute: most of it was hidden
-            for passes, rows, seconds in timing.runs:
-                policy.observe_draft(i, passes, rows, seconds)
+            costs.draft_runs += [(i, passes, rows, seconds) for passes, rows, seconds in timing.runs]
         elif ntok:  # a first draft's prompt prefill ("prefill") is not a cost of drafting
             lengths = [k for j, (_, k) in enumerate(work) if j not in failed] if self._planned_costs \
                 else [len(p) for p in proposals]
-            policy.observe_draft(i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0))
+            costs.draft_runs.append((i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0)))
         for j, e in failed.items():  # detached from the drafter; released by the step afterwards
             self._detach(work[j][0], f"draft {rep.drafter.name}: {e.describe()}")
         compute = timing.total if rep.drafter.is_remote else wall
@@ -447,7 +447,7 @@ class Scheduler:
                 break
             if self.pool.waits_for_room(room):
                 break  # wait for room on a healthy replica
-            r.replica = self.pool.choose(room, self.length_policy.draft_cost, self.k)  # None: decode without drafts
+            r.replica = self.pool.choose(room, self.length_policy.draft_s)  # None: decode without drafts
             new.append(self.waiting.popleft())
             r.queued = False
         return new
@@ -497,8 +497,9 @@ class Scheduler:
 
     def _start_on(self, call: Callable[[list[StartItem]], tuple], release: Callable[[list[str]], None],
                   rs: list[Request], seed_of):
-        """Start requests on one core (``call``: a transport call of its prefill or start): (started, out of room (to requeue), [(request, TransportError)],
-        the call's results for the started ones (the verifier's Prefilled; None for a drafter's start)).
+        """Start requests on one core (``call``: a transport call of its prefill or start): (started, out of room
+        (to requeue), [(request, TransportError)], the call's results for the started ones (the verifier's
+        Prefilled; None for a drafter's start)).
 
         A call that failed without blaming an item (a worker down, a deadline) may have started
         them before it failed: they are released there (``release``; retried later if that fails too).

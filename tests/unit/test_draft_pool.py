@@ -75,7 +75,7 @@ def test_a_call_failed_as_a_whole_ejects_its_replica() -> None:
     out = pool.propose({0: _items("a"), 1: _items("c")})
     assert out[1][0] is None and out[1][1][0].code == ErrorCode.UNAVAILABLE  # the failure comes back
     assert pool.replicas[0].ejected_at is None and pool.replicas[1].ejected_at is not None
-    assert pool.choose(pool.room(), [_Unmeasured()] * 2, 2) == 0  # new requests go to the healthy one
+    assert pool.choose(pool.room(), lambda replica, requests: 0.0) == 0  # new requests go to the healthy one
     drafters[0].fail = TransportError("worker down", ["a"], ErrorCode.DEADLINE_EXCEEDED)
     pool.call(0, "start", [StartItem("a", [1, 2], SamplingParams(), 0)])  # a start too
     assert pool.replicas[0].ejected_at is not None
@@ -88,7 +88,3 @@ def test_an_item_refused_leaves_its_replica_in_the_pool() -> None:
     proposals, failed, _, _ = pool.call(0, "propose", _items("a"))
     assert list(failed) == [0] and pool.replicas[0].ejected_at is None  # one bad item: not the replica's fault
     pool.close()
-
-
-class _Unmeasured:
-    ready = False

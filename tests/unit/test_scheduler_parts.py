@@ -51,10 +51,9 @@ class FakeDrafter:
         pass
 
 
-class Unmeasured:
-    """A draft-cost fit with no measurements yet (every replica predicts 0 s)."""
-
-    ready = False
+def unmeasured(replica: int, requests: int) -> float:
+    """The draft-length rule's prediction of a full draft before any measurement: 0 s on every replica."""
+    return 0.0
 
 
 @pytest.fixture
@@ -76,15 +75,14 @@ def wait_for_probe(pool: DraftPool, i: int) -> None:
 # ---------------------------------------------------------------- the draft pool
 def test_unmeasured_replicas_take_new_requests_by_load(clock) -> None:
     pool = pool_of(FakeDrafter("a"), FakeDrafter("b"))
-    fits = [Unmeasured(), Unmeasured()]
     room = pool.room()
     assert room == [2, 2]
-    assert [pool.choose(room, fits, 3) for _ in range(4)] == [0, 1, 0, 1]
+    assert [pool.choose(room, unmeasured) for _ in range(4)] == [0, 1, 0, 1]
     assert room == [0, 0] and pool.waits_for_room(room)  # healthy replicas, none with room: wait
     pool.eject(1, "down")
-    assert pool.choose(pool.room(), fits, 3) == 0  # only the healthy one takes requests
+    assert pool.choose(pool.room(), unmeasured) == 0  # only the healthy one takes requests
     pool.eject(0, "down")
-    assert pool.choose(pool.room(), fits, 3) is None and not pool.waits_for_room(pool.room())  # no drafts
+    assert pool.choose(pool.room(), unmeasured) is None and not pool.waits_for_room(pool.room())  # no drafts
 
 
 def test_an_ejected_replica_is_probed_with_backoff_and_readmitted_when_it_answers(clock) -> None:
@@ -93,7 +91,7 @@ def test_an_ejected_replica_is_probed_with_backoff_and_readmitted_when_it_answer
     drafter.down = True
     pool.release(0, ["x", "y"])  # a failed release: kept, and the probe's to release
     pool.eject(0, "whole call failed")
-    assert pool.replicas[0].ejected_at == clock[0] and pool.choose(pool.room(), [Unmeasured()], 3) is None
+    assert pool.replicas[0].ejected_at == clock[0] and pool.choose(pool.room(), unmeasured) is None
     calls = len(drafter.releases)
     pool.retry_releases()  # an ejected replica's releases are its probe's
     pool.probe()  # not yet due
@@ -113,7 +111,7 @@ def test_an_ejected_replica_is_probed_with_backoff_and_readmitted_when_it_answer
     wait_for_probe(pool, 0)
     pool.probe()  # answered: re-admitted, nothing owed
     assert pool.replicas[0].ejected_at is None and pool.replicas[0].orphans.ids == set()
-    assert pool.choose(pool.room(), [Unmeasured()], 3) == 0
+    assert pool.choose(pool.room(), unmeasured) == 0
     assert pool.per_replica([len(rep.orphans.ids) for rep in pool.replicas]) == {"draft": 0}
     pool.close()
 
