@@ -88,3 +88,13 @@ def test_the_watch_sees_an_import_from_specdist() -> None:
     seen = watch(None, planted="import matplotlib\nfrom tqdm import tqdm")
     assert ours(seen["importers"]) == [["matplotlib", "specdist.planted"], ["tqdm", "specdist.planted"]]
     assert seen["loaded"] == ["matplotlib", "tqdm"]
+
+
+def test_a_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path) -> None:
+    """`specdist cost-model --plot` on the core install: one line naming the extra, not an ImportError."""
+    from specdist.api.serving import MissingDependency
+    from specdist.bench.cost_plot import plot_speedup
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.raises(MissingDependency, match=r"specdist\[bench\]"):
+        plot_speedup(tmp_path / "s.png")
