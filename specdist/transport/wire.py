@@ -2,7 +2,8 @@
 
 Pure: messages only, no gRPC server or channel code, so the remote transports
 (:mod:`specdist.transport.remote`), the workers' servicers and the tests share one definition of
-every conversion between the dataclasses of :mod:`specdist.transport.protocol` and protobuf, and
+every conversion between the dataclasses of :mod:`specdist.transport.protocol` and protobuf (the
+items' SamplingParams by :mod:`specdist.sampling_proto`, which the public API shares), and
 the sizes those messages reach (:func:`message_limit_bytes`, the gRPC message limit of the
 workers and their callers, as options by :func:`grpc_message_options`).
 
@@ -20,7 +21,8 @@ import torch
 
 from specdist import logprobs
 from specdist.errors import InvalidArgument
-from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
+from specdist.sampling_params import MAX_LOGPROBS
+from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from specdist.transport.protocol import HIT, MISS, Prefilled, Proposal, ProposeItem, StartItem, Verified, VerifyItem
 from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -28,67 +30,6 @@ DENSE = common_pb2.DISTRIBUTION_FORMAT_DENSE_FP16
 SPARSE = common_pb2.DISTRIBUTION_FORMAT_SPARSE_FP16
 ONE_HOT = common_pb2.DISTRIBUTION_FORMAT_ONE_HOT
 _FP16_LE = np.dtype("<f2")  # the wire is little-endian whatever the host
-
-_FINISH = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
-
-# ---------------------------------------------------------------- sampling params
-
-
-def sampling_params_from_proto(msg: common_pb2.SamplingParams, field: str = "params") -> SamplingParams:
-    """Validate a wire SamplingParams; unset optional fields take SamplingParams' defaults.
-
-    Raises InvalidArgument naming the wire field, ``f"{field}.{name}"`` (e.g.
-    ``params.top_p``): the proto fields carry SamplingParams' own field names.
-    """
-    kwargs = {name: getattr(msg, name) for name in ("top_k", "seed", "max_tokens", "logprobs") if msg.HasField(name)}
-    for name in ("temperature", "top_p"):
-        if msg.HasField(name):
-            kwargs[name] = _from_float32(getattr(msg, name))
-    try:
-        return SamplingParams(
-            **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
-        )
-    except InvalidArgument as e:
-        raise InvalidArgument(f"{field}.{e.field}", e.message) from None
-
-
-def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
-    """Every field set explicitly (seed and logprobs only when set); floats travel as float32."""
-    msg = common_pb2.SamplingParams(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        max_tokens=sp.max_tokens,
-        stop=sp.stop,
-        stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos,
-    )
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    return msg
-
-
-def _from_float32(x: float) -> float:
-    # The shortest decimal that rounds to the same float32, so 0.8 comes back as 0.8 and
-    # not 0.800000011920929. Same float32 either way, which is what the samplers use.
-    return float(str(np.float32(x)))
-
-
-def finish_reason_to_proto(reason: str | None) -> int:
-    """Engine finish reason ("stop" | "length" | "abort" | "error" | None) -> FinishReason."""
-    if reason not in _FINISH:
-        raise ValueError(f"unknown finish reason {reason!r}")
-    return _FINISH[reason]
-
 
 # ---------------------------------------------------------------- draft distributions
 

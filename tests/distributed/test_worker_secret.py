@@ -22,7 +22,7 @@ from specdist.sampling_params import SamplingParams
 from specdist.transport.security import bearer_metadata, new_worker_secret
 from specdist.transport.protocol import StartItem, TransportError
 from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.transport.wire import sampling_params_to_proto
+from specdist.sampling_proto import sampling_params_to_proto
 
 K, MAX_LEN = 3, 64
 PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5]]

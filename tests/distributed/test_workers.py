@@ -29,7 +29,8 @@ from specdist.engine.stopping import OutputState
 from specdist.randomness import draft_seed
 from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.cores.target import VerifierCore
-from specdist.transport.wire import DENSE, ONE_HOT, SPARSE, encode_distribution, sampling_params_to_proto
+from specdist.sampling_proto import sampling_params_to_proto
+from specdist.transport.wire import DENSE, ONE_HOT, SPARSE, encode_distribution
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 

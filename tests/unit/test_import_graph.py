@@ -109,3 +109,12 @@ def test_workers_import_nothing_of_the_api() -> None:
     reaching = {name: sorted(i for i in _imports(path) if i.startswith("specdist.api"))
                 for name, path in _modules("workers").items()}
     assert {name: found for name, found in reaching.items() if found} == {}
+
+
+def test_the_api_converts_its_requests_without_the_workers_wire_codecs() -> None:
+    """A client's request does not go api -> transport -> api: the servers' conversions are the API's own
+    (specdist.api.codecs) or shared below both (specdist.sampling_proto), never specdist.transport.wire's."""
+    graph = _graph()
+    reaching = sorted(name for name in graph
+                      if name.startswith("specdist.api") and "specdist.transport.wire" in graph[name])
+    assert reaching == []

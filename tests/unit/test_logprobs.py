@@ -250,8 +250,8 @@ def test_bad_grpc_value_names_the_field(srv, value):
 def test_wire_round_trips_tell_zero_from_unset():
     from specdist.transport.protocol import Verified
     from specdist.v1 import common_pb2, target_pb2
-    from specdist.transport.wire import (sampling_params_from_proto, sampling_params_to_proto, verified_from_proto,
-                               verified_to_proto)
+    from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+    from specdist.transport.wire import verified_from_proto, verified_to_proto
 
     for n in (None, 0, 20):
         msg = sampling_params_to_proto(SamplingParams(logprobs=n))

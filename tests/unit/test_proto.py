@@ -26,13 +26,12 @@ from specdist.transport.wire import (
     SPARSE,
     decode_distribution,
     encode_distribution,
-    finish_reason_to_proto,
     fp16_exact,
     proposal_from_proto,
     proposal_to_proto,
-    sampling_params_from_proto,
-    sampling_params_to_proto,
 )
+from specdist.api.codecs import finish_reason_to_proto
+from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 from specdist.transport.protocol import Proposal
 
 # ---------------------------------------------------------------- (a) generated code
