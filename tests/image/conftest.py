@@ -6,8 +6,9 @@ per run (``image``); ``SPECDIST_TEST_IMAGE=<tag>`` runs the tests on an image al
 iterating on the tests).
 
 A container here is ``buildah run`` (chroot isolation: no daemon, no OCI runtime) of a working container made from
-the image, started inside ``unshare --pid --fork --kill-child`` (its own PID namespace: stopping it kills every
-process it started, and nothing can outlive it) and inside a network namespace of the test's (``ip netns``): only
+the image, started inside ``unshare --pid --fork --kill-child --mount-proc`` (its own PID namespace: stopping it
+kills every process it started, and nothing can outlive it; its own /proc, so that a process finds itself there, as
+psutil in Ray's dashboard does) and inside a network namespace of the test's (``ip netns``): only
 loopback (no network), or a veth to the host on private addresses, or a bridge the host and other containers
 share. Nothing is routed off this machine (no default route leaves the host: it does not forward).
 """
@@ -124,7 +125,7 @@ class Container:
         if user is not None:
             run += ["--user", user]
         return ["ip", "netns", "exec", self.netns.name, "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
-                *run, self.id, "--", "bash", "-c", command]
+                "--mount-proc", *run, self.id, "--", "bash", "-c", command]
 
     def run(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         out = subprocess.run(self.argv(command), capture_output=True, text=True, timeout=timeout)
@@ -136,6 +137,12 @@ class Container:
         """``command`` in the background, its output into ``log``."""
         with open(log, "w") as f:
             proc = subprocess.Popen(self.argv(command), stdout=f, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def popen(self, command: str) -> subprocess.Popen:
+        """``command`` in the background, its output (stdout and stderr) a pipe to read."""
+        proc = subprocess.Popen(self.argv(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 
@@ -189,14 +196,27 @@ def containers():
             _sh("ip", "link", "set", name, "up")
             return name
 
+        def close(self) -> None:
+            """Stop and remove every container, namespace and bridge made (again: nothing more to do)."""
+            for c in self.all:
+                c.remove()
+            for n in self.namespaces:
+                n.delete()
+            for b in self.bridges:
+                subprocess.run(["ip", "link", "del", b], capture_output=True)
+
+        def left(self) -> list[str]:
+            """What of the made is still there: working containers, network namespaces, bridges."""
+            ids = set(_sh(*BUILDAH, "containers", "--all", "--quiet", "--notruncate").split())
+            netns = {line.split()[0] for line in _sh("ip", "netns", "list").splitlines() if line.strip()}
+            links = _sh("ip", "-o", "link", "show")
+            return ([f"container {c.id}" for c in self.all if c.id in ids]
+                    + [f"netns {n.name}" for n in self.namespaces if n.name in netns]
+                    + [f"bridge {b}" for b in self.bridges if f" {b}:" in links])
+
     made = Made()
     yield made
-    for c in made.all:
-        c.remove()
-    for n in made.namespaces:
-        n.delete()
-    for b in made.bridges:
-        subprocess.run(["ip", "link", "del", b], capture_output=True)
+    made.close()
 
 
 def _wait_serving(address: str, service: str = "", timeout: float = 900) -> None:
