@@ -266,9 +266,9 @@ async def serve(
 
     Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
     credentials for the port, and a token every method but the health service requires
-    (:mod:`specdist.transport.security`: both read again when their files change); with several tokens (tenants) one line on stderr says what the
-    tenants share (:func:`specdist.config.tenant_scope_line`). Messages over ``limits.max_message_bytes`` are
-    refused.
+    (:mod:`specdist.transport.security`: both read again when their files change); with several tokens
+    (tenants) one line on stderr says what the tenants share (:func:`specdist.config.tenant_scope_line`).
+    Messages over ``limits.max_message_bytes`` are refused.
     """
     security = security or ServerSecurity()
     token = security.token

@@ -101,7 +101,7 @@ from specdist.api.admission import (Limits, bare_host, body_values_budget, body_
 from specdist.logprobs import TokenLogprob
 from specdist.engine.request import RequestMetrics
 from specdist.transport.security import (
-    METRICS_FORBIDDEN, ServerSecurity, bearer_ok, sees_everything, tenant_of, unauthenticated_message,
+    METRICS_FORBIDDEN, ServerSecurity, Tokens, bearer_ok, sees_everything, tenant_of, unauthenticated_message,
 )
 from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer
@@ -651,20 +651,21 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------- the app
-def create_app(coordinator: Coordinator, model_name: str | None = None,
-               token: str | tuple[str, ...] | None = None, admin_token: str | None = None) -> FastAPI:
+def create_app(coordinator: Coordinator, model_name: str | None = None, tokens: Tokens | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over ``coordinator`` (module docstring).
 
-    ``token``: /v1/*, /metrics and /openapi.json answer 401 without ``Authorization: Bearer <token>`` (a tuple:
-    any of them, one a tenant: a request's tenant is its token's, :func:`specdist.transport.security.tenant_of`).
+    ``tokens`` (as they are at each request): with a tenants' token, /v1/*, /metrics and /openapi.json answer 401
+    without ``Authorization: Bearer <token>`` (several: any of them, one a tenant: a request's tenant is its
+    token's, :func:`specdist.transport.security.tenant_of`); the admin token reads /metrics.
     """
+    tokens = tokens or Tokens()
     front = _OpenAIFrontEnd(coordinator, model_name)
     # FastAPI's own /openapi.json route has no dependencies; this app serves it itself, behind the
     # token like /v1/*. No /docs or /redoc: their pages load scripts from a CDN.
     app = FastAPI(title="specdist", description="OpenAI-compatible API over speculative decoding",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = front
-    auth = [Depends(_bearer_auth(token))] if token else []
+    auth = [Depends(_bearer_auth(tokens))] if tokens.now()[0] is not None else []
 
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -684,7 +685,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
             raise _schema_error(e) from None
         front.check_model(body)
         call = _parse(body, chat, front.limits)
-        streams = await front.open(call, tenant_of(request.headers.get("authorization"), token))
+        streams = await front.open(call, tenant_of(request.headers.get("authorization"), tokens.now()[0]))
         if call.stream:
             return _EventStream(front.events(call, streams))
         result = await _unless_disconnected(request.receive, front.complete(call, streams))
@@ -718,7 +719,7 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
             status = "steps failing" if getattr(coordinator, "steps_failing", False) else "shutting down"
         return JSONResponse({"status": status}, status_code=HTTP_STATUS[ErrorCode.UNAVAILABLE])
 
-    @app.get("/metrics", dependencies=[Depends(_metrics_auth(token, admin_token))])  # every tenant's traffic
+    @app.get("/metrics", dependencies=[Depends(_metrics_auth(tokens))])  # every tenant's traffic
     async def metrics() -> Response:
         m = getattr(coordinator, "metrics", None)
         if m is None:
@@ -730,12 +731,13 @@ def create_app(coordinator: Coordinator, model_name: str | None = None,
     return app
 
 
-def _metrics_auth(token: str | tuple[str, ...] | None, admin_token: str | None) -> Callable[[Request], Awaitable[None]]:
+def _metrics_auth(tokens: Tokens) -> Callable[[Request], Awaitable[None]]:
     """/metrics' dependency: for whoever may see every tenant's traffic (the admin token, :func:`sees_everything`);
     403 to a tenant's token, 401 to anything else."""
 
     async def check(request: Request) -> None:
         header = request.headers.get("authorization")
+        token, admin_token = tokens.now()
         if sees_everything(header, token, admin_token):
             return
         if token is not None and bearer_ok(header, token):
@@ -747,12 +749,14 @@ def _metrics_auth(token: str | tuple[str, ...] | None, admin_token: str | None) 
     return check
 
 
-def _bearer_auth(token: str) -> Callable[[Request], Awaitable[None]]:
-    """A route dependency: 401 (OpenAI's ``invalid_api_key`` shape) unless the request carries the token."""
+def _bearer_auth(tokens: Tokens) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 (OpenAI's ``invalid_api_key`` shape) unless the request carries a tenant's token
+    (as the tokens are now: one removed from the file is refused from its next check on)."""
 
     async def check(request: Request) -> None:
         header = request.headers.get("authorization")
-        if not bearer_ok(header, token):
+        token = tokens.now()[0]
+        if token is not None and not bearer_ok(header, token):
             raise APIError(HTTP_STATUS[ErrorCode.UNAUTHENTICATED], unauthenticated_message(header),
                            type="authentication_error", code="invalid_api_key")
 
@@ -974,7 +978,8 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     ``http_connections_per_peer`` (:class:`_GuardedH11`).
 
     ``security``: HTTPS with its certificate (a client certificate required with a client CA),
-    and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.transport.security`).
+    and its token on /v1/*, /metrics and /openapi.json (:mod:`specdist.transport.security`); both are read again
+    when their files change (a new handshake presents the new certificate, a token removed is refused).
 
     The socket is bound here, so an address in use raises (``ListenError``) before anything starts.
     """
@@ -993,10 +998,13 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     limits = coordinator.engine.config.limits
     guard = _Guard(limits.http_idle_timeout_s, limits.http_write_timeout_s, limits.http_connections_per_peer)
     protocol = type("_Connection", (_GuardedH11,), {"guard": guard})
-    app = _Capped(create_app(coordinator, model_name, security.token, security.admin_token), None, cap)
+    app = _Capped(create_app(coordinator, model_name, security.tokens), None, cap)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=protocol,
                             timeout_keep_alive=limits.http_idle_timeout_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)
+    if security.tls is not None:  # each handshake with the certificate files as they are then
+        config.load()
+        config.ssl = security.tls.server_context()
     server = _Server(config)
     app.state = server.server_state
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"specdist-http-{bound}")

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from specdist.transport.security import ServerTLS, auth_interceptors
+from specdist.transport.security import ServerTLS, Tokens, auth_interceptors
 from specdist.transport.wire import grpc_message_options
 
 AddService = Callable[[grpc.aio.Server], None]  # registers one servicer on a server
@@ -92,7 +92,7 @@ class GrpcHost:
 
 
 async def start_grpc_host(services: Mapping[str, AddService], host: str, port: int, message_limit: int, *,
-                          token: str | None = None, tls: ServerTLS | None = None, reflection: bool = False,
+                          token: str | Tokens | None = None, tls: ServerTLS | None = None, reflection: bool = False,
                           serving: bool = False, admin_token: str | None = None) -> GrpcHost:
     """Build the server (module docstring), bind ``host:port``, set every health status to
     ``serving`` and start it. Call it on the event loop that is to run the server."""

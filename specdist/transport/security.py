@@ -5,7 +5,7 @@ Server side (``specdist serve``):
   speaks TLS. ``--tls-client-ca``: clients must also present a certificate signed by this CA
   (mutual TLS).
 - ``--auth-token-file``: a file holding one token (surrounding whitespace stripped; at least 16
-  characters; lines starting with ``#`` are comments), read once at start. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
+  characters; lines starting with ``#`` are comments), read at start and again when it changes. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
   header; on the HTTP port: /v1/*, /metrics and /openapi.json), except the probes: the gRPC
   health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED / HTTP
   401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
@@ -30,22 +30,41 @@ port requires it as a bearer token (the same interceptor, health open); the coor
 Every file is checked when the command starts: a missing, unreadable or empty one, a certificate
 or key that does not load, or a key that does not match its certificate is a one-line
 :class:`SecurityConfigError` naming its flag.
+
+The files are read again while the server runs (:class:`Reloading`): when one changes (its inode, size or
+modification time; checked at most every :data:`RELOAD_CHECK_S`, when a call is authenticated or a TLS handshake
+starts), the new certificate serves the next handshakes (gRPC: :func:`grpc.dynamic_ssl_server_credentials`; the
+HTTP and metrics ports: :meth:`ServerTLS.server_context`) and the new tokens the next calls, so a certificate
+renewed in place (cert-manager) or a token removed from the file (revoked) takes effect without a restart.
+Connections already open keep their handshake's certificate. Files that changed but do not load (unreadable, a
+token too short, a key that does not match the certificate) leave the credentials in use and log one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
+import logging
+import os
 import secrets
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import grpc
 
 from specdist.errors import SpecDistError
 
+log = logging.getLogger(__name__)
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes: open without a token
 ADMIN_METHODS = frozenset({"/specdist.v1.SpecDecode/GetServerInfo"})  # what the admin token may call
+RELOAD_CHECK_S = 1.0  # how often (at most) the credential files' stat is compared with the one last loaded
+T = TypeVar("T")
 
 
 class SecurityConfigError(SpecDistError):
@@ -62,6 +81,58 @@ def read_file(path: str, flag: str) -> bytes:
     if not data.strip():
         raise SecurityConfigError(f"{flag} {path}: the file is empty")
     return data
+
+
+class Reloading(Generic[T]):
+    """A value loaded from files, loaded again once one of them has changed: :meth:`current` compares the files'
+    stat (device, inode, size, modification time: a rewrite, a rename over the file or a symlink swapped, as a
+    Kubernetes volume's update does) with the one of the last load, at most every :data:`RELOAD_CHECK_S`. A change
+    whose files do not load (``load`` raises :class:`SecurityConfigError`) keeps the value in use and logs one line.
+
+    Thread-safe: the HTTP API's event loop, grpc's handshake threads and the metrics port's threads all call it;
+    while one thread loads, the others get the value in use."""
+
+    def __init__(self, paths: Sequence[str | None], load: Callable[[], T], what: str):
+        self.paths = tuple(p for p in paths if p is not None)
+        self.what = what  # the flags, for the log line
+        self._load = load
+        self._lock = threading.Lock()
+        self._stat = self._stats()  # before the read: a change while reading is seen at the next check
+        self.value = load()
+        self._checked = time.monotonic()
+
+    def current(self) -> T:
+        if time.monotonic() - self._checked >= RELOAD_CHECK_S and self._lock.acquire(blocking=False):
+            try:
+                self._check()
+            finally:
+                self._lock.release()
+        return self.value
+
+    def _check(self) -> None:
+        self._checked = time.monotonic()
+        stat = self._stats()
+        if stat == self._stat:
+            return
+        self._stat = stat  # a change that does not load is logged once, and tried again at the next change
+        try:
+            value = self._load()
+        except SecurityConfigError as e:
+            log.warning("%s changed, but the new files cannot be used; the credentials in use are kept: %s",
+                        self.what, e)
+            return
+        self.value = value
+        log.info("%s: reloaded (the files changed)", self.what)
+
+    def _stats(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError as e:  # gone or unreadable: a change too (loading then fails, and the old value stays)
+                out.append(e.errno)
+        return tuple(out)
 
 
 MIN_TOKEN_CHARS = 16  # a shorter token is a guessable one
@@ -156,7 +227,10 @@ def unauthenticated_message(header: str | None) -> str:
 
 @dataclass(frozen=True)
 class ServerTLS:
-    """The server's certificate chain and key (and, for mutual TLS, the client CA), as paths and bytes."""
+    """The server's certificate chain and key (and, for mutual TLS, the client CA), as paths and bytes.
+
+    Made by :meth:`load`, it watches its files (``watch``): :meth:`current` is what they hold now, and the
+    credentials it makes (:meth:`grpc_credentials`, :meth:`server_context`) present it at each new handshake."""
 
     cert_file: str
     key_file: str
@@ -164,35 +238,76 @@ class ServerTLS:
     cert: bytes = b""
     key: bytes = b""
     client_ca: bytes | None = None
+    context: ssl.SSLContext | None = field(default=None, compare=False, repr=False)  # these files' (ssl_context)
+    watch: "Reloading[ServerTLS] | None" = field(default=None, compare=False, repr=False)
 
     @classmethod
     def load(cls, cert_file: str, key_file: str, client_ca_file: str | None = None) -> "ServerTLS":
-        """Read the files and check their contents (grpc would only fail to bind, after the model loaded)."""
+        """Read the files and check their contents (grpc would only fail to bind, after the model loaded);
+        the result reads them again when they change."""
+        watch = Reloading((cert_file, key_file, client_ca_file), lambda: cls._read(cert_file, key_file, client_ca_file),
+                          "--tls-cert / --tls-key" + (" / --tls-client-ca" if client_ca_file else ""))
+        return dataclasses.replace(watch.value, watch=watch)
+
+    @classmethod
+    def _read(cls, cert_file: str, key_file: str, client_ca_file: str | None) -> "ServerTLS":
         tls = cls(cert_file, key_file, client_ca_file, read_file(cert_file, "--tls-cert"),
                   read_file(key_file, "--tls-key"),
                   None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"))
-        tls.ssl_context()
-        return tls
+        return dataclasses.replace(tls, context=tls.ssl_context())
+
+    def current(self) -> "ServerTLS":
+        """What the files hold now (checked at most every RELOAD_CHECK_S); itself when it watches no files."""
+        return self.watch.current() if self.watch is not None else self
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.client_ca, require_client_auth=self.client_ca is not None
-        )
+        """The gRPC port's credentials; with files watched, each new connection's handshake uses what they hold
+        then (:func:`grpc.dynamic_ssl_server_credentials`; a client CA, when given at start, stays required)."""
+        if self.watch is None:
+            return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
+                                               require_client_auth=self.client_ca is not None)
+        served = [self.current()]  # the configuration grpc has now
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:  # on grpc's thread, before each handshake
+            now = self.current()
+            if now is served[0]:
+                return None
+            served[0] = now
+            return now.certificate_configuration()
+
+        return grpc.dynamic_ssl_server_credentials(served[0].certificate_configuration(), fetch,
+                                                   require_client_authentication=self.client_ca is not None)
+
+    def certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """These files' certificate (and client CA) for grpc's dynamic credentials."""
+        return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.client_ca)
 
     def uvicorn_kwargs(self) -> dict:
-        """uvicorn.Config's TLS arguments: the same files; with a client CA a client certificate is required."""
-        import ssl
-
+        """uvicorn.Config's TLS arguments: the same files; with a client CA a client certificate is required.
+        (The HTTP API replaces the context uvicorn makes from them by :meth:`server_context`.)"""
         kw = dict(ssl_certfile=self.cert_file, ssl_keyfile=self.key_file)
         if self.client_ca_file is not None:
             kw.update(ssl_ca_certs=self.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         return kw
 
-    def ssl_context(self):
-        """A server-side ``ssl.SSLContext`` with the same files (the ``--metrics-port`` server);
-        SecurityConfigError naming the flag when a file is not what it should be."""
-        import ssl
+    def server_context(self) -> ssl.SSLContext:
+        """A server-side context whose handshakes use what the files hold when each starts: its SNI callback
+        (which OpenSSL calls for every client hello, with a server name or without) moves the connection onto
+        the newest files' context."""
+        first = self.current()
+        ctx = first.context or first.ssl_context()
 
+        def newest(conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, context: ssl.SSLContext) -> None:
+            now = self.current()
+            if now.context is not None and now.context is not context:
+                conn.context = now.context
+
+        ctx.sni_callback = newest
+        return ctx
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server-side ``ssl.SSLContext`` with these files, as they are now;
+        SecurityConfigError naming the flag when a file is not what it should be."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:  # password b"": an encrypted key fails here instead of prompting on the terminal
             ctx.load_cert_chain(self.cert_file, self.key_file, password=b"")
@@ -211,50 +326,99 @@ class ServerTLS:
         return ctx
 
 
+TokenValue = str | tuple[str, ...] | None  # one token, one a tenant (several), or none
+
+
+class Tokens:
+    """The bearer tokens calls are checked against, as of now: ``(token, admin_token)`` from :meth:`now`. Fixed
+    values, or (:meth:`from_files`) the token files' contents, read again when they change (:class:`Reloading`)."""
+
+    def __init__(self, token: TokenValue = None, admin_token: str | None = None,
+                 watch: Reloading[tuple[TokenValue, str | None]] | None = None):
+        self._fixed = (token, admin_token)
+        self._watch = watch
+
+    @classmethod
+    def from_files(cls, auth_token_file: str | None, admin_token_file: str | None) -> "Tokens":
+        """The files' tokens (read now: SecurityConfigError naming the flag), read again when a file changes."""
+        what = " / ".join(flag for flag, path in (("--auth-token-file", auth_token_file),
+                                                  ("--admin-token-file", admin_token_file)) if path is not None)
+        return cls(watch=Reloading((auth_token_file, admin_token_file),
+                                   lambda: _read_tokens(auth_token_file, admin_token_file), what))
+
+    def now(self) -> tuple[TokenValue, str | None]:
+        """(the tenants' token or tokens, the admin token), each None when not set."""
+        return self._watch.current() if self._watch is not None else self._fixed
+
+    def __bool__(self) -> bool:  # whether any token is set (a file given at start always holds one)
+        token, admin = self.now()
+        return token is not None or admin is not None
+
+
+def _read_tokens(auth_token_file: str | None, admin_token_file: str | None) -> tuple[TokenValue, str | None]:
+    """The tokens of ``--auth-token-file`` and ``--admin-token-file`` (either may be None), checked together."""
+    token = None if auth_token_file is None else read_token(auth_token_file)
+    admin = None if admin_token_file is None else read_token(admin_token_file, "--admin-token-file")
+    if isinstance(admin, tuple):
+        raise SecurityConfigError(f"--admin-token-file {admin_token_file}: one token, not one a line")
+    if admin is not None and admin in ((token,) if isinstance(token, str) else token or ()):
+        raise SecurityConfigError(f"--admin-token-file {admin_token_file}: the admin token is a tenant's token "
+                                  "too (--auth-token-file)")
+    return token, admin
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
-    """What ``specdist serve`` was given: TLS (or None) and the token (or None; a tuple: one token a tenant)."""
+    """What ``specdist serve`` was given: TLS (or None) and the token (or None; a tuple: one token a tenant).
+
+    ``token`` and ``admin_token`` are the tokens at start (what the start lines and the tenants' quota count); each
+    call is checked against ``tokens.now()``, which :meth:`from_args` makes read the files again when they change."""
 
     tls: ServerTLS | None = None
-    token: str | tuple[str, ...] | None = None
+    token: TokenValue = None
     admin_token: str | None = None  # /metrics and GetServerInfo's counters (sees_everything)
+    watched: Tokens | None = field(default=None, compare=False, repr=False)  # the token files (from_args)
+
+    @property
+    def tokens(self) -> Tokens:
+        """The tokens each call is checked against: the files' as they are now, or the fixed ones."""
+        return self.watched if self.watched is not None else Tokens(self.token, self.admin_token)
 
     @classmethod
     def from_args(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
                   auth_token_file: str | None = None, admin_token_file: str | None = None) -> "ServerSecurity":
-        """Check the flag combination and read every file (before any model loads)."""
+        """Check the flag combination and read every file (before any model loads); they are read again when
+        they change (module docstring)."""
         _check_pair(tls_cert, tls_key)
         if tls_client_ca is not None and tls_cert is None:
             raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key (client certificates need TLS)")
         tls = None if tls_cert is None else ServerTLS.load(tls_cert, tls_key, tls_client_ca)
-        token = None if auth_token_file is None else read_token(auth_token_file)
-        admin = None if admin_token_file is None else read_token(admin_token_file, "--admin-token-file")
-        if isinstance(admin, tuple):
-            raise SecurityConfigError(f"--admin-token-file {admin_token_file}: one token, not one a line")
-        if admin is not None and admin in ((token,) if isinstance(token, str) else token or ()):
-            raise SecurityConfigError(f"--admin-token-file {admin_token_file}: the admin token is a tenant's token "
-                                      "too (--auth-token-file)")
-        return cls(tls, token, admin)
+        if auth_token_file is None and admin_token_file is None:
+            return cls(tls)
+        tokens = Tokens.from_files(auth_token_file, admin_token_file)
+        return cls(tls, *tokens.now(), watched=tokens)
 
     @property
     def scheme(self) -> str:
         return "https" if self.tls is not None else "http"
 
 
-def auth_interceptors(token: str | tuple[str, ...] | None,
+def auth_interceptors(token: TokenValue | Tokens,
                       admin_token: str | None = None) -> list[grpc.aio.ServerInterceptor] | None:
-    """``grpc.aio.server(interceptors=...)``: the token check when a token (or an admin token) is set, else none."""
-    return [TokenAuthInterceptor(token, admin_token)] if token or admin_token else None
+    """``grpc.aio.server(interceptors=...)``: the token check when a token (or an admin token) is set, else none.
+    ``token`` may be a server's :class:`Tokens` (then it holds the admin token too), checked as they are at each
+    call."""
+    tokens = token if isinstance(token, Tokens) else Tokens(token, admin_token)
+    return [TokenAuthInterceptor(tokens)] if tokens else None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the health service;
-    ``admin_token`` passes for :data:`ADMIN_METHODS` only (PERMISSION_DENIED elsewhere). ``token`` None with an
-    admin token: the other methods need no token."""
+    the admin token passes for :data:`ADMIN_METHODS` only (PERMISSION_DENIED elsewhere). No tenants' token with an
+    admin token: the other methods need no token. The tokens are ``tokens.now()`` at each call."""
 
-    def __init__(self, token: str | tuple[str, ...] | None, admin_token: str | None = None):
-        self._token = token
-        self._admin = admin_token
+    def __init__(self, tokens: Tokens):
+        self._tokens = tokens
 
     async def intercept_service(
         self,
@@ -266,9 +430,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         if isinstance(header, bytes):
             header = header.decode("latin-1")
-        if self._token is None or bearer_ok(header, self._token):
+        token, admin = self._tokens.now()
+        if token is None or bearer_ok(header, token):
             return await continuation(details)
-        if self._admin is not None and bearer_ok(header, self._admin):
+        if admin is not None and bearer_ok(header, admin):
             if details.method in ADMIN_METHODS:
                 return await continuation(details)
             handler = await continuation(details)
@@ -334,9 +499,7 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
     accepting thread, where one client that sends nothing would stop every scrape), and may
     stall at most ``METRICS_CONNECTION_TIMEOUT_S`` at a time."""
     import socket
-    import ssl
     import sys
-    import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from prometheus_client import make_wsgi_app
@@ -344,8 +507,8 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
 
     security = security or ServerSecurity()
     app = make_wsgi_app(registry)
-    if security.token is not None or security.admin_token is not None:
-        app = _wsgi_bearer(app, security.token, security.admin_token)
+    if security.tokens:
+        app = _wsgi_bearer(app, security.tokens)
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -371,19 +534,20 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
 
     httpd = make_server(addr.strip("[]"), port, app, Server, handler_class=QuietHandler)
     if security.tls is not None:  # accept() only accepts; finish_request does the handshake
-        httpd.socket = security.tls.ssl_context().wrap_socket(httpd.socket, server_side=True,
-                                                             do_handshake_on_connect=False)
+        httpd.socket = security.tls.server_context().wrap_socket(httpd.socket, server_side=True,
+                                                                do_handshake_on_connect=False)
     threading.Thread(target=httpd.serve_forever, name=f"specdist-metrics-{httpd.server_port}", daemon=True).start()
     return httpd
 
 
-def _wsgi_bearer(app, token: str | tuple[str, ...] | None, admin_token: str | None = None):
+def _wsgi_bearer(app, tokens: Tokens):
     """A WSGI app answering unless the request may see every tenant's traffic (:func:`sees_everything`): 403 to
-    a tenant's token, 401 to anything else."""
+    a tenant's token, 401 to anything else (the tokens as they are at each request)."""
 
     def guarded(environ, start_response):
         header = environ.get("HTTP_AUTHORIZATION")
-        if sees_everything(header, token, admin_token):
+        token, admin = tokens.now()
+        if sees_everything(header, token, admin):
             return app(environ, start_response)
         if token is not None and bearer_ok(header, token):
             start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
