@@ -52,7 +52,7 @@ from specdist.api.admission import (
 )
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
-from specdist.transport.security import ServerSecurity, sees_everything, tenant_of
+from specdist.transport.security import ServerSecurity, Tokens, sees_everything, tenant_of
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 from specdist.api.codecs import finish_reason_to_proto
 from specdist.sampling_proto import sampling_params_from_proto
@@ -66,13 +66,13 @@ _PARAM_FIELDS = frozenset(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.f
 class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     """Generate / Cancel / GetServerInfo, each a thin translation onto the coordinator."""
 
-    def __init__(self, coordinator: Coordinator, token: str | tuple[str, ...] | None = None,
-                 admin_token: str | None = None):
+    def __init__(self, coordinator: Coordinator, tokens: Tokens | None = None):
         self.coordinator = coordinator
         self.engine: Engine = coordinator.engine
         self.limits = Limits.of(self.engine)
-        self.token = token  # the server's token(s): with one a tenant, a request's tenant is its token's
-        self.admin_token = admin_token  # who reads the counters (sees_everything)
+        # the server's tokens, as of each call: with one a tenant, a request's tenant is its token's; the admin
+        # token reads the counters (sees_everything)
+        self.tokens = tokens or Tokens()
 
     async def Generate(
         self, request: specdist_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -83,7 +83,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request(self.limits, prompt, params, request.request_id or None)
             if request.session_id:
                 check_session_id(self.limits, request.session_id)
-            tenant = tenant_of(_authorization(context), self.token)
+            tenant = tenant_of(_authorization(context), self.tokens.now()[0])
             stream = await self.coordinator.open(
                 prompt, params, request.request_id or None, chat=request.apply_chat_template,
                 scope=caller(context, tenant), tenant=tenant, session=request.session_id or None
@@ -107,7 +107,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request_id(self.limits, request.request_id)
         except InvalidArgument as e:
             await context.abort(grpc_status_of(e), str(e))
-        scope = caller(context, tenant_of(_authorization(context), self.token))
+        scope = caller(context, tenant_of(_authorization(context), self.tokens.now()[0]))
         if not await self.coordinator.cancel(request.request_id, scope=scope):
             e = NotFound("request_id", f"no running request has id {request.request_id!r}")
             await context.abort(grpc_status_of(e), str(e))
@@ -116,7 +116,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
     async def GetServerInfo(
         self, request: specdist_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> specdist_pb2.ServerInfo:
-        if not sees_everything(_authorization(context), self.token, self.admin_token):
+        if not sees_everything(_authorization(context), *self.tokens.now()):
             return specdist_pb2.ServerInfo(**server_info(self.engine))  # no counters: they show every tenant's
         c = self.coordinator.counters()
         counters = specdist_pb2.ServerInfo.Counters(
@@ -266,9 +266,9 @@ async def serve(
 
     Health is NOT_SERVING until the engine has warmed up, then SERVING. ``security``: TLS
     credentials for the port, and a token every method but the health service requires
-    (:mod:`specdist.transport.security`); with several tokens (tenants) one line on stderr says what the
-    tenants share (:func:`specdist.config.tenant_scope_line`). Messages over ``limits.max_message_bytes`` are
-    refused.
+    (:mod:`specdist.transport.security`: both read again when their files change); with several tokens
+    (tenants) one line on stderr says what the tenants share (:func:`specdist.config.tenant_scope_line`).
+    Messages over ``limits.max_message_bytes`` are refused.
     """
     security = security or ServerSecurity()
     token = security.token
@@ -282,10 +282,10 @@ async def serve(
     else:  # the front over Serve replicas (specdist.api.replica_set.ReplicaFront): the same quota, over them all
         coordinator.tenant_quota = quota
     coordinator.start()
-    servicer = SpecDecodeServicer(coordinator, security.token, security.admin_token)
+    servicer = SpecDecodeServicer(coordinator, security.tokens)
     hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,
-                                   servicer.limits.max_message_bytes, token=security.token, tls=security.tls,
-                                   reflection=True, serving=False, admin_token=security.admin_token)
+                                   servicer.limits.max_message_bytes, token=security.tokens, tls=security.tls,
+                                   reflection=True, serving=False)
     wrapped = SpecDistServer(hosted, coordinator, drain_seconds)
     try:
         await coordinator.warm_up()
