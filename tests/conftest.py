@@ -161,10 +161,13 @@ def pytest_configure(config):
 
 
 GROUPS = ("ray", "helm", "cuda")  # markers whose tests share one xdist worker (pytest_collection_modifyitems)
+# tiers outside the default run: their tests run only when the marker expression names them (`-m replicas`,
+# `-m image`); .ci/run runs each after the README's test command, which they would take past ten minutes
+OPT_IN = ("replicas", "image")
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The markers place the tests on pytest-xdist's workers (``--dist loadgroup``): every test marked ``ray``
     (it starts Ray clusters, actors or jobs: they count the machine's raylets, bind Ray's fixed ports and stop
     "every local Ray cluster", so two must never overlap) runs on one worker, and so do those marked ``helm``
@@ -172,7 +175,14 @@ def pytest_collection_modifyitems(items):
     costs seconds): ``pytest -m "not slow"`` is the everyday tier. The tests on the shared local Ray cluster
     run one after another, where the first of them was collected, so the cluster comes up once. First among
     the hooks: xdist's own reads the ``xdist_group`` marks when it runs (after this hook, or the marks are not
-    seen and the Ray tests are spread over both workers, two Ray clusters starting at once)."""
+    seen and the Ray tests are spread over both workers, two Ray clusters starting at once). Tests of an
+    ``OPT_IN`` tier are deselected unless the marker expression names it."""
+    named = config.getoption("markexpr") or ""
+    opted_out = [item for item in items if any(item.get_closest_marker(tier) is not None and tier not in named
+                                                for tier in OPT_IN)]
+    if opted_out:
+        config.hook.pytest_deselected(items=opted_out)
+        items[:] = [item for item in items if item not in opted_out]
     on_ray = [item for item in items if _uses_local_ray(item)]
     if on_ray:
         first = items.index(on_ray[0])

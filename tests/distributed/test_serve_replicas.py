@@ -18,7 +18,7 @@ from specdist.config import load_config
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.replicas]
 
 POLL_LIMIT_S = 120.0
 PROMPT = [1, 2, 3, 4]

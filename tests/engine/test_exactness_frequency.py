@@ -157,6 +157,7 @@ REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), 
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.replicas
 @pytest.mark.parametrize("case", REMOTE_CASES, ids=[c.id for c in REMOTE_CASES])
 def test_serve_replicas_sample_target_distribution(local_ray, models, case: Case) -> None:
     """The same G-test through two Ray Serve replicas behind the router (cluster/serve.py; round-robin, so each
