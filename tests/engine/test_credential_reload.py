@@ -4,7 +4,7 @@ One server (``start_serving``: gRPC and the HTTP API over TLS, two tenants' toke
 certificate and key files are replaced (as cert-manager renews them) by another certificate of the same CA; a
 new TLS handshake on each port then presents it (the server certificate a client sees, compared byte for byte).
 Its token file is rewritten without one tenant's token and with a new one: the removed token is refused (gRPC
-UNAUTHENTICATED, HTTP 401) and the new one accepted, without a restart. A file that changes into one that cannot
+UNAUTHENTICATED, HTTP 401) and the new one accepted, without a restart; so is a replaced admin token (/metrics). A file that changes into one that cannot
 be used (a token too short, then no file) keeps the tokens in use and logs one line. The server checks the files
 at most every ``RELOAD_CHECK_S``, here 50 ms; the test polls for each outcome (``wait_until``), never sleeps.
 """
@@ -39,6 +39,7 @@ from test_security import _cert, _name, _write
 TOKEN_A = "tenant-a-token-0123456789"
 TOKEN_B = "tenant-b-token-0123456789"  # revoked by the rewrite
 TOKEN_C = "tenant-c-token-0123456789"  # added by the rewrite
+ADMIN_1, ADMIN_2 = "admin-token-one-0123456789", "admin-token-two-0123456789"  # the admin token, then its successor
 LIMIT_S = 20  # how long a change may take to be seen (a check every 50 ms; the machine may be busy)
 
 
@@ -55,10 +56,12 @@ def files(tmp_path_factory):
         paths[which + "_key"] = _write(d / f"{which}.key", key=key)
     served = d / "served"  # the paths the server is given
     served.mkdir()
-    paths["cert"], paths["key"], paths["token"] = str(served / "tls.crt"), str(served / "tls.key"), str(served / "token")
+    paths.update(cert=str(served / "tls.crt"), key=str(served / "tls.key"), token=str(served / "token"),
+                 admin=str(served / "admin"))
     _replace(paths["cert"], open(paths["old"], "rb").read())
     _replace(paths["key"], open(paths["old_key"], "rb").read())
     _replace(paths["token"], f"# tenants\n{TOKEN_A}\n{TOKEN_B}\n".encode())
+    _replace(paths["admin"], ADMIN_1.encode())
     return paths
 
 
@@ -75,7 +78,7 @@ def server(files, tiny_models):
     patch.setattr(security, "RELOAD_CHECK_S", 0.05)
     lt = LoopThread()
     engine = Engine.from_config(tiny_config(tiny_models, "none"))
-    sec = ServerSecurity.from_args(files["cert"], files["key"], None, files["token"])
+    sec = ServerSecurity.from_args(files["cert"], files["key"], None, files["token"], files["admin"])
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
                                    security=sec, http_port=0))
     yield serving
@@ -108,10 +111,9 @@ def _grpc_code(server, files, token: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _http_status(server, files, token: str) -> int:
+def _http_status(server, files, token: str, path: str = "/v1/models") -> int:
     with httpx.Client(verify=ssl.create_default_context(cafile=files["ca"]), trust_env=False, timeout=10) as http:
-        return http.get(f"https://{server.http.address}/v1/models",
-                        headers={"Authorization": f"Bearer {token}"}).status_code
+        return http.get(f"https://{server.http.address}{path}", headers={"Authorization": f"Bearer {token}"}).status_code
 
 
 def test_renewed_certificate_files_serve_the_next_handshakes(server, files):
@@ -132,13 +134,19 @@ def test_a_token_removed_from_the_file_is_refused_and_a_new_one_accepted(server,
     for token in (TOKEN_A, TOKEN_B):
         assert _grpc_code(server, files, token) == grpc.StatusCode.OK and _http_status(server, files, token) == 200
     assert _grpc_code(server, files, TOKEN_C) == grpc.StatusCode.UNAUTHENTICATED
+    assert _http_status(server, files, ADMIN_1, "/metrics") == 200 and _http_status(server, files, ADMIN_2,
+                                                                                    "/metrics") == 401
     _replace(files["token"], f"{TOKEN_A}\n{TOKEN_C}\n".encode())
+    _replace(files["admin"], ADMIN_2.encode())
     wait_until("the gRPC port to refuse the revoked token",
                lambda: _grpc_code(server, files, TOKEN_B) == grpc.StatusCode.UNAUTHENTICATED, LIMIT_S)
     wait_until("the HTTP API to refuse the revoked token", lambda: _http_status(server, files, TOKEN_B) == 401,
                LIMIT_S)
     for token in (TOKEN_A, TOKEN_C):
         assert _grpc_code(server, files, token) == grpc.StatusCode.OK and _http_status(server, files, token) == 200
+    wait_until("/metrics to refuse the old admin token", lambda: _http_status(server, files, ADMIN_1, "/metrics") == 401,
+               LIMIT_S)
+    assert _http_status(server, files, ADMIN_2, "/metrics") == 200
 
     # files that cannot be used keep the tokens in use, with one line each change
     caplog.set_level(logging.WARNING, logger=security.__name__)
@@ -160,4 +168,4 @@ def test_a_token_removed_from_the_file_is_refused_and_a_new_one_accepted(server,
     assert len(lines) == 2, lines
     assert "token 1 has 5 characters" in lines[0] and "No such file" in lines[1], lines
     assert all("\n" not in line and "--auth-token-file" in line for line in lines)
-    assert not any(t in line for line in lines for t in (TOKEN_A, TOKEN_C))
+    assert not any(t in line for line in lines for t in (TOKEN_A, TOKEN_C, ADMIN_2))
