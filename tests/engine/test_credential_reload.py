@@ -1,6 +1,6 @@
 """Credentials read again while the server runs: certificate files renewed in place and a token file edited.
 
-One server (``start_serving``: gRPC and the HTTP API over TLS, two tenants' tokens) over the tiny models. Its
+One server (``start_serving``: gRPC, the HTTP API and the metrics port over TLS, two tenants' tokens) over the tiny models. Its
 certificate and key files are replaced (as cert-manager renews them) by another certificate of the same CA; a
 new TLS handshake on each port then presents it (the server certificate a client sees, compared byte for byte).
 Its token file is rewritten without one tenant's token and with a new one: the removed token is refused (gRPC
@@ -80,7 +80,7 @@ def server(files, tiny_models):
     engine = Engine.from_config(tiny_config(tiny_models, "none"))
     sec = ServerSecurity.from_args(files["cert"], files["key"], None, files["token"], files["admin"])
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
-                                   security=sec, http_port=0))
+                                   security=sec, http_port=0, metrics_port=0))
     yield serving
     lt.run(serving.stop())
     lt.close()
@@ -118,7 +118,7 @@ def _http_status(server, files, token: str, path: str = "/v1/models") -> int:
 
 def test_renewed_certificate_files_serve_the_next_handshakes(server, files):
     old, new = _der(files["old"]), _der(files["new"])
-    ports = ((server.address, "h2"), (server.http.address, "http/1.1"))
+    ports = ((server.address, "h2"), (server.http.address, "http/1.1"), (f"127.0.0.1:{server.metrics_port}", "http/1.1"))
     for address, alpn in ports:
         assert _presented(address, files["ca"], alpn) == old
     _replace(files["key"], open(files["new_key"], "rb").read())  # the key first: a moment of a pair that
