@@ -279,7 +279,7 @@ async def test_commands_queued_during_a_step_run_before_the_next_step():
         prompt = await coord.encode([2])  # tokenized first: its add is then queued at once, before the abort
         opening = asyncio.create_task(coord.open(prompt, params(2), request_id="b"))
         cancelling = asyncio.create_task(coord.cancel("a"))
-        await wait_until(lambda: len(coord._commands) == 2)  # both queued behind the running step
+        await wait_until(lambda: len(coord.engine_thread.commands) == 2)  # both queued behind the running step
         mark = len(engine.log)
         engine.gate.set()
         b, cancelled = await opening, await cancelling
@@ -300,17 +300,17 @@ async def test_close_aborts_everything_and_joins_the_thread():
     engine = FakeEngine()
     coord = Coordinator(engine)
     await coord.close()  # never started: nothing to join
-    assert coord._thread is None
+    assert coord.engine_thread.thread is None
     with pytest.raises(ShuttingDown):
         await coord.open([1])
-    assert coord._thread is None  # a refused request starts no thread
+    assert coord.engine_thread.thread is None  # a refused request starts no thread
 
     engine = FakeEngine(max_batch=1)
     coord = Coordinator(engine)
     streams = [await coord.open([i + 1], params(10**9)) for i in range(3)]
     await streams[0].__anext__()
     engine.hold.set()  # one running, two waiting, for as long as it takes
-    thread = coord._thread
+    thread = coord.engine_thread.thread
     assert thread.is_alive() and thread in engine_threads()
     await coord.close()
     assert not thread.is_alive() and set(engine_threads()) == before
@@ -335,7 +335,7 @@ def test_a_closed_event_loop_stops_a_busy_engine_thread():
         holder["stream"] = await coord.open([1], params(10**9))  # never ends on its own
 
     asyncio.run(start())  # closes the loop
-    thread = holder["coord"]._thread
+    thread = holder["coord"].engine_thread.thread
     thread.join(WAIT_S)
     assert not thread.is_alive()
     assert not engine.running and not engine.waiting and engine.log[-1] == ("abort", holder["stream"].request_id)
@@ -393,7 +393,7 @@ async def test_failed_step_fails_only_the_batch():
         first = await coord.open([1], params(5), request_id="r0")
         await wait_until(engine.in_step.is_set)
         opening = [asyncio.create_task(coord.open([i], params(5), request_id=f"r{i}")) for i in (1, 2)]
-        await wait_until(lambda: len(coord._commands) == 2)  # all three in the engine before the next step
+        await wait_until(lambda: len(coord.engine_thread.commands) == 2)  # all three in the engine before the next step
         engine.gate.set()
         streams = [first] + [await t for t in opening]
         last = {s.request_id: [d async for d in s][-1] for s in streams}
