@@ -104,15 +104,17 @@ class Netns:
 class Container:
     """A working container of ``image`` (``buildah from``) whose commands run in ``netns`` and a PID namespace of
     their own. ``volumes``: ``host:container[:ro]`` bind mounts (the chart's config map, emptyDirs and model
-    volume); ``hosts``: an /etc/hosts for it (names the chart's Services resolve to here)."""
+    volume); ``hosts``: an /etc/hosts for it (names the chart's Services resolve to here); ``hostname``: its host
+    name (a pod's is the pod's name; buildah's default is the container's id)."""
 
     def __init__(self, image: str, netns: Netns, volumes: tuple[str, ...] = (), env: dict | None = None,
-                 hosts: str | None = None):
+                 hosts: str | None = None, hostname: str | None = None):
         self.netns = netns
         self.id = _sh(*BUILDAH, "from", "--pull-never", "--name", f"sdimg-{uuid.uuid4().hex[:8]}", image,
                       timeout=600).strip()
         self.volumes = list(volumes) + ([f"{hosts}:/etc/hosts:ro"] if hosts else [])
         self.env = env or {}
+        self.hostname = hostname
         self.procs: list[subprocess.Popen] = []
 
     def argv(self, command: str, user: str | None = None) -> list[str]:
@@ -124,6 +126,8 @@ class Container:
             run += ["--env", f"{k}={v}"]
         if user is not None:
             run += ["--user", user]
+        if self.hostname is not None:
+            run += ["--hostname", self.hostname]
         return ["ip", "netns", "exec", self.netns.name, "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
                 "--mount-proc", *run, self.id, "--", "bash", "-c", command]
 
