@@ -178,6 +178,13 @@ class CausalLMRunner:
         # whose matmuls all run on blocks (or dense float32) is one C call; None for a layer that runs op by op
         fused = family.layer_kernel == PRENORM_SWIGLU and self.cpu_rope_attention
         self.layer_kernels = [_layer_kernel(layer) if fused else None for layer in self.layers]
+        # the paged backends, pre-norm layers of Llama-style norms: a block's residual add waits for the next norm
+        # and both run as one call (_add_norm); on the Triton kernels (CUDA) that call is one kernel, and so is
+        # SiLU(gate) * up where gate and up are one matmul (_gate_up_linear): docs/performance.md, GPU
+        self.add_norms = paged and not self.sandwich and all(
+            _llama_norm(n) for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        self.layer_triton = self.add_norms and getattr(self.backend, "use_triton", False)
+        self.silu_gate_up = [_gate_up_linear(layer.mlp) if self.layer_triton else None for layer in self.layers]
         if half_storage:
             self._store_half_width()
 
@@ -465,7 +472,11 @@ class CausalLMRunner:
         if bsz * t_max > cpu_kernels.F32_MAX_ROWS:  # float32 layers: torch's GEMM is the faster one from there
             kernels = [None if w is not None and w.dense else w for w in kernels]
         scratch = None  # the layer kernels' activations, shared by the layers of this call
+        pending = None  # add_norms: the previous layer's MLP output, added to h by this layer's first norm
         for i, layer in enumerate(self.layers):
+            x = None  # the layer's normed input, where its residual add computed it
+            if self.add_norms:
+                h, x = self._add_norm(layer.input_layernorm, h, pending)
             if i in self.hidden_layers:
                 taps[i] = h if kernels[i] is None else h.clone()  # the layer kernel updates h in place
             attn = layer.self_attn
@@ -478,7 +489,8 @@ class CausalLMRunner:
                                               step.write_pos, step.query_pos, self.windows[i], self.scaling,
                                               self.attn_softcap, scratch)
                 continue
-            x = _rms_norm(layer.input_layernorm, h)
+            if x is None:
+                x = _rms_norm(layer.input_layernorm, h)
             q, k, v = _qkv(attn, x, self.qkv_split)
             q = q.reshape(bsz, t_max, -1, hd)  # [B, T, Hq, hd]
             k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
@@ -486,10 +498,39 @@ class CausalLMRunner:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
             o = self.backend.forward(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
                                      v.reshape(bsz * t_max, -1, hd), step)  # [B * T, Hq, hd]
-            h = self._residual(layer, h, attn.o_proj(o.reshape(bsz, t_max, -1)))
+            a = attn.o_proj(o.reshape(bsz, t_max, -1))  # [B, T, D]
+            if self.add_norms:
+                h, x = self._add_norm(layer.post_attention_layernorm, h, a)
+                pending = self._layer_mlp(i, x)
+            else:
+                h = self._residual(layer, h, a)
+        if pending is not None:
+            h = h + pending
         if len(self.layers) in self.hidden_layers:  # past the last layer: its output before the final norm
             taps[len(self.layers)] = h
         return h, torch.cat([taps[i] for i in self.hidden_layers], -1) if taps else None
+
+    def _add_norm(self, norm, h, delta):  # [B, T, D], [B, T, D] or None -> ([B, T, D], [B, T, D])
+        """``(h + delta, norm(h + delta))`` (``delta`` None: ``(h, norm(h))``) of a Llama-style norm: one Triton
+        kernel on the Triton backend (:func:`specdist.models.kernels.triton_layer.add_rms_norm`), torch's add and
+        norm elsewhere."""
+        if self.layer_triton:
+            from specdist.models.kernels.triton_layer import add_rms_norm
+
+            return add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        if delta is not None:
+            h = h + delta
+        return h, _rms_norm(norm, h)
+
+    def _layer_mlp(self, i, x):  # [B, T, D] -> [B, T, D]
+        """Layer i's MLP; where its gate and up are one matmul followed by SiLU (:attr:`silu_gate_up`), SiLU(gate)
+        * up is one Triton kernel (:func:`specdist.models.kernels.triton_layer.silu_mul`)."""
+        mlp, gate_up = self.layers[i].mlp, self.silu_gate_up[i]
+        if gate_up is None:
+            return _mlp(mlp, x)
+        from specdist.models.kernels.triton_layer import silu_mul
+
+        return mlp.down_proj(silu_mul(gate_up(x)))
 
     def _residual(self, layer, h, a):  # [B, T, D] x2 -> [B, T, D]
         """The rest of a decoder layer after its attention output ``a``: residual adds and the MLP."""
@@ -756,6 +797,28 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
         reduce = (lambda t: sum_over_ranks(t, group), attn.o_proj.bias, mlp.down_proj.bias)
     return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms,
                                     reduce)
+
+
+def _llama_norm(norm) -> bool:
+    """A Llama-style RMS norm (``weight * normalize(x)``, :data:`_LLAMA_STYLE_NORMS`)."""
+    return type(norm).__name__ in _LLAMA_STYLE_NORMS and hasattr(norm, "variance_epsilon")
+
+
+def _gate_up_linear(mlp) -> torch.nn.Module | None:
+    """The one linear whose output is ``[gate | up]`` in halves of equal size, in an MLP that computes
+    ``down(silu(gate) * up)`` (fused at load, or Phi-3's own ``gate_up_proj``); None for any other MLP (a mixture
+    of experts, another activation, parts of unequal size)."""
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+    if type(act).__name__ not in ("SiLUActivation", "SiLU") or not hasattr(mlp, "down_proj"):
+        return None
+    fused = getattr(mlp, "fused_gate_up", None)
+    if fused is not None:
+        sizes = fused.split_sizes
+        return fused.inner if len(sizes) == 2 and sizes[0] == sizes[1] else None
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if isinstance(gate_up, torch.nn.Module) and getattr(gate_up, "out_features", 1) % 2 == 0:
+        return gate_up
+    return None
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

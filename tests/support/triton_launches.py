@@ -1,6 +1,7 @@
-"""The launches of specdist.models.kernels.triton_attention's kernels, recorded on a CPU and compiled for sm_90.
+"""The launches of the Triton kernels (specdist.models.kernels.triton_attention and triton_layer), recorded on a
+CPU and compiled for sm_90.
 
-- :class:`Recorder`: while active, each ``kernel[grid](...)`` of the module is bound by Triton's own JIT
+- :class:`Recorder`: while active, each ``kernel[grid](...)`` of those modules is bound by Triton's own JIT
   binder for a CUDA sm_90 target (``create_function_from_signature``, what ``JITFunction.run`` calls; it
   reads only shapes, dtypes, strides, data pointers and int values, so CPU tensors do) and recorded,
   not run: its compile key (what ``JITFunction.run`` looks its compiled kernels up by) and what
@@ -27,9 +28,11 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import specdist.models.kernels.triton_attention as kernels
+import specdist.models.kernels.triton_layer as layer_kernels
 from specdist.models.backends.paged import step_size, unpack_step
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+KERNEL_MODULES = (kernels, layer_kernels)  # the modules whose ``*_kernel`` functions a Recorder records
 
 
 @dataclass(frozen=True)
@@ -78,15 +81,16 @@ class Recorder:
         self._saved: dict[str, JITFunction] = {}
 
     def __enter__(self) -> "Recorder":
-        for name, fn in vars(kernels).items():
-            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
-                self._saved[name] = fn
-                setattr(kernels, name, _Bound(self, fn))
+        for module in KERNEL_MODULES:
+            for name, fn in vars(module).items():
+                if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+                    self._saved[(module, name)] = fn
+                    setattr(module, name, _Bound(self, fn))
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(kernels, name, fn)
+        for (module, name), fn in self._saved.items():
+            setattr(module, name, fn)
 
     def keys(self) -> dict[str, set]:
         """Each kernel's distinct compile keys."""
