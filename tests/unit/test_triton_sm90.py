@@ -8,6 +8,8 @@
   prefills: at most two per kernel (decode / verification rows and prefill rows), so no bucket compiles at
   capture and no unseen prompt length stalls a server for a compile.
 - The step buffer's segments start on 16 bytes; split-KV's rule depends on static shapes only.
+- A decoder layer's kernels (specdist/models/kernels/triton_layer.py: add + RMS norm, SiLU * up) compile for
+  sm_90 without spills at the families' widths, once per model whatever the bucket.
 
 Launches are recorded, not run (tests/support/triton_launches.py binds them with Triton's own JIT binder
 for an sm_90 target).
@@ -27,6 +29,7 @@ from specdist.models.backends.paged import pack_step, step_layout, step_size, un
 from specdist.models.graphs import GRAPH_TOKENS, KVOptions
 from specdist.models.kv.paged import PagedKVCache
 from specdist.models.kernels.triton_attention import MAX_SPLITS, SPLIT_MIN_KEYS, paged_attention, split_count
+from specdist.models.kernels.triton_layer import add_rms_norm, silu_mul
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,4 +162,54 @@ def test_every_kernel_compiles_for_sm90_without_register_spills(tmp_path, monkey
             problems.append(f"{what}: {report}")
         if "attention" in launch.kernel and shape.hd >= 64 and "cp.async" not in kernel.asm["ptx"]:
             problems.append(f"{what}: the key loop is not pipelined")
+    assert not problems, "\n".join(problems)
+
+
+# (hidden size, intermediate size) of the supported families' checkpoints whose layers take the fused kernels
+LAYER_WIDTHS = {"smollm2-135m": (576, 1536), "qwen2.5-0.5b": (896, 4864), "qwen3-0.6b": (1024, 3072),
+                "llama-3.2-1b / random-1b": (2048, 5632), "phi-3-mini": (3072, 8192), "qwen2.5-7b": (3584, 18944),
+                "llama-3.1-8b / mistral-7b": (4096, 14336)}
+
+
+def _launch_layer(dim: int, inter: int, dtype: torch.dtype, rows: int) -> None:
+    """A layer's fused launches over ``rows`` token rows (meant to run under a Recorder): add + norm with and
+    without a residual, SiLU * up."""
+    h = torch.empty(rows, dim, dtype=dtype)
+    w = torch.empty(dim, dtype=dtype)
+    add_rms_norm(h, None, w, 1e-6)
+    add_rms_norm(h, torch.empty_like(h), w, 1e-6)
+    silu_mul(torch.empty(rows, 2 * inter, dtype=dtype))
+
+
+def test_the_layer_kernels_compile_once_per_model_whatever_the_bucket():
+    """configs/gpu.yaml's 30 buckets and 14 prefill shapes (their B * T rows) at the built-in model's widths, in
+    bfloat16: add + norm compiles twice (with and without the residual), SiLU * up once; the row count is a grid
+    size only."""
+    buckets, prefills, _ = _gpu_yaml_steps()
+    dim, inter = LAYER_WIDTHS["smollm2-135m"]
+    with Recorder() as rec:
+        for bsz, tokens, _ in buckets + prefills:
+            _launch_layer(dim, inter, torch.bfloat16, bsz * tokens)
+    assert {name: len(k) for name, k in rec.keys().items()} == {"_add_rms_norm_kernel": 2, "_silu_mul_kernel": 1}
+
+
+def test_the_layer_kernels_compile_for_sm90_without_register_spills(tmp_path, monkeypatch):
+    """Each distinct compile of add + norm and SiLU * up (bfloat16 at every width, float16 and float32 at the
+    smallest and largest; 25, about 3 s): ptxas reports no spills and at most 255 registers."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    cases = [(w, torch.bfloat16) for w in LAYER_WIDTHS.values()]
+    cases += [(w, dtype) for dtype in (torch.float16, torch.float32) for w in (min(LAYER_WIDTHS.values()),
+                                                                              max(LAYER_WIDTHS.values()))]
+    launches = {}
+    for (dim, inter), dtype in cases:
+        with Recorder() as rec:
+            _launch_layer(dim, inter, dtype, 3)
+        for launch in rec.launches:
+            launches.setdefault((launch.source.hash(), str(launch.options)), (dim, dtype, launch))
+    assert {launch.kernel for _, _, launch in launches.values()} == {"_add_rms_norm_kernel", "_silu_mul_kernel"}
+    problems = []
+    for dim, dtype, launch in launches.values():
+        _, report = compile_sm90(launch)
+        if not report or report["spill_stores"] or report["spill_loads"] or report["registers"] > 255:
+            problems.append(f"{launch.kernel} width {dim} {dtype} warps {launch.options['num_warps']}: {report}")
     assert not problems, "\n".join(problems)
