@@ -19,7 +19,10 @@ read once in ``__init__``, from the config and the modules:
 - Gemma's sandwich norms (the layer has ``pre_feedforward_layernorm``): attention and MLP
   outputs are normed before their residual adds, the MLP input by the pre-feedforward norm.
 - RMS norms: ``F.rms_norm`` for Llama-style modules, the module's own forward otherwise
-  (Gemma's ``1 + w``).
+  (Gemma's ``1 + w``). On the paged backends, where every norm is Llama-style and the layers pre-norm, a
+  block's residual add is done by the next norm's call (:attr:`CausalLMRunner.add_norms`); on the Triton
+  backend (CUDA) that call is one kernel, and so is SiLU(gate) * up of a fused gate/up projection
+  (:mod:`specdist.models.kernels.triton_layer`): fewer kernels a layer where a decode step is bound by them.
 - MLP: the fused gate/up matmul where fused, else the module's own forward (Phi-3's fused
   ``gate_up_proj``, a mixture-of-experts block with its router and 3D experts).
 - The attention scale is the module's ``scaling`` (Gemma: ``query_pre_attn_scalar``); Gemma 2
