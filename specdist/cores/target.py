@@ -37,36 +37,14 @@ the caller can retry the call without it. A draft token whose own q gives it no 
 probability is refused before the forward (INVALID_ARGUMENT naming ``items[i].draft_probs[j]``),
 for in-process and wire-decoded q alike.
 
-Tensor parallelism (``world_size > 1``): only rank 0 is called. Cache operations that need
-no collective (allocate, free, rollback) are applied on rank 0 at once and queued; right
-before every forward rank 0 broadcasts ``queued ops + the forward`` with the ``broadcast``
-function it was given (and the queued ops alone when its last request is released, so an
-idle group holds no slot), and ranks > 0, inside :meth:`follow`, replay them in the same order
-on their shard. At every forward (where the all-reduces happen) every rank's cache
-bookkeeping is therefore identical. :meth:`shutdown` flushes the queue and ends the
-followers' loops.
-
-Collective timeouts (``world_size > 1``): a rank that died makes the others' collectives fail
-at once (the connection closes); a rank that hangs would hold them until the process group's
-timeout. :class:`CollectiveDeadline` sizes that timeout to the measured forwards (at least
-``collective_timeout_s``, else ``COLLECTIVE_FACTOR`` times the time the coming forward is
-expected to take). Rank 0 sets it with the ``set_timeout`` function it was given and sends it
-ahead of the forward (op ``("timeout", seconds)``), so every rank waits the same. A forward
-that fails on rank 0 marks the core broken: later calls fail at once (UNAVAILABLE), since
-the group cannot be trusted after a failed collective; the deployment rebuilds it.
-
-Hangs outside a collective (rank 0's own thread stuck in a call, while the process still
-answers Ray's health call on another thread): every call records when it began and the bound
-it gets from the same measurements (``deadline.timeout_for`` its tokens, so at least
-``collective_timeout_s``); :meth:`VerifierCore.health` reports a call past its bound as not ok
-(``broken``: ``hung in verify for 41 s, bound 10 s``), and the deployment's supervisor rebuilds
-the group as for any broken rank.
+Tensor parallelism (``world_size > 1``), the collectives' timeouts and a call that hangs are the
+business of the core's :class:`~specdist.cores.collectives.Replicator` (``self.group``): every cache
+operation and forward goes through it, so ranks > 0 replay rank 0's in the same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +72,7 @@ from specdist.transport.protocol import (
     LocalTransport,
     now,
 )
+from specdist.cores.collectives import Replicator
 from specdist.cores.verify_batch import VerifyBatch
 from specdist.transport.wire import ONE_HOT, decode_distribution
 
@@ -110,46 +89,6 @@ class _TargetRequest:
     tenant: str = ""  # whose request it is (StartItem.tenant): prompt K/V are reused within its share (PrefixCache)
 
 
-COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
-SMALL_FORWARD_TOKENS = 8  # forwards of at most this many tokens cost about their fixed overhead
-
-
-class CollectiveDeadline:
-    """The timeout a tensor-parallel forward's collectives get, from the forwards measured so far
-    (and the bound of a call's time on rank 0, past which the call is reported hung).
-
-    Expected seconds of a forward of ``n`` tokens: ``overhead + rate * n``, where ``overhead`` is
-    the slowest forward of at most ``SMALL_FORWARD_TOKENS`` tokens and ``rate`` the highest seconds
-    per token of a larger one (before any: ``overhead / SMALL_FORWARD_TOKENS``). Both only grow,
-    so the timeout errs long. Timeout: ``max(floor_s, COLLECTIVE_FACTOR * expected)``.
-    """
-
-    def __init__(self, floor_s: float):
-        self.floor_s = float(floor_s)
-        self.overhead = 0.0
-        self.rate = 0.0
-
-    def timeout_for(self, n_tokens: int) -> float:
-        rate = self.rate or self.overhead / SMALL_FORWARD_TOKENS
-        return max(self.floor_s, COLLECTIVE_FACTOR * (self.overhead + rate * n_tokens))
-
-    def observe(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens <= SMALL_FORWARD_TOKENS:
-            self.overhead = max(self.overhead, seconds)
-        else:
-            self.rate = max(self.rate, seconds / n_tokens)
-
-
-def apply_op(runner: CausalLMRunner, op: tuple, extra=None) -> Any:
-    """Apply one forward or cache operation (:meth:`SlotKVCache.apply`); the same code on every
-    tensor-parallel rank. ``extra``: rank 0's sampling inputs for the forward's copy (runner.forward)."""
-    if op[0] == "forward":  # ("forward", slots, tokens, num_logits[, packed])
-        return runner.forward(op[1], op[2], op[3], packed=len(op) > 4 and op[4], extra=extra)
-    if op[0] == "shutdown":
-        return None
-    return runner.cache.apply(op)
-
-
 class VerifierCore:
     """One target model (or one tensor-parallel shard of it). Not thread-safe: one call at a time."""
 
@@ -157,24 +96,17 @@ class VerifierCore:
                  broadcast: Callable[[Any], Any] | None = None,
                  set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0,
                  prefix_caching: bool = True, prefix_scope: str = "shared"):
-        if world_size > 1 and broadcast is None:
-            raise ValueError("a tensor-parallel verifier needs a broadcast function")
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_len
         self.rank, self.world_size = rank, world_size
-        self._broadcast = broadcast
+        # every cache operation and forward goes through it: ranks > 0 replay them (collectives.py)
+        self.group = Replicator(runner, rank, world_size, broadcast, set_timeout, collective_timeout_s)
         self.requests: dict[str, _TargetRequest] = {}
         self.released_unknown = ReleasedUnknown()  # refuses a prefill that arrives after its release
-        self._pending: list[tuple] = []  # ops applied on rank 0, not yet sent to the followers
         self.closed = False
-        self._set_timeout = set_timeout  # (seconds) -> None: this rank's collective timeout
-        self.deadline = CollectiveDeadline(collective_timeout_s)
-        self._timeout_s = 0.0  # the collective timeout in force (0: the process group's own)
-        self.broken: str | None = None  # why the tensor-parallel group failed (rank 0)
-        self._call: tuple[str, float, float] | None = None  # the call running: (name, began at, bound in s)
         # prompt K/V shared across requests; its cache operations reach the followers like ours
-        self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self._record, scope=prefix_scope)
+        self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self.group.record, scope=prefix_scope)
 
     @property
     def cache(self):
@@ -191,106 +123,29 @@ class VerifierCore:
         """Values per position of the hidden states it returns to requests that ask (runner.hidden_layers)."""
         return len(self.runner.hidden_layers) * int(self.runner.config.hidden_size)
 
-    # ------------------------------------------------------------ op plumbing
-    def _local(self, op: tuple) -> Any:
-        """A collective-free op: apply now, replay on the followers before the next forward."""
-        out = apply_op(self.runner, op)
-        self._record(op)
-        return out
-
-    def _record(self, op: tuple) -> None:
-        """An op applied on rank 0: the followers replay it before the next forward."""
-        if self.world_size > 1:
-            self._pending.append(op)
-
-    def _forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                 packed: bool = False, extra=None) -> torch.Tensor:
-        op = ("forward", slots, tokens, num_logits, packed)
-        n = sum(len(t) for t in tokens)
-        if self.world_size == 1:
-            t0 = now()
-            out = apply_op(self.runner, op, extra)
-            self.deadline.observe(n, now() - t0)
-            return out
-        ops = self._pending + [op]
-        timeout = self.deadline.timeout_for(n)
-        # raise it for a larger forward; lower it only when it is over twice what is needed
-        if self._set_timeout is not None and not timeout <= self._timeout_s <= 2 * timeout:
-            self._set_timeout(timeout)
-            self._timeout_s = timeout
-            ops.insert(0, ("timeout", timeout))
-        t0 = now()
-        self._pending = []
-        out = self._collective(lambda: (self._broadcast(ops), apply_op(self.runner, op, extra))[1])
-        self.deadline.observe(n, now() - t0)
-        return out
-
-    def _collective(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (broadcasts, a forward); a failed or timed-out collective breaks the core."""
-        try:
-            return fn()
-        except RuntimeError as e:  # the group cannot be trusted after a failed collective
-            self.broken = f"tensor-parallel collective failed: {e}"
-            raise Unavailable("worker", self.broken) from None
-
-    @contextmanager
-    def _watched(self, name: str, n_tokens: int) -> Iterator[None]:
-        """Record the call running (for :meth:`hung`) and its bound: that of a forward of ``n_tokens``."""
-        self._call = (name, now(), self.deadline.timeout_for(n_tokens))
-        try:
-            yield
-        finally:
-            self._call = None
-
-    def hung(self) -> str | None:
-        """Why the call running is taken for hung (it has run past its bound), or None. Safe from any thread."""
-        call = self._call
-        if call is None:
-            return None
-        name, began, bound = call
-        busy = now() - began
-        return f"hung in {name} for {busy:.0f} s, bound {bound:.0f} s" if busy > bound else None
-
+    # ------------------------------------------------------------ the group
     def _check_leader(self) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 of a tensor-parallel target serves calls; other ranks run follow()")
         if self.closed:
             raise FailedPrecondition("worker", "is shut down")
-        if self.broken:
-            raise Unavailable("worker", self.broken)
+        if self.group.broken:
+            raise Unavailable("worker", self.group.broken)
 
     def follow(self) -> int:
         """Ranks > 0: replay rank 0's operations until it shuts down. Returns the forwards run."""
-        if self.rank == 0:
-            raise RuntimeError("follow() is for ranks > 0")
-        forwards = 0
-        while True:
-            for op in self._broadcast(None):
-                if op[0] == "timeout":
-                    if self._set_timeout is not None:
-                        self._set_timeout(op[1])
-                    continue
-                if op[0] in ("forward", "shutdown"):
-                    apply_op(self.runner, op)
-                else:  # a cache operation, the kept prefixes' too
-                    self.prefixes.replay(op)
-                if op[0] == "forward":
-                    forwards += 1
-                elif op[0] == "shutdown":
-                    return forwards
+        return self.group.follow(self.prefixes.replay)
 
     def shutdown(self) -> None:
         """Rank 0: flush queued ops and release the followers from follow(). Idempotent."""
         if self.rank != 0 or self.closed:
             return
         self.closed = True
-        if self.world_size > 1:
-            self._broadcast(self._pending + [("shutdown",)])
-            self._pending = []
+        self.group.shutdown()
 
     # ------------------------------------------------------------ calls
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
-        with self._watched("prefill", sum(len(it.prompt_ids) for it in items)):
+        with self.group.watched("prefill", sum(len(it.prompt_ids) for it in items)):
             return self._prefill(items)
 
     def _prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
@@ -348,12 +203,12 @@ class VerifierCore:
                 r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling,
                                                                   bool(it.hidden_layers), it.tenant)
                 if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
-                    self._local(("rollback", slot, 0))
+                    self.group.local(("rollback", slot, 0))
                     held = 0
                 if held < len(prompt) - 1:
                     todo.append((r, held, it.request_id))
             if todo:
-                self._forward([r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo))
+                self.group.forward([r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo))
                 for row, (r, _, rid) in enumerate(todo):
                     if r.hidden:
                         hidden[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
@@ -374,7 +229,7 @@ class VerifierCore:
         return torch.zeros(0, self.hidden_width, dtype=self.runner.dtype, device=self.runner.device)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        with self._watched("verify", sum(1 + (len(it.proposal.token_ids) if it.proposal else 0) for it in items)):
+        with self.group.watched("verify", sum(1 + (len(it.proposal.token_ids) if it.proposal else 0) for it in items)):
             return self._verify(items)
 
     def _verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
@@ -390,7 +245,7 @@ class VerifierCore:
         order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # slot order: contiguous slots attend through views
         batch = VerifyBatch([(len(r.seq), r.params, r.seed, r.coupling) for r in reqs], drafts, order,
                             [q is not None for q in qs], self.vocab_size)
-        logits = self._forward(
+        logits = self.group.forward(
             [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order],
             packed=True, extra=batch.words())  # [N, V]: each request's nd + 1 rows, slot order, on the model's device
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
@@ -412,7 +267,7 @@ class VerifierCore:
         row = {b: i for i, b in enumerate(order)}
         for b, (it, r) in enumerate(zip(items, reqs)):
             prev = len(r.seq)
-            self._local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
+            self.group.local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
             r.seq.extend(drafts[b][: n_acc[b]])
             r.seq.append(final[b])
             kept = states[row[b], : n_acc[b] + 1] if r.hidden else None  # [n_acc + 1, nD]
@@ -422,7 +277,7 @@ class VerifierCore:
     def _undo_forward(self, reqs: list[_TargetRequest]) -> None:
         """Every request's cache back to all but its last token, as before the call."""
         for r in reqs:
-            self._local(("rollback", r.slot, len(r.seq) - 1))
+            self.group.local(("rollback", r.slot, len(r.seq) - 1))
 
     def _refuse_unusable(self, items: list[VerifyItem], reqs: list[_TargetRequest], nd: list[int], b: int) -> None:
         """Item b's logits cannot be sampled: undo the forward and fail the call naming item b."""
@@ -469,7 +324,7 @@ class VerifierCore:
         return reqs, drafts, qs
 
     def release(self, request_ids: list[str]) -> None:
-        with self._watched("release", 0):
+        with self.group.watched("release", 0):
             self._release(request_ids)
 
     def _release(self, request_ids: list[str]) -> None:
@@ -480,9 +335,8 @@ class VerifierCore:
                 self.released_unknown.add(rid)
             else:  # kept for later prompts that start the same way, or freed
                 self.prefixes.release(r.slot, r.seq[:-1], r.tenant)
-        if not self.requests and self._pending:  # going idle: the followers free their slots now too
-            ops, self._pending = self._pending, []
-            self._collective(lambda: self._broadcast(ops))
+        if not self.requests:  # going idle: the followers free their slots now too
+            self.group.flush()
 
     # ------------------------------------------------------------ introspection
     def prefix_kv(self, request_id: str) -> tuple[SlotKVCache, int] | None:
@@ -498,11 +352,11 @@ class VerifierCore:
         return self.cache.num_used - len(self.prefixes.retained)
 
     def health(self) -> dict:
-        hung = self.hung()
+        hung = self.group.hung()
         return {
-            "ok": not self.closed and not self.broken and not hung,
-            "broken": self.broken or hung,
-            "collective_timeout_s": self._timeout_s or None,
+            "ok": not self.closed and not self.group.broken and not hung,
+            "broken": self.group.broken or hung,
+            "collective_timeout_s": self.group.timeout_s or None,
             "rank": self.rank,
             "world_size": self.world_size,
             "requests": len(self.requests),

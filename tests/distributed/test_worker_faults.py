@@ -342,7 +342,7 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
 
 def test_collective_timeout_follows_the_measured_forwards():
     """CollectiveDeadline: the floor until forwards are measured, then 20 x (overhead + rate x n)."""
-    from specdist.cores.target import COLLECTIVE_FACTOR, CollectiveDeadline
+    from specdist.cores.collectives import COLLECTIVE_FACTOR, CollectiveDeadline
 
     d = CollectiveDeadline(floor_s=3.0)
     assert d.timeout_for(1) == d.timeout_for(4096) == 3.0  # nothing measured yet
