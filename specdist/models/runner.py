@@ -181,11 +181,14 @@ class CausalLMRunner:
         # whose matmuls all run on blocks (or dense float32) is one C call; None for a layer that runs op by op
         fused = family.layer_kernel == PRENORM_SWIGLU and self.cpu_rope_attention
         self.layer_kernels = [_layer_kernel(layer) if fused else None for layer in self.layers]
-        # the paged backends, pre-norm layers of Llama-style norms: a block's residual add waits for the next norm
-        # and both run as one call (_add_norm); on the Triton kernels (CUDA) that call is one kernel, and so is
-        # SiLU(gate) * up where gate and up are one matmul (_gate_up_linear): docs/performance.md, GPU
-        self.add_norms = paged and not self.sandwich and all(
-            _llama_norm(n) for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        # the paged backends, pre-norm layers of Llama-style norms or Gemma's sandwich of 1 + w norms: a block's
+        # residual add waits for the next norm and both run as one call (_add_norm); on the Triton kernels (CUDA)
+        # that call is one kernel, and so is SiLU(gate) * up where gate and up are one matmul (_gate_up_linear):
+        # docs/performance.md, GPU
+        norms = [n for layer in self.layers for n in _layer_norms(layer, self.sandwich)]
+        gemma = self.sandwich and all(type(n).__name__ in _GEMMA_NORMS and hasattr(n, "eps") for n in norms)
+        self.add_norms = paged and (gemma or (not self.sandwich and all(_llama_norm(n) for n in norms)))
+        self.norm_offset = 1.0 if gemma else 0.0  # the norms' weights: 1 + w (Gemma) or w
         self.layer_triton = self.add_norms and getattr(self.backend, "use_triton", False)
         self.silu_gate_up = [_gate_up_linear(layer.mlp) if self.layer_triton else None for layer in self.layers]
         if half_storage:
@@ -475,11 +478,13 @@ class CausalLMRunner:
         if bsz * t_max > cpu_kernels.F32_MAX_ROWS:  # float32 layers: torch's GEMM is the faster one from there
             kernels = [None if w is not None and w.dense else w for w in kernels]
         scratch = None  # the layer kernels' activations, shared by the layers of this call
-        pending = None  # add_norms: the previous layer's MLP output, added to h by this layer's first norm
+        # add_norms: the previous layer's MLP output, added to h by this layer's first norm (normed first by
+        # pending_norm, Gemma's post-feedforward norm)
+        pending = pending_norm = None
         for i, layer in enumerate(self.layers):
             x = None  # the layer's normed input, where its residual add computed it
             if self.add_norms:
-                h, x = self._add_norm(layer.input_layernorm, h, pending)
+                h, x = self._add_norm(layer.input_layernorm, h, pending, pending_norm)
             if i in self.hidden_layers:
                 taps[i] = h if kernels[i] is None else h.clone()  # the layer kernel updates h in place
             attn = layer.self_attn
@@ -502,27 +507,31 @@ class CausalLMRunner:
             o = self.backend.forward(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
                                      v.reshape(bsz * t_max, -1, hd), step)  # [B * T, Hq, hd]
             a = attn.o_proj(o.reshape(bsz, t_max, -1))  # [B, T, D]
-            if self.add_norms:
+            if self.add_norms and self.sandwich:  # Gemma: the attention output normed, added, the MLP input normed
+                h, x = self._add_norm(layer.pre_feedforward_layernorm, h, a, layer.post_attention_layernorm)
+                pending, pending_norm = self._layer_mlp(i, x), layer.post_feedforward_layernorm
+            elif self.add_norms:
                 h, x = self._add_norm(layer.post_attention_layernorm, h, a)
                 pending = self._layer_mlp(i, x)
             else:
                 h = self._residual(layer, h, a)
         if pending is not None:
-            h = h + pending
+            h = h + (pending if pending_norm is None else _rms_norm(pending_norm, pending))
         if len(self.layers) in self.hidden_layers:  # past the last layer: its output before the final norm
             taps[len(self.layers)] = h
         return h, torch.cat([taps[i] for i in self.hidden_layers], -1) if taps else None
 
-    def _add_norm(self, norm, h, delta):  # [B, T, D], [B, T, D] or None -> ([B, T, D], [B, T, D])
-        """``(h + delta, norm(h + delta))`` (``delta`` None: ``(h, norm(h))``) of a Llama-style norm: one Triton
-        kernel on the Triton backend (:func:`specdist.models.kernels.triton_layer.add_rms_norm`), torch's add and
-        norm elsewhere."""
+    def _add_norm(self, norm, h, delta, delta_norm=None):  # [B, T, D], [B, T, D] or None -> ([B, T, D], [B, T, D])
+        """``(s, norm(s))`` of ``s = h + delta`` (``delta_norm``: ``h + delta_norm(delta)``; ``delta`` None:
+        ``s = h``): one Triton kernel on the Triton backend (:func:`specdist.models.kernels.triton_layer.
+        add_rms_norm`), torch's add and norms elsewhere."""
         if self.layer_triton:
             from specdist.models.kernels.triton_layer import add_rms_norm
 
-            return add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+            dn = None if delta_norm is None else (delta_norm.weight, _norm_eps(delta_norm))
+            return add_rms_norm(h, delta, norm.weight, _norm_eps(norm), dn, self.norm_offset)
         if delta is not None:
-            h = h + delta
+            h = h + (delta if delta_norm is None else _rms_norm(delta_norm, delta))
         return h, _rms_norm(norm, h)
 
     def _layer_mlp(self, i, x):  # [B, T, D] -> [B, T, D]
@@ -800,6 +809,20 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
         reduce = (lambda t: sum_over_ranks(t, group), attn.o_proj.bias, mlp.down_proj.bias)
     return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms,
                                     reduce)
+
+
+_GEMMA_NORMS = frozenset(("Gemma2RMSNorm", "Gemma3RMSNorm"))  # (1 + w) * normalize(x), in float32 then rounded
+
+
+def _layer_norms(layer, sandwich: bool) -> list:
+    names = ("input_layernorm", "post_attention_layernorm")
+    names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if sandwich else ()
+    return [getattr(layer, n) for n in names]
+
+
+def _norm_eps(norm) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
 
 
 def _llama_norm(norm) -> bool:

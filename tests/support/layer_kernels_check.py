@@ -15,7 +15,7 @@ import torch
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # relative to the largest output
 DIMS = (32, 576, 2048)  # a tiny model's, the built-in SmolLM2-135M's, Llama 3.2 1B's
 SILU_WIDTHS = (64, 2816)  # one partial block; 2 full blocks and a partial one (a 1 B model's 5632 / 2)
-FAMILIES = ("llama", "qwen2", "phi3", "qwen3")
+FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma2", "gemma3")
 # (request, new tokens) a step: a prefill, a ragged prefill + verification (padded rows), decodes, a verification
 SCHEDULE = [[(0, 9)], [(1, 5), (0, 3)], [(0, 1), (1, 1)], [(1, 4)], [(0, 1)]]
 
@@ -25,24 +25,37 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | N
     return None if err <= TOLERANCE[dtype] * (1 + want.abs().max().item()) else f"max error {err:.3g}"
 
 
-def check_add_rms_norm(device: str, dtype: torch.dtype, dim: int, with_delta: bool) -> str | None:
+def check_add_rms_norm(device: str, dtype: torch.dtype, dim: int, with_delta: bool, gemma: bool = False) -> str | None:
     """The residual sum exactly torch's (the sum rounded to the dtype once), the normed rows within the dtype's
-    tolerance of float64's norm of that sum, on [3, 5, dim] rows; without a delta, ``h`` itself comes back."""
+    tolerance of float64's norm of that sum, on [3, 5, dim] rows; without a delta, ``h`` itself comes back.
+    ``gemma``: Gemma's ``1 + w`` norms, the delta normed (and rounded, as its module returns it) before the add."""
     from specdist.models.kernels.triton_layer import add_rms_norm
 
     torch.manual_seed(dim)
     h = torch.randn(3, 5, dim, dtype=dtype, device=device) * 3
     delta = torch.randn(3, 5, dim, dtype=dtype, device=device) if with_delta else None
-    w = torch.randn(dim, dtype=dtype, device=device)
-    got_h, got_y = add_rms_norm(h, delta, w, 1e-6)
-    want_h = h + delta if with_delta else h
-    if not torch.equal(got_h, want_h):
-        return "the residual sum is not torch's"
+    w, wa = torch.randn(dim, dtype=dtype, device=device), torch.randn(dim, dtype=dtype, device=device)
+    offset = 1.0 if gemma else 0.0
+
+    def norm(x, weight, eps):  # float64
+        return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * (weight.double() + offset)
+
+    got_h, got_y = add_rms_norm(h, delta, w, 1e-6, (wa, 1e-5) if gemma else None, offset)
+    if gemma:  # Gemma2RMSNorm: float32 throughout, one rounding; the rounded output added in the dtype
+        normed = (delta.float() * torch.rsqrt(delta.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+                  * (1.0 + wa.float())).to(dtype)
+        if (normed.double() - norm(delta.double(), wa, 1e-5)).abs().max() > TOLERANCE[dtype] * 10:
+            return "the test's own Gemma norm is off"
+        want_h = h + normed
+        if not torch.allclose(got_h.double(), want_h.double(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]):
+            return f"the residual sum is off by {(got_h.double() - want_h.double()).abs().max().item():.3g}"
+    else:
+        want_h = h + delta if with_delta else h
+        if not torch.equal(got_h, want_h):
+            return "the residual sum is not torch's"
     if not with_delta and got_h.data_ptr() != h.data_ptr():
         return "without a delta the residual is not h itself"
-    x = want_h.double()
-    want_y = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
-    return _close(got_y, want_y, dtype)
+    return _close(got_y, norm(got_h.double(), w, 1e-6), dtype)
 
 
 def check_silu_mul(device: str, dtype: torch.dtype, width: int) -> str | None:
@@ -110,6 +123,7 @@ def main() -> int:
             for with_delta in (True, False):
                 report(f"add_rms_norm {dtype} dim {dim} delta {with_delta}",
                        check_add_rms_norm("cpu", dtype, dim, with_delta))
+            report(f"add_rms_norm {dtype} dim {dim} gemma", check_add_rms_norm("cpu", dtype, dim, True, gemma=True))
         for width in SILU_WIDTHS:
             report(f"silu_mul {dtype} width {width}", check_silu_mul("cpu", dtype, width))
     for family in FAMILIES:

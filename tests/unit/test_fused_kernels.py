@@ -4,8 +4,8 @@
   on the CPU: torch ops that launch device work (views and allocations aside; ``F.rms_norm`` once, as CUDA runs
   it: one fused kernel) plus the Triton launches, recorded instead of run (tests/support/triton_launches.py).
   Llama / Qwen2 / Phi-3: 12 before (4 matmuls, 2 norms, 2 residual adds, SiLU, its product, rotary + cache write,
-  attention), 9 after (the residual adds inside the norms, SiLU * up one kernel).
-- Where they apply: Llama-style norms in pre-norm layers (not Gemma's ``1 + w`` sandwich norms), the Triton
+  attention), 9 after (the residual adds inside the norms, SiLU * up one kernel); Gemma 2: 50 -> 10.
+- Where they apply: Llama-style norms in pre-norm layers, Gemma's ``1 + w`` norms in its sandwich, the Triton
   backend only (the CPU keeps its C kernels; the paged torch reference runs the same schedule in torch's ops).
 - Under Triton's interpreter: each kernel against float64, and whole runners on them against transformers.
 """
@@ -105,24 +105,30 @@ def test_a_decode_layer_launches_9_kernels_on_the_cuda_path(family: str, monkeyp
     assert sum(ops.values()) + sum(triton_kernels.values()) == 9
 
 
-def test_qwen3_s_q_k_norms_stay_torch_s_and_gemma_keeps_its_layer(monkeypatch) -> None:
-    """Qwen3: the same 9 and its per-head q/k norms (2). Gemma 2's (1 + w) sandwich norms take none of the fused
-    kernels: its layers launch what they did."""
+def test_qwen3_s_q_k_norms_stay_torch_s(monkeypatch) -> None:
+    """Qwen3: the same 9 and its per-head q/k norms (2): 14 -> 11."""
     ops, triton_kernels = _per_layer("qwen3", monkeypatch)
     assert triton_kernels == {"_add_rms_norm_kernel": 2, "_silu_mul_kernel": 1, "_rope_write_kernel": 1,
                               "_paged_attention_kernel": 1}, triton_kernels
     assert ops == {"mm": 4, "rms_norm": 2}, ops
+
+
+def test_gemma_s_four_norms_and_two_adds_are_two_kernels(monkeypatch) -> None:
+    """Gemma 2's sandwich of 1 + w norms (each module about 12 torch ops: float32 copies, pow, mean, rsqrt, ...):
+    50 kernels a layer before, 10 after (each block's output norm, residual add and the next norm one kernel; its
+    GELU MLP stays torch's: gelu, mul)."""
     ops, triton_kernels = _per_layer("gemma2", monkeypatch)
-    assert set(triton_kernels) == {"_rope_write_kernel", "_paged_attention_kernel"}, triton_kernels
+    assert triton_kernels == {"_add_rms_norm_kernel": 2, "_rope_write_kernel": 1, "_paged_attention_kernel": 1}
+    assert ops == {"mm": 4, "gelu": 1, "mul": 1}, ops
 
 
 @pytest.mark.parametrize("family,fused", [("llama", True), ("qwen2", True), ("phi3", True), ("qwen3", True),
-                                          ("qwen3_moe", True), ("gemma2", False), ("gemma3", False)])
+                                          ("qwen3_moe", True), ("gemma2", True), ("gemma3", True)])
 def test_the_fused_kernels_run_on_the_triton_backend_for_llama_style_norms_only(family: str, fused: bool,
                                                                                   monkeypatch) -> None:
-    """The Triton backend: residual add + norm fused where every norm of every layer is Llama-style and the layer
-    pre-norm (not Gemma's 1 + w sandwich); SiLU * up where gate and up are one matmul followed by SiLU (not a
-    mixture-of-experts layer). Other backends: never the Triton kernels (the CPU's C kernels and SDPA unchanged);
+    """The Triton backend: residual add + norm fused where every norm of every layer is Llama-style in pre-norm
+    layers, or Gemma's 1 + w in its sandwich; SiLU * up where gate and up are one matmul followed by SiLU (not a
+    mixture-of-experts layer, not Gemma's GELU). Other backends: never the Triton kernels (the CPU's C kernels and SDPA unchanged);
     the paged torch reference adds a residual with the next norm as well, in torch's ops."""
     model = build_tiny(family, seed=1)
     for backend, kv in (("cpu", "slots"), ("sdpa", "slots"), ("paged-torch", "paged")):
@@ -132,21 +138,23 @@ def test_the_fused_kernels_run_on_the_triton_backend_for_llama_style_norms_only(
     monkeypatch.setattr(TritonPagedBackend, "unavailable", classmethod(lambda cls, device, dtype: None))
     runner = CausalLMRunner(model, num_slots=2, max_len=32, kv=KVOptions("paged"), attention_backend="paged")
     assert runner.add_norms == runner.layer_triton == fused
-    dense = [fused and not hasattr(layer.mlp, "experts") for layer in runner.layers]  # qwen3_moe: layer 0 dense
-    assert [g is not None for g in runner.silu_gate_up] == dense
+    assert runner.norm_offset == (1.0 if family.startswith("gemma") else 0.0)
+    silu = [fused and not family.startswith("gemma") and not hasattr(layer.mlp, "experts")  # qwen3_moe: layer 0 dense
+            for layer in runner.layers]
+    assert [g is not None for g in runner.silu_gate_up] == silu
 
 
 def test_the_kernels_under_triton_s_interpreter_equal_float64_and_the_runners_transformers() -> None:
-    """tests/support/layer_kernels_check.py under TRITON_INTERPRET=1 (about 15 s; in a process of its own: the
-    interpreter is chosen before Triton is imported): add + norm (with and without the residual) and SiLU * up at
-    several widths in float32 and float16 against float64; then llama, qwen2, phi3 and qwen3 runners on the Triton
-    backend (the paged kernels and these, under the interpreter) against transformers' logits over a prefill, a
+    """tests/support/layer_kernels_check.py under TRITON_INTERPRET=1 (about 18 s; in a process of its own: the
+    interpreter is chosen before Triton is imported): add + norm (with and without the residual; Gemma's, its
+    delta normed first) and SiLU * up at several widths in float32 and float16 against float64; then llama, qwen2,
+    phi3, qwen3, gemma2 and gemma3 runners on the Triton backend (the paged kernels and these, under the interpreter) against transformers' logits over a prefill, a
     ragged verification and decodes, and their greedy tokens against its generate."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, os.path.join(SUPPORT, "layer_kernels_check.py")], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert run.stdout.count(": ok") == 2 * (2 * len(DIMS) + len(SILU_WIDTHS)) + len(FAMILIES), run.stdout
+    assert run.stdout.count(": ok") == 2 * (3 * len(DIMS) + len(SILU_WIDTHS)) + len(FAMILIES), run.stdout
 
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -154,11 +162,11 @@ NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("with_delta,gemma", [(True, False), (False, False), (True, True)])
 @pytest.mark.cuda
 @NO_GPU
-def test_the_compiled_add_rms_norm_equals_float64(dtype, dim, with_delta):
-    assert check_add_rms_norm("cuda", dtype, dim, with_delta) is None
+def test_the_compiled_add_rms_norm_equals_float64(dtype, dim, with_delta, gemma):
+    assert check_add_rms_norm("cuda", dtype, dim, with_delta, gemma) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -171,11 +171,18 @@ LAYER_WIDTHS = {"smollm2-135m": (576, 1536), "qwen2.5-0.5b": (896, 4864), "qwen3
                 "llama-3.1-8b / mistral-7b": (4096, 14336)}
 
 
-def _launch_layer(dim: int, inter: int, dtype: torch.dtype, rows: int) -> None:
+GEMMA_WIDTHS = {"gemma2-2b": 2304, "gemma3-1b": 1152}  # hidden sizes (their MLPs are GELU: no SiLU * up)
+
+
+def _launch_layer(dim: int, inter: int | None, dtype: torch.dtype, rows: int) -> None:
     """A layer's fused launches over ``rows`` token rows (meant to run under a Recorder): add + norm with and
-    without a residual, SiLU * up."""
+    without a residual, SiLU * up; ``inter`` None: Gemma's (1 + w norms, the residual normed first)."""
     h = torch.empty(rows, dim, dtype=dtype)
     w = torch.empty(dim, dtype=dtype)
+    if inter is None:
+        add_rms_norm(h, None, w, 1e-6, offset=1.0)
+        add_rms_norm(h, torch.empty_like(h), w, 1e-6, (w, 1e-6), 1.0)
+        return
     add_rms_norm(h, None, w, 1e-6)
     add_rms_norm(h, torch.empty_like(h), w, 1e-6)
     silu_mul(torch.empty(rows, 2 * inter, dtype=dtype))
@@ -195,11 +202,12 @@ def test_the_layer_kernels_compile_once_per_model_whatever_the_bucket():
 
 def test_the_layer_kernels_compile_for_sm90_without_register_spills(tmp_path, monkeypatch):
     """Each distinct compile of add + norm and SiLU * up (bfloat16 at every width, float16 and float32 at the
-    smallest and largest; 25, about 3 s): ptxas reports no spills and at most 255 registers."""
+    smallest and largest; Gemma's norms at its widths; 29, about 4 s): ptxas reports no spills and at most 255 registers."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     cases = [(w, torch.bfloat16) for w in LAYER_WIDTHS.values()]
     cases += [(w, dtype) for dtype in (torch.float16, torch.float32) for w in (min(LAYER_WIDTHS.values()),
                                                                               max(LAYER_WIDTHS.values()))]
+    cases += [((dim, None), torch.bfloat16) for dim in GEMMA_WIDTHS.values()]
     launches = {}
     for (dim, inter), dtype in cases:
         with Recorder() as rec:
