@@ -124,7 +124,7 @@ def test_gemma_s_four_norms_and_two_adds_are_two_kernels(monkeypatch) -> None:
 
 @pytest.mark.parametrize("family,fused", [("llama", True), ("qwen2", True), ("phi3", True), ("qwen3", True),
                                           ("qwen3_moe", True), ("gemma2", True), ("gemma3", True)])
-def test_the_fused_kernels_run_on_the_triton_backend_for_llama_style_norms_only(family: str, fused: bool,
+def test_the_fused_kernels_run_on_the_triton_backend_for_llama_and_gemma_norms_only(family: str, fused: bool,
                                                                                   monkeypatch) -> None:
     """The Triton backend: residual add + norm fused where every norm of every layer is Llama-style in pre-norm
     layers, or Gemma's 1 + w in its sandwich; SiLU * up where gate and up are one matmul followed by SiLU (not a
@@ -177,6 +177,7 @@ def test_the_compiled_silu_mul_equals_float64(dtype, width):
     assert check_silu_mul("cuda", dtype, width) is None
 
 
+@pytest.mark.slow  # gpu_check's tests-slow step: each runner compiles the attention kernels for its shapes
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.cuda
 @NO_GPU
