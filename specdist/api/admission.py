@@ -10,7 +10,8 @@ OpenAI-compatible HTTP API (:mod:`specdist.api.http_server`), both clients of on
 - :func:`bare_host` (:mod:`specdist.transport.hosts`, imported here for the front ends): a listening host
   without the brackets of an IPv6 literal;
 - :func:`request_stats`: the per-request statistics both report at the end of a request;
-- :func:`server_info`: what is served (GetServerInfo, ``GET /v1/models``).
+- :func:`server_info`: what is served (GetServerInfo, ``GET /v1/models``);
+- :class:`ServedEngine`: what they read of the engine they serve, whichever it is.
 """
 
 from __future__ import annotations
@@ -20,14 +21,32 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from specdist.config import PROMPT_CHARS_PER_TOKEN
+from specdist.config import PROMPT_CHARS_PER_TOKEN, Config
 from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.engine.prompts import is_conversation
 from specdist.engine.request import RequestMetrics
 from specdist.sampling_params import SamplingParams
 from specdist.transport.hosts import bare_host as bare_host  # (the front ends import it from here)
+
+
+class _Pipelining(Protocol):
+    pipelined: bool  # the draft of the next step runs while this one verifies
+
+
+class ServedEngine(Protocol):
+    """What the servers read of the engine they serve to describe it and bound its requests (:meth:`Limits.of`,
+    :func:`server_info`): :class:`~specdist.engine.local.Engine`, :class:`~specdist.engine.remote.RemoteEngine`
+    or the front over Serve replicas (:class:`~specdist.api.replica_set.FrontEngine`). The coordinator drives it."""
+
+    config: Config
+    max_model_len: int  # tokens a request may hold, prompt and output
+    k: int  # draft tokens a step (0: no drafts)
+
+    @property
+    def traits(self) -> _Pipelining: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +72,7 @@ class Limits:
     max_logprob_entries: int = 262144  # n x (logprobs + 1) x max_tokens
 
     @classmethod
-    def of(cls, engine) -> "Limits":
+    def of(cls, engine: ServedEngine) -> "Limits":
         c = engine.config.limits
         return cls(
             max_message_bytes=c.max_message_bytes,
@@ -194,7 +213,7 @@ def request_stats(m: RequestMetrics, speculative: bool = True) -> dict[str, Any]
     )
 
 
-def server_info(engine) -> dict[str, Any]:
+def server_info(engine: ServedEngine) -> dict[str, Any]:
     """What the engine serves (the fields of the wire's ``ServerInfo`` besides its counters)."""
     cfg = engine.config
     pipelined = engine.traits.pipelined

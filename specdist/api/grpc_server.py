@@ -45,9 +45,9 @@ from grpc_health.v1 import health_pb2
 from specdist import logprobs
 from specdist.api.coordinator import Coordinator, Delta
 from specdist.config import tenant_scope_line
-from specdist.engine.local import Engine
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.api.admission import (
+    ServedEngine,
     Limits, check_request, check_request_id, check_session_id, refusal_code, request_stats, server_info,
 )
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
@@ -68,7 +68,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
 
     def __init__(self, coordinator: Coordinator, tokens: Tokens | None = None):
         self.coordinator = coordinator
-        self.engine: Engine = coordinator.engine
+        self.engine: ServedEngine = coordinator.engine
         self.limits = Limits.of(self.engine)
         # the server's tokens, as of each call: with one a tenant, a request's tenant is its token's; the admin
         # token reads the counters (sees_everything)
@@ -259,7 +259,7 @@ class SpecDistServer:
 
 
 async def serve(
-    engine: Engine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0,
+    engine: ServedEngine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0,
     security: ServerSecurity | None = None, coordinator: "Coordinator | None" = None,
 ) -> tuple[SpecDistServer, Coordinator]:
     """Start SpecDecode + health + reflection on ``host:port`` (0 picks a free port: see ``.port``).

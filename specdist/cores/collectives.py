@@ -70,7 +70,7 @@ class CollectiveDeadline:
 
 
 def apply_op(runner: CausalLMRunner, op: tuple, extra=None) -> Any:
-    """Apply one forward or cache operation (:meth:`SlotKVCache.apply`); the same code on every
+    """Apply one forward or cache operation (:meth:`KVCache.apply`); the same code on every
     tensor-parallel rank. ``extra``: rank 0's sampling inputs for the forward's copy (runner.forward)."""
     if op[0] == "forward":  # ("forward", slots, tokens, num_logits[, packed])
         return runner.forward(op[1], op[2], op[3], packed=len(op) > 4 and op[4], extra=extra)

@@ -33,7 +33,7 @@ from specdist.cores.proposers import proposer_class
 from specdist.cores.proposers.base import BuildContext, DraftRequest, Proposer
 from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from specdist.models.graphs import KVOptions
-from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.base import KVCache
 from specdist.models.kv.prefix import PrefixCache
 from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from specdist.models.metadata import ModelSources
 
 # where the prompt K/V of a request already sit: (cache, slot) or None
-PrefixSource = Callable[[str], "tuple[SlotKVCache, int] | None"]
+PrefixSource = Callable[[str], "tuple[KVCache, int] | None"]
 # K/V positions a draft may hold past a request's prompt and max_tokens: a proposal of up to 64 tokens
 # (draft.num_speculative_tokens' bound), a guess and a prepared proposal after it (draft_pipeline)
 DRAFT_AHEAD = 2 * 64 + 2
@@ -93,7 +93,7 @@ class DrafterCore:
         return self.proposer.hidden_width
 
     @property
-    def cache(self) -> SlotKVCache | None:
+    def cache(self) -> KVCache | None:
         return self.proposer.cache
 
     # ------------------------------------------------------------ calls

@@ -58,7 +58,7 @@ from specdist.errors import (
     NonFiniteLogits,
     NotFound,
 )
-from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.base import KVCache
 from specdist.models.kv.prefix import PrefixCache
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
@@ -109,7 +109,7 @@ class VerifierCore:
         self.prefixes = PrefixCache(runner.cache, prefix_caching, record=self.group.record, scope=prefix_scope)
 
     @property
-    def cache(self):
+    def cache(self) -> KVCache:
         return self.runner.cache
 
     def keep_hidden_layers(self, layers: Sequence[int]) -> None:
@@ -339,7 +339,7 @@ class VerifierCore:
             self.group.flush()
 
     # ------------------------------------------------------------ introspection
-    def prefix_kv(self, request_id: str) -> tuple[SlotKVCache, int] | None:
+    def prefix_kv(self, request_id: str) -> tuple[KVCache, int] | None:
         """Where a request's K/V sit on this rank: (cache, slot), or None for an unknown request.
 
         A drafter core over a copy of the target (same cache layout) copies a prompt's K/V from

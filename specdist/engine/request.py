@@ -8,6 +8,7 @@ from specdist.engine.draft_length import Acceptance
 from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
+from specdist.transport.protocol import Proposal
 from specdist.engine.stopping import OutputState
 
 
@@ -119,7 +120,7 @@ class Request:
     new_tokens: list[int] = field(default_factory=list)  # target tokens since the last proposal
     # EAGLE-3 replicas: the target's hidden states since the last proposal ([m, nD] each), for the next ProposeItem
     hidden: list = field(default_factory=list)
-    proposal: object = None  # this step's transport.Proposal, until verified
+    proposal: Proposal | None = None  # this step's, until verified
     full_accept: bool = False  # its last verified proposal was accepted whole (pipelined drafting's guess test)
     error: str | None = None  # with finish_reason "error": what failed
     error_code: ErrorCode | None = None  # ... and its code (UNAVAILABLE: the target failed, a retry may succeed)

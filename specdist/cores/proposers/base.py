@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -32,15 +32,19 @@ from specdist.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from specdist.config import DraftConfig
     from specdist.models.graphs import KVOptions
-    from specdist.models.kv.slots import SlotKVCache
+    from specdist.models.kv.base import KVCache
     from specdist.models.metadata import ModelSources
     from specdist.models.runner import CausalLMRunner
     from specdist.transport.protocol import StartItem
 
 
+S = TypeVar("S")  # a draft method's own state of a request: what its start() sets
+
+
 @dataclass
-class DraftRequest:
-    """One request on a drafter core (its ``requests``): the core's bookkeeping and the method's ``state``."""
+class DraftRequest(Generic[S]):
+    """One request on a drafter core (its ``requests``): the core's bookkeeping and the method's ``state``.
+    A method names its state in its signatures (``DraftRequest[NgramIndex]``); the core knows none of them."""
 
     seq: list[int]  # committed tokens (prompt + output)
     params: SamplingParams
@@ -49,7 +53,7 @@ class DraftRequest:
     tenant: str = ""  # whose request it is (StartItem.tenant)
     slot: int | None = None  # methods with a KV cache: the slot holding a prefix of seq (+ stale drafts)
     proposal: list[int] = field(default_factory=list)  # tokens of the last proposal
-    state: object = None  # the proposer's own state of the request (set by its start)
+    state: S | None = None  # the proposer's own state of the request (set by its start; None: it keeps none)
 
 
 @dataclass
@@ -99,7 +103,7 @@ class Proposer(ABC):
     settings: ClassVar[type | None] = None
     shares_prefixes: ClassVar[bool] = True  # requests may share prompt K/V (the core's prefix cache over `cache`)
     vocab_size: int
-    cache: SlotKVCache | None = None  # the K/V the core hands out slots of; None: model-free
+    cache: KVCache | None = None  # the K/V the core hands out slots of; None: model-free
     runner: CausalLMRunner | None = None  # the model it drafts with, where it is a causal LM
     hidden_layers: tuple[int, ...] = ()  # the target layers whose hidden states it drafts from
     catch_up_s: float = 0.0  # seconds of prompt K/V computed inside the current propose (not draft time)

@@ -113,15 +113,15 @@ class Eagle3Proposer(ModelProposer):
             raise FailedPrecondition(f"{field}.hidden_layers", f"are {tuple(item.hidden_layers)}; this EAGLE-3 head "
                                                                f"reads layers {self.hidden_layers}")
 
-    def start(self, r: DraftRequest) -> None:
+    def start(self, r: DraftRequest[HeadState]) -> None:
         r.state = HeadState()
 
     def prefill(self, reqs: list[DraftRequest]) -> None:
         """Nothing: a head's K/V of the prompt wait for the target's states, which come with the first propose."""
 
-    def check_propose(self, r: DraftRequest, hidden, seq_len: int, field: str) -> None:
+    def check_propose(self, r: DraftRequest[HeadState], hidden, seq_len: int, field: str) -> None:
         """After the commit, the head holds the target's states of every position but the last."""
-        h: HeadState = r.state
+        h = r.state
         have = h.fed + sum(int(x.shape[0]) for x in h.states)
         rows = 0 if hidden is None else int(hidden.shape[0])
         if have + rows != seq_len - 1:
@@ -133,8 +133,8 @@ class Eagle3Proposer(ModelProposer):
             raise InvalidArgument(field, f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
                                          f"({len(self.hidden_layers)} layers x hidden size)")
 
-    def commit(self, r: DraftRequest, kept, n_acc: int, prev: int, prepared, hidden) -> None:
-        h: HeadState = r.state
+    def commit(self, r: DraftRequest[HeadState], kept, n_acc: int, prev: int, prepared, hidden) -> None:
+        h = r.state
         if hidden is not None and hidden.shape[0]:
             h.states.append(hidden)
         # position i of the head's cache is (states at i, token i + 1): its drafted positions hold its own states,
@@ -160,7 +160,7 @@ class Eagle3Proposer(ModelProposer):
         for r, feat in zip(d.reqs, d.feats):
             r.state.last_feat = feat
 
-    def _can_continue(self, r: DraftRequest, ahead: list[int]) -> bool:
+    def _can_continue(self, r: DraftRequest[HeadState], ahead: list[int]) -> bool:
         """The head can draft after ``seq + ahead`` (the last proposal) without the target's states: it drafted
         that proposal and holds its K/V up to the position before its last token."""
         return (r.state.last_feat is not None and ahead == r.proposal

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, register
 from specdist.cores.proposers.model import SelfDraftProposer
-from specdist.cores.proposers.suffix import SuffixKeys, SuffixProposer
+from specdist.cores.proposers.suffix import Suffixed, SuffixKeys, SuffixProposer
 from specdist.cores.suffix import SuffixSettings
 from specdist.models.runner import CausalLMRunner
 
@@ -37,14 +37,14 @@ class HybridProposer(SelfDraftProposer):
     def target_copy(cls, method: str) -> str | None:
         return "self-w8"
 
-    def start(self, r: DraftRequest) -> None:
+    def start(self, r: DraftRequest[Suffixed]) -> None:
         self.suffix.start(r)
 
-    def commit(self, r: DraftRequest, kept, n_acc: int, prev: int, prepared, hidden) -> None:
+    def commit(self, r: DraftRequest[Suffixed], kept, n_acc: int, prev: int, prepared, hidden) -> None:
         self.suffix.commit(r, kept, n_acc, prev, prepared, hidden)
         super().commit(r, kept, n_acc, prev, prepared, hidden)
 
-    def propose(self, reqs: list[DraftRequest], ks: list[int]) -> list[Draft]:
+    def propose(self, reqs: list[DraftRequest[Suffixed]], ks: list[int]) -> list[Draft]:
         drafts = [self.suffix.lookup(r, k) for r, k in zip(reqs, ks)]
         out = [Draft(d.tokens, match_lengths=d.depths) if d is not None else Draft([]) for d in drafts]
         # the model drafts the others: confident means expected accepted >= min_score, or all k tokens certain
@@ -58,7 +58,7 @@ class HybridProposer(SelfDraftProposer):
                 out[b] = Draft(t, q)
         return out
 
-    def release(self, r: DraftRequest) -> None:
+    def release(self, r: DraftRequest[Suffixed]) -> None:
         self.suffix.release(r)
 
     def forget_finished(self) -> None:

@@ -47,14 +47,14 @@ class NgramProposer(Proposer):
         keys = cls.settings_of(dc)
         return cls(ctx.vocab_size, keys.ngram_min, keys.ngram_max)
 
-    def start(self, r: DraftRequest) -> None:
+    def start(self, r: DraftRequest[NgramIndex]) -> None:
         r.state = NgramIndex(*self.ngram)
         r.state.extend(r.seq)
 
-    def commit(self, r: DraftRequest, kept, n_acc, prev, prepared, hidden) -> None:
+    def commit(self, r: DraftRequest[NgramIndex], kept, n_acc, prev, prepared, hidden) -> None:
         r.state.extend(kept)
 
-    def propose(self, reqs: list[DraftRequest], ks: list[int]) -> list[Draft]:
+    def propose(self, reqs: list[DraftRequest[NgramIndex]], ks: list[int]) -> list[Draft]:
         return [Draft(r.state.lookup(k) if k > 0 else []) for r, k in zip(reqs, ks)]
 
 

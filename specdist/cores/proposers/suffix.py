@@ -77,23 +77,23 @@ class SuffixProposer(Proposer):
     def build(cls, dc, ctx: BuildContext) -> "SuffixProposer":
         return cls(ctx.vocab_size, cls.settings_of(dc).index_settings())
 
-    def start(self, r: DraftRequest) -> None:
+    def start(self, r: DraftRequest[Suffixed]) -> None:
         index = self.indexes.for_tenant(r.tenant)
         r.state = Suffixed(index, index.start(r.seq))  # O(len(prompt) * max_depth)
 
-    def commit(self, r: DraftRequest, kept, n_acc, prev, prepared, hidden) -> None:
+    def commit(self, r: DraftRequest[Suffixed], kept, n_acc, prev, prepared, hidden) -> None:
         r.state.index.extend(r.state.state, kept)
 
-    def lookup(self, r: DraftRequest, k: int):
+    def lookup(self, r: DraftRequest[Suffixed], k: int):
         """The index's draft of up to ``k`` tokens for ``r`` (tokens, depths, score), None for k = 0."""
         st = self.settings
         return r.state.index.lookup(r.state.state, k, st.min_prob, st.max_spec_factor) if k > 0 else None
 
-    def propose(self, reqs: list[DraftRequest], ks: list[int]) -> list[Draft]:
+    def propose(self, reqs: list[DraftRequest[Suffixed]], ks: list[int]) -> list[Draft]:
         drafts = [self.lookup(r, k) for r, k in zip(reqs, ks)]
         return [Draft(d.tokens, match_lengths=d.depths) if d is not None else Draft([]) for d in drafts]
 
-    def release(self, r: DraftRequest) -> None:
+    def release(self, r: DraftRequest[Suffixed]) -> None:
         self.indexes.finish(r.state.index, r.state.state)  # its sequence stays as a cached one (oldest evicted)
 
     def forget_finished(self) -> None:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import torch
 
+from specdist.models.kv.base import KVCache
+
 
 class KVCacheFull(RuntimeError):
     """No room for a sequence: no free slot, or too few blocks for its reservation."""
 
 
-def apply_cache_op(cache, op: tuple) -> int | None:
+def apply_cache_op(cache: KVCache, op: tuple) -> int | None:
     """Apply one recorded cache operation to a KV cache (slot or paged: how tensor-parallel followers replay rank
     0's): ``("allocate", slot[, tokens])`` (must hand out that slot), ``("free", slot)``, ``("rollback", slot,
     length)``, ``("copy", src_slot, dst_slot, length)`` (a prefix within the cache), ``("reserve", slot, tokens)``."""

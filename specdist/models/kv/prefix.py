@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from specdist.errors import ResourceExhausted
-from specdist.models.kv.slots import SlotKVCache
+from specdist.models.kv.base import KVCache
+from specdist.models.kv.paged import PagedKVCache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,7 +71,7 @@ class PrefixIndex:
 
 
 class PrefixCache:
-    """Prompt K/V reused across requests, over one :class:`SlotKVCache`.
+    """Prompt K/V reused across requests, over one KV cache (:class:`~specdist.models.kv.base.KVCache`).
 
     A released request's slot is kept ("retained") with the tokens whose K/V it holds, until a
     slot is needed and none is free (least recently released first). A new request whose prompt
@@ -92,7 +94,7 @@ class PrefixCache:
     pass each request's tenant, and build the running requests' index per tenant (:meth:`key`).
     """
 
-    def __init__(self, cache: SlotKVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
+    def __init__(self, cache: KVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
                  record: Callable[[tuple], None] | None = None, scope: str = "shared"):
         self.cache = cache
         self.enabled = enabled
@@ -137,19 +139,21 @@ class PrefixCache:
         the ones before it and retry that one later. Changes nothing."""
         n = self.fits(tokens)
         if n < len(tokens):
-            cache = self.cache
-            what = (f"{cache.num_free + len(self.retained)} KV slots are free" if not cache.paged else
-                    f"{cache.num_blocks - 1 - cache.committed_blocks} KV blocks of {cache.block_size} tokens are "
-                    f"unreserved and {len(self.retained)} cached prefixes can be evicted")
+            if not self.cache.paged:
+                what = f"{self.cache.num_free + len(self.retained)} KV slots are free"
+            else:
+                cache = cast(PagedKVCache, self.cache)
+                what = (f"{cache.num_blocks - 1 - cache.committed_blocks} KV blocks of {cache.block_size} tokens "
+                        f"are unreserved and {len(self.retained)} cached prefixes can be evicted")
             raise ResourceExhausted(f"items[{n}]", f"{len(tokens)} requests need room; {what}")
 
     def fits(self, tokens: list[int | None]) -> int:
         """How many of new requests needing ``tokens`` each (in order) the cache can take now, counting
         what evicting every retained slot would free. Changes nothing."""
-        cache = self.cache
-        slots = cache.num_free + len(self.retained)
-        if not cache.paged:  # slots of max_len tokens: the slot count alone decides
+        slots = self.cache.num_free + len(self.retained)
+        if not self.cache.paged:  # slots of max_len tokens: the slot count alone decides
             return min(len(tokens), slots)
+        cache = cast(PagedKVCache, self.cache)
         room = cache.num_blocks - 1 - cache.committed_blocks + sum(len(cache.tables[s]) for s in self.retained)
         n = 0
         for t in tokens:
@@ -224,7 +228,7 @@ class PrefixCache:
     def replay(self, op: tuple) -> int | None:
         """Apply an operation another rank's PrefixCache recorded: ``("retain", slot)`` and
         ``("adopt", slot, length)`` (a kept slot taken over, rolled back to ``length``) change
-        the kept set, the others are :meth:`SlotKVCache.apply`'s. A follower keeps no tokens:
+        the kept set, the others are :meth:`KVCache.apply`'s. A follower keeps no tokens:
         only rank 0 matches prompts."""
         kind = op[0]
         if kind == "retain":
