@@ -187,12 +187,11 @@ def grpc_message_options(limit: int) -> list[tuple[str, int]]:
 
 
 def start_items_to_proto(items: list[StartItem], message):
-    """[StartItem] -> PrefillRequest or StartRequest (both carry the same item shape)."""
-    item = target_pb2.PrefillItem if message is target_pb2.PrefillRequest else draft_pb2.StartItem
-    return message(items=[item(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
-                               params=sampling_params_to_proto(it.params), seed=it.seed,
-                               coupling=_COUPLING_TO_PROTO[it.coupling], hidden_layers=it.hidden_layers,
-                               tenant=it.tenant)
+    """[StartItem] -> PrefillRequest or StartRequest (both carry common.proto's StartItem)."""
+    return message(items=[common_pb2.StartItem(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
+                                               params=sampling_params_to_proto(it.params), seed=it.seed,
+                                               coupling=_COUPLING_TO_PROTO[it.coupling],
+                                               hidden_layers=it.hidden_layers, tenant=it.tenant)
                           for it in items])
 
 

@@ -24,29 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdist/v1/common.proto\x12\x0bspecdist.v1\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd3\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x07 \x01(\x01\x12\x15\n\rpipeline_hits\x18\x08 \x01(\r\x12\x17\n\x0fpipeline_misses\x18\t \x01(\r\"b\n\x0cHiddenStates\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.specdist.v1.HiddenDtype\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"g\n\x11\x44raftDistribution\x12/\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x1f.specdist.v1.DistributionFormat\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05*Q\n\x08\x43oupling\x12\x18\n\x14\x43OUPLING_UNSPECIFIED\x10\x00\x12\x16\n\x12\x43OUPLING_REJECTION\x10\x01\x12\x13\n\x0f\x43OUPLING_GUMBEL\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa3\x01\n\x12\x44istributionFormat\x12#\n\x1f\x44ISTRIBUTION_FORMAT_UNSPECIFIED\x10\x00\x12\"\n\x1e\x44ISTRIBUTION_FORMAT_DENSE_FP16\x10\x01\x12#\n\x1f\x44ISTRIBUTION_FORMAT_SPARSE_FP16\x10\x02\x12\x1f\n\x1b\x44ISTRIBUTION_FORMAT_ONE_HOT\x10\x03*z\n\x0bHiddenDtype\x12\x1c\n\x18HIDDEN_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14HIDDEN_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15HIDDEN_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14HIDDEN_DTYPE_FLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdist/v1/common.proto\x12\x0bspecdist.v1\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd3\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x07 \x01(\x01\x12\x15\n\rpipeline_hits\x18\x08 \x01(\r\x12\x17\n\x0fpipeline_misses\x18\t \x01(\r\"\xc4\x01\n\tStartItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specdist.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\'\n\x08\x63oupling\x18\x05 \x01(\x0e\x32\x15.specdist.v1.Coupling\x12\x15\n\rhidden_layers\x18\x06 \x03(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"b\n\x0cHiddenStates\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.specdist.v1.HiddenDtype\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"g\n\x11\x44raftDistribution\x12/\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x1f.specdist.v1.DistributionFormat\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05*Q\n\x08\x43oupling\x12\x18\n\x14\x43OUPLING_UNSPECIFIED\x10\x00\x12\x16\n\x12\x43OUPLING_REJECTION\x10\x01\x12\x13\n\x0f\x43OUPLING_GUMBEL\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa3\x01\n\x12\x44istributionFormat\x12#\n\x1f\x44ISTRIBUTION_FORMAT_UNSPECIFIED\x10\x00\x12\"\n\x1e\x44ISTRIBUTION_FORMAT_DENSE_FP16\x10\x01\x12#\n\x1f\x44ISTRIBUTION_FORMAT_SPARSE_FP16\x10\x02\x12\x1f\n\x1b\x44ISTRIBUTION_FORMAT_ONE_HOT\x10\x03*z\n\x0bHiddenDtype\x12\x1c\n\x18HIDDEN_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14HIDDEN_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15HIDDEN_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14HIDDEN_DTYPE_FLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdist.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COUPLING']._serialized_start=821
-  _globals['_COUPLING']._serialized_end=902
-  _globals['_FINISHREASON']._serialized_start=905
-  _globals['_FINISHREASON']._serialized_end=1050
-  _globals['_DISTRIBUTIONFORMAT']._serialized_start=1053
-  _globals['_DISTRIBUTIONFORMAT']._serialized_end=1216
-  _globals['_HIDDENDTYPE']._serialized_start=1218
-  _globals['_HIDDENDTYPE']._serialized_end=1340
+  _globals['_COUPLING']._serialized_start=1020
+  _globals['_COUPLING']._serialized_end=1101
+  _globals['_FINISHREASON']._serialized_start=1104
+  _globals['_FINISHREASON']._serialized_end=1249
+  _globals['_DISTRIBUTIONFORMAT']._serialized_start=1252
+  _globals['_DISTRIBUTIONFORMAT']._serialized_end=1415
+  _globals['_HIDDENDTYPE']._serialized_start=1417
+  _globals['_HIDDENDTYPE']._serialized_end=1539
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=322
   _globals['_TOKENLOGPROB']._serialized_start=324
   _globals['_TOKENLOGPROB']._serialized_end=400
   _globals['_REQUESTSTATS']._serialized_start=403
   _globals['_REQUESTSTATS']._serialized_end=614
-  _globals['_HIDDENSTATES']._serialized_start=616
-  _globals['_HIDDENSTATES']._serialized_end=714
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=716
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=819
+  _globals['_STARTITEM']._serialized_start=617
+  _globals['_STARTITEM']._serialized_end=813
+  _globals['_HIDDENSTATES']._serialized_start=815
+  _globals['_HIDDENSTATES']._serialized_end=913
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=915
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=1018
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -104,6 +104,24 @@ class RequestStats(_message.Message):
     pipeline_hits: int
     pipeline_misses: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ...) -> None: ...
+
+class StartItem(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling", "hidden_layers", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    COUPLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    seed: int
+    coupling: Coupling
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[Coupling, str]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("rows", "width", "dtype", "data")

@@ -25,33 +25,31 @@ _sym_db = _symbol_database.Default()
 from specdist.v1 import common_pb2 as specdist_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdist/v1/draft.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"5\n\x0cStartRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.specdist.v1.StartItem\"\xc4\x01\n\tStartItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specdist.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\'\n\x08\x63oupling\x18\x05 \x01(\x0e\x32\x15.specdist.v1.Coupling\x12\x15\n\rhidden_layers\x18\x06 \x03(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"$\n\rStartResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"9\n\x0eProposeRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specdist.v1.ProposeItem\"\xd9\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x39\n\x10preferred_format\x18\x05 \x01(\x0e\x32\x1f.specdist.v1.DistributionFormat\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12)\n\x06hidden\x18\x07 \x01(\x0b\x32\x19.specdist.v1.HiddenStates\";\n\x0fProposeResponse\x12(\n\tproposals\x18\x01 \x03(\x0b\x32\x15.specdist.v1.Proposal\"\xa7\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x05probs\x18\x03 \x03(\x0b\x32\x1e.specdist.v1.DraftDistribution\x12.\n\x08pipeline\x18\x04 \x01(\x0e\x32\x1c.specdist.v1.PipelineOutcome\x12\x15\n\rmatch_lengths\x18\x05 \x03(\r\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x16\n\x14\x44raftReleaseResponse*h\n\x0fPipelineOutcome\x12 \n\x1cPIPELINE_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PIPELINE_OUTCOME_HIT\x10\x01\x12\x19\n\x15PIPELINE_OUTCOME_MISS\x10\x02\x32\xe3\x01\n\x0b\x44raftWorker\x12>\n\x05Start\x12\x19.specdist.v1.StartRequest\x1a\x1a.specdist.v1.StartResponse\x12\x44\n\x07Propose\x12\x1b.specdist.v1.ProposeRequest\x1a\x1c.specdist.v1.ProposeResponse\x12N\n\x07Release\x12 .specdist.v1.DraftReleaseRequest\x1a!.specdist.v1.DraftReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdist/v1/draft.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"5\n\x0cStartRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.specdist.v1.StartItem\"$\n\rStartResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"9\n\x0eProposeRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specdist.v1.ProposeItem\"\xd9\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x39\n\x10preferred_format\x18\x05 \x01(\x0e\x32\x1f.specdist.v1.DistributionFormat\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12)\n\x06hidden\x18\x07 \x01(\x0b\x32\x19.specdist.v1.HiddenStates\";\n\x0fProposeResponse\x12(\n\tproposals\x18\x01 \x03(\x0b\x32\x15.specdist.v1.Proposal\"\xa7\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x05probs\x18\x03 \x03(\x0b\x32\x1e.specdist.v1.DraftDistribution\x12.\n\x08pipeline\x18\x04 \x01(\x0e\x32\x1c.specdist.v1.PipelineOutcome\x12\x15\n\rmatch_lengths\x18\x05 \x03(\r\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x16\n\x14\x44raftReleaseResponse*h\n\x0fPipelineOutcome\x12 \n\x1cPIPELINE_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PIPELINE_OUTCOME_HIT\x10\x01\x12\x19\n\x15PIPELINE_OUTCOME_MISS\x10\x02\x32\xe3\x01\n\x0b\x44raftWorker\x12>\n\x05Start\x12\x19.specdist.v1.StartRequest\x1a\x1a.specdist.v1.StartResponse\x12\x44\n\x07Propose\x12\x1b.specdist.v1.ProposeRequest\x1a\x1c.specdist.v1.ProposeResponse\x12N\n\x07Release\x12 .specdist.v1.DraftReleaseRequest\x1a!.specdist.v1.DraftReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdist.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PIPELINEOUTCOME']._serialized_start=936
-  _globals['_PIPELINEOUTCOME']._serialized_end=1040
+  _globals['_PIPELINEOUTCOME']._serialized_start=737
+  _globals['_PIPELINEOUTCOME']._serialized_end=841
   _globals['_STARTREQUEST']._serialized_start=66
   _globals['_STARTREQUEST']._serialized_end=119
-  _globals['_STARTITEM']._serialized_start=122
-  _globals['_STARTITEM']._serialized_end=318
-  _globals['_STARTRESPONSE']._serialized_start=320
-  _globals['_STARTRESPONSE']._serialized_end=356
-  _globals['_PROPOSEREQUEST']._serialized_start=358
-  _globals['_PROPOSEREQUEST']._serialized_end=415
-  _globals['_PROPOSEITEM']._serialized_start=418
-  _globals['_PROPOSEITEM']._serialized_end=635
-  _globals['_PROPOSERESPONSE']._serialized_start=637
-  _globals['_PROPOSERESPONSE']._serialized_end=696
-  _globals['_PROPOSAL']._serialized_start=699
-  _globals['_PROPOSAL']._serialized_end=866
-  _globals['_DRAFTRELEASEREQUEST']._serialized_start=868
-  _globals['_DRAFTRELEASEREQUEST']._serialized_end=910
-  _globals['_DRAFTRELEASERESPONSE']._serialized_start=912
-  _globals['_DRAFTRELEASERESPONSE']._serialized_end=934
-  _globals['_DRAFTWORKER']._serialized_start=1043
-  _globals['_DRAFTWORKER']._serialized_end=1270
+  _globals['_STARTRESPONSE']._serialized_start=121
+  _globals['_STARTRESPONSE']._serialized_end=157
+  _globals['_PROPOSEREQUEST']._serialized_start=159
+  _globals['_PROPOSEREQUEST']._serialized_end=216
+  _globals['_PROPOSEITEM']._serialized_start=219
+  _globals['_PROPOSEITEM']._serialized_end=436
+  _globals['_PROPOSERESPONSE']._serialized_start=438
+  _globals['_PROPOSERESPONSE']._serialized_end=497
+  _globals['_PROPOSAL']._serialized_start=500
+  _globals['_PROPOSAL']._serialized_end=667
+  _globals['_DRAFTRELEASEREQUEST']._serialized_start=669
+  _globals['_DRAFTRELEASEREQUEST']._serialized_end=711
+  _globals['_DRAFTRELEASERESPONSE']._serialized_start=713
+  _globals['_DRAFTRELEASERESPONSE']._serialized_end=735
+  _globals['_DRAFTWORKER']._serialized_start=844
+  _globals['_DRAFTWORKER']._serialized_end=1071
 # @@protoc_insertion_point(module_scope)

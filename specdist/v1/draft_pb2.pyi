@@ -20,26 +20,8 @@ PIPELINE_OUTCOME_MISS: PipelineOutcome
 class StartRequest(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[StartItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[StartItem, _Mapping]]] = ...) -> None: ...
-
-class StartItem(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "coupling", "hidden_layers", "tenant")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    COUPLING_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    TENANT_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: _common_pb2.SamplingParams
-    seed: int
-    coupling: _common_pb2.Coupling
-    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
-    tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., coupling: _Optional[_Union[_common_pb2.Coupling, str]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[_common_pb2.StartItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[_common_pb2.StartItem, _Mapping]]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ("request_ids",)

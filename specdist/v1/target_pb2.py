@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdist.v1 import common_pb2 as specdist_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdist/v1/target.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"9\n\x0ePrefillRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specdist.v1.PrefillItem\"\xc6\x01\n\x0bPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specdist.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\'\n\x08\x63oupling\x18\x05 \x01(\x0e\x32\x15.specdist.v1.Coupling\x12\x15\n\rhidden_layers\x18\x06 \x03(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"Q\n\x0fPrefillResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12)\n\x06hidden\x18\x02 \x03(\x0b\x32\x19.specdist.v1.HiddenStates\"7\n\rVerifyRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.specdist.v1.VerifyItem\"\x7f\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdist.v1.DraftDistribution\x12\x0f\n\x07seq_len\x18\x04 \x01(\r\"<\n\x0eVerifyResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specdist.v1.VerifyResult\"\xa7\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.specdist.v1.TokenLogprob\x12)\n\x06hidden\x18\x05 \x01(\x0b\x32\x19.specdist.v1.HiddenStates\"+\n\x14TargetReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x17\n\x15TargetReleaseResponse2\xe9\x01\n\x0cTargetWorker\x12\x44\n\x07Prefill\x12\x1b.specdist.v1.PrefillRequest\x1a\x1c.specdist.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specdist.v1.VerifyRequest\x1a\x1b.specdist.v1.VerifyResponse\x12P\n\x07Release\x12!.specdist.v1.TargetReleaseRequest\x1a\".specdist.v1.TargetReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdist/v1/target.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"7\n\x0ePrefillRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.specdist.v1.StartItem\"Q\n\x0fPrefillResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12)\n\x06hidden\x18\x02 \x03(\x0b\x32\x19.specdist.v1.HiddenStates\"7\n\rVerifyRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.specdist.v1.VerifyItem\"\x7f\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x1e.specdist.v1.DraftDistribution\x12\x0f\n\x07seq_len\x18\x04 \x01(\r\"<\n\x0eVerifyResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specdist.v1.VerifyResult\"\xa7\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.specdist.v1.TokenLogprob\x12)\n\x06hidden\x18\x05 \x01(\x0b\x32\x19.specdist.v1.HiddenStates\"+\n\x14TargetReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x17\n\x15TargetReleaseResponse2\xe9\x01\n\x0cTargetWorker\x12\x44\n\x07Prefill\x12\x1b.specdist.v1.PrefillRequest\x1a\x1c.specdist.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specdist.v1.VerifyRequest\x1a\x1b.specdist.v1.VerifyResponse\x12P\n\x07Release\x12!.specdist.v1.TargetReleaseRequest\x1a\".specdist.v1.TargetReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdist.v1.target_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=67
-  _globals['_PREFILLREQUEST']._serialized_end=124
-  _globals['_PREFILLITEM']._serialized_start=127
-  _globals['_PREFILLITEM']._serialized_end=325
-  _globals['_PREFILLRESPONSE']._serialized_start=327
-  _globals['_PREFILLRESPONSE']._serialized_end=408
-  _globals['_VERIFYREQUEST']._serialized_start=410
-  _globals['_VERIFYREQUEST']._serialized_end=465
-  _globals['_VERIFYITEM']._serialized_start=467
-  _globals['_VERIFYITEM']._serialized_end=594
-  _globals['_VERIFYRESPONSE']._serialized_start=596
-  _globals['_VERIFYRESPONSE']._serialized_end=656
-  _globals['_VERIFYRESULT']._serialized_start=659
-  _globals['_VERIFYRESULT']._serialized_end=826
-  _globals['_TARGETRELEASEREQUEST']._serialized_start=828
-  _globals['_TARGETRELEASEREQUEST']._serialized_end=871
-  _globals['_TARGETRELEASERESPONSE']._serialized_start=873
-  _globals['_TARGETRELEASERESPONSE']._serialized_end=896
-  _globals['_TARGETWORKER']._serialized_start=899
-  _globals['_TARGETWORKER']._serialized_end=1132
+  _globals['_PREFILLREQUEST']._serialized_end=122
+  _globals['_PREFILLRESPONSE']._serialized_start=124
+  _globals['_PREFILLRESPONSE']._serialized_end=205
+  _globals['_VERIFYREQUEST']._serialized_start=207
+  _globals['_VERIFYREQUEST']._serialized_end=262
+  _globals['_VERIFYITEM']._serialized_start=264
+  _globals['_VERIFYITEM']._serialized_end=391
+  _globals['_VERIFYRESPONSE']._serialized_start=393
+  _globals['_VERIFYRESPONSE']._serialized_end=453
+  _globals['_VERIFYRESULT']._serialized_start=456
+  _globals['_VERIFYRESULT']._serialized_end=623
+  _globals['_TARGETRELEASEREQUEST']._serialized_start=625
+  _globals['_TARGETRELEASEREQUEST']._serialized_end=668
+  _globals['_TARGETRELEASERESPONSE']._serialized_start=670
+  _globals['_TARGETRELEASERESPONSE']._serialized_end=693
+  _globals['_TARGETWORKER']._serialized_start=696
+  _globals['_TARGETWORKER']._serialized_end=929
 # @@protoc_insertion_point(module_scope)

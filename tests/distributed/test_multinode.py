@@ -270,7 +270,7 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
     warm-up), then reports the call hung, and Deployment.diagnose_target names rank 0."""
     from cluster.deployment import ClusterSpec, Deployment
     from specdist.transport.security import bearer_metadata, new_worker_secret
-    from specdist.v1 import target_pb2, target_pb2_grpc
+    from specdist.v1 import common_pb2, target_pb2, target_pb2_grpc
     from workers.actors import TargetRankActor
 
     floor_s, secret = 2.0, new_worker_secret()  # the bound: no forward measured past the warm-up
@@ -291,7 +291,7 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
         stuck.set()
         channel = grpc.insecure_channel(address)
         call = target_pb2_grpc.TargetWorkerStub(channel).Prefill.future(target_pb2.PrefillRequest(items=[
-            target_pb2.PrefillItem(request_id="r", prompt_token_ids=[1, 2, 3])]), metadata=bearer_metadata(secret),
+            common_pb2.StartItem(request_id="r", prompt_token_ids=[1, 2, 3])]), metadata=bearer_metadata(secret),
             timeout=LIMIT_S)
         assert entered.wait(LIMIT_S)
         health = actor.health()

@@ -44,7 +44,7 @@ from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 from specdist.transport.security import bearer_metadata, new_worker_secret
-from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.ray
 
@@ -208,7 +208,7 @@ def _drain_and_stop(lt, serving) -> None:
     assert all(d["drained"] for d in drained.values()), drained
     with dep.worker_tls.channel(backend.draft_addresses[0]) as ch:
         with pytest.raises(grpc.RpcError) as ei:
-            draft_pb2_grpc.DraftWorkerStub(ch).Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
+            draft_pb2_grpc.DraftWorkerStub(ch).Start(draft_pb2.StartRequest(items=[common_pb2.StartItem(
                 request_id="late", prompt_token_ids=[1])]), metadata=bearer_metadata(dep.worker_secret), timeout=30)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     with dep.worker_tls.channel(backend.target_address) as ch:

@@ -21,7 +21,7 @@ from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
 from specdist.transport.security import bearer_metadata, new_worker_secret
 from specdist.transport.protocol import StartItem, TransportError
-from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.sampling_proto import sampling_params_to_proto
 
 K, MAX_LEN = 3, 64
@@ -56,12 +56,12 @@ def _calls(target_address: str, draft_address: str):
     t, d = target_pb2_grpc.TargetWorkerStub(t_chan), draft_pb2_grpc.DraftWorkerStub(d_chan)
     calls = [
         ("Prefill", t.Prefill, target_pb2.PrefillRequest(items=[
-            target_pb2.PrefillItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
+            common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
         ("Verify", t.Verify, target_pb2.VerifyRequest(items=[
             target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[3], seq_len=2)])),
         ("target Release", t.Release, target_pb2.TargetReleaseRequest(request_ids=["intruder"])),
         ("Start", d.Start, draft_pb2.StartRequest(items=[
-            draft_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
+            common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
         ("Propose", d.Propose, draft_pb2.ProposeRequest(items=[
             draft_pb2.ProposeItem(request_id="intruder", num_tokens=2, seq_len=2)])),
         ("draft Release", d.Release, draft_pb2.DraftReleaseRequest(request_ids=["intruder"])),

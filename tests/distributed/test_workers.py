@@ -79,10 +79,10 @@ def run_generation(tstub, dstub, prompts, params, eos, k=K, seed0=1234, formats_
     ids = [f"{prefix}{next(_ids)}" for _ in prompts]
     seeds = [seed0 + i for i in range(len(prompts))]
     tstub.Prefill(target_pb2.PrefillRequest(items=[
-        target_pb2.PrefillItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=s)
+        common_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=s)
         for i, p, sp, s in zip(ids, prompts, params, seeds)]))
     dstub.Start(draft_pb2.StartRequest(items=[
-        draft_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=draft_seed(s))
+        common_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=draft_seed(s))
         for i, p, sp, s in zip(ids, prompts, params, seeds)]))
     st = {i: {"seq": list(p), "out": OutputState(sp, eos), "acc": 0, "new": [], "params": sp}
           for i, p, sp in zip(ids, prompts, params)}
@@ -187,7 +187,7 @@ def _code(fn, *args):
 def test_bad_inputs_get_status_codes(workers):
     t, d = workers["target_stub"], workers["model_stub"]
     C = grpc.StatusCode
-    P = target_pb2.PrefillItem
+    P = common_pb2.StartItem
     sp = sampling_params_to_proto(SamplingParams(temperature=0.0))
 
     def prefill(*items):
@@ -247,7 +247,7 @@ def test_bad_inputs_get_status_codes(workers):
     assert got == C.FAILED_PRECONDITION and details.startswith("items[0].request_id:"), details  # a late prefill
 
     # draft worker
-    S, PI = draft_pb2.StartItem, draft_pb2.ProposeItem
+    S, PI = common_pb2.StartItem, draft_pb2.ProposeItem
 
     def start(*items):
         return d.Start(draft_pb2.StartRequest(items=list(items)))
@@ -299,7 +299,7 @@ def test_shipped_q_is_the_sampled_q(workers):
     prompt = [3, 1, 4]
     for top_k, fmt in ((0, DENSE), (2, SPARSE)):
         params = SamplingParams(temperature=0.7, top_k=top_k)
-        stub.Start(draft_pb2.StartRequest(items=[draft_pb2.StartItem(
+        stub.Start(draft_pb2.StartRequest(items=[common_pb2.StartItem(
             request_id="q", prompt_token_ids=prompt, params=sampling_params_to_proto(params), seed=3)]))
         prop = stub.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
             request_id="q", num_tokens=1, seq_len=len(prompt), preferred_format=fmt)])).proposals[0]
@@ -343,10 +343,10 @@ def test_servicers_report_core_timing_in_trailing_metadata(workers):
     t, d = workers["target_stub"], workers["model_stub"]
     sp = sampling_params_to_proto(SamplingParams(temperature=0.0))
     _, call = t.Prefill.with_call(target_pb2.PrefillRequest(items=[
-        target_pb2.PrefillItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=1)]))
+        common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=1)]))
     assert set(_timing_metadata(call)) == {"prefill"}
     _, call = d.Start.with_call(draft_pb2.StartRequest(items=[
-        draft_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=draft_seed(1))]))
+        common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=draft_seed(1))]))
     assert set(_timing_metadata(call)) == {"prefill"}
     prop, call = d.Propose.with_call(draft_pb2.ProposeRequest(items=[
         draft_pb2.ProposeItem(request_id="tm", num_tokens=2, seq_len=3)]))

@@ -19,7 +19,7 @@ from specdist import protogen
 from specdist.errors import InvalidArgument
 from specdist.cores.sampling import process_logits
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import common_pb2, draft_pb2, specdist_pb2_grpc, target_pb2_grpc
+from specdist.v1 import common_pb2, draft_pb2, specdist_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.transport.wire import (
     DENSE,
     ONE_HOT,
@@ -151,6 +151,22 @@ def test_enums_start_with_unspecified_and_carry_their_prefix(proto_files):
         prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", e.name).upper() + "_"
         assert e.value[0].number == 0 and e.value[0].name == prefix + "UNSPECIFIED", e.name
         assert all(v.name.startswith(prefix) for v in e.value), e.name
+
+
+def test_no_two_messages_repeat_the_same_fields(proto_files):
+    """A shape two services carry is one message of common.proto (the target's Prefill and a draft's Start
+    both admit common.proto's StartItem), not two copies that can drift apart. Messages of up to two fields
+    (a list of ids, a list of items) may coincide."""
+    shapes: dict[tuple, list[str]] = {}
+    for fd in proto_files:
+        for m in fd.message_type:
+            if len(m.field) > 2:
+                shape = tuple(sorted((f.name, f.number, f.type, f.type_name, f.label) for f in m.field))
+                shapes.setdefault(shape, []).append(f"{fd.name}:{m.name}")
+    assert [names for names in shapes.values() if len(names) > 1] == []
+    start = common_pb2.StartItem.DESCRIPTOR
+    for request in (target_pb2.PrefillRequest, draft_pb2.StartRequest):
+        assert request.DESCRIPTOR.fields_by_name["items"].message_type is start
 
 
 # ---------------------------------------------------------------- (c) sampling params
@@ -344,16 +360,16 @@ def test_start_items_carry_the_coupling_both_ways():
     """The coupling reaches both cores over the wire; an unset one (an older caller) is rejection."""
     from specdist.sampling_params import SamplingParams
     from specdist.transport.protocol import StartItem
-    from specdist.v1 import draft_pb2, target_pb2
+    from specdist.v1 import common_pb2, draft_pb2, target_pb2
     from specdist.transport.wire import start_items_from_proto, start_items_to_proto
 
     items = [StartItem("a", [1, 2], SamplingParams(), 5, "gumbel"), StartItem("b", [3], SamplingParams(), 6)]
     for message in (target_pb2.PrefillRequest, draft_pb2.StartRequest):
         back = start_items_from_proto(message.FromString(start_items_to_proto(items, message).SerializeToString()))
         assert [it.coupling for it in back] == ["gumbel", "rejection"]
-    unset = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(request_id="c", prompt_token_ids=[1], seed=1)])
+    unset = target_pb2.PrefillRequest(items=[common_pb2.StartItem(request_id="c", prompt_token_ids=[1], seed=1)])
     assert start_items_from_proto(unset)[0].coupling == "rejection"
-    bad = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(request_id="c", prompt_token_ids=[1], coupling=7)])
+    bad = target_pb2.PrefillRequest(items=[common_pb2.StartItem(request_id="c", prompt_token_ids=[1], coupling=7)])
     with pytest.raises(Exception, match=r"items\[0\]\.coupling"):
         start_items_from_proto(bad)
 
