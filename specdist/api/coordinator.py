@@ -64,7 +64,7 @@ class Coordinator:
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)
         limits = getattr(getattr(engine, "config", None), "limits", None)  # (a stand-in engine may have no config)
         self.one_token_deltas = not getattr(limits, "speculative_stats", True)
-        self.engine_thread = EngineThread(engine, self.live.dispatch, self._engine_died, self._availability_changed)
+        self.engine_thread = EngineThread(engine, self.live.dispatch, self._engine_died, lambda: self.availability.changed())
         self.availability = Availability(self.engine_thread)
         self.availability_listeners = self.availability.listeners  # (accepting), on the event loop
         self.tokenizers = TokenizerPool(engine)
@@ -171,7 +171,7 @@ class Coordinator:
         self.availability.target_down = reason
         self.call_soon(lambda: self.engine_thread.fail_all(f"target unavailable: {reason}",
                                                            target_unavailable_message(reason)))
-        self.engine_thread.post(self._availability_changed)
+        self.engine_thread.post(self.availability.changed)
 
     def target_lost(self, reason: str) -> None:
         """The target group is lost for good (every rebuild failed): fail every request, refuse new
@@ -186,16 +186,13 @@ class Coordinator:
             if prepare is not None:
                 prepare()
             self.availability.target_down = None
-            self.engine_thread.post(self._availability_changed)
+            self.engine_thread.post(self.availability.changed)
 
         return self.call_soon(run)
 
     def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Thread-safe: run ``fn`` on the engine thread before its next step; a future of its result."""
         return self.engine_thread.call_soon(fn)
-
-    def _availability_changed(self) -> None:
-        self.availability.changed()
 
     def _engine_died(self, error: str) -> None:
         """The engine thread died (on the event loop, after everything it posted before): end every
