@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: F401  (heavy: loaded only when the benchmark runs)
 
     from specdist.config import load_config
-    from specdist.engine.local import Engine, device_for
+    from specdist.engine.local import Engine
+    from specdist.models.devices import device_for
     from specdist.models.dtypes import resolve_dtype
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.native import self_draft, use_native_blocks

@@ -69,7 +69,7 @@ def choose_auto(medians: dict[str, dict[int, float]]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from specdist.engine.local import device_for
+    from specdist.models.devices import device_for
     from specdist.models.dtypes import TORCH_DTYPES
     from specdist.models.loader import load_model, resolve_model
     from specdist.models.runner import CausalLMRunner

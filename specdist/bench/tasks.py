@@ -311,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     import torch
 
-    from specdist.engine.local import Engine, device_for
+    from specdist.engine.local import Engine
+    from specdist.models.devices import device_for
     from specdist.models.loader import gguf_parsed_once
     from specdist.models.metadata import ModelSources
     from specdist.sampling_params import SamplingParams

@@ -3,12 +3,13 @@
 :class:`~specdist.engine.local.Engine` (the cores in this process) and
 :class:`~specdist.engine.remote.RemoteEngine` (the workers over gRPC) each build their transports
 and one :class:`~specdist.engine.scheduler.Scheduler` over them, held as ``scheduler``. An engine
-is not a scheduler: the names :class:`EngineBase` lists are the scheduler's, read, written and
-called there (``engine.step()``, ``engine.listeners.append(...)``, ``engine.target_diagnosis = ...``),
-and it adds where a prompt is encoded (:meth:`EngineBase.add_request`: once, and the scheduler takes
-the ids) and the drivers that run requests to completion over the step (:meth:`EngineBase.generate`,
-:meth:`EngineBase.stream`). What else a scheduler holds (its draft pool, its output processor)
-is reached through ``engine.scheduler``.
+is not a scheduler: the names :class:`EngineBase` lists are those of the scheduler's that the layers above
+use (the coordinator, the servers, a deployment's watcher, the metrics), read, written and called there
+(``engine.step()``, ``engine.listeners.append(...)``, ``engine.target_diagnosis = ...``), and it adds where a
+prompt is encoded (:meth:`EngineBase.add_request`: once, and the scheduler takes the ids) and the drivers that run
+requests to completion over the step (:meth:`EngineBase.generate`, :meth:`EngineBase.stream`). What else a
+scheduler holds (its transports, its draft replicas, its draft-length policy, its coupling) is reached through
+``engine.scheduler``.
 """
 
 from __future__ import annotations
@@ -41,39 +42,32 @@ class EngineBase:
 
     scheduler: Scheduler
 
-    # requests and the step (add_request: below, where the prompt is encoded)
+    # requests and the step (add_request: below, where the prompt is encoded): the coordinator's engine thread
     abort = _OfScheduler()
     release = _OfScheduler()
     step = _OfScheduler()
     has_unfinished = _OfScheduler()
     waiting = _OfScheduler()
     running = _OfScheduler()
-    # what it holds on the cores, and their health
+    # what it holds on the cores (the gauges), and their health as a deployment's supervisor reports it
     kv_slots_in_use = _OfScheduler()
     releases_pending = _OfScheduler()
     retarget = _OfScheduler()
     replica_down = _OfScheduler()
     readmit = _OfScheduler()
-    close = _OfScheduler()
+    num_draft_replicas = _OfScheduler()
     target_diagnosis = _OfScheduler()
-    # observation
+    close = _OfScheduler()
+    # observation (the metrics, the benchmarks)
     stats = _OfScheduler()
     listeners = _OfScheduler()
-    # what it runs over, and its settings
+    # its settings, as the servers describe and check requests by them
     config = _OfScheduler()
-    verifier = _OfScheduler()
-    replicas = _OfScheduler()
-    num_draft_replicas = _OfScheduler()
     tokenizer = _OfScheduler()
     vocab_size = _OfScheduler()
-    eos_ids = _OfScheduler()
     max_model_len = _OfScheduler()
-    max_batch_size = _OfScheduler()
-    max_prefill_tokens = _OfScheduler()
     k = _OfScheduler()
     traits = _OfScheduler()
-    length_policy = _OfScheduler()
-    coupling = _OfScheduler()
 
     last_output: RequestOutput  # the last :meth:`stream`'s final output (set when it ends)
 

@@ -24,13 +24,10 @@ from specdist.models.memory_plan import Measure, MemoryPlan, plan_memory, runner
 from specdist.models.metadata import ModelSources
 from specdist.models.quant import refuse_int8_on
 from specdist.engine.base import EngineBase
-from specdist.engine.output import PHASES, EngineStats
 from specdist.engine.scheduler import Scheduler
 from specdist.cores.target import LocalVerifier
 from specdist.cores.verify_batch import VerifyBatch
 from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
-
-__all__ = ["Engine", "EngineStats", "PHASES", "device_for"]
 
 
 class Engine(EngineBase):

@@ -64,7 +64,7 @@ from specdist.config import Config
 from specdist.engine.calls import REFUSED_CODES, PendingReleases, call_isolating, per_item
 from specdist.engine.draft_length import DraftLengthPolicy, StepCosts
 from specdist.engine.draft_pool import DraftPool, Replica
-from specdist.engine.output import PHASES, EngineStats, OutputProcessor, RequestFinished, StepEvent
+from specdist.engine.output import EngineStats, OutputProcessor, RequestFinished, StepEvent
 from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.request import Request
 from specdist.errors import ErrorCode, InvalidArgument
@@ -84,9 +84,6 @@ from specdist.transport.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-# the step's events and stats live in specdist.engine.output; they are named here as the scheduler's
-__all__ = ["PHASES", "EngineStats", "RequestFinished", "Scheduler", "StepEvent"]
 
 _TARGET_DOWN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})  # rank 0 unreachable or hung
 

@@ -62,7 +62,7 @@ def _until(what: str, cond, limit_s: float = LIMIT_S):
 
 
 def _healthy(engine) -> int:
-    return sum(rep.ejected_at is None for rep in engine.replicas)
+    return sum(rep.ejected_at is None for rep in engine.scheduler.replicas)
 
 
 # ---------------------------------------------------------------- finding 5, without Ray

@@ -166,14 +166,14 @@ def expected(tiny_models):
 
 
 def test_greedy_matches_engine_across_two_drafts(remote, cluster, expected):
-    assert remote.vocab_size == 8 and remote.eos_ids == frozenset({7}) and remote.k == K
+    assert remote.vocab_size == 8 and remote.scheduler.eos_ids == frozenset({7}) and remote.k == K
     remote.stats.reset()
     t0 = time.perf_counter()
     outs = remote.generate(PROMPTS, greedy_params())
     wall = time.perf_counter() - t0
     assert [o.token_ids for o in outs] == expected
     assert all(o.finish_reason in ("stop", "length") for o in outs)
-    assert all(rep.proposed_tokens > 0 for rep in remote.replicas)  # both drafts served requests
+    assert all(rep.proposed_tokens > 0 for rep in remote.scheduler.replicas)  # both drafts served requests
     s = remote.stats
     assert s.steps > 0 and 0 < s.accepted < s.drafted
     per_step = {k: f"{1e3 * v / s.steps:.2f}ms" for k, v in s.phase_s.items() if v}
@@ -263,7 +263,7 @@ def test_survives_a_replica_turning_slow(tiny_models):
                     assert mean_k[0] >= 1.0 and mean_k[1] <= 0.4 * mean_k[0], f"draft tokens per step, fast / slow: {mean_k}"
                     late = [eng.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=3)) for _ in range(4)]
                     eng.step()
-                    fits = eng.length_policy.draft_cost
+                    fits = eng.scheduler.length_policy.draft_cost
                     assert [r.replica for r in late] == [0, 0, 0, 0], (
                         f"predicted draft costs (e, a, b): fast {fits[0].w}, slow {fits[1].w}")
                     while eng.has_unfinished():
@@ -471,7 +471,7 @@ def test_remote_samples_target_distribution(models):
         drafted = sum(o.metrics.drafted for o in outs)
         rate = sum(o.metrics.accepted for o in outs) / drafted
         assert 0.2 <= rate <= 0.85  # both the accept and the reject/residual paths ran
-        assert all(rep.proposed_tokens > 0 for rep in eng.replicas)
+        assert all(rep.proposed_tokens > 0 for rep in eng.scheduler.replicas)
         assert c.slots_in_use() == [0, 0, 0]
         eng.close()
     finally:

@@ -46,7 +46,7 @@ class Flaky:
 def engine(models, flaky: bool):
     eng = Engine.from_config(tiny_config(models, method="model", k=3))
     if flaky:
-        eng.replicas[0].drafter = Flaky(eng.replicas[0].drafter)
+        eng.scheduler.replicas[0].drafter = Flaky(eng.scheduler.replicas[0].drafter)
     return eng
 
 
@@ -63,7 +63,7 @@ def test_a_failing_replica_is_ejected_and_readmitted(models, monkeypatch) -> Non
     expected = fault_free(models)
 
     eng = engine(models, True)
-    flaky = eng.replicas[0].drafter
+    flaky = eng.scheduler.replicas[0].drafter
     t = [1000.0]
     set_scheduler_clock(monkeypatch, t)  # the probe schedule on a clock of our own
     try:
@@ -142,7 +142,7 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
         for _ in range(3):
             eng.step()
         assert eng.stats.drafted > 0
-        assert eng.replicas[0].drafter.deadline("Propose") == 0.5
+        assert eng.scheduler.replicas[0].drafter.deadline("Propose") == 0.5
         hang.set()
         while any(not r.finished for r in reqs):
             eng.step()

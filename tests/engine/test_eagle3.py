@@ -91,7 +91,7 @@ def test_missing_or_malformed_states_are_refused(eagle3_models) -> None:
 def test_target_refuses_layers_it_does_not_keep(eagle3_models) -> None:
     eng = Engine.from_config(tiny_config(eagle3_models, method="none"))
     with pytest.raises(TransportError) as e:
-        eng.verifier.prefill([StartItem("x", [1, 2], SamplingParams(), 1, hidden_layers=(0, 1, 2))])
+        eng.scheduler.verifier.prefill([StartItem("x", [1, 2], SamplingParams(), 1, hidden_layers=(0, 1, 2))])
     assert "items[0].hidden_layers" in str(e.value) and "keeps none" in str(e.value)
 
 
@@ -144,7 +144,7 @@ def test_real_drafts_pass_the_one_step_identity_by_enumeration(eagle3_models, mo
 
     monkeypatch.setattr(target_mod, "rejection_sample", capturing)
     eng = _engine(eagle3_models)
-    eng.coupling = "rejection"
+    eng.scheduler.coupling = "rejection"
     eng.generate(PROMPTS * 4, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True))
     unmapped = sorted(set(range(VOCAB)) - set(eng.draft_core.proposer.head.draft_to_target.tolist()))
     rows = 0
@@ -184,7 +184,7 @@ def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local", k:
     cfg["sampling"] = {"coupling": case.coupling}
     cfg["draft"].update(draft or {})
     eng = local = Engine.from_config(cfg)
-    drafter = local.replicas[0].drafter.core
+    drafter = local.scheduler.replicas[0].drafter.core
     served = None
     if transport == "remote":  # the same cores behind their gRPC servicers: states and q on the wire
         eng, served = remote_engine_like(local)
@@ -385,9 +385,9 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
     second = DrafterCore(Eagle3Proposer(eng.draft_core.proposer.head, 8, eng.draft_core.max_model_len), eng.draft_core.max_model_len)
     with ServedCores(eng.target_core, [eng.draft_core, second]) as served:
         remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses, vocab_size=VOCAB,
-                              eos_ids=eng.eos_ids)
+                              eos_ids=eng.scheduler.eos_ids)
         try:
-            assert [rep.drafter.hidden_layers for rep in remote.replicas] == [(0, 1, 2)] * 2
+            assert [rep.drafter.hidden_layers for rep in remote.scheduler.replicas] == [(0, 1, 2)] * 2
             reqs = [remote.add_request(p, sp) for p in prompts]
             for _ in range(2):
                 remote.step()
@@ -396,7 +396,7 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
             served.hosts.pop(2).stop(0)  # replica 1's server goes away mid-run (and is not stopped twice)
             while remote.has_unfinished():
                 remote.step()
-            assert remote.replicas[1].ejected_at is not None
+            assert remote.scheduler.replicas[1].ejected_at is not None
             done = [(r, w) for r, w in zip(reqs, want) if r is not reqs[0]]
             assert all(list(r.output.token_ids) == w for r, w in done)
             assert sum(r.metrics.accepted for r, _ in done if r.replica == 0) > 0
@@ -416,7 +416,7 @@ def test_pipelined_greedy_output_equals_plain_decoding(eagle3_models) -> None:
     """k = 1, so that whole drafts are often accepted and the guess tested (the tiny head's greedy drafts
     are accepted less often than its sampled ones)."""
     eng = _engine(eagle3_models, k=1, pipeline=True)
-    pipe = eng.replicas[0].drafter.core
+    pipe = eng.scheduler.replicas[0].drafter.core
     assert type(pipe).__name__ == "DraftPipeline"
     plain = Engine.from_config(tiny_config(eagle3_models, method="none"))
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

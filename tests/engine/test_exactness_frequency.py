@@ -196,7 +196,7 @@ def test_adaptive_draft_length_samples_target_distribution(models) -> None:
     chosen: list[int] = []
 
     def setup(eng) -> None:
-        eng.length_policy = frozen_adaptive_policy(K, chosen)
+        eng.scheduler.length_policy = frozen_adaptive_policy(K, chosen)
 
     case = CASES[3]  # 4 tokens, so a first step may draft up to K = 3
     run_frequency_case(models, case, seed0=77_000_000, setup=setup)
@@ -228,7 +228,8 @@ def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: di
     cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
     if draft.get("length_policy") == "adaptive":
-        eng.length_policy = frozen_adaptive_policy(K)  # deterministic choices: how much is drafted must not vary
+        # deterministic choices: how much is drafted must not vary
+        eng.scheduler.length_policy = frozen_adaptive_policy(K)
     params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
                              top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
     return eng.generate([list(case.prompt)] * n, params), eng
@@ -324,7 +325,7 @@ def test_truncated_q_samples_target_distribution(models) -> None:
 
     def setup(eng) -> None:
         eng.draft_core.proposer.q_top_k = 3
-        drafter = eng.replicas[0].drafter
+        drafter = eng.scheduler.replicas[0].drafter
         propose = drafter.propose
 
         def recording(items):

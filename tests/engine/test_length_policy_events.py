@@ -26,7 +26,7 @@ def test_a_fresh_rule_fed_the_step_events_learns_what_the_engine_learnt(tiny_mod
     try:
         eng.generate([[1, 2, 3], [4, 5, 6, 1], [2, 2, 7]],
                      [SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)])
-        own = eng.length_policy
+        own = eng.scheduler.length_policy
         fresh = DraftLengthPolicy(own.k, own.mode, num_replicas=len(own.draft_cost), pipelined=own.pipelined,
                                   model_free=own.model_free)
         accs: dict[int, Acceptance] = {}  # the requests' acceptance, as the fresh rule keeps it

@@ -164,8 +164,8 @@ def test_remote_engine_gives_its_transports_the_configs_limit():
     engine = RemoteEngine(cfg, "127.0.0.1:1", ["127.0.0.1:2"], vocab_size=VOCAB)
     try:
         want = message_limit_bytes(VOCAB, BATCH, K)
-        assert engine.verifier.message_limit == want
-        assert [rep.drafter.message_limit for rep in engine.replicas] == [want]
+        assert engine.scheduler.verifier.message_limit == want
+        assert [rep.drafter.message_limit for rep in engine.scheduler.replicas] == [want]
     finally:
         engine.close()
 

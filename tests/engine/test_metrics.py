@@ -18,7 +18,8 @@ from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.api.metrics import FINISH_REASONS, Metrics
 from specdist.engine.prompts import EncodedPrompt
-from specdist.engine.scheduler import PHASES, RequestFinished, Scheduler, StepEvent
+from specdist.engine.output import PHASES, RequestFinished, StepEvent
+from specdist.engine.scheduler import Scheduler
 from specdist.api.serving import ListenError, run_serve, start_serving
 from specdist.cores.target import LocalVerifier
 
@@ -146,7 +147,7 @@ def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
     cores = [model_drafter(load_model(src, cfg.draft.dtype), cfg.engine.max_batch_size,
                                     cfg.engine.max_model_len, cfg.draft.confidence_threshold) for _ in range(2)]
     sched = Scheduler(cfg, LocalVerifier(eng.target_core), [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
-                      eng.tokenizer, eng.eos_ids)
+                      eng.tokenizer, eng.scheduler.eos_ids)
     metrics = Metrics(sched)
     reqs = [sched.add_request(EncodedPrompt(None, [1 + i, 2, 3]),
                               SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True))

@@ -207,7 +207,7 @@ def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipelin
     cfg["sampling"] = {"coupling": coupling}
     eng = Engine.from_config(cfg)
     pipe = pipeline_cls(eng.draft_core, miss=miss)
-    eng.replicas[0].drafter = LocalDrafter(pipe)
+    eng.scheduler.replicas[0].drafter = LocalDrafter(pipe)
     params = [SamplingParams(max_tokens=CASE.max_tokens, temperature=CASE.temperature, seed=seed0 + i,
                              ignore_eos=True) for i in range(n)]
     try:
@@ -291,12 +291,12 @@ def run(models, pipeline: bool, miss: str = "redraft", temperature: float = 0.0,
     cfg = tiny_config(models, method="model", k=3)
     cfg["draft"].update(pipeline=pipeline, pipeline_miss=miss)
     eng = Engine.from_config(cfg)
-    pipe = eng.replicas[0].drafter.core if pipeline else None  # the DraftPipeline, local or served
+    pipe = eng.scheduler.replicas[0].drafter.core if pipeline else None  # the DraftPipeline, local or served
     served = None
     if remote:  # the same cores behind gRPC servicers, driven over the remote transports
-        served = ServedCores(eng.target_core, [eng.replicas[0].drafter.core])
+        served = ServedCores(eng.target_core, [eng.scheduler.replicas[0].drafter.core])
         eng = RemoteEngine(eng.config, served.target_address, served.draft_addresses, tokenizer=eng.tokenizer,
-                           vocab_size=eng.vocab_size, eos_ids=eng.eos_ids)
+                           vocab_size=eng.vocab_size, eos_ids=eng.scheduler.eos_ids)
     params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True)
               for i in range(len(PROMPTS))]
     try:
@@ -394,7 +394,7 @@ def test_pipeline_counts_reach_stats_metrics_and_server_info(models) -> None:
         misses = sum(o.metrics.pipeline_misses for o in outs)
         assert hits > 0 and misses > 0
         assert (hits, misses) == (eng.stats.pipeline_hits, eng.stats.pipeline_misses)
-        c = eng.replicas[0].drafter.core.counters
+        c = eng.scheduler.replicas[0].drafter.core.counters
         assert (hits, misses) == (c.hits, c.misses)
         reg = metrics.registry
         assert reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "hit"}) == hits

@@ -84,8 +84,8 @@ def fault_free(tiny_models) -> list[list[int]]:
 def test_failed_target_releases_are_retried_and_later_requests_still_admitted(tiny_models, clock) -> None:
     expected = fault_free(tiny_models)
     eng = make_engine(tiny_models)
-    flaky = FailingRelease(eng.verifier.release, fail=3)
-    eng.verifier.release = flaky
+    flaky = FailingRelease(eng.scheduler.verifier.release, fail=3)
+    eng.scheduler.verifier.release = flaky
     try:
         reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
         run(eng, clock, reqs)  # batch 2 and 3 failed releases: the old code never admitted the third request
@@ -108,7 +108,7 @@ def test_failed_target_releases_are_retried_and_later_requests_still_admitted(ti
 def test_failed_draft_releases_on_a_healthy_replica_are_retried(tiny_models, clock) -> None:
     expected = fault_free(tiny_models)
     eng = make_engine(tiny_models)
-    drafter = eng.replicas[0].drafter
+    drafter = eng.scheduler.replicas[0].drafter
     flaky = FailingRelease(drafter.release, fail=3)
     drafter.release = flaky
     try:
@@ -127,8 +127,8 @@ def test_failed_draft_releases_on_a_healthy_replica_are_retried(tiny_models, clo
 def test_a_down_target_is_retried_with_backoff_and_the_pending_count_is_exported(tiny_models, clock) -> None:
     eng = make_engine(tiny_models, method="none")
     metrics = Metrics(eng)
-    flaky = FailingRelease(eng.verifier.release)
-    eng.verifier.release = flaky
+    flaky = FailingRelease(eng.scheduler.verifier.release)
+    eng.scheduler.verifier.release = flaky
     try:
         flaky.down = True
         reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:2]]
@@ -156,8 +156,8 @@ def test_a_down_target_is_retried_with_backoff_and_the_pending_count_is_exported
 
 def test_not_found_and_a_rebuilt_target_forget_pending_releases(tiny_models, clock) -> None:
     eng = make_engine(tiny_models, method="none", max_batch_size=4)  # the faked failures keep 4 slots
-    flaky = FailingRelease(eng.verifier.release)
-    eng.verifier.release = flaky
+    flaky = FailingRelease(eng.scheduler.verifier.release)
+    eng.scheduler.verifier.release = flaky
     try:
         flaky.down = True
         run(eng, clock, [eng.add_request(p, GREEDY) for p in PROMPTS[:2]], step_s=0.0)
@@ -187,9 +187,9 @@ def test_a_requeued_request_is_not_hit_by_the_retried_release_of_its_first_admis
     """No room on the drafter requeues a request after its prefill; its target release fails. The
     retry of that release must not free the request's next admission on the target."""
     eng = make_engine(tiny_models)
-    flaky = FailingRelease(eng.verifier.release, fail=1)
-    eng.verifier.release = flaky
-    drafter = eng.replicas[0].drafter
+    flaky = FailingRelease(eng.scheduler.verifier.release, fail=1)
+    eng.scheduler.verifier.release = flaky
+    drafter = eng.scheduler.replicas[0].drafter
     start, refused = drafter.start, []
 
     def full_once(items):

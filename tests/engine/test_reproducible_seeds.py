@@ -73,7 +73,7 @@ def test_seeded_tokens_do_not_depend_on_the_transport_or_a_failing_draft(models)
         served.close()
 
     eng = Engine.from_config(_config(models, "model", 3, "fixed", {}, "gumbel"))
-    flaky = eng.replicas[0].drafter = Flaky(eng.replicas[0].drafter)
+    flaky = eng.scheduler.replicas[0].drafter = Flaky(eng.scheduler.replicas[0].drafter)
     try:
         reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
         for _ in range(3):

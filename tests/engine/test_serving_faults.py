@@ -46,7 +46,7 @@ from specdist.api.coordinator import TargetDown
 from specdist.api.serving import Backend, start_serving, watch_deployment
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
-from specdist.engine.scheduler import StepEvent
+from specdist.engine.output import StepEvent
 from specdist.errors import ErrorCode
 from specdist.transport import security
 from specdist.transport.grpc_host import LIVENESS
@@ -309,7 +309,7 @@ def test_the_code_a_failed_target_call_gives_its_requests(ngram_engine, code, it
     reqs = [eng.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in ([1, 2], [3])]
     eng.step()
     assert len(eng.running) == 2
-    verify, calls = eng.verifier.verify, []
+    verify, calls = eng.scheduler.verifier.verify, []
 
     def failing(items):
         calls.append(len(items))
@@ -318,11 +318,11 @@ def test_the_code_a_failed_target_call_gives_its_requests(ngram_engine, code, it
             raise TransportError(f"127.0.0.1:1: injected {code}", ids if item is None else [ids[item]], code, item)
         return verify(items)
 
-    eng.verifier.verify, eng.target_diagnosis = failing, (lambda: diagnosis)
+    eng.scheduler.verifier.verify, eng.target_diagnosis = failing, (lambda: diagnosis)
     try:
         eng.step()
     finally:
-        del eng.verifier.verify
+        del eng.scheduler.verifier.verify
         eng.target_diagnosis = None
         for r in reqs:
             eng.abort(r.request_id)

@@ -139,13 +139,14 @@ def remote_engine_like(engine, secret: str | None = None, **kwargs):
 
     served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [], secret)
     remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
-                          vocab_size=engine.vocab_size, eos_ids=engine.eos_ids, worker_secret=secret, **kwargs)
+                          vocab_size=engine.vocab_size, eos_ids=engine.scheduler.eos_ids, worker_secret=secret,
+                          **kwargs)
     return remote, served
 
 
 def healthy_replicas(engine) -> int:
     """How many of a scheduler's draft replicas are not ejected."""
-    return sum(rep.ejected_at is None for rep in engine.replicas)
+    return sum(rep.ejected_at is None for rep in engine.scheduler.replicas)
 
 
 def set_scheduler_clock(monkeypatch, t: list[float]) -> None:

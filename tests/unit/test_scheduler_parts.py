@@ -11,7 +11,7 @@ import pytest
 
 from support.helpers import set_scheduler_clock
 from specdist.config import load_config
-from specdist.engine.base import EngineBase
+from specdist.engine.base import EngineBase, _OfScheduler
 from specdist.engine.calls import RELEASE_RETRY_FIRST_S, PendingReleases, call_isolating
 from specdist.engine.draft_pool import PROBE_FIRST_S, DraftPool
 from specdist.engine.output import EngineStats, OutputProcessor, RequestFinished
@@ -297,12 +297,17 @@ def test_an_engine_is_its_schedulers_api() -> None:
         assert eng.last_output.token_ids == [5, 5]
 
 
-def test_every_public_name_of_the_scheduler_is_the_engines() -> None:
-    """The engine's API is the scheduler's; only its parts (and the admission the step runs) are
-    reached through ``engine.scheduler``."""
+def test_the_engine_forwards_what_the_layers_above_use() -> None:
+    """The engine forwards the scheduler's names that the coordinator, the servers, a deployment's watcher and
+    the metrics use (each still a name of the scheduler); its parts, its transports and the settings only the
+    step reads are reached through ``engine.scheduler``."""
     sched = FakeEngine().scheduler
     public = {n for n in dir(sched) if not n.startswith("_")}
-    assert public - set(dir(EngineBase)) == {"pool", "output", "admit", "abort_requests"}
+    forwarded = {n for n, v in vars(EngineBase).items() if isinstance(v, _OfScheduler)}
+    assert forwarded <= public
+    assert public - set(dir(EngineBase)) == {"pool", "output", "admit", "abort_requests", "verifier", "replicas",
+                                             "eos_ids", "max_batch_size", "max_prefill_tokens", "length_policy",
+                                             "coupling"}
 
 
 def test_a_core_out_of_room_from_an_item_on_takes_the_ones_before_it() -> None:

@@ -388,9 +388,11 @@ def test_adaptive_rule_cuts_suffix_proposals_to_its_choice(tiny_models, referenc
     eng = Engine.from_config(tiny_config(tiny_models, "suffix", 6, length_policy="adaptive"))
     sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
     assert eng.generate([prompt], sp)[0].token_ids == reference(prompt, m)
-    eng.length_policy = frozen_adaptive_policy(6)  # the rule's choices from acceptances, not from this moment's timing
+    # the rule's choices from acceptances, not from this moment's timing
+    eng.scheduler.length_policy = frozen_adaptive_policy(6)
     seen, proposed = [], []
-    choose, verify, propose = eng.length_policy.choose, eng.verifier.verify, eng.replicas[0].drafter.propose
+    sched = eng.scheduler
+    choose, verify, propose = sched.length_policy.choose, sched.verifier.verify, sched.replicas[0].drafter.propose
 
     def cut_at_two(caps, accs, replicas=None, first=None, match_lengths=None):
         seen.append((list(caps), match_lengths))
@@ -405,8 +407,8 @@ def test_adaptive_rule_cuts_suffix_proposals_to_its_choice(tiny_models, referenc
         assert all(len(it.proposal) <= 2 for it in items if it.proposal is not None)
         return verify(items)
 
-    eng.length_policy.choose, eng.verifier.verify = cut_at_two, check_verify
-    eng.replicas[0].drafter.propose = record_proposals
+    eng.scheduler.length_policy.choose, eng.scheduler.verifier.verify = cut_at_two, check_verify
+    eng.scheduler.replicas[0].drafter.propose = record_proposals
     again = eng.generate([prompt], sp)[0]
     assert again.token_ids == reference(prompt, m)
     assert max(proposed) == 6 and max(c[0] for c, _ in seen) == 6  # proposed in full, then priced
@@ -438,8 +440,8 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
             assert actor.worker.requests == {}
             with ServedCores(eng.target_core, [actor.worker]) as served:
                 remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses,
-                                      tokenizer=eng.tokenizer, vocab_size=eng.vocab_size, eos_ids=eng.eos_ids)
-                drafter, lengths = remote.replicas[0].drafter, []
+                                      tokenizer=eng.tokenizer, vocab_size=eng.vocab_size, eos_ids=eng.scheduler.eos_ids)
+                drafter, lengths = remote.scheduler.replicas[0].drafter, []
                 propose = drafter.propose
 
                 def record(items):  # the match lengths of suffix proposals come over the wire
