@@ -292,7 +292,7 @@ class EngineConfig:
     prefix_cache_scope: str = "tenant"  # tenant | shared: whose K/V a request reuses (shared only when asked for)
     kv_cache_dtype: str = "auto"  # KV cache elements: auto | model | float16 (specdist.models.runner.kv_dtype)
     cpu_kernels: str = "auto"  # auto | required | off (CPU_KERNEL_MODES)
-    kv_cache: str = "auto"  # auto | slots | paged (specdist.models.graphs.KVOptions)
+    kv_cache: str = "auto"  # auto | slots | paged (specdist.models.kv.options.KVOptions)
     attention_backend: str = "auto"  # a registered backend's name (specdist.models.backends) | auto
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None

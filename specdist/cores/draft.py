@@ -32,7 +32,7 @@ from specdist.config import DraftConfig
 from specdist.cores.proposers import proposer_class
 from specdist.cores.proposers.base import BuildContext, DraftRequest, Proposer
 from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models.kv.base import KVCache
 from specdist.models.kv.prefix import PrefixCache
 from specdist.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ from specdist.cores.draft import DrafterCore, build_drafter_core
 from specdist.cores.draft_pipeline import pipelined
 from specdist.cores.proposers import ResolvedDraft
 from specdist.cores.target import VerifierCore
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models import memory_plan
 from specdist.models.memory_plan import Measure
 from specdist.models.runner import CausalLMRunner, compile_runner

@@ -86,7 +86,8 @@ import torch.nn.functional as F
 from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
 from specdist.models.backends import SlotStep, backend_class, choose_backend
-from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, KVOptions, on_runner_device
+from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, on_runner_device
+from specdist.models.kv.options import KVOptions
 from specdist.models.host_reads import HostReadError
 from specdist.models.kv.paged import PagedKVCache
 from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported

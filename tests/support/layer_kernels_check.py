@@ -73,7 +73,7 @@ def check_runner(device: str, family: str) -> str | None:
     over SCHEDULE within 1e-4 of transformers' forward of the whole sequences (as tests/unit/test_model_families.py
     asks of every place), and its greedy continuation of a prompt transformers' greedy ``generate``."""
     from support.model_zoo import build_tiny
-    from specdist.models.graphs import KVOptions
+    from specdist.models.kv.options import KVOptions
     from specdist.models.runner import CausalLMRunner
 
     model = build_tiny(family, seed=1).to(device)

@@ -164,7 +164,7 @@ def test_the_backend_is_chosen_by_name_from_the_config(tmp_path) -> None:
     from specdist.api.serving import check_config
     from specdist.config import load_config
     from specdist.errors import ConfigError
-    from specdist.models.graphs import KVOptions
+    from specdist.models.kv.options import KVOptions
     from specdist.models.runner import CausalLMRunner
     from support.helpers import save_tiny_llama
 

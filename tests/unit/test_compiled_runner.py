@@ -14,7 +14,7 @@ import torch
 
 from support.helpers import devices
 from support.model_zoo import build_tiny
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models.runner import STATIC_MIN_KEYS, CausalLMRunner
 
 

@@ -26,7 +26,7 @@ from support.layer_kernels_check import DIMS, FAMILIES, SILU_WIDTHS, check_add_r
 from support.model_zoo import build_tiny
 from support.triton_launches import Recorder
 from specdist.models.backends.paged import TritonPagedBackend
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models.runner import CausalLMRunner
 
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")

@@ -18,7 +18,8 @@ import torch
 
 from support.model_zoo import FAMILIES, build_tiny
 from specdist.models import graphs as graphs_module
-from specdist.models.graphs import KVOptions, device_guard
+from specdist.models.graphs import device_guard
+from specdist.models.kv.options import KVOptions
 from specdist.models.host_reads import HostReadError, HostReadGuard
 from specdist.models.runner import CausalLMRunner
 

@@ -21,7 +21,7 @@ from specdist.api.admission import server_info
 from specdist.config import EngineConfig
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models import memory_plan
 from specdist.models.memory_plan import CacheNeed, CudaMeasure, Profile, plan, plan_memory
 from specdist.models.kv.paged import PagedKVCache

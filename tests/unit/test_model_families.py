@@ -30,7 +30,7 @@ from specdist.models.loader import load_model, resolve_model
 from specdist.models import families as families_module
 from specdist.models.backends import slots as slot_backends
 from specdist.models.kernels import cpu_kernels
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models.runner import CausalLMRunner
 
 SEQ_LEN = 24  # windows are 4-5 tokens; the original context of llama-dynamic and phi3-longrope is 16

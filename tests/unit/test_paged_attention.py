@@ -24,7 +24,7 @@ from support.paged_kernels_check import (ATTENTION_CASES, SPLIT_CASES, check_att
                                          check_split_attention, check_tanh)
 from specdist import SamplingParams
 from specdist.engine.local import Engine
-from specdist.models.graphs import KVOptions
+from specdist.models.kv.options import KVOptions
 from specdist.models.kv.slots import SlotKVCache
 from specdist.models.kv.paged import KVCacheFull, PagedKVCache
 from specdist.models.runner import CausalLMRunner

@@ -26,7 +26,8 @@ import yaml
 
 from support.triton_launches import FAMILY_SHAPES, Recorder, compile_sm90, launch_step
 from specdist.models.backends.paged import pack_step, step_layout, step_size, unpack_step
-from specdist.models.graphs import GRAPH_TOKENS, KVOptions
+from specdist.models.graphs import GRAPH_TOKENS
+from specdist.models.kv.options import KVOptions
 from specdist.models.kv.paged import PagedKVCache
 from specdist.models.kernels.triton_attention import MAX_SPLITS, SPLIT_MIN_KEYS, paged_attention, split_count
 from specdist.models.kernels.triton_layer import add_rms_norm, silu_mul

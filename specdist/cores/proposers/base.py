@@ -31,7 +31,7 @@ from specdist.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from specdist.config import DraftConfig
-    from specdist.models.graphs import KVOptions
+    from specdist.models.kv.options import KVOptions
     from specdist.models.kv.base import KVCache
     from specdist.models.metadata import ModelSources
     from specdist.models.runner import CausalLMRunner

@@ -1,0 +1,22 @@
+"""Names live where what they hold belongs, once: the new home has the name and the old one neither keeps it
+nor re-exports it (an old import fails loudly instead of reaching a second copy)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+# (module, name, where it was)
+MOVED = [
+    ("specdist.models.kv.options", "KVOptions", "specdist.models.graphs"),
+    ("specdist.models.kv.options", "ACTIVATION_MARGIN", "specdist.models.graphs"),
+    ("specdist.cores.collectives", "CollectiveDeadline", "specdist.cores.target"),
+    ("specdist.cores.collectives", "apply_op", "specdist.cores.target"),
+]
+
+
+@pytest.mark.parametrize(("module", "name", "old"), MOVED)
+def test_a_moved_name_lives_in_one_place(module, name, old):
+    assert hasattr(importlib.import_module(module), name)
+    assert not hasattr(importlib.import_module(old), name), f"{old} still has {name}"
