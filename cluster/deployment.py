@@ -15,7 +15,7 @@ in parallel over the actors and each bounded by what is left of ``timeout_s``:
 5. ``warmup``: rank 0 (followers replay it) and every draft;
 6. ``serve``: gRPC on rank 0 and on every draft, each requiring the deployment's worker secret;
 7. ``freeze``: every actor moves its start-up objects out of the garbage collector's walks
-   (:mod:`specdist.heap`), so that a full collection of them does not stall a step.
+   (:mod:`specdist.gc_freeze`), so that a full collection of them does not stall a step.
 
 The worker secret (:attr:`Deployment.worker_secret`, 32 random bytes in hex, fresh at every
 bring-up, never logged) is handed to the actors with ``start_grpc``; every worker call but the

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from specdist import heap
+from specdist import gc_freeze
 from specdist.cores.draft import WARMUP_ID
 from specdist.transport.grpc_host import GrpcHostThread
 from specdist.transport.hosts import bare_host
@@ -264,9 +264,9 @@ class _ActorBase:
             self.grpc = None
 
     def freeze_heap(self) -> int:
-        """Keep the objects alive after bring-up out of the garbage collector's walks (:mod:`specdist.heap`);
+        """Keep the objects alive after bring-up out of the garbage collector's walks (:mod:`specdist.gc_freeze`);
         the deployment calls it once the actor serves. Returns how many objects are frozen."""
-        self.frozen_objects = heap.freeze()
+        self.frozen_objects = gc_freeze.freeze()
         return self.frozen_objects
 
     def ping(self) -> bool:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdist import heap
+from specdist import gc_freeze
 from specdist.errors import ListenError, SpecDistError
 
 INSTALL_DISTRIBUTED = 'pip install -e ".[distributed]"'
@@ -497,7 +497,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     # this process serves from here on: its start-up objects leave the garbage collector's walks
-    _log(f"{heap.freeze()} start-up objects frozen out of the garbage collector's walks")
+    _log(f"{gc_freeze.freeze()} start-up objects frozen out of the garbage collector's walks")
     try:
         asyncio.run(_serve_until_signalled(backend, args))
     except (RuntimeError, OSError) as e:
@@ -506,7 +506,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ListenError(f"cannot listen on {args.host}:{args.port}: {_first_line(e)}") from None
     finally:
         shut_down(backend)
-        heap.unfreeze()
+        gc_freeze.unfreeze()
     return 0
 
 

@@ -167,7 +167,7 @@ def _check_up(dep, target_addr: str, draft_addrs: list[str]) -> None:
     assert health["draft 0"]["address"] == draft_addrs[0]
     assert all(health[n]["warmup_s"] is not None for n in ("target rank 0", "draft 0"))
     assert len({h["pid"] for h in health.values()}) == 3  # one process per actor
-    # every actor, the follower too, froze its start-up objects (specdist.heap) once the deployment served
+    # every actor, the follower too, froze its start-up objects (specdist.gc_freeze) once the deployment served
     assert all(h["frozen_objects"] > 10_000 for h in health.values()), health
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     assert all(h["node_ip"] == "127.0.0.1" for h in health.values()), health

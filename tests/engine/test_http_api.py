@@ -411,7 +411,7 @@ def test_serve_process_runs_both_protocols_and_stops_on_sigint(tiny_models, tmp_
         base = lines[-1].split(" on ")[-1].strip().removesuffix("/v1")
         grpc_address = next(line for line in lines if line.startswith("[specdist] serving")).split(" on ")[-1].strip()
         frozen = next(line for line in lines if "start-up objects frozen out of the garbage collector" in line)
-        assert int(frozen.split()[1]) > 10_000  # the loaded engine's objects (specdist.heap)
+        assert int(frozen.split()[1]) > 10_000  # the loaded engine's objects (specdist.gc_freeze)
         with httpx.Client(trust_env=False, timeout=30) as http:
             assert http.get(base + "/health").json() == {"status": "ok"}
             r = http.post(base + "/v1/completions", json={"prompt": "a b", "max_tokens": 4, "temperature": 0})

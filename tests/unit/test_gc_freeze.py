@@ -1,11 +1,11 @@
-"""specdist.heap: a serving process's start-up objects frozen out of the garbage collector's walks."""
+"""specdist.gc_freeze: a serving process's start-up objects frozen out of the garbage collector's walks."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from specdist import heap
+from specdist import gc_freeze
 
 
 class _Node:
@@ -16,7 +16,7 @@ def test_freeze_takes_the_live_objects_out_of_the_walks_and_unfreeze_returns_the
     assert gc.get_freeze_count() == 0  # nothing left this process frozen
     tracked = len(gc.get_objects())  # what a full collection walks
     try:
-        frozen = heap.freeze()
+        frozen = gc_freeze.freeze()
         # Frozen objects still die by reference counting, and the worker's other threads (xdist's
         # execnet) free a few at any moment, so the count read again may only have shrunk a little.
         assert 0 <= frozen - gc.get_freeze_count() < frozen // 100 and frozen > tracked // 2
@@ -30,5 +30,5 @@ def test_freeze_takes_the_live_objects_out_of_the_walks_and_unfreeze_returns_the
         gc.collect()
         assert dead() is None
     finally:
-        heap.unfreeze()
+        gc_freeze.unfreeze()
     assert gc.get_freeze_count() == 0 and len(gc.get_objects()) >= frozen
