@@ -36,7 +36,7 @@ Shape::
       # them in DraftConfig.settings and the method checks them (specdist.cores.proposers.check_draft)
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
-      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix.py): longest substring
+      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix_index.py): longest substring
                                      #   counted in the index of every request's prompt and output
       suffix_min_prob: 0.1           # a suffix draft stops before its path probability (product of the
                                      #   continuation frequencies) falls below this
@@ -207,7 +207,7 @@ MAX_REQUEST_ID_LEN = 256  # the longest request id the coordinator takes (limits
 COUPLINGS = ("gumbel", "rejection")  # how drafts are decided: specdist.cores.coupling, specdist.cores.rejection
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile and engine.cuda_graphs (YAML's bare on / off arrive as booleans)
 KV_CACHE_KINDS = ("auto", "slots", "paged")  # engine.kv_cache
-SCOPES = ("tenant", "shared")  # draft.suffix_scope (specdist.cores.suffix), engine.prefix_cache_scope
+SCOPES = ("tenant", "shared")  # draft.suffix_scope (specdist.cores.suffix_index), engine.prefix_cache_scope
 
 
 @dataclass

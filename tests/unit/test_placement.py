@@ -26,6 +26,7 @@ def test_a_moved_name_lives_in_one_place(module, name, old):
 # (module, the module it was): renamed for what it holds
 RENAMED = [
     ("specdist.gc_freeze", "specdist.heap"),  # gc.freeze of a serving process's start-up objects
+    ("specdist.cores.suffix_index", "specdist.cores.suffix"),  # the suffix index (proposers/suffix.py: the method)
 ]
 
 

@@ -1,4 +1,4 @@
-"""The suffix index (specdist/cores/suffix.py) and the ``suffix`` / ``hybrid`` draft methods.
+"""The suffix index (specdist/cores/suffix_index.py) and the ``suffix`` / ``hybrid`` draft methods.
 
 1. The index against a reference built from scratch (every substring of length <= D of the
    held sequences, counted): incremental insertion, eviction (counts restored exactly, empty
@@ -28,7 +28,7 @@ from specdist.cores.proposers import check_draft, draft_dtype
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
-from specdist.cores.suffix import SuffixIndex, SuffixSettings
+from specdist.cores.suffix_index import SuffixIndex, SuffixSettings
 from specdist.transport.protocol import ProposeItem, StartItem
 
 

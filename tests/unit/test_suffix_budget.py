@@ -1,4 +1,4 @@
-"""One suffix-index budget for all tenants (specdist.cores.suffix.SuffixIndexes).
+"""One suffix-index budget for all tenants (specdist.cores.suffix_index.SuffixIndexes).
 
 With one index a tenant, ``suffix_cache_tokens`` and ``suffix_cache_requests`` bound the indexes together, not
 each one: 20 tenants hold at most the budget in total. Past it the least recently used tenant's oldest cached
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from specdist.cores.suffix import SuffixIndexes, SuffixSettings
+from specdist.cores.suffix_index import SuffixIndexes, SuffixSettings
 
 BUDGET = 100  # tokens
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, register
 from specdist.cores.proposers.model import SelfDraftProposer
 from specdist.cores.proposers.suffix import Suffixed, SuffixKeys, SuffixProposer
-from specdist.cores.suffix import SuffixSettings
+from specdist.cores.suffix_index import SuffixSettings
 from specdist.models.runner import CausalLMRunner
 
 

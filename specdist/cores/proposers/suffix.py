@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from specdist.config import SCOPES
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
-from specdist.cores.suffix import SuffixIndex, SuffixIndexes, SuffixSettings, SuffixState
+from specdist.cores.suffix_index import SuffixIndex, SuffixIndexes, SuffixSettings, SuffixState
 from specdist.errors import ConfigError
 
 
