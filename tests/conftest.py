@@ -163,7 +163,7 @@ def pytest_configure(config):
 GROUPS = ("ray", "helm", "cuda")  # markers whose tests share one xdist worker (pytest_collection_modifyitems)
 # tiers outside the default run: their tests run only when the marker expression names them (`-m replicas`,
 # `-m image`); .ci/run runs each after the README's test command, which they would take past ten minutes
-OPT_IN = ("replicas", "image")
+OPT_IN = ("replicas", "image", "cluster_image")
 
 
 @pytest.hookimpl(tryfirst=True)

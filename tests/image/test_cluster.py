@@ -35,7 +35,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.image
+# its own tier besides image (minutes on top of the image tier's; no full run has passed yet):
+# python -m pytest -q -n 0 -m "image and cluster_image" tests/image/test_cluster.py
+pytestmark = [pytest.mark.image, pytest.mark.cluster_image]
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specdist"
