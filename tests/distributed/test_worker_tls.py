@@ -34,9 +34,9 @@ def served(tiny_models):
     target = TargetRankActor(0, 1, num_threads=None)  # None: leave this process's torch threads alone
     draft = DraftActor(0, num_threads=None)
     try:
-        target.load(tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN)
+        target.load(tiny_models["target"], engine={"max_batch_size": 8, "max_model_len": MAX_LEN})
         draft.load({"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
-                   tiny_models["target"], max_batch_size=8, max_model_len=MAX_LEN, device="cpu")
+                   tiny_models["target"], {"max_batch_size": 8, "max_model_len": MAX_LEN}, device="cpu")
         yield target.start_grpc("127.0.0.1", 0, SECRET, TLS), draft.start_grpc("127.0.0.1", 0, SECRET, TLS)
     finally:
         target.shutdown()
