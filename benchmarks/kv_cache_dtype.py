@@ -16,8 +16,7 @@ from specdist.models.native import use_native_blocks
 from specdist.models.runner import CausalLMRunner
 
 # (requests, cached tokens, new tokens each)
-SHAPES = [(1, 200, 1), (1, 200, 9), (1, 1000, 1), (1, 1000, 9), (1, 1000, 17), (16, 500, 1), (16, 500, 3),
-          (16, 500, 5)]
+SHAPES = [(1, 200, 1), (1, 200, 9), (1, 1000, 1), (1, 1000, 9), (1, 1000, 17), (16, 500, 1), (16, 500, 3), (16, 500, 5)]
 
 
 def main() -> None:
@@ -51,8 +50,9 @@ def main() -> None:
                 if rep >= 2:
                     times[c].append(dt)
         m = {c: statistics.median(v) * 1e3 for c, v in times.items()}
-        print(f"| {bsz} | {ctx} | {t} | {m['model']:.1f} | {m['auto']:.1f} | {m['model'] / m['auto']:.2f} |",
-              flush=True)
+        print(
+            f"| {bsz} | {ctx} | {t} | {m['model']:.1f} | {m['auto']:.1f} | {m['model'] / m['auto']:.2f} |", flush=True
+        )
         for c, r in runners.items():
             for s in state[c]:
                 r.cache.free(s)

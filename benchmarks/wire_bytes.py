@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdist.transport.protocol import ProposeItem, Proposal, Verified, VerifyItem
+from specdist.transport.protocol import Proposal, ProposeItem, Verified, VerifyItem
 from specdist.transport.wire import propose_items_to_proto, verified_to_proto, verify_items_to_proto
 
 
@@ -31,13 +31,17 @@ def main() -> None:
         dense = torch.full((k, vocab), 1.0 / vocab)
         sparse = torch.zeros(k, vocab)
         sparse[:, :64] = 1 / 64
-        print(f"| {vocab} | {k} | {batch} | {verify_bytes(vocab, k, batch, dense):,} | "
-              f"{verify_bytes(vocab, k, batch, sparse):,} | {verify_bytes(vocab, k, batch, None):,} |")
+        print(
+            f"| {vocab} | {k} | {batch} | {verify_bytes(vocab, k, batch, dense):,} | "
+            f"{verify_bytes(vocab, k, batch, sparse):,} | {verify_bytes(vocab, k, batch, None):,} |"
+        )
     print()
     print("| target | accepted of 4 | Verify result bytes | Propose item bytes |")
     print("|---|---|---|---|")
-    for name, width, dtype in (("SmolLM2-135M, float32, 3 x 576", 3 * 576, torch.float32),
-                               ("Llama-3.1-8B, bfloat16, 3 x 4096", 3 * 4096, torch.bfloat16)):
+    for name, width, dtype in (
+        ("SmolLM2-135M, float32, 3 x 576", 3 * 576, torch.float32),
+        ("Llama-3.1-8B, bfloat16, 3 x 4096", 3 * 4096, torch.bfloat16),
+    ):
         for accepted in (0, 4):
             h = torch.zeros(accepted + 1, width, dtype=dtype)
             verify = verified_to_proto([Verified("req-000001", accepted, 7, None, h)]).ByteSize()

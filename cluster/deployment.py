@@ -62,7 +62,6 @@ from specdist.errors import SpecDistError
 from specdist.transport.security import new_worker_secret
 from specdist.transport.worker_tls import WorkerTLS
 
-
 log = logging.getLogger("specdist.load")
 
 
@@ -112,8 +111,9 @@ class ClusterSpec:
             return None
         if self.replica_index is None:
             return slot
-        w = max(1, int(self.tensor_parallel_size * self.cpus_per_rank + self.num_draft_workers * self.cpus_per_draft
-                       + 1e-9))
+        w = max(
+            1, int(self.tensor_parallel_size * self.cpus_per_rank + self.num_draft_workers * self.cpus_per_draft + 1e-9)
+        )
         return self.replica_index * w + slot % w
 
     @classmethod
@@ -124,17 +124,33 @@ class ClusterSpec:
         from specdist.config import ClusterConfig
 
         cc = config if isinstance(config, ClusterConfig) else load_config(config).cluster
-        allowed = {"target_port", "draft_ports", "num_threads", "max_concurrency", "name", "shutdown_timeout_s",
-                   "placement_group", "replica_index"}
+        allowed = {
+            "target_port",
+            "draft_ports",
+            "num_threads",
+            "max_concurrency",
+            "name",
+            "shutdown_timeout_s",
+            "placement_group",
+            "replica_index",
+        }
         unknown = set(deployment) - allowed
         if unknown:
             raise TypeError(f"not deployment arguments: {sorted(unknown)} (the cluster: config section sets those)")
         return cls(
-            tensor_parallel_size=cc.tensor_parallel_size, num_draft_workers=cc.num_draft_workers,
-            cpus_per_rank=cc.cpus_per_rank, cpus_per_draft=cc.cpus_per_draft, gpus_per_draft=cc.gpus_per_draft,
-            use_gpu=cc.gpu, pin_cpus=cc.pin_cpus, max_restarts=cc.max_restarts,
-            health_interval_s=cc.health_interval_s, health_timeout_s=cc.health_timeout_s,
-            rebuild_attempts=cc.rebuild_attempts, collective_timeout_s=cc.collective_timeout_s, **deployment,
+            tensor_parallel_size=cc.tensor_parallel_size,
+            num_draft_workers=cc.num_draft_workers,
+            cpus_per_rank=cc.cpus_per_rank,
+            cpus_per_draft=cc.cpus_per_draft,
+            gpus_per_draft=cc.gpus_per_draft,
+            use_gpu=cc.gpu,
+            pin_cpus=cc.pin_cpus,
+            max_restarts=cc.max_restarts,
+            health_interval_s=cc.health_interval_s,
+            health_timeout_s=cc.health_timeout_s,
+            rebuild_attempts=cc.rebuild_attempts,
+            collective_timeout_s=cc.collective_timeout_s,
+            **deployment,
         ).validate()
 
     def validate(self) -> "ClusterSpec":
@@ -203,8 +219,13 @@ class Deployment:
 
     # ------------------------------------------------------------ bring-up
     def start(
-        self, config, ray_address: str | None = None, host: str = "127.0.0.1", timeout_s: float = 300.0,
-        sources=None, draft=None,
+        self,
+        config,
+        ray_address: str | None = None,
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        sources=None,
+        draft=None,
     ) -> tuple[str, list[str]]:
         """Bring the deployment up; returns (target "host:port", [draft "host:port", ...]).
 
@@ -218,10 +239,10 @@ class Deployment:
 
         from cluster.local import LOOPBACK_HOSTS, init_local_ray
         from cluster.placement import create_placement, place_within
-        from specdist.transport.hosts import bare_host
         from specdist.cores.proposers import resolve_draft
         from specdist.models.metadata import ModelSources
         from specdist.models.quant import refuse_int8_on
+        from specdist.transport.hosts import bare_host
 
         if self.targets or self.drafts:
             raise RuntimeError("this Deployment is already started; stop() it first")
@@ -255,9 +276,13 @@ class Deployment:
                 self._done("placement", f"within the replica's placement group on {device}")
             else:
                 self.placement = create_placement(
-                    spec.tensor_parallel_size, spec.num_draft_workers, use_gpu,
-                    cpus_per_rank=spec.cpus_per_rank, cpus_per_draft=spec.cpus_per_draft,
-                    gpus_per_draft=spec.gpus_per_draft, timeout_s=max(1.0, deadline - time.monotonic()),
+                    spec.tensor_parallel_size,
+                    spec.num_draft_workers,
+                    use_gpu,
+                    cpus_per_rank=spec.cpus_per_rank,
+                    cpus_per_draft=spec.cpus_per_draft,
+                    gpus_per_draft=spec.gpus_per_draft,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
                     name=spec.name,
                 )
                 self._done("placement", f"{1 + len(self.placement.drafts)} placement group(s) on {device}")
@@ -305,10 +330,13 @@ class Deployment:
         for r in range(tp):
             pg, index = self.placement.target_slot(r)
             cls = ray.remote(TargetRankActor).options(
-                num_cpus=spec.cpus_per_rank, num_gpus=1 if self._gpu else 0, max_concurrency=spec.max_concurrency,
+                num_cpus=spec.cpus_per_rank,
+                num_gpus=1 if self._gpu else 0,
+                max_concurrency=spec.max_concurrency,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index),
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
             )
             cpu = spec.core_of(r)
             self.targets.append(_Handle(f"target rank {r}", cls.remote(r, tp, spec.num_threads, cpu), "target", r))
@@ -324,10 +352,13 @@ class Deployment:
         for i in range(spec.num_draft_workers):
             pg, index = self.placement.draft_slot(i)
             cls = ray.remote(DraftActor).options(
-                num_cpus=spec.cpus_per_draft, num_gpus=spec.gpus_per_draft if self._gpu else 0,
-                max_concurrency=spec.max_concurrency, max_restarts=spec.max_restarts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                     placement_group_bundle_index=index),
+                num_cpus=spec.cpus_per_draft,
+                num_gpus=spec.gpus_per_draft if self._gpu else 0,
+                max_concurrency=spec.max_concurrency,
+                max_restarts=spec.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
             )
             cpu = spec.core_of(spec.tensor_parallel_size + i)
             self.drafts.append(_Handle(f"draft {i}", cls.remote(i, spec.num_threads, cpu), "draft", i))
@@ -346,8 +377,9 @@ class Deployment:
         k = cfg.draft.num_speculative_tokens
         if h.kind == "target":
             hidden_layers = draft_hidden_layers(cfg.draft, sources)[0]
-            return h.actor.load.remote(sources, cfg.target, cfg.engine, k, hidden_layers,
-                                       self.spec.collective_timeout_s)
+            return h.actor.load.remote(
+                sources, cfg.target, cfg.engine, k, hidden_layers, self.spec.collective_timeout_s
+            )
         return h.actor.load.remote(self.draft, sources, cfg.engine, "cuda" if self._gpu else "cpu")
 
     def _bring_up(self, handles: list, ports: dict, deadline: float, timeout_s: float) -> None:
@@ -363,7 +395,7 @@ class Deployment:
         self._done("start", f"{len(handles)} actor(s) up")
         if targets:
             if len(targets) > 1:
-                (ip, port), = wait("rendezvous", {targets[0].name: targets[0].actor.address.remote()}).values()
+                ((ip, port),) = wait("rendezvous", {targets[0].name: targets[0].actor.address.remote()}).values()
             else:
                 ip, port = "127.0.0.1", 0
             wait("rendezvous", {h.name: h.actor.init_distributed.remote(ip, port, device) for h in targets})
@@ -379,11 +411,18 @@ class Deployment:
         if targets:
             self._done("follow", f"{len(targets) - 1} follower rank(s)")
         warm = targets[:1] + drafts
-        self._wait("warmup", {h.name: h.actor.warmup.remote() for h in warm}, deadline, timeout_s,
-                   watch_followers=bool(targets))
+        self._wait(
+            "warmup",
+            {h.name: h.actor.warmup.remote() for h in warm},
+            deadline,
+            timeout_s,
+            watch_followers=bool(targets),
+        )
         self._done("warmup", f"{len(warm)} actor(s)")
-        calls = {h.name: h.actor.start_grpc.remote(self._host, ports.get(h.name) or 0, self.worker_secret,
-                                                   self.worker_tls) for h in warm}
+        calls = {
+            h.name: h.actor.start_grpc.remote(self._host, ports.get(h.name) or 0, self.worker_secret, self.worker_tls)
+            for h in warm
+        }
         addrs = self._wait("serve", calls, deadline, timeout_s, watch_followers=bool(targets))
         for h in warm:
             h.address = addrs[h.name]
@@ -395,8 +434,13 @@ class Deployment:
         self._done("serve", f"target at {self.target_address}, drafts at {', '.join(self.draft_addresses) or '-'}")
         # every actor of this bring-up (followers too: they answer calls while following) keeps its start-up
         # objects out of the garbage collector's walks, so that a full collection does not stall a step
-        frozen = self._wait("freeze", {h.name: h.actor.freeze_heap.remote() for h in handles}, deadline, timeout_s,
-                            watch_followers=bool(targets))
+        frozen = self._wait(
+            "freeze",
+            {h.name: h.actor.freeze_heap.remote() for h in handles},
+            deadline,
+            timeout_s,
+            watch_followers=bool(targets),
+        )
         self._done("freeze", ", ".join(f"{name} {n}" for name, n in frozen.items()) + " objects frozen")
 
     def _plan_memory(self, handles: list, wait) -> None:
@@ -417,8 +461,9 @@ class Deployment:
         if not measured:
             return
         plans = plan_together(measured, cap=self.kv_tokens)
-        lines = wait("memory", {h.name: h.actor.apply_memory_plan.remote(plans[h.name]) for h in handles
-                                if h.name in plans})
+        lines = wait(
+            "memory", {h.name: h.actor.apply_memory_plan.remote(plans[h.name]) for h in handles if h.name in plans}
+        )
         self.kv_tokens = min(t for p in plans.values() for t in p.tokens.values())
         for name, line in lines.items():
             self.memory_plans[name] = line
@@ -438,8 +483,9 @@ class Deployment:
         import ray
 
         pending = {ref: name for name, ref in calls.items()}
-        followers = {ref: f"target rank {r} (run_follower)" for r, ref in self.follower_refs.items()} \
-            if watch_followers else {}
+        followers = (
+            {ref: f"target rank {r} (run_follower)" for r, ref in self.follower_refs.items()} if watch_followers else {}
+        )
         while pending:
             left = deadline - time.monotonic()
             if self._stopping.is_set():
@@ -447,7 +493,8 @@ class Deployment:
             if left <= 0:
                 names = ", ".join(sorted(pending.values()))
                 raise DeploymentError(
-                    f"deployment did not come up within {timeout_s:g}s: phase {phase!r} still waiting for {names}")
+                    f"deployment did not come up within {timeout_s:g}s: phase {phase!r} still waiting for {names}"
+                )
             done, _ = ray.wait(list(pending) + list(followers), num_returns=1, timeout=min(left, 1.0))
             for ref in done:
                 if ref in followers:  # a follower must block until shutdown; returning now is a failure
@@ -471,9 +518,15 @@ class Deployment:
         workers (tensor-parallel size, rank 0's CPU kernels) set on it."""
         from specdist.engine.remote import RemoteEngine
 
-        engine = RemoteEngine.from_addresses(self.config, self.target_address, self.draft_addresses,
-                                             sources=self.sources, worker_secret=self.worker_secret,
-                                             worker_tls=self.worker_tls, resolved=self.draft)
+        engine = RemoteEngine.from_addresses(
+            self.config,
+            self.target_address,
+            self.draft_addresses,
+            sources=self.sources,
+            worker_secret=self.worker_secret,
+            worker_tls=self.worker_tls,
+            resolved=self.draft,
+        )
         engine.tensor_parallel_size = self.spec.tensor_parallel_size
         engine.cpu_kernels = self.cpu_kernels
         engine.memory_plan = self.memory_plan
@@ -615,8 +668,12 @@ class Deployment:
             t = self.spec.shutdown_timeout_s if self.spec is not None else 30.0
             # in parallel: rank 0's shutdown broadcast is what releases the followers' shutdown
             release = bool(self.follower_refs)
-            refs = [h.actor.shutdown.remote(release_followers=release) if h.kind == "target" and h.rank == 0
-                    else h.actor.shutdown.remote() for h in handles]
+            refs = [
+                h.actor.shutdown.remote(release_followers=release)
+                if h.kind == "target" and h.rank == 0
+                else h.actor.shutdown.remote()
+                for h in handles
+            ]
             ray.wait(refs, num_returns=len(refs), timeout=t)
             if self.follower_refs:
                 ray.wait(list(self.follower_refs.values()), num_returns=len(self.follower_refs), timeout=t)

@@ -31,8 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ray-address", default="auto", help="the Ray cluster (default: auto, the one the job runs in)")
     p.add_argument("--host", default="127.0.0.1", help="public server address")
     p.add_argument("--port", type=int, default=0, help="public server port (0: any free port)")
-    p.add_argument("--worker-host", default="127.0.0.1",
-                   help="address the workers listen on ('node': each worker its own Ray node's address)")
+    p.add_argument(
+        "--worker-host",
+        default="127.0.0.1",
+        help="address the workers listen on ('node': each worker its own Ray node's address)",
+    )
     args = p.parse_args(argv)
     if args.requests < 0 or args.concurrency < 1 or args.max_tokens < 1:
         p.error("--requests must be >= 0, --concurrency and --max-tokens >= 1")
@@ -44,8 +47,8 @@ def _log(msg: str) -> None:
 
 
 async def _run(args: argparse.Namespace, backend) -> dict:
-    from specdist.client import SpecDistClient
     from specdist.api.serving import start_serving
+    from specdist.client import SpecDistClient
 
     serving = await start_serving(host=args.host, port=args.port, backend=backend)
     try:
@@ -56,17 +59,22 @@ async def _run(args: argparse.Namespace, backend) -> dict:
             t0 = time.perf_counter()
             with SpecDistClient(serving.address, timeout=600) as c:
                 _, ids, finish, stats = c.generate_text(
-                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
-                    apply_chat_template=args.chat)
+                    args.prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=i,
+                    apply_chat_template=args.chat,
+                )
             dt = time.perf_counter() - t0
-            _log(f"request {i}: tokens={len(ids)} finish={finish} acceptance={stats.acceptance_rate:.1%} "
-                 f"tokens/s={len(ids) / max(dt, 1e-9):.1f}")
+            _log(
+                f"request {i}: tokens={len(ids)} finish={finish} acceptance={stats.acceptance_rate:.1%} "
+                f"tokens/s={len(ids) / max(dt, 1e-9):.1f}"
+            )
             return len(ids), dt, stats
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-            results = await asyncio.gather(
-                *(asyncio.wrap_future(pool.submit(one, i)) for i in range(args.requests)))
+            results = await asyncio.gather(*(asyncio.wrap_future(pool.submit(one, i)) for i in range(args.requests)))
         wall = time.perf_counter() - t0
 
         def server_info():
@@ -79,8 +87,15 @@ async def _run(args: argparse.Namespace, backend) -> dict:
     tokens = sum(r[0] for r in results)
     drafted = sum(r[2].drafted for r in results)
     accepted = sum(r[2].accepted for r in results)
-    return {"requests": len(results), "tokens": tokens, "drafted": drafted, "accepted": accepted, "wall": wall,
-            "tp": info.tensor_parallel_size, "drafts": info.draft_replicas}
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "drafted": drafted,
+        "accepted": accepted,
+        "wall": wall,
+        "tp": info.tensor_parallel_size,
+        "drafts": info.draft_replicas,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import ray
 
-        from specdist.config import load_config
         from specdist.api.serving import start_backend
+        from specdist.config import load_config
 
         cfg = load_config(args.config)
         cfg.cluster.enabled = True  # this entrypoint always deploys on Ray
@@ -100,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         backend = start_backend(cfg, worker_host=args.worker_host, log=_log)
         s = asyncio.run(_run(args, backend))
         acc = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-        _log(f"done: requests={s['requests']} tensor_parallel_size={s['tp']} draft_replicas={s['drafts']} "
-             f"tokens={s['tokens']} acceptance={acc:.1%} tokens/s={s['tokens'] / max(s['wall'], 1e-9):.1f} "
-             f"wall={s['wall']:.2f}s")
+        _log(
+            f"done: requests={s['requests']} tensor_parallel_size={s['tp']} draft_replicas={s['drafts']} "
+            f"tokens={s['tokens']} acceptance={acc:.1%} tokens/s={s['tokens'] / max(s['wall'], 1e-9):.1f} "
+            f"wall={s['wall']:.2f}s"
+        )
         return 0
     except KeyboardInterrupt:
         print("cluster.job: error: interrupted", file=sys.stderr, flush=True)

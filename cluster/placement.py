@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from specdist.errors import SpecDistError
 
-
 PLACED_POLL_S = 0.05  # how often bring-up asks Ray whether the groups are placed
 
 
@@ -67,8 +66,14 @@ class DeploymentPlacement:
 COORDINATOR_BUNDLE = {"CPU": 0.1}  # a Serve replica's own bundle: its coordinator (the engine thread, gRPC calls)
 
 
-def replica_bundles(tp_size: int, num_drafts: int, use_gpu: bool, cpus_per_rank: float = 1.0,
-                    cpus_per_draft: float = 1.0, gpus_per_draft: float = 1.0) -> tuple[list[dict], str]:
+def replica_bundles(
+    tp_size: int,
+    num_drafts: int,
+    use_gpu: bool,
+    cpus_per_rank: float = 1.0,
+    cpus_per_draft: float = 1.0,
+    gpus_per_draft: float = 1.0,
+) -> tuple[list[dict], str]:
     """The bundles and strategy of one Serve replica's placement group: its coordinator's bundle first (Serve
     places the replica actor there), then one per target rank, then one per draft (:func:`place_within`).
     STRICT_PACK with tensor parallelism (the ranks' collectives stay on one node), else PACK."""
@@ -83,8 +88,10 @@ def place_within(group: object, tp_size: int, num_drafts: int) -> DeploymentPlac
     already (the replica runs in it), and removed with the replica by Serve."""
     specs = getattr(group, "bundle_specs", None)
     if specs is not None and len(specs) < 1 + tp_size + num_drafts:
-        raise PlacementError(f"the replica's placement group has {len(specs)} bundles; {tp_size} target rank(s) and "
-                             f"{num_drafts} draft(s) need {1 + tp_size + num_drafts} (cluster/placement.replica_bundles)")
+        raise PlacementError(
+            f"the replica's placement group has {len(specs)} bundles; {tp_size} target rank(s) and "
+            f"{num_drafts} draft(s) need {1 + tp_size + num_drafts} (cluster/placement.replica_bundles)"
+        )
     tb = dict(specs[1]) if specs else {}
     db = dict(specs[1 + tp_size]) if specs and num_drafts else {}
     return DeploymentPlacement(group, [], tb, db, target_offset=1, draft_offset=1 + tp_size)
@@ -129,8 +136,9 @@ def create_placement(
     # the target first: drafts placed before it could take room its one node needs
     waiting = _wait_placed([target], deadline)
     if not waiting:
-        placement.drafts = [placement_group([dict(db)], strategy="PACK", name=f"{name}-draft-{i}")
-                            for i in range(num_drafts)]
+        placement.drafts = [
+            placement_group([dict(db)], strategy="PACK", name=f"{name}-draft-{i}") for i in range(num_drafts)
+        ]
         waiting = _wait_placed(placement.drafts, deadline)
     if waiting:
         free = free_per_node()
@@ -195,19 +203,24 @@ def cannot_fit(tp_size: int, tb: dict, num_drafts: int, db: dict, nodes: dict) -
     hosts = [n for n, have in nodes.items() if not _missing(need, have)]
     if not hosts:
         closest = min(nodes.values(), key=lambda h: sum(_missing(need, h).values()), default={})
-        return (f"the target needs {tp_size} x {fmt(tb)} = {fmt(need)} on ONE node; no node has it "
-                f"(missing {fmt(_missing(need, closest))} on the closest node, which has "
-                f"{fmt(_compute(closest))} in all)")
+        return (
+            f"the target needs {tp_size} x {fmt(tb)} = {fmt(need)} on ONE node; no node has it "
+            f"(missing {fmt(_missing(need, closest))} on the closest node, which has "
+            f"{fmt(_compute(closest))} in all)"
+        )
     best = 0
     for host in hosts:
-        rest = {n: ({k: v - need.get(k, 0.0) for k, v in have.items()} if n == host else have)
-                for n, have in nodes.items()}
+        rest = {
+            n: ({k: v - need.get(k, 0.0) for k, v in have.items()} if n == host else have) for n, have in nodes.items()
+        }
         best = max(best, sum(_count(db, have) for have in rest.values()))
         if best >= num_drafts:
             return None
     short = num_drafts - best
-    return (f"the {num_drafts} draft(s) need {fmt(db)} each; with the target placed only {best} fit "
-            f"(missing {fmt(_times(db, short))} for the other {short})")
+    return (
+        f"the {num_drafts} draft(s) need {fmt(db)} each; with the target placed only {best} fit "
+        f"(missing {fmt(_times(db, short))} for the other {short})"
+    )
 
 
 def live_nodes() -> dict:
@@ -245,8 +258,10 @@ def unplaced(pg, what: str) -> str | None:
     closest = min(free.values(), key=lambda h: sum(_missing(need, h).values()), default={})
     if room:  # Ray has not placed it yet: it will
         return f"{what} waits to be placed again (needs {fmt(need)} {where})"
-    return (f"{what} waits for a node with room: it needs {fmt(need)} {where}, missing "
-            f"{fmt(_missing(need, closest))} on the closest node (free per node: {_fmt_nodes(free)})")
+    return (
+        f"{what} waits for a node with room: it needs {fmt(need)} {where}, missing "
+        f"{fmt(_missing(need, closest))} on the closest node (free per node: {_fmt_nodes(free)})"
+    )
 
 
 def remove_placement(placement: DeploymentPlacement) -> None:

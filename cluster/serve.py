@@ -66,9 +66,12 @@ class SpecdistReplica:
         self.replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
         local = getattr(rank, "local_rank", None)
-        spec = ClusterSpec.from_config(cfg, placement_group=ray.util.get_current_placement_group(),
-                                       replica_index=int(local) if local is not None else 0,
-                                       name=f"specdist-{ctx.replica_id.unique_id}")
+        spec = ClusterSpec.from_config(
+            cfg,
+            placement_group=ray.util.get_current_placement_group(),
+            replica_index=int(local) if local is not None else 0,
+            name=f"specdist-{ctx.replica_id.unique_id}",
+        )
         self.deployment = Deployment(spec)
         self.deployment.start(cfg, host=worker_host, timeout_s=cfg.cluster.bringup_timeout_s, sources=sources)
         engine = self.deployment.connect()
@@ -131,13 +134,28 @@ class SpecdistReplica:
 
         await self._ready()
         e = self.coordinator.engine
-        return dict(vocab_size=e.vocab_size, max_model_len=e.max_model_len, k=e.k, pipelined=e.traits.pipelined,
-                    tensor_parallel_size=getattr(e, "tensor_parallel_size", 1), num_draft_replicas=draft_replicas(e),
-                    cpu_kernels=getattr(e, "cpu_kernels", ""), memory_plan=getattr(e, "memory_plan", ""),
-                    replica_id=self.replica_id)
+        return dict(
+            vocab_size=e.vocab_size,
+            max_model_len=e.max_model_len,
+            k=e.k,
+            pipelined=e.traits.pipelined,
+            tensor_parallel_size=getattr(e, "tensor_parallel_size", 1),
+            num_draft_replicas=draft_replicas(e),
+            cpu_kernels=getattr(e, "cpu_kernels", ""),
+            memory_plan=getattr(e, "memory_plan", ""),
+            replica_id=self.replica_id,
+        )
 
-    async def generate(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str, scope: str,
-                       tenant: str, age_s: float = 0.0, specdist_route: dict | None = None):
+    async def generate(
+        self,
+        prompt: EncodedPrompt,
+        params: SamplingParams | None,
+        request_id: str,
+        scope: str,
+        tenant: str,
+        age_s: float = 0.0,
+        specdist_route: dict | None = None,
+    ):
         """Stream one request: :class:`Admitted` (or :class:`Refused`), then its deltas. Cancelled by the caller
         (the front's ``close``), the stream closes and the coordinator aborts the request."""
         await self._ready()
@@ -148,11 +166,22 @@ class SpecdistReplica:
         except Exception as e:  # noqa: BLE001  (a refusal: the front raises it as it is)
             yield Refused(e, self.replica_id)
             return
-        route = RouteRequest.from_dict({**(specdist_route or {}), "request_id": stream.key,
-                                        "prompt_tokens": len(prompt.ids),
-                                        "max_tokens": (params or SamplingParams()).max_tokens})
-        self.ledger.admit(stream.key, prompt.ids, route.max_tokens, route.session, route.kind,
-                          scope=tenant if self.tenant_prefixes else "")
+        route = RouteRequest.from_dict(
+            {
+                **(specdist_route or {}),
+                "request_id": stream.key,
+                "prompt_tokens": len(prompt.ids),
+                "max_tokens": (params or SamplingParams()).max_tokens,
+            }
+        )
+        self.ledger.admit(
+            stream.key,
+            prompt.ids,
+            route.max_tokens,
+            route.session,
+            route.kind,
+            scope=tenant if self.tenant_prefixes else "",
+        )
         yield Admitted(self.replica_id)
         try:
             async for delta in stream:
@@ -200,12 +229,28 @@ class ServeReplicas:
     def close(self) -> None:
         self._stop.set()
 
-    def open(self, prompt: EncodedPrompt, params, request_id: str, scope: str, tenant: str, route: RouteRequest,
-             age_s: float, avoid: str = "") -> Any:
+    def open(
+        self,
+        prompt: EncodedPrompt,
+        params,
+        request_id: str,
+        scope: str,
+        tenant: str,
+        route: RouteRequest,
+        age_s: float,
+        avoid: str = "",
+    ) -> Any:
         from specdist.api.serve_router import ROUTE_KWARG
 
-        return self.handle.generate.remote(prompt, params, request_id, scope, tenant, age_s,
-                                           **{ROUTE_KWARG: {**route.to_dict(), "tenant": tenant, "avoid": avoid}})
+        return self.handle.generate.remote(
+            prompt,
+            params,
+            request_id,
+            scope,
+            tenant,
+            age_s,
+            **{ROUTE_KWARG: {**route.to_dict(), "tenant": tenant, "avoid": avoid}},
+        )
 
     def failure(self, exc: BaseException) -> str | None:
         """A replica that died or became unreachable (Ray's actor errors); None for anything else."""
@@ -225,28 +270,38 @@ def deployment_options(cfg: Config, max_queued: int, drain_s: float, use_gpu: bo
     from cluster.placement import COORDINATOR_BUNDLE, replica_bundles
 
     cc, plan = cfg.cluster, cfg.cluster.replica_plan
-    bundles, strategy = replica_bundles(cc.tensor_parallel_size, cc.num_draft_workers, use_gpu, cc.cpus_per_rank,
-                                        cc.cpus_per_draft, cc.gpus_per_draft)
+    bundles, strategy = replica_bundles(
+        cc.tensor_parallel_size, cc.num_draft_workers, use_gpu, cc.cpus_per_rank, cc.cpus_per_draft, cc.gpus_per_draft
+    )
     router = dataclasses.asdict(cfg.router)
     period = cfg.router.stats_period_s
     opts: dict[str, Any] = dict(
         name=DEPLOYMENT_NAME,
         ray_actor_options={"num_cpus": COORDINATOR_BUNDLE["CPU"]},
-        placement_group_bundles=bundles, placement_group_strategy=strategy,
+        placement_group_bundles=bundles,
+        placement_group_strategy=strategy,
         max_ongoing_requests=max_queued,
-        health_check_period_s=max(1.0, cc.health_interval_s), health_check_timeout_s=max(5.0, cc.health_timeout_s),
-        graceful_shutdown_timeout_s=max(0.0, drain_s), graceful_shutdown_wait_loop_s=0.5,
+        health_check_period_s=max(1.0, cc.health_interval_s),
+        health_check_timeout_s=max(5.0, cc.health_timeout_s),
+        graceful_shutdown_timeout_s=max(0.0, drain_s),
+        graceful_shutdown_wait_loop_s=0.5,
         max_constructor_retry_count=3,
         request_router_config=RequestRouterConfig(
             request_router_class="specdist.api.serve_router:SpecdistRequestRouter",
             request_router_kwargs={"router": router, "block_size": cfg.engine.kv_block_size},
-            request_routing_stats_period_s=max(0.1, period / 2), request_routing_stats_timeout_s=max(0.1, period / 2)),
+            request_routing_stats_period_s=max(0.1, period / 2),
+            request_routing_stats_timeout_s=max(0.1, period / 2),
+        ),
     )
     if plan.autoscaling:
         opts["autoscaling_config"] = dict(
-            min_replicas=plan.min, max_replicas=plan.max, initial_replicas=plan.min,
+            min_replicas=plan.min,
+            max_replicas=plan.max,
+            initial_replicas=plan.min,
             target_ongoing_requests=plan.target_ongoing_requests or cfg.engine.max_batch_size,
-            upscale_delay_s=plan.upscale_delay_s, downscale_delay_s=plan.downscale_delay_s)
+            upscale_delay_s=plan.upscale_delay_s,
+            downscale_delay_s=plan.downscale_delay_s,
+        )
     else:
         opts["num_replicas"] = plan.min
     return opts
@@ -266,8 +321,10 @@ def replicas_cannot_fit(bundles: list[dict], n: int, strategy: str, nodes: dict)
             have[k] = have.get(k, 0.0) + v
     missing = {k: v - have.get(k, 0.0) for k, v in need.items() if v - have.get(k, 0.0) > 1e-9}
     if missing:
-        return (f"{n} replica(s) need {fmt(need)} in all, the cluster has {fmt({k: have.get(k, 0) for k in need})}: "
-                f"missing {fmt(missing)}")
+        return (
+            f"{n} replica(s) need {fmt(need)} in all, the cluster has {fmt({k: have.get(k, 0) for k in need})}: "
+            f"missing {fmt(missing)}"
+        )
     if strategy == "STRICT_PACK":
         one = {k: sum(b.get(k, 0.0) for b in bundles) for k in need}
         if not any(all(res.get(k, 0.0) >= v for k, v in one.items()) for res in nodes.values()):
@@ -294,15 +351,17 @@ def replica_app(cfg: Config, sources: Any, max_queued: int, drain_s: float, work
     from cluster.placement import live_nodes
 
     opts = deployment_options(cfg, max_queued, drain_s, _use_gpu(cfg))
-    why = replicas_cannot_fit(opts["placement_group_bundles"], cfg.cluster.replica_plan.min,
-                              opts["placement_group_strategy"], live_nodes())
+    why = replicas_cannot_fit(
+        opts["placement_group_bundles"], cfg.cluster.replica_plan.min, opts["placement_group_strategy"], live_nodes()
+    )
     if why:
         raise ReplicasError(f"cluster.replicas: {why}")
     return serve.deployment(SpecdistReplica).options(**opts).bind(cfg.to_dict(), sources, max_queued, worker_host)
 
 
-def make_front(cfg: Config, tokenizer: Any, handle: Any, info: dict, max_queued: int,
-               app_name: str = APP_NAME) -> "Replicas":
+def make_front(
+    cfg: Config, tokenizer: Any, handle: Any, info: dict, max_queued: int, app_name: str = APP_NAME
+) -> "Replicas":
     """The front over running replicas: ``handle`` the replicas' deployment handle, ``info`` one replica's
     :meth:`SpecdistReplica.describe`."""
     from specdist.api import replica_set
@@ -346,8 +405,14 @@ class Replicas:
             log.debug("serve.delete / shutdown failed", exc_info=True)
 
 
-def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: float = 5.0,
-                   worker_host: str = "127.0.0.1", log_line=print) -> Replicas:
+def start_replicas(
+    cfg: Config,
+    sources: Any,
+    max_queued: int = 256,
+    drain_s: float = 5.0,
+    worker_host: str = "127.0.0.1",
+    log_line=print,
+) -> Replicas:
     """Deploy ``cfg``'s replicas on Serve (Ray initialised) and return the front over them, once every
     replica serves; within ``cluster.bringup_timeout_s``, else :class:`ReplicasError` naming what is missing
     (resources checked first: more replicas than the cluster holds fail at once)."""
@@ -358,8 +423,10 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
     owns_serve = not _serve_running()
     serve.start(proxy_location="Disabled")
     timeout = cfg.cluster.bringup_timeout_s
-    log_line(f"deploying {plan.min}{f'..{plan.max}' if plan.autoscaling else ''} replica(s) on Ray Serve "
-             f"(timeout {timeout:g}s)")
+    log_line(
+        f"deploying {plan.min}{f'..{plan.max}' if plan.autoscaling else ''} replica(s) on Ray Serve "
+        f"(timeout {timeout:g}s)"
+    )
     done: dict[str, Any] = {}
 
     def run() -> None:  # (a thread: handle calls may not wait on an event loop, which the caller may run)
@@ -385,8 +452,9 @@ def start_replicas(cfg: Config, sources: Any, max_queued: int = 256, drain_s: fl
             raise ReplicasError(f"the replicas failed to start: {done['error']}") from None
         from cluster.placement import free_per_node
 
-        raise ReplicasError(f"the replicas did not come up within {timeout:g}s ({status}); free per node: "
-                            f"{free_per_node()}")
+        raise ReplicasError(
+            f"the replicas did not come up within {timeout:g}s ({status}); free per node: {free_per_node()}"
+        )
     try:
         replicas = make_front(cfg, sources.tokenizer(), done["handle"], done["info"], max_queued)
     except BaseException:
@@ -428,7 +496,11 @@ def ceil_cpus(cfg: Config) -> int:
     from cluster.placement import COORDINATOR_BUNDLE
 
     cc, plan = cfg.cluster, cfg.cluster.replica_plan
-    one = COORDINATOR_BUNDLE["CPU"] + cc.tensor_parallel_size * cc.cpus_per_rank + cc.num_draft_workers * cc.cpus_per_draft
+    one = (
+        COORDINATOR_BUNDLE["CPU"]
+        + cc.tensor_parallel_size * cc.cpus_per_rank
+        + cc.num_draft_workers * cc.cpus_per_draft
+    )
     return math.ceil(one * plan.max)
 
 
@@ -439,11 +511,22 @@ class SpecdistFront:
     of its node, over the replicas' handle, as ``specdist serve`` does in its own process. One per node at most
     (``max_replicas_per_node``: the ports)."""
 
-    async def __init__(self, config: dict, replicas: Any, grpc_port: int = 50051, http_port: int | None = None,
-                       host: str = "0.0.0.0", max_queued: int = 256, drain_seconds: float = 5.0,
-                       tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-                       auth_token_file: str | None = None, admin_token_file: str | None = None,
-                       metrics_port: int | None = None):
+    async def __init__(
+        self,
+        config: dict,
+        replicas: Any,
+        grpc_port: int = 50051,
+        http_port: int | None = None,
+        host: str = "0.0.0.0",
+        max_queued: int = 256,
+        drain_seconds: float = 5.0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        auth_token_file: str | None = None,
+        admin_token_file: str | None = None,
+        metrics_port: int | None = None,
+    ):
         from ray import serve
 
         from specdist.api.grpc_server import serve as grpc_serve
@@ -454,12 +537,14 @@ class SpecdistFront:
         security = ServerSecurity.from_args(tls_cert, tls_key, tls_client_ca, auth_token_file, admin_token_file)
         sources = resolve_sources(cfg)
         info = await replicas.describe.remote()
-        self.replicas = make_front(cfg, sources.tokenizer(), replicas, info, max_queued,
-                                   app_name=serve.get_replica_context().app_name)
+        self.replicas = make_front(
+            cfg, sources.tokenizer(), replicas, info, max_queued, app_name=serve.get_replica_context().app_name
+        )
         self.replicas.owns_app = False  # Serve's own application: Serve removes it
         front = self.replicas.front
-        self.server, _ = await grpc_serve(front.engine, host, grpc_port, max_queued, drain_seconds, security,
-                                          coordinator=front)
+        self.server, _ = await grpc_serve(
+            front.engine, host, grpc_port, max_queued, drain_seconds, security, coordinator=front
+        )
         self.http = None
         if http_port is not None:
             from specdist.api.http_server import start_http
@@ -490,9 +575,24 @@ class SpecdistFront:
 
 
 # build_app's args: the config, worker_host and front_resource, and SpecdistFront's own keyword arguments
-BUILD_APP_ARGS = frozenset({"config", "grpc_port", "http_port", "metrics_port", "host", "max_queued", "drain_seconds",
-                            "worker_host", "front_resource", "tls_cert", "tls_key", "tls_client_ca", "auth_token_file",
-                            "admin_token_file"})
+BUILD_APP_ARGS = frozenset(
+    {
+        "config",
+        "grpc_port",
+        "http_port",
+        "metrics_port",
+        "host",
+        "max_queued",
+        "drain_seconds",
+        "worker_host",
+        "front_resource",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "auth_token_file",
+        "admin_token_file",
+    }
+)
 
 
 def build_app(args: dict) -> Any:
@@ -523,7 +623,15 @@ def build_app(args: dict) -> Any:
     replicas = replica_app(cfg, sources, max_queued, drain, args.pop("worker_host", "127.0.0.1"))
     front_resource = args.pop("front_resource", None)
     actor = {"num_cpus": 0, "resources": {front_resource: 1}} if front_resource else {"num_cpus": 0.1}
-    return serve.deployment(SpecdistFront).options(
-        name="SpecdistFront", num_replicas=1, max_replicas_per_node=1, ray_actor_options=actor,
-        max_ongoing_requests=max_queued, graceful_shutdown_timeout_s=drain,
-    ).bind(cfg.to_dict(), replicas, **args)
+    return (
+        serve.deployment(SpecdistFront)
+        .options(
+            name="SpecdistFront",
+            num_replicas=1,
+            max_replicas_per_node=1,
+            ray_actor_options=actor,
+            max_ongoing_requests=max_queued,
+            graceful_shutdown_timeout_s=drain,
+        )
+        .bind(cfg.to_dict(), replicas, **args)
+    )

@@ -56,7 +56,10 @@ class Supervisor:
         self.deployment = deployment
         spec = deployment.spec
         self.interval_s, self.timeout_s, self.attempts = (
-            spec.health_interval_s, spec.health_timeout_s, spec.rebuild_attempts)
+            spec.health_interval_s,
+            spec.health_timeout_s,
+            spec.rebuild_attempts,
+        )
         self.target_state = "up"  # up | waiting (for a node) | rebuilding | lost
         self.target_reason: str | None = None  # why the group failed, while it is not up
         self.draft_state: dict[int, str] = {}  # index -> up | hung | restarting | unplaced | recovering | dead
@@ -69,8 +72,10 @@ class Supervisor:
         """One checking thread for the target group and one per draft worker."""
         checks = [("target", self.check_target)]
         checks += [(f"draft-{h.rank}", functools.partial(self.check_draft, h)) for h in self.deployment.drafts]
-        self._threads = [threading.Thread(target=self._run, args=(check,), name=f"specdist-supervisor-{name}",
-                                          daemon=True) for name, check in checks]
+        self._threads = [
+            threading.Thread(target=self._run, args=(check,), name=f"specdist-supervisor-{name}", daemon=True)
+            for name, check in checks
+        ]
         for t in self._threads:
             t.start()
 

@@ -67,10 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **fmt)
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--server", default=None, metavar="HOST:PORT",
-                     help="generate on a running `specdist serve` instead of loading the model here")
-    gen.add_argument("--config", default=None,
-                     help=default_config_help() + "; with cluster.enabled it runs on a Ray deployment started here")
+    gen.add_argument(
+        "--server",
+        default=None,
+        metavar="HOST:PORT",
+        help="generate on a running `specdist serve` instead of loading the model here",
+    )
+    gen.add_argument(
+        "--config",
+        default=None,
+        help=default_config_help() + "; with cluster.enabled it runs on a Ray deployment started here",
+    )
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 = off")
@@ -78,26 +85,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed of the request (default: drawn)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--ray-address", default=None,
-                     help="cluster.enabled: join this Ray cluster (e.g. auto) instead of starting a local one")
+    gen.add_argument(
+        "--ray-address",
+        default=None,
+        help="cluster.enabled: join this Ray cluster (e.g. auto) instead of starting a local one",
+    )
     add_tls_arguments(gen, ca=True)
 
     cm = sub.add_parser("cost-model", help="idealised speedup of speculative decoding (not a measurement)", **fmt)
     cm.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate in [0, 1]")
     cm.add_argument("--k", type=int, required=True, help="draft length")
     cm.add_argument("--draft-cost", type=float, default=0.1, help="draft cost per token, verification = 1")
-    cm.add_argument("--pipeline", action="store_true",
-                    help="also compare pipelined drafting (next drafts prepared during verification)")
-    cm.add_argument("--guess-hit", type=float, default=None,
-                    help="with --pipeline: probability that the draft's guess of the bonus token is right "
-                         "(default: alpha)")
-    cm.add_argument("--miss", choices=PIPELINE_MISS, default="redraft",
-                    help="with --pipeline: what a request whose prepared prefix did not hold does (one request: "
-                         "auto redrafts, as redraft)")
+    cm.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also compare pipelined drafting (next drafts prepared during verification)",
+    )
+    cm.add_argument(
+        "--guess-hit",
+        type=float,
+        default=None,
+        help="with --pipeline: probability that the draft's guess of the bonus token is right (default: alpha)",
+    )
+    cm.add_argument(
+        "--miss",
+        choices=PIPELINE_MISS,
+        default="redraft",
+        help="with --pipeline: what a request whose prepared prefix did not hold does (one request: "
+        "auto redrafts, as redraft)",
+    )
     cm.add_argument("--plot", default=None, help="also draw speedup vs alpha for several k into this PNG")
 
-    srv = sub.add_parser("serve", help="serve the gRPC API (specdist.v1.SpecDecode; with --http-port also the "
-                                       "OpenAI-compatible HTTP API) until SIGINT/SIGTERM", **fmt)
+    srv = sub.add_parser(
+        "serve",
+        help="serve the gRPC API (specdist.v1.SpecDecode; with --http-port also the "
+        "OpenAI-compatible HTTP API) until SIGINT/SIGTERM",
+        **fmt,
+    )
     add_serve_arguments(srv)
 
     demo = sub.add_parser("demo", help="bring the deployment up, stream a few requests through gRPC, stop", **fmt)
@@ -115,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench import runner_bench
 
     runner_bench.add_arguments(br)
-    bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off",
-                         **fmt)
+    bc = bsub.add_parser("cluster", help="concurrent gRPC streams: TTFT, TPOT, ITL, tokens/s, spec on vs off", **fmt)
     from specdist.bench import cluster_bench
 
     cluster_bench.add_arguments(bc)
@@ -124,13 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     from specdist.bench import soak
 
     soak.add_arguments(bs)
-    bt = bsub.add_parser("tasks", help="Spec-Bench-style tasks (chat, code edit, summarize, QA, multi-turn): "
-                                       "acceptance, tokens/step and speedup per draft", **fmt)
+    bt = bsub.add_parser(
+        "tasks",
+        help="Spec-Bench-style tasks (chat, code edit, summarize, QA, multi-turn): "
+        "acceptance, tokens/step and speedup per draft",
+        **fmt,
+    )
     from specdist.bench import tasks as tasks_bench
 
     tasks_bench.add_arguments(bt)
-    brt = bsub.add_parser("router", help="routing policies side by side on one workload (--simulate N: simulated "
-                                         "replicas)", **fmt)
+    brt = bsub.add_parser(
+        "router", help="routing policies side by side on one workload (--simulate N: simulated replicas)", **fmt
+    )
     from specdist.bench import router_bench
 
     router_bench.add_arguments(brt)
@@ -229,16 +257,18 @@ def _generate(args: argparse.Namespace) -> int:
     given = [f for f in ("tls_ca", "tls_cert", "tls_key", "auth_token_file") if getattr(args, f) is not None]
     if given:
         raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
+    from specdist.api.serving import check_config, describe, shut_down, start_backend
     from specdist.config import load_config
     from specdist.sampling_params import SamplingParams
-    from specdist.api.serving import check_config, describe, shut_down, start_backend
 
     params = SamplingParams(**_sampling_kwargs(args))
     cfg = load_config(args.config)
     check_config(cfg)
     if cfg.cluster.enabled:
-        _log(f"running on a Ray deployment: TP={cfg.cluster.tensor_parallel_size}, "
-             f"{cfg.cluster.num_draft_workers} draft worker(s) (bring-up takes a while)")
+        _log(
+            f"running on a Ray deployment: TP={cfg.cluster.tensor_parallel_size}, "
+            f"{cfg.cluster.num_draft_workers} draft worker(s) (bring-up takes a while)"
+        )
     else:
         _log(f"running in process: {cfg.target.model}, draft={cfg.draft.method}")
     from specdist.models.metadata import resolve_sources
@@ -269,8 +299,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     """SamplingParams' keywords from ``generate``'s flags."""
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
 
 
 def _stream_to_stdout(engine, prompt: str, params, chat: bool) -> float:
@@ -311,13 +347,18 @@ def _check_prompt(cfg, prompt: str, raw: bool, sources=None):
 
     A model without a chat template gets the raw prompt. Raises InvalidArgument (empty, too long).
     """
-    from specdist.models.metadata import resolve_sources
     from specdist.engine.prompts import encode_prompt
+    from specdist.models.metadata import resolve_sources
 
     tokenizer = (resolve_sources(cfg) if sources is None else sources).tokenizer()
     chat = not raw and tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
-    encode_prompt(tokenizer, prompt, vocab_size=len(tokenizer) if tokenizer is not None else 0,
-                  max_model_len=cfg.engine.max_model_len, chat=chat)
+    encode_prompt(
+        tokenizer,
+        prompt,
+        vocab_size=len(tokenizer) if tokenizer is not None else 0,
+        max_model_len=cfg.engine.max_model_len,
+        chat=chat,
+    )
     return chat, tokenizer
 
 

@@ -103,9 +103,17 @@ class SpecDistClient:
     metadata on every call (:mod:`specdist.transport.security`).
     """
 
-    def __init__(self, target: str | grpc.Channel, timeout: float | None = None, *,
-                 root_certificates: bytes | None = None, certificate_chain: bytes | None = None,
-                 private_key: bytes | None = None, tls: bool = False, token: str | None = None):
+    def __init__(
+        self,
+        target: str | grpc.Channel,
+        timeout: float | None = None,
+        *,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        tls: bool = False,
+        token: str | None = None,
+    ):
         self._own = isinstance(target, str)
         if isinstance(target, str):
             self.channel = client_channel(target, root_certificates, certificate_chain, private_key, tls)
@@ -143,10 +151,23 @@ class SpecDistClient:
     ) -> Iterator[GenerateChunk]:
         """Stream a generation. Unset (None) sampling fields take the server's defaults. ``logprobs``:
         each chunk's ``logprobs`` gives its tokens' log-probabilities with that many top entries."""
-        return self._stream(generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
-            apply_chat_template=apply_chat_template, logprobs=logprobs, session_id=session_id))
+        return self._stream(
+            generate_request(
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+                request_id=request_id,
+                apply_chat_template=apply_chat_template,
+                logprobs=logprobs,
+                session_id=session_id,
+            )
+        )
 
     def _stream(self, req: specdist_pb2.GenerateRequest) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
@@ -172,15 +193,17 @@ class SpecDistClient:
     def cancel(self, request_id: str) -> None:
         """Abort a running request; RemoteError NOT_FOUND if no running request has that id."""
         try:
-            self._stub.Cancel(specdist_pb2.CancelRequest(request_id=request_id), timeout=self.timeout,
-                              metadata=self._metadata)
+            self._stub.Cancel(
+                specdist_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
 
     def server_info(self) -> ServerInfo:
         try:
-            msg = self._stub.GetServerInfo(specdist_pb2.GetServerInfoRequest(), timeout=self.timeout,
-                                           metadata=self._metadata)
+            msg = self._stub.GetServerInfo(
+                specdist_pb2.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
         counters = {f.name: getattr(msg.counters, f.name) for f in msg.counters.DESCRIPTOR.fields}
@@ -207,8 +230,9 @@ class SpecDistClient:
 
         try:
             stub = health_pb2_grpc.HealthStub(self.channel)
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout,
-                              metadata=self._metadata)
+            resp = stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise RemoteError.from_rpc(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -232,13 +256,19 @@ def generate_request(
     """The ``GenerateRequest`` that :meth:`SpecDistClient.generate` sends (for callers of the stub itself)."""
     params = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     for name, value in (
-        ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
         ("logprobs", logprobs),
     ):
         if value is not None:
             setattr(params, name, value)
     req = specdist_pb2.GenerateRequest(
-        params=params, request_id=request_id or "", apply_chat_template=apply_chat_template,
+        params=params,
+        request_id=request_id or "",
+        apply_chat_template=apply_chat_template,
         session_id=session_id or "",
     )
     if isinstance(prompt, str):
@@ -254,8 +284,15 @@ def _chunk(msg: specdist_pb2.GenerateResponse) -> GenerateChunk:
     if msg.HasField("stats"):
         s = msg.stats
         stats = RequestStats(
-            s.prompt_tokens, s.output_tokens, s.drafted, s.accepted, s.steps, s.time_to_first_token_s, s.total_time_s,
-            s.pipeline_hits, s.pipeline_misses,
+            s.prompt_tokens,
+            s.output_tokens,
+            s.drafted,
+            s.accepted,
+            s.steps,
+            s.time_to_first_token_s,
+            s.total_time_s,
+            s.pipeline_hits,
+            s.pipeline_misses,
         )
     return GenerateChunk(
         request_id=msg.request_id,

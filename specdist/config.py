@@ -36,8 +36,8 @@ Shape::
       # them in DraftConfig.settings and the method checks them (specdist.cores.proposers.check_draft)
       ngram_min: 1                   # n-gram (prompt lookup) match lengths tried, longest first
       ngram_max: 3
-      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix_index.py): longest substring
-                                     #   counted in the index of every request's prompt and output
+      suffix_max_depth: 24           # suffix / hybrid (SuffixDecoding, specdist/cores/suffix_index.py): longest
+                                     #   substring counted in the index of every request's prompt and output
       suffix_min_prob: 0.1           # a suffix draft stops before its path probability (product of the
                                      #   continuation frequencies) falls below this
       suffix_max_spec_factor: 1.0    # a suffix draft has at most factor x (matched suffix length) tokens
@@ -303,8 +303,9 @@ class EngineConfig:
         _check_int(self.max_model_len, f"{key}.max_model_len", 2, 1 << 20)
         check_kv_cache_dtype(self.kv_cache_dtype, f"{key}.kv_cache_dtype")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
-            raise ConfigError(f"{key}.cpu_kernels", f"must be one of {', '.join(CPU_KERNEL_MODES)}, got "
-                                                    f"{self.cpu_kernels!r}")
+            raise ConfigError(
+                f"{key}.cpu_kernels", f"must be one of {', '.join(CPU_KERNEL_MODES)}, got {self.cpu_kernels!r}"
+            )
         _check_int(self.max_batch_size, f"{key}.max_batch_size", 1, 1 << 16)
         if self.max_prefill_tokens is not None:
             _check_int(self.max_prefill_tokens, f"{key}.max_prefill_tokens", 1, 1 << 30)
@@ -315,20 +316,25 @@ class EngineConfig:
         if self.seed is not None:
             _check_int(self.seed, f"{key}.seed", 0, 2**63 - 1)
         if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile in COMPILE_MODES)):
-            raise ConfigError(f"{key}.compile", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), "
-                                                f"got {self.compile!r}")
+            raise ConfigError(
+                f"{key}.compile", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), got {self.compile!r}"
+            )
         if self.compile_cache_dir is not None:
             _check_nonempty(self.compile_cache_dir, f"{key}.compile_cache_dir")
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"{key}.prefix_caching", f"must be true or false, got {self.prefix_caching!r}")
         if self.prefix_cache_scope not in SCOPES:
-            raise ConfigError(f"{key}.prefix_cache_scope", f"must be one of {', '.join(SCOPES)}, got "
-                                                           f"{self.prefix_cache_scope!r}")
+            raise ConfigError(
+                f"{key}.prefix_cache_scope", f"must be one of {', '.join(SCOPES)}, got {self.prefix_cache_scope!r}"
+            )
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ConfigError(f"{key}.kv_cache", f"must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
-        if not (isinstance(self.attention_backend, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]*", self.attention_backend)):
-            raise ConfigError(f"{key}.attention_backend", f"must be auto or a backend's name, got "
-                                                          f"{self.attention_backend!r}")
+        if not (
+            isinstance(self.attention_backend, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]*", self.attention_backend)
+        ):
+            raise ConfigError(
+                f"{key}.attention_backend", f"must be auto or a backend's name, got {self.attention_backend!r}"
+            )
         _check_int(self.kv_block_size, f"{key}.kv_block_size", 1, 1 << 12)
         if self.kv_block_size & (self.kv_block_size - 1):
             raise ConfigError(f"{key}.kv_block_size", f"must be a power of two, got {self.kv_block_size}")
@@ -338,11 +344,16 @@ class EngineConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ConfigError(f"{key}.gpu_memory_utilization", f"must be a number in (0, 1], got {u!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs in COMPILE_MODES):
-            raise ConfigError(f"{key}.cuda_graphs", f"must be one of {', '.join(COMPILE_MODES)} (or true / false), "
-                                                    f"got {self.cuda_graphs!r}")
+            raise ConfigError(
+                f"{key}.cuda_graphs",
+                f"must be one of {', '.join(COMPILE_MODES)} (or true / false), got {self.cuda_graphs!r}",
+            )
         if self.compiled("cpu") and self.kv_cache == "paged":
-            raise ConfigError(f"{key}.compile", "the compiled static pass reads a slot cache: with kv_cache paged "
-                                                "use cuda_graphs (on GPUs) and compile off")
+            raise ConfigError(
+                f"{key}.compile",
+                "the compiled static pass reads a slot cache: with kv_cache paged "
+                "use cuda_graphs (on GPUs) and compile off",
+            )
 
     def compiled(self, device_type: str) -> bool:
         """Whether models run Inductor-compiled static passes (over a slot cache) on a device of this type: only
@@ -354,8 +365,9 @@ class EngineConfig:
     def paged(self, device_type: str) -> bool:
         """Whether runners keep a paged KV cache on a device of this type (auto: on CUDA, unless the compiled
         static pass, which reads slots, is on)."""
-        return self.kv_cache == "paged" or (self.kv_cache == "auto" and device_type == "cuda"
-                                            and not self.compiled(device_type))
+        return self.kv_cache == "paged" or (
+            self.kv_cache == "auto" and device_type == "cuda" and not self.compiled(device_type)
+        )
 
     def graphs(self, device_type: str) -> bool:
         """Whether runners capture CUDA graphs of their paged passes on a device of this type."""
@@ -392,15 +404,26 @@ class ClusterConfig:
         _check_int(self.num_draft_workers, f"{key}.num_draft_workers", 0, 1024)
         _check_int(self.max_restarts, f"{key}.max_restarts", -1, 1000)
         _check_int(self.rebuild_attempts, f"{key}.rebuild_attempts", 0, 100)
-        for name in ("cpus_per_rank", "cpus_per_draft", "bringup_timeout_s", "health_interval_s", "health_timeout_s",
-                     "collective_timeout_s"):
+        for name in (
+            "cpus_per_rank",
+            "cpus_per_draft",
+            "bringup_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "collective_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{key}.{name}", f"must be a number > 0, got {value!r}")
-        if isinstance(self.gpus_per_draft, bool) or not isinstance(self.gpus_per_draft, (int, float)) \
-                or not 0 < self.gpus_per_draft <= 1024:
+        if (
+            isinstance(self.gpus_per_draft, bool)
+            or not isinstance(self.gpus_per_draft, (int, float))
+            or not 0 < self.gpus_per_draft <= 1024
+        ):
             raise ConfigError(f"{key}.gpus_per_draft", f"must be a number > 0, got {self.gpus_per_draft!r}")
-        if self.use_gpu not in ("auto", True, False) or (isinstance(self.use_gpu, int) and not isinstance(self.use_gpu, bool)):
+        if self.use_gpu not in ("auto", True, False) or (
+            isinstance(self.use_gpu, int) and not isinstance(self.use_gpu, bool)
+        ):
             raise ConfigError(f"{key}.use_gpu", f"must be auto, true or false, got {self.use_gpu!r}")
 
     @property
@@ -535,8 +558,11 @@ class ImbalanceThreshold:
 
     def validate(self, key: str) -> None:
         _check_int(self.absolute, f"{key}.absolute", 0, 1 << 30)
-        if isinstance(self.relative, bool) or not isinstance(self.relative, (int, float)) \
-                or not 1.0 <= self.relative < float("inf"):
+        if (
+            isinstance(self.relative, bool)
+            or not isinstance(self.relative, (int, float))
+            or not 1.0 <= self.relative < float("inf")
+        ):
             raise ConfigError(f"{key}.relative", f"must be a number >= 1, got {self.relative!r}")
 
 
@@ -582,13 +608,18 @@ class Config:
             n = self.cluster.num_draft_workers
             if self.draft.enabled and n < 1:
                 raise ConfigError(
-                    "cluster.num_draft_workers", f"must be >= 1 when draft.method is {self.draft.method!r}, got {n}")
+                    "cluster.num_draft_workers", f"must be >= 1 when draft.method is {self.draft.method!r}, got {n}"
+                )
             if not self.draft.enabled and n > 0:
                 raise ConfigError(
-                    "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}")
+                    "cluster.num_draft_workers", f"must be 0 when draft.method is 'none' (nothing to draft), got {n}"
+                )
             if self.engine.compile in (True, "on") and self.cluster.tensor_parallel_size > 1:
-                raise ConfigError("engine.compile", "compiled passes run on one rank; with tensor_parallel_size "
-                                  f"{self.cluster.tensor_parallel_size} use auto (drafts compiled on CUDA) or off")
+                raise ConfigError(
+                    "engine.compile",
+                    "compiled passes run on one rank; with tensor_parallel_size "
+                    f"{self.cluster.tensor_parallel_size} use auto (drafts compiled on CUDA) or off",
+                )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -603,13 +634,18 @@ def tenant_scope_line(cfg: Config, tenants: int) -> str | None:
     stderr at start: None with one tenant (or none), a warning when prompt K/V or suffix drafts are shared."""
     if tenants < 2:
         return None
-    shared = [f"engine.prefix_cache_scope: {cfg.engine.prefix_cache_scope}"] if cfg.engine.prefix_cache_scope == \
-        "shared" else []
+    shared = (
+        [f"engine.prefix_cache_scope: {cfg.engine.prefix_cache_scope}"]
+        if cfg.engine.prefix_cache_scope == "shared"
+        else []
+    )
     if cfg.draft.method in ("suffix", "hybrid") and cfg.draft.settings.get("suffix_scope") == "shared":
         shared.append("draft.suffix_scope: shared")
     if shared:
-        return (f"warning: {tenants} tenants share prompt K/V or drafts ({', '.join(shared)}): a tenant's timing or "
-                "acceptance tells what another sent")
+        return (
+            f"warning: {tenants} tenants share prompt K/V or drafts ({', '.join(shared)}): a tenant's timing or "
+            "acceptance tells what another sent"
+        )
     return f"{tenants} tenants: prompt K/V reused within a tenant only (engine.prefix_cache_scope: tenant)"
 
 
@@ -654,8 +690,9 @@ def build_section(cls: type, data: Any, prefix: str) -> Any:
             kwargs[extra].update(value)
         elif key in names:
             hint = hints[key]
-            kwargs[key] = build_section(hint, value, dotted) if dataclasses.is_dataclass(hint) \
-                else _coerce(value, hint, dotted)
+            kwargs[key] = (
+                build_section(hint, value, dotted) if dataclasses.is_dataclass(hint) else _coerce(value, hint, dotted)
+            )
         elif extra and isinstance(key, str):
             kwargs[extra][key] = value
         else:

@@ -2,7 +2,8 @@
 
 Every error a server answers with carries an :class:`ErrorCode`: the :class:`FieldError`
 subclasses and the coordinator's refusals (:mod:`specdist.api.coordinator`) as a class attribute
-``code``, :class:`~specdist.transport.protocol.TransportError` per instance. Servers translate it in one place each (gRPC: :mod:`specdist.transport.grpc_status`, HTTP:
+``code``, :class:`~specdist.transport.protocol.TransportError` per instance. Servers translate it in one place each
+(gRPC: :mod:`specdist.transport.grpc_status`, HTTP:
 :mod:`specdist.api.http_server`); code inside specdist decides on the code, never on message text.
 """
 

@@ -42,8 +42,9 @@ def values_per_position(num_top: int) -> int:
     return 1 + 2 * num_top
 
 
-def split_rows(values: Sequence[float], positions: int, num_top: int, emitted: Sequence[int],
-               asked: Sequence[int]) -> list[list[TokenLogprob]]:
+def split_rows(
+    values: Sequence[float], positions: int, num_top: int, emitted: Sequence[int], asked: Sequence[int]
+) -> list[list[TokenLogprob]]:
     """Read the verifier's flat values back: row ``a`` holds ``positions`` positions of
     :func:`values_per_position` ``(num_top)`` values each; its first ``emitted[a]`` positions are
     its emitted tokens, and it asked for ``asked[a]`` (<= num_top) top entries."""
@@ -53,7 +54,7 @@ def split_rows(values: Sequence[float], positions: int, num_top: int, emitted: S
         row = []
         for j in range(n):
             at = (a * positions + j) * width
-            logps, ids = values[at + 1: at + 1 + want], values[at + 1 + num_top: at + 1 + num_top + want]
+            logps, ids = values[at + 1 : at + 1 + want], values[at + 1 + num_top : at + 1 + num_top + want]
             top = tuple((int(t), lp) for t, lp in zip(ids, logps) if lp != -math.inf)
             row.append(TokenLogprob(values[at], top))
         out.append(row)
@@ -61,8 +62,12 @@ def split_rows(values: Sequence[float], positions: int, num_top: int, emitted: S
 
 
 def to_proto(logprobs: Iterable[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
-    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                                    top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+    return [
+        common_pb2.TokenLogprob(
+            logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top]
+        )
+        for lp in logprobs
+    ]
 
 
 def from_proto(messages: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:

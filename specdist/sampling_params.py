@@ -49,21 +49,30 @@ class SamplingParams:
         # Accept lists from callers but store tuples so the object stays hashable.
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or not 1 <= self.max_tokens < INT32_END:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or not 1 <= self.max_tokens < INT32_END
+        ):
             raise InvalidArgument("max_tokens", f"must be an integer >= 1 (and < 2**31), got {self.max_tokens!r}")
         t = _as_float32(self.temperature)
         if t is None or not (self.temperature == 0 or FLOAT32_MIN_NORMAL <= t <= FLOAT32_MAX):
-            raise InvalidArgument("temperature", "must be 0 or a number from 1.1754944e-38 to 3.4028235e+38 (it is "
-                                                 f"used as a float32), got {_shown(self.temperature)}")
+            raise InvalidArgument(
+                "temperature",
+                "must be 0 or a number from 1.1754944e-38 to 3.4028235e+38 (it is "
+                f"used as a float32), got {_shown(self.temperature)}",
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < INT32_END:
             raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it; < 2**31), got {self.top_k!r}")
         p = _as_float32(self.top_p)
         if p is None or not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {_shown(self.top_p)}")
         if p < FLOAT32_MIN_NORMAL:
-            raise InvalidArgument("top_p", "must be at least 1.1754944e-38 (it is used as a float32; smaller values are 0 "
-                                           f"or subnormal there), got {self.top_p!r}")
+            raise InvalidArgument(
+                "top_p",
+                "must be at least 1.1754944e-38 (it is used as a float32; smaller values are 0 "
+                f"or subnormal there), got {self.top_p!r}",
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):

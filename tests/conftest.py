@@ -7,14 +7,22 @@ detokenisation and stop strings go through the same code as with real models.
 """
 
 from __future__ import annotations
+
 import gc
 import os
+
 import pytest
 import torch
-from cluster.local import GCS_PORT_WAIT_ENV, use_loopback_ray
+from support.helpers import (
+    DRAFT_NOISE_STD,
+    assert_nothing_left_on_ray,
+    save_tiny_llama,
+    start_local_ray,
+    stop_local_ray,
+)
 from support.model_zoo import TINY_WORDS, save_word_tokenizer  # noqa: F401 (TINY_WORDS: id 7 is EOS)
-from support.helpers import (DRAFT_NOISE_STD, assert_nothing_left_on_ray, save_tiny_llama, start_local_ray,
-                             stop_local_ray)
+
+from cluster.local import GCS_PORT_WAIT_ENV, use_loopback_ray
 
 # Every Ray cluster of the tests (in process, `ray start`, the demo's) listens on loopback only.
 # Set before any test module imports Ray, which reads it at import.
@@ -36,9 +44,9 @@ def smollm2_loaded():
     """The built-in model's (tokenizer, model in float32 on the CPU, model on its native blocks), rebuilt
     from its GGUF file once per session, from one parse of the file (tens of seconds). Engines over the
     model keep their own KV caches; none changes its weights."""
+    from specdist.models.fusion import unfused_copy
     from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
     from specdist.models.native import use_native_blocks
-    from specdist.models.fusion import unfused_copy
 
     src = resolve_model("smollm2-135m-instruct")
     with gguf_parsed_once():
@@ -81,14 +89,20 @@ def eagle3_models(tiny_models, tmp_path_factory):
     Its draft vocabulary is 6 of the 8 tokens (d2t); it reads the target's layers 0, 1 and 2 (2: the
     last layer's output); it is distilled from the target (tests/support/eagle3_fit.py), so that about a
     third of its drafts are accepted."""
+    from support.eagle3_fit import fit_head
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from support.eagle3_fit import fit_head
     from specdist.bench.checkpoints import write_random_eagle3_head
 
     path = str(tmp_path_factory.mktemp("eagle3") / "head")
-    write_random_eagle3_head(path, AutoConfig.from_pretrained(tiny_models["target"]), draft_vocab_size=6, seed=4,
-                             std=0.1, aux_layers=[0, 1, 2])
+    write_random_eagle3_head(
+        path,
+        AutoConfig.from_pretrained(tiny_models["target"]),
+        draft_vocab_size=6,
+        seed=4,
+        std=0.1,
+        aux_layers=[0, 1, 2],
+    )
     fit_head(path, AutoModelForCausalLM.from_pretrained(tiny_models["target"]))
     return dict(tiny_models, eagle3=path)
 
@@ -178,8 +192,11 @@ def pytest_collection_modifyitems(config, items):
     seen and the Ray tests are spread over both workers, two Ray clusters starting at once). Tests of an
     ``OPT_IN`` tier are deselected unless the marker expression names it."""
     named = config.getoption("markexpr") or ""
-    opted_out = [item for item in items if any(item.get_closest_marker(tier) is not None and tier not in named
-                                                for tier in OPT_IN)]
+    opted_out = [
+        item
+        for item in items
+        if any(item.get_closest_marker(tier) is not None and tier not in named for tier in OPT_IN)
+    ]
     if opted_out:
         config.hook.pytest_deselected(items=opted_out)
         items[:] = [item for item in items if item not in opted_out]

@@ -43,12 +43,12 @@ import torch
 
 from specdist import gc_freeze
 from specdist.cores.draft import WARMUP_ID
+from specdist.sampling_params import SamplingParams
 from specdist.transport.grpc_host import GrpcHostThread
 from specdist.transport.hosts import bare_host
-from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import Proposal, StartItem, VerifyItem
-from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.transport.wire import MAX_DRAFT_TOKENS
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from workers.servicing import core_message_limit
 
 
@@ -141,8 +141,15 @@ def _serve(servicer, service_name: str, add, host: str, port: int, secret: str |
     ``host:port`` on a loop thread of its own: messages up to the servicer's limit, ``secret``
     required of every caller but the health service's, mutual TLS with ``tls`` (a
     :class:`~specdist.transport.worker_tls.WorkerTLS`: only its CA's certificates get in), SERVING from the start."""
-    return GrpcHostThread({service_name: lambda server: add(servicer, server)}, host, port, servicer.message_limit,
-                          token=secret, tls=tls, serving=True)
+    return GrpcHostThread(
+        {service_name: lambda server: add(servicer, server)},
+        host,
+        port,
+        servicer.message_limit,
+        token=secret,
+        tls=tls,
+        serving=True,
+    )
 
 
 def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
@@ -309,14 +316,22 @@ class TargetRankActor(_ActorBase):
         from workers.tensor_parallel import init_process_group
 
         listen, self._rendezvous = self._rendezvous, None
-        init_process_group(self.rank, self.world_size, master_addr, int(master_port), self.device, listen=listen,
-                           node_addr=_node_ip())
+        init_process_group(
+            self.rank, self.world_size, master_addr, int(master_port), self.device, listen=listen, node_addr=_node_ip()
+        )
         self.dist_ready = True
 
     # ------------------------------------------------------------ model
     @_shippable_errors
-    def load(self, model, target=None, engine=None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-             hidden_layers: tuple[int, ...] = (), collective_timeout_s: float = 10.0) -> dict:
+    def load(
+        self,
+        model,
+        target=None,
+        engine=None,
+        max_draft_tokens: int = MAX_DRAFT_TOKENS,
+        hidden_layers: tuple[int, ...] = (),
+        collective_timeout_s: float = 10.0,
+    ) -> dict:
         """Load this rank's model and build its core through the engine's factory (:mod:`specdist.cores.factory`).
         ``model``: the config's models as the driver resolved them (:class:`~specdist.models.metadata.ModelSources`,
         what a deployment passes: this rank loads the resolved target's files and resolves no spec), or the
@@ -347,8 +362,9 @@ class TargetRankActor(_ActorBase):
             broadcast, set_timeout = broadcast_object, set_collective_timeout
         # on a GPU a deferred paged cache starts at one sequence; the deployment plans it (measure_memory)
         kv, measure = factory.kv_options(ec, self.device)
-        self.worker = factory.build_target_core(model, ec, kv, hidden_layers, self.rank, self.world_size,
-                                                broadcast, set_timeout, collective_timeout_s)
+        self.worker = factory.build_target_core(
+            model, ec, kv, hidden_layers, self.rank, self.world_size, broadcast, set_timeout, collective_timeout_s
+        )
         # compiled passes and CUDA graphs on one rank only (collectives stay out of them)
         _, capture = factory.prepare_passes(self.worker.runner, "target", int(max_draft_tokens), ec, self.world_size)
         self.graphed = capture is not None
@@ -360,8 +376,12 @@ class TargetRankActor(_ActorBase):
         self.max_draft_tokens = int(max_draft_tokens)
         self.load_s = time.perf_counter() - t0
         self.state = "loaded"
-        return {"rank": self.rank, "vocab_size": self.worker.vocab_size, "load_s": self.load_s,
-                "cpu_kernels": self.cpu_kernels}
+        return {
+            "rank": self.rank,
+            "vocab_size": self.worker.vocab_size,
+            "load_s": self.load_s,
+            "cpu_kernels": self.cpu_kernels,
+        }
 
     def _runner_profile(self):
         """What the engine profiles of its target (:meth:`specdist.engine.local.Engine._plan_memory`): the graph
@@ -412,8 +432,15 @@ class TargetRankActor(_ActorBase):
         cls = _draining_servicer(TargetServicer, "Prefill", "target")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
         host = _bind_host(host)
-        self.grpc = _serve(self.servicer, target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
-                           target_pb2_grpc.add_TargetWorkerServicer_to_server, host, port, secret, tls)
+        self.grpc = _serve(
+            self.servicer,
+            target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
+            target_pb2_grpc.add_TargetWorkerServicer_to_server,
+            host,
+            port,
+            secret,
+            tls,
+        )
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
         return self.grpc_address
@@ -435,8 +462,9 @@ class TargetRankActor(_ActorBase):
 
     def health(self) -> dict:
         out = self._base_health()
-        out.update(rank=self.rank, world_size=self.world_size, device=str(self.device),
-                   following=self.state == "following")
+        out.update(
+            rank=self.rank, world_size=self.world_size, device=str(self.device), following=self.state == "following"
+        )
         if self.forwards_followed is not None:
             out["forwards_followed"] = self.forwards_followed
         return out
@@ -502,8 +530,8 @@ class DraftActor(_ActorBase):
         self._require("created")
         t0 = time.perf_counter()
         from specdist.config import DraftConfig, EngineConfig
-        from specdist.cores.draft import load_draft_model
         from specdist.cores import factory
+        from specdist.cores.draft import load_draft_model
         from specdist.cores.proposers import ResolvedDraft, resolve_draft
         from specdist.errors import ConfigError
         from specdist.models.devices import device_for
@@ -570,8 +598,15 @@ class DraftActor(_ActorBase):
         cls = _draining_servicer(DraftServicer, "Start", "draft")
         self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
         host = _bind_host(host)
-        self.grpc = _serve(self.servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
-                           draft_pb2_grpc.add_DraftWorkerServicer_to_server, host, port, secret, tls)
+        self.grpc = _serve(
+            self.servicer,
+            draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
+            draft_pb2_grpc.add_DraftWorkerServicer_to_server,
+            host,
+            port,
+            secret,
+            tls,
+        )
         self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
         self.state = "serving"
         return self.grpc_address
@@ -594,4 +629,3 @@ class DraftActor(_ActorBase):
                 close()
             self.state = "shut down"
         return {"index": self.index, "ok": True}
-

@@ -18,16 +18,15 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from specdist.cores.draft import DrafterCore
+from specdist.transport.wire import proposal_to_proto, propose_items_from_proto, start_items_from_proto
 from specdist.v1 import draft_pb2, draft_pb2_grpc
-from specdist.transport.wire import propose_items_from_proto, proposal_to_proto, start_items_from_proto
 from workers.servicing import BlockingCallRunner, core_message_limit
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     """grpc.aio servicer over a :class:`DrafterCore`; blocking calls run on one thread."""
 
-    def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None,
-                 message_limit: int | None = None):
+    def __init__(self, core: DrafterCore, executor: ThreadPoolExecutor | None = None, message_limit: int | None = None):
         """``message_limit``: the largest message its server must pass
         (:mod:`specdist.transport.grpc_host`); by default the core's :func:`core_message_limit`."""
         self.core = core
@@ -44,7 +43,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         proposals, timing = self.core.propose(items)
         vocab = self.core.vocab_size
         out = draft_pb2.ProposeResponse(
-            proposals=[proposal_to_proto(p, vocab, it.preferred_format) for p, it in zip(proposals, items)])
+            proposals=[proposal_to_proto(p, vocab, it.preferred_format) for p, it in zip(proposals, items)]
+        )
         return out, timing
 
     def _release(self, msg: draft_pb2.DraftReleaseRequest):

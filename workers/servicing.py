@@ -11,8 +11,8 @@ import grpc
 
 from specdist.errors import SpecDistError
 from specdist.transport.grpc_status import grpc_status_of
-from specdist.transport.remote import timing_metadata
 from specdist.transport.protocol import CallTiming
+from specdist.transport.remote import timing_metadata
 from specdist.transport.wire import MAX_DRAFT_TOKENS, message_limit_bytes
 
 
@@ -24,8 +24,13 @@ def core_message_limit(core, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
     one-hot q only, so one item's worth bounds its messages. Cores that send or take the target's
     hidden states (EAGLE-3) add a whole context's worth of them per item."""
     cache = core.cache
-    return message_limit_bytes(core.vocab_size, cache.num_slots if cache is not None else 1, max_draft_tokens,
-                               core.hidden_width, core.max_model_len)
+    return message_limit_bytes(
+        core.vocab_size,
+        cache.num_slots if cache is not None else 1,
+        max_draft_tokens,
+        core.hidden_width,
+        core.max_model_len,
+    )
 
 
 class BlockingCallRunner:

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from specdist.v1 import target_pb2, target_pb2_grpc
 from specdist.cores.target import VerifierCore
-from specdist.transport.wire import (prefilled_to_proto, start_items_from_proto, verified_to_proto,
-                                     verify_items_from_proto)
+from specdist.transport.wire import (
+    prefilled_to_proto,
+    start_items_from_proto,
+    verified_to_proto,
+    verify_items_from_proto,
+)
+from specdist.v1 import target_pb2, target_pb2_grpc
 from workers.servicing import BlockingCallRunner, core_message_limit
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     """grpc.aio servicer over a rank-0 :class:`VerifierCore`."""
 
-    def __init__(self, core: VerifierCore, executor: ThreadPoolExecutor | None = None,
-                 message_limit: int | None = None):
+    def __init__(
+        self, core: VerifierCore, executor: ThreadPoolExecutor | None = None, message_limit: int | None = None
+    ):
         """``message_limit``: the largest message its server must pass
         (:mod:`specdist.transport.grpc_host`); by default the core's :func:`core_message_limit`."""
         self.core = core

@@ -77,13 +77,20 @@ def _bind_collectives_to(address: str, backend: str) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device,
-                       listen: socket.socket | None = None, node_addr: str | None = None) -> None:
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device,
+    listen: socket.socket | None = None,
+    node_addr: str | None = None,
+) -> None:
     """Join the tensor-parallel group (gloo on CPU, nccl on CUDA) and its gloo control group.
 
     Rank 0 serves the rendezvous store on ``listen`` (:func:`rendezvous_socket`, at
-    ``master_addr:master_port``; None: it binds that address itself); the store takes the socket over. ``node_addr``: this rank's own node
-    address, which its collectives listen on (default ``master_addr``: the ranks share a node).
+    ``master_addr:master_port``; None: it binds that address itself); the store takes the socket over. ``node_addr``:
+    this rank's own node address, which its collectives listen on (default ``master_addr``: the ranks share a node).
     Idempotent: a second call with the same rank and world size is a no-op; a call that
     disagrees with the already initialised group raises RuntimeError.
     """

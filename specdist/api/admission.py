@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specdist.config import PROMPT_CHARS_PER_TOKEN, Config
-from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.engine.prompts import is_conversation
 from specdist.engine.request import RequestMetrics
+from specdist.errors import ErrorCode, InvalidArgument, code_of
 from specdist.sampling_params import SamplingParams
 from specdist.transport.hosts import bare_host as bare_host  # (the front ends import it from here)
 
@@ -96,8 +96,9 @@ def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:
     return max_model_len * PROMPT_CHARS_PER_TOKEN if max_prompt_chars is None else max_prompt_chars
 
 
-def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None,
-                  n: int = 1) -> None:
+def check_request(
+    limits: Limits, prompt: Any, params: SamplingParams, request_id: str | None = None, n: int = 1
+) -> None:
     """Refuse a request beyond ``limits`` (InvalidArgument naming the field; module docstring).
 
     ``prompt``: text, token ids or a conversation (chat messages), as the coordinator takes it;
@@ -110,8 +111,12 @@ def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_i
     if isinstance(prompt, str) or is_conversation(prompt):
         # a message past the first costs MESSAGE_COST_CHARS besides its text: the template adds tokens for each,
         # empty or not (one message counts as a text prompt does)
-        chars = len(prompt) if isinstance(prompt, str) else MESSAGE_COST_CHARS * (len(prompt) - 1) + sum(
-            len(v) for m in prompt for v in m.values() if isinstance(v, str))
+        chars = (
+            len(prompt)
+            if isinstance(prompt, str)
+            else MESSAGE_COST_CHARS * (len(prompt) - 1)
+            + sum(len(v) for m in prompt for v in m.values() if isinstance(v, str))
+        )
         if chars > limits.max_prompt_chars:
             each = "" if isinstance(prompt, str) else f" ({MESSAGE_COST_CHARS} for each message past the first)"
             raise InvalidArgument("prompt", f"has {chars} characters{each}; the limit is {limits.max_prompt_chars}")
@@ -126,7 +131,8 @@ def check_request(limits: Limits, prompt: Any, params: SamplingParams, request_i
             raise InvalidArgument(f"stop[{i}]", f"has {len(s)} characters; the limit is {limits.max_stop_chars}")
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidArgument(
-            "stop_token_ids", f"has {len(params.stop_token_ids)} ids; the limit is {limits.max_stop_token_ids}")
+            "stop_token_ids", f"has {len(params.stop_token_ids)} ids; the limit is {limits.max_stop_token_ids}"
+        )
     if request_id is not None:
         check_request_id(limits, request_id)
 
@@ -165,7 +171,8 @@ def check_request_id(limits: Limits, request_id: str) -> None:
     """A client's request id: 1 to ``max_request_id_chars`` visible ASCII characters."""
     if not request_id or len(request_id) > limits.max_request_id_chars:
         raise InvalidArgument(
-            "request_id", f"must have 1 to {limits.max_request_id_chars} characters, got {len(request_id)}")
+            "request_id", f"must have 1 to {limits.max_request_id_chars} characters, got {len(request_id)}"
+        )
     if not _REQUEST_ID_CHARS.fullmatch(request_id):
         raise InvalidArgument("request_id", "must be visible ASCII characters (no spaces or control characters)")
 
@@ -181,8 +188,9 @@ def check_session_id(limits: Limits, session_id: str, name: str = "session_id") 
 
 # what the coordinator refuses a request with: bad input (InvalidArgument; DuplicateRequestId is
 # ALREADY_EXISTS), a full queue (Overloaded), shutting down or the target down (ShuttingDown, TargetDown)
-REFUSAL_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.ALREADY_EXISTS, ErrorCode.RESOURCE_EXHAUSTED,
-                           ErrorCode.UNAVAILABLE})
+REFUSAL_CODES = frozenset(
+    {ErrorCode.INVALID_ARGUMENT, ErrorCode.ALREADY_EXISTS, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE}
+)
 
 
 def refusal_code(e: BaseException, what: str) -> ErrorCode:

@@ -33,8 +33,12 @@ class Availability:
     @property
     def accepting(self) -> bool:
         """Whether the server is ready (health SERVING)."""
-        return not self.draining and self.target_down is None and self._thread.engine_error is None \
+        return (
+            not self.draining
+            and self.target_down is None
+            and self._thread.engine_error is None
             and not self._thread.steps_failing
+        )
 
     @property
     def unrecoverable(self) -> str | None:
@@ -53,8 +57,10 @@ class Availability:
         if self.target_lost is not None:
             raise TargetDown(target_lost_message(self.target_lost))
         if self.target_down is not None:
-            raise TargetDown(f"the target is down ({failed_ranks(self.target_down) or 'a target worker'} failed); "
-                             "it is being rebuilt, retry later")
+            raise TargetDown(
+                f"the target is down ({failed_ranks(self.target_down) or 'a target worker'} failed); "
+                "it is being rebuilt, retry later"
+            )
         if self._thread.engine_error is not None:
             raise engine_down()
 

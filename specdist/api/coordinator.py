@@ -11,7 +11,8 @@
   scope) and the streams (:class:`RequestStream`) of the live requests, with their totals.
 - :mod:`specdist.api.availability`: draining, the target's faults and the engine thread's health: what is
   refused, whether the server is ready (``accepting``) and whether it can recover by itself (``unrecoverable``).
-- :mod:`specdist.api.tokenizer_pool`: prompts templated and tokenized off the engine thread (:meth:`Coordinator.encode`).
+- :mod:`specdist.api.tokenizer_pool`: prompts templated and tokenized off the engine thread
+  (:meth:`Coordinator.encode`).
 - :mod:`specdist.api.refusals`: the refusals and what a client is told of a failure.
 
 Target faults: :meth:`Coordinator.target_down` (thread-safe, e.g. from a deployment's supervisor) ends every
@@ -36,8 +37,16 @@ from specdist.api.availability import Availability
 from specdist.api.engine_thread import STEP_FAILURES_NOT_READY, Delta, EngineThread, SchedulingTiming
 from specdist.api.live_requests import LiveRequests, RequestStream, scoped
 from specdist.api.metrics import Metrics
-from specdist.api.refusals import (ENGINE_DOWN_MESSAGE, DuplicateRequestId, EngineDown, Overloaded, ShuttingDown,
-                                   TargetDown, TenantQuotaExceeded, target_unavailable_message)
+from specdist.api.refusals import (
+    ENGINE_DOWN_MESSAGE,
+    DuplicateRequestId,
+    EngineDown,
+    Overloaded,
+    ShuttingDown,
+    TargetDown,
+    TenantQuotaExceeded,
+    target_unavailable_message,
+)
 from specdist.api.tokenizer_pool import TOKENIZER_THREADS, TokenizerPool
 from specdist.config import MAX_REQUEST_ID_LEN
 from specdist.engine.prompts import EncodedPrompt
@@ -49,9 +58,22 @@ if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engi
 # what the servers, a Serve replica's front and the tests take from here besides the Coordinator: the names its
 # API speaks in (its deltas and streams, its refusals, how ids are scoped, the prompt it takes)
 __all__ = [
-    "ENGINE_DOWN_MESSAGE", "MAX_REQUEST_ID_LEN", "STEP_FAILURES_NOT_READY", "TOKENIZER_THREADS", "Coordinator",
-    "Delta", "DuplicateRequestId", "EncodedPrompt", "EngineDown", "Overloaded", "RequestStream", "SchedulingTiming",
-    "ShuttingDown", "TargetDown", "TenantQuotaExceeded", "scoped",
+    "ENGINE_DOWN_MESSAGE",
+    "MAX_REQUEST_ID_LEN",
+    "STEP_FAILURES_NOT_READY",
+    "TOKENIZER_THREADS",
+    "Coordinator",
+    "Delta",
+    "DuplicateRequestId",
+    "EncodedPrompt",
+    "EngineDown",
+    "Overloaded",
+    "RequestStream",
+    "SchedulingTiming",
+    "ShuttingDown",
+    "TargetDown",
+    "TenantQuotaExceeded",
+    "scoped",
 ]
 
 
@@ -64,7 +86,9 @@ class Coordinator:
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)
         limits = getattr(getattr(engine, "config", None), "limits", None)  # (a stand-in engine may have no config)
         self.one_token_deltas = not getattr(limits, "speculative_stats", True)
-        self.engine_thread = EngineThread(engine, self.live.dispatch, self._engine_died, lambda: self.availability.changed())
+        self.engine_thread = EngineThread(
+            engine, self.live.dispatch, self._engine_died, lambda: self.availability.changed()
+        )
         self.availability = Availability(self.engine_thread)
         self.availability_listeners = self.availability.listeners  # (accepting), on the event loop
         self.tokenizers = TokenizerPool(engine)
@@ -169,8 +193,9 @@ class Coordinator:
         """The target failed: fail every request (UNAVAILABLE, naming the failed ranks of ``reason``),
         refuse new ones until :meth:`target_up`."""
         self.availability.target_down = reason
-        self.call_soon(lambda: self.engine_thread.fail_all(f"target unavailable: {reason}",
-                                                           target_unavailable_message(reason)))
+        self.call_soon(
+            lambda: self.engine_thread.fail_all(f"target unavailable: {reason}", target_unavailable_message(reason))
+        )
         self.engine_thread.post(self.availability.changed)
 
     def target_lost(self, reason: str) -> None:

@@ -36,8 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from specdist.api.refusals import (INTERNAL_MESSAGE, STEP_FAILED_MESSAGE, TARGET_FAILED_MESSAGE, EngineDown,
-                                   ShuttingDown, engine_down, target_unavailable_message)
+from specdist.api.refusals import (
+    INTERNAL_MESSAGE,
+    STEP_FAILED_MESSAGE,
+    TARGET_FAILED_MESSAGE,
+    EngineDown,
+    ShuttingDown,
+    engine_down,
+    target_unavailable_message,
+)
 from specdist.engine.prompts import EncodedPrompt
 from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
@@ -143,8 +150,13 @@ class EngineThread:
     ``on_availability()``: :attr:`steps_failing` changed (on the event loop).
     """
 
-    def __init__(self, engine: Engine, on_deltas: Callable[[list[Delta]], None],
-                 on_death: Callable[[str], None], on_availability: Callable[[], None]):
+    def __init__(
+        self,
+        engine: Engine,
+        on_deltas: Callable[[list[Delta]], None],
+        on_death: Callable[[str], None],
+        on_availability: Callable[[], None],
+    ):
         self.engine = engine
         self.on_deltas, self.on_death, self.on_availability = on_deltas, on_death, on_availability
         # shared between the event loop and the engine thread, under cond
@@ -279,8 +291,9 @@ class EngineThread:
         try:
             self._serve()
         except BaseException as e:  # a bug in the loop itself: say so, fail everything
-            log.exception("the specdist engine thread died; failing every request, refusing new ones, "
-                          "health NOT_SERVING")
+            log.exception(
+                "the specdist engine thread died; failing every request, refusing new ones, health NOT_SERVING"
+            )
             self._die(e)
         finally:
             self.post(_settle, self._stopped, None, None)  # after _die's posts: stop() returns

@@ -9,9 +9,9 @@ already in use is ALREADY_EXISTS (``request_id: ...``); a full queue RESOURCE_EX
 server UNAVAILABLE, as is one after the engine thread died; Cancel of an id no running request
 has NOT_FOUND. Request ids belong to the tenant and the connection that sent them (:func:`caller`): another
 client, or another tenant on the same connection (a proxy multiplexing its clients onto one HTTP/2 connection),
-neither cancels a request by its id nor gets ALREADY_EXISTS for it. A request that fails inside a step gets a last message with FINISH_REASON_ERROR
-and the stream then ends with the delta's ``code``: UNAVAILABLE (a retry may succeed) when the
-target failed (a rank died, naming it) or is down, or the engine thread died; INTERNAL for
+neither cancels a request by its id nor gets ALREADY_EXISTS for it. A request that fails inside a step gets a last
+message with FINISH_REASON_ERROR and the stream then ends with the delta's ``code``: UNAVAILABLE (a retry may succeed)
+when the target failed (a rank died, naming it) or is down, or the engine thread died; INTERNAL for
 anything else. The details are the delta's ``message``, the failure's class without worker
 addresses, process ids or exception text (those go to the server log); a refusal that is the
 server's fault is ``internal error``, its traceback logged.
@@ -43,19 +43,25 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from specdist import logprobs
+from specdist.api.admission import (
+    Limits,
+    ServedEngine,
+    check_request,
+    check_request_id,
+    check_session_id,
+    refusal_code,
+    request_stats,
+    server_info,
+)
+from specdist.api.codecs import finish_reason_to_proto
 from specdist.api.coordinator import Coordinator, Delta
 from specdist.config import tenant_scope_line
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
-from specdist.api.admission import (
-    ServedEngine,
-    Limits, check_request, check_request_id, check_session_id, refusal_code, request_stats, server_info,
-)
+from specdist.sampling_proto import sampling_params_from_proto
 from specdist.transport.grpc_host import LIVENESS, GrpcHost, start_grpc_host
 from specdist.transport.grpc_status import grpc_status, grpc_status_of
 from specdist.transport.security import ServerSecurity, Tokens, sees_everything, tenant_of
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
-from specdist.api.codecs import finish_reason_to_proto
-from specdist.sampling_proto import sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +91,13 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
                 check_session_id(self.limits, request.session_id)
             tenant = tenant_of(_authorization(context), self.tokens.now()[0])
             stream = await self.coordinator.open(
-                prompt, params, request.request_id or None, chat=request.apply_chat_template,
-                scope=caller(context, tenant), tenant=tenant, session=request.session_id or None
+                prompt,
+                params,
+                request.request_id or None,
+                chat=request.apply_chat_template,
+                scope=caller(context, tenant),
+                tenant=tenant,
+                session=request.session_id or None,
             )
         except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback
@@ -96,7 +107,9 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             async for delta in stream:
                 yield _response(delta, self.limits.speculative_stats)
                 if delta.finish_reason == "error":
-                    await context.abort(grpc_status(delta.code or ErrorCode.INTERNAL), delta.message or "request failed")
+                    await context.abort(
+                        grpc_status(delta.code or ErrorCode.INTERNAL), delta.message or "request failed"
+                    )
         finally:  # also on client disconnect (the handler task is cancelled): aborts the request
             stream.close()
 
@@ -134,7 +147,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
 
     @staticmethod
     def _prompt(request: specdist_pb2.GenerateRequest) -> str | Sequence[int]:
-        """The prompt as sent: text, or token ids. The engine checks it (specdist.engine.prompts), chat template included."""
+        """The prompt as sent: text, or token ids. The engine checks it (specdist.engine.prompts), chat template
+        included."""
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidArgument("prompt", "must be set (text or token_ids)")
@@ -209,12 +223,15 @@ def _parsing(method, request_cls, streaming: bool):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     if streaming:
+
         async def handler(data: bytes, context: grpc.aio.ServicerContext):
             async for response in method(await parse(data, context), context):
                 yield response
     else:
+
         async def handler(data: bytes, context: grpc.aio.ServicerContext):
             return await method(await parse(data, context), context)
+
     return handler
 
 
@@ -259,8 +276,13 @@ class SpecDistServer:
 
 
 async def serve(
-    engine: ServedEngine, host: str = "127.0.0.1", port: int = 50051, max_queued: int = 256, drain_seconds: float = 5.0,
-    security: ServerSecurity | None = None, coordinator: "Coordinator | None" = None,
+    engine: ServedEngine,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    max_queued: int = 256,
+    drain_seconds: float = 5.0,
+    security: ServerSecurity | None = None,
+    coordinator: "Coordinator | None" = None,
 ) -> tuple[SpecDistServer, Coordinator]:
     """Start SpecDecode + health + reflection on ``host:port`` (0 picks a free port: see ``.port``).
 
@@ -283,9 +305,16 @@ async def serve(
         coordinator.tenant_quota = quota
     coordinator.start()
     servicer = SpecDecodeServicer(coordinator, security.tokens)
-    hosted = await start_grpc_host({SERVICE_NAME: lambda server: add_servicer(servicer, server)}, host, port,
-                                   servicer.limits.max_message_bytes, token=security.tokens, tls=security.tls,
-                                   reflection=True, serving=False)
+    hosted = await start_grpc_host(
+        {SERVICE_NAME: lambda server: add_servicer(servicer, server)},
+        host,
+        port,
+        servicer.limits.max_message_bytes,
+        token=security.tokens,
+        tls=security.tls,
+        reflection=True,
+        serving=False,
+    )
     wrapped = SpecDistServer(hosted, coordinator, drain_seconds)
     try:
         await coordinator.warm_up()
@@ -296,5 +325,6 @@ async def serve(
     # NOT_SERVING while the target is down (Coordinator.target_down), SERVING again once it is back;
     # NOT_SERVING for good, liveness too, once the engine thread has died or the target is lost
     coordinator.availability_listeners.append(
-        lambda accepting: asyncio.ensure_future(wrapped.availability_changed(accepting)))
+        lambda accepting: asyncio.ensure_future(wrapped.availability_changed(accepting))
+    )
     return wrapped, coordinator

@@ -11,8 +11,8 @@ Endpoints:
   ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage``.
 - ``GET /v1/models``: the served model; ``GET /health``: 200 while requests are admitted,
   503 (``status``: ``shutting down``, ``target down`` or ``engine down``) once draining, while
-  the target is down, and for good once the coordinator's engine thread has died; ``GET /metrics``: ``coordinator.metrics.render()`` when the coordinator
-  has metrics, else 404.
+  the target is down, and for good once the coordinator's engine thread has died; ``GET /metrics``:
+  ``coordinator.metrics.render()`` when the coordinator has metrics, else 404.
 
 Request fields:
 - ``model``: optional; when given it must be the served model's id (``GET /v1/models``:
@@ -89,22 +89,36 @@ from typing import Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from uvicorn.protocols.http.flow_control import service_unavailable
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specdist.api.coordinator import Coordinator, Delta, RequestStream
-from specdist.errors import ErrorCode, FieldError, InvalidArgument
-from specdist.api.admission import (Limits, bare_host, body_values_budget, body_verdict, check_request,
-                                    check_session_id, refusal_code, server_info)
-from specdist.logprobs import TokenLogprob
-from specdist.engine.request import RequestMetrics
-from specdist.transport.security import (
-    METRICS_FORBIDDEN, ServerSecurity, Tokens, bearer_ok, sees_everything, tenant_of, unauthenticated_message,
+from specdist.api.admission import (
+    Limits,
+    bare_host,
+    body_values_budget,
+    body_verdict,
+    check_request,
+    check_session_id,
+    refusal_code,
+    server_info,
 )
-from specdist.sampling_params import SamplingParams
+from specdist.api.coordinator import Coordinator, Delta, RequestStream
+from specdist.engine.request import RequestMetrics
 from specdist.engine.stopping import IncrementalDetokenizer
+from specdist.errors import ErrorCode, FieldError, InvalidArgument
+from specdist.logprobs import TokenLogprob
+from specdist.sampling_params import SamplingParams
+from specdist.transport.security import (
+    METRICS_FORBIDDEN,
+    ServerSecurity,
+    Tokens,
+    bearer_ok,
+    sees_everything,
+    tenant_of,
+    unauthenticated_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +204,15 @@ class ChatRequest(_Common):
 class APIError(Exception):
     """An OpenAI-shaped error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers
@@ -278,12 +299,25 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
             check_session_id(limits, body.user, "user")
         except InvalidArgument as e:
             raise _bad(e.field, e.message) from None
-    call = _Call(chat, prompt, [], body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                 max_tokens_field=given, stop_is_text=isinstance(body.stop, str), session=body.user or None)
+    call = _Call(
+        chat,
+        prompt,
+        [],
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        max_tokens_field=given,
+        stop_is_text=isinstance(body.stop, str),
+        session=body.user or None,
+    )
     if max_tokens is None:
         max_tokens = limits.max_tokens if chat else SamplingParams.max_tokens
-    kwargs = dict(max_tokens=max_tokens, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
-                  ignore_eos=body.ignore_eos, logprobs=_logprobs_asked(body, chat))
+    kwargs = dict(
+        max_tokens=max_tokens,
+        stop=body.stop or (),
+        stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
+        logprobs=_logprobs_asked(body, chat),
+    )
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
@@ -318,8 +352,11 @@ def _check_logprob_entries(limits: Limits, params: SamplingParams, n: int, call:
     entries = n * (params.logprobs + 1) * params.max_tokens
     if entries > limits.max_logprob_entries:
         top, most = call.param("logprobs"), call.max_tokens_field
-        raise InvalidArgument("logprobs", f"n x ({top} + 1) x {most} = {n} x {params.logprobs + 1} x "
-                              f"{params.max_tokens} = {entries} entries; the limit is {limits.max_logprob_entries}")
+        raise InvalidArgument(
+            "logprobs",
+            f"n x ({top} + 1) x {most} = {n} x {params.logprobs + 1} x "
+            f"{params.max_tokens} = {entries} entries; the limit is {limits.max_logprob_entries}",
+        )
 
 
 def _one_prompt(prompt: str | list) -> str | list[int]:
@@ -340,15 +377,23 @@ def _message(m: ChatMessage) -> dict[str, str]:
 
 # ---------------------------------------------------------------- responses
 def _finish_reason(d: Delta | None) -> str:
-    """"stop" / "length"; a request the server aborted (or ended without a final delta) or
+    """ "stop" / "length"; a request the server aborted (or ended without a final delta) or
     failed is an error to the client."""
     if d is None or d.finish_reason == "abort":
-        raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request was aborted: the server is shutting down",
-                       type="server_error", code="aborted")
+        raise APIError(
+            HTTP_STATUS[ErrorCode.UNAVAILABLE],
+            "the request was aborted: the server is shutting down",
+            type="server_error",
+            code="aborted",
+        )
     if d.finish_reason == "error":
         code = d.code or ErrorCode.INTERNAL  # UNAVAILABLE: the target failed or is down, the engine thread died
-        raise APIError(HTTP_STATUS[code], f"the request failed on the server: {d.message or 'unknown error'}",
-                       type="server_error", code="internal_error" if code == ErrorCode.INTERNAL else code.name.lower())
+        raise APIError(
+            HTTP_STATUS[code],
+            f"the request failed on the server: {d.message or 'unknown error'}",
+            type="server_error",
+            code="internal_error" if code == ErrorCode.INTERNAL else code.name.lower(),
+        )
     return d.finish_reason
 
 
@@ -385,13 +430,23 @@ def usage(metrics: Sequence[RequestMetrics], speculative: bool = True) -> dict[s
     }
 
 
-def _choice(call: _Call, index: int, text: str | None, finish: str | None, first: bool = False,
-            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def _choice(
+    call: _Call,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if not call.chat:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not call.stream:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
     delta: dict[str, str] = {"role": "assistant"} if first else {}
     if text or first:
         delta["content"] = text or ""
@@ -410,12 +465,17 @@ class _Logprobs:
 
     def block(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         if self.chat:
-            content = [dict(self._entry(t, lp.logprob), top_logprobs=[self._entry(i, v) for i, v in lp.top])
-                       for t, lp in zip(ids, logprobs)]
+            content = [
+                dict(self._entry(t, lp.logprob), top_logprobs=[self._entry(i, v) for i, v in lp.top])
+                for t, lp in zip(ids, logprobs)
+            ]
             return {"content": content, "refusal": None}
-        return {"tokens": [self.token_text(t)[0] for t in ids], "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token_text(i)[0]: v for i, v in lp.top} for lp in logprobs],
-                "text_offset": [self._advance(t) for t in ids]}
+        return {
+            "tokens": [self.token_text(t)[0] for t in ids],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token_text(i)[0]: v for i, v in lp.top} for lp in logprobs],
+            "text_offset": [self._advance(t) for t in ids],
+        }
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text, utf8 = self.token_text(token)  # utf8 is shared between entries: encoded at once, never changed
@@ -516,21 +576,27 @@ class _OpenAIFrontEnd:
             return
         args = (body, self.limits.max_messages, body_values_budget(self.limits))
         try:  # submitted from a thread: the pool's first submit starts its process, which waits on the fork
-            verdict = await asyncio.wrap_future(await asyncio.to_thread(self._parser_pool().submit, body_verdict,
-                                                                        *args))
+            verdict = await asyncio.wrap_future(
+                await asyncio.to_thread(self._parser_pool().submit, body_verdict, *args)
+            )
         except concurrent.futures.BrokenExecutor:  # the process died (memory?): a fresh one next time
             self._parser = None
             log.exception("the HTTP body parser process died")
-            raise APIError(HTTP_STATUS[ErrorCode.UNAVAILABLE], "the request body could not be checked; retry",
-                           type="server_error", code="unavailable") from None
+            raise APIError(
+                HTTP_STATUS[ErrorCode.UNAVAILABLE],
+                "the request body could not be checked; retry",
+                type="server_error",
+                code="unavailable",
+            ) from None
         if verdict is not None:
             field, message = verdict
             raise _bad(field, message) if field else APIError(HTTP_STATUS[ErrorCode.INVALID_ARGUMENT], message)
 
     def _parser_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._parser is None:  # forkserver: a child of a clean process, not of this one and its threads
-            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                              else "spawn")
+            ctx = multiprocessing.get_context(
+                "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+            )
             self._parser = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
         return self._parser
 
@@ -557,8 +623,9 @@ class _OpenAIFrontEnd:
             if code == ErrorCode.INVALID_ARGUMENT and isinstance(e, FieldError):
                 raise _bad(call.param(e.field), e.message) from None
             if code == ErrorCode.INTERNAL:  # logged there, with its traceback
-                raise APIError(HTTP_STATUS[code], "internal error", type="server_error",
-                               code="internal_error") from None
+                raise APIError(
+                    HTTP_STATUS[code], "internal error", type="server_error", code="internal_error"
+                ) from None
             status = getattr(e, "http_status", HTTP_STATUS[code])  # a tenant's quota: 429 (TenantQuotaExceeded)
             raise APIError(status, str(e), type="server_error", code=code.name.lower()) from None
         except BaseException:
@@ -577,13 +644,22 @@ class _OpenAIFrontEnd:
 
     def check_model(self, body: _Common) -> None:
         if body.model is not None and body.model != self.model:
-            raise APIError(HTTP_STATUS[ErrorCode.NOT_FOUND],
-                           f"model: the model {body.model!r} does not exist; this server serves {self.model!r}",
-                           "model", code="model_not_found")
+            raise APIError(
+                HTTP_STATUS[ErrorCode.NOT_FOUND],
+                f"model: the model {body.model!r} does not exist; this server serves {self.model!r}",
+                "model",
+                code="model_not_found",
+            )
 
     def envelope(self, call: _Call, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": call.response_id, "object": call.object, "created": call.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": call.response_id,
+            "object": call.object,
+            "created": call.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     async def complete(self, call: _Call, streams: list[RequestStream]) -> bytes:
         """Every choice to its end: the JSON response's body. Log-probabilities are encoded as their deltas
@@ -611,8 +687,9 @@ class _OpenAIFrontEnd:
         del envelope["choices"]
         return _json_with(envelope, {"choices": "[" + ",".join(choices) + "]"}).encode()
 
-    def _logprobs(self, call: _Call, ids: list[int], logprobs: list[TokenLogprob] | None,
-                  fmt: _Logprobs) -> dict[str, Any] | None:
+    def _logprobs(
+        self, call: _Call, ids: list[int], logprobs: list[TokenLogprob] | None, fmt: _Logprobs
+    ) -> dict[str, Any] | None:
         """A choice's ``logprobs`` for these tokens; None when the request did not ask."""
         if logprobs is None:
             return None
@@ -625,8 +702,9 @@ class _OpenAIFrontEnd:
         formats = [_Logprobs(self.engine.tokenizer, call.chat, self.token_text) for _ in streams]
         try:
             if call.chat:  # the first chunk of each choice names the role
-                yield _event(self.envelope(call, [_choice(call, i, "", None, first=True) for i in range(len(streams))],
-                                           **extra))
+                yield _event(
+                    self.envelope(call, [_choice(call, i, "", None, first=True) for i in range(len(streams))], **extra)
+                )
             async with contextlib.aclosing(_merged(streams)) as merged:
                 async for i, d in merged:
                     finish = _finish_reason(d) if d.finished else None
@@ -639,8 +717,9 @@ class _OpenAIFrontEnd:
             for d in finals:
                 _finish_reason(d)  # a stream that ended without its final delta
             if call.include_usage:
-                yield _event(self.envelope(call, [], usage=usage([d.metrics for d in finals],
-                                                                  self.limits.speculative_stats)))
+                yield _event(
+                    self.envelope(call, [], usage=usage([d.metrics for d in finals], self.limits.speculative_stats))
+                )
             yield b"data: [DONE]\n\n"
         except APIError as e:
             yield _event(e.body())
@@ -662,8 +741,13 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, tokens: 
     front = _OpenAIFrontEnd(coordinator, model_name)
     # FastAPI's own /openapi.json route has no dependencies; this app serves it itself, behind the
     # token like /v1/*. No /docs or /redoc: their pages load scripts from a CDN.
-    app = FastAPI(title="specdist", description="OpenAI-compatible API over speculative decoding",
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="specdist",
+        description="OpenAI-compatible API over speculative decoding",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.front = front
     auth = [Depends(_bearer_auth(tokens))] if tokens.now()[0] is not None else []
 
@@ -703,8 +787,14 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, tokens: 
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        card = {"id": front.model, "object": "model", "created": front.created, "owned_by": "specdist",
-                "max_model_len": front.info["max_model_len"], "specdist": front.info}
+        card = {
+            "id": front.model,
+            "object": "model",
+            "created": front.created,
+            "owned_by": "specdist",
+            "max_model_len": front.info["max_model_len"],
+            "specdist": front.info,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -723,8 +813,9 @@ def create_app(coordinator: Coordinator, model_name: str | None = None, tokens: 
     async def metrics() -> Response:
         m = getattr(coordinator, "metrics", None)
         if m is None:
-            raise APIError(HTTP_STATUS[ErrorCode.NOT_FOUND], "metrics are not enabled on this server",
-                           type="not_found_error")
+            raise APIError(
+                HTTP_STATUS[ErrorCode.NOT_FOUND], "metrics are not enabled on this server", type="not_found_error"
+            )
         body, content_type = m.render()
         return Response(body, headers={"Content-Type": content_type})
 
@@ -741,10 +832,18 @@ def _metrics_auth(tokens: Tokens) -> Callable[[Request], Awaitable[None]]:
         if sees_everything(header, token, admin_token):
             return
         if token is not None and bearer_ok(header, token):
-            raise APIError(HTTP_STATUS[ErrorCode.PERMISSION_DENIED], METRICS_FORBIDDEN, type="permission_error",
-                           code="admin_token_required")
-        raise APIError(HTTP_STATUS[ErrorCode.UNAUTHENTICATED], unauthenticated_message(header),
-                       type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                HTTP_STATUS[ErrorCode.PERMISSION_DENIED],
+                METRICS_FORBIDDEN,
+                type="permission_error",
+                code="admin_token_required",
+            )
+        raise APIError(
+            HTTP_STATUS[ErrorCode.UNAUTHENTICATED],
+            unauthenticated_message(header),
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
     return check
 
@@ -757,8 +856,12 @@ def _bearer_auth(tokens: Tokens) -> Callable[[Request], Awaitable[None]]:
         header = request.headers.get("authorization")
         token = tokens.now()[0]
         if token is not None and not bearer_ok(header, token):
-            raise APIError(HTTP_STATUS[ErrorCode.UNAUTHENTICATED], unauthenticated_message(header),
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                HTTP_STATUS[ErrorCode.UNAUTHENTICATED],
+                unauthenticated_message(header),
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     return check
 
@@ -784,8 +887,12 @@ async def _body(request: Request, limit: int) -> bytes:
     try:
         return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
 
 
 async def _until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -967,9 +1074,14 @@ class HttpServer:
             self.front.close()
 
 
-async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                     model_name: str | None = None, security: ServerSecurity | None = None,
-                     max_connections: int | None = None) -> HttpServer:
+async def start_http(
+    coordinator: Coordinator,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    model_name: str | None = None,
+    security: ServerSecurity | None = None,
+    max_connections: int | None = None,
+) -> HttpServer:
     """Serve the API on ``host:port`` (0: a free port, see ``.port``) as a task on the running loop.
 
     ``max_connections``: connections (and requests in progress) past which a request gets 503 at once, except
@@ -999,9 +1111,16 @@ async def start_http(coordinator: Coordinator, host: str = "127.0.0.1", port: in
     guard = _Guard(limits.http_idle_timeout_s, limits.http_write_timeout_s, limits.http_connections_per_peer)
     protocol = type("_Connection", (_GuardedH11,), {"guard": guard})
     app = _Capped(create_app(coordinator, model_name, security.tokens), None, cap)
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=protocol,
-                            timeout_keep_alive=limits.http_idle_timeout_s,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **tls)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=protocol,
+        timeout_keep_alive=limits.http_idle_timeout_s,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **tls,
+    )
     if security.tls is not None:  # each handshake with the certificate files as they are then
         config.load()
         config.ssl = security.tls.server_context()

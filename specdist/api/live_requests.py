@@ -33,8 +33,14 @@ class RequestStream:
     reach the consumer one a delta (:meth:`deliver`).
     """
 
-    def __init__(self, on_close: Callable[[str, bool], None], request_id: str, key: str | None = None,
-                 tenant: str = "", one_token_deltas: bool = False):
+    def __init__(
+        self,
+        on_close: Callable[[str, bool], None],
+        request_id: str,
+        key: str | None = None,
+        tenant: str = "",
+        one_token_deltas: bool = False,
+    ):
         self.request_id = request_id  # the caller's id (what its deltas carry)
         self.key = key or request_id  # the coordinator's and the engine's: the id within its caller's scope
         self.tenant = tenant  # whose request it is (the tenant quota counts them)
@@ -75,7 +81,7 @@ class RequestStream:
         if self._one_token_deltas and len(delta.token_ids) > 1:
             ids, lps = delta.token_ids, delta.logprobs
             for i in range(len(ids) - 1):
-                self._queue.put_nowait(Delta(self.request_id, [ids[i]], "", logprobs=lps[i:i + 1] if lps else None))
+                self._queue.put_nowait(Delta(self.request_id, [ids[i]], "", logprobs=lps[i : i + 1] if lps else None))
             delta = dataclasses.replace(delta, token_ids=ids[-1:], logprobs=lps[-1:] if lps else None)
         self._queue.put_nowait(delta)
 
@@ -106,15 +112,15 @@ class LiveRequests:
         self.check_room()
         quota = self.tenant_quota
         if quota is not None and sum(s.tenant == tenant for s in self.streams.values()) >= quota:  # O(live)
-            raise TenantQuotaExceeded(f"this tenant holds {quota} live requests (limits.max_queued_per_tenant="
-                                      f"{quota}); retry later")
+            raise TenantQuotaExceeded(
+                f"this tenant holds {quota} live requests (limits.max_queued_per_tenant={quota}); retry later"
+            )
         return request_id
 
     def check_room(self, n: int = 1) -> None:
         """Refuse ``n`` new requests unless there is room for them (:class:`~specdist.api.refusals.Overloaded`)."""
         if len(self.streams) + n > self.max_queued:
-            raise Overloaded(f"{len(self.streams)} requests in the system (max_queued={self.max_queued}); "
-                             "retry later")
+            raise Overloaded(f"{len(self.streams)} requests in the system (max_queued={self.max_queued}); retry later")
 
     def admitted(self, stream: RequestStream, added: asyncio.Future) -> bool:
         """Book a request whose add command has run; False (and forget it) if the add failed."""
@@ -146,8 +152,9 @@ class LiveRequests:
                 added.set_exception(engine_down())
             if added is None or added.cancelled() or added.exception() is not None:
                 continue  # never admitted (or still tokenized): open() raises its error (and forgets the id)
-            deltas.append(Delta(key, [], "", "error", error=error, code=ErrorCode.UNAVAILABLE,
-                                message=ENGINE_DOWN_MESSAGE))
+            deltas.append(
+                Delta(key, [], "", "error", error=error, code=ErrorCode.UNAVAILABLE, message=ENGINE_DOWN_MESSAGE)
+            )
         self.dispatch(deltas)
 
     def counts(self) -> dict[str, int]:

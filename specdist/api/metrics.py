@@ -64,12 +64,75 @@ from specdist.engine.output import PHASES, RequestFinished, StepEvent
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SPEEDUP_WINDOW = 64  # steps
 # request latencies (seconds), as vLLM's buckets
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -87,65 +150,103 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.recording = True  # False: events are ignored (the coordinator's warm-up)
         releases = getattr(engine, "releases_pending", None)
-        self._snapshot = snapshot or (lambda: SimpleNamespace(
-            running=len(engine.running), waiting=len(engine.waiting), kv=engine.kv_slots_in_use(),
-            releases=releases() if releases is not None else {}))
+        self._snapshot = snapshot or (
+            lambda: SimpleNamespace(
+                running=len(engine.running),
+                waiting=len(engine.waiting),
+                kv=engine.kv_slots_in_use(),
+                releases=releases() if releases is not None else {},
+            )
+        )
         self._window: deque[tuple[int, float, int, float]] = deque(maxlen=SPEEDUP_WINDOW)
         self._speedup = 0.0
         r = self.registry
         p = "specdist_"
-        self.requests = Counter(p + "request_success_total", "Finished requests by finish reason",
-                                ["finished_reason"], registry=r)
+        self.requests = Counter(
+            p + "request_success_total", "Finished requests by finish reason", ["finished_reason"], registry=r
+        )
         for reason in FINISH_REASONS:
             self.requests.labels(reason)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens generated", registry=r)
         sd = p + "spec_decode_"
-        self.num_drafts = Counter(sd + "num_drafts_total", "Request-steps that verified a draft",
-                                  ["replica"], registry=r)
-        self.num_draft_tokens = Counter(sd + "num_draft_tokens_total", "Draft tokens verified",
-                                        ["replica"], registry=r)
-        self.num_accepted = Counter(sd + "num_accepted_tokens_total", "Draft tokens accepted",
-                                    ["replica"], registry=r)
-        self.accepted_per_pos = Counter(sd + "num_accepted_tokens_per_pos_total",
-                                        "Draft tokens accepted, by draft position (0-based)",
-                                        ["replica", "position"], registry=r)
-        self.pipeline = Counter(sd + "pipeline_total",
-                                "Pipelined drafting: request-steps whose drafts were prepared during the previous "
-                                "verification (hit) or whose prepared prefix did not hold (miss)",
-                                ["replica", "outcome"], registry=r)
-        self.draft_hidden = Counter(sd + "draft_hidden_seconds_total",
-                                    "Seconds of pipelined drafting done while the target verified (no step waited)",
-                                    registry=r)
-        self.speedup = Gauge(sd + "realized_speedup",
-                             f"Output tokens/s over the last {SPEEDUP_WINDOW} steps divided by the tokens/s "
-                             "of the same batches without drafts (the measured non-speculative step cost)",
-                             registry=r)
+        self.num_drafts = Counter(
+            sd + "num_drafts_total", "Request-steps that verified a draft", ["replica"], registry=r
+        )
+        self.num_draft_tokens = Counter(sd + "num_draft_tokens_total", "Draft tokens verified", ["replica"], registry=r)
+        self.num_accepted = Counter(sd + "num_accepted_tokens_total", "Draft tokens accepted", ["replica"], registry=r)
+        self.accepted_per_pos = Counter(
+            sd + "num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by draft position (0-based)",
+            ["replica", "position"],
+            registry=r,
+        )
+        self.pipeline = Counter(
+            sd + "pipeline_total",
+            "Pipelined drafting: request-steps whose drafts were prepared during the previous "
+            "verification (hit) or whose prepared prefix did not hold (miss)",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.draft_hidden = Counter(
+            sd + "draft_hidden_seconds_total",
+            "Seconds of pipelined drafting done while the target verified (no step waited)",
+            registry=r,
+        )
+        self.speedup = Gauge(
+            sd + "realized_speedup",
+            f"Output tokens/s over the last {SPEEDUP_WINDOW} steps divided by the tokens/s "
+            "of the same batches without drafts (the measured non-speculative step cost)",
+            registry=r,
+        )
         self.speedup.set_function(lambda: self._speedup)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds",
-                              "Per request: first to last token divided by the output tokens after the first",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.inter_step = Histogram(p + "inter_step_latency_seconds",
-                                    "Inter-step latency, not inter-token: time between two steps that gave a "
-                                    "request tokens (one step emits several tokens)",
-                                    buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=REQUEST_BUCKETS, registry=r)
-        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to admission on the target",
-                               buckets=REQUEST_BUCKETS, registry=r)
-        self.step_duration = Histogram(p + "step_duration_seconds",
-                                       "Wall time of a step after admission (draft, verify, output, release)",
-                                       buckets=STEP_BUCKETS, registry=r)
-        self.step_phase = Histogram(p + "step_phase_seconds",
-                                    "Time per phase in a step: prefill (admission), draft, verify (the target "
-                                    "forward), sampling, cache, output, network (remote calls' wall minus compute)",
-                                    ["phase"], buckets=STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram(p + "step_batch_size", "Requests verified in a step",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        r.register(_Gauges(self._snapshot, releases, getattr(engine, "kv_cache_usage", None),
-                           getattr(engine, "suffix_index_size", None)))
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "Per request: first to last token divided by the output tokens after the first",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_step = Histogram(
+            p + "inter_step_latency_seconds",
+            "Inter-step latency, not inter-token: time between two steps that gave a "
+            "request tokens (one step emits several tokens)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "Arrival to finish", buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            p + "request_queue_time_seconds", "Arrival to admission on the target", buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.step_duration = Histogram(
+            p + "step_duration_seconds",
+            "Wall time of a step after admission (draft, verify, output, release)",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.step_phase = Histogram(
+            p + "step_phase_seconds",
+            "Time per phase in a step: prefill (admission), draft, verify (the target "
+            "forward), sampling, cache, output, network (remote calls' wall minus compute)",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            p + "step_batch_size", "Requests verified in a step", buckets=BATCH_BUCKETS, registry=r
+        )
+        r.register(
+            _Gauges(
+                self._snapshot,
+                releases,
+                getattr(engine, "kv_cache_usage", None),
+                getattr(engine, "suffix_index_size", None),
+            )
+        )
         self._listening = hasattr(engine, "listeners")  # a stand-in engine without step events
         if self._listening:
             engine.listeners.append(self.observe)
@@ -226,9 +327,13 @@ class _Gauges:
     """Running / waiting requests, KV slots and pending releases, read from a snapshot at scrape time
     (pending releases from ``releases``, the engine's counts, when the snapshot has none)."""
 
-    def __init__(self, snapshot: Callable[[], Any], releases: Callable[[], dict[str, int]] | None = None,
-                 kv_usage: Callable[[], dict[str, dict[str, int]]] | None = None,
-                 suffix_size: Callable[[], dict[str, int] | None] | None = None):
+    def __init__(
+        self,
+        snapshot: Callable[[], Any],
+        releases: Callable[[], dict[str, int]] | None = None,
+        kv_usage: Callable[[], dict[str, dict[str, int]]] | None = None,
+        suffix_size: Callable[[], dict[str, int] | None] | None = None,
+    ):
         self.snapshot = snapshot
         self.releases = releases
         self.kv_usage = kv_usage
@@ -238,27 +343,46 @@ class _Gauges:
         s = self.snapshot()
         yield GaugeMetricFamily("specdist_num_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("specdist_num_requests_waiting", "Requests waiting for admission", value=s.waiting)
-        yield GaugeMetricFamily("specdist_target_kv_slots_used", "Requests holding a KV slot on the target",
-                                value=s.kv.get("target", 0))
-        yield _per_replica(GaugeMetricFamily("specdist_draft_kv_slots_used",
-                                             "Requests holding draft state, per draft replica", labels=["replica"]), s.kv)
+        yield GaugeMetricFamily(
+            "specdist_target_kv_slots_used", "Requests holding a KV slot on the target", value=s.kv.get("target", 0)
+        )
+        yield _per_replica(
+            GaugeMetricFamily(
+                "specdist_draft_kv_slots_used", "Requests holding draft state, per draft replica", labels=["replica"]
+            ),
+            s.kv,
+        )
         releases = getattr(s, "releases", None)
         if releases is None:
             releases = self.releases() if self.releases is not None else {}
-        yield GaugeMetricFamily("specdist_target_releases_pending",
-                                "Requests whose release on the target failed and is retried (may hold a KV slot)",
-                                value=releases.get("target", 0))
-        yield _per_replica(GaugeMetricFamily("specdist_draft_releases_pending",
-                                             "Requests whose release on a draft replica failed and is retried",
-                                             labels=["replica"]), releases)
+        yield GaugeMetricFamily(
+            "specdist_target_releases_pending",
+            "Requests whose release on the target failed and is retried (may hold a KV slot)",
+            value=releases.get("target", 0),
+        )
+        yield _per_replica(
+            GaugeMetricFamily(
+                "specdist_draft_releases_pending",
+                "Requests whose release on a draft replica failed and is retried",
+                labels=["replica"],
+            ),
+            releases,
+        )
         if self.kv_usage is not None:  # an in-process engine: its caches' counters (ints: a racy read is harmless)
             usage = self.kv_usage()
-            perc = GaugeMetricFamily("specdist_kv_cache_usage_perc", "Share of the KV cache's blocks in use (a slot "
-                                     "cache: slots)", labels=["core"])
-            blocks = GaugeMetricFamily("specdist_kv_cache_blocks", "KV cache blocks (a slot cache: slots) the "
-                                       "requests can take", labels=["core"])
-            block = GaugeMetricFamily("specdist_kv_cache_block_tokens", "Tokens a KV cache block holds",
-                                      labels=["core"])
+            perc = GaugeMetricFamily(
+                "specdist_kv_cache_usage_perc",
+                "Share of the KV cache's blocks in use (a slot cache: slots)",
+                labels=["core"],
+            )
+            blocks = GaugeMetricFamily(
+                "specdist_kv_cache_blocks",
+                "KV cache blocks (a slot cache: slots) the requests can take",
+                labels=["core"],
+            )
+            block = GaugeMetricFamily(
+                "specdist_kv_cache_block_tokens", "Tokens a KV cache block holds", labels=["core"]
+            )
             for core, u in usage.items():
                 perc.add_metric([core], u["blocks_used"] / max(1, u["blocks_total"]))
                 blocks.add_metric([core], u["blocks_total"])
@@ -268,10 +392,14 @@ class _Gauges:
             yield block
         size = self.suffix_size() if self.suffix_size is not None else None
         if size is not None:  # the in-process drafter's suffix index (bounded by draft.suffix_cache_*)
-            yield GaugeMetricFamily("specdist_suffix_index_nodes", "Nodes of the draft's suffix index",
-                                    value=size["nodes"])
-            yield GaugeMetricFamily("specdist_suffix_index_cached_tokens", "Tokens of the finished requests the suffix "
-                                    "index keeps", value=size["cached_tokens"])
+            yield GaugeMetricFamily(
+                "specdist_suffix_index_nodes", "Nodes of the draft's suffix index", value=size["nodes"]
+            )
+            yield GaugeMetricFamily(
+                "specdist_suffix_index_cached_tokens",
+                "Tokens of the finished requests the suffix index keeps",
+                value=size["cached_tokens"],
+            )
 
 
 def _per_replica(gauge: GaugeMetricFamily, counts: dict[str, int]) -> GaugeMetricFamily:

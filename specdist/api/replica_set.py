@@ -32,8 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdist.api.coordinator import (
-    MAX_REQUEST_ID_LEN, Delta, DuplicateRequestId, EncodedPrompt, Overloaded, ShuttingDown, TOKENIZER_THREADS,
-    TenantQuotaExceeded, scoped,
+    MAX_REQUEST_ID_LEN,
+    TOKENIZER_THREADS,
+    Delta,
+    DuplicateRequestId,
+    EncodedPrompt,
+    Overloaded,
+    ShuttingDown,
+    TenantQuotaExceeded,
+    scoped,
 )
 from specdist.api.router import DEFAULT_KIND, RouteRequest, block_hashes, session_key
 from specdist.engine.prompts import encode_prompt
@@ -82,8 +89,17 @@ class Refused:
 class ReplicaTransport(Protocol):
     """How the front reaches the replicas (``cluster.serve.ServeReplicas`` on Ray Serve)."""
 
-    def open(self, prompt: EncodedPrompt, params: SamplingParams | None, request_id: str, scope: str, tenant: str,
-             route: RouteRequest, age_s: float, avoid: str = "") -> Any:
+    def open(
+        self,
+        prompt: EncodedPrompt,
+        params: SamplingParams | None,
+        request_id: str,
+        scope: str,
+        tenant: str,
+        route: RouteRequest,
+        age_s: float,
+        avoid: str = "",
+    ) -> Any:
         """Start a stream on a replica chosen by the router: an async iterator of :class:`Admitted` or
         :class:`Refused` first, then :class:`Delta` s; ``cancel()`` ends it. ``age_s``: seconds since the
         request arrived here (its time to first token counts from then); ``avoid``: a replica that just
@@ -132,8 +148,15 @@ class ReplicaStream:
     """One request's deltas from its replica (an async iterator, like ``RequestStream``); ``close()`` cancels it
     there unless it ended."""
 
-    def __init__(self, front: "ReplicaFront", request_id: str, key: str, call: Any, replica_id: str,
-                 reopen: Callable[[], Any] | None):
+    def __init__(
+        self,
+        front: "ReplicaFront",
+        request_id: str,
+        key: str,
+        call: Any,
+        replica_id: str,
+        reopen: Callable[[], Any] | None,
+    ):
         self.request_id, self.key, self.replica_id = request_id, key, replica_id
         self._front, self._call, self._reopen = front, call, reopen
         self._delivered = False  # a token reached the caller: no second replica
@@ -149,28 +172,59 @@ class ReplicaStream:
             try:
                 item = await self._call.__anext__()
             except StopAsyncIteration:
-                return self._end(Delta(self.request_id, [], "", finish_reason="error", code=ErrorCode.UNAVAILABLE,
-                                       error="the replica's stream ended early", message="the replica went away"))
+                return self._end(
+                    Delta(
+                        self.request_id,
+                        [],
+                        "",
+                        finish_reason="error",
+                        code=ErrorCode.UNAVAILABLE,
+                        error="the replica's stream ended early",
+                        message="the replica went away",
+                    )
+                )
             except Exception as e:  # noqa: BLE001  (the replica, or the call to it, failed)
                 why = self._front.transport.failure(e)
                 if why is None:
                     raise
                 if not self._delivered and self._reopen is not None:
-                    log.warning("request %s: replica %s failed before its first token (%s); sent to another",
-                                self.request_id, self.replica_id, why)
+                    log.warning(
+                        "request %s: replica %s failed before its first token (%s); sent to another",
+                        self.request_id,
+                        self.replica_id,
+                        why,
+                    )
                     self._front.tally["retried"] += 1
                     reopen, self._reopen = self._reopen, None
                     self._call, self.replica_id = await reopen()
                     continue
-                return self._end(Delta(self.request_id, [], "", finish_reason="error", code=ErrorCode.UNAVAILABLE,
-                                       error=f"replica failed: {why}", message="the replica serving it failed"))
+                return self._end(
+                    Delta(
+                        self.request_id,
+                        [],
+                        "",
+                        finish_reason="error",
+                        code=ErrorCode.UNAVAILABLE,
+                        error=f"replica failed: {why}",
+                        message="the replica serving it failed",
+                    )
+                )
             if not isinstance(item, Delta):
                 continue  # (a second Admitted after a reopen is consumed by reopen itself)
-            if (item.finish_reason == "error" and item.code == ErrorCode.UNAVAILABLE and not item.token_ids
-                    and not self._delivered and self._reopen is not None):
+            if (
+                item.finish_reason == "error"
+                and item.code == ErrorCode.UNAVAILABLE
+                and not item.token_ids
+                and not self._delivered
+                and self._reopen is not None
+            ):
                 # its replica's group went down before its first token (a target rank lost): once elsewhere
-                log.warning("request %s: replica %s unavailable before its first token (%s); sent to another",
-                            self.request_id, self.replica_id, item.error)
+                log.warning(
+                    "request %s: replica %s unavailable before its first token (%s); sent to another",
+                    self.request_id,
+                    self.replica_id,
+                    item.error,
+                )
                 self._front.tally["retried"] += 1
                 reopen, self._reopen = self._reopen, None
                 self._call, self.replica_id = await reopen()
@@ -203,9 +257,15 @@ class ReplicaStream:
 class ReplicaFront:
     """A :class:`~specdist.api.coordinator.Coordinator`'s surface over replicas (module docstring)."""
 
-    def __init__(self, engine: FrontEngine, transport: ReplicaTransport, max_queued: int = 256,
-                 counters: Callable[[], dict[str, int]] | None = None, metrics: Any = None,
-                 tenant_quota: int | None = None):
+    def __init__(
+        self,
+        engine: FrontEngine,
+        transport: ReplicaTransport,
+        max_queued: int = 256,
+        counters: Callable[[], dict[str, int]] | None = None,
+        metrics: Any = None,
+        tenant_quota: int | None = None,
+    ):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         if tenant_quota is not None and tenant_quota < 1:
@@ -278,23 +338,47 @@ class ReplicaFront:
         self._check_serving()
         eng = self.engine
         text, ids = await asyncio.get_running_loop().run_in_executor(
-            self._encoder, lambda: encode_prompt(eng.tokenizer, prompt, vocab_size=eng.vocab_size,
-                                                 max_model_len=eng.max_model_len, chat=chat))
+            self._encoder,
+            lambda: encode_prompt(
+                eng.tokenizer, prompt, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len, chat=chat
+            ),
+        )
         return EncodedPrompt(text, ids, arrival)
 
-    def route(self, prompt: EncodedPrompt, params: SamplingParams | None, key: str, tenant: str,
-              session: str | None = None, kind: str | None = None) -> RouteRequest:
+    def route(
+        self,
+        prompt: EncodedPrompt,
+        params: SamplingParams | None,
+        key: str,
+        tenant: str,
+        session: str | None = None,
+        kind: str | None = None,
+    ) -> RouteRequest:
         """The router's view of a request: its prompt's block hashes (in its tenant's scope when prefixes are
         cached per tenant), its session key (its session id, else its first blocks; always with its tenant) and
         its kind (the replicas measure acceptance per kind: ``default`` when the caller names none)."""
         blocks = block_hashes(prompt.ids, self.block_size, tenant if self.tenant_prefixes else "")
         max_tokens = (params or SamplingParams()).max_tokens
-        return RouteRequest(key, len(prompt.ids), max_tokens, blocks, kind or DEFAULT_KIND,
-                            session_key(tenant, session or None, blocks, self.session_blocks))
+        return RouteRequest(
+            key,
+            len(prompt.ids),
+            max_tokens,
+            blocks,
+            kind or DEFAULT_KIND,
+            session_key(tenant, session or None, blocks, self.session_blocks),
+        )
 
-    async def open(self, prompt: str | Sequence[int] | EncodedPrompt, params: SamplingParams | None = None,
-                   request_id: str | None = None, chat: bool = False, scope: str = "", tenant: str = "",
-                   session: str | None = None, kind: str | None = None) -> ReplicaStream:
+    async def open(
+        self,
+        prompt: str | Sequence[int] | EncodedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
+        scope: str = "",
+        tenant: str = "",
+        session: str | None = None,
+        kind: str | None = None,
+    ) -> ReplicaStream:
         """Admit a request and open its stream on a replica (``Coordinator.open``'s contract; ``session``: the
         client's session id, for affinity; ``kind``: what sort of request it is (``edit``, ``chat``, ...), whose
         measured acceptance on each replica the ``speculative`` policy reads)."""
@@ -315,28 +399,39 @@ class ReplicaFront:
                 # elsewhere
                 retried = True
                 self.tally["retried"] += 1
-                call, replica = await self._open_on_replica(prompt, params, request_id, scope, tenant, route,
-                                                            avoid=getattr(e, "replica_id", ""))
+                call, replica = await self._open_on_replica(
+                    prompt, params, request_id, scope, tenant, route, avoid=getattr(e, "replica_id", "")
+                )
         except BaseException:
             self._live.pop(key, None)
             self._tenant_of.pop(key, None)
             raise
 
         async def reopen() -> tuple[Any, str]:
-            return await self._open_on_replica(prompt, params, request_id, scope, tenant, route,
-                                               avoid=stream.replica_id)
+            return await self._open_on_replica(
+                prompt, params, request_id, scope, tenant, route, avoid=stream.replica_id
+            )
 
         stream = ReplicaStream(self, request_id, key, call, replica, None if retried else reopen)
         self._live[key] = stream
         self.tally["requests_total"] += 1
         return stream
 
-    async def _open_on_replica(self, prompt: EncodedPrompt, params, request_id: str, scope: str, tenant: str,
-                               route: RouteRequest, avoid: str = "") -> tuple[Any, str]:
+    async def _open_on_replica(
+        self,
+        prompt: EncodedPrompt,
+        params,
+        request_id: str,
+        scope: str,
+        tenant: str,
+        route: RouteRequest,
+        avoid: str = "",
+    ) -> tuple[Any, str]:
         """Open the stream and read the replica's first answer: (call, replica id); its refusal raised (an
         UNAVAILABLE one as :class:`ReplicaRefused`, naming the replica)."""
-        call = self.transport.open(prompt, params, request_id, scope, tenant, route,
-                                   time.perf_counter() - prompt.arrival, avoid)
+        call = self.transport.open(
+            prompt, params, request_id, scope, tenant, route, time.perf_counter() - prompt.arrival, avoid
+        )
         try:
             first = await call.__anext__()
         except StopAsyncIteration:
@@ -366,8 +461,9 @@ class ReplicaFront:
             raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
         quota = self.tenant_quota
         if quota is not None and sum(t == tenant for t in self._tenant_of.values()) >= quota:  # O(live)
-            raise TenantQuotaExceeded(f"this tenant holds {quota} live requests (limits.max_queued_per_tenant="
-                                      f"{quota}); retry later")
+            raise TenantQuotaExceeded(
+                f"this tenant holds {quota} live requests (limits.max_queued_per_tenant={quota}); retry later"
+            )
         return request_id
 
     async def cancel(self, request_id: str, scope: str = "") -> bool:
@@ -397,12 +493,16 @@ class ReplicaFront:
         for name, v in self._replica_counters().items():
             summed[name] += v
         return {
-            "running": summed["running"], "queued": summed["queued"],
+            "running": summed["running"],
+            "queued": summed["queued"],
             "target_kv_slots_used": summed["target_kv_slots_used"],
             "draft_kv_slots_used": summed["draft_kv_slots_used"],
-            **{k: self.tally[k] for k in ("requests_total", "requests_finished", "requests_cancelled",
-                                          "requests_failed")},
-            "active_streams": len(self._live), "live_requests": len(self._live),
+            **{
+                k: self.tally[k]
+                for k in ("requests_total", "requests_finished", "requests_cancelled", "requests_failed")
+            },
+            "active_streams": len(self._live),
+            "live_requests": len(self._live),
         }
 
 
@@ -422,23 +522,33 @@ class FrontMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         f = self.front
-        yield GaugeMetricFamily("specdist_replicas", "Speculative groups (Serve replicas) running",
-                                value=f.engine.replica_count)
-        routed = CounterMetricFamily("specdist_router_requests", "Requests the router sent to each replica",
-                                     labels=["replica", "policy"])
+        yield GaugeMetricFamily(
+            "specdist_replicas", "Speculative groups (Serve replicas) running", value=f.engine.replica_count
+        )
+        routed = CounterMetricFamily(
+            "specdist_router_requests", "Requests the router sent to each replica", labels=["replica", "policy"]
+        )
         for rid, n in sorted(f.routed.items()):
             routed.add_metric([rid, f.engine.router_policy], n)
         yield routed
-        yield CounterMetricFamily("specdist_router_retries", "Requests sent to a second replica after theirs "
-                                  "failed before their first token", value=f.tally["retried"])
-        totals = CounterMetricFamily("specdist_front_requests", "Requests through this front, by outcome",
-                                     labels=["outcome"])
+        yield CounterMetricFamily(
+            "specdist_router_retries",
+            "Requests sent to a second replica after theirs failed before their first token",
+            value=f.tally["retried"],
+        )
+        totals = CounterMetricFamily(
+            "specdist_front_requests", "Requests through this front, by outcome", labels=["outcome"]
+        )
         for k in ("requests_total", "requests_finished", "requests_cancelled", "requests_failed"):
             totals.add_metric([k.removeprefix("requests_")], f.tally[k])
         yield totals
         if self.reports is not None:
-            gauges = {name: GaugeMetricFamily(f"specdist_replica_{name}", f"{name} on each replica (its last report)",
-                                              labels=["replica"]) for name in ("running", "queued", "live_requests")}
+            gauges = {
+                name: GaugeMetricFamily(
+                    f"specdist_replica_{name}", f"{name} on each replica (its last report)", labels=["replica"]
+                )
+                for name in ("running", "queued", "live_requests")
+            }
             for rid, r in sorted(self.reports.fresh().items()):
                 for name, g in gauges.items():
                     g.add_metric([rid], (r.get("counters") or {}).get(name, 0))
@@ -475,4 +585,3 @@ class ReplicaReports:
             for name, v in (r.get("counters") or {}).items():
                 out[name] += int(v)
         return dict(out)
-

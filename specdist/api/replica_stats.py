@@ -141,8 +141,14 @@ class ReplicaLedger:
             self.remember(full_blocks)
 
     # ------------------------------------------------------------ what it reports
-    def stats(self, replica_id: str, now: float, max_batch_size: int,
-              queued: Sequence[Pending] | None = None, running: Sequence[Pending] | None = None) -> ReplicaStats:
+    def stats(
+        self,
+        replica_id: str,
+        now: float,
+        max_batch_size: int,
+        queued: Sequence[Pending] | None = None,
+        running: Sequence[Pending] | None = None,
+    ) -> ReplicaStats:
         """The report (``queued`` / ``running``: as the caller knows them; default: the requests held here)."""
         if queued is None or running is None:
             q, r = [], []
@@ -155,8 +161,20 @@ class ReplicaLedger:
         tps = {k: t / s for (k, held), (t, s) in self.measured.items() if not held and s}
         held_tps = {k: t / s for (k, held), (t, s) in self.measured.items() if held and s}
         step_s, per_request = fit_steps((b, x) for b, xs in self.recent_steps.items() for x in xs)
-        return ReplicaStats(replica_id, now, max_batch_size, tuple(queued), tuple(running), tps, held_tps, step_s,
-                            per_request, self.prefill_s_per_token, self._cache_view, frozenset(self.index))
+        return ReplicaStats(
+            replica_id,
+            now,
+            max_batch_size,
+            tuple(queued),
+            tuple(running),
+            tps,
+            held_tps,
+            step_s,
+            per_request,
+            self.prefill_s_per_token,
+            self._cache_view,
+            frozenset(self.index),
+        )
 
 
 class EngineLedger:
@@ -173,8 +191,15 @@ class EngineLedger:
         self._prompts: dict[str, tuple[list[int], str]] = {}  # request key -> (prompt ids, hash scope)
         self._prefill_tokens = 0  # admitted prompt tokens not prefilled yet (measured at the next step)
 
-    def admit(self, key: str, prompt_ids: Sequence[int], max_tokens: int, session: str = "",
-              kind: str = DEFAULT_KIND, scope: str = "") -> bool:
+    def admit(
+        self,
+        key: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        session: str = "",
+        kind: str = DEFAULT_KIND,
+        scope: str = "",
+    ) -> bool:
         blocks = block_hashes(prompt_ids, self.block_size, scope)
         route = RouteRequest(key, len(prompt_ids), max_tokens, blocks, kind or DEFAULT_KIND, session)
         with self.lock:

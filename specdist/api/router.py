@@ -35,8 +35,15 @@ from typing import Any
 from specdist.config import ROUTER_POLICIES, RouterConfig
 
 __all__ = [
-    "POLICIES", "Pending", "ReplicaStats", "RouteRequest", "Router", "block_hashes", "cached_prefix_blocks",
-    "make_policy", "session_key",
+    "POLICIES",
+    "Pending",
+    "ReplicaStats",
+    "RouteRequest",
+    "Router",
+    "block_hashes",
+    "cached_prefix_blocks",
+    "make_policy",
+    "session_key",
 ]
 
 DEFAULT_KIND = "default"
@@ -51,7 +58,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, scope: str = "") -> 
     out: list[int] = []
     h = hashlib.blake2b(scope.encode(), digest_size=8).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start:start + block_size])
+        block = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start : start + block_size])
         h = hashlib.blake2b(h + block, digest_size=8).digest()
         out.append(int.from_bytes(h, "little"))
     return tuple(out)
@@ -94,14 +101,25 @@ class RouteRequest:
     session: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens,
-                "prompt_blocks": list(self.prompt_blocks), "kind": self.kind, "session": self.session}
+        return {
+            "request_id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "prompt_blocks": list(self.prompt_blocks),
+            "kind": self.kind,
+            "session": self.session,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RouteRequest:
-        return cls(str(d["request_id"]), int(d["prompt_tokens"]), int(d["max_tokens"]),
-                   tuple(int(b) for b in d.get("prompt_blocks", ())), str(d.get("kind", DEFAULT_KIND)),
-                   str(d.get("session", "")))
+        return cls(
+            str(d["request_id"]),
+            int(d["prompt_tokens"]),
+            int(d["max_tokens"]),
+            tuple(int(b) for b in d.get("prompt_blocks", ())),
+            str(d.get("kind", DEFAULT_KIND)),
+            str(d.get("session", "")),
+        )
 
 
 @dataclass(frozen=True)
@@ -121,7 +139,8 @@ class ReplicaStats:
     ``session_tokens_per_step``: the same over requests whose session the suffix index held when they
     started; a target step's seconds as measured, fitted on the requests verifying in it: ``step_s`` +
     ``step_s_per_request`` x requests (0 and 0 before any was measured); ``prefill_s_per_token``: seconds a
-    prompt token's prefill adds to a step; ``cached_blocks``: block hashes (:func:`block_hashes`) its prefix cache holds;
+    prompt token's prefill adds to a step; ``cached_blocks``: block hashes (:func:`block_hashes`) its prefix cache
+    holds;
     ``sessions``: the session keys (:func:`session_key`) its suffix index holds."""
 
     replica_id: str
@@ -154,30 +173,44 @@ class ReplicaStats:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``record_routing_stats`` (Serve sends it to every router)."""
+
         def pend(p: Pending) -> list:
             return [p.request_id, p.remaining_tokens, p.kind]
 
-        return {"replica_id": self.replica_id, "reported_at": self.reported_at, "max_batch_size": self.max_batch_size,
-                "queued": [pend(p) for p in self.queued], "running": [pend(p) for p in self.running],
-                "tokens_per_step": dict(self.tokens_per_step),
-                "session_tokens_per_step": dict(self.session_tokens_per_step), "step_s": self.step_s,
-                "step_s_per_request": self.step_s_per_request,
-                "prefill_s_per_token": self.prefill_s_per_token, "cached_blocks": sorted(self.cached_blocks),
-                "sessions": sorted(self.sessions)}
+        return {
+            "replica_id": self.replica_id,
+            "reported_at": self.reported_at,
+            "max_batch_size": self.max_batch_size,
+            "queued": [pend(p) for p in self.queued],
+            "running": [pend(p) for p in self.running],
+            "tokens_per_step": dict(self.tokens_per_step),
+            "session_tokens_per_step": dict(self.session_tokens_per_step),
+            "step_s": self.step_s,
+            "step_s_per_request": self.step_s_per_request,
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "cached_blocks": sorted(self.cached_blocks),
+            "sessions": sorted(self.sessions),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], replica_id: str | None = None) -> ReplicaStats:
         def pend(items) -> tuple[Pending, ...]:
             return tuple(Pending(str(r), int(n), str(k)) for r, n, k in items)
 
-        return cls(replica_id if replica_id is not None else str(d["replica_id"]), float(d["reported_at"]),
-                   int(d.get("max_batch_size", 1)), pend(d.get("queued", ())), pend(d.get("running", ())),
-                   {str(k): float(v) for k, v in d.get("tokens_per_step", {}).items()},
-                   {str(k): float(v) for k, v in d.get("session_tokens_per_step", {}).items()},
-                   float(d.get("step_s", 0.0)), float(d.get("step_s_per_request", 0.0)),
-                   float(d.get("prefill_s_per_token", 0.0)),
-                   frozenset(int(b) for b in d.get("cached_blocks", ())),
-                   frozenset(str(s) for s in d.get("sessions", ())))
+        return cls(
+            replica_id if replica_id is not None else str(d["replica_id"]),
+            float(d["reported_at"]),
+            int(d.get("max_batch_size", 1)),
+            pend(d.get("queued", ())),
+            pend(d.get("running", ())),
+            {str(k): float(v) for k, v in d.get("tokens_per_step", {}).items()},
+            {str(k): float(v) for k, v in d.get("session_tokens_per_step", {}).items()},
+            float(d.get("step_s", 0.0)),
+            float(d.get("step_s_per_request", 0.0)),
+            float(d.get("prefill_s_per_token", 0.0)),
+            frozenset(int(b) for b in d.get("cached_blocks", ())),
+            frozenset(str(s) for s in d.get("sessions", ())),
+        )
 
 
 @dataclass
@@ -197,8 +230,11 @@ class View:
         return self.stats.load + len(self.sent)
 
     def pending(self) -> list[Pending]:
-        return [*self.stats.queued, *self.stats.running,
-                *(Pending(r.request_id, r.max_tokens, r.kind) for r in self.sent)]
+        return [
+            *self.stats.queued,
+            *self.stats.running,
+            *(Pending(r.request_id, r.max_tokens, r.kind) for r in self.sent),
+        ]
 
     def cached_blocks(self, request: RouteRequest) -> int:
         n = cached_prefix_blocks(request.prompt_blocks, self.stats.cached_blocks)
@@ -212,8 +248,9 @@ class View:
         return n
 
     def holds_session(self, request: RouteRequest) -> bool:
-        return bool(request.session) and (request.session in self.stats.sessions
-                                          or any(r.session == request.session for r in self.sent))
+        return bool(request.session) and (
+            request.session in self.stats.sessions or any(r.session == request.session for r in self.sent)
+        )
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -224,6 +261,7 @@ def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
         POLICIES[name] = cls
         cls.name = name
         return cls
+
     return deco
 
 
@@ -282,8 +320,9 @@ class PrefixPolicy(Policy):
 class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`)."""
 
-    def expected_finish(self, request: RouteRequest, view: View,
-                        fit: tuple[float, float, float] | None = None) -> float:
+    def expected_finish(
+        self, request: RouteRequest, view: View, fit: tuple[float, float, float] | None = None
+    ) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
         slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
         lacks.
@@ -326,8 +365,11 @@ class SpeculativePolicy(Policy):
     @staticmethod
     def measured_fit(replicas: Sequence[View]) -> tuple[float, float, float] | None:
         """The trusted replicas' mean step fit and prefill cost, over those that measured them (None: none did)."""
-        steps = [(v.stats.step_s, v.stats.step_s_per_request) for v in replicas
-                 if v.stats.step_s > 0 or v.stats.step_s_per_request > 0]
+        steps = [
+            (v.stats.step_s, v.stats.step_s_per_request)
+            for v in replicas
+            if v.stats.step_s > 0 or v.stats.step_s_per_request > 0
+        ]
         prefills = [v.stats.prefill_s_per_token for v in replicas if v.stats.prefill_s_per_token > 0]
         if not steps and not prefills:
             return None
@@ -382,8 +424,9 @@ class Router:
                 out.append(View(s, tuple(r for _, r in self.sent.get(rid, {}).values())))
         return out
 
-    def choose(self, request: RouteRequest, now: float, candidates: Sequence[str] | None = None,
-               book: bool = True) -> str:
+    def choose(
+        self, request: RouteRequest, now: float, candidates: Sequence[str] | None = None, book: bool = True
+    ) -> str:
         """The replica for ``request``; ``book``: count it there now (else :meth:`book` once it is sent)."""
         views = self.trusted(now, candidates)
         if views:

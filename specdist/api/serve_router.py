@@ -23,7 +23,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from specdist.api.router import ReplicaStats, RouteRequest, Router, session_key
+from specdist.api.router import ReplicaStats, Router, RouteRequest, session_key
 from specdist.config import RouterConfig, build_section
 
 __all__ = ["ROUTE_KWARG", "SpecdistRequestRouter"]
@@ -34,8 +34,9 @@ ROUTE_KWARG = "specdist_route"  # the handle call's keyword argument carrying Ro
 class SpecdistRequestRouter(FIFOMixin, RequestRouter):
     """Serve's request router running :class:`specdist.api.router.Router` (policy by ``router.policy``)."""
 
-    def initialize_state(self, router: dict | None = None, block_size: int = 16, seed: int = 0,
-                         tenant: str = "", **_: Any) -> None:
+    def initialize_state(
+        self, router: dict | None = None, block_size: int = 16, seed: int = 0, tenant: str = "", **_: Any
+    ) -> None:
         """``router``: the config's ``router:`` section as a dict (checked as the config checks it)."""
         cfg = build_section(RouterConfig, router or {}, "router")
         cfg.validate("router")
@@ -53,8 +54,14 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
         req = RouteRequest.from_dict({**d, "request_id": request_id})
         sid = getattr(meta, "session_id", "")
         if not req.session and sid:  # scoped by tenant like every key (specdist.api.router.session_key)
-            req = RouteRequest(req.request_id, req.prompt_tokens, req.max_tokens, req.prompt_blocks, req.kind,
-                               session_key(str(d.get("tenant", self.tenant)), sid, (), 0))
+            req = RouteRequest(
+                req.request_id,
+                req.prompt_tokens,
+                req.max_tokens,
+                req.prompt_blocks,
+                req.kind,
+                session_key(str(d.get("tenant", self.tenant)), sid, (), 0),
+            )
         return req
 
     def take_reports(self, replicas: list[RunningReplica]) -> None:
@@ -74,8 +81,9 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
                 for observe in list(replica_set.REPORT_OBSERVERS):
                     observe(rid, stats)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         self.take_reports(candidate_replicas)

@@ -72,45 +72,71 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help=default_config_help())
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; "
-                             "default: off; needs the [http] extra)")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; "
+        "default: off; needs the [http] extra)",
+    )
     parser.add_argument("--http-host", default=None, help="address the HTTP API listens on (default: --host)")
     parser.add_argument("--max-queued", type=int, default=256, help="most requests running + waiting at once")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
+    )
     parser.add_argument("--drain-seconds", type=float, default=5.0, help="on shutdown, wait this long for requests")
     parser.add_argument(
-        "--ray-address", default=None,
+        "--ray-address",
+        default=None,
         help="cluster.enabled: connect to this Ray cluster (e.g. auto, or ray://host:10001); "
-             "default: start a local Ray cluster for the deployment and shut it down on exit",
+        "default: start a local Ray cluster for the deployment and shut it down on exit",
     )
     parser.add_argument(
-        "--worker-host", default="127.0.0.1",
+        "--worker-host",
+        default="127.0.0.1",
         help="cluster.enabled: address the target/draft workers listen on (must be reachable from this process); "
-             "'node': each worker its own Ray node's address; 0.0.0.0: all interfaces, advertising the node's",
+        "'node': each worker its own Ray node's address; 0.0.0.0: all interfaces, advertising the node's",
     )
     add_tls_arguments(parser)
-    parser.add_argument("--tls-client-ca", default=None, metavar="PATH",
-                        help="require client certificates signed by this CA (PEM; needs --tls-cert)")
-    parser.add_argument("--admin-token-file", default=None, metavar="PATH",
-                        help="the token that reads /metrics and GetServerInfo's counters (every tenant's traffic); "
-                             "with several tenants and none, nobody reads them")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PATH",
+        help="require client certificates signed by this CA (PEM; needs --tls-cert)",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        default=None,
+        metavar="PATH",
+        help="the token that reads /metrics and GetServerInfo's counters (every tenant's traffic); "
+        "with several tenants and none, nobody reads them",
+    )
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, ca: bool = False) -> None:
     """The TLS and token flags ``serve`` (the server's certificate) and ``generate --server`` (the client's) share."""
     who = "client" if ca else "server"
     if ca:
-        parser.add_argument("--tls-ca", default=None, metavar="PATH",
-                            help="with --server: TLS, trusting this CA (PEM; default: plaintext, or the system's "
-                                 "roots with --tls-cert)")
-    parser.add_argument("--tls-cert", default=None, metavar="PATH",
-                        help=f"TLS: the {who} certificate chain (PEM; with --tls-key)")
+        parser.add_argument(
+            "--tls-ca",
+            default=None,
+            metavar="PATH",
+            help="with --server: TLS, trusting this CA (PEM; default: plaintext, or the system's "
+            "roots with --tls-cert)",
+        )
+    parser.add_argument(
+        "--tls-cert", default=None, metavar="PATH", help=f"TLS: the {who} certificate chain (PEM; with --tls-key)"
+    )
     parser.add_argument("--tls-key", default=None, metavar="PATH", help=f"TLS: the {who} private key (PEM)")
-    parser.add_argument("--auth-token-file", default=None, metavar="PATH",
-                        help="bearer token file: " + ("sent with every call" if ca else
-                                                      "required on every call except health checks"))
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="bearer token file: " + ("sent with every call" if ca else "required on every call except health checks"),
+    )
 
 
 def _log(msg: str) -> None:
@@ -209,8 +235,10 @@ def describe(backend: "Backend") -> str:
     if backend.deployment is None:
         return "in process"
     cfg = backend.engine.config
-    return (f"on a Ray deployment: TP={cfg.cluster.tensor_parallel_size} target at {backend.target_address}, "
-            f"{len(backend.draft_addresses)} draft worker(s)")
+    return (
+        f"on a Ray deployment: TP={cfg.cluster.tensor_parallel_size} target at {backend.target_address}, "
+        f"{len(backend.draft_addresses)} draft worker(s)"
+    )
 
 
 @dataclass
@@ -236,8 +264,10 @@ class Backend:
         t0 = time.perf_counter()
         self.close()
         ray_note = ", Ray shut down" if self.owns_ray else ""
-        log(f"deployment stopped in {time.perf_counter() - t0:.1f}s "
-            f"({self._actors_stopped} actors, placement groups removed{ray_note})")
+        log(
+            f"deployment stopped in {time.perf_counter() - t0:.1f}s "
+            f"({self._actors_stopped} actors, placement groups removed{ray_note})"
+        )
 
     def close(self) -> None:
         """Close the engine, stop the deployment (actors + placement groups), shut down Ray if ours. Idempotent."""
@@ -261,9 +291,17 @@ class Backend:
                     ray.shutdown()
 
 
-def start_backend(config: Any, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                  log: Callable[[str], None] = _log, tokenizer: Any = None, sources: Any = None,
-                  max_queued: int = 256, drain_seconds: float = 5.0, draft: Any = None) -> Backend:
+def start_backend(
+    config: Any,
+    ray_address: str | None = None,
+    worker_host: str = "127.0.0.1",
+    log: Callable[[str], None] = _log,
+    tokenizer: Any = None,
+    sources: Any = None,
+    max_queued: int = 256,
+    drain_seconds: float = 5.0,
+    draft: Any = None,
+) -> Backend:
     """Load the engine (cluster.enabled false), or bring a Ray deployment up and connect a RemoteEngine to it.
 
     The config's model specs are resolved once, here (:func:`specdist.models.metadata.resolve_sources`; a bad
@@ -321,11 +359,14 @@ def start_backend(config: Any, ray_address: str | None = None, worker_host: str 
             backend.replicas = start_replicas(cfg, sources, max_queued, drain_seconds, worker_host, log)
             backend.engine = backend.replicas.front.engine
             return backend
-        log(f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
-            f"(timeout {cc.bringup_timeout_s:g}s)")
+        log(
+            f"bringing up {cc.tensor_parallel_size} target rank(s) + {cc.num_draft_workers} draft worker(s) "
+            f"(timeout {cc.bringup_timeout_s:g}s)"
+        )
         backend.deployment = Deployment.from_config(cfg)
-        target, drafts = backend.deployment.start(cfg, host=worker_host, timeout_s=cc.bringup_timeout_s,
-                                                  sources=sources, draft=draft)
+        target, drafts = backend.deployment.start(
+            cfg, host=worker_host, timeout_s=cc.bringup_timeout_s, sources=sources, draft=draft
+        )
         backend.target_address, backend.draft_addresses = target, list(drafts)
         log(f"target worker (rank 0) at {target}; draft workers at {', '.join(drafts) or '-'}")
         backend.engine = backend.deployment.connect()
@@ -385,11 +426,20 @@ class Serving:
             self.metrics_server = None
 
 
-async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int = 0, max_queued: int = 256,
-                        drain_seconds: float = 5.0, ray_address: str | None = None, worker_host: str = "127.0.0.1",
-                        backend: Backend | None = None, metrics_port: int | None = None,
-                        http_port: int | None = None, http_host: str | None = None,
-                        security: Any = None) -> Serving:
+async def start_serving(
+    config: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_queued: int = 256,
+    drain_seconds: float = 5.0,
+    ray_address: str | None = None,
+    worker_host: str = "127.0.0.1",
+    backend: Backend | None = None,
+    metrics_port: int | None = None,
+    http_port: int | None = None,
+    http_host: str | None = None,
+    security: Any = None,
+) -> Serving:
     """Everything ``specdist serve`` does before waiting for a signal; returns the handle to stop it.
 
     Without ``backend`` it is brought up here (:func:`start_backend`, blocking this event loop).
@@ -397,8 +447,8 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
     ``http_port``: also serve the OpenAI-compatible HTTP API there (on ``http_host``, default ``host``).
     ``security``: a :class:`specdist.transport.security.ServerSecurity` (TLS, token) for every one of these ports.
     """
-    from specdist.transport.security import start_metrics_server
     from specdist.api.grpc_server import serve
+    from specdist.transport.security import start_metrics_server
 
     if http_port is not None:
         check_http_dependencies()
@@ -406,8 +456,9 @@ async def start_serving(config: Any = None, host: str = "127.0.0.1", port: int =
         backend = start_backend(config, ray_address, worker_host, max_queued=max_queued, drain_seconds=drain_seconds)
     front = backend.replicas.front if backend.replicas is not None else None
     try:
-        server, coordinator = await serve(backend.engine, host, port, max_queued, drain_seconds, security,
-                                          coordinator=front)
+        server, coordinator = await serve(
+            backend.engine, host, port, max_queued, drain_seconds, security, coordinator=front
+        )
     except BaseException:
         await asyncio.to_thread(backend.close)
         raise
@@ -473,10 +524,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdist.config import load_config
     from specdist.transport.security import ServerSecurity
 
-    args.security = ServerSecurity.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                                             getattr(args, "tls_client_ca", None),
-                                             getattr(args, "auth_token_file", None),
-                                             getattr(args, "admin_token_file", None))
+    args.security = ServerSecurity.from_args(
+        getattr(args, "tls_cert", None),
+        getattr(args, "tls_key", None),
+        getattr(args, "tls_client_ca", None),
+        getattr(args, "auth_token_file", None),
+        getattr(args, "admin_token_file", None),
+    )
     cfg = load_config(args.config)
     draft = check_config(cfg)
     http_port = getattr(args, "http_port", None)
@@ -492,8 +546,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # bring-up can take minutes: SIGTERM then interrupts it like Ctrl-C, so it tears down what it made
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        backend = start_backend(cfg, getattr(args, "ray_address", None), getattr(args, "worker_host", "127.0.0.1"),
-                                max_queued=args.max_queued, drain_seconds=args.drain_seconds, draft=draft)
+        backend = start_backend(
+            cfg,
+            getattr(args, "ray_address", None),
+            getattr(args, "worker_host", "127.0.0.1"),
+            max_queued=args.max_queued,
+            drain_seconds=args.drain_seconds,
+            draft=draft,
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
     # this process serves from here on: its start-up objects leave the garbage collector's walks
@@ -546,20 +606,29 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 async def _serve_until_signalled(backend: Backend, args: argparse.Namespace) -> None:
-    serving = await start_serving(host=args.host, port=args.port, max_queued=args.max_queued,
-                                  drain_seconds=args.drain_seconds, backend=backend,
-                                  metrics_port=getattr(args, "metrics_port", None),
-                                  http_port=getattr(args, "http_port", None),
-                                  http_host=getattr(args, "http_host", None), security=args.security)
+    serving = await start_serving(
+        host=args.host,
+        port=args.port,
+        max_queued=args.max_queued,
+        drain_seconds=args.drain_seconds,
+        backend=backend,
+        metrics_port=getattr(args, "metrics_port", None),
+        http_port=getattr(args, "http_port", None),
+        http_host=getattr(args, "http_host", None),
+        security=args.security,
+    )
     engine = backend.engine
     cfg = engine.config
     sec = args.security
     _log(describe_security(sec))
     if isinstance(sec.token, tuple) and len(sec.token) > 1 and sec.admin_token is None:
-        _log("several tenants and no --admin-token-file: /metrics and GetServerInfo's counters are refused to every "
-             "token")
-    _log(f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) "
-         f"on {serving.address}")
+        _log(
+            "several tenants and no --admin-token-file: /metrics and GetServerInfo's counters are refused to every "
+            "token"
+        )
+    _log(
+        f"serving {cfg.target.model} (draft={cfg.draft.method} k={engine.k}, {describe(backend)}) on {serving.address}"
+    )
     if sec.token is not None and sec.tls is None:
         _log("warning: --auth-token-file without --tls-cert: the token crosses the network in cleartext")
     if serving.http is not None:
@@ -587,12 +656,16 @@ def describe_security(security: Any) -> str:
         tls = "plaintext"
     else:
         tls = "mutual TLS" if security.tls.client_ca is not None else "TLS"
-    return "public ports: " + tls + (", bearer token required" if security.token is not None else
-                                     ", no authentication")
+    return "public ports: " + tls + (", bearer token required" if security.token is not None else ", no authentication")
 
 
-def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dict[str, Any], raw: bool,
-                        client_kwargs: dict[str, Any] | None = None) -> int:
+def run_remote_generate(
+    server: str,
+    prompt: str | list[int],
+    params_kwargs: dict[str, Any],
+    raw: bool,
+    client_kwargs: dict[str, Any] | None = None,
+) -> int:
     """Stream one generation from a running server to stdout; stats on stderr.
 
     ``params_kwargs``: SpecDistClient.generate keywords (max_tokens, temperature, top_p,
@@ -634,7 +707,8 @@ def run_remote_generate(server: str, prompt: str | list[int], params_kwargs: dic
     reason = last.finish_reason if last is not None else None
     if reason not in ("stop", "length"):
         what = {"abort": "was aborted by the server", "error": "failed on the server"}.get(
-            reason, "ended without a finish reason")
+            reason, "ended without a finish reason"
+        )
         raise RequestFailed(f"the request {what} (finish_reason={reason or 'none'})")
     return 0
 

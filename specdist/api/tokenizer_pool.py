@@ -35,8 +35,11 @@ class TokenizerPool:
         arrival = time.perf_counter()
         eng = self.engine
         text, ids = await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: encode_prompt(eng.tokenizer, prompt, vocab_size=eng.vocab_size,
-                                              max_model_len=eng.max_model_len, chat=chat))
+            self._pool,
+            lambda: encode_prompt(
+                eng.tokenizer, prompt, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len, chat=chat
+            ),
+        )
         return EncodedPrompt(text, ids, arrival)
 
     def shutdown(self) -> None:

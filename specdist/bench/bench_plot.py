@@ -61,12 +61,21 @@ def plot_throughput(doc: dict, path: str) -> str:
             xs = sorted({_level_key(r) for r in rows})  # categorical positions: inf is a level too
             for variant in _variants(rows):
                 mine = sorted((r for r in rows if r["variant"] == variant), key=_level_key)
-                ax.plot([xs.index(_level_key(r)) for r in mine], [r["output_tokens_per_s"] for r in mine],
-                        marker="o", label=variant)
+                ax.plot(
+                    [xs.index(_level_key(r)) for r in mine],
+                    [r["output_tokens_per_s"] for r in mine],
+                    marker="o",
+                    label=variant,
+                )
             hf = doc.get("hf_plain")
             if hf:
-                ax.axhline(hf["output_tokens_per_s"], color="grey", linestyle="--", linewidth=1,
-                           label="transformers generate, 1 request at a time")
+                ax.axhline(
+                    hf["output_tokens_per_s"],
+                    color="grey",
+                    linestyle="--",
+                    linewidth=1,
+                    label="transformers generate, 1 request at a time",
+                )
             ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
             ax.set_xlabel(_MODES[mode])
             ax.set_ylabel("output tokens/s")
@@ -101,8 +110,14 @@ def plot_latency(doc: dict, path: str) -> str:
                 positive &= xs[0] > 0
                 colour = cmap(labels.index(r["label"]) / max(1, len(labels) - 1))
                 style = _STYLES[variants.index(r["variant"]) % len(_STYLES)]
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=colour,
-                        linestyle=style, label=f"{r['variant']} {r['label']}")
+                ax.step(
+                    xs,
+                    [(i + 1) / len(xs) for i in range(len(xs))],
+                    where="post",
+                    color=colour,
+                    linestyle=style,
+                    label=f"{r['variant']} {r['label']}",
+                )
             if positive:
                 ax.set_xscale("log")
             ax.set_xlabel(f"{name}, ms")

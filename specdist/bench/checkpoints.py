@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 # about 1.0 B parameters with the 49,152-token vocabulary of the built-in tokenizer
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
-                num_attention_heads=32, num_key_value_heads=8)
+LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=32, num_key_value_heads=8
+)
 # a small draft for it: 4 layers of width 512 (about 0.07 B parameters, mostly embeddings)
-LLAMA_DRAFT = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4)
+LLAMA_DRAFT = dict(
+    hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+)
 
 
 @dataclass(frozen=True)
@@ -38,20 +40,34 @@ def llama_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
-            p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
-            p + "mlp.down_proj.weight": (d, inter),
-            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (d, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, d),
+                p + "mlp.gate_proj.weight": (inter, d),
+                p + "mlp.up_proj.weight": (inter, d),
+                p + "mlp.down_proj.weight": (d, inter),
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     shapes["lm_head.weight"] = (v, d)
     return shapes
 
 
-def write_random_llama(path: str, vocab_size: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                       std: float = 0.02, tokenizer=None, shard_bytes: int = 2 << 30, **arch) -> Written:
+def write_random_llama(
+    path: str,
+    vocab_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    std: float = 0.02,
+    tokenizer=None,
+    shard_bytes: int = 2 << 30,
+    **arch,
+) -> Written:
     """Write a random Llama checkpoint to ``path`` (``arch``: hidden_size, intermediate_size,
     num_hidden_layers, num_attention_heads, num_key_value_heads; see LLAMA_1B). At most one
     file's worth (``shard_bytes``) of tensors is in memory at a time."""
@@ -93,10 +109,17 @@ def write_random_llama(path: str, vocab_size: int, dtype: torch.dtype = torch.bf
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-        "bos_token_id": 1, "eos_token_id": 2, **cfg,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **cfg,
     }
     if tokenizer is not None:
         config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -107,11 +130,20 @@ def write_random_llama(path: str, vocab_size: int, dtype: torch.dtype = torch.bf
     return Written(path, num_params, total)
 
 
-def write_random_eagle3_head(path: str, target_config, draft_vocab_size: int | None = None, seed: int = 0,
-                             std: float = 0.02, hidden_size: int | None = None,
-                             intermediate_size: int | None = None, num_heads: int | None = None,
-                             num_kv_heads: int | None = None, aux_layers=None, with_embed: bool = False,
-                             dtype: torch.dtype = torch.float32) -> Written:
+def write_random_eagle3_head(
+    path: str,
+    target_config,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    std: float = 0.02,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    aux_layers=None,
+    with_embed: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> Written:
     """Write a random EAGLE-3 draft head for the target whose config is ``target_config`` (a
     transformers config or a dict) to ``path``: ``config.json`` and ``model.safetensors`` in the
     published layout (see :mod:`specdist.models.eagle3`).
@@ -181,13 +213,25 @@ def write_random_eagle3_head(path: str, target_config, draft_vocab_size: int | N
         tensors["t2d"] = t2d
 
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta, "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(get("max_position_embeddings", 2048)), "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab, "target_hidden_size": t_hidden, "norm_before_residual": False,
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(get("max_position_embeddings", 2048)),
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": t_hidden,
+        "norm_before_residual": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if aux_layers is not None:
         config["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layers]

@@ -48,8 +48,8 @@ Passes. ``--repeat N`` measures every variant N times: pass p runs the variants 
 rotated by p (a config variant's server, Ray deployment included, starts afresh in each pass), and
 each level's figures pool its passes (requests, seconds, tokens, phases summed; percentiles over all
 requests). A shared machine's throughput drifts over minutes (10-30% on the development VM:
-docs/performance.md), so one pass of each variant, run one after the other, can put the drift on one of them. The report ends with each level's pooled
-ratio of the first variant's output tokens/s over each other's, and each pass's ratio.
+docs/performance.md), so one pass of each variant, run one after the other, can put the drift on one of them. The report
+ends with each level's pooled ratio of the first variant's output tokens/s over each other's, and each pass's ratio.
 
 ``--json PATH`` writes one object (strict JSON: no NaN or Infinity), schema
 ``specdist.bench.cluster/1``; a new key may be added, none is renamed or removed::
@@ -74,7 +74,8 @@ ratio of the first variant's output tokens/s over each other's, and each pass's 
                  "vs_hf_plain" (with --hf-baseline),
                  "passes_output_tokens_per_s": [float] (each pass's, in run order; one without --repeat),
                  "per_request": [{"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted",
-                                  "accepted", "pipeline_hits", "pipeline_misses", "itl_s": [float]}]  # in request order (seed 1000 + i)
+                                  "accepted", "pipeline_hits", "pipeline_misses", "itl_s": [float]}]
+                                 # per_request: in request order (seed 1000 + i)
                 }],
      "hf_plain": {"requests", "output_tokens_per_s"} | null}
 
@@ -116,7 +117,9 @@ SCHEMA = "specdist.bench.cluster/1"
 VARIANTS: dict[str, dict[str, Any]] = {
     "spec": {},  # the config as given
     "no-spec": {"draft": {"method": "none", "model": None}, "cluster": {"num_draft_workers": 0}},
-    "pipelined": {"draft": {"pipeline": True}},  # drafts prepared during verification (specdist/cores/draft_pipeline.py)
+    "pipelined": {
+        "draft": {"pipeline": True}
+    },  # drafts prepared during verification (specdist/cores/draft_pipeline.py)
     "sequential": {"draft": {"pipeline": False}},  # draft, then verify
     # one speculative group as a Ray Serve replica (cluster/serve.py) against today's deployment behind one
     # coordinator (cluster.replicas unset), the same config otherwise
@@ -137,40 +140,77 @@ class BenchError(SpecDistError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", action="append", default=[], metavar="HOST:PORT", help="measure a running gRPC server")
-    p.add_argument("--http", action="append", default=[], metavar="URL",
-                   help="measure a running OpenAI-compatible HTTP server (base URL, e.g. http://127.0.0.1:8000)")
+    p.add_argument(
+        "--http",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="measure a running OpenAI-compatible HTTP server (base URL, e.g. http://127.0.0.1:8000)",
+    )
     p.add_argument("--config", default=None, help="start in-process servers from this config (one per --variants)")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
-                   help="with --config: reach the in-process servers over gRPC or the HTTP API")
-    p.add_argument("--concurrency", default=None,
-                   help=f"comma-separated closed-loop concurrency levels (default {DEFAULT_CONCURRENCY} "
-                        "unless --request-rate is given)")
-    p.add_argument("--request-rate", default=None, metavar="R1,R2,..",
-                   help="comma-separated open-loop Poisson request rates in requests/s (inf: all at once)")
+    p.add_argument(
+        "--protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="with --config: reach the in-process servers over gRPC or the HTTP API",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"comma-separated closed-loop concurrency levels (default {DEFAULT_CONCURRENCY} "
+        "unless --request-rate is given)",
+    )
+    p.add_argument(
+        "--request-rate",
+        default=None,
+        metavar="R1,R2,..",
+        help="comma-separated open-loop Poisson request rates in requests/s (inf: all at once)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
-    p.add_argument("--requests", type=int, default=0,
-                   help=f"requests per level (default: max(8, 2 x C); {RATE_LEVEL_REQUESTS} per rate level)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help=f"requests per level (default: max(8, 2 x C); {RATE_LEVEL_REQUESTS} per rate level)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--raw", action="store_true", help="send prompts without the chat template")
-    p.add_argument("--json", default=None,
-                   help="also write all results to this JSON file (schema specdist.bench.cluster/1: the "
-                        "docstring of specdist/bench/cluster_bench.py)")
-    p.add_argument("--plot", default=None, metavar="PREFIX",
-                   help="draw PREFIX-throughput.png and PREFIX-latency.png")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar on stderr (there is none when stderr is not a terminal)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write all results to this JSON file (schema specdist.bench.cluster/1: the "
+        "docstring of specdist/bench/cluster_bench.py)",
+    )
+    p.add_argument("--plot", default=None, metavar="PREFIX", help="draw PREFIX-throughput.png and PREFIX-latency.png")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (there is none when stderr is not a terminal)",
+    )
     p.add_argument("--ray-address", default=None, help="with --config and cluster.enabled: join this Ray cluster")
-    p.add_argument("--variants", default="spec,no-spec",
-                   help=f"with --config: which of {','.join(VARIANTS)} to run (pipelined / sequential: "
-                        "draft.pipeline on / off)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run every variant N times, the order rotating from pass to pass (a config variant's "
-                        "server started afresh each time), and pool the passes: this VM's drift spreads over "
-                        "the variants (default: 1)")
-    p.add_argument("--hf-baseline", type=int, default=0, metavar="N",
-                   help="with --config: also run transformers generate on the same target, one request at a "
-                        "time, over N of the prompts, and print every level's tokens/s as a multiple of it")
+    p.add_argument(
+        "--variants",
+        default="spec,no-spec",
+        help=f"with --config: which of {','.join(VARIANTS)} to run (pipelined / sequential: draft.pipeline on / off)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every variant N times, the order rotating from pass to pass (a config variant's "
+        "server started afresh each time), and pool the passes: this VM's drift spreads over "
+        "the variants (default: 1)",
+    )
+    p.add_argument(
+        "--hf-baseline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --config: also run transformers generate on the same target, one request at a "
+        "time, over N of the prompts, and print every level's tokens/s as a multiple of it",
+    )
 
 
 # ---------------------------------------------------------------- load levels
@@ -247,10 +287,17 @@ class RequestTiming:
     pipeline_misses: int = 0
 
     def record(self) -> dict:
-        return {"ttft_s": round(self.ttft, 6), "e2e_s": round(self.total, 6), "tokens": self.tokens,
-                "prompt_tokens": self.prompt_tokens, "drafted": self.drafted, "accepted": self.accepted,
-                "pipeline_hits": self.pipeline_hits, "pipeline_misses": self.pipeline_misses,
-                "itl_s": [round(g, 6) for g in self.gaps]}
+        return {
+            "ttft_s": round(self.ttft, 6),
+            "e2e_s": round(self.total, 6),
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "pipeline_hits": self.pipeline_hits,
+            "pipeline_misses": self.pipeline_misses,
+            "itl_s": [round(g, 6) for g in self.gaps],
+        }
 
 
 @dataclass
@@ -268,8 +315,14 @@ def grpc_request(address: str, r: RequestSpec) -> RequestTiming:
     with SpecDistClient(address) as client:
         t0 = time.perf_counter()
         first, last, gaps, tokens, stats = None, None, [], 0, None
-        for chunk in client.generate(r.prompt, max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed,
-                                     ignore_eos=True, apply_chat_template=r.chat):
+        for chunk in client.generate(
+            r.prompt,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            seed=r.seed,
+            ignore_eos=True,
+            apply_chat_template=r.chat,
+        ):
             now = time.perf_counter()
             n = len(chunk.token_ids)
             if n:
@@ -317,8 +370,14 @@ def _http_call(url: str, body: dict | None = None, timeout: float = 30.0):
 
 def http_request(base: str, r: RequestSpec, model: str | None = None) -> RequestTiming:
     """One streamed completion (chat completion unless raw); see the module docstring for ITL."""
-    body: dict[str, Any] = {"max_tokens": r.max_tokens, "temperature": r.temperature, "seed": r.seed,
-                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "max_tokens": r.max_tokens,
+        "temperature": r.temperature,
+        "seed": r.seed,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     if r.chat:
@@ -352,9 +411,17 @@ def http_request(base: str, r: RequestSpec, model: str | None = None) -> Request
     per_chunk = tokens / len(chunk_times) if chunk_times else 1.0
     gaps = [(b - a) / per_chunk for a, b in zip(chunk_times, chunk_times[1:])]
     spec = usage.get("speculative") or {}
-    return RequestTiming((chunk_times[0] if chunk_times else end) - t0, end - t0, tokens, gaps,
-                         spec.get("drafted", 0), spec.get("accepted", 0), usage.get("prompt_tokens", 0),
-                         spec.get("pipeline_hits", 0), spec.get("pipeline_misses", 0))
+    return RequestTiming(
+        (chunk_times[0] if chunk_times else end) - t0,
+        end - t0,
+        tokens,
+        gaps,
+        spec.get("drafted", 0),
+        spec.get("accepted", 0),
+        usage.get("prompt_tokens", 0),
+        spec.get("pipeline_hits", 0),
+        spec.get("pipeline_misses", 0),
+    )
 
 
 def http_server_info(base: str) -> tuple[str | None, dict]:
@@ -482,12 +549,15 @@ def tqdm_class():
     return tqdm
 
 
-def run_level(send: Callable[[RequestSpec], RequestTiming], variant: str, level: Level, args,
-              log: Callable[[str], None]) -> LevelResult:
+def run_level(
+    send: Callable[[RequestSpec], RequestTiming], variant: str, level: Level, args, log: Callable[[str], None]
+) -> LevelResult:
     """``send`` every request of one level (closed or open loop) and time it."""
     n = level.requests(args.requests)
-    specs = [RequestSpec(PROMPTS[i % len(PROMPTS)], args.max_tokens, args.temperature, 1000 + i, not args.raw)
-             for i in range(n)]
+    specs = [
+        RequestSpec(PROMPTS[i % len(PROMPTS)], args.max_tokens, args.temperature, 1000 + i, not args.raw)
+        for i in range(n)
+    ]
     bar = progress(n, f"{variant} {level.label}", not args.no_progress)
     if level.mode == "concurrency":
         workers, arrivals = int(level.value), None
@@ -539,8 +609,11 @@ class InProcessServer:
         self.thread.start()
         try:
             self.serving = asyncio.run_coroutine_threadsafe(
-                start_serving(backend=backend, host="127.0.0.1", port=0, drain_seconds=1,
-                              http_port=0 if http else None), self.loop).result(timeout=300)
+                start_serving(
+                    backend=backend, host="127.0.0.1", port=0, drain_seconds=1, http_port=0 if http else None
+                ),
+                self.loop,
+            ).result(timeout=300)
         except BaseException:
             self._stop_loop()
             raise
@@ -656,21 +729,27 @@ def run(args: argparse.Namespace) -> int:
         described[base] = _variant(base, "server", "http", base, info)
         targets.append((base, lambda b=base, m=model: measure(b, lambda r: http_request(b, r, m))))
     if args.config:
-        from specdist.config import load_config
         from specdist.api.admission import server_info
         from specdist.api.serving import start_backend
+        from specdist.config import load_config
 
         base_cfg = load_config(args.config).to_dict()
 
         def serve_and_measure(name: str, cfg: dict) -> None:
-            where = "the in-process engine" if not cfg["cluster"]["enabled"] else "a Ray deployment" if \
-                cfg["cluster"].get("replicas") is None else "Ray Serve replicas"
+            where = (
+                "the in-process engine"
+                if not cfg["cluster"]["enabled"]
+                else "a Ray deployment"
+                if cfg["cluster"].get("replicas") is None
+                else "Ray Serve replicas"
+            )
             log(f"starting a server on {where}: {name}")
             srv = InProcessServer(start_backend(cfg, args.ray_address, log=log), http=args.protocol == "http")
             try:
                 if name not in described:
-                    described[name] = _variant(name, "config", args.protocol, None, server_info(srv.engine),
-                                               VARIANTS[name], cfg)
+                    described[name] = _variant(
+                        name, "config", args.protocol, None, server_info(srv.engine), VARIANTS[name], cfg
+                    )
                 if args.protocol == "http":
                     send = lambda r, b=srv.http_base: http_request(b, r)
                 else:
@@ -685,7 +764,7 @@ def run(args: argparse.Namespace) -> int:
     # --repeat: every variant once per pass, the order rotating by one from pass to pass (a config
     # variant's server starts afresh each pass), so the machine's drift spreads over the variants
     for p in range(args.repeat):
-        order = targets[p % len(targets):] + targets[:p % len(targets)]
+        order = targets[p % len(targets) :] + targets[: p % len(targets)]
         if args.repeat > 1:
             log(f"pass {p + 1}/{args.repeat}: " + ", ".join(name for name, _ in order))
         for _, go in order:
@@ -693,12 +772,19 @@ def run(args: argparse.Namespace) -> int:
     results = list(pooled.values())  # the first pass's order: variant by variant, level by level
     doc = {
         "schema": SCHEMA,
-        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "raw": args.raw,
-                     "seed": args.seed, "requests": args.requests,
-                     "concurrency": [int(lv.value) for lv in levels if lv.mode == "concurrency"],
-                     "request_rate": [lv.value if math.isfinite(lv.value) else "inf"
-                                      for lv in levels if lv.mode == "request_rate"],
-                     "protocol": args.protocol, "repeat": args.repeat},
+        "settings": {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "raw": args.raw,
+            "seed": args.seed,
+            "requests": args.requests,
+            "concurrency": [int(lv.value) for lv in levels if lv.mode == "concurrency"],
+            "request_rate": [
+                lv.value if math.isfinite(lv.value) else "inf" for lv in levels if lv.mode == "request_rate"
+            ],
+            "protocol": args.protocol,
+            "repeat": args.repeat,
+        },
         "variants": [described[name] for name, _ in targets],
         "levels": [r.summary() for r in results],
         "hf_plain": None,
@@ -720,11 +806,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _variant(name: str, source: str, protocol: str, address: str | None, info: dict,
-             overrides: dict | None = None, config: dict | None = None) -> dict:
+def _variant(
+    name: str,
+    source: str,
+    protocol: str,
+    address: str | None,
+    info: dict,
+    overrides: dict | None = None,
+    config: dict | None = None,
+) -> dict:
     """One entry of the JSON's ``variants`` (module docstring)."""
-    return {"name": name, "source": source, "protocol": protocol, "address": address,
-            "overrides": overrides, "config": config, "server_info": info}
+    return {
+        "name": name,
+        "source": source,
+        "protocol": protocol,
+        "address": address,
+        "overrides": overrides,
+        "config": config,
+        "server_info": info,
+    }
 
 
 def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
@@ -746,8 +846,11 @@ def hf_plain_tokens_per_s(config, n: int, args, log) -> float:
     tokens, seconds = 0, 0.0
     for i in range(n + 1):  # the first one warms up and is not counted
         p = PROMPTS[i % len(PROMPTS)]
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) if not args.raw \
+        ids = (
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            if not args.raw
             else tok.encode(p, add_special_tokens=False)
+        )
         ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
         x = torch.tensor([ids])
         torch.manual_seed(1000 + i)
@@ -784,33 +887,50 @@ def format_table(doc: dict) -> str:
         )
     names = list(dict.fromkeys(r["variant"] for r in rows))
     if len(names) > 1:  # each level: the first variant's pooled out tok/s over each other's
-        lines += ["", f"Out tok/s of {names[0]} over each other variant, per level (pooled over "
-                      f"{s['repeat']} pass{'es' if s['repeat'] > 1 else ''}; each pass in run order):", ""]
+        lines += [
+            "",
+            f"Out tok/s of {names[0]} over each other variant, per level (pooled over "
+            f"{s['repeat']} pass{'es' if s['repeat'] > 1 else ''}; each pass in run order):",
+            "",
+        ]
         first = {r["label"]: r for r in rows if r["variant"] == names[0]}
         for r in rows:
             a = first.get(r["label"])
             if r["variant"] == names[0] or a is None or not r["output_tokens_per_s"]:
                 continue
-            per = ", ".join(f"{x / y:.2f}" for x, y in zip(a["passes_output_tokens_per_s"],
-                                                         r["passes_output_tokens_per_s"]))
-            lines.append(f"- {r['label']}: {names[0]} / {r['variant']} = "
-                         f"{a['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x" +
-                         (f" (passes: {per})" if s["repeat"] > 1 else ""))
+            per = ", ".join(
+                f"{x / y:.2f}" for x, y in zip(a["passes_output_tokens_per_s"], r["passes_output_tokens_per_s"])
+            )
+            lines.append(
+                f"- {r['label']}: {names[0]} / {r['variant']} = "
+                f"{a['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x"
+                + (f" (passes: {per})" if s["repeat"] > 1 else "")
+            )
     hf = doc["hf_plain"]
     if hf is not None:
-        lines += ["", f"transformers generate, one request at a time on the same target ({hf['requests']} requests): "
-                      f"{hf['output_tokens_per_s']:.1f} tokens/s. Each level as a multiple of it: " + ", ".join(
-                          f"{r['variant']} {r['label']} {r['vs_hf_plain']:.2f}x" for r in rows)]
+        lines += [
+            "",
+            f"transformers generate, one request at a time on the same target ({hf['requests']} requests): "
+            f"{hf['output_tokens_per_s']:.1f} tokens/s. Each level as a multiple of it: "
+            + ", ".join(f"{r['variant']} {r['label']} {r['vs_hf_plain']:.2f}x" for r in rows),
+        ]
     shares = [r for r in rows if r["phase_share"]]
     if shares:
         names = list(shares[0]["phase_ms_per_step"])
-        lines += ["", "Per-step breakdown, ms per step (share of the coordinator's busy time); "
-                      "orchestration = network+serialization + scheduling:", "",
-                  "| variant | load | " + " | ".join(names) + " | orchestration |",
-                  "|---|---|" + "---|" * (len(names) + 1)]
+        lines += [
+            "",
+            "Per-step breakdown, ms per step (share of the coordinator's busy time); "
+            "orchestration = network+serialization + scheduling:",
+            "",
+            "| variant | load | " + " | ".join(names) + " | orchestration |",
+            "|---|---|" + "---|" * (len(names) + 1),
+        ]
         for r in shares:
             ms, sh = r["phase_ms_per_step"], r["phase_share"]
             orch = sh["network+serialization"] + sh["scheduling"]
-            lines.append(f"| {r['variant']} | {r['label']} | " + " | ".join(
-                f"{ms[k]:.1f} ({sh[k]:.1%})" for k in names) + f" | {orch:.1%} |")
+            lines.append(
+                f"| {r['variant']} | {r['label']} | "
+                + " | ".join(f"{ms[k]:.1f} ({sh[k]:.1%})" for k in names)
+                + f" | {orch:.1%} |"
+            )
     return "\n".join(lines)

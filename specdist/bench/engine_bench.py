@@ -14,8 +14,8 @@ acceptance rate and the measured per-step costs of this very run.
 
 Interleaving: after one short warm-up request per system, each prompt runs on every system in turn
 before the next prompt starts, the systems' order rotating by one from prompt to prompt, so the
-machine's drift (a shared machine's speed can move by tens of percent within minutes) spreads over the systems instead of
-falling on whichever ran last. ``--repeat N`` makes N such passes over the prompts and pools them
+machine's drift (a shared machine's speed can move by tens of percent within minutes) spreads over the systems instead
+of falling on whichever ran last. ``--repeat N`` makes N such passes over the prompts and pools them
 (the sums of tokens and seconds).
 """
 
@@ -48,20 +48,41 @@ HF_SPECULATIVE = ("hf-assisted", "hf-lookup")  # transformers' speculative optio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model spec (built-in name, dir, .gguf)")
-    p.add_argument("--draft", default="self-w8",
-                   help="draft method (a draft.method: model, self-w8, self-w4, ngram, suffix, hybrid, eagle3, ...)")
-    p.add_argument("--weights", default="float", choices=("float", "native"),
-                   help="the target's weights (target.weights); transformers' systems always run the floats")
-    p.add_argument("--draft-model", default=None,
-                   help="--draft model: the draft model (same vocabulary); --draft eagle3: the head's directory")
-    p.add_argument("--dtype", default="float32",
-                   help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)")
+    p.add_argument(
+        "--draft",
+        default="self-w8",
+        help="draft method (a draft.method: model, self-w8, self-w4, ngram, suffix, hybrid, eagle3, ...)",
+    )
+    p.add_argument(
+        "--weights",
+        default="float",
+        choices=("float", "native"),
+        help="the target's weights (target.weights); transformers' systems always run the floats",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="--draft model: the draft model (same vocabulary); --draft eagle3: the head's directory",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="comma-separated model dtypes, each of float32, bfloat16, float16, auto (target and draft)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for engine-spec")
-    p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
-                   help="engine.compile of the specdist engines (compiled static-shape passes)")
-    p.add_argument("--length-policy", choices=LENGTH_POLICIES, default="fixed",
-                   help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="auto",
+        help="engine.compile of the specdist engines (compiled static-shape passes)",
+    )
+    p.add_argument(
+        "--length-policy",
+        choices=LENGTH_POLICIES,
+        default="fixed",
+        help="engine-spec draft lengths (fixed: k every step, what the analytical prediction assumes)",
+    )
     p.add_argument("--prompts", type=int, default=8, help=f"how many chat prompts (max {len(PROMPTS)})")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy")
@@ -96,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
     from specdist.engine.local import Engine
     from specdist.models.devices import device_for
     from specdist.models.dtypes import resolve_dtype
+    from specdist.models.fusion import quantized_copy, unfused_copy
     from specdist.models.loader import load_model, load_tokenizer, resolve_model
     from specdist.models.native import self_draft, use_native_blocks
-    from specdist.models.fusion import quantized_copy, unfused_copy
 
     if args.quick:
         args.prompts, args.max_tokens = 2, 24
@@ -152,16 +173,26 @@ def run(args: argparse.Namespace) -> int:
             from specdist.cores.draft import load_draft_model
             from specdist.models.metadata import ModelSources
 
-            draft_model = load_draft_model(DraftConfig(method=args.draft, model=args.draft_model),
-                                           ModelSources(args.model, args.draft_model), dtype, device, target=target)
+            draft_model = load_draft_model(
+                DraftConfig(method=args.draft, model=args.draft_model),
+                ModelSources(args.model, args.draft_model),
+                dtype,
+                device,
+                target=target,
+            )
         else:
             draft_model = None
         assistant = draft_model if args.draft == "model" else quantized_copy(hf_target)
-        base = {"target": {"model": args.model, "dtype": dtype, "weights": args.weights},
-                "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device),
-                           "compile": args.compile}}
-        draft_cfg = {"method": args.draft, "num_speculative_tokens": args.k, "length_policy": args.length_policy,
-                     "dtype": dtype}
+        base = {
+            "target": {"model": args.model, "dtype": dtype, "weights": args.weights},
+            "engine": {"max_model_len": max_len, "max_batch_size": 1, "device": str(device), "compile": args.compile},
+        }
+        draft_cfg = {
+            "method": args.draft,
+            "num_speculative_tokens": args.k,
+            "length_policy": args.length_policy,
+            "dtype": dtype,
+        }
         if method.reads_draft_model:
             draft_cfg["model"] = args.draft_model
         engines = {
@@ -198,7 +229,8 @@ def _kv_line(spec_engine, dtype: str) -> str:
     kv = spec_engine.target_core.cache.bytes_per_token
     draft_cache = getattr(spec_engine.draft_core, "cache", None)
     return f"KV cache ({dtype}): {kv} B/token target" + (
-        f", {draft_cache.bytes_per_token} B/token draft" if draft_cache is not None else "")
+        f", {draft_cache.bytes_per_token} B/token draft" if draft_cache is not None else ""
+    )
 
 
 def sync_device(device) -> None:
@@ -298,13 +330,16 @@ def format_report(results: list[Result], args, kv_lines: list[str]) -> str:
         predicted = r.tokens / (ph.get("prefill", 0.0) + r.tokens / el * step_cost)
         total = sum(ph.values()) or 1.0
         lines.append(
-            f"{r.dtype} T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, draft {t_draft_tok * 1e3:.1f} ms/token, "
+            f"{r.dtype} T={r.temperature:g} engine-spec per step: verify {t_verify * 1e3:.1f} ms, "
+            f"draft {t_draft_tok * 1e3:.1f} ms/token, "
             f"sampling+cache+output {t_over * 1e3:.1f} ms; phase shares "
             + ", ".join(f"{k_}: {v / total:.1%}" for k_, v in ph.items())
         )
         lines.append(
-            f"{r.dtype} T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} (measured {r.tokens / r.steps:.2f} tokens/step), "
-            f"predicted {predicted:.1f} tok/s, measured {r.tokens_per_s:.1f} = {r.tokens_per_s / predicted:.0%} of prediction"
+            f"{r.dtype} T={r.temperature:g} analytical (alpha={alpha:.3f}, k={k}): E[L]={el:.2f} "
+            f"(measured {r.tokens / r.steps:.2f} tokens/step), "
+            f"predicted {predicted:.1f} tok/s, measured {r.tokens_per_s:.1f} "
+            f"= {r.tokens_per_s / predicted:.0%} of prediction"
         )
     lines += kv_lines
     return "\n".join(lines)

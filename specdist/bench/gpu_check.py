@@ -45,10 +45,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the files of cuda tests that tell most, run first in their order; every other file with cuda tests follows by
 # name (:func:`cuda_test_files` finds them)
-FIRST = ("tests/unit/test_paged_attention.py", "tests/unit/test_model_families.py", "tests/unit/test_coupling.py",
-         "tests/unit/test_dtypes.py", "tests/unit/test_device_resident.py", "tests/unit/test_graph_capture.py",
-         "tests/unit/test_native_weights.py", "tests/unit/test_compiled_runner.py", "tests/engine/test_prefix_cache.py",
-         "tests/engine/test_eagle3.py", "tests/distributed/test_tensor_parallel.py")
+FIRST = (
+    "tests/unit/test_paged_attention.py",
+    "tests/unit/test_model_families.py",
+    "tests/unit/test_coupling.py",
+    "tests/unit/test_dtypes.py",
+    "tests/unit/test_device_resident.py",
+    "tests/unit/test_graph_capture.py",
+    "tests/unit/test_native_weights.py",
+    "tests/unit/test_compiled_runner.py",
+    "tests/engine/test_prefix_cache.py",
+    "tests/engine/test_eagle3.py",
+    "tests/distributed/test_tensor_parallel.py",
+)
 QUICK_S, FULL_S = 300, 480  # the leases the runs are sized for: --quick within 5 minutes, the full run within 8
 STARTUP_S = 20  # this script's own start before its first step (python, torch's import, the CUDA check)
 # seconds per step, in the order they run; on an H100 (torch 2.11) the quick run's env took 6 s, all the cuda
@@ -59,10 +68,12 @@ TEST_TIMEOUT_S = 60  # pytest-timeout's limit on one test (a hung test fails alo
 DRAFTS_SETUP_S = 25  # of the drafts step's limit: writing the random checkpoints, finding the built-in tokenizer
 MIN_VARIANT_S = 5  # a drafts variant left less than this is skipped, not started
 TEST_LOG_ENV = "SPECDIST_TEST_LOG"  # the pytest plugin below appends one JSON line a test there
-TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2)
-TINY_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2)
+TINY_TARGET = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+TINY_DRAFT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 # ------------------------------------------------------------------ pytest plugin (``-p specdist.bench.gpu_check``)
@@ -87,8 +98,13 @@ class Run:
 
     def __init__(self, out: str, raw: str, args: argparse.Namespace):
         self.out, self.raw = out, raw
-        self.summary = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "device": args.device,
-                        "tiny": args.tiny, "steps": []}
+        self.summary = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "quick": args.quick,
+            "device": args.device,
+            "tiny": args.tiny,
+            "steps": [],
+        }
         self.t0 = time.perf_counter()
 
     def save(self) -> None:
@@ -111,8 +127,16 @@ class Run:
         with open(os.path.join(self.out, "gpu_check.log"), "a") as log:
             log.write(f"\n== [{name}] (limit {limit:.0f} s) {' '.join(cmd)}\n")
             try:
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, **(env or {})}, start_new_session=True, bufsize=1)
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**os.environ, **(env or {})},
+                    start_new_session=True,
+                    bufsize=1,
+                )
             except OSError as e:
                 error = f"cannot start: {e}"
             else:
@@ -184,8 +208,11 @@ def plan(quick: bool, steps: str | None = None, limits: list[str] = ()) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdist.bench.gpu_check", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m specdist.bench.gpu_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny: CI's smoke run)")
     p.add_argument("--tiny", action="store_true", help="small random models instead of the 1 B target")
     p.add_argument("--quick", action="store_true", help="env, tests and decode (within 5 minutes)")
@@ -200,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available on this machine (use --device cpu --tiny for the CPU smoke run)",
-              file=sys.stderr)
+        print(
+            "gpu_check: CUDA is not available on this machine (use --device cpu --tiny for the CPU smoke run)",
+            file=sys.stderr,
+        )
         return 1
     steps = plan(args.quick, args.steps, args.limit)
     unknown = [name for name, _ in steps if name not in LIMITS]
@@ -221,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s["name"] for s in run.summary["steps"] if s["status"] != "passed"]
     run.summary["passed"] = not failed
     run.save()
-    print(f"\ngpu_check: {'all steps passed' if not failed else 'FAILED: ' + ', '.join(failed)} "
-          f"in {time.perf_counter() - run.t0:.0f} s; summary in {os.path.join(out, 'gpu_check.json')}")
+    print(
+        f"\ngpu_check: {'all steps passed' if not failed else 'FAILED: ' + ', '.join(failed)} "
+        f"in {time.perf_counter() - run.t0:.0f} s; summary in {os.path.join(out, 'gpu_check.json')}"
+    )
     return 1 if failed else 0
 
 
@@ -244,10 +275,30 @@ def _run_step(run: Run, name: str, limit: float, args) -> None:
     elif name == "tasks":
         path = os.path.join(raw, "tasks.json")
         config = "configs/gpu.yaml" if cuda else _cpu_config(raw, args.device)
-        cmd = [py, "-m", "specdist.cli", "bench", "tasks", "--config", config, "--drafts", "none,suffix",
-               "--tasks", "code-edit,chat", "--concurrency", "1", "--concurrency", "16", "--json", path]
-        cmd += ["--prompts", "2", "--max-tokens", "16"] if args.tiny or not cuda else ["--prompts", "16",
-                                                                                      "--max-tokens", "128"]
+        cmd = [
+            py,
+            "-m",
+            "specdist.cli",
+            "bench",
+            "tasks",
+            "--config",
+            config,
+            "--drafts",
+            "none,suffix",
+            "--tasks",
+            "code-edit,chat",
+            "--concurrency",
+            "1",
+            "--concurrency",
+            "16",
+            "--json",
+            path,
+        ]
+        cmd += (
+            ["--prompts", "2", "--max-tokens", "16"]
+            if args.tiny or not cuda
+            else ["--prompts", "16", "--max-tokens", "128"]
+        )
         run.step(name, cmd, limit, parse=lambda e, path=path: e.update(result=_tasks_summary(path)))
     elif name == "drafts":
         _drafts_step(run, py, limit, args, raw)
@@ -292,8 +343,23 @@ def tests_command(name: str, py: str, limit: float, device: str, tiny: bool) -> 
     marks = f"cuda and {slow}" if device.startswith("cuda") else f"(cuda or not cuda) and {slow}"
     if tiny:
         files, marks = ["tests/unit/test_paged_attention.py"], f"not cuda and {slow}"
-    return [py, "-m", "pytest", "-n", "0", "-p", "specdist.bench.gpu_check", "-q", "-rfE", "--no-header",
-            "--timeout", str(int(min(TEST_TIMEOUT_S, limit))), "-m", marks, *files]
+    return [
+        py,
+        "-m",
+        "pytest",
+        "-n",
+        "0",
+        "-p",
+        "specdist.bench.gpu_check",
+        "-q",
+        "-rfE",
+        "--no-header",
+        "--timeout",
+        str(int(min(TEST_TIMEOUT_S, limit))),
+        "-m",
+        marks,
+        *files,
+    ]
 
 
 def _tests_step(run: Run, name: str, py: str, limit: float, args) -> None:
@@ -309,8 +375,7 @@ def _tests_step(run: Run, name: str, py: str, limit: float, args) -> None:
         entry["tests"] = tests
         entry["counts"] = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
 
-    run.step(name, tests_command(name, py, limit, args.device, args.tiny), limit, env={TEST_LOG_ENV: log},
-             parse=parse)
+    run.step(name, tests_command(name, py, limit, args.device, args.tiny), limit, env={TEST_LOG_ENV: log}, parse=parse)
 
 
 def _cpu_config(out: str, device: str) -> str:
@@ -331,8 +396,22 @@ def _tasks_summary(path: str):
     data = _read_json(path)
     if data is None:
         return None
-    rows = [{k: r.get(k) for k in ("concurrency", "task", "variant", "tokens_per_s", "speedup", "acceptance",
-                                   "tokens_per_step", "same_tokens_as_none")} for r in data.get("results", [])]
+    rows = [
+        {
+            k: r.get(k)
+            for k in (
+                "concurrency",
+                "task",
+                "variant",
+                "tokens_per_s",
+                "speedup",
+                "acceptance",
+                "tokens_per_step",
+                "same_tokens_as_none",
+            )
+        }
+        for r in data.get("results", [])
+    ]
     return {"results": rows}
 
 
@@ -356,16 +435,23 @@ def write_checkpoints(work: str, device: str, tiny: str) -> None:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     tok = load_tokenizer(resolve_model("smollm2-135m-instruct"))
     vocab = len(tok)
-    target = write_random_llama(os.path.join(work, "target"), vocab, dtype, seed=1, tokenizer=tok,
-                                **(TINY_TARGET if small else LLAMA_1B))
+    target = write_random_llama(
+        os.path.join(work, "target"), vocab, dtype, seed=1, tokenizer=tok, **(TINY_TARGET if small else LLAMA_1B)
+    )
     print(f"target: {target.num_params / 1e9:.3f} B parameters at {target.path}", flush=True)
-    draft = write_random_llama(os.path.join(work, "draft"), vocab, dtype, seed=2, tokenizer=tok,
-                               **(TINY_DRAFT if small else LLAMA_DRAFT))
+    draft = write_random_llama(
+        os.path.join(work, "draft"), vocab, dtype, seed=2, tokenizer=tok, **(TINY_DRAFT if small else LLAMA_DRAFT)
+    )
     with open(os.path.join(target.path, "config.json")) as f:
-        head = write_random_eagle3_head(os.path.join(work, "eagle3"), json.load(f), draft_vocab_size=vocab // 3,
-                                        seed=3, dtype=dtype)
-    paths = {"target": target.path, "draft": draft.path, "eagle3": head.path,
-             "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"}
+        head = write_random_eagle3_head(
+            os.path.join(work, "eagle3"), json.load(f), draft_vocab_size=vocab // 3, seed=3, dtype=dtype
+        )
+    paths = {
+        "target": target.path,
+        "draft": draft.path,
+        "eagle3": head.path,
+        "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32",
+    }
     with open(os.path.join(work, "checkpoints.json"), "w") as f:
         json.dump(paths, f)
 
@@ -379,18 +465,38 @@ def _drafts_step(run: Run, py: str, limit: float, args, out: str) -> None:
     less than :data:`MIN_VARIANT_S` is recorded as skipped. The sub-steps' limits add to at most ``limit``."""
     t0 = time.perf_counter()
     work = os.path.join(out, "checkpoints")
-    setup = run.step("drafts-setup", [py, "-c", CHECKPOINTS_SCRIPT, work, args.device, "1" if args.tiny else "0"],
-                     min(DRAFTS_SETUP_S, limit))
+    setup = run.step(
+        "drafts-setup",
+        [py, "-c", CHECKPOINTS_SCRIPT, work, args.device, "1" if args.tiny else "0"],
+        min(DRAFTS_SETUP_S, limit),
+    )
     paths = _read_json(os.path.join(work, "checkpoints.json")) if setup["status"] == "passed" else None
     if paths is None:
         for v in DRAFT_VARIANTS:
             run.not_run(f"drafts-{v}", "skipped", f"drafts-setup {setup['status']}: no checkpoints")
         return
-    common = ["--model", paths["target"], "--dtype", paths["dtype"], "--device", args.device,
-              "--systems", "engine-target,engine-spec", "--temperatures", "0,0.8", "--prompts", "2",
-              "--max-tokens", "16" if args.tiny else "64"]
-    extra = {"model": ["--draft-model", paths["draft"]], "self-w4": [], "eagle3": ["--draft-model", paths["eagle3"]],
-             "suffix": ["--length-policy", "adaptive"]}
+    common = [
+        "--model",
+        paths["target"],
+        "--dtype",
+        paths["dtype"],
+        "--device",
+        args.device,
+        "--systems",
+        "engine-target,engine-spec",
+        "--temperatures",
+        "0,0.8",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "16" if args.tiny else "64",
+    ]
+    extra = {
+        "model": ["--draft-model", paths["draft"]],
+        "self-w4": [],
+        "eagle3": ["--draft-model", paths["eagle3"]],
+        "suffix": ["--length-policy", "adaptive"],
+    }
     for i, v in enumerate(DRAFT_VARIANTS):
         name = f"drafts-{v}"
         share = (limit - (time.perf_counter() - t0)) / (len(DRAFT_VARIANTS) - i)
@@ -398,8 +504,12 @@ def _drafts_step(run: Run, py: str, limit: float, args, out: str) -> None:
             run.not_run(name, "skipped", f"{share:.0f} s of the drafts step's {limit:.0f} s left")
             continue
         path = os.path.join(out, f"{name}.json")
-        run.step(name, [py, "-m", "specdist.cli", "bench", "engine", *common, "--draft", v, *extra[v], "--json", path],
-                 share, parse=lambda e, path=path: e.update(result=_read_json(path)))
+        run.step(
+            name,
+            [py, "-m", "specdist.cli", "bench", "engine", *common, "--draft", v, *extra[v], "--json", path],
+            share,
+            parse=lambda e, path=path: e.update(result=_read_json(path)),
+        )
 
 
 if __name__ == "__main__":

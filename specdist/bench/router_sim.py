@@ -16,7 +16,8 @@ A replica is a continuously batched speculative engine whose costs follow :class
 - every ``report_s`` (staggered) a replica reports :class:`~specdist.api.router.ReplicaStats`: its queue,
   its running requests' remaining tokens (``max_tokens`` less those emitted: a replica does not know when
   a request will stop), the tokens a step it measured per kind (and per kind with the session held), its
-  step time fitted on its batch over the last 64 steps (the decode part), its prefill cost a token, cached block hashes and held sessions.
+  step time fitted on its batch over the last 64 steps (the decode part), its prefill cost a token, cached block hashes
+  and held sessions.
 
 Arrivals: a workload's sessions (or single requests) start at Poisson times whose rate puts the cluster
 at ``load`` x its estimated capacity; a session's next turn arrives a pause (exponential, mean
@@ -35,10 +36,15 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdist.api.router import (
-    Pending, ReplicaStats, RouteRequest, Router, block_hashes, session_key,
-)
 from specdist.api.replica_stats import ReplicaLedger
+from specdist.api.router import (
+    Pending,
+    ReplicaStats,
+    Router,
+    RouteRequest,
+    block_hashes,
+    session_key,
+)
 from specdist.bench.router_workloads import Turn, load
 from specdist.config import RouterConfig
 from specdist.engine.cost_model import expected_tokens
@@ -151,12 +157,20 @@ class SimReplica:
             return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind) for r in rs)
 
         self.ledger.prefill_s_per_token = self.m.prefill_token_s  # (the model's, known exactly here)
-        return self.ledger.stats(self.rid, now, self.m.max_batch_size, pend(self.waiting),
-                                 pend([*self.running, *self.admitted]))
+        return self.ledger.stats(
+            self.rid, now, self.m.max_batch_size, pend(self.waiting), pend([*self.running, *self.admitted])
+        )
 
 
-def build_requests(workload: str, replicas: int, model: SimModel, load_factor: float, seed: int,
-                   session_blocks: int, copies: int | None = None) -> list[SimRequest]:
+def build_requests(
+    workload: str,
+    replicas: int,
+    model: SimModel,
+    load_factor: float,
+    seed: int,
+    session_blocks: int,
+    copies: int | None = None,
+) -> list[SimRequest]:
     """The workload's first turns (later turns hang off them), with arrival times, for N replicas."""
     groups = load(workload)
     copies = copies or max(1, math.ceil(replicas / 2))
@@ -183,14 +197,21 @@ def build_requests(workload: str, replicas: int, model: SimModel, load_factor: f
         for turn in groups[gi]:
             rid = f"c{c}-g{gi}-t{turn.turn}"
             ids = tuple(vocab.setdefault((c, w), zlib.crc32(f"{c}:{w}".encode()) & 0x7FFFFFFF) for w in turn.prompt)
-            answer = tuple(vocab.setdefault((c, w), zlib.crc32(f"{c}:{w}".encode()) & 0x7FFFFFFF)
-                           for w in turn.answer)
+            answer = tuple(vocab.setdefault((c, w), zlib.crc32(f"{c}:{w}".encode()) & 0x7FFFFFFF) for w in turn.answer)
             blocks = block_hashes(ids, model.block_size)
             sess = session_key("default", None, blocks, session_blocks)
             route = RouteRequest(rid, len(ids), turn.max_tokens, blocks, turn.kind, sess)
             full = block_hashes(ids + answer, model.block_size) if answer else blocks
-            r = SimRequest(rid, turn, ids, route, full, random.Random(f"{seed}-{rid}"), 0.0,
-                           pause=pauses.expovariate(1 / model.think_s))
+            r = SimRequest(
+                rid,
+                turn,
+                ids,
+                route,
+                full,
+                random.Random(f"{seed}-{rid}"),
+                0.0,
+                pause=pauses.expovariate(1 / model.think_s),
+            )
             if chain:
                 chain[-1].next_turn = r
             chain.append(r)
@@ -226,8 +247,15 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def simulate(policy: str, workload: str, replicas: int, seed: int = 0, load_factor: float = 0.7,
-             model: SimModel | None = None, router_config: RouterConfig | None = None) -> PolicyResult:
+def simulate(
+    policy: str,
+    workload: str,
+    replicas: int,
+    seed: int = 0,
+    load_factor: float = 0.7,
+    model: SimModel | None = None,
+    router_config: RouterConfig | None = None,
+) -> PolicyResult:
     """One workload through N simulated replicas routed by ``policy``."""
     m = model or SimModel()
     base = router_config or RouterConfig()
@@ -296,10 +324,18 @@ def summarize(policy: str, done: list[SimRequest]) -> PolicyResult:
     steps = sum(r.steps for r in done)
     drafted = sum(r.drafted for r in done)
     return PolicyResult(
-        policy, len(done), out, sum(r.step_tokens for r in done) / max(1, steps),
-        sum(r.accepted for r in done) / max(1, drafted), sum(r.hit_tokens for r in done),
+        policy,
+        len(done),
+        out,
+        sum(r.step_tokens for r in done) / max(1, steps),
+        sum(r.accepted for r in done) / max(1, drafted),
+        sum(r.hit_tokens for r in done),
         sum(len(r.tokens) for r in done),
         percentile([r.first_token - r.arrival for r in done], 50),
         percentile([r.first_token - r.arrival for r in done], 99),
-        percentile([r.finished - r.arrival for r in done], 50), percentile([r.finished - r.arrival for r in done], 99),
-        out / (t1 - t0), t1 - t0, dict(sorted(choices.items())))
+        percentile([r.finished - r.arrival for r in done], 50),
+        percentile([r.finished - r.arrival for r in done], 99),
+        out / (t1 - t0),
+        t1 - t0,
+        dict(sorted(choices.items())),
+    )

@@ -119,8 +119,16 @@ def _sessions(rng: random.Random) -> list[dict]:
                 code = _edit(rng, code)
                 answer = code
                 max_tokens = len(code) + 64
-            lines.append({"session": name, "turn": t, "kind": kind, "user": " ".join(user),
-                          "answer": " ".join(answer), "max_tokens": max_tokens})
+            lines.append(
+                {
+                    "session": name,
+                    "turn": t,
+                    "kind": kind,
+                    "user": " ".join(user),
+                    "answer": " ".join(answer),
+                    "max_tokens": max_tokens,
+                }
+            )
     return lines
 
 
@@ -129,17 +137,39 @@ def _mixed(rng: random.Random) -> list[dict]:
     for i in range(200):
         if i % 2 == 0:
             code = _source_file(rng, rng.randint(150, 350))
-            lines.append({"id": f"edit-{i // 2:03d}", "kind": "edit", "user": " ".join(_prose(rng, 15) + code),
-                          "output_tokens": len(code), "max_tokens": len(code) + 64})
+            lines.append(
+                {
+                    "id": f"edit-{i // 2:03d}",
+                    "kind": "edit",
+                    "user": " ".join(_prose(rng, 15) + code),
+                    "output_tokens": len(code),
+                    "max_tokens": len(code) + 64,
+                }
+            )
         else:
-            lines.append({"id": f"write-{i // 2:03d}", "kind": "write", "user": " ".join(_prose(rng, rng.randint(30, 80))),
-                          "output_tokens": rng.randint(600, 1000), "max_tokens": 1024})
+            lines.append(
+                {
+                    "id": f"write-{i // 2:03d}",
+                    "kind": "write",
+                    "user": " ".join(_prose(rng, rng.randint(30, 80))),
+                    "output_tokens": rng.randint(600, 1000),
+                    "max_tokens": 1024,
+                }
+            )
     return lines
 
 
 def _chat(rng: random.Random) -> list[dict]:
-    return [{"id": f"chat-{i:03d}", "kind": "chat", "user": " ".join(_prose(rng, rng.randint(40, 250))),
-             "output_tokens": rng.randint(80, 400), "max_tokens": 512} for i in range(240)]
+    return [
+        {
+            "id": f"chat-{i:03d}",
+            "kind": "chat",
+            "user": " ".join(_prose(rng, rng.randint(40, 250))),
+            "output_tokens": rng.randint(80, 400),
+            "max_tokens": 512,
+        }
+        for i in range(240)
+    ]
 
 
 def generate(name: str) -> list[dict]:

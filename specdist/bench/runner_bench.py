@@ -19,11 +19,17 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (built-in name, dir, .gguf)")
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="comma-separated: float32, bfloat16, float16, or float32-wide (float32 held in float32 even "
-                        "where bf16 / fp16 holds the weights exactly: the runner's half-width storage off)")
-    p.add_argument("--round-bf16", action="store_true",
-                   help="round the model's matrices to bfloat16 values first, as a bf16 checkpoint holds them")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma-separated: float32, bfloat16, float16, or float32-wide (float32 held in float32 even "
+        "where bf16 / fp16 holds the weights exactly: the runner's half-width storage off)",
+    )
+    p.add_argument(
+        "--round-bf16",
+        action="store_true",
+        help="round the model's matrices to bfloat16 values first, as a bf16 checkpoint holds them",
+    )
     p.add_argument("--tokens", default="1,5,9", help="comma-separated new-token counts per forward")
     p.add_argument("--context", type=int, default=64, help="tokens in the KV cache before each timed forward")
     p.add_argument("--repeats", type=int, default=12, help="timed forwards per (dtype, tokens); the median is reported")
@@ -109,14 +115,20 @@ def format_report(medians: dict[str, dict[int, float]], args, threads: int, devi
         f"specdist bench runner: {args.model}{' (matrices rounded to bf16)' if args.round_bf16 else ''} on {device}, "
         f"batch 1, {args.context} tokens cached, median of {args.repeats}, torch threads {threads}",
         "",
-        "| new tokens | " + " | ".join(f"{d} ms" for d in dtypes) + " | " +
-        " | ".join(f"{d} / {dtypes[0]}" for d in dtypes[1:]) + " |",
+        "| new tokens | "
+        + " | ".join(f"{d} ms" for d in dtypes)
+        + " | "
+        + " | ".join(f"{d} / {dtypes[0]}" for d in dtypes[1:])
+        + " |",
         "|---" * (1 + 2 * len(dtypes) - 1) + "|",
     ]
     for n in sizes:
         row = [f"{medians[d][n] * 1e3:.1f}" for d in dtypes]
         row += [f"{medians[d][n] / medians[dtypes[0]][n]:.2f}" for d in dtypes[1:]]
         lines.append(f"| {n} | " + " | ".join(row) + " |")
-    lines += ["", f"auto on this device: {choose_auto(medians)} (the dtype faster at every size, float32 when none "
-                  "is; on the CPU: cpu_auto_dtype in specdist/models/dtypes.py)"]
+    lines += [
+        "",
+        f"auto on this device: {choose_auto(medians)} (the dtype faster at every size, float32 when none "
+        "is; on the CPU: cpu_auto_dtype in specdist/models/dtypes.py)",
+    ]
     return "\n".join(lines)

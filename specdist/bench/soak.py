@@ -87,8 +87,7 @@ STOP_SHARE = 0.3
 WORDS = ("a", "b", "c", "d", "e", "f", "g", "the", "of", "and", "to", "in", "is", "it", "cat", "sky")
 STOPS = ("c", "e f", "g", ".", "\n", " the", "and")
 # the field an invalid request gets wrong (each is INVALID_ARGUMENT naming it, specdist.proto)
-INVALID_FIELDS = ("temperature", "top_p", "top_k", "empty_prompt", "prompt_tokens", "max_tokens", "stop",
-                  "request_id")
+INVALID_FIELDS = ("temperature", "top_p", "top_k", "empty_prompt", "prompt_tokens", "max_tokens", "stop", "request_id")
 
 REQUEST_TIMEOUT_S = 300.0  # per request: far above one request's time even under full load; reaching it is a hang
 IDLE_TIMEOUT_S = 60.0  # after the load: how long the counters may take to drain to 0
@@ -99,17 +98,23 @@ MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help="config of the server to bring up here (default: configs/default.yaml, the default "
-                        "deployment, as `specdist demo`)")
+    p.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="config of the server to bring up here (default: configs/default.yaml, the default "
+        "deployment, as `specdist demo`)",
+    )
     p.add_argument("--minutes", type=float, default=20.0, help="how long to drive the load")
     p.add_argument("--concurrency", type=int, default=8, help="client threads, each one request at a time")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (client i: seed * 1000 + i)")
     p.add_argument("--max-tokens", type=int, default=64, help="a request's max_tokens is drawn from 1 to this")
     p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--json", default=None, help=f"also write the whole run to this JSON file (schema {SCHEMA})")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar on stderr (there is none when stderr is not a terminal)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (there is none when stderr is not a terminal)",
+    )
     p.add_argument("--ray-address", default=None, help="with cluster.enabled: join this Ray cluster")
 
 
@@ -149,10 +154,12 @@ def draw_request(rng: random.Random, limits, max_tokens: int) -> SoakRequest:
     n = rng.randint(1, max(1, min(max_tokens, limits.max_tokens)))
     sampling: dict[str, Any] = {"temperature": 0.0}
     if rng.random() >= GREEDY_SHARE:
-        sampling = {"temperature": round(rng.uniform(0.3, 1.5), 3),
-                    "top_p": 1.0 if rng.random() < 0.5 else round(rng.uniform(0.5, 1.0), 3),
-                    "top_k": 0 if rng.random() < 0.5 else rng.randint(1, 50),
-                    "seed": rng.randrange(2**32)}
+        sampling = {
+            "temperature": round(rng.uniform(0.3, 1.5), 3),
+            "top_p": 1.0 if rng.random() < 0.5 else round(rng.uniform(0.5, 1.0), 3),
+            "top_k": 0 if rng.random() < 0.5 else rng.randint(1, 50),
+            "seed": rng.randrange(2**32),
+        }
     stop = tuple(rng.sample(STOPS, rng.randint(1, 2))) if rng.random() < STOP_SHARE else ()
     req = SoakRequest(kind, prompt, n, stop=stop, **sampling)
     if kind in ("cancel", "vanish"):
@@ -187,8 +194,15 @@ def send(client, address: str, req: SoakRequest) -> str:
     expected, else "unexpected: <what happened>"."""
     from specdist.client import RemoteError
 
-    kw = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-              seed=req.seed, stop=req.stop, request_id=req.request_id)
+    kw = dict(
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        request_id=req.request_id,
+    )
     try:
         if req.kind == "vanish":
             return _vanish(address, req, kw)
@@ -221,8 +235,9 @@ def _vanish(address: str, req: SoakRequest, kw: dict) -> str:
 
     channel = grpc.insecure_channel(address)
     try:
-        call = specdist_pb2_grpc.SpecDecodeStub(channel).Generate(generate_request(req.prompt, **kw),
-                                                                  timeout=REQUEST_TIMEOUT_S)
+        call = specdist_pb2_grpc.SpecDecodeStub(channel).Generate(
+            generate_request(req.prompt, **kw), timeout=REQUEST_TIMEOUT_S
+        )
         tokens, finish = 0, None
         for msg in call:
             tokens += len(msg.token_ids)
@@ -254,7 +269,7 @@ class Tally:
             if outcome.startswith("unexpected"):
                 self.outcomes["unexpected"] += 1
                 if len(self.examples) < MAX_EXAMPLES:
-                    self.examples.append(outcome[len("unexpected: "):])
+                    self.examples.append(outcome[len("unexpected: ") :])
             else:
                 self.outcomes[outcome] += 1
 
@@ -264,8 +279,13 @@ class Tally:
 
     def record(self) -> dict:
         with self.lock:
-            return {"sent": self.sent, "by_kind": dict(self.by_kind), "outcomes": dict(self.outcomes),
-                    "unexpected": self.outcomes["unexpected"], "unexpected_examples": list(self.examples)}
+            return {
+                "sent": self.sent,
+                "by_kind": dict(self.by_kind),
+                "outcomes": dict(self.outcomes),
+                "unexpected": self.outcomes["unexpected"],
+                "unexpected_examples": list(self.examples),
+            }
 
 
 def run_client(address: str, rng: random.Random, limits, max_tokens: int, deadline: float, tally: Tally) -> None:
@@ -333,10 +353,12 @@ def worker_counters(deployment) -> dict[str, dict[str, int]]:
 
 def take_sample(t_s: float, procs: list[tuple[str, int]], coordinator, deployment) -> dict:
     counters = coordinator.counters()
-    return {"t_s": round(t_s, 3),
-            "processes": {name: process_stats(pid) for name, pid in procs},
-            "counters": {g: counters[g] for g in GAUGES},
-            "workers": worker_counters(deployment)}
+    return {
+        "t_s": round(t_s, 3),
+        "processes": {name: process_stats(pid) for name, pid in procs},
+        "counters": {g: counters[g] for g in GAUGES},
+        "workers": worker_counters(deployment),
+    }
 
 
 def held(sample: dict) -> list[str]:
@@ -350,8 +372,13 @@ def held(sample: dict) -> list[str]:
 class Sampler(threading.Thread):
     """Calls ``read(t_s)`` every ``interval_s`` seconds until stopped; keeps what it returns."""
 
-    def __init__(self, read: Callable[[float], dict], interval_s: float, t0: float,
-                 on_sample: Callable[[dict], None] = lambda s: None):
+    def __init__(
+        self,
+        read: Callable[[float], dict],
+        interval_s: float,
+        t0: float,
+        on_sample: Callable[[dict], None] = lambda s: None,
+    ):
         super().__init__(daemon=True, name="soak-sampler")
         self.read, self.interval_s, self.t0, self.on_sample = read, interval_s, t0, on_sample
         self.samples: list[dict] = []
@@ -417,8 +444,7 @@ def fit_trend(t_s: list[float], y: list[float], tol: float) -> Trend:
     a slow, steady climb smaller than ``tol`` is noise or settling, not a leak worth failing)."""
     n = len(y)
     if n < 3:
-        return Trend(n, y[0] if y else math.nan, y[-1] if y else math.nan, 0.0, math.inf, 0.0, tol,
-                     "too few samples")
+        return Trend(n, y[0] if y else math.nan, y[-1] if y else math.nan, 0.0, math.inf, 0.0, tol, "too few samples")
     t = [x / 60.0 for x in t_s]  # minutes
     tm, ym = sum(t) / n, sum(y) / n
     sxx = sum((a - tm) ** 2 for a in t)
@@ -445,14 +471,18 @@ def trends(samples: list[dict], procs: list[tuple[str, int]], warmup: float, end
     rows = []
     for name, _ in procs:
         for metric in METRICS:
-            pts = [(s["t_s"], s["processes"][name][metric]) for s in samples
-                   if warmup <= s["t_s"] <= end and s["processes"].get(name) is not None]
+            pts = [
+                (s["t_s"], s["processes"][name][metric])
+                for s in samples
+                if warmup <= s["t_s"] <= end and s["processes"].get(name) is not None
+            ]
             ts, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
             level = sum(ys) / len(ys) if ys else 0.0
             tr = fit_trend(ts, ys, tolerance(metric, level))
             after = idle["processes"].get(name)
-            rows.append({"process": name, "metric": metric, **asdict(tr),
-                         "idle": None if after is None else after[metric]})
+            rows.append(
+                {"process": name, "metric": metric, **asdict(tr), "idle": None if after is None else after[metric]}
+            )
     return rows
 
 
@@ -463,24 +493,34 @@ def _fmt(metric: str, v: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| process | metric | start | end | slope/min | growth | tolerance | verdict | idle after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| process | metric | start | end | slope/min | growth | tolerance | verdict | idle after |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = r["metric"]
-        lines.append(f"| {r['process']} | {m} | {_fmt(m, r['start'])} | {_fmt(m, r['end'])} "
-                     f"| {_fmt(m, r['slope_per_min'])} | {_fmt(m, r['growth'])} | {_fmt(m, r['tolerance'])} "
-                     f"| {r['verdict']} | {_fmt(m, math.nan if r['idle'] is None else r['idle'])} |")
+        lines.append(
+            f"| {r['process']} | {m} | {_fmt(m, r['start'])} | {_fmt(m, r['end'])} "
+            f"| {_fmt(m, r['slope_per_min'])} | {_fmt(m, r['growth'])} | {_fmt(m, r['tolerance'])} "
+            f"| {r['verdict']} | {_fmt(m, math.nan if r['idle'] is None else r['idle'])} |"
+        )
     return "\n".join(lines)
 
 
-def failure_line(rows: list[dict], final_held: list[str], idle: bool, tally: dict, gone: list[str],
-                 sampler_errors: list[str]) -> str | None:
+def failure_line(
+    rows: list[dict], final_held: list[str], idle: bool, tally: dict, gone: list[str], sampler_errors: list[str]
+) -> str | None:
     """One line naming everything that grew, leaked or went wrong; None when nothing did."""
-    parts = [f"{r['process']} {r['metric']} grows {_fmt(r['metric'], r['growth'])} over the window "
-             f"(tolerance {_fmt(r['metric'], r['tolerance'])})" for r in rows if r["verdict"] == "grows"]
+    parts = [
+        f"{r['process']} {r['metric']} grows {_fmt(r['metric'], r['growth'])} over the window "
+        f"(tolerance {_fmt(r['metric'], r['tolerance'])})"
+        for r in rows
+        if r["verdict"] == "grows"
+    ]
     if final_held:
-        parts.append(("not idle after %gs: " % IDLE_TIMEOUT_S if not idle else "held at the end: ")
-                     + ", ".join(final_held))
+        parts.append(
+            ("not idle after %gs: " % IDLE_TIMEOUT_S if not idle else "held at the end: ") + ", ".join(final_held)
+        )
     if gone:
         parts.append("process gone: " + ", ".join(gone))
     if tally["unexpected"]:
@@ -526,10 +566,10 @@ def wait_idle(read: Callable[[], dict], timeout_s: float | None = None) -> tuple
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    from specdist.client import SpecDistClient
-    from specdist.config import load_config
     from specdist.api.admission import Limits
     from specdist.api.serving import start_backend
+    from specdist.client import SpecDistClient
+    from specdist.config import load_config
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     cfg = load_config(args.config).to_dict()
@@ -557,12 +597,19 @@ def run(args: argparse.Namespace) -> int:
         read = lambda t: take_sample(t, procs, srv.coordinator, deployment)
         sampler = Sampler(read, args.sample_interval, t0, on_sample)
         sampler.start()
-        log(f"soak: {args.minutes:g} min, {args.concurrency} clients, sampling {len(procs)} process(es) "
-            f"every {args.sample_interval:g}s (warm-up {warm:g}s not fitted)")
-        clients = [threading.Thread(target=run_client, name=f"soak-client-{i}", daemon=True,
-                                    args=(srv.address, random.Random(args.seed * 1000 + i), limits,
-                                          args.max_tokens, t0 + duration, tally))
-                   for i in range(args.concurrency)]
+        log(
+            f"soak: {args.minutes:g} min, {args.concurrency} clients, sampling {len(procs)} process(es) "
+            f"every {args.sample_interval:g}s (warm-up {warm:g}s not fitted)"
+        )
+        clients = [
+            threading.Thread(
+                target=run_client,
+                name=f"soak-client-{i}",
+                daemon=True,
+                args=(srv.address, random.Random(args.seed * 1000 + i), limits, args.max_tokens, t0 + duration, tally),
+            )
+            for i in range(args.concurrency)
+        ]
         try:
             for th in clients:
                 th.start()
@@ -588,9 +635,15 @@ def run(args: argparse.Namespace) -> int:
         srv.close()
     doc = {
         "schema": SCHEMA,
-        "settings": {"config": args.config, "minutes": args.minutes, "concurrency": args.concurrency,
-                     "seed": args.seed, "max_tokens": args.max_tokens, "sample_interval_s": args.sample_interval,
-                     "warmup_s": warm},
+        "settings": {
+            "config": args.config,
+            "minutes": args.minutes,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            "max_tokens": args.max_tokens,
+            "sample_interval_s": args.sample_interval,
+            "warmup_s": warm,
+        },
         "server_info": info,
         "processes": [{"name": n, "pid": p} for n, p in procs],
         "not_sampled": skipped,
@@ -618,12 +671,17 @@ def _finite(row: dict) -> dict:
 
 def format_report(doc: dict, rows: list[dict]) -> str:
     s, r = doc["settings"], doc["requests"]
-    out = [f"specdist bench soak: {s['minutes']:g} min, {s['concurrency']} clients, {r['sent']} requests "
-           f"({', '.join(f'{k} {v}' for k, v in sorted(r['by_kind'].items()))}); outcomes: "
-           f"{', '.join(f'{k} {v}' for k, v in sorted(r['outcomes'].items()))}",
-           f"fitted after a {s['warmup_s']:g}s warm-up; grows = fitted growth > tolerance and slope > "
-           f"{SIGMAS:g} standard errors above 0", "", format_table(rows), "",
-           "counters at the end: " + (", ".join(doc["final"]["held"]) or "all 0")]
+    out = [
+        f"specdist bench soak: {s['minutes']:g} min, {s['concurrency']} clients, {r['sent']} requests "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(r['by_kind'].items()))}); outcomes: "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(r['outcomes'].items()))}",
+        f"fitted after a {s['warmup_s']:g}s warm-up; grows = fitted growth > tolerance and slope > "
+        f"{SIGMAS:g} standard errors above 0",
+        "",
+        format_table(rows),
+        "",
+        "counters at the end: " + (", ".join(doc["final"]["held"]) or "all 0"),
+    ]
     for skip in doc["not_sampled"]:
         out.append(f"not sampled: {skip['name']} ({skip['reason']})")
     return "\n".join(out)

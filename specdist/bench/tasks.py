@@ -110,32 +110,58 @@ SEED_BASE = 1000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None,
-                   help="config the engines are built from (default: the built-in defaults); each variant "
-                        "overrides its draft.method")
-    p.add_argument("--drafts", default=DEFAULT_DRAFTS,
-                   help="comma-separated draft methods to compare, each a draft.method the config accepts, "
-                        "optionally METHOD:K to also set draft.num_speculative_tokens "
-                        "(none: no draft, the baseline of the speedups)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="config the engines are built from (default: the built-in defaults); each variant "
+        "overrides its draft.method",
+    )
+    p.add_argument(
+        "--drafts",
+        default=DEFAULT_DRAFTS,
+        help="comma-separated draft methods to compare, each a draft.method the config accepts, "
+        "optionally METHOD:K to also set draft.num_speculative_tokens "
+        "(none: no draft, the baseline of the speedups)",
+    )
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
     p.add_argument("--prompts", type=int, default=0, help="prompts per task (default 0: all of them, 7-64)")
     p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
-    p.add_argument("--concurrency", action="append", default=None, metavar="C",
-                   help="requests submitted at once (repeatable or comma-separated; default 1: one at a time)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="sustained load: C clients each send this many requests back to back, the next as "
-                        "soon as the last ends (default 1: each batch of C requests submitted at once)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="passes over every batch, pooled (each starts with draft indexes that forgot the passes "
-                        "before): this VM's run-to-run spread averages out")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate --max-tokens tokens past EOS too (default: stop at EOS, as Spec-Bench does)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: {QUICK_PROMPTS} prompt per task, {QUICK_TOKENS} new tokens")
-    p.add_argument("--json", default=None,
-                   help="also write all results to this JSON file (schema specdist.bench.tasks/1: the docstring "
-                        "of specdist/bench/tasks.py)")
+    p.add_argument(
+        "--concurrency",
+        action="append",
+        default=None,
+        metavar="C",
+        help="requests submitted at once (repeatable or comma-separated; default 1: one at a time)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="sustained load: C clients each send this many requests back to back, the next as "
+        "soon as the last ends (default 1: each batch of C requests submitted at once)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="passes over every batch, pooled (each starts with draft indexes that forgot the passes "
+        "before): this VM's run-to-run spread averages out",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate --max-tokens tokens past EOS too (default: stop at EOS, as Spec-Bench does)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help=f"smoke run: {QUICK_PROMPTS} prompt per task, {QUICK_TOKENS} new tokens"
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write all results to this JSON file (schema specdist.bench.tasks/1: the docstring "
+        "of specdist/bench/tasks.py)",
+    )
 
 
 # ---------------------------------------------------------------- results
@@ -172,8 +198,17 @@ class Cell:
         return self.emitted / self.steps if self.steps else 0.0
 
     def add(self, other: "Cell") -> None:
-        for name in ("requests", "tokens", "seconds", "steps", "emitted", "drafted", "accepted",
-                     "same_tokens_as_none", "repeated_prompts"):
+        for name in (
+            "requests",
+            "tokens",
+            "seconds",
+            "steps",
+            "emitted",
+            "drafted",
+            "accepted",
+            "same_tokens_as_none",
+            "repeated_prompts",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.phase_s.items():
             self.phase_s[k] = self.phase_s.get(k, 0.0) + v
@@ -258,8 +293,8 @@ def plain_text(conversation: list[dict]) -> str:
 
 def encode_tasks(tokenizer, tasks: list[str], n: int) -> tuple[dict[str, list[list[int]]], bool]:
     """({task: prompt token ids}, whether the chat template was used): what generate(chat=True) would encode."""
-    from specdist.errors import SpecDistError
     from specdist.engine.prompts import encode_prompt
+    from specdist.errors import SpecDistError
 
     if tokenizer is None:
         raise SpecDistError("bench tasks: the target model has no tokenizer (the prompts are text)")
@@ -267,8 +302,12 @@ def encode_tasks(tokenizer, tasks: list[str], n: int) -> tuple[dict[str, list[li
     out = {}
     for task in tasks:
         convs = TASKS[task][:n] if n else TASKS[task]
-        out[task] = [encode_prompt(tokenizer, c if chat else plain_text(c), vocab_size=len(tokenizer),
-                                   max_model_len=1 << 30, chat=chat)[1] for c in convs]
+        out[task] = [
+            encode_prompt(
+                tokenizer, c if chat else plain_text(c), vocab_size=len(tokenizer), max_model_len=1 << 30, chat=chat
+            )[1]
+            for c in convs
+        ]
     return out, chat
 
 
@@ -329,8 +368,10 @@ def run(args: argparse.Namespace) -> int:
             if not chat:
                 log("[bench tasks] the model has no chat template: prompts go in as plain User:/Assistant: text")
             longest = max(len(p) for ps in prompts.values() for p in ps)
-            engine_cfg = {"max_model_len": longest + plan.max_tokens + 8,
-                          "max_batch_size": max(plan.base["engine"]["max_batch_size"], *plan.concurrency)}
+            engine_cfg = {
+                "max_model_len": longest + plan.max_tokens + 8,
+                "max_batch_size": max(plan.base["engine"]["max_batch_size"], *plan.concurrency),
+            }
             for name in plan.drafts:
                 cfg = variant_config(plan.base, name, **engine_cfg)
                 log(f"[bench tasks] building the {name} engine")
@@ -373,16 +414,22 @@ def _run_pass(plan: Plan, args, engines: dict, prompts: dict, cells: dict, c: in
     for task in plan.tasks:
         ps = prompts[task]
         for b, idx in enumerate(batches(len(ps), c, plan.rounds)):
-            params = [SamplingParams(max_tokens=plan.max_tokens, temperature=args.temperature,
-                                     seed=SEED_BASE + b * c + i, ignore_eos=args.ignore_eos)
-                      for i in range(len(idx))]
+            params = [
+                SamplingParams(
+                    max_tokens=plan.max_tokens,
+                    temperature=args.temperature,
+                    seed=SEED_BASE + b * c + i,
+                    ignore_eos=args.ignore_eos,
+                )
+                for i in range(len(idx))
+            ]
             repeated = 0
             for i in idx:
                 repeated += (task, i) in sent
                 sent.add((task, i))
             for name in plan.drafts:
                 cells[(c, task, name)].repeated_prompts += repeated
-            order = plan.drafts[rnd % len(plan.drafts):] + plan.drafts[:rnd % len(plan.drafts)]
+            order = plan.drafts[rnd % len(plan.drafts) :] + plan.drafts[: rnd % len(plan.drafts)]
             rnd += 1
             outs = {}
             for name in order:
@@ -400,10 +447,13 @@ def _run_pass(plan: Plan, args, engines: dict, prompts: dict, cells: dict, c: in
             if BASELINE in outs:
                 for name, got in outs.items():
                     cells[(c, task, name)].same_tokens_as_none += sum(
-                        o.token_ids == ref.token_ids for o, ref in zip(got, outs[BASELINE]))
+                        o.token_ids == ref.token_ids for o, ref in zip(got, outs[BASELINE])
+                    )
         where = f" (pass {rep + 1} of {plan.repeat}, pooled so far)" if plan.repeat > 1 else ""
-        log(f"[bench tasks] C={c} {task}{where}: " + ", ".join(
-            _progress_item(cells[(c, task, n)], cells.get((c, task, BASELINE))) for n in plan.drafts))
+        log(
+            f"[bench tasks] C={c} {task}{where}: "
+            + ", ".join(_progress_item(cells[(c, task, n)], cells.get((c, task, BASELINE))) for n in plan.drafts)
+        )
 
 
 def _record(cell: Cell, rep: int, b: int, idx: list[int], params, outs, seconds: float, phase_s: dict) -> None:
@@ -419,9 +469,21 @@ def _record(cell: Cell, rep: int, b: int, idx: list[int], params, outs, seconds:
         cell.emitted += m.emitted
         cell.drafted += m.drafted
         cell.accepted += m.accepted
-        cell.per_request.append({"prompt": p, "pass": rep, "batch": b, "seed": sp.seed, "prompt_tokens": len(o.prompt_token_ids),
-                                 "tokens": len(o.token_ids), "finish_reason": o.finish_reason, "steps": m.steps,
-                                 "emitted": m.emitted, "drafted": m.drafted, "accepted": m.accepted})
+        cell.per_request.append(
+            {
+                "prompt": p,
+                "pass": rep,
+                "batch": b,
+                "seed": sp.seed,
+                "prompt_tokens": len(o.prompt_token_ids),
+                "tokens": len(o.token_ids),
+                "finish_reason": o.finish_reason,
+                "steps": m.steps,
+                "emitted": m.emitted,
+                "drafted": m.drafted,
+                "accepted": m.accepted,
+            }
+        )
 
 
 def _progress_item(cell: Cell, base: Cell | None) -> str:
@@ -430,21 +492,34 @@ def _progress_item(cell: Cell, base: Cell | None) -> str:
 
 
 def _row(cell: Cell, base: Cell | None, detail: bool) -> dict:
-    row = {"concurrency": cell.concurrency, "task": cell.task, "variant": cell.variant, "requests": cell.requests,
-           "tokens": cell.tokens, "seconds": cell.seconds, "tokens_per_s": cell.tokens_per_s, "steps": cell.steps,
-           "emitted": cell.emitted, "drafted": cell.drafted, "accepted": cell.accepted,
-           "acceptance": cell.acceptance, "tokens_per_step": cell.tokens_per_step,
-           "speedup": cell.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None,
-           "same_tokens_as_none": cell.same_tokens_as_none if base is not None else None,
-           "repeated_prompts": cell.repeated_prompts, "phase_s": dict(cell.phase_s)}
+    row = {
+        "concurrency": cell.concurrency,
+        "task": cell.task,
+        "variant": cell.variant,
+        "requests": cell.requests,
+        "tokens": cell.tokens,
+        "seconds": cell.seconds,
+        "tokens_per_s": cell.tokens_per_s,
+        "steps": cell.steps,
+        "emitted": cell.emitted,
+        "drafted": cell.drafted,
+        "accepted": cell.accepted,
+        "acceptance": cell.acceptance,
+        "tokens_per_step": cell.tokens_per_step,
+        "speedup": cell.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None,
+        "same_tokens_as_none": cell.same_tokens_as_none if base is not None else None,
+        "repeated_prompts": cell.repeated_prompts,
+        "phase_s": dict(cell.phase_s),
+    }
     if detail:
         row["batch_s"] = list(cell.batch_s)
         row["per_request"] = list(cell.per_request)
     return row
 
 
-def _document(args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat: bool, device: str,
-              threads: int, engine_cfg: dict) -> dict:
+def _document(
+    args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat: bool, device: str, threads: int, engine_cfg: dict
+) -> dict:
     results = []
     for c in plan.concurrency:
         totals = {name: Cell(c, ALL, name) for name in plan.drafts}
@@ -457,12 +532,23 @@ def _document(args, plan: Plan, cells: dict, configs: dict, prompts: dict, chat:
             results.append(_row(totals[name], totals.get(BASELINE), detail=False))
     return {
         "schema": SCHEMA,
-        "settings": {"config": args.config, "tasks": plan.tasks, "drafts": plan.drafts,
-                     "concurrency": plan.concurrency, "rounds": plan.rounds, "repeat": plan.repeat,
-                     "max_tokens": plan.max_tokens,
-                     "temperature": args.temperature,
-                     "ignore_eos": args.ignore_eos, "prompts_per_task": plan.prompts or None, "quick": args.quick,
-                     "chat_template": chat, "device": device, "torch_threads": threads, **engine_cfg},
+        "settings": {
+            "config": args.config,
+            "tasks": plan.tasks,
+            "drafts": plan.drafts,
+            "concurrency": plan.concurrency,
+            "rounds": plan.rounds,
+            "repeat": plan.repeat,
+            "max_tokens": plan.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "prompts_per_task": plan.prompts or None,
+            "quick": args.quick,
+            "chat_template": chat,
+            "device": device,
+            "torch_threads": threads,
+            **engine_cfg,
+        },
         "variants": [{"name": name, "config": configs[name]} for name in plan.drafts],
         "tasks": {task: {"prompts": len(ps), "prompt_tokens": [len(p) for p in ps]} for task, ps in prompts.items()},
         "results": results,
@@ -478,7 +564,8 @@ def format_report(doc: dict) -> str:
     lo, hi = min(counts), max(counts)
     lines = [
         f"specdist bench tasks: target {base['target']['model']} {base['target']['dtype']} on {s['device']}, "
-        f"drafts {', '.join(s['drafts'])} (k={', '.join(map(str, ks)) or d['num_speculative_tokens']}, {d['length_policy']}), "
+        f"drafts {', '.join(s['drafts'])} (k={', '.join(map(str, ks)) or d['num_speculative_tokens']}, "
+        f"{d['length_policy']}), "
         f"{len(s['tasks'])} tasks x {lo if lo == hi else f'{lo}-{hi}'} prompt{'s' if hi > 1 else ''}, "
         f"up to {s['max_tokens']} new tokens, temperature {s['temperature']:g}, "
         f"{'EOS ignored' if s['ignore_eos'] else 'stops at EOS'}, torch threads {s['torch_threads']}",
@@ -487,31 +574,42 @@ def format_report(doc: dict) -> str:
     for c in s["concurrency"]:
         rows = [r for r in doc["results"] if r["concurrency"] == c]
         if s.get("rounds", 1) > 1:
-            how = (f"{c} client{'s' if c > 1 else ''} sending {s['rounds']} requests each back to back, "
-                   "aggregate tokens/s")
+            how = (
+                f"{c} client{'s' if c > 1 else ''} sending {s['rounds']} requests each back to back, aggregate tokens/s"
+            )
         else:
             how = "one request at a time" if c == 1 else f"{c} requests submitted at once, aggregate tokens/s"
         if s.get("repeat", 1) > 1:
             how += f"; {s['repeat']} passes pooled"
-        lines += ["", f"Concurrency {c} ({how}):", "",
-                  "| task | variant | requests | tokens | acceptance | tokens/step | tok/s | speedup vs none |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Concurrency {c} ({how}):",
+            "",
+            "| task | variant | requests | tokens | acceptance | tokens/step | tok/s | speedup vs none |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             acc = f"{r['acceptance']:.1%}" if r["acceptance"] is not None else "-"
             speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None and r["variant"] != BASELINE else "-"
             task = "all tasks" if r["task"] == ALL else r["task"]
-            lines.append(f"| {task} | {r['variant']} | {r['requests']} | {r['tokens']} | {acc} "
-                         f"| {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {speedup} |")
+            lines.append(
+                f"| {task} | {r['variant']} | {r['requests']} | {r['tokens']} | {acc} "
+                f"| {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {speedup} |"
+            )
         if has_none and s["temperature"] == 0:
             same = [r for r in rows if r["task"] == ALL and r["variant"] != BASELINE]
             if same:
-                lines.append("Greedy, same tokens as none: " + ", ".join(
-                    f"{r['variant']} {r['same_tokens_as_none']}/{r['requests']}" for r in same))
+                lines.append(
+                    "Greedy, same tokens as none: "
+                    + ", ".join(f"{r['variant']} {r['same_tokens_as_none']}/{r['requests']}" for r in same)
+                )
         total = next((r for r in rows if r["task"] == ALL), None)
         if total is not None and total.get("repeated_prompts") and s["temperature"] == 0:
-            lines.append(f"{total['repeated_prompts']} of {total['requests']} requests repeat a prompt the engines "
-                         "were sent before in the same pass: at temperature 0 their output is the same as before, "
-                         "and a draft that indexes finished requests (suffix) can copy it")
+            lines.append(
+                f"{total['repeated_prompts']} of {total['requests']} requests repeat a prompt the engines "
+                "were sent before in the same pass: at temperature 0 their output is the same as before, "
+                "and a draft that indexes finished requests (suffix) can copy it"
+            )
     if not has_none:
         lines += ["", "(no 'none' variant in --drafts: no speedups)"]
     return "\n".join(lines)

@@ -84,9 +84,15 @@ class Replicator:
     it applies and sends its followers (rank 0) or replays (ranks > 0), the collective timeout, the
     failed group, the call running. Not thread-safe, except :meth:`hung`."""
 
-    def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
-                 broadcast: Callable[[Any], Any] | None = None,
-                 set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Callable[[Any], Any] | None = None,
+        set_timeout: Callable[[float], None] | None = None,
+        collective_timeout_s: float = 10.0,
+    ):
         if world_size > 1 and broadcast is None:
             raise ValueError("a tensor-parallel verifier needs a broadcast function")
         self.runner = runner
@@ -111,8 +117,9 @@ class Replicator:
         if self.world_size > 1:
             self.pending.append(op)
 
-    def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                packed: bool = False, extra=None) -> torch.Tensor:
+    def forward(
+        self, slots: list[int], tokens: list[list[int]], num_logits: list[int], packed: bool = False, extra=None
+    ) -> torch.Tensor:
         """``runner.forward`` on every rank (the queued ops first), timed for the deadline."""
         op = ("forward", slots, tokens, num_logits, packed)
         n = sum(len(t) for t in tokens)

@@ -33,8 +33,8 @@ are < 2^32 (far above any context) and vocabularies < 2^32, so no two (position,
 a key share an element. The key is the drafter's seed (:func:`specdist.randomness.draft_seed` of
 the request seed), which both sides know; the rejection coupling's uniforms use other roles.
 The argmax is taken as ``argmin_x E(x) / p'(x)`` with ``E = -log u`` (the same token, one
-logarithm per entry), a token with ``p'(x) = 0`` masked to ``+inf`` (never ``0 / 0``). Cost: about 15 int64 operations and one float64 logarithm per vocabulary
-entry of each sampled position the target scores (greedy rows need no noise).
+logarithm per entry), a token with ``p'(x) = 0`` masked to ``+inf`` (never ``0 / 0``). Cost: about 15 int64 operations
+and one float64 logarithm per vocabulary entry of each sampled position the target scores (greedy rows need no noise).
 """
 
 from __future__ import annotations
@@ -115,17 +115,17 @@ def rows_per_chunk(device_type: str, rows: int, vocab: int) -> int:
 
 def gumbel_argmax(probs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # [N, V], [N] -> [N] long
     """``argmax_x log probs(x) + G(x)``: a sample from each row, fixed by its noise. Computed as
-    ``argmin_x E(x) / probs(x)`` (the same token: ``log`` is increasing; one logarithm per entry
-    instead of three); a token with ``probs(x) = 0`` scores ``+inf`` (masked, not divided: ``E > 0`` holds by
-construction, the mask keeps it so whatever the noise), never the minimum of a row with mass."""
+        ``argmin_x E(x) / probs(x)`` (the same token: ``log`` is increasing; one logarithm per entry
+        instead of three); a token with ``probs(x) = 0`` scores ``+inf`` (masked, not divided: ``E > 0`` holds by
+    construction, the mask keeps it so whatever the noise), never the minimum of a row with mass."""
     n, vocab = probs.shape
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
     step = rows_per_chunk(probs.device.type, n, vocab)
 
     def pick(i: int) -> torch.Tensor:  # [step] the rows' tokens
-        p = probs[i: i + step]  # [step, V]
-        scores = exponential_noise(starts[i: i + step], vocab).div_(p)  # [step, V] float64 E / p (p exact in float64)
+        p = probs[i : i + step]  # [step, V]
+        scores = exponential_noise(starts[i : i + step], vocab).div_(p)  # [step, V] float64 E / p (p exact in float64)
         return scores.masked_fill_((p > 0).logical_not_(), torch.inf).argmin(-1)  # +inf where p = 0 (or NaN)
 
     return pick(0) if step >= n else torch.cat([pick(i) for i in range(0, n, step)])

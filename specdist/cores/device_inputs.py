@@ -15,8 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_DTYPES = {np.dtype(np.float64): torch.float64, np.dtype(np.int64): torch.int64,
-           np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+_DTYPES = {
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.int32): torch.int32,
+}
 
 
 class HostInputs:
@@ -41,6 +45,6 @@ class HostInputs:
         for name in self._order():
             a = self.arrays[name]
             n = a.size * a.dtype.itemsize // 4
-            out[name] = buf[at: at + n].view(_DTYPES[a.dtype])
+            out[name] = buf[at : at + n].view(_DTYPES[a.dtype])
             at += n
         return out

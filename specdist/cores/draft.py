@@ -32,8 +32,8 @@ from specdist.config import DraftConfig
 from specdist.cores.proposers import proposer_class
 from specdist.cores.proposers.base import BuildContext, DraftRequest, Proposer
 from specdist.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from specdist.models.kv.options import KVOptions
 from specdist.models.kv.base import KVCache
+from specdist.models.kv.options import KVOptions
 from specdist.models.kv.prefix import PrefixCache
 from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
@@ -59,8 +59,13 @@ DRAFT_AHEAD = 2 * 64 + 2
 class DrafterCore:
     """Not thread-safe: one call at a time."""
 
-    def __init__(self, proposer: Proposer, max_model_len: int, prefix_source: PrefixSource | None = None,
-                 defer_prefill: bool = False):
+    def __init__(
+        self,
+        proposer: Proposer,
+        max_model_len: int,
+        prefix_source: PrefixSource | None = None,
+        defer_prefill: bool = False,
+    ):
         self.proposer = proposer
         self.vocab_size = int(proposer.vocab_size)
         self.max_model_len = max_model_len
@@ -104,13 +109,16 @@ class DrafterCore:
         for i, it in enumerate(items):
             if it.request_id in self.requests:
                 raise AlreadyExists(f"items[{i}].request_id", f"request {it.request_id!r} is already started")
-            parsed.append((it, check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len,
-                                            f"items[{i}].prompt_token_ids")))
+            parsed.append(
+                (it, check_prompt(it.prompt_ids, self.vocab_size, self.max_model_len, f"items[{i}].prompt_token_ids"))
+            )
             self.proposer.check_start(it, f"items[{i}]")
         cache = self.cache
         # the most K/V a request holds: prompt, max_tokens and what a pipelined drafter drafts ahead of them
-        need = {it.request_id: min(self.max_model_len, len(prompt) + it.params.max_tokens + DRAFT_AHEAD)
-                for it, prompt in parsed}
+        need = {
+            it.request_id: min(self.max_model_len, len(prompt) + it.params.max_tokens + DRAFT_AHEAD)
+            for it, prompt in parsed
+        }
         if cache is not None:
             self.prefixes.check_room(list(need.values()))
         t0 = now()
@@ -121,9 +129,11 @@ class DrafterCore:
         def live(tenant: str):
             key = self.prefixes.key(tenant)
             if key not in lives:
-                lives[key] = self.prefixes.live_index((q.slot, q.seq[:cache.lengths[q.slot]])
-                                                      for q in self.requests.values()
-                                                      if q.slot is not None and self.prefixes.key(q.tenant) == key)
+                lives[key] = self.prefixes.live_index(
+                    (q.slot, q.seq[: cache.lengths[q.slot]])
+                    for q in self.requests.values()
+                    if q.slot is not None and self.prefixes.key(q.tenant) == key
+                )
             return lives[key]
 
         computed = []
@@ -171,22 +181,31 @@ class DrafterCore:
                 raise NotFound(f"items[{i}].request_id", f"unknown request {it.request_id!r}")
             if not 0 <= it.num_accepted <= len(r.proposal):
                 raise InvalidArgument(
-                    f"items[{i}].num_accepted", f"is {it.num_accepted}; the last proposal had {len(r.proposal)} tokens")
+                    f"items[{i}].num_accepted", f"is {it.num_accepted}; the last proposal had {len(r.proposal)} tokens"
+                )
             new = check_token_ids(it.new_token_ids, self.vocab_size, f"items[{i}].new_token_ids")
             seq_len = len(r.seq) + it.num_accepted + len(new)
             if it.seq_len != seq_len:
                 raise FailedPrecondition(
-                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} would hold {seq_len} tokens")
+                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} would hold {seq_len} tokens"
+                )
             if it.num_tokens < 0 or (it.num_tokens and seq_len + it.num_tokens + 1 > self.max_model_len):
                 raise InvalidArgument(
                     f"items[{i}].num_tokens",
-                    f"{it.num_tokens} draft tokens after {seq_len} would pass the context limit {self.max_model_len}")
+                    f"{it.num_tokens} draft tokens after {seq_len} would pass the context limit {self.max_model_len}",
+                )
             self.proposer.check_propose(r, it.hidden, seq_len, f"items[{i}].hidden")
             plan.append((r, int(it.num_accepted), new, int(it.num_tokens)))
         return plan
 
-    def commit(self, r: DraftRequest, n_acc: int, new: list[int], prepared: list[int] | None = None,
-               hidden: torch.Tensor | None = None) -> None:
+    def commit(
+        self,
+        r: DraftRequest,
+        n_acc: int,
+        new: list[int],
+        prepared: list[int] | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         """Keep ``n_acc`` tokens of the last proposal and the target's ``new`` tokens after them.
 
         ``prepared``: drafts after exactly that sequence whose K/V the cache already holds (a pipelined
@@ -206,8 +225,9 @@ class DrafterCore:
             r.proposal = list(d.tokens)
         return [Proposal(it.request_id, d.tokens, d.q, match_lengths=d.match_lengths) for it, d in zip(items, drafts)]
 
-    def draft_ahead(self, reqs: list[DraftRequest], ks: list[int], gate: Callable[[int], bool] | None = None,
-                    each_pass=None):
+    def draft_ahead(
+        self, reqs: list[DraftRequest], ks: list[int], gate: Callable[[int], bool] | None = None, each_pass=None
+    ):
         """The proposer's drafts of each request's next step before the target verified this one
         (:meth:`specdist.cores.proposers.model.ModelProposer.draft_ahead`)."""
         return self.proposer.draft_ahead(reqs, ks, gate=gate, each_pass=each_pass)
@@ -243,8 +263,14 @@ class DrafterCore:
         } | self.proposer.stats()
 
 
-def load_draft_model(dc: DraftConfig, sources: ModelSources, dtype: str, device: torch.device | str = "cpu",
-                     target: torch.nn.Module | None = None, target_tokenizer=None):
+def load_draft_model(
+    dc: DraftConfig,
+    sources: ModelSources,
+    dtype: str,
+    device: torch.device | str = "cpu",
+    target: torch.nn.Module | None = None,
+    target_tokenizer=None,
+):
     """What ``dc.method`` drafts with (its proposer's ``load``), in ``dtype`` on ``device``: a draft model checked
     against the target's vocabulary, the target's own low-precision copy, an EAGLE-3 head; None for the
     model-free methods and ``none``. ``sources``: the config's models, resolved once
@@ -267,10 +293,19 @@ def draft_hidden_layers(dc: DraftConfig, sources: ModelSources) -> tuple[tuple[i
     return sources.hidden[dc.method]
 
 
-def build_drafter_core(dc: DraftConfig, vocab_size: int, max_batch_size: int, max_model_len: int,
-                       model=None, prefix_source: PrefixSource | None = None, defer_prefill: bool = False,
-                       prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                       kv: KVOptions | None = None, prefix_scope: str = "shared") -> DrafterCore | None:
+def build_drafter_core(
+    dc: DraftConfig,
+    vocab_size: int,
+    max_batch_size: int,
+    max_model_len: int,
+    model=None,
+    prefix_source: PrefixSource | None = None,
+    defer_prefill: bool = False,
+    prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
+    kv: KVOptions | None = None,
+    prefix_scope: str = "shared",
+) -> DrafterCore | None:
     """The drafter core of a ``draft:`` config section (None for method ``none``).
 
     ``model``: what :func:`load_draft_model` loaded for the methods that draft with one. ``prefix_source``:

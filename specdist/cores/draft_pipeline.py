@@ -104,6 +104,7 @@ from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, Propose
 
 log = logging.getLogger(__name__)
 
+
 def prepared_prefix_holds(proposed: int, num_accepted: int, new_token_ids: list[int], guess: int) -> bool:
     """The committed sequence is the prefix a preparation assumed: all ``proposed`` drafts were
     accepted and the target's one token after them is the guess."""
@@ -156,8 +157,10 @@ class DraftPipeline:
 
     def __init__(self, core: DrafterCore, miss: str = "redraft"):
         if not core.proposer.drafts_ahead:
-            raise ValueError(f"pipelined drafting needs a method that drafts ahead (model or EAGLE-3 drafts), not "
-                             f"{core.method!r} (lookups cost nothing to prepare)")
+            raise ValueError(
+                f"pipelined drafting needs a method that drafts ahead (model or EAGLE-3 drafts), not "
+                f"{core.method!r} (lookups cost nothing to prepare)"
+            )
         if miss not in PIPELINE_MISS:
             raise ValueError(f"miss policy must be one of {PIPELINE_MISS}, got {miss!r}")
         self.core = core
@@ -203,10 +206,16 @@ class DraftPipeline:
     def health(self) -> dict:
         out = self.core.health()
         c = self.counters
-        out.update(pipeline=True, pipeline_miss=self.miss, prepared=len(self.prepared),
-                   preparing=self._job is not None and not self._job.done.is_set(),
-                   pipeline_hits=c.hits, pipeline_misses=c.misses, pipeline_skipped=c.skipped,
-                   overlap=round(c.overlap, 4))
+        out.update(
+            pipeline=True,
+            pipeline_miss=self.miss,
+            prepared=len(self.prepared),
+            preparing=self._job is not None and not self._job.done.is_set(),
+            pipeline_hits=c.hits,
+            pipeline_misses=c.misses,
+            pipeline_skipped=c.skipped,
+            overlap=round(c.overlap, 4),
+        )
         return out
 
     # ------------------------------------------------------------ calls
@@ -244,8 +253,9 @@ class DraftPipeline:
 
     _holds = staticmethod(prepared_prefix_holds)
 
-    def _await_preparation(self, job: _Job, items: list[ProposeItem], arrived: float,
-                           runs: list[tuple[int, int, float]]) -> tuple[float, float]:
+    def _await_preparation(
+        self, job: _Job, items: list[ProposeItem], arrived: float, runs: list[tuple[int, int, float]]
+    ) -> tuple[float, float]:
         """Wait for the last preparation, cutting short the requests that certainly missed:
         (seconds this call waited for it, seconds of it hidden under the verification). A whole
         preparation adds its run to ``runs``."""
@@ -298,8 +308,15 @@ class DraftPipeline:
             todo = sorted(todo + misses)
         return out, todo, status
 
-    def _draft_now(self, items: list[ProposeItem], plan: list, todo: list[int], status: list[str | None],
-                   out: list[Proposal | None], runs: list[tuple[int, int, float]]) -> None:
+    def _draft_now(
+        self,
+        items: list[ProposeItem],
+        plan: list,
+        todo: list[int],
+        status: list[str | None],
+        out: list[Proposal | None],
+        runs: list[tuple[int, int, float]],
+    ) -> None:
         """Draft items ``todo`` into ``out`` (lock held); a run of at least one pass adds to ``runs``."""
         t1 = now()
         ks = [plan[i][3] for i in todo]
@@ -310,8 +327,9 @@ class DraftPipeline:
         if max(ks) > 0:
             runs.append((max(ks), sum(ks), now() - t1))
 
-    def _use_prepared(self, rid: str, r: DraftRequest, prep: _Prepared, n_acc: int, new: list[int],
-                      k: int, hidden=None) -> Proposal:
+    def _use_prepared(
+        self, rid: str, r: DraftRequest, prep: _Prepared, n_acc: int, new: list[int], k: int, hidden=None
+    ) -> Proposal:
         """Commit a hit and propose its prepared drafts, cut to ``k`` (lock held). ``hidden``: the target's
         states the item brought (EAGLE-3)."""
         n = min(k, len(prep.tokens))
@@ -347,6 +365,7 @@ class DraftPipeline:
         ids = [rid for rid, _, _ in todo]
         reqs = [r for _, r, _ in todo]
         try:
+
             def alive(b: int) -> bool:
                 return ids[b] not in job.abort and core.requests.get(ids[b]) is reqs[b]
 

@@ -25,8 +25,8 @@ from specdist.cores.draft import DrafterCore, build_drafter_core
 from specdist.cores.draft_pipeline import pipelined
 from specdist.cores.proposers import ResolvedDraft
 from specdist.cores.target import VerifierCore
-from specdist.models.kv.options import KVOptions
 from specdist.models import memory_plan
+from specdist.models.kv.options import KVOptions
 from specdist.models.memory_plan import Measure
 from specdist.models.runner import CausalLMRunner, compile_runner
 
@@ -46,10 +46,17 @@ def kv_options(ec: EngineConfig, device: torch.device) -> tuple[KVOptions, Measu
     return kv, measure if kv.deferred else None
 
 
-def build_target_core(model: torch.nn.Module, ec: EngineConfig, kv: KVOptions, hidden_layers=(), rank: int = 0,
-                      world_size: int = 1, broadcast: Callable[[Any], Any] | None = None,
-                      set_timeout: Callable[[float], None] | None = None,
-                      collective_timeout_s: float = 10.0) -> VerifierCore:
+def build_target_core(
+    model: torch.nn.Module,
+    ec: EngineConfig,
+    kv: KVOptions,
+    hidden_layers=(),
+    rank: int = 0,
+    world_size: int = 1,
+    broadcast: Callable[[Any], Any] | None = None,
+    set_timeout: Callable[[float], None] | None = None,
+    collective_timeout_s: float = 10.0,
+) -> VerifierCore:
     """The target's runner over ``model`` (this rank's shard of it) with ``kv``, as ``ec`` sizes it, and its
     verifier core. ``hidden_layers``: the layers whose hidden states rank 0 keeps for an EAGLE-3 draft (also
     :meth:`VerifierCore.keep_hidden_layers`, before :func:`prepare_passes`); ``broadcast``, ``set_timeout``,
@@ -57,25 +64,49 @@ def build_target_core(model: torch.nn.Module, ec: EngineConfig, kv: KVOptions, h
     runner = CausalLMRunner(model, ec.max_batch_size, ec.max_model_len, kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
     if rank == 0:  # (the other ranks' forwards return nothing)
         runner.hidden_layers = tuple(hidden_layers)
-    return VerifierCore(runner, rank=rank, world_size=world_size, broadcast=broadcast, set_timeout=set_timeout,
-                        collective_timeout_s=collective_timeout_s, prefix_caching=ec.prefix_caching,
-                        prefix_scope=ec.prefix_cache_scope)
+    return VerifierCore(
+        runner,
+        rank=rank,
+        world_size=world_size,
+        broadcast=broadcast,
+        set_timeout=set_timeout,
+        collective_timeout_s=collective_timeout_s,
+        prefix_caching=ec.prefix_caching,
+        prefix_scope=ec.prefix_cache_scope,
+    )
 
 
-def build_draft_core(draft: ResolvedDraft, ec: EngineConfig, kv: KVOptions | None, vocab_size: int, model=None,
-                     prefix_source=None, defer_prefill: bool = False) -> DrafterCore | None:
+def build_draft_core(
+    draft: ResolvedDraft,
+    ec: EngineConfig,
+    kv: KVOptions | None,
+    vocab_size: int,
+    model=None,
+    prefix_source=None,
+    defer_prefill: bool = False,
+) -> DrafterCore | None:
     """The drafter core of ``draft`` (None for method none) over ``model`` (what
     :func:`~specdist.cores.draft.load_draft_model` loaded), sized and cached as ``ec`` says, a model's cache laid
     out by ``kv``. ``prefix_source``: the target's prompt K/V, for a copy of the target to take instead of its own
     prefill; ``defer_prefill``: a prompt's K/V computed at its first draft instead of in ``start``."""
-    return build_drafter_core(draft.section, vocab_size, ec.max_batch_size, ec.max_model_len, model,
-                              prefix_source=prefix_source, defer_prefill=defer_prefill,
-                              prefix_caching=ec.prefix_caching, prefix_scope=ec.prefix_cache_scope,
-                              kv_cache_dtype=ec.kv_cache_dtype, kv=kv)
+    return build_drafter_core(
+        draft.section,
+        vocab_size,
+        ec.max_batch_size,
+        ec.max_model_len,
+        model,
+        prefix_source=prefix_source,
+        defer_prefill=defer_prefill,
+        prefix_caching=ec.prefix_caching,
+        prefix_scope=ec.prefix_cache_scope,
+        kv_cache_dtype=ec.kv_cache_dtype,
+        kv=kv,
+    )
 
 
-def prepare_passes(runner: CausalLMRunner, role: str, k: int, ec: EngineConfig,
-                   world_size: int = 1) -> tuple[float, Callable[[], float] | None]:
+def prepare_passes(
+    runner: CausalLMRunner, role: str, k: int, ec: EngineConfig, world_size: int = 1
+) -> tuple[float, Callable[[], float] | None]:
     """Compile ``runner``'s passes where ``engine.compile`` has them on its device (one rank only: collectives
     stay out of compiled code) and warm the buckets a step uses first; ``role``: ``target`` (verifying up to
     ``k`` drafts) or ``draft``. Returns the seconds that took, and the capture of its CUDA graphs where

@@ -45,9 +45,12 @@ class SamplingRows:
         t32 = np.asarray(temperature, dtype=np.float32)
         p32 = np.asarray(top_p, dtype=np.float32)
         use_top_k = any(k > 0 for k in top_k)
-        return dict(kmax=max(min(k, vocab) if k > 0 else vocab for k in top_k) if use_top_k else 0,
-                    any_greedy=bool((t32 <= 0).any()), all_greedy=bool((t32 <= 0).all()),
-                    top_p_rows=np.flatnonzero(p32 < 1).tolist())
+        return dict(
+            kmax=max(min(k, vocab) if k > 0 else vocab for k in top_k) if use_top_k else 0,
+            any_greedy=bool((t32 <= 0).any()),
+            all_greedy=bool((t32 <= 0).all()),
+            top_p_rows=np.flatnonzero(p32 < 1).tolist(),
+        )
 
 
 def process_logits(
@@ -62,8 +65,12 @@ def process_logits(
     dev = logits.device
     rows = d.pop("top_p_rows")
     temperature, top_k, top_p = (x.to(dev, non_blocking=True) for x in (temperature, top_k, top_p))
-    return process_rows(logits, SamplingRows(temperature.float(), top_k.long(), top_p.float(),
-                                             torch.tensor(rows, device=dev) if rows else None, **d))
+    return process_rows(
+        logits,
+        SamplingRows(
+            temperature.float(), top_k.long(), top_p.float(), torch.tensor(rows, device=dev) if rows else None, **d
+        ),
+    )
 
 
 def process_rows(logits: torch.Tensor, s: SamplingRows) -> torch.Tensor:  # [N, V] -> [N, V] float32 probabilities

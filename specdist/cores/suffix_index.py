@@ -41,9 +41,9 @@ continuation. ``count(child) <= count(node)`` always holds.
   decrementing exactly the counts its insertion added (O(len * D)), pruning nodes whose count
   reaches 0 (a bound in requests alone let long requests hold gigabytes). The live sequences of
   the core are held in addition. With one index a tenant (:class:`SuffixIndexes`) the bounds are one
-  budget for all the indexes together: the least recently used tenant's oldest sequence goes first. Node count <= sum over held sequences of len * D (repeated
-  text shares nodes, and a pruned node's id is reused). A node is an id into lists of ints
-  (one ``{token: child}`` dict more where it branches), so the garbage collector has no object
+  budget for all the indexes together: the least recently used tenant's oldest sequence goes first. Node count <= sum
+  over held sequences of len * D (repeated text shares nodes, and a pruned node's id is reused). A node is an id into
+  lists of ints (one ``{token: child}`` dict more where it branches), so the garbage collector has no object
   per node to walk. Its memory and times per token: docs/performance.md, "Figures moved from docstrings".
 
 Exactness: the draft is a function of committed tokens only (this request's and others'),
@@ -197,7 +197,11 @@ class SuffixIndex:
                         c = k[t] = self._new(t)
                         created += 1
                     b = best[node]
-                    if b != _NONE and b != c and (count[c] + 1 > count[b] or (count[c] + 1 == count[b] and t < token[b])):
+                    if (
+                        b != _NONE
+                        and b != c
+                        and (count[c] + 1 > count[b] or (count[c] + 1 == count[b] and t < token[b]))
+                    ):
                         best[node] = c
                 count[c] += 1
                 new.append(c)
@@ -325,8 +329,12 @@ class SuffixIndex:
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
-        return {"nodes": self.num_nodes, "live": self.live, "cached": len(self.cached),
-                "cached_tokens": self.cached_tokens}
+        return {
+            "nodes": self.num_nodes,
+            "live": self.live,
+            "cached": len(self.cached),
+            "cached_tokens": self.cached_tokens,
+        }
 
 
 class SuffixIndexes:
@@ -386,4 +394,3 @@ class SuffixIndexes:
                 out[k] += v
         out["indexes"] = len(self.indexes)
         return out
-

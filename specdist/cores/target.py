@@ -50,13 +50,15 @@ from typing import Any
 
 import torch
 
+from specdist.cores.collectives import Replicator
+from specdist.cores.verify_batch import VerifyBatch
 from specdist.errors import (
     AlreadyExists,
     FailedPrecondition,
-    Unavailable,
     InvalidArgument,
     NonFiniteLogits,
     NotFound,
+    Unavailable,
 )
 from specdist.models.kv.base import KVCache
 from specdist.models.kv.prefix import PrefixCache
@@ -65,17 +67,14 @@ from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
 from specdist.transport.protocol import (
     CallTiming,
+    LocalTransport,
     Prefilled,
     StartItem,
     Verified,
     VerifyItem,
-    LocalTransport,
     now,
 )
-from specdist.cores.collectives import Replicator
-from specdist.cores.verify_batch import VerifyBatch
 from specdist.transport.wire import ONE_HOT, decode_distribution
-
 
 
 @dataclass
@@ -92,10 +91,17 @@ class _TargetRequest:
 class VerifierCore:
     """One target model (or one tensor-parallel shard of it). Not thread-safe: one call at a time."""
 
-    def __init__(self, runner: CausalLMRunner, rank: int = 0, world_size: int = 1,
-                 broadcast: Callable[[Any], Any] | None = None,
-                 set_timeout: Callable[[float], None] | None = None, collective_timeout_s: float = 10.0,
-                 prefix_caching: bool = True, prefix_scope: str = "shared"):
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Callable[[Any], Any] | None = None,
+        set_timeout: Callable[[float], None] | None = None,
+        collective_timeout_s: float = 10.0,
+        prefix_caching: bool = True,
+        prefix_scope: str = "shared",
+    ):
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_len
@@ -178,8 +184,9 @@ class VerifierCore:
         def live(tenant: str):  # the running requests of tenant's share, indexed (built at first use)
             key = prefixes.key(tenant)
             if key not in lives:
-                lives[key] = prefixes.live_index((r.slot, r.seq[:-1]) for r in self.requests.values()
-                                                 if prefixes.key(r.tenant) == key)
+                lives[key] = prefixes.live_index(
+                    (r.slot, r.seq[:-1]) for r in self.requests.values() if prefixes.key(r.tenant) == key
+                )
             return lives[key]
 
         waves: list[list] = [[]]
@@ -200,30 +207,38 @@ class VerifierCore:
             todo = []
             for it, prompt in group:
                 slot, held = prefixes.acquire(prompt[:-1], live(it.tenant), need_of[it.request_id], it.tenant)
-                r = self.requests[it.request_id] = _TargetRequest(slot, prompt, it.params, int(it.seed), it.coupling,
-                                                                  bool(it.hidden_layers), it.tenant)
+                r = self.requests[it.request_id] = _TargetRequest(
+                    slot, prompt, it.params, int(it.seed), it.coupling, bool(it.hidden_layers), it.tenant
+                )
                 if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
                     self.group.local(("rollback", slot, 0))
                     held = 0
                 if held < len(prompt) - 1:
                     todo.append((r, held, it.request_id))
             if todo:
-                self.group.forward([r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo))
+                self.group.forward(
+                    [r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo)
+                )
                 for row, (r, _, rid) in enumerate(todo):
                     if r.hidden:
                         hidden[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
             for it, prompt in group:
                 live(it.tenant).add(self.requests[it.request_id].slot, prompt[:-1])
-        out = [Prefilled(it.request_id, hidden.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
-               for it in items]
+        out = [
+            Prefilled(it.request_id, hidden.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
+            for it in items
+        ]
         return out, CallTiming({"prefill": now() - t0})
 
     def _check_hidden_layers(self, layers, field: str) -> None:
         """A request may ask for the hidden states this target keeps (runner.hidden_layers), or none."""
         if layers and tuple(layers) != self.runner.hidden_layers:
             kept = self.runner.hidden_layers
-            raise FailedPrecondition(field, f"asks for the hidden states of layers {tuple(layers)}; this target keeps "
-                                            + (f"layers {kept}" if kept else "none (its drafts use no EAGLE-3 head)"))
+            raise FailedPrecondition(
+                field,
+                f"asks for the hidden states of layers {tuple(layers)}; this target keeps "
+                + (f"layers {kept}" if kept else "none (its drafts use no EAGLE-3 head)"),
+            )
 
     def _no_hidden(self) -> torch.Tensor:  # [0, nD]: a one-token prompt has no position before its last
         return torch.zeros(0, self.hidden_width, dtype=self.runner.dtype, device=self.runner.device)
@@ -243,11 +258,20 @@ class VerifierCore:
 
         t0 = now()
         order = sorted(range(bsz), key=lambda b: reqs[b].slot)  # slot order: contiguous slots attend through views
-        batch = VerifyBatch([(len(r.seq), r.params, r.seed, r.coupling) for r in reqs], drafts, order,
-                            [q is not None for q in qs], self.vocab_size)
+        batch = VerifyBatch(
+            [(len(r.seq), r.params, r.seed, r.coupling) for r in reqs],
+            drafts,
+            order,
+            [q is not None for q in qs],
+            self.vocab_size,
+        )
         logits = self.group.forward(
-            [reqs[b].slot for b in order], [[reqs[b].seq[-1]] + drafts[b] for b in order], [nd[b] + 1 for b in order],
-            packed=True, extra=batch.words())  # [N, V]: each request's nd + 1 rows, slot order, on the model's device
+            [reqs[b].slot for b in order],
+            [[reqs[b].seq[-1]] + drafts[b] for b in order],
+            [nd[b] + 1 for b in order],
+            packed=True,
+            extra=batch.words(),
+        )  # [N, V]: each request's nd + 1 rows, slot order, on the model's device
         states = self.runner.last_hidden  # [B, K+1, nD] in slot order, or None
         t1 = now()
         decision = batch.decide(logits, self.runner.last_extra, qs)  # the step's one copy to the host
@@ -255,9 +279,10 @@ class VerifierCore:
         if bad_q is not None:
             b, (j, v) = bad_q
             self._undo_forward(reqs)
-            raise InvalidArgument(f"items[{b}].draft_probs[{j}].values",
-                                  f"drafted token {drafts[b][j]} has probability {v:g} in its q: it cannot have been "
-                                  "sampled from it")
+            raise InvalidArgument(
+                f"items[{b}].draft_probs[{j}].values",
+                f"drafted token {drafts[b][j]} has probability {v:g} in its q: it cannot have been sampled from it",
+            )
         if any(decision.unusable):
             self._refuse_unusable(items, reqs, nd, decision.unusable.index(1))
         n_acc, final = decision.num_accepted, decision.final
@@ -283,9 +308,12 @@ class VerifierCore:
         """Item b's logits cannot be sampled: undo the forward and fail the call naming item b."""
         self._undo_forward(reqs)
         at = len(reqs[b].seq)
-        raise NonFiniteLogits(f"items[{b}]", f"the target's logits for request {items[b].request_id!r} at sequence "
-                              f"positions {at}..{at + nd[b]} contain NaN or leave no positive finite probability: "
-                              "no token can be sampled")
+        raise NonFiniteLogits(
+            f"items[{b}]",
+            f"the target's logits for request {items[b].request_id!r} at sequence "
+            f"positions {at}..{at + nd[b]} contain NaN or leave no positive finite probability: "
+            "no token can be sampled",
+        )
 
     def _check_verify(self, items: list[VerifyItem]):
         """Validate a whole verify batch: (requests, draft token lists, q [n, V] or None per item).
@@ -298,25 +326,33 @@ class VerifierCore:
                 raise NotFound(f"items[{i}].request_id", f"unknown request {it.request_id!r}")
             if it.seq_len != len(r.seq):
                 raise FailedPrecondition(
-                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} holds {len(r.seq)} tokens")
+                    f"items[{i}].seq_len", f"is {it.seq_len}; request {it.request_id!r} holds {len(r.seq)} tokens"
+                )
             p = it.proposal
             d = check_token_ids(p.token_ids, self.vocab_size, f"items[{i}].draft_token_ids") if p else []
             if len(r.seq) + len(d) + 1 > self.max_model_len:
                 raise InvalidArgument(
                     f"items[{i}].draft_token_ids",
-                    f"{len(d)} draft tokens after {len(r.seq)} would pass the context limit {self.max_model_len}")
+                    f"{len(d)} draft tokens after {len(r.seq)} would pass the context limit {self.max_model_len}",
+                )
             q = None
             if p is not None and p.wire is not None:
                 if len(p.wire) != len(d):
-                    raise InvalidArgument(f"items[{i}].draft_probs",
-                                          f"has {len(p.wire)} entries for {len(d)} draft tokens")
+                    raise InvalidArgument(
+                        f"items[{i}].draft_probs", f"has {len(p.wire)} entries for {len(d)} draft tokens"
+                    )
                 if d and any(m.format != ONE_HOT for m in p.wire):  # all one-hot: no tensor needed
-                    q = torch.stack([decode_distribution(m, self.vocab_size, t, f"items[{i}].draft_probs[{j}]")
-                                     for j, (m, t) in enumerate(zip(p.wire, d))])
+                    q = torch.stack(
+                        [
+                            decode_distribution(m, self.vocab_size, t, f"items[{i}].draft_probs[{j}]")
+                            for j, (m, t) in enumerate(zip(p.wire, d))
+                        ]
+                    )
             elif p is not None and p.q is not None:
                 if tuple(p.q.shape) != (len(d), self.vocab_size):
-                    raise InvalidArgument(f"items[{i}].draft_probs",
-                                          f"has shape {tuple(p.q.shape)}, want ({len(d)}, {self.vocab_size})")
+                    raise InvalidArgument(
+                        f"items[{i}].draft_probs", f"has shape {tuple(p.q.shape)}, want ({len(d)}, {self.vocab_size})"
+                    )
                 q = p.q.float()  # stays where the drafter made it
             reqs.append(r)
             drafts.append(d)

@@ -66,8 +66,9 @@ class VerifyBatch:
     row order (request ``order[i]``'s ``len(drafts) + 1`` logits rows are the i-th block); ``has_q[b]``: its
     drafts came with q rows."""
 
-    def __init__(self, requests: list[tuple], drafts: list[list[int]], order: list[int], has_q: list[bool],
-                 vocab_size: int):
+    def __init__(
+        self, requests: list[tuple], drafts: list[list[int]], order: list[int], has_q: list[bool], vocab_size: int
+    ):
         bsz = len(requests)
         nd = [len(d) for d in drafts]
         kdim = max(nd)
@@ -155,14 +156,19 @@ class VerifyBatch:
             parts.append(_logprob_values(probs, res.tokens, d["logprob_rows"], num_top))
         flat = torch.cat(parts).tolist()  # the one copy to the host
         bsz = self.bsz
-        n_acc, fin, bad = (tuple(int(v) for v in flat[c: 3 * bsz: 3]) for c in range(3))
+        n_acc, fin, bad = (tuple(int(v) for v in flat[c : 3 * bsz : 3]) for c in range(3))
         at = 3 * bsz
-        bad_q = self._bad_q(flat[at: at + 2 * bsz]) if checks else [None] * bsz
+        bad_q = self._bad_q(flat[at : at + 2 * bsz]) if checks else [None] * bsz
         at += 2 * bsz if checks else 0
         logprobs = {}
         if self.logprob_rows:
-            values = split_rows(flat[at:], self.kdim + 1, num_top, [n_acc[b] + 1 for b in self.logprob_rows],
-                                [min(self.asked[b], num_top) for b in self.logprob_rows])
+            values = split_rows(
+                flat[at:],
+                self.kdim + 1,
+                num_top,
+                [n_acc[b] + 1 for b in self.logprob_rows],
+                [min(self.asked[b], num_top) for b in self.logprob_rows],
+            )
             logprobs = dict(zip(self.logprob_rows, values))
         return Decision(list(n_acc), list(fin), list(bad), bad_q, logprobs)
 
@@ -173,7 +179,7 @@ class VerifyBatch:
         top, arg = logits.max(-1)  # [N] each, row order; max() gives the first maximal index, and NaN as the max
         flat = torch.cat([arg.double(), top.isnan().double()] + [c.view(-1) for c in checks]).tolist()
         n_rows = arg.shape[0]
-        y, nan = flat[:n_rows], flat[n_rows: 2 * n_rows]
+        y, nan = flat[:n_rows], flat[n_rows : 2 * n_rows]
         rows, at = {}, 0  # request -> its rows of the packed logits
         for b in self.order:
             rows[b], at = slice(at, at + self.nd[b] + 1), at + self.nd[b] + 1
@@ -181,7 +187,7 @@ class VerifyBatch:
         n_acc = gumbel_verify(ys, self.drafts)
         final = [ys[b][n] for b, n in enumerate(n_acc)]
         bad = [int(any(nan[rows[b]])) for b in range(self.bsz)]
-        bad_q = self._bad_q(flat[2 * n_rows:]) if checks else [None] * self.bsz
+        bad_q = self._bad_q(flat[2 * n_rows :]) if checks else [None] * self.bsz
         return Decision(n_acc, final, bad, bad_q, {})
 
     def _bad_q(self, values: list[float]) -> list[tuple[int, float] | None]:
@@ -193,8 +199,9 @@ class VerifyBatch:
         bsz, k1, vocab = self.bsz, self.kdim + 1, self.vocab
         raw = logits.reshape(-1, vocab).index_select(0, d["src"])  # [N, V]
         s = self.sampling
-        rows = SamplingRows(d["temperature"], d["top_k"], d["top_p"], d.get("top_p_rows"), s["kmax"],
-                            s["any_greedy"], s["all_greedy"])
+        rows = SamplingRows(
+            d["temperature"], d["top_k"], d["top_p"], d.get("top_p_rows"), s["kmax"], s["any_greedy"], s["all_greedy"]
+        )
         p_valid = process_rows(raw, rows)  # [N, V]
         probs = torch.zeros(bsz * k1, vocab, device=logits.device).index_copy_(0, d["dst"], p_valid)
         unusable = torch.zeros(bsz * k1, dtype=torch.bool, device=logits.device)
@@ -239,7 +246,7 @@ class VerifyBatch:
             rows = torch.cat([qs[b].float().cpu() for b in moved]).to(dev)  # [m, V]
             at = 0
             for b in moved:
-                q[b, : self.nd[b]] = rows[at: at + self.nd[b]]
+                q[b, : self.nd[b]] = rows[at : at + self.nd[b]]
                 at += self.nd[b]
         for b in range(bsz):
             if qs[b] is not None and qs[b].device == dev:

@@ -75,13 +75,19 @@ class EngineBase:
         """Template (``chat``), tokenize and check a prompt (:func:`~specdist.engine.prompts.encode_prompt`:
         ``InvalidArgument`` naming the field); its arrival is now."""
         arrival = now()
-        text, ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len, chat=chat)
+        text, ids = encode_prompt(
+            self.tokenizer, prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len, chat=chat
+        )
         return EncodedPrompt(text, ids, arrival)
 
-    def add_request(self, prompt: str | Sequence[int] | Sequence[dict] | EncodedPrompt,
-                    params: SamplingParams | None = None, request_id: str | None = None, chat: bool = False,
-                    tenant: str = "") -> Request:
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict] | EncodedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
+        tenant: str = "",
+    ) -> Request:
         """Queue a request. ``prompt``: text, token ids or (``chat``) a conversation, encoded here once
         (:meth:`encode`; ``chat``: in the model's chat template), or an :class:`EncodedPrompt` encoded
         already (``chat`` is then ignored). ``tenant``: who it belongs to (the servers pass the caller's,
@@ -90,9 +96,12 @@ class EngineBase:
             prompt = self.encode(prompt, chat)
         return self.scheduler.add_request(prompt, params, request_id, tenant)
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 chat: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
         """Run a batch of prompts together to completion; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise InvalidArgument("prompts", "must be a list of prompts (text or token-id lists)")
@@ -113,8 +122,9 @@ class EngineBase:
             self.scheduler.abort_requests([r for r in reqs if not r.finished])
         return [r.to_output() for r in reqs]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               chat: bool = False) -> Iterator[str]:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[str]:
         """Yield text pieces as they are produced; the final output is then ``self.last_output``."""
         req = self.add_request(prompt, params, chat=chat)
         try:

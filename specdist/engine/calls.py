@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 # a failed release is retried after 0.1 s, backing off x2 to 10 s (a down worker is not hammered)
 RELEASE_RETRY_FIRST_S, RELEASE_RETRY_MAX_S = 0.1, 10.0
 # a core refused the item it blamed (a bad or stale item): the rest of the call can be retried without it
-PER_ITEM_CODES = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION,
-                            ErrorCode.ALREADY_EXISTS})
+PER_ITEM_CODES = frozenset(
+    {ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION, ErrorCode.ALREADY_EXISTS}
+)
 REFUSED_CODES = PER_ITEM_CODES | {ErrorCode.RESOURCE_EXHAUSTED}  # the core refused the call before changing state
 
 # (method, items) -> (results or None, {index: its TransportError}, the core's timing, wall seconds)
@@ -57,7 +58,7 @@ def call_isolating(method, items: list, count: Callable[[], None] = lambda: None
             if e.item is not None and e.code == ErrorCode.RESOURCE_EXHAUSTED and 0 < e.item < len(idx):
                 # out of room from the item it names on (a core's check_room): the ones before it fit, and are
                 # retried alone; failing them too would requeue every request of a cache that holds some of them
-                for i in idx[e.item:]:
+                for i in idx[e.item :]:
                     failed[i] = e
                 idx = idx[: e.item]
                 continue
@@ -111,8 +112,12 @@ class PendingReleases:
         kept = [ids[j] for j, e in failed.items() if e.code not in PER_ITEM_CODES]
         if kept:
             e = next(e for e in failed.values() if e.code not in PER_ITEM_CODES)
-            log.warning("%s: release of %d requests failed (%s); retried later (they may hold slots there)",
-                        transport.name, len(kept), e.describe())
+            log.warning(
+                "%s: release of %d requests failed (%s); retried later (they may hold slots there)",
+                transport.name,
+                len(kept),
+                e.describe(),
+            )
             self.add(kept, now())
 
     def retry(self, transport, call: Call, force: bool = False) -> None:
@@ -131,7 +136,12 @@ class PendingReleases:
             if down:
                 self.failed(t)
         if down:
-            log.info("%s: release of %d requests failed again (%s); next try in %.1f s", transport.name,
-                     len(self.ids), down[0].describe(), self.backoff)
+            log.info(
+                "%s: release of %d requests failed again (%s); next try in %.1f s",
+                transport.name,
+                len(self.ids),
+                down[0].describe(),
+                self.backoff,
+            )
         else:
             log.info("%s: released %d requests whose release had failed", transport.name, len(sent))

@@ -224,19 +224,22 @@ class PipelinedReport:
         return (self.pipelined_tokens / self.pipelined_time) / (self.sequential_tokens / self.sequential_time)
 
     def format(self) -> str:
-        return "\n".join([
-            f"alpha={self.alpha:g}, k={self.k}, c={self.draft_cost:g}, guess hit={self.guess_hit:g}, "
-            f"miss={self.miss}",
-            f"next-step hit rate h = alpha^k * guess hit = {self.hit_rate:.4f}",
-            f"sequential: {self.sequential_tokens:.4f} tokens per step of {self.sequential_time:.3f}",
-            f"pipelined:  {self.pipelined_tokens:.4f} tokens per step of {self.pipelined_time:.3f}",
-            f"pipelined / sequential tokens per time = {self.gain:.3f}",
-            "Reminder: this is a toy ratio, not a measured speedup.",
-        ])
+        return "\n".join(
+            [
+                f"alpha={self.alpha:g}, k={self.k}, c={self.draft_cost:g}, guess hit={self.guess_hit:g}, "
+                f"miss={self.miss}",
+                f"next-step hit rate h = alpha^k * guess hit = {self.hit_rate:.4f}",
+                f"sequential: {self.sequential_tokens:.4f} tokens per step of {self.sequential_time:.3f}",
+                f"pipelined:  {self.pipelined_tokens:.4f} tokens per step of {self.pipelined_time:.3f}",
+                f"pipelined / sequential tokens per time = {self.gain:.3f}",
+                "Reminder: this is a toy ratio, not a measured speedup.",
+            ]
+        )
 
 
-def pipelined_report(alpha: float, k: int, draft_cost: float, guess_hit: float,
-                     miss: str = "redraft") -> PipelinedReport:
+def pipelined_report(
+    alpha: float, k: int, draft_cost: float, guess_hit: float, miss: str = "redraft"
+) -> PipelinedReport:
     """Expected step time and tokens with and without pipelined drafting (specdist.cores.draft_pipeline).
 
     While the target verifies step t (cost 1) the drafter guesses the bonus token and drafts

@@ -27,8 +27,8 @@ reproduce exactly.
   call is made; ``D_r`` also has a per-call term, e.g. the network round trip, so
   ``D_r = e_r + a_r * passes_r + b_r * rows_r``), the verification of ``N = sum (k_b + 1)``
   tokens for ``B`` requests costs its measured time for that ``(B, N)`` (the median of its last
-  ``TABLE_SAMPLES`` calls: robust to a call slowed by other work) when one was seen, else ``V = c_0 + c_1 * N`` (GEMM times are far from linear at small sizes on CPU:
-  3 tokens can cost more than 5)
+  ``TABLE_SAMPLES`` calls: robust to a call slowed by other work) when one was seen, else ``V = c_0 + c_1 * N`` (GEMM
+  times are far from linear at small sizes on CPU: 3 tokens can cost more than 5)
   tokens, and ``overhead`` is the rest of a step. Replicas draft in parallel, so the
   slowest one sets the draft time. The coefficients are exponentially weighted least-squares
   fits (forgetting ``COST_DECAY`` per sample) of the measured wall times, with a ridge of
@@ -170,7 +170,7 @@ class MatchAcceptance:
 
     def update(self, lengths: Sequence[int], accepted: int) -> None:
         """One verified proposal: its first ``accepted`` positions were accepted, the next (if any) rejected."""
-        for j, length in enumerate(lengths[:accepted + 1]):
+        for j, length in enumerate(lengths[: accepted + 1]):
             b = self.bucket(length)
             self.tried[b] += 1
             self.accepted[b] += j < accepted
@@ -180,8 +180,10 @@ class MatchAcceptance:
         self.tried = [t * GLOBAL_DECAY for t in self.tried]
 
     def snapshot(self) -> dict:
-        return {f"{lo}+" if i == len(MATCH_EDGES) - 1 else f"{lo}-{MATCH_EDGES[i + 1] - 1}": round(self.rate(lo), 4)
-                for i, lo in enumerate(MATCH_EDGES)}
+        return {
+            f"{lo}+" if i == len(MATCH_EDGES) - 1 else f"{lo}-{MATCH_EDGES[i + 1] - 1}": round(self.rate(lo), 4)
+            for i, lo in enumerate(MATCH_EDGES)
+        }
 
 
 class LinearFit:
@@ -299,9 +301,14 @@ class DraftLengthPolicy:
         return min(ALPHA_MAX, max(ALPHA_MIN, a))
 
     # ------------------------------------------------------------------ the choice
-    def choose(self, caps: Sequence[int], accs: Sequence[Acceptance], replicas: Sequence[int] | None = None,
-               first: Sequence[bool] | None = None,
-               match_lengths: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+    def choose(
+        self,
+        caps: Sequence[int],
+        accs: Sequence[Acceptance],
+        replicas: Sequence[int] | None = None,
+        first: Sequence[bool] | None = None,
+        match_lengths: Sequence[Sequence[int] | None] | None = None,
+    ) -> list[int]:
         """Draft lengths for one step. ``caps[b]``: the most request b may draft (limits);
         ``replicas[b]``: the draft replica it lives on (default 0); ``first[b]``: this is the
         request's first step (adaptive: it drafts nothing, so its first token comes as soon as
@@ -318,8 +325,10 @@ class DraftLengthPolicy:
         if not (self.verify_cost.ready and all(self.draft_cost[r].ready for r in set(reps))):
             return caps  # no measurements yet: draft fully, which measures the costs
         lengths = match_lengths or [None] * len(caps)
-        cums = [_cumulative([self.match.rate(m) for m in ms[:c]]) if ms is not None
-                else _cumulative([self.alpha(a)] * c) for a, c, ms in zip(accs, caps, lengths)]
+        cums = [
+            _cumulative([self.match.rate(m) for m in ms[:c]]) if ms is not None else _cumulative([self.alpha(a)] * c)
+            for a, c, ms in zip(accs, caps, lengths)
+        ]
         ks = self._maximise(caps, cums, reps)
         if self.steps % EXPLORE_EVERY == 0 or self.steps in EXPLORE_EARLY:
             self.explored += 1
@@ -350,8 +359,9 @@ class DraftLengthPolicy:
             kr = {}
             for r in rset:
                 K = 0
-                while K < self.k and (self.model_free or
-                                      self.draft_cost[r].predict(1, K + 1, rows_upto(r, K + 1)) <= tau * (1 + 1e-9)):
+                while K < self.k and (
+                    self.model_free or self.draft_cost[r].predict(1, K + 1, rows_upto(r, K + 1)) <= tau * (1 + 1e-9)
+                ):
                     K += 1
                 kr[r] = K
             lim = [min(caps[b], kr[reps[b]]) for b in range(bsz)]
@@ -422,8 +432,9 @@ class DraftLengthPolicy:
         fit, k = self.draft_cost[replica], max(1, self.k)
         return fit.predict(1, k, k * requests) if fit.ready else 0.0
 
-    def observe_acceptance(self, acc: Acceptance, drafted: int, accepted: int,
-                           match_lengths: Sequence[int] | None = None) -> None:
+    def observe_acceptance(
+        self, acc: Acceptance, drafted: int, accepted: int, match_lengths: Sequence[int] | None = None
+    ) -> None:
         """One request's verification result (call once per request per step); ``match_lengths``: those of
         its proposal's positions (model-free drafts), which the match-length rates learn from."""
         if drafted <= 0:

@@ -165,7 +165,9 @@ class DraftPool:
                 del self.probes[i]
                 error = future.exception()
                 if error is None:
-                    log.warning("draft %s answers again after %.1f s: re-admitted", rep.drafter.name, t - rep.ejected_at)
+                    log.warning(
+                        "draft %s answers again after %.1f s: re-admitted", rep.drafter.name, t - rep.ejected_at
+                    )
                     rep.ejected_at, rep.down = None, False
                     rep.orphans.answered(sent, t)
                     continue

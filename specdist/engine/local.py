@@ -14,19 +14,19 @@ from __future__ import annotations
 import torch
 
 from specdist.config import Config, load_config
-from specdist.cores.draft import DrafterCore, LocalDrafter, load_draft_model
 from specdist.cores import factory
+from specdist.cores.draft import DrafterCore, LocalDrafter, load_draft_model
 from specdist.cores.proposers import ResolvedDraft, resolve_draft
-from specdist.models.loader import eos_token_ids
-from specdist.models.kernels import cpu_kernels
+from specdist.cores.target import LocalVerifier
+from specdist.cores.verify_batch import VerifyBatch
+from specdist.engine.base import EngineBase
+from specdist.engine.scheduler import Scheduler
 from specdist.models.devices import device_for
+from specdist.models.kernels import cpu_kernels
+from specdist.models.loader import eos_token_ids
 from specdist.models.memory_plan import Measure, MemoryPlan, plan_memory, runner_profile
 from specdist.models.metadata import ModelSources
 from specdist.models.quant import refuse_int8_on
-from specdist.engine.base import EngineBase
-from specdist.engine.scheduler import Scheduler
-from specdist.cores.target import LocalVerifier
-from specdist.cores.verify_batch import VerifyBatch
 from specdist.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -37,8 +37,14 @@ class Engine(EngineBase):
     graphs_s: float = 0.0  # seconds spent capturing CUDA graphs at load (engine.cuda_graphs)
     memory_plan: str = ""  # the paged caches' sizes and what they were planned from, one line (GPUs; GetServerInfo)
 
-    def __init__(self, config: Config, target: torch.nn.Module, tokenizer=None, draft: torch.nn.Module | None = None,
-                 resolved: ResolvedDraft | None = None):
+    def __init__(
+        self,
+        config: Config,
+        target: torch.nn.Module,
+        tokenizer=None,
+        draft: torch.nn.Module | None = None,
+        resolved: ResolvedDraft | None = None,
+    ):
         """``resolved``: the config's draft section as :func:`~specdist.cores.proposers.resolve_draft` checked it,
         if the caller did (else checked here)."""
         ec = config.engine
@@ -53,8 +59,9 @@ class Engine(EngineBase):
         # self drafts (and hybrid's): the target's prompt K/V (same layout) stand in for the draft's own prefill
         share = self.target_core.prefix_kv if resolved.copy else None
         # in process a prompt's draft K/V wait for its first draft: a request that never drafts costs no draft forward
-        self.draft_core: DrafterCore | None = factory.build_draft_core(resolved, ec, kv, self.target_core.vocab_size,
-                                                                       draft, prefix_source=share, defer_prefill=True)
+        self.draft_core: DrafterCore | None = factory.build_draft_core(
+            resolved, ec, kv, self.target_core.vocab_size, draft, prefix_source=share, defer_prefill=True
+        )
         if self.draft_core is not None and self.draft_core.hidden_layers:  # eagle3: the target keeps those states
             self.target_core.keep_hidden_layers(self.draft_core.hidden_layers)
         dc = config.draft
@@ -71,8 +78,14 @@ class Engine(EngineBase):
             captures += [capture] if capture is not None else []
         self.graphs_s = sum(capture() for capture in captures)
         drafters = [] if self.draft_core is None else [LocalDrafter(factory.hosted_drafter(self.draft_core, resolved))]
-        self.scheduler = Scheduler(config, LocalVerifier(self.target_core), drafters, tokenizer,
-                                   eos_token_ids(target, tokenizer), traits=resolved.traits)
+        self.scheduler = Scheduler(
+            config,
+            LocalVerifier(self.target_core),
+            drafters,
+            tokenizer,
+            eos_token_ids(target, tokenizer),
+            traits=resolved.traits,
+        )
 
     def _plan_memory(self, ec, k: int, measure: Measure) -> MemoryPlan:
         """Size the paged caches of the target and of a draft model from a profile of the passes serving runs
@@ -85,10 +98,12 @@ class Engine(EngineBase):
         if draft is not None and draft.attention is not None:
             runners["draft"] = (draft, 2)
         profile = runner_profile(runners, graphed)
-        profile.eager += sampler_passes(self.target_core.vocab_size, ec.max_batch_size, max(k, 1),
-                                        self.target_core.runner.device)
-        return plan_memory({name: r.cache for name, (r, _) in runners.items()}, ec.gpu_memory_utilization, profile,
-                           measure)
+        profile.eager += sampler_passes(
+            self.target_core.vocab_size, ec.max_batch_size, max(k, 1), self.target_core.runner.device
+        )
+        return plan_memory(
+            {name: r.cache for name, (r, _) in runners.items()}, ec.gpu_memory_utilization, profile, measure
+        )
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Each core's KV cache usage (``usage()`` of its cache: blocks_total, blocks_used, block_size), by core
@@ -105,9 +120,14 @@ class Engine(EngineBase):
         return self.draft_core.proposer.index_stats() if self.draft_core is not None else None
 
     @classmethod
-    def from_config(cls, source: str | dict | Config | None = None, tokenizer=None,
-                    target: torch.nn.Module | None = None, sources: ModelSources | None = None,
-                    resolved: ResolvedDraft | None = None) -> "Engine":
+    def from_config(
+        cls,
+        source: str | dict | Config | None = None,
+        tokenizer=None,
+        target: torch.nn.Module | None = None,
+        sources: ModelSources | None = None,
+        resolved: ResolvedDraft | None = None,
+    ) -> "Engine":
         """Load the models a config names. ``tokenizer``: the target's, if the caller already has it;
         ``target``: the target model as the config's ``target`` section loads it, if the caller
         already has it (engines over one model share its weights; each keeps its own KV cache);
@@ -141,6 +161,7 @@ def sampler_passes(vocab: int, bsz: int, k: int, device: torch.device) -> list:
     """The verification sampler at its largest: ``bsz`` requests of ``k`` drafts each, sampled (top-k, top-p and
     the most log-probabilities), once all rejection-coupled with dense q rows (made inside the pass, as a drafter
     in the process makes them) and once all Gumbel-coupled (noise for every row)."""
+
     def run(coupling: str) -> None:
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS)
         drafts = [[b % vocab] * k for b in range(bsz)]
@@ -152,4 +173,3 @@ def sampler_passes(vocab: int, bsz: int, k: int, device: torch.device) -> list:
         batch.decide(logits, extra, qs)
 
     return [lambda: run("rejection"), lambda: run("gumbel")]
-

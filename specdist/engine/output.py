@@ -89,8 +89,9 @@ class OutputProcessor:
     events to ``listeners`` (both the scheduler's, shared). ``tokenizer`` and ``eos_ids``: what every
     request's OutputState detokenizes with and stops at; ``max_model_len``: the context limit."""
 
-    def __init__(self, stats: EngineStats, listeners: list[Listener], tokenizer, eos_ids: frozenset[int],
-                 max_model_len: int):
+    def __init__(
+        self, stats: EngineStats, listeners: list[Listener], tokenizer, eos_ids: frozenset[int], max_model_len: int
+    ):
         self.stats = stats
         self.listeners = listeners
         self.tokenizer = tokenizer
@@ -117,8 +118,15 @@ class OutputProcessor:
         tried = min(len(drafted), used) if out.finished else len(drafted)
         accepted = min(n_acc, used)
         m = r.metrics
-        step = RequestStep(r.request_id, r.replica, tried, accepted, used, kept,
-                           pipeline=proposal.pipeline if proposal is not None else None)
+        step = RequestStep(
+            r.request_id,
+            r.replica,
+            tried,
+            accepted,
+            used,
+            kept,
+            pipeline=proposal.pipeline if proposal is not None else None,
+        )
         if kept or r.finished:
             t = now()
             if m.first_token_time is None:

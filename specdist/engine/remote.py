@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from specdist.config import Config, load_config
 from specdist.cores.draft import draft_hidden_layers
 from specdist.cores.proposers import ResolvedDraft, resolve_draft
+from specdist.engine.base import EngineBase
+from specdist.engine.scheduler import Scheduler
 from specdist.errors import InvalidArgument
 from specdist.models.metadata import ModelSources, resolve_sources
 from specdist.transport.remote import RemoteDrafter, RemoteVerifier
-from specdist.transport.worker_tls import WorkerTLS
-from specdist.engine.base import EngineBase
-from specdist.engine.scheduler import Scheduler
 from specdist.transport.wire import message_limit_bytes
+from specdist.transport.worker_tls import WorkerTLS
 
 
 class RemoteEngine(EngineBase):
@@ -68,16 +68,21 @@ class RemoteEngine(EngineBase):
             sources = ModelSources.of(cfg)  # each spec resolved only if the draft method reads its model
         layers, width = draft_hidden_layers(cfg.draft, sources) if addresses else ((), 0)
         # no call carries more than max_batch_size requests (a drafter's share of them included)
-        limit = message_limit_bytes(vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens, width,
-                                    cfg.engine.max_model_len)
+        limit = message_limit_bytes(
+            vocab_size, cfg.engine.max_batch_size, cfg.draft.num_speculative_tokens, width, cfg.engine.max_model_len
+        )
         verifier = RemoteVerifier(target_address, vocab_size, rpc_timeout_s, worker_secret, limit, worker_tls)
         drafters = [RemoteDrafter(a, rpc_timeout_s, worker_secret, limit, layers, worker_tls) for a in addresses]
         self.scheduler = Scheduler(cfg, verifier, drafters, tokenizer, eos_ids, draft_max_batch_size, traits)
 
     @classmethod
     def from_addresses(
-        cls, config: str | dict | Config | None, target_address: str, draft_addresses: Sequence[str] = (),
-        sources: ModelSources | None = None, **kwargs
+        cls,
+        config: str | dict | Config | None,
+        target_address: str,
+        draft_addresses: Sequence[str] = (),
+        sources: ModelSources | None = None,
+        **kwargs,
     ) -> "RemoteEngine":
         """Load only the target's tokenizer and config (vocabulary size, EOS ids); no weights. ``sources``: the
         config's models as :func:`~specdist.models.metadata.resolve_sources` resolved them (and what they read
@@ -87,5 +92,13 @@ class RemoteEngine(EngineBase):
             kwargs["resolved"] = resolve_draft(cfg.draft, cfg.target.dtype)
         sources = resolve_sources(cfg) if sources is None else sources
         sources.read_target_metadata()
-        return cls(cfg, target_address, draft_addresses, tokenizer=sources.tokenizer(), vocab_size=sources.vocab_size(),
-                   eos_ids=sources.eos_ids(), sources=sources, **kwargs)
+        return cls(
+            cfg,
+            target_address,
+            draft_addresses,
+            tokenizer=sources.tokenizer(),
+            vocab_size=sources.vocab_size(),
+            eos_ids=sources.eos_ids(),
+            sources=sources,
+            **kwargs,
+        )

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdist.engine.draft_length import Acceptance
+from specdist.engine.stopping import OutputState
 from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import Proposal
-from specdist.engine.stopping import OutputState
 
 
 @dataclass

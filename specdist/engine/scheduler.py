@@ -127,17 +127,20 @@ class Scheduler:
         self.stats = EngineStats()
         self._lock = threading.Lock()  # stats.calls: also counted on the propose threads (DraftPool.propose)
         self._call = functools.partial(call_isolating, count=self._count_call)  # every transport call
-        self.pool = DraftPool(drafters if config.draft.enabled else (), draft_max_batch_size or ec.max_batch_size,
-                              self._call)
+        self.pool = DraftPool(
+            drafters if config.draft.enabled else (), draft_max_batch_size or ec.max_batch_size, self._call
+        )
         self.k = config.draft.num_speculative_tokens if self.pool else 0
         # model-free drafts (lookups) under the adaptive rule are proposed first, as long as each request may
         # draft, and the rule keeps the positions worth verifying, priced by their match lengths
-        self._propose_first = (bool(self.pool) and traits.model_free
-                               and config.draft.length_policy == "adaptive")
-        self.length_policy = DraftLengthPolicy(self.k, config.draft.length_policy,
-                                               num_replicas=max(1, len(self.pool)),
-                                               pipelined=traits.pipelined and bool(self.pool),
-                                               model_free=self._propose_first)
+        self._propose_first = bool(self.pool) and traits.model_free and config.draft.length_policy == "adaptive"
+        self.length_policy = DraftLengthPolicy(
+            self.k,
+            config.draft.length_policy,
+            num_replicas=max(1, len(self.pool)),
+            pipelined=traits.pipelined and bool(self.pool),
+            model_free=self._propose_first,
+        )
         # The cost fits steer later lengths, so they must not see what a step's uniforms decided. Where
         # the draft's own samples cut its length (confidence threshold), the tokens past a rejection are
         # sampled with uniforms of positions the next steps draft again: the fits then take the planned
@@ -167,8 +170,13 @@ class Scheduler:
         return len(self.pool)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt: EncodedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, tenant: str = "") -> Request:
+    def add_request(
+        self,
+        prompt: EncodedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        tenant: str = "",
+    ) -> Request:
         """Queue a request whose prompt was encoded and checked where it arrived (:class:`EncodedPrompt`:
         :meth:`EngineBase.add_request <specdist.engine.base.EngineBase.add_request>`, the coordinator's
         tokenizer threads); its arrival time is the prompt's. ``tenant``: who it belongs to (the servers
@@ -241,8 +249,10 @@ class Scheduler:
     def releases_pending(self) -> dict[str, int]:
         """Requests whose release failed and is retried, per core (keys as :meth:`kv_slots_in_use`):
         each may still hold a slot there."""
-        return {"target": len(self._target_unreleased.ids),
-                **self.pool.per_replica([len(rep.orphans.ids) for rep in self.replicas])}
+        return {
+            "target": len(self._target_unreleased.ids),
+            **self.pool.per_replica([len(rep.orphans.ids) for rep in self.replicas]),
+        }
 
     def retarget(self, address: str | None = None) -> None:
         """The target group was rebuilt (rank 0 now at ``address``, when given): reconnect the
@@ -295,8 +305,9 @@ class Scheduler:
             proposing_s = now() - tp
             caps = [len(r.proposal) if r.proposal is not None else 0 for r in reqs]
             lengths = [r.proposal.match_lengths if r.proposal is not None else None for r in reqs]
-        ks = self.length_policy.choose(caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs], first,
-                                       lengths)
+        ks = self.length_policy.choose(
+            caps, [r.acceptance for r in reqs], [r.replica or 0 for r in reqs], first, lengths
+        )
 
         t0 = now()
         if self._propose_first:
@@ -348,8 +359,9 @@ class Scheduler:
         if hidden is not None and r.replica is not None:
             r.hidden.append(hidden)
         r.proposal = None
-        costs.acceptance.append((r.acceptance, len(p) if p is not None else 0, n_acc,
-                                 p.match_lengths if p is not None else None))
+        costs.acceptance.append(
+            (r.acceptance, len(p) if p is not None else 0, n_acc, p.match_lengths if p is not None else None)
+        )
         return p
 
     def _draft_len(self, r: Request) -> int:
@@ -372,9 +384,15 @@ class Scheduler:
         if not work:
             return
         t0 = now()
-        results = self.pool.propose({i: [ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len,
-                                                     hidden=_joined(r.hidden)) for r, k in w]
-                                     for i, w in work.items()})
+        results = self.pool.propose(
+            {
+                i: [
+                    ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len, hidden=_joined(r.hidden))
+                    for r, k in w
+                ]
+                for i, w in work.items()
+            }
+        )
         wall = now() - t0
         spans = [self._proposed(i, work[i], costs, *results[i]) for i in work]
         compute = max((c for c, _ in spans), default=0.0)  # replicas draft in parallel: the slowest counts
@@ -383,8 +401,16 @@ class Scheduler:
         if remote:
             self.stats.phase_s["network"] += wall - min(compute, wall)
 
-    def _proposed(self, i: int, work: list[tuple[Request, int]], costs: StepCosts, proposals, failed,
-                  timing: CallTiming, wall: float) -> tuple[float, bool]:
+    def _proposed(
+        self,
+        i: int,
+        work: list[tuple[Request, int]],
+        costs: StepCosts,
+        proposals,
+        failed,
+        timing: CallTiming,
+        wall: float,
+    ) -> tuple[float, bool]:
         """Replica i's answer to ``work`` (its requests and lengths): each proposal onto its request, a
         request whose item failed detached. Returns (the replica's compute seconds, is remote)."""
         rep = self.replicas[i]
@@ -403,8 +429,11 @@ class Scheduler:
         if timing.runs:  # a pipelined drafter reports its draft compute: most of it was hidden
             costs.draft_runs += [(i, passes, rows, seconds) for passes, rows, seconds in timing.runs]
         elif ntok:  # a first draft's prompt prefill ("prefill") is not a cost of drafting
-            lengths = [k for j, (_, k) in enumerate(work) if j not in failed] if self._planned_costs \
+            lengths = (
+                [k for j, (_, k) in enumerate(work) if j not in failed]
+                if self._planned_costs
                 else [len(p) for p in proposals]
+            )
             costs.draft_runs.append((i, max(lengths), sum(lengths), wall - timing.phases.get("prefill", 0.0)))
         for j, e in failed.items():  # detached from the drafter; released by the step afterwards
             self._detach(work[j][0], f"draft {rep.drafter.name}: {e.describe()}")
@@ -451,8 +480,9 @@ class Scheduler:
 
     def _prefill(self, new: list[Request]) -> tuple[list[Request], list[Request]]:
         """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
-        ok, requeue, errors, prefilled = self._start_on(functools.partial(self._call, self.verifier.prefill),
-                                                        self._release_target, new, int)
+        ok, requeue, errors, prefilled = self._start_on(
+            functools.partial(self._call, self.verifier.prefill), self._release_target, new, int
+        )
         for r, p in zip(ok, prefilled):
             r.on_target = True
             self._target_live += 1
@@ -473,8 +503,9 @@ class Scheduler:
                 by_rep.setdefault(r.replica, []).append(r)
         for i, rs in by_rep.items():
             rep = self.replicas[i]
-            started, full, errors, _ = self._start_on(functools.partial(self.pool.call, i, "start"),
-                                                      functools.partial(self.pool.release, i), rs, draft_seed)
+            started, full, errors, _ = self._start_on(
+                functools.partial(self.pool.call, i, "start"), functools.partial(self.pool.release, i), rs, draft_seed
+            )
             for r in started:
                 r.on_drafter = True
                 rep.live += 1
@@ -492,8 +523,9 @@ class Scheduler:
             r.queued = True
             self.waiting.appendleft(r)
 
-    def _start_on(self, call: Callable[[list[StartItem]], tuple], release: Callable[[list[str]], None],
-                  rs: list[Request], seed_of):
+    def _start_on(
+        self, call: Callable[[list[StartItem]], tuple], release: Callable[[list[str]], None], rs: list[Request], seed_of
+    ):
         """Start requests on one core (``call``: a transport call of its prefill or start): (started, out of room
         (to requeue), [(request, TransportError)], the call's results for the started ones (the verifier's
         Prefilled; None for a drafter's start)).
@@ -501,8 +533,12 @@ class Scheduler:
         A call that failed without blaming an item (a worker down, a deadline) may have started
         them before it failed: they are released there (``release``; retried later if that fails too).
         """
-        items = [StartItem(r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling,
-                           self._hidden_layers(r), r.tenant) for r in rs]
+        items = [
+            StartItem(
+                r.core_id, r.prompt_ids, r.params, seed_of(r.seed), self.coupling, self._hidden_layers(r), r.tenant
+            )
+            for r in rs
+        ]
         results, failed, _, _ = call(items)
         unknown = [items[j].request_id for j, e in failed.items() if e.code not in REFUSED_CODES]
         if unknown:
@@ -544,9 +580,13 @@ class Scheduler:
                 why = self.target_diagnosis()
             except Exception:  # the diagnosis is a courtesy; the failure stands
                 log.exception("target diagnosis failed")
-        return {i: (f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}",
-                    ErrorCode.UNAVAILABLE if whole and (why or e.code in _TARGET_DOWN_CODES) else ErrorCode.INTERNAL)
-                for i, e in failed.items()}
+        return {
+            i: (
+                f"target: {why} ({e.describe()})" if why else f"target: {e.describe()}",
+                ErrorCode.UNAVAILABLE if whole and (why or e.code in _TARGET_DOWN_CODES) else ErrorCode.INTERNAL,
+            )
+            for i, e in failed.items()
+        }
 
     def _leave_down(self) -> None:
         """Requests still on a replica reported down (:meth:`replica_down`) go on without drafts."""

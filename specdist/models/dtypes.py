@@ -101,8 +101,9 @@ class HalfStoredEmbedding(torch.nn.Module):
         return torch.nn.functional.embedding(ids, self.weight).float()
 
 
-def store_half_width(parent: torch.nn.Module, name: str, owner: torch.nn.Module | None = None,
-                     parts: tuple[str, ...] = ()) -> bool:
+def store_half_width(
+    parent: torch.nn.Module, name: str, owner: torch.nn.Module | None = None, parts: tuple[str, ...] = ()
+) -> bool:
     """Replace ``parent.<name>``, a float32 ``nn.Linear`` on the CPU, by a :class:`HalfStoredLinear` where a
     half-width dtype holds its weight exactly; whether it did. A fused projection
     (:class:`~specdist.models.fusion.FusedLinear`'s ``inner``) names the modules it fused, ``owner.<parts>``,

@@ -97,16 +97,20 @@ class Eagle3Spec:
 def _read_config(path: str) -> dict:
     name = os.path.join(path, "config.json")
     if not os.path.isfile(name):
-        raise ConfigError(FIELD, f"{path} has no config.json (an EAGLE-3 head directory holds config.json "
-                                 "and model.safetensors)")
+        raise ConfigError(
+            FIELD, f"{path} has no config.json (an EAGLE-3 head directory holds config.json and model.safetensors)"
+        )
     with open(name) as f:
         return json.load(f)
 
 
 def _require(cfg: dict, key: str):
     if cfg.get(key) is None:
-        raise ConfigError(FIELD, f"the head's config.json lacks {key} (the published EAGLE-3 layout: a Llama "
-                                 "config with hidden_size, intermediate_size, num_attention_heads, vocab_size)")
+        raise ConfigError(
+            FIELD,
+            f"the head's config.json lacks {key} (the published EAGLE-3 layout: a Llama "
+            "config with hidden_size, intermediate_size, num_attention_heads, vocab_size)",
+        )
     return cfg[key]
 
 
@@ -179,9 +183,12 @@ def _rope_parameters(cfg: dict) -> dict:
         out["rope_type"] = rope_type
         out.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
     if out["rope_type"] in _LENGTH_DEPENDENT_ROPE:
-        raise ConfigError(FIELD, f"the head's rope type {out['rope_type']!r} depends on the sequence length, "
-                                 "which this head does not support (default, linear, llama3, yarn and "
-                                 "proportional are supported)")
+        raise ConfigError(
+            FIELD,
+            f"the head's rope type {out['rope_type']!r} depends on the sequence length, "
+            "which this head does not support (default, linear, llama3, yarn and "
+            "proportional are supported)",
+        )
     return out
 
 
@@ -203,15 +210,22 @@ def read_eagle3_spec(path: str, target_config) -> Eagle3Spec:
     cfg = _read_config(path)
     archs = cfg.get("architectures") or []
     if not any("Eagle3" in a for a in archs):
-        raise ConfigError(FIELD, f"{path} is not an EAGLE-3 head: config.json's architectures {archs} "
-                                 "name no Eagle3 architecture (e.g. LlamaForCausalLMEagle3)")
+        raise ConfigError(
+            FIELD,
+            f"{path} is not an EAGLE-3 head: config.json's architectures {archs} "
+            "name no Eagle3 architecture (e.g. LlamaForCausalLMEagle3)",
+        )
     layers = int(cfg.get("num_hidden_layers", 1))
     if layers != 1:
-        raise ConfigError(FIELD, f"the head has num_hidden_layers = {layers}; EAGLE-3 heads with one "
-                                 "decoder layer are supported")
+        raise ConfigError(
+            FIELD, f"the head has num_hidden_layers = {layers}; EAGLE-3 heads with one decoder layer are supported"
+        )
     if cfg.get("tie_word_embeddings"):
-        raise ConfigError(FIELD, "the head has tie_word_embeddings = true; EAGLE-3 heads have their own "
-                                 "lm_head over the draft vocabulary (tie_word_embeddings = false)")
+        raise ConfigError(
+            FIELD,
+            "the head has tie_word_embeddings = true; EAGLE-3 heads have their own "
+            "lm_head over the draft vocabulary (tie_word_embeddings = false)",
+        )
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     vocab = int(_require(cfg, "vocab_size"))
@@ -247,22 +261,36 @@ def check_eagle3_target(spec: Eagle3Spec, target_config) -> None:
     tc = _text_config(target_config)
     t_hidden, t_vocab, t_layers = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
     if spec.target_hidden_size != t_hidden:
-        raise ConfigError(FIELD, f"hidden size {spec.target_hidden_size} of the head's fc input "
-                                 f"(3 x {spec.target_hidden_size}) differs from the target's {t_hidden}")
+        raise ConfigError(
+            FIELD,
+            f"hidden size {spec.target_hidden_size} of the head's fc input "
+            f"(3 x {spec.target_hidden_size}) differs from the target's {t_hidden}",
+        )
     if spec.vocab_size != t_vocab:
-        raise ConfigError(FIELD, f"vocabulary size {spec.vocab_size} of the head (config vocab_size) differs "
-                                 f"from the target's {t_vocab}")
+        raise ConfigError(
+            FIELD,
+            f"vocabulary size {spec.vocab_size} of the head (config vocab_size) differs from the target's {t_vocab}",
+        )
     if len(spec.aux_layers) != 3:
-        raise ConfigError(FIELD, f"the head names {len(spec.aux_layers)} aux layer ids {list(spec.aux_layers)}; "
-                                 "its fc reads exactly 3 target hidden states")
+        raise ConfigError(
+            FIELD,
+            f"the head names {len(spec.aux_layers)} aux layer ids {list(spec.aux_layers)}; "
+            "its fc reads exactly 3 target hidden states",
+        )
     bad = [i for i in spec.aux_layers if not 0 <= i <= t_layers]
     if bad:
-        raise ConfigError(FIELD, f"aux layer id(s) {bad} of the head (of {list(spec.aux_layers)}) lie outside "
-                                 f"[0, {t_layers}] for a target of {t_layers} decoder layers")
+        raise ConfigError(
+            FIELD,
+            f"aux layer id(s) {bad} of the head (of {list(spec.aux_layers)}) lie outside "
+            f"[0, {t_layers}] for a target of {t_layers} decoder layers",
+        )
     if not spec.own_embed and spec.hidden_size != t_hidden:
-        raise ConfigError(FIELD, f"the head has no embed_tokens.weight, so it embeds tokens with the target's "
-                                 f"input embedding of width {t_hidden}, which differs from the head's hidden "
-                                 f"size {spec.hidden_size}")
+        raise ConfigError(
+            FIELD,
+            f"the head has no embed_tokens.weight, so it embeds tokens with the target's "
+            f"input embedding of width {t_hidden}, which differs from the head's hidden "
+            f"size {spec.hidden_size}",
+        )
 
 
 def expected_shapes(spec: Eagle3Spec) -> dict[str, tuple[int, ...]]:
@@ -272,20 +300,22 @@ def expected_shapes(spec: Eagle3Spec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, 3 * spec.target_hidden_size)}
     if spec.has_fc_bias:
         shapes["fc.bias"] = (h,)
-    shapes.update({
-        "midlayer.self_attn.q_proj.weight": (spec.num_heads * hd, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (spec.num_kv_heads * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (spec.num_kv_heads * hd, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, spec.num_heads * hd),
-        "midlayer.mlp.gate_proj.weight": (inter, h),
-        "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "lm_head.weight": (spec.draft_vocab_size, h),
-    })
+    shapes.update(
+        {
+            "midlayer.self_attn.q_proj.weight": (spec.num_heads * hd, 2 * h),
+            "midlayer.self_attn.k_proj.weight": (spec.num_kv_heads * hd, 2 * h),
+            "midlayer.self_attn.v_proj.weight": (spec.num_kv_heads * hd, 2 * h),
+            "midlayer.self_attn.o_proj.weight": (h, spec.num_heads * hd),
+            "midlayer.mlp.gate_proj.weight": (inter, h),
+            "midlayer.mlp.up_proj.weight": (inter, h),
+            "midlayer.mlp.down_proj.weight": (h, inter),
+            "midlayer.input_layernorm.weight": (h,),
+            "midlayer.hidden_norm.weight": (h,),
+            "midlayer.post_attention_layernorm.weight": (h,),
+            "norm.weight": (h,),
+            "lm_head.weight": (spec.draft_vocab_size, h),
+        }
+    )
     if spec.has_d2t:
         shapes["d2t"] = (spec.draft_vocab_size,)
     if spec.own_embed:
@@ -299,22 +329,32 @@ def draft_to_target_ids(spec: Eagle3Spec, d2t: torch.Tensor | None) -> torch.Ten
     base = torch.arange(spec.draft_vocab_size, dtype=torch.int64)
     if d2t is None:
         if spec.draft_vocab_size != spec.vocab_size:
-            raise ConfigError(FIELD, f"the head has no d2t tensor, so draft ids are target ids, but its draft "
-                                     f"vocabulary ({spec.draft_vocab_size}) differs from its vocab_size "
-                                     f"({spec.vocab_size})")
+            raise ConfigError(
+                FIELD,
+                f"the head has no d2t tensor, so draft ids are target ids, but its draft "
+                f"vocabulary ({spec.draft_vocab_size}) differs from its vocab_size "
+                f"({spec.vocab_size})",
+            )
         return base
     if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        raise ConfigError(FIELD, f"the head's d2t tensor has dtype {d2t.dtype}; an integer offset per draft id "
-                                 "is expected")
+        raise ConfigError(
+            FIELD, f"the head's d2t tensor has dtype {d2t.dtype}; an integer offset per draft id is expected"
+        )
     ids = base + d2t.to(torch.int64)
     outside = ((ids < 0) | (ids >= spec.vocab_size)).nonzero().flatten()
     if len(outside):
         i = int(outside[0])
-        raise ConfigError(FIELD, f"the head's d2t maps draft id {i} to target id {int(ids[i])}, outside the "
-                                 f"target vocabulary [0, {spec.vocab_size}) ({len(outside)} such ids)")
+        raise ConfigError(
+            FIELD,
+            f"the head's d2t maps draft id {i} to target id {int(ids[i])}, outside the "
+            f"target vocabulary [0, {spec.vocab_size}) ({len(outside)} such ids)",
+        )
     if len(torch.unique(ids)) != len(ids):
-        raise ConfigError(FIELD, f"the head's d2t is not injective: {len(ids)} draft ids map to "
-                                 f"{len(torch.unique(ids))} distinct target ids")
+        raise ConfigError(
+            FIELD,
+            f"the head's d2t is not injective: {len(ids)} draft ids map to "
+            f"{len(torch.unique(ids))} distinct target ids",
+        )
     return ids
 
 
@@ -396,8 +436,11 @@ class Eagle3Head(torch.nn.Module):
 
         cfg = LlamaConfig(
             hidden_size=spec.num_heads * spec.head_dim,  # only head_dim matters to RoPE; keeps the config valid
-            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            max_position_embeddings=spec.max_position_embeddings, rope_parameters=dict(spec.rope_parameters),
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings,
+            rope_parameters=dict(spec.rope_parameters),
         )
         return LlamaRotaryEmbedding(cfg)
 
@@ -409,7 +452,7 @@ class Eagle3Head(torch.nn.Module):
         -> ``q_proj.weight``)."""
         for prefix in ("midlayer.self_attn.", "midlayer.mlp.", "midlayer."):
             if name.startswith(prefix):
-                return name[len(prefix):]
+                return name[len(prefix) :]
         return name
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -448,8 +491,9 @@ class Eagle3Head(torch.nn.Module):
         """A one-layer K/V cache for this head, in its dtype and on its device."""
         w = self.norm.weight
         self._rope_tables(max_len + 1)  # made and moved here, not in a pass
-        return SlotKVCache(1, num_slots, self.spec.num_kv_heads, self.spec.head_dim, max_len, dtype=w.dtype,
-                           device=w.device)
+        return SlotKVCache(
+            1, num_slots, self.spec.num_kv_heads, self.spec.head_dim, max_len, dtype=w.dtype, device=w.device
+        )
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n', hd] float32 (n' >= n) for positions 0..n'-1, computed once per size."""
@@ -461,8 +505,14 @@ class Eagle3Head(torch.nn.Module):
         return self.rope_cos, self.rope_sin
 
     @torch.no_grad()  # inference only: the cache is written in place
-    def forward(self, cache: SlotKVCache, slots: list[int], tokens: list[list[int]],
-                features: list[torch.Tensor], extra: np.ndarray | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        cache: SlotKVCache,
+        slots: list[int],
+        tokens: list[list[int]],
+        features: list[torch.Tensor],
+        extra: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Append ``tokens[b]`` (n_b >= 1 ids) to ``slots[b]`` at its current length, with the
         features ``features[b]`` [n_b, H] of those positions (fused target states or the head's
         own prenorm outputs); write their K/V into ``cache`` and advance ``cache.lengths``.
@@ -482,8 +532,9 @@ class Eagle3Head(torch.nn.Module):
         dev, dtype = w.device, w.dtype
         n_rows = len(slots)
         if not (n_rows == len(tokens) == len(features)) or n_rows == 0:
-            raise ValueError(f"slots, tokens and features need one entry per row, got {len(slots)}, "
-                             f"{len(tokens)}, {len(features)}")
+            raise ValueError(
+                f"slots, tokens and features need one entry per row, got {len(slots)}, {len(tokens)}, {len(features)}"
+            )
         if len(set(slots)) != n_rows:
             raise ValueError(f"a slot appears twice in one call: {slots}")
         lens = [len(t) for t in tokens]
@@ -492,11 +543,14 @@ class Eagle3Head(torch.nn.Module):
             if lens[b] < 1:
                 raise ValueError(f"row {b} has no tokens")
             if tuple(features[b].shape) != (lens[b], spec.hidden_size):
-                raise ValueError(f"row {b}: features of shape {tuple(features[b].shape)}, expected "
-                                 f"({lens[b]}, {spec.hidden_size})")
+                raise ValueError(
+                    f"row {b}: features of shape {tuple(features[b].shape)}, expected ({lens[b]}, {spec.hidden_size})"
+                )
             if starts[b] + lens[b] > cache.max_len:
-                raise ValueError(f"slot {slots[b]} holds {starts[b]} tokens; {lens[b]} more exceed the cache's "
-                                 f"max_len {cache.max_len}")
+                raise ValueError(
+                    f"slot {slots[b]} holds {starts[b]} tokens; {lens[b]} more exceed the cache's "
+                    f"max_len {cache.max_len}"
+                )
         t_max = max(lens)
         bt = n_rows * t_max
 
@@ -510,20 +564,21 @@ class Eagle3Head(torch.nn.Module):
         write_pos = np.where(valid, query_pos, cache.scratch)  # [B, T]
         ids = np.zeros((n_rows, t_max), dtype=np.int64)
         for b in range(n_rows):
-            ids[b, :lens[b]] = tokens[b]
+            ids[b, : lens[b]] = tokens[b]
         flat = np.arange(bt).reshape(n_rows, t_max)  # [B, T] each entry's row of the flattened batch
         # one int64 array: ids, query and write positions [B * T] each, slots [B], each row's last entry [B],
         # the entries that hold tokens [sum n_b]
-        host = np.concatenate([ids.ravel(), query_pos.ravel(), write_pos.ravel(), slots, flat[:, 0] + len_a[:, 0] - 1,
-                               flat[valid]]).astype(np.int64)
+        host = np.concatenate(
+            [ids.ravel(), query_pos.ravel(), write_pos.ravel(), slots, flat[:, 0] + len_a[:, 0] - 1, flat[valid]]
+        ).astype(np.int64)
         words = host.view(np.int32)  # an even count: the caller's words start 8-byte aligned
         buf = to_device(torch.from_numpy(words if extra is None else np.concatenate([words, extra])), dev)
         meta = buf[: words.size].view(torch.int64)
-        ids_d, qp, wp = (meta[i * bt: (i + 1) * bt].view(n_rows, t_max) for i in range(3))  # [B, T] each
-        slot_t = meta[3 * bt: 3 * bt + n_rows]  # [B]
-        last_rows = meta[3 * bt + n_rows: 3 * bt + 2 * n_rows]  # [B]
-        token_rows = meta[3 * bt + 2 * n_rows:]  # [sum n_b]
-        self.last_extra = buf[words.size:] if extra is not None else None
+        ids_d, qp, wp = (meta[i * bt : (i + 1) * bt].view(n_rows, t_max) for i in range(3))  # [B, T] each
+        slot_t = meta[3 * bt : 3 * bt + n_rows]  # [B]
+        last_rows = meta[3 * bt + n_rows : 3 * bt + 2 * n_rows]  # [B]
+        token_rows = meta[3 * bt + 2 * n_rows :]  # [sum n_b]
+        self.last_extra = buf[words.size :] if extra is not None else None
         fed = torch.cat([f.to(device=dev, dtype=dtype) for f in features])  # [sum n_b, H]
         if sum(lens) == bt:  # no padding
             feat = fed.view(n_rows, t_max, spec.hidden_size)
@@ -559,8 +614,9 @@ class Eagle3Head(torch.nn.Module):
         values = cache.v[0][slot_t, :, :span]
         # query t of row b sees the row's keys at positions <= its own
         mask = torch.arange(span, device=dev)[None, None] <= qp[:, :, None]  # [B, T, S]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                              enable_gqa=nh != nkv)  # [B, nh, T, hd]
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], enable_gqa=nh != nkv
+        )  # [B, nh, T, hd]
         a = self.o_proj(attn.transpose(1, 2).reshape(n_rows, t_max, nh * hd))  # [B, T, H]
 
         # Residual, SiLU-gated MLP, residual.
@@ -571,13 +627,14 @@ class Eagle3Head(torch.nn.Module):
         for b, s in enumerate(slots):
             cache.lengths[s] = starts[b] + lens[b]
         last = out.reshape(bt, -1).index_select(0, last_rows)  # [B, H]
-        return self.target_logits(self.lm_head(self.norm(last))), [out[b, :lens[b]] for b in range(n_rows)]
+        return self.target_logits(self.lm_head(self.norm(last))), [out[b, : lens[b]] for b in range(n_rows)]
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] placed at their target ids in a [..., V] float32 tensor, -inf
         elsewhere (target tokens outside the draft vocabulary get no draft probability)."""
-        out = torch.full((*draft_logits.shape[:-1], self.spec.vocab_size), -math.inf, dtype=torch.float32,
-                         device=draft_logits.device)
+        out = torch.full(
+            (*draft_logits.shape[:-1], self.spec.vocab_size), -math.inf, dtype=torch.float32, device=draft_logits.device
+        )
         out[..., self.draft_to_target.to(out.device)] = draft_logits.float()  # (a no-op on the head's device)
         return out
 
@@ -606,8 +663,9 @@ def quantize_linears(head: Eagle3Head) -> Eagle3Head:
     return head
 
 
-def load_eagle3_head(path: str, target_config, embedding: torch.nn.Module | None, dtype: torch.dtype,
-                     device) -> Eagle3Head:
+def load_eagle3_head(
+    path: str, target_config, embedding: torch.nn.Module | None, dtype: torch.dtype, device
+) -> Eagle3Head:
     """The EAGLE-3 head at ``path`` for the target whose transformers config is ``target_config``, in
     ``dtype`` on ``device``, in eval mode. ``embedding``: the target's input embedding, which a head
     without its own embeds tokens with (unused, and may be None, for a head that has one: see
@@ -622,15 +680,20 @@ def load_eagle3_head(path: str, target_config, embedding: torch.nn.Module | None
         del tensors[name]
     unknown = sorted(set(tensors) - set(shapes))
     if unknown:
-        raise ConfigError(FIELD, f"the head has tensor(s) {unknown} that an EAGLE-3 Llama head does not have "
-                                 f"(expected: {sorted(shapes)})")
+        raise ConfigError(
+            FIELD,
+            f"the head has tensor(s) {unknown} that an EAGLE-3 Llama head does not have (expected: {sorted(shapes)})",
+        )
     missing = sorted(set(shapes) - set(tensors))
     if missing:
         raise ConfigError(FIELD, f"the head lacks tensor(s) {missing}")
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
-            raise ConfigError(FIELD, f"tensor {name} of the head has shape {list(tensors[name].shape)}, "
-                                     f"expected {list(shape)} from its config.json")
+            raise ConfigError(
+                FIELD,
+                f"tensor {name} of the head has shape {list(tensors[name].shape)}, "
+                f"expected {list(shape)} from its config.json",
+            )
     if not spec.own_embed and embedding is None:
         raise ValueError("a head without embed_tokens needs the target's input embedding")
     head = Eagle3Head(spec, embed=None if spec.own_embed else embedding)

@@ -43,10 +43,10 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2 / Qwen2.5 (qkv bias, sliding-window layers)", "layer", layer_kernel=PRENORM_SWIGLU),
     "qwen3": Family("Qwen3 (q/k norm)", "layer", layer_kernel=PRENORM_SWIGLU),
     "qwen3_moe": Family("Qwen3-MoE (mixture of experts)", "layer"),
-    "gemma2": Family("Gemma 2 (soft-caps, pre/post norms, local/global layers)", "layer",
-                     attn_softcap=True, final_softcap=True),
-    "gemma3_text": Family("Gemma 3 text (q/k norm, local RoPE base, local/global layers)", "layer",
-                          final_softcap=True),
+    "gemma2": Family(
+        "Gemma 2 (soft-caps, pre/post norms, local/global layers)", "layer", attn_softcap=True, final_softcap=True
+    ),
+    "gemma3_text": Family("Gemma 3 text (q/k norm, local RoPE base, local/global layers)", "layer", final_softcap=True),
     "phi3": Family("Phi-3 (fused qkv and gate/up)", "config", layer_kernel=PRENORM_SWIGLU),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -88,9 +88,11 @@ def _fuse(parts: list[nn.Module]) -> FusedLinear | None:
         return FusedLinear(fused, sizes)
     # Float16 and float32 block scales concatenate as float32 (the same values); super-block scales only with
     # super-block scales.
-    if (all(type(p) is Int4GroupLinear for p in parts)
-            and len({(p.repeat_input, p.blocks, p.in_features, p.packed.device) for p in parts}) == 1
-            and len({p.scales_and_zeros.dtype == torch.uint8 for p in parts}) == 1):
+    if (
+        all(type(p) is Int4GroupLinear for p in parts)
+        and len({(p.repeat_input, p.blocks, p.in_features, p.packed.device) for p in parts}) == 1
+        and len({p.scales_and_zeros.dtype == torch.uint8 for p in parts}) == 1
+    ):
         blocks = parts[0].blocks is not None
         fused = copy.copy(parts[0])  # same settings; the buffers below replace the part's
         # a shallow copy shares the module's buffer dict (torch keeps it in nn.Module._buffers): unshare it

@@ -55,7 +55,7 @@ class _Walk:
     def take(self, n: int, what: str) -> memoryview:
         if n > self.left():
             raise GGUFError(f"{what} needs {n} bytes at offset {self.at}; the file ends {self.left()} bytes later")
-        out = self.data[self.at: self.at + n]
+        out = self.data[self.at : self.at + n]
         self.at += n
         return out
 
@@ -91,8 +91,9 @@ class _Walk:
         count = self.u64(f"the length of {what}")
         self.elements += count
         if count > MAX_ARRAY or self.elements > MAX_ARRAY:
-            raise GGUFError(f"{what} is an array of {count} elements, {self.elements} in all; at most {MAX_ARRAY} are "
-                            "read")
+            raise GGUFError(
+                f"{what} is an array of {count} elements, {self.elements} in all; at most {MAX_ARRAY} are read"
+            )
         if itype in _SCALARS:
             self.take(count * _SCALARS[itype], f"the {count} elements of {what}")
             return None
@@ -163,8 +164,10 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
             ints[name] = value
     blocks = ints.get(f"{architecture}.block_count")
     if blocks is not None and n_tensors > TENSORS_PER_BLOCK * blocks + TENSORS_OUTSIDE:
-        raise GGUFError(f"{n_tensors} tensors claimed for {blocks} blocks; at most {TENSORS_PER_BLOCK} a block and "
-                        f"{TENSORS_OUTSIDE} outside them are read")
+        raise GGUFError(
+            f"{n_tensors} tensors claimed for {blocks} blocks; at most {TENSORS_PER_BLOCK} a block and "
+            f"{TENSORS_OUTSIDE} outside them are read"
+        )
     if n_tensors * 28 > w.left():  # name length (8), dims count (4), type (4), offset (8), a dimension (4+)
         raise GGUFError(f"{n_tensors} tensors claimed; {w.left()} bytes are left in the file")
     infos = []
@@ -190,19 +193,24 @@ def _check(w: _Walk, size: int, quant_sizes: dict, quant_type) -> None:
         for d in dims:
             elements *= d
         if dims[0] % block:
-            raise GGUFError(f"tensor {name!r} ({quant_type(ttype).name}): its rows of {dims[0]} values are not whole "
-                            f"blocks of {block}")
+            raise GGUFError(
+                f"tensor {name!r} ({quant_type(ttype).name}): its rows of {dims[0]} values are not whole "
+                f"blocks of {block}"
+            )
         infos.append((name, offset, elements // block * type_bytes))
     start = -(-w.at // alignment) * alignment
     for name, offset, nbytes in infos:
         if offset % alignment:
             raise GGUFError(f"tensor {name!r} starts at offset {offset}, not a multiple of the alignment {alignment}")
         if start + offset + nbytes > size:
-            raise GGUFError(f"tensor {name!r} needs bytes {start + offset}..{start + offset + nbytes}; the file "
-                            f"ends at {size} (cut short?)")
+            raise GGUFError(
+                f"tensor {name!r} needs bytes {start + offset}..{start + offset + nbytes}; the file "
+                f"ends at {size} (cut short?)"
+            )
     end, last = 0, None  # the data ranges in file order: each must start at or after the previous one's end
     for name, offset, nbytes in sorted(infos, key=lambda info: info[1]):
         if offset < end:
-            raise GGUFError(f"tensor {name!r} (data bytes {offset}..{offset + nbytes}) overlaps tensor {last!r} "
-                            f"(up to {end})")
+            raise GGUFError(
+                f"tensor {name!r} (data bytes {offset}..{offset + nbytes}) overlaps tensor {last!r} (up to {end})"
+            )
         end, last = offset + nbytes, name

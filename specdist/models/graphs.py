@@ -148,13 +148,18 @@ class CudaGraphs:
                 t1 = time.perf_counter()
                 self.graphs[(bsz, tokens)] = self._capture_one(bsz, tokens)
                 self.capture_s[(bsz, tokens)] = time.perf_counter() - t1
-                log(f"cuda graphs: captured batch {bsz} x {tokens} tokens ({i + 1}/{len(buckets)}) in "
-                    f"{self.capture_s[(bsz, tokens)]:.2f} s")
+                log(
+                    f"cuda graphs: captured batch {bsz} x {tokens} tokens ({i + 1}/{len(buckets)}) in "
+                    f"{self.capture_s[(bsz, tokens)]:.2f} s"
+                )
         seconds = time.perf_counter() - t0
         sizes = self.static_bytes()
         b, t = buckets[0]
-        log(f"cuda graphs: {len(buckets)} buckets in {seconds:.2f} s, static buffers {_size(sum(sizes.values()))} "
-            f"(batch {b} x {t} tokens: {_size(sizes[(b, t)])})" + (f", MoE experts {self.experts}" if self.experts else ""))
+        log(
+            f"cuda graphs: {len(buckets)} buckets in {seconds:.2f} s, static buffers {_size(sum(sizes.values()))} "
+            f"(batch {b} x {t} tokens: {_size(sizes[(b, t)])})"
+            + (f", MoE experts {self.experts}" if self.experts else "")
+        )
         return seconds
 
     def static_bytes(self) -> dict[tuple[int, int], int]:
@@ -242,7 +247,7 @@ class CudaGraphs:
                 runner.attention.send(host, g.buf[: len(host)])
             elif at + len(extra) <= g.buf.numel():  # the caller's words ride in the buffer's tail
                 runner.attention.send(np.concatenate([host, [0] * (at - len(host)), extra]), g.buf[: at + len(extra)])
-                tail = g.buf[at: at + len(extra)]
+                tail = g.buf[at : at + len(extra)]
             else:  # more than the tail holds: a copy of their own
                 runner.attention.send(host, g.buf[: len(host)])
                 tail = runner.attention.send(extra)

@@ -39,8 +39,7 @@ _ALWAYS = {
     "aten::unique_consecutive": "unique's output size is read on the host",
     "transformers::grouped_mm_fallback": "transformers' grouped GEMM fallback reads its offsets on the host",
 }
-_COPIES = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::copy", "aten::_copy_from",
-           "aten::_copy_from_and_resize"}
+_COPIES = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::copy", "aten::_copy_from", "aten::_copy_from_and_resize"}
 _INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _THIS = os.path.abspath(__file__)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -78,18 +77,24 @@ def host_read(func, args, kwargs, device: torch.device) -> str | None:
     named.update(kwargs)
     if name == "aten::where" and len(named) == 1:  # where(condition): nonzero
         return "where(condition)'s output size is read on the host"
-    if name in _INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                 for i in named.get("indices") or ()):
+    if name in _INDEXING and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in named.get("indices") or ()
+    ):
         return "a boolean mask index: its count is read on the host"
-    if name == "aten::repeat_interleave" and isinstance(named.get("repeats"), torch.Tensor) \
-            and named.get("output_size") is None:
+    if (
+        name == "aten::repeat_interleave"
+        and isinstance(named.get("repeats"), torch.Tensor)
+        and named.get("output_size") is None
+    ):
         return "repeat_interleave by a tensor without output_size reads its total on the host"
     if name == "aten::histc" and named.get("min", 0) == named.get("max", 0):
         return "histc without a range reads the data's min and max on the host"
     if name == "aten::_grouped_mm" and not _grouped_mm_on_device(named, device):
-        return (f"{named['self'].dtype} x {named['mat2'].dtype}: torch's grouped GEMM has a kernel of its own only "
-                "for bfloat16 (on sm90 / sm100); otherwise it loops over the groups with their offsets read on the "
-                "host")
+        return (
+            f"{named['self'].dtype} x {named['mat2'].dtype}: torch's grouped GEMM has a kernel of its own only "
+            "for bfloat16 (on sm90 / sm100); otherwise it loops over the groups with their offsets read on the "
+            "host"
+        )
     if name in _COPIES:
         return _transfer(named, device)
     return None
@@ -135,6 +140,6 @@ def _caller() -> str:
         if not path.startswith(_TORCH) and path != _THIS:
             parts = path.split(os.sep)
             root = next((p for p in ("site-packages", "dist-packages") if p in parts), None)
-            short = parts[parts.index(root) + 1:] if root else parts[-3:]
+            short = parts[parts.index(root) + 1 :] if root else parts[-3:]
             return f"{'/'.join(short)}:{frame.lineno}"
     return "?"

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdist.errors import ConfigError, SpecDistError
-from specdist.models.gguf_check import GGUFError, check_gguf
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported, source_model_type
+from specdist.models.gguf_check import GGUFError, check_gguf
 
 BUILTIN_MODELS = {
     # name: (distribution, file inside it)
@@ -210,34 +210,35 @@ def _fast_gguf_reader(base: type) -> type:
             if raw_type != _GGUF_ARRAY or self.byte_order != "I":
                 return super()._get_field_parts(orig_offs, raw_type)
             view = self._view
-            itype = int.from_bytes(view[orig_offs:orig_offs + 4], "little")
+            itype = int.from_bytes(view[orig_offs : orig_offs + 4], "little")
             fmt = _GGUF_FORMATS.get(itype)
             if itype != _GGUF_STRING and fmt is None:  # nested arrays: the stock path
                 return super()._get_field_parts(orig_offs, raw_type)
             if orig_offs + 12 > len(view):
                 raise ValueError(f"an array header at offset {orig_offs} runs past the end of the file")
-            count = int.from_bytes(view[orig_offs + 4:orig_offs + 12], "little")
-            parts = [view[orig_offs:orig_offs + 4].cast("I"), view[orig_offs + 4:orig_offs + 12].cast("Q")]
+            count = int.from_bytes(view[orig_offs + 4 : orig_offs + 12], "little")
+            parts = [view[orig_offs : orig_offs + 4].cast("I"), view[orig_offs + 4 : orig_offs + 12].cast("Q")]
             offs = orig_offs + 12
             left = len(view) - offs
             if itype == _GGUF_STRING:  # each: uint64 length, then the bytes
                 if count * 8 > left:  # every string takes at least its length
                     raise ValueError(f"an array of {count} strings at offset {orig_offs}: {left} bytes are left")
                 for _ in range(count):
-                    n = int.from_bytes(view[offs:offs + 8], "little")
+                    n = int.from_bytes(view[offs : offs + 8], "little")
                     if offs + 8 + n > len(view):
                         raise ValueError(f"a string of {n} bytes at offset {offs} runs past the end of the file")
-                    parts.append(view[offs:offs + 8].cast("Q"))
-                    parts.append(view[offs + 8:offs + 8 + n])
+                    parts.append(view[offs : offs + 8].cast("Q"))
+                    parts.append(view[offs + 8 : offs + 8 + n])
                     offs += 8 + n
                 idxs = list(range(3, 2 + 2 * count + 1, 2))
             else:
                 size = struct.calcsize(fmt)
                 if count * size > left:
-                    raise ValueError(f"an array of {count} values of {size} bytes at offset {orig_offs}: {left} bytes "
-                                     "are left")
-                values = view[offs:offs + size * count].cast(fmt)  # one cast; each element a view of it
-                parts += [values[i:i + 1] for i in range(count)]
+                    raise ValueError(
+                        f"an array of {count} values of {size} bytes at offset {orig_offs}: {left} bytes are left"
+                    )
+                values = view[offs : offs + size * count].cast(fmt)  # one cast; each element a view of it
+                parts += [values[i : i + 1] for i in range(count)]
                 offs += size * count
                 idxs = list(range(2, 2 + count))
             types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if count else [])  # as the stock reader's
@@ -360,8 +361,11 @@ def gguf_parsed_once() -> Iterator[None]:
 
 
 def load_model(
-    source: ModelSource, dtype: str, device: torch.device | str = "cpu",
-    progress: Callable[[str], None] | None = None, weights: str = "float",
+    source: ModelSource,
+    dtype: str,
+    device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
+    weights: str = "float",
 ) -> torch.nn.Module:
     """The model in ``dtype`` (``auto``: :func:`~specdist.models.dtypes.resolve_dtype`) on ``device``, in eval mode.
 
@@ -375,8 +379,9 @@ def load_model(
         return _load_model(source, dtype, device, progress, weights)
 
 
-def _load_model(source: ModelSource, dtype: str, device: torch.device | str, progress: Callable[[str], None] | None,
-                weights: str) -> torch.nn.Module:
+def _load_model(
+    source: ModelSource, dtype: str, device: torch.device | str, progress: Callable[[str], None] | None, weights: str
+) -> torch.nn.Module:
     # an architecture the runner cannot serve is refused before any weight is read
     check_supported(declared_model_type(source), source.key or "target.model")
     dtype = resolve_dtype(dtype, device)  # auto: the device's choice
@@ -451,8 +456,11 @@ def own_weights(model: torch.nn.Module) -> int:
     copied = 0
     with torch.no_grad():
         for module in model.modules():
-            tensors = [*module._parameters.values(), *module._buffers.values(),  # noqa: SLF001
-                       *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+            tensors = [
+                *module._parameters.values(),  # noqa: SLF001
+                *module._buffers.values(),  # noqa: SLF001
+                *(v for v in vars(module).values() if isinstance(v, torch.Tensor)),
+            ]
             for t in tensors:
                 if t is not None and mapped(t):
                     t.data = t.detach().clone()
@@ -485,12 +493,21 @@ def gguf_errors(source: ModelSource) -> Iterator[None]:
         yield
     except SpecDistError:
         raise
-    except (ValueError, struct.error, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError,
-            RuntimeError) as e:  # (RuntimeError: transformers' shape checks of the tensors it read)
+    except (
+        ValueError,
+        struct.error,
+        IndexError,
+        KeyError,
+        OverflowError,
+        UnicodeDecodeError,
+        TypeError,
+        RuntimeError,
+    ) as e:  # (RuntimeError: transformers' shape checks of the tensors it read)
         if not source.gguf_file:
             raise
-        raise ConfigError(source.key or "target.model", f"{source.gguf_path}: a damaged GGUF file "
-                                                        f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            source.key or "target.model", f"{source.gguf_path}: a damaged GGUF file ({type(e).__name__}: {e})"
+        ) from None
 
 
 def load_tokenizer(source: ModelSource, progress: Callable[[str], None] | None = None):

@@ -131,17 +131,28 @@ class MemoryPlan:
 
     def line(self) -> str:
         """The plan in one line (stderr at start, GetServerInfo's ``memory_plan``)."""
+
         def g(n: int) -> str:
             return f"{n / GIB:.2f}"
 
         caches = ", ".join(f"{name} {self.tokens[name]:,} tokens ({g(self.bytes[name])} GiB)" for name in self.tokens)
-        return (f"memory plan: {g(self.total)} GiB x gpu_memory_utilization {self.utilization:g} - weights "
-                f"{g(self.weights)} - graphs {g(self.graphs)} - peak {g(self.peak)} - non-torch {g(self.non_torch)} "
-                f"= {g(self.budget)} GiB of KV caches: {caches}")
+        return (
+            f"memory plan: {g(self.total)} GiB x gpu_memory_utilization {self.utilization:g} - weights "
+            f"{g(self.weights)} - graphs {g(self.graphs)} - peak {g(self.peak)} - non-torch {g(self.non_torch)} "
+            f"= {g(self.budget)} GiB of KV caches: {caches}"
+        )
 
 
-def plan(total: int, utilization: float, weights: int, graphs: int, peak: int, non_torch: int,
-         needs: list[CacheNeed], key: str = "engine") -> MemoryPlan:
+def plan(
+    total: int,
+    utilization: float,
+    weights: int,
+    graphs: int,
+    peak: int,
+    non_torch: int,
+    needs: list[CacheNeed],
+    key: str = "engine",
+) -> MemoryPlan:
     """The tokens each cache of ``needs`` holds within ``total x utilization - weights - graphs - peak -
     non_torch`` bytes (the module doc says why these terms and this split). ConfigError (``key``'s
     ``gpu_memory_utilization``, or its ``max_model_len`` at utilization 1) where a cache cannot hold its
@@ -160,12 +171,17 @@ def plan(total: int, utilization: float, weights: int, graphs: int, peak: int, n
     for n in needs:
         if tokens[n.name] < n.min_tokens:
             need = sum(-(-x.min_tokens // x.block_size + 1) * x.block_size * x.bytes_per_token for x in needs)
-            fix = (f"raise {key}.gpu_memory_utilization (now {utilization:g})" if utilization < 1
-                   else f"lower {key}.max_model_len")
-            raise ConfigError(f"{key}.gpu_memory_utilization" if utilization < 1 else f"{key}.max_model_len",
-                              f"the KV caches get {out.budget / GIB:.2f} GiB ({out.line()}); the {n.name} cache "
-                              f"holds {tokens[n.name]:,} tokens, less than one sequence of {n.min_tokens:,} "
-                              f"(one in every cache needs {need / GIB:.2f} GiB): {fix}")
+            fix = (
+                f"raise {key}.gpu_memory_utilization (now {utilization:g})"
+                if utilization < 1
+                else f"lower {key}.max_model_len"
+            )
+            raise ConfigError(
+                f"{key}.gpu_memory_utilization" if utilization < 1 else f"{key}.max_model_len",
+                f"the KV caches get {out.budget / GIB:.2f} GiB ({out.line()}); the {n.name} cache "
+                f"holds {tokens[n.name]:,} tokens, less than one sequence of {n.min_tokens:,} "
+                f"(one in every cache needs {need / GIB:.2f} GiB): {fix}",
+            )
     out.tokens = {n.name: tokens[n.name] for n in needs}
     out.bytes = {n.name: (tokens[n.name] + n.block_size) * n.bytes_per_token for n in needs}
     return out
@@ -186,8 +202,7 @@ class Measured:
 
     def plan(self, key: str = "engine") -> MemoryPlan:
         """:func:`plan` of these terms."""
-        return plan(self.total, self.utilization, self.weights, self.graphs, self.peak, self.non_torch, self.needs,
-                    key)
+        return plan(self.total, self.utilization, self.weights, self.graphs, self.peak, self.non_torch, self.needs, key)
 
 
 def plan_together(measured: dict[str, Measured], key: str = "engine", cap: int | None = None) -> dict[str, MemoryPlan]:
@@ -219,6 +234,7 @@ class Profile:
 def bucket_passes(runner, max_tokens: int) -> Callable[[], None]:
     """Every graph bucket's pass of ``runner`` (drafting or verifying up to ``max_tokens`` tokens a request), run
     once without capture, largest first, each one's outputs held until the last ran: what capturing keeps."""
+
     def run() -> None:
         try:
             runner.capture_graphs(max_tokens=max_tokens, log=lambda line: None, eager_replay=True)
@@ -230,6 +246,7 @@ def bucket_passes(runner, max_tokens: int) -> Callable[[], None]:
 
 def longest_prefill(runner) -> Callable[[], None]:
     """One prompt of ``max_len`` tokens through ``runner``'s eager pass, on a slot released afterwards."""
+
     def run() -> None:
         cache = runner.cache
         slot = cache.allocate()
@@ -252,8 +269,7 @@ def runner_profile(runners: dict[str, tuple[object, int]], graphed: bool) -> Pro
     return profile
 
 
-def measure_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile,
-                   measure: Measure) -> Measured:
+def measure_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile, measure: Measure) -> Measured:
     """Measure ``profile`` on the device beside the ``caches`` (by name; each empty, as a deferred runner built
     it): the terms :func:`plan` gives them from."""
     weights = measure.allocated() - sum(c.num_blocks * c.block_size * c.bytes_per_token for c in caches.values())
@@ -262,8 +278,16 @@ def measure_memory(caches: dict[str, PagedKVCache], utilization: float, profile:
     measure.release()
     free, total = measure.mem_get_info()
     non_torch = max(0, total - free - measure.reserved())
-    needs = [CacheNeed(name, c.bytes_per_token, c.block_size, c.max_blocks * c.block_size,
-                       c.num_slots * c.max_blocks * c.block_size) for name, c in caches.items()]
+    needs = [
+        CacheNeed(
+            name,
+            c.bytes_per_token,
+            c.block_size,
+            c.max_blocks * c.block_size,
+            c.num_slots * c.max_blocks * c.block_size,
+        )
+        for name, c in caches.items()
+    ]
     return Measured(total, utilization, weights, graphs, peak, non_torch, needs)
 
 
@@ -278,8 +302,14 @@ def apply_plan(caches: dict[str, PagedKVCache], tokens: dict[str, int], measure:
         resize(c, PagedKVCache.blocks_for(tokens[name], c.block_size) + 1, layouts[name])
 
 
-def plan_memory(caches: dict[str, PagedKVCache], utilization: float, profile: Profile, measure: Measure,
-                key: str = "engine", log: Callable[[str], None] | None = None) -> MemoryPlan:
+def plan_memory(
+    caches: dict[str, PagedKVCache],
+    utilization: float,
+    profile: Profile,
+    measure: Measure,
+    key: str = "engine",
+    log: Callable[[str], None] | None = None,
+) -> MemoryPlan:
     """Measure ``profile`` on the device, plan the ``caches`` (by name; each empty, as a deferred runner built it)
     and give each its planned blocks (:func:`resize`). ``log``: told the plan's line (default: stderr)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -302,5 +332,6 @@ def resize(cache: PagedKVCache, num_blocks: int, layout: tuple | None = None) ->
         raise RuntimeError("a paged cache is resized only while it holds no sequence")
     layers, heads, head_dim, dtype, device = layout or _layout(cache)
     cache.k, cache.v = [], []  # the old K/V freed before the new ones are taken
-    PagedKVCache.__init__(cache, layers, cache.num_slots, heads, head_dim, cache.max_len, num_blocks,
-                          cache.block_size, dtype, device)
+    PagedKVCache.__init__(
+        cache, layers, cache.num_slots, heads, head_dim, cache.max_len, num_blocks, cache.block_size, dtype, device
+    )

@@ -32,7 +32,8 @@ permutation for llama.cpp's RoPE layout), is taken from transformers' own GGUF m
 row order comes from running its tensor processor on a column of row indices. Each block
 tensor is then checked against the float weight transformers loaded: the file's blocks,
 de-quantized here in float32, must equal it to float32 rounding (Q4_1's ``m + 8 d`` rounds once
-more than gguf's ``d * c + m``, as do Q4_K's, Q5_1's and Q5_K's), or the load fails naming the tensor. A row permutation leaves blocks whole: a block spans 32 columns of one row.
+more than gguf's ``d * c + m``, as do Q4_K's, Q5_1's and Q5_K's), or the load fails naming the tensor. A row permutation
+leaves blocks whole: a block spans 32 columns of one row.
 
 A tied output head (``lm_head`` sharing the embedding's weight) gets its own native copy of
 the embedding's blocks; the embedding keeps its float table for the token lookup.
@@ -49,15 +50,34 @@ import torch
 from torch import nn
 
 from specdist.errors import ConfigError
-from specdist.models.kernels import cpu_kernels
 from specdist.models.fusion import quantized_copy, unfused_copy
+from specdist.models.kernels import cpu_kernels
 from specdist.models.quant import GROUP, INT4_ROWS, Int4GroupLinear, untie_lm_head
 
 log = logging.getLogger("specdist.load")
 
 # GGUF block types run natively
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M")
+NATIVE_TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q8_0",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "IQ3_S",
+    "IQ3_XXS",
+    "IQ2_XXS",
+    "IQ1_S",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ1_M",
+)
 # native only where the CPU block kernels run them (a scale per 16: as torch's int4 groups they would take four passes)
 CPU_BLOCKS_ONLY = ("Q2_K", "Q3_K", "Q6_K", "IQ2_XS", "IQ2_S", "IQ1_M")
 Q2_K_BYTES = 84  # a Q2_K super-block: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes, d, dmin (fp16)
@@ -150,8 +170,9 @@ def _iq4_parts(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[np.nda
     return np.concatenate([qs & 15, qs >> 4], -1), d, ints
 
 
-def _decode_iq4(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          int]:
+def _decode_iq4(
+    raw: np.ndarray, kind: str, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """IQ4_NL and IQ4_XS as byte codes (:func:`_q8_halves`): each index's table byte ``IQ4_VALUES[i]`` (-127..113) with
     the block's scale ``d (ls - 32)`` (IQ4_NL: ``d``; exact in float32). On the CPU kernels the bytes pack back to
     their 4-bit indices (``quant._q8_blocks``)."""
@@ -164,7 +185,8 @@ def _grid_multipliers(blocks: np.ndarray, kind: str) -> np.ndarray:
     """A grid type's block multipliers ``[rows, nb, 8]`` float32, one per block of 32 of each super-block
     (``blocks [rows, nb, bytes]``): a block's scale is the super-block's ``d`` times it (gguf-py's ``db`` / ``dl``).
     IQ2_XXS: ``(0.5 + ls) / 4`` with ``ls`` the top 4 bits of the block's second uint32 (of 16 after ``d``); IQ3_XXS:
-    ``(0.5 + ls) / 2``, ``ls`` the top 4 bits of its uint32 after the 64 grid bytes; IQ3_S: ``1 + 2 sc``, ``sc`` its nibble
+    ``(0.5 + ls) / 2``, ``ls`` the top 4 bits of its uint32 after the 64 grid bytes; IQ3_S: ``1 + 2 sc``, ``sc`` its
+    nibble
     of the last 4 bytes (low first); IQ1_S: ``2 ((qh >> 12) & 7) + 1`` of its uint16 ``qh`` after the 32 grid bytes."""
     rows, nb, size = blocks.shape
     if kind == "IQ2_XXS":
@@ -176,8 +198,9 @@ def _grid_multipliers(blocks: np.ndarray, kind: str) -> np.ndarray:
     return 2.0 * ((blocks[..., 34:50].copy().view(np.uint16) >> 12) & 7) + 1  # IQ1_S
 
 
-def _decode_grid(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          int]:
+def _decode_grid(
+    raw: np.ndarray, kind: str, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S as byte codes (:func:`_q8_halves`) with a scale per block of 32: the grid
     values with their signs (IQ1_S: times 8, its values being ``-1, 0, 1`` plus ``+-1/8``) and ``d`` times the block's
     multiplier (over 8 for IQ1_S; exact in float32). The codes are read from gguf-py's own de-quantization of the
@@ -214,12 +237,13 @@ def _grid16_parts(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray
         s = (sc[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7  # [rows, nb, 4, 4]
         return d.view(np.float16).astype(np.float32), 2 * s.reshape(rows, nb, 16).astype(np.int16) + 1
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    s = (blocks[..., size - 8:, None] >> np.array([0, 4], np.uint8)) & 15  # [rows, nb, 8, 2]
+    s = (blocks[..., size - 8 :, None] >> np.array([0, 4], np.uint8)) & 15  # [rows, nb, 8, 2]
     return d, 2 * s.reshape(rows, nb, 16).astype(np.int16) + 1
 
 
-def _decode_grid16(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                            int]:
+def _decode_grid16(
+    raw: np.ndarray, kind: str, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """IQ2_XS, IQ2_S and IQ1_M as integer codes with a scale per 16 (:func:`_per16_segments` with their ``mid``): the
     grid values with their signs (IQ1_M: times 8) and ``d (2 s + 1) / 8`` (exact in float32). The integers are read from
     gguf-py's own de-quantization with ``d`` set to 1, divided by the multipliers (exact: small integers)."""
@@ -245,8 +269,9 @@ def _decode_grid16(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[to
     return _per16_segments((codes.astype(np.int16) + mid).reshape(rows, cols), scale, mid)
 
 
-def _q8_halves(c8: torch.Tensor, d: torch.Tensor,
-               m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _q8_halves(
+    c8: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Byte codes ``c8 [rows, nb, 32]`` (-128..127) with a scale ``d [rows, nb]`` a block and an offset ``m`` or
     none (``w = d * c8 + m``: Q8_0, Q5_0's ``q - 16``; Q5_1's and Q5_K's ``q``) as two int4 halves over a doubled
     input: ``c8 = 16 * high + low``, high in -8..7 (scale 16 d, zero 0), low in 0..15 (scale d, zero 8 d + m)."""
@@ -285,15 +310,17 @@ def _k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     float32)."""
     rows = blocks.shape[0]
     d, dmin, sc, mn = _k_scale_parts(blocks)
-    return (torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(rows, -1)),
-            torch.from_numpy((dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)))
+    return (
+        torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(rows, -1)),
+        torch.from_numpy((dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)),
+    )
 
 
 def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A K-quant tensor's scales in their file's form, ``(factors [rows, cols / 256, F] float32, ints
-    [rows, cols / 32, P] int8)`` (:func:`specdist.models.kernels.cpu_kernels.pack_super_scales`), or None for other types.
-    Q2_K: factors ``(d, -dmin)``, a block's ints ``(sc_0, sc_1, m_0, m_1)``, its halves' scales ``d sc`` and offsets
-    ``-dmin m``.
+    [rows, cols / 32, P] int8)`` (:func:`specdist.models.kernels.cpu_kernels.pack_super_scales`), or None for other
+    types. Q2_K: factors ``(d, -dmin)``, a block's ints ``(sc_0, sc_1, m_0, m_1)``, its halves' scales ``d sc`` and
+    offsets ``-dmin m``.
     Q4_K / Q5_K: factors ``(d, -dmin)``, a block's ints ``(sc, m)``: scale ``d sc``, offset ``-dmin m``. Q6_K / Q3_K:
     factor ``d``, a block's ints its two scales per 16 (Q3_K's ``sc - 32``): scale ``d sc``. IQ4_XS: factor ``d``, a
     block's int ``ls - 32``. Grid types: factor ``d / GRID_FACTOR``, a block's int its multiplier times that; IQ2_XS,
@@ -304,14 +331,18 @@ def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, t
     rows, nb = raw.shape[0], cols // 256
     if kind in GRID16_TYPES:
         d, mult = _grid16_parts(np.ascontiguousarray(raw).reshape(rows, nb, GRID16_TYPES[kind][0]), kind)
-        return (torch.from_numpy(d[..., None] / 8),
-                torch.from_numpy(mult.astype(np.int8).reshape(rows, -1, 2)))  # [rows, nb, 1], [rows, G, 2]
+        return (
+            torch.from_numpy(d[..., None] / 8),
+            torch.from_numpy(mult.astype(np.int8).reshape(rows, -1, 2)),
+        )  # [rows, nb, 1], [rows, G, 2]
     if kind in GRID_TYPES:
         blocks = np.ascontiguousarray(raw).reshape(rows, nb, GRID_TYPES[kind][0])
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
         ints = _grid_multipliers(blocks, kind) * GRID_FACTOR[kind] / GRID_TYPES[kind][1]  # [rows, nb, 8]: integers
-        return (torch.from_numpy(d / GRID_FACTOR[kind]),
-                torch.from_numpy(ints.astype(np.int8).reshape(rows, -1, 1)))  # [rows, nb, 1], [rows, G, 1]
+        return (
+            torch.from_numpy(d / GRID_FACTOR[kind]),
+            torch.from_numpy(ints.astype(np.int8).reshape(rows, -1, 1)),
+        )  # [rows, nb, 1], [rows, G, 1]
     if kind == "IQ4_XS":
         _, d, ints = _iq4_parts(raw, kind, rows, cols)
         return torch.from_numpy(d[..., None]), torch.from_numpy(ints[..., None])  # [rows, nb, 1], [rows, G, 1]
@@ -333,7 +364,8 @@ def super_scales(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, t
         ints = ((lo_sc.reshape(rows, nb, 16) | hi_sc.reshape(rows, nb, 16) << 4).astype(np.int16) - 32).astype(np.int8)
         factors = blocks[..., 108:110].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
     return torch.from_numpy(np.ascontiguousarray(factors)), torch.from_numpy(np.ascontiguousarray(ints)).reshape(
-        rows, cols // GROUP, 2)
+        rows, cols // GROUP, 2
+    )
 
 
 def _decode_q5_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -384,12 +416,14 @@ def _decode_q3_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     return _per16_segments(q6.reshape(rows, cols), d[..., None] * sc)
 
 
-def _q2_k_parts(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                 np.ndarray]:
+def _q2_k_parts(
+    raw: np.ndarray, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Q2_K's codes ``q [rows, cols]`` in 0..3, its 4-bit scales ``sc`` and mins ``m`` per 16 (``[rows, nb, 16]``, in
     element order) and its fp16 ``d`` and ``dmin`` per super-block (float32 ``[rows, nb]``): ``w = d sc q - dmin m``.
     Element ``128 n + 32 j + e`` of a super-block has its code at bits ``2 j`` of byte ``32 n + e`` of the 64 code
-    bytes; group of 16 ``i`` has its scale in the low nibble of byte ``i`` of the 16 scale bytes, its min in the high."""
+    bytes; group of 16 ``i`` has its scale in the low nibble of byte ``i`` of the 16 scale bytes, its min in the
+    high."""
     nb = cols // 256
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q2_K_BYTES)  # [rows, nb, 84]
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
@@ -410,14 +444,18 @@ def _decode_q2_k(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, t
     first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
     q = torch.from_numpy(np.ascontiguousarray(q))
     zero, seven, fifteen = (torch.tensor(v, dtype=torch.uint8) for v in (0, 7, 15))
-    offsets = [torch.where(first, fifteen, seven).expand(rows, cols), torch.where(first, seven, fifteen).expand(rows, cols)]
+    offsets = [
+        torch.where(first, fifteen, seven).expand(rows, cols),
+        torch.where(first, seven, fifteen).expand(rows, cols),
+    ]
     codes = torch.cat([torch.where(first, q, zero), torch.where(first, zero, q), *offsets], 1)  # [rows, 4 cols]
     da, db, ma, mb = scale[..., 0], scale[..., 1], offset[..., 0] / 8, offset[..., 1] / 8  # [rows, G]
     return codes, torch.cat([da, db, ma, mb], 1), torch.cat([8 * da, 8 * db, ma, mb], 1), 4
 
 
-def _per16_segments(q: np.ndarray, scale: np.ndarray,
-                    mid: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _per16_segments(
+    q: np.ndarray, scale: np.ndarray, mid: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes ``q [rows, cols]`` in 0..2 mid - 1 (``mid`` 32: 6 bits; 64: 7 bits) with a scale ``D`` per 16
     (``scale [rows, nb, 16]``, exact in float32), ``w = D (q - mid)``, as :mod:`specdist.models.quant`'s four int4
     segments (codes uint8): ``16 D (h - mid / 16)`` (codes ``h = q >> 4``, scale 16 D, zero ``(128 - mid) D``; code
@@ -427,8 +465,15 @@ def _per16_segments(q: np.ndarray, scale: np.ndarray,
     first = torch.from_numpy(np.arange(cols) % 32 < 16)  # [cols]: the first half of its block
     h, lo = torch.from_numpy((q >> 4).astype(np.uint8)), torch.from_numpy((q & 15).astype(np.uint8))
     masked, zero = torch.tensor(mid // 16, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)
-    codes = torch.cat([torch.where(first, h, masked), torch.where(first, masked, h),
-                       torch.where(first, lo, zero), torch.where(first, zero, lo)], 1)  # [rows, 4 cols]
+    codes = torch.cat(
+        [
+            torch.where(first, h, masked),
+            torch.where(first, masked, h),
+            torch.where(first, lo, zero),
+            torch.where(first, zero, lo),
+        ],
+        1,
+    )  # [rows, 4 cols]
     da, db = scale[..., 0], scale[..., 1]  # [rows, G]
     z = 128 - mid
     return codes, torch.cat([16 * da, 16 * db, da, db], 1), torch.cat([z * da, z * db, 8 * da, 8 * db], 1), 4
@@ -442,8 +487,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, r
     return w.reshape(rows, repeat, n // repeat).sum(1)  # the halves add up (Q8_0)
 
 
-def reproduces(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, loaded: torch.Tensor,
-                chunk: int = 4096) -> bool:
+def reproduces(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, loaded: torch.Tensor, chunk: int = 4096
+) -> bool:
     """Whether the blocks de-quantize to ``loaded`` (to its dtype's rounding), ``chunk`` rows at a time (a
     vocabulary-sized head's float copy would otherwise be held whole, ``repeat`` times over)."""
     eps = max(torch.finfo(loaded.dtype).eps, 1e-6)  # a bf16 / fp16 load rounded the floats once more
@@ -483,8 +529,9 @@ def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(processor.process(index, gguf_name).weights[:, 0]))
 
 
-def native_tensors(model: nn.Module, gguf_path: str, device: torch.device,
-                   wanted: Callable[[str, nn.Module], bool]) -> Iterator[NativeTensor]:
+def native_tensors(
+    model: nn.Module, gguf_path: str, device: torch.device, wanted: Callable[[str, nn.Module], bool]
+) -> Iterator[NativeTensor]:
     """The file's block-quantized linears that run natively on ``device`` and whose module ``wanted(name, module)``
     accepts, each decoded whole (:func:`decode_blocks`) with its rows in transformers' order. A tied head's
     blocks are the embedding's, owned by ``lm_head`` (the embedding keeps its float table for the lookups)."""
@@ -517,8 +564,17 @@ def native_tensors(model: nn.Module, gguf_path: str, device: torch.device,
         codes, scales, zeros, repeat = decode_blocks(tensor.data, kind, cols)
         order = _row_order(processor, tensor.name, rows)
         sup = super_scales(tensor.data, kind, cols) if cpu_blocks else None
-        yield NativeTensor(owner, modules[owner], tensor.name, kind, codes[order], scales[order], zeros[order], repeat,
-                           None if sup is None else (sup[0][order], sup[1][order]))
+        yield NativeTensor(
+            owner,
+            modules[owner],
+            tensor.name,
+            kind,
+            codes[order],
+            scales[order],
+            zeros[order],
+            repeat,
+            None if sup is None else (sup[0][order], sup[1][order]),
+        )
 
 
 @dataclass
@@ -544,29 +600,41 @@ def install(model: nn.Module, owner: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def use_native_blocks(model: nn.Module, gguf_path: str, key: str = "target.weights",
-                      required: bool = True) -> dict[str, int]:
+def use_native_blocks(
+    model: nn.Module, gguf_path: str, key: str = "target.weights", required: bool = True
+) -> dict[str, int]:
     """Replace the model's block-quantized linears (in place) by int4 groups from ``gguf_path``.
 
     Returns how many linears run natively per GGUF type. Raises ConfigError naming ``key`` when a tensor's
     blocks do not reproduce the loaded weight, or (``required``: ``weights: native``) when the file holds no
-    linear that runs natively here; otherwise (``auto``: an F16 file, or types that run natively on the CPU block kernels
-    only, elsewhere) the model keeps its floats.
+    linear that runs natively here; otherwise (``auto``: an F16 file, or types that run natively on the CPU block
+    kernels only, elsewhere) the model keeps its floats.
     """
     device = next(model.parameters()).device
     replaced: dict[str, int] = {}
+
     def wanted(name: str, m: nn.Module) -> bool:  # a linear the int4 kernel cannot tile keeps its float weight
         return type(m) is nn.Linear and m.out_features % INT4_ROWS == 0
 
     for t in native_tensors(model, gguf_path, device, wanted):
         target = t.module
         if t.codes.shape[0] != target.out_features:
-            raise ConfigError(key, f"{gguf_path}: {t.name}: {t.codes.shape[0]} rows in the file, {target.out_features} in the model")
+            raise ConfigError(
+                key, f"{gguf_path}: {t.name}: {t.codes.shape[0]} rows in the file, {target.out_features} in the model"
+            )
         if not reproduces(t.codes, t.scales, t.zeros, t.repeat, target.weight.detach().cpu()):
-            raise ConfigError(key, f"{gguf_path}: {t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
-                                   f"loaded for {t.owner}; load it with weights: float")
-        install(model, t.owner, Int4GroupLinear(t.codes.to(device), t.scales.to(device), t.zeros.to(device),
-                                                target.bias, t.repeat, t.super))
+            raise ConfigError(
+                key,
+                f"{gguf_path}: {t.name} ({t.kind}): its blocks do not reproduce the weight transformers "
+                f"loaded for {t.owner}; load it with weights: float",
+            )
+        install(
+            model,
+            t.owner,
+            Int4GroupLinear(
+                t.codes.to(device), t.scales.to(device), t.zeros.to(device), target.bias, t.repeat, t.super
+            ),
+        )
         replaced[t.kind] = replaced.get(t.kind, 0) + 1
     if not replaced:
         if required:

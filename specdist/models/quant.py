@@ -39,16 +39,16 @@ quantizes to the same layout (asymmetric min/max per group, as Q4_1).
 
 Two backends run these blocks, chosen by device when the module is built (``blocks``):
 
-- x86 CPUs with AVX2: :mod:`specdist.models.kernels.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)`` pairs,
-  Q8_0 as signed bytes (one pass, not two halves), Q5_0, Q5_1 and Q5_K as 5-bit codes (a nibble and a high bit) with a
-  ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one pass, not
-  four segments; IQ1_M too), IQ2_XS and IQ2_S as 7-bit codes in bytes with their two scales a block (their segments'
+- x86 CPUs with AVX2: :mod:`specdist.models.kernels.cpu_kernels`, llama.cpp's way: GGUF's own Q4 codes with ``(d, m)``
+  pairs, Q8_0 as signed bytes (one pass, not two halves), Q5_0, Q5_1 and Q5_K as 5-bit codes (a nibble and a high bit)
+  with a ``(d, m)`` pair a block, Q6_K as 6-bit codes (a nibble and 2 high bits) with its two scales a block (one pass,
+  not four segments; IQ1_M too), IQ2_XS and IQ2_S as 7-bit codes in bytes with their two scales a block (their segments'
   zeros ``64 D``), Q3_K as nibbles with its two scales a block, Q2_K as 2-bit codes with its two scales and offsets a
   block, IQ4_NL and IQ4_XS as their 4-bit indices into the IQ4 table of signed bytes (elsewhere as those bytes),
-  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q7`` / ``pack_q8`` / ``pack_q2``), the
-  activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest bytes that hold them
-  exactly: float16 (the legacy types, and the int4 copy of a float linear), the K-quants' super-block form
-  (``super_scales``), or float32.
+  repacked in groups of 8 rows (``cpu_kernels.pack_q4`` / ``pack_q5`` / ``pack_q6`` / ``pack_q7`` / ``pack_q8`` /
+  ``pack_q2``), the activations rounded per block of 32 to bytes. The scales keep their file's values in the fewest
+  bytes that hold them exactly: float16 (the legacy types, and the int4 copy of a float linear), the K-quants'
+  super-block form (``super_scales``), or float32.
 - CUDA, and CPUs without AVX2: torch's int4 kernels, scales rounded to bf16 (8 significant bits),
   bf16 activations, output rows in tiles.
 
@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdist.errors import ConfigError
-from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredLinear
+from specdist.models.kernels import cpu_kernels
 
 # The CPU kernel silently gives wrong results (or crashes) when in_features % 16 != 0.
 _KERNEL_K_MULTIPLE = 16
@@ -78,9 +78,12 @@ INT4_ROWS = 16  # the int4 kernels pack output rows in tiles: CPU needs out_feat
 _CUDA_INNER_K_TILES = (8, 4, 2)  # the CUDA int4 kernel's inner k tiles (of 16 columns), largest dividing in_features
 _CODES_CHUNK = 1024  # identity rows per matmul in Int4GroupLinear.codes
 # the refusal of int8 weight-only linears on CUDA (the module doc says why), on the setting that asks for them
-INT8_ON_CUDA = ("draft.method", "'self-w8' does not run on CUDA: torch's int8 weight-only matmul there is a naive "
-                "kernel, slower than the target it would draft for; use 'self-w4' (torch's int4 kernel) or a draft "
-                "model ('model')")
+INT8_ON_CUDA = (
+    "draft.method",
+    "'self-w8' does not run on CUDA: torch's int8 weight-only matmul there is a naive "
+    "kernel, slower than the target it would draft for; use 'self-w4' (torch's int4 kernel) or a draft "
+    "model ('model')",
+)
 
 
 def refuse_int8_on(copy: str | None, device_type: str) -> None:
@@ -109,8 +112,11 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
         blocks = weight_int8.device.type == "cpu" and self.in_features % GROUP == 0 and cpu_kernels.available()
-        codes, block_scales = cpu_kernels.pack_q8(weight_int8, self.scales.float()[:, None].expand(
-            -1, self.in_features // GROUP)) if blocks else (None, None)
+        codes, block_scales = (
+            cpu_kernels.pack_q8(weight_int8, self.scales.float()[:, None].expand(-1, self.in_features // GROUP))
+            if blocks
+            else (None, None)
+        )
         self.register_buffer("weight_int8", None if blocks else weight_int8.contiguous())
         self.register_buffer("block_codes", codes)
         self.register_buffer("block_scales", block_scales)
@@ -132,8 +138,13 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         if self.block_codes is not None:
-            y = cpu_kernels.block_mm(x.reshape(-1, self.in_features), self.block_codes, self.block_scales,
-                                     self.out_features, cpu_kernels.LIN_Q8)  # [n, out]
+            y = cpu_kernels.block_mm(
+                x.reshape(-1, self.in_features),
+                self.block_codes,
+                self.block_scales,
+                self.out_features,
+                cpu_kernels.LIN_Q8,
+            )  # [n, out]
             return _shaped(y, lead, x.dtype, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in]
         if self.in_features % _KERNEL_K_MULTIPLE == 0:
@@ -159,9 +170,15 @@ class Int4GroupLinear(nn.Module):
     scales_and_zeros: torch.Tensor  # the kernel's float pairs (see ``blocks``)
     bias: torch.Tensor | None  # [out] float32
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, repeat_input: int = 1,
-                 super_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        repeat_input: int = 1,
+        super_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         # codes [out, in_eff] integers in 0..15 (any integer dtype); scales, zeros [out, in_eff / 32];
         # super_scales: a K-quant's scales in its file's form (native.super_scales), which the CPU block kernels read
         # in place of the float32 ones where they give the same scales
@@ -173,8 +190,8 @@ class Int4GroupLinear(nn.Module):
             raise ValueError(f"int4 groups need out_features divisible by {INT4_ROWS}, got {out}")
         self.out_features, self.in_features = out, in_eff // repeat_input
         self.repeat_input = repeat_input
-        # blocks: "q4" / "q5" / "q6_16" / "q7_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86 CPUs
-        # with AVX2, BLOCK_KINDS), else None (torch's int4 kernels)
+        # blocks: "q4" / "q5" / "q6_16" / "q7_16" / "q8" / "q4_16" / "q2m_16" / "iq4" where cpu_kernels run them (x86
+        # CPUs with AVX2, BLOCK_KINDS), else None (torch's int4 kernels)
         self.blocks: str | None = None
         if codes.device.type == "cpu" and cpu_kernels.available() and repeat_input in _BLOCK_PACKERS:
             self.blocks, packed, sz = _BLOCK_PACKERS[repeat_input](codes, scales.float(), zeros.float())
@@ -233,14 +250,17 @@ class Int4GroupLinear(nn.Module):
         lead = x.shape[:-1]
         if self.blocks is not None:
             x2 = x.reshape(-1, self.in_features)  # [n, in]
-            y = cpu_kernels.block_mm(x2, self.packed, self.scales_and_zeros, self.out_features,
-                                     BLOCK_KINDS[self.blocks])  # [n, out] float32
+            y = cpu_kernels.block_mm(
+                x2, self.packed, self.scales_and_zeros, self.out_features, BLOCK_KINDS[self.blocks]
+            )  # [n, out] float32
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
             if self.repeat_input > 1:
                 x2 = x2.repeat(1, self.repeat_input)  # [n, in * r]
             if x2.device != self.packed.device:
-                raise RuntimeError(f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there")
+                raise RuntimeError(
+                    f"int4 weights were packed for {self.packed.device}, not {x2.device}: build them there"
+                )
             y = int4_mm(x2.device.type)(x2.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [n, out]
         return _shaped(y, lead, x.dtype, self.bias)
 
@@ -273,7 +293,8 @@ def pack_int4(codes: torch.Tensor, device_type: str | None = None) -> torch.Tens
         # it needs in_features % (16 * inner k tiles) == 0: 8 tiles for 128 | K, down to 2 for any K % 32 == 0
         inner = next(t for t in _CUDA_INNER_K_TILES if codes.shape[1] % (16 * t) == 0)
         return torch.ops.aten._convert_weight_to_int4pack(  # noqa: SLF001 - torch's op, no public name
-            (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner)
+            (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), inner
+        )
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # noqa: SLF001 - torch's op
 
 
@@ -288,27 +309,31 @@ def _shaped(y: torch.Tensor, lead: tuple, dtype: torch.dtype, bias: torch.Tensor
     return y + (bias if bias.dtype == dtype else bias.to(dtype))
 
 
-def _q4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+def _q4_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
     """GGUF's Q4 blocks (``w = d * c + m``, here ``m = zero - 8 * scale``) packed for cpu_kernels.block_mm."""
     out, k = codes.shape
     g = codes.reshape(out, k // GROUP, GROUP).to(torch.uint8)  # [out, G, 32]
-    gguf = (g[..., :16] | (g[..., 16:] << 4))  # [out, G, 16]: byte i holds element i low, i + 16 high
+    gguf = g[..., :16] | (g[..., 16:] << 4)  # [out, G, 16]: byte i holds element i low, i + 16 high
     return ("q4", *cpu_kernels.pack_q4(gguf, torch.stack([scales, zeros - 8 * scales], 1)))  # (d, m) [out, 2, G]
 
 
-def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+def _q8_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Byte codes back from two int4 halves (see the module doc): with the high half's scale 16 times the low
     half's, ``w = (ch - 8) 16 d + zh + (cl - 8) d + zl = d c + m`` for the signed byte ``c = 16 (ch - 8) + cl`` and
     the offset ``m = zh + zl - 8 d``. Q8_0 (m = 0) packs for the Q8 kernel; 5-bit codes for the Q5 one (Q5_1 and Q5_K:
     ``c`` in 0..31 with their offsets; Q5_0: ``c`` in -16..15, as ``c + 16`` with ``m = -16 d``), 0.625 code bytes a
     weight; bytes that are all values of the IQ4 table (IQ4_NL's, IQ4_XS's) as their 4-bit indices, 0.5."""
     out, k = codes.shape[0], codes.shape[1] // 2
-    d = scales[:, k // GROUP:]
+    d = scales[:, k // GROUP :]
     if not torch.equal(scales[:, : k // GROUP], 16 * d):
         raise ValueError("repeat_input=2 holds byte codes as two int4 halves only: scales (16 d, d)")
     codes = codes.to(torch.int16)
     c8 = (16 * (codes[:, :k] - 8) + codes[:, k:]).to(torch.int8)  # [out, K] in -128..127
-    m = zeros[:, : k // GROUP] + zeros[:, k // GROUP:] - 8 * d  # [out, G]
+    m = zeros[:, : k // GROUP] + zeros[:, k // GROUP :] - 8 * d  # [out, G]
     lo = 0 if m.any() else -16  # 5-bit codes: Q5_1's and Q5_K's q, Q5_0's q - 16
     if int(c8.min()) >= lo and int(c8.max()) < lo + 32:
         c5 = (c8.to(torch.int16) - lo).to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32] in 0..31
@@ -320,16 +345,20 @@ def _q8_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     idx = index[c8.long() + 128]  # [out, K]
     if bool((idx >= 0).all()):  # every byte one of IQ4_NL's values (IQ4_NL, IQ4_XS): its 4-bit index, half the bytes
         g = idx.to(torch.uint8).reshape(out, k // GROUP, GROUP)  # [out, G, 32]
-        return ("iq4", cpu_kernels.pack_q4(g[..., :16] | g[..., 16:] << 4, d.new_zeros(out, 2, k // GROUP))[0],
-                cpu_kernels.pack_scale_vectors(d[..., None]))
+        return (
+            "iq4",
+            cpu_kernels.pack_q4(g[..., :16] | g[..., 16:] << 4, d.new_zeros(out, 2, k // GROUP))[0],
+            cpu_kernels.pack_scale_vectors(d[..., None]),
+        )
     return ("q8", *cpu_kernels.pack_q8(c8, d))
 
 
-def _per16_blocks(codes: torch.Tensor, scales: torch.Tensor,
-                  zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """Codes with a scale ``D`` per 16 elements back from four int4 segments (see the module doc): ``q = 16 h + l - mid``
-    with ``mid`` 32 (GGUF Q6_K, Q3_K, IQ1_M: the h segments' zeros ``96 D``, masked code 2) or 64 (IQ2_XS, IQ2_S: zeros
-    ``64 D``, masked code 4), ``w = D q``. Packed in the fewest bits that hold every code: nibbles ``q + 8``
+def _per16_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Codes with a scale ``D`` per 16 elements back from four int4 segments (see the module doc): ``q = 16 h + l -
+    mid`` with ``mid`` 32 (GGUF Q6_K, Q3_K, IQ1_M: the h segments' zeros ``96 D``, masked code 2) or 64 (IQ2_XS, IQ2_S:
+    zeros ``64 D``, masked code 4), ``w = D q``. Packed in the fewest bits that hold every code: nibbles ``q + 8``
     (``LIN_Q4_16``, 0.5 code bytes a weight: Q3_K's -4..3), 6-bit codes ``q + 32`` (``LIN_Q6_16``, 0.75) or 7-bit codes
     ``q + 64`` in bytes (``LIN_Q7_16``, 1)."""
     out, k = codes.shape[0], codes.shape[1] // 4
@@ -338,11 +367,18 @@ def _per16_blocks(codes: torch.Tensor, scales: torch.Tensor,
     d = s[:, 2:]  # [out, half, G]: the l segments' scales are D
     mid = next((m for m in (32, 64) if torch.equal(z[:, :2], (128 - m) * d)), None)
     masked = None if mid is None else mid // 16  # the h segments' code where the other half's weights are
-    if mid is None or not (torch.equal(s[:, :2], 16 * d) and torch.equal(z[:, 2:], 8 * d)
-                           and bool((codes[:, 0, :, 1] == masked).all()) and bool((codes[:, 1, :, 0] == masked).all())
-                           and not codes[:, 2, :, 1].any() and not codes[:, 3, :, 0].any()):
-        raise ValueError("repeat_input=4 holds GGUF Q6_K or Q2_K segments only: scales (16 D, D), zeros "
-                         "((128 - mid) D, 8 D), masked codes (mid / 16, 0) for mid 32 or 64")
+    if mid is None or not (
+        torch.equal(s[:, :2], 16 * d)
+        and torch.equal(z[:, 2:], 8 * d)
+        and bool((codes[:, 0, :, 1] == masked).all())
+        and bool((codes[:, 1, :, 0] == masked).all())
+        and not codes[:, 2, :, 1].any()
+        and not codes[:, 3, :, 0].any()
+    ):
+        raise ValueError(
+            "repeat_input=4 holds GGUF Q6_K or Q2_K segments only: scales (16 D, D), zeros "
+            "((128 - mid) D, 8 D), masked codes (mid / 16, 0) for mid 32 or 64"
+        )
     half = torch.arange(2)
     h, low = codes[:, half, :, half], codes[:, 2 + half, :, half]  # [half, out, G, 16]: each half's own segment
     q = (16 * h + low - mid).permute(1, 2, 0, 3).reshape(out, k)  # [out, K] in -mid..127 - mid
@@ -364,15 +400,24 @@ def _q2_segments(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
     out, k = codes.shape[0], codes.shape[1] // 4
     c = codes.reshape(out, 4, k // GROUP, 2, GROUP // 2)  # [out, segment, G, half, 16]
     s, z = scales.reshape(out, 4, k // GROUP), zeros.reshape(out, 4, k // GROUP)
-    return (torch.equal(z[:, :2], 8 * s[:, :2]) and torch.equal(z[:, 2:], s[:, 2:]) and int(c[:, :2].max()) <= 3
-            and not c[:, 0, :, 1].any() and not c[:, 1, :, 0].any()
-            and bool((c[:, 2, :, 0] == 15).all()) and bool((c[:, 2, :, 1] == 7).all())
-            and bool((c[:, 3, :, 0] == 7).all()) and bool((c[:, 3, :, 1] == 15).all()))
+    return (
+        torch.equal(z[:, :2], 8 * s[:, :2])
+        and torch.equal(z[:, 2:], s[:, 2:])
+        and int(c[:, :2].max()) <= 3
+        and not c[:, 0, :, 1].any()
+        and not c[:, 1, :, 0].any()
+        and bool((c[:, 2, :, 0] == 15).all())
+        and bool((c[:, 2, :, 1] == 7).all())
+        and bool((c[:, 3, :, 0] == 7).all())
+        and bool((c[:, 3, :, 1] == 15).all())
+    )
 
 
-def _q2_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """GGUF's Q2_K back from its four int4 segments: codes q (0..3) with a scale D and an offset M per 16 (``w = D q + M``:
-    the value segments' scales, 8 times the offset segments'), 2-bit codes packed for cpu_kernels.block_mm's
+def _q2_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """GGUF's Q2_K back from its four int4 segments: codes q (0..3) with a scale D and an offset M per 16 (``w = D q +
+    M``: the value segments' scales, 8 times the offset segments'), 2-bit codes packed for cpu_kernels.block_mm's
     ``LIN_Q2M_16``."""
     out, k = codes.shape[0], codes.shape[1] // 4
     g = k // GROUP
@@ -383,16 +428,25 @@ def _q2_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return ("q2m_16", cpu_kernels.pack_q2(q), cpu_kernels.pack_scale_vectors(per_block))
 
 
-def _four_segments(codes: torch.Tensor, scales: torch.Tensor,
-                   zeros: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+def _four_segments(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Four int4 segments (repeat_input=4): GGUF Q2_K's or Q6_K's (Q3_K's) layout."""
     if _q2_segments(codes, scales, zeros):
         return _q2_blocks(codes, scales, zeros)
     return _per16_blocks(codes, scales, zeros)
 
 
-def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int,
-                  factors: torch.Tensor, ints: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _super_packed(
+    blocks: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    repeat: int,
+    factors: torch.Tensor,
+    ints: torch.Tensor,
+    packed: torch.Tensor,
+) -> torch.Tensor:
     """The block kernels' scales for a K-quant in its file's form (cpu_kernels.pack_super_scales: a float16 factor per
     256 elements times an int8 per block or per 16, 0.09 bytes a weight of Q4_K against 0.25 as float32 pairs) where
     those products are exactly the scales (and offsets) the weight's int4 groups hold; else ``packed``, the float32
@@ -405,15 +459,15 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
     prod = f[..., :1] * ints[..., :2].float()  # [out, G, <= 2]: factor 0 times the first two ints
     if blocks == "q2m_16" and factors.shape[2] == 2 and ints.shape[2] == 4:  # Q2_K: (d sc_h, -dmin m_h) per half
         s = scales.reshape(out, 4, g)
-        exact = (torch.equal(prod, s[:, :2].permute(0, 2, 1))
-                 and torch.equal(f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)))
+        exact = torch.equal(prod, s[:, :2].permute(0, 2, 1)) and torch.equal(
+            f[..., 1:] * ints[..., 2:].float(), 8 * s[:, 2:].permute(0, 2, 1)
+        )
     elif factors.shape[2] == 1 and ints.shape[2] == 1:  # a factor times an int a block (IQ4_XS, grid types), as bytes
         if blocks in ("q8", "iq4"):
             exact = torch.equal(f[..., 0] * ints[..., 0].float(), scales[:, g:])
         elif blocks == "q5":  # bytes in -16..15 as 5-bit codes with the offset -16 d (quant._q8_blocks): (f, -16 f)
             d = scales[:, g:]
-            exact = (torch.equal(f[..., 0] * ints[..., 0].float(), d)
-                     and not (zeros[:, : g] + zeros[:, g:] - 8 * d).any())
+            exact = torch.equal(f[..., 0] * ints[..., 0].float(), d) and not (zeros[:, :g] + zeros[:, g:] - 8 * d).any()
             factors, ints = torch.cat([factors, -16 * factors], -1), torch.cat([ints, ints], -1)
         else:
             return packed
@@ -434,9 +488,16 @@ def _super_packed(blocks: str, codes: torch.Tensor, scales: torch.Tensor, zeros:
 # repeat_input -> the packer for the CPU block kernels: (Int4GroupLinear.blocks, codes, scales)
 _BLOCK_PACKERS = {1: _q4_blocks, 2: _q8_blocks, 4: _four_segments}
 # Int4GroupLinear.blocks -> the kernels' matmul kind
-BLOCK_KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16,
-               "q5": cpu_kernels.LIN_Q5, "q4_16": cpu_kernels.LIN_Q4_16, "q2m_16": cpu_kernels.LIN_Q2M_16,
-               "iq4": cpu_kernels.LIN_IQ4, "q7_16": cpu_kernels.LIN_Q7_16}
+BLOCK_KINDS = {
+    "q4": cpu_kernels.LIN_Q4,
+    "q8": cpu_kernels.LIN_Q8,
+    "q6_16": cpu_kernels.LIN_Q6_16,
+    "q5": cpu_kernels.LIN_Q5,
+    "q4_16": cpu_kernels.LIN_Q4_16,
+    "q2m_16": cpu_kernels.LIN_Q2M_16,
+    "iq4": cpu_kernels.LIN_IQ4,
+    "q7_16": cpu_kernels.LIN_Q7_16,
+}
 
 
 def untie_lm_head(model: nn.Module) -> None:
@@ -449,8 +510,9 @@ def untie_lm_head(model: nn.Module) -> None:
             module.all_tied_weights_keys = {}
 
 
-def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = None,
-                        kind: type[nn.Module] = Int8WeightOnlyLinear) -> nn.Module:
+def quantize_model_int8(
+    model: nn.Module, skip: Callable[[str], bool] | None = None, kind: type[nn.Module] = Int8WeightOnlyLinear
+) -> nn.Module:
     """Replace every ``nn.Linear`` (a runner's :class:`~specdist.models.dtypes.HalfStoredLinear` too: the same
     numbers) unless ``skip(name)`` by ``kind.from_linear`` in place; returns ``model``.
     ``kind``: :class:`Int8WeightOnlyLinear`, or :class:`Int4GroupLinear` for linears whose inputs split
@@ -475,5 +537,6 @@ def quantize_model_int8(model: nn.Module, skip: Callable[[str], bool] | None = N
 def on_cpu_blocks(model: nn.Module) -> bool:
     """Whether any of the model's linears runs on quantized blocks through :mod:`specdist.models.kernels.cpu_kernels`
     (a native GGUF target, a self-w4 / self-w8 draft): its activations are rounded to bytes per block."""
-    return any(getattr(m, "blocks", None) is not None or getattr(m, "block_codes", None) is not None
-               for m in model.modules())
+    return any(
+        getattr(m, "blocks", None) is not None or getattr(m, "block_codes", None) is not None for m in model.modules()
+    )

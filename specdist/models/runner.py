@@ -51,10 +51,10 @@ Attention runs through ``F.scaled_dot_product_attention`` in forms that let PyTo
 fused kernels: no mask when every request has one query at one common position (a window
 then slices the keys), ``is_causal`` for a one-request prefill from position 0 that the window
 does not cut, a boolean mask otherwise. Gemma 2's soft-capped scores take an explicit
-attention (:func:`specdist.models.backends.slots.softcap_attention`): no fused kernel applies the cap. On an x86 CPU in float32 the
-kernels of :mod:`specdist.models.kernels.cpu_kernels` attend instead (each row from the cache itself), and in a family
-that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose matmuls all
-run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
+attention (:func:`specdist.models.backends.slots.softcap_attention`): no fused kernel applies the cap. On an x86 CPU in
+float32 the kernels of :mod:`specdist.models.kernels.cpu_kernels` attend instead (each row from the cache itself), and
+in a family that declares its layers ``prenorm-swiglu`` (:class:`~specdist.models.families.Family`), a layer whose
+matmuls all run on GGUF blocks is one call (:attr:`CausalLMRunner.layer_kernels`,
 :func:`cpu_kernels.decoder_layer`): its norms, matmuls, attention, SiLU and residual adds without Python
 between them (at batch 1 that Python is a large share of a forward). A layer of dense float32 weights is one
 call too for calls of up to ``cpu_kernels.F32_MAX_ROWS`` tokens (:func:`cpu_kernels.f32_mm` reads the weights
@@ -86,15 +86,15 @@ import torch.nn.functional as F
 from specdist.config import check_kv_cache_dtype
 from specdist.errors import ConfigError
 from specdist.models.backends import SlotStep, backend_class, choose_backend
-from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, on_runner_device
-from specdist.models.kv.options import KVOptions
-from specdist.models.host_reads import HostReadError
-from specdist.models.kv.paged import PagedKVCache
-from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
-from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, store_half_width
-from specdist.models.quant import BLOCK_KINDS, Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
+from specdist.models.families import PRENORM_SWIGLU, SUPPORTED_MODEL_TYPES, Family, check_supported
 from specdist.models.fusion import fuse_projections
+from specdist.models.graphs import GRAPH_TOKENS, CudaGraphs, on_runner_device
+from specdist.models.host_reads import HostReadError
+from specdist.models.kernels import cpu_kernels
+from specdist.models.kv.options import KVOptions
+from specdist.models.kv.paged import PagedKVCache
+from specdist.models.quant import BLOCK_KINDS, Int4GroupLinear, Int8WeightOnlyLinear, on_cpu_blocks, untie_lm_head
 
 __all__ = ["CausalLMRunner", "SUPPORTED_MODEL_TYPES"]
 
@@ -114,15 +114,26 @@ def _bucket(n: int) -> int:
 class CausalLMRunner:
     """Owns one model and its KV cache. Not thread-safe; one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, fuse: bool = True,
-                 kv_cache_dtype: str = "auto", half_storage: bool = True, kv: KVOptions | None = None,
-                 attention_backend: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_slots: int,
+        max_len: int,
+        fuse: bool = True,
+        kv_cache_dtype: str = "auto",
+        half_storage: bool = True,
+        kv: KVOptions | None = None,
+        attention_backend: str | None = None,
+    ):
         family = check_supported(model.config, "model")
         cfg = model.config
         odd = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
         if odd or getattr(cfg, "use_bidirectional_attention", False):
-            raise ConfigError("model", f"{cfg.model_type}: only causal full / sliding-window attention is "
-                                       f"supported, got {'layer types ' + ', '.join(odd) if odd else 'bidirectional'}")
+            raise ConfigError(
+                "model",
+                f"{cfg.model_type}: only causal full / sliding-window attention is "
+                f"supported, got {'layer types ' + ', '.join(odd) if odd else 'bidirectional'}",
+            )
         self.model = model.eval()
         if fuse:  # one matmul for q/k/v and one for gate/up; HF forward keeps working
             fuse_projections(model)
@@ -146,8 +157,8 @@ class CausalLMRunner:
         self.windows = [_window(family, cfg, layer.self_attn) for layer in self.layers]
         self.compiled = None  # the compiled _static_pass, once compile() ran
         # Layers whose input hidden states every forward keeps (an EAGLE-3 head reads them,
-        # specdist.models.eagle3; the number of layers: the last one's output): () keeps none. ``last_hidden`` is the latest forward's
-        # [B, T, len(hidden_layers) * D] in call order, rows right-padded like its tokens.
+        # specdist.models.eagle3; the number of layers: the last one's output): () keeps none. ``last_hidden`` is the
+        # latest forward's [B, T, len(hidden_layers) * D] in call order, rows right-padded like its tokens.
         self.hidden_layers: tuple[int, ...] = ()
         self.last_hidden: torch.Tensor | None = None
         # RoPE cos/sin for every position, computed once: [max_len + 1, rd] each (last row: scratch),
@@ -156,7 +167,9 @@ class CausalLMRunner:
         typed = isinstance(getattr(rotary, "rope_type", None), dict)
         self.rope_keys = [cfg.layer_types[i] if typed else None for i in range(len(self.layers))]
         with torch.inference_mode():
-            self.rope_tables = {key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)}
+            self.rope_tables = {
+                key: _rope_table(rotary, probe, max_len + 1, key) for key in dict.fromkeys(self.rope_keys)
+            }
         # float32 on an x86 CPU: attention by cpu_kernels (rows independent of the batch); where RoPE turns the
         # whole head, rotary, cache write and attention are one call per layer (after per-head q/k norms, if any)
         kv = kv or KVOptions()
@@ -169,15 +182,18 @@ class CausalLMRunner:
             per_token = 2 * len(self.layers) * n_kv_local * hd * torch.empty(0, dtype=cache_dtype).element_size()
             tokens = kv.tokens(self.device, num_slots, max_len, per_token)
             num_blocks = PagedKVCache.blocks_for(tokens, kv.block_size) + 1
-        self.cache = backend.make_cache(len(self.layers), num_slots, n_kv_local, hd, max_len, cache_dtype, self.device,
-                                        num_blocks, kv.block_size)
+        self.cache = backend.make_cache(
+            len(self.layers), num_slots, n_kv_local, hd, max_len, cache_dtype, self.device, num_blocks, kv.block_size
+        )
         # the attention backend (specdist.models.backends): every pass's attention goes through it
-        self.backend = backend(self.cache, self.scaling, self.windows, self.attn_softcap,
-                               [self.rope_tables[key] for key in self.rope_keys])
+        self.backend = backend(
+            self.cache, self.scaling, self.windows, self.attn_softcap, [self.rope_tables[key] for key in self.rope_keys]
+        )
         self.attention = self.backend if paged else None  # the paged backend, which CUDA graphs replay
         self.graphs: CudaGraphs | None = None  # captured passes of the paged backend (capture_graphs)
-        self.cpu_rope_attention = (self.cpu_attention
-                                   and all(cos.shape[-1] == hd for cos, _ in self.rope_tables.values()))
+        self.cpu_rope_attention = self.cpu_attention and all(
+            cos.shape[-1] == hd for cos, _ in self.rope_tables.values()
+        )
         # where that holds and the family declares its layers the shape cpu_kernels.decoder_layer computes, a layer
         # whose matmuls all run on blocks (or dense float32) is one C call; None for a layer that runs op by op
         fused = family.layer_kernel == PRENORM_SWIGLU and self.cpu_rope_attention
@@ -208,10 +224,15 @@ class CausalLMRunner:
             if hasattr(attn, "fused_qkv"):
                 qkv = [store_half_width(attn.fused_qkv, "inner", attn, ("q_proj", "k_proj", "v_proj"))]
             else:  # Phi-3's own qkv_proj, or three
-                qkv = [store_half_width(attn, n) for n in (("qkv_proj",) if hasattr(attn, "qkv_proj")
-                                                           else ("q_proj", "k_proj", "v_proj"))]
-            gate_up = (store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj"))
-                       if hasattr(mlp, "fused_gate_up") else store_half_width(mlp, "gate_up_proj"))
+                qkv = [
+                    store_half_width(attn, n)
+                    for n in (("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj"))
+                ]
+            gate_up = (
+                store_half_width(mlp.fused_gate_up, "inner", mlp, ("gate_proj", "up_proj"))
+                if hasattr(mlp, "fused_gate_up")
+                else store_half_width(mlp, "gate_up_proj")
+            )
             stored = qkv + [store_half_width(attn, "o_proj"), gate_up, store_half_width(mlp, "down_proj")]
             if any(stored):
                 self.layer_kernels[i] = _layer_kernel(layer)
@@ -227,8 +248,9 @@ class CausalLMRunner:
         """The final norm and output head (and logit soft-cap) of hidden states."""
         return self._head(hs)
 
-    def capture_graphs(self, max_batch_size: int | None = None, max_tokens: int = 1, log=None,
-                       eager_replay: bool = False) -> float:
+    def capture_graphs(
+        self, max_batch_size: int | None = None, max_tokens: int = 1, log=None, eager_replay: bool = False
+    ) -> float:
         """Capture CUDA graphs of the paged forward (:mod:`specdist.models.graphs`) for every batch bucket (powers
         of two up to ``max_batch_size``, default the slot count, and that count itself) times every token bucket
         up to the one holding ``max_tokens``; returns the seconds taken. Forwards outside every bucket (long
@@ -245,8 +267,12 @@ class CausalLMRunner:
         try:
             seconds = graphs.capture(batches, tokens, log)
         except HostReadError as e:
-            print(f"cuda graphs: off for this {self.config.model_type} runner, its pass reads the device on the host: "
-                  f"{e}", file=sys.stderr, flush=True)
+            print(
+                f"cuda graphs: off for this {self.config.model_type} runner, its pass reads the device on the host: "
+                f"{e}",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0.0
         self.graphs = graphs
         return seconds
@@ -259,8 +285,11 @@ class CausalLMRunner:
         compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``). ``backend``: the
         ``torch.compile`` backend (another one traces the same graphs without generating code)."""
         if self.attention is not None:
-            raise ConfigError("engine.compile", "the compiled static pass reads a slot cache; this runner's is paged "
-                                                "(engine.kv_cache: slots, or cuda_graphs on GPUs)")
+            raise ConfigError(
+                "engine.compile",
+                "the compiled static pass reads a slot cache; this runner's is paged "
+                "(engine.kv_cache: slots, or cuda_graphs on GPUs)",
+            )
         import torch._dynamo  # loaded only by processes that compile (its import takes seconds)
 
         cpu_kernels.available()  # known before tracing: traced code then reads it as a constant
@@ -358,15 +387,18 @@ class CausalLMRunner:
         per layer): device work only, what a captured graph replays."""
         return self._layers(step)
 
-    def _left_aligned_rows(self, logits: torch.Tensor, num_logits: list[int],
-                           dst: torch.Tensor | None = None) -> torch.Tensor:  # [M, V] -> [B, n_out, V]
+    def _left_aligned_rows(
+        self, logits: torch.Tensor, num_logits: list[int], dst: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [M, V] -> [B, n_out, V]
         """Packed logits rows (request b's ``num_logits[b]`` rows one after another) in the left-aligned,
         zero-padded layout; ``dst``: each row's place in ``[B * n_out]`` when the device has it already."""
         bsz, n_out = len(num_logits), max(num_logits)
         if min(num_logits) == n_out:
             return logits.view(bsz, n_out, -1)
         if dst is None:
-            dst = torch.tensor([b * n_out + j for b, m in enumerate(num_logits) for j in range(m)], device=logits.device)
+            dst = torch.tensor(
+                [b * n_out + j for b, m in enumerate(num_logits) for j in range(m)], device=logits.device
+            )
         out = logits.new_zeros(bsz * n_out, logits.shape[-1])
         return out.index_copy_(0, dst.long(), logits).view(bsz, n_out, -1)
 
@@ -391,14 +423,21 @@ class CausalLMRunner:
         bsz, n_new = len(slots), [len(t) for t in tokens]
         offs = list(itertools.accumulate(n_new, initial=0))  # request b's rows: offs[b] .. offs[b + 1] - 1
         row_slots = [s for s, n in zip(slots, n_new) for _ in range(n)]
-        step = self.backend.plan(row_slots, [[t] for ts in tokens for t in ts],
-                                 [st + j for st, n in zip(starts, n_new) for j in range(n)], [0] * offs[-1], offs[-1], 1)
+        step = self.backend.plan(
+            row_slots,
+            [[t] for ts in tokens for t in ts],
+            [st + j for st, n in zip(starts, n_new) for j in range(n)],
+            [0] * offs[-1],
+            offs[-1],
+            1,
+        )
         h, hidden = self._layers(step)  # [N, 1, D], [N, 1, nD] or None
         t_max = max(n_new)
         pad = torch.tensor([b * t_max + j for b, n in enumerate(n_new) for j in range(n)], device=dev)  # [N]
         if hidden is not None:  # [B, T, nD] as the padded layout gives it (zeros past each request's tokens)
-            self.last_hidden = hidden.new_zeros(bsz * t_max, hidden.shape[-1]).index_copy_(
-                0, pad, hidden[:, 0]).view(bsz, t_max, -1)
+            self.last_hidden = (
+                hidden.new_zeros(bsz * t_max, hidden.shape[-1]).index_copy_(0, pad, hidden[:, 0]).view(bsz, t_max, -1)
+            )
         n_out = max(num_logits)
         if n_out == 0:  # a prefill: no logits, in the layout asked for
             return torch.zeros(0 if packed else bsz, *(() if packed else (0,)), self.vocab_size, device=dev)
@@ -442,8 +481,9 @@ class CausalLMRunner:
         # recorded per keys bucket): the key length is dynamic, the rest static (not made dynamic when
         # a second bucket shows up, which measured slower than a graph of its own).
         ids_d, write_d, qpos_d, slot_d, masks_d, out_d = args
-        for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (qpos_d, (0, 1)), (slot_d, (0,)),
-                        (out_d, (0, 1))] + [(m, (0, 2)) for m in masks_d]:
+        for t, dims in [(ids_d, (0, 1)), (write_d, (0, 1)), (qpos_d, (0, 1)), (slot_d, (0,)), (out_d, (0, 1))] + [
+            (m, (0, 2)) for m in masks_d
+        ]:
             for d in dims:
                 torch._dynamo.mark_static(t, d)  # noqa: SLF001 - torch's compiler API lives in torch._dynamo
         for m in masks_d:
@@ -494,9 +534,21 @@ class CausalLMRunner:
                     h = h.contiguous()
                     scratch = torch.empty(max(w.scratch(bsz * t_max) for w in kernels if w is not None))
                 cos, sin = self.backend.rope_at(step, i)  # [B, T, hd]
-                h = cpu_kernels.decoder_layer(h, kernels[i], cos, sin, self.cache.k[i], self.cache.v[i], step.slots,
-                                              step.write_pos, step.query_pos, self.windows[i], self.scaling,
-                                              self.attn_softcap, scratch)
+                h = cpu_kernels.decoder_layer(
+                    h,
+                    kernels[i],
+                    cos,
+                    sin,
+                    self.cache.k[i],
+                    self.cache.v[i],
+                    step.slots,
+                    step.write_pos,
+                    step.query_pos,
+                    self.windows[i],
+                    self.scaling,
+                    self.attn_softcap,
+                    scratch,
+                )
                 continue
             if x is None:
                 x = _rms_norm(layer.input_layernorm, h)
@@ -505,8 +557,9 @@ class CausalLMRunner:
             k = k.reshape(bsz, t_max, -1, hd)  # [B, T, Hkv, hd]
             if self.qk_norm:  # per-head RMS norm before RoPE (Qwen3, Gemma 3)
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            o = self.backend.forward(i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd),
-                                     v.reshape(bsz * t_max, -1, hd), step)  # [B * T, Hq, hd]
+            o = self.backend.forward(
+                i, q.reshape(bsz * t_max, -1, hd), k.reshape(bsz * t_max, -1, hd), v.reshape(bsz * t_max, -1, hd), step
+            )  # [B * T, Hq, hd]
             a = attn.o_proj(o.reshape(bsz, t_max, -1))  # [B, T, D]
             if self.add_norms and self.sandwich:  # Gemma: the attention output normed, added, the MLP input normed
                 h, x = self._add_norm(layer.pre_feedforward_layernorm, h, a, layer.post_attention_layernorm)
@@ -664,9 +717,12 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, cpu_attention: bool, blocks:
     if choice == "model" or (choice == "auto" and not (cpu_attention and blocks)):
         return model_dtype
     if not cpu_attention:
-        raise ConfigError("engine.kv_cache_dtype", "float16 is read by the CPU attention kernels only (a float32 "
-                                                   f"model on an x86 CPU with AVX2); this model runs {model_dtype} "
-                                                   "attention in torch: use auto or model")
+        raise ConfigError(
+            "engine.kv_cache_dtype",
+            "float16 is read by the CPU attention kernels only (a float32 "
+            f"model on an x86 CPU with AVX2); this model runs {model_dtype} "
+            "attention in torch: use auto or model",
+        )
     return torch.float16
 
 
@@ -680,8 +736,14 @@ def _lm_head(head: torch.nn.Module, hs: torch.Tensor) -> torch.Tensor:  # [B, n,
     if hs.device.type != "cpu" or type(head) not in (torch.nn.Linear, HalfStoredLinear):
         return head(hs)
     dense = type(head) is HalfStoredLinear or head.weight.dtype == torch.float32
-    if (m <= cpu_kernels.F32_MAX_ROWS and head.bias is None and dense and hs.dtype == torch.float32
-            and cpu_kernels.available() and not torch.compiler.is_compiling()):
+    if (
+        m <= cpu_kernels.F32_MAX_ROWS
+        and head.bias is None
+        and dense
+        and hs.dtype == torch.float32
+        and cpu_kernels.available()
+        and not torch.compiler.is_compiling()
+    ):
         return cpu_kernels.f32_mm(hs.reshape(m, dim), head.weight.detach()).reshape(bsz, n, -1)
     if m % 4 < 2:
         return head(hs)
@@ -739,7 +801,9 @@ _LLAMA_STYLE_NORMS = frozenset(
 )
 
 
-def _block_linear(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
+def _block_linear(
+    linear: torch.nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int, torch.Tensor | None] | None:
     """``(codes, scales, rows, kind, bias)`` of a linear that :func:`cpu_kernels.decoder_layer` runs (GGUF blocks,
     or a dense float32 weight on the CPU, held in float32 or a half-width dtype; a float32 bias or none), else
     None."""
@@ -771,7 +835,9 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
     if any(type(n).__name__ not in _LLAMA_STYLE_NORMS or n.weight.dtype != torch.float32 for n in norms + qk):
         return None
-    if norms[0].variance_epsilon != norms[1].variance_epsilon or (qk and qk[0].variance_epsilon != qk[1].variance_epsilon):
+    if norms[0].variance_epsilon != norms[1].variance_epsilon or (
+        qk and qk[0].variance_epsilon != qk[1].variance_epsilon
+    ):
         return None
     # q/k/v as one matmul (fused at load, or Phi-3's own qkv_proj: q rows, then k, then v) or three; gate/up as one
     # (fused at load, or Phi-3's own gate_up_proj: gate rows, then up), halves of equal size
@@ -789,11 +855,14 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
     if qkv is None and not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
         return None
     # q, k and v fused, or three matmuls where their kinds differ (a Q4_K_M file's Q6_K v_proj)
-    parts = [_block_linear(qkv)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj,
-                                                                                       attn.v_proj)]
+    parts = (
+        [_block_linear(qkv)] if qkv is not None else [_block_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    )
     # a tensor-parallel rank: o and down hold its input columns on blocks, their partial outputs summed over the
     # group between the layer's two calls (cpu_kernels.decoder_layer's reduce)
-    row_parallel = [getattr(m, "blocks", None) is not None and hasattr(m, "group") for m in (attn.o_proj, mlp.down_proj)]
+    row_parallel = [
+        getattr(m, "blocks", None) is not None and hasattr(m, "group") for m in (attn.o_proj, mlp.down_proj)
+    ]
     if any(row_parallel) and not all(row_parallel):
         return None
     o, down = (attn.o_proj.blocks, mlp.down_proj.blocks) if all(row_parallel) else (attn.o_proj, mlp.down_proj)
@@ -808,8 +877,9 @@ def _layer_kernel(layer: torch.nn.Module) -> cpu_kernels.LayerWeights | None:
 
         group = attn.o_proj.group
         reduce = (lambda t: sum_over_ranks(t, group), attn.o_proj.bias, mlp.down_proj.bias)
-    return cpu_kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms,
-                                    reduce)
+    return cpu_kernels.LayerWeights(
+        norms[0].weight, norms[1].weight, norms[0].variance_epsilon, linears, qk_norms, reduce
+    )
 
 
 _GEMMA_NORMS = frozenset(("Gemma2RMSNorm", "Gemma3RMSNorm"))  # (1 + w) * normalize(x), in float32 then rounded

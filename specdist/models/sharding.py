@@ -47,11 +47,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from specdist.models.kernels.cpu_kernels import GROUP
 from specdist.models.dtypes import TORCH_DTYPES, resolve_dtype
 from specdist.models.families import check_supported
-from specdist.models.loader import (ModelSource, declared_model_type, format_bytes, gguf_parsed_once, load_model,
-                                    progress_reporter, quiet_transformers)
+from specdist.models.kernels.cpu_kernels import GROUP
+from specdist.models.loader import (
+    ModelSource,
+    declared_model_type,
+    format_bytes,
+    gguf_parsed_once,
+    load_model,
+    progress_reporter,
+    quiet_transformers,
+)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # nn.Linear: the rank's output rows
 ROW = ("o_proj", "down_proj")  # nn.Linear: the rank's input columns, all-reduced output
@@ -146,8 +153,7 @@ class VocabParallelLMHead(nn.Module):
     (gathered from every rank); the others return their local ``[..., V_r]``. ``blocks``: the rank's rows as
     GGUF blocks, bias included (:func:`shard_native_blocks`; ``weight`` is then None), or None."""
 
-    def __init__(self, hidden: int, vocab_sizes: list[int], rank: int, bias: bool, group=None,
-                 device=None, dtype=None):
+    def __init__(self, hidden: int, vocab_sizes: list[int], rank: int, bias: bool, group=None, device=None, dtype=None):
         super().__init__()
         self.vocab_sizes, self.rank, self.group = list(vocab_sizes), rank, group
         self.in_features, self.out_features = hidden, vocab_sizes[rank]
@@ -205,8 +211,7 @@ def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
 
 
 def _meta_linear(old: nn.Linear, out_features: int) -> nn.Linear:
-    return nn.Linear(old.in_features, out_features, bias=old.bias is not None, device="meta",
-                     dtype=old.weight.dtype)
+    return nn.Linear(old.in_features, out_features, bias=old.bias is not None, device="meta", dtype=old.weight.dtype)
 
 
 def _head_counts(model: nn.Module, attn: nn.Module) -> tuple[int, int, int]:
@@ -249,8 +254,14 @@ def partition(model: nn.Module, rank: int, world_size: int, group=None) -> dict[
                     cut_linear(parent, child, cut, _meta_linear(mod, cut.local_size(rank, world_size)))
                 elif type(mod) is nn.Linear and child in ROW:
                     cut = Cut(1, (mod.in_features,))
-                    new = RowParallelLinear(cut.local_size(rank, world_size), mod.out_features, mod.bias is not None,
-                                            group, device="meta", dtype=mod.weight.dtype)
+                    new = RowParallelLinear(
+                        cut.local_size(rank, world_size),
+                        mod.out_features,
+                        mod.bias is not None,
+                        group,
+                        device="meta",
+                        dtype=mod.weight.dtype,
+                    )
                     cut_linear(parent, child, cut, new)
                 elif child == "experts" and isinstance(getattr(mod, "gate_up_proj", None), nn.Parameter):
                     _partition_experts(mod, names[id(mod)], rank, world_size, group, cuts)
@@ -260,8 +271,9 @@ def partition(model: nn.Module, rank: int, world_size: int, group=None) -> dict[
     vocab = int(head.weight.shape[0])
     sizes = [b - a for a, b in (chunk_range(vocab, world_size, r) for r in range(world_size))]
     head_name = names[id(head)]
-    new_head = VocabParallelLMHead(head.in_features, sizes, rank, head.bias is not None, group, device="meta",
-                                   dtype=head.weight.dtype)
+    new_head = VocabParallelLMHead(
+        head.in_features, sizes, rank, head.bias is not None, group, device="meta", dtype=head.weight.dtype
+    )
     new_head.tied_to = names[id(embed)] + ".weight" if head.weight is embed.weight else None
     model.set_output_embeddings(new_head)
     cuts[f"{head_name}.weight"] = Cut(0, (vocab,))
@@ -272,14 +284,18 @@ def partition(model: nn.Module, rank: int, world_size: int, group=None) -> dict[
 
 def _partition_experts(experts: nn.Module, name: str, rank: int, world_size: int, group, cuts: dict) -> None:
     """3D expert weights ``gate_up_proj [E, 2I, D]`` (gate rows, then up rows) and ``down_proj [E, D, I]``."""
-    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True) \
-            or getattr(experts, "has_bias", False):
+    if (
+        getattr(experts, "is_transposed", False)
+        or not getattr(experts, "is_concatenated", True)
+        or getattr(experts, "has_bias", False)
+    ):
         raise ValueError(f"{name}: only concatenated, untransposed, bias-free expert weights can be sharded")
     gate_up, down = experts.gate_up_proj, experts.down_proj
     inter = gate_up.shape[1] // 2
     if gate_up.dim() != 3 or down.dim() != 3 or down.shape[2] != inter or gate_up.shape[1] != 2 * inter:
-        raise ValueError(f"{name}: expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)} are not "
-                         "[E, 2I, D] / [E, D, I]")
+        raise ValueError(
+            f"{name}: expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)} are not [E, 2I, D] / [E, D, I]"
+        )
     gu_cut, down_cut = Cut(1, (inter, inter)), Cut(2, (inter,))
     local = chunk_range(inter, world_size, rank)
     n_local = local[1] - local[0]
@@ -294,9 +310,18 @@ def _partition_experts(experts: nn.Module, name: str, rank: int, world_size: int
 
 # ---------------------------------------------------------------- tensor sources
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_FILE = "model.safetensors"
@@ -318,9 +343,15 @@ def _read_header(path: str) -> dict[str, _Entry]:
         header = json.loads(f.read(n))
     base = 8 + n
     return {
-        name: _Entry(path, _SAFETENSORS_DTYPES.get(v["dtype"]), tuple(v["shape"]), base + v["data_offsets"][0],
-                     v["data_offsets"][1] - v["data_offsets"][0])
-        for name, v in header.items() if name != "__metadata__"
+        name: _Entry(
+            path,
+            _SAFETENSORS_DTYPES.get(v["dtype"]),
+            tuple(v["shape"]),
+            base + v["data_offsets"][0],
+            v["data_offsets"][1] - v["data_offsets"][0],
+        )
+        for name, v in header.items()
+        if name != "__metadata__"
     }
 
 
@@ -378,19 +409,20 @@ class SafetensorsFiles:
             return out
         shape, dim = e.shape, cut.dim
         if shape[dim] != sum(cut.parts):
-            raise ValueError(f"{name}: size {shape[dim]} along dim {dim} on disk, "
-                             f"the partition expects {sum(cut.parts)}")
+            raise ValueError(
+                f"{name}: size {shape[dim]} along dim {dim} on disk, the partition expects {sum(cut.parts)}"
+            )
         ranges = cut.ranges(rank, world_size)
         local = sum(b - a for a, b in ranges)
-        out = torch.empty(shape[:dim] + (local,) + shape[dim + 1:], dtype=e.dtype)
+        out = torch.empty(shape[:dim] + (local,) + shape[dim + 1 :], dtype=e.dtype)
         buf = _byte_view(out)
         outer, extent = math.prod(shape[:dim]), shape[dim]
-        row = math.prod(shape[dim + 1:]) * out.element_size()  # bytes of one index along dim
+        row = math.prod(shape[dim + 1 :]) * out.element_size()  # bytes of one index along dim
         pos = 0
         for o in range(outer):  # the tensor as [outer, extent, inner]: one read per (outer index, block)
             for a, b in ranges:
                 n = (b - a) * row
-                self._pread(fd, buf[pos:pos + n], e.offset + (o * extent + a) * row)
+                self._pread(fd, buf[pos : pos + n], e.offset + (o * extent + a) * row)
                 pos += n
         return out
 
@@ -422,8 +454,9 @@ class InMemoryTensors:
         return full.clone() if cut is None else cut.take(full, rank, world_size)
 
 
-def materialise(model: nn.Module, cuts: dict[str, Cut], source, rank: int, world_size: int,
-                device: torch.device | str) -> None:
+def materialise(
+    model: nn.Module, cuts: dict[str, Cut], source, rank: int, world_size: int, device: torch.device | str
+) -> None:
     """Give every meta parameter of a partitioned model the rank's part of its tensor from ``source``
     (read on the CPU, then moved to ``device`` in the parameter's dtype); move the buffers to ``device``.
     Persistent buffers found in ``source`` are read from it (replicated)."""
@@ -457,8 +490,9 @@ def materialise(model: nn.Module, cuts: dict[str, Cut], source, rank: int, world
 
 
 # ---------------------------------------------------------------- GGUF blocks, sharded
-def take_blocks(cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, rank: int,
-                world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def take_blocks(
+    cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The rank's part of a linear's int4 groups (:func:`specdist.models.native.decode_blocks`: ``codes [N, r K]``,
     ``scales`` and ``zeros [N, r K / 32]``) by the weight's cut: its rows, or its input columns in each of the
     ``r`` input copies. None where a column cut splits a block of 32 (the float weight then stays)."""
@@ -473,10 +507,12 @@ def take_blocks(cut: Cut, codes: torch.Tensor, scales: torch.Tensor, zeros: torc
     return codes[:, cols], scales[:, groups], zeros[:, groups]
 
 
-def take_super_scales(cut: Cut, factors: torch.Tensor, ints: torch.Tensor, rank: int,
-                      world_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def take_super_scales(
+    cut: Cut, factors: torch.Tensor, ints: torch.Tensor, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rank's part of a K-quant's super-block scales (:func:`specdist.models.native.super_scales`: ``factors
-    [N, K / 256, F]``, ``ints [N, K / 32, P]``) by the weight's cut, as :func:`take_blocks` takes its blocks. None where a
+    [N, K / 256, F]``, ``ints [N, K / 32, P]``) by the weight's cut, as :func:`take_blocks` takes its blocks. None where
+    a
     column cut splits a super-block of 256 (the float32 block scales then serve)."""
     if cut.dim == 0:
         return cut.take(factors, rank, world_size), cut.take(ints, rank, world_size)
@@ -489,8 +525,9 @@ def take_super_scales(cut: Cut, factors: torch.Tensor, ints: torch.Tensor, rank:
 
 
 @torch.no_grad()
-def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], rank: int, world_size: int,
-                        key: str = "target.weights") -> dict[str, int]:
+def shard_native_blocks(
+    model: nn.Module, gguf_path: str, cuts: dict[str, Cut], rank: int, world_size: int, key: str = "target.weights"
+) -> dict[str, int]:
     """Run a partitioned GGUF model's block-quantized linears on the rank's part of the file's own blocks (in
     place): column-parallel projections and the vocabulary-parallel head keep their rows' blocks, row-parallel
     ones their input columns' (whole blocks of 32; the partial sums are all-reduced as before). Each part is checked
@@ -509,8 +546,11 @@ def shard_native_blocks(model: nn.Module, gguf_path: str, cuts: dict[str, Cut], 
         if part is None or part[0].shape[0] % INT4_ROWS:
             continue
         if not reproduces(*part, t.repeat, target.weight.detach().cpu()):
-            raise ConfigError(key, f"{gguf_path}: {t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
-                                   f"weight for {t.owner}; load it with weights: float")
+            raise ConfigError(
+                key,
+                f"{gguf_path}: {t.name} ({t.kind}): rank {rank}'s blocks do not reproduce its slice of the "
+                f"weight for {t.owner}; load it with weights: float",
+            )
         bias = None if type(target) is RowParallelLinear else target.bias  # row-parallel: added after the sum
         sup = None if t.super is None else take_super_scales(cuts[f"{t.owner}.weight"], *t.super, rank, world_size)
         blocks = Int4GroupLinear(*(x.to(device) for x in part), bias, t.repeat, sup)
@@ -534,8 +574,14 @@ class LoadReport:
 
 
 def load_sharded(
-    source: ModelSource, dtype: str, device: torch.device | str, rank: int, world_size: int, group=None,
-    progress: Callable[[str], None] | None = None, weights: str = "float",
+    source: ModelSource,
+    dtype: str,
+    device: torch.device | str,
+    rank: int,
+    world_size: int,
+    group=None,
+    progress: Callable[[str], None] | None = None,
+    weights: str = "float",
 ) -> nn.Module:
     """Rank ``rank``'s shard of the model in ``dtype`` (``auto`` resolved for ``device``), in eval mode, on
     ``device``; ``world_size == 1``: :func:`load_model`. ``weights`` (``target.weights``): native or auto run a
@@ -552,8 +598,16 @@ def load_sharded(
         return _load_sharded(source, dtype, device, rank, world_size, group, progress, weights)
 
 
-def _load_sharded(source: ModelSource, dtype: str, device: torch.device | str, rank: int, world_size: int, group,
-                  progress: Callable[[str], None] | None, weights: str) -> nn.Module:
+def _load_sharded(
+    source: ModelSource,
+    dtype: str,
+    device: torch.device | str,
+    rank: int,
+    world_size: int,
+    group,
+    progress: Callable[[str], None] | None,
+    weights: str,
+) -> nn.Module:
     if world_size == 1:
         return load_model(source, dtype, device, progress, weights)
     # an architecture the runner cannot serve is refused before any weight is read, as by load_model
@@ -573,8 +627,10 @@ def _load_sharded(source: ModelSource, dtype: str, device: torch.device | str, r
         model = build_skeleton(config, TORCH_DTYPES[dtype])
         files = SafetensorsFiles.find(source.directory)
     if files is not None and not files.mismatches(model):
-        report(f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}): "
-               f"{who} reads its shards ...")
+        report(
+            f"loading {source.role} {source.short_name} ({format_bytes(size)} {fmt}, {dtype}): "
+            f"{who} reads its shards ..."
+        )
         cuts = partition(model, rank, world_size, group)
         try:
             materialise(model, cuts, files, rank, world_size, device)
@@ -584,9 +640,11 @@ def _load_sharded(source: ModelSource, dtype: str, device: torch.device | str, r
         if os.path.isfile(os.path.join(source.directory, "generation_config.json")):
             model.generation_config = GenerationConfig.from_pretrained(source.directory, local_files_only=True)
     else:
-        report(f"{source.role} {source.short_name}: the {fmt} weights do not map 1:1 onto the model's parameters; "
-               f"{who} loads the full checkpoint on the host, then keeps its slices "
-               "(this path holds the full checkpoint once)")
+        report(
+            f"{source.role} {source.short_name}: the {fmt} weights do not map 1:1 onto the model's parameters; "
+            f"{who} loads the full checkpoint on the host, then keeps its slices "
+            "(this path holds the full checkpoint once)"
+        )
         full = load_model(source, dtype, "cpu", progress)
         check_shardable(full.config, world_size)
         model = build_skeleton(full.config, TORCH_DTYPES[dtype])
@@ -600,10 +658,15 @@ def _load_sharded(source: ModelSource, dtype: str, device: torch.device | str, r
             if not native and weights == "native":
                 from specdist.errors import ConfigError
 
-                raise ConfigError("target.weights", f"{source.gguf_path}: no linear runs natively on rank {rank} of "
-                                                    f"{world_size}; load it with weights: auto or float")
-            report(f"{who}: native GGUF blocks: " + (", ".join(f"{n} {k}" for k, n in sorted(native.items()))
-                                                      or "none (every part keeps its floats)"))
+                raise ConfigError(
+                    "target.weights",
+                    f"{source.gguf_path}: no linear runs natively on rank {rank} of "
+                    f"{world_size}; load it with weights: auto or float",
+                )
+            report(
+                f"{who}: native GGUF blocks: "
+                + (", ".join(f"{n} {k}" for k, n in sorted(native.items())) or "none (every part keeps its floats)")
+            )
         read = total = size
         how = "full checkpoint, sliced in memory"
     model.eval()
@@ -629,4 +692,3 @@ def load_input_embedding(directory: str, dtype: torch.dtype, device) -> nn.Embed
     finally:
         files.close()
     return nn.Embedding.from_pretrained(weight.to(device=device, dtype=dtype), freeze=True)
-

@@ -51,8 +51,9 @@ class ReleasedUnknown:
         """FailedPrecondition naming the first of ``ids`` that was released before it started."""
         for i, rid in enumerate(ids):
             if rid in self._ids:
-                raise FailedPrecondition(f"{field}[{i}].request_id",
-                                         f"request {rid!r} was released before it started (a late call)")
+                raise FailedPrecondition(
+                    f"{field}[{i}].request_id", f"request {rid!r} was released before it started (a late call)"
+                )
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:

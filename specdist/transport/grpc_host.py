@@ -55,8 +55,10 @@ class CappedHealthServicer(health_aio.HealthServicer):
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:  # grpc's method name (CamelCase)
         if self.watches >= self.max_watches:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"at most {self.max_watches} health Watch streams may be open at once")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {self.max_watches} health Watch streams may be open at once",
+            )
         self.watches += 1
         try:
             await super().Watch(request, context)
@@ -67,8 +69,9 @@ class CappedHealthServicer(health_aio.HealthServicer):
 class GrpcHost:
     """A started grpc.aio server and its health service. Use it on the loop that started it."""
 
-    def __init__(self, server: grpc.aio.Server, health: CappedHealthServicer, port: int,
-                 service_names: tuple[str, ...]):
+    def __init__(
+        self, server: grpc.aio.Server, health: CappedHealthServicer, port: int, service_names: tuple[str, ...]
+    ):
         self.server = server
         self.health = health
         self.port = port
@@ -91,12 +94,23 @@ class GrpcHost:
         await self.server.wait_for_termination()
 
 
-async def start_grpc_host(services: Mapping[str, AddService], host: str, port: int, message_limit: int, *,
-                          token: str | Tokens | None = None, tls: ServerTLS | None = None, reflection: bool = False,
-                          serving: bool = False, admin_token: str | None = None) -> GrpcHost:
+async def start_grpc_host(
+    services: Mapping[str, AddService],
+    host: str,
+    port: int,
+    message_limit: int,
+    *,
+    token: str | Tokens | None = None,
+    tls: ServerTLS | None = None,
+    reflection: bool = False,
+    serving: bool = False,
+    admin_token: str | None = None,
+) -> GrpcHost:
     """Build the server (module docstring), bind ``host:port``, set every health status to
     ``serving`` and start it. Call it on the event loop that is to run the server."""
-    server = grpc.aio.server(options=grpc_message_options(message_limit), interceptors=auth_interceptors(token, admin_token))
+    server = grpc.aio.server(
+        options=grpc_message_options(message_limit), interceptors=auth_interceptors(token, admin_token)
+    )
     for add in services.values():
         add(server)
     health = CappedHealthServicer()
@@ -104,8 +118,7 @@ async def start_grpc_host(services: Mapping[str, AddService], host: str, port: i
     if reflection:
         from grpc_reflection.v1alpha import reflection as grpc_reflection
 
-        grpc_reflection.enable_server_reflection(
-            (*services, HEALTH_SERVICE, grpc_reflection.SERVICE_NAME), server)
+        grpc_reflection.enable_server_reflection((*services, HEALTH_SERVICE, grpc_reflection.SERVICE_NAME), server)
     if tls is not None:
         bound = server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
     else:
@@ -125,15 +138,29 @@ class GrpcHostThread:
     Arguments as for :func:`start_grpc_host`; ``serving`` defaults to True here (a host without a
     loop of its own starts once its servicer is ready)."""
 
-    def __init__(self, services: Mapping[str, AddService], host: str, port: int, message_limit: int, *,
-                 token: str | None = None, tls: ServerTLS | None = None, reflection: bool = False,
-                 serving: bool = True, start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        services: Mapping[str, AddService],
+        host: str,
+        port: int,
+        message_limit: int,
+        *,
+        token: str | None = None,
+        tls: ServerTLS | None = None,
+        reflection: bool = False,
+        serving: bool = True,
+        start_timeout_s: float = 30.0,
+    ):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
         self.thread.start()
         try:
-            self.host = self._run(start_grpc_host(services, host, port, message_limit, token=token, tls=tls,
-                                                  reflection=reflection, serving=serving), start_timeout_s)
+            self.host = self._run(
+                start_grpc_host(
+                    services, host, port, message_limit, token=token, tls=tls, reflection=reflection, serving=serving
+                ),
+                start_timeout_s,
+            )
         except BaseException:
             self._stop_loop()
             raise

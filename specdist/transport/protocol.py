@@ -44,7 +44,9 @@ class StartItem:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int  # the uniforms' seed on the core that receives it (drafters: specdist.randomness.draft_seed(request seed))
+    seed: (
+        int  # the uniforms' seed on the core that receives it (drafters: specdist.randomness.draft_seed(request seed))
+    )
     coupling: str = "rejection"  # how drafts are decided (specdist.config.COUPLINGS); both cores get the same
     # target layers whose input hidden states the verifier returns for this request (an EAGLE-3 drafter
     # reads them, specdist.cores.draft); () none. Must be the layers the target keeps (runner.hidden_layers)
@@ -91,7 +93,9 @@ class Proposal:
 
     request_id: str
     token_ids: list[int]  # [n]
-    q: torch.Tensor | None = None  # [n, V] float32, fp16-exact rows (specdist.transport.wire.fp16_exact), drafter's device
+    q: torch.Tensor | None = (
+        None  # [n, V] float32, fp16-exact rows (specdist.transport.wire.fp16_exact), drafter's device
+    )
     wire: list | None = None  # n DraftDistribution messages, forwarded to a remote verifier as they came
     pipeline: str | None = None  # pipelined drafter: HIT (prepared during the last verify) or MISS; None: not prepared
     # [n] per token, the length of the earlier text's context it continues (a suffix draft: the depth of the
@@ -106,9 +110,12 @@ class Proposal:
         if n >= len(self.token_ids):
             return self
         return replace(
-            self, token_ids=self.token_ids[:n], q=self.q[:n] if self.q is not None else None,
+            self,
+            token_ids=self.token_ids[:n],
+            q=self.q[:n] if self.q is not None else None,
             wire=self.wire[:n] if self.wire is not None else None,
-            match_lengths=self.match_lengths[:n] if self.match_lengths is not None else None)
+            match_lengths=self.match_lengths[:n] if self.match_lengths is not None else None,
+        )
 
 
 @dataclass
@@ -165,8 +172,13 @@ class TransportError(SpecDistError):
     status a remote call received); ``item`` is the index of the one item the core blamed, or None.
     """
 
-    def __init__(self, message: str, request_ids: Sequence[str], code: ErrorCode | str = ErrorCode.INTERNAL,
-                 item: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        request_ids: Sequence[str],
+        code: ErrorCode | str = ErrorCode.INTERNAL,
+        item: int | None = None,
+    ):
         super().__init__(message)
         self.request_ids = list(request_ids)
         self.code = ErrorCode(code)

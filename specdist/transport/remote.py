@@ -48,8 +48,6 @@ import grpc
 
 from specdist.errors import ErrorCode
 from specdist.transport.grpc_status import error_code
-from specdist.transport.security import bearer_metadata
-from specdist.transport.worker_tls import WorkerTLS
 from specdist.transport.protocol import (
     CallTiming,
     Prefilled,
@@ -60,7 +58,7 @@ from specdist.transport.protocol import (
     VerifyItem,
     error_for_items,
 )
-from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.transport.security import bearer_metadata
 from specdist.transport.wire import (
     NO_MESSAGE_LIMIT,
     grpc_message_options,
@@ -71,6 +69,8 @@ from specdist.transport.wire import (
     verified_from_proto,
     verify_items_to_proto,
 )
+from specdist.transport.worker_tls import WorkerTLS
+from specdist.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 TIMING_METADATA_KEY = "specdist-timing"
 CHANNEL_OPTIONS = [  # besides the message limits (grpc_message_options)
@@ -103,8 +103,10 @@ def _timing_of(call) -> CallTiming:
         if value is not None:
             phases = {k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)}
             hidden = phases.pop(_HIDDEN, 0.0)
-            runs = [(int(p), int(r), float(s)) for p, r, s in
-                    (run.split(":") for run in meta.get(RUNS_METADATA_KEY, "").split(";") if run)]
+            runs = [
+                (int(p), int(r), float(s))
+                for p, r, s in (run.split(":") for run in meta.get(RUNS_METADATA_KEY, "").split(";") if run)
+            ]
             return CallTiming(phases, hidden_s=hidden, runs=runs)
     except (ValueError, AttributeError):  # absent or malformed: the whole call counts as network
         pass
@@ -115,14 +117,22 @@ DEADLINE_FLOOR_S = 2.0  # a draft worker call may always take this long ...
 DEADLINE_FACTOR = 8.0  # ... or this many times its method's recent wall time (EMA), up to timeout_s
 DEADLINE_EMA = 0.2  # weight of the newest call in that EMA
 FIRST_CALL_S = 30.0  # a method not measured yet may take this long (not timeout_s) ...
-FIRST_CALL_S_PER_TOKEN = 0.05  # ... a Start this long per prompt token if longer (20 tokens/s: any draft prefills faster)
+FIRST_CALL_S_PER_TOKEN = (
+    0.05  # ... a Start this long per prompt token if longer (20 tokens/s: any draft prefills faster)
+)
 
 
 class _Remote:
     is_remote = True
 
-    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT, tls: WorkerTLS | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 120.0,
+        secret: str | None = None,
+        message_limit: int = NO_MESSAGE_LIMIT,
+        tls: WorkerTLS | None = None,
+    ):
         self.timeout_s = timeout_s
         self.message_limit = message_limit
         self._metadata = bearer_metadata(secret)
@@ -139,8 +149,11 @@ class _Remote:
         options = grpc_message_options(self.message_limit) + CHANNEL_OPTIONS
         with self._swap:
             old = self.channel
-            channel = (self.tls.channel(address, options) if self.tls is not None
-                       else grpc.insecure_channel(address, options=options))
+            channel = (
+                self.tls.channel(address, options)
+                if self.tls is not None
+                else grpc.insecure_channel(address, options=options)
+            )
             self.address, self.name = address, f"{self.name_prefix}{address}"
             self.channel, self.stub = channel, self.stub_class(channel)
         if old is not None:
@@ -183,8 +196,9 @@ class _Remote:
         t0 = time.perf_counter()
         stub, address = self.stub, self.address
         try:
-            resp, call = getattr(stub, method).with_call(request, timeout=self.deadline(method, tokens),
-                                                         metadata=self._metadata)
+            resp, call = getattr(stub, method).with_call(
+                request, timeout=self.deadline(method, tokens), metadata=self._metadata
+            )
             rate = (time.perf_counter() - t0) / (max(1, tokens) if self._adaptive.get(method) == "token" else 1)
             ema = self._latency.get(method)
             self._latency[method] = rate if ema is None else (1 - DEADLINE_EMA) * ema + DEADLINE_EMA * rate
@@ -194,8 +208,9 @@ class _Remote:
         except ValueError:  # grpc refuses a call on a closed channel: cut() or reconnect() closed it meanwhile
             if stub is self.stub:
                 raise
-            raise error_for_items(f"{address}: call cut (channel closed)", "", ErrorCode.CANCELLED,
-                                  request_ids) from None
+            raise error_for_items(
+                f"{address}: call cut (channel closed)", "", ErrorCode.CANCELLED, request_ids
+            ) from None
         return resp, _timing_of(call)
 
     def close(self) -> None:
@@ -208,19 +223,28 @@ class RemoteVerifier(_Remote):
     stub_class = target_pb2_grpc.TargetWorkerStub
     name_prefix = "target "
 
-    def __init__(self, address: str, vocab_size: int, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT, tls: WorkerTLS | None = None):
+    def __init__(
+        self,
+        address: str,
+        vocab_size: int,
+        timeout_s: float = 120.0,
+        secret: str | None = None,
+        message_limit: int = NO_MESSAGE_LIMIT,
+        tls: WorkerTLS | None = None,
+    ):
         self.vocab_size = int(vocab_size)
         super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
-        resp, timing = self._call("Prefill", start_items_to_proto(items, target_pb2.PrefillRequest),
-                                  [it.request_id for it in items])
+        resp, timing = self._call(
+            "Prefill", start_items_to_proto(items, target_pb2.PrefillRequest), [it.request_id for it in items]
+        )
         return prefilled_from_proto(resp, items), timing
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        resp, timing = self._call("Verify", verify_items_to_proto(items, self.vocab_size),
-                                  [it.request_id for it in items])
+        resp, timing = self._call(
+            "Verify", verify_items_to_proto(items, self.vocab_size), [it.request_id for it in items]
+        )
         return verified_from_proto(resp), timing
 
     def release(self, request_ids: list[str]) -> None:
@@ -232,16 +256,26 @@ class RemoteDrafter(_Remote):
     _adaptive = {"Propose": "call", "Release": "call", "Start": "token"}
     stub_class = draft_pb2_grpc.DraftWorkerStub
 
-    def __init__(self, address: str, timeout_s: float = 120.0, secret: str | None = None,
-                 message_limit: int = NO_MESSAGE_LIMIT, hidden_layers: tuple[int, ...] = (),
-                 tls: WorkerTLS | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 120.0,
+        secret: str | None = None,
+        message_limit: int = NO_MESSAGE_LIMIT,
+        hidden_layers: tuple[int, ...] = (),
+        tls: WorkerTLS | None = None,
+    ):
         """``hidden_layers``: the target layers the worker's EAGLE-3 head reads (its config's), () for other drafts."""
         self.hidden_layers = tuple(hidden_layers)
         super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def start(self, items: list[StartItem]) -> CallTiming:
-        _, timing = self._call("Start", start_items_to_proto(items, draft_pb2.StartRequest),
-                               [it.request_id for it in items], sum(len(it.prompt_ids) for it in items))
+        _, timing = self._call(
+            "Start",
+            start_items_to_proto(items, draft_pb2.StartRequest),
+            [it.request_id for it in items],
+            sum(len(it.prompt_ids) for it in items),
+        )
         return timing
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:

@@ -5,10 +5,10 @@ Server side (``specdist serve``):
   speaks TLS. ``--tls-client-ca``: clients must also present a certificate signed by this CA
   (mutual TLS).
 - ``--auth-token-file``: a file holding one token (surrounding whitespace stripped; at least 16
-  characters; lines starting with ``#`` are comments), read at start and again when it changes. Every call must carry ``authorization: Bearer <token>`` (gRPC metadata or HTTP
-  header; on the HTTP port: /v1/*, /metrics and /openapi.json), except the probes: the gRPC
-  health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED / HTTP
-  401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
+  characters; lines starting with ``#`` are comments), read at start and again when it changes. Every call must carry
+  ``authorization: Bearer <token>`` (gRPC metadata or HTTP header; on the HTTP port: /v1/*, /metrics and /openapi.json),
+  except the probes: the gRPC health service and ``GET /health``. A missing or wrong token is gRPC UNAUTHENTICATED /
+  HTTP 401; the token is never echoed, and it is compared in constant time (``hmac.compare_digest``).
   A file of several lines holds one token a line, one per **tenant** (:func:`tenant_of`): the
   requests of different tenants share no drafting state (the suffix index) and, where the config
   says so, no prompt K/V either, so one tenant cannot read another's text through them.
@@ -118,8 +118,9 @@ class Reloading(Generic[T]):
         try:
             value = self._load()
         except SecurityConfigError as e:
-            log.warning("%s changed, but the new files cannot be used; the credentials in use are kept: %s",
-                        self.what, e)
+            log.warning(
+                "%s changed, but the new files cannot be used; the credentials in use are kept: %s", self.what, e
+            )
             return
         self.value = value
         log.info("%s: reloaded (the files changed)", self.what)
@@ -153,8 +154,9 @@ def read_token(path: str, flag: str = "--auth-token-file") -> str | tuple[str, .
         if not token.isprintable() or any(c.isspace() for c in token):
             raise SecurityConfigError(f"{flag} {path}: a token must be one word of printable characters")
         if len(token) < MIN_TOKEN_CHARS:
-            raise SecurityConfigError(f"{flag} {path}: token {n} has {len(token)} characters; a token needs at "
-                                      f"least {MIN_TOKEN_CHARS}")
+            raise SecurityConfigError(
+                f"{flag} {path}: token {n} has {len(token)} characters; a token needs at least {MIN_TOKEN_CHARS}"
+            )
     if len(set(lines)) != len(lines):
         raise SecurityConfigError(f"{flag} {path}: a token appears twice")
     return lines[0] if len(lines) == 1 else tuple(lines)
@@ -245,15 +247,23 @@ class ServerTLS:
     def load(cls, cert_file: str, key_file: str, client_ca_file: str | None = None) -> "ServerTLS":
         """Read the files and check their contents (grpc would only fail to bind, after the model loaded);
         the result reads them again when they change."""
-        watch = Reloading((cert_file, key_file, client_ca_file), lambda: cls._read(cert_file, key_file, client_ca_file),
-                          "--tls-cert / --tls-key" + (" / --tls-client-ca" if client_ca_file else ""))
+        watch = Reloading(
+            (cert_file, key_file, client_ca_file),
+            lambda: cls._read(cert_file, key_file, client_ca_file),
+            "--tls-cert / --tls-key" + (" / --tls-client-ca" if client_ca_file else ""),
+        )
         return dataclasses.replace(watch.value, watch=watch)
 
     @classmethod
     def _read(cls, cert_file: str, key_file: str, client_ca_file: str | None) -> "ServerTLS":
-        tls = cls(cert_file, key_file, client_ca_file, read_file(cert_file, "--tls-cert"),
-                  read_file(key_file, "--tls-key"),
-                  None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"))
+        tls = cls(
+            cert_file,
+            key_file,
+            client_ca_file,
+            read_file(cert_file, "--tls-cert"),
+            read_file(key_file, "--tls-key"),
+            None if client_ca_file is None else read_file(client_ca_file, "--tls-client-ca"),
+        )
         return dataclasses.replace(tls, context=tls.ssl_context())
 
     def current(self) -> "ServerTLS":
@@ -264,8 +274,11 @@ class ServerTLS:
         """The gRPC port's credentials; with files watched, each new connection's handshake uses what they hold
         then (:func:`grpc.dynamic_ssl_server_credentials`; a client CA, when given at start, stays required)."""
         if self.watch is None:
-            return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
-                                               require_client_auth=self.client_ca is not None)
+            return grpc.ssl_server_credentials(
+                [(self.key, self.cert)],
+                root_certificates=self.client_ca,
+                require_client_auth=self.client_ca is not None,
+            )
         served = [self.current()]  # the configuration grpc has now
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:  # on grpc's thread, before each handshake
@@ -275,8 +288,9 @@ class ServerTLS:
             served[0] = now
             return now.certificate_configuration()
 
-        return grpc.dynamic_ssl_server_credentials(served[0].certificate_configuration(), fetch,
-                                                   require_client_authentication=self.client_ca is not None)
+        return grpc.dynamic_ssl_server_credentials(
+            served[0].certificate_configuration(), fetch, require_client_authentication=self.client_ca is not None
+        )
 
     def certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
         """These files' certificate (and client CA) for grpc's dynamic credentials."""
@@ -313,15 +327,20 @@ class ServerTLS:
             ctx.load_cert_chain(self.cert_file, self.key_file, password=b"")
         except (ssl.SSLError, OSError) as e:
             if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":
-                raise SecurityConfigError(f"--tls-key {self.key_file}: not the private key of --tls-cert "
-                                          f"{self.cert_file}") from None
-            raise SecurityConfigError(f"--tls-cert {self.cert_file} / --tls-key {self.key_file}: cannot load a PEM "
-                                      "certificate chain and its unencrypted private key") from None
+                raise SecurityConfigError(
+                    f"--tls-key {self.key_file}: not the private key of --tls-cert {self.cert_file}"
+                ) from None
+            raise SecurityConfigError(
+                f"--tls-cert {self.cert_file} / --tls-key {self.key_file}: cannot load a PEM "
+                "certificate chain and its unencrypted private key"
+            ) from None
         if self.client_ca_file is not None:
             try:
                 ctx.load_verify_locations(self.client_ca_file)
             except (ssl.SSLError, OSError):
-                raise SecurityConfigError(f"--tls-client-ca {self.client_ca_file}: no PEM CA certificate in it") from None
+                raise SecurityConfigError(
+                    f"--tls-client-ca {self.client_ca_file}: no PEM CA certificate in it"
+                ) from None
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
@@ -333,18 +352,28 @@ class Tokens:
     """The bearer tokens calls are checked against, as of now: ``(token, admin_token)`` from :meth:`now`. Fixed
     values, or (:meth:`from_files`) the token files' contents, read again when they change (:class:`Reloading`)."""
 
-    def __init__(self, token: TokenValue = None, admin_token: str | None = None,
-                 watch: Reloading[tuple[TokenValue, str | None]] | None = None):
+    def __init__(
+        self,
+        token: TokenValue = None,
+        admin_token: str | None = None,
+        watch: Reloading[tuple[TokenValue, str | None]] | None = None,
+    ):
         self._fixed = (token, admin_token)
         self._watch = watch
 
     @classmethod
     def from_files(cls, auth_token_file: str | None, admin_token_file: str | None) -> "Tokens":
         """The files' tokens (read now: SecurityConfigError naming the flag), read again when a file changes."""
-        what = " / ".join(flag for flag, path in (("--auth-token-file", auth_token_file),
-                                                  ("--admin-token-file", admin_token_file)) if path is not None)
-        return cls(watch=Reloading((auth_token_file, admin_token_file),
-                                   lambda: _read_tokens(auth_token_file, admin_token_file), what))
+        what = " / ".join(
+            flag
+            for flag, path in (("--auth-token-file", auth_token_file), ("--admin-token-file", admin_token_file))
+            if path is not None
+        )
+        return cls(
+            watch=Reloading(
+                (auth_token_file, admin_token_file), lambda: _read_tokens(auth_token_file, admin_token_file), what
+            )
+        )
 
     def now(self) -> tuple[TokenValue, str | None]:
         """(the tenants' token or tokens, the admin token), each None when not set."""
@@ -362,8 +391,9 @@ def _read_tokens(auth_token_file: str | None, admin_token_file: str | None) -> t
     if isinstance(admin, tuple):
         raise SecurityConfigError(f"--admin-token-file {admin_token_file}: one token, not one a line")
     if admin is not None and admin in ((token,) if isinstance(token, str) else token or ()):
-        raise SecurityConfigError(f"--admin-token-file {admin_token_file}: the admin token is a tenant's token "
-                                  "too (--auth-token-file)")
+        raise SecurityConfigError(
+            f"--admin-token-file {admin_token_file}: the admin token is a tenant's token too (--auth-token-file)"
+        )
     return token, admin
 
 
@@ -385,8 +415,14 @@ class ServerSecurity:
         return self.watched if self.watched is not None else Tokens(self.token, self.admin_token)
 
     @classmethod
-    def from_args(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-                  auth_token_file: str | None = None, admin_token_file: str | None = None) -> "ServerSecurity":
+    def from_args(
+        cls,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        auth_token_file: str | None = None,
+        admin_token_file: str | None = None,
+    ) -> "ServerSecurity":
         """Check the flag combination and read every file (before any model loads); they are read again when
         they change (module docstring)."""
         _check_pair(tls_cert, tls_key)
@@ -403,8 +439,9 @@ class ServerSecurity:
         return "https" if self.tls is not None else "http"
 
 
-def auth_interceptors(token: TokenValue | Tokens,
-                      admin_token: str | None = None) -> list[grpc.aio.ServerInterceptor] | None:
+def auth_interceptors(
+    token: TokenValue | Tokens, admin_token: str | None = None
+) -> list[grpc.aio.ServerInterceptor] | None:
     """``grpc.aio.server(interceptors=...)``: the token check when a token (or an admin token) is set, else none.
     ``token`` may be a server's :class:`Tokens` (then it holds the admin token too), checked as they are at each
     call."""
@@ -437,14 +474,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             if details.method in ADMIN_METHODS:
                 return await continuation(details)
             handler = await continuation(details)
-            return _refusal(handler, "the admin token reads server info and metrics only",
-                            grpc.StatusCode.PERMISSION_DENIED)
+            return _refusal(
+                handler, "the admin token reads server info and metrics only", grpc.StatusCode.PERMISSION_DENIED
+            )
         handler = await continuation(details)  # only for its kind (streaming or not); it is not run
         return _refusal(handler, unauthenticated_message(header))
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, message: str,
-             code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
+def _refusal(
+    handler: grpc.RpcMethodHandler | None, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
+) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that ends the call with ``code``, reading nothing."""
 
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
@@ -460,8 +499,13 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str,
     return make(refuse)
 
 
-def client_channel(target: str, root_certificates: bytes | None = None, certificate_chain: bytes | None = None,
-                   private_key: bytes | None = None, tls: bool = False) -> grpc.Channel:
+def client_channel(
+    target: str,
+    root_certificates: bytes | None = None,
+    certificate_chain: bytes | None = None,
+    private_key: bytes | None = None,
+    tls: bool = False,
+) -> grpc.Channel:
     """A blocking channel: TLS when ``tls`` or any PEM is given (no root CA: the system's roots), else plaintext."""
     if (certificate_chain is None) != (private_key is None):
         raise SecurityConfigError("certificate_chain and private_key: a client certificate needs its key")
@@ -471,8 +515,12 @@ def client_channel(target: str, root_certificates: bytes | None = None, certific
     return grpc.secure_channel(target, creds)
 
 
-def client_kwargs_from_files(tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                             auth_token_file: str | None = None) -> dict:
+def client_kwargs_from_files(
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    auth_token_file: str | None = None,
+) -> dict:
     """SpecDistClient keywords read from the ``generate --server`` flags' files."""
     _check_pair(tls_cert, tls_key)
     kw: dict = {}
@@ -534,8 +582,9 @@ def start_metrics_server(port: int, addr: str, registry, security: ServerSecurit
 
     httpd = make_server(addr.strip("[]"), port, app, Server, handler_class=QuietHandler)
     if security.tls is not None:  # accept() only accepts; finish_request does the handshake
-        httpd.socket = security.tls.server_context().wrap_socket(httpd.socket, server_side=True,
-                                                                do_handshake_on_connect=False)
+        httpd.socket = security.tls.server_context().wrap_socket(
+            httpd.socket, server_side=True, do_handshake_on_connect=False
+        )
     threading.Thread(target=httpd.serve_forever, name=f"specdist-metrics-{httpd.server_port}", daemon=True).start()
     return httpd
 
@@ -552,8 +601,9 @@ def _wsgi_bearer(app, tokens: Tokens):
         if token is not None and bearer_ok(header, token):
             start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
             return [METRICS_FORBIDDEN.encode() + b"\n"]
-        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                            ("WWW-Authenticate", "Bearer")])
+        start_response(
+            "401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", "Bearer")]
+        )
         return [unauthenticated_message(header).encode() + b"\n"]
 
     return guarded

@@ -132,8 +132,9 @@ MESSAGE_SAFETY_FACTOR = 2  # headroom over the computed largest message
 _REQUEST_ID_BYTES = 1024  # a request id: at most 256 characters (the coordinator's bound), 4 UTF-8 bytes each
 
 
-def message_limit_bytes(vocab_size: int, max_batch_size: int, max_draft_tokens: int,
-                        hidden_width: int = 0, max_model_len: int = 0) -> int:
+def message_limit_bytes(
+    vocab_size: int, max_batch_size: int, max_draft_tokens: int, hidden_width: int = 0, max_model_len: int = 0
+) -> int:
     """The gRPC message limit of workers (and their callers) serving these settings.
 
     The largest Verify request or Propose response they can exchange: ``max_batch_size``
@@ -153,14 +154,25 @@ def _largest_item_bytes(vocab_size: int, k: int) -> int:
     """Serialized bytes one item adds to a VerifyRequest, VerifyResponse or ProposeResponse, at its largest
     (a result carries k + 1 tokens' log-probabilities with MAX_LOGPROBS top entries each)."""
     rid, ids, rows = "x" * _REQUEST_ID_BYTES, [vocab_size - 1] * k, [_largest_row(vocab_size)] * k
-    verify = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-        request_id=rid, draft_token_ids=ids, draft_probs=rows, seq_len=2**32 - 1)])
-    propose = draft_pb2.ProposeResponse(proposals=[draft_pb2.Proposal(
-        request_id=rid, token_ids=ids, probs=rows, pipeline=draft_pb2.PIPELINE_OUTCOME_MISS)])
+    verify = target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(request_id=rid, draft_token_ids=ids, draft_probs=rows, seq_len=2**32 - 1)]
+    )
+    propose = draft_pb2.ProposeResponse(
+        proposals=[
+            draft_pb2.Proposal(request_id=rid, token_ids=ids, probs=rows, pipeline=draft_pb2.PIPELINE_OUTCOME_MISS)
+        ]
+    )
     top = tuple((vocab_size - 1, -1.0) for _ in range(min(MAX_LOGPROBS, vocab_size)))
-    result = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
-        request_id=rid, num_accepted=k, next_token_id=vocab_size - 1,
-        logprobs=logprobs.to_proto([logprobs.TokenLogprob(-1.0, top)] * (k + 1)))])
+    result = target_pb2.VerifyResponse(
+        results=[
+            target_pb2.VerifyResult(
+                request_id=rid,
+                num_accepted=k,
+                next_token_id=vocab_size - 1,
+                logprobs=logprobs.to_proto([logprobs.TokenLogprob(-1.0, top)] * (k + 1)),
+            )
+        ]
+    )
     return max(verify.ByteSize(), propose.ByteSize(), result.ByteSize())
 
 
@@ -169,8 +181,9 @@ def _largest_row(vocab_size: int) -> common_pb2.DraftDistribution:
     (SPARSE_MAX_FRACTION of the vocabulary, with the longest ids: larger for huge vocabularies)."""
     support = int(SPARSE_MAX_FRACTION * vocab_size)
     dense = common_pb2.DraftDistribution(format=DENSE, values=bytes(2 * vocab_size))
-    sparse = common_pb2.DraftDistribution(format=SPARSE, values=bytes(2 * support),
-                                          token_ids=[vocab_size - 1] * support)
+    sparse = common_pb2.DraftDistribution(
+        format=SPARSE, values=bytes(2 * support), token_ids=[vocab_size - 1] * support
+    )
     return max(dense, sparse, key=lambda row: row.ByteSize())
 
 
@@ -180,7 +193,6 @@ def grpc_message_options(limit: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-
 # ---------------------------------------------------------------- transport dataclasses <-> messages
 # ``*_to_proto`` run on the caller's side (trusted dataclasses); ``*_from_proto`` run in the
 # servicers and validate what only the wire can get wrong, naming the field (items[i].params...).
@@ -188,23 +200,43 @@ def grpc_message_options(limit: int) -> list[tuple[str, int]]:
 
 def start_items_to_proto(items: list[StartItem], message):
     """[StartItem] -> PrefillRequest or StartRequest (both carry common.proto's StartItem)."""
-    return message(items=[common_pb2.StartItem(request_id=it.request_id, prompt_token_ids=it.prompt_ids,
-                                               params=sampling_params_to_proto(it.params), seed=it.seed,
-                                               coupling=_COUPLING_TO_PROTO[it.coupling],
-                                               hidden_layers=it.hidden_layers, tenant=it.tenant)
-                          for it in items])
+    return message(
+        items=[
+            common_pb2.StartItem(
+                request_id=it.request_id,
+                prompt_token_ids=it.prompt_ids,
+                params=sampling_params_to_proto(it.params),
+                seed=it.seed,
+                coupling=_COUPLING_TO_PROTO[it.coupling],
+                hidden_layers=it.hidden_layers,
+                tenant=it.tenant,
+            )
+            for it in items
+        ]
+    )
 
 
 def start_items_from_proto(msg) -> list[StartItem]:
-    return [StartItem(it.request_id, list(it.prompt_token_ids),
-                      sampling_params_from_proto(it.params, f"items[{i}].params"), int(it.seed),
-                      _coupling_from_proto(it.coupling, f"items[{i}].coupling"), tuple(it.hidden_layers), it.tenant)
-            for i, it in enumerate(msg.items)]
+    return [
+        StartItem(
+            it.request_id,
+            list(it.prompt_token_ids),
+            sampling_params_from_proto(it.params, f"items[{i}].params"),
+            int(it.seed),
+            _coupling_from_proto(it.coupling, f"items[{i}].coupling"),
+            tuple(it.hidden_layers),
+            it.tenant,
+        )
+        for i, it in enumerate(msg.items)
+    ]
 
 
 # HiddenStates dtypes: torch dtype <-> wire enum (bfloat16 travels as its 2-byte pattern)
-_HIDDEN_TO_PROTO = {torch.float32: common_pb2.HIDDEN_DTYPE_FLOAT32, torch.bfloat16: common_pb2.HIDDEN_DTYPE_BFLOAT16,
-                    torch.float16: common_pb2.HIDDEN_DTYPE_FLOAT16}
+_HIDDEN_TO_PROTO = {
+    torch.float32: common_pb2.HIDDEN_DTYPE_FLOAT32,
+    torch.bfloat16: common_pb2.HIDDEN_DTYPE_BFLOAT16,
+    torch.float16: common_pb2.HIDDEN_DTYPE_FLOAT16,
+}
 _HIDDEN_FROM_PROTO = {v: k for k, v in _HIDDEN_TO_PROTO.items()}
 
 
@@ -214,8 +246,12 @@ def hidden_to_proto(h: torch.Tensor | None) -> common_pb2.HiddenStates | None:
         return None
     h = h.detach().to("cpu").contiguous()
     arr = (h.view(torch.int16) if h.dtype == torch.bfloat16 else h).numpy()  # numpy has no bfloat16
-    return common_pb2.HiddenStates(rows=h.shape[0], width=h.shape[1], dtype=_HIDDEN_TO_PROTO[h.dtype],
-                                   data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+    return common_pb2.HiddenStates(
+        rows=h.shape[0],
+        width=h.shape[1],
+        dtype=_HIDDEN_TO_PROTO[h.dtype],
+        data=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(),
+    )
 
 
 def hidden_from_proto(msg: common_pb2.HiddenStates, field: str) -> torch.Tensor:
@@ -226,8 +262,11 @@ def hidden_from_proto(msg: common_pb2.HiddenStates, field: str) -> torch.Tensor:
         raise InvalidArgument(f"{field}.dtype", f"unknown hidden-state dtype {msg.dtype}")
     size = torch.empty(0, dtype=dtype).element_size()
     if len(msg.data) != msg.rows * msg.width * size:
-        raise InvalidArgument(f"{field}.data", f"has {len(msg.data)} bytes; {msg.rows} x {msg.width} values of "
-                                               f"{size} bytes need {msg.rows * msg.width * size}")
+        raise InvalidArgument(
+            f"{field}.data",
+            f"has {len(msg.data)} bytes; {msg.rows} x {msg.width} values of "
+            f"{size} bytes need {msg.rows * msg.width * size}",
+        )
     if not msg.data:
         return torch.zeros(msg.rows, msg.width, dtype=dtype)
     raw = torch.frombuffer(bytearray(msg.data), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
@@ -238,15 +277,20 @@ def prefilled_to_proto(results: list[Prefilled]) -> target_pb2.PrefillResponse:
     asked = any(r.hidden is not None for r in results)
     return target_pb2.PrefillResponse(
         request_ids=[r.request_id for r in results],
-        hidden=[hidden_to_proto(r.hidden) or common_pb2.HiddenStates() for r in results] if asked else [])
+        hidden=[hidden_to_proto(r.hidden) or common_pb2.HiddenStates() for r in results] if asked else [],
+    )
 
 
 def prefilled_from_proto(msg: target_pb2.PrefillResponse, items: list[StartItem]) -> list[Prefilled]:
     """One Prefilled per item: its hidden states where the item asked for them."""
     if msg.hidden and len(msg.hidden) != len(items):
         raise InvalidArgument("hidden", f"has {len(msg.hidden)} entries for {len(items)} items")
-    return [Prefilled(it.request_id, hidden_from_proto(msg.hidden[i], f"hidden[{i}]")
-                      if msg.hidden and it.hidden_layers else None) for i, it in enumerate(items)]
+    return [
+        Prefilled(
+            it.request_id, hidden_from_proto(msg.hidden[i], f"hidden[{i}]") if msg.hidden and it.hidden_layers else None
+        )
+        for i, it in enumerate(items)
+    ]
 
 
 _COUPLING_TO_PROTO = {"rejection": common_pb2.COUPLING_REJECTION, "gumbel": common_pb2.COUPLING_GUMBEL}
@@ -261,10 +305,20 @@ def _coupling_from_proto(value: int, field: str) -> str:
 
 
 def propose_items_to_proto(items: list[ProposeItem]) -> draft_pb2.ProposeRequest:
-    return draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-        request_id=it.request_id, num_accepted=it.num_accepted, new_token_ids=it.new_token_ids,
-        num_tokens=it.num_tokens, seq_len=it.seq_len, preferred_format=it.preferred_format,
-        hidden=hidden_to_proto(it.hidden)) for it in items])
+    return draft_pb2.ProposeRequest(
+        items=[
+            draft_pb2.ProposeItem(
+                request_id=it.request_id,
+                num_accepted=it.num_accepted,
+                new_token_ids=it.new_token_ids,
+                num_tokens=it.num_tokens,
+                seq_len=it.seq_len,
+                preferred_format=it.preferred_format,
+                hidden=hidden_to_proto(it.hidden),
+            )
+            for it in items
+        ]
+    )
 
 
 def propose_items_from_proto(msg: draft_pb2.ProposeRequest) -> list[ProposeItem]:
@@ -273,8 +327,17 @@ def propose_items_from_proto(msg: draft_pb2.ProposeRequest) -> list[ProposeItem]
         if it.preferred_format not in (0, DENSE, SPARSE, ONE_HOT):
             raise InvalidArgument(f"items[{i}].preferred_format", f"unknown format {it.preferred_format}")
         hidden = hidden_from_proto(it.hidden, f"items[{i}].hidden") if it.HasField("hidden") else None
-        out.append(ProposeItem(it.request_id, int(it.num_accepted), list(it.new_token_ids), int(it.num_tokens),
-                               int(it.seq_len), int(it.preferred_format), hidden))
+        out.append(
+            ProposeItem(
+                it.request_id,
+                int(it.num_accepted),
+                list(it.new_token_ids),
+                int(it.num_tokens),
+                int(it.seq_len),
+                int(it.preferred_format),
+                hidden,
+            )
+        )
     return out
 
 
@@ -290,20 +353,33 @@ def proposal_to_proto(p: Proposal, vocab_size: int, preferred: int = 0) -> draft
     else:
         q = p.q.cpu()  # [n, V]: the rows travel, so this is where they come to the host (one copy)
         dists = [encode_distribution(row, _choose_format(row, preferred, vocab_size)) for row in q]
-    return draft_pb2.Proposal(request_id=p.request_id, token_ids=p.token_ids, probs=dists,
-                              pipeline=_PIPELINE_TO_PROTO[p.pipeline], match_lengths=p.match_lengths or ())
+    return draft_pb2.Proposal(
+        request_id=p.request_id,
+        token_ids=p.token_ids,
+        probs=dists,
+        pipeline=_PIPELINE_TO_PROTO[p.pipeline],
+        match_lengths=p.match_lengths or (),
+    )
 
 
 def proposal_from_proto(msg: draft_pb2.Proposal) -> Proposal:
     """Keeps the distributions encoded (``wire``): a verifier decodes them, a remote one forwards them."""
     # the lengths only price positions (never exactness): a list that does not fit the tokens is dropped
     lengths = list(msg.match_lengths) if len(msg.match_lengths) == len(msg.token_ids) else []
-    return Proposal(msg.request_id, list(msg.token_ids), wire=list(msg.probs),
-                    pipeline=_PIPELINE_FROM_PROTO.get(msg.pipeline), match_lengths=lengths or None)
+    return Proposal(
+        msg.request_id,
+        list(msg.token_ids),
+        wire=list(msg.probs),
+        pipeline=_PIPELINE_FROM_PROTO.get(msg.pipeline),
+        match_lengths=lengths or None,
+    )
 
 
-_PIPELINE_TO_PROTO = {None: draft_pb2.PIPELINE_OUTCOME_UNSPECIFIED, HIT: draft_pb2.PIPELINE_OUTCOME_HIT,
-                      MISS: draft_pb2.PIPELINE_OUTCOME_MISS}
+_PIPELINE_TO_PROTO = {
+    None: draft_pb2.PIPELINE_OUTCOME_UNSPECIFIED,
+    HIT: draft_pb2.PIPELINE_OUTCOME_HIT,
+    MISS: draft_pb2.PIPELINE_OUTCOME_MISS,
+}
 _PIPELINE_FROM_PROTO = {v: k for k, v in _PIPELINE_TO_PROTO.items()}
 
 
@@ -325,25 +401,45 @@ def verify_items_to_proto(items: list[VerifyItem], vocab_size: int) -> target_pb
             out.items.add(request_id=it.request_id, seq_len=it.seq_len)
         else:
             msg = proposal_to_proto(p, vocab_size)
-            out.items.add(request_id=it.request_id, seq_len=it.seq_len, draft_token_ids=msg.token_ids,
-                          draft_probs=msg.probs)
+            out.items.add(
+                request_id=it.request_id, seq_len=it.seq_len, draft_token_ids=msg.token_ids, draft_probs=msg.probs
+            )
     return out
 
 
 def verify_items_from_proto(msg: target_pb2.VerifyRequest) -> list[VerifyItem]:
-    return [VerifyItem(it.request_id, int(it.seq_len),
-                       Proposal(it.request_id, list(it.draft_token_ids), wire=list(it.draft_probs)))
-            for it in msg.items]
+    return [
+        VerifyItem(
+            it.request_id, int(it.seq_len), Proposal(it.request_id, list(it.draft_token_ids), wire=list(it.draft_probs))
+        )
+        for it in msg.items
+    ]
 
 
 def verified_to_proto(results: list[Verified]) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
-        request_id=r.request_id, num_accepted=r.num_accepted, next_token_id=r.next_token,
-        logprobs=logprobs.to_proto(r.logprobs or ()), hidden=hidden_to_proto(r.hidden)) for r in results])
+    return target_pb2.VerifyResponse(
+        results=[
+            target_pb2.VerifyResult(
+                request_id=r.request_id,
+                num_accepted=r.num_accepted,
+                next_token_id=r.next_token,
+                logprobs=logprobs.to_proto(r.logprobs or ()),
+                hidden=hidden_to_proto(r.hidden),
+            )
+            for r in results
+        ]
+    )
 
 
 def verified_from_proto(msg: target_pb2.VerifyResponse) -> list[Verified]:
     """A result without log-probabilities is a request that did not ask (every step emits a token)."""
-    return [Verified(r.request_id, int(r.num_accepted), int(r.next_token_id), logprobs.from_proto(r.logprobs) or None,
-                     hidden_from_proto(r.hidden, f"results[{i}].hidden") if r.HasField("hidden") else None)
-            for i, r in enumerate(msg.results)]
+    return [
+        Verified(
+            r.request_id,
+            int(r.num_accepted),
+            int(r.next_token_id),
+            logprobs.from_proto(r.logprobs) or None,
+            hidden_from_proto(r.hidden, f"results[{i}].hidden") if r.HasField("hidden") else None,
+        )
+        for i, r in enumerate(msg.results)
+    ]

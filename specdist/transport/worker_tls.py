@@ -50,21 +50,38 @@ class WorkerTLS:
         start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
 
         def certificate(subject: str, key, issuer: str, signer, ca: bool) -> x509.Certificate:
-            b = (x509.CertificateBuilder()
-                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                 .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                 .not_valid_before(start).not_valid_after(end)
-                 .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+            b = (
+                x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                .public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(start)
+                .not_valid_after(end)
+                .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+            )
             if ca:
-                b = b.add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
-                                                  key_encipherment=False, data_encipherment=False,
-                                                  key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                                  encipher_only=False, decipher_only=False), critical=True)
+                b = b.add_extension(
+                    x509.KeyUsage(
+                        digital_signature=False,
+                        content_commitment=False,
+                        key_encipherment=False,
+                        data_encipherment=False,
+                        key_agreement=False,
+                        key_cert_sign=True,
+                        crl_sign=True,
+                        encipher_only=False,
+                        decipher_only=False,
+                    ),
+                    critical=True,
+                )
             else:
-                b = (b.add_extension(x509.SubjectAlternativeName([x509.DNSName(WORKER_NAME)]), critical=False)
-                     .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                           ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+                b = b.add_extension(
+                    x509.SubjectAlternativeName([x509.DNSName(WORKER_NAME)]), critical=False
+                ).add_extension(
+                    x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                    critical=False,
+                )
             return b.sign(signer, hashes.SHA256())
 
         ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
@@ -78,8 +95,7 @@ class WorkerTLS:
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """A worker port's credentials: TLS with the deployment's certificate, a client certificate signed by the
         deployment's CA required."""
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """The coordinator's side: the deployment's CA trusted (only it), its certificate presented."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from support.helpers import tiny_config
+
 from specdist.bench import tasks as tasks_bench
 from specdist.bench import tasks_data
 from specdist.bench.tasks_data import CHAT, CODE_EDIT, MULTI_TURN, QA, SUMMARIZE, TASKS
@@ -21,12 +21,42 @@ from specdist.cli import main
 
 TASK_NAMES = ["chat", "code-edit", "summarize", "qa", "multi-turn"]
 TASK_COUNTS = {"chat": 64, "code-edit": 32, "summarize": 7, "qa": 7, "multi-turn": 7}
-SOURCE_KEYS = {"code-edit": {"instruction", "code"}, "summarize": {"instruction", "text"},
-               "qa": {"passage", "question", "answer"}}
-ROW_KEYS = {"concurrency", "task", "variant", "requests", "tokens", "seconds", "tokens_per_s", "steps", "emitted",
-            "drafted", "accepted", "acceptance", "tokens_per_step", "speedup", "same_tokens_as_none", "phase_s"}
-REQUEST_KEYS = {"prompt", "pass", "batch", "seed", "prompt_tokens", "tokens", "finish_reason", "steps", "emitted",
-                "drafted", "accepted"}
+SOURCE_KEYS = {
+    "code-edit": {"instruction", "code"},
+    "summarize": {"instruction", "text"},
+    "qa": {"passage", "question", "answer"},
+}
+ROW_KEYS = {
+    "concurrency",
+    "task",
+    "variant",
+    "requests",
+    "tokens",
+    "seconds",
+    "tokens_per_s",
+    "steps",
+    "emitted",
+    "drafted",
+    "accepted",
+    "acceptance",
+    "tokens_per_step",
+    "speedup",
+    "same_tokens_as_none",
+    "phase_s",
+}
+REQUEST_KEYS = {
+    "prompt",
+    "pass",
+    "batch",
+    "seed",
+    "prompt_tokens",
+    "tokens",
+    "finish_reason",
+    "steps",
+    "emitted",
+    "drafted",
+    "accepted",
+}
 
 
 def _words(conversation: list[dict]) -> int:
@@ -64,9 +94,19 @@ def _is_prompt(prompt) -> bool:
     """A non-empty string, or a non-empty list of {role, content} messages with non-empty strings."""
     if isinstance(prompt, str):
         return bool(prompt.strip())
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
-        and isinstance(m["content"], str) and m["role"] and m["content"].strip() for m in prompt)
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(
+            isinstance(m, dict)
+            and set(m) == {"role", "content"}
+            and isinstance(m["role"], str)
+            and isinstance(m["content"], str)
+            and m["role"]
+            and m["content"].strip()
+            for m in prompt
+        )
+    )
 
 
 def test_task_data_file_loads():
@@ -100,8 +140,11 @@ def test_task_data_file_loads():
 
 
 def test_plain_text_and_batches():
-    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "bye"}]
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+    ]
     assert tasks_bench.plain_text(conv) == "User: hi\n\nAssistant: hello\n\nUser: bye\n\nAssistant:"
     assert tasks_bench.batches(3, 1) == [[0], [1], [2]]
     assert tasks_bench.batches(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]  # prompts repeat to fill a batch
@@ -189,13 +232,38 @@ def test_quick_run_reports_every_task_and_variant(chat_config, tmp_path, capsys)
     path = chat_config
     out_json = tmp_path / "r.json"
     drafts = ["none", "ngram", "model", "self-w8"]
-    assert main(["bench", "tasks", "--config", str(path), "--drafts", ",".join(drafts), "--quick",
-                 "--concurrency", "1", "--concurrency", "3", "--ignore-eos", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tasks",
+                "--config",
+                str(path),
+                "--drafts",
+                ",".join(drafts),
+                "--quick",
+                "--concurrency",
+                "1",
+                "--concurrency",
+                "3",
+                "--ignore-eos",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     assert doc["schema"] == "specdist.bench.tasks/1"
     s = doc["settings"]
     assert (s["tasks"], s["drafts"], s["concurrency"], s["max_tokens"], s["prompts_per_task"], s["quick"]) == (
-        TASK_NAMES, drafts, [1, 3], 16, 1, True)
+        TASK_NAMES,
+        drafts,
+        [1, 3],
+        16,
+        1,
+        True,
+    )
     assert s["chat_template"] is True and s["temperature"] == 0 and s["ignore_eos"] is True
     assert s["max_batch_size"] == 8  # the config's, already >= 3
     assert [v["name"] for v in doc["variants"]] == drafts
@@ -206,7 +274,8 @@ def test_quick_run_reports_every_task_and_variant(chat_config, tmp_path, capsys)
     assert s["max_model_len"] == max(t["prompt_tokens"][0] for t in doc["tasks"].values()) + 16 + 8
     rows = doc["results"]
     assert [(r["concurrency"], r["task"], r["variant"]) for r in rows] == [
-        (c, t, v) for c in (1, 3) for t in TASK_NAMES + ["all"] for v in drafts]
+        (c, t, v) for c in (1, 3) for t in TASK_NAMES + ["all"] for v in drafts
+    ]
     by = {(r["concurrency"], r["task"], r["variant"]): r for r in rows}
     for r in rows:
         c, task = r["concurrency"], r["task"]
@@ -247,8 +316,29 @@ def test_sustained_load_runs_rounds_of_client_requests(chat_config, tmp_path, ca
     """--rounds 3 at C = 2: six requests per task, seeds 1000-1005, every variant the same tokens."""
     path = chat_config
     out_json = tmp_path / "r.json"
-    assert main(["bench", "tasks", "--config", str(path), "--drafts", "none,ngram", "--tasks", "qa,chat", "--quick",
-                 "--concurrency", "2", "--rounds", "3", "--ignore-eos", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tasks",
+                "--config",
+                str(path),
+                "--drafts",
+                "none,ngram",
+                "--tasks",
+                "qa,chat",
+                "--quick",
+                "--concurrency",
+                "2",
+                "--rounds",
+                "3",
+                "--ignore-eos",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     assert doc["settings"]["rounds"] == 3
     for r in doc["results"]:
@@ -269,12 +359,35 @@ def test_repeated_passes_are_pooled(chat_config, tmp_path, capsys):
     """--repeat 2: every batch twice, the same seeds, pooled; each pass counts its own repeats. A variant
     METHOD:K drafts at most K."""
     out_json = tmp_path / "r.json"
-    assert main(["bench", "tasks", "--config", chat_config, "--drafts", "none,ngram:2", "--tasks", "qa", "--quick",
-                 "--concurrency", "2", "--repeat", "2", "--ignore-eos", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tasks",
+                "--config",
+                chat_config,
+                "--drafts",
+                "none,ngram:2",
+                "--tasks",
+                "qa",
+                "--quick",
+                "--concurrency",
+                "2",
+                "--repeat",
+                "2",
+                "--ignore-eos",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     assert doc["settings"]["repeat"] == 2
-    assert [(v["name"], v["config"]["draft"]["method"], v["config"]["draft"]["num_speculative_tokens"])
-            for v in doc["variants"]][1] == ("ngram:2", "ngram", 2)
+    assert [
+        (v["name"], v["config"]["draft"]["method"], v["config"]["draft"]["num_speculative_tokens"])
+        for v in doc["variants"]
+    ][1] == ("ngram:2", "ngram", 2)
     for r in doc["results"]:
         assert r["requests"] == 4 and r["same_tokens_as_none"] == 4
         assert r["repeated_prompts"] == 2  # one prompt, sent twice in each pass
@@ -297,20 +410,28 @@ def test_without_a_chat_template_prompts_are_plain_text(tiny_models, tmp_path):
     assert prompts["multi-turn"][1] == list(want)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--tasks", "chat,poetry"], "--tasks: unknown task 'poetry'; choose from chat, code-edit, summarize, qa, "
-                                 "multi-turn"),
-    (["--drafts", "none,eagle"], "--drafts 'eagle': config draft.method: no draft method 'eagle'; there are eagle3, "),
-    (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
-    (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
-    (["--drafts", "none,suffix:0"], "--drafts 'suffix:0': K in METHOD:K must be a positive integer"),
-    (["--drafts", "none,suffix:99"], "--drafts 'suffix:99': config draft.num_speculative_tokens: "),
-    (["--concurrency", "0"], "--concurrency: need positive integers"),
-    (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
-    (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
-    (["--tasks", "chat,,qa"], "--tasks: a comma-separated list without empty items"),
-    (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--tasks", "chat,poetry"],
+            "--tasks: unknown task 'poetry'; choose from chat, code-edit, summarize, qa, multi-turn",
+        ),
+        (
+            ["--drafts", "none,eagle"],
+            "--drafts 'eagle': config draft.method: no draft method 'eagle'; there are eagle3, ",
+        ),
+        (["--drafts", "none,model"], "--drafts 'model': config draft.model: must be a non-empty string"),
+        (["--drafts", "none,ngram,none"], "--drafts: a draft is named twice"),
+        (["--drafts", "none,suffix:0"], "--drafts 'suffix:0': K in METHOD:K must be a positive integer"),
+        (["--drafts", "none,suffix:99"], "--drafts 'suffix:99': config draft.num_speculative_tokens: "),
+        (["--concurrency", "0"], "--concurrency: need positive integers"),
+        (["--rounds", "0"], "--rounds: must be >= 1, got 0"),
+        (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+        (["--tasks", "chat,,qa"], "--tasks: a comma-separated list without empty items"),
+        (["--json", "/nonexistent/dir/r.json"], "--json: the directory of '/nonexistent/dir/r.json' does not exist"),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_loading(flags, message, capsys, monkeypatch):
     from specdist.engine.local import Engine
 

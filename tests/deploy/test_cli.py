@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import yaml
+from support.helpers import tiny_config
 
 from specdist.cli import main
-
-from support.helpers import tiny_config
 
 
 def _write_config(tmp_path, cfg) -> str:
@@ -69,8 +67,21 @@ def test_generate_respects_stop_string(tiny_models, tmp_path, capsys):
     full = capsys.readouterr().out.strip()
     words = full.split()
     if len(words) >= 3:  # cut at the third word
-        main(["generate", "--config", cfg, "--max-tokens", "12", "--temperature", "0", "--raw",
-              "--stop", words[2], "a b c"])
+        main(
+            [
+                "generate",
+                "--config",
+                cfg,
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "0",
+                "--raw",
+                "--stop",
+                words[2],
+                "a b c",
+            ]
+        )
         cut = capsys.readouterr().out.strip()
         assert cut == full[: full.index(words[2])].strip()
 
@@ -82,13 +93,18 @@ def test_demo_runs_the_ray_deployment_and_stops_clean(tiny_models, tmp_path, cap
     tensor-parallel targets on Ray are test_worker_faults' and test_multinode's: one rank here saves
     an actor process, seconds of CPU.)"""
     import ray
-
     from support.helpers import raylets, stop_local_ray
 
     stop_local_ray()  # the demo starts its own local Ray (and must stop it): none may be running before
     cfg = tiny_config(tiny_models, "model", 3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
-                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 1,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 180,
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["demo", "--config", str(path), "--requests", "3", "--max-tokens", "5", "--raw"]) == 0

@@ -18,14 +18,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import yaml
+from support.helpers import tiny_config
 
+import specdist.api.serving as serve_cli
 import specdist.client
 import specdist.models.loader as loader
-import specdist.api.serving as serve_cli
 from specdist.cli import main
 from specdist.config import Config, load_config
-
-from support.helpers import tiny_config
 
 
 def _write_config(tmp_path, cfg: dict, name: str = "c.yaml") -> str:
@@ -51,6 +50,7 @@ def _one_line_error(capsys, code: int = 2) -> str:
 def _never(name: str):
     def fail(*args, **kwargs):
         raise AssertionError(f"{name} must not be called")
+
     return fail
 
 
@@ -65,6 +65,7 @@ def busy_port():
 
 # ----------------------------------------------------------------- 1. busy port
 
+
 def test_serve_on_busy_port_fails_before_loading(busy_port, monkeypatch, capsys):
     monkeypatch.setattr(serve_cli, "start_backend", _never("start_backend"))
     with pytest.raises(SystemExit) as ei:
@@ -76,8 +77,12 @@ def test_serve_on_busy_port_fails_before_loading(busy_port, monkeypatch, capsys)
 
 def test_serve_on_busy_port_subprocess_is_fast_and_one_line(busy_port):
     """The installed entry point: exit 2, one stderr line, no model load (well under its ~20 s)."""
-    proc = subprocess.run([sys.executable, "-m", "specdist.cli", "serve", "--port", str(busy_port)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdist.cli", "serve", "--port", str(busy_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"specdist: error: cannot listen on 127.0.0.1:{busy_port}: the port is in use"
 
@@ -121,8 +126,10 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(serve_cli, "start_backend", lambda *a, **k: serve_cli.Backend(engine, deployment=dep))
 
     async def fail_to_bind(*args, **kwargs):
-        raise RuntimeError("Failed to bind to address 127.0.0.1:4242; set GRPC_VERBOSITY=debug environment "
-                           "variable to see detailed error message.")
+        raise RuntimeError(
+            "Failed to bind to address 127.0.0.1:4242; set GRPC_VERBOSITY=debug environment "
+            "variable to see detailed error message."
+        )
 
     import specdist.api.grpc_server
 
@@ -140,6 +147,7 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
 
 # ------------------------------------------------------- 2. optional dependencies
 
+
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hello"], ["demo"]])
 def test_cluster_without_ray_names_the_extra(command, tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ModuleNotFoundError
@@ -154,14 +162,24 @@ def test_cluster_without_ray_names_the_extra(command, tiny_models, tmp_path, mon
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hello"], ["demo"]])
-@pytest.mark.parametrize("draft,message", [
-    ({"method": "medusa"}, "config draft.method: no draft method 'medusa'; there are eagle3, hybrid, model, "),
-    ({"method": "ngram", "ngram_mx": 3}, "config draft.ngram_mx: unknown key (expected one of: confidence_threshold,"),
-    ({"method": "suffix", "suffix_min_prob": 2.0}, "config draft.suffix_min_prob: must be a number in [0.0, 1.0], "),
-    ({"method": "ngram", "model": "x"}, "config draft.model: is only used with methods 'eagle3' and 'model', not "),
-])
-def test_a_draft_section_no_method_serves_is_one_line_before_anything_loads(command, draft, message, tiny_models,
-                                                                             tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "draft,message",
+    [
+        ({"method": "medusa"}, "config draft.method: no draft method 'medusa'; there are eagle3, hybrid, model, "),
+        (
+            {"method": "ngram", "ngram_mx": 3},
+            "config draft.ngram_mx: unknown key (expected one of: confidence_threshold,",
+        ),
+        (
+            {"method": "suffix", "suffix_min_prob": 2.0},
+            "config draft.suffix_min_prob: must be a number in [0.0, 1.0], ",
+        ),
+        ({"method": "ngram", "model": "x"}, "config draft.model: is only used with methods 'eagle3' and 'model', not "),
+    ],
+)
+def test_a_draft_section_no_method_serves_is_one_line_before_anything_loads(
+    command, draft, message, tiny_models, tmp_path, monkeypatch, capsys
+):
     """The draft methods check their names and settings (specdist.cores.proposers.check_draft) where load_config
     cannot: every command that serves a config calls them first, before the port, the models or Ray."""
     monkeypatch.setattr(serve_cli, "check_listen", _never("check_listen"))
@@ -194,6 +212,7 @@ def test_tensor_parallel_needs_only_ray(tiny_models, tmp_path, monkeypatch):
 
 # ------------------------------------------- 3. generate on the deployment (faked)
 
+
 class _FakeEngine:
     def __init__(self, config, pieces=("x ", "y"), interrupt_after: int | None = None):
         self.config, self.k = config, config.draft.num_speculative_tokens
@@ -206,8 +225,9 @@ class _FakeEngine:
             if self.interrupt_after == i:
                 raise KeyboardInterrupt
             yield p
-        m = SimpleNamespace(steps=1, drafted=3, accepted=2, acceptance_rate=2 / 3, mean_accepted_length=2.0,
-                            time_to_first_token=0.01)
+        m = SimpleNamespace(
+            steps=1, drafted=3, accepted=2, acceptance_rate=2 / 3, mean_accepted_length=2.0, time_to_first_token=0.01
+        )
         self.last_output = SimpleNamespace(token_ids=[1, 2], finish_reason="length", metrics=m)
 
     def close(self) -> None:
@@ -217,15 +237,17 @@ class _FakeEngine:
 def _fake_backend(monkeypatch, deployed: bool, **engine_kwargs):
     made = {}
 
-    def start_backend(config, ray_address=None, worker_host="127.0.0.1", log=None, tokenizer=None,
-                      sources=None):
+    def start_backend(config, ray_address=None, worker_host="127.0.0.1", log=None, tokenizer=None, sources=None):
         cfg = load_config(config)
         made["engine"] = _FakeEngine(cfg, **engine_kwargs)
         made["deployment"] = _FakeDeployment() if deployed else None
         made["ray_address"] = ray_address
-        made["backend"] = serve_cli.Backend(made["engine"], deployment=made["deployment"],
-                                            target_address="10.0.0.1:7000" if deployed else None,
-                                            draft_addresses=["10.0.0.2:7001"] if deployed else [])
+        made["backend"] = serve_cli.Backend(
+            made["engine"],
+            deployment=made["deployment"],
+            target_address="10.0.0.1:7000" if deployed else None,
+            draft_addresses=["10.0.0.2:7001"] if deployed else [],
+        )
         return made["backend"]
 
     monkeypatch.setattr(serve_cli, "start_backend", start_backend)
@@ -239,7 +261,7 @@ def test_generate_with_cluster_enabled_runs_on_the_deployment(tiny_models, tmp_p
     rc = main(["generate", "--config", cfg, "--ray-address", "auto", "--max-tokens", "5", "a b"])
     out, err = capsys.readouterr()
     assert rc == 0 and out == "x y\n"
-    (prompt, params, chat), = made["engine"].calls
+    ((prompt, params, chat),) = made["engine"].calls
     assert prompt == "a b" and params.max_tokens == 5 and chat is False  # the tiny model has no chat template
     assert made["ray_address"] == "auto"
     assert "[specdist] running on a Ray deployment: TP=1, 1 draft worker(s)" in err
@@ -273,10 +295,14 @@ def test_generate_in_process_passes_raw_text_and_chat_flag(tiny_models, tmp_path
 
 # ------------------------------------------------- 4. prompt checks before weights
 
-@pytest.mark.parametrize("prompt,needle", [
-    ("", "prompt: is empty"),
-    ("a " * 100, "prompt: has 100 tokens; the context limit is 64"),
-])
+
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        ("", "prompt: is empty"),
+        ("a " * 100, "prompt: has 100 tokens; the context limit is 64"),
+    ],
+)
 def test_bad_prompt_fails_before_loading_weights(prompt, needle, tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(loader, "load_model", _never("load_model"))
     monkeypatch.setattr(serve_cli, "start_backend", _never("start_backend"))
@@ -288,6 +314,7 @@ def test_bad_prompt_fails_before_loading_weights(prompt, needle, tiny_models, tm
 
 
 # ------------------------------------------------------------ 5. progress lines
+
 
 def test_generate_reports_loading_on_stderr(tiny_models, tmp_path, capsys):
     cfg = _write_config(tmp_path, tiny_config(tiny_models, "model", 3))
@@ -314,11 +341,16 @@ def test_load_model_progress_callback(tiny_models):
 
 
 def test_format_bytes():
-    assert [loader.format_bytes(n) for n in (999, 1500, 105_000_000, 2_500_000_000)] == \
-        ["999 B", "1.5 kB", "105 MB", "2.5 GB"]
+    assert [loader.format_bytes(n) for n in (999, 1500, 105_000_000, 2_500_000_000)] == [
+        "999 B",
+        "1.5 kB",
+        "105 MB",
+        "2.5 GB",
+    ]
 
 
 # ------------------------------------------------------ 6. remote generate status
+
 
 class _FakeClient:
     chunks: list = []
@@ -340,17 +372,23 @@ class _FakeClient:
 
 
 def _chunks(reason):
-    stats = specdist.client.RequestStats(prompt_tokens=3, output_tokens=2, drafted=4, accepted=1, steps=2,
-                                         time_to_first_token_s=0.01, total_time_s=0.1)
-    return [specdist.client.GenerateChunk("r", [5], "hel"),
-            specdist.client.GenerateChunk("r", [6], "lo", finish_reason=reason, stats=stats)]
+    stats = specdist.client.RequestStats(
+        prompt_tokens=3, output_tokens=2, drafted=4, accepted=1, steps=2, time_to_first_token_s=0.01, total_time_s=0.1
+    )
+    return [
+        specdist.client.GenerateChunk("r", [5], "hel"),
+        specdist.client.GenerateChunk("r", [6], "lo", finish_reason=reason, stats=stats),
+    ]
 
 
-@pytest.mark.parametrize("reason,message", [
-    ("abort", "the request was aborted by the server (finish_reason=abort)"),
-    ("error", "the request failed on the server (finish_reason=error)"),
-    (None, "the request ended without a finish reason (finish_reason=none)"),
-])
+@pytest.mark.parametrize(
+    "reason,message",
+    [
+        ("abort", "the request was aborted by the server (finish_reason=abort)"),
+        ("error", "the request failed on the server (finish_reason=error)"),
+        (None, "the request ended without a finish reason (finish_reason=none)"),
+    ],
+)
 def test_remote_generate_unfinished_request_exits_1(reason, message, monkeypatch, capsys):
     monkeypatch.setattr(_FakeClient, "chunks", _chunks(reason))
     monkeypatch.setattr(specdist.client, "SpecDistClient", _FakeClient)
@@ -367,8 +405,10 @@ def test_remote_generate_internal_error_exits_1(monkeypatch, capsys):
     with pytest.raises(SystemExit) as ei:
         main(["generate", "--server", "127.0.0.1:1", "hi"])
     assert ei.value.code == 1
-    assert _one_line_error(capsys) == \
-        "specdist: error: the request failed on the server (finish_reason=error): request failed"
+    assert (
+        _one_line_error(capsys)
+        == "specdist: error: the request failed on the server (finish_reason=error): request failed"
+    )
 
 
 def test_remote_generate_finished_request_exits_0(monkeypatch, capsys):
@@ -390,6 +430,7 @@ def test_backend_close_reports_the_stopped_deployment(capsys):
 
 # ------------------------------------------------------------------- 6/7. help
 
+
 def _help(argv, capsys, monkeypatch) -> str:
     monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no wrapping inside a default
     with pytest.raises(SystemExit) as ei:
@@ -398,8 +439,10 @@ def _help(argv, capsys, monkeypatch) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["generate"], ["serve"], ["demo"], ["cost-model"], ["bench", "engine"],
-                                  ["bench", "cluster"], ["bench", "soak"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["generate"], ["serve"], ["demo"], ["cost-model"], ["bench", "engine"], ["bench", "cluster"], ["bench", "soak"]],
+)
 def test_help_shows_every_default(argv, capsys, monkeypatch):
     from specdist.cli import _shows_default, build_parser
 

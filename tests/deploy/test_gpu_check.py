@@ -27,8 +27,7 @@ def test_without_cuda_it_says_so_in_one_line(capsys):
 def test_random_checkpoint_has_the_requested_size_and_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    arch = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+    arch = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     w = write_random_llama(str(tmp_path), 50, torch.float32, shard_bytes=30_000, **arch)
     index = json.load(open(tmp_path / "model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1  # split into several files, with an index
@@ -48,7 +47,11 @@ def test_steps_print_each_test_and_write_the_summary_as_they_end(tmp_path, capsy
     summary = json.load(open(tmp_path / "gpu_check.json"))
     env, tests = summary["steps"]
     assert (env["name"], env["status"], tests["name"], tests["status"]) == ("env", "passed", "tests", "passed")
-    assert tests["counts"]["passed"] >= 5 and tests["counts"]["failed"] == 0 and tests["limit_s"] == gpu_check.LIMITS["tests"]
+    assert (
+        tests["counts"]["passed"] >= 5
+        and tests["counts"]["failed"] == 0
+        and tests["limit_s"] == gpu_check.LIMITS["tests"]
+    )
     for t in tests["tests"]:
         assert t["name"].startswith("tests/unit/test_paged_attention.py::") and t["seconds"] >= 0
         assert f"[gpu_check] {t['outcome'].upper()}" in printed and t["name"] in printed
@@ -58,7 +61,9 @@ def test_steps_print_each_test_and_write_the_summary_as_they_end(tmp_path, capsy
 def test_a_step_past_its_limit_is_killed_and_the_summary_says_so(tmp_path):
     """A step that overruns its limit is killed with its process group; the summary records it as a timeout and
     the next step still runs."""
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "env,env", "--limit", "env=0.3", "--out", str(tmp_path)])
+    rc = gpu_check.main(
+        ["--device", "cpu", "--tiny", "--steps", "env,env", "--limit", "env=0.3", "--out", str(tmp_path)]
+    )
     summary = json.load(open(tmp_path / "gpu_check.json"))
     assert rc == 1 and [s["status"] for s in summary["steps"]] == ["timeout", "timeout"]
     assert all(s["seconds"] < 30 for s in summary["steps"]) and summary["passed"] is False
@@ -70,11 +75,14 @@ def test_the_decode_benchmark_reports_the_bound_and_transformers_tokens(tmp_path
     from specdist.bench import gpu_decode
 
     path = str(tmp_path / "decode.json")
-    assert gpu_decode.main(["--device", "cpu", "--tiny", "--models", "random-1b", "--tokens", "12", "--json", path]) == 0
+    assert (
+        gpu_decode.main(["--device", "cpu", "--tiny", "--models", "random-1b", "--tokens", "12", "--json", path]) == 0
+    )
     report = json.load(open(path))
     r = report["models"]["random-1b"]
     assert report["copy_bandwidth_gb_s"] > 0 and r["bound_tok_s"] == pytest.approx(
-        report["copy_bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_token"])
+        report["copy_bandwidth_gb_s"] * 1e9 / r["weight_bytes_per_token"]
+    )
     assert r["specdist"]["tokens"] == 12 and r["same_tokens_as_transformers"] is True
     assert r["specdist"]["decode_tok_s"] > 0 and r["transformers"]["decode_tok_s"] > 0
 
@@ -91,7 +99,9 @@ def test_the_runs_fit_their_leases_by_construction():
         assert names[:3] == ["env", "tests", "decode"]
     assert gpu_check.QUICK_S == 300 and gpu_check.FULL_S == 480
     assert [n for n, _ in gpu_check.plan(False)] == ["env", "tests", "decode", "tests-slow", "tasks", "drafts"]
-    assert gpu_check.DRAFTS_SETUP_S + len(gpu_check.DRAFT_VARIANTS) * gpu_check.MIN_VARIANT_S <= gpu_check.LIMITS["drafts"]
+    assert (
+        gpu_check.DRAFTS_SETUP_S + len(gpu_check.DRAFT_VARIANTS) * gpu_check.MIN_VARIANT_S <= gpu_check.LIMITS["drafts"]
+    )
     for name in ("tests", "tests-slow"):
         cmd = gpu_check.tests_command(name, "python", gpu_check.LIMITS[name], "cuda", False)
         timeout = float(cmd[cmd.index("--timeout") + 1])
@@ -104,8 +114,13 @@ def test_the_tests_steps_find_every_cuda_test_file_telling_ones_first():
     """Every test file with a cuda twin (``devices()``) or the cuda marker is in the tests steps, those of FIRST
     first in its order; with a limit below the default timeout the timeout follows the limit."""
     files = gpu_check.cuda_test_files()
-    for path in ("tests/unit/test_paged_attention.py", "tests/unit/test_model_families.py",
-                 "tests/unit/test_coupling.py", "tests/engine/test_eagle3.py", "tests/distributed/test_tensor_parallel.py"):
+    for path in (
+        "tests/unit/test_paged_attention.py",
+        "tests/unit/test_model_families.py",
+        "tests/unit/test_coupling.py",
+        "tests/engine/test_eagle3.py",
+        "tests/distributed/test_tensor_parallel.py",
+    ):
         assert path in files
     first = [f for f in gpu_check.FIRST if f in files]
     assert files[: len(first)] == first and files[0] == "tests/unit/test_paged_attention.py"
@@ -113,15 +128,16 @@ def test_the_tests_steps_find_every_cuda_test_file_telling_ones_first():
         text = open(os.path.join(gpu_check.ROOT, f)).read()
         assert "devices(" in text or "mark.cuda" in text
     cmd = gpu_check.tests_command("tests", "python", 30, "cuda", False)
-    assert cmd[cmd.index("--timeout") + 1] == "30" and cmd[-len(files):] == files
+    assert cmd[cmd.index("--timeout") + 1] == "30" and cmd[-len(files) :] == files
 
 
 def test_a_drafts_setup_that_fails_is_recorded_and_the_run_goes_on(tmp_path):
     """The drafts step writes its checkpoints (and finds the built-in tokenizer) in a limited step of its own:
     cut at its limit, it is recorded as a timeout, the variants as skipped, and the next step still runs;
     gpu_check itself raises nothing."""
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "drafts,env", "--limit", "drafts=0.5",
-                         "--out", str(tmp_path)])
+    rc = gpu_check.main(
+        ["--device", "cpu", "--tiny", "--steps", "drafts,env", "--limit", "drafts=0.5", "--out", str(tmp_path)]
+    )
     summary = json.load(open(tmp_path / "gpu_check.json"))
     steps = {s["name"]: s for s in summary["steps"]}
     assert rc == 1 and summary["passed"] is False

@@ -63,8 +63,11 @@ CRDS = REPO / "tests" / "data" / "crds"  # README.md there: where each comes fro
 K8S_VERSION = "1.33.0"  # kubernetes-validate's schemas of this Kubernetes version (chart: kubeVersion >= 1.27)
 RELEASE, NAMESPACE = "specdist", "specdist-test"
 API_SERVICE = specdist_pb2.DESCRIPTOR.services_by_name["SpecDecode"].full_name
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
-             "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+}
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # the chart's own production values file is linted and checked like the ci/ files
@@ -74,14 +77,19 @@ CASES = {"defaults": {}} | {f.name: yaml.safe_load(f.read_text()) or {} for f in
 # differs from the defaults only in the head's ports and flags)
 EXTRA_CASES = {
     "metrics off": {"metrics": {"enabled": False}},
-    "monitoring": {"serve": {"http": {"enabled": True}},
-                   "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                               "grafanaDashboard": {"enabled": True}}},
+    "monitoring": {
+        "serve": {"http": {"enabled": True}},
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "grafanaDashboard": {"enabled": True},
+        },
+    },
     "network policy off": {"networkPolicy": {"enabled": False}},
 }
 
 
 # ---------------------------------------------------------------- rendering
+
 
 @lru_cache(maxsize=None)
 def _chart() -> helm.Chart:
@@ -149,6 +157,7 @@ PROBE = _load_script("grpc_health_probe")
 
 # ---------------------------------------------------------------- invariants
 
+
 def _parse(parse, argv: list[str], what: str, problems: list[str]):
     """Run an argparse parser; a rejection becomes a problem (argparse exits with status 2)."""
     err = io.StringIO()
@@ -204,7 +213,9 @@ def check_invariants(docs: list[dict]) -> list[str]:
 
     # --- the head's command: start Ray (KubeRay's command), wait for the workers, exec specdist serve
     if head_tpl.get("metadata", {}).get("annotations", {}).get("ray.io/overwrite-container-cmd") != "true":
-        p.append("head: without ray.io/overwrite-container-cmd KubeRay adds its own `ray start --block` after the command")
+        p.append(
+            "head: without ray.io/overwrite-container-cmd KubeRay adds its own `ray start --block` after the command"
+        )
     script = "\n".join(head.get("args", []))
     lines = [ln.strip() for ln in script.splitlines() if ln.strip()]
     starts = [i for i, ln in enumerate(lines) if "$KUBERAY_GEN_RAY_START_CMD" in ln]
@@ -216,8 +227,14 @@ def check_invariants(docs: list[dict]) -> list[str]:
         p.append("head: KubeRay's ray start command has --block; it must run in the background")
     mounts = {m["name"]: m["mountPath"] for m in head.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in head_tpl["spec"].get("volumes", [])}
-    cfg_dir = next((mounts[n] for n, v in volumes.items()
-                    if v.get("configMap", {}).get("name") == cm["metadata"]["name"] and n in mounts), None)
+    cfg_dir = next(
+        (
+            mounts[n]
+            for n, v in volumes.items()
+            if v.get("configMap", {}).get("name") == cm["metadata"]["name"] and n in mounts
+        ),
+        None,
+    )
     if cfg_dir is None:
         p.append("head: the ConfigMap is not mounted")
 
@@ -243,8 +260,10 @@ def check_invariants(docs: list[dict]) -> list[str]:
         if cm.get("data", {}).get("wait_for_workers.py") != (CHART / "files" / "wait_for_workers.py").read_text():
             p.append("ConfigMap: wait_for_workers.py differs from helm/specdist/files/wait_for_workers.py")
         if wargs is not None and cfg is not None and wargs.workers != 1 + cfg.cluster.num_draft_workers:
-            p.append(f"head: waits for {wargs.workers} workers, the RayCluster has 1 target + "
-                     f"{cfg.cluster.num_draft_workers} draft pods")
+            p.append(
+                f"head: waits for {wargs.workers} workers, the RayCluster has 1 target + "
+                f"{cfg.cluster.num_draft_workers} draft pods"
+            )
 
     # --- one port each: container, Service, the flag of specdist serve (gRPC also: the probes)
     cport_list = head.get("ports", [])
@@ -252,7 +271,9 @@ def check_invariants(docs: list[dict]) -> list[str]:
     if len(cports) != len(cport_list) or len({pt["containerPort"] for pt in cport_list}) != len(cport_list):
         p.append(f"head: container port names or numbers repeat: {cport_list}")
     if "metrics" in cports:
-        p.append("head: a container port named metrics is KubeRay's (Ray's own metrics, 8080); specdist's is http-metrics")
+        p.append(
+            "head: a container port named metrics is KubeRay's (Ray's own metrics, 8080); specdist's is http-metrics"
+        )
     port = args.port if args is not None else None
     sports = {sp.get("name"): sp for sp in svc["spec"].get("ports", [])}
     want_ports = {"grpc": port}
@@ -336,9 +357,14 @@ def check_invariants(docs: list[dict]) -> list[str]:
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         ss = sm["spec"]
         svc_labels = svc["metadata"].get("labels", {})
-        if not ss.get("selector", {}).get("matchLabels") or \
-                ss["selector"]["matchLabels"].items() - svc_labels.items() or ss["selector"].get("matchExpressions"):
-            p.append(f"ServiceMonitor: selector {ss.get('selector')} does not select the Service {svc['metadata']['name']}")
+        if (
+            not ss.get("selector", {}).get("matchLabels")
+            or ss["selector"]["matchLabels"].items() - svc_labels.items()
+            or ss["selector"].get("matchExpressions")
+        ):
+            p.append(
+                f"ServiceMonitor: selector {ss.get('selector')} does not select the Service {svc['metadata']['name']}"
+            )
         if ss["selector"].get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay":
             p.append("ServiceMonitor: selects KubeRay's head Service too")
         if NAMESPACE not in ss.get("namespaceSelector", {}).get("matchNames", []):
@@ -372,7 +398,9 @@ def check_invariants(docs: list[dict]) -> list[str]:
 
     hs = (spec["headGroupSpec"].get("headService") or {}).get("spec", {})
     if hs.get("publishNotReadyAddresses") is not True:
-        p.append("head: KubeRay's head Service must publish not-ready addresses (the workers join before the head is Ready)")
+        p.append(
+            "head: KubeRay's head Service must publish not-ready addresses (the workers join before the head is Ready)"
+        )
 
     # --- Ray resources: nothing on the head; the target pod offers what the ranks ask for
     if spec["headGroupSpec"].get("rayStartParams", {}).get("num-cpus") != "0":
@@ -463,8 +491,10 @@ def check_invariants(docs: list[dict]) -> list[str]:
                 continue
             get = pr.get("httpGet") or {}
             if get.get("port") != agent_port or get.get("path") not in RAYLET_HEALTH_PATHS:
-                p.append(f"{g['groupName']} pods: {probe} asks {get.get('port')}{get.get('path', '')}, not the "
-                         f"dashboard agent's raylet health ({agent_port}/api/local_raylet_healthz)")
+                p.append(
+                    f"{g['groupName']} pods: {probe} asks {get.get('port')}{get.get('path', '')}, not the "
+                    f"dashboard agent's raylet health ({agent_port}/api/local_raylet_healthz)"
+                )
 
     p += pod_security_problems(docs)
     p += network_policy_problems(docs)
@@ -493,8 +523,14 @@ def check_invariants(docs: list[dict]) -> list[str]:
             p.append(f"RayJob: name {jname!r} is not a DNS-1035 label of at most 47 characters")
         if js.get("clusterSelector", {}).get("ray.io/cluster") != name:
             p.append(f"RayJob: clusterSelector does not name the RayCluster {name}")
-        if js.get("shutdownAfterJobFinishes", False) or js.get("backoffLimit", 0) or js.get("submissionMode") == "SidecarMode":
-            p.append("RayJob: clusterSelector mode needs shutdownAfterJobFinishes false, no backoffLimit, no SidecarMode")
+        if (
+            js.get("shutdownAfterJobFinishes", False)
+            or js.get("backoffLimit", 0)
+            or js.get("submissionMode") == "SidecarMode"
+        ):
+            p.append(
+                "RayJob: clusterSelector mode needs shutdownAfterJobFinishes false, no backoffLimit, no SidecarMode"
+            )
         eargv = shlex.split(js.get("entrypoint", ""))
         if eargv[:1] != ["specdist"]:
             p.append(f"RayJob: entrypoint {js.get('entrypoint')!r} does not run specdist")
@@ -526,8 +562,11 @@ def _on(path: str, dirs: list[str]) -> bool:
 def _writable_dirs(pod_spec: dict, container: dict) -> list[str]:
     """Mount paths of the container's writable emptyDirs (the root filesystem is read-only)."""
     vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
-    return [m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])
-            if "emptyDir" in vols.get(m["name"], {}) and not m.get("readOnly")]
+    return [
+        m["mountPath"].rstrip("/")
+        for m in container.get("volumeMounts", [])
+        if "emptyDir" in vols.get(m["name"], {}) and not m.get("readOnly")
+    ]
 
 
 def pod_security_problems(docs: list[dict]) -> list[str]:
@@ -590,8 +629,10 @@ def pod_security_problems(docs: list[dict]) -> list[str]:
                 if mode & 0o004:
                     p.append(f"{pod} pods: Secret volume {name} has mode {mode:04o}: others may read")
             if not (default & 0o040 and psc.get("fsGroup")):
-                p.append(f"{pod} pods: Secret volume {name}: the non-root user cannot read it (its files belong to "
-                         f"root and fsGroup {psc.get('fsGroup')}; mode {default:04o})")
+                p.append(
+                    f"{pod} pods: Secret volume {name}: the non-root user cannot read it (its files belong to "
+                    f"root and fsGroup {psc.get('fsGroup')}; mode {default:04o})"
+                )
             for c in spec.get("initContainers", []) + spec.get("containers", []):
                 for m in c.get("volumeMounts", []):
                     if m["name"] == name and not m.get("readOnly"):
@@ -606,8 +647,12 @@ def _selects(selector: dict | None, labels: dict) -> bool:
         return False
     for e in selector.get("matchExpressions") or []:
         key, op, values = e["key"], e["operator"], e.get("values") or []
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) or \
-                (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -615,8 +660,10 @@ def _selects(selector: dict | None, labels: dict) -> bool:
 def _same_release(peer: dict) -> bool:
     """A NetworkPolicyPeer admitting only pods of this release: pods of the release namespace (no
     namespaceSelector, no ipBlock) labelled with the release's instance."""
-    return set(peer) == {"podSelector"} and \
-        (peer["podSelector"].get("matchLabels") or {}).get("app.kubernetes.io/instance") == RELEASE
+    return (
+        set(peer) == {"podSelector"}
+        and (peer["podSelector"].get("matchLabels") or {}).get("app.kubernetes.io/instance") == RELEASE
+    )
 
 
 def network_policy_problems(docs: list[dict]) -> list[str]:
@@ -641,8 +688,12 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
             p.append(f"NetworkPolicy {pol['metadata']['name']}: podSelector {sel} selects pods of other releases too")
     head_ports: set = set()
     for pod, lab in labels.items():
-        selecting = [pol for pol in pols if "Ingress" in pol["spec"].get("policyTypes", ["Ingress"])
-                     and _selects(pol["spec"].get("podSelector"), lab)]
+        selecting = [
+            pol
+            for pol in pols
+            if "Ingress" in pol["spec"].get("policyTypes", ["Ingress"])
+            and _selects(pol["spec"].get("podSelector"), lab)
+        ]
         if not selecting:
             p.append(f"{pod} pods: no NetworkPolicy selects them: every port is open to the cluster")
             continue
@@ -654,8 +705,11 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
                 ports = rule.get("ports") or []
                 if peers and all(_same_release(peer) for peer in peers):
                     if not ports:
-                        reached |= {k for k, other in labels.items()
-                                    if any(_selects(peer["podSelector"], other) for peer in peers)}
+                        reached |= {
+                            k
+                            for k, other in labels.items()
+                            if any(_selects(peer["podSelector"], other) for peer in peers)
+                        }
                     continue
                 if pod == "head":  # the ports clients beyond the release reach (a rule without ports: all)
                     head_ports |= {pt.get("port") for pt in ports} if ports else set(svc_ports)
@@ -665,8 +719,10 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
                 for pt in ports:
                     num, end = pt.get("port"), pt.get("endPort")
                     if pod != "head" or end is not None or num not in public:
-                        p.append(f"NetworkPolicy {pname}: admits port {num}{'-' + str(end) if end else ''} of the "
-                                 f"{pod} pods from outside the release")
+                        p.append(
+                            f"NetworkPolicy {pname}: admits port {num}{'-' + str(end) if end else ''} of the "
+                            f"{pod} pods from outside the release"
+                        )
         missing = sorted(set(labels) - reached)
         if missing:
             p.append(f"{pod} pods: the NetworkPolicies do not admit the {missing} pods of the deployment on every port")
@@ -678,13 +734,17 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------- CRD schemas
 
+
 def _close(node):
     """A CRD schema as the API server applies it: unknown fields are pruned (closed here, so a
     misspelt field fails instead of silently vanishing); ``nullable`` allows null."""
     if isinstance(node, dict):
         node = {k: _close(v) for k, v in node.items()}
-        if "properties" in node and "additionalProperties" not in node \
-                and not node.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             node["additionalProperties"] = False
         if node.pop("nullable", False) and "type" in node:
             node["type"] = [node["type"], "null"]
@@ -704,8 +764,10 @@ def crd_validator(kind: str) -> jsonschema.Draft4Validator:
 
 
 def crd_errors(obj: dict) -> list[str]:
-    return [f"{obj['kind']} {'.'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in crd_validator(obj["kind"]).iter_errors(obj)]
+    return [
+        f"{obj['kind']} {'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in crd_validator(obj["kind"]).iter_errors(obj)
+    ]
 
 
 def core_errors(obj: dict) -> list[str]:
@@ -722,6 +784,7 @@ def pod_template_object(group: str, tpl: dict) -> dict:
 
 
 # ================================================================ tests
+
 
 def test_ci_values_files_exist():
     names = {f.name for f in CI_FILES}
@@ -856,182 +919,375 @@ def _head(docs):
 
 MUTATIONS = {
     # name: (values file, mutation, text the problem must contain)
-    "target GPUs != TP": ("gpu-8x-values.yaml",
-                          lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"]
-                          .update({"nvidia.com/gpu": 4}), "GPU limit 4 != tensor_parallel_size 8"),
-    "config TP != GPUs": ("gpu-8x-values.yaml",
-                          lambda d: _set_config(d, lambda c: c["cluster"].update(tensor_parallel_size=4)),
-                          "!= tensor_parallel_size 4"),
-    "GPUs on a CPU config": ("cpu-demo-values.yaml",
-                             lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"]
-                             .update({"nvidia.com/gpu": 3}), "use_gpu false"),
-    "config the loader rejects": ("cpu-demo-values.yaml",
-                                  lambda d: _set_config(d, lambda c: c["draft"].update(method="medusa")),
-                                  "specdist rejects it: config draft.method: no draft method 'medusa'"),
+    "target GPUs != TP": (
+        "gpu-8x-values.yaml",
+        lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+            {"nvidia.com/gpu": 4}
+        ),
+        "GPU limit 4 != tensor_parallel_size 8",
+    ),
+    "config TP != GPUs": (
+        "gpu-8x-values.yaml",
+        lambda d: _set_config(d, lambda c: c["cluster"].update(tensor_parallel_size=4)),
+        "!= tensor_parallel_size 4",
+    ),
+    "GPUs on a CPU config": (
+        "cpu-demo-values.yaml",
+        lambda d: _group(d, "target")["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+            {"nvidia.com/gpu": 3}
+        ),
+        "use_gpu false",
+    ),
+    "config the loader rejects": (
+        "cpu-demo-values.yaml",
+        lambda d: _set_config(d, lambda c: c["draft"].update(method="medusa")),
+        "specdist rejects it: config draft.method: no draft method 'medusa'",
+    ),
     "Service port": ("defaults", lambda d: one(d, "Service")["spec"]["ports"][0].update(port=50052), "Service port"),
-    "container port": ("defaults",
-                       lambda d: _container_port(d, "grpc").update(containerPort=50052),
-                       "container port grpc=50052"),
-    "probe port": ("defaults",
-                   lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"]["grpc"].update(port=50052),
-                   "livenessProbe port 50052"),
+    "container port": (
+        "defaults",
+        lambda d: _container_port(d, "grpc").update(containerPort=50052),
+        "container port grpc=50052",
+    ),
+    "probe port": (
+        "defaults",
+        lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"]["grpc"].update(port=50052),
+        "livenessProbe port 50052",
+    ),
     "serve --port": ("defaults", lambda d: _edit_serve(d, "--port 50051", "--port 50052"), "--port 50052"),
     "flag the CLI rejects": ("defaults", lambda d: _edit_serve(d, "--port", "--prot"), "the CLI rejects"),
     "config path": ("defaults", lambda d: _edit_serve(d, "/config.yaml", "/other.yaml"), "--config"),
-    "grace <= drain": ("defaults", lambda d: _head(d)["spec"].update(terminationGracePeriodSeconds=30),
-                       "terminationGracePeriodSeconds 30 <= --drain-seconds 30"),
-    "head Service hides a not-Ready head": ("defaults",
-                                           lambda d: _rc(d)["spec"]["headGroupSpec"].pop("headService"),
-                                           "publish not-ready addresses"),
-    "no overwrite annotation": ("defaults",
-                                lambda d: _head(d)["metadata"]["annotations"].pop("ray.io/overwrite-container-cmd"),
-                                "overwrite-container-cmd"),
-    "draft replicas != config": ("gpu-8x-values.yaml", lambda d: _group(d, "draft").update(replicas=3),
-                                 "replicas 3 != cluster.num_draft_workers 2"),
-    "Service selector": ("defaults", lambda d: one(d, "Service")["spec"]["selector"].update({"ray.io/node-type": "worker"}),
-                         "does not select the head pod"),
-    "pod label hiding the head": ("defaults",
-                                  lambda d: _head(d)["metadata"]["labels"].update({"app.kubernetes.io/name": "x"}),
-                                  "app.kubernetes.io/name"),
-    "model path not mounted": ("gpu-8x-values.yaml",
-                               lambda d: _group(d, "draft")["template"]["spec"]["containers"][0].pop("volumeMounts"),
-                               "is on no mounted volume"),
-    "bench flag the CLI rejects": ("bench-values.yaml",
-                                   lambda d: one(d, "RayJob")["spec"].update(
-                                       entrypoint=one(d, "RayJob")["spec"]["entrypoint"] + " --qps 3"),
-                                   "RayJob entrypoint: the CLI rejects"),
-    "bench --server": ("bench-values.yaml",
-                       lambda d: one(d, "RayJob")["spec"].update(
-                           entrypoint=one(d, "RayJob")["spec"]["entrypoint"].replace(":8443", ":50051")),
-                       "is not the Service"),
-    "wait count": ("bench-values.yaml", lambda d: _edit_head_line(d, "--workers 4", "--workers 3"),
-                   "waits for 3 workers"),
-    "--metrics-port": ("defaults", lambda d: _edit_serve(d, "--metrics-port 9400", "--metrics-port 9401"),
-                       "container port http-metrics=9400 but specdist serve --metrics-port 9401"),
-    "no --metrics-port": ("monitoring", lambda d: _edit_serve(d, " --metrics-port 9400", ""),
-                          "ServiceMonitor: specdist serve runs without --metrics-port"),
-    "metrics port named like Ray's": ("defaults", lambda d: _container_port(d, "http-metrics").update(name="metrics"),
-                                      "KubeRay's"),
-    "Service without the metrics port": ("defaults", lambda d: one(d, "Service")["spec"]["ports"].pop(),
-                                         "Service port http-metrics=None"),
-    "--http-port": ("monitoring", lambda d: _edit_serve(d, "--http-port 8000", "--http-port 8001"),
-                    "container port http=8000 but specdist serve --http-port 8001"),
-    "ServiceMonitor on another port": ("monitoring", lambda d: _endpoint(d).update(port="grpc"),
-                                       "not the Service's http-metrics port"),
-    "ServiceMonitor selecting nothing": ("monitoring",
-                                         lambda d: one(d, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
-                                         .update({"app.kubernetes.io/instance": "other"}), "does not select the Service"),
-    "ServiceMonitor plaintext to TLS": ("secure-values.yaml", lambda d: _endpoint(d).update(scheme="http"),
-                                        "scheme http but the metrics port speaks TLS"),
-    "ServiceMonitor without client cert": ("secure-values.yaml", lambda d: _endpoint(d)["tlsConfig"].pop("cert"),
-                                           "tlsConfig has none"),
-    "ServiceMonitor with another token": ("secure-values.yaml",
-                                          lambda d: _endpoint(d)["authorization"]["credentials"].update(key="x"),
-                                          "is not the server's token"),
-    "gRPC probe with TLS": ("secure-values.yaml",
-                            lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"].update(
-                                grpc={"port": 50051}, exec=None), "cannot speak TLS"),
-    "TLS probe without client cert": ("secure-values.yaml",
-                                      lambda d: _head(d)["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
-                                      .remove("--client-cert"), "--client-cert False"),
+    "grace <= drain": (
+        "defaults",
+        lambda d: _head(d)["spec"].update(terminationGracePeriodSeconds=30),
+        "terminationGracePeriodSeconds 30 <= --drain-seconds 30",
+    ),
+    "head Service hides a not-Ready head": (
+        "defaults",
+        lambda d: _rc(d)["spec"]["headGroupSpec"].pop("headService"),
+        "publish not-ready addresses",
+    ),
+    "no overwrite annotation": (
+        "defaults",
+        lambda d: _head(d)["metadata"]["annotations"].pop("ray.io/overwrite-container-cmd"),
+        "overwrite-container-cmd",
+    ),
+    "draft replicas != config": (
+        "gpu-8x-values.yaml",
+        lambda d: _group(d, "draft").update(replicas=3),
+        "replicas 3 != cluster.num_draft_workers 2",
+    ),
+    "Service selector": (
+        "defaults",
+        lambda d: one(d, "Service")["spec"]["selector"].update({"ray.io/node-type": "worker"}),
+        "does not select the head pod",
+    ),
+    "pod label hiding the head": (
+        "defaults",
+        lambda d: _head(d)["metadata"]["labels"].update({"app.kubernetes.io/name": "x"}),
+        "app.kubernetes.io/name",
+    ),
+    "model path not mounted": (
+        "gpu-8x-values.yaml",
+        lambda d: _group(d, "draft")["template"]["spec"]["containers"][0].pop("volumeMounts"),
+        "is on no mounted volume",
+    ),
+    "bench flag the CLI rejects": (
+        "bench-values.yaml",
+        lambda d: one(d, "RayJob")["spec"].update(entrypoint=one(d, "RayJob")["spec"]["entrypoint"] + " --qps 3"),
+        "RayJob entrypoint: the CLI rejects",
+    ),
+    "bench --server": (
+        "bench-values.yaml",
+        lambda d: one(d, "RayJob")["spec"].update(
+            entrypoint=one(d, "RayJob")["spec"]["entrypoint"].replace(":8443", ":50051")
+        ),
+        "is not the Service",
+    ),
+    "wait count": (
+        "bench-values.yaml",
+        lambda d: _edit_head_line(d, "--workers 4", "--workers 3"),
+        "waits for 3 workers",
+    ),
+    "--metrics-port": (
+        "defaults",
+        lambda d: _edit_serve(d, "--metrics-port 9400", "--metrics-port 9401"),
+        "container port http-metrics=9400 but specdist serve --metrics-port 9401",
+    ),
+    "no --metrics-port": (
+        "monitoring",
+        lambda d: _edit_serve(d, " --metrics-port 9400", ""),
+        "ServiceMonitor: specdist serve runs without --metrics-port",
+    ),
+    "metrics port named like Ray's": (
+        "defaults",
+        lambda d: _container_port(d, "http-metrics").update(name="metrics"),
+        "KubeRay's",
+    ),
+    "Service without the metrics port": (
+        "defaults",
+        lambda d: one(d, "Service")["spec"]["ports"].pop(),
+        "Service port http-metrics=None",
+    ),
+    "--http-port": (
+        "monitoring",
+        lambda d: _edit_serve(d, "--http-port 8000", "--http-port 8001"),
+        "container port http=8000 but specdist serve --http-port 8001",
+    ),
+    "ServiceMonitor on another port": (
+        "monitoring",
+        lambda d: _endpoint(d).update(port="grpc"),
+        "not the Service's http-metrics port",
+    ),
+    "ServiceMonitor selecting nothing": (
+        "monitoring",
+        lambda d: one(d, "ServiceMonitor")["spec"]["selector"]["matchLabels"].update(
+            {"app.kubernetes.io/instance": "other"}
+        ),
+        "does not select the Service",
+    ),
+    "ServiceMonitor plaintext to TLS": (
+        "secure-values.yaml",
+        lambda d: _endpoint(d).update(scheme="http"),
+        "scheme http but the metrics port speaks TLS",
+    ),
+    "ServiceMonitor without client cert": (
+        "secure-values.yaml",
+        lambda d: _endpoint(d)["tlsConfig"].pop("cert"),
+        "tlsConfig has none",
+    ),
+    "ServiceMonitor with another token": (
+        "secure-values.yaml",
+        lambda d: _endpoint(d)["authorization"]["credentials"].update(key="x"),
+        "is not the server's token",
+    ),
+    "gRPC probe with TLS": (
+        "secure-values.yaml",
+        lambda d: _head(d)["spec"]["containers"][0]["livenessProbe"].update(grpc={"port": 50051}, exec=None),
+        "cannot speak TLS",
+    ),
+    "TLS probe without client cert": (
+        "secure-values.yaml",
+        lambda d: _head(d)["spec"]["containers"][0]["readinessProbe"]["exec"]["command"].remove("--client-cert"),
+        "--client-cert False",
+    ),
     "TLS probe on another port": ("secure-values.yaml", lambda d: _probe_arg(d, "--port", "50052"), "port 50052"),
     "TLS probe slower than its timeout": ("secure-values.yaml", lambda d: _probe_arg(d, "--timeout", "9"), "waits 9s"),
-    "writable Secret mount": ("secure-values.yaml", lambda d: _mount(d, "specdist-tls").update(readOnly=False),
-                              "mounted writable"),
-    "token file off the mount": ("secure-values.yaml",
-                                 lambda d: _edit_serve(d, "/auth/token", "/auth/other"), "the Secret mount has no other"),
-    "TLS file on no Secret": ("secure-values.yaml", lambda d: _edit_serve(d, "tls/tls.key", "x/tls.key"),
-                              "is on no read-only Secret mount"),
+    "writable Secret mount": (
+        "secure-values.yaml",
+        lambda d: _mount(d, "specdist-tls").update(readOnly=False),
+        "mounted writable",
+    ),
+    "token file off the mount": (
+        "secure-values.yaml",
+        lambda d: _edit_serve(d, "/auth/token", "/auth/other"),
+        "the Secret mount has no other",
+    ),
+    "TLS file on no Secret": (
+        "secure-values.yaml",
+        lambda d: _edit_serve(d, "tls/tls.key", "x/tls.key"),
+        "is on no read-only Secret mount",
+    ),
     # head probes: liveness must not follow the server's health (NOT_SERVING through a rebuild)
-    "liveness on the server's health": ("defaults", lambda d: _head_container(d)["livenessProbe"]["grpc"].pop("service"),
-                                        "livenessProbe checks None, not 'specdist.v1.Liveness'"),
-    "readiness on Liveness": ("defaults",
-                              lambda d: _head_container(d)["readinessProbe"]["grpc"].update(service=LIVENESS),
-                              "readinessProbe checks 'specdist.v1.Liveness', not 'specdist.v1.SpecDecode'"),
-    "TLS liveness on the API": ("secure-values.yaml",
-                                lambda d: _probe_arg(d, "--service", API_SERVICE, probe="livenessProbe"),
-                                "livenessProbe checks 'specdist.v1.SpecDecode', not 'specdist.v1.Liveness'"),
+    "liveness on the server's health": (
+        "defaults",
+        lambda d: _head_container(d)["livenessProbe"]["grpc"].pop("service"),
+        "livenessProbe checks None, not 'specdist.v1.Liveness'",
+    ),
+    "readiness on Liveness": (
+        "defaults",
+        lambda d: _head_container(d)["readinessProbe"]["grpc"].update(service=LIVENESS),
+        "readinessProbe checks 'specdist.v1.Liveness', not 'specdist.v1.SpecDecode'",
+    ),
+    "TLS liveness on the API": (
+        "secure-values.yaml",
+        lambda d: _probe_arg(d, "--service", API_SERVICE, probe="livenessProbe"),
+        "livenessProbe checks 'specdist.v1.SpecDecode', not 'specdist.v1.Liveness'",
+    ),
     # worker probes
-    "worker without liveness": ("defaults", lambda d: _worker(d, "target").pop("livenessProbe"),
-                                "target pods: no livenessProbe"),
-    "worker readiness elsewhere": ("gpu-8x-values.yaml",
-                                   lambda d: _worker(d, "draft")["readinessProbe"]["httpGet"].update(port=8265),
-                                   "draft pods: readinessProbe asks 8265"),
+    "worker without liveness": (
+        "defaults",
+        lambda d: _worker(d, "target").pop("livenessProbe"),
+        "target pods: no livenessProbe",
+    ),
+    "worker readiness elsewhere": (
+        "gpu-8x-values.yaml",
+        lambda d: _worker(d, "draft")["readinessProbe"]["httpGet"].update(port=8265),
+        "draft pods: readinessProbe asks 8265",
+    ),
     # pod and container security
-    "root uid": ("defaults", lambda d: _group(d, "target")["template"]["spec"]["securityContext"].update(runAsUser=0),
-                 "runAsUser 0 is not a fixed non-root id"),
-    "no runAsNonRoot": ("defaults", lambda d: (_head(d)["spec"]["securityContext"].pop("runAsNonRoot"),
-                                               _head_container(d)["securityContext"].pop("runAsNonRoot")),
-                        "head pods, container ray-head: runAsNonRoot is not true"),
-    "privilege escalation": ("defaults", lambda d: _head_container(d)["securityContext"].update(
-        allowPrivilegeEscalation=True), "allowPrivilegeEscalation is not false"),
-    "capabilities kept": ("gpu-8x-values.yaml",
-                          lambda d: _worker(d, "draft")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
-                          "draft pods, container ray-worker: capabilities"),
-    "capability added": ("defaults",
-                         lambda d: _worker(d, "target")["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
-                         "nothing added"),
-    "writable root filesystem": ("defaults", lambda d: _head_container(d)["securityContext"].update(
-        readOnlyRootFilesystem=False), "readOnlyRootFilesystem is not true"),
-    "no seccomp profile": ("defaults", lambda d: _group(d, "draft")["template"]["spec"]["securityContext"]
-                           .pop("seccompProfile"), "seccompProfile None, not RuntimeDefault"),
-    "unconfined seccomp": ("defaults", lambda d: _head_container(d)["securityContext"].update(
-        seccompProfile={"type": "Unconfined"}), "seccompProfile 'Unconfined'"),
-    "service account token": ("defaults", lambda d: _group(d, "target")["template"]["spec"].pop(SERVICE_ACCOUNT_TOKEN),
-                              "target pods: automountServiceAccountToken is not false"),
-    "Triton cache on the root filesystem": ("defaults", lambda d: _set_env(_worker(d, "target"), "TRITON_CACHE_DIR",
-                                                                           "/home/ray/triton"),
-                                            "/home/ray/triton is not on a writable emptyDir"),
-    "cache home unset": ("defaults", lambda d: _set_env(_head_container(d), "XDG_CACHE_HOME", None),
-                         "XDG_CACHE_HOME unset"),
-    "no /tmp": ("defaults", lambda d: _worker(d, "draft")["volumeMounts"].pop(0), "/tmp/ray is not on a writable emptyDir"),
-    "compile cache on the root filesystem": ("defaults", lambda d: _set_config(
-        d, lambda c: c["engine"].update(compile_cache_dir="/opt/inductor")),
-        "engine.compile_cache_dir /opt/inductor is not on a writable emptyDir"),
-    "world-readable Secret": ("secure-values.yaml", lambda d: _volume(d, "specdist-tls")["secret"].update(defaultMode=0o444),
-                              "mode 0444: others may read"),
-    "group-writable Secret": ("secure-values.yaml", lambda d: _volume(d, "specdist-auth")["secret"].update(defaultMode=0o460),
-                              "mode 0460: the group or others may write"),
-    "Secret item mode": ("secure-values.yaml",
-                         lambda d: _volume(d, "specdist-auth")["secret"]["items"][0].update(mode=0o666),
-                         "mode 0666"),
-    "Secret without a mode": ("secure-values.yaml", lambda d: _volume(d, "specdist-tls")["secret"].pop("defaultMode"),
-                              "mode 0644: others may read"),
-    "Secret the user cannot read": ("secure-values.yaml", lambda d: _head(d)["spec"]["securityContext"].pop("fsGroup"),
-                                    "the non-root user cannot read it"),
-    "submitter left to KubeRay": ("bench-values.yaml", lambda d: one(d, "RayJob")["spec"].pop("submitterPodTemplate"),
-                                  "submitter pods: no pod template"),
-    "submitter as root": ("bench-values.yaml", lambda d: one(d, "RayJob")["spec"]["submitterPodTemplate"]["spec"]
-                          ["securityContext"].update(runAsUser=0, runAsNonRoot=False), "submitter pods, container"),
+    "root uid": (
+        "defaults",
+        lambda d: _group(d, "target")["template"]["spec"]["securityContext"].update(runAsUser=0),
+        "runAsUser 0 is not a fixed non-root id",
+    ),
+    "no runAsNonRoot": (
+        "defaults",
+        lambda d: (
+            _head(d)["spec"]["securityContext"].pop("runAsNonRoot"),
+            _head_container(d)["securityContext"].pop("runAsNonRoot"),
+        ),
+        "head pods, container ray-head: runAsNonRoot is not true",
+    ),
+    "privilege escalation": (
+        "defaults",
+        lambda d: _head_container(d)["securityContext"].update(allowPrivilegeEscalation=True),
+        "allowPrivilegeEscalation is not false",
+    ),
+    "capabilities kept": (
+        "gpu-8x-values.yaml",
+        lambda d: _worker(d, "draft")["securityContext"]["capabilities"].update(drop=["NET_RAW"]),
+        "draft pods, container ray-worker: capabilities",
+    ),
+    "capability added": (
+        "defaults",
+        lambda d: _worker(d, "target")["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+        "nothing added",
+    ),
+    "writable root filesystem": (
+        "defaults",
+        lambda d: _head_container(d)["securityContext"].update(readOnlyRootFilesystem=False),
+        "readOnlyRootFilesystem is not true",
+    ),
+    "no seccomp profile": (
+        "defaults",
+        lambda d: _group(d, "draft")["template"]["spec"]["securityContext"].pop("seccompProfile"),
+        "seccompProfile None, not RuntimeDefault",
+    ),
+    "unconfined seccomp": (
+        "defaults",
+        lambda d: _head_container(d)["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+        "seccompProfile 'Unconfined'",
+    ),
+    "service account token": (
+        "defaults",
+        lambda d: _group(d, "target")["template"]["spec"].pop(SERVICE_ACCOUNT_TOKEN),
+        "target pods: automountServiceAccountToken is not false",
+    ),
+    "Triton cache on the root filesystem": (
+        "defaults",
+        lambda d: _set_env(_worker(d, "target"), "TRITON_CACHE_DIR", "/home/ray/triton"),
+        "/home/ray/triton is not on a writable emptyDir",
+    ),
+    "cache home unset": (
+        "defaults",
+        lambda d: _set_env(_head_container(d), "XDG_CACHE_HOME", None),
+        "XDG_CACHE_HOME unset",
+    ),
+    "no /tmp": (
+        "defaults",
+        lambda d: _worker(d, "draft")["volumeMounts"].pop(0),
+        "/tmp/ray is not on a writable emptyDir",
+    ),
+    "compile cache on the root filesystem": (
+        "defaults",
+        lambda d: _set_config(d, lambda c: c["engine"].update(compile_cache_dir="/opt/inductor")),
+        "engine.compile_cache_dir /opt/inductor is not on a writable emptyDir",
+    ),
+    "world-readable Secret": (
+        "secure-values.yaml",
+        lambda d: _volume(d, "specdist-tls")["secret"].update(defaultMode=0o444),
+        "mode 0444: others may read",
+    ),
+    "group-writable Secret": (
+        "secure-values.yaml",
+        lambda d: _volume(d, "specdist-auth")["secret"].update(defaultMode=0o460),
+        "mode 0460: the group or others may write",
+    ),
+    "Secret item mode": (
+        "secure-values.yaml",
+        lambda d: _volume(d, "specdist-auth")["secret"]["items"][0].update(mode=0o666),
+        "mode 0666",
+    ),
+    "Secret without a mode": (
+        "secure-values.yaml",
+        lambda d: _volume(d, "specdist-tls")["secret"].pop("defaultMode"),
+        "mode 0644: others may read",
+    ),
+    "Secret the user cannot read": (
+        "secure-values.yaml",
+        lambda d: _head(d)["spec"]["securityContext"].pop("fsGroup"),
+        "the non-root user cannot read it",
+    ),
+    "submitter left to KubeRay": (
+        "bench-values.yaml",
+        lambda d: one(d, "RayJob")["spec"].pop("submitterPodTemplate"),
+        "submitter pods: no pod template",
+    ),
+    "submitter as root": (
+        "bench-values.yaml",
+        lambda d: one(d, "RayJob")["spec"]["submitterPodTemplate"]["spec"]["securityContext"].update(
+            runAsUser=0, runAsNonRoot=False
+        ),
+        "submitter pods, container",
+    ),
     # NetworkPolicies
-    "workers open to everyone": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0].pop("from"),
-                                 "admits every port of the target pods from outside the release"),
-    "peers of any namespace": ("defaults",
-                               lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}),
-                               "admits every port of the draft pods from outside the release"),
-    "peers of another release": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]
-                                 ["matchLabels"].update({"app.kubernetes.io/instance": "other"}),
-                                 "admits every port of the head pods from outside the release"),
-    "peers: the head only": ("defaults", lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]
-                             ["matchLabels"].update({"specdist.io/role": "head"}),
-                             "target pods: the NetworkPolicies do not admit the ['draft', 'target'] pods"),
-    "workers not selected": ("defaults", lambda d: _policy(d, "")["spec"]["podSelector"]["matchLabels"]
-                             .update({"specdist.io/role": "head"}), "target pods: no NetworkPolicy selects them"),
-    "policy beyond the release": ("defaults", lambda d: _policy(d, "")["spec"].update(podSelector={}),
-                                  "selects pods of other releases too"),
-    "head: every port public": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0].pop("ports"),
-                                "admits every port of the head pods from outside the release"),
-    "head: GCS public": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(port=6379),
-                         "admits port 6379 of the head pods from outside the release"),
-    "head: public port closed": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"].pop(),
-                                 "public port http-metrics (9400) is admitted by no rule"),
-    "head: port range": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(
-        endPort=50100), "admits port 50051-50100 of the head pods"),
-    "dashboard without the bench": ("defaults", lambda d: _policy(d, "-public")["spec"]["ingress"].append(
-        {"ports": [{"port": 8265, "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}),
-        "admits port 8265 of the head pods from outside the release"),
-    "public policy on every pod": ("defaults", lambda d: _policy(d, "-public")["spec"]["podSelector"]["matchLabels"]
-                                   .pop("specdist.io/role"), "admits port 50051 of the target pods from outside"),
+    "workers open to everyone": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"]["ingress"][0].pop("from"),
+        "admits every port of the target pods from outside the release",
+    ),
+    "peers of any namespace": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}),
+        "admits every port of the draft pods from outside the release",
+    ),
+    "peers of another release": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update(
+            {"app.kubernetes.io/instance": "other"}
+        ),
+        "admits every port of the head pods from outside the release",
+    ),
+    "peers: the head only": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update(
+            {"specdist.io/role": "head"}
+        ),
+        "target pods: the NetworkPolicies do not admit the ['draft', 'target'] pods",
+    ),
+    "workers not selected": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"]["podSelector"]["matchLabels"].update({"specdist.io/role": "head"}),
+        "target pods: no NetworkPolicy selects them",
+    ),
+    "policy beyond the release": (
+        "defaults",
+        lambda d: _policy(d, "")["spec"].update(podSelector={}),
+        "selects pods of other releases too",
+    ),
+    "head: every port public": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["ingress"][0].pop("ports"),
+        "admits every port of the head pods from outside the release",
+    ),
+    "head: GCS public": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(port=6379),
+        "admits port 6379 of the head pods from outside the release",
+    ),
+    "head: public port closed": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["ingress"].pop(),
+        "public port http-metrics (9400) is admitted by no rule",
+    ),
+    "head: port range": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["ingress"][0]["ports"][0].update(endPort=50100),
+        "admits port 50051-50100 of the head pods",
+    ),
+    "dashboard without the bench": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["ingress"].append(
+            {"ports": [{"port": 8265, "protocol": "TCP"}], "from": [{"namespaceSelector": {}}]}
+        ),
+        "admits port 8265 of the head pods from outside the release",
+    ),
+    "public policy on every pod": (
+        "defaults",
+        lambda d: _policy(d, "-public")["spec"]["podSelector"]["matchLabels"].pop("specdist.io/role"),
+        "admits port 50051 of the target pods from outside",
+    ),
     "a policy missing": ("defaults", lambda d: d.remove(_policy(d, "")), "no NetworkPolicy selects them"),
 }
 
@@ -1049,7 +1305,11 @@ def _volume(docs, name):
 
 
 def _policy(docs, suffix):
-    return next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == _rc(docs)["metadata"]["name"] + suffix)
+    return next(
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == _rc(docs)["metadata"]["name"] + suffix
+    )
 
 
 def _set_env(container, name, value):
@@ -1119,11 +1379,16 @@ def test_gpu_shape():
 BAD_VALUES = {
     # name: (values, the key the message must name)
     "negative draft replicas": ({"draft": {"replicas": -1}}, "/draft/replicas"),
-    "GPUs != tensor-parallel size": ({"target": {"tensorParallelSize": 8, "gpusPerPod": 4},
-                                      "draft": {"gpusPerReplica": 1}}, "/target/gpusPerPod"),
+    "GPUs != tensor-parallel size": (
+        {"target": {"tensorParallelSize": 8, "gpusPerPod": 4}, "draft": {"gpusPerReplica": 1}},
+        "/target/gpusPerPod",
+    ),
     "malformed draft method": ({"draft": {"method": "self w8"}}, "/draft/method"),  # names: checked at start
     "draft replicas with method none": ({"draft": {"method": "none", "replicas": 1}}, "/draft/replicas"),
-    "CPU drafts next to a GPU target": ({"target": {"tensorParallelSize": 2, "gpusPerPod": 2}}, "/draft/gpusPerReplica"),
+    "CPU drafts next to a GPU target": (
+        {"target": {"tensorParallelSize": 2, "gpusPerPod": 2}},
+        "/draft/gpusPerReplica",
+    ),
     "GPU drafts next to a CPU target": ({"draft": {"gpusPerReplica": 1}}, "/draft/gpusPerReplica"),
     "hub model id": ({"model": {"target": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, "/model/target"),
     "unknown dtype": ({"target": {"dtype": "fp8"}}, "/target/dtype"),
@@ -1142,19 +1407,29 @@ BAD_VALUES = {
     "draft model for self-w8": ({"model": {"draft": "/models/d"}}, "/model/draft"),
     "client CA without TLS": ({"serve": {"tls": {"clientCA": True}}}, "/serve/tls/secretName"),
     "Secret name with capitals": ({"serve": {"tls": {"secretName": "My-TLS"}}}, "/serve/tls/secretName"),
-    "token key with a slash": ({"serve": {"auth": {"tokenSecretName": "tok", "tokenKey": "a/b"}}},
-                               "/serve/auth/tokenKey"),
+    "token key with a slash": (
+        {"serve": {"auth": {"tokenSecretName": "tok", "tokenKey": "a/b"}}},
+        "/serve/auth/tokenKey",
+    ),
     "old reserved token key": ({"serve": {"auth": {"tokenSecret": "tok"}}}, "tokenSecret"),
-    "ServiceMonitor without metrics": ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
-                                       "/metrics/enabled"),
-    "dashboard without metrics": ({"metrics": {"enabled": False, "grafanaDashboard": {"enabled": True}}},
-                                  "/metrics/enabled"),
+    "ServiceMonitor without metrics": (
+        {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
+        "/metrics/enabled",
+    ),
+    "dashboard without metrics": (
+        {"metrics": {"enabled": False, "grafanaDashboard": {"enabled": True}}},
+        "/metrics/enabled",
+    ),
     "metrics on Ray's metrics port": ({"metrics": {"port": 8080}}, "/metrics/port"),
     "metrics on the gRPC port": ({"metrics": {"port": 50051}}, "metrics.port: port 50051 is already serve.port's"),
-    "HTTP on the metrics port": ({"serve": {"http": {"enabled": True, "port": 9400}}},
-                                 "metrics.port: port 9400 is already serve.http.port's"),
-    "scrape interval": ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}},
-                        "/metrics/serviceMonitor/interval"),
+    "HTTP on the metrics port": (
+        {"serve": {"http": {"enabled": True, "port": 9400}}},
+        "metrics.port: port 9400 is already serve.http.port's",
+    ),
+    "scrape interval": (
+        {"metrics": {"serviceMonitor": {"interval": "30 seconds"}}},
+        "/metrics/serviceMonitor/interval",
+    ),
     "scrape scheme": ({"metrics": {"serviceMonitor": {"scheme": "grpc"}}}, "/metrics/serviceMonitor/scheme"),
     "bench against TLS": ({"bench": {"enabled": True}, "serve": {"tls": {"secretName": "tls"}}}, "bench.enabled"),
     "limit below the request default": ({"limits": {"maxTokens": 8}}, "/limits/maxTokens"),
@@ -1164,14 +1439,19 @@ BAD_VALUES = {
     "root gid": ({"security": {"runAsGroup": 0}}, "/security/runAsGroup"),
     "cache dir on /tmp": ({"security": {"cacheDir": "/tmp"}}, "/security/cacheDir"),
     "relative cache dir": ({"security": {"cacheDir": "cache"}}, "/security/cacheDir"),
-    "compile cache on the root filesystem": ({"engine": {"compileCacheDir": "/cache/inductor"}},
-                                             "engine.compileCacheDir: /cache/inductor is on the read-only root filesystem"),
-    "compile cache beside the cache dir": ({"engine": {"compileCacheDir": "/home/ray/.cache-x"}},
-                                           "engine.compileCacheDir"),
+    "compile cache on the root filesystem": (
+        {"engine": {"compileCacheDir": "/cache/inductor"}},
+        "engine.compileCacheDir: /cache/inductor is on the read-only root filesystem",
+    ),
+    "compile cache beside the cache dir": (
+        {"engine": {"compileCacheDir": "/home/ray/.cache-x"}},
+        "engine.compileCacheDir",
+    ),
     "misspelt peer": ({"networkPolicy": {"grpc": {"from": [{"podSelecter": {}}]}}}, "/networkPolicy/grpc/from/0"),
-    "ipBlock with a pod selector": ({"networkPolicy": {"http": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"},
-                                                                          "podSelector": {}}]}}},
-                                    "/networkPolicy/http/from/0"),
+    "ipBlock with a pod selector": (
+        {"networkPolicy": {"http": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}},
+        "/networkPolicy/http/from/0",
+    ),
     "unknown networkPolicy key": ({"networkPolicy": {"workers": {"from": []}}}, "workers"),
 }
 
@@ -1192,13 +1472,18 @@ def test_schema_choices_match_the_config_loader():
     assert not any(method.is_valid(m) for m in ("", "Model", "-x", "a b", "x;y", 3))
     assert schema["$defs"]["dtype"]["enum"] == list(specdist_config.DTYPES)
     chain = schema["properties"]["target"]["allOf"]  # one if/then per tensor-parallel size
-    assert [c["if"]["properties"]["tensorParallelSize"]["const"] for c in chain] == \
-        list(range(1, schema["properties"]["target"]["properties"]["tensorParallelSize"]["maximum"] + 1))
+    assert [c["if"]["properties"]["tensorParallelSize"]["const"] for c in chain] == list(
+        range(1, schema["properties"]["target"]["properties"]["tensorParallelSize"]["maximum"] + 1)
+    )
 
 
 def test_pipeline_values_reach_the_config():
-    assert _chart().schema["properties"]["draft"]["properties"]["pipelineMiss"]["enum"] == list(specdist_config.PIPELINE_MISS)
-    cfg = yaml.safe_load(config_map(render({"draft": {"pipeline": True, "pipelineMiss": "skip"}}))["data"]["config.yaml"])
+    assert _chart().schema["properties"]["draft"]["properties"]["pipelineMiss"]["enum"] == list(
+        specdist_config.PIPELINE_MISS
+    )
+    cfg = yaml.safe_load(
+        config_map(render({"draft": {"pipeline": True, "pipelineMiss": "skip"}}))["data"]["config.yaml"]
+    )
     d = specdist_config.load_config(cfg).draft
     assert (d.pipeline, d.pipeline_miss) == (True, "skip")
     d = specdist_config.load_config(yaml.safe_load(config_map(rendered("defaults"))["data"]["config.yaml"])).draft
@@ -1229,28 +1514,36 @@ def test_weights_reach_the_config_on_any_number_of_ranks():
 
 def test_coupling_reaches_the_config():
     for coupling in ("gumbel", "rejection"):
-        cfg = specdist_config.load_config(yaml.safe_load(config_map(
-            render({"sampling": {"coupling": coupling}}))["data"]["config.yaml"]))
+        cfg = specdist_config.load_config(
+            yaml.safe_load(config_map(render({"sampling": {"coupling": coupling}}))["data"]["config.yaml"])
+        )
         assert cfg.sampling.coupling == coupling
 
 
 def test_compile_setting_reaches_the_config():
     """engine.compile renders into the config as the loader reads it (YAML's bare on / off as booleans)."""
     for value, want in (("auto", "auto"), ("on", True), ("off", False), (True, True), (False, False)):
-        docs = render({"engine": {"compile": value, "compileCacheDir": "/tmp/inductor"},
-                       "target": {"tensorParallelSize": 1}})
+        docs = render(
+            {"engine": {"compile": value, "compileCacheDir": "/tmp/inductor"}, "target": {"tensorParallelSize": 1}}
+        )
         assert check_invariants(docs) == []
         cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"]))
         assert (cfg.engine.compile, cfg.engine.compile_cache_dir) == (want, "/tmp/inductor")
         # the config's directory is the cache: no TORCHINDUCTOR_CACHE_DIR to override it
         assert "TORCHINDUCTOR_CACHE_DIR" not in _env(_worker(docs, "target"))
     with pytest.raises(ConfigError, match="engine.compile"):  # the rule the chart mirrors
-        specdist_config.load_config({"engine": {"compile": "on"}, "cluster": {"enabled": True, "tensor_parallel_size": 2}})
+        specdist_config.load_config(
+            {"engine": {"compile": "on"}, "cluster": {"enabled": True, "tensor_parallel_size": 2}}
+        )
 
 
-SUFFIX_VALUES = {"suffixMaxDepth": "suffix_max_depth", "suffixMinProb": "suffix_min_prob",
-                 "suffixMaxSpecFactor": "suffix_max_spec_factor", "suffixCacheRequests": "suffix_cache_requests",
-                 "suffixMinScore": "suffix_min_score"}
+SUFFIX_VALUES = {
+    "suffixMaxDepth": "suffix_max_depth",
+    "suffixMinProb": "suffix_min_prob",
+    "suffixMaxSpecFactor": "suffix_max_spec_factor",
+    "suffixCacheRequests": "suffix_cache_requests",
+    "suffixMinScore": "suffix_min_score",
+}
 
 
 def test_suffix_values_match_the_config_loader():
@@ -1276,8 +1569,13 @@ def test_suffix_values_match_the_config_loader():
 
 def test_suffix_values_reach_the_config():
     """Set values reach the config as set, zeros and small floats included (no template `default` swaps 0)."""
-    values = {"suffixMaxDepth": 2, "suffixMinProb": 0, "suffixMaxSpecFactor": 0.5, "suffixCacheRequests": 0,
-              "suffixMinScore": 0}
+    values = {
+        "suffixMaxDepth": 2,
+        "suffixMinProb": 0,
+        "suffixMaxSpecFactor": 0.5,
+        "suffixCacheRequests": 0,
+        "suffixMinScore": 0,
+    }
     for draft in (values, {**values, "suffixMinProb": 0.00001, "suffixMaxSpecFactor": 256, "suffixMinScore": 64}):
         docs = render({"draft": {"method": "hybrid", **draft}})
         assert check_invariants(docs) == []
@@ -1294,8 +1592,12 @@ def test_chart_renders_every_config_key():
     docs = render({"draft": {"lengthPolicy": "fixed"}})
     cfg = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
     for section in dataclasses.fields(specdist_config.Config):
-        fields = {f.name for f in dataclasses.fields(section.type if isinstance(section.type, type)
-                                                      else getattr(specdist_config, section.type))}
+        fields = {
+            f.name
+            for f in dataclasses.fields(
+                section.type if isinstance(section.type, type) else getattr(specdist_config, section.type)
+            )
+        }
         missing = fields - set(cfg[section.name])
         if section.name == "cluster":
             missing -= {"gpus_per_draft"}  # rendered with GPUs only (the loader requires it > 0)
@@ -1307,12 +1609,17 @@ def test_chart_renders_every_config_key():
 def test_draft_settings_reach_the_config():
     """A method's own settings the chart does not name reach the config as set (draft.settings); the schema
     refuses a key the chart renders from a named value (it would be written twice) and non-scalar values."""
-    docs = render({"draft": {"method": "repeat-last", "settings": {"repeat_cap": 2, "mode": "x", "on": True,
-                                                                  "ratio": 0.25}}})
+    docs = render(
+        {"draft": {"method": "repeat-last", "settings": {"repeat_cap": 2, "mode": "x", "on": True, "ratio": 0.25}}}
+    )
     cfg = specdist_config.load_config(yaml.safe_load(config_map(docs)["data"]["config.yaml"])).draft
     assert cfg.method == "repeat-last"
-    assert {k: cfg.settings[k] for k in ("repeat_cap", "mode", "on", "ratio")} == \
-        {"repeat_cap": 2, "mode": "x", "on": True, "ratio": 0.25}  # "on": a string key, not YAML's boolean
+    assert {k: cfg.settings[k] for k in ("repeat_cap", "mode", "on", "ratio")} == {
+        "repeat_cap": 2,
+        "mode": "x",
+        "on": True,
+        "ratio": 0.25,
+    }  # "on": a string key, not YAML's boolean
     # the keys settings may not use are exactly those the chart renders from named values (kept in step here)
     rendered_keys = set(yaml.safe_load(config_map(render({}))["data"]["config.yaml"])["draft"])
     refused = _chart().schema["properties"]["draft"]["properties"]["settings"]["propertyNames"]["not"]["enum"]
@@ -1391,10 +1698,17 @@ def promql_problems(expr: str, series: dict[str, frozenset[str]]) -> list[str]:
     if unknown:
         p.append(f"{expr!r}: {unknown} not exported by specdist.api.metrics")
     known = set().union(*(series[n] for n in names if n in series)) | TARGET_LABELS
-    used = [lab for body in re.findall(r"specdist_[A-Za-z0-9_:]*\{([^}]*)\}", bare)
-            for lab in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", body)]
-    used += [lab.strip() for grp in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", bare)
-             for lab in grp.split(",") if lab.strip()]
+    used = [
+        lab
+        for body in re.findall(r"specdist_[A-Za-z0-9_:]*\{([^}]*)\}", bare)
+        for lab in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", body)
+    ]
+    used += [
+        lab.strip()
+        for grp in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", bare)
+        for lab in grp.split(",")
+        if lab.strip()
+    ]
     bad = sorted(set(used) - known)
     if bad:
         p.append(f"{expr!r}: labels {bad} are on none of its series")
@@ -1429,8 +1743,11 @@ def _dashboard() -> dict:
 
 def test_dashboard_queries_only_exported_metrics():
     series = exported_series()
-    assert {"specdist_request_success_total", "specdist_time_to_first_token_seconds_bucket",
-            "specdist_spec_decode_realized_speedup"} <= set(series)  # the suffixes as exposed
+    assert {
+        "specdist_request_success_total",
+        "specdist_time_to_first_token_seconds_bucket",
+        "specdist_spec_decode_realized_speedup",
+    } <= set(series)  # the suffixes as exposed
     dash = _dashboard()
     assert dashboard_problems(dash, series) == []
     # every exported family has a panel (a new metric needs one)
@@ -1466,18 +1783,28 @@ def test_metrics_on_renders_ports_flags_servicemonitor_and_dashboard():
     assert _container_port(docs, "http-metrics")["containerPort"] == 9400
     svc = one(docs, "Service")
     sports = {sp["name"]: sp for sp in svc["spec"]["ports"]}
-    assert sports["http-metrics"] == {"name": "http-metrics", "port": 9400, "targetPort": "http-metrics", "protocol": "TCP"}
+    assert sports["http-metrics"] == {
+        "name": "http-metrics",
+        "port": 9400,
+        "targetPort": "http-metrics",
+        "protocol": "TCP",
+    }
     assert sports["http"]["targetPort"] == "http"
     sm = one(docs, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert [(e["port"], e["scheme"], e["path"], e["interval"]) for e in sm["spec"]["endpoints"]] == \
-        [("http-metrics", "http", "/metrics", "30s")]
+    assert [(e["port"], e["scheme"], e["path"], e["interval"]) for e in sm["spec"]["endpoints"]] == [
+        ("http-metrics", "http", "/metrics", "30s")
+    ]
     dash_cm = one([d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" not in d["data"]], "ConfigMap")
     assert dash_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dash_cm["data"]["specdist.json"]) == _dashboard()
-    assert [e for d in docs if d["kind"] != "RayCluster" for e in
-            (crd_errors(d) if d["kind"] in CRD_FILES else core_errors(d))] == []
+    assert [
+        e
+        for d in docs
+        if d["kind"] != "RayCluster"
+        for e in (crd_errors(d) if d["kind"] in CRD_FILES else core_errors(d))
+    ] == []
 
 
 def test_metrics_off_renders_none_of_it():
@@ -1495,13 +1822,23 @@ def test_metrics_off_renders_none_of_it():
 
 # ---------------------------------------------------------------- pod security and NetworkPolicies
 
+
 def test_every_pod_runs_non_root_on_a_read_only_root_filesystem():
     sec = _chart().values["security"]
-    want_pod = {"runAsNonRoot": True, "runAsUser": sec["runAsUser"], "runAsGroup": sec["runAsGroup"],
-                "fsGroup": sec["fsGroup"], "fsGroupChangePolicy": "OnRootMismatch",
-                "seccompProfile": {"type": "RuntimeDefault"}}
-    want_container = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                      "capabilities": {"drop": ["ALL"]}}
+    want_pod = {
+        "runAsNonRoot": True,
+        "runAsUser": sec["runAsUser"],
+        "runAsGroup": sec["runAsGroup"],
+        "fsGroup": sec["fsGroup"],
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    want_container = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     for case in ("defaults", "bench-values.yaml", "secure-values.yaml", "gpu-8x-values.yaml"):
         docs = rendered(case)
         assert pod_security_problems(docs) == []
@@ -1519,8 +1856,12 @@ def test_every_pod_runs_non_root_on_a_read_only_root_filesystem():
     # the variable is the one specdist reads (runner.py:use_compile_cache)
     assert '"TORCHINDUCTOR_CACHE_DIR"' in (REPO / "specdist" / "models" / "runner.py").read_text()
     # other ids and another cache directory reach every pod
-    docs = render({"security": {"runAsUser": 2000, "runAsGroup": 3000, "fsGroup": 4000, "cacheDir": "/var/cache/sd"},
-                   "bench": {"enabled": True}})
+    docs = render(
+        {
+            "security": {"runAsUser": 2000, "runAsGroup": 3000, "fsGroup": 4000, "cacheDir": "/var/cache/sd"},
+            "bench": {"enabled": True},
+        }
+    )
     assert check_invariants(docs) == []
     for tpl in all_pod_templates(docs).values():
         psc, c = tpl["spec"]["securityContext"], tpl["spec"]["containers"][0]
@@ -1537,31 +1878,39 @@ def test_network_policies_admit_the_deployment_and_the_public_ports():
         assert own.items() <= tpl["metadata"]["labels"].items(), name  # what the policies select on
     internal, public = _policy(docs, ""), _policy(docs, "-public")
     # every pod: from the deployment's own pods, on every port (the private ports are picked at run time)
-    assert internal["spec"] == {"podSelector": {"matchLabels": own}, "policyTypes": ["Ingress"],
-                                "ingress": [{"from": [{"podSelector": {"matchLabels": own}}]}]}
+    assert internal["spec"] == {
+        "podSelector": {"matchLabels": own},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": own}}]}],
+    }
     # the head: its public ports, from anywhere by default
-    assert public["spec"] == {"podSelector": {"matchLabels": {**own, "specdist.io/role": "head"}},
-                              "policyTypes": ["Ingress"],
-                              "ingress": [{"ports": [{"port": 50051, "protocol": "TCP"}]},
-                                          {"ports": [{"port": 9400, "protocol": "TCP"}]}]}
+    assert public["spec"] == {
+        "podSelector": {"matchLabels": {**own, "specdist.io/role": "head"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"port": 50051, "protocol": "TCP"}]}, {"ports": [{"port": 9400, "protocol": "TCP"}]}],
+    }
     # peers from values, as written
     docs = rendered("secure-values.yaml")
     assert network_policy_problems(docs) == []
     peers = CASES["secure-values.yaml"]["networkPolicy"]
-    assert [(r["ports"], r["from"]) for r in _policy(docs, "-public")["spec"]["ingress"]] == \
-        [([{"port": port, "protocol": "TCP"}], peers[key]["from"])
-         for port, key in ((50051, "grpc"), (8000, "http"), (9400, "metrics"))]
+    assert [(r["ports"], r["from"]) for r in _policy(docs, "-public")["spec"]["ingress"]] == [
+        ([{"port": port, "protocol": "TCP"}], peers[key]["from"])
+        for port, key in ((50051, "grpc"), (8000, "http"), (9400, "metrics"))
+    ]
     # the bench: Ray's dashboard port from the KubeRay operator (the submitter is one of the deployment's pods)
     docs = rendered("bench-values.yaml")
     assert network_policy_problems(docs) == []
-    assert _policy(docs, "-public")["spec"]["ingress"][-1] == \
-        {"ports": [{"port": 8265, "protocol": "TCP"}], "from": [_chart().values["networkPolicy"]["kuberayOperator"]]}
+    assert _policy(docs, "-public")["spec"]["ingress"][-1] == {
+        "ports": [{"port": 8265, "protocol": "TCP"}],
+        "from": [_chart().values["networkPolicy"]["kuberayOperator"]],
+    }
     # off: none rendered
     docs = rendered("network policy off")
     assert [d for d in docs if d["kind"] == "NetworkPolicy"] == [] and check_invariants(docs) == []
 
 
 # ---------------------------------------------------------------- TLS and token
+
 
 def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
     docs = rendered("secure-values.yaml")
@@ -1570,15 +1919,22 @@ def test_tls_and_token_render_read_only_mounts_flags_and_tls_probes():
     head = tpl["spec"]["containers"][0]
     args = build_parser().parse_args(shlex.split(head["args"][0].splitlines()[-1])[2:])
     tls_dir, auth_dir = "/var/run/secrets/specdist/tls", "/var/run/secrets/specdist/auth"
-    assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file) == \
-        (f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt", f"{auth_dir}/token")
+    assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file) == (
+        f"{tls_dir}/tls.crt",
+        f"{tls_dir}/tls.key",
+        f"{tls_dir}/ca.crt",
+        f"{auth_dir}/token",
+    )
     mounts = {m["name"]: m for m in head["volumeMounts"]}
     assert mounts["specdist-tls"] == {"name": "specdist-tls", "mountPath": tls_dir, "readOnly": True}
     assert mounts["specdist-auth"] == {"name": "specdist-auth", "mountPath": auth_dir, "readOnly": True}
     vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
     assert vols["specdist-tls"]["secret"] == {"secretName": "specdist-tls", "defaultMode": 0o440}
-    assert vols["specdist-auth"]["secret"] == {"secretName": "specdist-token", "defaultMode": 0o440,
-                                               "items": [{"key": "token", "path": "token"}]}
+    assert vols["specdist-auth"]["secret"] == {
+        "secretName": "specdist-token",
+        "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}],
+    }
     assert tpl["spec"]["securityContext"]["fsGroup"] == _chart().values["security"]["fsGroup"]  # reads them
     for probe, service in (("startupProbe", None), ("readinessProbe", API_SERVICE), ("livenessProbe", LIVENESS)):
         cmd = head[probe]["exec"]["command"]
@@ -1609,24 +1965,29 @@ def _pem_cert(subject: str, key, issuer: str, issuer_key, san: str, ca: bool = F
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder()
-         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-         .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = (b.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
-             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                            critical=False))
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False).add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return b.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def _pem_key(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -1664,7 +2025,8 @@ def _health_server(cert_dir: Path | None, client_ca: bool = False):
         creds = grpc.ssl_server_credentials(
             [((cert_dir / "tls.key").read_bytes(), (cert_dir / "tls.crt").read_bytes())],
             root_certificates=(cert_dir / "ca.crt").read_bytes() if client_ca else None,
-            require_client_auth=client_ca)
+            require_client_auth=client_ca,
+        )
         port = server.add_secure_port("127.0.0.1:0", creds)
     server.start()
     try:
@@ -1730,6 +2092,7 @@ def test_tls_probes_follow_the_hosts_liveness(tls_dirs):
 
 # ---------------------------------------------------------------- the image and the README
 
+
 def test_dockerfile():
     text = (REPO / "Dockerfile").read_text()
     lines = [ln.strip() for ln in text.splitlines()]
@@ -1770,8 +2133,11 @@ def test_readme_deployment_steps_match_the_chart():
     image = f"{values['image']['repository']}:{values['image']['tag']}"
     assert any(c.startswith("docker build") and f"-t {image}" in c for c in cmds), "README builds the default image"
     assert any("kuberay-operator" in c and "--version" in c for c in cmds), "README installs a pinned KubeRay operator"
-    helm_cmds = [shlex.split(c) for c in cmds
-                 if c.startswith(("helm install", "helm upgrade")) and "helm/specdist" in shlex.split(c)]
+    helm_cmds = [
+        shlex.split(c)
+        for c in cmds
+        if c.startswith(("helm install", "helm upgrade")) and "helm/specdist" in shlex.split(c)
+    ]
     assert helm_cmds
     for argv in helm_cmds:
         merged: dict = {}
@@ -1817,9 +2183,19 @@ def test_reserved_draft_keys_fail_in_the_templates_without_the_schema(tmp_path):
     """A key draft.settings may not use fails in the templates too: with the schema skipped,
     ``draft.settings: {suffix_scope: shared}`` would otherwise undo tenant isolation (the config's last key wins)."""
     reserved = _chart().schema["properties"]["draft"]["properties"]["settings"]["propertyNames"]["not"]["enum"]
-    cfg = yaml.safe_load(config_map([d for d in yaml.safe_load_all(
-        _render_without_schema({"draft": {"settings": {"repeat_cap": 2}}}, tmp_path)
-        ["specdist/templates/configmap.yaml"]) if d])["data"]["config.yaml"])
+    cfg = yaml.safe_load(
+        config_map(
+            [
+                d
+                for d in yaml.safe_load_all(
+                    _render_without_schema({"draft": {"settings": {"repeat_cap": 2}}}, tmp_path)[
+                        "specdist/templates/configmap.yaml"
+                    ]
+                )
+                if d
+            ]
+        )["data"]["config.yaml"]
+    )
     assert cfg["draft"]["repeat_cap"] == 2 and cfg["draft"]["suffix_scope"] == "tenant"  # the control renders
     for key in [*reserved, "Bad-Key"]:
         value = {"settings": {"x": 1}} if key == "settings" else "shared"
@@ -1852,8 +2228,11 @@ def test_production_values_lock_the_release_down():
     head = pod_templates(one(docs, "RayCluster"))["head"]["spec"]["containers"][0]
     args = shlex.split(head["args"][0])
     auth = "/var/run/secrets/specdist/auth"
-    for flag, value in (("--auth-token-file", f"{auth}/tokens"), ("--admin-token-file", f"{auth}/admin"),
-                        ("--tls-client-ca", "/var/run/secrets/specdist/tls/ca.crt")):
+    for flag, value in (
+        ("--auth-token-file", f"{auth}/tokens"),
+        ("--admin-token-file", f"{auth}/admin"),
+        ("--tls-client-ca", "/var/run/secrets/specdist/tls/ca.crt"),
+    ):
         assert value in args[args.index(flag) + 1], (flag, args)
     sm = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
     assert sm["scheme"] == "https" and sm["authorization"]["credentials"]["key"] == "admin"

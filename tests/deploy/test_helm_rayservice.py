@@ -30,9 +30,22 @@ import helm_python as helm
 import jsonschema
 import pytest
 import yaml
-from test_helm_chart import (CHART, CRDS, K8S_VERSION, NAMESPACE, RELEASE, _chart, _close, config_map,
-                             core_errors, network_policy_problems, one, pod_security_problems, pod_template_object,
-                             render)
+from test_helm_chart import (
+    CHART,
+    CRDS,
+    K8S_VERSION,
+    NAMESPACE,
+    RELEASE,
+    _chart,
+    _close,
+    config_map,
+    core_errors,
+    network_policy_problems,
+    one,
+    pod_security_problems,
+    pod_template_object,
+    render,
+)
 
 from specdist import config as specdist_config
 from specdist.cores.proposers import check_draft
@@ -40,17 +53,26 @@ from specdist.cores.proposers import check_draft
 pytestmark = pytest.mark.helm
 
 COUNT = {"replicas": 2}
-AUTOSCALING = {"replicas": {"min": 1, "max": 4, "targetOngoingRequests": 6, "upscaleDelaySeconds": 5,
-                            "downscaleDelaySeconds": 120}}
+AUTOSCALING = {
+    "replicas": {"min": 1, "max": 4, "targetOngoingRequests": 6, "upscaleDelaySeconds": 5, "downscaleDelaySeconds": 120}
+}
 CASES = {
     "count": COUNT,
     "autoscaling": AUTOSCALING,
-    "secure": {**AUTOSCALING, "serve": {"http": {"enabled": True, "port": 8443},
-                                        "tls": {"secretName": "specdist-tls", "clientCA": True},
-                                        "auth": {"tokenSecretName": "specdist-token", "adminTokenKey": "admin"}}},
-    "gpu": {"replicas": {"min": 2, "max": 3}, "target": {"tensorParallelSize": 2, "gpusPerPod": 2},
-            "draft": {"replicas": 2, "gpusPerReplica": 1},
-            "replicaPod": {"resources": {"limits": {"cpu": "8", "memory": "32Gi"}}}},
+    "secure": {
+        **AUTOSCALING,
+        "serve": {
+            "http": {"enabled": True, "port": 8443},
+            "tls": {"secretName": "specdist-tls", "clientCA": True},
+            "auth": {"tokenSecretName": "specdist-token", "adminTokenKey": "admin"},
+        },
+    },
+    "gpu": {
+        "replicas": {"min": 2, "max": 3},
+        "target": {"tensorParallelSize": 2, "gpusPerPod": 2},
+        "draft": {"replicas": 2, "gpusPerReplica": 1},
+        "replicaPod": {"resources": {"limits": {"cpu": "8", "memory": "32Gi"}}},
+    },
 }
 FRONT_RESOURCE = "specdist_front"
 
@@ -90,14 +112,20 @@ def as_raycluster(docs: list[dict]) -> list[dict]:
     svc = copy.deepcopy(rs["spec"]["serveService"])
     svc = {"apiVersion": "v1", "kind": "Service", **svc}
     svc["spec"]["selector"] = {"ray.io/cluster": RELEASE, "ray.io/serve": "true"}
-    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": RELEASE},
-          "spec": copy.deepcopy(rs["spec"]["rayClusterConfig"])}
+    rc = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": RELEASE},
+        "spec": copy.deepcopy(rs["spec"]["rayClusterConfig"]),
+    }
     return [d for d in docs if d["kind"] != "RayService"] + [rc, svc]
 
 
 @pytest.fixture(scope="module")
 def crd() -> jsonschema.Draft4Validator:
-    doc = yaml.load((CRDS / "ray.io_rayservices.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    doc = yaml.load(
+        (CRDS / "ray.io_rayservices.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    )
     assert doc["spec"]["names"]["kind"] == "RayService"
     version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
     return jsonschema.Draft4Validator(_close(version["schema"]["openAPIV3Schema"]))
@@ -138,12 +166,15 @@ def operator_rule_problems(rs: dict) -> list[str]:
         p.append("serveService.spec.selector: KubeRay replaces it")
     for sp in svc.get("spec", {}).get("ports", []):
         if sp.get("targetPort") not in ports:
-            p.append(f"serveService port {sp.get('name')}: targetPort {sp.get('targetPort')!r} is no named port of the "
-                     "head (the replica pods are labelled for the Service too: a named port only the head has keeps "
-                     "them out of its endpoints)")
+            p.append(
+                f"serveService port {sp.get('name')}: targetPort {sp.get('targetPort')!r} is no named port of the "
+                "head (the replica pods are labelled for the Service too: a named port only the head has keeps "
+                "them out of its endpoints)"
+            )
     for name, g in groups(rs).items():
-        if name != "head" and ports & {pt["name"] for c in g["template"]["spec"]["containers"]
-                                       for pt in c.get("ports", [])}:
+        if name != "head" and ports & {
+            pt["name"] for c in g["template"]["spec"]["containers"] for pt in c.get("ports", [])
+        }:
             p.append(f"worker group {name} declares a public port name: the Service would reach its pods")
     return p
 
@@ -274,7 +305,9 @@ def test_import_path_resolves_to_build_app_and_the_args_are_its_own():
         assert set(args) <= serve_mod.BUILD_APP_ARGS, (case, set(args) - serve_mod.BUILD_APP_ARGS)
         for key in ("grpc_port", "max_queued", "drain_seconds") + (("http_port",) if "http_port" in args else ()):
             assert isinstance(args[key], int), (case, key)
-    assert set(app_args(rayservice(rendered("secure")))) == serve_mod.BUILD_APP_ARGS  # every arg is rendered by some case
+    assert (
+        set(app_args(rayservice(rendered("secure")))) == serve_mod.BUILD_APP_ARGS
+    )  # every arg is rendered by some case
     with pytest.raises(serve_mod.ReplicasError, match="unknown args.*'num_replicas'"):
         build_app({**app_args(rayservice(rendered("count"))), "num_replicas": 3})  # checked before anything starts
 
@@ -300,12 +333,16 @@ def test_serve_config_reads_back_into_specdists_config(case):
         assert (plan.min, plan.max) == (r, r)
     else:
         assert (plan.min, plan.max) == (r["min"], r.get("max", r["min"]))
-        for key, field in (("targetOngoingRequests", "target_ongoing_requests"), ("upscaleDelaySeconds", "upscale_delay_s"),
-                           ("downscaleDelaySeconds", "downscale_delay_s")):
+        for key, field in (
+            ("targetOngoingRequests", "target_ongoing_requests"),
+            ("upscaleDelaySeconds", "upscale_delay_s"),
+            ("downscaleDelaySeconds", "downscale_delay_s"),
+        ):
             if key in r:
                 assert getattr(plan, field) == r[key], key
-    opts = deployment_options(cfg, app_args(rayservice(docs))["max_queued"], app_args(rayservice(docs))["drain_seconds"],
-                              cfg.cluster.use_gpu)
+    opts = deployment_options(
+        cfg, app_args(rayservice(docs))["max_queued"], app_args(rayservice(docs))["drain_seconds"], cfg.cluster.use_gpu
+    )
     if plan.autoscaling:
         auto = opts["autoscaling_config"]
         assert (auto["min_replicas"], auto["initial_replicas"], auto["max_replicas"]) == (plan.min, plan.min, plan.max)
@@ -338,8 +375,14 @@ def test_pods_fit_what_serve_places(case):
     rs = rayservice(rendered(case))
     cfg = _load(app_args(rs)["config"])
     cc = cfg.cluster
-    bundles, strategy = replica_bundles(cc.tensor_parallel_size, cc.num_draft_workers, cc.use_gpu, cc.cpus_per_rank,
-                                        cc.cpus_per_draft, cc.gpus_per_draft)
+    bundles, strategy = replica_bundles(
+        cc.tensor_parallel_size,
+        cc.num_draft_workers,
+        cc.use_gpu,
+        cc.cpus_per_rank,
+        cc.cpus_per_draft,
+        cc.gpus_per_draft,
+    )
     need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
     g = groups(rs)
     assert set(g) == {"head", "replica"}
@@ -410,14 +453,20 @@ BAD_VALUES = {
     # the values schema's (Helm lists each alternative of the oneOf it tried)
     "no replicas": ({"replicas": 0}, "at '/replicas': minimum: got 0, want 1"),
     "max without min": ({"replicas": {"max": 2}}, "at '/replicas': missing property 'min'"),
-    "misspelt autoscaling key": ({"replicas": {"min": 1, "max": 2, "targetOngoingRequest": 4}},
-                                 "additional properties 'targetOngoingRequest' not allowed"),
-    "misspelt replica pod key": ({"replicas": 2, "replicaPod": {"resource": {}}},
-                                 "at '/replicaPod': additional properties 'resource' not allowed"),
+    "misspelt autoscaling key": (
+        {"replicas": {"min": 1, "max": 2, "targetOngoingRequest": 4}},
+        "additional properties 'targetOngoingRequest' not allowed",
+    ),
+    "misspelt replica pod key": (
+        {"replicas": 2, "replicaPod": {"resource": {}}},
+        "at '/replicaPod': additional properties 'resource' not allowed",
+    ),
     # the templates' (specdist.validateRayService): one line
     "bench job with replicas": ({"replicas": 2, "bench": {"enabled": True}}, "bench.enabled: the bench RayJob runs"),
-    "HTTP on Serve's proxy port": ({"replicas": 2, "serve": {"http": {"enabled": True}}},
-                                   "serve.http.port: port 8000 is Ray Serve's HTTP proxy"),
+    "HTTP on Serve's proxy port": (
+        {"replicas": 2, "serve": {"http": {"enabled": True}}},
+        "serve.http.port: port 8000 is Ray Serve's HTTP proxy",
+    ),
     "gRPC on Serve's proxy port": ({"replicas": 2, "serve": {"port": 8000}}, "serve.port: port 8000"),
     "metrics on Serve's proxy port": ({"replicas": 2, "metrics": {"port": 8000}}, "metrics.port: port 8000"),
 }
@@ -442,9 +491,13 @@ def test_docs_commands_render_a_valid_rayservice(crd):
     """The helm commands of docs/deployment.md's RayService section render a RayService that validates."""
     text = (CHART.parents[1] / "docs" / "deployment.md").read_text()
     start = text.index("### Replicas on Ray Serve (RayService)")
-    section = text[start:text.index("\n## ", start)]
-    cmds = [shlex.split(c) for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-            for c in block.splitlines() if c.startswith("helm install")]
+    section = text[start : text.index("\n## ", start)]
+    cmds = [
+        shlex.split(c)
+        for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+        for c in block.splitlines()
+        if c.startswith("helm install")
+    ]
     assert len(cmds) == 2
     for argv in cmds:
         values = helm.parse_set_string(argv[argv.index("--set") + 1])

@@ -1,9 +1,9 @@
 """The CPU kernels are built when the package is installed, checked before they load, and chosen by
 ``engine.cpu_kernels``.
 
-``pip install -e .`` (the README's commands, ``.ci/run``) compiles ``specdist/models/kernels/cpu_kernels.c`` into a library
-beside the module (``setup.py``); without a C compiler the install goes on and says so in one line. At run time the
-library loads only where the CPU has the features it was compiled for and its digest matches the installed source;
+``pip install -e .`` (the README's commands, ``.ci/run``) compiles ``specdist/models/kernels/cpu_kernels.c`` into a
+library beside the module (``setup.py``); without a C compiler the install goes on and says so in one line. At run time
+the library loads only where the CPU has the features it was compiled for and its digest matches the installed source;
 ``auto`` says once on stderr which kernels run, ``required`` refuses to start without them.
 """
 
@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.helpers import tiny_config
 
 from specdist.cli import main
 from specdist.errors import ConfigError
 from specdist.models.kernels import cpu_kernels, kernel_abi
-
-from support.helpers import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -46,8 +45,10 @@ def fresh_kernels(monkeypatch):
     clear()
 
 
-@pytest.mark.skipif(not X86 or shutil.which(os.environ.get("CC", "cc")) is None,
-                    reason="the kernels are built for x86-64, with a C compiler")
+@pytest.mark.skipif(
+    not X86 or shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="the kernels are built for x86-64, with a C compiler",
+)
 def test_the_install_built_the_kernels_beside_the_module(fresh_kernels):
     path = cpu_kernels.library_path()
     assert path is not None, "pip install -e . built no library (setup.py's build_ext)"
@@ -67,8 +68,21 @@ def test_the_kinds_are_defined_once():
     assert not re.search(r"\bLIN_\w+\s*=\s*\d|#define\s+(LIN_|LAYER_|IQ4_VALUES|QK\b)|\bLAYER_\w+\s*=\s*\d", c)
     assert re.search(r"#ifndef SPECDIST_ABI\s+#error", c)
     names = dict(kernel_abi.macros())
-    for name in ("LIN_Q4", "LIN_Q8", "LIN_F32", "LIN_BF16", "LIN_F16", "LIN_Q6_16", "LIN_Q5", "LIN_Q4_16", "LIN_Q2M_16",
-                 "LIN_IQ4", "LIN_Q7_16", "LIN_HALF_SCALES", "LIN_SUPER_SCALES"):
+    for name in (
+        "LIN_Q4",
+        "LIN_Q8",
+        "LIN_F32",
+        "LIN_BF16",
+        "LIN_F16",
+        "LIN_Q6_16",
+        "LIN_Q5",
+        "LIN_Q4_16",
+        "LIN_Q2M_16",
+        "LIN_IQ4",
+        "LIN_Q7_16",
+        "LIN_HALF_SCALES",
+        "LIN_SUPER_SCALES",
+    ):
         assert getattr(cpu_kernels, name) == int(names[name]), name
         assert re.search(rf"\b{name}\b", c), f"{name} is defined for the C file but it never uses it"
     assert cpu_kernels.IQ4_VALUES == tuple(int(v) for v in names["IQ4_VALUES"].split(","))
@@ -80,8 +94,14 @@ def test_a_build_without_a_compiler_goes_on_and_says_so_in_one_line(tmp_path):
     """setup.py's build_ext with a compiler that does not exist: the build succeeds without the library and says
     so in one line (pip shows it with -v; specdist says it again at run time, next test)."""
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc")}
-    out = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b", str(tmp_path / "lib"), "-t",
-                          str(tmp_path / "tmp")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "-b", str(tmp_path / "lib"), "-t", str(tmp_path / "tmp")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stderr.splitlines() if line.startswith("specdist:")]
     assert len(said) == 1 and "not built" in said[0] and "torch's kernels run instead" in said[0], out.stderr
@@ -94,11 +114,16 @@ def test_without_the_kernels_auto_says_so_once_and_required_refuses(fresh_kernel
     fresh_kernels.setattr(cpu_kernels, "library_path", lambda: None)
     assert cpu_kernels.configure("auto") == cpu_kernels.configure("auto") == cpu_kernels.backend()
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdist:")]
-    assert said == ["specdist: CPU kernels: torch's kernels: the C kernels were not built with this install (no C "
-                    "compiler, or not x86-64); reinstall with one: pip install ."]
+    assert said == [
+        "specdist: CPU kernels: torch's kernels: the C kernels were not built with this install (no C "
+        "compiler, or not x86-64); reinstall with one: pip install ."
+    ]
     assert not cpu_kernels.available() and cpu_kernels.library() is None
-    with pytest.raises(ConfigError, match=r"engine.cpu_kernels: required, but they do not run here: the C kernels "
-                                          r"were not built"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.cpu_kernels: required, but they do not run here: the C kernels "
+        r"were not built",
+    ):
         cpu_kernels.configure("required")
     assert cpu_kernels.built_problem().startswith("specdist: the C kernels were not built")  # (what fails an image)
 
@@ -159,13 +184,30 @@ def test_a_library_from_another_source_or_writable_by_others_is_refused(fresh_ke
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not X86 or shutil.which(os.environ.get("CC", "cc")) is None,
-                    reason="the kernels are built for x86-64, with a C compiler")
+@pytest.mark.skipif(
+    not X86 or shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="the kernels are built for x86-64, with a C compiler",
+)
 def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tmp_path):
     """What a non-editable install (the Docker image's `pip install .`) gets: the wheel holds the library beside the
     C source and kernel_abi.py, and specdist imported from the unpacked wheel loads that library."""
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(tmp_path / "wheel"), str(REPO)], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = (tmp_path / "wheel").glob("specdist-*.whl")
     import zipfile
@@ -175,10 +217,18 @@ def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tm
         z.extractall(tmp_path / "site")
     assert any(re.fullmatch(r"specdist/models/kernels/_cpu_kernels\..*\.so", n) for n in names), names
     assert {"specdist/models/kernels/cpu_kernels.c", "specdist/models/kernels/kernel_abi.py"} <= set(names)
-    probe = ("from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
-             "print(k.built_problem()); print(k.backend())")
-    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    probe = (
+        "from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+        "print(k.built_problem()); print(k.backend())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     module, library, problem, backend = run.stdout.splitlines()[-4:]
     assert module.startswith(str(tmp_path / "site")) and library.startswith(str(tmp_path / "site")), run.stdout
@@ -188,15 +238,19 @@ def test_a_wheel_carries_the_kernels_and_they_load_from_where_it_is_installed(tm
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cpu_kernels.library_path() is None or bool(cpu_kernels.missing_cpu_features()),
-                    reason="needs the installed library, on a CPU that runs it")
+@pytest.mark.skipif(
+    cpu_kernels.library_path() is None or bool(cpu_kernels.missing_cpu_features()),
+    reason="needs the installed library, on a CPU that runs it",
+)
 def test_a_copy_of_the_sources_without_the_library_loads_the_installed_one(tmp_path):
     """A Ray job's working_dir is such a copy (Ray leaves out what .gitignore names, the built library among them):
     its workers import specdist from the copy and load the library the machine's install built from the same
     source; an edited copy's source does not match it and gets torch's kernels, saying why."""
     shutil.copytree(REPO / "specdist", tmp_path / "specdist", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    probe = ("from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
-             "print(k.library_candidates()[0]); print(k.backend())")
+    probe = (
+        "from specdist.models.kernels import cpu_kernels as k; print(k.__file__); print(k.library_path()); "
+        "print(k.library_candidates()[0]); print(k.backend())"
+    )
 
     def run() -> list[str]:
         out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)

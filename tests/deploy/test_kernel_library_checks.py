@@ -15,8 +15,10 @@ import pytest
 
 from specdist.models.kernels import cpu_kernels, kernel_abi
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library_path() is None or shutil.which(os.environ.get("CC", "cc")) is None,
-                                reason="needs the installed library and a C compiler (x86-64)")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library_path() is None or shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="needs the installed library and a C compiler (x86-64)",
+)
 
 # a library that reports the public digest the way the library used to (a function) and, as it is loaded, writes a
 # file: the mark of code that ran
@@ -34,11 +36,26 @@ def _build(tmp_path: Path, name: str, mark: Path, section: bool) -> Path:
     """ROGUE compiled into ``tmp_path/name``; ``section``: with the installed source's digest in .specdist_abi too."""
     digest = kernel_abi.abi_digest(Path(cpu_kernels.SOURCE).read_bytes())
     src = tmp_path / f"{name}.c"
-    src.write_text(ROGUE + (f'__attribute__((used, section(".specdist_abi"))) static const char note[] = DIGEST;\n'
-                            if section else ""))
+    src.write_text(
+        ROGUE
+        + ('__attribute__((used, section(".specdist_abi"))) static const char note[] = DIGEST;\n' if section else "")
+    )
     out = tmp_path / name
-    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", f'-DMARK="{mark}"', f'-DDIGEST="{digest}"',
-                    str(src), "-o", str(out)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            os.environ.get("CC", "cc"),
+            "-shared",
+            "-fPIC",
+            f'-DMARK="{mark}"',
+            f'-DDIGEST="{digest}"',
+            str(src),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     os.chmod(out, 0o755)
     return out
 

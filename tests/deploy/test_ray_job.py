@@ -18,15 +18,14 @@ import tempfile
 import threading
 import uuid
 
-import pytest
-import yaml
-
-from cluster.local import SINGLE_MACHINE_ENV
-from support.helpers import tiny_config
-
 # The jobs CLI/SDK and the dashboard that serves it come with ray[default] (the `distributed` extra).
 import aiohttp  # noqa: F401,E402
+import pytest
 import ray.dashboard.modules.job.sdk  # noqa: F401,E402
+import yaml
+from support.helpers import tiny_config
+
+from cluster.local import SINGLE_MACHINE_ENV
 
 pytestmark = pytest.mark.ray
 
@@ -67,9 +66,22 @@ def ray_head():
     proc = subprocess.Popen(
         # one CPU: the deployment's 0.5 + 0.5. Ray prestarts an idle worker per CPU, which the job's actors (with
         # its working_dir) cannot reuse: more CPUs only start processes that compete with the bring-up
-        [_ray_cli(), "start", "--head", "--block", "--num-cpus", "1",
-         "--disable-usage-stats", "--dashboard-agent-listen-port", str(_free_port())],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            _ray_cli(),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus",
+            "1",
+            "--disable-usage-stats",
+            "--dashboard-agent-listen-port",
+            str(_free_port()),
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         for line in proc.stdout:  # until the cluster is up (the same line plain `ray start` ends with)
@@ -101,17 +113,44 @@ def test_ray_job_brings_up_serves_and_tears_down(ray_head, tiny_models, tmp_path
     cfg = tiny_config(tiny_models, method="model", k=3)  # checkpoint paths are absolute
     assert os.path.isabs(cfg["target"]["model"]) and os.path.isabs(cfg["draft"]["model"])
     # one target rank: tensor parallelism on Ray is test_worker_faults' and test_multinode's
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
-                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 1,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 180,
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     sid = f"specdist-test-{uuid.uuid4().hex[:8]}"
     # without --no-wait the CLI follows the job to its end, printing the job's logs and then its final
     # status (one client process, instead of `ray job status` / `logs` processes competing with the job's
     # actors for the CPUs); its exit status is not the job's
-    out = _ray("job", "submit", "--address", ray_head, "--submission-id", sid, "--working-dir", REPO, "--",
-               "python", "-m", "cluster.job", "--config", str(path), "--requests", "4", "--prompt", "a b c",
-               "--max-tokens", "6", timeout=420, check=False)
+    out = _ray(
+        "job",
+        "submit",
+        "--address",
+        ray_head,
+        "--submission-id",
+        sid,
+        "--working-dir",
+        REPO,
+        "--",
+        "python",
+        "-m",
+        "cluster.job",
+        "--config",
+        str(path),
+        "--requests",
+        "4",
+        "--prompt",
+        "a b c",
+        "--max-tokens",
+        "6",
+        timeout=420,
+        check=False,
+    )
     logs = out.stdout
     assert f"Job '{sid}' succeeded" in logs, f"--- ray job submit ---\n{logs}\n{out.stderr}"
     assert "[specdist-job] done: requests=4 tensor_parallel_size=1 draft_replicas=1" in logs, logs

@@ -34,8 +34,9 @@ def test_readme_has_python_blocks() -> None:
 
 
 @pytest.mark.slow
-def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smollm2_native_model,
-                                               smollm2_tokenizer) -> None:
+def test_every_python_block_of_the_readme_runs(
+    monkeypatch, smollm2_model, smollm2_native_model, smollm2_tokenizer
+) -> None:
     pytest.importorskip("gguf")
     from specdist.models import loader
 
@@ -44,8 +45,12 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
     load_model, load_tokenizer, reused = loader.load_model, loader.load_tokenizer, []
 
     def session_model(source, dtype, device="cpu", progress=None, weights="float"):
-        if (source.directory, source.gguf_file, dtype, str(device)) == (builtin.directory, builtin.gguf_file,
-                                                                         "float32", "cpu"):
+        if (source.directory, source.gguf_file, dtype, str(device)) == (
+            builtin.directory,
+            builtin.gguf_file,
+            "float32",
+            "cpu",
+        ):
             reused.append("model")
             return smollm2_model if weights == "float" else smollm2_native_model
         return load_model(source, dtype, device, progress, weights)
@@ -68,14 +73,14 @@ def test_every_python_block_of_the_readme_runs(monkeypatch, smollm2_model, smoll
 
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, daemon=True).start()
-                server, _ = asyncio.run_coroutine_threadsafe(
-                    serve(namespace["engine"], "127.0.0.1", 0), loop).result(120)
+                server, _ = asyncio.run_coroutine_threadsafe(serve(namespace["engine"], "127.0.0.1", 0), loop).result(
+                    120
+                )
                 block = block.replace(README_ADDRESS, f"127.0.0.1:{server.port}")
             if README_HTTP_ADDRESS in block:
                 from specdist.api.http_server import start_http
 
-                http = asyncio.run_coroutine_threadsafe(
-                    start_http(server.coordinator, "127.0.0.1", 0), loop).result(60)
+                http = asyncio.run_coroutine_threadsafe(start_http(server.coordinator, "127.0.0.1", 0), loop).result(60)
                 block = block.replace(README_HTTP_ADDRESS, http.address)
             out = io.StringIO()
             with contextlib.redirect_stdout(out):

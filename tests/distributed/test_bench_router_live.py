@@ -9,8 +9,8 @@ import re
 
 import pytest
 import yaml
-
 from support.helpers import tiny_config
+
 from specdist.bench.router_bench import METRICS
 from specdist.cli import main
 
@@ -21,21 +21,64 @@ POLICIES = ("speculative", "round-robin")
 
 def test_bench_router_on_two_replicas_prints_each_policy_and_its_ratios(local_ray, tiny_models, tmp_path, capsys):
     cfg = tiny_config(tiny_models, method="model", k=3, max_model_len=128)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1, "cpus_per_rank": 0.5,
-                      "cpus_per_draft": 0.5, "bringup_timeout_s": 240, "replicas": 2}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 1,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 240,
+        "replicas": 2,
+    }
     cfg["router"] = {"stats_period_s": 1.0}
     path = tmp_path / "replicas.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out_json = tmp_path / "r.json"
-    assert main(["bench", "router", "--config", str(path), "--policies", ",".join(POLICIES), "--workload", "sessions",
-                 "--requests", "6", "--clients", "2", "--output-scale", "0.03", "--max-text-words", "6",
-                 "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "router",
+                "--config",
+                str(path),
+                "--policies",
+                ",".join(POLICIES),
+                "--workload",
+                "sessions",
+                "--requests",
+                "6",
+                "--clients",
+                "2",
+                "--output-scale",
+                "0.03",
+                "--max-text-words",
+                "6",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     out = [line for line in capsys.readouterr().out.splitlines() if "(raylet)" not in line]  # (Ray's own lines)
-    out = out[next(i for i, line in enumerate(out) if line.startswith("workload ")):]
+    out = out[next(i for i, line in enumerate(out) if line.startswith("workload ")) :]
 
     assert re.match(r"workload sessions, 2 replicas of .*, 6 requests \(0 turns too long", out[0]), out[0]
-    assert out[1].split() == ["policy", "tok/step", "accept", "hit", "tokens", "TTFT", "p50", "TTFT", "p99",
-                              "e2e", "p50", "e2e", "p99", "tok/s"]
+    assert out[1].split() == [
+        "policy",
+        "tok/step",
+        "accept",
+        "hit",
+        "tokens",
+        "TTFT",
+        "p50",
+        "TTFT",
+        "p99",
+        "e2e",
+        "p50",
+        "e2e",
+        "p99",
+        "tok/s",
+    ]
     rows = [line.split() for line in out[2:4]]
     assert [r[0] for r in rows] == list(POLICIES)
     for r in rows:  # tok/step, acceptance %, hit tokens (measured: a count), 2 x ms, 2 x s, tok/s
@@ -54,6 +97,5 @@ def test_bench_router_on_two_replicas_prints_each_policy_and_its_ratios(local_ra
     assert [r["policy"] for r in results] == list(POLICIES)
     # every policy ran the same requests: the same prompts (seeded outputs, the same on any replica)
     assert len({(r["requests"], r["output_tokens"], r["prompt_tokens"]) for r in results}) == 1, results
-    assert all(r["requests"] == 6 and r["prefix_hit_tokens"] >= 0 and sum(r["choices"].values()) == 6
-               for r in results)
+    assert all(r["requests"] == 6 and r["prefix_hit_tokens"] >= 0 and sum(r["choices"].values()) == 6 for r in results)
     assert set(doc["ratios"]["round-robin"]["speculative"]) == set(METRICS)

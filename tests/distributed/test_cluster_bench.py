@@ -9,20 +9,44 @@ import socket
 
 import pytest
 import yaml
-
 from support.helpers import serving_in_process, tiny_config
+
 from specdist.bench import cluster_bench
 from specdist.bench.cluster_bench import VARIANTS, poisson_arrivals
 from specdist.cli import main
 
 pytestmark = pytest.mark.ray
 
-LEVEL_KEYS = {"variant", "mode", "label", "concurrency", "request_rate", "requests", "wall_s", "output_tokens",
-              "output_tokens_per_s", "request_throughput", "acceptance", "phase_share", "phase_ms_per_step",
-              "per_request", "pipeline_hit_rate", "draft_overlap", "passes_output_tokens_per_s"} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e")
-                                for s in ("mean", "p50", "p90", "p99")}
-REQUEST_KEYS = {"ttft_s", "e2e_s", "tokens", "prompt_tokens", "drafted", "accepted", "pipeline_hits",
-                "pipeline_misses", "itl_s"}
+LEVEL_KEYS = {
+    "variant",
+    "mode",
+    "label",
+    "concurrency",
+    "request_rate",
+    "requests",
+    "wall_s",
+    "output_tokens",
+    "output_tokens_per_s",
+    "request_throughput",
+    "acceptance",
+    "phase_share",
+    "phase_ms_per_step",
+    "per_request",
+    "pipeline_hit_rate",
+    "draft_overlap",
+    "passes_output_tokens_per_s",
+} | {f"{m}_{s}_ms" for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")}
+REQUEST_KEYS = {
+    "ttft_s",
+    "e2e_s",
+    "tokens",
+    "prompt_tokens",
+    "drafted",
+    "accepted",
+    "pipeline_hits",
+    "pipeline_misses",
+    "itl_s",
+}
 
 
 def test_poisson_arrivals_are_reproducible_exponential_with_the_right_mean():
@@ -62,7 +86,9 @@ def test_variants_are_config_overrides(tiny_models):
         for overrides in VARIANTS.values():
             load_config(apply_overrides(full, overrides))  # raises ConfigError if a variant is invalid
     assert apply_overrides({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5}, "d": {"e": 1}}) == {
-        "a": {"b": 5, "c": 2}, "d": {"e": 1}}  # mappings merge, anything else is replaced
+        "a": {"b": 5, "c": 2},
+        "d": {"e": 1},
+    }  # mappings merge, anything else is replaced
 
 
 def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, tmp_path, capsys):
@@ -72,9 +98,33 @@ def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, t
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     out_json = tmp_path / "r.json"
-    assert main(["bench", "cluster", "--config", str(cfg), "--variants", "pipelined,sequential", "--concurrency", "2",
-                 "--requests", "2", "--max-tokens", "12", "--raw", "--temperature", "0", "--json", str(out_json),
-                 "--no-progress", "--repeat", "2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cluster",
+                "--config",
+                str(cfg),
+                "--variants",
+                "pipelined,sequential",
+                "--concurrency",
+                "2",
+                "--requests",
+                "2",
+                "--max-tokens",
+                "12",
+                "--raw",
+                "--temperature",
+                "0",
+                "--json",
+                str(out_json),
+                "--no-progress",
+                "--repeat",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert "pass 1/2: pipelined, sequential" in out.err and "pass 2/2: sequential, pipelined" in out.err
     assert out.err.count("starting a server on the in-process engine") == 4
@@ -98,8 +148,9 @@ def test_bench_cluster_compares_pipelined_and_sequential_drafting(tiny_models, t
     # greedy: the same tokens either way
     assert [p["tokens"] for p in piped["per_request"]] == [p["tokens"] for p in seq["per_request"]]
     ratio = piped["output_tokens_per_s"] / seq["output_tokens_per_s"]
-    per_pass = ", ".join(f"{a / b:.2f}" for a, b in zip(piped["passes_output_tokens_per_s"],
-                                                        seq["passes_output_tokens_per_s"]))
+    per_pass = ", ".join(
+        f"{a / b:.2f}" for a, b in zip(piped["passes_output_tokens_per_s"], seq["passes_output_tokens_per_s"])
+    )
     assert f"- C=2: pipelined / sequential = {ratio:.2f}x (passes: {per_pass})" in out.out
 
 
@@ -110,25 +161,56 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monk
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     out_json, prefix = tmp_path / "r.json", tmp_path / "fig"
-    rc = main(["bench", "cluster", "--config", str(cfg), "--concurrency", "1,3", "--request-rate", "40,inf",
-               "--requests", "3", "--max-tokens", "6", "--raw", "--json", str(out_json), "--hf-baseline", "2",
-               "--plot", str(prefix)])
+    rc = main(
+        [
+            "bench",
+            "cluster",
+            "--config",
+            str(cfg),
+            "--concurrency",
+            "1,3",
+            "--request-rate",
+            "40,inf",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "6",
+            "--raw",
+            "--json",
+            str(out_json),
+            "--hf-baseline",
+            "2",
+            "--plot",
+            str(prefix),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     assert doc["schema"] == "specdist.bench.cluster/1"
-    assert doc["settings"] == {"max_tokens": 6, "temperature": 0.8, "raw": True, "seed": 0, "requests": 3,
-                               "concurrency": [1, 3], "request_rate": [40.0, "inf"], "protocol": "grpc",
-                               "repeat": 1}
+    assert doc["settings"] == {
+        "max_tokens": 6,
+        "temperature": 0.8,
+        "raw": True,
+        "seed": 0,
+        "requests": 3,
+        "concurrency": [1, 3],
+        "request_rate": [40.0, "inf"],
+        "protocol": "grpc",
+        "repeat": 1,
+    }
     assert [(v["name"], v["source"], v["overrides"]) for v in doc["variants"]] == [
-        (name, "config", VARIANTS[name]) for name in ("spec", "no-spec")]
+        (name, "config", VARIANTS[name]) for name in ("spec", "no-spec")
+    ]
     assert [v["server_info"]["draft_method"] for v in doc["variants"]] == ["model", "none"]
     assert doc["variants"][1]["config"]["draft"]["method"] == "none"
     hf = doc["hf_plain"]
     assert hf["requests"] == 2 and hf["output_tokens_per_s"] > 0
     rows = doc["levels"]
     assert [(r["variant"], r["label"], r["concurrency"], r["request_rate"]) for r in rows] == [
-        (v, *lv) for v in ("spec", "no-spec")
-        for lv in (("C=1", 1, None), ("C=3", 3, None), ("R=40/s", None, 40.0), ("R=inf", None, "inf"))]
+        (v, *lv)
+        for v in ("spec", "no-spec")
+        for lv in (("C=1", 1, None), ("C=3", 3, None), ("R=40/s", None, 40.0), ("R=inf", None, "inf"))
+    ]
     for r in rows:
         assert set(r) == LEVEL_KEYS | {"vs_hf_plain"}
         assert abs(r["vs_hf_plain"] * hf["output_tokens_per_s"] - r["output_tokens_per_s"]) < 1e-6
@@ -160,8 +242,10 @@ def test_bench_cluster_runs_spec_and_no_spec(tiny_models, tmp_path, capsys, monk
 
     assert bench_plot.main([str(out_json), str(tmp_path / "again")]) == 0  # redrawn from the --json file
     for kind in ("throughput", "latency"):
-        assert matplotlib.image.imread(tmp_path / f"again-{kind}.png").shape == \
-            matplotlib.image.imread(tmp_path / f"fig-{kind}.png").shape
+        assert (
+            matplotlib.image.imread(tmp_path / f"again-{kind}.png").shape
+            == matplotlib.image.imread(tmp_path / f"fig-{kind}.png").shape
+        )
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +267,37 @@ def test_http_target_counts_the_same_tokens_as_grpc(both_protocols, tiny_models,
     drafted and accepted per request; with --raw, also an in-process server reached over HTTP."""
     grpc_addr, url = both_protocols.address, f"http://{both_protocols.http.address}"
     out_json = tmp_path / "r.json"
-    assert main(["bench", "cluster", "--server", grpc_addr, "--http", url, "--concurrency", "1", "--request-rate",
-                 "inf", "--requests", "3", "--max-tokens", "7", "--temperature", "0", "--no-progress",
-                 "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cluster",
+                "--server",
+                grpc_addr,
+                "--http",
+                url,
+                "--concurrency",
+                "1",
+                "--request-rate",
+                "inf",
+                "--requests",
+                "3",
+                "--max-tokens",
+                "7",
+                "--temperature",
+                "0",
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
     assert [(v["name"], v["protocol"], v["server_info"]["draft_method"]) for v in doc["variants"]] == [
-        (grpc_addr, "grpc", "model"), (url, "http", "model")]
+        (grpc_addr, "grpc", "model"),
+        (url, "http", "model"),
+    ]
     levels = _by_variant(doc)
     for g, h in zip(levels[grpc_addr], levels[url], strict=True):
         assert set(h) == LEVEL_KEYS and g["label"] == h["label"]
@@ -201,14 +310,47 @@ def test_http_target_counts_the_same_tokens_as_grpc(both_protocols, tiny_models,
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
-    assert main(["bench", "cluster", "--server", grpc_addr, "--http", url + "/v1/", "--config", str(cfg),
-                 "--protocol", "http", "--variants", "spec", "--raw", "--concurrency", "1", "--requests", "2",
-                 "--max-tokens", "5", "--temperature", "0", "--no-progress", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cluster",
+                "--server",
+                grpc_addr,
+                "--http",
+                url + "/v1/",
+                "--config",
+                str(cfg),
+                "--protocol",
+                "http",
+                "--variants",
+                "spec",
+                "--raw",
+                "--concurrency",
+                "1",
+                "--requests",
+                "2",
+                "--max-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out_json.read_text())
-    assert [(v["name"], v["protocol"]) for v in doc["variants"]] == [(grpc_addr, "grpc"), (url, "http"),
-                                                                     ("spec", "http")]
-    per_request = [[(p["tokens"], p["prompt_tokens"], p["drafted"], p["accepted"]) for p in r["per_request"]]
-                   for r in doc["levels"]]
+    assert [(v["name"], v["protocol"]) for v in doc["variants"]] == [
+        (grpc_addr, "grpc"),
+        (url, "http"),
+        ("spec", "http"),
+    ]
+    per_request = [
+        [(p["tokens"], p["prompt_tokens"], p["drafted"], p["accepted"]) for p in r["per_request"]]
+        for r in doc["levels"]
+    ]
     assert per_request[0] == per_request[1] == per_request[2] and per_request[0][0][0] == 5
     assert doc["levels"][2]["phase_share"]["verify"] > 0  # the in-process server's breakdown, also over HTTP
 
@@ -219,21 +361,24 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # nothing listens on it once closed
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--server", "x:1", "--request-rate", "0"], "--request-rate: need positive requests/s or inf"),
-    (["--server", "x:1", "--request-rate", "fast"], "--request-rate: need positive requests/s or inf"),
-    (["--server", "x:1", "--request-rate", "1,,2"], "--request-rate: a comma-separated list without empty"),
-    (["--server", "x:1", "--concurrency", "0"], "--concurrency: need positive integers"),
-    (["--server", "x:1", "--concurrency", "2.5"], "--concurrency: need positive integers"),
-    (["--request-rate", "1"], "--server, --http or --config: say what to measure"),
-    (["--http", "127.0.0.1:8000"], "--http: need a base URL like http://127.0.0.1:8000"),
-    (["--config", "c.yaml", "--variants", "spec,fast"], "--variants: a comma-separated subset of spec,no-spec"),
-    (["--server", "x:1", "--plot", "/nonexistent/dir/fig"], "--plot: the directory of '/nonexistent/dir/fig'"),
-    (["--server", "x:1", "--requests", "-1"], "--requests: must be >= 0"),
-    (["--server", "x:1", "--repeat", "0"], "--repeat: must be >= 1"),
-    (["--http", "http://127.0.0.1:{port}"], "http://127.0.0.1:{port}/v1/models: cannot connect"),
-    (["--server", "127.0.0.1:{port}"], "--server 127.0.0.1:{port}: UNAVAILABLE"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--server", "x:1", "--request-rate", "0"], "--request-rate: need positive requests/s or inf"),
+        (["--server", "x:1", "--request-rate", "fast"], "--request-rate: need positive requests/s or inf"),
+        (["--server", "x:1", "--request-rate", "1,,2"], "--request-rate: a comma-separated list without empty"),
+        (["--server", "x:1", "--concurrency", "0"], "--concurrency: need positive integers"),
+        (["--server", "x:1", "--concurrency", "2.5"], "--concurrency: need positive integers"),
+        (["--request-rate", "1"], "--server, --http or --config: say what to measure"),
+        (["--http", "127.0.0.1:8000"], "--http: need a base URL like http://127.0.0.1:8000"),
+        (["--config", "c.yaml", "--variants", "spec,fast"], "--variants: a comma-separated subset of spec,no-spec"),
+        (["--server", "x:1", "--plot", "/nonexistent/dir/fig"], "--plot: the directory of '/nonexistent/dir/fig'"),
+        (["--server", "x:1", "--requests", "-1"], "--requests: must be >= 0"),
+        (["--server", "x:1", "--repeat", "0"], "--repeat: must be >= 1"),
+        (["--http", "http://127.0.0.1:{port}"], "http://127.0.0.1:{port}/v1/models: cannot connect"),
+        (["--server", "127.0.0.1:{port}"], "--server 127.0.0.1:{port}: UNAVAILABLE"),
+    ],
+)
 def test_invalid_flags_are_one_line_errors(flags, message, capsys):
     port = _closed_port()
     flags, message = [f.format(port=port) for f in flags], message.format(port=port)
@@ -260,17 +405,39 @@ def test_bench_cluster_over_a_ray_deployment(local_ray, tiny_models, tmp_path, c
     its deployment down, leaving Ray up (not the bench's to stop). A local Ray the command
     starts itself is shut down by the same Backend.close: test_cli's demo test."""
     import ray
-
     from support.helpers import assert_nothing_left_on_ray
 
     cfg = tiny_config(tiny_models, "model", 3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 2,
-                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 1,
+        "num_draft_workers": 2,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 180,
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out_json = tmp_path / "r.json"
-    rc = main(["bench", "cluster", "--config", str(path), "--concurrency", "2", "--requests", "2",
-               "--max-tokens", "5", "--raw", "--variants", "spec", "--json", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "cluster",
+            "--config",
+            str(path),
+            "--concurrency",
+            "2",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "5",
+            "--raw",
+            "--variants",
+            "spec",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     assert doc["variants"][0]["server_info"]["draft_replicas"] == 2

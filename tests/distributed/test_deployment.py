@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import assert_nothing_left_on_ray, tiny_config
+
 from cluster.deployment import ClusterSpec, Deployment
 from specdist.engine.local import Engine
 from specdist.engine.remote import RemoteEngine
@@ -40,8 +40,10 @@ def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, eag
     states travel with every Prefill and Verify result to the coordinator and on to the worker."""
     tiny_models = eagle3_models
     cfg = tiny_config(tiny_models, method="eagle3", k=K)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
-              for i, m in enumerate(MAX_TOKENS)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
+        for i, m in enumerate(MAX_TOKENS)
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the actors: the same GEMM kernels and summation order
     try:
@@ -55,8 +57,9 @@ def test_one_rank_deployment_gives_the_engines_tokens_bit_for_bit(local_ray, eag
     dep = Deployment(spec)
     try:
         target_addr, draft_addrs = dep.start(cfg, timeout_s=BRING_UP_TIMEOUT_S)
-        with RemoteEngine.from_addresses(cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret,
-                                         worker_tls=dep.worker_tls) as remote:
+        with RemoteEngine.from_addresses(
+            cfg, target_addr, draft_addrs, worker_secret=dep.worker_secret, worker_tls=dep.worker_tls
+        ) as remote:
             outs = remote.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == want
         assert sum(o.metrics.accepted for o in outs) > 0 and any(o.metrics.accepted < o.metrics.drafted for o in outs)

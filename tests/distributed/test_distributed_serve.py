@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from support.helpers import tiny_config
 
 pytestmark = pytest.mark.ray
@@ -15,8 +14,14 @@ pytestmark = pytest.mark.ray
 
 def _cluster_config(tiny_models) -> dict:
     cfg = tiny_config(tiny_models, method="model", k=3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 2,
-                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 2,
+        "num_draft_workers": 2,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 180,
+    }
     return cfg
 
 

@@ -41,13 +41,16 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import ray
-
 from support.helpers import LoopThread, raylets, stop_local_ray, tiny_config, wait_until
+
 from cluster.supervisor import Supervisor, WorkerEvent
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]  # tiny models: one thread is faster, and the actors use one
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.usefixtures("one_thread"),
+]  # tiny models: one thread is faster, and the actors use one
 
 K = 2
 PROMPTS = [[1, 2, 3], [4], [5, 6, 1, 2, 3, 4], [2, 2], [6, 5, 4], [3], [1, 6], [0, 4, 2, 1]]
@@ -90,8 +93,9 @@ class _FakeDeployment:
     ``hold_recover`` keep a rebuild / recovery under way until released."""
 
     def __init__(self, draft_address: str = "127.0.0.1:1"):
-        self.spec = SimpleNamespace(health_interval_s=0.02, health_timeout_s=1.0, rebuild_attempts=1,
-                                    shutdown_timeout_s=5.0)
+        self.spec = SimpleNamespace(
+            health_interval_s=0.02, health_timeout_s=1.0, rebuild_attempts=1, shutdown_timeout_s=5.0
+        )
         self.listeners: list = []
         self.events: list = []
         self.listeners.append(self.events.append)
@@ -99,13 +103,23 @@ class _FakeDeployment:
         self.draft_restarted = False
         self.rebuilding, self.recovering = threading.Event(), threading.Event()
         self.hold_rebuild, self.hold_recover = threading.Event(), threading.Event()
-        self.drafts = [SimpleNamespace(rank=0, name="draft 0", address=draft_address, pid=1,
-                                       actor=SimpleNamespace(health=SimpleNamespace(remote=self._draft_health)))]
+        self.drafts = [
+            SimpleNamespace(
+                rank=0,
+                name="draft 0",
+                address=draft_address,
+                pid=1,
+                actor=SimpleNamespace(health=SimpleNamespace(remote=self._draft_health)),
+            )
+        ]
         self.targets: list = []
 
     def _draft_health(self):
-        return _FakeRef({"state": "created", "ok": False, "pid": 2} if self.draft_restarted
-                        else {"state": "serving", "ok": True, "pid": 1})
+        return _FakeRef(
+            {"state": "created", "ok": False, "pid": 2}
+            if self.draft_restarted
+            else {"state": "serving", "ok": True, "pid": 1}
+        )
 
     def diagnose_target(self, timeout_s=None):
         return self.target_failed
@@ -156,6 +170,7 @@ def test_draft_down_cuts_a_first_call_left_hanging(tiny_models):
     the supervisor's draft_down cuts the call at once, the request finishes without drafts with
     the fault-free tokens; draft_up re-admits the worker and requests draft again."""
     from support.helpers import remote_engine_like
+
     from specdist.api.serving import watch_deployment
 
     local = Engine.from_config(tiny_config(tiny_models, "model", k=K))
@@ -180,8 +195,9 @@ def test_draft_down_cuts_a_first_call_left_hanging(tiny_models):
     try:
         run.start()
         assert entered.wait(30)
-        down = WorkerEvent("draft_down", "draft 0", "does not answer its health check within 5s",
-                           served.draft_addresses[0], 0)
+        down = WorkerEvent(
+            "draft_down", "draft 0", "does not answer its health check within 5s", served.draft_addresses[0], 0
+        )
         t0 = time.monotonic()
         for listener in list(dep.listeners):
             listener(down)
@@ -214,8 +230,11 @@ def test_a_target_rebuild_holds_up_no_draft_recovery(fake_ray_get):
         dep.target_failed = "target rank 1 died"
         assert dep.rebuilding.wait(10)
         dep.draft_restarted = True  # Ray restarted draft 0 while the target is being rebuilt
-        _until("draft 0 recovered during the rebuild", lambda: dep.kinds("draft 0") == ["draft_down", "draft_up"],
-               limit_s=CUT_LIMIT_S)
+        _until(
+            "draft 0 recovered during the rebuild",
+            lambda: dep.kinds("draft 0") == ["draft_down", "draft_up"],
+            limit_s=CUT_LIMIT_S,
+        )
         assert sup.target_state == "rebuilding" and sup.recoveries == 1
         dep.hold_rebuild.clear()
         _until("the target rebuilt", lambda: dep.kinds("target") == ["target_down", "target_up"], limit_s=10)
@@ -234,8 +253,11 @@ def test_a_draft_recovery_holds_up_no_target_rebuild(fake_ray_get):
         dep.draft_restarted = True
         assert dep.recovering.wait(10)
         dep.target_failed = "target rank 0 died"  # while draft 0 is being reloaded
-        _until("the target rebuilt during the recovery",
-               lambda: dep.kinds("target") == ["target_down", "target_up"], limit_s=CUT_LIMIT_S)
+        _until(
+            "the target rebuilt during the recovery",
+            lambda: dep.kinds("target") == ["target_down", "target_up"],
+            limit_s=CUT_LIMIT_S,
+        )
         assert dep.kinds("draft 0") == ["draft_down"] and sup.rebuilds == 1
         dep.hold_recover.clear()
         _until("draft 0 recovered", lambda: dep.kinds("draft 0") == ["draft_down", "draft_up"], limit_s=10)
@@ -246,13 +268,16 @@ def test_a_draft_recovery_holds_up_no_target_rebuild(fake_ray_get):
 
 
 # ---------------------------------------------------------------- --worker-host, without Ray
-@pytest.mark.parametrize("flag,listens,advertises", [
-    ("node", "10.1.2.3", "10.1.2.3"),  # the node's own address: listened on and advertised
-    ("0.0.0.0", "0.0.0.0", "10.1.2.3"),  # every interface (the chart's default): the node's address advertised
-    ("::", "::", "10.1.2.3"),
-    ("[::]", "[::]", "10.1.2.3"),
-    ("127.0.0.1", "127.0.0.1", "127.0.0.1"),  # one machine (the default): as given
-])
+@pytest.mark.parametrize(
+    "flag,listens,advertises",
+    [
+        ("node", "10.1.2.3", "10.1.2.3"),  # the node's own address: listened on and advertised
+        ("0.0.0.0", "0.0.0.0", "10.1.2.3"),  # every interface (the chart's default): the node's address advertised
+        ("::", "::", "10.1.2.3"),
+        ("[::]", "[::]", "10.1.2.3"),
+        ("127.0.0.1", "127.0.0.1", "127.0.0.1"),  # one machine (the default): as given
+    ],
+)
 def test_worker_host_binds_and_advertises(monkeypatch, flag, listens, advertises):
     """What a worker started with ``--worker-host flag`` listens on, and the address it hands the
     coordinator, on a node Ray knows as 10.1.2.3 (the multi-node test runs ``node`` on Ray)."""
@@ -277,7 +302,9 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
     actor = TargetRankActor(0, 1, num_threads=None)
     stuck, entered = threading.Event(), threading.Event()
     try:
-        actor.load(tiny_models["target"], engine={"max_batch_size": 2, "max_model_len": 64}, collective_timeout_s=floor_s)
+        actor.load(
+            tiny_models["target"], engine={"max_batch_size": 2, "max_model_len": 64}, collective_timeout_s=floor_s
+        )
         actor.warmup()
         address = actor.start_grpc("127.0.0.1", 0, secret)
         forward = actor.worker.runner.forward
@@ -290,9 +317,11 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
         actor.worker.runner.forward = hanging_forward
         stuck.set()
         channel = grpc.insecure_channel(address)
-        call = target_pb2_grpc.TargetWorkerStub(channel).Prefill.future(target_pb2.PrefillRequest(items=[
-            common_pb2.StartItem(request_id="r", prompt_token_ids=[1, 2, 3])]), metadata=bearer_metadata(secret),
-            timeout=LIMIT_S)
+        call = target_pb2_grpc.TargetWorkerStub(channel).Prefill.future(
+            target_pb2.PrefillRequest(items=[common_pb2.StartItem(request_id="r", prompt_token_ids=[1, 2, 3])]),
+            metadata=bearer_metadata(secret),
+            timeout=LIMIT_S,
+        )
         assert entered.wait(LIMIT_S)
         health = actor.health()
         assert health["ok"] and health["broken"] is None  # within its bound: not (yet) hung
@@ -300,8 +329,11 @@ def test_rank_0_hung_outside_a_collective_is_diagnosed(tiny_models, fake_ray_get
         assert hung.startswith("hung in prefill for ") and hung.endswith(f"bound {floor_s:.0f} s"), hung
 
         dep = Deployment(ClusterSpec(tensor_parallel_size=1, num_draft_workers=0, health_interval_s=0))
-        dep.targets = [SimpleNamespace(rank=0, pid=None, actor=SimpleNamespace(
-            health=SimpleNamespace(remote=lambda: _FakeRef(actor.health()))))]
+        dep.targets = [
+            SimpleNamespace(
+                rank=0, pid=None, actor=SimpleNamespace(health=SimpleNamespace(remote=lambda: _FakeRef(actor.health())))
+            )
+        ]
         why = dep.diagnose_target(timeout_s=5)
         assert why is not None and why.startswith("target rank 0 is hung in prefill"), why
         stuck.clear()  # the call ends: healthy again
@@ -331,9 +363,17 @@ def cluster():
     # the GCS declares a node dead after 3 failed health checks 1 s apart (Ray's default: 5, 3 s apart), so a
     # lost node is noticed in seconds; each check still waits 2 s for an answer from a raylet busy on 2 cores
     checks = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "resources": {"room": 2},
-                                                      "include_dashboard": False, "no_monitor": True,
-                                                      "_system_config": checks, **lean})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": HEAD_CPUS,
+            "resources": {"room": 2},
+            "include_dashboard": False,
+            "no_monitor": True,
+            "_system_config": checks,
+            **lean,
+        },
+    )
     try:
         nodes = {name: c.add_node(num_cpus=cpus, wait=False, **lean) for name, cpus in (("t1", 2), ("d1", 1))}
         c.wait_for_nodes()
@@ -350,16 +390,16 @@ def test_a_deployment_that_cannot_fit_fails_at_once(cluster, tiny_models):
     from cluster.deployment import ClusterSpec, Deployment
     from cluster.placement import PlacementError, create_placement
 
-    spec = ClusterSpec(tensor_parallel_size=4, num_draft_workers=1, cpus_per_rank=1, cpus_per_draft=1,
-                       health_interval_s=0)
+    spec = ClusterSpec(
+        tensor_parallel_size=4, num_draft_workers=1, cpus_per_rank=1, cpus_per_draft=1, health_interval_s=0
+    )
     t0 = time.monotonic()
     with pytest.raises(PlacementError) as ei:  # 4 ranks on one node: the largest has 3 CPUs
         Deployment(spec).start(tiny_config(tiny_models, "model", k=K), timeout_s=LIMIT_S)
     msg = str(ei.value)
     assert "cannot fit" in msg and "4 x {CPU: 1} = {CPU: 4} on ONE node" in msg and "missing {CPU: 1}" in msg, msg
     with pytest.raises(PlacementError) as ei:  # the target fits; then 4 drafts at most (3 + 1 beside it)
-        create_placement(tp_size=2, num_drafts=5, use_gpu=False, cpus_per_rank=1, cpus_per_draft=1,
-                         timeout_s=LIMIT_S)
+        create_placement(tp_size=2, num_drafts=5, use_gpu=False, cpus_per_rank=1, cpus_per_draft=1, timeout_s=LIMIT_S)
     msg = str(ei.value)
     assert "only 4 fit" in msg and "missing {CPU: 1} for the other 1" in msg, msg
     with pytest.raises(PlacementError) as ei:
@@ -371,9 +411,18 @@ def test_a_deployment_that_cannot_fit_fails_at_once(cluster, tiny_models):
 
 def _config(tiny_models) -> dict:
     cfg = tiny_config(tiny_models, "model", k=K)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1, "cpus_per_rank": 1,
-                      "cpus_per_draft": 1, "bringup_timeout_s": LIMIT_S, "health_interval_s": 0.2,
-                      "health_timeout_s": 2.0, "max_restarts": 2, "collective_timeout_s": 3.0}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 2,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 1,
+        "cpus_per_draft": 1,
+        "bringup_timeout_s": LIMIT_S,
+        "health_interval_s": 0.2,
+        "health_timeout_s": 2.0,
+        "max_restarts": 2,
+        "collective_timeout_s": 3.0,
+    }
     return cfg
 
 
@@ -390,8 +439,9 @@ def _stream(address: str, prompt, sampling: dict | None = None) -> tuple[list[in
     ids, finish, error = [], None, None
     with SpecDistClient(address, timeout=LIMIT_S) as client:
         try:
-            for chunk in client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                         **(sampling or dict(temperature=0.0))):
+            for chunk in client.generate(
+                prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **(sampling or dict(temperature=0.0))
+            ):
                 ids.extend(chunk.token_ids)
                 finish = chunk.finish_reason or finish
         except RemoteError as e:
@@ -416,8 +466,9 @@ def _streams_through(serving, fault, mixed: bool = False) -> tuple[list, float]:
     engine.listeners.append(gate)
     coordinator.call_soon(lambda: release.wait(LIMIT_S))  # hold the engine until all 8 are queued
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_stream, serving.address, p, _sampled(i) if mixed else None)
-                   for i, p in enumerate(PROMPTS)]
+        futures = [
+            pool.submit(_stream, serving.address, p, _sampled(i) if mixed else None) for i, p in enumerate(PROMPTS)
+        ]
         _until("8 requests queued", lambda: coordinator.counters()["live_requests"] == len(PROMPTS))
         release.set()
         _until("the engine held mid-generation", paused.is_set)
@@ -467,9 +518,16 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
     ray.get([pg.ready() for pg in held.values()], timeout=LIMIT_S)
     local = Engine.from_config(tiny_config(tiny_models, "model", k=K))
     want = [o.token_ids for o in local.generate(PROMPTS, GREEDY)]
-    want_mixed = [o.token_ids for o in local.generate(PROMPTS, [
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **(_sampled(i) or dict(temperature=0.0)))
-        for i in range(len(PROMPTS))])]
+    want_mixed = [
+        o.token_ids
+        for o in local.generate(
+            PROMPTS,
+            [
+                SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **(_sampled(i) or dict(temperature=0.0)))
+                for i in range(len(PROMPTS))
+            ],
+        )
+    ]
     lt = LoopThread()
     serving = None
     try:
@@ -486,8 +544,10 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
         assert health["draft 0"]["node_id"] == nodes["d1"].node_id
         assert ray.get_runtime_context().get_node_id() == head
         node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        for name, addr in (("target rank 0", serving.backend.target_address),
-                           ("draft 0", serving.backend.draft_addresses[0])):
+        for name, addr in (
+            ("target rank 0", serving.backend.target_address),
+            ("draft 0", serving.backend.draft_addresses[0]),
+        ):
             assert health[name]["address"] == addr and addr.rsplit(":", 1)[0] == node_ip[health[name]["node_id"]]
             assert addr.startswith("127.0.0.1:")
         assert not _listening_off_loopback()
@@ -504,8 +564,10 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
         results, _ = _streams_through(serving, lambda: c.remove_node(nodes.pop("d1")), mixed=True)
         assert [r[0] for r in results] == want_mixed
         assert all(r[2] is None and r[1] == "length" for r in results)
-        lost = _until("the supervisor to report the draft's missing room", lambda: [
-            e for e in list(events) if e.kind == "draft_down" and "lost its node" in e.message])
+        lost = _until(
+            "the supervisor to report the draft's missing room",
+            lambda: [e for e in list(events) if e.kind == "draft_down" and "lost its node" in e.message],
+        )
         assert "needs {CPU: 1} on a node" in lost[0].message and "missing {CPU: 1}" in lost[0].message
         assert _healthy(engine) == 0
         remove_placement_group(held.pop("draft"))
@@ -521,8 +583,10 @@ def test_node_loss_on_a_multi_node_deployment(cluster, tiny_models):
         results, ended_after = _streams_through(serving, lambda: c.remove_node(nodes.pop("t1")))
         assert all(r[1] == "error" and r[2] is not None and "target rank" in r[2].message for r in results), results
         assert ended_after < 10, ended_after
-        waiting = _until("the supervisor to report the missing room", lambda: [
-            e for e in list(events) if e.kind == "target_down" and "waits for a node with room" in e.message])
+        waiting = _until(
+            "the supervisor to report the missing room",
+            lambda: [e for e in list(events) if e.kind == "target_down" and "waits for a node with room" in e.message],
+        )
         assert "needs {CPU: 2} on one node" in waiting[0].message and "missing {CPU: 2}" in waiting[0].message
         assert sup.target_state == "waiting"
         _until("NOT_SERVING while the group waits", lambda: client.health() == "NOT_SERVING")

@@ -17,29 +17,32 @@ import grpc
 import numpy as np
 import pytest
 from scipy import stats
-
-from support.helpers import host_servicer, model_drafter, tiny_config
-from support.helpers import collect
 from support.gtest import (
     ALPHA,
-    K as FREQ_K,
-    MAX_MODEL_LEN as FREQ_MAX_LEN,
-    N,
     VOCAB,
     Case,
+    N,
     _prob_table,
     g_statistic,
     joint,
     merge_cells,
     seq_index,
 )
+from support.gtest import (
+    MAX_MODEL_LEN as FREQ_MAX_LEN,
+)
+from support.gtest import (
+    K as FREQ_K,
+)
+from support.helpers import collect, host_servicer, model_drafter, tiny_config
+
 from specdist.api.coordinator import Coordinator
+from specdist.cores.target import VerifierCore
 from specdist.engine.local import Engine
+from specdist.engine.remote import RemoteEngine
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.cores.target import VerifierCore
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 
@@ -120,11 +123,13 @@ class Cluster:
     """One target and two model drafts, each behind its own gRPC server."""
 
     def __init__(self, target_path: str, draft_path: str, slots: int, max_len: int):
-        self.target = VerifierCore(CausalLMRunner(load_model(ModelSource(target_path, None), "float32"), slots, max_len))
-        self.drafts = [model_drafter(load_model(ModelSource(draft_path, None), "float32"), slots, max_len)
-                       for _ in range(2)]
+        self.target = VerifierCore(
+            CausalLMRunner(load_model(ModelSource(target_path, None), "float32"), slots, max_len)
+        )
+        self.drafts = [
+            model_drafter(load_model(ModelSource(draft_path, None), "float32"), slots, max_len) for _ in range(2)
+        ]
         self.servicers = [SlowableTargetServicer(self.target)] + [SlowableDraftServicer(d) for d in self.drafts]
-        ts = self.servicers[0]
         self.servers = [host_servicer(sv) for sv in self.servicers]
         self.target_address = f"127.0.0.1:{self.servers[0].port}"
         self.draft_addresses = [f"127.0.0.1:{s.port}" for s in self.servers[1:]]
@@ -153,8 +158,9 @@ def cluster(tiny_models):
 
 @pytest.fixture(scope="module")
 def remote(cluster, tiny_models):
-    eng = RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K), cluster.target_address,
-                                      cluster.draft_addresses)
+    eng = RemoteEngine.from_addresses(
+        tiny_config(tiny_models, method="model", k=K), cluster.target_address, cluster.draft_addresses
+    )
     yield eng
     eng.close()
 
@@ -180,8 +186,9 @@ def test_greedy_matches_engine_across_two_drafts(remote, cluster, expected):
     print(f"\n8 prompts in {wall:.3f}s, {s.steps} steps, {s.calls} calls; per step: {per_step}")
     # the cores' compute arrives in the trailing metadata (forward -> "verify", "sampling", "draft",
     # "cache"); each call's remaining wall time is network. Without the metadata the first ones stay 0.
-    assert all(s.phase_s[p] > 0 for p in ("prefill", "draft", "verify", "sampling", "cache", "output", "network")), \
+    assert all(s.phase_s[p] > 0 for p in ("prefill", "draft", "verify", "sampling", "cache", "output", "network")), (
         s.phase_s
+    )
     assert sum(s.phase_s.values()) <= wall
     assert s.calls >= 2 * s.steps  # a Propose (per replica with drafts) and a Verify per step
     assert remote.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
@@ -192,8 +199,17 @@ def test_seeded_sampling_matches_engine(cluster, tiny_models):
     """One seed, one output on either transport: with one draft replica (the in-process engine's
     batches) and fixed draft lengths, seeded sampled requests emit the very tokens the
     in-process Engine emits; the draft's q crosses the wire as fp16 and decodes bit for bit."""
-    params = [SamplingParams(temperature=0.9, top_k=(0 if i % 2 else 4), top_p=(0.9 if i % 3 == 0 else 1.0),
-                             max_tokens=m, ignore_eos=True, seed=100 + i) for i, m in enumerate(MAX_TOKENS)]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_k=(0 if i % 2 else 4),
+            top_p=(0.9 if i % 3 == 0 else 1.0),
+            max_tokens=m,
+            ignore_eos=True,
+            seed=100 + i,
+        )
+        for i, m in enumerate(MAX_TOKENS)
+    ]
     cfg = tiny_config(tiny_models, method="model", k=K)
     want = [o.token_ids for o in Engine.from_config(cfg).generate(PROMPTS, params)]
     with RemoteEngine.from_addresses(cfg, cluster.target_address, cluster.draft_addresses[:1]) as eng:
@@ -208,8 +224,11 @@ def test_replica_assignment_balances(remote, cluster):
     remote.step()
     counts = [sum(r.replica == i for r in reqs) for i in range(2)]
     assert sorted(counts) == [2, 3]
-    assert remote.kv_slots_in_use()["draft/0"] + remote.kv_slots_in_use()["draft/1"] == remote.kv_slots_in_use()[
-        "target"] == 5 - sum(r.finished for r in reqs)
+    assert (
+        remote.kv_slots_in_use()["draft/0"] + remote.kv_slots_in_use()["draft/1"]
+        == remote.kv_slots_in_use()["target"]
+        == 5 - sum(r.finished for r in reqs)
+    )
     while remote.has_unfinished():
         remote.step()
     assert cluster.slots_in_use() == [0, 0, 0]
@@ -252,25 +271,32 @@ def test_survives_a_replica_turning_slow(tiny_models):
                     mine = [r for r in reqs if r.replica == i]
                     drafted = sum(r.metrics.drafted - marks[id(r)][0] for r in mine)
                     mean_k.append(drafted / max(1, sum(r.metrics.steps - marks[id(r)][1] for r in mine)))
-                print(f"\n{policy}: {steps} steps after the slowdown, draft tokens per request-step "
-                      f"fast {mean_k[0]:.2f} / slow {mean_k[1]:.2f}")
+                print(
+                    f"\n{policy}: {steps} steps after the slowdown, draft tokens per request-step "
+                    f"fast {mean_k[0]:.2f} / slow {mean_k[1]:.2f}"
+                )
                 assert [list(r.output.token_ids) for r in reqs] == expected
                 assert c.slots_in_use() == [0, 0, 0]
                 if policy == "adaptive":
                     assert steps >= 12
                     assert calls_after[policy] <= 4, f"{calls_after[policy]} calls to the slow replica in {steps} steps"
                     # the slow replica drafts only until its cost is measured (a few calls), the fast one on
-                    assert mean_k[0] >= 1.0 and mean_k[1] <= 0.4 * mean_k[0], f"draft tokens per step, fast / slow: {mean_k}"
+                    assert mean_k[0] >= 1.0 and mean_k[1] <= 0.4 * mean_k[0], (
+                        f"draft tokens per step, fast / slow: {mean_k}"
+                    )
                     late = [eng.add_request([1, 2], SamplingParams(temperature=0.0, max_tokens=3)) for _ in range(4)]
                     eng.step()
                     fits = eng.scheduler.length_policy.draft_cost
                     assert [r.replica for r in late] == [0, 0, 0, 0], (
-                        f"predicted draft costs (e, a, b): fast {fits[0].w}, slow {fits[1].w}")
+                        f"predicted draft costs (e, a, b): fast {fits[0].w}, slow {fits[1].w}"
+                    )
                     while eng.has_unfinished():
                         eng.step()
         assert calls_after["fixed"] >= calls_after["adaptive"] + 3  # fixed: every step until its requests end
-        print(f"\nProposes to the slow replica after it slowed: adaptive {calls_after['adaptive']}, "
-              f"fixed {calls_after['fixed']}")
+        print(
+            f"\nProposes to the slow replica after it slowed: adaptive {calls_after['adaptive']}, "
+            f"fixed {calls_after['fixed']}"
+        )
     finally:
         c.stop()
 
@@ -285,8 +311,11 @@ def faults(cluster):
 def test_worker_error_fails_only_that_request(cluster, tiny_models):
     """The engine allows a longer context than the workers: the target rejects that one prompt
     at Prefill; it ends with finish_reason "error" and the target's message in ``r.error``."""
-    eng = RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K, max_model_len=2 * MAX_LEN),
-                                      cluster.target_address, cluster.draft_addresses)
+    eng = RemoteEngine.from_addresses(
+        tiny_config(tiny_models, method="model", k=K, max_model_len=2 * MAX_LEN),
+        cluster.target_address,
+        cluster.draft_addresses,
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         reqs = [eng.add_request(p, params) for p in ([1, 2], [1] * (MAX_LEN + 1), [3])]
@@ -297,7 +326,9 @@ def test_worker_error_fails_only_that_request(cluster, tiny_models):
         assert [len(o.token_ids) for o in outs] == [4, 0, 4]
         assert reqs[0].error is None and reqs[2].error is None
         err = reqs[1].error
-        assert err.startswith("target: INVALID_ARGUMENT") and "prompt_token_ids" in err and cluster.target_address in err
+        assert (
+            err.startswith("target: INVALID_ARGUMENT") and "prompt_token_ids" in err and cluster.target_address in err
+        )
         assert cluster.slots_in_use() == [0, 0, 0]
         assert eng.kv_slots_in_use() == {"target": 0, "draft": 0, "draft/0": 0, "draft/1": 0}
     finally:
@@ -310,8 +341,9 @@ def test_target_error_mid_run_ends_the_requests_it_names(faults, tiny_models, ex
     that request ends with "error", the others finish exactly; a failure naming no item ends every
     request of the call. Everything the failed requests held is released on every worker."""
     cluster = faults
-    with RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K), cluster.target_address,
-                                     cluster.draft_addresses) as eng:
+    with RemoteEngine.from_addresses(
+        tiny_config(tiny_models, method="model", k=K), cluster.target_address, cluster.draft_addresses
+    ) as eng:
         reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, greedy_params())]
         eng.step()
         eng.step()
@@ -353,8 +385,9 @@ def test_draft_error_detaches_the_request_which_continues_without_drafts(faults,
     retried without it and the replica's other requests keep drafting.
     """
     cluster = faults
-    with RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K), cluster.target_address,
-                                     cluster.draft_addresses) as eng:
+    with RemoteEngine.from_addresses(
+        tiny_config(tiny_models, method="model", k=K), cluster.target_address, cluster.draft_addresses
+    ) as eng:
         if fault == "start-call":
             cluster.servicers[2].fail_calls.add("Start")
         reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, greedy_params())]
@@ -407,8 +440,9 @@ def test_network_time_is_wall_minus_core_compute(faults, tiny_models):
     cluster = faults
     delay = 0.05
     cluster.servicers[0].delay_s = delay
-    with RemoteEngine.from_addresses(tiny_config(tiny_models, method="model", k=K), cluster.target_address,
-                                     cluster.draft_addresses) as eng:
+    with RemoteEngine.from_addresses(
+        tiny_config(tiny_models, method="model", k=K), cluster.target_address, cluster.draft_addresses
+    ) as eng:
         outs = eng.generate(PROMPTS[:4], greedy_params()[:4])
         s = eng.stats
         assert all(o.finish_reason in ("stop", "length") for o in outs)
@@ -461,9 +495,13 @@ def test_remote_samples_target_distribution(models):
     try:
         eng = RemoteEngine.from_addresses(
             tiny_config(models, method="model", k=FREQ_K, max_batch_size=batch, max_model_len=FREQ_MAX_LEN),
-            c.target_address, c.draft_addresses)
-        params = [SamplingParams(max_tokens=case.max_tokens, temperature=1.0, seed=7_000_000 + i, ignore_eos=True)
-                  for i in range(N)]
+            c.target_address,
+            c.draft_addresses,
+        )
+        params = [
+            SamplingParams(max_tokens=case.max_tokens, temperature=1.0, seed=7_000_000 + i, ignore_eos=True)
+            for i in range(N)
+        ]
         t0 = time.perf_counter()
         outs = eng.generate([list(case.prompt)] * N, params)
         elapsed = time.perf_counter() - t0
@@ -482,6 +520,7 @@ def test_remote_samples_target_distribution(models):
     df = len(cells) - 1
     threshold = stats.chi2.isf(ALPHA, df)
     g = g_statistic(counts, p, cells)
-    print(f"\nremote: N={N} in {elapsed:.2f}s, acceptance {rate:.3f}, G = {g:.1f}, df = {df}, "
-          f"threshold = {threshold:.1f}")
+    print(
+        f"\nremote: N={N} in {elapsed:.2f}s, acceptance {rate:.3f}, G = {g:.1f}, df = {df}, threshold = {threshold:.1f}"
+    )
     assert g <= threshold, f"G = {g:.1f} > {threshold:.1f} (df {df}, N {N}): not the target distribution"

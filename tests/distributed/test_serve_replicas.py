@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from support.helpers import LoopThread, assert_nothing_left_on_ray, tiny_config, wait_until
+
 from specdist.client import SpecDistClient
 from specdist.config import load_config
 from specdist.engine.local import Engine
@@ -26,9 +26,16 @@ PROMPT = [1, 2, 3, 4]
 
 def _config(tiny_models, replicas=2, policy: str = "round-robin") -> dict:
     cfg = tiny_config(tiny_models, method="model", k=3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1, "cpus_per_rank": 0.5,
-                      "cpus_per_draft": 0.5, "bringup_timeout_s": 240, "health_interval_s": 0.5,
-                      "replicas": replicas}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 1,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 240,
+        "health_interval_s": 0.5,
+        "replicas": replicas,
+    }
     cfg["router"] = {"policy": policy, "stats_period_s": 5.0}
     return cfg
 
@@ -50,8 +57,9 @@ def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
         assert (info.replicas, info.router_policy) == (2, "round-robin")
 
         # a seeded sampled request: the same tokens whichever replica ran it (round-robin: both do)
-        runs = [client.generate_text(PROMPT, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)[1]
-                for _ in range(4)]
+        runs = [
+            client.generate_text(PROMPT, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)[1] for _ in range(4)
+        ]
         assert len(front.routed) == 2, front.routed  # (round-robin over the trusted reports: each got some)
         assert all(r == runs[0] for r in runs), runs
         assert client.generate_text(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)[1] == want
@@ -67,8 +75,9 @@ def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
 
         # cancel: the stream ends, the replica aborts it; the replicas' counters back at 0
         async def cancel_one() -> str:
-            s = await front.open(PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True, temperature=1.0, seed=1),
-                                 request_id="long")
+            s = await front.open(
+                PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True, temperature=1.0, seed=1), request_id="long"
+            )
             first = await s.__anext__()
             assert first.token_ids
             assert await front.cancel("long")
@@ -76,8 +85,15 @@ def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
 
         assert lt.run(cancel_one(), timeout=POLL_LIMIT_S)
 
-        wait_until("the replicas report no request", lambda: serving.backend.replicas.reports.counters().get(
-            "live_requests", -1) == 0 and front.counters()["live_requests"] == 0, POLL_LIMIT_S, 0.2)
+        wait_until(
+            "the replicas report no request",
+            lambda: (
+                serving.backend.replicas.reports.counters().get("live_requests", -1) == 0
+                and front.counters()["live_requests"] == 0
+            ),
+            POLL_LIMIT_S,
+            0.2,
+        )
         assert front.tally["requests_cancelled"] == 1
     finally:
         if serving is not None:
@@ -94,8 +110,8 @@ def _no_live_actors() -> bool:
 
 
 def test_more_replicas_than_the_cluster_holds_fail_at_once_naming_what_is_missing(local_ray, tiny_models):
-    from specdist.api.serving import start_backend
     from cluster.serve import ReplicasError
+    from specdist.api.serving import start_backend
 
     t0 = time.monotonic()
     with pytest.raises(ReplicasError, match=r"cluster.replicas: 8 replica\(s\) need .*missing \{CPU: 4.8\}"):
@@ -125,8 +141,11 @@ def test_a_replica_losing_its_target_rank_under_load(local_ray, tiny_models):
         serving = lt.run(start_serving(cfg, "127.0.0.1", 0), timeout=300)
         front = serving.backend.replicas.front
         params = SamplingParams(max_tokens=56, ignore_eos=True, temperature=1.0, seed=3)
-        ranks = [a["Pid"] for a in actor_table().values()
-                 if a["ActorClassName"] == "TargetRankActor" and a["State"] == "ALIVE"]
+        ranks = [
+            a["Pid"]
+            for a in actor_table().values()
+            if a["ActorClassName"] == "TargetRankActor" and a["State"] == "ALIVE"
+        ]
         assert len(ranks) == 2, ranks
         victim = ranks[0]
 
@@ -158,11 +177,21 @@ def test_a_replica_losing_its_target_rank_under_load(local_ray, tiny_models):
         for i in range(4):
             assert client.generate_text([2, i], temperature=0.0, max_tokens=8, ignore_eos=True)[2] == "length"
         # the group is rebuilt in its replica and serves again; nothing left on either
-        wait_until("the rebuilt replica reports accepting again", lambda: len(
-            [r for r in serving.backend.replicas.reports.fresh().values() if r.get("accepting")]) == 2,
-            POLL_LIMIT_S, 0.2)
-        wait_until("both replicas' counters at 0", lambda: serving.backend.replicas.reports.counters().get(
-            "live_requests", -1) == 0 and front.counters()["live_requests"] == 0, POLL_LIMIT_S, 0.2)
+        wait_until(
+            "the rebuilt replica reports accepting again",
+            lambda: len([r for r in serving.backend.replicas.reports.fresh().values() if r.get("accepting")]) == 2,
+            POLL_LIMIT_S,
+            0.2,
+        )
+        wait_until(
+            "both replicas' counters at 0",
+            lambda: (
+                serving.backend.replicas.reports.counters().get("live_requests", -1) == 0
+                and front.counters()["live_requests"] == 0
+            ),
+            POLL_LIMIT_S,
+            0.2,
+        )
     finally:
         if serving is not None:
             lt.run(serving.stop(drain_seconds=2), timeout=180)
@@ -174,17 +203,18 @@ def test_a_replica_losing_its_target_rank_under_load(local_ray, tiny_models):
 @pytest.fixture
 def one_replica_cluster():
     """A Ray cluster of this machine's processes with room for one replica only (1 CPU at its head; the test's
-    replica takes 0.1 + 0.45 + 0.45): the second node (1 CPU) joins when the test says. Torn down with no raylet left."""
+    replica takes 0.1 + 0.45 + 0.45): the second node (1 CPU) joins when the test says. Torn down with no raylet
+    left."""
     import ray
     from ray.cluster_utils import Cluster
-
     from support.helpers import raylets, stop_local_ray
 
     if ray.is_initialized():  # the shared local cluster of other tests: not this one
         stop_local_ray()
     lean = {"include_log_monitor": False}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                      "no_monitor": True, **lean})
+    c = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, "no_monitor": True, **lean}
+    )
     try:
         ray.init(address=c.address, log_to_driver=False)
         yield c, lambda: c.add_node(num_cpus=1, **lean)
@@ -201,14 +231,17 @@ def test_autoscaling_grows_with_a_queue_and_shrinks_when_idle(one_replica_cluste
     first). Every request is answered."""
     import threading
 
-    from cluster.serve import APP_NAME, DEPLOYMENT_NAME
     from ray import serve
 
+    from cluster.serve import APP_NAME, DEPLOYMENT_NAME
     from specdist.api.serving import start_serving
 
     _, add_node = one_replica_cluster
-    cfg = _config(tiny_models, replicas={"min": 1, "max": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
-                                         "downscale_delay_s": 4}, policy="least-loaded")
+    cfg = _config(
+        tiny_models,
+        replicas={"min": 1, "max": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 4},
+        policy="least-loaded",
+    )
     cfg["cluster"].update(cpus_per_rank=0.45, cpus_per_draft=0.45)
 
     def states() -> dict:
@@ -227,8 +260,7 @@ def test_autoscaling_grows_with_a_queue_and_shrinks_when_idle(one_replica_cluste
             for n in range(400):  # bounded: the test stops it long before
                 if stop.is_set():
                     break
-                _, ids, finish, _ = client.generate_text([1, i, n % 7], temperature=0.0, max_tokens=40,
-                                                         ignore_eos=True)
+                _, ids, finish, _ = client.generate_text([1, i, n % 7], temperature=0.0, max_tokens=40, ignore_eos=True)
                 with lock:
                     results.append((finish, len(ids)))
 
@@ -269,8 +301,11 @@ def test_the_serve_application_serves_grpc_from_its_front_deployment(local_ray, 
         port = s.getsockname()[1]
     serve.start(proxy_location="Disabled")
     try:
-        serve.run(build_app({"config": _config(tiny_models, replicas=1), "grpc_port": port, "host": "127.0.0.1"}),
-                  name="specdist-rs", route_prefix=None)
+        serve.run(
+            build_app({"config": _config(tiny_models, replicas=1), "grpc_port": port, "host": "127.0.0.1"}),
+            name="specdist-rs",
+            route_prefix=None,
+        )
         client = SpecDistClient(f"127.0.0.1:{port}", timeout=POLL_LIMIT_S)
         wait_until("the front sees its replica", lambda: client.server_info().replicas == 1, POLL_LIMIT_S, 0.2)
         greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

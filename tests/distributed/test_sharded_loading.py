@@ -17,12 +17,10 @@ import time
 
 import pytest
 import torch
-
 from support.rank_procs import WORLD_SIZE, spawn_ranks
 
 # about 440 MB in fp32: 4 layers of 11 M parameters, embedding and head of 32.8 M each
-BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-           num_key_value_heads=4)
+BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4)
 BIG_VOCAB = 32000
 
 
@@ -52,10 +50,20 @@ def _rss_worker(rank: int, world_size: int, port: int, out_path: str, ckpts: lis
     after = _status()
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     rep = model.load_report
-    json.dump({"baseline": before["VmRSS"], "peak": after["VmHWM"], "rss_after": after["VmRSS"],
-               "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "held": held,
-               "bytes_read": rep.bytes_read, "bytes_total": rep.bytes_total, "seconds": rep.seconds,
-               "sharded": rep.sharded}, open(out_path, "w"))
+    json.dump(
+        {
+            "baseline": before["VmRSS"],
+            "peak": after["VmHWM"],
+            "rss_after": after["VmRSS"],
+            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "held": held,
+            "bytes_read": rep.bytes_read,
+            "bytes_total": rep.bytes_total,
+            "seconds": rep.seconds,
+            "sharded": rep.sharded,
+        },
+        open(out_path, "w"),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -86,14 +94,18 @@ def test_two_ranks_peak_memory_is_their_share(tmp_path):
         for name in os.listdir(ckpt):  # 440 MB: gone before the next test
             os.remove(os.path.join(ckpt, name))
     mb = 1 / 1e6
-    print(f"\ncheckpoint {written.num_bytes * mb:.0f} MB (sharded {sharded * mb:.0f} MB, replicated "
-          f"{replicated * mb:.0f} MB) written in {write_s:.1f} s; 2 ranks in {load_wall:.1f} s")
+    print(
+        f"\ncheckpoint {written.num_bytes * mb:.0f} MB (sharded {sharded * mb:.0f} MB, replicated "
+        f"{replicated * mb:.0f} MB) written in {write_s:.1f} s; 2 ranks in {load_wall:.1f} s"
+    )
     for r, res in enumerate(ranks):
         grew = res["peak"] - res["baseline"]
-        print(f"rank {r}: baseline {res['baseline'] * mb:.0f} MB, peak {res['peak'] * mb:.0f} MB, "
-              f"peak - baseline {grew * mb:.0f} MB, share {share * mb:.0f} MB, budget {budget * mb:.0f} MB; "
-              f"holds {res['held'] * mb:.0f} MB; read {res['bytes_read'] * mb:.0f} MB in {res['seconds']:.1f} s; "
-              f"(ru_maxrss {res['ru_maxrss'] * mb:.0f} MB: a lifetime peak that also counts the parent's RSS at fork)")
+        print(
+            f"rank {r}: baseline {res['baseline'] * mb:.0f} MB, peak {res['peak'] * mb:.0f} MB, "
+            f"peak - baseline {grew * mb:.0f} MB, share {share * mb:.0f} MB, budget {budget * mb:.0f} MB; "
+            f"holds {res['held'] * mb:.0f} MB; read {res['bytes_read'] * mb:.0f} MB in {res['seconds']:.1f} s; "
+            f"(ru_maxrss {res['ru_maxrss'] * mb:.0f} MB: a lifetime peak that also counts the parent's RSS at fork)"
+        )
         assert res["sharded"] and res["bytes_total"] == written.num_bytes
         assert res["bytes_read"] == share  # the even split of every sharded tensor, plus the replicated ones
         assert res["held"] == share
@@ -126,8 +138,19 @@ def _want(name: str, full: torch.Tensor, r: int, cfg) -> torch.Tensor:
         return torch.cat([_split(p, 0, r) for p in full.split([q, kv, kv])])
     if name.endswith("mlp.gate_up_proj.weight"):  # Phi-3: [gate; up] rows
         return torch.cat([_split(p, 0, r) for p in full.chunk(2)])
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-                      "q_proj.bias", "k_proj.bias", "v_proj.bias", "lm_head.weight")):
+    if name.endswith(
+        (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "q_proj.bias",
+            "k_proj.bias",
+            "v_proj.bias",
+            "lm_head.weight",
+        )
+    ):
         return _split(full, 0, r)
     if name.endswith(("o_proj.weight", "down_proj.weight")) and full.dim() == 2:
         return _split(full, 1, r)
@@ -143,8 +166,9 @@ def test_rank_holds_its_slices(tmp_path, case):
     from support.model_zoo import save_tiny
 
     if case == "llama-tied-uneven":  # vocabulary 15 (8 + 7 rows), MLP 45 (23 + 22)
-        ckpt = save_tiny(str(tmp_path / case), "llama", seed=5, vocab_size=15, intermediate_size=45,
-                         tie_word_embeddings=True)
+        ckpt = save_tiny(
+            str(tmp_path / case), "llama", seed=5, vocab_size=15, intermediate_size=45, tie_word_embeddings=True
+        )
     else:
         ckpt = save_tiny(str(tmp_path / case), case, seed=5)
     full, ranks = _full_and_ranks(ckpt)
@@ -188,8 +212,9 @@ def test_load_reports_progress(tmp_path):
 
     ckpt = save_tiny(str(tmp_path / "llama"), "llama", seed=6)
     lines = []
-    model = load_sharded(ModelSource(ckpt, None, key="target.model"), "float32", "cpu", 1, WORLD_SIZE,
-                         progress=lines.append)
+    model = load_sharded(
+        ModelSource(ckpt, None, key="target.model"), "float32", "cpu", 1, WORLD_SIZE, progress=lines.append
+    )
     rep = model.load_report
     assert len(lines) == 2 and lines[0].startswith("loading target llama (")
     assert re.fullmatch(r"rank 1 of 2 read [\d.]+ kB of [\d.]+ kB \(sharded\) in [\d.]+ s", lines[1]), lines[1]

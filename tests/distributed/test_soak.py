@@ -13,13 +13,22 @@ from collections import Counter
 
 import pytest
 import yaml
-
 from support.helpers import LoopThread, tiny_config
-from specdist.bench import soak
-from specdist.bench.soak import (GAUGES, INVALID_FIELDS, MIB, MIX, SoakRequest, draw_request, fit_trend,
-                                 invalid_request, tolerance)
-from specdist.cli import main
+
 from specdist.api.admission import Limits
+from specdist.bench import soak
+from specdist.bench.soak import (
+    GAUGES,
+    INVALID_FIELDS,
+    MIB,
+    MIX,
+    SoakRequest,
+    draw_request,
+    fit_trend,
+    invalid_request,
+    tolerance,
+)
+from specdist.cli import main
 
 MINUTES = 20
 T = [float(s) for s in range(60, MINUTES * 60)]  # 1 Hz samples after a one-minute warm-up
@@ -69,8 +78,17 @@ def test_verdict_flat_noise_passes_a_leak_fails_a_spike_does_not():
     assert fit_trend(T, fds, tolerance("fds", 18)).verdict == "grows"
 
 
-LIMITS = Limits(max_message_bytes=4 << 20, max_prompt_chars=1 << 20, max_prompt_tokens=63, max_tokens=64,
-                max_stop=16, max_stop_chars=256, max_stop_token_ids=64, max_request_id_chars=256, max_n=16)
+LIMITS = Limits(
+    max_message_bytes=4 << 20,
+    max_prompt_chars=1 << 20,
+    max_prompt_tokens=63,
+    max_tokens=64,
+    max_stop=16,
+    max_stop_chars=256,
+    max_stop_token_ids=64,
+    max_request_id_chars=256,
+    max_n=16,
+)
 
 
 def test_request_mix_proportions_at_a_fixed_seed():
@@ -130,12 +148,16 @@ def test_every_request_kind_gets_its_expected_outcome(served):
         assert soak.send(client, served.address, sampled) == "finished"
         # the valid request sent as invalid is served: that is an unexpected outcome
         assert soak.send(client, served.address, SoakRequest("invalid", "a", 4, 0.0, invalid="x")).startswith(
-            "unexpected: invalid request (x) was served")
-        outcomes = {soak.send(client, served.address, SoakRequest(kind, "a b c", 40, 0.0, stop_after=1))
-                    for kind in ("cancel", "vanish")}
+            "unexpected: invalid request (x) was served"
+        )
+        outcomes = {
+            soak.send(client, served.address, SoakRequest(kind, "a b c", 40, 0.0, stop_after=1))
+            for kind in ("cancel", "vanish")
+        }
     assert outcomes <= {"cancelled", "vanished", "finished"}, outcomes
-    idle, last = soak.wait_idle(lambda: soak.take_sample(0.0, [("server", os.getpid())], coordinator, None),
-                                timeout_s=10)
+    idle, last = soak.wait_idle(
+        lambda: soak.take_sample(0.0, [("server", os.getpid())], coordinator, None), timeout_s=10
+    )
     assert idle and last["counters"] == dict.fromkeys(GAUGES, 0) and last["workers"] == {}
     stats = last["processes"]["server"]
     assert stats["rss_bytes"] > 10 * MIB and stats["threads"] >= 2 and stats["fds"] >= 3
@@ -148,20 +170,34 @@ class FakeDeployment:
         self.held_requests, self.follower_slots = held_requests, follower_slots
 
     def health(self) -> dict:
-        return {"target/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "rank": 0, "requests": 0,
-                             "kv_slots_in_use": 0},
-                "target/1": {"pid": os.getpid(), "node_ip": "127.0.0.1", "rank": 1, "requests": 0,
-                             "kv_slots_in_use": self.follower_slots},
-                "draft/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "requests": self.held_requests,
-                            "kv_slots_in_use": 0},
-                "draft/1": {"pid": 1, "node_ip": "192.0.2.1", "requests": 0, "kv_slots_in_use": 0},
-                "draft/2": {"ok": False, "error": "GetTimeoutError: no answer"}}
+        return {
+            "target/0": {"pid": os.getpid(), "node_ip": "127.0.0.1", "rank": 0, "requests": 0, "kv_slots_in_use": 0},
+            "target/1": {
+                "pid": os.getpid(),
+                "node_ip": "127.0.0.1",
+                "rank": 1,
+                "requests": 0,
+                "kv_slots_in_use": self.follower_slots,
+            },
+            "draft/0": {
+                "pid": os.getpid(),
+                "node_ip": "127.0.0.1",
+                "requests": self.held_requests,
+                "kv_slots_in_use": 0,
+            },
+            "draft/1": {"pid": 1, "node_ip": "192.0.2.1", "requests": 0, "kv_slots_in_use": 0},
+            "draft/2": {"ok": False, "error": "GetTimeoutError: no answer"},
+        }
 
 
 def test_deployment_processes_and_worker_counters():
     procs, skipped = soak.deployment_processes(FakeDeployment())
-    assert procs == [("server", os.getpid()), ("target/0", os.getpid()), ("target/1", os.getpid()),
-                     ("draft/0", os.getpid())]
+    assert procs == [
+        ("server", os.getpid()),
+        ("target/0", os.getpid()),
+        ("target/1", os.getpid()),
+        ("draft/0", os.getpid()),
+    ]
     assert [s["name"] for s in skipped] == ["draft/1", "draft/2"]  # another node; no answer
     assert "192.0.2.1" in skipped[0]["reason"] and "GetTimeoutError" in skipped[1]["reason"]
     workers = soak.worker_counters(FakeDeployment(held_requests=2))
@@ -189,14 +225,38 @@ def config_file(tiny_models, tmp_path):
 def test_bench_soak_short_run_is_flat_and_idle(config_file, tmp_path, capsys):
     out = tmp_path / "soak.json"
     t0 = time.monotonic()
-    rc = main(["bench", "soak", "--config", config_file, "--minutes", "0.1", "--sample-interval", "0.25",
-               "--seed", "3", "--max-tokens", "24", "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "soak",
+            "--config",
+            config_file,
+            "--minutes",
+            "0.1",
+            "--sample-interval",
+            "0.25",
+            "--seed",
+            "3",
+            "--max-tokens",
+            "24",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     doc = json.loads(out.read_text())
     assert doc["schema"] == "specdist.bench.soak/1" and doc["ok"] and doc["failure"] is None
-    assert doc["settings"] == {"config": config_file, "minutes": 0.1, "concurrency": 8, "seed": 3, "max_tokens": 24,
-                               "sample_interval_s": 0.25, "warmup_s": pytest.approx(1.2)}
+    assert doc["settings"] == {
+        "config": config_file,
+        "minutes": 0.1,
+        "concurrency": 8,
+        "seed": 3,
+        "max_tokens": 24,
+        "sample_interval_s": 0.25,
+        "warmup_s": pytest.approx(1.2),
+    }
     assert doc["processes"] == [{"name": "server", "pid": os.getpid()}] and doc["not_sampled"] == []
     req = doc["requests"]
     assert req["unexpected"] == 0 and req["unexpected_examples"] == [] and req["sent"] > 20
@@ -210,7 +270,8 @@ def test_bench_soak_short_run_is_flat_and_idle(config_file, tmp_path, capsys):
     # 6 s at 4 Hz, then one sample once idle (the clients' last requests may add a few)
     assert len(doc["samples"]) >= 20 and all(s["processes"]["server"] for s in doc["samples"])
     assert [(r["process"], r["metric"], r["verdict"]) for r in doc["series"]] == [
-        ("server", m, "flat") for m in ("rss_bytes", "threads", "fds")]
+        ("server", m, "flat") for m in ("rss_bytes", "threads", "fds")
+    ]
     for r in doc["series"]:
         assert r["samples"] >= 15 and r["idle"] is not None  # 1.2 s to 6 s at 4 Hz
     assert "| server | rss_bytes |" in captured.out and "counters at the end: all 0" in captured.out
@@ -234,12 +295,25 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
         return {**s, "rss_bytes": s["rss_bytes"] + int(1024 * MIB * (time.monotonic() - t0))}
 
     monkeypatch.setattr(soak, "process_stats", growing)
-    monkeypatch.setattr(soak, "worker_counters",
-                        lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0}})
+    monkeypatch.setattr(soak, "worker_counters", lambda d: {"draft/0": {"requests": 1, "kv_slots_in_use": 0}})
     monkeypatch.setattr(soak, "IDLE_TIMEOUT_S", 0.5)
     out = tmp_path / "soak.json"
-    rc = main(["bench", "soak", "--config", config_file, "--minutes", "0.05", "--sample-interval", "0.2",
-               "--concurrency", "2", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "soak",
+            "--config",
+            config_file,
+            "--minutes",
+            "0.05",
+            "--sample-interval",
+            "0.2",
+            "--concurrency",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert "soak: 100%" in err and "3/3" in err and "unexpected=0" in err  # tqdm's bar: 3 s, its postfix
@@ -248,20 +322,26 @@ def test_bench_soak_fails_on_growth_and_held_slots(config_file, tmp_path, capsys
     doc = json.loads(out.read_text())
     assert not doc["ok"] and doc["failure"] == line.removeprefix("specdist: bench soak failed: ")
     assert [r["verdict"] for r in doc["series"]] == ["grows", "flat", "flat"]
-    assert doc["final"] == {"idle": False, "counters": dict.fromkeys(GAUGES, 0),
-                            "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0}},
-                            "held": ["draft/0 requests = 1"]}
+    assert doc["final"] == {
+        "idle": False,
+        "counters": dict.fromkeys(GAUGES, 0),
+        "workers": {"draft/0": {"requests": 1, "kv_slots_in_use": 0}},
+        "held": ["draft/0 requests = 1"],
+    }
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--minutes", "0"], "--minutes: must be a positive number"),
-    (["--minutes", "nan"], "--minutes: must be a positive number"),
-    (["--concurrency", "0"], "--concurrency: must be >= 1"),
-    (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
-    (["--sample-interval", "-1"], "--sample-interval: must be a positive number"),
-    (["--json", "/nonexistent/dir/s.json"], "--json: the directory of '/nonexistent/dir/s.json'"),
-    (["--config", "/nonexistent.yaml"], "config <file>: config file '/nonexistent.yaml' does not exist"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--minutes", "0"], "--minutes: must be a positive number"),
+        (["--minutes", "nan"], "--minutes: must be a positive number"),
+        (["--concurrency", "0"], "--concurrency: must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
+        (["--sample-interval", "-1"], "--sample-interval: must be a positive number"),
+        (["--json", "/nonexistent/dir/s.json"], "--json: the directory of '/nonexistent/dir/s.json'"),
+        (["--config", "/nonexistent.yaml"], "config <file>: config file '/nonexistent.yaml' does not exist"),
+    ],
+)
 def test_invalid_flags_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "soak", "--no-progress", *flags])

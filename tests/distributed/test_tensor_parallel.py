@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-
 from support.helpers import devices
 from support.rank_procs import OPS, WORLD_SIZE, run_ops, spawn_ranks
 
@@ -49,11 +48,19 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, ckpts: list[st
         model = load_sharded(ModelSource(ckpt, None), "float32", device, rank, world_size)
         runner = CausalLMRunner(model, num_slots=2, max_len=32)
         logits = run_ops(runner, OPS if rank == 0 else [None] * len(OPS), broadcast=broadcast_object)
-        tied = model.lm_head.weight.untyped_storage().data_ptr() == \
-            model.model.embed_tokens.weight.untyped_storage().data_ptr()
-        results.append({"logits": logits, "shapes": _shapes(model, runner), "report": model.load_report,
-                        "head_shares_embedding": tied, "control": (dist.get_backend(control_group()),
-                                                                   control_group() is dist.group.WORLD)})
+        tied = (
+            model.lm_head.weight.untyped_storage().data_ptr()
+            == model.model.embed_tokens.weight.untyped_storage().data_ptr()
+        )
+        results.append(
+            {
+                "logits": logits,
+                "shapes": _shapes(model, runner),
+                "report": model.load_report,
+                "head_shares_embedding": tied,
+                "control": (dist.get_backend(control_group()), control_group() is dist.group.WORLD),
+            }
+        )
     torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
@@ -95,8 +102,9 @@ def two_ranks(tmp_path_factory):
     ckpts = {
         "llama": save_tiny_llama(str(root / "llama"), seed=11, vocab_size=16),
         # uneven vocabulary (8 + 7 rows) and MLP (23 + 22), lm_head tied to the embedding
-        "llama-tied-uneven": save_tiny(str(root / "tied"), "llama", seed=12, vocab_size=15, intermediate_size=45,
-                                       tie_word_embeddings=True),
+        "llama-tied-uneven": save_tiny(
+            str(root / "tied"), "llama", seed=12, vocab_size=15, intermediate_size=45, tie_word_embeddings=True
+        ),
     }
     for family in FAMILY_CASES:
         ckpts[f"zoo-{family}"] = save_tiny(str(root / family), family, seed=13)
@@ -154,8 +162,16 @@ def test_two_rank_llama_matches_unsharded(two_ranks):
     ref, ranks, ckpt = two_ranks["llama"]
     _check_logits("llama", ref, ranks)
     # 4 heads / 2 kv heads, head_dim 8, hidden 32, intermediate 64, vocab 16: half of each per rank.
-    want_shapes = {"q": (16, 32), "k": (8, 32), "v": (8, 32), "o": (32, 16), "gate": (32, 32), "down": (32, 32),
-                   "lm_head": (8, 32), "cache": (2, 1, 33, 8)}
+    want_shapes = {
+        "q": (16, 32),
+        "k": (8, 32),
+        "v": (8, 32),
+        "o": (32, 16),
+        "gate": (32, 32),
+        "down": (32, 32),
+        "lm_head": (8, 32),
+        "cache": (2, 1, 33, 8),
+    }
     replicated, sharded, _ = _expected_reads(ckpt)
     for res in ranks:
         assert res["control"] == ("gloo", False)  # broadcast_object travels on its own gloo group
@@ -185,8 +201,11 @@ def test_two_rank_family_matches_unsharded(two_ranks, family):
     for res in ranks:
         assert res["report"].sharded == one_to_one
         if not one_to_one:  # loaded whole by transformers, then sliced: every rank read the whole file
-            assert res["report"].bytes_read == res["report"].bytes_total == os.path.getsize(
-                os.path.join(ckpt, "model.safetensors"))
+            assert (
+                res["report"].bytes_read
+                == res["report"].bytes_total
+                == os.path.getsize(os.path.join(ckpt, "model.safetensors"))
+            )
     if one_to_one:
         assert sum(res["report"].bytes_read for res in ranks) == WORLD_SIZE * replicated + sharded
 
@@ -201,8 +220,7 @@ def test_two_rank_nccl_matches_unsharded(tmp_path, device):
 
     ckpt = save_tiny_llama(str(tmp_path / "llama"), seed=11, vocab_size=16)
     ref = run_ops(CausalLMRunner(load_model(ModelSource(ckpt, None), "float32"), num_slots=2, max_len=32), OPS)
-    ranks = [r[0] for r in spawn_ranks(_worker, [ckpt], tmp_path,
-                                       env_extra={"SPECDIST_TEST_DEVICE": "cuda"})]
+    ranks = [r[0] for r in spawn_ranks(_worker, [ckpt], tmp_path, env_extra={"SPECDIST_TEST_DEVICE": "cuda"})]
     assert all(res["control"] == ("gloo", False) for res in ranks)
     _check_logits("llama on NCCL", ref, ranks)
 
@@ -220,8 +238,9 @@ def _batch_worker(rank: int, world_size: int, port: int, out_path: str, args: li
 
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu")
     with gguf_parsed_once():
-        model = load_sharded(resolve_model("smollm2-135m-instruct"), "float32", "cpu", rank, world_size,
-                             weights="native")
+        model = load_sharded(
+            resolve_model("smollm2-135m-instruct"), "float32", "cpu", rank, world_size, weights="native"
+        )
     runner = CausalLMRunner(model, num_slots=8, max_len=128)
     prompt, verify = [(7 * i + 3) % 49000 for i in range(30)], [11, 22, 33]
     results = []
@@ -260,8 +279,14 @@ def test_indivisible_heads_raise():
 
     from specdist.models.sharding import check_shardable
 
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ValueError, match="num_key_value_heads"):
         check_shardable(cfg, 4)
     with pytest.raises(ValueError, match="num_attention_heads"):

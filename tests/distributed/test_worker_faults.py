@@ -38,8 +38,8 @@ import grpc
 import psutil
 import pytest
 import ray
-
 from support.helpers import LoopThread, assert_nothing_left_on_ray, healthy_replicas, tiny_config, wait_until
+
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -55,10 +55,18 @@ POLL_S, POLL_LIMIT_S = 0.02, 120.0  # every wait below polls state, bounded
 
 def _config(tiny_models) -> dict:
     cfg = tiny_config(tiny_models, method="model", k=3)
-    cfg["cluster"] = {"enabled": True, "tensor_parallel_size": 2, "num_draft_workers": 1,
-                      "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 180,
-                      "health_interval_s": 0.2, "health_timeout_s": 2.0, "max_restarts": 2,
-                      "collective_timeout_s": 3.0}
+    cfg["cluster"] = {
+        "enabled": True,
+        "tensor_parallel_size": 2,
+        "num_draft_workers": 1,
+        "cpus_per_rank": 0.5,
+        "cpus_per_draft": 0.5,
+        "bringup_timeout_s": 180,
+        "health_interval_s": 0.2,
+        "health_timeout_s": 2.0,
+        "max_restarts": 2,
+        "collective_timeout_s": 3.0,
+    }
     return cfg
 
 
@@ -183,10 +191,16 @@ def _check_up(dep, target_addr: str, draft_addrs: list[str]) -> None:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="")).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         intruder = [
-            (target_pb2_grpc.TargetWorkerStub(chans[0]).Verify, target_pb2.VerifyRequest(items=[
-                target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[1], seq_len=1)])),
-            (draft_pb2_grpc.DraftWorkerStub(chans[1]).Propose, draft_pb2.ProposeRequest(items=[
-                draft_pb2.ProposeItem(request_id="intruder", num_tokens=1, seq_len=1)])),
+            (
+                target_pb2_grpc.TargetWorkerStub(chans[0]).Verify,
+                target_pb2.VerifyRequest(
+                    items=[target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[1], seq_len=1)]
+                ),
+            ),
+            (
+                draft_pb2_grpc.DraftWorkerStub(chans[1]).Propose,
+                draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(request_id="intruder", num_tokens=1, seq_len=1)]),
+            ),
         ]
         for method, request in intruder:
             for metadata in (None, bearer_metadata(new_worker_secret())):
@@ -208,8 +222,11 @@ def _drain_and_stop(lt, serving) -> None:
     assert all(d["drained"] for d in drained.values()), drained
     with dep.worker_tls.channel(backend.draft_addresses[0]) as ch:
         with pytest.raises(grpc.RpcError) as ei:
-            draft_pb2_grpc.DraftWorkerStub(ch).Start(draft_pb2.StartRequest(items=[common_pb2.StartItem(
-                request_id="late", prompt_token_ids=[1])]), metadata=bearer_metadata(dep.worker_secret), timeout=30)
+            draft_pb2_grpc.DraftWorkerStub(ch).Start(
+                draft_pb2.StartRequest(items=[common_pb2.StartItem(request_id="late", prompt_token_ids=[1])]),
+                metadata=bearer_metadata(dep.worker_secret),
+                timeout=30,
+            )
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     with dep.worker_tls.channel(backend.target_address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
@@ -237,8 +254,9 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
 
     cfg = _config(tiny_models)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=3)).generate(
-        PROMPTS, params)]
+    want = [
+        o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=3)).generate(PROMPTS, params)
+    ]
     lt = LoopThread()
     serving = None
     try:
@@ -259,17 +277,25 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
             reference = list(pool.map(lambda p: _greedy(client, p), PROMPTS))
         assert [ids for ids, _ in reference] == want
         assert all(stats.drafted > 0 for _, stats in reference)
-        http = openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
-                             timeout=POLL_LIMIT_S)
-        got = http.completions.create(model=cfg["target"]["model"], prompt=PROMPTS[0], temperature=0.0,
-                                      max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        http = openai.OpenAI(
+            base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0, timeout=POLL_LIMIT_S
+        )
+        got = http.completions.create(
+            model=cfg["target"]["model"],
+            prompt=PROMPTS[0],
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True},
+        )
         http.close()
-        text, ids, _, stats = client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True)
+        text, ids, _, stats = client.generate_text(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         assert got.choices[0].text == text and ids == want[0]
         spec = got.usage.model_extra["speculative"]
         assert (got.usage.completion_tokens, spec["drafted"], spec["accepted"]) == (
-            stats.output_tokens, stats.drafted, stats.accepted)
+            stats.output_tokens,
+            stats.drafted,
+            stats.accepted,
+        )
         draft_pid = dep.health()["draft 0"]["pid"]
 
         # 1. SIGSTOP the draft worker: left behind at its Propose deadline, re-admitted after SIGCONT
@@ -320,6 +346,7 @@ def test_served_deployment_through_faults(local_ray, tiny_models):
         assert [e.kind for e in events if e.worker == "target"] == ["target_down", "target_up"]
         counters = serving.server.coordinator.counters()
         assert counters["live_requests"] == 0 and counters["target_kv_slots_used"] == 0
+
         # every worker, follower rank included, holds nothing once idle. A follower frees its slots
         # when it replays the releases rank 0 broadcasts on going idle, on its own thread: polled
         def held() -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
 from support.helpers import tiny_config
+
 from cluster.deployment import ClusterSpec, Deployment, _Handle
 from specdist.config import load_config
 from specdist.models import memory_plan
@@ -31,8 +31,15 @@ class Devices:
 
     def __init__(self, monkeypatch):
         self.devices, self.current = {}, None
-        for name in ("mem_get_info", "memory_allocated", "memory_reserved", "max_memory_allocated",
-                     "reset_peak_memory_stats", "synchronize", "empty_cache"):
+        for name in (
+            "mem_get_info",
+            "memory_allocated",
+            "memory_reserved",
+            "max_memory_allocated",
+            "reset_peak_memory_stats",
+            "synchronize",
+            "empty_cache",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         monkeypatch.setattr(memory_plan, "measure_for", CudaMeasure)  # the CPU workers plan as on GPUs
 
@@ -74,16 +81,22 @@ class InProcess:
         return SimpleNamespace(remote=remote)
 
 
-def test_the_deployment_plans_every_workers_cache_with_the_shared_planner_to_the_fewest_blocks(tiny_models,
-                                                                                             monkeypatch):
+def test_the_deployment_plans_every_workers_cache_with_the_shared_planner_to_the_fewest_blocks(
+    tiny_models, monkeypatch
+):
     devices = Devices(monkeypatch)
     cfg = load_config(tiny_config(tiny_models, method="model", k=3, kv_cache="paged"))
     dep = Deployment(ClusterSpec(tensor_parallel_size=2, num_draft_workers=1))
     dep.config, dep.sources = cfg, ModelSources.of(cfg)
-    actors = {"target rank 0": TargetRankActor(0, 1, num_threads=None), "target rank 1": TargetRankActor(0, 1, None),
-              "draft 0": DraftActor(0, num_threads=None)}
-    handles = [_Handle(name, InProcess(name, a, devices), "draft" if name.startswith("draft") else "target")
-               for name, a in actors.items()]
+    actors = {
+        "target rank 0": TargetRankActor(0, 1, num_threads=None),
+        "target rank 1": TargetRankActor(0, 1, None),
+        "draft 0": DraftActor(0, num_threads=None),
+    }
+    handles = [
+        _Handle(name, InProcess(name, a, devices), "draft" if name.startswith("draft") else "target")
+        for name, a in actors.items()
+    ]
     try:
         for h in handles:
             devices.current = h.name
@@ -103,22 +116,36 @@ def test_the_deployment_plans_every_workers_cache_with_the_shared_planner_to_the
         dep._plan_memory(handles, lambda phase, calls: calls)
 
         assert len(planned) == 3  # the shared planner, once a worker, on what each measured of its own device
-        alone = {name: plan(d["total"], u, weights, 0, peak, d["other"],
-                            [CacheNeed(n, caches[name].bytes_per_token, 16, 64, 8 * 64)
-                             for n in (("draft",) if name == "draft 0" else ("target",))])
-                 for name, d in devices.devices.items()}
-        assert {name: p.tokens.popitem()[1] for name, p in alone.items()} == \
-            {"target rank 0": 288, "target rank 1": 144, "draft 0": 8 * 64}
+        alone = {
+            name: plan(
+                d["total"],
+                u,
+                weights,
+                0,
+                peak,
+                d["other"],
+                [
+                    CacheNeed(n, caches[name].bytes_per_token, 16, 64, 8 * 64)
+                    for n in (("draft",) if name == "draft 0" else ("target",))
+                ],
+            )
+            for name, d in devices.devices.items()
+        }
+        assert {name: p.tokens.popitem()[1] for name, p in alone.items()} == {
+            "target rank 0": 288,
+            "target rank 1": 144,
+            "draft 0": 8 * 64,
+        }
         # every cache the fewest tokens: the ranks replay rank 0's blocks, the draft holds the target's tokens
         assert dep.kv_tokens == 144
-        assert {name: (c.num_blocks, c.usage()["blocks_total"]) for name, c in caches.items()} == \
-            {name: (144 // 16 + 1, 144 // 16) for name in caches}
+        assert {name: (c.num_blocks, c.usage()["blocks_total"]) for name, c in caches.items()} == {
+            name: (144 // 16 + 1, 144 // 16) for name in caches
+        }
         for name, a in actors.items():  # reported: each worker's health, the deployment's line (GetServerInfo)
             line = a.health()["memory_plan"]
             assert line.startswith("memory plan: ") and f"{name}: {line}" in dep.memory_plan.split("; ")
             assert "144 tokens" in line
-        monkeypatch.setattr("specdist.engine.remote.RemoteEngine.from_addresses",
-                            lambda *a, **k: SimpleNamespace())
+        monkeypatch.setattr("specdist.engine.remote.RemoteEngine.from_addresses", lambda *a, **k: SimpleNamespace())
         dep.target_address = "127.0.0.1:1"
         assert dep.connect().memory_plan == dep.memory_plan
         # the planned caches serve: rank 0's warm-up prefills, verifies and releases on them

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from support.helpers import remote_engine_like, tiny_config
+
 from specdist.engine.local import Engine
-from specdist.transport.remote import RemoteDrafter, RemoteVerifier
 from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
-from specdist.transport.security import bearer_metadata, new_worker_secret
-from specdist.transport.protocol import StartItem, TransportError
-from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdist.sampling_proto import sampling_params_to_proto
+from specdist.transport.protocol import StartItem, TransportError
+from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+from specdist.transport.security import bearer_metadata, new_worker_secret
+from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 K, MAX_LEN = 3, 64
 PROMPTS = [[1, 2, 3, 1, 2], [4], [5, 6, 5, 6, 5, 6, 5]]
@@ -39,8 +39,12 @@ def actors(tiny_models):
     draft = DraftActor(0, num_threads=None)
     try:
         target.load(tiny_models["target"], engine={"max_batch_size": 8, "max_model_len": MAX_LEN})
-        draft.load({"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
-                   tiny_models["target"], {"max_batch_size": 8, "max_model_len": MAX_LEN}, device="cpu")
+        draft.load(
+            {"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
+            tiny_models["target"],
+            {"max_batch_size": 8, "max_model_len": MAX_LEN},
+            device="cpu",
+        )
         target_address = target.start_grpc("127.0.0.1", 0, SECRET)
         draft_address = draft.start_grpc("127.0.0.1", 0, SECRET)
         yield target, draft, target_address, draft_address
@@ -55,15 +59,33 @@ def _calls(target_address: str, draft_address: str):
     t_chan, d_chan = grpc.insecure_channel(target_address), grpc.insecure_channel(draft_address)
     t, d = target_pb2_grpc.TargetWorkerStub(t_chan), draft_pb2_grpc.DraftWorkerStub(d_chan)
     calls = [
-        ("Prefill", t.Prefill, target_pb2.PrefillRequest(items=[
-            common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
-        ("Verify", t.Verify, target_pb2.VerifyRequest(items=[
-            target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[3], seq_len=2)])),
+        (
+            "Prefill",
+            t.Prefill,
+            target_pb2.PrefillRequest(
+                items=[common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)]
+            ),
+        ),
+        (
+            "Verify",
+            t.Verify,
+            target_pb2.VerifyRequest(
+                items=[target_pb2.VerifyItem(request_id="intruder", draft_token_ids=[3], seq_len=2)]
+            ),
+        ),
         ("target Release", t.Release, target_pb2.TargetReleaseRequest(request_ids=["intruder"])),
-        ("Start", d.Start, draft_pb2.StartRequest(items=[
-            common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)])),
-        ("Propose", d.Propose, draft_pb2.ProposeRequest(items=[
-            draft_pb2.ProposeItem(request_id="intruder", num_tokens=2, seq_len=2)])),
+        (
+            "Start",
+            d.Start,
+            draft_pb2.StartRequest(
+                items=[common_pb2.StartItem(request_id="intruder", prompt_token_ids=[1, 2], params=sp, seed=1)]
+            ),
+        ),
+        (
+            "Propose",
+            d.Propose,
+            draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(request_id="intruder", num_tokens=2, seq_len=2)]),
+        ),
         ("draft Release", d.Release, draft_pb2.DraftReleaseRequest(request_ids=["intruder"])),
     ]
     return (t_chan, d_chan), calls

@@ -13,8 +13,8 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from support.helpers import tiny_config
+
 from specdist.engine.local import Engine
 from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
@@ -35,8 +35,12 @@ def served(tiny_models):
     draft = DraftActor(0, num_threads=None)
     try:
         target.load(tiny_models["target"], engine={"max_batch_size": 8, "max_model_len": MAX_LEN})
-        draft.load({"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
-                   tiny_models["target"], {"max_batch_size": 8, "max_model_len": MAX_LEN}, device="cpu")
+        draft.load(
+            {"method": "model", "model": tiny_models["draft"], "num_speculative_tokens": K},
+            tiny_models["target"],
+            {"max_batch_size": 8, "max_model_len": MAX_LEN},
+            device="cpu",
+        )
         yield target.start_grpc("127.0.0.1", 0, SECRET, TLS), draft.start_grpc("127.0.0.1", 0, SECRET, TLS)
     finally:
         target.shutdown()
@@ -71,8 +75,9 @@ def test_the_coordinator_over_the_deployments_tls_gives_the_engines_tokens(serve
     prompts, params = [[1, 2, 3, 1, 2], [4]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = [o.token_ids for o in Engine.from_config(cfg).generate(prompts, params)]
     target_address, draft_address = served
-    with RemoteEngine.from_addresses(cfg, target_address, [draft_address], worker_secret=SECRET,
-                                     worker_tls=TLS) as remote:
+    with RemoteEngine.from_addresses(
+        cfg, target_address, [draft_address], worker_secret=SECRET, worker_tls=TLS
+    ) as remote:
         assert [o.token_ids for o in remote.generate(prompts, params)] == want
 
 

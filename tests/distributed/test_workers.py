@@ -15,22 +15,22 @@ import socket
 
 import grpc
 import pytest
-import torch
-
 import support.rank_procs as rank_procs
+import torch
 from support.helpers import host_servicer, model_drafter, tiny_config
-from specdist.cores.proposers.ngram import NgramProposer
+
 from specdist.cores.draft import DrafterCore
+from specdist.cores.proposers.ngram import NgramProposer
+from specdist.cores.sampling import process_logits
+from specdist.cores.target import VerifierCore
+from specdist.engine.stopping import OutputState
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.cores.sampling import process_logits
-from specdist.sampling_params import SamplingParams
-from specdist.engine.stopping import OutputState
 from specdist.randomness import draft_seed
-from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdist.cores.target import VerifierCore
+from specdist.sampling_params import SamplingParams
 from specdist.sampling_proto import sampling_params_to_proto
 from specdist.transport.wire import DENSE, ONE_HOT, SPARSE, encode_distribution
+from specdist.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from workers.draft_worker import DraftServicer
 from workers.target_worker import TargetServicer
 
@@ -55,9 +55,15 @@ def workers(tiny_models):
     srv_t = host_servicer(ts)
     srvs = {name: host_servicer(sv) for name, sv in ds.items()}
     chans = [grpc.insecure_channel(f"127.0.0.1:{s.port}") for s in [srv_t, *srvs.values()]]
-    out = {"target": target, "model": model_draft, "ngram": ngram_draft, "self": self_draft,
-           "target_stub": target_pb2_grpc.TargetWorkerStub(chans[0]), "eos": eos_token_ids(target.runner.model),
-           "target_address": f"127.0.0.1:{srv_t.port}"}
+    out = {
+        "target": target,
+        "model": model_draft,
+        "ngram": ngram_draft,
+        "self": self_draft,
+        "target_stub": target_pb2_grpc.TargetWorkerStub(chans[0]),
+        "eos": eos_token_ids(target.runner.model),
+        "target_address": f"127.0.0.1:{srv_t.port}",
+    }
     for name, ch in zip(srvs, chans[1:]):
         out[f"{name}_stub"] = draft_pb2_grpc.DraftWorkerStub(ch)
         out[f"{name}_address"] = f"127.0.0.1:{srvs[name].port}"
@@ -78,14 +84,28 @@ def run_generation(tstub, dstub, prompts, params, eos, k=K, seed0=1234, formats_
     """Drive requests to completion over gRPC; returns each request's output token ids."""
     ids = [f"{prefix}{next(_ids)}" for _ in prompts]
     seeds = [seed0 + i for i in range(len(prompts))]
-    tstub.Prefill(target_pb2.PrefillRequest(items=[
-        common_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=s)
-        for i, p, sp, s in zip(ids, prompts, params, seeds)]))
-    dstub.Start(draft_pb2.StartRequest(items=[
-        common_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=draft_seed(s))
-        for i, p, sp, s in zip(ids, prompts, params, seeds)]))
-    st = {i: {"seq": list(p), "out": OutputState(sp, eos), "acc": 0, "new": [], "params": sp}
-          for i, p, sp in zip(ids, prompts, params)}
+    tstub.Prefill(
+        target_pb2.PrefillRequest(
+            items=[
+                common_pb2.StartItem(request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=s)
+                for i, p, sp, s in zip(ids, prompts, params, seeds)
+            ]
+        )
+    )
+    dstub.Start(
+        draft_pb2.StartRequest(
+            items=[
+                common_pb2.StartItem(
+                    request_id=i, prompt_token_ids=p, params=sampling_params_to_proto(sp), seed=draft_seed(s)
+                )
+                for i, p, sp, s in zip(ids, prompts, params, seeds)
+            ]
+        )
+    )
+    st = {
+        i: {"seq": list(p), "out": OutputState(sp, eos), "acc": 0, "new": [], "params": sp}
+        for i, p, sp in zip(ids, prompts, params)
+    }
     running = list(ids)
     while running:
         ks = {}
@@ -93,18 +113,34 @@ def run_generation(tstub, dstub, prompts, params, eos, k=K, seed0=1234, formats_
             s = st[i]
             remaining = s["params"].max_tokens - len(s["out"].token_ids)
             ks[i] = max(0, min(k, remaining - 1, MAX_LEN - len(s["seq"]) - 1))
-        prop = dstub.Propose(draft_pb2.ProposeRequest(items=[
-            draft_pb2.ProposeItem(request_id=i, num_accepted=st[i]["acc"], new_token_ids=st[i]["new"],
-                                  num_tokens=ks[i], seq_len=len(st[i]["seq"]))
-            for i in running]))
+        prop = dstub.Propose(
+            draft_pb2.ProposeRequest(
+                items=[
+                    draft_pb2.ProposeItem(
+                        request_id=i,
+                        num_accepted=st[i]["acc"],
+                        new_token_ids=st[i]["new"],
+                        num_tokens=ks[i],
+                        seq_len=len(st[i]["seq"]),
+                    )
+                    for i in running
+                ]
+            )
+        )
         assert [p.request_id for p in prop.proposals] == running
         if formats_seen is not None:
             for p in prop.proposals:
                 formats_seen.update(d.format for d in p.probs)
-        ver = tstub.Verify(target_pb2.VerifyRequest(items=[
-            target_pb2.VerifyItem(request_id=i, draft_token_ids=p.token_ids, draft_probs=p.probs,
-                                  seq_len=len(st[i]["seq"]))
-            for i, p in zip(running, prop.proposals)]))
+        ver = tstub.Verify(
+            target_pb2.VerifyRequest(
+                items=[
+                    target_pb2.VerifyItem(
+                        request_id=i, draft_token_ids=p.token_ids, draft_probs=p.probs, seq_len=len(st[i]["seq"])
+                    )
+                    for i, p in zip(running, prop.proposals)
+                ]
+            )
+        )
         done = []
         for i, p, res in zip(running, prop.proposals, ver.results):
             assert res.request_id == i and len(p.token_ids) <= ks[i]
@@ -141,8 +177,15 @@ def test_greedy_matches_engine(workers, tiny_models, method):
     engine = Engine.from_config(cfg)
     want = [o.token_ids for o in engine.generate(PROMPTS, params)]
     formats: set[int] = set()
-    got, _ = run_generation(workers["target_stub"], workers[f"{method}_stub"], PROMPTS, params, workers["eos"],
-                            formats_seen=formats, stats=(stats := []))
+    got, _ = run_generation(
+        workers["target_stub"],
+        workers[f"{method}_stub"],
+        PROMPTS,
+        params,
+        workers["eos"],
+        formats_seen=formats,
+        stats=(stats := []),
+    )
     assert got == want
     if method == "self":
         assert all(n_acc == k for n_acc, k in stats)  # a draft equal to the target is always accepted
@@ -158,8 +201,9 @@ def test_sampled_tokens_in_target_support(workers, tiny_models):
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=24, ignore_eos=True)] * 3
     prompts = [[1, 2, 3], [4, 5], [6]]
     formats: set[int] = set()
-    _, seqs = run_generation(workers["target_stub"], workers["model_stub"], prompts, params, workers["eos"],
-                             formats_seen=formats, seed0=7)
+    _, seqs = run_generation(
+        workers["target_stub"], workers["model_stub"], prompts, params, workers["eos"], formats_seen=formats, seed0=7
+    )
     assert SPARSE in formats  # top-k 3 of 8 is a small support
     model = workers["target"].runner.model
     with torch.inference_mode():
@@ -167,13 +211,18 @@ def test_sampled_tokens_in_target_support(workers, tiny_models):
             logits = model(torch.tensor([seq[:-1]])).logits[0]  # [T, V]
             n = len(seq) - len(prompt)
             p = process_logits(logits[-n:], torch.ones(n), torch.full((n,), 3), torch.ones(n))
-            emitted = torch.tensor(seq[len(prompt):])
+            emitted = torch.tensor(seq[len(prompt) :])
             assert bool((p.gather(-1, emitted[:, None]) > 0).all())
     # dense q (no top-k/top-p) also verifies: the fp16 path end to end
     formats.clear()
-    run_generation(workers["target_stub"], workers["model_stub"], [[1, 2]],
-                   [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)], workers["eos"],
-                   formats_seen=formats)
+    run_generation(
+        workers["target_stub"],
+        workers["model_stub"],
+        [[1, 2]],
+        [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)],
+        workers["eos"],
+        formats_seen=formats,
+    )
     assert DENSE in formats or ONE_HOT in formats
     assert workers["target"].kv_slots_in_use() == 0 and workers["model"].kv_slots_in_use() == 0
 
@@ -197,16 +246,30 @@ def test_bad_inputs_get_status_codes(workers):
         return t.Verify(target_pb2.VerifyRequest(items=list(items)))
 
     cases = [
-        (lambda: prefill(P(request_id="x", prompt_token_ids=[1], params=sp), P(request_id="x", prompt_token_ids=[2])),
-         C.INVALID_ARGUMENT, "items[1].request_id"),
+        (
+            lambda: prefill(
+                P(request_id="x", prompt_token_ids=[1], params=sp), P(request_id="x", prompt_token_ids=[2])
+            ),
+            C.INVALID_ARGUMENT,
+            "items[1].request_id",
+        ),
         (lambda: prefill(P(request_id="x", prompt_token_ids=[1, 99])), C.INVALID_ARGUMENT, "items[0].prompt_token_ids"),
         (lambda: prefill(P(request_id="x", prompt_token_ids=[])), C.INVALID_ARGUMENT, "items[0].prompt_token_ids"),
-        (lambda: prefill(P(request_id="x", prompt_token_ids=[1] * MAX_LEN)), C.INVALID_ARGUMENT,
-         "items[0].prompt_token_ids"),
-        (lambda: prefill(P(request_id="x", prompt_token_ids=[1],
-                           params=common_pb2.SamplingParams(top_p=1.5))), C.INVALID_ARGUMENT, "items[0].params.top_p"),
-        (lambda: prefill(*[P(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
-         C.RESOURCE_EXHAUSTED, f"items[{SLOTS}]"),  # the first request with no room: the ones before it fit
+        (
+            lambda: prefill(P(request_id="x", prompt_token_ids=[1] * MAX_LEN)),
+            C.INVALID_ARGUMENT,
+            "items[0].prompt_token_ids",
+        ),
+        (
+            lambda: prefill(P(request_id="x", prompt_token_ids=[1], params=common_pb2.SamplingParams(top_p=1.5))),
+            C.INVALID_ARGUMENT,
+            "items[0].params.top_p",
+        ),
+        (
+            lambda: prefill(*[P(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
+            C.RESOURCE_EXHAUSTED,
+            f"items[{SLOTS}]",
+        ),  # the first request with no room: the ones before it fit
         (lambda: verify(target_pb2.VerifyItem(request_id="nope", seq_len=1)), C.NOT_FOUND, "items[0].request_id"),
     ]
     for fn, code, field in cases:
@@ -221,20 +284,46 @@ def test_bad_inputs_get_status_codes(workers):
     onehot = common_pb2.DraftDistribution(format=ONE_HOT)
     bad_verify = [
         (V(request_id="ok", seq_len=2), C.FAILED_PRECONDITION, "items[0].seq_len"),
-        (V(request_id="ok", seq_len=3, draft_token_ids=[8], draft_probs=[onehot]), C.INVALID_ARGUMENT,
-         "items[0].draft_token_ids"),
-        (V(request_id="ok", seq_len=3, draft_token_ids=[1, 2], draft_probs=[onehot]), C.INVALID_ARGUMENT,
-         "items[0].draft_probs"),
-        (V(request_id="ok", seq_len=3, draft_token_ids=[1], draft_probs=[common_pb2.DraftDistribution()]),
-         C.INVALID_ARGUMENT, "items[0].draft_probs[0].format"),
-        (V(request_id="ok", seq_len=3, draft_token_ids=[1],
-           draft_probs=[common_pb2.DraftDistribution(format=DENSE, values=b"\x00\x3c")]),
-         C.INVALID_ARGUMENT, "items[0].draft_probs[0].values"),
-        (V(request_id="ok", seq_len=3, draft_token_ids=[1], draft_probs=[
-            encode_distribution(torch.tensor([0.5, 0, 0.5, 0, 0, 0, 0, 0]), SPARSE)]),
-         C.INVALID_ARGUMENT, "items[0].draft_probs[0].values"),  # q(drafted token) == 0
-        (V(request_id="ok", seq_len=3, draft_token_ids=[1] * MAX_LEN, draft_probs=[onehot] * MAX_LEN),
-         C.INVALID_ARGUMENT, "items[0].draft_token_ids"),
+        (
+            V(request_id="ok", seq_len=3, draft_token_ids=[8], draft_probs=[onehot]),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_token_ids",
+        ),
+        (
+            V(request_id="ok", seq_len=3, draft_token_ids=[1, 2], draft_probs=[onehot]),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_probs",
+        ),
+        (
+            V(request_id="ok", seq_len=3, draft_token_ids=[1], draft_probs=[common_pb2.DraftDistribution()]),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_probs[0].format",
+        ),
+        (
+            V(
+                request_id="ok",
+                seq_len=3,
+                draft_token_ids=[1],
+                draft_probs=[common_pb2.DraftDistribution(format=DENSE, values=b"\x00\x3c")],
+            ),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_probs[0].values",
+        ),
+        (
+            V(
+                request_id="ok",
+                seq_len=3,
+                draft_token_ids=[1],
+                draft_probs=[encode_distribution(torch.tensor([0.5, 0, 0.5, 0, 0, 0, 0, 0]), SPARSE)],
+            ),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_probs[0].values",
+        ),  # q(drafted token) == 0
+        (
+            V(request_id="ok", seq_len=3, draft_token_ids=[1] * MAX_LEN, draft_probs=[onehot] * MAX_LEN),
+            C.INVALID_ARGUMENT,
+            "items[0].draft_token_ids",
+        ),
     ]
     for item, code, field in bad_verify:
         got, details = _code(verify, item)
@@ -256,13 +345,22 @@ def test_bad_inputs_get_status_codes(workers):
         return d.Propose(draft_pb2.ProposeRequest(items=list(items)))
 
     draft_cases = [
-        (lambda: start(S(request_id="a", prompt_token_ids=[1]), S(request_id="a", prompt_token_ids=[1])),
-         C.INVALID_ARGUMENT, "items[1].request_id"),
+        (
+            lambda: start(S(request_id="a", prompt_token_ids=[1]), S(request_id="a", prompt_token_ids=[1])),
+            C.INVALID_ARGUMENT,
+            "items[1].request_id",
+        ),
         (lambda: start(S(request_id="a", prompt_token_ids=[-1])), C.INVALID_ARGUMENT, "items[0].prompt_token_ids"),
-        (lambda: start(S(request_id="a", prompt_token_ids=[1] * MAX_LEN)), C.INVALID_ARGUMENT,
-         "items[0].prompt_token_ids"),
-        (lambda: start(*[S(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
-         C.RESOURCE_EXHAUSTED, f"items[{SLOTS}]"),
+        (
+            lambda: start(S(request_id="a", prompt_token_ids=[1] * MAX_LEN)),
+            C.INVALID_ARGUMENT,
+            "items[0].prompt_token_ids",
+        ),
+        (
+            lambda: start(*[S(request_id=f"s{i}", prompt_token_ids=[1]) for i in range(SLOTS + 1)]),
+            C.RESOURCE_EXHAUSTED,
+            f"items[{SLOTS}]",
+        ),
         (lambda: propose(PI(request_id="zz", seq_len=1)), C.NOT_FOUND, "items[0].request_id"),
     ]
     for fn, code, field in draft_cases:
@@ -299,10 +397,20 @@ def test_shipped_q_is_the_sampled_q(workers):
     prompt = [3, 1, 4]
     for top_k, fmt in ((0, DENSE), (2, SPARSE)):
         params = SamplingParams(temperature=0.7, top_k=top_k)
-        stub.Start(draft_pb2.StartRequest(items=[common_pb2.StartItem(
-            request_id="q", prompt_token_ids=prompt, params=sampling_params_to_proto(params), seed=3)]))
-        prop = stub.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-            request_id="q", num_tokens=1, seq_len=len(prompt), preferred_format=fmt)])).proposals[0]
+        stub.Start(
+            draft_pb2.StartRequest(
+                items=[
+                    common_pb2.StartItem(
+                        request_id="q", prompt_token_ids=prompt, params=sampling_params_to_proto(params), seed=3
+                    )
+                ]
+            )
+        )
+        prop = stub.Propose(
+            draft_pb2.ProposeRequest(
+                items=[draft_pb2.ProposeItem(request_id="q", num_tokens=1, seq_len=len(prompt), preferred_format=fmt)]
+            )
+        ).proposals[0]
         stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["q"]))
         with torch.inference_mode():
             logits = core.runner.model(torch.tensor([prompt])).logits[0, -1:]
@@ -319,7 +427,9 @@ def test_shipped_q_is_the_sampled_q(workers):
         finally:
             core.release(["q-direct"])
         assert direct.token_ids == list(prop.token_ids) and direct.wire is None
-        assert direct.q is not None and direct.q.dtype == torch.float32 and tuple(direct.q.shape) == (1, core.vocab_size)
+        assert (
+            direct.q is not None and direct.q.dtype == torch.float32 and tuple(direct.q.shape) == (1, core.vocab_size)
+        )
         assert torch.equal(got, direct.q[0])  # bit for bit
         assert torch.equal(direct.q, fp16_exact(direct.q))  # already fp16-exact: the wire carries it unchanged
         assert timing.phases.get("draft", 0) > 0
@@ -342,18 +452,28 @@ def test_servicers_report_core_timing_in_trailing_metadata(workers):
     the wall time as network); Release does no timed work and sends none."""
     t, d = workers["target_stub"], workers["model_stub"]
     sp = sampling_params_to_proto(SamplingParams(temperature=0.0))
-    _, call = t.Prefill.with_call(target_pb2.PrefillRequest(items=[
-        common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=1)]))
+    _, call = t.Prefill.with_call(
+        target_pb2.PrefillRequest(
+            items=[common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=1)]
+        )
+    )
     assert set(_timing_metadata(call)) == {"prefill"}
-    _, call = d.Start.with_call(draft_pb2.StartRequest(items=[
-        common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=draft_seed(1))]))
+    _, call = d.Start.with_call(
+        draft_pb2.StartRequest(
+            items=[common_pb2.StartItem(request_id="tm", prompt_token_ids=[1, 2, 3], params=sp, seed=draft_seed(1))]
+        )
+    )
     assert set(_timing_metadata(call)) == {"prefill"}
-    prop, call = d.Propose.with_call(draft_pb2.ProposeRequest(items=[
-        draft_pb2.ProposeItem(request_id="tm", num_tokens=2, seq_len=3)]))
+    prop, call = d.Propose.with_call(
+        draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(request_id="tm", num_tokens=2, seq_len=3)])
+    )
     assert set(_timing_metadata(call)) == {"draft"} and _timing_metadata(call)["draft"] > 0
     p = prop.proposals[0]
-    _, call = t.Verify.with_call(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-        request_id="tm", seq_len=3, draft_token_ids=p.token_ids, draft_probs=p.probs)]))
+    _, call = t.Verify.with_call(
+        target_pb2.VerifyRequest(
+            items=[target_pb2.VerifyItem(request_id="tm", seq_len=3, draft_token_ids=p.token_ids, draft_probs=p.probs)]
+        )
+    )
     phases = _timing_metadata(call)
     assert set(phases) == {"forward", "sampling", "cache"} and phases["forward"] > 0
     assert all(v >= 0 for v in phases.values())
@@ -381,8 +501,12 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
     for core in (target, draft):
         start = core.prefill if core is target else core.start
         raises(InvalidArgument, "items[1].request_id", start, [StartItem("c", [1], sp, 1), StartItem("c", [2], sp, 1)])
-        raises(InvalidArgument, "items[1].prompt_token_ids", start, [StartItem("c", [1], sp, 1),
-                                                                     StartItem("c2", [1, 8], sp, 1)])
+        raises(
+            InvalidArgument,
+            "items[1].prompt_token_ids",
+            start,
+            [StartItem("c", [1], sp, 1), StartItem("c2", [1, 8], sp, 1)],
+        )
         raises(ResourceExhausted, f"items[{SLOTS}]", start, [StartItem(f"c{i}", [1], sp, 1) for i in range(SLOTS + 1)])
         assert core.kv_slots_in_use() == 0 and not core.requests  # all or nothing: "c" was not admitted
 
@@ -390,17 +514,22 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
     draft.start([StartItem("c", [1, 2, 3], sp, draft_seed(1))])
     raises(AlreadyExists, "items[0].request_id", target.prefill, [StartItem("c", [1], sp, 1)])
     raises(AlreadyExists, "items[0].request_id", draft.start, [StartItem("c", [1], sp, 1)])
-    raises(NotFound, "items[1].request_id", draft.propose, [ProposeItem("c", 0, [], 1, 3), ProposeItem("x", 0, [], 1, 1)])
+    raises(
+        NotFound, "items[1].request_id", draft.propose, [ProposeItem("c", 0, [], 1, 3), ProposeItem("x", 0, [], 1, 1)]
+    )
     raises(FailedPrecondition, "items[0].seq_len", draft.propose, [ProposeItem("c", 0, [], 1, 4)])
     raises(InvalidArgument, "items[0].num_accepted", draft.propose, [ProposeItem("c", 1, [], 1, 3)])
     [p], _ = draft.propose([ProposeItem("c", 0, [], 2, 3)])
     assert len(p) == 2 and p.q is None  # greedy: one-hot q, no tensor
     raises(NotFound, "items[1].request_id", target.verify, [VerifyItem("c", 3, p), VerifyItem("x", 1)])
     raises(FailedPrecondition, "items[0].seq_len", target.verify, [VerifyItem("c", 2, p)])
-    raises(InvalidArgument, "items[0].draft_token_ids", target.verify,
-           [VerifyItem("c", 3, Proposal("c", [1, 8]))])
-    raises(InvalidArgument, "items[0].draft_probs", target.verify,
-           [VerifyItem("c", 3, Proposal("c", [1, 2], q=torch.full((1, target.vocab_size), 0.125)))])
+    raises(InvalidArgument, "items[0].draft_token_ids", target.verify, [VerifyItem("c", 3, Proposal("c", [1, 8]))])
+    raises(
+        InvalidArgument,
+        "items[0].draft_probs",
+        target.verify,
+        [VerifyItem("c", 3, Proposal("c", [1, 2], q=torch.full((1, target.vocab_size), 0.125)))],
+    )
     # nothing advanced: the valid call still sees seq_len 3 on both sides
     [v], timing = target.verify([VerifyItem("c", 3, p)])
     assert isinstance(v, Verified) and v.request_id == "c" and 0 <= v.num_accepted <= 2
@@ -415,8 +544,12 @@ def test_cores_take_dataclasses_and_validate_whole_batches(workers):
     assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
     # a start that arrives after its release (its caller gave up on it) is refused, the whole call
     # with it, and holds nothing; an id released while held may start again
-    raises(FailedPrecondition, "items[1].request_id", target.prefill,
-           [StartItem("late-ok", [1], sp, 1), StartItem("never-existed", [1, 2], sp, 1)])
+    raises(
+        FailedPrecondition,
+        "items[1].request_id",
+        target.prefill,
+        [StartItem("late-ok", [1], sp, 1), StartItem("never-existed", [1, 2], sp, 1)],
+    )
     raises(FailedPrecondition, "items[0].request_id", draft.start, [StartItem("never-existed", [1, 2], sp, 1)])
     assert not target.requests and not draft.requests
     assert target.kv_slots_in_use() == 0 and draft.kv_slots_in_use() == 0
@@ -433,9 +566,9 @@ def test_local_and_remote_transports_raise_the_same_errors(workers):
     servicers of the same cores) turn a core's field error into one TransportError: the gRPC
     code, the blamed item and its request id; errors naming no item blame the whole call."""
     from specdist.cores.draft import LocalDrafter
-    from specdist.transport.remote import RemoteDrafter, RemoteVerifier
-    from specdist.transport.protocol import ProposeItem, StartItem, TransportError
     from specdist.cores.target import LocalVerifier
+    from specdist.transport.protocol import ProposeItem, StartItem, TransportError
+    from specdist.transport.remote import RemoteDrafter, RemoteVerifier
 
     sp = SamplingParams(temperature=0.0)
     target, draft = workers["target"], workers["model"]
@@ -446,8 +579,12 @@ def test_local_and_remote_transports_raise_the_same_errors(workers):
         for local, remote, start in pairs:
             cases = [
                 ([StartItem("e0", [1], sp, 1), StartItem("e1", [1, 99], sp, 1)], "INVALID_ARGUMENT", 1, ["e1"]),
-                ([StartItem(f"e{i}", [1], sp, 1) for i in range(SLOTS + 1)], "RESOURCE_EXHAUSTED", SLOTS,
-                 [f"e{SLOTS}"]),  # the first request with no room: the ones before it fit
+                (
+                    [StartItem(f"e{i}", [1], sp, 1) for i in range(SLOTS + 1)],
+                    "RESOURCE_EXHAUSTED",
+                    SLOTS,
+                    [f"e{SLOTS}"],
+                ),  # the first request with no room: the ones before it fit
             ]
             for items, code, item, ids in cases:
                 errs = []
@@ -490,19 +627,22 @@ def test_tensor_parallel_target_over_grpc(workers, tiny_models, tmp_path):
     from specdist.engine.local import Engine
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
-    want = [o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=K)).generate(
-        PROMPTS, params)]
+    want = [
+        o.token_ids for o in Engine.from_config(tiny_config(tiny_models, method="model", k=K)).generate(PROMPTS, params)
+    ]
 
     dist_port, grpc_port = _free_port(), _free_port()
     logs = [str(tmp_path / f"tp_rank{r}.log") for r in range(2)]
     stop = rank_procs.event()
-    procs = rank_procs.start_ranks(_tp_rank, lambda r: (r, 2, dist_port, grpc_port, tiny_models["target"], stop), 2,
-                                   logs)
+    procs = rank_procs.start_ranks(
+        _tp_rank, lambda r: (r, 2, dist_port, grpc_port, tiny_models["target"], stop), 2, logs
+    )
     chan = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     try:
         grpc.channel_ready_future(chan).result(timeout=TP_TIMEOUT_S)
-        got, _ = run_generation(target_pb2_grpc.TargetWorkerStub(chan), workers["model_stub"], PROMPTS, params,
-                                workers["eos"], prefix="tp")
+        got, _ = run_generation(
+            target_pb2_grpc.TargetWorkerStub(chan), workers["model_stub"], PROMPTS, params, workers["eos"], prefix="tp"
+        )
         assert got == want
         stop.set()  # rank 0 shuts down and releases rank 1
         rank_procs.join_ranks(procs, 30)

@@ -28,13 +28,14 @@ except ImportError:
     import httpx
 
 from support.helpers import TINY_CHAT_TEMPLATE, LoopThread, serving_in_process, tiny_config
+
 from specdist import Engine
+from specdist.api.admission import MESSAGE_COST_CHARS, Limits, check_request
+from specdist.api.serving import Backend, start_serving
 from specdist.config import PROMPT_CHARS_PER_TOKEN, load_config
 from specdist.errors import InvalidArgument
-from specdist.api.admission import MESSAGE_COST_CHARS, Limits, check_request
 from specdist.sampling_params import SamplingParams
 from specdist.transport.security import ServerSecurity, bearer_metadata
-from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 TOKEN = "review-holes-token-0123456789"
@@ -48,15 +49,28 @@ def srv(tiny_models):
     engine = Engine.from_config(tiny_config(tiny_models, "model", 3, max_model_len=MAX_MODEL_LEN))
     engine.tokenizer.chat_template = TINY_CHAT_TEMPLATE
     lt = LoopThread()
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1,
-                                   security=ServerSecurity(token=TOKEN)))
+    serving = lt.run(
+        start_serving(
+            backend=Backend(engine),
+            host="127.0.0.1",
+            port=0,
+            http_port=0,
+            drain_seconds=1,
+            security=ServerSecurity(token=TOKEN),
+        )
+    )
     channel = grpc.insecure_channel(serving.address)
     http = httpx.Client(trust_env=False, timeout=30)
     base = f"http://{serving.http.address}"
-    s = SimpleNamespace(engine=engine, coordinator=serving.server.coordinator, http=http, base=base,
-                        stub=specdist_pb2_grpc.SpecDecodeStub(channel),
-                        openai=openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, http_client=http),
-                        model=engine.config.target.model)
+    s = SimpleNamespace(
+        engine=engine,
+        coordinator=serving.server.coordinator,
+        http=http,
+        base=base,
+        stub=specdist_pb2_grpc.SpecDecodeStub(channel),
+        openai=openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, http_client=http),
+        model=engine.config.target.model,
+    )
     yield s
     channel.close()
     http.close()
@@ -65,8 +79,7 @@ def srv(tiny_models):
 
 
 def _generate(srv, params: dict, text: str = "a b", chat: bool = False) -> list:
-    req = specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(**params), text=text,
-                                       apply_chat_template=chat)
+    req = specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(**params), text=text, apply_chat_template=chat)
     return list(srv.stub.Generate(req, timeout=30, metadata=bearer_metadata(TOKEN)))
 
 
@@ -92,11 +105,19 @@ FLOAT32_BAD = [
     ("temperature", 1e-40),  # subnormal: the sampler divides by it
     ("temperature", 10**400),  # an int float() cannot even hold
 ]
-FLOAT32_OK = [dict(top_p=1e-30), dict(top_p=FLOAT32_TINY), dict(temperature=1e-30), dict(temperature=3e38),
-              dict(temperature=0), dict(top_p=1.0)]
+FLOAT32_OK = [
+    dict(top_p=1e-30),
+    dict(top_p=FLOAT32_TINY),
+    dict(temperature=1e-30),
+    dict(temperature=3e38),
+    dict(temperature=0),
+    dict(top_p=1.0),
+]
 
 
-@pytest.mark.parametrize("name, value", FLOAT32_BAD, ids=[f"{n}={v:.0e}" if isinstance(v, float) else f"{n}=10**400" for n, v in FLOAT32_BAD])
+@pytest.mark.parametrize(
+    "name, value", FLOAT32_BAD, ids=[f"{n}={v:.0e}" if isinstance(v, float) else f"{n}=10**400" for n, v in FLOAT32_BAD]
+)
 def test_sampling_params_refuse_floats_float32_breaks(name, value):
     with pytest.raises(InvalidArgument) as e:
         SamplingParams(**{name: value})
@@ -119,8 +140,9 @@ def test_engine_samples_with_tiny_top_p_and_huge_temperature(srv):
             assert out.token_ids == srv.engine.generate(["a b"], SamplingParams(**GREEDY))[0].token_ids
 
 
-@pytest.mark.parametrize("name, value", [("top_p", 1e-46), ("temperature", 1e39), ("top_p", 1e-40),
-                                         ("temperature", 1e-40)])
+@pytest.mark.parametrize(
+    "name, value", [("top_p", 1e-46), ("temperature", 1e39), ("top_p", 1e-40), ("temperature", 1e-40)]
+)
 def test_grpc_refuses_floats_float32_breaks(srv, name, value):
     before = _requests_total(srv)
     with pytest.raises(grpc.RpcError) as e:
@@ -139,14 +161,16 @@ def test_grpc_serves_floats_float32_holds(srv):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-@pytest.mark.parametrize("name, value", [("top_p", 1e-46), ("temperature", 1e39), ("top_p", 1e-40),
-                                         ("temperature", 1e-46)])
+@pytest.mark.parametrize(
+    "name, value", [("top_p", 1e-46), ("temperature", 1e39), ("top_p", 1e-40), ("temperature", 1e-46)]
+)
 def test_http_refuses_floats_float32_breaks(srv, chat, name, value):
     before = _requests_total(srv)
     with pytest.raises(openai.BadRequestError) as e:
         if chat:
-            srv.openai.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a b"}],
-                                               max_tokens=2, **{name: value})
+            srv.openai.chat.completions.create(
+                model=srv.model, messages=[{"role": "user", "content": "a b"}], max_tokens=2, **{name: value}
+            )
         else:
             srv.openai.completions.create(model=srv.model, prompt="a b", max_tokens=2, **{name: value})
     assert e.value.status_code == 400
@@ -156,8 +180,9 @@ def test_http_refuses_floats_float32_breaks(srv, chat, name, value):
 
 def test_http_serves_floats_float32_holds(srv):
     for kw in FLOAT32_OK:
-        out = srv.openai.completions.create(model=srv.model, prompt="a b", max_tokens=2, seed=3,
-                                            extra_body={"ignore_eos": True}, **kw)
+        out = srv.openai.completions.create(
+            model=srv.model, prompt="a b", max_tokens=2, seed=3, extra_body={"ignore_eos": True}, **kw
+        )
         assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2, kw
     _wait_idle(srv)
 
@@ -170,8 +195,12 @@ def test_max_prompt_chars_default_follows_max_model_len(srv):
     explicit = SimpleNamespace(config=load_config({"limits": {"max_prompt_chars": 1 << 20}}), max_model_len=64)
     assert Limits.of(explicit).max_prompt_chars == 1 << 20  # an explicit setting is honoured
     limits, cap = Limits.of(srv.engine), MAX_MODEL_LEN * PROMPT_CHARS_PER_TOKEN
+
     def chat(chars: int) -> list[dict]:  # every string of the messages counts, the roles too, and the second message
-        return [{"role": "user", "content": "a" * (chars - 14 - MESSAGE_COST_CHARS)}, {"role": "assistant", "content": "b"}]
+        return [
+            {"role": "user", "content": "a" * (chars - 14 - MESSAGE_COST_CHARS)},
+            {"role": "assistant", "content": "b"},
+        ]
 
     check_request(limits, chat(cap), SamplingParams())  # at the cap: passes the character check
     with pytest.raises(InvalidArgument) as e:
@@ -188,6 +217,7 @@ def _over_cap_messages() -> list[dict]:
 @pytest.fixture
 def no_tokenizing(srv, monkeypatch):
     """Fails any tokenization of a prompt while the test runs (the refusal must come first)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the prompt was tokenized")
 

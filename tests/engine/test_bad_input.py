@@ -12,9 +12,9 @@ import math
 import os
 
 import pytest
+from support.helpers import tiny_config
 
 import specdist
-from support.helpers import tiny_config
 from specdist import ConfigError, Engine, InvalidArgument, SamplingParams
 
 MAX_LEN = 12

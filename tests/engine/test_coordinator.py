@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+from support.helpers import collect
 
 from specdist.api.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
 from specdist.engine.prompts import EncodedPrompt
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
-from support.helpers import collect
 
 WAIT_S = 10.0
 
@@ -350,12 +350,20 @@ async def test_prompts_reach_the_engine_as_token_ids_templated_only_for_chat():
     async with coordinator(engine) as coord:
         await collect(coord, "hi", params(1), request_id="plain")
         await collect(coord, "hi", params(1), request_id="chat", chat=True)
-        await collect(coord, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], params(1),
-                      request_id="conversation", chat=True)
+        await collect(
+            coord,
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            params(1),
+            request_id="conversation",
+            chat=True,
+        )
     adds = {e[1]: e[2] for e in engine.log if e[0] == "add"}
     assert adds == {k: {"tenant": ""} for k in ("plain", "chat", "conversation")}  # no chat flag: the engine gets ids
-    assert engine.prompts == {"plain": [ord("h"), ord("i")], "chat": [ord(c) for c in "<hi>"],
-                       "conversation": [ord(c) for c in "<a><b>"]}
+    assert engine.prompts == {
+        "plain": [ord("h"), ord("i")],
+        "chat": [ord(c) for c in "<hi>"],
+        "conversation": [ord(c) for c in "<a><b>"],
+    }
 
 
 @run_async
@@ -396,7 +404,9 @@ async def test_failed_step_fails_only_the_batch():
         await wait_until(lambda: len(coord.engine_thread.commands) == 2)  # all three in the engine before the next step
         engine.gate.set()
         streams = [first] + [await t for t in opening]
-        last = {s.request_id: [d async for d in s][-1] for s in streams}
+        last = {}
+        for s in streams:
+            last[s.request_id] = [d async for d in s][-1]
         assert engine.fail_step_when is None  # the failure was injected
         assert [last[r].finish_reason for r in ("r0", "r1", "r2")] == ["error", "error", "length"]
         assert "injected step failure" in last["r0"].error

@@ -1,12 +1,13 @@
 """Credentials read again while the server runs: certificate files renewed in place and a token file edited.
 
-One server (``start_serving``: gRPC, the HTTP API and the metrics port over TLS, two tenants' tokens) over the tiny models. Its
-certificate and key files are replaced (as cert-manager renews them) by another certificate of the same CA; a
-new TLS handshake on each port then presents it (the server certificate a client sees, compared byte for byte).
+One server (``start_serving``: gRPC, the HTTP API and the metrics port over TLS, two tenants' tokens) over the tiny
+models. Its certificate and key files are replaced (as cert-manager renews them) by another certificate of the same CA;
+a new TLS handshake on each port then presents it (the server certificate a client sees, compared byte for byte).
 Its token file is rewritten without one tenant's token and with a new one: the removed token is refused (gRPC
-UNAUTHENTICATED, HTTP 401) and the new one accepted, without a restart; so is a replaced admin token (/metrics). A file that changes into one that cannot
-be used (a token too short, then no file) keeps the tokens in use and logs one line. The server checks the files
-at most every ``RELOAD_CHECK_S``, here 50 ms; the test polls for each outcome (``wait_until``), never sleeps.
+UNAUTHENTICATED, HTTP 401) and the new one accepted, without a restart; so is a replaced admin token (/metrics). A file
+that changes into one that cannot be used (a token too short, then no file) keeps the tokens in use and logs one line.
+The server checks the files at most every ``RELOAD_CHECK_S``, here 50 ms; the test polls for each outcome
+(``wait_until``), never sleeps.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ except ImportError:
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-
 from support.helpers import LoopThread, tiny_config, wait_until
+from test_security import _cert, _name, _write
+
 from specdist import Engine
 from specdist.api.serving import Backend, start_serving
 from specdist.client import RemoteError, SpecDistClient
 from specdist.transport import security
 from specdist.transport.security import ServerSecurity
-from test_security import _cert, _name, _write
 
 TOKEN_A = "tenant-a-token-0123456789"
 TOKEN_B = "tenant-b-token-0123456789"  # revoked by the rewrite
@@ -56,8 +57,12 @@ def files(tmp_path_factory):
         paths[which + "_key"] = _write(d / f"{which}.key", key=key)
     served = d / "served"  # the paths the server is given
     served.mkdir()
-    paths.update(cert=str(served / "tls.crt"), key=str(served / "tls.key"), token=str(served / "token"),
-                 admin=str(served / "admin"))
+    paths.update(
+        cert=str(served / "tls.crt"),
+        key=str(served / "tls.key"),
+        token=str(served / "token"),
+        admin=str(served / "admin"),
+    )
     _replace(paths["cert"], open(paths["old"], "rb").read())
     _replace(paths["key"], open(paths["old_key"], "rb").read())
     _replace(paths["token"], f"# tenants\n{TOKEN_A}\n{TOKEN_B}\n".encode())
@@ -79,8 +84,17 @@ def server(files, tiny_models):
     lt = LoopThread()
     engine = Engine.from_config(tiny_config(tiny_models, "none"))
     sec = ServerSecurity.from_args(files["cert"], files["key"], None, files["token"], files["admin"])
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
-                                   security=sec, http_port=0, metrics_port=0))
+    serving = lt.run(
+        start_serving(
+            backend=Backend(engine),
+            host="127.0.0.1",
+            port=0,
+            drain_seconds=1,
+            security=sec,
+            http_port=0,
+            metrics_port=0,
+        )
+    )
     yield serving
     lt.run(serving.stop())
     lt.close()
@@ -96,14 +110,17 @@ def _presented(address: str, ca: str, alpn: str) -> bytes:
     host, port = address.rsplit(":", 1)
     ctx = ssl.create_default_context(cafile=ca)
     ctx.set_alpn_protocols([alpn])  # grpc's server wants h2
-    with socket.create_connection((host, int(port)), timeout=10) as raw, \
-            ctx.wrap_socket(raw, server_hostname=host) as tls:
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
         return tls.getpeercert(binary_form=True)
 
 
 def _grpc_code(server, files, token: str) -> grpc.StatusCode:
-    with SpecDistClient(server.address, timeout=10, root_certificates=open(files["ca"], "rb").read(),
-                        token=token) as client:
+    with SpecDistClient(
+        server.address, timeout=10, root_certificates=open(files["ca"], "rb").read(), token=token
+    ) as client:
         try:
             client.server_info()
         except RemoteError as e:
@@ -113,19 +130,28 @@ def _grpc_code(server, files, token: str) -> grpc.StatusCode:
 
 def _http_status(server, files, token: str, path: str = "/v1/models") -> int:
     with httpx.Client(verify=ssl.create_default_context(cafile=files["ca"]), trust_env=False, timeout=10) as http:
-        return http.get(f"https://{server.http.address}{path}", headers={"Authorization": f"Bearer {token}"}).status_code
+        return http.get(
+            f"https://{server.http.address}{path}", headers={"Authorization": f"Bearer {token}"}
+        ).status_code
 
 
 def test_renewed_certificate_files_serve_the_next_handshakes(server, files):
     old, new = _der(files["old"]), _der(files["new"])
-    ports = ((server.address, "h2"), (server.http.address, "http/1.1"), (f"127.0.0.1:{server.metrics_port}", "http/1.1"))
+    ports = (
+        (server.address, "h2"),
+        (server.http.address, "http/1.1"),
+        (f"127.0.0.1:{server.metrics_port}", "http/1.1"),
+    )
     for address, alpn in ports:
         assert _presented(address, files["ca"], alpn) == old
     _replace(files["key"], open(files["new_key"], "rb").read())  # the key first: a moment of a pair that
     _replace(files["cert"], open(files["new"], "rb").read())  # does not match (kept out, the old pair served)
     for address, alpn in ports:
-        wait_until(f"{address} to present the renewed certificate",
-                   lambda: _presented(address, files["ca"], alpn) == new, LIMIT_S)
+        wait_until(
+            f"{address} to present the renewed certificate",
+            lambda: _presented(address, files["ca"], alpn) == new,
+            LIMIT_S,
+        )
     assert _grpc_code(server, files, TOKEN_A) == grpc.StatusCode.OK  # calls go on over the new certificate
     assert _http_status(server, files, TOKEN_A) == 200
 
@@ -134,18 +160,25 @@ def test_a_token_removed_from_the_file_is_refused_and_a_new_one_accepted(server,
     for token in (TOKEN_A, TOKEN_B):
         assert _grpc_code(server, files, token) == grpc.StatusCode.OK and _http_status(server, files, token) == 200
     assert _grpc_code(server, files, TOKEN_C) == grpc.StatusCode.UNAUTHENTICATED
-    assert _http_status(server, files, ADMIN_1, "/metrics") == 200 and _http_status(server, files, ADMIN_2,
-                                                                                    "/metrics") == 401
+    assert (
+        _http_status(server, files, ADMIN_1, "/metrics") == 200
+        and _http_status(server, files, ADMIN_2, "/metrics") == 401
+    )
     _replace(files["token"], f"{TOKEN_A}\n{TOKEN_C}\n".encode())
     _replace(files["admin"], ADMIN_2.encode())
-    wait_until("the gRPC port to refuse the revoked token",
-               lambda: _grpc_code(server, files, TOKEN_B) == grpc.StatusCode.UNAUTHENTICATED, LIMIT_S)
-    wait_until("the HTTP API to refuse the revoked token", lambda: _http_status(server, files, TOKEN_B) == 401,
-               LIMIT_S)
+    wait_until(
+        "the gRPC port to refuse the revoked token",
+        lambda: _grpc_code(server, files, TOKEN_B) == grpc.StatusCode.UNAUTHENTICATED,
+        LIMIT_S,
+    )
+    wait_until("the HTTP API to refuse the revoked token", lambda: _http_status(server, files, TOKEN_B) == 401, LIMIT_S)
     for token in (TOKEN_A, TOKEN_C):
         assert _grpc_code(server, files, token) == grpc.StatusCode.OK and _http_status(server, files, token) == 200
-    wait_until("/metrics to refuse the old admin token", lambda: _http_status(server, files, ADMIN_1, "/metrics") == 401,
-               LIMIT_S)
+    wait_until(
+        "/metrics to refuse the old admin token",
+        lambda: _http_status(server, files, ADMIN_1, "/metrics") == 401,
+        LIMIT_S,
+    )
     assert _http_status(server, files, ADMIN_2, "/metrics") == 200
 
     # files that cannot be used keep the tokens in use, with one line each change
@@ -155,11 +188,17 @@ def test_a_token_removed_from_the_file_is_refused_and_a_new_one_accepted(server,
         return [r.getMessage() for r in caplog.records if r.name == security.__name__ and r.levelno == logging.WARNING]
 
     _replace(files["token"], b"short\n")
-    wait_until("a line about the unusable token file", lambda: _http_status(server, files, TOKEN_C) == 200
-               and warnings(), LIMIT_S)
+    wait_until(
+        "a line about the unusable token file",
+        lambda: _http_status(server, files, TOKEN_C) == 200 and warnings(),
+        LIMIT_S,
+    )
     os.remove(files["token"])
-    wait_until("a line about the missing token file", lambda: _http_status(server, files, TOKEN_C) == 200
-               and len(warnings()) == 2, LIMIT_S)
+    wait_until(
+        "a line about the missing token file",
+        lambda: _http_status(server, files, TOKEN_C) == 200 and len(warnings()) == 2,
+        LIMIT_S,
+    )
     for _ in range(3):  # checks past the interval: the same unusable state logs nothing more
         assert _grpc_code(server, files, TOKEN_C) == grpc.StatusCode.OK and _http_status(server, files, TOKEN_C) == 200
         assert _grpc_code(server, files, TOKEN_B) == grpc.StatusCode.UNAUTHENTICATED

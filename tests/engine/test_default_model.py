@@ -57,9 +57,16 @@ def test_target_only_matches_transformers_greedy(default_model, reference):
     for prompt, ref in list(zip(prompts, reference))[:2]:
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         with torch.inference_mode():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  top_k=None, top_p=None, temperature=None)
-        hf = out[0, ids.shape[1]:].tolist()
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+            )
+        hf = out[0, ids.shape[1] :].tolist()
         eos = tok.eos_token_id
         hf = hf[: hf.index(eos)] if eos in hf else hf  # the engine does not emit the EOS token itself
         assert ref == hf

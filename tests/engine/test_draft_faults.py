@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from support.helpers import healthy_replicas, set_scheduler_clock, tiny_config
+
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import TransportError
@@ -118,7 +119,9 @@ def test_a_hung_draft_worker_is_left_behind_after_its_deadline(models, monkeypat
     import threading
 
     from support.helpers import remote_engine_like
+
     from specdist.transport import remote
+
     monkeypatch.setattr(remote, "DEADLINE_FLOOR_S", 0.5)
     expected = fault_free(models)
     local = engine(models, False)

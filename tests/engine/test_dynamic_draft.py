@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 from scipy import stats
-
-from support.helpers import tiny_config
-from specdist import Engine, SamplingParams
 from support.gtest import (
     ALPHA,
-    N,
     VOCAB,
     Case,
+    N,
     _prob_table,
     g_statistic,
     joint,
     merge_cells,
     seq_index,
 )
+from support.helpers import tiny_config
+
+from specdist import Engine, SamplingParams
 
 K = 3
 THRESHOLD = 0.6
@@ -83,10 +83,20 @@ def test_cost_fits_see_planned_lengths_when_samples_cut_drafts(tiny_models, monk
 
     seen = {"draft": [], "verify": []}
     draft_obs, verify_obs = DraftLengthPolicy.observe_draft, DraftLengthPolicy.observe_verify
-    monkeypatch.setattr(DraftLengthPolicy, "observe_draft",
-                        lambda self, rep, passes, rows, s: seen["draft"].append((passes, rows)) or draft_obs(self, rep, passes, rows, s))
-    monkeypatch.setattr(DraftLengthPolicy, "observe_verify",
-                        lambda self, tokens, s, batch=None: seen["verify"].append((tokens, batch)) or verify_obs(self, tokens, s, batch))
+    monkeypatch.setattr(
+        DraftLengthPolicy,
+        "observe_draft",
+        lambda self, rep, passes, rows, s: (
+            seen["draft"].append((passes, rows)) or draft_obs(self, rep, passes, rows, s)
+        ),
+    )
+    monkeypatch.setattr(
+        DraftLengthPolicy,
+        "observe_verify",
+        lambda self, tokens, s, batch=None: (
+            seen["verify"].append((tokens, batch)) or verify_obs(self, tokens, s, batch)
+        ),
+    )
     cfg = tiny_config(tiny_models, "model", 4)
     cfg["draft"].update(confidence_threshold=0.9, length_policy="fixed")  # fixed: every step plans k = 4
     eng = Engine.from_config(cfg)

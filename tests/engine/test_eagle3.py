@@ -14,9 +14,9 @@ import dataclasses
 
 import pytest
 import torch
+from support.gtest import MAX_MODEL_LEN, VOCAB, Case, K, N, _prob_table, draft_stats, g_test_outputs, joint
 from support.helpers import devices, remote_engine_like, tiny_config
 from support.rejection_law import one_step_distribution
-from support.gtest import K, MAX_MODEL_LEN, N, VOCAB, Case, _prob_table, draft_stats, g_test_outputs, joint
 
 from specdist.cores.proposers.eagle3 import Eagle3Proposer
 from specdist.engine.local import Engine
@@ -97,15 +97,17 @@ def test_target_refuses_layers_it_does_not_keep(eagle3_models) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_hidden_states_cross_the_wire_bit_for_bit(dtype) -> None:
-    from specdist.transport.wire import hidden_from_proto, hidden_to_proto
     from specdist.errors import InvalidArgument
+    from specdist.transport.wire import hidden_from_proto, hidden_to_proto
 
     h = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
     msg = hidden_to_proto(h)
     assert msg.ByteSize() >= h.numel() * h.element_size()
     back = hidden_from_proto(msg, "items[0].hidden")
-    assert back.dtype == dtype and torch.equal(back.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                                               h.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert back.dtype == dtype and torch.equal(
+        back.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        h.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
     assert hidden_from_proto(hidden_to_proto(h[:0]), "x").shape == (0, 96)
     msg.data = msg.data[:-1]
     with pytest.raises(InvalidArgument) as e:
@@ -173,8 +175,9 @@ EAGLE_CASES = [
 ]
 
 
-def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local", k: int = K,
-            draft: dict | None = None) -> tuple[float, float, dict]:
+def _g_test(
+    models, case: Case, n: int, seed0: int, transport: str = "local", k: int = K, draft: dict | None = None
+) -> tuple[float, float, dict]:
     """(G, threshold, acceptance stats) of n seeded outputs of an eagle3 engine (``draft``: more draft keys;
     stats["hits"]: a pipelined drafter's hits) against the target's exact law of the window."""
     ptab, margin = _prob_table(models["target"], case)
@@ -188,8 +191,17 @@ def _g_test(models, case: Case, n: int, seed0: int, transport: str = "local", k:
     served = None
     if transport == "remote":  # the same cores behind their gRPC servicers: states and q on the wire
         eng, served = remote_engine_like(local)
-    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
-                             top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+    params = [
+        SamplingParams(
+            max_tokens=case.max_tokens,
+            temperature=case.temperature,
+            top_k=case.top_k,
+            top_p=case.top_p,
+            seed=seed0 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
     try:
         outs = eng.generate([list(case.prompt)] * n, params)
     finally:
@@ -236,7 +248,6 @@ def test_eagle3_harness_detects_a_wrong_verifier(eagle3_models, monkeypatch) -> 
     assert g > threshold, f"the wrong verifier was not detected: G = {g:.1f} <= {threshold:.1f}"
 
 
-
 def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_models, monkeypatch) -> None:
     """Without the loaded target (a draft worker), the head embeds with the target's input embedding read
     alone from its safetensors, not with a loaded target: the same head as the engine's."""
@@ -247,8 +258,12 @@ def test_a_draft_worker_loads_the_head_with_the_targets_embedding_alone(eagle3_m
 
     eng = _engine(eagle3_models)
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the target was loaded"))
-    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
-                            ModelSources(eagle3_models["target"], eagle3_models["eagle3"]), "float32", "cpu")
+    head = load_draft_model(
+        DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
+        ModelSources(eagle3_models["target"], eagle3_models["eagle3"]),
+        "float32",
+        "cpu",
+    )
     ids = torch.arange(VOCAB)
     assert torch.equal(head.embed(ids), eng.draft_core.proposer.head.embed(ids))
     assert all(torch.equal(a, b) for a, b in zip(head.parameters(), eng.draft_core.proposer.head.parameters()))
@@ -294,11 +309,18 @@ def test_a_head_on_the_device_drafts_from_states_decoded_on_the_cpu(eagle3_model
     from specdist.models.metadata import ModelSources
     from specdist.transport.wire import hidden_from_proto, hidden_to_proto
 
-    head = load_draft_model(DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
-                            ModelSources(eagle3_models["target"], eagle3_models["eagle3"]), "float32", device)
+    head = load_draft_model(
+        DraftConfig(method="eagle3", model=eagle3_models["eagle3"]),
+        ModelSources(eagle3_models["target"], eagle3_models["eagle3"]),
+        "float32",
+        device,
+    )
     assert head.norm.weight.device.type == device
     target = AutoModelForCausalLM.from_pretrained(eagle3_models["target"])
-    cores = {"cpu states": DrafterCore(Eagle3Proposer(head, 2, 32), 32), "device states": DrafterCore(Eagle3Proposer(head, 2, 32), 32)}
+    cores = {
+        "cpu states": DrafterCore(Eagle3Proposer(head, 2, 32), 32),
+        "device states": DrafterCore(Eagle3Proposer(head, 2, 32), 32),
+    }
     prompt, k = [5, 6, 1, 2, 3, 4], 3
     sp = SamplingParams(temperature=1.0, max_tokens=16)
     for core in cores.values():
@@ -307,7 +329,7 @@ def test_a_head_on_the_device_drafts_from_states_decoded_on_the_cpu(eagle3_model
     def propose(num_accepted: int, new: list[int], seq: list[int], first: int) -> dict:
         """Each core's proposal after committing ``num_accepted`` drafts and ``new`` (sequence ``seq``),
         given the target's states of positions ``first`` .. len(seq) - 2."""
-        states = _target_states(target, torch.tensor([seq]))[0, first:len(seq) - 1]  # [m, 96] float32, CPU
+        states = _target_states(target, torch.tensor([seq]))[0, first : len(seq) - 1]  # [m, 96] float32, CPU
         wire = hidden_from_proto(hidden_to_proto(states), "items[0].hidden")  # as the worker decodes it
         assert wire.device.type == "cpu"
         out = {}
@@ -355,7 +377,7 @@ def test_the_fitted_head_drafts_the_next_token(eagle3_models) -> None:
     core = DrafterCore(Eagle3Proposer(head, len(rows), 32), 32)
     sp = SamplingParams(temperature=1.0, max_tokens=4)
     core.start([StartItem(f"{b}-{c}", ids[b, :c].tolist(), sp, 0, hidden_layers=(0, 1, 2)) for b, c in rows])
-    props, _ = core.propose([ProposeItem(f"{b}-{c}", 0, [], 1, c, hidden=states[b, :c - 1]) for b, c in rows])
+    props, _ = core.propose([ProposeItem(f"{b}-{c}", 0, [], 1, c, hidden=states[b, : c - 1]) for b, c in rows])
     vocab = head.draft_to_target
     q = torch.stack([pr.q[0] for pr in props])[:, vocab]  # [rows, Vd]
 
@@ -375,6 +397,7 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
     server stopped mid-run is left behind and its requests finish without drafts. Every finished
     request's tokens are plain greedy decoding's."""
     from support.helpers import ServedCores
+
     from specdist.cores.draft import DrafterCore
     from specdist.engine.remote import RemoteEngine
 
@@ -382,10 +405,13 @@ def test_two_replicas_over_grpc_balance_cancel_and_fail_over(eagle3_models) -> N
     sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in Engine.from_config(tiny_config(eagle3_models, method="none")).generate(prompts, sp)]
     eng = _engine(eagle3_models)
-    second = DrafterCore(Eagle3Proposer(eng.draft_core.proposer.head, 8, eng.draft_core.max_model_len), eng.draft_core.max_model_len)
+    second = DrafterCore(
+        Eagle3Proposer(eng.draft_core.proposer.head, 8, eng.draft_core.max_model_len), eng.draft_core.max_model_len
+    )
     with ServedCores(eng.target_core, [eng.draft_core, second]) as served:
-        remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses, vocab_size=VOCAB,
-                              eos_ids=eng.scheduler.eos_ids)
+        remote = RemoteEngine(
+            eng.config, served.target_address, served.draft_addresses, vocab_size=VOCAB, eos_ids=eng.scheduler.eos_ids
+        )
         try:
             assert [rep.drafter.hidden_layers for rep in remote.scheduler.replicas] == [(0, 1, 2)] * 2
             reqs = [remote.add_request(p, sp) for p in prompts]

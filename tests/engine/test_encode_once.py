@@ -9,8 +9,8 @@ import asyncio
 import sys
 
 import pytest
-
 from support.helpers import tiny_config
+
 from specdist.api.coordinator import Coordinator
 from specdist.engine import prompts
 from specdist.engine.local import Engine

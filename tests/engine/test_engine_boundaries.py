@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist import Engine, InvalidArgument, SamplingParams
 from specdist.cores.sampling import process_logits
 
@@ -565,9 +565,7 @@ def test_tiny_positive_temperature_is_greedy(make_engine, greedy_ref, method, te
 
 # --------------------------------------------------------------------------- top-k / top-p supports
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "top_k,top_p", [(2, 0.5), (2, 1.0), (0, 0.5), (3, 0.8)], ids=["k2p05", "k2", "p05", "k3p08"]
-)
+@pytest.mark.parametrize("top_k,top_p", [(2, 0.5), (2, 1.0), (0, 0.5), (3, 0.8)], ids=["k2p05", "k2", "p05", "k3p08"])
 @pytest.mark.parametrize("method", ["model", "ngram", "suffix", "hybrid"])
 def test_emitted_tokens_inside_target_support(make_engine, hf_target, greedy_ref, method, top_k, top_p):
     eng = make_engine(method, 3)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from support.helpers import tiny_config
+
 from specdist import Engine, SamplingParams
 
 

@@ -30,11 +30,12 @@ except ImportError:
     import httpx
 
 from support.helpers import serving_in_process
-from specdist.client import RemoteError, SpecDistClient
-from specdist.api.coordinator import ENGINE_DOWN_MESSAGE
-from specdist.errors import ErrorCode, code_of
-from specdist.api.grpc_server import SERVICE_NAME
 from test_coordinator import FakeEngine, coordinator, engine_threads, params, run_async, wait_until
+
+from specdist.api.coordinator import ENGINE_DOWN_MESSAGE
+from specdist.api.grpc_server import SERVICE_NAME
+from specdist.client import RemoteError, SpecDistClient
+from specdist.errors import ErrorCode, code_of
 
 WAIT_S = 10.0  # bound on every wait: the old behaviour (waiting forever) fails here instead of hanging
 DIED = "the specdist engine thread died"
@@ -103,12 +104,14 @@ def test_engine_thread_death_over_grpc_and_http(tiny_models, caplog):
             # character streams no text until the next token, which the held step never makes)
             body = {"prompt": [2], "max_tokens": 50, "ignore_eos": True, "stream": True, "temperature": 0.0}
             try:
-                with httpx.Client(trust_env=False, timeout=WAIT_S) as http, \
-                        http.stream("POST", base + "/v1/completions", json=body) as r:
+                with (
+                    httpx.Client(trust_env=False, timeout=WAIT_S) as http,
+                    http.stream("POST", base + "/v1/completions", json=body) as r,
+                ):
                     outcome["http_status"] = r.status_code
                     for line in r.iter_lines():
                         if line.startswith("data: "):
-                            events.append(line[len("data: "):])
+                            events.append(line[len("data: ") :])
                             first_chunk["http"].set()
             except httpx.HTTPError as e:
                 events.append(f"client error: {e!r}")
@@ -226,4 +229,3 @@ async def test_death_fails_streams_queued_commands_and_refuses_new_requests(capl
 
 async def _drain(stream):
     return [d async for d in stream]
-

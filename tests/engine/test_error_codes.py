@@ -13,13 +13,13 @@ import pytest
 
 from specdist import errors
 from specdist.api import coordinator
-from specdist.config import load_config
-from specdist.errors import ErrorCode, FieldError, blamed_item, code_of
 from specdist.api.admission import bare_host, refusal_code
-from specdist.transport.grpc_status import error_code, grpc_status, grpc_status_of
-from specdist.sampling_params import SamplingParams
+from specdist.config import load_config
 from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.scheduler import Scheduler
+from specdist.errors import ErrorCode, FieldError, blamed_item, code_of
+from specdist.sampling_params import SamplingParams
+from specdist.transport.grpc_status import error_code, grpc_status, grpc_status_of
 from specdist.transport.protocol import CallTiming, Prefilled, TransportError, Verified, call_local, error_for_items
 
 # every error class a server answers with: (its code, the gRPC status, the HTTP status)
@@ -86,7 +86,13 @@ def test_the_grpc_mapping_is_one_to_one_and_the_http_mapping_total() -> None:
 
 
 def test_anything_but_a_specdist_error_is_internal() -> None:
-    for e in (ValueError("x"), KeyError("k"), RuntimeError(), errors.ConfigError("a.b", "bad"), errors.ListenError("x")):
+    for e in (
+        ValueError("x"),
+        KeyError("k"),
+        RuntimeError(),
+        errors.ConfigError("a.b", "bad"),
+        errors.ListenError("x"),
+    ):
         assert code_of(e) is ErrorCode.INTERNAL and grpc_status_of(e) == grpc.StatusCode.INTERNAL
 
 
@@ -176,11 +182,14 @@ class _FailingStub:
         return _FailingMethod(self.error)
 
 
-@pytest.mark.parametrize("status, details, item, ids", [
-    (grpc.StatusCode.FAILED_PRECONDITION, "items[1].seq_len: is 3", 1, ["b"]),
-    (grpc.StatusCode.UNAVAILABLE, "worker: the target group failed", None, ["a", "b"]),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", None, ["a", "b"]),
-])
+@pytest.mark.parametrize(
+    "status, details, item, ids",
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, "items[1].seq_len: is 3", 1, ["b"]),
+        (grpc.StatusCode.UNAVAILABLE, "worker: the target group failed", None, ["a", "b"]),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", None, ["a", "b"]),
+    ],
+)
 def test_the_remote_transport_types_the_status_it_receives(status, details, item, ids) -> None:
     from specdist.transport.remote import RemoteVerifier
 
@@ -212,12 +221,15 @@ class _Context:
         pass
 
 
-@pytest.mark.parametrize("exc, status", [
-    (errors.NotFound("items[0].request_id", "unknown request 'a'"), grpc.StatusCode.NOT_FOUND),
-    (errors.ResourceExhausted("items", "no KV slot"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Unavailable("worker", "the target group failed"), grpc.StatusCode.UNAVAILABLE),
-    (ValueError("a bug"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (errors.NotFound("items[0].request_id", "unknown request 'a'"), grpc.StatusCode.NOT_FOUND),
+        (errors.ResourceExhausted("items", "no KV slot"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.Unavailable("worker", "the target group failed"), grpc.StatusCode.UNAVAILABLE),
+        (ValueError("a bug"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_a_worker_answers_a_core_error_with_its_status(exc, status) -> None:
     from workers.servicing import BlockingCallRunner
 
@@ -249,20 +261,51 @@ class _RefusingCoordinator:
         raise self.error
 
 
-@pytest.mark.parametrize("error, status, body", [
-    (coordinator.Overloaded("9 requests in the system"), 503,
-     {"message": "9 requests in the system", "type": "server_error", "param": None, "code": "resource_exhausted"}),
-    (coordinator.ShuttingDown("the server is shutting down"), 503,
-     {"message": "the server is shutting down", "type": "server_error", "param": None, "code": "unavailable"}),
-    (coordinator.DuplicateRequestId("r"), 409,
-     {"message": "request_id: 'r' is already in use by a running request", "type": "server_error", "param": None,
-      "code": "already_exists"}),
-    (errors.InvalidArgument("max_tokens", "must be >= 1"), 400,
-     {"message": "max_tokens: must be >= 1", "type": "invalid_request_error", "param": "max_tokens", "code": None}),
-    (RuntimeError("boom"), 500,
-     {"message": "internal error", "type": "server_error", "param": None,
-      "code": "internal_error"}),
-])
+@pytest.mark.parametrize(
+    "error, status, body",
+    [
+        (
+            coordinator.Overloaded("9 requests in the system"),
+            503,
+            {
+                "message": "9 requests in the system",
+                "type": "server_error",
+                "param": None,
+                "code": "resource_exhausted",
+            },
+        ),
+        (
+            coordinator.ShuttingDown("the server is shutting down"),
+            503,
+            {"message": "the server is shutting down", "type": "server_error", "param": None, "code": "unavailable"},
+        ),
+        (
+            coordinator.DuplicateRequestId("r"),
+            409,
+            {
+                "message": "request_id: 'r' is already in use by a running request",
+                "type": "server_error",
+                "param": None,
+                "code": "already_exists",
+            },
+        ),
+        (
+            errors.InvalidArgument("max_tokens", "must be >= 1"),
+            400,
+            {
+                "message": "max_tokens: must be >= 1",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": None,
+            },
+        ),
+        (
+            RuntimeError("boom"),
+            500,
+            {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"},
+        ),
+    ],
+)
 def test_the_http_api_answers_a_refusal_with_its_status(error, status, body) -> None:
     from specdist.api.http_server import APIError, _Call, _OpenAIFrontEnd
 
@@ -316,8 +359,9 @@ class _Target:
                 raise self.error(f"items[{i}].seq_len", f"request {it.request_id!r} is refused")
 
     def prefill(self, items):
-        return call_local(lambda its: (self._check(its), ([Prefilled(it.request_id) for it in its], CallTiming()))[1],
-                          items)
+        return call_local(
+            lambda its: (self._check(its), ([Prefilled(it.request_id) for it in its], CallTiming()))[1], items
+        )
 
     def verify(self, items):
         def run(its):
@@ -334,16 +378,19 @@ class _Target:
 
 
 def _scheduler(target) -> Scheduler:
-    cfg = load_config({"draft": {"method": "none"}, "engine": {"max_model_len": 32, "max_batch_size": 4,
-                                                               "device": "cpu"}})
+    cfg = load_config(
+        {"draft": {"method": "none"}, "engine": {"max_model_len": 32, "max_batch_size": 4, "device": "cpu"}}
+    )
     return Scheduler(cfg, target, tokenizer=None)
 
 
 def test_a_failing_item_is_dropped_and_the_rest_of_the_batch_verified() -> None:
     target = _Target()
     sched = _scheduler(target)
-    reqs = [sched.add_request(EncodedPrompt(None, [1, 2, 3]), SamplingParams(max_tokens=2, ignore_eos=True))
-            for _ in range(3)]
+    reqs = [
+        sched.add_request(EncodedPrompt(None, [1, 2, 3]), SamplingParams(max_tokens=2, ignore_eos=True))
+        for _ in range(3)
+    ]
     sched.step()  # admitted and verified once
     target.bad = {reqs[1].core_id}
     target.calls.clear()
@@ -360,8 +407,9 @@ def test_a_whole_call_failure_fails_every_request_with_its_code() -> None:
     sched = _scheduler(target)
     diagnosed = []
     sched.target_diagnosis = lambda: diagnosed.append(1) or "target rank 1 died"
-    reqs = [sched.add_request(EncodedPrompt(None, [1, 2]), SamplingParams(max_tokens=4, ignore_eos=True))
-            for _ in range(2)]
+    reqs = [
+        sched.add_request(EncodedPrompt(None, [1, 2]), SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(2)
+    ]
     sched.step()
     target.whole = errors.Unavailable("worker", "the target group failed")
     sched.step()

@@ -19,13 +19,14 @@ import math
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist import Engine, SamplingParams
+from specdist.cores.sampling import process_logits
+from specdist.cores.target import LocalVerifier, VerifierCore
 from specdist.errors import FailedPrecondition, FieldError, InvalidArgument
 from specdist.models.loader import ModelSource, load_model
 from specdist.models.runner import CausalLMRunner
-from specdist.cores.sampling import process_logits
 from specdist.randomness import draft_seed, draft_uniform
 from specdist.transport.protocol import (
     Proposal,
@@ -33,7 +34,6 @@ from specdist.transport.protocol import (
     TransportError,
     VerifyItem,
 )
-from specdist.cores.target import LocalVerifier, VerifierCore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,7 +229,7 @@ def test_nan_logits_fail_the_request_in_the_engine(tiny_models, monkeypatch) -> 
         if r is not None and r.slot in slots:
             i = slots.index(r.slot)
             if packed:  # [N, V]: each request's rows one after another
-                out[sum(num_logits[:i]): sum(num_logits[:i + 1])] = float("nan")
+                out[sum(num_logits[:i]) : sum(num_logits[: i + 1])] = float("nan")
             else:  # [B, K+1, V]
                 out[i] = float("nan")
         return out

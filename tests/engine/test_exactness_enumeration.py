@@ -25,10 +25,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from support.rejection_law import one_step_distribution
 
-from specdist.cores.sampling import process_logits, sample_from
 from specdist.cores.rejection import (
     VerifyResult,
     acceptance_probability,
@@ -36,6 +34,7 @@ from specdist.cores.rejection import (
     rejection_sample,
     residual_distribution,
 )
+from specdist.cores.sampling import process_logits, sample_from
 
 ATOL = 1e-12
 TEMPERATURES = (0.5, 1.0, 1.7)
@@ -314,9 +313,11 @@ def chain_distribution(chain: Chain, verify=rejection_sample) -> tuple[dict[tupl
             for i in range(nx + 1):
                 p_rows[i] = chain.P[s + x[:i]]
                 if i < nx:
-                    q_i = chain.Q[s + x[:i]] if not chain.ngram else torch.nn.functional.one_hot(
-                        torch.tensor(x[i]), V
-                    ).double()
+                    q_i = (
+                        chain.Q[s + x[:i]]
+                        if not chain.ngram
+                        else torch.nn.functional.one_hot(torch.tensor(x[i]), V).double()
+                    )
                     q_rows[i] = q_i
                     px, qx = p_rows[i, x[i]].item(), q_i[x[i]].item()
                     a.append(min(1.0, px / qx))  # qx > 0: x was proposed

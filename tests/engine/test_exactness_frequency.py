@@ -35,26 +35,22 @@ and as negative control a deliberately wrong verifier that the same harness must
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 import numpy as np
 import pytest
 from scipy import stats
-
-from support.helpers import frozen_adaptive_policy, sample_engine, tiny_config
-from support.gtest import speculative_law
 from support.gtest import (  # noqa: F401  (constants used below)
     ALPHA,
     BATCH,
-    K,
     MAX_MODEL_LEN,
     MIN_POWER_WRONG_RULE,
-    N,
     NGRAM_MAX,
     NGRAM_MIN,
     VOCAB,
     Case,
+    K,
+    N,
     _prob_table,
     draft_stats,
     g_statistic,
@@ -63,7 +59,10 @@ from support.gtest import (  # noqa: F401  (constants used below)
     merge_cells,
     power,
     seq_index,
+    speculative_law,
 )
+from support.helpers import frozen_adaptive_policy, sample_engine, tiny_config
+
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
 
@@ -91,15 +90,18 @@ def check_outputs_and_acceptance(outs, case: Case) -> float:
     rate = accepted.sum() / max(1, drafted.sum())
     all_accepted = int(((drafted > 0) & (accepted == drafted)).sum())  # bonus token drawn
     none_accepted = int(((drafted > 0) & (accepted == 0)).sum())  # rejection at the first position
-    print(f"  acceptance {rate:.3f} over {drafted.sum()} draft tokens; "
-          f"requests with every draft accepted {all_accepted}, with none accepted {none_accepted}")
+    print(
+        f"  acceptance {rate:.3f} over {drafted.sum()} draft tokens; "
+        f"requests with every draft accepted {all_accepted}, with none accepted {none_accepted}"
+    )
     assert 0.2 <= rate <= 0.85, f"acceptance rate {rate:.3f}: the test would not exercise both paths"
     assert all_accepted >= N // 50 and none_accepted >= N // 50
     return rate
 
 
-def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transport: str = "local",
-                       kv: str = "slots") -> None:
+def run_frequency_case(
+    models: dict, case: Case, seed0: int, setup=None, transport: str = "local", kv: str = "slots"
+) -> None:
     ptab, margin = _prob_table(models["target"], case)
     assert margin > 1e-5, f"top-k/top-p decision margin {margin:.2e} too small for float32 vs float64"
     p = joint(ptab, case.window)
@@ -148,8 +150,9 @@ def run_frequency_case(models: dict, case: Case, seed0: int, setup=None, transpo
 def test_engine_samples_target_distribution(models, case: Case, kv: str) -> None:
     """G-test, N = 4000, alpha 1e-4 = false-failure rate; df / threshold per case next to CASES (and printed).
     Through either KV cache (the paged one with other seeds: independent samples)."""
-    run_frequency_case(models, case, seed0=1_000_000 * (CASES.index(case) + 1) + (700_000_000 if kv == "paged" else 0),
-                       kv=kv)
+    run_frequency_case(
+        models, case, seed0=1_000_000 * (CASES.index(case) + 1) + (700_000_000 if kv == "paged" else 0), kv=kv
+    )
 
 
 REMOTE_CASES = [CASES[1], CASES[0]]  # model drafts: q on the wire (rejection), token ids only (gumbel)
@@ -216,22 +219,33 @@ SUFFIX_CASES = [
     (Case("suffix", 3, 3), {"suffix_cache_requests": 64}),
     # the adaptive rule: proposals made in full, then cut by the price of each position's match length
     (Case("suffix", 3, 3), {"suffix_cache_requests": 64, "length_policy": "adaptive"}),
-    # hybrid (df 73, threshold 126.7): the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both are used
+    # hybrid (df 73, threshold 126.7): the target's int8 copy drafts unless the suffix draft's score reaches 1.0; both
+    # are used
     (Case("hybrid", 4, 3, temperature=1.2, top_k=5), {"suffix_min_score": 1.0, "suffix_cache_requests": 64}),
 ]
 
 
 def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: dict, kv: str = "slots"):
-    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN,
-                      kv_cache=kv, kv_block_size=4)
+    cfg = tiny_config(
+        models, method=case.method, k=K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN, kv_cache=kv, kv_block_size=4
+    )
     cfg["draft"].update(draft)
     cfg["sampling"] = {"coupling": case.coupling}
     eng = Engine.from_config(cfg)
     if draft.get("length_policy") == "adaptive":
         # deterministic choices: how much is drafted must not vary
         eng.scheduler.length_policy = frozen_adaptive_policy(K)
-    params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
-                             top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+    params = [
+        SamplingParams(
+            max_tokens=case.max_tokens,
+            temperature=case.temperature,
+            top_k=case.top_k,
+            top_p=case.top_p,
+            seed=seed0 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
     return eng.generate([list(case.prompt)] * n, params), eng
 
 
@@ -247,15 +261,18 @@ def suffix_g_test(models, case: Case, n: int, seed0: int, draft: dict, kv: str =
     h = eng.draft_core.health()
     st = draft_stats(outs) | h
     g, threshold, df = g_test_outputs(outs, p, case.window)
-    print(f"\n{case.id}: N={n} in {time.perf_counter() - t0:.1f}s; acceptance {st['acceptance']:.3f} over "
-          f"{st['drafted']} draft tokens, every draft accepted {st['all']}, none {st['none']}; "
-          f"G = {g:.1f}, df = {df}, threshold {threshold:.1f}; drafter {h}")
+    print(
+        f"\n{case.id}: N={n} in {time.perf_counter() - t0:.1f}s; acceptance {st['acceptance']:.3f} over "
+        f"{st['drafted']} draft tokens, every draft accepted {st['all']}, none {st['none']}; "
+        f"G = {g:.1f}, df = {df}, threshold {threshold:.1f}; drafter {h}"
+    )
     return g, threshold, st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,draft", SUFFIX_CASES, ids=[c.id + ("-adaptive" if d.get("length_policy") else "")
-                                                            for c, d in SUFFIX_CASES])
+@pytest.mark.parametrize(
+    "case,draft", SUFFIX_CASES, ids=[c.id + ("-adaptive" if d.get("length_policy") else "") for c, d in SUFFIX_CASES]
+)
 @pytest.mark.parametrize("kv", ["slots", "paged"])
 def test_suffix_drafts_sample_target_distribution(models, case: Case, draft: dict, kv: str) -> None:
     """G-test, N = 4000, alpha 1e-4 (false-failure rate); df and threshold next to SUFFIX_CASES (and printed).

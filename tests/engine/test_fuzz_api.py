@@ -30,6 +30,7 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config
+
 from specdist import Engine, SamplingParams
 from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
@@ -39,8 +40,13 @@ MAX_MESSAGE_BYTES = 16384  # small, so that random large fields also cross it
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
 GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "active_streams", "live_requests")
 # what a bad request may get (specdist.proto); RESOURCE_EXHAUSTED: over the message size or a full queue
-GRPC_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
+GRPC_REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,
+}
 GENERATE = "/specdist.v1.SpecDecode/Generate"
 
 
@@ -50,14 +56,22 @@ def srv(tiny_models):
     engine = Engine.from_config(config)
     engine.tokenizer.chat_template = CHAT_TEMPLATE
     lt = LoopThread()
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1,
-                                   max_queued=16))
+    serving = lt.run(
+        start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1, max_queued=16)
+    )
     channel = grpc.insecure_channel(serving.address)
     http = httpx.Client(trust_env=False, timeout=DEADLINE_S)
-    s = SimpleNamespace(engine=engine, coordinator=serving.server.coordinator, serving=serving, channel=channel,
-                        stub=specdist_pb2_grpc.SpecDecodeStub(channel), http=http, base=f"http://{serving.http.address}",
-                        raw=channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=None),
-                        port=serving.server.port)
+    s = SimpleNamespace(
+        engine=engine,
+        coordinator=serving.server.coordinator,
+        serving=serving,
+        channel=channel,
+        stub=specdist_pb2_grpc.SpecDecodeStub(channel),
+        http=http,
+        base=f"http://{serving.http.address}",
+        raw=channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=None),
+        port=serving.server.port,
+    )
     yield s
     channel.close()
     http.close()
@@ -76,10 +90,15 @@ def wait_idle(s) -> dict[str, int]:
 def assert_serving_and_idle(s, ref, failed_before: int) -> None:
     """A valid request gets the engine's own greedy output; every gauge and KV slot is back at 0,
     and no request failed inside a step."""
-    msgs = list(s.stub.Generate(specdist_pb2.GenerateRequest(
-        text="a b", params=common_pb2.SamplingParams(max_tokens=8, temperature=0)), timeout=DEADLINE_S))
-    assert [t for m in msgs for t in m.token_ids] == ref.generate(["a b"], SamplingParams(
-        max_tokens=8, temperature=0))[0].token_ids
+    msgs = list(
+        s.stub.Generate(
+            specdist_pb2.GenerateRequest(text="a b", params=common_pb2.SamplingParams(max_tokens=8, temperature=0)),
+            timeout=DEADLINE_S,
+        )
+    )
+    assert [t for m in msgs for t in m.token_ids] == ref.generate(["a b"], SamplingParams(max_tokens=8, temperature=0))[
+        0
+    ].token_ids
     counters = wait_idle(s)
     assert s.engine.kv_slots_in_use() == {"target": 0, "draft": 0}
     assert counters["requests_failed"] == failed_before
@@ -92,7 +111,7 @@ def ref(tiny_models):
 
 
 # ---------------------------------------------------------------- random values
-INT32 = [0, 1, -1, 2, 3, 7, 8, 63, 64, 65, 2**31 - 1, -2**31]
+INT32 = [0, 1, -1, 2, 3, 7, 8, 63, 64, 65, 2**31 - 1, -(2**31)]
 UINT64 = [0, 1, 2**63, 2**64 - 1]
 FLOATS = [0.0, -0.0, 1.0, 0.5, 1e-7, 2.0, -1.0, math.nan, math.inf, -math.inf, 1e-45, 3.4e38]
 
@@ -104,11 +123,15 @@ def rand_text(rng: random.Random) -> str:
     if kind == 1:  # words the tiny tokenizer knows
         return " ".join(rng.choice("abcdefg") for _ in range(rng.randrange(1, 12)))
     if kind == 2:  # any code point but a surrogate (protobuf strings are UTF-8)
-        return "".join(chr(rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000)]))
-                       for _ in range(rng.randrange(1, 20)))
+        return "".join(
+            chr(rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000)]))
+            for _ in range(rng.randrange(1, 20))
+        )
     if kind == 3:  # control characters, NUL, escapes, template syntax
-        return "".join(rng.choice(["\x00", "\n", "\r", "\x1b[2J", "\t", "{{", "}}", "{%", "%}", "<eos>", "a", " "])
-                       for _ in range(rng.randrange(1, 16)))
+        return "".join(
+            rng.choice(["\x00", "\n", "\r", "\x1b[2J", "\t", "{{", "}}", "{%", "%}", "<eos>", "a", " "])
+            for _ in range(rng.randrange(1, 16))
+        )
     if kind == 4:  # long
         return rng.choice("ab ") * rng.choice([200, 1000, 5000, 20000])
     return str(rng.random())
@@ -123,8 +146,11 @@ def rand_request(rng: random.Random) -> specdist_pb2.GenerateRequest:
     wild = rand_wild_request(rng)
     if rng.random() < 0.5:
         return wild
-    r = specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(
-        max_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.7, 1.0]), seed=rng.randrange(2**64)))
+    r = specdist_pb2.GenerateRequest(
+        params=common_pb2.SamplingParams(
+            max_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.7, 1.0]), seed=rng.randrange(2**64)
+        )
+    )
     if rng.random() < 0.5:
         r.text = " ".join(rng.choice("abcdefg") for _ in range(rng.randrange(1, 12)))
     else:
@@ -168,13 +194,24 @@ def rand_wild_request(rng: random.Random) -> specdist_pb2.GenerateRequest:
     if rng.random() < 0.7:
         p.max_tokens = rand_int(rng) if rng.random() < 0.5 else rng.randrange(1, 40)
     if rng.random() < 0.3:
-        p.stop.extend(rand_text(rng)[:rng.choice([1, 5, 300])] for _ in range(rng.choice([1, 2, 16, 17, 100])))
+        p.stop.extend(rand_text(rng)[: rng.choice([1, 5, 300])] for _ in range(rng.choice([1, 2, 16, 17, 100])))
     if rng.random() < 0.3:
         p.stop_token_ids.extend(rand_int(rng) for _ in range(rng.choice([1, 3, 64, 65, 500])))
     p.ignore_eos = rng.random() < 0.3
     if rng.random() < 0.4:
-        r.request_id = rng.choice(["dup", "x" * 256, "x" * 257, "a b", "a\nb", "\u00e9t\u00e9", "\x00",
-                                   f"r{rng.randrange(10**6)}", rand_text(rng)[:300]])
+        r.request_id = rng.choice(
+            [
+                "dup",
+                "x" * 256,
+                "x" * 257,
+                "a b",
+                "a\nb",
+                "\u00e9t\u00e9",
+                "\x00",
+                f"r{rng.randrange(10**6)}",
+                rand_text(rng)[:300],
+            ]
+        )
     r.apply_chat_template = rng.random() < 0.2
     return r
 
@@ -191,7 +228,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         for _ in range(rng.randrange(1, 5)):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     elif kind == 1:
-        del data[rng.randrange(len(data) + 1):]
+        del data[rng.randrange(len(data) + 1) :]
     elif kind == 2:
         at = rng.randrange(len(data) + 1)
         data[at:at] = rand_bytes(rng, rng.randrange(1, 8))
@@ -206,7 +243,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
 
 # ---------------------------------------------------------------- gRPC
 def outcome(responses, cancel_after_first: bool = False, parse=None):
-    """"OK" (the stream ended with a finish reason) or the status code the call ended with."""
+    """ "OK" (the stream ended with a finish reason) or the status code the call ended with."""
     try:
         last = None
         for m in responses:
@@ -214,7 +251,9 @@ def outcome(responses, cancel_after_first: bool = False, parse=None):
             if cancel_after_first:
                 responses.cancel()
         assert last is not None and last.finish_reason not in (
-            common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_ERROR), last
+            common_pb2.FINISH_REASON_UNSPECIFIED,
+            common_pb2.FINISH_REASON_ERROR,
+        ), last
         return "OK"
     except grpc.RpcError as e:
         assert e.code() in GRPC_REFUSALS, (e.code(), e.details())
@@ -242,8 +281,11 @@ def test_mutated_generate_bytes(srv, ref):
     rng = random.Random(7)
     failed = srv.coordinator.counters()["requests_failed"]
     seeds = [rand_request(rng).SerializeToString() for _ in range(40)]
-    seeds += [specdist_pb2.GenerateRequest(text="a b", params=common_pb2.SamplingParams(
-        max_tokens=4, temperature=0, stop=["c"], stop_token_ids=[6])).SerializeToString()] * 10
+    seeds += [
+        specdist_pb2.GenerateRequest(
+            text="a b", params=common_pb2.SamplingParams(max_tokens=4, temperature=0, stop=["c"], stop_token_ids=[6])
+        ).SerializeToString()
+    ] * 10
     cases = [mutate(rng, rng.choice(seeds)) for _ in range(200)]
 
     def call(data):
@@ -255,10 +297,13 @@ def test_mutated_generate_bytes(srv, ref):
     for data in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xff\xfe"):  # corrupt wire, bad UTF-8
         with pytest.raises(grpc.RpcError) as e:
             list(srv.raw(data, timeout=DEADLINE_S))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request: not a valid specdist.v1.GenerateRequest")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(
+            "request: not a valid specdist.v1.GenerateRequest"
+        )
     for method, answer in (("Cancel", specdist_pb2.CancelResponse), ("GetServerInfo", specdist_pb2.ServerInfo)):
-        raw = srv.channel.unary_unary(f"/specdist.v1.SpecDecode/{method}", request_serializer=None,
-                                      response_deserializer=answer.FromString)
+        raw = srv.channel.unary_unary(
+            f"/specdist.v1.SpecDecode/{method}", request_serializer=None, response_deserializer=answer.FromString
+        )
         for _ in range(20):
             try:
                 raw(mutate(rng, b"\x0a\x03abc"), timeout=DEADLINE_S)
@@ -270,8 +315,12 @@ def test_mutated_generate_bytes(srv, ref):
 def _h2_frame(rng: random.Random) -> bytes:
     payload = rand_bytes(rng, rng.randrange(0, 64))
     length = len(payload) if rng.random() < 0.8 else rng.randrange(2**24)
-    return struct.pack(">I", length)[1:] + bytes([rng.randrange(16), rng.randrange(256)]) \
-        + struct.pack(">I", rng.randrange(2**32)) + payload
+    return (
+        struct.pack(">I", length)[1:]
+        + bytes([rng.randrange(16), rng.randrange(256)])
+        + struct.pack(">I", rng.randrange(2**32))
+        + payload
+    )
 
 
 def test_random_bytes_on_the_wire(srv, ref):
@@ -299,9 +348,28 @@ def test_random_bytes_on_the_wire(srv, ref):
 
 
 # ---------------------------------------------------------------- HTTP
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "user", "logprobs",
-          "top_logprobs", "frequency_penalty", "tools"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "frequency_penalty",
+    "tools",
+]
 
 
 def rand_json(rng: random.Random, depth: int = 0):
@@ -315,11 +383,13 @@ def rand_json(rng: random.Random, depth: int = 0):
     if kind == 3:
         return rng.choice([0.5, -0.0, 1e308, -1.5, 1e-300, 2.0])
     if kind in (4, 5):
-        return rand_text(rng)[:rng.choice([3, 50, 20000])]
+        return rand_text(rng)[: rng.choice([3, 50, 20000])]
     if kind in (6, 7):
         return [rand_json(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 5]))]
-    return {rng.choice(FIELDS + ["role", "content", "type", "text", "include_usage"]): rand_json(rng, depth + 1)
-            for _ in range(rng.randrange(4))}
+    return {
+        rng.choice(FIELDS + ["role", "content", "type", "text", "include_usage"]): rand_json(rng, depth + 1)
+        for _ in range(rng.randrange(4))
+    }
 
 
 BIG = [2**31 - 1, 2**31, 2**63, 2**64, 10**30, -(2**63) - 1]
@@ -336,11 +406,16 @@ PLAUSIBLE = {  # values near each field's edges, extremes included
     "stream": lambda rng: rng.random() < 0.5,
     "stream_options": lambda rng: {"include_usage": rng.random() < 0.5},
     "ignore_eos": lambda rng: rng.random() < 0.5,
-    "prompt": lambda rng: rng.choice([[rng.choice([0, 1, 7, 8, -1] + BIG)] * rng.randrange(5), [[1, 2]], ["a"], [],
-                                      rand_text(rng)]),
-    "messages": lambda rng: [{"role": rng.choice(["user", "system", "assistant", ""]),
-                              "content": rng.choice([rand_text(rng), [{"type": "text", "text": "a"}], None])}
-                             for _ in range(rng.randrange(3))],
+    "prompt": lambda rng: rng.choice(
+        [[rng.choice([0, 1, 7, 8, -1] + BIG)] * rng.randrange(5), [[1, 2]], ["a"], [], rand_text(rng)]
+    ),
+    "messages": lambda rng: [
+        {
+            "role": rng.choice(["user", "system", "assistant", ""]),
+            "content": rng.choice([rand_text(rng), [{"type": "text", "text": "a"}], None]),
+        }
+        for _ in range(rng.randrange(3))
+    ],
 }
 
 
@@ -413,7 +488,8 @@ def test_found_undecodable_messages_are_invalid_argument(srv):
                 list(srv.raw(b"\x0a\x02\xff\xfe", timeout=DEADLINE_S))  # text with bad UTF-8
             else:
                 srv.channel.unary_unary(f"/specdist.v1.SpecDecode/{method}", request_serializer=None)(
-                    b"\xff\xff", timeout=DEADLINE_S)
+                    b"\xff\xff", timeout=DEADLINE_S
+                )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
         assert e.value.details().startswith("request: not a valid specdist.v1."), e.value.details()
 
@@ -422,8 +498,13 @@ def test_found_huge_http_integers_are_refused_before_the_engine(srv, ref):
     """top_k past int64 failed the engine step (and with it every request in the batch): 500;
     n = 10**6 ran a million requests for one call. Both are 400s naming the field now."""
     failed = srv.coordinator.counters()["requests_failed"]
-    for field, value in (("top_k", 2**63), ("top_k", 2**31), ("stop_token_ids", [2**31]), ("max_tokens", 2**63),
-                         ("n", 10**6)):
+    for field, value in (
+        ("top_k", 2**63),
+        ("top_k", 2**31),
+        ("stop_token_ids", [2**31]),
+        ("max_tokens", 2**63),
+        ("n", 10**6),
+    ):
         r = srv.http.post(srv.base + "/v1/completions", json={"prompt": "a", "max_tokens": 2, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     ok = srv.http.post(srv.base + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "top_k": 2**31 - 1})

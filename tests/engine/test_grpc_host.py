@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from specdist.cores.proposers.ngram import NgramProposer
 from specdist.cores.draft import DrafterCore
+from specdist.cores.proposers.ngram import NgramProposer
 from specdist.transport.grpc_host import HEALTH_SERVICE, LIVENESS, GrpcHostThread
 from specdist.transport.security import bearer_metadata
 from specdist.v1 import draft_pb2, draft_pb2_grpc
@@ -77,8 +77,10 @@ def test_host_serves_health_token_limit_and_reflection(servicer):
             ProtoReflectionDescriptorDatabase(channel).get_services()
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
         listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10,
-            metadata=bearer_metadata(TOKEN))
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+            timeout=10,
+            metadata=bearer_metadata(TOKEN),
+        )
         services = {s.name for r in listing for s in r.list_services_response.service}
         assert services == {DRAFT_SERVICE, HEALTH_SERVICE, "grpc.reflection.v1alpha.ServerReflection"}
     finally:
@@ -158,8 +160,12 @@ def test_draft_actor_refuses_a_draft_model_of_another_vocabulary(tiny_models):
     actor = DraftActor(0, num_threads=None)
     try:
         with pytest.raises(Exception, match="draft.model") as ei:
-            actor.load({"method": "model", "model": tiny_models["draft_vocab9"], "num_speculative_tokens": 3},
-                       tiny_models["target"], {"max_batch_size": 2, "max_model_len": 32}, device="cpu")
+            actor.load(
+                {"method": "model", "model": tiny_models["draft_vocab9"], "num_speculative_tokens": 3},
+                tiny_models["target"],
+                {"max_batch_size": 2, "max_model_len": 32},
+                device="cpu",
+            )
         assert "vocabulary size 9 differs from the target's 8" in str(ei.value)
         assert actor.state == "created"
     finally:

@@ -2,7 +2,8 @@
 
 A chat body of 140,000 empty messages (3.5 MB) is refused with a 400 naming ``messages`` while a probe
 task on the server's event loop measures the loop's longest stall; messages past ``limits.max_messages``
-are refused, and each message costs characters of the prompt limit. The server: ``start_http`` over the tiny models on a background loop.
+are refused, and each message costs characters of the prompt limit. The server: ``start_http`` over the tiny models on a
+background loop.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config
+from test_http_api import CHAT_TEMPLATE
+
 from specdist import Engine, InvalidArgument, SamplingParams
 from specdist.api import http_server
 from specdist.api.admission import Limits, check_request
 from specdist.api.coordinator import Coordinator
-from test_http_api import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STALL_LIMIT_S = 0.2
@@ -71,8 +73,9 @@ def _body(messages: list[dict], **kw) -> bytes:
 def _chat(srv, messages: list[dict] | bytes, **kw) -> httpx.Response:
     lt, coordinator, http, client = srv
     body = messages if isinstance(messages, bytes) else _body(messages, **kw)
-    return client.post(f"http://{http.address}/v1/chat/completions", content=body,
-                       headers={"Content-Type": "application/json"})
+    return client.post(
+        f"http://{http.address}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
 
 
 def test_messages_past_the_limit_are_refused(srv):
@@ -102,8 +105,17 @@ def test_140000_empty_messages_are_refused_without_stalling_the_loop(srv):
 
 
 def test_each_message_costs_characters_of_the_prompt_limit():
-    limits = Limits(max_message_bytes=1 << 20, max_prompt_chars=100, max_prompt_tokens=63, max_tokens=64, max_stop=4,
-                    max_stop_chars=8, max_stop_token_ids=4, max_request_id_chars=16, max_n=1)
+    limits = Limits(
+        max_message_bytes=1 << 20,
+        max_prompt_chars=100,
+        max_prompt_tokens=63,
+        max_tokens=64,
+        max_stop=4,
+        max_stop_chars=8,
+        max_stop_token_ids=4,
+        max_request_id_chars=16,
+        max_n=1,
+    )
     empty = {"role": "", "content": ""}
     check_request(limits, [empty] * 4, SamplingParams())  # 3 x 32 = 96 characters
     with pytest.raises(InvalidArgument, match=r"has 128 characters \(32 for each message past the first\)") as e:

@@ -24,9 +24,10 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config
+
 from specdist import Engine
-from specdist.client import SpecDistClient
 from specdist.api.serving import Backend, start_serving
+from specdist.client import SpecDistClient
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"  # "a b" -> "a b g "
 GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "active_streams", "live_requests")
@@ -61,10 +62,16 @@ def srv(tiny_models):
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
     http = httpx.Client(trust_env=False, timeout=30)
     s = SimpleNamespace(
-        engine=engine, hold=hold, serving=serving, coordinator=serving.server.coordinator,
-        model=engine.config.target.model, base=f"http://{serving.http.address}", http=http,
-        client=openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
-                             http_client=http),
+        engine=engine,
+        hold=hold,
+        serving=serving,
+        coordinator=serving.server.coordinator,
+        model=engine.config.target.model,
+        base=f"http://{serving.http.address}",
+        http=http,
+        client=openai.OpenAI(
+            base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0, http_client=http
+        ),
         grpc=SpecDistClient(serving.address),
     )
     yield s
@@ -119,9 +126,9 @@ def test_completion_equals_grpc_and_seed_reproduces(srv):
     kw = dict(max_tokens=12, temperature=1.0, seed=7)
     want_text, want_finish, stats = grpc_run(srv, "a b c", ignore_eos=True, **kw)
     first = srv.client.completions.create(model=srv.model, prompt="a b c", extra_body={"ignore_eos": True}, **kw)
-    again = srv.client.completions.create(prompt="a b c", model=srv.model,
-                                          extra_body={"ignore_eos": True, "seed": 7},
-                                          max_tokens=12, temperature=1.0)  # seed as an extra body field too
+    again = srv.client.completions.create(
+        prompt="a b c", model=srv.model, extra_body={"ignore_eos": True, "seed": 7}, max_tokens=12, temperature=1.0
+    )  # seed as an extra body field too
     assert first.object == "text_completion" and first.model == srv.model
     assert [c.text for c in first.choices] == [want_text] == [c.text for c in again.choices]
     assert first.choices[0].finish_reason == want_finish == "length"
@@ -132,8 +139,9 @@ def test_completion_equals_grpc_and_seed_reproduces(srv):
 
 def test_token_id_prompt_and_top_k(srv):
     want_text, _, stats = grpc_run(srv, [0, 1, 2], max_tokens=6, temperature=1.0, top_k=2, seed=3)
-    got = srv.client.completions.create(model=srv.model, prompt=[0, 1, 2], max_tokens=6, temperature=1.0,
-                                        seed=3, extra_body={"top_k": 2})
+    got = srv.client.completions.create(
+        model=srv.model, prompt=[0, 1, 2], max_tokens=6, temperature=1.0, seed=3, extra_body={"top_k": 2}
+    )
     assert got.choices[0].text == want_text
     assert_usage_is(got.usage, stats)
 
@@ -155,19 +163,25 @@ def test_streamed_completion(srv):
 def test_chat(srv):
     want_text, want_finish, stats = grpc_run(srv, "a b", max_tokens=10, temperature=0, apply_chat_template=True)
     messages = [{"role": "user", "content": "a b"}]
-    got = srv.client.chat.completions.create(model=srv.model, messages=messages, max_completion_tokens=10,
-                                             temperature=0)
+    got = srv.client.chat.completions.create(
+        model=srv.model, messages=messages, max_completion_tokens=10, temperature=0
+    )
     assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want_text and got.choices[0].finish_reason == want_finish
     assert_usage_is(got.usage, stats)
-    chunks = list(srv.client.chat.completions.create(model=srv.model, messages=messages, max_tokens=10,
-                                                     temperature=0, stream=True))
+    chunks = list(
+        srv.client.chat.completions.create(
+            model=srv.model, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
     assert chunks[-1].choices[0].finish_reason == want_finish
     # a conversation goes through the template whole; text parts are joined with newlines
-    convo = [{"role": "system", "content": "c"},
-             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    convo = [
+        {"role": "system", "content": "c"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
     want_convo, _, _ = grpc_run(srv, "c g a\nb g ", max_tokens=6, temperature=0)  # CHAT_TEMPLATE's rendering
     got = srv.client.chat.completions.create(model=srv.model, messages=convo, max_tokens=6, temperature=0)
     assert got.choices[0].message.content == want_convo
@@ -197,36 +211,50 @@ def test_n2(srv):
     assert got.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counts once
     assert got.usage.completion_tokens == 16
     for key in ("drafted", "accepted", "steps"):
-        assert got.usage.model_extra["speculative"][key] == sum(s.usage.model_extra["speculative"][key]
-                                                                for s in singles)
-    chunks = list(srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a"}],
-                                                     n=2, seed=20, max_tokens=8, temperature=1.0, stream=True))
+        assert got.usage.model_extra["speculative"][key] == sum(
+            s.usage.model_extra["speculative"][key] for s in singles
+        )
+    chunks = list(
+        srv.client.chat.completions.create(
+            model=srv.model,
+            messages=[{"role": "user", "content": "a"}],
+            n=2,
+            seed=20,
+            max_tokens=8,
+            temperature=1.0,
+            stream=True,
+        )
+    )
     texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in (0, 1)]
-    whole = srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a"}],
-                                               n=2, seed=20, max_tokens=8, temperature=1.0)
+    whole = srv.client.chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": "a"}], n=2, seed=20, max_tokens=8, temperature=1.0
+    )
     assert texts == [c.message.content for c in whole.choices]
     wait_idle(srv.coordinator)
 
 
-@pytest.mark.parametrize("endpoint, kwargs, param", [
-    ("completions", dict(temperature=-1.0), "temperature"),
-    ("completions", dict(extra_body={"temperature": "hot"}), "temperature"),
-    ("completions", dict(top_p=0.0), "top_p"),
-    ("completions", dict(max_tokens=0), "max_tokens"),
-    ("completions", dict(extra_body={"top_k": -2}), "top_k"),
-    ("completions", dict(extra_body={"frequency_penalty_x": 1}), "frequency_penalty_x"),
-    ("completions", dict(logprobs=21), "logprobs"),
-    ("completions", dict(seed=-1), "seed"),
-    ("completions", dict(n=2, seed=2**64 - 1), "seed"),  # choice 1 would sample with seed + 1 = 2**64
-    ("completions", dict(n=0), "n"),
-    ("completions", dict(prompt=[0, 99]), "prompt"),
-    ("completions", dict(prompt=["a", "b"]), "prompt"),
-    ("completions", dict(stream_options={"include_usage": True}), "stream_options"),
-    ("chat", dict(top_logprobs=2), "top_logprobs"),
-    ("chat", dict(max_completion_tokens=0), "max_completion_tokens"),
-    ("chat", dict(messages=[]), "messages"),
-    ("chat", dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "endpoint, kwargs, param",
+    [
+        ("completions", dict(temperature=-1.0), "temperature"),
+        ("completions", dict(extra_body={"temperature": "hot"}), "temperature"),
+        ("completions", dict(top_p=0.0), "top_p"),
+        ("completions", dict(max_tokens=0), "max_tokens"),
+        ("completions", dict(extra_body={"top_k": -2}), "top_k"),
+        ("completions", dict(extra_body={"frequency_penalty_x": 1}), "frequency_penalty_x"),
+        ("completions", dict(logprobs=21), "logprobs"),
+        ("completions", dict(seed=-1), "seed"),
+        ("completions", dict(n=2, seed=2**64 - 1), "seed"),  # choice 1 would sample with seed + 1 = 2**64
+        ("completions", dict(n=0), "n"),
+        ("completions", dict(prompt=[0, 99]), "prompt"),
+        ("completions", dict(prompt=["a", "b"]), "prompt"),
+        ("completions", dict(stream_options={"include_usage": True}), "stream_options"),
+        ("chat", dict(top_logprobs=2), "top_logprobs"),
+        ("chat", dict(max_completion_tokens=0), "max_completion_tokens"),
+        ("chat", dict(messages=[]), "messages"),
+        ("chat", dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    ],
+)
 def test_bad_request_names_the_field(srv, endpoint, kwargs, param):
     if endpoint == "completions":
         call = srv.client.completions.create
@@ -258,8 +286,9 @@ def test_disconnect_mid_stream_frees_every_slot(srv):
     # once the request has output, hold it there: it can neither finish nor free its slots by itself
     srv.hold.when = lambda engine: any(r.output.token_ids for r in engine.running)
     try:
-        stream = srv.client.completions.create(model=srv.model, prompt="a b", max_tokens=40, stream=True,
-                                               extra_body={"ignore_eos": True})
+        stream = srv.client.completions.create(
+            model=srv.model, prompt="a b", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        )
         first = next(iter(stream))
         assert first.choices[0].text and first.choices[0].finish_reason is None
         assert srv.coordinator.counters()["live_requests"] == 1
@@ -278,8 +307,10 @@ def test_disconnect_while_waiting_for_json_frees_every_slot(srv):
     before = wait_idle(srv.coordinator)["requests_cancelled"]
     srv.hold.when = lambda engine: any(r.output.token_ids for r in engine.running)  # admitted, then held
     body = json.dumps({"prompt": "a b", "max_tokens": 40, "ignore_eos": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {srv.serving.http.address}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {srv.serving.http.address}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     try:
         with socket.create_connection((srv.serving.http.host, srv.serving.http.port), timeout=30) as sock:
             sock.sendall(head + body)
@@ -329,8 +360,11 @@ def test_a_failed_request_is_a_500_or_an_error_event(srv):
     assert "injected" not in e.value.body["message"]  # the exception stays in the server log
     srv.hold.fail_next = True
     with pytest.raises(openai.APIError) as e:
-        list(srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a"}],
-                                                max_tokens=4, stream=True))
+        list(
+            srv.client.chat.completions.create(
+                model=srv.model, messages=[{"role": "user", "content": "a"}], max_tokens=4, stream=True
+            )
+        )
     assert e.value.body["code"] == "internal_error" and "injected" not in e.value.body["message"]
     wait_idle(srv.coordinator)
 
@@ -378,8 +412,9 @@ def test_cli_http_port_without_the_extra(monkeypatch, capsys):
 
 def test_events_are_sse(srv):
     """The raw stream: ``data: {json}`` events, the last one ``data: [DONE]``."""
-    with srv.http.stream("POST", srv.base + "/v1/completions",
-                         json={"prompt": "a", "max_tokens": 3, "stream": True, "temperature": 0}) as r:
+    with srv.http.stream(
+        "POST", srv.base + "/v1/completions", json={"prompt": "a", "max_tokens": 3, "stream": True, "temperature": 0}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
@@ -401,7 +436,10 @@ def test_serve_process_runs_both_protocols_and_stops_on_sigint(tiny_models, tmp_
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_models, "model", 3)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdist.cli", "serve", "--config", str(cfg), "--port", "0", "--http-port", "0"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         lines = []
         while not any("OpenAI-compatible HTTP API on" in line for line in lines):
@@ -433,18 +471,24 @@ def test_the_same_seed_twice_gives_the_same_text_under_local_yaml(smollm2_loaded
     learned the first one's text, and the length rule has new measurements) and gives the same text."""
     from pathlib import Path
 
-
     tok, _, native = smollm2_loaded
-    engine = Engine.from_config(str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml"),
-                                tokenizer=tok, target=native)
+    engine = Engine.from_config(
+        str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml"), tokenizer=tok, target=native
+    )
     lt = LoopThread()
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
     try:
         with httpx.Client(trust_env=False, timeout=60) as http:
-            client = openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
-                                   http_client=http)
-            kw = dict(model=engine.config.target.model, max_tokens=32, temperature=0.9, seed=11,
-                      messages=[{"role": "user", "content": "Write two sentences about the sea."}])
+            client = openai.OpenAI(
+                base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0, http_client=http
+            )
+            kw = dict(
+                model=engine.config.target.model,
+                max_tokens=32,
+                temperature=0.9,
+                seed=11,
+                messages=[{"role": "user", "content": "Write two sentences about the sea."}],
+            )
             texts = [client.chat.completions.create(**kw).choices[0].message.content for _ in range(2)]
         assert texts[0] == texts[1] and len(texts[0]) > 0
         assert engine.stats.drafted > 0  # speculation ran

@@ -14,19 +14,20 @@ import socket
 import time
 
 import pytest
-
 from support.helpers import LoopThread, tiny_config, wait_until
+from test_http_api import CHAT_TEMPLATE, GAUGES, Hold
+
 from specdist import Engine
 from specdist.api import http_server
 from specdist.api.coordinator import Coordinator
-from test_http_api import CHAT_TEMPLATE, GAUGES, Hold
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _serve(tiny_models, max_connections: int, max_model_len: int = 64, **limits):
-    engine = Engine.from_config(dict(tiny_config(tiny_models, "none", max_model_len=max_model_len,
-                                                 max_batch_size=16), limits=limits))
+    engine = Engine.from_config(
+        dict(tiny_config(tiny_models, "none", max_model_len=max_model_len, max_batch_size=16), limits=limits)
+    )
     engine.tokenizer.chat_template = CHAT_TEMPLATE
     hold = Hold(engine)
     lt = LoopThread()
@@ -54,8 +55,11 @@ def _request(port: int, peer: str, method: str, path: str, body: dict | None = N
     """One request on a fresh connection from ``peer``: (status, body); status 0: closed without an answer."""
     data = b"" if body is None else json.dumps(body).encode()
     with _connect(port, peer) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        s.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         reply = b""
         try:
             while chunk := s.recv(65536):
@@ -86,8 +90,9 @@ async def _open_connections(http) -> int:
 
 
 def test_a_peer_past_its_cap_is_closed_and_health_answers_past_the_server_cap(tiny_models):
-    engine, hold, lt, coordinator, http = _serve(tiny_models, max_connections=7, http_connections_per_peer=3,
-                                                 http_idle_timeout_s=120.0)
+    engine, hold, lt, coordinator, http = _serve(
+        tiny_models, max_connections=7, http_connections_per_peer=3, http_idle_timeout_s=120.0
+    )
     port = http.port
     held: list[socket.socket] = []
     try:
@@ -97,8 +102,9 @@ def test_a_peer_past_its_cap_is_closed_and_health_answers_past_the_server_cap(ti
         assert lt.run(_open_connections(http)) == 3
         # another peer is served as if the first were not there
         assert _request(port, "127.0.0.3", "GET", "/health") == (200, b'{"status":"ok"}')
-        status, body = _request(port, "127.0.0.3", "POST", "/v1/completions",
-                                {"prompt": "a b", "max_tokens": 4, "ignore_eos": True})
+        status, body = _request(
+            port, "127.0.0.3", "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 4, "ignore_eos": True}
+        )
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
         # the server's cap full (7 connections, from peers each within theirs): /health still answers
         for peer in ("127.0.0.4", "127.0.0.5"):
@@ -158,8 +164,9 @@ def long_context(tiny_models, tmp_path_factory) -> dict[str, str]:
 
 
 def test_a_stream_whose_client_reads_nothing_is_dropped_and_its_requests_cancelled(long_context):
-    engine, hold, lt, coordinator, http = _serve(long_context, max_connections=16, max_model_len=1024,
-                                                 http_write_timeout_s=0.5)
+    engine, hold, lt, coordinator, http = _serve(
+        long_context, max_connections=16, max_model_len=1024, http_write_timeout_s=0.5
+    )
     paused, stop = [False], asyncio.Event()
     watch = asyncio.run_coroutine_threadsafe(_watch_paused(http, paused, stop), lt.loop)
     hold.when = lambda eng: paused[0]  # once the client's buffers are full, its requests stay live
@@ -169,15 +176,28 @@ def test_a_stream_whose_client_reads_nothing_is_dropped_and_its_requests_cancell
         s.settimeout(10)
         s.connect(("127.0.0.1", http.port))
         # 16 choices x 1,000 tokens, each chunk with 8 top entries: about 10 MB of events
-        body = json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 1000, "n": 16,
-                           "logprobs": True, "top_logprobs": 8, "ignore_eos": True, "stream": True}).encode()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)  # then never reads
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "a"}],
+                "max_tokens": 1000,
+                "n": 16,
+                "logprobs": True,
+                "top_logprobs": 8,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )  # then never reads
         wait_until("the stream to fill the client's buffers", lambda: paused[0], 30)
         assert coordinator.counters()["live_requests"] > 0
-        wait_until("the stream dropped and its requests cancelled",
-                   lambda: coordinator.counters()["live_requests"] == 0
-                   and coordinator.counters()["active_streams"] == 0, 10)
+        wait_until(
+            "the stream dropped and its requests cancelled",
+            lambda: coordinator.counters()["live_requests"] == 0 and coordinator.counters()["active_streams"] == 0,
+            10,
+        )
         wait_until("the connection closed", lambda: lt.run(_open_connections(http)) == 0, 10)
         hold.when = None
         wait_until("every gauge back to 0", lambda: all(coordinator.counters()[g] == 0 for g in GAUGES), 10)

@@ -19,10 +19,11 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config, wait_until
+from test_http_api import CHAT_TEMPLATE, Hold
+
 from specdist import Engine, SamplingParams
 from specdist.api import http_server
 from specdist.api.coordinator import Coordinator
-from test_http_api import CHAT_TEMPLATE, Hold
 
 
 @pytest.fixture
@@ -49,8 +50,10 @@ def test_a_full_server_refuses_before_reading_rendering_or_tokenizing(srv, monke
     encoded = []
     real = coordinator.encode
     monkeypatch.setattr(coordinator, "encode", lambda *a, **k: encoded.append(a) or real(*a, **k))
-    r = client.post(f"http://{http.address}/v1/chat/completions",
-                    json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2})
+    r = client.post(
+        f"http://{http.address}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2},
+    )
     assert r.status_code == 503 and "max_queued" in r.json()["error"]["message"]
     assert encoded == []  # refused before the chat template or the tokenizer ran
     for s in streams:
@@ -63,8 +66,10 @@ def test_a_body_that_does_not_arrive_times_out(srv, monkeypatch):
     monkeypatch.setattr(http_server, "BODY_TIMEOUT_S", 0.5)
     host, port = http.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")  # then nothing
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )  # then nothing
         t0 = time.monotonic()
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 5, reply[:200]

@@ -3,9 +3,10 @@
 A chat request (a JSON response) with ``n = 16``, ``top_logprobs = 20`` and the longest output the model's
 context allows asks for 16 x 254 x 21 entries, each with a token's text; a probe task on the server's event loop
 (:class:`LoopWork`) measures the loop's longest stall while it runs. The entries are formatted and encoded as
-each step's deltas arrive, each token id decoded once, so no one burst formats them all at the end. Past ``limits.max_logprob_entries``
-(``n x (top_logprobs + 1) x max_tokens``) a request is refused with a 400 naming the field. The server:
-``start_http`` over a tiny Llama with 32 tokens (each of the 20 top entries is one) on a background loop.
+each step's deltas arrive, each token id decoded once, so no one burst formats them all at the end. Past
+``limits.max_logprob_entries`` (``n x (top_logprobs + 1) x max_tokens``) a request is refused with a 400 naming the
+field. The server: ``start_http`` over a tiny Llama with 32 tokens (each of the 20 top entries is one) on a background
+loop.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ except ImportError:
 
 from support.helpers import LoopThread
 from support.model_zoo import save_tiny
+from test_http_amplification import STALL_LIMIT_S
+from test_http_api import CHAT_TEMPLATE
+
 from specdist import Engine
 from specdist.api import http_server
 from specdist.api.coordinator import Coordinator
-from test_http_amplification import STALL_LIMIT_S
-from test_http_api import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONTEXT = 256  # the tiny Llama's positions
@@ -38,11 +40,19 @@ ENTRIES_LIMIT = N * (TOP + 1) * MAX_TOKENS  # this request exactly: one more tok
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = save_tiny(str(tmp_path_factory.mktemp("vocab32") / "target"), "llama", seed=5, vocab_size=32,
-                     max_position_embeddings=CONTEXT)
-    cfg = {"target": {"model": path}, "draft": {"method": "none"},
-           "engine": {"max_model_len": CONTEXT, "max_batch_size": N, "device": "cpu"},
-           "limits": {"max_n": N, "max_logprob_entries": ENTRIES_LIMIT}}
+    path = save_tiny(
+        str(tmp_path_factory.mktemp("vocab32") / "target"),
+        "llama",
+        seed=5,
+        vocab_size=32,
+        max_position_embeddings=CONTEXT,
+    )
+    cfg = {
+        "target": {"model": path},
+        "draft": {"method": "none"},
+        "engine": {"max_model_len": CONTEXT, "max_batch_size": N, "device": "cpu"},
+        "limits": {"max_n": N, "max_logprob_entries": ENTRIES_LIMIT},
+    }
     engine = Engine.from_config(cfg)
     engine.tokenizer.chat_template = CHAT_TEMPLATE
     lt = LoopThread()
@@ -59,8 +69,11 @@ def srv(tmp_path_factory):
 def _chat(srv, **kw) -> httpx.Response:
     lt, http, client = srv
     body = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "ignore_eos": True, "seed": 3, **kw}
-    return client.post(f"http://{http.address}/v1/chat/completions", content=json.dumps(body),
-                       headers={"Content-Type": "application/json"})
+    return client.post(
+        f"http://{http.address}/v1/chat/completions",
+        content=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
 
 
 class LoopWork:
@@ -103,8 +116,10 @@ def test_16_choices_of_20_top_logprobs_do_not_stall_the_loop(srv):
         assert len(entries) == MAX_TOKENS and ch["logprobs"]["refusal"] is None
         assert all(len(e["top_logprobs"]) == TOP for e in entries)
         assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
-    print(f"n={N}, top_logprobs={TOP}, max_tokens={MAX_TOKENS}: {elapsed:.2f} s, the loop's longest stall "
-          f"{cpu * 1000:.0f} ms of its CPU time ({wall * 1000:.0f} ms of wall time)")
+    print(
+        f"n={N}, top_logprobs={TOP}, max_tokens={MAX_TOKENS}: {elapsed:.2f} s, the loop's longest stall "
+        f"{cpu * 1000:.0f} ms of its CPU time ({wall * 1000:.0f} ms of wall time)"
+    )
     assert cpu < STALL_LIMIT_S, f"the event loop worked {cpu * 1000:.0f} ms in one go"
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from support.helpers import save_tiny_llama
+
 from specdist.cores.proposers.ngram import NgramIndex
-from specdist.sampling_params import SamplingParams
 from specdist.engine.stopping import IncrementalDetokenizer, OutputState
+from specdist.sampling_params import SamplingParams
 
 CORPUS = [
     "hello world, héllo wörld!",

@@ -7,16 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from support.helpers import tiny_config
+
 from specdist.engine.draft_length import Acceptance, DraftLengthPolicy
 from specdist.engine.local import Engine
 from specdist.engine.output import StepEvent
 from specdist.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("method,extra", [("model", {}), ("model", {"pipeline": True}), ("suffix", {})],
-                         ids=["model", "pipelined", "suffix"])
+@pytest.mark.parametrize(
+    "method,extra", [("model", {}), ("model", {"pipeline": True}), ("suffix", {})], ids=["model", "pipelined", "suffix"]
+)
 def test_a_fresh_rule_fed_the_step_events_learns_what_the_engine_learnt(tiny_models, method, extra) -> None:
     cfg = tiny_config(tiny_models, method, 3, "adaptive")
     cfg["draft"].update(extra)
@@ -24,15 +25,22 @@ def test_a_fresh_rule_fed_the_step_events_learns_what_the_engine_learnt(tiny_mod
     events: list[StepEvent] = []
     eng.listeners.append(lambda e: events.append(e) if isinstance(e, StepEvent) else None)
     try:
-        eng.generate([[1, 2, 3], [4, 5, 6, 1], [2, 2, 7]],
-                     [SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)])
+        eng.generate(
+            [[1, 2, 3], [4, 5, 6, 1], [2, 2, 7]],
+            [SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)],
+        )
         own = eng.scheduler.length_policy
-        fresh = DraftLengthPolicy(own.k, own.mode, num_replicas=len(own.draft_cost), pipelined=own.pipelined,
-                                  model_free=own.model_free)
+        fresh = DraftLengthPolicy(
+            own.k, own.mode, num_replicas=len(own.draft_cost), pipelined=own.pipelined, model_free=own.model_free
+        )
         accs: dict[int, Acceptance] = {}  # the requests' acceptance, as the fresh rule keeps it
         for e in events:
-            costs = dataclasses.replace(e.costs, acceptance=[(accs.setdefault(b, Acceptance()), *rest)
-                                                             for b, (_, *rest) in enumerate(e.costs.acceptance)])
+            costs = dataclasses.replace(
+                e.costs,
+                acceptance=[
+                    (accs.setdefault(b, Acceptance()), *rest) for b, (_, *rest) in enumerate(e.costs.acceptance)
+                ],
+            )
             replay = dataclasses.replace(e, costs=costs, plain_step_s=-1.0)
             fresh.observe(replay)
             assert replay.plain_step_s == e.plain_step_s  # the same prediction, from the same measurements

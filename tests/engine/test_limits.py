@@ -22,14 +22,24 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config
+
 from specdist import Engine
+from specdist.api.serving import Backend, start_serving
 from specdist.config import load_config
 from specdist.errors import ConfigError
-from specdist.api.serving import Backend, start_serving
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
-LIMITS = dict(max_message_bytes=4096, max_prompt_chars=20, max_prompt_tokens=10, max_tokens=20, max_stop=3,
-              max_stop_chars=5, max_stop_token_ids=4, max_request_id_chars=12, max_n=3)
+LIMITS = dict(
+    max_message_bytes=4096,
+    max_prompt_chars=20,
+    max_prompt_tokens=10,
+    max_tokens=20,
+    max_stop=3,
+    max_stop_chars=5,
+    max_stop_token_ids=4,
+    max_request_id_chars=12,
+    max_n=3,
+)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g {% endfor %}"
 GAUGES = ("running", "queued", "target_kv_slots_used", "draft_kv_slots_used", "active_streams", "live_requests")
 
@@ -42,9 +52,13 @@ def srv(tiny_models):
     serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
     channel = grpc.insecure_channel(serving.address)
     http = httpx.Client(trust_env=False, timeout=30)
-    s = SimpleNamespace(coordinator=serving.server.coordinator, channel=channel,
-                        stub=specdist_pb2_grpc.SpecDecodeStub(channel), http=http,
-                        base=f"http://{serving.http.address}")
+    s = SimpleNamespace(
+        coordinator=serving.server.coordinator,
+        channel=channel,
+        stub=specdist_pb2_grpc.SpecDecodeStub(channel),
+        http=http,
+        base=f"http://{serving.http.address}",
+    )
     yield s
     channel.close()
     http.close()
@@ -67,10 +81,13 @@ def _grpc_cases():
         ("token ids", dict(token_ids=[1] * 10), dict(token_ids=[1] * 11), "prompt"),
         ("max_tokens", dict(params=dict(max_tokens=20)), dict(params=dict(max_tokens=21)), "params.max_tokens"),
         ("stop count", dict(params=dict(stop=ok_stop)), dict(params=dict(stop=ok_stop + ["d"])), "params.stop"),
-        ("stop chars", dict(params=dict(stop=ok_stop)), dict(params=dict(stop=["a", "b", "c" * 6])),
-         "params.stop[2]"),
-        ("stop ids", dict(params=dict(stop_token_ids=[1, 2, 3, 4])), dict(params=dict(stop_token_ids=[1] * 5)),
-         "params.stop_token_ids"),
+        ("stop chars", dict(params=dict(stop=ok_stop)), dict(params=dict(stop=["a", "b", "c" * 6])), "params.stop[2]"),
+        (
+            "stop ids",
+            dict(params=dict(stop_token_ids=[1, 2, 3, 4])),
+            dict(params=dict(stop_token_ids=[1] * 5)),
+            "params.stop_token_ids",
+        ),
         ("request_id", dict(request_id="r" * 12), dict(request_id="r" * 13), "request_id"),
         ("request_id chars", dict(request_id="ok-id_1.:"), dict(request_id="a b"), "request_id"),
         ("request_id control", dict(request_id="ok"), dict(request_id="ok\n"), "request_id"),
@@ -83,8 +100,11 @@ def _grpc_request(fields: dict) -> specdist_pb2.GenerateRequest:
     fields = dict(fields)
     params = dict(max_tokens=2, temperature=0)
     params.update(fields.pop("params", {}))
-    req = specdist_pb2.GenerateRequest(params=common_pb2.SamplingParams(**params),
-                                       request_id=fields.pop("request_id", ""), session_id=fields.pop("session_id", ""))
+    req = specdist_pb2.GenerateRequest(
+        params=common_pb2.SamplingParams(**params),
+        request_id=fields.pop("request_id", ""),
+        session_id=fields.pop("session_id", ""),
+    )
     if "token_ids" in fields:
         req.token_ids.ids.extend(fields.pop("token_ids"))
     else:
@@ -136,8 +156,12 @@ HTTP_CASES = [
     ("completions", dict(stop_token_ids=[1, 2, 3, 4]), dict(stop_token_ids=[1] * 5), "stop_token_ids"),
     ("completions", dict(n=3), dict(n=4), "n"),
     ("chat", dict(n=3), dict(n=10**9), "n"),  # refused before anything is built for its choices
-    ("chat", dict(messages=[{"role": "user", "content": "a b " * 4}]),  # 4 + 16 characters
-     dict(messages=[{"role": "user", "content": "a b " * 4 + "c"}]), "messages"),
+    (
+        "chat",
+        dict(messages=[{"role": "user", "content": "a b " * 4}]),  # 4 + 16 characters
+        dict(messages=[{"role": "user", "content": "a b " * 4 + "c"}]),
+        "messages",
+    ),
     ("chat", dict(max_completion_tokens=20), dict(max_completion_tokens=21), "max_completion_tokens"),
     ("chat", dict(max_tokens=20), dict(max_tokens=21), "max_tokens"),
     ("completions", dict(user="u" * 12), dict(user="u" * 13), "user"),  # the session id: as a request id
@@ -153,8 +177,9 @@ def _post(srv, endpoint: str, fields: dict):
     return srv.http.post(srv.base + "/v1/chat/completions", json=body)
 
 
-@pytest.mark.parametrize("endpoint, at_bound, beyond, param", HTTP_CASES,
-                         ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(HTTP_CASES)])
+@pytest.mark.parametrize(
+    "endpoint, at_bound, beyond, param", HTTP_CASES, ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(HTTP_CASES)]
+)
 def test_http_limit(srv, endpoint, at_bound, beyond, param):
     ok = _post(srv, endpoint, at_bound)
     assert ok.status_code == 200, ok.text
@@ -167,8 +192,10 @@ def test_http_limit(srv, endpoint, at_bound, beyond, param):
 
 
 def test_http_chat_default_max_tokens_is_the_limit(srv):
-    r = srv.http.post(srv.base + "/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": "a"}], "temperature": 0, "ignore_eos": True})
+    r = srv.http.post(
+        srv.base + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a"}], "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == LIMITS["max_tokens"]
 
@@ -181,7 +208,7 @@ def test_http_body_over_the_size_limit(srv):
 
     def chunked():  # no Content-Length: refused while reading
         for i in range(0, len(body), 1000):
-            yield body[i:i + 1000]
+            yield body[i : i + 1000]
 
     r = srv.http.post(srv.base + "/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
@@ -189,10 +216,19 @@ def test_http_body_over_the_size_limit(srv):
     assert _post(srv, "completions", {}).status_code == 200  # the server keeps serving
 
 
-@pytest.mark.parametrize("key, value", [
-    ("max_message_bytes", 100), ("max_prompt_chars", 0), ("max_tokens", 15), ("max_stop", -1),
-    ("max_request_id_chars", 257), ("max_prompt_tokens", "many"), ("max_stop_chars", True), ("max_n", 0),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("max_message_bytes", 100),
+        ("max_prompt_chars", 0),
+        ("max_tokens", 15),
+        ("max_stop", -1),
+        ("max_request_id_chars", 257),
+        ("max_prompt_tokens", "many"),
+        ("max_stop_chars", True),
+        ("max_n", 0),
+    ],
+)
 def test_bad_limits_config(key, value):
     with pytest.raises(ConfigError) as e:
         load_config({"limits": {key: value}})

@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
-
 from support.helpers import save_tiny_llama, tiny_config
+
 from specdist import Engine, SamplingParams
 
 TOKENS = 4000
@@ -51,16 +51,19 @@ def test_host_time_per_step_is_flat_over_4000_tokens(tmp_path) -> None:
     first = [h for n, h in steps if n <= 1000]
     last = [h for n, h in steps if n > TOKENS - 1000]
     m_first, m_last = statistics.median(first), statistics.median(last)
-    print(f"\nhost time per step: first 1000 tokens median {m_first * 1e6:.0f} us (mean "
-          f"{statistics.mean(first) * 1e6:.0f}) over {len(first)} steps; last 1000 median {m_last * 1e6:.0f} us "
-          f"(mean {statistics.mean(last) * 1e6:.0f}) over {len(last)} steps")
+    print(
+        f"\nhost time per step: first 1000 tokens median {m_first * 1e6:.0f} us (mean "
+        f"{statistics.mean(first) * 1e6:.0f}) over {len(first)} steps; last 1000 median {m_last * 1e6:.0f} us "
+        f"(mean {statistics.mean(last) * 1e6:.0f}) over {len(last)} steps"
+    )
     assert m_last < 2.0 * m_first + 50e-6, (m_first, m_last)
 
 
 def _run(eng: Engine, in_forward: list[float]) -> list[tuple[int, float]]:
     """Generate TOKENS tokens; per step (tokens so far, host seconds of the step)."""
-    req = eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3,
-                                                          ignore_eos=True, stop=["x y z"]))
+    req = eng.add_request(
+        [1, 2, 3, 4, 5], SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=3, ignore_eos=True, stop=["x y z"])
+    )
     steps = []
     while not req.finished:
         f0, t0 = in_forward[0], time.thread_time()

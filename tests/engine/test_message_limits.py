@@ -14,12 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from support.helpers import ServedCores
-from specdist.transport.remote import RemoteDrafter, RemoteVerifier
+
 from specdist.engine.remote import RemoteEngine
 from specdist.transport.protocol import CallTiming, Proposal, ProposeItem, TransportError, Verified, VerifyItem
-from specdist.v1 import draft_pb2
+from specdist.transport.remote import RemoteDrafter, RemoteVerifier
 from specdist.transport.wire import (
     GRPC_DEFAULT_MESSAGE_BYTES,
     GRPC_MAX_MESSAGE_BYTES,
@@ -29,6 +28,7 @@ from specdist.transport.wire import (
     proposal_to_proto,
     verify_items_to_proto,
 )
+from specdist.v1 import draft_pb2
 from workers.servicing import core_message_limit
 
 VOCAB, BATCH, K = 32768, 9, 8  # 9 x 8 dense rows of 64 KiB: 4.7 MB, above grpc's 4 MiB default
@@ -69,8 +69,10 @@ class _Drafter:
         self.hidden_width, self.max_model_len = 0, 2048  # no EAGLE-3 hidden states
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
-        return [Proposal(it.request_id, list(range(it.num_tokens)), q=_dense_q(it.num_tokens, self.vocab_size))
-                for it in items], CallTiming()
+        return [
+            Proposal(it.request_id, list(range(it.num_tokens)), q=_dense_q(it.num_tokens, self.vocab_size))
+            for it in items
+        ], CallTiming()
 
 
 # ---------------------------------------------------------------- round trips above 4 MiB
@@ -82,8 +84,9 @@ def _verify_round_trip(vocab: int, batch: int, k: int) -> None:
     core = _Verifier(vocab, batch)
     items = _verify_items(batch, k, vocab)
     with ServedCores(core) as served:
-        verifier = RemoteVerifier(served.target_address, vocab, timeout_s=120,
-                                  message_limit=message_limit_bytes(vocab, batch, k))
+        verifier = RemoteVerifier(
+            served.target_address, vocab, timeout_s=120, message_limit=message_limit_bytes(vocab, batch, k)
+        )
         try:
             results, _ = verifier.verify(items)
         finally:
@@ -100,8 +103,9 @@ def test_verify_above_grpc_default_round_trips():
 def test_propose_above_grpc_default_round_trips():
     items = [ProposeItem(f"r{i}", 0, [], K, 5) for i in range(BATCH)]
     with ServedCores(_Verifier(VOCAB, BATCH), [_Drafter(VOCAB, BATCH)]) as served:
-        drafter = RemoteDrafter(served.draft_addresses[0], timeout_s=30,
-                                message_limit=message_limit_bytes(VOCAB, BATCH, K))
+        drafter = RemoteDrafter(
+            served.draft_addresses[0], timeout_s=30, message_limit=message_limit_bytes(VOCAB, BATCH, K)
+        )
         try:
             proposals, _ = drafter.propose(items)
         finally:
@@ -151,16 +155,23 @@ def test_limit_stays_within_what_grpc_takes():
 
 
 def test_options_and_worker_defaults():
-    assert grpc_message_options(123) == [("grpc.max_receive_message_length", 123),
-                                         ("grpc.max_send_message_length", 123)]
+    assert grpc_message_options(123) == [
+        ("grpc.max_receive_message_length", 123),
+        ("grpc.max_send_message_length", 123),
+    ]
     assert core_message_limit(_Verifier(VOCAB, BATCH), K) == message_limit_bytes(VOCAB, BATCH, K)
-    model_free = SimpleNamespace(vocab_size=VOCAB, cache=None, hidden_width=0, max_model_len=2048)  # n-gram and suffix drafts: one-hot q only
+    model_free = SimpleNamespace(
+        vocab_size=VOCAB, cache=None, hidden_width=0, max_model_len=2048
+    )  # n-gram and suffix drafts: one-hot q only
     assert core_message_limit(model_free, K) == message_limit_bytes(VOCAB, 1, K)
 
 
 def test_remote_engine_gives_its_transports_the_configs_limit():
-    cfg = {"target": {"model": "unused"}, "draft": {"method": "ngram", "num_speculative_tokens": K},
-           "engine": {"max_batch_size": BATCH, "device": "cpu"}}
+    cfg = {
+        "target": {"model": "unused"},
+        "draft": {"method": "ngram", "num_speculative_tokens": K},
+        "engine": {"max_batch_size": BATCH, "device": "cpu"},
+    }
     engine = RemoteEngine(cfg, "127.0.0.1:1", ["127.0.0.1:2"], vocab_size=VOCAB)
     try:
         want = message_limit_bytes(VOCAB, BATCH, K)

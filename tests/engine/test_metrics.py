@@ -12,16 +12,16 @@ from collections import Counter as Tally
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from support.helpers import LoopThread, model_drafter, tiny_config
+
 from specdist import Engine, SamplingParams
-from specdist.client import SpecDistClient
 from specdist.api.metrics import FINISH_REASONS, Metrics
-from specdist.engine.prompts import EncodedPrompt
-from specdist.engine.output import PHASES, RequestFinished, StepEvent
-from specdist.engine.scheduler import Scheduler
 from specdist.api.serving import ListenError, run_serve, start_serving
+from specdist.client import SpecDistClient
 from specdist.cores.target import LocalVerifier
+from specdist.engine.output import PHASES, RequestFinished, StepEvent
+from specdist.engine.prompts import EncodedPrompt
+from specdist.engine.scheduler import Scheduler
 
 K = 3
 TIME_TOL = 1e-9  # histogram sums against the same floats summed in another order
@@ -30,8 +30,11 @@ TIME_TOL = 1e-9  # histogram sums against the same floats summed in another orde
 def parse(body: bytes | str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of an exposition body."""
     text = body.decode() if isinstance(body, bytes) else body
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def scrape(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -119,11 +122,15 @@ def test_counter_deltas_equal_the_per_request_stats(tiny_models) -> None:
     # one observation per step
     steps = events[events0:]
     assert len(steps) == eng.stats.steps - steps0 > 0
-    assert hist("specdist_step_duration_seconds") == (len(steps), pytest.approx(sum(e.step_s for e in steps),
-                                                                                abs=TIME_TOL))
+    assert hist("specdist_step_duration_seconds") == (
+        len(steps),
+        pytest.approx(sum(e.step_s for e in steps), abs=TIME_TOL),
+    )
     for phase in PHASES:
-        count, total = delta(after, before, "specdist_step_phase_seconds_count", phase=phase), \
-            delta(after, before, "specdist_step_phase_seconds_sum", phase=phase)
+        count, total = (
+            delta(after, before, "specdist_step_phase_seconds_count", phase=phase),
+            delta(after, before, "specdist_step_phase_seconds_sum", phase=phase),
+        )
         assert count == len(steps) and total == pytest.approx(sum(e.phase_s[phase] for e in steps), abs=TIME_TOL)
     # every verified request-step is one step of one request
     assert hist("specdist_step_batch_size") == (len(steps), sum(m.steps for m in ms))
@@ -144,14 +151,29 @@ def test_two_draft_replicas_have_their_own_series(tiny_models) -> None:
     eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K))
     cfg = eng.config
     src = resolve_model(tiny_models["draft"], "draft.model")
-    cores = [model_drafter(load_model(src, cfg.draft.dtype), cfg.engine.max_batch_size,
-                                    cfg.engine.max_model_len, cfg.draft.confidence_threshold) for _ in range(2)]
-    sched = Scheduler(cfg, LocalVerifier(eng.target_core), [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
-                      eng.tokenizer, eng.scheduler.eos_ids)
+    cores = [
+        model_drafter(
+            load_model(src, cfg.draft.dtype),
+            cfg.engine.max_batch_size,
+            cfg.engine.max_model_len,
+            cfg.draft.confidence_threshold,
+        )
+        for _ in range(2)
+    ]
+    sched = Scheduler(
+        cfg,
+        LocalVerifier(eng.target_core),
+        [LocalDrafter(c, f"draft/{i}") for i, c in enumerate(cores)],
+        eng.tokenizer,
+        eng.scheduler.eos_ids,
+    )
     metrics = Metrics(sched)
-    reqs = [sched.add_request(EncodedPrompt(None, [1 + i, 2, 3]),
-                              SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True))
-            for i in range(4)]
+    reqs = [
+        sched.add_request(
+            EncodedPrompt(None, [1 + i, 2, 3]), SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True)
+        )
+        for i in range(4)
+    ]
     sched.step()
     mid = scrape(metrics)
     assert sorted(r.replica for r in reqs) == [0, 0, 1, 1]  # unmeasured replicas: spread by load
@@ -224,8 +246,14 @@ def test_serve_refuses_a_busy_metrics_port_before_loading(tiny_models) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         busy = sock.getsockname()[1]
-        args = argparse.Namespace(config=tiny_config(tiny_models), host="127.0.0.1", port=0, metrics_port=busy,
-                                  max_queued=4, drain_seconds=0.0)
+        args = argparse.Namespace(
+            config=tiny_config(tiny_models),
+            host="127.0.0.1",
+            port=0,
+            metrics_port=busy,
+            max_queued=4,
+            drain_seconds=0.0,
+        )
         with pytest.raises(ListenError, match=f"127.0.0.1:{busy}: the port is in use"):
             run_serve(args)
 
@@ -233,8 +261,11 @@ def test_serve_refuses_a_busy_metrics_port_before_loading(tiny_models) -> None:
 def test_kv_cache_gauges_report_blocks_and_their_use(tiny_models) -> None:
     """An in-process engine's KV caches in the metrics: a paged target's blocks (the scratch block aside), their
     size and the share in use while requests run; a slot draft cache in slots."""
-    eng = Engine.from_config(tiny_config(tiny_models, method="model", k=K, max_batch_size=4, kv_cache="paged",
-                                         kv_block_size=4, prefix_caching=False))
+    eng = Engine.from_config(
+        tiny_config(
+            tiny_models, method="model", k=K, max_batch_size=4, kv_cache="paged", kv_block_size=4, prefix_caching=False
+        )
+    )
     metrics = Metrics(eng)
     idle = scrape(metrics)
     blocks = eng.target_core.cache.num_blocks - 1

@@ -26,15 +26,29 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from scipy import stats
-
+from support.gtest import (
+    ALPHA,
+    BATCH,
+    MAX_MODEL_LEN,
+    VOCAB,
+    Case,
+    N,
+    _hf_logits,
+    _prob_table,
+    g_statistic,
+    joint,
+    merge_cells,
+    power,
+    seq_index,
+    transform,
+)
 from support.helpers import ServedCores, tiny_config
-from support.gtest import ALPHA, BATCH, MAX_MODEL_LEN, N, VOCAB, Case, _hf_logits, _prob_table, g_statistic, joint, \
-    merge_cells, power, seq_index, transform
+
 from specdist.cores.draft import LocalDrafter
-from specdist.engine.local import Engine
 from specdist.cores.draft_pipeline import DraftPipeline, prepared_prefix_holds
-from specdist.engine.remote import RemoteEngine
 from specdist.cores.sampling import process_logits
+from specdist.engine.local import Engine
+from specdist.engine.remote import RemoteEngine
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import HIT, ProposeItem, StartItem
 from specdist.transport.wire import fp16_exact
@@ -186,21 +200,26 @@ class RescoredReuse(DraftPipeline):
 
         core = self.core
         core.commit(r, n_acc, new)  # the true prefix; the cache keeps only its valid part
-        toks = prep.tokens[:min(k, len(prep.tokens))]
-        inputs = (r.seq + toks[:-1])[core.cache.lengths[r.slot]:]
+        toks = prep.tokens[: min(k, len(prep.tokens))]
+        inputs = (r.seq + toks[:-1])[core.cache.lengths[r.slot] :]
         logits = core.runner.forward([r.slot], [inputs], [len(toks)])[0]  # [n, V]: q after the true prefix
         n = len(toks)
         sp = r.params
-        q = process_logits(logits, torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
-                           torch.full((n,), sp.top_p))
+        q = process_logits(
+            logits,
+            torch.full((n,), sp.temperature),
+            torch.full((n,), sp.top_k, dtype=torch.long),
+            torch.full((n,), sp.top_p),
+        )
         from specdist.transport.protocol import Proposal
 
         r.proposal = list(toks)  # the cache holds the true prefix and toks[:-1], as after drafting toks
         return Proposal(rid, toks, fp16_exact(q), pipeline=HIT)
 
 
-def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline, coupling: str = "rejection",
-                     miss: str = "redraft"):
+def sample_pipelined(
+    models: dict, n: int, seed0: int, pipeline_cls=DraftPipeline, coupling: str = "rejection", miss: str = "redraft"
+):
     cfg = tiny_config(models, method="model", k=PIPE_K, max_batch_size=BATCH, max_model_len=MAX_MODEL_LEN)
     # rejection: the rule whose argument the pipeline must keep (the prepared drafts' q reaches the
     # verifier); under gumbel the output is the target's Gumbel-max tokens whatever the drafts
@@ -208,8 +227,10 @@ def sample_pipelined(models: dict, n: int, seed0: int, pipeline_cls=DraftPipelin
     eng = Engine.from_config(cfg)
     pipe = pipeline_cls(eng.draft_core, miss=miss)
     eng.scheduler.replicas[0].drafter = LocalDrafter(pipe)
-    params = [SamplingParams(max_tokens=CASE.max_tokens, temperature=CASE.temperature, seed=seed0 + i,
-                             ignore_eos=True) for i in range(n)]
+    params = [
+        SamplingParams(max_tokens=CASE.max_tokens, temperature=CASE.temperature, seed=seed0 + i, ignore_eos=True)
+        for i in range(n)
+    ]
     try:
         outs = eng.generate([list(CASE.prompt)] * n, params)
         assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
@@ -240,7 +261,7 @@ N_FAULTY = 1500  # the faulty pipeline is far off: fewer sequences keep its powe
 
 
 def g_test(outs, p: np.ndarray) -> tuple[float, float, list]:
-    counts = np.bincount([seq_index(o.token_ids[:CASE.window]) for o in outs], minlength=VOCAB**CASE.window)
+    counts = np.bincount([seq_index(o.token_ids[: CASE.window]) for o in outs], minlength=VOCAB**CASE.window)
     assert not np.any((counts > 0) & (p == 0)), "a sequence of target probability 0 was drawn"
     cells = merge_cells(p, len(outs))
     threshold = stats.chi2.isf(ALPHA, len(cells) - 1)
@@ -258,8 +279,10 @@ def test_pipelined_engine_samples_target_distribution(models, laws, coupling, mi
     outs, pipe = sample_pipelined(models, N, seed0=seed0, coupling=coupling, miss=miss)
     c = pipe.counters
     g, threshold, cells = g_test(outs, p)
-    print(f"\npipelined ({miss}): hits {c.hits}, misses {c.misses} ({c.skipped} skipped); G = {g:.1f}, "
-          f"df = {len(cells) - 1}, threshold {threshold:.1f}")
+    print(
+        f"\npipelined ({miss}): hits {c.hits}, misses {c.misses} ({c.skipped} skipped); G = {g:.1f}, "
+        f"df = {len(cells) - 1}, threshold {threshold:.1f}"
+    )
     # a hit needs an accepted draft and the mode of q as the target's next sample, inside a 4-token window
     assert c.hits >= N // 30 and c.misses >= N // 10, "the run must verify both prepared and redrafted drafts"
     if miss == "auto":
@@ -295,10 +318,17 @@ def run(models, pipeline: bool, miss: str = "redraft", temperature: float = 0.0,
     served = None
     if remote:  # the same cores behind gRPC servicers, driven over the remote transports
         served = ServedCores(eng.target_core, [eng.scheduler.replicas[0].drafter.core])
-        eng = RemoteEngine(eng.config, served.target_address, served.draft_addresses, tokenizer=eng.tokenizer,
-                           vocab_size=eng.vocab_size, eos_ids=eng.scheduler.eos_ids)
-    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+        eng = RemoteEngine(
+            eng.config,
+            served.target_address,
+            served.draft_addresses,
+            tokenizer=eng.tokenizer,
+            vocab_size=eng.vocab_size,
+            eos_ids=eng.scheduler.eos_ids,
+        )
+    params = [
+        SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     try:
         outs = eng.generate(PROMPTS, params)
         skipped = pipe.counters.skipped if pipe is not None else None
@@ -320,8 +350,12 @@ def test_greedy_outputs_equal_sequential(models) -> None:
             got, (hits, misses, hidden, skipped) = run(models, True, miss, remote=remote)
             assert got == want, f"pipeline_miss={miss} remote={remote}"
             assert hits > 0 and misses > 0 and hidden > 0
-            assert {"redraft": skipped == 0, "skip": skipped == misses,
-                    "auto": 0 < skipped < misses}[miss], (miss, skipped, misses, remote)
+            assert {"redraft": skipped == 0, "skip": skipped == misses, "auto": 0 < skipped < misses}[miss], (
+                miss,
+                skipped,
+                misses,
+                remote,
+            )
 
 
 def test_seeded_sampling_equals_sequential_with_redrafted_misses(models) -> None:
@@ -398,12 +432,16 @@ def test_pipeline_counts_reach_stats_metrics_and_server_info(models) -> None:
         assert (hits, misses) == (c.hits, c.misses)
         reg = metrics.registry
         assert reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "hit"}) == hits
-        assert reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "miss"}) == misses
+        assert (
+            reg.get_sample_value("specdist_spec_decode_pipeline_total", {"replica": "0", "outcome": "miss"}) == misses
+        )
         hidden = reg.get_sample_value("specdist_spec_decode_draft_hidden_seconds_total")
         assert hidden == pytest.approx(eng.stats.draft_hidden_s) and hidden > 0
         wire = common_pb2.RequestStats(**request_stats(outs[0].metrics))
-        assert (wire.pipeline_hits, wire.pipeline_misses) == (outs[0].metrics.pipeline_hits,
-                                                              outs[0].metrics.pipeline_misses)
+        assert (wire.pipeline_hits, wire.pipeline_misses) == (
+            outs[0].metrics.pipeline_hits,
+            outs[0].metrics.pipeline_misses,
+        )
         info = server_info(eng)
         assert info["draft_pipeline"] is True and info["draft_pipeline_miss"] == "skip"
     finally:
@@ -439,10 +477,12 @@ def test_pin_process_pins_every_thread_to_one_core() -> None:
     import subprocess
     import sys
 
-    code = ("import os, threading, time; from workers.actors import pin_process; "
-            "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start(); "  # a thread started before
-            "core = pin_process(7); tids = os.listdir('/proc/self/task'); "
-            "print(core, len(tids), all(os.sched_getaffinity(int(i)) == {core} for i in tids)); stop.set()")
+    code = (
+        "import os, threading, time; from workers.actors import pin_process; "
+        "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start(); "  # a thread started before
+        "core = pin_process(7); tids = os.listdir('/proc/self/task'); "
+        "print(core, len(tids), all(os.sched_getaffinity(int(i)) == {core} for i in tids)); stop.set()"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     core, threads, all_pinned = out.stdout.split()
     allowed = sorted(os.sched_getaffinity(0))

@@ -20,16 +20,16 @@ import random
 
 import pytest
 import torch
-
 from support.helpers import devices, model_drafter
+
 from specdist import SamplingParams
 from specdist.cores.draft import DrafterCore
 from specdist.engine.local import Engine
 from specdist.models.kernels import cpu_kernels
 from specdist.models.kv import prefix as kv_prefix
-from specdist.models.kv.slots import SlotKVCache
-from specdist.models.kv.prefix import PrefixCache, PrefixIndex, common_prefix
 from specdist.models.kv.paged import PagedKVCache
+from specdist.models.kv.prefix import PrefixCache, PrefixIndex, common_prefix
+from specdist.models.kv.slots import SlotKVCache
 from specdist.transport.protocol import StartItem
 
 MIN = 4  # the min_tokens of the unit tests' PrefixCache
@@ -53,8 +53,16 @@ def test_common_prefix_equals_a_plain_loop():
 
 def _cache(slots: int = 3, device: str = "cpu", kind: str = "slots"):
     if kind == "paged":  # blocks of 4 tokens, room for every slot's 64
-        return PagedKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, head_dim=2, max_len=64,
-                            num_blocks=slots * 16 + 1, block_size=4, device=device)
+        return PagedKVCache(
+            num_layers=2,
+            num_slots=slots,
+            num_kv_heads=1,
+            head_dim=2,
+            max_len=64,
+            num_blocks=slots * 16 + 1,
+            block_size=4,
+            device=device,
+        )
     return SlotKVCache(num_layers=2, num_slots=slots, num_kv_heads=1, max_len=64, head_dim=2, device=device)
 
 
@@ -194,29 +202,32 @@ def test_a_prompt_is_compared_only_with_lists_that_start_like_it(monkeypatch):
     rng = random.Random(7)
     held = [[rng.randrange(1000, 2000) for _ in range(40)] for _ in range(240)]
     want = [1, 2, 3, 4] + [rng.randrange(50) for _ in range(36)]
-    held += [want[:MIN + i] + [999] for i in range(16)]  # share MIN .. MIN + 15 tokens with want
+    held += [want[: MIN + i] + [999] for i in range(16)]  # share MIN .. MIN + 15 tokens with want
     index = PrefixIndex(MIN, enumerate(held))
     calls = []
     monkeypatch.setattr(kv_prefix, "common_prefix", lambda a, b: calls.append(1) or common_prefix(a, b))
     assert index.longest(want) == (MIN + 15, 255) and len(calls) == 16
     calls.clear()
-    assert index.longest(want[:MIN - 1]) == (0, -1) and index.longest([7] * 40) == (0, -1) and not calls
+    assert index.longest(want[: MIN - 1]) == (0, -1) and index.longest([7] * 40) == (0, -1) and not calls
     index.remove(255, held[255])
     assert index.longest(want) == (MIN + 14, 254)
 
 
 # ---------------------------------------------------------------- the engine, exact on native blocks
 
-SYSTEM = ("You are a careful assistant for a hardware store. Answer in one short sentence, name the aisle "
-          "when you can, and never invent prices.")
+SYSTEM = (
+    "You are a careful assistant for a hardware store. Answer in one short sentence, name the aisle "
+    "when you can, and never invent prices."
+)
 QUESTIONS = ["Where are the hammers?", "Do you sell paint rollers?", "Where are the hammers?"]
 
 
 def _engine(native, tokenizer, prefix_caching: bool) -> Engine:
-    cfg = {"target": {"model": "smollm2-135m-instruct", "weights": "native"},
-           "draft": {"method": "suffix", "num_speculative_tokens": 3},
-           "engine": {"max_model_len": 512, "max_batch_size": 3, "device": "cpu",
-                      "prefix_caching": prefix_caching}}
+    cfg = {
+        "target": {"model": "smollm2-135m-instruct", "weights": "native"},
+        "draft": {"method": "suffix", "num_speculative_tokens": 3},
+        "engine": {"max_model_len": 512, "max_batch_size": 3, "device": "cpu", "prefix_caching": prefix_caching},
+    }
     return Engine.from_config(cfg, tokenizer=tokenizer, target=native)
 
 
@@ -232,18 +243,26 @@ def test_engine_outputs_equal_without_prefix_caching(smollm2_native_model, smoll
     """Greedy and seeded sampling, one call with a repeated prompt, then a second turn of each
     conversation: the same tokens with and without prefix caching; with it, the shared system
     prompt, the repeated prompt and the earlier turns are not computed again."""
-    params = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, seed=7, max_tokens=8),
-              SamplingParams(temperature=0.0, max_tokens=8)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=8),
+        SamplingParams(temperature=0.0, max_tokens=8),
+    ]
     runs = {}
     for on in (True, False):
         engine = _engine(smollm2_native_model, smollm2_tokenizer, on)
         try:
-            first = [smollm2_tokenizer.apply_chat_template(_chat(SYSTEM, [], q), tokenize=False,
-                                                            add_generation_prompt=True) for q in QUESTIONS]
+            first = [
+                smollm2_tokenizer.apply_chat_template(_chat(SYSTEM, [], q), tokenize=False, add_generation_prompt=True)
+                for q in QUESTIONS
+            ]
             out1 = engine.generate(first, params)
-            second = [smollm2_tokenizer.apply_chat_template(
-                _chat(SYSTEM, [(q, o.text)], "And what else?"), tokenize=False, add_generation_prompt=True)
-                for q, o in zip(QUESTIONS, out1)]
+            second = [
+                smollm2_tokenizer.apply_chat_template(
+                    _chat(SYSTEM, [(q, o.text)], "And what else?"), tokenize=False, add_generation_prompt=True
+                )
+                for q, o in zip(QUESTIONS, out1)
+            ]
             out2 = engine.generate(second, params)
             health = engine.target_core.health()
             runs[on] = ([o.token_ids for o in out1 + out2], health)

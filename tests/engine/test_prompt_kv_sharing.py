@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist.engine.local import Engine
 from specdist.models.kv.slots import SlotKVCache
 from specdist.sampling_params import SamplingParams

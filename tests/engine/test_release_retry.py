@@ -6,12 +6,12 @@ them are still admitted (no RESOURCE_EXHAUSTED requeue loop)."""
 from __future__ import annotations
 
 import pytest
-
 from support.helpers import healthy_replicas, set_scheduler_clock, tiny_config
+
+from specdist.api.metrics import Metrics
 from specdist.engine.calls import RELEASE_RETRY_MAX_S
 from specdist.engine.local import Engine
 from specdist.errors import ErrorCode
-from specdist.api.metrics import Metrics
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import TransportError
 
@@ -58,9 +58,11 @@ def run(eng: Engine, clock, reqs, step_s: float = 0.25) -> int:
         eng.step()
         clock[0] += step_s
     waiting = sum(r.queued for r in reqs)
-    raise AssertionError(f"no progress after {MAX_STEPS} steps: {waiting} requests never admitted, "
-                         f"target core holds {eng.target_core.kv_slots_in_use()} slots "
-                         f"for {sorted(eng.target_core.requests)}")
+    raise AssertionError(
+        f"no progress after {MAX_STEPS} steps: {waiting} requests never admitted, "
+        f"target core holds {eng.target_core.kv_slots_in_use()} slots "
+        f"for {sorted(eng.target_core.requests)}"
+    )
 
 
 def settle(eng: Engine, clock, cond, step_s: float = 1.0) -> None:

@@ -11,15 +11,17 @@ same matrix does give different tokens (so the comparison can fail).
 from __future__ import annotations
 
 import pytest
-
 from support.helpers import remote_engine_like, tiny_config
-from specdist.engine.local import Engine
-from specdist.sampling_params import SamplingParams
 from test_draft_faults import Flaky
 
+from specdist.engine.local import Engine
+from specdist.sampling_params import SamplingParams
+
 PROMPTS = [[1, 2, 3], [4, 5, 6, 1], [2, 2, 7]]
-PARAMS = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11 + 1000 * i, ignore_eos=True)
-          for i in range(len(PROMPTS))]
+PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11 + 1000 * i, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
 
 VARIANTS = [  # (draft method, k, length policy, extra draft keys)
     ("model", 1, "fixed", {}),
@@ -113,6 +115,7 @@ def test_unseeded_requests_draw_64_bit_seeds_from_the_os_unless_the_config_seeds
     """Without ``engine.seed`` every unseeded request's seed comes from the operating system's randomness: two
     engines (a restart, another replica) give the same request different seeds, and the seeds use all 64 bits
     (of 64 draws, P(none >= 2**63) = 2**-64). With ``engine.seed`` set they repeat, still over 64 bits."""
+
     def seeds(**engine) -> list[int]:
         cfg = tiny_config(tiny_models, "none")
         cfg["engine"].update(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from support.helpers import tiny_config
+
 from specdist import Engine, SamplingParams
 
 

@@ -17,8 +17,8 @@ import sys
 import textwrap
 
 import pytest
-
 from support.helpers import tiny_config
+
 from specdist.config import load_config
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
@@ -86,8 +86,11 @@ def test_a_gguf_engine_reads_its_header_once(tmp_path, counted):
     from support.gguf_writer import write_tiny_gguf
 
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
-    cfg = {"target": {"model": path, "weights": "native"}, "draft": {"method": "self-w4", "num_speculative_tokens": 3},
-           "engine": {"max_model_len": 64, "max_batch_size": 2, "device": "cpu"}}
+    cfg = {
+        "target": {"model": path, "weights": "native"},
+        "draft": {"method": "self-w4", "num_speculative_tokens": 3},
+        "engine": {"max_model_len": 64, "max_batch_size": 2, "device": "cpu"},
+    }
     eng = Engine.from_config(cfg)
     assert counted["resolve"] == {path: 1}
     assert counted["architecture"] == {path: 1}
@@ -110,7 +113,9 @@ def test_the_sources_resolve_each_spec_once_and_keep_what_they_read(eagle3_model
     # what a worker receives: the resolved files and the metadata, without the tokenizer
     copy = pickle.loads(pickle.dumps(sources))
     assert copy.resolved and copy.target == sources.target and copy.draft == sources.draft
-    assert copy.vocab_size() == 8 and copy.eos_ids() == sources.eos_ids() and copy.config().to_dict() == config.to_dict()
+    assert (
+        copy.vocab_size() == 8 and copy.eos_ids() == sources.eos_ids() and copy.config().to_dict() == config.to_dict()
+    )
     assert sources.tokenizer() is tokenizer
     assert counted["resolve"] == _specs(cfg.to_dict())
 
@@ -242,8 +247,13 @@ def test_loading_leaves_gguf_and_transformers_as_they_were(tmp_path):
         out["after_engine"] = [a is b for a, b in zip(current(), before)]
         print(json.dumps(out))
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["after_import"] == [True] * 3
@@ -254,9 +264,9 @@ def test_loading_leaves_gguf_and_transformers_as_they_were(tmp_path):
 def test_the_fast_reader_is_gone_once_the_scope_closes(tmp_path):
     """In this process too: after a load, gguf.GGUFReader makes gguf's own readers again."""
     import gguf
+    from support.gguf_writer import write_tiny_gguf
 
     from specdist.models.loader import gguf_parsed_once
-    from support.gguf_writer import write_tiny_gguf
 
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
     with gguf_parsed_once():

@@ -17,8 +17,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 from support.helpers import tiny_config
+
 from cluster.deployment import ClusterSpec, Deployment, _Handle
 from specdist.api import serving
 from specdist.config import EngineConfig, load_config
@@ -89,12 +89,15 @@ class AsRay:
 def test_a_new_engine_key_reaches_the_engines_factory(tiny_models, read_by_the_factory):
     cfg = with_new_key(load_config(tiny_config(tiny_models, method="model")), "in process")
     Engine.from_config(cfg)
-    assert read_by_the_factory == [("build_target_core", "EngineWithANewKey", "in process"),
-                                   ("build_draft_core", "EngineWithANewKey", "in process")]
+    assert read_by_the_factory == [
+        ("build_target_core", "EngineWithANewKey", "in process"),
+        ("build_draft_core", "EngineWithANewKey", "in process"),
+    ]
 
 
-def test_a_new_engine_key_reaches_the_workers_factory_through_the_deployment(tiny_models, read_by_the_factory,
-                                                                             draft_checks):
+def test_a_new_engine_key_reaches_the_workers_factory_through_the_deployment(
+    tiny_models, read_by_the_factory, draft_checks
+):
     """The deployment's loads and its RemoteEngine, as ``specdist serve`` drives them: the serving check resolves
     the draft section (the one check) and the deployment keeps it (Deployment.start), sends it and the engine
     section whole to the workers, and hands it to the RemoteEngine over them."""
@@ -105,8 +108,10 @@ def test_a_new_engine_key_reaches_the_workers_factory_through_the_deployment(tin
     try:
         dep._load_call(_Handle("target rank 0", AsRay(target), "target"))  # noqa: SLF001 - the deployment's load
         dep._load_call(_Handle("draft 0", AsRay(draft), "draft"))  # noqa: SLF001
-        assert read_by_the_factory == [("build_target_core", "EngineWithANewKey", "on the workers"),
-                                       ("build_draft_core", "EngineWithANewKey", "on the workers")]
+        assert read_by_the_factory == [
+            ("build_target_core", "EngineWithANewKey", "on the workers"),
+            ("build_draft_core", "EngineWithANewKey", "on the workers"),
+        ]
         # and the rest of the section with it (engine.max_batch_size, engine.max_model_len)
         assert (target.max_batch_size, target.worker.max_model_len, draft.worker.max_model_len) == (3, 64, 64)
         target.warmup()
@@ -129,8 +134,9 @@ def test_serve_checks_the_draft_section_once(tiny_models, draft_checks, monkeypa
         served.append(backend.engine)
 
     monkeypatch.setattr(serving, "_serve_until_signalled", serve)
-    args = argparse.Namespace(config=tiny_config(tiny_models, method="model"), host="127.0.0.1", port=0,
-                              max_queued=4, drain_seconds=0.0)
+    args = argparse.Namespace(
+        config=tiny_config(tiny_models, method="model"), host="127.0.0.1", port=0, max_queued=4, drain_seconds=0.0
+    )
     assert serving.run_serve(args) == 0
     assert isinstance(served[0], Engine) and served[0].draft_core.method == "model"
     assert draft_checks == ["model"]

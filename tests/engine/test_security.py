@@ -28,13 +28,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from support.helpers import LoopThread, tiny_config
+
 from specdist import Engine, SamplingParams
+from specdist.api.serving import Backend, start_serving
 from specdist.cli import main
 from specdist.client import RemoteError, SpecDistClient
 from specdist.transport.security import ServerSecurity, bearer_ok
-from specdist.api.serving import Backend, start_serving
 
 TOKEN = "s3cret-token-0123456789"
 WRONG = "not-the-token-xyz"
@@ -47,16 +47,25 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key, issuer_name: x509.Name, issuer_key, ca: bool = False, server: bool = False,
-          client: bool = False) -> x509.Certificate:
+def _cert(
+    subject: str, key, issuer_name: x509.Name, issuer_key, ca: bool = False, server: bool = False, client: bool = False
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if server:
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     if server or client:
         usage = [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
         b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
@@ -67,8 +76,11 @@ def _write(path, cert: x509.Certificate | None = None, key=None) -> str:
     if cert is not None:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     else:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return str(path)
 
 
@@ -92,8 +104,13 @@ def pki(tmp_path_factory) -> SimpleNamespace:
     (d / "wrong_token").write_text(WRONG)
     (d / "empty").write_text(" \n")
     (d / "garbage.pem").write_text("not a certificate\n")
-    paths.update(token=str(d / "token"), wrong_token=str(d / "wrong_token"), empty=str(d / "empty"),
-                 missing=str(d / "missing.pem"), garbage=str(d / "garbage.pem"))
+    paths.update(
+        token=str(d / "token"),
+        wrong_token=str(d / "wrong_token"),
+        empty=str(d / "empty"),
+        missing=str(d / "missing.pem"),
+        garbage=str(d / "garbage.pem"),
+    )
     paths = SimpleNamespace(**paths)
     paths.read = lambda p: open(p, "rb").read()
     return paths
@@ -109,8 +126,9 @@ def loop_thread():
 
 def _serve(loop_thread, tiny_models, security: ServerSecurity, **kwargs):
     engine = Engine.from_config(tiny_config(tiny_models, "model", 3))
-    return loop_thread.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
-                                         security=security, **kwargs))
+    return loop_thread.run(
+        start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1, security=security, **kwargs)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +156,14 @@ def reference(tiny_models) -> list[int]:
 
 
 def _client(serving, pki, token=None, ca="ca", cert=None, timeout=10) -> SpecDistClient:
-    kw = {} if cert is None else dict(certificate_chain=pki.read(getattr(pki, cert)),
-                                      private_key=pki.read(getattr(pki, cert + "_key")))
-    return SpecDistClient(serving.address, timeout=timeout, root_certificates=pki.read(getattr(pki, ca)),
-                          token=token, **kw)
+    kw = (
+        {}
+        if cert is None
+        else dict(certificate_chain=pki.read(getattr(pki, cert)), private_key=pki.read(getattr(pki, cert + "_key")))
+    )
+    return SpecDistClient(
+        serving.address, timeout=timeout, root_certificates=pki.read(getattr(pki, ca)), token=token, **kw
+    )
 
 
 # ---------------------------------------------------------------- gRPC: tokens
@@ -155,8 +177,11 @@ def test_bearer_ok() -> None:
 def test_grpc_without_or_with_a_wrong_token_is_unauthenticated(secured, pki) -> None:
     for token in (None, WRONG):
         with _client(secured, pki, token=token) as client:
-            for call in (lambda: client.generate_text(PROMPT, **GREEDY), client.server_info,
-                         lambda: client.cancel("some-id")):
+            for call in (
+                lambda: client.generate_text(PROMPT, **GREEDY),
+                client.server_info,
+                lambda: client.cancel("some-id"),
+            ):
                 with pytest.raises(RemoteError) as e:
                     call()
                 assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -171,8 +196,9 @@ def test_grpc_reflection_needs_the_token(secured, pki) -> None:
     with _client(secured, pki) as client:
         stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                           timeout=10))
+            list(
+                stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            )
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -227,16 +253,21 @@ def test_http_api_needs_the_token(secured, https) -> None:
     with pytest.raises(openai.AuthenticationError) as e:
         bad.completions.create(model=model, prompt=PROMPT, max_tokens=4)
     assert e.value.status_code == 401
-    assert e.value.body == {"message": "invalid bearer token", "type": "authentication_error", "param": None,
-                            "code": "invalid_api_key"}
+    assert e.value.body == {
+        "message": "invalid bearer token",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
     for path in ("/v1/models", "/metrics"):
         r = https.get(base + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
     assert https.get(base + "/health").status_code == 200  # probes stay open
 
     good = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, http_client=https)
-    out = good.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    out = good.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
     assert https.get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
 
@@ -272,17 +303,20 @@ def _one_line_error(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--tls-cert", "{missing}", "--tls-key", "{server_key}"], "--tls-cert"),
-    (["--tls-cert", "{server}", "--tls-key", "{missing}"], "--tls-key"),
-    (["--tls-cert", "{server}"], "--tls-cert needs --tls-key"),
-    (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert"),
-    (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{missing}"], "--tls-client-ca"),
-    (["--auth-token-file", "{empty}"], "--auth-token-file"),
-    (["--tls-cert", "{garbage}", "--tls-key", "{server_key}"], "--tls-cert"),
-    (["--tls-cert", "{server}", "--tls-key", "{client_key}"], "not the private key of --tls-cert"),
-    (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{garbage}"], "--tls-client-ca"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tls-cert", "{missing}", "--tls-key", "{server_key}"], "--tls-cert"),
+        (["--tls-cert", "{server}", "--tls-key", "{missing}"], "--tls-key"),
+        (["--tls-cert", "{server}"], "--tls-cert needs --tls-key"),
+        (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert"),
+        (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{missing}"], "--tls-client-ca"),
+        (["--auth-token-file", "{empty}"], "--auth-token-file"),
+        (["--tls-cert", "{garbage}", "--tls-key", "{server_key}"], "--tls-cert"),
+        (["--tls-cert", "{server}", "--tls-key", "{client_key}"], "not the private key of --tls-cert"),
+        (["--tls-cert", "{server}", "--tls-key", "{server_key}", "--tls-client-ca", "{garbage}"], "--tls-client-ca"),
+    ],
+)
 def test_serve_refuses_unusable_files_in_one_line(pki, capsys, monkeypatch, flags, named) -> None:
     import specdist.api.serving as serve_cli
 
@@ -296,9 +330,11 @@ def test_serve_refuses_unusable_files_in_one_line(pki, capsys, monkeypatch, flag
 
 def test_generate_server_flags(secured, pki, capsys, reference) -> None:
     base = ["generate", "--server", secured.address, "--raw", "--max-tokens", "4", "--temperature", "0", "a b"]
-    for extra, code in ((["--tls-ca", pki.ca], "UNAUTHENTICATED"),
-                        (["--tls-ca", pki.ca, "--auth-token-file", pki.wrong_token], "UNAUTHENTICATED"),
-                        (["--tls-ca", pki.other_ca, "--auth-token-file", pki.token], "UNAVAILABLE")):
+    for extra, code in (
+        (["--tls-ca", pki.ca], "UNAUTHENTICATED"),
+        (["--tls-ca", pki.ca, "--auth-token-file", pki.wrong_token], "UNAUTHENTICATED"),
+        (["--tls-ca", pki.other_ca, "--auth-token-file", pki.token], "UNAVAILABLE"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(base + extra)
         assert e.value.code == 2
@@ -314,9 +350,24 @@ def test_generate_server_flags(secured, pki, capsys, reference) -> None:
 
 def test_generate_server_handshake_failure_is_one_line_on_stderr(secured, pki) -> None:
     """In a fresh process: gRPC's C core must not add its own log line about the failed handshake."""
-    proc = subprocess.run([sys.executable, "-m", "specdist.cli", "generate", "--server", secured.address,
-                           "--tls-ca", pki.other_ca, "--auth-token-file", pki.token, "a"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdist.cli",
+            "generate",
+            "--server",
+            secured.address,
+            "--tls-ca",
+            pki.other_ca,
+            "--auth-token-file",
+            pki.token,
+            "a",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("specdist: error: UNAVAILABLE:"), proc.stderr

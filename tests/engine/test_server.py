@@ -19,12 +19,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support.helpers import LoopThread, collect, tiny_config, wait_until
 
-from support.helpers import wait_until, LoopThread, tiny_config
-from support.helpers import collect
 from specdist import Engine, SamplingParams
-from specdist.client import RemoteError, SpecDistClient
 from specdist.api.grpc_server import serve
+from specdist.client import RemoteError, SpecDistClient
 from specdist.v1 import common_pb2, specdist_pb2, specdist_pb2_grpc
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} g{% endfor %}"
@@ -212,8 +211,14 @@ def test_sixteen_concurrent_streams(srv, ref):
             kw = dict(max_tokens=n, temperature=0)
             jobs.append((prompt, kw, ref(prompt, **kw)))
         else:
-            kw = dict(max_tokens=n, temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([0.8, 1.0]),
-                      top_k=rng.choice([0, 3]), seed=i, ignore_eos=True)
+            kw = dict(
+                max_tokens=n,
+                temperature=rng.choice([0.7, 1.0, 1.3]),
+                top_p=rng.choice([0.8, 1.0]),
+                top_k=rng.choice([0, 3]),
+                seed=i,
+                ignore_eos=True,
+            )
             jobs.append((prompt, kw, None))
     results: list = [None] * len(jobs)
     barrier = threading.Barrier(len(jobs))
@@ -289,8 +294,9 @@ def test_cancel_and_disconnect_free_everything(srv, ref):
     # 60 tokens (>= 13 steps, so >= 13 chunks: more than its client reads first) the engine
     # stops advancing until the abort has run. Disconnects land wherever they land.
     cancel_ids = [f"cancel-{i}" for i in range(0, 24, 2)]
-    srv.gate.hold_when = lambda eng: any(client_id(r.request_id) in cancel_ids and len(r.output.token_ids) >= 50
-                                         for r in eng.running)
+    srv.gate.hold_when = lambda eng: any(
+        client_id(r.request_id) in cancel_ids and len(r.output.token_ids) >= 50 for r in eng.running
+    )
     rng = random.Random(1)
     outcomes: list = [None] * 24
 
@@ -353,8 +359,11 @@ def test_request_ids_belong_to_their_caller(srv):
         gen = srv.client.generate([1, 2], max_tokens=40, temperature=0, ignore_eos=True, request_id="dup")
         next(gen)
         theirs: list = []
-        t = threading.Thread(target=lambda: theirs.extend(
-            _outcome(lambda: list(other.generate([3, 1], max_tokens=2, temperature=0, request_id="dup")))))
+        t = threading.Thread(
+            target=lambda: theirs.extend(
+                _outcome(lambda: list(other.generate([3, 1], max_tokens=2, temperature=0, request_id="dup")))
+            )
+        )
         t.start()
         wait_until("the other client's request admitted (or refused)", lambda: live() == 2 or theirs, 10)
         srv.gate.hold_when = None

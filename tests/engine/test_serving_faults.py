@@ -42,6 +42,10 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, remote_engine_like, serving_in_process, tiny_config
+from test_coordinator import FakeEngine, coordinator, params, run_async
+from test_engine_thread_death import DyingStep
+from test_security import pki  # noqa: F401 (the certificates fixture)
+
 from specdist.api.coordinator import TargetDown
 from specdist.api.serving import Backend, start_serving, watch_deployment
 from specdist.client import RemoteError, SpecDistClient
@@ -51,9 +55,6 @@ from specdist.errors import ErrorCode
 from specdist.transport import security
 from specdist.transport.grpc_host import LIVENESS
 from specdist.transport.security import ServerSecurity, ServerTLS, start_metrics_server
-from test_coordinator import FakeEngine, coordinator, params, run_async
-from test_engine_thread_death import DyingStep
-from test_security import pki  # noqa: F401 (the certificates fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is faster on a shared box
 
@@ -148,8 +149,13 @@ async def test_a_bad_prompt_is_refused_naming_its_field_before_the_engine_sees_i
 
     engine = FakeEngine()
     async with coordinator(engine) as coord:
-        for prompt, chat, field in (([], False, "prompt"), ("", False, "prompt"), ([1], True, "apply_chat_template"),
-                                    ([10**6], False, "prompt"), ([1] * 64, False, "prompt")):
+        for prompt, chat, field in (
+            ([], False, "prompt"),
+            ("", False, "prompt"),
+            ([1], True, "apply_chat_template"),
+            ([10**6], False, "prompt"),
+            ([1] * 64, False, "prompt"),
+        ):
             with pytest.raises(InvalidArgument) as e:
                 await coord.open(prompt, params(2), chat=chat)
             assert e.value.field == field, (prompt, chat, e.value)
@@ -198,8 +204,7 @@ def remote_serving(tiny_models):
     remote, served = remote_engine_like(engine)
     lt = LoopThread()
     try:
-        serving = lt.run(start_serving(backend=Backend(remote), host="127.0.0.1", port=0, http_port=0,
-                                       drain_seconds=1))
+        serving = lt.run(start_serving(backend=Backend(remote), host="127.0.0.1", port=0, http_port=0, drain_seconds=1))
         try:
             yield engine, remote, served, serving
         finally:
@@ -249,8 +254,10 @@ def test_a_target_failure_ends_streams_with_a_clean_status(tiny_models, caplog, 
 
         def http_stream() -> None:
             body = {"prompt": [3], "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
-            with httpx.Client(trust_env=False, timeout=WAIT_S) as http, \
-                    http.stream("POST", f"http://{serving.http.address}/v1/completions", json=body) as r:
+            with (
+                httpx.Client(trust_env=False, timeout=WAIT_S) as http,
+                http.stream("POST", f"http://{serving.http.address}/v1/completions", json=body) as r,
+            ):
                 out["http"] = (r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")])
 
         threads = [threading.Thread(target=f, daemon=True) for f in (grpc_stream, http_stream)]
@@ -292,13 +299,16 @@ def ngram_engine(tiny_models):
     eng.close()
 
 
-@pytest.mark.parametrize("code, item, diagnosis, want", [
-    ("UNAVAILABLE", None, None, ErrorCode.UNAVAILABLE),  # rank 0 unreachable (its process died)
-    ("DEADLINE_EXCEEDED", None, None, ErrorCode.UNAVAILABLE),  # rank 0 hung past the call's deadline
-    ("INTERNAL", None, DEAD_RANK_1, ErrorCode.UNAVAILABLE),  # rank 0's collective failed: a follower died
-    ("INTERNAL", None, None, ErrorCode.INTERNAL),  # rank 0 failed, every rank healthy: a bug
-    ("FAILED_PRECONDITION", 0, DEAD_RANK_1, ErrorCode.INTERNAL),  # one item refused: not the target's failure
-])
+@pytest.mark.parametrize(
+    "code, item, diagnosis, want",
+    [
+        ("UNAVAILABLE", None, None, ErrorCode.UNAVAILABLE),  # rank 0 unreachable (its process died)
+        ("DEADLINE_EXCEEDED", None, None, ErrorCode.UNAVAILABLE),  # rank 0 hung past the call's deadline
+        ("INTERNAL", None, DEAD_RANK_1, ErrorCode.UNAVAILABLE),  # rank 0's collective failed: a follower died
+        ("INTERNAL", None, None, ErrorCode.INTERNAL),  # rank 0 failed, every rank healthy: a bug
+        ("FAILED_PRECONDITION", 0, DEAD_RANK_1, ErrorCode.INTERNAL),  # one item refused: not the target's failure
+    ],
+)
 def test_the_code_a_failed_target_call_gives_its_requests(ngram_engine, code, item, diagnosis, want):
     """``Request.error_code`` (what the coordinator answers with): UNAVAILABLE, which a client may
     retry, when the target group failed as a whole; INTERNAL otherwise."""
@@ -379,9 +389,12 @@ def test_liveness_turns_not_serving_when_the_target_is_lost(tiny_models):
         client = SpecDistClient(serving.address, timeout=WAIT_S)
 
         def event(kind: str, message: str) -> None:  # as the supervisor emits them, from its own thread
-            t = threading.Thread(target=lambda: [f(SimpleNamespace(kind=kind, worker="target", message=message,
-                                                                     address=None, index=None))
-                                                 for f in deployment.listeners])
+            t = threading.Thread(
+                target=lambda: [
+                    f(SimpleNamespace(kind=kind, worker="target", message=message, address=None, index=None))
+                    for f in deployment.listeners
+                ]
+            )
             t.start()
             t.join(WAIT_S)
 

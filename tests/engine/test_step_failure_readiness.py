@@ -18,6 +18,7 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config, wait_until
+
 from specdist import Engine
 from specdist.api.serving import Backend, start_serving
 from specdist.client import RemoteError, SpecDistClient

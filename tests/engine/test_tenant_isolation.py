@@ -25,6 +25,7 @@ except ImportError:
     import httpx
 
 from support.helpers import LoopThread, tiny_config, wait_until
+
 from specdist import Engine
 from specdist.api.grpc_server import serve
 from specdist.api.serving import Backend, start_serving
@@ -160,9 +161,18 @@ def front_doors(tiny_models):
     lt = LoopThread()
     engine = Engine.from_config(dict(tiny_config(tiny_models, "model", 3), limits={"max_queued_per_tenant": QUOTA}))
     hold = Hold(engine)
-    serving = lt.run(start_serving(backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1,
-                                   max_queued=MAX_QUEUED, http_port=0, metrics_port=0,
-                                   security=ServerSecurity(token=(TOKEN_A, TOKEN_B), admin_token=ADMIN)))
+    serving = lt.run(
+        start_serving(
+            backend=Backend(engine),
+            host="127.0.0.1",
+            port=0,
+            drain_seconds=1,
+            max_queued=MAX_QUEUED,
+            http_port=0,
+            metrics_port=0,
+            security=ServerSecurity(token=(TOKEN_A, TOKEN_B), admin_token=ADMIN),
+        )
+    )
     channel = grpc.insecure_channel(serving.address)
     try:
         yield Served(lt, serving, serving.server.coordinator, hold, channel)
@@ -190,10 +200,15 @@ def test_a_tenant_at_its_quota_is_refused_while_another_is_admitted(front_doors)
     auth = {k: {"authorization": f"Bearer {t}"} for k, t in (("a", TOKEN_A), ("b", TOKEN_B))}
 
     def call(token: str, n: int, timeout: float | None = None):
-        request = specdist_pb2.GenerateRequest(token_ids=specdist_pb2.TokenIds(ids=[1, 2]), params=common_pb2.
-                                               SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return stub.Generate(request, metadata=(("authorization", f"Bearer {token}"),),  # started: not read yet
-                             timeout=timeout)
+        request = specdist_pb2.GenerateRequest(
+            token_ids=specdist_pb2.TokenIds(ids=[1, 2]),
+            params=common_pb2.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+        )
+        return stub.Generate(
+            request,
+            metadata=(("authorization", f"Bearer {token}"),),  # started: not read yet
+            timeout=timeout,
+        )
 
     s.hold.when = lambda eng: True  # nothing advances: every request stays live
     outcomes: dict = {}
@@ -204,13 +219,27 @@ def test_a_tenant_at_its_quota_is_refused_while_another_is_admitted(front_doors)
         with pytest.raises(grpc.RpcError) as e:  # (admitted, it would wait for the hold: DEADLINE_EXCEEDED)
             list(call(TOKEN_A, 3, timeout=10))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_per_tenant" in e.value.details()
-        r = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
-                      headers=auth["a"], timeout=10)
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+            headers=auth["a"],
+            timeout=10,
+        )
         assert r.status_code == 429 and "max_queued_per_tenant" in r.json()["error"]["message"], r.text
         # tenant B is admitted, on gRPC and HTTP, though A holds its quota
-        threads = [threading.Thread(target=lambda: outcomes.__setitem__("grpc", list(call(TOKEN_B, 3))[-1])),
-                   threading.Thread(target=lambda: outcomes.__setitem__("http", http.post(
-                       "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True}, headers=auth["b"])))]
+        threads = [
+            threading.Thread(target=lambda: outcomes.__setitem__("grpc", list(call(TOKEN_B, 3))[-1])),
+            threading.Thread(
+                target=lambda: outcomes.__setitem__(
+                    "http",
+                    http.post(
+                        "/v1/completions",
+                        json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+                        headers=auth["b"],
+                    ),
+                )
+            ),
+        ]
         for t in threads:
             t.start()
         wait_until("tenant B's requests live beside A's", lambda: s.live() == QUOTA + 2, 10)

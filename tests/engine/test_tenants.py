@@ -15,8 +15,8 @@ negative control, and the behaviour before tenants) A's continuation.
 from __future__ import annotations
 
 import pytest
-
 from support.helpers import LoopThread, save_tiny_llama
+
 from specdist import Engine, SamplingParams
 from specdist.client import SpecDistClient
 from specdist.transport.security import ServerSecurity, tenant_of
@@ -33,9 +33,12 @@ def models(tmp_path_factory):
 
 
 def _config(path: str, **over) -> dict:
-    cfg = {"target": {"model": path},
-           "draft": {"method": "suffix", "num_speculative_tokens": 6, "length_policy": "fixed"},
-           "engine": {"max_model_len": 96, "max_batch_size": 4, "device": "cpu"}, "limits": {}}
+    cfg = {
+        "target": {"model": path},
+        "draft": {"method": "suffix", "num_speculative_tokens": 6, "length_policy": "fixed"},
+        "engine": {"max_model_len": 96, "max_batch_size": 4, "device": "cpu"},
+        "limits": {},
+    }
     for section, values in over.items():
         cfg[section].update(values)
     return cfg
@@ -94,8 +97,9 @@ def test_tokens_are_tenants_on_the_grpc_server_and_the_counts_can_be_kept_out(mo
     lt = LoopThread()
     try:
         for stats in (True, False):
-            eng = Engine.from_config(_config(models, limits={"speculative_stats": stats}) if stats is False else
-                                     _config(models))
+            eng = Engine.from_config(
+                _config(models, limits={"speculative_stats": stats}) if stats is False else _config(models)
+            )
             server, _ = lt.run(serve(eng, "127.0.0.1", 0, security=ServerSecurity(token=("tok-a", "tok-b"))))
             address = f"127.0.0.1:{server.port}"
             a, b = SpecDistClient(address, token="tok-a"), SpecDistClient(address, token="tok-b")

@@ -49,8 +49,10 @@ def image(tmp_path_factory) -> str:
     """The image's tag: built here by helm/image/build.sh (once per run) unless SPECDIST_TEST_IMAGE names one."""
     missing = _missing_tools()
     if os.geteuid() != 0 or missing:
-        pytest.fail(f"the image tier needs root and {', '.join(missing) or 'nothing more'} (apt-get install -y "
-                    "buildah mmdebstrap iproute2 util-linux)")
+        pytest.fail(
+            f"the image tier needs root and {', '.join(missing) or 'nothing more'} (apt-get install -y "
+            "buildah mmdebstrap iproute2 util-linux)"
+        )
     given = os.environ.get("SPECDIST_TEST_IMAGE")
     if given:
         subprocess.run([*BUILDAH, "inspect", "--type", "image", given], check=True, capture_output=True)
@@ -81,8 +83,9 @@ class Netns:
         _sh("ip", "netns", "add", self.name)
         _sh("ip", "-n", self.name, "link", "set", "lo", "up")
 
-    def veth(self, address: str, host_address: str | None = None, bridge: str | None = None,
-             gateway: str | None = None) -> None:
+    def veth(
+        self, address: str, host_address: str | None = None, bridge: str | None = None, gateway: str | None = None
+    ) -> None:
         """A veth pair, ``address`` (CIDR) inside; the host end takes ``host_address`` (CIDR) or joins ``bridge``.
         ``gateway``: a default route through the host's address (Ray finds its node address by the route out)."""
         host_end, inner = f"h{self.name[6:]}", f"c{self.name[6:]}"
@@ -107,11 +110,19 @@ class Container:
     volume); ``hosts``: an /etc/hosts for it (names the chart's Services resolve to here); ``hostname``: its host
     name (a pod's is the pod's name; buildah's default is the container's id)."""
 
-    def __init__(self, image: str, netns: Netns, volumes: tuple[str, ...] = (), env: dict | None = None,
-                 hosts: str | None = None, hostname: str | None = None):
+    def __init__(
+        self,
+        image: str,
+        netns: Netns,
+        volumes: tuple[str, ...] = (),
+        env: dict | None = None,
+        hosts: str | None = None,
+        hostname: str | None = None,
+    ):
         self.netns = netns
-        self.id = _sh(*BUILDAH, "from", "--pull-never", "--name", f"sdimg-{uuid.uuid4().hex[:8]}", image,
-                      timeout=600).strip()
+        self.id = _sh(
+            *BUILDAH, "from", "--pull-never", "--name", f"sdimg-{uuid.uuid4().hex[:8]}", image, timeout=600
+        ).strip()
         self.volumes = list(volumes) + ([f"{hosts}:/etc/hosts:ro"] if hosts else [])
         self.env = env or {}
         self.hostname = hostname
@@ -128,8 +139,23 @@ class Container:
             run += ["--user", user]
         if self.hostname is not None:
             run += ["--hostname", self.hostname]
-        return ["ip", "netns", "exec", self.netns.name, "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
-                "--mount-proc", *run, self.id, "--", "bash", "-c", command]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.netns.name,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child=SIGKILL",
+            "--mount-proc",
+            *run,
+            self.id,
+            "--",
+            "bash",
+            "-c",
+            command,
+        ]
 
     def run(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         out = subprocess.run(self.argv(command), capture_output=True, text=True, timeout=timeout)
@@ -214,9 +240,11 @@ def containers():
             ids = set(_sh(*BUILDAH, "containers", "--all", "--quiet", "--notruncate").split())
             netns = {line.split()[0] for line in _sh("ip", "netns", "list").splitlines() if line.strip()}
             links = _sh("ip", "-o", "link", "show")
-            return ([f"container {c.id}" for c in self.all if c.id in ids]
-                    + [f"netns {n.name}" for n in self.namespaces if n.name in netns]
-                    + [f"bridge {b}" for b in self.bridges if f" {b}:" in links])
+            return (
+                [f"container {c.id}" for c in self.all if c.id in ids]
+                + [f"netns {n.name}" for n in self.namespaces if n.name in netns]
+                + [f"bridge {b}" for b in self.bridges if f" {b}:" in links]
+            )
 
     made = Made()
     yield made
@@ -230,8 +258,9 @@ def _wait_serving(address: str, service: str = "", timeout: float = 900) -> None
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service),
-                                                           timeout=timeout, wait_for_ready=True)
+        stream = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+        )
         for status in stream:
             if status.status == health_pb2.HealthCheckResponse.SERVING:
                 stream.cancel()

@@ -71,6 +71,7 @@ def one(docs: list[dict], kind: str) -> dict:
 
 # ---------------------------------------------------------------- what the KubeRay operator makes of the spec
 
+
 def quantity(q: str) -> int:
     """A Kubernetes resource quantity's ``Value()``: the number, rounded up to an integer."""
     units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -131,42 +132,105 @@ def pod(cluster: dict, group: dict | None, token: str, pod_name: str) -> tuple[d
     else:
         generated = f"ulimit -n ${{RAY_START_ULIMIT_OPEN_FILES:-65536}}; {start}"
         argv = ["/bin/bash", "-c", "--", f"{given} && {generated}" if given else generated]
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if spec.get("authOptions", {}).get("mode") == \
-        "token" else {}
+    auth = (
+        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        if spec.get("authOptions", {}).get("mode") == "token"
+        else {}
+    )
     own = {e["name"]: e["value"] for e in c.get("env", [])}
-    env = own | {
-        "RAY_CLUSTER_NAME": name, "RAY_CLUSTER_NAMESPACE": NAMESPACE, "RAY_CLOUD_INSTANCE_ID": pod_name,
-        "RAY_NODE_TYPE_NAME": HEAD_GROUP if group is None else group["groupName"],
-        "KUBERAY_GEN_RAY_START_CMD": start, "RAY_PORT": str(GCS_PORT),
-        "RAY_ADDRESS": f"{'127.0.0.1' if group is None else fqdn}:{GCS_PORT}", "RAY_USAGE_STATS_KUBERAY_IN_USE": "1",
-        "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
-    } | ({"FQ_RAY_IP": fqdn, "RAY_IP": fqdn.split(".")[0]} if group is not None else {}) | auth
-    init = "" if group is None else (
-        "SECONDS=0\nwhile true; do\n"
-        f"  if (( SECONDS <= 120 )); then\n    if ray health-check --address {fqdn}:{GCS_PORT} > /dev/null 2>&1; then\n"
-        "      echo \"GCS is ready.\"\n      break\n    fi\n"
-        "    echo \"$SECONDS seconds elapsed: Waiting for GCS to be ready.\"\n"
-        f"  else\n    if ray health-check --address {fqdn}:{GCS_PORT}; then\n"
-        "      echo \"GCS is ready. Any error messages above can be safely ignored.\"\n      break\n    fi\n"
-        "    echo \"$SECONDS seconds elapsed: Still waiting for GCS to be ready.\"\n  fi\n  sleep 5\ndone")
+    env = (
+        own
+        | {
+            "RAY_CLUSTER_NAME": name,
+            "RAY_CLUSTER_NAMESPACE": NAMESPACE,
+            "RAY_CLOUD_INSTANCE_ID": pod_name,
+            "RAY_NODE_TYPE_NAME": HEAD_GROUP if group is None else group["groupName"],
+            "KUBERAY_GEN_RAY_START_CMD": start,
+            "RAY_PORT": str(GCS_PORT),
+            "RAY_ADDRESS": f"{'127.0.0.1' if group is None else fqdn}:{GCS_PORT}",
+            "RAY_USAGE_STATS_KUBERAY_IN_USE": "1",
+            "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
+        }
+        | ({"FQ_RAY_IP": fqdn, "RAY_IP": fqdn.split(".")[0]} if group is not None else {})
+        | auth
+    )
+    init = (
+        ""
+        if group is None
+        else (
+            "SECONDS=0\nwhile true; do\n"
+            "  if (( SECONDS <= 120 )); then\n"
+            f"    if ray health-check --address {fqdn}:{GCS_PORT} > /dev/null 2>&1; then\n"
+            '      echo "GCS is ready."\n      break\n    fi\n'
+            '    echo "$SECONDS seconds elapsed: Waiting for GCS to be ready."\n'
+            f"  else\n    if ray health-check --address {fqdn}:{GCS_PORT}; then\n"
+            '      echo "GCS is ready. Any error messages above can be safely ignored."\n      break\n    fi\n'
+            '    echo "$SECONDS seconds elapsed: Still waiting for GCS to be ready."\n  fi\n  sleep 5\ndone'
+        )
+    )
     return c, argv, env, init
 
 
 def submitter_command(job: dict, job_id: str, dashboard: str) -> list[str]:
     """The K8sJobMode submitter's command line (BuildJobSubmitCommand, configureSubmitterContainer): wait for the
     dashboard, submit the entrypoint unless this id was submitted, follow its log."""
-    health = ("python -c \"import urllib.request; r=urllib.request.urlopen('%s', timeout=%d); "
-              "exit(0 if b'success' in r.read() else 1)\"") % (f"{dashboard}/api/gcs_healthz", 10)
-    cmd = ["until", health, ">/dev/null", "2>&1", ";", "do", "echo", json.dumps(
-        f"Waiting for Ray Dashboard GCS to become healthy at {dashboard} ..."), ";", "sleep", "2", ";", "done", ";",
-        "if", "!", "ray", "job", "status", "--address", dashboard, job_id, ">/dev/null", "2>&1", ";", "then",
-        "ray", "job", "submit", "--address", dashboard, "--no-wait", "--submission-id", job_id,
-        "--", job["spec"]["entrypoint"].strip(), ";", "fi", ";",
-        "ray", "job", "logs", "--address", dashboard, "--follow", job_id]
+    health = (
+        "python -c \"import urllib.request; r=urllib.request.urlopen('%s', timeout=%d); "
+        "exit(0 if b'success' in r.read() else 1)\""
+    ) % (f"{dashboard}/api/gcs_healthz", 10)
+    cmd = [
+        "until",
+        health,
+        ">/dev/null",
+        "2>&1",
+        ";",
+        "do",
+        "echo",
+        json.dumps(f"Waiting for Ray Dashboard GCS to become healthy at {dashboard} ..."),
+        ";",
+        "sleep",
+        "2",
+        ";",
+        "done",
+        ";",
+        "if",
+        "!",
+        "ray",
+        "job",
+        "status",
+        "--address",
+        dashboard,
+        job_id,
+        ">/dev/null",
+        "2>&1",
+        ";",
+        "then",
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        dashboard,
+        "--no-wait",
+        "--submission-id",
+        job_id,
+        "--",
+        job["spec"]["entrypoint"].strip(),
+        ";",
+        "fi",
+        ";",
+        "ray",
+        "job",
+        "logs",
+        "--address",
+        dashboard,
+        "--follow",
+        job_id,
+    ]
     return ["/bin/bash", "-ce", "--", " ".join(cmd)]
 
 
 # ---------------------------------------------------------------- the pods on this machine
+
 
 def volumes(pod_spec: dict, container: dict, where: Path, files: dict[str, dict]) -> tuple[str, ...]:
     """The container's volumeMounts as bind mounts: a ConfigMap's files written out, an emptyDir a fresh directory
@@ -201,8 +265,9 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> str:
     return seen.decode(errors="replace")
 
 
-def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(image, containers, tmp_path,
-                                                                          wait_serving, leftovers):
+def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(
+    image, containers, tmp_path, wait_serving, leftovers
+):
     docs = render(VALUES)
     cluster, job = one(docs, "RayCluster"), one(docs, "RayJob")
     service = one([d for d in docs if d["kind"] == "Service"], "Service")  # the chart's; KubeRay makes the head's
@@ -214,8 +279,11 @@ def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(imag
     token = secrets.token_hex(16)  # the Secret KubeRay generates for authOptions.mode token
 
     head_pod, worker_pod = cluster["spec"]["headGroupSpec"]["template"]["spec"], target["template"]["spec"]
-    pods = {"head": (f"{name}-head-x1", HEAD), "worker": (f"{name}-target-worker-x1", WORKER),
-            "submitter": (f"{job['metadata']['name']}-x1", SUBMITTER)}  # each pod's name and address
+    pods = {
+        "head": (f"{name}-head-x1", HEAD),
+        "worker": (f"{name}-target-worker-x1", WORKER),
+        "submitter": (f"{job['metadata']['name']}-x1", SUBMITTER),
+    }  # each pod's name and address
     head_c, head_argv, head_env, _ = pod(cluster, None, token, pods["head"][0])
     worker_c, worker_argv, worker_env, gcs_wait = pod(cluster, target, token, pods["worker"][0])
     assert head_argv[:3] == ["/bin/bash", "-c", "--"] and '"$KUBERAY_GEN_RAY_START_CMD" &' in head_argv[3]
@@ -231,10 +299,18 @@ def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(imag
         ns = containers.netns()
         ns.veth(f"{address}/24", bridge=bridge, gateway=BRIDGE)  # Ray finds its node's address by the route out
         hosts = tmp_path / f"{role}.hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n{address} {pod_name}\n{HEAD} {head_svc} "
-                         f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local\n")
-        return containers.container(image, ns, hosts=str(hosts), hostname=pod_name, env=env | HOSTS_DNS,
-                                    volumes=volumes(pod_spec, c, tmp_path / role, files))
+        hosts.write_text(
+            f"127.0.0.1 localhost\n{address} {pod_name}\n{HEAD} {head_svc} "
+            f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local\n"
+        )
+        return containers.container(
+            image,
+            ns,
+            hosts=str(hosts),
+            hostname=pod_name,
+            env=env | HOSTS_DNS,
+            volumes=volumes(pod_spec, c, tmp_path / role, files),
+        )
 
     head = container("head", head_env, head_pod, head_c)
     worker = container("worker", worker_env, worker_pod, worker_c)
@@ -245,8 +321,9 @@ def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(imag
         return "".join(f"\n--- {n}\n{p.read_text()[-4000:]}" for n, p in logs.items() if p.exists())
 
     init = worker.run(gcs_wait, timeout=300, check=False)  # the wait-gcs-ready init container
-    assert init.returncode == 0 and "GCS is ready." in init.stdout, f"{init.stdout[-2000:]}{init.stderr[-2000:]}" \
-        f"{tails()}"
+    assert init.returncode == 0 and "GCS is ready." in init.stdout, (
+        f"{init.stdout[-2000:]}{init.stderr[-2000:]}{tails()}"
+    )
     worker.start("exec " + shlex.join(worker_argv), logs["worker"])
 
     ready = head_c["readinessProbe"]["grpc"]  # the head's readiness probe: gRPC health of the API
@@ -257,13 +334,17 @@ def test_chart_cluster_runs_the_bench_job_and_fails_it_when_the_worker_dies(imag
     assert "1 worker node(s) joined" in logs["head"].read_text(), tails()
     probe = worker_c["readinessProbe"]["httpGet"]  # the worker's readiness probe, as the kubelet sends it
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            f"http://{WORKER}:{probe['port']}{probe['path']}", timeout=30) as r:
+        f"http://{WORKER}:{probe['port']}{probe['path']}", timeout=30
+    ) as r:
         assert r.status == 200, r.read()
 
     # KubeRay's submitter pod: the RayJob's own template, its own network namespace.
     (sub_c,) = job["spec"]["submitterPodTemplate"]["spec"]["containers"]
-    sub_env = {e["name"]: e["value"] for e in sub_c["env"]} | {"PYTHONUNBUFFERED": "1",
-                                                               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    sub_env = {e["name"]: e["value"] for e in sub_c["env"]} | {
+        "PYTHONUNBUFFERED": "1",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+    }
     submitter = container("submitter", sub_env, job["spec"]["submitterPodTemplate"]["spec"], sub_c)
 
     def submit(rayjob: dict, job_id: str) -> subprocess.Popen:

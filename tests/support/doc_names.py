@@ -42,26 +42,63 @@ import dataclasses
 import functools
 import importlib
 import re
-import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[2]
 CODE_ROOTS = ("specdist", "workers", "cluster")
 READ = (*CODE_ROOTS, "tests/support")  # the folders whose modules are read (the tests' helpers too)
-FILE_EXTENSIONS = (".py", ".md", ".proto", ".yaml", ".yml", ".toml", ".sh", ".c", ".json", ".jsonl", ".png", ".tpl",
-                   ".txt", ".cfg", ".gguf")
-COMMANDS = {"specdist", "python", "pip", "ruff", "lint-imports", "pytest", "helm", "kubectl", "ray", "docker", "curl",
-            "git", "bash"}
+FILE_EXTENSIONS = (
+    ".py",
+    ".md",
+    ".proto",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".sh",
+    ".c",
+    ".json",
+    ".jsonl",
+    ".png",
+    ".tpl",
+    ".txt",
+    ".cfg",
+    ".gguf",
+)
+COMMANDS = {
+    "specdist",
+    "python",
+    "pip",
+    "ruff",
+    "lint-imports",
+    "pytest",
+    "helm",
+    "kubectl",
+    "ray",
+    "docker",
+    "curl",
+    "git",
+    "bash",
+}
 # The maths and the protocol's notation the docs use in backticks: not names of the code.
 NOT_CODE = {
     "k_b": "a request's draft length in the step's formula",
-    "k": "the draft length", "p": "the target's distribution", "q": "the draft's distribution",
-    "u": "a uniform", "x": "a token", "y": "a token", "d_1": "a draft token",
-    "items[i]": "the field path of a batch call's item i in an error", "_private": "the form of a private name",
-    "config.json": "a Hugging Face model folder's file", "pytorch_model.bin": "a Hugging Face model folder's file",
-    "d_k": "a draft token", "d_1..d_k": "the draft tokens",
+    "k": "the draft length",
+    "p": "the target's distribution",
+    "q": "the draft's distribution",
+    "u": "a uniform",
+    "x": "a token",
+    "y": "a token",
+    "d_1": "a draft token",
+    "items[i]": "the field path of a batch call's item i in an error",
+    "_private": "the form of a private name",
+    "config.json": "a Hugging Face model folder's file",
+    "pytorch_model.bin": "a Hugging Face model folder's file",
+    "d_k": "a draft token",
+    "d_1..d_k": "the draft tokens",
 }
 LITERALS = {"None", "True", "False", "null", "true", "false"}  # Python's and YAML's constants
 
@@ -106,6 +143,7 @@ def mentions(text: str) -> list[Mention]:
 
 # ------------------------------------------------------------------------------------------------ the code
 
+
 @dataclass
 class Module:
     name: str
@@ -129,8 +167,11 @@ class Code:
         for root in READ:
             for path in sorted((REPO / root).rglob("*.py")):
                 self._read(path)
-        self.files = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*")
-                            if ".git" not in p.parts and "build" not in p.parts and "egg-info" not in str(p))
+        self.files = sorted(
+            str(p.relative_to(REPO))
+            for p in REPO.rglob("*")
+            if ".git" not in p.parts and "build" not in p.parts and "egg-info" not in str(p)
+        )
         self.proto = set()
         for proto in (REPO / "proto").rglob("*.proto"):
             src = proto.read_text(encoding="utf-8")
@@ -154,10 +195,16 @@ class Code:
 
         walk(pyproject, "")
         project = pyproject["project"]
-        self.requirements = {re.split(r"[\s\[<>=~;]", r, maxsplit=1)[0] for r in
-                             project["dependencies"] + sum(project["optional-dependencies"].values(), [])}
-        self.kinds = {k for f in (REPO / "helm").rglob("*") if f.suffix in (".yaml", ".tpl")
-                      for k in re.findall(r"^\s*kind:\s*(\w+)", f.read_text(encoding="utf-8"), re.M)}
+        self.requirements = {
+            re.split(r"[\s\[<>=~;]", r, maxsplit=1)[0]
+            for r in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+        }
+        self.kinds = {
+            k
+            for f in (REPO / "helm").rglob("*")
+            if f.suffix in (".yaml", ".tpl")
+            for k in re.findall(r"^\s*kind:\s*(\w+)", f.read_text(encoding="utf-8"), re.M)
+        }
 
     def _read(self, path: Path) -> None:
         rel = path.relative_to(REPO).with_suffix("")
@@ -213,8 +260,12 @@ class Code:
             elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                 out.add(item.target.id)
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and \
-                    isinstance(sub.value, ast.Name) and sub.value.id == "self":
+            if (
+                isinstance(sub, ast.Attribute)
+                and isinstance(sub.ctx, ast.Store)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == "self"
+            ):
                 out.add(sub.attr)
         for base in node.bases:
             base_name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
@@ -248,8 +299,9 @@ class Code:
         if len(rest) == 1:
             return True
         inner = mod.classes[head]  # a nested class
-        return any(isinstance(n, ast.ClassDef) and n.name == rest[0] for n in inner.body) and \
-            self.resolve_in_class(module, inner, rest[1:])
+        return any(isinstance(n, ast.ClassDef) and n.name == rest[0] for n in inner.body) and self.resolve_in_class(
+            module, inner, rest[1:]
+        )
 
     def resolve_in_class(self, module: str, node: ast.ClassDef, parts: list[str]) -> bool:
         names = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
@@ -271,12 +323,12 @@ def code() -> Code:
 
 # ------------------------------------------------------------------------------------------------ config keys
 
+
 @functools.cache
 def config_sections() -> dict[str, type]:
     from specdist.config import Config
 
-    return {f.name: f.type if isinstance(f.type, type) else _config_type(f.type)
-            for f in dataclasses.fields(Config)}
+    return {f.name: f.type if isinstance(f.type, type) else _config_type(f.type) for f in dataclasses.fields(Config)}
 
 
 def _config_type(annotation):
@@ -354,6 +406,7 @@ def cli_commands() -> dict[str, set[str]]:
 
 # ------------------------------------------------------------------------------------------------ the rules
 
+
 def problem(m: Mention) -> str | None:
     """Why ``m`` does not name what exists, or None."""
     span = m.span
@@ -386,8 +439,11 @@ def problem(m: Mention) -> str | None:
         if "/" in span:
             return None if any(REPO.glob(span)) else f"no file matches {span}"
         pattern = re.compile(re.escape(span).replace(r"\*", ".*"))
-        return None if any(pattern.fullmatch(k) for k in config_key_names()) or \
-            any(pattern.match(lit) for lit in c.literals) else f"nothing of the code matches {span}"
+        return (
+            None
+            if any(pattern.fullmatch(k) for k in config_key_names()) or any(pattern.match(lit) for lit in c.literals)
+            else f"nothing of the code matches {span}"
+        )
     if span.startswith("/"):
         return f"{span}: no route of the code"
     if re.fullmatch(r"\w+=.+", span):  # a keyword argument
@@ -404,8 +460,12 @@ def command_problem(span: str) -> str | None:
         commands = cli_commands()
         if words[1] not in commands:
             return f"specdist has no subcommand {words[1]}"
-        if commands[words[1]] and len(words) > 2 and re.fullmatch(r"[a-z-]+", words[2]) \
-                and words[2] not in commands[words[1]]:
+        if (
+            commands[words[1]]
+            and len(words) > 2
+            and re.fullmatch(r"[a-z-]+", words[2])
+            and words[2] not in commands[words[1]]
+        ):
             return f"specdist {words[1]} has no subcommand {words[2]}"
     if words[0] == "python" and "-m" in words:
         module = words[words.index("-m") + 1]
@@ -426,16 +486,23 @@ def command_problem(span: str) -> str | None:
 
 def joined(name: str, pieces: int) -> bool:
     """``name`` is at most ``pieces`` string literals of the code put end to end."""
-    return bool(name) and (name in code().literals or pieces > 1 and any(
-        name[:i] in code().literals and joined(name[i:], pieces - 1) for i in range(1, len(name))))
+    return bool(name) and (
+        name in code().literals
+        or pieces > 1
+        and any(name[:i] in code().literals and joined(name[i:], pieces - 1) for i in range(1, len(name)))
+    )
 
 
 def is_repo_path(span: str) -> bool:
     """A path of the repository: it ends in a file extension or ``/``, or starts at a top-level entry of the
     repository or a subpackage of specdist. Other ``a/b`` (a Hugging Face model id, a ratio) are not paths."""
     first = span.split("/", 1)[0]
-    return span.endswith(FILE_EXTENSIONS) or span.endswith("/") or (REPO / first).exists() or \
-        (REPO / "specdist" / first).is_dir()
+    return (
+        span.endswith(FILE_EXTENSIONS)
+        or span.endswith("/")
+        or (REPO / first).exists()
+        or (REPO / "specdist" / first).is_dir()
+    )
 
 
 def name_problem(span: str, paragraph: str) -> str | None:
@@ -457,8 +524,13 @@ def name_problem(span: str, paragraph: str) -> str | None:
         return None if config_key_exists(m.group(1)) else f"no config key {m.group(1)}"
     if len(parts) > 1 and all(len(p) > 1 and p in code().literals for p in parts) and not m.group(2):
         return None  # a path of fields in a JSON body (``usage.speculative``)
-    if parts[0] not in code().modules and not code().defining(parts[0]) and not code().short_names.get(parts[0]) \
-            and len(parts) > 1 and importlib.util.find_spec(parts[0]) is not None:
+    if (
+        parts[0] not in code().modules
+        and not code().defining(parts[0])
+        and not code().short_names.get(parts[0])
+        and len(parts) > 1
+        and importlib.util.find_spec(parts[0]) is not None
+    ):
         return library_problem(parts)
     return bare_problem(parts, paragraph)
 
@@ -533,8 +605,12 @@ def bare_problem(parts: list[str], paragraph: str) -> str | None:
     owners = [o for o in c.defining(head) if o.split(".")[0] != "tests" or o in context]
     near = [o for o in owners if o in context]
     if not rest and not near:  # a member of a class the paragraph names, or of a class of a module it names
-        classes = [(mod, cls) for mod in c.modules.values() for cls in mod.classes
-                   if re.search(rf"`{cls}\b", paragraph) or mod.name in context]
+        classes = [
+            (mod, cls)
+            for mod in c.modules.values()
+            for cls in mod.classes
+            if re.search(rf"`{cls}\b", paragraph) or mod.name in context
+        ]
         if any(head in c.members(mod.name, cls) for mod, cls in classes):
             return None
     for owner in near or (owners if len(owners) == 1 else []):
@@ -553,8 +629,15 @@ def bare_problem(parts: list[str], paragraph: str) -> str | None:
     if len(owners) > 1:
         return f"{head} is defined in {len(owners)} modules ({', '.join(sorted(owners))}) and the paragraph names none"
     if not rest:
-        if head in NOT_CODE or head in c.proto or head in c.literals or head in c.imports or \
-                head in config_key_names() or head in c.attributes or model_config_field(head, paragraph):
+        if (
+            head in NOT_CODE
+            or head in c.proto
+            or head in c.literals
+            or head in c.imports
+            or head in config_key_names()
+            or head in c.attributes
+            or model_config_field(head, paragraph)
+        ):
             return None
         return f"{head}: no name of the code, the config, the protos or the paragraph's classes"
     if head in c.proto and len(rest) == 1 and rest[0] in c.proto:

@@ -50,23 +50,25 @@ def head_forward(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, pr
     v = head.v_proj(x).view(bsz, n, nkv, hd).transpose(1, 2)
     first = 0 if prior is None else 1  # sequence position of row 0
     cos, sin = head._rope_tables(n + first)  # noqa: SLF001 - the head's own RoPE tables, [n', hd]
-    cos, sin = cos[first:first + n], sin[first:first + n]
+    cos, sin = cos[first : first + n], sin[first : first + n]
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     if prior is None:
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # [B, nh, T, hd]
     else:
         t = torch.arange(n)
         mask = torch.cat([t[None, :] <= t[:, None], torch.eye(n, dtype=torch.bool)], 1)  # [T, 2T]
-        a = F.scaled_dot_product_attention(q, torch.cat([prior[0], k], 2), torch.cat([prior[1], v], 2),
-                                           attn_mask=mask, enable_gqa=nh != nkv)
+        a = F.scaled_dot_product_attention(
+            q, torch.cat([prior[0], k], 2), torch.cat([prior[1], v], 2), attn_mask=mask, enable_gqa=nh != nkv
+        )
     h = residual + head.o_proj(a.transpose(1, 2).reshape(bsz, n, nh * hd))
     m = head.post_attention_layernorm(h)
     out = h + head.down_proj(F.silu(head.gate_proj(m)) * head.up_proj(m))
     return head.lm_head(head.norm(out)), out, (k, v)
 
 
-def fit_head(head_path: str, target: torch.nn.Module, steps: int = 200, seqs: int = 128, length: int = 12,
-             seed: int = 0) -> None:
+def fit_head(
+    head_path: str, target: torch.nn.Module, steps: int = 200, seqs: int = 128, length: int = 12, seed: int = 0
+) -> None:
     """Train the head at ``head_path`` for ``target`` (a loaded HF model) and save it in place.
 
     Data: ``seqs`` sequences of ``length`` tokens sampled from the target (temperature 1) after a

@@ -71,8 +71,18 @@ def cases(valid: bytes, f: dict) -> list[tuple[str, bytes]]:
     out.append(("tensor data cut by one byte", valid[:-1]))
     # the header is sound, the data is not: a block's scale NaN, or infinite; dequantized by transformers and by
     # specdist's blocks, the two must disagree in a way the blocks check sees
-    out.append(("a block scale NaN: its blocks do not reproduce", bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7E00))))
-    out.append(("a block scale infinite: its blocks do not reproduce", bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7C00))))
+    out.append(
+        (
+            "a block scale NaN: its blocks do not reproduce",
+            bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7E00)),
+        )
+    )
+    out.append(
+        (
+            "a block scale infinite: its blocks do not reproduce",
+            bytes(_put(bytearray(valid), f["first_scale"], "<H", 0x7C00)),
+        )
+    )
     rng = random.Random(1234)
     for i in range(40):  # seeded byte flips in the header and the tensor infos
         b = bytearray(valid)
@@ -113,6 +123,7 @@ def main() -> int:
     print(json.dumps({"case": "valid", "result": load(valid_path), "seconds": 0}), flush=True)
     # specdist's own header reader (the fast reader transformers is given), without the file check in front
     import gguf
+
     from specdist.models.loader import _fast_gguf_reader
 
     reader = _fast_gguf_reader(gguf.gguf_reader.GGUFReader)
@@ -126,16 +137,27 @@ def main() -> int:
             result = "ok"
         except BaseException as e:  # noqa: BLE001 - reported
             result = f"{type(e).__name__}: {str(e)[:200]}"
-        print(json.dumps({"case": f"reader: {name}", "path": path, "result": result,
-                          "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": f"reader: {name}",
+                    "path": path,
+                    "result": result,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            ),
+            flush=True,
+        )
     for i, (name, data) in enumerate(cases(valid, f)):
         path = os.path.join(work, f"case{i}.gguf")
         with open(path, "wb") as out:
             out.write(data)
         t0 = time.perf_counter()
         result = load(path)
-        print(json.dumps({"case": name, "path": path, "result": result,
-                          "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+        print(
+            json.dumps({"case": name, "path": path, "result": result, "seconds": round(time.perf_counter() - t0, 2)}),
+            flush=True,
+        )
     return 0
 
 

@@ -18,6 +18,7 @@ GRID = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")  # grid types: a scale per block
 
 GRID16 = ("IQ2_XS", "IQ2_S", "IQ1_M")  # grid types with a scale per 16
 
+
 def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> np.ndarray:
     """A tensor's blocks: gguf-py's quantization of a random float weight, or random K-quant or IQ4 blocks
     (gguf-py quantizes to none of those)."""
@@ -44,6 +45,7 @@ def _quantized(rows: int, cols: int, kind: str, seed: int, std: float = 0.5) -> 
     a = (rng.standard_normal((rows, cols)) * std + rng.standard_normal((rows, 1)) * std).astype(np.float32)
     return gguf.quants.quantize(a, Q[kind])
 
+
 def q4_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q4_K super-blocks ``[rows, cols / 256 * 144]`` uint8, packed as llama.cpp packs them (gguf-py has
     no Q4_K quantizer): fp16 d and dmin, 6-bit scales and mins (scales 0-3 / mins 0-3 in the low 6 bits of bytes
@@ -55,11 +57,18 @@ def q4_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     dmin = rng.uniform(0.1 * scale, 2 * scale, (rows, nb)).astype(np.float16)
     sc, mn = rng.integers(0, 64, (2, rows, nb, 8)).astype(np.uint8)
     q = rng.integers(0, 16, (rows, nb, 4, 2, 32)).astype(np.uint8)
-    scales = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)  # [rows, nb, 12]
+    scales = np.concatenate(
+        [
+            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+            (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+        ],
+        -1,
+    )  # [rows, nb, 12]
     codes = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, nb, 128)
     blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, codes], -1)
     return np.ascontiguousarray(blocks.reshape(rows, nb * 144))
+
 
 def q6_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q6_K super-blocks ``[rows, cols / 256 * 210]`` uint8 as llama.cpp lays them out: 128 bytes of low
@@ -72,6 +81,7 @@ def q6_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 1)).astype(np.float16).view(np.uint8)
     return np.ascontiguousarray(np.concatenate([codes, sc, d], -1).reshape(rows, nb * 210))
 
+
 def q5_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q5_K super-blocks ``[rows, cols / 256 * 176]`` uint8: Q4_K's first 16 bytes (fp16 d and dmin, 6-bit
     scales and mins; random bytes are valid), 32 bytes of high bits (bit j: sub-block j), 128 of low 4 bits."""
@@ -80,6 +90,7 @@ def q5_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 2)).astype(np.float16).view(np.uint8)  # d, dmin
     rest = rng.integers(0, 256, (rows, nb, 172), dtype=np.uint8)
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, nb * 176))
+
 
 def q2_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q2_K super-blocks ``[rows, cols / 256 * 84]`` uint8: 16 bytes of 4-bit scales and mins, 64 of 2-bit codes
@@ -90,6 +101,7 @@ def q2_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 2)).astype(np.float16).view(np.uint8)
     return np.ascontiguousarray(np.concatenate([rest, d], -1).reshape(rows, nb * 84))
 
+
 def q3_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random Q3_K super-blocks ``[rows, cols / 256 * 110]`` uint8: 32 bytes of mask bits, 64 of 2-bit codes, 12 of
     6-bit scales (random bytes are valid), and an fp16 d in [0.1, 2] x ``scale`` (weights up to about 4 * 32 * d)."""
@@ -99,6 +111,7 @@ def q3_k_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarr
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, nb, 1)).astype(np.float16).view(np.uint8)
     return np.ascontiguousarray(np.concatenate([rest, d], -1).reshape(rows, nb * 110))
 
+
 def iq4_nl_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random IQ4_NL blocks ``[rows, cols / 32 * 18]`` uint8: an fp16 d in [0.1, 2] x ``scale``, then 16 bytes of 4-bit
     indices (random bytes are valid; weights up to 127 d)."""
@@ -106,6 +119,7 @@ def iq4_nl_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.nda
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
     qs = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
     return np.ascontiguousarray(np.concatenate([d, qs], -1).reshape(rows, cols // 32 * 18))
+
 
 def grid_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random super-blocks of a grid type (``native.GRID_TYPES``): an fp16 d in [0.1, 2] x ``scale``, then random bytes
@@ -115,6 +129,7 @@ def grid_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) 
     d = rng.uniform(0.1 * scale, 2 * scale, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
     rest = rng.integers(0, 256, (rows, cols // 256, size - 2), dtype=np.uint8)
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, cols // 256 * size))
+
 
 def grid16_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random super-blocks of a grid type with a scale per 16 (``native.GRID16_TYPES``): random bytes (every grid
@@ -131,6 +146,7 @@ def grid16_bytes(kind: str, rows: int, cols: int, seed: int, scale: float = 1e-2
         blocks[..., 0:2] = d[..., None].view(np.uint8)
     return np.ascontiguousarray(blocks.reshape(rows, nb * size))
 
+
 def iq4_xs_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.ndarray:
     """Random IQ4_XS super-blocks ``[rows, cols / 256 * 136]`` uint8: an fp16 d in [0.1, 2] x ``scale``, 2 + 4 bytes of
     6-bit block scales ``ls`` (the block's scale is ``d (ls - 32)``), 128 of 4-bit indices (random bytes are valid;
@@ -140,25 +156,45 @@ def iq4_xs_bytes(rows: int, cols: int, seed: int, scale: float = 1e-2) -> np.nda
     rest = rng.integers(0, 256, (rows, cols // 256, 134), dtype=np.uint8)
     return np.ascontiguousarray(np.concatenate([d, rest], -1).reshape(rows, cols // 256 * 136))
 
+
 # each linear's GGUF type; F16 stays a float nn.Linear. Layer 0 mixes repeats in q/k/v (no qkv fusion)
 LINEAR_TYPES = [
-    dict(attn_q="Q4_0", attn_k="Q4_1", attn_v="Q8_0", attn_output="Q4_1", ffn_gate="Q4_0", ffn_up="Q4_0",
-         ffn_down="Q8_0"),
-    dict(attn_q="Q4_1", attn_k="Q4_0", attn_v="Q4_1", attn_output="Q8_0", ffn_gate="Q4_1", ffn_up="Q4_1",
-         ffn_down="F16"),
+    dict(
+        attn_q="Q4_0", attn_k="Q4_1", attn_v="Q8_0", attn_output="Q4_1", ffn_gate="Q4_0", ffn_up="Q4_0", ffn_down="Q8_0"
+    ),
+    dict(
+        attn_q="Q4_1", attn_k="Q4_0", attn_v="Q4_1", attn_output="Q8_0", ffn_gate="Q4_1", ffn_up="Q4_1", ffn_down="F16"
+    ),
 ]
 
 HEAD_TYPE = "Q8_0"  # token_embd.weight; no output.weight: the head is tied to it
 
-HF_NAMES = dict(attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
-                attn_output="self_attn.o_proj", ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj")
+HF_NAMES = dict(
+    attn_q="self_attn.q_proj",
+    attn_k="self_attn.k_proj",
+    attn_v="self_attn.v_proj",
+    attn_output="self_attn.o_proj",
+    ffn_gate="mlp.gate_proj",
+    ffn_up="mlp.up_proj",
+    ffn_down="mlp.down_proj",
+)
+
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row order for q / k (transformers reverses it on load)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H, ff: int = FF,
-                    linear_types: list[dict] | None = None, head_type: str = HEAD_TYPE, vocab: int = GGUF_VOCAB) -> str:
+
+def write_tiny_gguf(
+    path: str,
+    seed: int = 0,
+    std: float = 0.25,
+    hidden: int = H,
+    ff: int = FF,
+    linear_types: list[dict] | None = None,
+    head_type: str = HEAD_TYPE,
+    vocab: int = GGUF_VOCAB,
+) -> str:
     """A tiny GGUF Llama: ``len(linear_types)`` layers (default LINEAR_TYPES), each linear in its GGUF type."""
     linear_types = LINEAR_TYPES if linear_types is None else linear_types
     rng = np.random.default_rng(seed)
@@ -198,8 +234,15 @@ def write_tiny_gguf(path: str, seed: int = 0, std: float = 0.25, hidden: int = H
             w.add_tensor(name, gguf.quants.quantize(a, Q[kind]), raw_dtype=Q[kind])
 
     hd = hidden // HEADS
-    shapes = dict(attn_q=(hidden, hidden), attn_k=(KV_HEADS * hd, hidden), attn_v=(KV_HEADS * hd, hidden),
-                  attn_output=(hidden, hidden), ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
+    shapes = dict(
+        attn_q=(hidden, hidden),
+        attn_k=(KV_HEADS * hd, hidden),
+        attn_v=(KV_HEADS * hd, hidden),
+        attn_output=(hidden, hidden),
+        ffn_gate=(ff, hidden),
+        ffn_up=(ff, hidden),
+        ffn_down=(hidden, ff),
+    )
     tensor("token_embd.weight", (vocab, hidden), head_type)
     tensor("output_norm.weight", (hidden,), "F32")
     for i, types in enumerate(linear_types):

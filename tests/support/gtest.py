@@ -111,10 +111,7 @@ def _prob_table(path: str, case: Case) -> tuple[dict[tuple, np.ndarray], float]:
 def joint(table: dict[tuple, np.ndarray], window: int) -> np.ndarray:
     """P(y_1..y_W) = prod_i table[y_<i][y_i], in itertools.product order (index = base-8 number)."""
     return np.array(
-        [
-            np.prod([table[y[:i]][y[i]] for i in range(window)])
-            for y in itertools.product(range(VOCAB), repeat=window)
-        ]
+        [np.prod([table[y[:i]][y[i]] for i in range(window)]) for y in itertools.product(range(VOCAB), repeat=window)]
     )
 
 
@@ -163,9 +160,12 @@ def draft_stats(outs) -> dict:
     drawn) and with none accepted (a rejection at the first position)."""
     drafted = np.array([o.metrics.drafted for o in outs])
     accepted = np.array([o.metrics.accepted for o in outs])
-    return {"acceptance": accepted.sum() / max(1, drafted.sum()), "drafted": int(drafted.sum()),
-            "all": int(((drafted > 0) & (accepted == drafted)).sum()),
-            "none": int(((drafted > 0) & (accepted == 0)).sum())}
+    return {
+        "acceptance": accepted.sum() / max(1, drafted.sum()),
+        "drafted": int(drafted.sum()),
+        "all": int(((drafted > 0) & (accepted == drafted)).sum()),
+        "none": int(((drafted > 0) & (accepted == 0)).sum()),
+    }
 
 
 def g_test_outputs(outs, p: np.ndarray, window: int) -> tuple[float, float, int]:

@@ -2,14 +2,17 @@
 shared local Ray cluster's start and stop, and frozen draft-length rules. Fixtures are in tests/conftest.py."""
 
 from __future__ import annotations
-import contextlib
+
 import asyncio
+import contextlib
 import os
 import subprocess
 import threading
 import time
+
 import pytest
 import torch
+
 from cluster.local import init_local_ray
 from support.model_zoo import TINY_WORDS, save_word_tokenizer  # noqa: F401 (TINY_WORDS: id 7 is EOS)
 
@@ -87,13 +90,18 @@ def host_servicer(servicer, port: int = 0, secret: str | None = None):
     from workers.target_worker import TargetServicer
 
     if isinstance(servicer, TargetServicer):
-        name, add = (target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
-                     target_pb2_grpc.add_TargetWorkerServicer_to_server)
+        name, add = (
+            target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
+            target_pb2_grpc.add_TargetWorkerServicer_to_server,
+        )
     else:
-        name, add = (draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
-                     draft_pb2_grpc.add_DraftWorkerServicer_to_server)
-    return GrpcHostThread({name: lambda server: add(servicer, server)}, "127.0.0.1", port, servicer.message_limit,
-                          token=secret)
+        name, add = (
+            draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
+            draft_pb2_grpc.add_DraftWorkerServicer_to_server,
+        )
+    return GrpcHostThread(
+        {name: lambda server: add(servicer, server)}, "127.0.0.1", port, servicer.message_limit, token=secret
+    )
 
 
 class ServedCores:
@@ -138,9 +146,16 @@ def remote_engine_like(engine, secret: str | None = None, **kwargs):
     from specdist.engine.remote import RemoteEngine
 
     served = ServedCores(engine.target_core, [engine.draft_core] if engine.draft_core is not None else [], secret)
-    remote = RemoteEngine(engine.config, served.target_address, served.draft_addresses, tokenizer=engine.tokenizer,
-                          vocab_size=engine.vocab_size, eos_ids=engine.scheduler.eos_ids, worker_secret=secret,
-                          **kwargs)
+    remote = RemoteEngine(
+        engine.config,
+        served.target_address,
+        served.draft_addresses,
+        tokenizer=engine.tokenizer,
+        vocab_size=engine.vocab_size,
+        eos_ids=engine.scheduler.eos_ids,
+        worker_secret=secret,
+        **kwargs,
+    )
     return remote, served
 
 
@@ -228,8 +243,10 @@ def assert_nothing_left_on_ray() -> None:
     table = ray.util.placement_group_table()
     assert all(pg["state"] == "REMOVED" for pg in table.values()), table
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (any(a["State"] != "DEAD" for a in actor_table().values())
-                                           or ray.available_resources().get("CPU", 0) < LOCAL_RAY_CPUS):
+    while time.monotonic() < deadline and (
+        any(a["State"] != "DEAD" for a in actor_table().values())
+        or ray.available_resources().get("CPU", 0) < LOCAL_RAY_CPUS
+    ):
         time.sleep(0.2)
     assert all(a["State"] == "DEAD" for a in actor_table().values()), actor_table()
     assert ray.available_resources().get("CPU", 0) == pytest.approx(LOCAL_RAY_CPUS)
@@ -241,8 +258,9 @@ def model_drafter(model, max_batch_size: int, max_model_len: int, confidence_thr
     from specdist.cores.proposers.model import ModelProposer
     from specdist.models.runner import CausalLMRunner
 
-    return DrafterCore(ModelProposer(CausalLMRunner(model, max_batch_size, max_model_len), confidence_threshold),
-                       max_model_len)
+    return DrafterCore(
+        ModelProposer(CausalLMRunner(model, max_batch_size, max_model_len), confidence_threshold), max_model_len
+    )
 
 
 def frozen_adaptive_policy(k: int, chosen: list[int] | None = None):
@@ -307,21 +325,45 @@ async def collect(coord, prompt, params=None, **kwargs) -> list:
 
 
 # ----------------------------------------------------------------------------- engine
-def sample_engine(models: dict, case, n: int, seed0: int, max_batch_size: int | None = None, setup=None,
-                  transport: str = "local", kv: str = "slots"):
+def sample_engine(
+    models: dict,
+    case,
+    n: int,
+    seed0: int,
+    max_batch_size: int | None = None,
+    setup=None,
+    transport: str = "local",
+    kv: str = "slots",
+):
     """N seeded samples from the scheduler over local transports (Engine) or over gRPC
     (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1). ``kv``: the
     KV cache (engine.kv_cache): slots, or paged (blocks of 4 tokens, the paged backend's torch form)."""
     from specdist.engine.local import Engine
     from specdist.sampling_params import SamplingParams
-    from support.gtest import BATCH, K, MAX_MODEL_LEN
+    from support.gtest import BATCH, MAX_MODEL_LEN, K
 
-    cfg = tiny_config(models, method=case.method, k=K, max_batch_size=max_batch_size or BATCH, max_model_len=MAX_MODEL_LEN,
-                      kv_cache=kv, kv_block_size=4)
+    cfg = tiny_config(
+        models,
+        method=case.method,
+        k=K,
+        max_batch_size=max_batch_size or BATCH,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache=kv,
+        kv_block_size=4,
+    )
     cfg["sampling"] = {"coupling": case.coupling}
     if transport == "serve":
-        params = [SamplingParams(max_tokens=case.max_tokens, temperature=case.temperature, top_k=case.top_k,
-                                 top_p=case.top_p, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+        params = [
+            SamplingParams(
+                max_tokens=case.max_tokens,
+                temperature=case.temperature,
+                top_k=case.top_k,
+                top_p=case.top_p,
+                seed=seed0 + i,
+                ignore_eos=True,
+            )
+            for i in range(n)
+        ]
         return sample_through_replicas(cfg, list(case.prompt), params)
     eng = Engine.from_config(cfg)
     served = None
@@ -361,10 +403,19 @@ def sample_through_replicas(cfg: dict, prompt: list[int], params: list, replicas
     from specdist.api.serving import start_backend
     from specdist.config import load_config
 
-    cfg = {**cfg, "cluster": {"enabled": True, "tensor_parallel_size": 1, "num_draft_workers": 1,
-                              "cpus_per_rank": 0.5, "cpus_per_draft": 0.5, "bringup_timeout_s": 240,
-                              "replicas": replicas},
-           "router": {"policy": "round-robin", "stats_period_s": 5.0}}
+    cfg = {
+        **cfg,
+        "cluster": {
+            "enabled": True,
+            "tensor_parallel_size": 1,
+            "num_draft_workers": 1,
+            "cpus_per_rank": 0.5,
+            "cpus_per_draft": 0.5,
+            "bringup_timeout_s": 240,
+            "replicas": replicas,
+        },
+        "router": {"policy": "round-robin", "stats_period_s": 5.0},
+    }
     backend = start_backend(load_config(cfg), max_queued=max(256, concurrency))
     front = backend.replicas.front
     lt = LoopThread()
@@ -375,8 +426,9 @@ def sample_through_replicas(cfg: dict, prompt: list[int], params: list, replicas
         async for d in s:
             ids += d.token_ids
             last = d
-        return SimpleNamespace(token_ids=ids, finish_reason=last.finish_reason, metrics=last.metrics,
-                               replica=s.replica_id)
+        return SimpleNamespace(
+            token_ids=ids, finish_reason=last.finish_reason, metrics=last.metrics, replica=s.replica_id
+        )
 
     async def every():
         gate = asyncio.Semaphore(concurrency)

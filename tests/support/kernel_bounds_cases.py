@@ -26,17 +26,39 @@ def attention_case(**bad):
     g, cache, slots, pos = good()
     args = dict(q=torch.randn(B, HQ, T, D, generator=g), **cache, slots=slots, query_pos=pos)
     args.update(bad)
-    return lambda: ck.attention(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["query_pos"], None, 0.3)
+    return lambda: ck.attention(
+        args["q"], args["k_cache"], args["v_cache"], args["slots"], args["query_pos"], None, 0.3
+    )
 
 
 def rope_case(**bad):
     g, cache, slots, pos = good()
-    args = dict(q=torch.randn(B, T, HQ, D, generator=g), k=torch.randn(B, T, H, D, generator=g),
-                v=torch.randn(B, T, H, D, generator=g), cos=torch.ones(B, T, D), sin=torch.zeros(B, T, D), **cache,
-                slots=slots, write_pos=pos, query_pos=pos)
+    args = dict(
+        q=torch.randn(B, T, HQ, D, generator=g),
+        k=torch.randn(B, T, H, D, generator=g),
+        v=torch.randn(B, T, H, D, generator=g),
+        cos=torch.ones(B, T, D),
+        sin=torch.zeros(B, T, D),
+        **cache,
+        slots=slots,
+        write_pos=pos,
+        query_pos=pos,
+    )
     args.update(bad)
-    return lambda: ck.rope_attention(args["q"], args["k"], args["v"], args["cos"], args["sin"], args["k_cache"],
-                                     args["v_cache"], args["slots"], args["write_pos"], args["query_pos"], None, 0.3)
+    return lambda: ck.rope_attention(
+        args["q"],
+        args["k"],
+        args["v"],
+        args["cos"],
+        args["sin"],
+        args["k_cache"],
+        args["v_cache"],
+        args["slots"],
+        args["write_pos"],
+        args["query_pos"],
+        None,
+        0.3,
+    )
 
 
 DM, I = 16, 8  # a decoder layer's width and MLP width (its heads: HQ and H of D)
@@ -45,9 +67,14 @@ DM, I = 16, 8  # a decoder layer's width and MLP width (its heads: HQ and H of D
 def layer_weights(**bad):
     """Dense float32 weights of a decoder layer over the cache above (``bad`` replaces a norm or a matmul's weight)."""
     g = torch.Generator().manual_seed(1)
-    w = dict(norm1=torch.ones(DM), norm2=torch.ones(DM), qkv=torch.randn((HQ + 2 * H) * D, DM, generator=g) * 0.1,
-             o=torch.randn(DM, HQ * D, generator=g) * 0.1, gate_up=torch.randn(2 * I, DM, generator=g) * 0.1,
-             down=torch.randn(DM, I, generator=g) * 0.1)
+    w = dict(
+        norm1=torch.ones(DM),
+        norm2=torch.ones(DM),
+        qkv=torch.randn((HQ + 2 * H) * D, DM, generator=g) * 0.1,
+        o=torch.randn(DM, HQ * D, generator=g) * 0.1,
+        gate_up=torch.randn(2 * I, DM, generator=g) * 0.1,
+        down=torch.randn(DM, I, generator=g) * 0.1,
+    )
     w.update(bad)
     dense = [(w[name], None, w[name].shape[0], ck.LIN_F32, None) for name in ("qkv", "o", "gate_up", "down")]
     return ck.LayerWeights(w["norm1"], w["norm2"], 1e-6, dense)
@@ -58,14 +85,27 @@ def layer_case(**bad):
         g, cache, slots, pos = good()
         weights = layer_weights(**bad)
         h = torch.randn(B, T, DM, generator=g)
-        ck.decoder_layer(h, weights, torch.ones(B, T, D), torch.zeros(B, T, D), cache["k_cache"], cache["v_cache"],
-                         slots, pos, pos, None, 0.3)
+        ck.decoder_layer(
+            h,
+            weights,
+            torch.ones(B, T, D),
+            torch.zeros(B, T, D),
+            cache["k_cache"],
+            cache["v_cache"],
+            slots,
+            pos,
+            pos,
+            None,
+            0.3,
+        )
+
     return call
 
 
 def edited_in_place(kernel: str):
     """Index tensors made under inference mode (no version counter), checked by a first call, then one position
     moved far outside the cache in place: the second call must be refused, not read or write there."""
+
     def call():
         with torch.inference_mode():
             g, cache, slots, pos = good()
@@ -78,15 +118,28 @@ def edited_in_place(kernel: str):
                 if kernel == "attention":
                     ck.attention(q.transpose(1, 2), cache["k_cache"], cache["v_cache"], slots, pos, None, 0.3)
                 elif kernel == "rope":
-                    ck.rope_attention(q, k, v, cos, sin, cache["k_cache"], cache["v_cache"], slots, write, pos, None,
-                                      0.3)
+                    ck.rope_attention(
+                        q, k, v, cos, sin, cache["k_cache"], cache["v_cache"], slots, write, pos, None, 0.3
+                    )
                 else:
-                    ck.decoder_layer(torch.randn(B, T, DM, generator=g), weights, cos, sin, cache["k_cache"],
-                                     cache["v_cache"], slots, write, pos, None, 0.3)
+                    ck.decoder_layer(
+                        torch.randn(B, T, DM, generator=g),
+                        weights,
+                        cos,
+                        sin,
+                        cache["k_cache"],
+                        cache["v_cache"],
+                        slots,
+                        write,
+                        pos,
+                        None,
+                        0.3,
+                    )
 
             run()
             (pos if kernel == "attention" else write)[1, 2] = 1 << 40
             run()
+
     return call
 
 
@@ -99,8 +152,9 @@ CASES = {
     "attention: too few slots": attention_case(slots=torch.tensor([0])),
     "attention: positions of another shape": attention_case(query_pos=torch.tensor([[0, 1], [3, 4]])),
     "attention: float64 queries": attention_case(q=torch.randn(B, HQ, T, D, dtype=torch.float64)),
-    "attention: cache of another head size": attention_case(k_cache=torch.zeros(S, H, L1, 4),
-                                                            v_cache=torch.zeros(S, H, L1, 4)),
+    "attention: cache of another head size": attention_case(
+        k_cache=torch.zeros(S, H, L1, 4), v_cache=torch.zeros(S, H, L1, 4)
+    ),
     "attention: k and v caches differ": attention_case(v_cache=torch.zeros(S, H, L1 - 2, D)),
     "attention: heads not a multiple": attention_case(q=torch.randn(B, 3, T, D)),
     "rope: valid": rope_case(),

@@ -42,8 +42,9 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, dim: int, with_delta: bo
 
     got_h, got_y = add_rms_norm(h, delta, w, 1e-6, (wa, 1e-5) if gemma else None, offset)
     if gemma:  # Gemma2RMSNorm: float32 throughout, one rounding; the rounded output added in the dtype
-        normed = (delta.float() * torch.rsqrt(delta.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-                  * (1.0 + wa.float())).to(dtype)
+        normed = (
+            delta.float() * torch.rsqrt(delta.float().pow(2).mean(-1, keepdim=True) + 1e-5) * (1.0 + wa.float())
+        ).to(dtype)
         if (normed.double() - norm(delta.double(), wa, 1e-5)).abs().max() > TOLERANCE[dtype] * 10:
             return "the test's own Gemma norm is off"
         want_h = h + normed
@@ -72,13 +73,14 @@ def check_runner(device: str, family: str) -> str | None:
     """A float32 runner of ``family``'s tiny model (tests/support/model_zoo.py) on the Triton backend: its logits
     over SCHEDULE within 1e-4 of transformers' forward of the whole sequences (as tests/unit/test_model_families.py
     asks of every place), and its greedy continuation of a prompt transformers' greedy ``generate``."""
-    from support.model_zoo import build_tiny
     from specdist.models.kv.options import KVOptions
     from specdist.models.runner import CausalLMRunner
+    from support.model_zoo import build_tiny
 
     model = build_tiny(family, seed=1).to(device)
-    runner = CausalLMRunner(model, num_slots=2, max_len=32, kv_cache_dtype="model", kv=KVOptions("paged"),
-                            attention_backend="paged")
+    runner = CausalLMRunner(
+        model, num_slots=2, max_len=32, kv_cache_dtype="model", kv=KVOptions("paged"), attention_backend="paged"
+    )
     if not runner.layer_triton:
         return "the fused kernels are not in use"
     gen = torch.Generator().manual_seed(7)
@@ -88,10 +90,10 @@ def check_runner(device: str, family: str) -> str | None:
     slots = [runner.cache.allocate() for _ in range(2)]
     pos = [0, 0]
     for step in SCHEDULE:
-        tokens = [seqs[r][pos[r]: pos[r] + n] for r, n in step]
+        tokens = [seqs[r][pos[r] : pos[r] + n] for r, n in step]
         logits = runner.forward([slots[r] for r, _ in step], tokens, [n for _, n in step]).cpu()  # [B, T, V]
         for b, (r, n) in enumerate(step):
-            err = (logits[b, :n] - refs[r][pos[r]: pos[r] + n]).abs().max().item()
+            err = (logits[b, :n] - refs[r][pos[r] : pos[r] + n]).abs().max().item()
             if err > 1e-4:
                 return f"step {step}, request {r}: logits off by {err:.3g}"
             pos[r] += n
@@ -104,9 +106,18 @@ def check_runner(device: str, family: str) -> str | None:
         got += tokens
     with torch.inference_mode():
         ids = torch.tensor([prompt], device=device)
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=0,
-                              do_sample=False, eos_token_id=None, pad_token_id=0, top_k=None, top_p=None,
-                              temperature=None)[0, len(prompt):].tolist()
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )[0, len(prompt) :].tolist()
     return None if got == want else f"greedy tokens {got}, transformers' {want}"
 
 
@@ -121,8 +132,10 @@ def main() -> int:
     for dtype in (torch.float32, torch.float16):  # the interpreter has no bfloat16
         for dim in DIMS:
             for with_delta in (True, False):
-                report(f"add_rms_norm {dtype} dim {dim} delta {with_delta}",
-                       check_add_rms_norm("cpu", dtype, dim, with_delta))
+                report(
+                    f"add_rms_norm {dtype} dim {dim} delta {with_delta}",
+                    check_add_rms_norm("cpu", dtype, dim, with_delta),
+                )
             report(f"add_rms_norm {dtype} dim {dim} gemma", check_add_rms_norm("cpu", dtype, dim, True, gemma=True))
         for width in SILU_WIDTHS:
             report(f"silu_mul {dtype} width {width}", check_silu_mul("cpu", dtype, width))

@@ -19,16 +19,35 @@ import torch
 TINY_WORDS = ["a", "b", "c", "d", "e", "f", "g", "<eos>"]  # id 7 is EOS
 
 FAMILIES = [
-    "llama", "llama-linear", "llama3-rope", "llama-yarn", "llama-dynamic", "mistral", "qwen2", "qwen3",
-    "gemma2", "gemma3", "phi3", "phi3-longrope", "qwen3_moe",
+    "llama",
+    "llama-linear",
+    "llama3-rope",
+    "llama-yarn",
+    "llama-dynamic",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "phi3-longrope",
+    "qwen3_moe",
 ]
 # families whose RoPE frequencies transformers derives from the length of each call
 LENGTH_DEPENDENT_ROPE = ("llama-dynamic", "phi3-longrope")
 
 _LAYERS = 2
 _COMMON = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=_LAYERS, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=128, eos_token_id=7, bos_token_id=0, pad_token_id=None, tie_word_embeddings=False,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    eos_token_id=7,
+    bos_token_id=0,
+    pad_token_id=None,
+    tie_word_embeddings=False,
 )
 
 
@@ -49,12 +68,22 @@ def _family_config(family: str, vocab_size: int, overrides: dict):
         kw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
         return tf.LlamaConfig, tf.LlamaForCausalLM, kw
     if family == "llama3-rope":  # wavelengths 6.3 and 63 straddle the 4..16 band: smoothed and scaled both occur
-        kw["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16,
-                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+        kw["rope_parameters"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "rope_theta": 10000.0,
+        }
         return tf.LlamaConfig, tf.LlamaForCausalLM, kw
     if family == "llama-yarn":  # attention factor 1 + 0.1 ln 4: cos/sin scaled as well
-        kw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                                 "rope_theta": 10000.0}
+        kw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 10000.0,
+        }
         return tf.LlamaConfig, tf.LlamaForCausalLM, kw
     if family == "llama-dynamic":  # NTK scaling starts past 16 positions
         kw["max_position_embeddings"] = 16
@@ -70,27 +99,58 @@ def _family_config(family: str, vocab_size: int, overrides: dict):
         kw.update(head_dim=8, use_sliding_window=True, sliding_window=5, max_window_layers=1)
         return tf.Qwen3Config, tf.Qwen3ForCausalLM, kw
     if family == "gemma2":  # soft-caps low enough that tanh bends; 1/sqrt(16) instead of 1/sqrt(head_dim)
-        kw.update(head_dim=8, sliding_window=4, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
-                  final_logit_softcapping=3.0, layer_types=_alternating(layers), hidden_activation="gelu_pytorch_tanh")
+        kw.update(
+            head_dim=8,
+            sliding_window=4,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            layer_types=_alternating(layers),
+            hidden_activation="gelu_pytorch_tanh",
+        )
         return tf.Gemma2Config, tf.Gemma2ForCausalLM, kw
     if family == "gemma3":  # q/k norm, local rope base on sliding layers, final soft-cap
-        kw.update(head_dim=8, sliding_window=4, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
-                  layer_types=_alternating(layers), rope_parameters={
-                      "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                      "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        kw.update(
+            head_dim=8,
+            sliding_window=4,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=3.0,
+            layer_types=_alternating(layers),
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
         return tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, kw
     if family == "phi3":  # fused qkv_proj and gate_up_proj; the window applies to every layer
         kw.update(sliding_window=5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
         return tf.Phi3Config, tf.Phi3ForCausalLM, kw
     if family == "phi3-longrope":  # long factors past 16 positions, short ones before
-        kw.update(max_position_embeddings=64, original_max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0,
-                  attention_dropout=0.0)
-        kw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-                                 "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.0, 4.0, 8.0]}
+        kw.update(
+            max_position_embeddings=64,
+            original_max_position_embeddings=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+        )
+        kw["rope_parameters"] = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0, 1.1, 1.3, 1.6],
+            "long_factor": [1.0, 2.0, 4.0, 8.0],
+        }
         return tf.Phi3Config, tf.Phi3ForCausalLM, kw
     if family == "qwen3_moe":  # layer 0 dense (mlp_only_layers), the others 4 experts, top-2
-        kw.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-                  mlp_only_layers=[0], decoder_sparse_step=1)
+        kw.update(
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+        )
         return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, kw
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 

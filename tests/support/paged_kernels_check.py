@@ -127,10 +127,14 @@ def main() -> int:
     report("tanh", check_tanh("cpu"))
     for dtype in (torch.float32, torch.float16):  # the interpreter has no bfloat16
         for window, softcap in ATTENTION_CASES:
-            report(f"attention {dtype} window {window} softcap {softcap}", check_attention("cpu", dtype, window, softcap))
+            report(
+                f"attention {dtype} window {window} softcap {softcap}", check_attention("cpu", dtype, window, softcap)
+            )
         for window, softcap, splits in SPLIT_CASES:
-            report(f"split-KV {dtype} window {window} softcap {softcap} splits {splits}",
-                   check_split_attention("cpu", dtype, window, softcap, splits))
+            report(
+                f"split-KV {dtype} window {window} softcap {softcap} splits {splits}",
+                check_split_attention("cpu", dtype, window, softcap, splits),
+            )
         report(f"split-KV prefill {dtype} window 64 splits 3", check_split_attention("cpu", dtype, 64, None, 3, 20))
         for rotary in (32, 16):
             report(f"rope {dtype} rotary {rotary}", check_rope("cpu", dtype, rotary))

@@ -18,8 +18,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-           "specdist.models.sharding", "specdist.models.runner", "workers.tensor_parallel"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "specdist.models.sharding",
+    "specdist.models.runner",
+    "workers.tensor_parallel",
+]
 RANK_ENV = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -45,13 +52,15 @@ def _rank_main(fn: Callable, args: tuple, log_path: str, env: dict) -> None:
     fn(*args)
 
 
-def start_ranks(fn: Callable, args_of: Callable[[int], tuple], world_size: int, log_paths: list[str],
-                env_extra: dict | None = None) -> list:
+def start_ranks(
+    fn: Callable, args_of: Callable[[int], tuple], world_size: int, log_paths: list[str], env_extra: dict | None = None
+) -> list:
     """Start ``fn(*args_of(rank))`` in ``world_size`` forked rank processes (started, not joined)."""
     ctx = _context()
     env = {**RANK_ENV, **(env_extra or {})}
-    procs = [ctx.Process(target=_rank_main, args=(fn, args_of(r), log_paths[r], env), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, args_of(r), log_paths[r], env), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -101,8 +110,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(fn, args: list[str], tmp_path, timeout_s: float = TIMEOUT_S, load: bool = True,
-                env_extra: dict | None = None, world_size: int = WORLD_SIZE) -> list:
+def spawn_ranks(
+    fn,
+    args: list[str],
+    tmp_path,
+    timeout_s: float = TIMEOUT_S,
+    load: bool = True,
+    env_extra: dict | None = None,
+    world_size: int = WORLD_SIZE,
+) -> list:
     """Run ``fn(rank, world_size, port, out, args)`` in ``world_size`` rank processes (tests/support/rank_procs.py);
     their outputs (``torch.load``-ed, or the paths with ``load=False``)."""
     for attempt in range(2):  # a second try if another process grabbed the port meanwhile

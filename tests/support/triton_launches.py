@@ -113,14 +113,27 @@ class _Bound:
             key = (tuple(specialization), str(options))
             # signature, constexprs and attributes as JITFunction.run derives them for triton.compile
             opts, signature, constexprs, attrs = self.fn._pack_args(  # noqa: SLF001 - Triton's own derivation
-                self.recorder.backend, kwargs, bound, specialization, options)
-            self.recorder.launches.append(Launch(self.fn.__name__, tuple(grid), key,
-                                                 ASTSource(self.fn, signature, constexprs, attrs), opts.__dict__))
+                self.recorder.backend, kwargs, bound, specialization, options
+            )
+            self.recorder.launches.append(
+                Launch(
+                    self.fn.__name__, tuple(grid), key, ASTSource(self.fn, signature, constexprs, attrs), opts.__dict__
+                )
+            )
+
         return launch
 
 
-def launch_step(shape: AttentionShape, dtype: torch.dtype, bsz: int, tokens: int, width: int,
-                block_size: int = 16, windowed: bool = False, splits: int | None = None) -> None:
+def launch_step(
+    shape: AttentionShape,
+    dtype: torch.dtype,
+    bsz: int,
+    tokens: int,
+    width: int,
+    block_size: int = 16,
+    windowed: bool = False,
+    splits: int | None = None,
+) -> None:
     """One layer's launches (rotary + cache write, attention) of a step of ``bsz`` requests of ``tokens`` tokens
     over block tables ``width`` wide, on the views a runner step passes (meant to run under a :class:`Recorder`;
     the tensors are small where their size does not reach the kernels). ``splits``: split-KV's ranges (None: the
@@ -134,9 +147,19 @@ def launch_step(shape: AttentionShape, dtype: torch.dtype, bsz: int, tokens: int
     v_cache = torch.zeros_like(k_cache)
     cos = torch.zeros(64, hd, dtype=dtype)
     kernels.rope_and_write(q, k, v, cos, cos, step.positions, step.slot_mapping, k_cache, v_cache)
-    kernels.paged_attention(q, k_cache, v_cache, step.table, step.starts, step.n_new, tokens, hd ** -0.5,
-                            shape.window if windowed else None, shape.softcap,
-                            **({} if splits is None else {"splits": splits}))
+    kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        step.table,
+        step.starts,
+        step.n_new,
+        tokens,
+        hd**-0.5,
+        shape.window if windowed else None,
+        shape.softcap,
+        **({} if splits is None else {"splits": splits}),
+    )
 
 
 def compile_sm90(launch: Launch) -> tuple[object, dict[str, int]]:
@@ -155,8 +178,10 @@ def compile_sm90(launch: Launch) -> tuple[object, dict[str, int]]:
     return kernel, ptxas_report(out.getvalue())
 
 
-_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
-                    r"|Used (\d+) registers")
+_PTXAS = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+    r"|Used (\d+) registers"
+)
 
 
 def ptxas_report(log: str) -> dict[str, int]:

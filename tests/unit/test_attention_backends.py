@@ -36,8 +36,13 @@ SCHEDULE = [
 ]
 ROWS = [(0, 3), (2, 2)]
 # (Hq, Hkv, head_dim, rotary dims, window, soft-cap)
-CASES = [(4, 4, 16, 16, None, None), (8, 2, 32, 32, 5, None), (4, 2, 16, 8, 6, None), (4, 1, 16, 16, 4, 3.0),
-         (6, 2, 32, 32, None, 20.0)]
+CASES = [
+    (4, 4, 16, 16, None, None),
+    (8, 2, 32, 32, 5, None),
+    (4, 2, 16, 8, 6, None),
+    (4, 1, 16, 16, 4, 3.0),
+    (6, 2, 32, 32, None, 20.0),
+]
 # a backend that cannot run on this machine's CPU, and the environment under which it can (its stand-in)
 STAND_INS = {"paged": {"TRITON_INTERPRET": "1"}}
 
@@ -51,7 +56,7 @@ def _rope_tables(rd: int) -> tuple[torch.Tensor, torch.Tensor]:  # [MAX_LEN + 1,
 
 def _rotate(x, cos, sin):  # [.., hd] float64, [.., rd]
     rd = cos.shape[-1]
-    x1, x2 = x[..., : rd // 2], x[..., rd // 2: rd]
+    x1, x2 = x[..., : rd // 2], x[..., rd // 2 : rd]
     rot = x[..., :rd] * cos + torch.cat((-x2, x1), -1) * sin
     return torch.cat((rot, x[..., rd:]), -1)
 
@@ -61,8 +66,8 @@ def _reference(q, keys, vals, p, cos, sin, scale, window, softcap):  # q [Hq, hd
     hq, hkv = q.shape[0], keys.shape[1]
     lo = 0 if window is None else max(0, p - window + 1)
     qr = _rotate(q, cos[p], sin[p])
-    kr = _rotate(keys[lo: p + 1], cos[lo: p + 1, None], sin[lo: p + 1, None])  # [S', Hkv, hd]
-    kr, vv = kr.repeat_interleave(hq // hkv, 1), vals[lo: p + 1].repeat_interleave(hq // hkv, 1)  # [S', Hq, hd]
+    kr = _rotate(keys[lo : p + 1], cos[lo : p + 1, None], sin[lo : p + 1, None])  # [S', Hkv, hd]
+    kr, vv = kr.repeat_interleave(hq // hkv, 1), vals[lo : p + 1].repeat_interleave(hq // hkv, 1)  # [S', Hq, hd]
     s = torch.einsum("hd,shd->hs", qr, kr) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
@@ -78,7 +83,7 @@ def _run(name: str, case: tuple, dtype: torch.dtype) -> float:
     assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
     cos, sin = _rope_tables(rd)
     windows = [None, window]
-    scale = hd ** -0.5
+    scale = hd**-0.5
     backend = cls(cache, scale, windows, softcap, [(cos.to(dtype), sin.to(dtype))] * LAYERS)
     # the truth: each request's q, k, v by position and layer (pre-rotary, float64); rewritten after a rollback
     qs = torch.randn(LAYERS, 3, MAX_LEN, hq, hd, generator=gen, dtype=torch.float64)
@@ -107,12 +112,25 @@ def _run(name: str, case: tuple, dtype: torch.dtype) -> float:
             q, k, v = junk(hq), junk(hkv), junk(hkv)  # [B * T, H, hd]: padded rows keep the junk
             for b, (r, st, n) in enumerate(zip(reqs, starts, n_new)):
                 rows = slice(b * t_pad, b * t_pad + n)
-                q[rows], k[rows], v[rows] = qs[layer, r, st: st + n], ks[layer, r, st: st + n], vs[layer, r, st: st + n]
+                q[rows], k[rows], v[rows] = (
+                    qs[layer, r, st : st + n],
+                    ks[layer, r, st : st + n],
+                    vs[layer, r, st : st + n],
+                )
             out = backend.forward(layer, q.to(dtype), k.to(dtype), v.to(dtype), meta)  # [B * T, Hq, hd]
             for b, (r, st, n) in enumerate(zip(reqs, starts, n_new)):
                 for j in range(n):
-                    want = _reference(qs[layer, r, st + j], ks[layer, r], vs[layer, r], st + j, cos, sin, scale,
-                                      windows[layer], softcap)
+                    want = _reference(
+                        qs[layer, r, st + j],
+                        ks[layer, r],
+                        vs[layer, r],
+                        st + j,
+                        cos,
+                        sin,
+                        scale,
+                        windows[layer],
+                        softcap,
+                    )
                     worst = max(worst, float((out[b * t_pad + j].double() - want).abs().max()))
         ends: dict[int, tuple[int, int]] = {}  # request -> (tokens written, tokens kept), over its rows
         for r, st, n, j in zip(reqs, starts, n_new, rejected):
@@ -149,10 +167,18 @@ def test_stand_ins_equal_the_reference(name: str) -> None:
     """A backend made for another device, through its stand-in on the CPU (Triton's kernels under its
     interpreter: the same kernel code, executed by numpy), every case; in a process of its own, since the
     interpreter is chosen before Triton is imported."""
-    code = ("import sys; sys.path[:0] = " + repr(sys.path) + "\nfrom unit import test_attention_backends as t\n"
-            f"print(max(t._run({name!r}, c, t.torch.float32) for c in t.CASES))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **STAND_INS[name]}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    code = (
+        "import sys; sys.path[:0] = " + repr(sys.path) + "\nfrom unit import test_attention_backends as t\n"
+        f"print(max(t._run({name!r}, c, t.torch.float32) for c in t.CASES))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **STAND_INS[name]},
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     worst = float(run.stdout.split()[-1])
     assert worst <= 2e-5, f"{name}: max error {worst:.3g}"
@@ -161,18 +187,23 @@ def test_stand_ins_equal_the_reference(name: str) -> None:
 def test_the_backend_is_chosen_by_name_from_the_config(tmp_path) -> None:
     """``engine.attention_backend`` reaches the runner (in process and, through KVOptions, the Ray workers); a
     name no backend has, or one that cannot run here, is a one-line ConfigError naming the key."""
+    from support.helpers import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
     from specdist.api.serving import check_config
     from specdist.config import load_config
     from specdist.errors import ConfigError
     from specdist.models.kv.options import KVOptions
     from specdist.models.runner import CausalLMRunner
-    from support.helpers import save_tiny_llama
-
-    from transformers import AutoModelForCausalLM
 
     path = save_tiny_llama(str(tmp_path / "m"), seed=1)
-    cfg = load_config({"target": {"model": path}, "draft": {"method": "none"},
-                       "engine": {"device": "cpu", "attention_backend": "sdpa", "max_model_len": 32}})
+    cfg = load_config(
+        {
+            "target": {"model": path},
+            "draft": {"method": "none"},
+            "engine": {"device": "cpu", "attention_backend": "sdpa", "max_model_len": 32},
+        }
+    )
     kv = KVOptions.from_engine(cfg.engine, "cpu")
     assert kv.backend == "sdpa"
     model = AutoModelForCausalLM.from_pretrained(path)

@@ -47,8 +47,16 @@ def _pair(tiny_models, link: _Link, timeouts: dict[int, list[float]]):
     cores = []
     for rank, send in ((0, link.rank0), (1, link.rank1)):
         model = load_model(ModelSource(tiny_models["target"], None), "float32")
-        cores.append(VerifierCore(CausalLMRunner(model, 4, 64), rank, 2, broadcast=send,
-                                  set_timeout=timeouts.setdefault(rank, []).append, collective_timeout_s=7.0))
+        cores.append(
+            VerifierCore(
+                CausalLMRunner(model, 4, 64),
+                rank,
+                2,
+                broadcast=send,
+                set_timeout=timeouts.setdefault(rank, []).append,
+                collective_timeout_s=7.0,
+            )
+        )
     return cores
 
 
@@ -62,12 +70,10 @@ def test_follower_replays_rank0_to_the_same_cache(tiny_models):
         prompts = {"a": SYSTEM + [1, 2], "b": SYSTEM + [2, 1, 7]}
         leader.prefill([StartItem(rid, p, GREEDY, 1) for rid, p in prompts.items()])
         for _ in range(2):
-            leader.verify([VerifyItem(rid, len(leader.requests[rid].seq), Proposal(rid, [1, 2]))
-                           for rid in prompts])
+            leader.verify([VerifyItem(rid, len(leader.requests[rid].seq), Proposal(rid, [1, 2])) for rid in prompts])
         leader.release(["a"])
         leader.prefill([StartItem("c", SYSTEM + [5], GREEDY, 2)])  # reuses a kept prompt's K/V
-        leader.verify([VerifyItem(rid, len(leader.requests[rid].seq), Proposal(rid, [4]))
-                       for rid in ("b", "c")])
+        leader.verify([VerifyItem(rid, len(leader.requests[rid].seq), Proposal(rid, [4])) for rid in ("b", "c")])
         leader.release(["b", "c"])  # idle: the queued ops go out without a forward
         assert link.sent[-1] and all(op[0] != "forward" for op in link.sent[-1])
     finally:

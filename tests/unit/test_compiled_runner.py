@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import devices
 from support.model_zoo import build_tiny
+
 from specdist.models.kv.options import KVOptions
 from specdist.models.runner import STATIC_MIN_KEYS, CausalLMRunner
 
@@ -67,23 +67,38 @@ def test_compiled_pass_matches_eager(device, backend, one_thread) -> None:
     for layer in range(len(eager.cache.k)):
         for s, n in enumerate(eager.cache.lengths):  # what each slot holds up to its length
             for kv in ("k", "v"):
-                torch.testing.assert_close(getattr(compiled.cache, kv)[layer][s, :, :n],
-                                           getattr(eager.cache, kv)[layer][s, :, :n], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(
+                    getattr(compiled.cache, kv)[layer][s, :, :n],
+                    getattr(eager.cache, kv)[layer][s, :, :n],
+                    rtol=1e-4,
+                    atol=1e-5,
+                )
 
 
 def test_compile_setting_resolves_per_device() -> None:
     from specdist.config import EngineConfig
 
     # auto is off everywhere: on GPUs the paged cache's CUDA graphs replace the compiled pass
-    for setting, cpu, cuda in (("auto", False, False), ("on", True, True), ("off", False, False),
-                               (True, True, True), (False, False, False)):
+    for setting, cpu, cuda in (
+        ("auto", False, False),
+        ("on", True, True),
+        ("off", False, False),
+        (True, True, True),
+        (False, False, False),
+    ):
         ec = EngineConfig(compile=setting)
         assert (ec.compiled("cpu"), ec.compiled("cuda")) == (cpu, cuda), setting
     # the paged cache and its graphs: auto on CUDA unless the compiled pass (which reads slots) is on
     assert (EngineConfig().paged("cuda"), EngineConfig().paged("cpu"), EngineConfig(compile="on").paged("cuda")) == (
-        True, False, False)
-    assert (EngineConfig().graphs("cuda"), EngineConfig().graphs("cpu"), EngineConfig(cuda_graphs="off").graphs("cuda")) \
-        == (True, False, False)
+        True,
+        False,
+        False,
+    )
+    assert (
+        EngineConfig().graphs("cuda"),
+        EngineConfig().graphs("cpu"),
+        EngineConfig(cuda_graphs="off").graphs("cuda"),
+    ) == (True, False, False)
 
 
 @pytest.mark.parametrize("setting", ["on", "auto"])
@@ -91,11 +106,14 @@ def test_engine_compiles_target_and_draft_runners(tiny_models, monkeypatch, sett
     """engine.compile reaches both runners of the in-process engine, each warmed for its role
     (the compile itself is the first test's; here it is recorded, not run)."""
     from support.helpers import tiny_config
+
     from specdist import Engine
 
     calls = []
-    monkeypatch.setattr("specdist.cores.factory.compile_runner",
-                        lambda runner, role, k, cache_dir: calls.append((role, k, cache_dir)) or 0.5)
+    monkeypatch.setattr(
+        "specdist.cores.factory.compile_runner",
+        lambda runner, role, k, cache_dir: calls.append((role, k, cache_dir)) or 0.5,
+    )
     cfg = tiny_config(tiny_models, "model", 3)
     cfg["engine"].update(compile=setting, compile_cache_dir="/tmp/specdist-inductor-test")
     eng = Engine.from_config(cfg)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from specdist.bench.cost_plot import plot_speedup
 from specdist.engine.cost_model import (
     CostReport,
     acceptance_rate_from_distributions,
@@ -17,7 +18,6 @@ from specdist.engine.cost_model import (
     speedup,
     step_cost,
 )
-from specdist.bench.cost_plot import plot_speedup
 
 
 def test_worked_numbers_from_spec() -> None:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from support.gtest import g_statistic, merge_cells
+from support.helpers import devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support.helpers import devices
-from support.gtest import g_statistic, merge_cells
 from specdist.cores.coupling import (
     _mix64_t,
     exponential_noise,
@@ -88,8 +88,7 @@ def test_target_and_draft_tokens_follow_their_laws_and_agree_as_the_formula_says
         assert g_statistic(counts, law, cells) <= stats.chi2.isf(ALPHA, len(cells) - 1)
     p, q = P.numpy(), Q.numpy()
     both = (p > 0) & (q > 0)
-    agree = sum(1.0 / np.maximum(p / p[x], q / q[x]).sum()
-                for x in np.nonzero(both)[0])
+    agree = sum(1.0 / np.maximum(p / p[x], q / q[x]).sum() for x in np.nonzero(both)[0])
     rate = float((y == d).mean())
     z = (rate - agree) / math.sqrt(agree * (1 - agree) / n)
     assert abs(z) < 3.9, f"agreement {rate:.4f} against {agree:.4f} (z = {z:.1f})"
@@ -130,8 +129,10 @@ def _host_argmax(probs: torch.Tensor, starts: list[int]) -> list[int]:
 
     out = []
     for row, start in zip(probs.double().tolist(), starts):
-        scores = [-math.log(((mix64((start + (x + 1) * GOLDEN) & M64) >> 12) + 0.5) * 2.0**-52) / p if p > 0
-                  else math.inf for x, p in enumerate(row)]
+        scores = [
+            -math.log(((mix64((start + (x + 1) * GOLDEN) & M64) >> 12) + 0.5) * 2.0**-52) / p if p > 0 else math.inf
+            for x, p in enumerate(row)
+        ]
         out.append(min(range(len(row)), key=scores.__getitem__))
     return out
 
@@ -177,6 +178,7 @@ def test_the_noise_launches_a_fixed_number_of_kernels_on_a_device(rows: int, voc
     """On a device other than the CPU (the meta device here: shapes only, no memory, so a verification of 64
     requests x 17 positions over a 128k vocabulary costs nothing) one call is one chunk: the same operations
     whatever its rows and vocabulary, about 25 (cache-sized chunks were 2 rows at 128k: 10,000 operations)."""
+
     def call(rows: int, vocab: int) -> list[str]:
         probs = torch.empty(rows, vocab, device="meta")
         starts = torch.empty(rows, dtype=torch.int64, device="meta")

@@ -13,17 +13,22 @@ import subprocess
 import sys
 
 import pytest
+from support import SUPPORT
 
 from specdist.models.kernels import cpu_kernels
-from support import SUPPORT
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (x86 with AVX2)")
 
 
 def test_bad_indices_and_shapes_are_refused_before_the_call():
     script = os.path.join(SUPPORT, "kernel_bounds_cases.py")
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    run = subprocess.run(
+        [sys.executable, script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     outcomes = dict(line.split(" | ", 1) for line in run.stdout.splitlines())
     assert run.returncode == 0 and len(outcomes) == 29, run.stdout + run.stderr[-1500:]
     for case, outcome in outcomes.items():

@@ -61,8 +61,21 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 # row counts 1-9, 13 and 15: every tile size up to the largest kind's (7 rows) alone, and calls split into tiles that
 # differ by one row (9: 5 + 4 or 3 + 3 + 3; 13: 7 + 6 or 5 + 4 + 4; 15: 5 + 5 + 5 or 4 + 4 + 4 + 3)
-SHAPES = [(1, 16, 64), (3, 40, 96), (3, 21, 64), (2, 13, 96), (4, 48, 576), (5, 200, 576), (6, 24, 64), (7, 40, 96),
-          (8, 24, 576), (9, 1536, 576), (13, 40, 96), (15, 24, 64), (2, 120, 1536)]
+SHAPES = [
+    (1, 16, 64),
+    (3, 40, 96),
+    (3, 21, 64),
+    (2, 13, 96),
+    (4, 48, 576),
+    (5, 200, 576),
+    (6, 24, 64),
+    (7, 40, 96),
+    (8, 24, 576),
+    (9, 1536, 576),
+    (13, 40, 96),
+    (15, 24, 64),
+    (2, 120, 1536),
+]
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 41, 96), (4, 9, 13), (7, 200, 576), (17, 63, 1536), (32, 130, 576)])
@@ -74,13 +87,12 @@ def test_dense_float32_rows_equal_the_product_and_stand_alone(m, n, k):
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     y = cpu_kernels.f32_mm(x, w)
     want = (x.double() @ w.double().T).float()
-    assert float((y - want).abs().max()) <= 1e-5 * k ** 0.5 * float(want.abs().max())
+    assert float((y - want).abs().max()) <= 1e-5 * k**0.5 * float(want.abs().max())
     assert torch.equal(torch.cat([cpu_kernels.f32_mm(x[i : i + 1], w) for i in range(m)]), y)
     assert torch.equal(cpu_kernels.f32_mm(x[: m // 2 + 1], w), y[: m // 2 + 1])
     assert cpu_kernels.f32_mm(x[:0], w).shape == (0, n)
     with pytest.raises(ValueError, match="does not take"):
         cpu_kernels.f32_mm(x, w[:, :-1].contiguous())
-
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -94,6 +106,7 @@ def test_dense_half_width_weights_give_the_float32_bits(dtype, m, n, k):
     assert torch.equal(cpu_kernels.f32_mm(x, w), cpu_kernels.f32_mm(x, w.float()))
     with pytest.raises(ValueError, match="not one of"):
         cpu_kernels.f32_mm(x, w.double())
+
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_q4_blocks_equal_the_quantized_product(m, n, k):
@@ -119,8 +132,10 @@ def test_q8_blocks_equal_the_quantized_product(m, n, k):
 
 
 # bits -> (packer, kind, code bytes a block of 8 rows, zero point) of the codes with a scale per 16 in 6 or 7 bits
-WIDE_16 = {6: (cpu_kernels.pack_q6, cpu_kernels.LIN_Q6_16, 192, 32),
-           7: (cpu_kernels.pack_q7, cpu_kernels.LIN_Q7_16, 256, 64)}
+WIDE_16 = {
+    6: (cpu_kernels.pack_q6, cpu_kernels.LIN_Q6_16, 192, 32),
+    7: (cpu_kernels.pack_q7, cpu_kernels.LIN_Q7_16, 256, 64),
+}
 
 
 @pytest.mark.parametrize("bits", sorted(WIDE_16))
@@ -144,6 +159,7 @@ def test_six_and_seven_bit_codes_with_a_scale_per_16_equal_the_quantized_product
 
     def run(rows, cc=codes):
         return cpu_kernels.block_mm(rows, cc, packed_scales, n, kind)
+
     y = run(x)
     _check(y, x, _q8_weight(c.to(torch.int16) - mid, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
@@ -178,6 +194,7 @@ def test_five_bit_codes_with_an_offset_equal_the_quantized_product(m, n, k):
         packed = cpu_kernels.pack_q5(c.reshape(n, k // GROUP, GROUP))
         assert packed.shape == (-(-n // 8), k // GROUP, 160)
         return cpu_kernels.block_mm(rows, packed, packed_scales, n, cpu_kernels.LIN_Q5)
+
     y = run(x)
     _check(y, x, _q8_weight(codes.to(torch.int16), scales) + mins.double().repeat_interleave(GROUP, 1))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
@@ -202,6 +219,7 @@ def test_nibbles_with_a_scale_per_16_equal_the_quantized_product(m, n, k):
 
     def run(rows):
         return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_Q4_16)
+
     y = run(x)
     _check(y, x, _q8_weight(q, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
@@ -229,6 +247,7 @@ def test_two_bit_codes_with_a_scale_and_an_offset_per_16_equal_the_quantized_pro
 
     def run(rows, c=codes):
         return cpu_kernels.block_mm(rows, c, packed_scales, n, cpu_kernels.LIN_Q2M_16)
+
     y = run(x)
     _check(y, x, _q8_weight(q.to(torch.int16), scales) + mins.double().repeat_interleave(16, 1))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
@@ -260,14 +279,20 @@ def test_iq4_indices_equal_the_quantized_product(m, n, k):
 
     def run(rows):
         return cpu_kernels.block_mm(rows, codes, packed_scales, n, cpu_kernels.LIN_IQ4)
+
     y = run(x)
     _check(y, x, _q8_weight(values, scales))
     assert torch.equal(y, q8(x, values, scales))
     assert torch.equal(torch.cat([run(x[i : i + 1]) for i in range(m)]), y)
 
 
-KINDS = {"q4": cpu_kernels.LIN_Q4, "q8": cpu_kernels.LIN_Q8, "q6_16": cpu_kernels.LIN_Q6_16, "q5": cpu_kernels.LIN_Q5,
-         "q7_16": cpu_kernels.LIN_Q7_16}
+KINDS = {
+    "q4": cpu_kernels.LIN_Q4,
+    "q8": cpu_kernels.LIN_Q8,
+    "q6_16": cpu_kernels.LIN_Q6_16,
+    "q5": cpu_kernels.LIN_Q5,
+    "q7_16": cpu_kernels.LIN_Q7_16,
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -306,6 +331,7 @@ def test_float16_scales_give_the_float32_bits(kind, m, n, k):
 
         def run(s):
             return cpu_kernels.block_mm(x, packed, s, n, KINDS[kind])
+
     assert sc.dtype == torch.float16 and sc.is_contiguous()
     assert torch.equal(run(sc), run(sc.float()))
     with pytest.raises(ValueError, match="scales must be contiguous"):
@@ -370,8 +396,9 @@ def test_under_torch_compile_the_kernels_are_opaque_ops():
     p4, p8 = cpu_kernels.pack_q4(c4, s4), cpu_kernels.pack_q8(c8, s8)
 
     def f(x):
-        return (cpu_kernels.block_mm(x, *p4, n, cpu_kernels.LIN_Q4)
-                + cpu_kernels.block_mm(torch.relu(x), *p8, n, cpu_kernels.LIN_Q8))
+        return cpu_kernels.block_mm(x, *p4, n, cpu_kernels.LIN_Q4) + cpu_kernels.block_mm(
+            torch.relu(x), *p8, n, cpu_kernels.LIN_Q8
+        )
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), f(x))
@@ -396,9 +423,18 @@ def _reference_attention(q, kc, vc, slots, qpos, window, scale, cap):
     return out
 
 
-@pytest.mark.parametrize("window,cap,hd,hq", [(None, None, 24, 6), (5, None, 24, 6), (None, 30.0, 24, 6),
-                                              (None, None, 136, 6), (5, None, 20, 6), (None, None, 24, 10),
-                                              (5, None, 40, 2)])
+@pytest.mark.parametrize(
+    "window,cap,hd,hq",
+    [
+        (None, None, 24, 6),
+        (5, None, 24, 6),
+        (None, 30.0, 24, 6),
+        (None, None, 136, 6),
+        (5, None, 20, 6),
+        (None, None, 24, 10),
+        (5, None, 40, 2),
+    ],
+)
 def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd, hq):
     """GQA (hq query heads over 2 KV heads: groups of 3, of 5 = 3 + 2 heads sharing each key load, and of 1),
     ragged positions over non-adjacent slots, a query tensor that is a transposed view (the runner's layout);
@@ -419,8 +455,9 @@ def test_attention_equals_the_reference_and_rows_stand_alone(window, cap, hd, hq
     assert out.shape == q.shape and float((out.double() - ref).abs().max()) < 1e-5
     for b in range(3):
         for i in range(4):
-            alone = cpu_kernels.attention(q[b : b + 1, :, i : i + 1], kc, vc, slots[b : b + 1], qpos[b : b + 1, i : i + 1],
-                                          window, 0.3, cap)
+            alone = cpu_kernels.attention(
+                q[b : b + 1, :, i : i + 1], kc, vc, slots[b : b + 1], qpos[b : b + 1, i : i + 1], window, 0.3, cap
+            )
             assert torch.equal(alone[0, :, 0], out[b, :, i])
     for h in range(hq):
         kh, vh = (c[:, h // group : h // group + 1].contiguous() for c in (kc, vc))
@@ -500,8 +537,10 @@ def test_a_float16_cache_keeps_the_default_model_close_to_its_float32_cache(smol
     from specdist.models.runner import CausalLMRunner
 
     tokenizer, _, native = smollm2_loaded
-    text = ("The river carried the spring snowmelt down from the mountains, past the mill and the old stone bridge, "
-            "where children gathered each evening to watch the water rise. ") * 3
+    text = (
+        "The river carried the spring snowmelt down from the mountains, past the mill and the old stone bridge, "
+        "where children gathered each evening to watch the water rise. "
+    ) * 3
     ids = tokenizer.encode(text)
     probs = []
     for choice in ("model", "auto"):
@@ -517,6 +556,7 @@ def test_a_float16_cache_keeps_the_default_model_close_to_its_float32_cache(smol
 
 def _block_model(family: str, **overrides):
     from support.model_zoo import build_tiny
+
     from specdist.models.fusion import quantized_copy
     from specdist.models.quant import Int4GroupLinear
 
@@ -525,7 +565,9 @@ def _block_model(family: str, **overrides):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases, sliding windows; qwen3: q/k norms
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3"]
+)  # qwen2: q/k/v biases, sliding windows; qwen3: q/k norms
 def test_a_block_model_forward_does_not_depend_on_the_call(family):
     """Every linear on blocks and attention from these kernels: a position's logits are the same bits when it is
     decoded alone, verified among 4 tokens, or computed beside other requests in one batch."""
@@ -558,7 +600,7 @@ def test_a_block_model_forward_does_not_depend_on_the_call(family):
         for s, n in zip(slots, lengths):
             runner.cache.rollback(s, n)
         packed = runner.forward(slots, calls, counts, packed=True)  # [sum(counts), V]
-        want = torch.cat([together[b, len(calls[b]) - m: len(calls[b])] for b, m in enumerate(counts)])
+        want = torch.cat([together[b, len(calls[b]) - m : len(calls[b])] for b, m in enumerate(counts)])
         assert torch.equal(packed, want)
     for s, n in zip(slots, lengths):  # no logits asked (a prefill), ragged: none, in either layout
         runner.cache.rollback(s, n)
@@ -579,8 +621,19 @@ def _each_layer_both_ways(runner, seed: int):
         want = _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin)
         cache = runner.cache.k[i].clone(), runner.cache.v[i].clone()
         runner.cache.k[i].zero_(), runner.cache.v[i].zero_()
-        got = cpu_kernels.decoder_layer(h.clone(), runner.layer_kernels[i], cos, sin, runner.cache.k[i],
-                                      runner.cache.v[i], slots, write_pos, write_pos, None, runner.scaling)
+        got = cpu_kernels.decoder_layer(
+            h.clone(),
+            runner.layer_kernels[i],
+            cos,
+            sin,
+            runner.cache.k[i],
+            runner.cache.v[i],
+            slots,
+            write_pos,
+            write_pos,
+            None,
+            runner.scaling,
+        )
         out.append((want, got, cache, (runner.cache.k[i].clone(), runner.cache.v[i].clone())))
         h = want
     return out, (h, slots, write_pos, cos, sin)
@@ -598,8 +651,20 @@ def _layer_op_by_op(runner, i, h, slots, write_pos, cos, sin):
     q, k = q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd)
     if runner.qk_norm:  # Qwen3: each head's q and k normed before the rotation
         q, k = runner_mod._rms_norm(layer.self_attn.q_norm, q), runner_mod._rms_norm(layer.self_attn.k_norm, k)
-    o = cpu_kernels.rope_attention(q, k, v.reshape(bsz, t, -1, hd), cos, sin, runner.cache.k[i], runner.cache.v[i],
-                                   slots, write_pos, write_pos, None, runner.scaling)
+    o = cpu_kernels.rope_attention(
+        q,
+        k,
+        v.reshape(bsz, t, -1, hd),
+        cos,
+        sin,
+        runner.cache.k[i],
+        runner.cache.v[i],
+        slots,
+        write_pos,
+        write_pos,
+        None,
+        runner.scaling,
+    )
     h = h + layer.self_attn.o_proj(o.reshape(bsz, t, -1))
     return h + runner_mod._mlp(layer.mlp, runner_mod._rms_norm(layer.post_attention_layernorm, h))
 
@@ -629,8 +694,19 @@ def test_a_decoder_layer_on_blocks_is_one_kernel_call(family):
     if family != "llama":
         return
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_kernels.decoder_layer(h[..., :32].contiguous(), runner.layer_kernels[0], cos, sin, runner.cache.k[0],
-                                runner.cache.v[0], slots, write_pos, write_pos, None, runner.scaling)
+        cpu_kernels.decoder_layer(
+            h[..., :32].contiguous(),
+            runner.layer_kernels[0],
+            cos,
+            sin,
+            runner.cache.k[0],
+            runner.cache.v[0],
+            slots,
+            write_pos,
+            write_pos,
+            None,
+            runner.scaling,
+        )
     n = len(runner.layers)
     runner.hidden_layers = (0, 1, n)  # taps: the embeddings, layer 1's input, the last layer's output
     ids = [[3, 9, 4], [2, 8, 8]]
@@ -650,6 +726,7 @@ def test_a_float32_decoder_layer_is_one_kernel_call_for_a_few_rows():
     rounding) and the same output; calls of more than F32_MAX_ROWS tokens run op by op, and the output head
     takes f32_mm up to that many rows, matching torch's product."""
     from support.model_zoo import build_tiny
+
     from specdist.models.runner import CausalLMRunner
 
     runner = CausalLMRunner(build_tiny("llama", seed=4, vocab_size=32, hidden_size=64).requires_grad_(False), 2, 120)
@@ -667,8 +744,10 @@ def test_a_float32_decoder_layer_is_one_kernel_call_for_a_few_rows():
     many = runner.forward(slots.tolist(), ids, [36, 36])
     for s in slots.tolist():
         runner.cache.rollback(s, 0)
-    few = torch.cat([runner.forward(slots.tolist(), [a[i : i + 18], b[i : i + 18]], [18, 18]) for a, b in [ids]
-                     for i in (0, 18)], dim=1)  # two calls of 36 tokens: the layer kernels
+    few = torch.cat(
+        [runner.forward(slots.tolist(), [a[i : i + 18], b[i : i + 18]], [18, 18]) for a, b in [ids] for i in (0, 18)],
+        dim=1,
+    )  # two calls of 36 tokens: the layer kernels
     assert float((many - few).abs().max()) < 1e-4 * float(many.abs().max())
     head, hs = runner.model.lm_head, torch.randn(2, 5, runner.config.hidden_size, generator=g)
     from specdist.models.runner import _lm_head
@@ -691,8 +770,13 @@ def test_greedy_speculation_on_a_block_model_is_plain_decoding(tiny_models):
         draft = {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed"}
         if method == "model":
             draft["model"] = tiny_models["draft"]  # the path is not loaded: the module below is the draft
-        return load_config({"target": {"model": tiny_models["target"]}, "draft": draft,
-                            "engine": {"max_model_len": 96, "max_batch_size": 4, "device": "cpu"}})
+        return load_config(
+            {
+                "target": {"model": tiny_models["target"]},
+                "draft": draft,
+                "engine": {"max_model_len": 96, "max_batch_size": 4, "device": "cpu"},
+            }
+        )
 
     target = _block_model("llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

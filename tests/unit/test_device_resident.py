@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import devices, save_tiny_llama
+
 from specdist.engine.local import Engine
 from specdist.models.runner import CausalLMRunner
 from specdist.sampling_params import SamplingParams
@@ -58,33 +58,45 @@ class TransferSpy:
 @pytest.fixture(scope="module")
 def vocab97(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("vocab97")
-    return {"target": save_tiny_llama(str(root / "target"), seed=1, vocab_size=VOCAB),
-            "draft": save_tiny_llama(str(root / "draft"), seed=2, vocab_size=VOCAB, layers=1)}
+    return {
+        "target": save_tiny_llama(str(root / "target"), seed=1, vocab_size=VOCAB),
+        "draft": save_tiny_llama(str(root / "draft"), seed=2, vocab_size=VOCAB, layers=1),
+    }
 
 
 def _engine(models, method: str, threshold: float = 0.0, device: str = "cpu") -> Engine:
-    draft = {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed",
-             "confidence_threshold": threshold}
+    draft = {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed", "confidence_threshold": threshold}
     if method == "model":
         draft["model"] = models["draft"]
-    return Engine.from_config({"target": {"model": models["target"]}, "draft": draft,
-                               "engine": {"max_model_len": 64, "max_batch_size": BATCH, "device": device}})
+    return Engine.from_config(
+        {
+            "target": {"model": models["target"]},
+            "draft": draft,
+            "engine": {"max_model_len": 64, "max_batch_size": BATCH, "device": device},
+        }
+    )
 
 
 def _params(temperature: float) -> list[SamplingParams]:
-    return [SamplingParams(temperature=temperature, top_p=0.9, max_tokens=20, ignore_eos=True, seed=10 + i)
-            for i in range(BATCH)]
+    return [
+        SamplingParams(temperature=temperature, top_p=0.9, max_tokens=20, ignore_eos=True, seed=10 + i)
+        for i in range(BATCH)
+    ]
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("method,temperature,threshold", [
-    ("model", 0.8, 0.0),  # sampled model drafts: q rows made and verified on the device
-    ("model", 0.0, 0.0),  # greedy: one-hot q
-    ("model", 0.8, 0.2),  # the confidence rule reads the draft's distribution on the device
-    ("self-w8", 0.8, 0.0),  # on CUDA self-w4 (self-w8 is refused there: quant.INT8_ON_CUDA)
-])
-def test_steps_keep_vocabulary_sized_tensors_on_the_device(vocab97, monkeypatch, method, temperature, threshold,
-                                                           device):
+@pytest.mark.parametrize(
+    "method,temperature,threshold",
+    [
+        ("model", 0.8, 0.0),  # sampled model drafts: q rows made and verified on the device
+        ("model", 0.0, 0.0),  # greedy: one-hot q
+        ("model", 0.8, 0.2),  # the confidence rule reads the draft's distribution on the device
+        ("self-w8", 0.8, 0.0),  # on CUDA self-w4 (self-w8 is refused there: quant.INT8_ON_CUDA)
+    ],
+)
+def test_steps_keep_vocabulary_sized_tensors_on_the_device(
+    vocab97, monkeypatch, method, temperature, threshold, device
+):
     eng = _engine(vocab97, "self-w4" if (method, device) == ("self-w8", "cuda") else method, threshold, device)
     assert eng.target_core.runner.device.type == device
     spy = TransferSpy(monkeypatch, VOCAB)
@@ -111,9 +123,14 @@ def test_spy_catches_each_transfer_and_the_old_host_logits(vocab97, monkeypatch)
     row = torch.zeros(1, VOCAB)
     row.cpu(), row.to("cpu"), row.to(device=torch.device("cpu")), row.tolist(), row.numpy()
     row[0, :1].item(), row.to(torch.float16)  # a one-entry tensor; a dtype cast is not a move
-    assert spy.hits == [("cpu", (1, VOCAB)), ("to", (1, VOCAB)), ("to", (1, VOCAB)), ("tolist", (1, VOCAB)),
-                        ("numpy", (1, VOCAB))]
-    assert spy.calls[len(spy.hits):] == [("item", (1,))]
+    assert spy.hits == [
+        ("cpu", (1, VOCAB)),
+        ("to", (1, VOCAB)),
+        ("to", (1, VOCAB)),
+        ("tolist", (1, VOCAB)),
+        ("numpy", (1, VOCAB)),
+    ]
+    assert spy.calls[len(spy.hits) :] == [("item", (1,))]
     monkeypatch.undo()
 
     # The runner as it was before the logits stayed on the device: the same engine run fails the check.

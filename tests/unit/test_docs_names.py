@@ -16,7 +16,6 @@ import typing
 
 import pytest
 import yaml
-
 from support.doc_names import REPO, config_key_exists, draft_method_keys, problems
 
 DOCS = ["docs/architecture.md", "docs/configuration.md", "README.md"]
@@ -64,9 +63,11 @@ def test_the_checker_reports_made_up_names() -> None:
 def test_the_old_architecture_doc_fails() -> None:
     """Claims docs/architecture.md made before it was checked: a module that does not exist, a function that
     moved to the tests, a name no paragraph could place."""
-    old = ("- Blame: `error_for_items` (`transport.py`) turns it into a `TransportError`.\n"
-           "- `specdist/cores/rejection.py`: `rejection_sample`, `one_step_distribution` for the enumeration tests.\n"
-           "- The remote ones in `remote.py`, next to the scheduler.\n")
+    old = (
+        "- Blame: `error_for_items` (`transport.py`) turns it into a `TransportError`.\n"
+        "- `specdist/cores/rejection.py`: `rejection_sample`, `one_step_distribution` for the enumeration tests.\n"
+        "- The remote ones in `remote.py`, next to the scheduler.\n"
+    )
     assert problems(old) == [
         "line 1: `transport.py`: no file transport.py",
         "line 2: `one_step_distribution`: one_step_distribution: no name of the code, the config, the protos or the "
@@ -98,8 +99,10 @@ def test_the_config_docstring_shows_every_key() -> None:
 
 
 # a timing or a speed-up measured somewhere: "13 ms", "90 us", "1.6x faster", "took it 10 s", "ran 3x"
-TIMING = re.compile(r"\b\d+(\.\d+)?\s?(ms|µs|us)\b|\b\d+(\.\d+)?(-\d+(\.\d+)?)?x (faster|slower)\b"
-                    r"|\btook (it )?[\d.]+ ?s\b|\bran \d")
+TIMING = re.compile(
+    r"\b\d+(\.\d+)?\s?(ms|µs|us)\b|\b\d+(\.\d+)?(-\d+(\.\d+)?)?x (faster|slower)\b"
+    r"|\btook (it )?[\d.]+ ?s\b|\bran \d"
+)
 
 
 def timings_in_docstrings(source: str) -> list[str]:
@@ -113,12 +116,18 @@ def timings_in_docstrings(source: str) -> list[str]:
 
 def test_library_docstrings_carry_no_measurements() -> None:
     """A docstring says what and why; figures live in docs/performance.md ("Figures moved from docstrings")."""
-    found = {str(p.relative_to(REPO)): hits for root in ("specdist/models", "specdist/cores", "specdist/bench")
-             for p in sorted((REPO / root).rglob("*.py")) if (hits := timings_in_docstrings(p.read_text("utf-8")))}
+    found = {
+        str(p.relative_to(REPO)): hits
+        for root in ("specdist/models", "specdist/cores", "specdist/bench")
+        for p in sorted((REPO / root).rglob("*.py"))
+        if (hits := timings_in_docstrings(p.read_text("utf-8")))
+    }
     assert not found, f"docstrings with measurements: {found}"
 
 
 def test_the_timing_check_sees_a_measurement() -> None:
-    source = ('"""A runner.\n\nAt batch 1 this was 1.6x faster; the head: 13 ms, the parse took it 10 s."""\n\n'
-              'def f():\n    """What f does (k = 4, 16-token buckets, 0.5 GiB a bucket)."""\n')
+    source = (
+        '"""A runner.\n\nAt batch 1 this was 1.6x faster; the head: 13 ms, the parse took it 10 s."""\n\n'
+        'def f():\n    """What f does (k = 4, 16-token buckets, 0.5 GiB a bucket)."""\n'
+    )
     assert timings_in_docstrings(source) == ["1.6x faster", "13 ms", "took it 10 s"]

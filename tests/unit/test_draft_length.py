@@ -18,8 +18,13 @@ from specdist.engine.cost_model import expected_tokens
 from specdist.engine.draft_length import Acceptance, DraftLengthPolicy, LinearFit
 
 
-def policy_with_costs(k: int, draft: list[tuple[float, float]], verify: tuple[float, float], overhead: float = 0.0,
-                      alpha: float | None = None) -> DraftLengthPolicy:
+def policy_with_costs(
+    k: int,
+    draft: list[tuple[float, float]],
+    verify: tuple[float, float],
+    overhead: float = 0.0,
+    alpha: float | None = None,
+) -> DraftLengthPolicy:
     """A policy whose fits return exactly these coefficients; steps past the exploration ones."""
     pol = DraftLengthPolicy(k, "adaptive", num_replicas=len(draft))
     for r, (a, b) in enumerate(draft):  # samples that pin (call 0, pass a, row b): three independent points
@@ -353,26 +358,43 @@ def _chat_matches(rng):
 
 SCENARIOS = {  # name: (the bar as a fraction of the best of plain and fixed k, the simulation)
     # 16 clients, suffix drafts: per-position pricing beats every fixed k
-    "suffix, 16 requests, chat matches": (1.15, dict(batch=16, verify_s=_verify_16, draft_s=None,
-                                                     propose=_chat_matches)),
+    "suffix, 16 requests, chat matches": (
+        1.15,
+        dict(batch=16, verify_s=_verify_16, draft_s=None, propose=_chat_matches),
+    ),
     # 16 clients, suffix drafts that are never right (5%, below the prior's 17%): plain decoding wins
-    "suffix, 16 requests, hopeless": (0.95, dict(batch=16, verify_s=_verify_16, draft_s=None,
-                                                 propose=lambda rng: ([0.05] * SIM_K, [1] * SIM_K))),
+    "suffix, 16 requests, hopeless": (
+        0.95,
+        dict(batch=16, verify_s=_verify_16, draft_s=None, propose=lambda rng: ([0.05] * SIM_K, [1] * SIM_K)),
+    ),
     # batch 1, a model draft at a quarter of a target pass, 85% acceptance: k = 3-4 wins. The rule
     # reaches 0.94-0.99 of the best fixed k here: a request's acceptance is remembered for about 5
     # steps (REQUEST_DECAY), which follows real text's bursts but is noisy on i.i.d. acceptance
-    "model, batch 1, alpha 0.85": (0.92, dict(batch=1, verify_s=lambda n: 0.020 + 0.002 * n,
-                                              draft_s=lambda p, r: 0.0005 + 0.005 * p + 0.0003 * r,
-                                              propose=lambda rng: ([0.85] * SIM_K, None))),
+    "model, batch 1, alpha 0.85": (
+        0.92,
+        dict(
+            batch=1,
+            verify_s=lambda n: 0.020 + 0.002 * n,
+            draft_s=lambda p, r: 0.0005 + 0.005 * p + 0.0003 * r,
+            propose=lambda rng: ([0.85] * SIM_K, None),
+        ),
+    ),
     # 16 clients, a slow model draft at 50%: plain decoding wins
-    "model, 16 requests, slow draft": (0.95, dict(batch=16, verify_s=_verify_16,
-                                                  draft_s=lambda p, r: 0.001 + 0.012 * p + 0.0008 * r,
-                                                  propose=lambda rng: ([0.5] * SIM_K, None))),
+    "model, 16 requests, slow draft": (
+        0.95,
+        dict(
+            batch=16,
+            verify_s=_verify_16,
+            draft_s=lambda p, r: 0.001 + 0.012 * p + 0.0008 * r,
+            propose=lambda rng: ([0.5] * SIM_K, None),
+        ),
+    ),
 }
 
 
-def simulate(choose, batch, verify_s, draft_s, propose, seed: int, sigma: float = 0.15,
-             overhead_s: float = 0.004) -> float:
+def simulate(
+    choose, batch, verify_s, draft_s, propose, seed: int, sigma: float = 0.15, overhead_s: float = 0.004
+) -> float:
     """Emitted tokens per simulated second over steps SIM_WARMUP..SIM_STEPS. ``choose(policy, accs,
     proposals) -> ks``; ``draft_s(passes, rows)``: a model draft's time, None for model-free drafts
     (proposed at the caps before the choice, at no cost); ``propose(rng) -> (rates, match lengths)``:

@@ -9,8 +9,8 @@ import threading
 from specdist.engine.calls import call_isolating
 from specdist.engine.draft_pool import DraftPool
 from specdist.errors import ErrorCode
-from specdist.transport.protocol import CallTiming, Proposal, ProposeItem, StartItem, TransportError
 from specdist.sampling_params import SamplingParams
+from specdist.transport.protocol import CallTiming, Proposal, ProposeItem, StartItem, TransportError
 
 
 class FakeDrafter:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import devices, tiny_config
+
 from specdist import config as config_module
 from specdist.config import Config, load_config
 from specdist.cores.draft import DrafterCore
@@ -74,7 +74,9 @@ def _check_greedy(ref: torch.Tensor, out: list[int], tie: float) -> int:
             clear += 1
             assert t == int(ref[i].argmax()), f"position {i}: token {t}, argmax {int(ref[i].argmax())}, gap {gap:.3f}"
         else:
-            assert float(top2[i, 0] - ref[i, t]) < tie, f"position {i}: token {t} is {float(top2[i, 0] - ref[i, t]):.3f} below the max"
+            assert float(top2[i, 0] - ref[i, t]) < tie, (
+                f"position {i}: token {t} is {float(top2[i, 0] - ref[i, t]):.3f} below the max"
+            )
     return clear
 
 
@@ -143,7 +145,7 @@ def test_runner_logits_match_transformers(tiny_models, dtype, device):
     got = [[] for _ in seqs]
     pos = [0] * len(seqs)
     for step in (prefix, [3] * 3, [1] * 3, [9] * 3):
-        toks = [s[pos[b]: pos[b] + n] for b, (s, n) in enumerate(zip(seqs, step))]
+        toks = [s[pos[b] : pos[b] + n] for b, (s, n) in enumerate(zip(seqs, step))]
         live = [b for b, t in enumerate(toks) if t]
         assert live
         logits = runner.forward([slots[b] for b in live], [toks[b] for b in live], [len(toks[b]) for b in live])
@@ -208,8 +210,9 @@ def test_config_accepts_auto_and_names_the_key_of_a_bad_dtype():
     # self-w8 is the target's own copy: it runs in target.dtype; a separate draft in draft.dtype
     mixed = {"target": {"dtype": "bfloat16"}, "draft": {"dtype": "float16"}}
     assert draft_dtype(load_config(mixed)) == "bfloat16"
-    assert draft_dtype(load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}})) == \
-        "float16"
+    assert (
+        draft_dtype(load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}})) == "float16"
+    )
     assert draft_dtype(Config()) == Config().target.dtype
 
 
@@ -239,8 +242,13 @@ def test_draft_actor_loads_in_the_dtype_it_is_given(tiny_models):
     for method, spec, dtype in (("self-w8", None, "bfloat16"), ("model", tiny_models["draft"], "float16")):
         actor = DraftActor(0, None)
         try:
-            actor.load({"method": method, "model": spec, "num_speculative_tokens": 3}, tiny_models["target"],
-                       {"max_batch_size": 2, "max_model_len": 32}, device="cpu", dtype=dtype)
+            actor.load(
+                {"method": method, "model": spec, "num_speculative_tokens": 3},
+                tiny_models["target"],
+                {"max_batch_size": 2, "max_model_len": 32},
+                device="cpu",
+                dtype=dtype,
+            )
             assert actor.worker.runner.dtype == TORCH_DTYPES[dtype]
             assert actor.worker.cache.k[0].dtype == TORCH_DTYPES[dtype]
         finally:
@@ -266,9 +274,28 @@ def chat_models(tiny_models, tmp_path_factory) -> dict[str, str]:
 def test_bench_engine_runs_every_dtype_side_by_side(chat_models, capsys):
     from specdist.cli import main
 
-    rc = main(["bench", "engine", "--model", chat_models["target"], "--draft", "model", "--draft-model",
-               chat_models["draft"], "--dtype", "float32,bfloat16", "--prompts", "1", "--max-tokens", "4",
-               "--temperatures", "0", "--repeat", "2"])
+    rc = main(
+        [
+            "bench",
+            "engine",
+            "--model",
+            chat_models["target"],
+            "--draft",
+            "model",
+            "--draft-model",
+            chat_models["draft"],
+            "--dtype",
+            "float32,bfloat16",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "4",
+            "--temperatures",
+            "0",
+            "--repeat",
+            "2",
+        ]
+    )
     captured = capsys.readouterr()
     out = captured.out
     assert rc == 0
@@ -288,8 +315,22 @@ def test_bench_runner_times_each_dtype_and_chooses(chat_models, capsys):
     from specdist.bench.runner_bench import choose_auto
     from specdist.cli import main
 
-    rc = main(["bench", "runner", "--model", chat_models["target"], "--dtypes", "float32,bfloat16",
-               "--tokens", "1,3", "--context", "4", "--repeats", "2"])
+    rc = main(
+        [
+            "bench",
+            "runner",
+            "--model",
+            chat_models["target"],
+            "--dtypes",
+            "float32,bfloat16",
+            "--tokens",
+            "1,3",
+            "--context",
+            "4",
+            "--repeats",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "| 1 | " in out and "| 3 | " in out and "auto on this device: " in out
     assert choose_auto({"float32": {1: 2.0, 9: 3.0}, "bfloat16": {1: 1.0, 9: 2.0}}) == "bfloat16"
@@ -297,7 +338,22 @@ def test_bench_runner_times_each_dtype_and_chooses(chat_models, capsys):
     assert choose_auto({"float32": {1: 1.0, 9: 1.0}, "bfloat16": {1: 2.0, 9: 2.0}}) == "float32"
     assert choose_auto({"float32-wide": {1: 0.5}, "float32": {1: 2.0}, "bfloat16": {1: 1.0}}) == "bfloat16"
     # a bf16 checkpoint in float32, with and without half-width storage
-    rc = main(["bench", "runner", "--model", chat_models["target"], "--dtypes", "float32-wide,float32", "--round-bf16",
-               "--tokens", "1", "--context", "4", "--repeats", "2"])
+    rc = main(
+        [
+            "bench",
+            "runner",
+            "--model",
+            chat_models["target"],
+            "--dtypes",
+            "float32-wide,float32",
+            "--round-bf16",
+            "--tokens",
+            "1",
+            "--context",
+            "4",
+            "--repeats",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "(matrices rounded to bf16)" in out and "| float32 / float32-wide |" in out

@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 import torch
-from support.model_zoo import build_tiny
 from safetensors.torch import load_file, save_file
+from support.model_zoo import build_tiny
 
 from specdist.bench.checkpoints import write_random_eagle3_head
 from specdist.errors import ConfigError
@@ -101,7 +101,9 @@ def test_load_shapes_aux_layers_and_d2t(tmp_path, target):
     # aux layer ids from config.json, at the top level or under eagle_config
     write_random_eagle3_head(path, target.config, aux_layers=[0, 1, 1])
     assert read_eagle3_spec(path, target.config).aux_layers == (0, 1, 1)
-    _edit_config(path, eagle_aux_hidden_state_layer_ids=None, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]})
+    _edit_config(
+        path, eagle_aux_hidden_state_layer_ids=None, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}
+    )
     assert read_eagle3_spec(path, target.config).aux_layers == (1, 0, 1)
 
     # no draft_vocab_size: the draft vocabulary is the target's, no d2t needed
@@ -146,7 +148,10 @@ def test_refusals_name_what_differs(tmp_path, target):
     write_random_eagle3_head(str(path), cfg, hidden_size=64)  # no embed_tokens, wider than the target
     _refusal(path, target, "no embed_tokens.weight", "width 32", "hidden size 64")
     write_random_eagle3_head(str(path), cfg, hidden_size=64, with_embed=True)  # its own embedding: fine
-    assert load_eagle3_head(str(path), target.config, target.get_input_embeddings(), torch.float32, "cpu").spec.hidden_size == 64
+    assert (
+        load_eagle3_head(str(path), target.config, target.get_input_embeddings(), torch.float32, "cpu").spec.hidden_size
+        == 64
+    )
 
     write_random_eagle3_head(str(path), cfg)
     _edit_config(str(path), num_hidden_layers=2)
@@ -216,7 +221,7 @@ def _reference(path, target, tokens, feats, norm_before_residual):
     a = (scores.softmax(-1) @ v)[0].transpose(0, 1).reshape(n, nh * hd) @ t["midlayer.self_attn.o_proj.weight"].T
     h = residual + a
     m = _rms(h, t["midlayer.post_attention_layernorm.weight"], eps)
-    mlp = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T))
+    mlp = torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)
     out = h + mlp @ t["midlayer.mlp.down_proj.weight"].T
     draft = _rms(out, t["norm.weight"], eps) @ t["lm_head.weight"].T  # [n, Vd]
     logits = torch.full((n, cfg["vocab_size"]), -math.inf)
@@ -245,8 +250,12 @@ def test_incremental_ragged_forward_equals_full_recompute(tmp_path, target_llama
         """Feed positions [a, b) of each slot's sequence in one call; compare with the recompute."""
         slots = list(pieces)
         with torch.no_grad():
-            logits, prenorm = head(cache, slots, [seqs[s][a:b] for s, (a, b) in pieces.items()],
-                                   [feats[s][a:b] for s, (a, b) in pieces.items()])
+            logits, prenorm = head(
+                cache,
+                slots,
+                [seqs[s][a:b] for s, (a, b) in pieces.items()],
+                [feats[s][a:b] for s, (a, b) in pieces.items()],
+            )
         for row, (s, (a, b)) in enumerate(pieces.items()):
             out, ref_logits = refs[s]
             assert cache.lengths[s] == b
@@ -263,8 +272,10 @@ def test_incremental_ragged_forward_equals_full_recompute(tmp_path, target_llama
     cache.rollback(2, 3)
     cache.rollback(0, 1)
     seqs2 = {2: seqs[2][:3] + [7, 0, 11], 0: seqs[0][:1] + [2, 2]}
-    feats2 = {2: torch.cat([feats[2][:3], torch.randn(3, 32, generator=gen)]),
-              0: torch.cat([feats[0][:1], torch.randn(2, 32, generator=gen)])}
+    feats2 = {
+        2: torch.cat([feats[2][:3], torch.randn(3, 32, generator=gen)]),
+        0: torch.cat([feats[0][:1], torch.randn(2, 32, generator=gen)]),
+    }
     refs2 = {s: _reference(path, target, seqs2[s], feats2[s], norm_before_residual) for s in seqs2}
     step({0: (1, 3), 2: (3, 4)}, refs2, seqs2, feats2)
     step({2: (4, 6)}, refs2, seqs2, feats2)
@@ -283,8 +294,10 @@ def test_pytorch_bin_and_model_prefixed_names_load_the_same(tmp_path, target):
     os.makedirs(other)
     shutil.copy(os.path.join(path, "config.json"), other)
     tensors = load_file(os.path.join(path, "model.safetensors"))
-    torch.save({(k if k == "lm_head.weight" else "model." + k): v for k, v in tensors.items()},
-               os.path.join(other, "pytorch_model.bin"))
+    torch.save(
+        {(k if k == "lm_head.weight" else "model." + k): v for k, v in tensors.items()},
+        os.path.join(other, "pytorch_model.bin"),
+    )
 
     a = load_eagle3_head(path, target.config, target.get_input_embeddings(), torch.float32, "cpu")
     b = load_eagle3_head(other, target.config, target.get_input_embeddings(), torch.float32, "cpu")

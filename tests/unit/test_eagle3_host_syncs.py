@@ -87,8 +87,14 @@ class HostTraffic(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory):
     """A random head for a target of vocabulary 16, hidden size 32, 2 layers (the head's draft vocabulary 10)."""
-    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     path = str(tmp_path_factory.mktemp("eagle3") / "head")
     write_random_eagle3_head(path, config, draft_vocab_size=10, seed=1, std=0.3)
     return path, config
@@ -112,8 +118,12 @@ def test_a_draft_pass_waits_for_the_device_once(head_dir, monkeypatch, which: st
     core = DrafterCore(Eagle3Proposer(head, 4, 32), 32)
     reqs = [r for r in REQUESTS if which == "all" or (which == "greedy") == (r[1].temperature == 0)]
     width = len(head.spec.aux_layers) * head.spec.target_hidden_size
-    core.start([StartItem(str(i), p, sp, 7 + i, coupling, hidden_layers=tuple(head.spec.aux_layers))
-                for i, (p, sp, coupling) in enumerate(reqs)])
+    core.start(
+        [
+            StartItem(str(i), p, sp, 7 + i, coupling, hidden_layers=tuple(head.spec.aux_layers))
+            for i, (p, sp, coupling) in enumerate(reqs)
+        ]
+    )
     traffic = HostTraffic(monkeypatch)
     passes: list[tuple[list[str], list[str], int]] = []  # per pass: its waits, its copies in, the head's forwards
     forwards = []
@@ -132,12 +142,19 @@ def test_a_draft_pass_waits_for_the_device_once(head_dir, monkeypatch, which: st
     monkeypatch.setattr(head, "forward", counted_forward)
     k = 3
     with traffic:
-        props, _ = core.propose([ProposeItem(str(i), 0, [], k, len(p), hidden=torch.empty(len(p) - 1, width,
-                                                                                           device="meta"))
-                                 for i, (p, _, _) in enumerate(reqs)])
+        props, _ = core.propose(
+            [
+                ProposeItem(str(i), 0, [], k, len(p), hidden=torch.empty(len(p) - 1, width, device="meta"))
+                for i, (p, _, _) in enumerate(reqs)
+            ]
+        )
         assert all(len(pr.token_ids) == k for pr in props)  # the meta device's reads give token 0
-        core.propose([ProposeItem(str(i), 1, [0], k, len(p) + 2, hidden=torch.empty(2, width, device="meta"))
-                      for i, (p, _, _) in enumerate(reqs)])
+        core.propose(
+            [
+                ProposeItem(str(i), 1, [0], k, len(p) + 2, hidden=torch.empty(2, width, device="meta"))
+                for i, (p, _, _) in enumerate(reqs)
+            ]
+        )
     assert len(passes) == 2 * k
     for n, (syncs, copies_in, fw) in enumerate(passes):
         assert len(syncs) <= 1 and len(copies_in) <= fw, f"pass {n}: waits {syncs}, copies in {copies_in}"

@@ -20,11 +20,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from support.layer_kernels_check import DIMS, FAMILIES, SILU_WIDTHS, check_add_rms_norm, check_runner, check_silu_mul
 from support.model_zoo import build_tiny
 from support.triton_launches import Recorder
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from specdist.models.backends.paged import TritonPagedBackend
 from specdist.models.kv.options import KVOptions
 from specdist.models.runner import CausalLMRunner
@@ -53,6 +53,7 @@ class _TorchKernels(TorchDispatchMode):
                 return fn(*args, **kwargs)
             finally:
                 self.inside_fused = False
+
         return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -98,8 +99,12 @@ def test_a_decode_layer_launches_9_kernels_on_the_cuda_path(family: str, monkeyp
     attention in Triton). After: the 4 matmuls and 5 Triton kernels: add + norm twice, SiLU * up, rotary + cache
     write, attention."""
     ops, triton_kernels = _per_layer(family, monkeypatch)
-    assert triton_kernels == {"_add_rms_norm_kernel": 2, "_silu_mul_kernel": 1, "_rope_write_kernel": 1,
-                              "_paged_attention_kernel": 1}, triton_kernels
+    assert triton_kernels == {
+        "_add_rms_norm_kernel": 2,
+        "_silu_mul_kernel": 1,
+        "_rope_write_kernel": 1,
+        "_paged_attention_kernel": 1,
+    }, triton_kernels
     matmuls = {"qwen2": {"addmm": 1, "mm": 3}}.get(family, {"mm": 4})  # Qwen2's q/k/v bias: one addmm
     assert ops == matmuls, ops
     assert sum(ops.values()) + sum(triton_kernels.values()) == 9
@@ -108,8 +113,12 @@ def test_a_decode_layer_launches_9_kernels_on_the_cuda_path(family: str, monkeyp
 def test_qwen3_s_q_k_norms_stay_torch_s(monkeypatch) -> None:
     """Qwen3: the same 9 and its per-head q/k norms (2): 14 -> 11."""
     ops, triton_kernels = _per_layer("qwen3", monkeypatch)
-    assert triton_kernels == {"_add_rms_norm_kernel": 2, "_silu_mul_kernel": 1, "_rope_write_kernel": 1,
-                              "_paged_attention_kernel": 1}, triton_kernels
+    assert triton_kernels == {
+        "_add_rms_norm_kernel": 2,
+        "_silu_mul_kernel": 1,
+        "_rope_write_kernel": 1,
+        "_paged_attention_kernel": 1,
+    }, triton_kernels
     assert ops == {"mm": 4, "rms_norm": 2}, ops
 
 
@@ -122,13 +131,25 @@ def test_gemma_s_four_norms_and_two_adds_are_two_kernels(monkeypatch) -> None:
     assert ops == {"mm": 4, "gelu": 1, "mul": 1}, ops
 
 
-@pytest.mark.parametrize("family,fused", [("llama", True), ("qwen2", True), ("phi3", True), ("qwen3", True),
-                                          ("qwen3_moe", True), ("gemma2", True), ("gemma3", True)])
-def test_the_fused_kernels_run_on_the_triton_backend_for_llama_and_gemma_norms_only(family: str, fused: bool,
-                                                                                  monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "family,fused",
+    [
+        ("llama", True),
+        ("qwen2", True),
+        ("phi3", True),
+        ("qwen3", True),
+        ("qwen3_moe", True),
+        ("gemma2", True),
+        ("gemma3", True),
+    ],
+)
+def test_the_fused_kernels_run_on_the_triton_backend_for_llama_and_gemma_norms_only(
+    family: str, fused: bool, monkeypatch
+) -> None:
     """The Triton backend: residual add + norm fused where every norm of every layer is Llama-style in pre-norm
     layers, or Gemma's 1 + w in its sandwich; SiLU * up where gate and up are one matmul followed by SiLU (not a
-    mixture-of-experts layer, not Gemma's GELU). Other backends: never the Triton kernels (the CPU's C kernels and SDPA unchanged);
+    mixture-of-experts layer, not Gemma's GELU). Other backends: never the Triton kernels (the CPU's C kernels and SDPA
+    unchanged);
     the paged torch reference adds a residual with the next norm as well, in torch's ops."""
     model = build_tiny(family, seed=1)
     for backend, kv in (("cpu", "slots"), ("sdpa", "slots"), ("paged-torch", "paged")):
@@ -139,8 +160,10 @@ def test_the_fused_kernels_run_on_the_triton_backend_for_llama_and_gemma_norms_o
     runner = CausalLMRunner(model, num_slots=2, max_len=32, kv=KVOptions("paged"), attention_backend="paged")
     assert runner.add_norms == runner.layer_triton == fused
     assert runner.norm_offset == (1.0 if family.startswith("gemma") else 0.0)
-    silu = [fused and not family.startswith("gemma") and not hasattr(layer.mlp, "experts")  # qwen3_moe: layer 0 dense
-            for layer in runner.layers]
+    silu = [
+        fused and not family.startswith("gemma") and not hasattr(layer.mlp, "experts")  # qwen3_moe: layer 0 dense
+        for layer in runner.layers
+    ]
     assert [g is not None for g in runner.silu_gate_up] == silu
 
 
@@ -148,11 +171,17 @@ def test_the_kernels_under_triton_s_interpreter_equal_float64_and_the_runners_tr
     """tests/support/layer_kernels_check.py under TRITON_INTERPRET=1 (about 18 s; in a process of its own: the
     interpreter is chosen before Triton is imported): add + norm (with and without the residual; Gemma's, its
     delta normed first) and SiLU * up at several widths in float32 and float16 against float64; then llama, qwen2,
-    phi3, qwen3, gemma2 and gemma3 runners on the Triton backend (the paged kernels and these, under the interpreter) against transformers' logits over a prefill, a
+    phi3, qwen3, gemma2 and gemma3 runners on the Triton backend (the paged kernels and these, under the interpreter)
+    against transformers' logits over a prefill, a
     ragged verification and decodes, and their greedy tokens against its generate."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, os.path.join(SUPPORT, "layer_kernels_check.py")], capture_output=True,
-                         text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, os.path.join(SUPPORT, "layer_kernels_check.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert run.stdout.count(": ok") == 2 * (3 * len(DIMS) + len(SILU_WIDTHS)) + len(FAMILIES), run.stdout
 

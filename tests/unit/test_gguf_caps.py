@@ -37,8 +37,10 @@ def _entry(key: str, vtype: int, value: bytes) -> bytes:
     return _string(key) + struct.pack("<I", vtype) + value
 
 
-LLAMA_1 = [_entry("general.architecture", STRING, _string("llama")), _entry("llama.block_count", U32,
-                                                                              struct.pack("<I", 1))]
+LLAMA_1 = [
+    _entry("general.architecture", STRING, _string("llama")),
+    _entry("llama.block_count", U32, struct.pack("<I", 1)),
+]
 
 
 def test_a_2_mb_file_of_100000_metadata_entries_is_refused_before_any_reader(tmp_path, monkeypatch):

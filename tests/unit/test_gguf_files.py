@@ -14,8 +14,8 @@ import json
 import os
 import subprocess
 import sys
-import pytest
 
+import pytest
 from support import SUPPORT
 
 LIMIT_MB = 3072
@@ -24,8 +24,13 @@ LIMIT_MB = 3072
 @pytest.mark.slow
 def test_damaged_gguf_files_end_in_a_config_error_naming_the_file(tmp_path):
     script = os.path.join(SUPPORT, "gguf_fuzz_cases.py")
-    run = subprocess.run([sys.executable, script, str(tmp_path), str(LIMIT_MB)], capture_output=True, text=True,
-                         timeout=240, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    run = subprocess.run(
+        [sys.executable, script, str(tmp_path), str(LIMIT_MB)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0 and len(lines) >= 60, run.stdout[-2000:] + run.stderr[-2000:]
     assert lines[0] == {"case": "valid", "result": "ok", "seconds": 0}

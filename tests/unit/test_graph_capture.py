@@ -15,12 +15,12 @@ import contextlib
 
 import pytest
 import torch
-
 from support.model_zoo import FAMILIES, build_tiny
+
 from specdist.models import graphs as graphs_module
 from specdist.models.graphs import device_guard
-from specdist.models.kv.options import KVOptions
 from specdist.models.host_reads import HostReadError, HostReadGuard
+from specdist.models.kv.options import KVOptions
 from specdist.models.runner import CausalLMRunner
 
 _X = torch.arange(6.0).reshape(2, 3)
@@ -51,8 +51,9 @@ DEVICE_WORK = {  # none does
     "repeat_interleave(int)": lambda: _X.repeat_interleave(2, dim=0),
     "repeat_interleave(tensor, output_size)": lambda: _X.repeat_interleave(torch.tensor([1, 2]), dim=0, output_size=3),
     "histc over a range": lambda: _X.histc(4, 0, 5),
-    "grouped_mm bfloat16": lambda: torch.nn.functional.grouped_mm(torch.randn(4, 8).bfloat16(),
-                                                                  torch.randn(2, 8, 8).bfloat16(), offs=_OFFS),
+    "grouped_mm bfloat16": lambda: torch.nn.functional.grouped_mm(
+        torch.randn(4, 8).bfloat16(), torch.randn(2, 8, 8).bfloat16(), offs=_OFFS
+    ),
     "a CPU pass's copy to the CPU": lambda: _X.to("cpu", copy=True),
 }
 
@@ -75,8 +76,11 @@ def test_the_guard_passes_device_work(name):
 
 def test_the_guard_raises_on_copies_between_the_host_and_the_pass_s_device():
     """Device-to-host always; host-to-device from pageable memory ("meta" stands for a GPU here)."""
-    for copy in (lambda: torch.empty(3, device="meta").cpu(), lambda: torch.zeros(3).copy_(torch.empty(3, device="meta")),
-                 lambda: torch.zeros(3).to("meta")):
+    for copy in (
+        lambda: torch.empty(3, device="meta").cpu(),
+        lambda: torch.zeros(3).copy_(torch.empty(3, device="meta")),
+        lambda: torch.zeros(3).to("meta"),
+    ):
         with pytest.raises(HostReadError, match="copy"), HostReadGuard("meta"):
             copy()
     with HostReadGuard("meta"):
@@ -149,8 +153,11 @@ def test_a_pass_that_reads_the_host_runs_uncaptured_after_one_line(capsys):
     assert graphed.capture_graphs(max_tokens=2, log=lines.append, eager_replay=True) == 0.0
     err = capsys.readouterr().err.strip().splitlines()
     assert graphed.graphs is None and lines == [] and len(err) == 1, err
-    assert "cuda graphs: off for this llama runner" in err[0] and "is_nonzero" in err[0] \
+    assert (
+        "cuda graphs: off for this llama runner" in err[0]
+        and "is_nonzero" in err[0]
         and "test_graph_capture.py" in err[0]
+    )
     for got, want in _steps(graphed, eager, 2, model.config.vocab_size):  # served by the eager paged pass
         assert torch.equal(got, want)
 
@@ -245,6 +252,7 @@ def test_a_bucket_keeps_hidden_states_and_gives_the_eager_pass_s_logits():
     """The rows a step asks for go through the head after the graph: each bucket's static tensors have no
     vocabulary dimension (the logits of every padded row, 1.9 GiB at 8 B / 64 slots, are gone), its static bytes
     grow with the hidden size and not with the vocabulary, and the logits are the eager paged pass's."""
+
     def captured(**over):
         model = build_tiny("llama", **over)
         runner = _paged_runner(model)

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from specdist.models.kernels import cpu_kernels
 from specdist.models.dtypes import HalfStoredEmbedding, HalfStoredLinear, half_width
+from specdist.models.kernels import cpu_kernels
 from specdist.models.runner import CausalLMRunner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need x86 with AVX2")
@@ -29,8 +29,9 @@ def _rounded(model: torch.nn.Module, first_layer: torch.dtype = torch.bfloat16) 
 def _tiny(tied: bool, seed: int = 3) -> torch.nn.Module:
     from support.model_zoo import build_tiny
 
-    return build_tiny("llama", seed=seed, vocab_size=40, hidden_size=64, num_hidden_layers=3,
-                      tie_word_embeddings=tied).requires_grad_(False)
+    return build_tiny(
+        "llama", seed=seed, vocab_size=40, hidden_size=64, num_hidden_layers=3, tie_word_embeddings=tied
+    ).requires_grad_(False)
 
 
 def _calls(runner: CausalLMRunner) -> list[torch.Tensor]:
@@ -60,8 +61,15 @@ def test_half_stored_weights_give_the_float32_bits(tied):
     full = CausalLMRunner(copy.deepcopy(model), 2, 128, half_storage=False)
     half = CausalLMRunner(model, 2, 128)
     layer = half.layers
-    dtypes = [(type(m), m.weight.dtype) for m in (layer[0].mlp.down_proj, layer[1].mlp.down_proj,
-                                                  layer[2].self_attn.fused_qkv.inner, half.model.lm_head)]
+    dtypes = [
+        (type(m), m.weight.dtype)
+        for m in (
+            layer[0].mlp.down_proj,
+            layer[1].mlp.down_proj,
+            layer[2].self_attn.fused_qkv.inner,
+            half.model.lm_head,
+        )
+    ]
     assert dtypes == [(HalfStoredLinear, torch.float16)] + [(HalfStoredLinear, torch.bfloat16)] * 3
     embed = half.model.model.embed_tokens
     if tied:  # one bf16 table for the head and the lookups, as the tie kept one float32 table
@@ -73,8 +81,12 @@ def test_half_stored_weights_give_the_float32_bits(tied):
     assert kinds == {cpu_kernels.LIN_BF16, cpu_kernels.LIN_F16}
 
     def layer_weight_bytes(r):  # the storage the layers' matmul weights keep alive (fused parts are views)
-        storages = {m.weight.untyped_storage().data_ptr(): m.weight.untyped_storage().nbytes()
-                    for layer in r.layers for m in layer.modules() if type(m) in (torch.nn.Linear, HalfStoredLinear)}
+        storages = {
+            m.weight.untyped_storage().data_ptr(): m.weight.untyped_storage().nbytes()
+            for layer in r.layers
+            for m in layer.modules()
+            if type(m) in (torch.nn.Linear, HalfStoredLinear)
+        }
         return sum(storages.values())
 
     assert 2 * layer_weight_bytes(half) == layer_weight_bytes(full)
@@ -88,10 +100,10 @@ def test_weights_no_half_dtype_holds_stay_float32():
     """Random float32 weights are exact in neither half dtype: nothing changes."""
     runner = CausalLMRunner(_tiny(False), 2, 64)
     assert not any(type(m) is HalfStoredLinear for m in runner.model.modules())
-    assert half_width(torch.tensor([[1.0, 1 + 2 ** -12]])) is None
+    assert half_width(torch.tensor([[1.0, 1 + 2**-12]])) is None
     assert half_width(torch.tensor([[1.0, float("nan")]])) is None
-    assert half_width(torch.tensor([[1.0, 1 + 2 ** -9]])).dtype == torch.float16
-    assert half_width(torch.tensor([[1.0, 2.0 ** 100]])).dtype == torch.bfloat16
+    assert half_width(torch.tensor([[1.0, 1 + 2**-9]])).dtype == torch.float16
+    assert half_width(torch.tensor([[1.0, 2.0**100]])).dtype == torch.bfloat16
 
 
 def test_a_low_bit_copy_of_a_half_stored_model_quantizes_every_linear():

@@ -99,15 +99,20 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_specdist_reaches_workers_and_cluster_only_from_the_serving_entry_point() -> None:
     """``specdist`` is importable without Ray: only the serve command brings a deployment up."""
-    reaching = {name for name, path in _modules().items()
-                if any(i.split(".")[0] in ("workers", "cluster") for i in _imports(path))}
+    reaching = {
+        name
+        for name, path in _modules().items()
+        if any(i.split(".")[0] in ("workers", "cluster") for i in _imports(path))
+    }
     assert reaching <= {"specdist.api.serving"}, reaching
 
 
 def test_workers_import_nothing_of_the_api() -> None:
     """A worker hosts cores over the transport: the host strings and devices it needs sit below the servers."""
-    reaching = {name: sorted(i for i in _imports(path) if i.startswith("specdist.api"))
-                for name, path in _modules("workers").items()}
+    reaching = {
+        name: sorted(i for i in _imports(path) if i.startswith("specdist.api"))
+        for name, path in _modules("workers").items()
+    }
     assert {name: found for name, found in reaching.items() if found} == {}
 
 
@@ -115,6 +120,7 @@ def test_the_api_converts_its_requests_without_the_workers_wire_codecs() -> None
     """A client's request does not go api -> transport -> api: the servers' conversions are the API's own
     (specdist.api.codecs) or shared below both (specdist.sampling_proto), never specdist.transport.wire's."""
     graph = _graph()
-    reaching = sorted(name for name in graph
-                      if name.startswith("specdist.api") and "specdist.transport.wire" in graph[name])
+    reaching = sorted(
+        name for name in graph if name.startswith("specdist.api") and "specdist.transport.wire" in graph[name]
+    )
     assert reaching == []

@@ -23,8 +23,13 @@ from specdist.models.kv.slots import SlotKVCache
 def _members(proto: type) -> dict[str, object]:
     """The protocol's own members: its data annotations, methods and properties."""
     out: dict[str, object] = {name: None for name in proto.__annotations__}
-    out.update({name: v for name, v in vars(proto).items()
-                if not name.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))})
+    out.update(
+        {
+            name: v
+            for name, v in vars(proto).items()
+            if not name.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))
+        }
+    )
     return out
 
 
@@ -34,7 +39,7 @@ def _params(fn) -> list[str]:
 
 @pytest.mark.parametrize("cls", [SlotKVCache, PagedKVCache])
 def test_both_caches_keep_the_kv_cache_protocol(cls):
-    cache = (SlotKVCache(2, 3, 1, 2, 64) if cls is SlotKVCache else PagedKVCache(2, 3, 1, 2, 64, 49, 4))
+    cache = SlotKVCache(2, 3, 1, 2, 64) if cls is SlotKVCache else PagedKVCache(2, 3, 1, 2, 64, 49, 4)
     for name, member in _members(KVCache).items():
         assert hasattr(cache, name), f"{cls.__name__} has no {name}"
         if inspect.isfunction(member):

@@ -24,11 +24,12 @@ except ImportError:
     import httpx
 
 from support.helpers import remote_engine_like, serving_in_process, tiny_config
+
 from specdist import Engine, InvalidArgument, SamplingParams
-from specdist.cores import verify_batch as verifying
 from specdist.client import RemoteError, SpecDistClient
-from specdist.logprobs import TokenLogprob
+from specdist.cores import verify_batch as verifying
 from specdist.cores.sampling import process_logits
+from specdist.logprobs import TokenLogprob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,10 +60,11 @@ def reference(hf_target, prompt: list[int], output: list[int], sp: SamplingParam
     """[len(output), V] log p of the processed distribution at each output position (no cache)."""
     with torch.no_grad():
         logits = hf_target(torch.tensor([prompt + output])).logits[0].float()  # [L, V]
-    rows = logits[len(prompt) - 1: len(prompt) - 1 + len(output)]  # [n, V] the logits each output token followed
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(output)]  # [n, V] the logits each output token followed
     n = len(output)
-    p = process_logits(rows, torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long),
-                       torch.full((n,), sp.top_p))
+    p = process_logits(
+        rows, torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.long), torch.full((n,), sp.top_p)
+    )
     return p.log()
 
 
@@ -149,9 +151,13 @@ def dataclass_replace(sp: SamplingParams, **changes) -> SamplingParams:
 def srv(tiny_models):
     with serving_in_process(tiny_models) as (engine, serving), httpx.Client(trust_env=False, timeout=30) as http:
         s = SimpleNamespace(
-            engine=engine, http=http, grpc=SpecDistClient(serving.address), model=engine.config.target.model,
-            client=openai.OpenAI(base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0,
-                                 http_client=http),
+            engine=engine,
+            http=http,
+            grpc=SpecDistClient(serving.address),
+            model=engine.config.target.model,
+            client=openai.OpenAI(
+                base_url=f"http://{serving.http.address}/v1", api_key="unused", max_retries=0, http_client=http
+            ),
         )
         yield s
         s.grpc.close()
@@ -172,14 +178,19 @@ def grpc_logprobs(s, prompt, n: int, **kw) -> tuple[list[int], list[TokenLogprob
 def test_completions_logprobs_in_openai_shape(srv):
     ids, want = grpc_logprobs(srv, "a b c", 3)
     tok = srv.engine.tokenizer
+    offsets = None  # the unstreamed answer's offsets, which the streamed one must repeat
     for stream in (False, True):
         kw = dict(model=srv.model, prompt="a b c", logprobs=3, extra_body={"ignore_eos": True}, **SAMPLED)
         if stream:
             chunks = list(srv.client.completions.create(stream=True, **kw))
             blocks = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
             text = "".join(c.choices[0].text for c in chunks if c.choices)
-            lp = SimpleNamespace(**{f: sum((getattr(b, f) for b in blocks), []) for f in
-                                    ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+            lp = SimpleNamespace(
+                **{
+                    f: sum((getattr(b, f) for b in blocks), [])
+                    for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                }
+            )
         else:
             got = srv.client.completions.create(**kw)
             lp, text = got.choices[0].logprobs, got.choices[0].text
@@ -191,7 +202,7 @@ def test_completions_logprobs_in_openai_shape(srv):
         special = {tok.decode([t]) for t in tok.all_special_ids}
         assert all(t in special or text[o:].lstrip().startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-        offsets = offsets if stream else lp.text_offset  # streamed: the same offsets, chunk after chunk
+        offsets = lp.text_offset if offsets is None else offsets
         assert lp.text_offset == offsets
 
 
@@ -199,8 +210,14 @@ def test_chat_logprobs_in_openai_shape(srv):
     ids, want = grpc_logprobs(srv, "a b", 2, apply_chat_template=True)
     tok = srv.engine.tokenizer
     for stream in (False, True):
-        kw = dict(model=srv.model, messages=[{"role": "user", "content": "a b"}], logprobs=True, top_logprobs=2,
-                  extra_body={"ignore_eos": True}, **SAMPLED)
+        kw = dict(
+            model=srv.model,
+            messages=[{"role": "user", "content": "a b"}],
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"ignore_eos": True},
+            **SAMPLED,
+        )
         if stream:
             chunks = list(srv.client.chat.completions.create(stream=True, **kw))
             content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -209,25 +226,30 @@ def test_chat_logprobs_in_openai_shape(srv):
         assert [e.logprob for e in content] == [w.logprob for w in want]
         assert [e.token for e in content] == [tok.decode([t]) for t in ids]
         assert all(e.bytes == list(e.token.encode()) for e in content)
-        assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in content] == \
-            [[(tok.decode([t]), v) for t, v in w.top] for w in want]
-    plain = srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "a"}],
-                                               max_tokens=3, logprobs=False)
+        assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in content] == [
+            [(tok.decode([t]), v) for t, v in w.top] for w in want
+        ]
+    plain = srv.client.chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": "a"}], max_tokens=3, logprobs=False
+    )
     assert plain.choices[0].logprobs is None  # not asked: none
     plain = srv.client.completions.create(model=srv.model, prompt="a", max_tokens=3)
     assert plain.choices[0].logprobs is None
 
 
-@pytest.mark.parametrize("endpoint, kwargs, param", [
-    ("completions", dict(logprobs=21), "logprobs"),
-    ("completions", dict(logprobs=-1), "logprobs"),
-    ("completions", dict(extra_body={"logprobs": True}), "logprobs"),
-    ("chat", dict(top_logprobs=2), "top_logprobs"),
-    ("chat", dict(logprobs=False, top_logprobs=0), "top_logprobs"),
-    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
-    ("chat", dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
-    ("chat", dict(extra_body={"logprobs": 3}), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "endpoint, kwargs, param",
+    [
+        ("completions", dict(logprobs=21), "logprobs"),
+        ("completions", dict(logprobs=-1), "logprobs"),
+        ("completions", dict(extra_body={"logprobs": True}), "logprobs"),
+        ("chat", dict(top_logprobs=2), "top_logprobs"),
+        ("chat", dict(logprobs=False, top_logprobs=0), "top_logprobs"),
+        ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        ("chat", dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+        ("chat", dict(extra_body={"logprobs": 3}), "logprobs"),
+    ],
+)
 def test_bad_http_values_name_the_field(srv, endpoint, kwargs, param):
     if endpoint == "completions":
         call, kwargs = srv.client.completions.create, {"prompt": "a", **kwargs}
@@ -248,10 +270,10 @@ def test_bad_grpc_value_names_the_field(srv, value):
 
 
 def test_wire_round_trips_tell_zero_from_unset():
-    from specdist.transport.protocol import Verified
-    from specdist.v1 import common_pb2, target_pb2
     from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+    from specdist.transport.protocol import Verified
     from specdist.transport.wire import verified_from_proto, verified_to_proto
+    from specdist.v1 import common_pb2, target_pb2
 
     for n in (None, 0, 20):
         msg = sampling_params_to_proto(SamplingParams(logprobs=n))
@@ -260,7 +282,9 @@ def test_wire_round_trips_tell_zero_from_unset():
     with pytest.raises(InvalidArgument) as e:
         sampling_params_from_proto(common_pb2.SamplingParams(logprobs=21), "items[0].params")
     assert e.value.field == "items[0].params.logprobs"
-    results = [Verified("a", 1, 4, [TokenLogprob(-0.5, ((4, -0.5), (2, -1.25))), TokenLogprob(0.0, ())]),
-               Verified("b", 0, 3)]
+    results = [
+        Verified("a", 1, 4, [TokenLogprob(-0.5, ((4, -0.5), (2, -1.25))), TokenLogprob(0.0, ())]),
+        Verified("b", 0, 3),
+    ]
     back = verified_from_proto(target_pb2.VerifyResponse.FromString(verified_to_proto(results).SerializeToString()))
     assert back == results

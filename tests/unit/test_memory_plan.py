@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist import SamplingParams
 from specdist.api.admission import server_info
 from specdist.config import EngineConfig
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
-from specdist.models.kv.options import KVOptions
 from specdist.models import memory_plan
-from specdist.models.memory_plan import CacheNeed, CudaMeasure, Profile, plan, plan_memory
+from specdist.models.kv.options import KVOptions
 from specdist.models.kv.paged import PagedKVCache
+from specdist.models.memory_plan import CacheNeed, CudaMeasure, Profile, plan, plan_memory
 from specdist.v1 import specdist_pb2
 
 GIB = 1 << 30
@@ -41,8 +41,10 @@ def test_the_caches_share_the_budget_by_bytes_per_token_and_hold_equal_tokens():
     scratch = 16 * per_token  # a block of each cache
     assert n * per_token + scratch <= p.budget < (n + 16) * per_token + scratch  # all of it, to a block
     assert p.bytes == {"target": (n + 16) * 128 * 1024, "draft": (n + 16) * 32 * 1024}
-    assert p.line().startswith("memory plan: 80.00 GiB x gpu_memory_utilization 0.9 - weights 16.00 - graphs 2.00 "
-                               "- peak 3.00 - non-torch 1.00 = 50.00 GiB of KV caches: target ")
+    assert p.line().startswith(
+        "memory plan: 80.00 GiB x gpu_memory_utilization 0.9 - weights 16.00 - graphs 2.00 "
+        "- peak 3.00 - non-torch 1.00 = 50.00 GiB of KV caches: target "
+    )
 
 
 def test_a_cache_takes_no_more_than_its_slots_hold_and_leaves_the_rest_to_the_others():
@@ -99,15 +101,24 @@ def test_graph_profiles_add_up_eager_ones_count_by_their_largest_and_the_caches_
     minimal = sum(c.num_blocks * 16 * c.bytes_per_token for c in caches.values())
     weights, other = 10_000_000, 3_000_000
     m = FakeMeasure(100_000_000, weights + minimal, other, peaks=[1_000_000, 2_000_000, 500_000, 4_000_000, 700])
-    profile = Profile(graphs=[lambda: "target buckets", lambda: "draft buckets"],
-                      eager=[lambda: "prefill", lambda: "sampler", lambda: "draft prefill"])
+    profile = Profile(
+        graphs=[lambda: "target buckets", lambda: "draft buckets"],
+        eager=[lambda: "prefill", lambda: "sampler", lambda: "draft prefill"],
+    )
     lines = []
     p = plan_memory(caches, 0.5, profile, m, log=lines.append)
     assert m.ran == ["target buckets", "draft buckets", "prefill", "sampler", "draft prefill"]
     assert (p.weights, p.graphs, p.peak, p.non_torch) == (weights, 3_000_000, 4_000_000, other)
     assert lines == [p.line()] and m.released == 2
-    want = plan(100_000_000, 0.5, weights, 3_000_000, 4_000_000, other,
-                [CacheNeed(n, c.bytes_per_token, 16, 64, 4 * 64) for n, c in caches.items()])
+    want = plan(
+        100_000_000,
+        0.5,
+        weights,
+        3_000_000,
+        4_000_000,
+        other,
+        [CacheNeed(n, c.bytes_per_token, 16, 64, 4 * 64) for n, c in caches.items()],
+    )
     assert p.tokens == want.tokens and p.tokens["target"] == p.tokens["draft"] > 64
     for name, c in caches.items():  # the same objects (runners and cores hold them), now with the planned blocks
         assert c.num_blocks == p.tokens[name] // 16 + 1 and c.k[0].shape[0] == c.num_blocks
@@ -123,8 +134,15 @@ class FakeCuda:
     def __init__(self, monkeypatch, total: int, allocated: int, cached: int, other: int, peaks: list[int]):
         self.total, self.allocated, self.cached, self.other, self.peaks = total, allocated, cached, other, peaks
         self.resets = 0
-        for name in ("mem_get_info", "memory_allocated", "memory_reserved", "max_memory_allocated",
-                     "reset_peak_memory_stats", "synchronize", "empty_cache"):
+        for name in (
+            "mem_get_info",
+            "memory_allocated",
+            "memory_reserved",
+            "max_memory_allocated",
+            "reset_peak_memory_stats",
+            "synchronize",
+            "empty_cache",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         monkeypatch.setattr(memory_plan, "measure_for", CudaMeasure)  # the CPU engine plans as on a GPU
 
@@ -166,8 +184,15 @@ def test_the_engine_plans_its_target_and_draft_caches_together_from_its_passes(t
     cuda = FakeCuda(monkeypatch, total, weights + _minimal_bytes(64, per_token), cached, other, peaks)
     eng = Engine.from_config(cfg)
     assert cuda.resets == 6  # every pass profiled: each runner's buckets and longest prefill, two samplers
-    want = plan(total, 0.9, weights, 0, 90_000, other,  # what torch caches is not memory outside torch
-                [CacheNeed(n, b, 16, 64, 4 * 64) for n, b in zip(("target", "draft"), per_token)])
+    want = plan(
+        total,
+        0.9,
+        weights,
+        0,
+        90_000,
+        other,  # what torch caches is not memory outside torch
+        [CacheNeed(n, b, 16, 64, 4 * 64) for n, b in zip(("target", "draft"), per_token)],
+    )
     target, draft = eng.target_core.cache, eng.draft_core.cache
     assert target.usage()["blocks_total"] * 16 == draft.usage()["blocks_total"] * 16 == want.tokens["target"] == 144
     assert eng.memory_plan == want.line() and specdist_pb2.ServerInfo(**server_info(eng)).memory_plan == want.line()

@@ -19,18 +19,18 @@ import struct
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-
 from support.helpers import devices, tiny_config
 from support.model_zoo import FAMILIES, LENGTH_DEPENDENT_ROPE, build_tiny, save_tiny
+from transformers import AutoModelForCausalLM, DynamicCache
+
 from specdist import Engine, SamplingParams
 from specdist.errors import ConfigError
-from specdist.models.families import SUPPORTED_MODEL_TYPES
-from specdist.models.loader import load_model, resolve_model
 from specdist.models import families as families_module
 from specdist.models.backends import slots as slot_backends
+from specdist.models.families import SUPPORTED_MODEL_TYPES
 from specdist.models.kernels import cpu_kernels
 from specdist.models.kv.options import KVOptions
+from specdist.models.loader import load_model, resolve_model
 from specdist.models.runner import CausalLMRunner
 
 SEQ_LEN = 24  # windows are 4-5 tokens; the original context of llama-dynamic and phi3-longrope is 16
@@ -57,15 +57,20 @@ def _reference_logits(model, seq: list[int], family: str) -> torch.Tensor:  # [T
         # Dynamic and longrope RoPE depend on the length of each call in transformers; the runner
         # rotates position p as a call ending at p does (see specdist/models/runner.py): token by token.
         cache = DynamicCache(config=model.config)
-        return torch.cat([model(torch.tensor([[t]], device=model.device), cache=cache, use_cache=True).logits[0]
-                          for t in seq]).cpu()
+        return torch.cat(
+            [model(torch.tensor([[t]], device=model.device), cache=cache, use_cache=True).logits[0] for t in seq]
+        ).cpu()
 
 
 # (device, attention) pairs. CPU float32 attends through specdist's CPU kernels where they run (x86 with AVX2);
 # "sdpa" turns them off to cover the slot cache's SDPA forms; "paged" builds what CUDA builds (the paged cache
 # and its backend: the torch reference on the CPU, the Triton kernels on CUDA), so CI runs the CUDA configuration.
-PLACES = [pytest.param("cpu", "kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
-          ("cpu", "sdpa"), ("cpu", "paged"), pytest.param("cuda", "paged", marks=devices()[1].marks)]
+PLACES = [
+    pytest.param("cpu", "kernels", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
+    ("cpu", "sdpa"),
+    ("cpu", "paged"),
+    pytest.param("cuda", "paged", marks=devices()[1].marks),
+]
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")
@@ -83,8 +88,11 @@ def test_a_layer_is_one_kernel_call_where_its_family_declares_that_shape(family:
     if family in ("llama", "qwen2", "qwen3", "mistral"):
         assert all(fused)  # (the plain rotary of these zoo entries runs in the kernel)
     if declared:  # the same modules in a family that declares nothing run op by op
-        monkeypatch.setitem(families_module.FAMILIES, model_type,
-                            dataclasses.replace(families_module.FAMILIES[model_type], layer_kernel=None))
+        monkeypatch.setitem(
+            families_module.FAMILIES,
+            model_type,
+            dataclasses.replace(families_module.FAMILIES[model_type], layer_kernel=None),
+        )
         runner = CausalLMRunner(model, num_slots=2, max_len=32, kv_cache_dtype="model")
         assert runner.layer_kernels == [None] * len(runner.layers)
 
@@ -132,9 +140,16 @@ def test_logits_match_transformers(family: str, device: str, attention: str, mon
             # error (a norm weight, the window, a RoPE table, a soft-cap, the scale) moves them by
             # 0.1 or more.
             err = (got - want).abs()  # [n + j, V]
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda _: (
-                f"{family}: step {step}, request {r}: max error {float(err.max()):.3g} at token "
-                f"{int(err.amax(1).argmax())} of {n + j} (positions from {pos[r]})"))
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=0,
+                atol=1e-4,
+                msg=lambda _: (
+                    f"{family}: step {step}, request {r}: max error {float(err.max()):.3g} at token "
+                    f"{int(err.amax(1).argmax())} of {n + j} (positions from {pos[r]})"
+                ),
+            )
             pos[r] += n
             runner.cache.rollback(SLOTS[r], pos[r])
     assert pos == [SEQ_LEN] * len(SLOTS)
@@ -162,10 +177,19 @@ def _hf_greedy(path: str, prompt: list[int], n: int, device: str = "cpu") -> lis
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=0,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, top_k=None, top_p=None,
-                             temperature=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 1], [2, 9, 4, 11, 6]]  # both inside the original 16 positions (LENGTH_DEPENDENT_ROPE)
@@ -197,6 +221,7 @@ def test_greedy_speculative_equals_transformers_generate(zoo, family: str, metho
 
 def _gguf_header(path: str, architecture: str) -> str:
     """A GGUF file holding nothing but its key/value header (no tensors)."""
+
     def s(text: str) -> bytes:
         return struct.pack("<Q", len(text)) + text.encode()
 
@@ -220,8 +245,13 @@ def test_unsupported_architecture_is_refused_before_weights(tmp_path, monkeypatc
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     with pytest.raises(ConfigError) as err:
-        Engine.from_config({"target": {"model": str(gpt2)}, "draft": {"method": "none"},
-                            "engine": {"device": "cpu", "max_model_len": 32}})
+        Engine.from_config(
+            {
+                "target": {"model": str(gpt2)},
+                "draft": {"method": "none"},
+                "engine": {"device": "cpu", "max_model_len": 32},
+            }
+        )
     assert str(err.value) == f"config target.model: model type 'gpt2' is not supported; supported: {supported}"
     # a GGUF file: the architecture comes from its header (this one holds nothing else)
     gguf = resolve_model(_gguf_header(str(tmp_path / "tiny.gguf"), "falcon"), "draft.model")
@@ -234,7 +264,9 @@ def test_runner_refuses_an_unsupported_model_object() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=16))
-    with pytest.raises(ConfigError, match=r"^config model: model type 'gpt2' is not supported; supported: llama, mistral, "):
+    with pytest.raises(
+        ConfigError, match=r"^config model: model type 'gpt2' is not supported; supported: llama, mistral, "
+    ):
         CausalLMRunner(model, num_slots=1, max_len=8)
 
 

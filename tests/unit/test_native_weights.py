@@ -28,44 +28,95 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from support.gguf_writer import (
+    GRID,
+    GRID16,
+    HEAD_TYPE,
+    HF_NAMES,
+    LAYERS,
+    LINEAR_TYPES,
+    Q,
+    _quantized,
+    grid16_bytes,
+    grid_bytes,
+    iq4_nl_bytes,
+    iq4_xs_bytes,
+    q2_k_bytes,
+    q3_k_bytes,
+    q4_k_bytes,
+    q5_k_bytes,
+    q6_k_bytes,
+    write_tiny_gguf,
+)
+from support.gtest import (
+    ALPHA,
+    VOCAB,
+    Case,
+    _prob_table,
+    g_statistic,
+    joint,
+    merge_cells,
+    power,
+    seq_index,
+    speculative_law,
+    transform,
+)
+from support.helpers import devices, sample_engine, tiny_config
+from support.model_zoo import build_tiny
+from test_dtypes import PROMPTS, TIE, _check_greedy, _compare_with_plain, _reference_logits
 from torch import nn
 
-from support.helpers import devices, tiny_config
-from support.gtest import ALPHA, VOCAB, Case, _prob_table, g_statistic, joint, merge_cells, power, \
-    seq_index, transform
-from support.model_zoo import build_tiny
-from support.gguf_writer import (GRID, GRID16, HEAD_TYPE, HF_NAMES, LAYERS, LINEAR_TYPES, Q, grid16_bytes,
-                                 grid_bytes, iq4_nl_bytes, iq4_xs_bytes, q2_k_bytes, q3_k_bytes, q4_k_bytes,
-                                 q5_k_bytes, q6_k_bytes, write_tiny_gguf, _quantized)
 from specdist.config import load_config
 from specdist.cores.proposers import check_draft, draft_dtype, draft_traits
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.models import native
+from specdist.models.fusion import _fuse, fuse_projections, quantized_copy, unfused_copy
 from specdist.models.kernels import cpu_kernels
-from specdist.models.fusion import _fuse, fuse_projections
 from specdist.models.loader import gguf_parsed_once, load_model, load_tokenizer, resolve_model
 from specdist.models.native import decode_blocks, dequantize, self_draft, use_native_blocks
-from specdist.models.fusion import quantized_copy, unfused_copy
 from specdist.models.quant import GROUP, Int4GroupLinear, Int8WeightOnlyLinear
 from specdist.sampling_params import SamplingParams
-from test_dtypes import PROMPTS, TIE, _check_greedy, _compare_with_plain, _reference_logits
-from support.gtest import speculative_law
-from support.helpers import sample_engine
 
 gguf = pytest.importorskip("gguf")
 NATIVE = ("Q4_0", "Q4_1", "Q8_0")
 ALL_NATIVE = NATIVE + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS") + GRID + GRID16
 # int4 segments a weight (else 1)
-REPEAT = {"Q8_0": 2, "Q5_0": 2, "Q5_1": 2, "Q5_K": 2, "Q2_K": 4, "Q3_K": 4, "Q6_K": 4, "IQ4_NL": 2, "IQ4_XS": 2,
-          **{t: 2 for t in GRID}, **{t: 4 for t in GRID16}}
+REPEAT = {
+    "Q8_0": 2,
+    "Q5_0": 2,
+    "Q5_1": 2,
+    "Q5_K": 2,
+    "Q2_K": 4,
+    "Q3_K": 4,
+    "Q6_K": 4,
+    "IQ4_NL": 2,
+    "IQ4_XS": 2,
+    **{t: 2 for t in GRID},
+    **{t: 4 for t in GRID16},
+}
 LEGACY = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # types whose block scales are float16 in the file
 # types whose scales are a float16 factor per 256 times integers (super-blocks of 256)
 SUPER_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") + GRID + GRID16
 # the CPU kernel each runs on ("q4" for the others)
-BLOCKS = {"Q8_0": "q8", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5", "Q2_K": "q2m_16", "Q3_K": "q4_16", "Q6_K": "q6_16",
-          "IQ4_NL": "iq4", "IQ4_XS": "iq4", "IQ3_S": "q5", "IQ1_S": "q5", "IQ3_XXS": "q8", "IQ2_XXS": "q8",
-          "IQ2_XS": "q7_16", "IQ2_S": "q7_16", "IQ1_M": "q6_16"}
+BLOCKS = {
+    "Q8_0": "q8",
+    "Q5_0": "q5",
+    "Q5_1": "q5",
+    "Q5_K": "q5",
+    "Q2_K": "q2m_16",
+    "Q3_K": "q4_16",
+    "Q6_K": "q6_16",
+    "IQ4_NL": "iq4",
+    "IQ4_XS": "iq4",
+    "IQ3_S": "q5",
+    "IQ1_S": "q5",
+    "IQ3_XXS": "q8",
+    "IQ2_XXS": "q8",
+    "IQ2_XS": "q7_16",
+    "IQ2_S": "q7_16",
+    "IQ1_M": "q6_16",
+}
 
 
 def _magnitude(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -93,8 +144,17 @@ def _assert_int4_matmul(lin: nn.Module, w: torch.Tensor, mag: torch.Tensor, x: t
     return ratio
 
 
-@pytest.fixture(params=[pytest.param("blocks", marks=pytest.mark.skipif(
-    not cpu_kernels.available(), reason="block kernels need an x86 CPU with AVX2 and a C compiler")), "int4pack"])
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "blocks",
+            marks=pytest.mark.skipif(
+                not cpu_kernels.available(), reason="block kernels need an x86 CPU with AVX2 and a C compiler"
+            ),
+        ),
+        "int4pack",
+    ]
+)
 def int4_backend(request, monkeypatch):
     """Each Int4GroupLinear built under this fixture uses the named backend."""
     if request.param == "int4pack":
@@ -130,8 +190,9 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     """On the CPU kernels a K-quant (or IQ4_XS) keeps its scales as the file holds them (native.super_scales: a float16
     factor per 256 elements times an int8 per block or per 16), whose products are decode_blocks' scales: Q6_K, Q3_K,
     Q2_K, IQ4_XS and the grid types give the bits of the float32 scales; Q4_K and Q5_K, whose offsets the float32
-    path recomputes (zero - 8 d), stay within the quantized product's bound of the file's weight. The scales take under half the bytes. Products that are not
-    the groups' scales (a tampered integer) keep the float32 scales; rows stand alone as in the batch; a column cut
+    path recomputes (zero - 8 d), stay within the quantized product's bound of the file's weight. The scales take under
+    half the bytes. Products that are not the groups' scales (a tampered integer) keep the float32 scales; rows stand
+    alone as in the batch; a column cut
     through a super-block keeps float32 scales for that part."""
     from specdist.models.sharding import Cut, take_blocks, take_super_scales
 
@@ -151,13 +212,18 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
     y = lin(x)
     if kind not in ("Q4_K", "Q5_K"):
         assert torch.equal(y, flt(x))
-    _assert_int4_matmul(lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x,
-                        True)
+    _assert_int4_matmul(
+        lin, dequantize(codes, scales, zeros, repeat), _magnitude(codes, scales, zeros, repeat), x, True
+    )
     assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), y)
     tampered = ints.clone()
     tampered[3, 5, 0] += 1
-    assert Int4GroupLinear(codes, scales, zeros, repeat_input=repeat,
-                           super_scales=(factors, tampered)).scales_and_zeros.dtype == torch.float32
+    assert (
+        Int4GroupLinear(
+            codes, scales, zeros, repeat_input=repeat, super_scales=(factors, tampered)
+        ).scales_and_zeros.dtype
+        == torch.float32
+    )
     # a row-parallel cut: whole super-blocks on 2 ranks; 4 ranks split them (128 columns each)
     for world, whole in ((2, True), (4, False)):
         cut = Cut(1, (cols,))
@@ -168,8 +234,12 @@ def test_k_quant_scales_stay_in_their_file_form(kind):
             ranked = Int4GroupLinear(*blocks, repeat_input=repeat, super_scales=part)
             assert ranked.scales_and_zeros.dtype == torch.uint8
             xs = x[:, cols // 2 :]
-            assert torch.equal(ranked(xs), Int4GroupLinear(*blocks, repeat_input=repeat, super_scales=(
-                factors[:, 1:], ints[:, cols // 2 // GROUP :]))(xs))
+            assert torch.equal(
+                ranked(xs),
+                Int4GroupLinear(
+                    *blocks, repeat_input=repeat, super_scales=(factors[:, 1:], ints[:, cols // 2 // GROUP :])
+                )(xs),
+            )
             _assert_int4_matmul(ranked, dequantize(*blocks, repeat), _magnitude(*blocks, repeat), xs, True)
 
 
@@ -208,9 +278,9 @@ def test_int4_linear_rows_do_not_depend_on_the_batch(kind, int4_backend):
     full = lin(x)
     for m in (1, 2, 3, 7, 16, 17, 33):
         assert torch.equal(lin(x[:m]), full[:m]), m
-        assert torch.equal(lin(x[40 - m:]), full[40 - m:]), m
+        assert torch.equal(lin(x[40 - m :]), full[40 - m :]), m
     for i in (0, 5, 39):
-        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+        assert torch.equal(lin(x[i : i + 1])[0], full[i])
     assert torch.equal(lin(x.reshape(4, 10, cols)).reshape(40, 64), full)
 
 
@@ -282,8 +352,9 @@ def test_fused_int4_parts_off_the_tiles_equal_their_parts(kind, int4_backend):
     for got, p, y in zip(fused(x), parts, before):
         assert torch.equal(got, p(x)) and torch.equal(p(x), y)
     bias = torch.cat(biases)  # [80]
-    _assert_int4_matmul(lambda t: torch.cat(fused(t), -1) - bias, torch.cat(ws), torch.cat(mags), x,
-                        int4_backend == "blocks")
+    _assert_int4_matmul(
+        lambda t: torch.cat(fused(t), -1) - bias, torch.cat(ws), torch.cat(mags), x, int4_backend == "blocks"
+    )
     if int4_backend == "int4pack":
         storages = {t.untyped_storage().data_ptr() for t in (fused.inner.packed, *(p.packed for p in parts))}
         assert len(storages) == 4
@@ -306,15 +377,30 @@ def test_int4_copy_keeps_linears_the_kernel_cannot_take():
 def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     rng = np.random.default_rng(11)
     rows, cols = 24, 512 if kind in SUPER_TYPES else 160
-    a = (rng.standard_normal((rows, cols)) * rng.choice([0.01, 0.3, 5.0], (rows, 1))
-         + rng.standard_normal((rows, 1))).astype(np.float32)
+    a = (
+        rng.standard_normal((rows, cols)) * rng.choice([0.01, 0.3, 5.0], (rows, 1)) + rng.standard_normal((rows, 1))
+    ).astype(np.float32)
     a[0] = 0.0  # zero blocks: d = 0
     a[1, :GROUP] = 2.5  # a constant block
     a[2] = 3.0 + rng.standard_normal(cols).astype(np.float32) * 1e-4  # d tiny next to m (Q4_1's extra rounding)
-    packers = {"Q2_K": q2_k_bytes, "Q3_K": q3_k_bytes, "Q4_K": q4_k_bytes, "Q5_K": q5_k_bytes, "Q6_K": q6_k_bytes,
-               "IQ4_NL": iq4_nl_bytes, "IQ4_XS": iq4_xs_bytes}
-    raw = packers[kind](rows, cols, 11) if kind in packers else grid_bytes(kind, rows, cols, 11) if kind in GRID else \
-        grid16_bytes(kind, rows, cols, 11) if kind in GRID16 else gguf.quants.quantize(a, Q[kind])
+    packers = {
+        "Q2_K": q2_k_bytes,
+        "Q3_K": q3_k_bytes,
+        "Q4_K": q4_k_bytes,
+        "Q5_K": q5_k_bytes,
+        "Q6_K": q6_k_bytes,
+        "IQ4_NL": iq4_nl_bytes,
+        "IQ4_XS": iq4_xs_bytes,
+    }
+    raw = (
+        packers[kind](rows, cols, 11)
+        if kind in packers
+        else grid_bytes(kind, rows, cols, 11)
+        if kind in GRID
+        else grid16_bytes(kind, rows, cols, 11)
+        if kind in GRID16
+        else gguf.quants.quantize(a, Q[kind])
+    )
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).copy())
     codes, scales, zeros, repeat = decode_blocks(raw, kind, cols)
@@ -322,7 +408,7 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
     assert got.dtype == torch.float32 and got.shape == (rows, cols)
     if kind in ("Q4_1", "Q4_K", "Q5_1", "Q5_K"):  # gguf: d * c + m; here: d * (c - 8) + (m + 8 d), one rounding more
         eps = torch.finfo(torch.float32).eps
-        tol = eps * (want.abs() + zeros[:, -cols // GROUP:].repeat_interleave(GROUP, 1).abs())
+        tol = eps * (want.abs() + zeros[:, -cols // GROUP :].repeat_interleave(GROUP, 1).abs())
         assert bool(((got - want).abs() <= tol).all())
     else:
         assert torch.equal(got, want)
@@ -343,8 +429,9 @@ def test_decode_blocks_matches_gguf_dequantization(kind, tmp_path):
 
 def expected_native_modules() -> dict[str, str]:
     """Module name -> GGUF type of every linear that runs on blocks."""
-    out = {f"model.layers.{i}.{HF_NAMES[s]}": t for i in range(LAYERS) for s, t in LINEAR_TYPES[i].items()
-           if t in NATIVE}
+    out = {
+        f"model.layers.{i}.{HF_NAMES[s]}": t for i in range(LAYERS) for s, t in LINEAR_TYPES[i].items() if t in NATIVE
+    }
     out["lm_head"] = HEAD_TYPE
     return out
 
@@ -366,10 +453,19 @@ def test_the_fast_gguf_reader_parses_what_gguf_parses(tmp_path, tiny_gguf):
     path = str(tmp_path / "arrays.gguf")
     w = gguf.GGUFWriter(path, "llama")
     types = gguf.GGUFValueType
-    for t, vals in ((types.UINT8, [0, 255]), (types.INT8, [-128, 5]), (types.UINT16, [1, 65535]),
-                    (types.INT16, [-3, 3]), (types.UINT32, [7, 2**32 - 1]), (types.INT32, [-9, 9]),
-                    (types.FLOAT32, [0.5, -1.25]), (types.BOOL, [True, False]), (types.UINT64, [2**64 - 1, 1]),
-                    (types.INT64, [-(2**63), 2]), (types.FLOAT64, [1e300, -2.5])):
+    for t, vals in (
+        (types.UINT8, [0, 255]),
+        (types.INT8, [-128, 5]),
+        (types.UINT16, [1, 65535]),
+        (types.INT16, [-3, 3]),
+        (types.UINT32, [7, 2**32 - 1]),
+        (types.INT32, [-9, 9]),
+        (types.FLOAT32, [0.5, -1.25]),
+        (types.BOOL, [True, False]),
+        (types.UINT64, [2**64 - 1, 1]),
+        (types.INT64, [-(2**63), 2]),
+        (types.FLOAT64, [1e300, -2.5]),
+    ):
         w.add_key_value(f"test.{t.name.lower()}", vals, types.ARRAY, sub_type=t)
     w.add_array("test.strings", ["", "é", "ab c", "x" * 300])
     w.add_array("test.empty", [])
@@ -388,8 +484,9 @@ def test_the_fast_gguf_reader_parses_what_gguf_parses(tmp_path, tiny_gguf):
             assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types), name
             assert [bytes(p) for p in a.parts] == [bytes(p) for p in b.parts], name
             if len(a.types) <= 2:  # (transformers parses no nested arrays)
-                assert [_gguf_parse_value(a.parts[i], a.types) for i in a.data] == \
-                       [_gguf_parse_value(b.parts[i], b.types) for i in b.data], name
+                assert [_gguf_parse_value(a.parts[i], a.types) for i in a.data] == [
+                    _gguf_parse_value(b.parts[i], b.types) for i in b.data
+                ], name
         assert [(t.name, t.data_offset) for t in fast.tensors] == [(t.name, t.data_offset) for t in stock.tensors]
     assert fast.fields["tokenizer.ggml.tokens"].contents()[:3] == ["a", "b", "c"]
 
@@ -480,8 +577,9 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     blocks made from the file's codes, each sub-block a Q4_1 block with scale d * sc and zero 8 d sc - dmin m,
     matching the float weight transformers de-quantized (identity probe, as above); the logits stay close to the
     float model's."""
-    path = write_tiny_gguf(str(tmp_path / "q4k.gguf"), seed=5, hidden=256, ff=512,
-                           linear_types=[dict.fromkeys(HF_NAMES, "Q4_K")] * 2)
+    path = write_tiny_gguf(
+        str(tmp_path / "q4k.gguf"), seed=5, hidden=256, ff=512, linear_types=[dict.fromkeys(HF_NAMES, "Q4_K")] * 2
+    )
     src = resolve_model(path)
     with gguf_parsed_once():
         flt, nat = load_model(src, "float32"), load_model(src, "float32", weights="native")
@@ -499,41 +597,153 @@ def test_q4_k_linears_run_on_their_own_blocks(tmp_path):
     assert float((a - b).abs().max() / a.abs().max()) <= 0.04
 
 
-# what llama.cpp's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS and IQ3_XXS (grid types) write: Q2_K / Q3_K / Q4_K / Q5_K, larger types for value / down projections
-# in some layers and a Q6_K head, and Q5_0 (Q5_1) where a row is not whole super-blocks (K-quants need 256 | width);
-# layer 0 of each mixes kinds in q/k/v (no fusion)
+# what llama.cpp's Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS and IQ3_XXS (grid types) write: Q2_K / Q3_K / Q4_K / Q5_K,
+# larger types for value / down projections in some layers and a Q6_K head, and Q5_0 (Q5_1) where a row is not whole
+# super-blocks (K-quants need 256 | width); layer 0 of each mixes kinds in q/k/v (no fusion)
 K_MIXES = {
-    "Q2_K": [dict(attn_q="Q2_K", attn_k="Q2_K", attn_v="Q3_K", attn_output="Q3_K", ffn_gate="Q2_K", ffn_up="Q2_K",
-                  ffn_down="Q4_K"),
-             dict(attn_q="Q2_K", attn_k="Q2_K", attn_v="Q4_K", attn_output="Q3_K", ffn_gate="Q2_K", ffn_up="Q2_K",
-                  ffn_down="Q3_K")],
-    "Q4_K_M": [dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_0", ffn_gate="Q4_K", ffn_up="Q4_K",
-                    ffn_down="Q6_K"),
-               dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q4_K", ffn_gate="Q5_0", ffn_up="Q5_0",
-                    ffn_down="Q4_K")],
-    "Q3_K_M": [dict(attn_q="Q3_K", attn_k="Q3_K", attn_v="Q5_K", attn_output="Q4_K", ffn_gate="Q3_K", ffn_up="Q3_K",
-                    ffn_down="Q5_K"),
-               dict(attn_q="Q3_K", attn_k="Q3_K", attn_v="Q3_K", attn_output="Q4_K", ffn_gate="Q3_K", ffn_up="Q3_K",
-                    ffn_down="Q4_K")],
+    "Q2_K": [
+        dict(
+            attn_q="Q2_K",
+            attn_k="Q2_K",
+            attn_v="Q3_K",
+            attn_output="Q3_K",
+            ffn_gate="Q2_K",
+            ffn_up="Q2_K",
+            ffn_down="Q4_K",
+        ),
+        dict(
+            attn_q="Q2_K",
+            attn_k="Q2_K",
+            attn_v="Q4_K",
+            attn_output="Q3_K",
+            ffn_gate="Q2_K",
+            ffn_up="Q2_K",
+            ffn_down="Q3_K",
+        ),
+    ],
+    "Q4_K_M": [
+        dict(
+            attn_q="Q4_K",
+            attn_k="Q4_K",
+            attn_v="Q6_K",
+            attn_output="Q5_0",
+            ffn_gate="Q4_K",
+            ffn_up="Q4_K",
+            ffn_down="Q6_K",
+        ),
+        dict(
+            attn_q="Q5_0",
+            attn_k="Q5_0",
+            attn_v="Q8_0",
+            attn_output="Q4_K",
+            ffn_gate="Q5_0",
+            ffn_up="Q5_0",
+            ffn_down="Q4_K",
+        ),
+    ],
+    "Q3_K_M": [
+        dict(
+            attn_q="Q3_K",
+            attn_k="Q3_K",
+            attn_v="Q5_K",
+            attn_output="Q4_K",
+            ffn_gate="Q3_K",
+            ffn_up="Q3_K",
+            ffn_down="Q5_K",
+        ),
+        dict(
+            attn_q="Q3_K",
+            attn_k="Q3_K",
+            attn_v="Q3_K",
+            attn_output="Q4_K",
+            ffn_gate="Q3_K",
+            ffn_up="Q3_K",
+            ffn_down="Q4_K",
+        ),
+    ],
     # llama.cpp's IQ4_XS: IQ4_NL where a row is not whole super-blocks; some projections in a K-quant
-    "IQ4_XS": [dict(attn_q="IQ4_XS", attn_k="IQ4_XS", attn_v="IQ4_NL", attn_output="IQ4_XS", ffn_gate="IQ4_XS",
-                    ffn_up="IQ4_XS", ffn_down="Q5_K"),
-               dict(attn_q="IQ4_XS", attn_k="IQ4_XS", attn_v="IQ4_XS", attn_output="IQ4_NL", ffn_gate="IQ4_XS",
-                    ffn_up="IQ4_XS", ffn_down="IQ4_NL")],
+    "IQ4_XS": [
+        dict(
+            attn_q="IQ4_XS",
+            attn_k="IQ4_XS",
+            attn_v="IQ4_NL",
+            attn_output="IQ4_XS",
+            ffn_gate="IQ4_XS",
+            ffn_up="IQ4_XS",
+            ffn_down="Q5_K",
+        ),
+        dict(
+            attn_q="IQ4_XS",
+            attn_k="IQ4_XS",
+            attn_v="IQ4_XS",
+            attn_output="IQ4_NL",
+            ffn_gate="IQ4_XS",
+            ffn_up="IQ4_XS",
+            ffn_down="IQ4_NL",
+        ),
+    ],
     # the grid types, as llama.cpp's IQ3_XXS / IQ2_XXS / IQ1_S presets mix them with larger types for value projections
-    "IQ3_XXS": [dict(attn_q="IQ3_XXS", attn_k="IQ3_XXS", attn_v="IQ3_S", attn_output="IQ3_S", ffn_gate="IQ2_XXS",
-                     ffn_up="IQ2_XXS", ffn_down="IQ1_S"),
-                dict(attn_q="IQ2_XXS", attn_k="IQ2_XXS", attn_v="IQ4_XS", attn_output="IQ3_XXS", ffn_gate="IQ1_S",
-                     ffn_up="IQ1_S", ffn_down="IQ3_S")],
+    "IQ3_XXS": [
+        dict(
+            attn_q="IQ3_XXS",
+            attn_k="IQ3_XXS",
+            attn_v="IQ3_S",
+            attn_output="IQ3_S",
+            ffn_gate="IQ2_XXS",
+            ffn_up="IQ2_XXS",
+            ffn_down="IQ1_S",
+        ),
+        dict(
+            attn_q="IQ2_XXS",
+            attn_k="IQ2_XXS",
+            attn_v="IQ4_XS",
+            attn_output="IQ3_XXS",
+            ffn_gate="IQ1_S",
+            ffn_up="IQ1_S",
+            ffn_down="IQ3_S",
+        ),
+    ],
     # the grid types with a scale per 16, as llama.cpp's IQ2_XS / IQ1_M presets keep value projections wider
-    "IQ2_XS": [dict(attn_q="IQ2_XS", attn_k="IQ2_XS", attn_v="Q4_K", attn_output="IQ2_XS", ffn_gate="IQ2_XS",
-                    ffn_up="IQ2_XS", ffn_down="IQ2_S"),
-               dict(attn_q="IQ1_M", attn_k="IQ1_M", attn_v="IQ2_S", attn_output="IQ2_XS", ffn_gate="IQ1_M",
-                    ffn_up="IQ1_M", ffn_down="IQ2_XS")],
-    "Q5_K_M": [dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q5_K", ffn_up="Q5_K",
-                    ffn_down="Q6_K"),
-               dict(attn_q="Q5_1", attn_k="Q5_1", attn_v="Q5_K", attn_output="Q5_K", ffn_gate="Q5_1", ffn_up="Q5_1",
-                    ffn_down="Q5_K")],
+    "IQ2_XS": [
+        dict(
+            attn_q="IQ2_XS",
+            attn_k="IQ2_XS",
+            attn_v="Q4_K",
+            attn_output="IQ2_XS",
+            ffn_gate="IQ2_XS",
+            ffn_up="IQ2_XS",
+            ffn_down="IQ2_S",
+        ),
+        dict(
+            attn_q="IQ1_M",
+            attn_k="IQ1_M",
+            attn_v="IQ2_S",
+            attn_output="IQ2_XS",
+            ffn_gate="IQ1_M",
+            ffn_up="IQ1_M",
+            ffn_down="IQ2_XS",
+        ),
+    ],
+    "Q5_K_M": [
+        dict(
+            attn_q="Q5_K",
+            attn_k="Q5_K",
+            attn_v="Q8_0",
+            attn_output="Q5_1",
+            ffn_gate="Q5_K",
+            ffn_up="Q5_K",
+            ffn_down="Q6_K",
+        ),
+        dict(
+            attn_q="Q5_1",
+            attn_k="Q5_1",
+            attn_v="Q5_K",
+            attn_output="Q5_K",
+            ffn_gate="Q5_1",
+            ffn_up="Q5_1",
+            ffn_down="Q5_K",
+        ),
+    ],
 }
 
 
@@ -551,8 +761,9 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
     from specdist.models.runner import CausalLMRunner
 
     types = K_MIXES[mix]
-    path = write_tiny_gguf(str(tmp_path / f"{mix}.gguf"), seed=6, hidden=256, ff=512, linear_types=types,
-                           head_type="Q6_K")
+    path = write_tiny_gguf(
+        str(tmp_path / f"{mix}.gguf"), seed=6, hidden=256, ff=512, linear_types=types, head_type="Q6_K"
+    )
     src = resolve_model(path)
     with gguf_parsed_once():
         flt, nat = load_model(src, "float32", device), load_model(src, "float32", device, weights="native")
@@ -596,8 +807,10 @@ def test_a_k_quant_mix_runs_on_its_own_blocks_layers_as_one_call(tmp_path, mix, 
         # K-quants' in their file's form (a factor per super-block, an integer per block)
         assert (layer["ffn_down"] in LEGACY) <= bool(int(kernel.linears[5].kind) & half)
         assert (layer["ffn_down"] in SUPER_TYPES) <= bool(int(kernel.linears[5].kind) & cpu_kernels.LIN_SUPER_SCALES)
-    assert any(len({(BLOCKS.get(layer[s], "q4"), layer[s] in SUPER_TYPES) for s in ("attn_q", "attn_k", "attn_v")}) > 1
-               for layer in types)  # some layer's q/k/v differ in kind or in their scales' form
+    assert any(
+        len({(BLOCKS.get(layer[s], "q4"), layer[s] in SUPER_TYPES) for s in ("attn_q", "attn_k", "attn_v")}) > 1
+        for layer in types
+    )  # some layer's q/k/v differ in kind or in their scales' form
     slot = runner.cache.allocate()
     one_call = runner.forward([slot], [ids[0].tolist()], [12])
     runner.cache.rollback(slot, 0)
@@ -613,10 +826,10 @@ def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: lis
     import os
 
     import torch.distributed as dist
+    from support.rank_procs import OPS, run_ops
 
     from specdist.models.runner import CausalLMRunner
     from specdist.models.sharding import load_sharded
-    from support.rank_procs import OPS, run_ops
     from workers.tensor_parallel import broadcast_object, init_process_group
 
     device = f"cuda:{rank}" if os.environ.get("SPECDIST_TEST_DEVICE") == "cuda" else "cpu"
@@ -637,8 +850,9 @@ def _native_rank(rank: int, world_size: int, port: int, out_path: str, args: lis
             kinds[name] = (type(m).__name__, blocks is not None, getattr(blocks, "blocks", None))
             if getattr(blocks, "blocks", None):
                 scales[name] = str(blocks.scales_and_zeros.dtype)
-    torch.save({"logits": logits, "kinds": kinds, "layer_calls": layer_calls, "op_by_op": op_by_op,
-                "scales": scales}, out_path)
+    torch.save(
+        {"logits": logits, "kinds": kinds, "layer_calls": layer_calls, "op_by_op": op_by_op, "scales": scales}, out_path
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -651,29 +865,51 @@ def test_tensor_parallel_ranks_run_their_part_of_the_blocks(tmp_path, device):
     blocks (whole blocks of 32, in every input copy of a Q8_0 / Q6_K layout), checked against the rank's float
     slice at load; Q6_K stays float off the CPU kernels. A K-quant part keeps its super-block scales where its
     columns hold whole super-blocks of 256, else float32 ones. On the CPU kernels each rank's layer runs as two
-    decoder_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The logits of the ragged ops equal one process's native
-    model's up to the order of the row-parallel partial sums (all-reduced), which moves an activation's rounding
+    decoder_layer calls with the all-reduces between them, as its op-by-op path computes it (up to the call's silu). The
+    logits of the ragged ops equal one process's native model's up to the order of the row-parallel partial sums
+    (all-reduced), which moves an activation's rounding
     now and then; ``weights: float`` keeps floats and computes other numbers."""
-    from specdist.models.runner import CausalLMRunner
     from support.rank_procs import OPS, run_ops, spawn_ranks
+
+    from specdist.models.runner import CausalLMRunner
 
     cpu_blocks = device == "cpu" and cpu_kernels.available()
     env = {"SPECDIST_TEST_DEVICE": "cuda"} if device == "cuda" else None
-    path = write_tiny_gguf(str(tmp_path / "tp.gguf"), seed=8, hidden=256, ff=512, linear_types=K_MIXES["Q4_K_M"],
-                           head_type="Q6_K", vocab=64)
+    path = write_tiny_gguf(
+        str(tmp_path / "tp.gguf"),
+        seed=8,
+        hidden=256,
+        ff=512,
+        linear_types=K_MIXES["Q4_K_M"],
+        head_type="Q6_K",
+        vocab=64,
+    )
     with gguf_parsed_once():
-        one = CausalLMRunner(load_model(resolve_model(path), "float32", "cuda:0" if device == "cuda" else "cpu",
-                                        weights="native"), num_slots=2, max_len=32)
+        one = CausalLMRunner(
+            load_model(resolve_model(path), "float32", "cuda:0" if device == "cuda" else "cpu", weights="native"),
+            num_slots=2,
+            max_len=32,
+        )
     want = run_ops(one, OPS)
     ranks = spawn_ranks(_native_rank, [path, "native"], tmp_path, env_extra=env)
-    types = {f"model.layers.{i}.{HF_NAMES[short]}": kind for i, layer in enumerate(K_MIXES["Q4_K_M"])
-             for short, kind in layer.items()}
+    types = {
+        f"model.layers.{i}.{HF_NAMES[short]}": kind
+        for i, layer in enumerate(K_MIXES["Q4_K_M"])
+        for short, kind in layer.items()
+    }
     types["lm_head"] = "Q6_K"
     for r, res in enumerate(ranks):
         for name, kind in types.items():
             on_blocks = cpu_blocks or kind not in native.CPU_BLOCKS_ONLY
-            sharded = "VocabParallelLMHead" if name == "lm_head" else "RowParallelLinear" if name.endswith(
-                ("o_proj", "down_proj")) else "Int4GroupLinear" if on_blocks else "Linear"
+            sharded = (
+                "VocabParallelLMHead"
+                if name == "lm_head"
+                else "RowParallelLinear"
+                if name.endswith(("o_proj", "down_proj"))
+                else "Int4GroupLinear"
+                if on_blocks
+                else "Linear"
+            )
             kernel = BLOCKS.get(kind, "q4") if cpu_blocks and on_blocks else None
             assert res["kinds"][name] == (sharded, on_blocks, kernel), (r, name)
             if kernel:  # K-quant scales in their file's form unless the rank's input columns split a super-block
@@ -716,8 +952,9 @@ def test_native_logits_close_to_the_float_models(gguf_models):
 def test_a_gguf_file_without_blocks_loads_floats_under_auto(tmp_path):
     """A GGUF file whose linears are all F16 (no block type): ``weights: auto`` (the default) keeps transformers'
     floats, ``native`` refuses it naming target.weights, and a self-w4 draft quantizes the floats to int4 groups."""
-    path = write_tiny_gguf(str(tmp_path / "f16.gguf"), linear_types=[dict.fromkeys(HF_NAMES, "F16")] * 2,
-                           head_type="F16")
+    path = write_tiny_gguf(
+        str(tmp_path / "f16.gguf"), linear_types=[dict.fromkeys(HF_NAMES, "F16")] * 2, head_type="F16"
+    )
     src = resolve_model(path)
     with gguf_parsed_once():
         model = load_model(src, "float32", weights="auto")
@@ -734,8 +971,10 @@ def test_native_load_in_bfloat16_passes_the_check(tiny_gguf):
     """A bf16 load rounds transformers' floats once more: the blocks still reproduce them (rtol 2 eps of bf16)."""
     with gguf_parsed_once():
         model = load_model(resolve_model(tiny_gguf), "bfloat16", weights="native")
-    assert collections.Counter(type(m).__name__ for m in _linears(model).values()) == {"Int4GroupLinear": 14,
-                                                                                        "Linear": 1}
+    assert collections.Counter(type(m).__name__ for m in _linears(model).values()) == {
+        "Int4GroupLinear": 14,
+        "Linear": 1,
+    }
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
 
@@ -749,8 +988,11 @@ def test_wrong_rows_or_tensors_are_refused_naming_the_tensor(tiny_gguf, gguf_mod
 
     with monkeypatch.context() as m:
         m.setattr(native, "_row_order", identity_for_k1)
-        with pytest.raises(ConfigError, match=r"target\.weights.*blk\.1\.attn_k\.weight \(Q4_0\).*model\.layers\.1\."
-                                              r"self_attn\.k_proj.*weights: float"):
+        with pytest.raises(
+            ConfigError,
+            match=r"target\.weights.*blk\.1\.attn_k\.weight \(Q4_0\).*model\.layers\.1\."
+            r"self_attn\.k_proj.*weights: float",
+        ):
             use_native_blocks(unfused_copy(flt), tiny_gguf)
         # a GGUF self-w4 draft of a float target reads the same blocks: the error names draft.method
         with pytest.raises(ConfigError, match=r"draft\.method.*blk\.1\.attn_k\.weight"):
@@ -766,6 +1008,7 @@ def test_wrong_rows_or_tensors_are_refused_naming_the_tensor(tiny_gguf, gguf_mod
             if not kwargs.get("qual_name"):  # the whole model's map (it recurses into submodules)
                 names[a], names[b] = names[b], names[a]
             return names
+
         return mapping
 
     # two tensors of the same shape and type, swapped: the first of them in the file is named
@@ -890,9 +1133,11 @@ def _hf(path: str) -> nn.Module:
 
 # ----------------------------------------------------------------------------- 6. native target + self draft
 def _gguf_config(path: str, method: str) -> dict:
-    return {"target": {"model": path, "weights": "native"},
-            "draft": {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed"},
-            "engine": {"max_model_len": 64, "max_batch_size": 8, "device": "cpu"}}
+    return {
+        "target": {"model": path, "weights": "native"},
+        "draft": {"method": method, "num_speculative_tokens": 3, "length_policy": "fixed"},
+        "engine": {"max_model_len": 64, "max_batch_size": 8, "device": "cpu"},
+    }
 
 
 def test_native_target_with_self_drafts_matches_plain_decoding(tiny_gguf, gguf_models):
@@ -929,8 +1174,10 @@ def test_native_target_with_self_drafts_matches_plain_decoding(tiny_gguf, gguf_m
         c, t, w = _compare_with_plain(runner, PROMPTS, spec, base, refs, tie, method)
         clear, total, whole = clear + c, total + t, whole + w
         assert eng.kv_slots_in_use() == {"target": 0, "draft": 0}
-    print(f"native target: {clear} of {total} positions clear of near ties (tie {tie:.3f}); "
-          f"{whole} of {2 * len(PROMPTS)} speculative outputs identical to plain decoding")
+    print(
+        f"native target: {clear} of {total} positions clear of near ties (tie {tie:.3f}); "
+        f"{whole} of {2 * len(PROMPTS)} speculative outputs identical to plain decoding"
+    )
     assert clear >= 0.6 * total  # most positions are clear: the argmax is checked exactly there
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from support.helpers import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +55,14 @@ print(json.dumps({"after_import": after_import, "loaded": sorted(m for m in OPTI
 
 
 def watch(config: dict | None, planted: str = "") -> dict:
-    done = subprocess.run([sys.executable, "-c", WATCH, json.dumps(config) if config else "", planted],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", WATCH, json.dumps(config) if config else "", planted],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -69,7 +74,10 @@ def ours(importers: list[list[str]]) -> list[list[str]]:
 
 def test_the_core_dependencies_hold_no_bench_package() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    def names(specs): return {s.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip() for s in specs}
+
+    def names(specs):
+        return {s.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip() for s in specs}
+
     extras = project["optional-dependencies"]
     assert not names(project["dependencies"]) & set(BENCH_ONLY)
     assert set(BENCH_ONLY) <= names(extras["bench"])

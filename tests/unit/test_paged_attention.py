@@ -18,24 +18,38 @@ import sys
 
 import pytest
 import torch
-
+from support import SUPPORT
 from support.helpers import devices, tiny_config
-from support.paged_kernels_check import (ATTENTION_CASES, SPLIT_CASES, check_attention, check_rope,
-                                         check_split_attention, check_tanh)
+from support.paged_kernels_check import (
+    ATTENTION_CASES,
+    SPLIT_CASES,
+    check_attention,
+    check_rope,
+    check_split_attention,
+    check_tanh,
+)
+
 from specdist import SamplingParams
 from specdist.engine.local import Engine
 from specdist.models.kv.options import KVOptions
-from specdist.models.kv.slots import SlotKVCache
 from specdist.models.kv.paged import KVCacheFull, PagedKVCache
+from specdist.models.kv.slots import SlotKVCache
 from specdist.models.runner import CausalLMRunner
-from support import SUPPORT
+
 
 def _tiny_llama(seed: int = 0, **over):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256)
+    cfg = dict(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     cfg.update(over)
     return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
 
@@ -97,8 +111,15 @@ def test_64_requests_of_100_tokens_fit_where_8_slots_of_2048_do_today(tiny_model
     """The bytes of 8 slots of 2048 tokens (the slot cache's ``8 * 2049`` positions a layer) hold 64 running
     requests of 100 tokens (20 prompt, 80 output) in the paged cache: all 64 are admitted in one step and run
     together, and every block comes back."""
-    cfg = tiny_config(tiny_models, method="none", max_batch_size=64, max_model_len=2048, kv_cache="paged",
-                      kv_cache_tokens=8 * 2048 - 16, prefix_caching=False)  # 1023 blocks of 16 and the scratch block
+    cfg = tiny_config(
+        tiny_models,
+        method="none",
+        max_batch_size=64,
+        max_model_len=2048,
+        kv_cache="paged",
+        kv_cache_tokens=8 * 2048 - 16,
+        prefix_caching=False,
+    )  # 1023 blocks of 16 and the scratch block
     eng = Engine.from_config(cfg)
     cache = eng.target_core.cache
     layers, heads, dim = len(cache.k), cache.k[0].shape[2], cache.k[0].shape[3]
@@ -129,8 +150,13 @@ def test_the_kernels_under_triton_s_interpreter_equal_the_reference():
     tanh within 2.5 float32 epsilons of float64's; full and partial rotary. In a process of its own
     (tests/support/paged_kernels_check.py: the interpreter must be on before Triton is imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, os.path.join(SUPPORT, "paged_kernels_check.py")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, os.path.join(SUPPORT, "paged_kernels_check.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": ok") == 1 + 2 * (len(ATTENTION_CASES) + len(SPLIT_CASES) + 1 + 2), run.stdout
 
@@ -195,11 +221,14 @@ def test_the_paged_engine_gives_the_slot_engines_tokens(tiny_models):
     for method in ("model", "suffix", "none"):
         outs = {}
         for kv in ("slots", "paged"):
-            eng = Engine.from_config(tiny_config(tiny_models, method=method, k=3, max_batch_size=4, kv_cache=kv,
-                                                 kv_block_size=4))
+            eng = Engine.from_config(
+                tiny_config(tiny_models, method=method, k=3, max_batch_size=4, kv_cache=kv, kv_block_size=4)
+            )
             prompts = [[1, 2, 3, 4, 5], [6, 7, 1], [2] * 12, [3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]]
-            params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
-                      for i in range(4)]
+            params = [
+                SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+                for i in range(4)
+            ]
             outs[kv] = [o.token_ids for o in eng.generate(prompts, params)]
             assert eng.kv_slots_in_use()["target"] == 0
         assert outs["slots"] == outs["paged"], method
@@ -254,8 +283,9 @@ def test_the_graph_buckets_give_the_eager_pass_s_logits_and_carry_the_callers_wo
     for method in ("model", "suffix"):
         outs = []
         for graphs in (False, True):
-            eng = Engine.from_config(tiny_config(tiny_models, method=method, k=3, max_batch_size=4, kv_cache="paged",
-                                                 kv_block_size=4))
+            eng = Engine.from_config(
+                tiny_config(tiny_models, method=method, k=3, max_batch_size=4, kv_cache="paged", kv_block_size=4)
+            )
             if graphs:
                 lines = []
                 eng.target_core.runner.capture_graphs(max_tokens=4, log=lines.append, eager_replay=True)
@@ -263,8 +293,17 @@ def test_the_graph_buckets_give_the_eager_pass_s_logits_and_carry_the_callers_wo
                 if eng.draft_core.runner is not None:
                     eng.draft_core.runner.capture_graphs(max_tokens=2, log=lines.append, eager_replay=True)
             prompts = [[1, 2, 3, 4, 5], [6, 7, 1], [2] * 12]
-            params = [SamplingParams(max_tokens=14, temperature=0.0 if i == 1 else 0.9, top_p=0.9, seed=i,
-                                     ignore_eos=True, logprobs=1 if i == 2 else None) for i in range(3)]
+            params = [
+                SamplingParams(
+                    max_tokens=14,
+                    temperature=0.0 if i == 1 else 0.9,
+                    top_p=0.9,
+                    seed=i,
+                    ignore_eos=True,
+                    logprobs=1 if i == 2 else None,
+                )
+                for i in range(3)
+            ]
             outs.append(eng.generate(prompts, params))
         eager, graphed = outs
         assert [o.token_ids for o in eager] == [o.token_ids for o in graphed], method

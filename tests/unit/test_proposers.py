@@ -15,8 +15,8 @@ import sys
 import textwrap
 
 import pytest
-
 from support.helpers import tiny_config
+
 from specdist import Engine, SamplingParams
 from specdist.config import load_config
 from specdist.cores import proposers
@@ -43,25 +43,32 @@ def test_the_registry_serves_every_shipped_method_and_refuses_others():
 
 def test_what_the_config_cannot_check_the_methods_do():
     """draft.model exactly with the methods that read one; keys no method has; a method's own values."""
+
     def refused(draft: dict) -> str:
         with pytest.raises(ConfigError) as e:
             check_draft(load_config({"draft": draft}).draft)
         return str(e.value)
 
-    assert "draft.model: must be a non-empty string, got None (method 'model' drafts with the model named here)" \
+    assert (
+        "draft.model: must be a non-empty string, got None (method 'model' drafts with the model named here)"
         in refused({"method": "model"})
+    )
     assert "(method 'eagle3' drafts" in refused({"method": "eagle3"})
-    assert "draft.model: is only used with methods 'eagle3' and 'model', not 'ngram'" in \
-        refused({"method": "ngram", "model": "m"})
+    assert "draft.model: is only used with methods 'eagle3' and 'model', not 'ngram'" in refused(
+        {"method": "ngram", "model": "m"}
+    )
     assert "draft.model: is only used with" in refused({"method": "none", "model": "m"})
-    assert "draft.ngram_mx: unknown key (expected one of: confidence_threshold, " in \
-        refused({"method": "ngram", "ngram_mx": 2})
-    assert "draft.ngram_max: must be an integer in [3, 64], got 2" in \
-        refused({"method": "ngram", "ngram_min": 3, "ngram_max": 2})
+    assert "draft.ngram_mx: unknown key (expected one of: confidence_threshold, " in refused(
+        {"method": "ngram", "ngram_mx": 2}
+    )
+    assert "draft.ngram_max: must be an integer in [3, 64], got 2" in refused(
+        {"method": "ngram", "ngram_min": 3, "ngram_max": 2}
+    )
     assert "draft.ngram_min: must be an integer, got 'x'" in refused({"method": "ngram", "ngram_min": "x"})
     # another method's keys are accepted and unused, as a config switched between methods keeps them
-    assert check_draft(load_config({"draft": {"method": "ngram", "suffix_max_depth": 6}}).draft) is \
-        proposer_class("ngram")
+    assert check_draft(load_config({"draft": {"method": "ngram", "suffix_max_depth": 6}}).draft) is proposer_class(
+        "ngram"
+    )
     assert check_draft(load_config({"draft": {"method": "none"}}).draft) is None
     # the config round-trips with the methods' keys where a file has them
     d = load_config({"draft": {"method": "suffix", "suffix_max_depth": 6}}).to_dict()["draft"]
@@ -75,16 +82,18 @@ def test_traits_come_from_the_method():
 
     assert traits(method="ngram") == DraftTraits(model_free=True)
     assert traits(method="suffix", confidence_threshold=0.5) == DraftTraits(model_free=True)
-    assert traits(method="self-w8", pipeline=True, confidence_threshold=0.5) == \
-        DraftTraits(pipelined=True, sampled_lengths=True)
+    assert traits(method="self-w8", pipeline=True, confidence_threshold=0.5) == DraftTraits(
+        pipelined=True, sampled_lengths=True
+    )
     assert traits(method="hybrid", pipeline=True) == DraftTraits()  # its suffix drafts are not prepared ahead
     assert traits(method="eagle3", model="h", pipeline=True) == DraftTraits(pipelined=True)
     assert traits(method="none", pipeline=True) == DraftTraits()
     mixed = {"target": {"dtype": "bfloat16"}, "draft": {"dtype": "float16"}}
     for method, dtype in (("self-w4", "bfloat16"), ("hybrid", "bfloat16"), ("ngram", "float16")):
         assert draft_dtype(load_config({**mixed, "draft": {"method": method, "dtype": "float16"}})) == dtype
-    assert draft_dtype(load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}})) \
-        == "float16"
+    assert (
+        draft_dtype(load_config({**mixed, "draft": {"method": "model", "model": "m", "dtype": "float16"}})) == "float16"
+    )
 
 
 class RepeatLast(Proposer):
@@ -182,8 +191,10 @@ def test_a_new_method_is_one_module(tiny_models, repeat_last_module):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
     assert eng.stats.drafted > 0 and eng.draft_core.proposer.longest == 2
     assert eng.draft_core.method == "repeat-last"
-    for bad, message in ((0, "draft.repeat_cap: must be in [1, 64], got 0"),
-                         ("2", "draft.repeat_cap: must be an integer, got '2'")):
+    for bad, message in (
+        (0, "draft.repeat_cap: must be in [1, 64], got 0"),
+        ("2", "draft.repeat_cap: must be an integer, got '2'"),
+    ):
         cfg["draft"]["repeat_cap"] = bad
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             Engine.from_config(cfg)

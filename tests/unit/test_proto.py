@@ -16,10 +16,12 @@ import torch
 from google.protobuf import descriptor_pb2
 
 from specdist import protogen
-from specdist.errors import InvalidArgument
+from specdist.api.codecs import finish_reason_to_proto
 from specdist.cores.sampling import process_logits
+from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
-from specdist.v1 import common_pb2, draft_pb2, specdist_pb2_grpc, target_pb2, target_pb2_grpc
+from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+from specdist.transport.protocol import Proposal
 from specdist.transport.wire import (
     DENSE,
     ONE_HOT,
@@ -30,9 +32,7 @@ from specdist.transport.wire import (
     proposal_from_proto,
     proposal_to_proto,
 )
-from specdist.api.codecs import finish_reason_to_proto
-from specdist.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
-from specdist.transport.protocol import Proposal
+from specdist.v1 import common_pb2, draft_pb2, specdist_pb2_grpc, target_pb2, target_pb2_grpc
 
 # ---------------------------------------------------------------- (a) generated code
 
@@ -146,7 +146,13 @@ def _all_enums(proto_files):
 
 def test_enums_start_with_unspecified_and_carry_their_prefix(proto_files):
     enums = list(_all_enums(proto_files))
-    assert {e.name for e in enums} == {"FinishReason", "DistributionFormat", "PipelineOutcome", "Coupling", "HiddenDtype"}
+    assert {e.name for e in enums} == {
+        "FinishReason",
+        "DistributionFormat",
+        "PipelineOutcome",
+        "Coupling",
+        "HiddenDtype",
+    }
     for e in enums:
         prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", e.name).upper() + "_"
         assert e.value[0].number == 0 and e.value[0].name == prefix + "UNSPECIFIED", e.name
@@ -360,8 +366,8 @@ def test_start_items_carry_the_coupling_both_ways():
     """The coupling reaches both cores over the wire; an unset one (an older caller) is rejection."""
     from specdist.sampling_params import SamplingParams
     from specdist.transport.protocol import StartItem
-    from specdist.v1 import common_pb2, draft_pb2, target_pb2
     from specdist.transport.wire import start_items_from_proto, start_items_to_proto
+    from specdist.v1 import common_pb2, draft_pb2, target_pb2
 
     items = [StartItem("a", [1, 2], SamplingParams(), 5, "gumbel"), StartItem("b", [3], SamplingParams(), 6)]
     for message in (target_pb2.PrefillRequest, draft_pb2.StartRequest):

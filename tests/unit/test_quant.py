@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdist.models.kernels import cpu_kernels
 from specdist.models.fusion import quantized_copy
+from specdist.models.kernels import cpu_kernels
 from specdist.models.quant import Int8WeightOnlyLinear, quantize_model_int8
 
 
@@ -31,8 +31,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # "blocks": the CPU kernels' Q8 path where they run (x86 with AVX2; whole blocks of 32 inputs);
 # "torch": torch's int8 kernel, and its dequantizing fallback for 40 inputs (not a multiple of 16)
-CASES = [pytest.param("blocks", 64, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
-         ("torch", 64), ("torch", 40)]
+CASES = [
+    pytest.param("blocks", 64, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
+    ("torch", 64),
+    ("torch", 40),
+]
 
 
 @pytest.mark.parametrize("backend,in_features", CASES)
@@ -66,8 +69,10 @@ def test_zero_row() -> None:
     assert torch.all(y[:, 3] == 0) and torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("backend", [pytest.param("blocks", marks=pytest.mark.skipif(
-    not cpu_kernels.available(), reason="no CPU kernels")), "torch"])
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("blocks", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")), "torch"],
+)
 def test_fused_int8_parts_are_views_of_one_copy(backend, monkeypatch) -> None:
     """q/k/v-like parts fuse into one Int8 linear whose output splits into the parts' outputs; each part's
     codes are a view of the fused ones. On the block kernel, parts of a row count that is not a multiple of
@@ -174,8 +179,18 @@ def _tinygemm_checks(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torc
 
 # (out, in, repeat_input): the built-in model's projections (hidden 576, ff 1536), a 1 B target's (2048, 5632),
 # Qwen2.5-0.5B's (896, 4864), tiny test models' (96 inputs: 2 inner k tiles) and GGUF's Q8_0 / Q6_K segment layouts
-CUDA_SHAPES = [(576, 576, 1), (1536, 576, 1), (576, 1536, 1), (5632, 2048, 1), (2048, 5632, 1), (4864, 896, 1),
-               (896, 4864, 1), (64, 96, 1), (576, 576, 2), (896, 4864, 4)]
+CUDA_SHAPES = [
+    (576, 576, 1),
+    (1536, 576, 1),
+    (576, 1536, 1),
+    (5632, 2048, 1),
+    (2048, 5632, 1),
+    (4864, 896, 1),
+    (896, 4864, 1),
+    (64, 96, 1),
+    (576, 576, 2),
+    (896, 4864, 4),
+]
 
 
 @pytest.mark.parametrize("out_features,in_features,repeat", CUDA_SHAPES)

@@ -120,8 +120,9 @@ def test_a_replica_failing_before_the_first_token_is_retried_once_after_never():
     assert [d.token_ids for d in asyncio.run(go(front))] == [[7]]
     assert t.opened == [("r", ""), ("r", "A")]
     # 2: an UNAVAILABLE error delta before any token (its target rank lost) -> the same
-    front, t = _front([[Admitted("A"), _tok("r", [], "error", ErrorCode.UNAVAILABLE)],
-                       [Admitted("B"), _tok("r", [8], "length")]])
+    front, t = _front(
+        [[Admitted("A"), _tok("r", [], "error", ErrorCode.UNAVAILABLE)], [Admitted("B"), _tok("r", [8], "length")]]
+    )
     assert [d.token_ids for d in asyncio.run(go(front))] == [[8]]
     # 3: after a token: the stream ends with UNAVAILABLE, no second replica
     front, t = _front([[Admitted("A"), _tok("r", [1]), ReplicaDied()], [Admitted("B")]])
@@ -151,9 +152,16 @@ def test_cancel_cancels_the_replica_call_and_admission_bounds_hold():
 def test_a_tenant_holds_at_most_its_quota_of_live_requests_over_all_replicas():
     """limits.max_queued_per_tenant as one group's coordinator enforces it: RESOURCE_EXHAUSTED (HTTP 429) for the
     tenant over its quota, before any replica is asked; other tenants still served; a place freed is its again."""
-    front, t = _front([[Admitted("A"), _tok("a1", [1])], [Admitted("B"), _tok("a2", [1])],
-                       [Admitted("A"), _tok("b1", [1])], [Admitted("B"), _tok("a3", [1])]], max_queued=8,
-                      tenant_quota=2)
+    front, t = _front(
+        [
+            [Admitted("A"), _tok("a1", [1])],
+            [Admitted("B"), _tok("a2", [1])],
+            [Admitted("A"), _tok("b1", [1])],
+            [Admitted("B"), _tok("a3", [1])],
+        ],
+        max_queued=8,
+        tenant_quota=2,
+    )
 
     async def go():
         a1 = await front.open([1], request_id="a1", scope="acme", tenant="acme")
@@ -173,8 +181,9 @@ def test_a_tenant_holds_at_most_its_quota_of_live_requests_over_all_replicas():
 
 
 def test_a_request_refused_by_its_replica_frees_its_tenant_s_place():
-    front, t = _front([[Refused(InvalidArgument("params.top_p", "bad"), "A")], [Admitted("A"), _tok("r2", [1])]],
-                      tenant_quota=1)
+    front, t = _front(
+        [[Refused(InvalidArgument("params.top_p", "bad"), "A")], [Admitted("A"), _tok("r2", [1])]], tenant_quota=1
+    )
 
     async def go():
         with pytest.raises(InvalidArgument):
@@ -194,8 +203,9 @@ def test_the_grpc_front_door_gives_the_replica_front_the_tenants_quota():
     front.engine.config.limits.max_queued_per_tenant = None  # the default: half the places with several tenants
 
     async def go():
-        server, coordinator = await serve(front.engine, "127.0.0.1", 0, 5, 0.0,
-                                          ServerSecurity(token=("tok-a", "tok-b")), coordinator=front)
+        server, coordinator = await serve(
+            front.engine, "127.0.0.1", 0, 5, 0.0, ServerSecurity(token=("tok-a", "tok-b")), coordinator=front
+        )
         await server.stop(0)
         return coordinator
 

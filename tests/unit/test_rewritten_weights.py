@@ -11,18 +11,22 @@ import subprocess
 import sys
 
 import torch
-
-from specdist.models.loader import own_weights
 from support import SUPPORT
 
+from specdist.models.loader import own_weights
 
 KINDS = ("safetensors", "gguf-float", "gguf-native")
 
 
 def test_a_weight_file_rewritten_in_place_leaves_the_model_as_loaded(tmp_path):
     script = os.path.join(SUPPORT, "rewritten_weights_case.py")
-    run = subprocess.run([sys.executable, script, str(tmp_path), *KINDS], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    run = subprocess.run(
+        [sys.executable, script, str(tmp_path), *KINDS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert run.returncode == 0, f"exit {run.returncode} (-7: SIGBUS)\n{run.stdout[-1500:]}{run.stderr[-1500:]}"
     assert run.stdout.splitlines() == [f"{kind} | same" for kind in KINDS], run.stdout[-1500:]
 

@@ -10,7 +10,14 @@ import json
 import pytest
 
 from specdist.api.router import (
-    POLICIES, Pending, ReplicaStats, RouteRequest, Router, block_hashes, make_policy, session_key,
+    POLICIES,
+    Pending,
+    ReplicaStats,
+    Router,
+    RouteRequest,
+    block_hashes,
+    make_policy,
+    session_key,
 )
 from specdist.config import ROUTER_POLICIES, ConfigError, RouterConfig, load_config
 
@@ -23,8 +30,13 @@ def req(rid="q", tokens=range(16), max_tokens=100, kind="default", tenant="t", s
 
 
 def stats(rid, at=0.0, **kw):
-    base = dict(max_batch_size=4, tokens_per_step={"default": 2.0}, step_s=0.01, step_s_per_request=0.001,
-                prefill_s_per_token=0.0001)
+    base = dict(
+        max_batch_size=4,
+        tokens_per_step={"default": 2.0},
+        step_s=0.01,
+        step_s_per_request=0.001,
+        prefill_s_per_token=0.0001,
+    )
     base.update(kw)
     return ReplicaStats(rid, at, **base)
 
@@ -42,6 +54,7 @@ def busy(n, tokens=500, kind="default"):
 
 # ---- config ----------------------------------------------------------------------------------------------
 
+
 def test_the_registry_serves_every_configured_policy_and_speculative_is_the_default():
     assert tuple(POLICIES) == ROUTER_POLICIES
     assert load_config(None).router.policy == "speculative"
@@ -49,16 +62,19 @@ def test_the_registry_serves_every_configured_policy_and_speculative_is_the_defa
         assert make_policy(RouterConfig(policy=name), BS).name == name
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"policy": "random"}, "router.policy"),
-    ({"stats_period_s": 0}, "router.stats_period_s"),
-    ({"stats_period_s": "soon"}, "router.stats_period_s"),
-    ({"session_blocks": 0}, "router.session_blocks"),
-    ({"imbalance_threshold": {"absolute": -1}}, "router.imbalance_threshold.absolute"),
-    ({"imbalance_threshold": {"relative": 0.5}}, "router.imbalance_threshold.relative"),
-    ({"imbalance_threshold": {"ratio": 2}}, "router.imbalance_threshold.ratio"),
-    ({"polcy": "prefix"}, "router.polcy"),
-])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"policy": "random"}, "router.policy"),
+        ({"stats_period_s": 0}, "router.stats_period_s"),
+        ({"stats_period_s": "soon"}, "router.stats_period_s"),
+        ({"session_blocks": 0}, "router.session_blocks"),
+        ({"imbalance_threshold": {"absolute": -1}}, "router.imbalance_threshold.absolute"),
+        ({"imbalance_threshold": {"relative": 0.5}}, "router.imbalance_threshold.relative"),
+        ({"imbalance_threshold": {"ratio": 2}}, "router.imbalance_threshold.ratio"),
+        ({"polcy": "prefix"}, "router.polcy"),
+    ],
+)
 def test_bad_router_settings_are_one_line_errors_naming_the_key(section, key):
     with pytest.raises(ConfigError) as e:
         load_config({"router": section})
@@ -66,6 +82,7 @@ def test_bad_router_settings_are_one_line_errors_naming_the_key(section, key):
 
 
 # ---- policies --------------------------------------------------------------------------------------------
+
 
 def test_round_robin_takes_the_replicas_in_turn():
     r = router("round-robin", stats("b"), stats("a"), stats("c"))
@@ -77,8 +94,9 @@ def test_least_loaded_of_two_draws_is_seeded_and_counts_what_it_sent():
     assert router("least-loaded", *two).choose(req(), 0.1) == "b"
     five = [stats(f"r{i}") for i in range(5)]
     picks = [[router("least-loaded", *five, seed=s).choose(req(f"q{i}"), 0.1) for i in range(1)] for s in range(6)]
-    assert picks == [[router("least-loaded", *five, seed=s).choose(req(f"q{i}"), 0.1) for i in range(1)]
-                     for s in range(6)]  # the same seed, the same draws
+    assert picks == [
+        [router("least-loaded", *five, seed=s).choose(req(f"q{i}"), 0.1) for i in range(1)] for s in range(6)
+    ]  # the same seed, the same draws
     assert len({p[0] for p in picks}) > 1  # and different seeds draw differently
     r = router("least-loaded", stats("a"), stats("b"))
     assert {r.choose(req("q1"), 0.1), r.choose(req("q2"), 0.1)} == {"a", "b"}  # q1 is counted on its replica
@@ -87,32 +105,48 @@ def test_least_loaded_of_two_draws_is_seeded_and_counts_what_it_sent():
 def test_prefix_takes_the_longest_cached_prefix_unless_the_load_is_imbalanced():
     prompt = list(range(32))
     blocks = block_hashes(prompt, BS)
-    reps = [stats("a", cached_blocks=frozenset(blocks[:2])), stats("b", cached_blocks=frozenset(blocks[:6])),
-            stats("c")]
+    reps = [
+        stats("a", cached_blocks=frozenset(blocks[:2])),
+        stats("b", cached_blocks=frozenset(blocks[:6])),
+        stats("c"),
+    ]
     assert router("prefix", *reps).choose(req(tokens=prompt), 0.1) == "b"
     # a block cached without the blocks before it is no prefix
-    assert router("prefix", stats("a", cached_blocks=frozenset(blocks[1:])), stats("b", running=busy(1))).choose(
-        req(tokens=prompt), 0.1) == "a"
+    assert (
+        router("prefix", stats("a", cached_blocks=frozenset(blocks[1:])), stats("b", running=busy(1))).choose(
+            req(tokens=prompt), 0.1
+        )
+        == "a"
+    )
     loaded = [stats("a"), stats("b", cached_blocks=frozenset(blocks), queued=busy(40))]
     th = {"absolute": 32, "relative": 1.5}
     from specdist.config import ImbalanceThreshold
 
-    assert router("prefix", *loaded, imbalance_threshold=ImbalanceThreshold(**th)).choose(
-        req(tokens=prompt), 0.1) == "a"  # 40 - 0 > 32 and 40 > 1.5 x 0: by load
+    assert (
+        router("prefix", *loaded, imbalance_threshold=ImbalanceThreshold(**th)).choose(req(tokens=prompt), 0.1) == "a"
+    )  # 40 - 0 > 32 and 40 > 1.5 x 0: by load
     both = [stats("a", queued=busy(30)), stats("b", cached_blocks=frozenset(blocks), queued=busy(62))]
-    assert router("prefix", *both, imbalance_threshold=ImbalanceThreshold(**th)).choose(
-        req(tokens=prompt), 0.1) == "b"  # 62 - 30 = 32 is not past the absolute threshold
+    assert (
+        router("prefix", *both, imbalance_threshold=ImbalanceThreshold(**th)).choose(req(tokens=prompt), 0.1) == "b"
+    )  # 62 - 30 = 32 is not past the absolute threshold
     rel = [stats("a", queued=busy(80)), stats("b", cached_blocks=frozenset(blocks), queued=busy(115))]
-    assert router("prefix", *rel, imbalance_threshold=ImbalanceThreshold(**th)).choose(
-        req(tokens=prompt), 0.1) == "b"  # 115 - 80 > 32 but 115 < 1.5 x 80
+    assert (
+        router("prefix", *rel, imbalance_threshold=ImbalanceThreshold(**th)).choose(req(tokens=prompt), 0.1) == "b"
+    )  # 115 - 80 > 32 but 115 < 1.5 x 80
 
 
 def test_speculative_prefers_the_replica_holding_the_session_and_its_prefix():
     prompt = list(range(64))
     q = req(tokens=prompt, max_tokens=200, kind="edit")
     blocks = q.prompt_blocks
-    held = stats("b", running=busy(1, kind="edit"), tokens_per_step={"edit": 3.0},
-                 session_tokens_per_step={"edit": 4.5}, cached_blocks=frozenset(blocks), sessions=frozenset({q.session}))
+    held = stats(
+        "b",
+        running=busy(1, kind="edit"),
+        tokens_per_step={"edit": 3.0},
+        session_tokens_per_step={"edit": 4.5},
+        cached_blocks=frozenset(blocks),
+        sessions=frozenset({q.session}),
+    )
     idle = stats("a", tokens_per_step={"edit": 3.0})
     r = router("speculative", idle, held)
     assert r.choose(q, 0.1) == "b"
@@ -120,9 +154,15 @@ def test_speculative_prefers_the_replica_holding_the_session_and_its_prefix():
     views = {v.replica_id: v for v in r.trusted(0.1)}
     assert pol.expected_finish(q, views["b"]) > 0
     # the same replica full of long work: the idle one finishes first
-    full = stats("b", running=busy(4, tokens=2000, kind="edit"), queued=busy(4, tokens=2000, kind="edit"),
-                 tokens_per_step={"edit": 3.0}, session_tokens_per_step={"edit": 4.5},
-                 cached_blocks=frozenset(blocks), sessions=frozenset({q.session}))
+    full = stats(
+        "b",
+        running=busy(4, tokens=2000, kind="edit"),
+        queued=busy(4, tokens=2000, kind="edit"),
+        tokens_per_step={"edit": 3.0},
+        session_tokens_per_step={"edit": 4.5},
+        cached_blocks=frozenset(blocks),
+        sessions=frozenset({q.session}),
+    )
     assert router("speculative", idle, full).choose(req("q2", tokens=prompt, max_tokens=200, kind="edit"), 0.1) == "a"
 
 
@@ -251,8 +291,15 @@ def test_sent_requests_count_until_a_later_report_or_their_end():
 
 
 def test_stats_round_trip_as_plain_data():
-    s = stats("r1", at=3.5, queued=busy(2), running=busy(1, kind="edit"), cached_blocks=frozenset({5, 7}),
-              sessions=frozenset({"k"}), session_tokens_per_step={"edit": 4.0})
+    s = stats(
+        "r1",
+        at=3.5,
+        queued=busy(2),
+        running=busy(1, kind="edit"),
+        cached_blocks=frozenset({5, 7}),
+        sessions=frozenset({"k"}),
+        session_tokens_per_step={"edit": 4.0},
+    )
     d = json.loads(json.dumps(s.to_dict()))
     assert ReplicaStats.from_dict(d) == s
     q = req(session="x")
@@ -260,6 +307,7 @@ def test_stats_round_trip_as_plain_data():
 
 
 # ---- the Serve adapter on fake replicas -----------------------------------------------------------------
+
 
 class FakeReplica:
     def __init__(self, rid, routing_stats):
@@ -279,18 +327,24 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
     from specdist.api.serve_router import ROUTE_KWARG, SpecdistRequestRouter
 
     async def go():
-        router = SpecdistRequestRouter(deployment_id=DeploymentID(name="specdist", app_name="app"),
-                                       handle_source=DeploymentHandleSource.UNKNOWN)
+        router = SpecdistRequestRouter(
+            deployment_id=DeploymentID(name="specdist", app_name="app"), handle_source=DeploymentHandleSource.UNKNOWN
+        )
         router.initialize_state(router={"policy": "prefix"}, block_size=BS)
         prompt = list(range(32))
         blocks = block_hashes(prompt, BS)
         now = time.time()
-        reps = [FakeReplica("r1", stats("x", at=now).to_dict()),
-                FakeReplica("r2", stats("x", at=now, cached_blocks=frozenset(blocks[:5])).to_dict()),
-                FakeReplica("r3", stats("x", at=now - 60).to_dict())]  # stale: avoided
+        reps = [
+            FakeReplica("r1", stats("x", at=now).to_dict()),
+            FakeReplica("r2", stats("x", at=now, cached_blocks=frozenset(blocks[:5])).to_dict()),
+            FakeReplica("r3", stats("x", at=now - 60).to_dict()),
+        ]  # stale: avoided
         q = req(tokens=prompt)
-        pending = PendingRequest(args=[], kwargs={ROUTE_KWARG: q.to_dict()},
-                                 metadata=RequestMetadata(request_id="a", internal_request_id="i1"))
+        pending = PendingRequest(
+            args=[],
+            kwargs={ROUTE_KWARG: q.to_dict()},
+            metadata=RequestMetadata(request_id="a", internal_request_id="i1"),
+        )
         ranks = await router.choose_replicas(reps, pending)
         assert [r.replica_id.unique_id for r in ranks[0]] == ["r2"]
         assert {r.replica_id.unique_id for r in ranks[1]} == {"r1", "r3"}
@@ -302,9 +356,11 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
         # what ReplicaFront's transport puts in the handle call (cluster.serve.ServeReplicas.open) reaches the policy:
         # kind, session key and prompt blocks, under Serve's own request id
         sent = req(tokens=prompt, kind="edit", session="s1")
-        call = PendingRequest(args=["prompt", None, "rid", "", "t", 0.0],
-                              kwargs={ROUTE_KWARG: {**sent.to_dict(), "tenant": "t", "avoid": ""}},
-                              metadata=RequestMetadata(request_id="c", internal_request_id="i3"))
+        call = PendingRequest(
+            args=["prompt", None, "rid", "", "t", 0.0],
+            kwargs={ROUTE_KWARG: {**sent.to_dict(), "tenant": "t", "avoid": ""}},
+            metadata=RequestMetadata(request_id="c", internal_request_id="i3"),
+        )
         seen = router.route_request(call)
         assert (seen.request_id, seen.kind, seen.session, seen.prompt_blocks) == ("i3", "edit", sent.session, blocks)
         bare = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="b", internal_request_id="i2"))
@@ -328,14 +384,20 @@ def test_requests_arriving_together_through_serve_see_each_other():
     from specdist.api.serve_router import ROUTE_KWARG, SpecdistRequestRouter
 
     async def go():
-        router = SpecdistRequestRouter(deployment_id=DeploymentID(name="specdist", app_name="app"),
-                                       handle_source=DeploymentHandleSource.UNKNOWN)
+        router = SpecdistRequestRouter(
+            deployment_id=DeploymentID(name="specdist", app_name="app"), handle_source=DeploymentHandleSource.UNKNOWN
+        )
         router.initialize_state(router={"policy": "speculative"}, block_size=BS)
         now = time.time()
         reps = [FakeReplica(n, stats("x", at=now, step_s=0.0, step_s_per_request=0.0).to_dict()) for n in ("r1", "r2")]
-        pending = [PendingRequest(args=[], kwargs={ROUTE_KWARG: req(f"q{i}", tokens=range(16 * i, 16 * i + 16)).to_dict()},
-                                  metadata=RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}"))
-                   for i in range(4)]
+        pending = [
+            PendingRequest(
+                args=[],
+                kwargs={ROUTE_KWARG: req(f"q{i}", tokens=range(16 * i, 16 * i + 16)).to_dict()},
+                metadata=RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}"),
+            )
+            for i in range(4)
+        ]
         firsts = [(await router.choose_replicas(reps, p))[0][0].replica_id for p in pending]
         assert sorted(r.unique_id for r in firsts) == ["r1", "r1", "r2", "r2"]
         sent = {rid: set(v) for rid, v in router.router.sent.items()}
@@ -349,6 +411,7 @@ def test_requests_arriving_together_through_serve_see_each_other():
 
 
 # ---- the simulator ---------------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=None)
 def sim(policy, workload, n):
@@ -397,8 +460,23 @@ def test_bench_router_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "--simulate" in err and "Traceback" not in err
     out = tmp_path / "r.json"
-    assert main(["bench", "router", "--simulate", "2", "--workload", "chat", "--policies",
-                 "speculative,least-loaded", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "router",
+                "--simulate",
+                "2",
+                "--workload",
+                "chat",
+                "--policies",
+                "speculative,least-loaded",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert [r["policy"] for r in doc["results"]] == ["speculative", "least-loaded"]
     assert doc["ratios"]["least-loaded"]["speculative"]["tokens_per_s"] > 0
@@ -415,6 +493,6 @@ def test_the_workload_files_are_what_their_generator_writes_and_turns_extend_the
         assert text == "".join(json.dumps(d) + "\n" for d in generate(name)), name
     for turns in load("sessions"):
         for a, b in zip(turns, turns[1:]):
-            assert b.prompt[:len(a.prompt) + len(a.answer)] == a.prompt + a.answer
+            assert b.prompt[: len(a.prompt) + len(a.answer)] == a.prompt + a.answer
     kinds = [g[0].kind for g in load("mixed")]
     assert kinds.count("edit") == kinds.count("write") == len(kinds) // 2

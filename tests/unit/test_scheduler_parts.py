@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from support.helpers import set_scheduler_clock
+
 from specdist.config import load_config
 from specdist.engine.base import EngineBase, _OfScheduler
 from specdist.engine.calls import RELEASE_RETRY_FIRST_S, PendingReleases, call_isolating
@@ -182,9 +182,8 @@ def test_a_release_the_core_refuses_is_not_retried(clock) -> None:
 # ---------------------------------------------------------------- the output processor
 @pytest.fixture(scope="module")
 def word_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     from support.model_zoo import save_word_tokenizer
+    from transformers import AutoTokenizer
 
     path = str(tmp_path_factory.mktemp("words"))
     save_word_tokenizer(path, 16)
@@ -305,9 +304,19 @@ def test_the_engine_forwards_what_the_layers_above_use() -> None:
     public = {n for n in dir(sched) if not n.startswith("_")}
     forwarded = {n for n, v in vars(EngineBase).items() if isinstance(v, _OfScheduler)}
     assert forwarded <= public
-    assert public - set(dir(EngineBase)) == {"pool", "output", "admit", "abort_requests", "verifier", "replicas",
-                                             "eos_ids", "max_batch_size", "max_prefill_tokens", "length_policy",
-                                             "coupling"}
+    assert public - set(dir(EngineBase)) == {
+        "pool",
+        "output",
+        "admit",
+        "abort_requests",
+        "verifier",
+        "replicas",
+        "eos_ids",
+        "max_batch_size",
+        "max_prefill_tokens",
+        "length_policy",
+        "coupling",
+    }
 
 
 def test_a_core_out_of_room_from_an_item_on_takes_the_ones_before_it() -> None:
@@ -337,14 +346,18 @@ def test_a_draft_cache_holding_fewer_sequences_than_the_batch_still_admits(tiny_
     """A paged draft cache with room for two requests' reservations out of four: two start, the others wait for
     their room, and every request ends with the tokens a roomy engine gives (before: all four requeued every
     step, none ever started)."""
-    from specdist import Engine, SamplingParams
     from support.helpers import tiny_config
 
+    from specdist import Engine, SamplingParams
+
     def run(**engine):
-        eng = Engine.from_config(tiny_config(tiny_models, k=3, max_batch_size=4, max_model_len=64, kv_cache="paged",
-                                             **engine))
-        reqs = [eng.add_request([1, 2, 3, 4, 5 + i % 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-                for i in range(4)]
+        eng = Engine.from_config(
+            tiny_config(tiny_models, k=3, max_batch_size=4, max_model_len=64, kv_cache="paged", **engine)
+        )
+        reqs = [
+            eng.add_request([1, 2, 3, 4, 5 + i % 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            for i in range(4)
+        ]
         for _ in range(200):  # bounded: a livelock fails below instead of hanging
             if not (eng.running or eng.waiting):
                 break

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist.api.serving import check_config
 from specdist.config import load_config
 from specdist.engine.local import Engine

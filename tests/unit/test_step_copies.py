@@ -19,8 +19,8 @@ import contextlib
 
 import pytest
 import torch
-
 from support.helpers import tiny_config
+
 from specdist import SamplingParams
 from specdist.engine.local import Engine
 
@@ -86,10 +86,18 @@ def test_a_step_copies_once_each_way(tiny_models, monkeypatch, method, temperatu
     cfg = tiny_config(tiny_models, method=method, k=3, max_batch_size=4, kv_cache="paged", kv_block_size=4)
     cfg["sampling"] = {"coupling": coupling}
     eng = Engine.from_config(cfg)
-    params = [SamplingParams(max_tokens=12, temperature=temperature, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=temperature, top_k=3, seed=2, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=temperature, top_p=0.8, seed=3, ignore_eos=True,
-                             logprobs=2 if temperature > 0 else None)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=temperature, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=temperature, top_k=3, seed=2, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12,
+            temperature=temperature,
+            top_p=0.8,
+            seed=3,
+            ignore_eos=True,
+            logprobs=2 if temperature > 0 else None,
+        ),
+    ]
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [2, 3, 1, 2, 3, 1]]
     for p, sp in zip(prompts, params):
         eng.add_request(p, sp)
@@ -116,8 +124,10 @@ def test_the_counter_sees_a_copy_each_way(tiny_models, monkeypatch):
     assert copies.reset()[:2] == (1, 2)
 
 
-@pytest.mark.parametrize("method,temperature,coupling", [("model", 0.0, "rejection"), ("model", 0.8, "rejection"),
-                                                         ("model", 0.8, "gumbel"), ("self-w8", 0.9, "rejection")])
+@pytest.mark.parametrize(
+    "method,temperature,coupling",
+    [("model", 0.0, "rejection"), ("model", 0.8, "rejection"), ("model", 0.8, "gumbel"), ("self-w8", 0.9, "rejection")],
+)
 def test_each_forward_pass_copies_once_each_way(tiny_models, monkeypatch, method, temperature, coupling):
     """Model drafts run k draft passes a step: each pass (and the verification) makes at most one copy each
     way, counted between the starts of consecutive forwards (the draft's and the target's)."""
@@ -125,8 +135,9 @@ def test_each_forward_pass_copies_once_each_way(tiny_models, monkeypatch, method
     cfg["sampling"] = {"coupling": coupling}
     eng = Engine.from_config(cfg)
     for i, p in enumerate([[1, 2, 3, 4], [5, 6, 7], [2, 4, 6, 1, 3]]):
-        eng.add_request(p, SamplingParams(max_tokens=10, temperature=temperature, top_p=0.9 if i else 1.0,
-                                          seed=i, ignore_eos=True))
+        eng.add_request(
+            p, SamplingParams(max_tokens=10, temperature=temperature, top_p=0.9 if i else 1.0, seed=i, ignore_eos=True)
+        )
     eng.step()
     copies = Copies()
     windows = []
@@ -135,6 +146,7 @@ def test_each_forward_pass_copies_once_each_way(tiny_models, monkeypatch, method
         def forward(*args, **kwargs):
             windows.append(copies.reset())
             return real(*args, **kwargs)
+
         return forward
 
     for runner in (eng.target_core.runner, eng.draft_core.runner):

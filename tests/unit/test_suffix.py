@@ -19,18 +19,17 @@ import random
 from collections import Counter
 
 import pytest
-
 from support.helpers import ServedCores, frozen_adaptive_policy, tiny_config
-from specdist.cores.proposers.suffix import SuffixProposer
+
 from specdist.config import load_config
 from specdist.cores.draft import DrafterCore, build_drafter_core
 from specdist.cores.proposers import check_draft, draft_dtype
+from specdist.cores.proposers.suffix import SuffixProposer
+from specdist.cores.suffix_index import SuffixIndex, SuffixSettings
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
 from specdist.sampling_params import SamplingParams
-from specdist.cores.suffix_index import SuffixIndex, SuffixSettings
 from specdist.transport.protocol import ProposeItem, StartItem
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
@@ -83,7 +82,7 @@ def reference_lookup(seqs, query, depth, k, min_prob, factor):
 
     def anchor(ctx):  # deepest suffix (1 <= len <= depth) occurring with a continuation
         for m in range(min(len(ctx), depth), 0, -1):
-            s = tuple(ctx[len(ctx) - m:])
+            s = tuple(ctx[len(ctx) - m :])
             if cnt.get(s, 0) > 0 and conts(s):
                 return m, s
         return 0, None
@@ -105,7 +104,7 @@ def reference_lookup(seqs, query, depth, k, min_prob, factor):
         if len(toks) == cap:
             break
         # the suffixes of ctx that occur (contiguous from length 0), then the deepest with a continuation
-        d, s = anchor(ctx[len(ctx) - _occurring(cnt, ctx, depth):])
+        d, s = anchor(ctx[len(ctx) - _occurring(cnt, ctx, depth) :])
         if d == 0:
             break
     return toks, score, m
@@ -113,7 +112,7 @@ def reference_lookup(seqs, query, depth, k, min_prob, factor):
 
 def _occurring(cnt, ctx, depth) -> int:
     n = 0
-    while n < min(len(ctx), depth) and cnt.get(tuple(ctx[len(ctx) - n - 1:]), 0) > 0:
+    while n < min(len(ctx), depth) and cnt.get(tuple(ctx[len(ctx) - n - 1 :]), 0) > 0:
         n += 1
     return n
 
@@ -231,8 +230,9 @@ def test_lookup_longest_match_with_a_continuation():
         for factor in (0.5, 1.0, 2.5):
             for mp in (0.0, 0.3, 0.6):
                 got = idx.lookup(live, k, mp, factor)
-                want = reference_lookup([[1, 2, 3, 4, 5], [7, 2, 3, 4, 6], [9, 9, 3, 8], [5, 2, 3]], [5, 2, 3],
-                                        8, k, mp, factor)
+                want = reference_lookup(
+                    [[1, 2, 3, 4, 5], [7, 2, 3, 4, 6], [9, 9, 3, 8], [5, 2, 3]], [5, 2, 3], 8, k, mp, factor
+                )
                 assert (got.tokens, got.match_len) == (want[0], want[2]) and got.score == pytest.approx(want[1])
 
 
@@ -250,7 +250,7 @@ def test_lookup_matches_the_reference_rule_on_random_sequences():
         got = idx.lookup(live, k, mp, factor)
         want = reference_lookup(seqs[-3:] + [query], query, depth, k, mp, factor)
         assert (got.tokens, got.match_len) == (want[0], want[2]), (trial, seqs, query, k, mp, factor)
-        assert len(got.depths) == len(got.tokens) and got.depths[:1] == [got.match_len][:len(got.tokens)]
+        assert len(got.depths) == len(got.tokens) and got.depths[:1] == [got.match_len][: len(got.tokens)]
         assert all(1 <= d <= depth - 1 for d in got.depths)  # a match has a continuation within the depth
         assert got.score == pytest.approx(want[1])
 
@@ -278,14 +278,31 @@ def test_settings_validation_and_constructor_errors():
         SuffixIndex(max_depth=1)
     with pytest.raises(ValueError):
         SuffixIndex(cache_requests=-1)
-    for key, bad in (("suffix_max_depth", 1), ("suffix_max_depth", 1000), ("suffix_min_prob", 1.5),
-                     ("suffix_min_prob", -0.1), ("suffix_max_spec_factor", 0.0), ("suffix_cache_requests", -1),
-                     ("suffix_min_score", -1.0), ("suffix_max_depth", 2.5), ("suffix_min_prob", "x")):
+    for key, bad in (
+        ("suffix_max_depth", 1),
+        ("suffix_max_depth", 1000),
+        ("suffix_min_prob", 1.5),
+        ("suffix_min_prob", -0.1),
+        ("suffix_max_spec_factor", 0.0),
+        ("suffix_cache_requests", -1),
+        ("suffix_min_score", -1.0),
+        ("suffix_max_depth", 2.5),
+        ("suffix_min_prob", "x"),
+    ):
         with pytest.raises(ConfigError) as e:
             check_draft(load_config({"draft": {"method": "suffix", key: bad}}).draft)
         assert e.value.key == f"draft.{key}" and "\n" not in str(e.value), (key, bad)
-    cfg = load_config({"draft": {"method": "hybrid", "suffix_max_depth": 2, "suffix_min_prob": 0,
-                                 "suffix_cache_requests": 0, "suffix_min_score": 0}})
+    cfg = load_config(
+        {
+            "draft": {
+                "method": "hybrid",
+                "suffix_max_depth": 2,
+                "suffix_min_prob": 0,
+                "suffix_cache_requests": 0,
+                "suffix_min_score": 0,
+            }
+        }
+    )
     assert SuffixProposer.settings_of(cfg.draft).suffix_min_prob == 0.0 and draft_dtype(cfg) == cfg.target.dtype
     with pytest.raises(ConfigError, match="needs a draft model"):
         build_drafter_core(cfg.draft, 8, 2, 32)
@@ -371,8 +388,10 @@ def test_repeated_prompt_is_drafted_from_the_index(tiny_models, reference):
         again = eng.generate([prompt], sp)[0]
         assert first.token_ids == again.token_ids == reference(prompt, m)
         rates[method] = again.metrics.accepted / max(1, again.metrics.drafted)
-        print(f"{method}: second request drafted {again.metrics.drafted}, accepted {again.metrics.accepted}, "
-              f"steps {again.metrics.steps}")
+        print(
+            f"{method}: second request drafted {again.metrics.drafted}, accepted {again.metrics.accepted}, "
+            f"steps {again.metrics.steps}"
+        )
         if method == "suffix":
             assert again.metrics.drafted >= m - 10 and rates[method] >= 0.95, rates
             assert again.metrics.steps <= m // 4 + 2  # k = 4: nearly every step emits 5 tokens
@@ -431,16 +450,26 @@ def test_draft_worker_actor_hosts_suffix_and_hybrid(tiny_models, reference):
         eng = Engine.from_config(cfg)
         actor = DraftActor(0, num_threads=None)
         try:
-            info = actor.load({**cfg["draft"], "suffix_max_depth": 5, "suffix_min_score": 0.5}, tiny_models["target"],
-                              {"max_batch_size": 8, "max_model_len": 64}, device="cpu")
+            info = actor.load(
+                {**cfg["draft"], "suffix_max_depth": 5, "suffix_min_score": 0.5},
+                tiny_models["target"],
+                {"max_batch_size": 8, "max_model_len": 64},
+                device="cpu",
+            )
             assert info["method"] == method and info["vocab_size"] == 8
             actor.warmup()
             suffix = getattr(actor.worker.proposer, "suffix", actor.worker.proposer)  # hybrid: its suffix part
             assert actor.worker.method == method and suffix.settings.max_depth == 5
             assert actor.worker.requests == {}
             with ServedCores(eng.target_core, [actor.worker]) as served:
-                remote = RemoteEngine(eng.config, served.target_address, served.draft_addresses,
-                                      tokenizer=eng.tokenizer, vocab_size=eng.vocab_size, eos_ids=eng.scheduler.eos_ids)
+                remote = RemoteEngine(
+                    eng.config,
+                    served.target_address,
+                    served.draft_addresses,
+                    tokenizer=eng.tokenizer,
+                    vocab_size=eng.vocab_size,
+                    eos_ids=eng.scheduler.eos_ids,
+                )
                 drafter, lengths = remote.scheduler.replicas[0].drafter, []
                 propose = drafter.propose
 

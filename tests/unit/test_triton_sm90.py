@@ -23,14 +23,14 @@ import os
 import pytest
 import torch
 import yaml
-
 from support.triton_launches import FAMILY_SHAPES, Recorder, compile_sm90, launch_step
+
 from specdist.models.backends.paged import pack_step, step_layout, step_size, unpack_step
 from specdist.models.graphs import GRAPH_TOKENS
-from specdist.models.kv.options import KVOptions
-from specdist.models.kv.paged import PagedKVCache
 from specdist.models.kernels.triton_attention import MAX_SPLITS, SPLIT_MIN_KEYS, paged_attention, split_count
 from specdist.models.kernels.triton_layer import add_rms_norm, silu_mul
+from specdist.models.kv.options import KVOptions
+from specdist.models.kv.paged import PagedKVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,8 +67,12 @@ def test_the_gpu_configs_buckets_and_prefills_compile_each_kernel_at_most_twice(
             for windowed in (False, True):
                 launch_step(shape, torch.bfloat16, bsz, tokens, width, bs, windowed)
     counts = {name: len(k) for name, k in rec.keys().items()}
-    assert set(counts) == {"_rope_write_kernel", "_paged_attention_kernel", "_paged_attention_split_kernel",
-                           "_split_reduce_kernel"}, counts
+    assert set(counts) == {
+        "_rope_write_kernel",
+        "_paged_attention_kernel",
+        "_paged_attention_split_kernel",
+        "_split_reduce_kernel",
+    }, counts
     assert all(n <= 2 for n in counts.values()), counts
 
 
@@ -110,16 +114,33 @@ def test_split_kv_is_chosen_from_static_shapes_for_small_batches_over_long_table
     launches = []
     for starts, n_new in (([5, 0], [1, 0]), ([1900, 37], [1, 1])):
         with Recorder() as rec:
-            paged_attention(q, cache, cache, table, torch.tensor(starts, dtype=torch.int32),
-                            torch.tensor(n_new, dtype=torch.int32), 1, 0.1)
+            paged_attention(
+                q,
+                cache,
+                cache,
+                table,
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor(n_new, dtype=torch.int32),
+                1,
+                0.1,
+            )
         launches.append([(launch.kernel, launch.grid, launch.key) for launch in rec.launches])
     assert launches[0] == launches[1]  # the same kernels, grids and compile keys whatever the lengths
     assert [(name, grid) for name, grid, _ in launches[0]] == [
         ("_paged_attention_split_kernel", (2, 8, 8)),  # 2 requests x 8 KV heads x (1 row block x 8 ranges)
-        ("_split_reduce_kernel", (2, 8, 1))]
+        ("_split_reduce_kernel", (2, 8, 1)),
+    ]
     with Recorder() as rec:
-        paged_attention(q.repeat(16, 1, 1), cache, cache, table.repeat(16, 1), torch.zeros(32, dtype=torch.int32),
-                        torch.ones(32, dtype=torch.int32), 1, 0.1)  # 32 requests: 256 programs, no split
+        paged_attention(
+            q.repeat(16, 1, 1),
+            cache,
+            cache,
+            table.repeat(16, 1),
+            torch.zeros(32, dtype=torch.int32),
+            torch.ones(32, dtype=torch.int32),
+            1,
+            0.1,
+        )  # 32 requests: 256 programs, no split
     assert [launch.kernel for launch in rec.launches] == ["_paged_attention_kernel"]
 
 
@@ -153,8 +174,12 @@ def test_every_kernel_compiles_for_sm90_without_register_spills(tmp_path, monkey
         for launch in rec.launches:
             launches.setdefault((launch.source.hash(), str(launch.options)), (shape, dtype, launch))
     kinds = {launch.kernel for _, _, launch in launches.values()}
-    assert kinds == {"_rope_write_kernel", "_paged_attention_kernel", "_paged_attention_split_kernel",
-                     "_split_reduce_kernel"}
+    assert kinds == {
+        "_rope_write_kernel",
+        "_paged_attention_kernel",
+        "_paged_attention_split_kernel",
+        "_split_reduce_kernel",
+    }
     problems = []
     for shape, dtype, launch in launches.values():
         kernel, report = compile_sm90(launch)
@@ -167,9 +192,15 @@ def test_every_kernel_compiles_for_sm90_without_register_spills(tmp_path, monkey
 
 
 # (hidden size, intermediate size) of the supported families' checkpoints whose layers take the fused kernels
-LAYER_WIDTHS = {"smollm2-135m": (576, 1536), "qwen2.5-0.5b": (896, 4864), "qwen3-0.6b": (1024, 3072),
-                "llama-3.2-1b / random-1b": (2048, 5632), "phi-3-mini": (3072, 8192), "qwen2.5-7b": (3584, 18944),
-                "llama-3.1-8b / mistral-7b": (4096, 14336)}
+LAYER_WIDTHS = {
+    "smollm2-135m": (576, 1536),
+    "qwen2.5-0.5b": (896, 4864),
+    "qwen3-0.6b": (1024, 3072),
+    "llama-3.2-1b / random-1b": (2048, 5632),
+    "phi-3-mini": (3072, 8192),
+    "qwen2.5-7b": (3584, 18944),
+    "llama-3.1-8b / mistral-7b": (4096, 14336),
+}
 
 
 GEMMA_WIDTHS = {"gemma2-2b": 2304, "gemma3-1b": 1152}  # hidden sizes (their MLPs are GELU: no SiLU * up)
@@ -203,11 +234,15 @@ def test_the_layer_kernels_compile_once_per_model_whatever_the_bucket():
 
 def test_the_layer_kernels_compile_for_sm90_without_register_spills(tmp_path, monkeypatch):
     """Each distinct compile of add + norm and SiLU * up (bfloat16 at every width, float16 and float32 at the
-    smallest and largest; Gemma's norms at its widths; 29, about 4 s): ptxas reports no spills and at most 255 registers."""
+    smallest and largest; Gemma's norms at its widths; 29, about 4 s): ptxas reports no spills and at most 255
+    registers."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     cases = [(w, torch.bfloat16) for w in LAYER_WIDTHS.values()]
-    cases += [(w, dtype) for dtype in (torch.float16, torch.float32) for w in (min(LAYER_WIDTHS.values()),
-                                                                              max(LAYER_WIDTHS.values()))]
+    cases += [
+        (w, dtype)
+        for dtype in (torch.float16, torch.float32)
+        for w in (min(LAYER_WIDTHS.values()), max(LAYER_WIDTHS.values()))
+    ]
     cases += [((dim, None), torch.bfloat16) for dim in GEMMA_WIDTHS.values()]
     launches = {}
     for (dim, inter), dtype in cases:

@@ -63,11 +63,14 @@ def check_draft(dc: DraftConfig) -> type[Proposer] | None:
     else:
         cls = proposer_class(dc.method)
         if cls.reads_draft_model and dc.model is None:
-            raise ConfigError("draft.model", f"must be a non-empty string, got None (method {dc.method!r} drafts "
-                                             "with the model named here)")
+            raise ConfigError(
+                "draft.model",
+                f"must be a non-empty string, got None (method {dc.method!r} drafts with the model named here)",
+            )
     if dc.model is not None and (cls is None or not cls.reads_draft_model):
-        raise ConfigError("draft.model", f"is only used with methods {' and '.join(map(repr, readers))}, not "
-                                         f"{dc.method!r}")
+        raise ConfigError(
+            "draft.model", f"is only used with methods {' and '.join(map(repr, readers))}, not {dc.method!r}"
+        )
     if cls is not None:
         cls.settings_of(dc)
     return cls
@@ -93,8 +96,13 @@ def resolve_draft(dc: DraftConfig, target_dtype: str) -> ResolvedDraft:
     """``dc`` checked (:func:`check_draft`, its ConfigErrors) and resolved: ``target_dtype`` (``target.dtype``) is
     the dtype of a model that runs in the target's (:func:`draft_dtype`)."""
     cls = check_draft(dc)
-    return ResolvedDraft(dc, cls, _traits(cls, dc), None if cls is None else cls.target_copy(dc.method),
-                         target_dtype if cls is not None and cls.runs_in_target_dtype else dc.dtype)
+    return ResolvedDraft(
+        dc,
+        cls,
+        _traits(cls, dc),
+        None if cls is None else cls.target_copy(dc.method),
+        target_dtype if cls is not None and cls.runs_in_target_dtype else dc.dtype,
+    )
 
 
 def draft_traits(dc: DraftConfig) -> DraftTraits:
@@ -105,8 +113,11 @@ def draft_traits(dc: DraftConfig) -> DraftTraits:
 def _traits(cls: type[Proposer] | None, dc: DraftConfig) -> DraftTraits:
     if cls is None:
         return DraftTraits()
-    return DraftTraits(model_free=cls.model_free, pipelined=dc.pipeline and cls.drafts_ahead,
-                       sampled_lengths=dc.confidence_threshold > 0 and not cls.model_free)
+    return DraftTraits(
+        model_free=cls.model_free,
+        pipelined=dc.pipeline and cls.drafts_ahead,
+        sampled_lengths=dc.confidence_threshold > 0 and not cls.model_free,
+    )
 
 
 def draft_dtype(cfg: Config) -> str:

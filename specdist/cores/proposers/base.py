@@ -31,8 +31,8 @@ from specdist.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from specdist.config import DraftConfig
-    from specdist.models.kv.options import KVOptions
     from specdist.models.kv.base import KVCache
+    from specdist.models.kv.options import KVOptions
     from specdist.models.metadata import ModelSources
     from specdist.models.runner import CausalLMRunner
     from specdist.transport.protocol import StartItem
@@ -138,8 +138,15 @@ class Proposer(ABC):
         return None
 
     @classmethod
-    def load(cls, dc: DraftConfig, sources: ModelSources, dtype: str, device, target: torch.nn.Module | None = None,
-             target_tokenizer=None) -> object:
+    def load(
+        cls,
+        dc: DraftConfig,
+        sources: ModelSources,
+        dtype: str,
+        device,
+        target: torch.nn.Module | None = None,
+        target_tokenizer=None,
+    ) -> object:
         """What the method drafts with, loaded from ``sources`` (the config's models, resolved once) for their
         target (``target``: it loaded, if the caller has it); None: nothing to load."""
         return None
@@ -168,8 +175,15 @@ class Proposer(ABC):
     def check_propose(self, r: DraftRequest, hidden: torch.Tensor | None, seq_len: int, field: str) -> None:
         """Refuse what a propose item brings for ``r`` (``hidden``: the target's states) before anything changes."""
 
-    def commit(self, r: DraftRequest, kept: list[int], n_acc: int, prev: int, prepared: list[int] | None,
-               hidden: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        r: DraftRequest,
+        kept: list[int],
+        n_acc: int,
+        prev: int,
+        prepared: list[int] | None,
+        hidden: torch.Tensor | None,
+    ) -> None:
         """The target kept ``n_acc`` tokens of the last proposal and then its own: ``kept``, appended to
         ``r.seq`` after its first ``prev`` tokens. ``prepared``: drafts after that sequence the cache already
         holds (a pipelined preparation that held). ``hidden``: the target's states of the committed positions."""

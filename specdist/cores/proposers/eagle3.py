@@ -41,8 +41,14 @@ class Eagle3Proposer(ModelProposer):
     runs_in_target_dtype = True  # the hidden states it reads are in the target's dtype
     shares_prefixes = False
 
-    def __init__(self, head: Eagle3Head, max_batch_size: int, max_model_len: int, confidence_threshold: float = 0.0,
-                 q_top_k: int = 0):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        max_batch_size: int,
+        max_model_len: int,
+        confidence_threshold: float = 0.0,
+        q_top_k: int = 0,
+    ):
         self.head = head
         self.runner = None
         self.cache = head.new_cache(max_batch_size, max_model_len)  # the head's K/V (one layer)
@@ -73,8 +79,9 @@ class Eagle3Proposer(ModelProposer):
         head = _head_source(sources)
         if target is not None:
             embedding = target.get_input_embeddings()
-            return quantize_linears(load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype,
-                                                     device))
+            return quantize_linears(
+                load_eagle3_head(head.directory, target.config, embedding, embedding.weight.dtype, device)
+            )
         src = sources.target
         config = sources.config()
         torch_dtype = getattr(torch, resolve_dtype(dtype, torch.device(device)))
@@ -103,15 +110,19 @@ class Eagle3Proposer(ModelProposer):
         if head is None:
             raise ConfigError("draft.model", "method 'eagle3' needs the head (load_draft_model)")
         if head.spec.vocab_size != ctx.vocab_size:
-            raise ConfigError("draft.model", f"the head's vocabulary size {head.spec.vocab_size} differs from the "
-                                             f"target's {ctx.vocab_size}")
+            raise ConfigError(
+                "draft.model",
+                f"the head's vocabulary size {head.spec.vocab_size} differs from the target's {ctx.vocab_size}",
+            )
         return cls(head, ctx.max_batch_size, ctx.max_model_len, dc.confidence_threshold, dc.q_top_k)
 
     # ------------------------------------------------------------ calls
     def check_start(self, item, field: str) -> None:
         if tuple(item.hidden_layers) != self.hidden_layers:
-            raise FailedPrecondition(f"{field}.hidden_layers", f"are {tuple(item.hidden_layers)}; this EAGLE-3 head "
-                                                               f"reads layers {self.hidden_layers}")
+            raise FailedPrecondition(
+                f"{field}.hidden_layers",
+                f"are {tuple(item.hidden_layers)}; this EAGLE-3 head reads layers {self.hidden_layers}",
+            )
 
     def start(self, r: DraftRequest[HeadState]) -> None:
         r.state = HeadState()
@@ -125,13 +136,19 @@ class Eagle3Proposer(ModelProposer):
         have = h.fed + sum(int(x.shape[0]) for x in h.states)
         rows = 0 if hidden is None else int(hidden.shape[0])
         if have + rows != seq_len - 1:
-            raise FailedPrecondition(field, f"has the target's hidden states of {rows} positions; the request needs "
-                                            f"{seq_len - 1 - have} (states of {have} of its {seq_len - 1} positions "
-                                            "before the last are here)")
+            raise FailedPrecondition(
+                field,
+                f"has the target's hidden states of {rows} positions; the request needs "
+                f"{seq_len - 1 - have} (states of {have} of its {seq_len - 1} positions "
+                "before the last are here)",
+            )
         width = self.hidden_width
         if hidden is not None and (hidden.dim() != 2 or int(hidden.shape[1]) != width):
-            raise InvalidArgument(field, f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
-                                         f"({len(self.hidden_layers)} layers x hidden size)")
+            raise InvalidArgument(
+                field,
+                f"has shape {tuple(hidden.shape)}; expected [{rows}, {width}] "
+                f"({len(self.hidden_layers)} layers x hidden size)",
+            )
 
     def commit(self, r: DraftRequest[HeadState], kept, n_acc: int, prev: int, prepared, hidden) -> None:
         h = r.state
@@ -153,8 +170,10 @@ class Eagle3Proposer(ModelProposer):
         d.feats = [None] * len(d.reqs)
         # nothing new to feed (a one-token prompt before its first verification): no drafts; ahead of the target
         # (pipelined): only after a proposal the head drafted whole, its K/V still cached
-        d.passes = [p if (bool(a) and self._can_continue(r, a) if d.guess else bool(r.state.states)) else 0
-                    for p, r, a in zip(d.passes, d.reqs, d.ahead)]
+        d.passes = [
+            p if (bool(a) and self._can_continue(r, a) if d.guess else bool(r.state.states)) else 0
+            for p, r, a in zip(d.passes, d.reqs, d.ahead)
+        ]
 
     def end_drafting(self, d: Drafting) -> None:
         for r, feat in zip(d.reqs, d.feats):
@@ -163,8 +182,11 @@ class Eagle3Proposer(ModelProposer):
     def _can_continue(self, r: DraftRequest[HeadState], ahead: list[int]) -> bool:
         """The head can draft after ``seq + ahead`` (the last proposal) without the target's states: it drafted
         that proposal and holds its K/V up to the position before its last token."""
-        return (r.state.last_feat is not None and ahead == r.proposal
-                and self.cache.lengths[r.slot] == len(r.seq) + len(ahead) - 2)
+        return (
+            r.state.last_feat is not None
+            and ahead == r.proposal
+            and self.cache.lengths[r.slot] == len(r.seq) + len(ahead) - 2
+        )
 
     def pass_logits(self, d: Drafting, j: int, rows: list[int], inputs):
         """Pass j: the head's logits of the next token of each request of ``rows`` ([n, V] float32).
@@ -183,15 +205,19 @@ class Eagle3Proposer(ModelProposer):
             for b in rows:
                 r, h = reqs[b], reqs[b].state
                 self.cache.rollback(r.slot, h.fed)  # positions past it hold the head's own states (drafts)
-                feed.append(r.seq[h.fed + 1:])
+                feed.append(r.seq[h.fed + 1 :])
                 feats.append(head.fuse(torch.cat(h.states) if len(h.states) > 1 else h.states[0]))  # [m, H]
                 h.states = []
                 h.fed = len(r.seq) - 1
             long = [n for n, toks in enumerate(feed) if len(toks) > CATCH_UP_IN_PASS]
             if long:
                 t0 = now()
-                head.forward(self.cache, [slots[n] for n in long], [feed[n][:-CATCH_UP_IN_PASS] for n in long],
-                             [feats[n][:-CATCH_UP_IN_PASS] for n in long])
+                head.forward(
+                    self.cache,
+                    [slots[n] for n in long],
+                    [feed[n][:-CATCH_UP_IN_PASS] for n in long],
+                    [feats[n][:-CATCH_UP_IN_PASS] for n in long],
+                )
                 self.catch_up_s += now() - t0
                 feed = [toks[-CATCH_UP_IN_PASS:] for toks in feed]
                 feats = [f[-CATCH_UP_IN_PASS:] for f in feats]
@@ -200,8 +226,9 @@ class Eagle3Proposer(ModelProposer):
             feats = [d.feats[b][None] for b in rows]  # [1, H]
         # the sampling inputs ride in the forward's one copy: the pass waits for the device only when the caller
         # reads its tokens back (ModelProposer.draft_pass)
-        logits, outs = head.forward(self.cache, slots, feed, feats,
-                                    extra=inputs.words() if inputs is not None else None)  # [n, V], n x [m, H]
+        logits, outs = head.forward(
+            self.cache, slots, feed, feats, extra=inputs.words() if inputs is not None else None
+        )  # [n, V], n x [m, H]
         for b, o in zip(rows, outs):
             d.feats[b] = o[-1]
         return logits, head.last_extra
@@ -213,6 +240,7 @@ def _head_source(sources):
     if head is None:
         raise ConfigError("draft.model", "method 'eagle3' needs an EAGLE-3 head")
     if head.gguf_file is not None:
-        raise ConfigError("draft.model",
-                          "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file")
+        raise ConfigError(
+            "draft.model", "an EAGLE-3 head is a directory (config.json and its tensors), not a GGUF file"
+        )
     return head

@@ -22,16 +22,22 @@ class HybridProposer(SelfDraftProposer):
     drafts_ahead = False  # the suffix drafts cost nothing to prepare; the pipeline is for model drafts
     settings = SuffixKeys
 
-    def __init__(self, runner: CausalLMRunner, settings: SuffixSettings | None = None,
-                 confidence_threshold: float = 0.0, q_top_k: int = 0):
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        settings: SuffixSettings | None = None,
+        confidence_threshold: float = 0.0,
+        q_top_k: int = 0,
+    ):
         super().__init__(runner, confidence_threshold, q_top_k, method="hybrid")
         self.suffix = SuffixProposer(runner.vocab_size, settings)
         self.drafts_by_source = {"suffix": 0, "model": 0}  # request steps drafted by each
 
     @classmethod
     def build(cls, dc, ctx: BuildContext) -> "HybridProposer":
-        return cls(cls.runner_of(ctx, dc.method), cls.settings_of(dc).index_settings(), dc.confidence_threshold,
-                   dc.q_top_k)
+        return cls(
+            cls.runner_of(ctx, dc.method), cls.settings_of(dc).index_settings(), dc.confidence_threshold, dc.q_top_k
+        )
 
     @classmethod
     def target_copy(cls, method: str) -> str | None:
@@ -49,7 +55,9 @@ class HybridProposer(SelfDraftProposer):
         out = [Draft(d.tokens, match_lengths=d.depths) if d is not None else Draft([]) for d in drafts]
         # the model drafts the others: confident means expected accepted >= min_score, or all k tokens certain
         min_score = self.suffix.settings.min_score
-        rows = [b for b, (d, k) in enumerate(zip(drafts, ks)) if k > 0 and not (d.tokens and d.score >= min(min_score, k))]
+        rows = [
+            b for b, (d, k) in enumerate(zip(drafts, ks)) if k > 0 and not (d.tokens and d.score >= min(min_score, k))
+        ]
         self.drafts_by_source["model"] += len(rows)
         self.drafts_by_source["suffix"] += sum(k > 0 for k in ks) - len(rows)
         if rows:
@@ -68,5 +76,7 @@ class HybridProposer(SelfDraftProposer):
         return self.suffix.index_stats()
 
     def stats(self) -> dict:
-        return self.suffix.stats() | {"hybrid_suffix_drafts": self.drafts_by_source["suffix"],
-                                      "hybrid_model_drafts": self.drafts_by_source["model"]}
+        return self.suffix.stats() | {
+            "hybrid_suffix_drafts": self.drafts_by_source["suffix"],
+            "hybrid_model_drafts": self.drafts_by_source["model"],
+        }

@@ -97,8 +97,9 @@ class ModelProposer(Proposer):
         if ctx.model is None:
             raise ConfigError("draft.method", f"{method!r} needs a draft model")
         check_draft_vocab(ctx.model, ctx.vocab_size)
-        return CausalLMRunner(ctx.model, ctx.max_batch_size, ctx.max_model_len, kv_cache_dtype=ctx.kv_cache_dtype,
-                              kv=ctx.kv)
+        return CausalLMRunner(
+            ctx.model, ctx.max_batch_size, ctx.max_model_len, kv_cache_dtype=ctx.kv_cache_dtype, kv=ctx.kv
+        )
 
     @classmethod
     def build(cls, dc, ctx: BuildContext) -> "ModelProposer":
@@ -107,7 +108,7 @@ class ModelProposer(Proposer):
     # ------------------------------------------------------------ calls
     def prefill(self, reqs: list[DraftRequest]) -> None:
         cache = self.cache
-        self.runner.forward([r.slot for r in reqs], [r.seq[cache.lengths[r.slot]:-1] for r in reqs], [0] * len(reqs))
+        self.runner.forward([r.slot for r in reqs], [r.seq[cache.lengths[r.slot] : -1] for r in reqs], [0] * len(reqs))
 
     def commit(self, r: DraftRequest, kept, n_acc: int, prev: int, prepared, hidden) -> None:
         # the cache holds the accepted drafts, then stale ones: drop those (after a hybrid's suffix proposal it
@@ -120,19 +121,28 @@ class ModelProposer(Proposer):
         toks, qs, _ = self.draft_model(reqs, ks)
         return [Draft(t, q) for t, q in zip(toks, qs)]
 
-    def draft_ahead(self, reqs: list[DraftRequest], ks: list[int], gate: Callable[[int], bool] | None = None,
-                    each_pass=None) -> tuple[list[list[int]], list[torch.Tensor | None], list[int | None]]:
+    def draft_ahead(
+        self, reqs: list[DraftRequest], ks: list[int], gate: Callable[[int], bool] | None = None, each_pass=None
+    ) -> tuple[list[list[int]], list[torch.Tensor | None], list[int | None]]:
         """Draft each request's next step before the target has verified its proposal: a guess of the target's
         token after the proposal, then ``ks[b]`` tokens after proposal + guess (:mod:`specdist.cores.draft_pipeline`).
         (tokens, q, guess) per request; ``gate`` and ``each_pass`` as in :meth:`draft_model`. The requests' state
         is unchanged (the cache holds the passes' K/V): a commit with ``prepared`` takes the tokens once the
         target kept that prefix."""
-        return self.draft_model(reqs, ks, ahead=[list(r.proposal) for r in reqs], guess=True, gate=gate,
-                                each_pass=each_pass)
+        return self.draft_model(
+            reqs, ks, ahead=[list(r.proposal) for r in reqs], guess=True, gate=gate, each_pass=each_pass
+        )
 
     # ------------------------------------------------------------ the passes
-    def draft_model(self, reqs: list[DraftRequest], ks: list[int], ahead: list[list[int]] | None = None,
-                    guess: bool = False, gate: Callable[[int], bool] | None = None, each_pass=None):
+    def draft_model(
+        self,
+        reqs: list[DraftRequest],
+        ks: list[int],
+        ahead: list[list[int]] | None = None,
+        guess: bool = False,
+        gate: Callable[[int], bool] | None = None,
+        each_pass=None,
+    ):
         """Sequential draft passes: (tokens, q [n, V] or None, guesses) per request.
 
         Request b drafts after ``seq + ahead[b]`` (``ahead``: tokens not committed yet, which the pipelined
@@ -189,12 +199,13 @@ class ModelProposer(Proposer):
             feed = []
             for b in rows:
                 seq, seen = reqs[b].seq, self.cache.lengths[reqs[b].slot]
-                feed.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)):])
+                feed.append(seq[seen:] + d.ahead[b][max(0, seen - len(seq)) :])
             feed = self.catch_up([reqs[b].slot for b in rows], feed)
         else:
             feed = [[d.toks[b][-1] if d.toks[b] else d.guesses[b]] for b in rows]
-        logits = self.runner.forward([reqs[b].slot for b in rows], feed, [1] * len(rows),
-                                     extra=inputs.words() if inputs is not None else None)[:, 0]  # [n, V]
+        logits = self.runner.forward(
+            [reqs[b].slot for b in rows], feed, [1] * len(rows), extra=inputs.words() if inputs is not None else None
+        )[:, 0]  # [n, V]
         return logits, self.runner.last_extra
 
     def draft_pass(self, d: Drafting, j: int, rows: list[int]) -> None:
@@ -207,8 +218,10 @@ class ModelProposer(Proposer):
             x = logits.argmax(-1)  # [n]: the one-hot q's token (process_logits' greedy rows)
         else:
             dd = inputs.unpack(words)  # views of the words: int64 indices, float settings and uniforms
-            q = process_rows(logits, SamplingRows(dd["temperature"], dd["top_k"], dd["top_p"], dd.get("top_p_rows"),
-                                                  **plan["decisions"]))  # [n, V]
+            q = process_rows(
+                logits,
+                SamplingRows(dd["temperature"], dd["top_k"], dd["top_p"], dd.get("top_p_rows"), **plan["decisions"]),
+            )  # [n, V]
             x = q.argmax(-1)  # [n]: greedy rows (one-hot q) and the guesses of rejection-coupled rows
         if plan["coupled"]:  # the token the target takes if its p equals this q: the noise of the same position
             s = dd["coupled"]
@@ -258,8 +271,11 @@ class ModelProposer(Proposer):
         if coupled:
             h.add("coupled", coupled, np.int64)
             h.add("noise_keys", [row_starts(reqs[rows[n]].seed, [d.base[rows[n]] + j])[0] for n in coupled], np.int64)
-        sampled = [] if j == 0 and d.guess else [
-            n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
+        sampled = (
+            []
+            if j == 0 and d.guess
+            else [n for n, b in enumerate(rows) if reqs[b].params.temperature > 0 and reqs[b].coupling != "gumbel"]
+        )
         if sampled:
             h.add("sampled", sampled, np.int64)
             h.add("uniforms", [draft_uniform(reqs[rows[n]].seed, d.base[rows[n]] + j) for n in sampled], np.float64)
@@ -286,8 +302,9 @@ class SelfDraftProposer(ModelProposer):
     reads_draft_model = False
     runs_in_target_dtype = True
 
-    def __init__(self, runner: CausalLMRunner, confidence_threshold: float = 0.0, q_top_k: int = 0,
-                 method: str = "self-w8"):
+    def __init__(
+        self, runner: CausalLMRunner, confidence_threshold: float = 0.0, q_top_k: int = 0, method: str = "self-w8"
+    ):
         super().__init__(runner, confidence_threshold, q_top_k)
         self.served = method  # the draft.method it was built for (one class serves several)
 
@@ -327,13 +344,16 @@ def top_k_only(q: torch.Tensor, k: int) -> torch.Tensor:  # [m, V] -> [m, V], ro
     return kept / kept.sum(-1, keepdim=True)
 
 
-
 def check_draft_vocab(draft: torch.nn.Module, vocab_size: int, draft_tokenizer=None, target_tokenizer=None) -> None:
     """A draft model proposes token ids of the target's vocabulary: the same size and, where both
     tokenizers are known, the same tokens (ConfigError naming ``draft.model`` otherwise)."""
     if int(draft.config.vocab_size) != int(vocab_size):
-        raise ConfigError("draft.model",
-                          f"vocabulary size {draft.config.vocab_size} differs from the target's {vocab_size}")
-    if (draft_tokenizer is not None and target_tokenizer is not None
-            and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab()):
+        raise ConfigError(
+            "draft.model", f"vocabulary size {draft.config.vocab_size} differs from the target's {vocab_size}"
+        )
+    if (
+        draft_tokenizer is not None
+        and target_tokenizer is not None
+        and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab()
+    ):
         raise ConfigError("draft.model", "tokenizer vocabulary differs from the target's (same size, other tokens)")

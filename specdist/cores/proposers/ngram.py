@@ -27,8 +27,9 @@ class NgramKeys:
         if not 1 <= self.ngram_min <= 64:
             raise ConfigError(f"{key}.ngram_min", f"must be an integer in [1, 64], got {self.ngram_min!r}")
         if not self.ngram_min <= self.ngram_max <= 64:
-            raise ConfigError(f"{key}.ngram_max", f"must be an integer in [{self.ngram_min}, 64], got "
-                                                  f"{self.ngram_max!r}")
+            raise ConfigError(
+                f"{key}.ngram_max", f"must be an integer in [{self.ngram_min}, 64], got {self.ngram_max!r}"
+            )
 
 
 @register

@@ -46,14 +46,21 @@ class SuffixKeys:
             raise ConfigError(f"{key}.suffix_scope", f"must be one of {', '.join(SCOPES)}, got {self.suffix_scope!r}")
         _in_range(self.suffix_min_prob, f"{key}.suffix_min_prob", 0.0, 1.0)
         if not 0.0 < self.suffix_max_spec_factor <= 256.0:
-            raise ConfigError(f"{key}.suffix_max_spec_factor",
-                              f"must be in (0, 256], got {self.suffix_max_spec_factor!r}")
+            raise ConfigError(
+                f"{key}.suffix_max_spec_factor", f"must be in (0, 256], got {self.suffix_max_spec_factor!r}"
+            )
         _in_range(self.suffix_min_score, f"{key}.suffix_min_score", 0.0, 64.0)
 
     def index_settings(self) -> SuffixSettings:
-        return SuffixSettings(self.suffix_max_depth, self.suffix_min_prob, self.suffix_max_spec_factor,
-                              self.suffix_cache_requests, self.suffix_cache_tokens, self.suffix_min_score,
-                              self.suffix_scope)
+        return SuffixSettings(
+            self.suffix_max_depth,
+            self.suffix_min_prob,
+            self.suffix_max_spec_factor,
+            self.suffix_cache_requests,
+            self.suffix_cache_tokens,
+            self.suffix_min_score,
+            self.suffix_scope,
+        )
 
 
 def _in_range(value, key: str, lo, hi, integer: bool = False) -> None:
@@ -105,5 +112,8 @@ class SuffixProposer(Proposer):
 
     def stats(self) -> dict:
         s = self.indexes.stats()
-        return {"suffix_nodes": s["nodes"], "suffix_cached_requests": s["cached"],
-                "suffix_cached_tokens": s["cached_tokens"]}
+        return {
+            "suffix_nodes": s["nodes"],
+            "suffix_cached_requests": s["cached"],
+            "suffix_cached_tokens": s["cached_tokens"],
+        }

@@ -15,9 +15,15 @@ A new backend (FlashInfer's or FlashAttention's paged API, say) is one module he
 which runs every registered backend against one float64 reference.
 """
 
-from specdist.models.backends.base import (AttentionBackend, SlotStep, backend_class, backend_names,
-                                           choose_backend, register)
 from specdist.models.backends import paged as _paged  # noqa: F401 (registers paged, paged-torch)
 from specdist.models.backends import slots as _slots  # noqa: F401 (registers sdpa, cpu)
+from specdist.models.backends.base import (
+    AttentionBackend,
+    SlotStep,
+    backend_class,
+    backend_names,
+    choose_backend,
+    register,
+)
 
 __all__ = ["AttentionBackend", "SlotStep", "backend_class", "backend_names", "choose_backend", "register"]

@@ -29,8 +29,9 @@ def backend_class(name: str) -> type["AttentionBackend"]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError("engine.attention_backend",
-                          f"no attention backend {name!r}; there are {', '.join(backend_names())}") from None
+        raise ConfigError(
+            "engine.attention_backend", f"no attention backend {name!r}; there are {', '.join(backend_names())}"
+        ) from None
 
 
 def choose_backend(kv_kind: str, device: torch.device, dtype: torch.dtype) -> type["AttentionBackend"]:
@@ -53,8 +54,14 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     kv_layout: ClassVar[str]  # "slots": SlotKVCache; "paged": PagedKVCache
 
-    def __init__(self, cache, scaling: float, windows: list[int | None], softcap: float | None,
-                 rope: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(
+        self,
+        cache,
+        scaling: float,
+        windows: list[int | None],
+        softcap: float | None,
+        rope: list[tuple[torch.Tensor, torch.Tensor]],
+    ):
         self.cache, self.scaling, self.windows, self.softcap, self.rope = cache, scaling, windows, softcap, rope
         # each layer's table as the index of the first layer with the same one (steps compute each table once)
         first = {}
@@ -73,13 +80,31 @@ class AttentionBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def make_cache(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
-                   dtype: torch.dtype, device: torch.device, num_blocks: int | None = None, block_size: int = 16):
+    def make_cache(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+    ):
         """The KV cache this backend reads (``num_blocks`` and ``block_size``: the paged layout's)."""
 
     @abstractmethod
-    def plan(self, slots: list[int], tokens: list[list[int]], starts: list[int], num_logits: list[int],
-             bsz: int, t_pad: int, extra=None):
+    def plan(
+        self,
+        slots: list[int],
+        tokens: list[list[int]],
+        starts: list[int],
+        num_logits: list[int],
+        bsz: int,
+        t_pad: int,
+        extra=None,
+    ):
         """Once a step: the metadata of ``B = bsz`` requests (those past ``len(slots)`` are padding) of ``T = t_pad``
         token rows each, on the device; at least ``.ids`` [B, T], ``.bsz``, ``.tokens`` and ``.extra`` (the
         caller's int32 words ``extra`` [W] on the device, or None)."""

@@ -80,8 +80,16 @@ def step_size(bsz: int, tokens: int, width: int) -> int:
     return sum(-(-n // _ALIGN) * _ALIGN for n in _segment_lengths(bsz, tokens, width))
 
 
-def pack_step(cache: PagedKVCache, slots: list[int], tokens: list[list[int]], starts: list[int],
-              num_logits: list[int], bsz: int, t_pad: int, width: int) -> list[int]:
+def pack_step(
+    cache: PagedKVCache,
+    slots: list[int],
+    tokens: list[list[int]],
+    starts: list[int],
+    num_logits: list[int],
+    bsz: int,
+    t_pad: int,
+    width: int,
+) -> list[int]:
     """The host's part of a step, as one flat int list of :func:`step_size` ints laid out as :func:`step_layout`
     says; requests past ``len(slots)`` (graph padding) are empty. ``logits_rows``: request b's last
     ``num_logits[b]`` tokens, requests one after another; ``logits_dst``: their places in ``[B, max(num_logits)]``."""
@@ -96,11 +104,17 @@ def pack_step(cache: PagedKVCache, slots: list[int], tokens: list[list[int]], st
     for b, (n, m) in enumerate(zip(n_new, num_logits)):
         rows += range(b * t_pad + n - m, b * t_pad + n)
         dst += range(b * n_out, b * n_out + m)
-    values = {"ids": ids, "starts": list(starts), "n_new": n_new, "table": cache.table_rows(slots, width),
-              "logits_rows": rows, "logits_dst": dst}
+    values = {
+        "ids": ids,
+        "starts": list(starts),
+        "n_new": n_new,
+        "table": cache.table_rows(slots, width),
+        "logits_rows": rows,
+        "logits_dst": dst,
+    }
     out = [0] * step_size(bsz, t_pad, width)  # padding requests, unused rows and the gaps: zeros
     for name, where in step_layout(bsz, t_pad, width).items():
-        out[where.start: where.start + len(values[name])] = values[name]
+        out[where.start : where.start + len(values[name])] = values[name]
     return out
 
 
@@ -118,8 +132,18 @@ def unpack_step(buf: torch.Tensor, bsz: int, t_pad: int, width: int, block_size:
     pos = torch.minimum(pos, last[:, None])  # padded rows: their request's last position
     block = table.gather(1, (pos // block_size).long())  # [B, T]
     slot_mapping = torch.where(valid, block.long() * block_size + (pos % block_size).long(), 0)
-    return PagedStep(bsz, t_pad, seg["ids"].view(bsz, t_pad), pos.reshape(bt), slot_mapping.reshape(bt), table,
-                     starts, n_new, seg["logits_rows"], seg["logits_dst"])
+    return PagedStep(
+        bsz,
+        t_pad,
+        seg["ids"].view(bsz, t_pad),
+        pos.reshape(bt),
+        slot_mapping.reshape(bt),
+        table,
+        starts,
+        n_new,
+        seg["logits_rows"],
+        seg["logits_dst"],
+    )
 
 
 def rope_and_write_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache) -> torch.Tensor:
@@ -136,13 +160,14 @@ def rope_and_write_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [N, H, hd], [N, 1, rd]
     """Half-rotation RoPE of the first rd dims (transformers' rotate_half), the rest passed."""
     rd = cos.shape[-1]
-    x1, x2 = x[..., : rd // 2], x[..., rd // 2: rd]
+    x1, x2 = x[..., : rd // 2], x[..., rd // 2 : rd]
     rot = x[..., :rd] * cos + torch.cat((-x2, x1), dim=-1) * sin
     return rot if rd == x.shape[-1] else torch.cat((rot, x[..., rd:]), dim=-1)
 
 
-def paged_attention_reference(q, k_cache, v_cache, table, starts, n_new, t_pad: int, scale: float,
-                              window: int | None, softcap: float | None) -> torch.Tensor:
+def paged_attention_reference(
+    q, k_cache, v_cache, table, starts, n_new, t_pad: int, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
     """torch's form of :func:`specdist.models.kernels.triton_attention.paged_attention`: each request's keys gathered
     through its table (a copy of ``width * block_size`` positions; the CPU tests' reference), then SDPA under
     the causal (and window) mask."""
@@ -163,8 +188,9 @@ def paged_attention_reference(q, k_cache, v_cache, table, starts, n_new, t_pad: 
     if hq != hkv:
         keys, vals = keys.repeat_interleave(hq // hkv, 1), vals.repeat_interleave(hq // hkv, 1)
     if softcap is None:
-        o = F.scaled_dot_product_attention(qb, keys.to(qb.dtype), vals.to(qb.dtype), attn_mask=seen[:, None],
-                                           scale=scale)
+        o = F.scaled_dot_product_attention(
+            qb, keys.to(qb.dtype), vals.to(qb.dtype), attn_mask=seen[:, None], scale=scale
+        )
     else:
         scores = torch.matmul(qb.float(), keys.float().transpose(2, 3)) * scale
         scores = torch.tanh(scores / softcap) * softcap
@@ -186,17 +212,20 @@ class _PagedBackend(AttentionBackend):
         self.use_triton = self.use_triton_kernels
         # the fused rotary needs transformers' duplicated halves (cos = cat(c, c)), as every family has
         self.fused_rope = self.use_triton and all(
-            torch.equal(c[:, : c.shape[1] // 2], c[:, c.shape[1] // 2:]) for c, _ in rope)
+            torch.equal(c[:, : c.shape[1] // 2], c[:, c.shape[1] // 2 :]) for c, _ in rope
+        )
         self.pinned = cache.k[0].device.type == "cuda"
 
     @classmethod
-    def make_cache(cls, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=None,
-                   block_size=16):
+    def make_cache(
+        cls, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=None, block_size=16
+    ):
         """``num_blocks`` None: every slot's full length, and the scratch block."""
         if num_blocks is None:
             num_blocks = num_slots * PagedKVCache.blocks_for(max_len, block_size) + 1
-        return PagedKVCache(num_layers, num_slots, num_kv_heads, head_dim, max_len, num_blocks, block_size, dtype,
-                            device)
+        return PagedKVCache(
+            num_layers, num_slots, num_kv_heads, head_dim, max_len, num_blocks, block_size, dtype, device
+        )
 
     def plan(self, slots, tokens, starts, num_logits, bsz, t_pad, extra=None, width=None, into=None):
         """The blocks each request writes taken first (copy on write where shared), then the step's one copy:
@@ -213,7 +242,7 @@ class _PagedBackend(AttentionBackend):
         words = host if extra is None else np.concatenate([host, [0] * (at - len(host)), extra])
         buf = self.send(words, None if into is None else into[: len(words)])
         step = unpack_step(buf[: len(host)], bsz, t_pad, width, cache.block_size)
-        step.extra = buf[at: at + len(extra)] if extra is not None else None
+        step.extra = buf[at : at + len(extra)] if extra is not None else None
         return step
 
     def send(self, host, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,10 +270,12 @@ class _PagedBackend(AttentionBackend):
         if self.use_triton:
             from specdist.models.kernels.triton_attention import paged_attention
 
-            return paged_attention(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
-                                   self.windows[i], self.softcap)
-        return paged_attention_reference(q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling,
-                                         self.windows[i], self.softcap)
+            return paged_attention(
+                q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling, self.windows[i], self.softcap
+            )
+        return paged_attention_reference(
+            q, kc, vc, step.table, step.starts, step.n_new, step.tokens, self.scaling, self.windows[i], self.softcap
+        )
 
 
 @register

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdist.models.kernels import cpu_kernels
 from specdist.models.backends.base import AttentionBackend, SlotStep, register
+from specdist.models.kernels import cpu_kernels
 from specdist.models.kv.slots import SlotKVCache
 
 
@@ -17,8 +17,9 @@ class _SlotBackend(AttentionBackend):
     kv_layout = "slots"
 
     @classmethod
-    def make_cache(cls, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=None,
-                   block_size=16):
+    def make_cache(
+        cls, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, num_blocks=None, block_size=16
+    ):
         return SlotKVCache(num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device)
 
     def plan(self, slots, tokens, starts, num_logits, bsz, t_pad, extra=None) -> SlotStep:
@@ -27,7 +28,11 @@ class _SlotBackend(AttentionBackend):
         position: their outputs are discarded, and every query sees at least one key whatever the window)."""
         dev = self.cache.k[0].device
         pad_b = bsz - len(slots)
-        slots, tokens, starts = list(slots) + [slots[0]] * pad_b, list(tokens) + [[]] * pad_b, list(starts) + [0] * pad_b
+        slots, tokens, starts = (
+            list(slots) + [slots[0]] * pad_b,
+            list(tokens) + [[]] * pad_b,
+            list(starts) + [0] * pad_b,
+        )
         ids = torch.tensor([list(t) + [0] * (t_pad - len(t)) for t in tokens], dtype=torch.long)  # [B, T]
         ar = torch.arange(t_pad)
         start_t = torch.tensor(starts, dtype=torch.long)
@@ -37,8 +42,18 @@ class _SlotBackend(AttentionBackend):
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
         query_pos = torch.minimum(positions, (start_t + n_t - 1).clamp(min=0)[:, None])  # [B, T]
         words = None if extra is None else torch.from_numpy(extra).to(dev)
-        return SlotStep(bsz, t_pad, ids.to(dev), torch.tensor(slots, dtype=torch.long, device=dev), write_pos.to(dev),
-                        query_pos.to(dev), slots, starts, [len(t) for t in tokens], words)
+        return SlotStep(
+            bsz,
+            t_pad,
+            ids.to(dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            write_pos.to(dev),
+            query_pos.to(dev),
+            slots,
+            starts,
+            [len(t) for t in tokens],
+            words,
+        )
 
     def _write(self, i: int, step: SlotStep, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's rotated keys and values [B, Hkv, T, hd] into each request's slot at its positions."""
@@ -80,13 +95,14 @@ class SdpaBackend(_SlotBackend):
         if plan is None:
             one_position = step.tokens == 1 and min(step.starts) == max(step.starts)
             prefill = step.bsz == 1 and step.starts[0] == 0 and (window is None or step.tokens <= window)
-            plan = step.plans[window] = attention_plan(window, step.query_pos, min(step.starts), s_len, one_position,
-                                                       prefill)
+            plan = step.plans[window] = attention_plan(
+                window, step.query_pos, min(step.starts), s_len, one_position, prefill
+            )
         lo, mask, causal = plan
         if step.contiguous:
             first = step.slot_ids[0]
-            keys = kc[first: first + step.bsz, :, lo:s_len]  # a view, no copy: [B, Hkv, S', hd]
-            vals = vc[first: first + step.bsz, :, lo:s_len]
+            keys = kc[first : first + step.bsz, :, lo:s_len]  # a view, no copy: [B, Hkv, S', hd]
+            vals = vc[first : first + step.bsz, :, lo:s_len]
         else:
             keys = kc[:, :, lo:s_len].index_select(0, step.slots)  # copies only the attended keys
             vals = vc[:, :, lo:s_len].index_select(0, step.slots)
@@ -114,10 +130,21 @@ class CpuKernelBackend(_SlotBackend):
         bsz, t, hd = step.bsz, step.tokens, q.shape[-1]
         cos, sin = self.rope_at(step, i)  # [B, T, rd]
         if cos.shape[-1] == hd:  # one call: rotary, write, attention
-            o = cpu_kernels.rope_attention(q.reshape(bsz, t, -1, hd), k.reshape(bsz, t, -1, hd),
-                                           v.reshape(bsz, t, -1, hd), cos, sin, self.cache.k[i], self.cache.v[i],
-                                           step.slots, step.write_pos, step.query_pos, self.windows[i], self.scaling,
-                                           self.softcap)  # [B, T, Hq, hd]
+            o = cpu_kernels.rope_attention(
+                q.reshape(bsz, t, -1, hd),
+                k.reshape(bsz, t, -1, hd),
+                v.reshape(bsz, t, -1, hd),
+                cos,
+                sin,
+                self.cache.k[i],
+                self.cache.v[i],
+                step.slots,
+                step.write_pos,
+                step.query_pos,
+                self.windows[i],
+                self.scaling,
+                self.softcap,
+            )  # [B, T, Hq, hd]
             return o.reshape(bsz * t, -1, hd)
         q, k, v = self._heads(i, q, k, v, step)
         kc, vc = self._write(i, step, k, v)
@@ -149,8 +176,9 @@ def sdpa(q, keys, vals, mask, causal, scale: float, softcap: float | None):  # [
     """Attention of q over keys / vals under ``mask`` [B, 1, T, S] or ``causal`` -> [B, Hq, T, hd]."""
     if softcap is not None:
         return softcap_attention(q, keys, vals, mask, causal, scale, softcap)
-    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != keys.shape[1])
+    return F.scaled_dot_product_attention(
+        q, keys, vals, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    )
 
 
 def softcap_attention(q, k, v, mask, causal, scale, cap):  # [B, Hq, T, hd], [B, Hkv, S, hd] -> [B, Hq, T, hd]
@@ -174,8 +202,10 @@ def apply_rope(q, k, cos, sin):  # [B, H, T, hd] x2, [B, T, rd] x2
     rd = cos.shape[-1]
     if rd == q.shape[-1]:
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-    return (torch.cat((_rotate(q[..., :rd], cos, sin), q[..., rd:]), dim=-1),
-            torch.cat((_rotate(k[..., :rd], cos, sin), k[..., rd:]), dim=-1))
+    return (
+        torch.cat((_rotate(q[..., :rd], cos, sin), q[..., rd:]), dim=-1),
+        torch.cat((_rotate(k[..., :rd], cos, sin), k[..., rd:]), dim=-1),
+    )
 
 
 def _rotate(x, cos, sin):

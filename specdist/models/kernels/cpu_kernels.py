@@ -5,8 +5,8 @@ computes them, and attention over the slot KV cache whose rows do not depend on 
 blocks at a few GB/s and has no Q8 kernel (Q8_0 runs as two int4 halves, twice the work).
 :func:`block_mm` computes ``x @ W.T`` on the blocks themselves, by the weight's kind: nibbles with a scale and an
 offset per block (Q4_0 / Q4_1 / Q4_K), signed bytes with a scale per block (Q8_0 / Q5_0) or per 16 (Q6_K), bytes
-with an offset per block (Q5_1 / Q5_K), nibbles with a scale per 16 (Q3_K) or with both per 16 (Q2_K): each row of ``x`` is
-quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
+with an offset per block (Q5_1 / Q5_K), nibbles with a scale per 16 (Q3_K) or with both per 16 (Q2_K): each row of ``x``
+is quantized per block of 32 to signed bytes (scale ``max |x| / 127``), and a block's dot product is
 an exact sum of byte products (``vpmaddubsw``) scaled by the two blocks' floats. :func:`pack_q4` /
 :func:`pack_q8` repack the weights once, at load, in groups of 8 rows whose codes interleave 4 at a
 time, so that one vector multiply-add yields partial sums of 8 outputs side by side and each loaded
@@ -33,8 +33,8 @@ as it is loaded, the arithmetic is the same, and the bits are those of the float
 gathered copy of the keys, no mask tensor): scores 4 keys at a time, softmax, the weighted sum of
 values, each sum in an order fixed by the row's own key count. The query heads of one KV head (GQA's
 group) run together, so each key and value is loaded and converted once for up to 3 of them; a row's
-arithmetic is the same whichever heads run beside it. A fused kernel (SDPA's flash attention) blocks its sums by the shape of
-the call, so a position's output moves in its last bits with the number of queries and requests
+arithmetic is the same whichever heads run beside it. A fused kernel (SDPA's flash attention) blocks its sums by the
+shape of the call, so a position's output moves in its last bits with the number of queries and requests
 in the call; byte-rounded activations then carry such a bit into a different rounding. The cache
 may hold float16 (``engine.kv_cache_dtype``): half the bytes to read, which is what attention costs
 at many requests or long contexts on a CPU; each element converts exactly to float32 on load.
@@ -55,14 +55,14 @@ speculative output equals plain decoding and a seed's tokens do not depend on th
 
 The C file is compiled when the package is installed (``setup.py``: ``pip install .`` or ``pip install -e .``)
 into a library beside this module, which is loaded with ctypes on first use. The kinds, the block layouts and the
-flags it is compiled with are defined once, in :mod:`specdist.models.kernels.kernel_abi`; the library carries their digest
-with its source's in an ELF section, read from the file before it is loaded, and a library that does not match the
-installed source, or that anyone but root or this user could have written, is refused before any of its code runs
-(:func:`_load`; rebuild with ``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C). ``engine.cpu_kernels``
-chooses (:func:`configure`): ``auto`` runs the kernels where they load and torch's kernels elsewhere, ``required``
-refuses to start without them, ``off`` runs torch's; the backend that runs is said once on stderr, and in gRPC's
-``GetServerInfo`` (:func:`backend`). The library runs its threads in the process's OpenMP runtime (the ``libgomp``
-torch already loaded), so ``torch.set_num_threads`` governs both.
+flags it is compiled with are defined once, in :mod:`specdist.models.kernels.kernel_abi`; the library carries their
+digest with its source's in an ELF section, read from the file before it is loaded, and a library that does not match
+the installed source, or that anyone but root or this user could have written, is refused before any of its code runs
+(:func:`_load`; rebuild with ``pip install -e .``). Before loading it, the CPU's features are checked (AVX2, FMA, F16C).
+``engine.cpu_kernels`` chooses (:func:`configure`): ``auto`` runs the kernels where they load and torch's kernels
+elsewhere, ``required`` refuses to start without them, ``off`` runs torch's; the backend that runs is said once on
+stderr, and in gRPC's ``GetServerInfo`` (:func:`backend`). The library runs its threads in the process's OpenMP runtime
+(the ``libgomp`` torch already loaded), so ``torch.set_num_threads`` governs both.
 
 Under ``torch.compile`` the block matmul is the custom op ``specdist::block_mm`` (opaque to inductor); eager calls
 go straight to the library.
@@ -99,7 +99,8 @@ GROUP = abi.GROUP  # weights per block (GGUF's block size)
 # scale per 16 (IQ2_XS / IQ2_S)
 _NUMBER = {name: number for name, number, *_ in abi.BLOCK_KINDS} | dict(abi.DENSE_KINDS)
 LIN_Q4, LIN_Q8, LIN_F32, LIN_BF16, LIN_F16, LIN_Q6_16, LIN_Q5, LIN_Q4_16, LIN_Q2M_16, LIN_IQ4, LIN_Q7_16 = (
-    _NUMBER[n] for n in ("Q4", "Q8", "F32", "BF16", "F16", "Q6_16", "Q5", "Q4_16", "Q2M_16", "IQ4", "Q7_16"))
+    _NUMBER[n] for n in ("Q4", "Q8", "F32", "BF16", "F16", "Q6_16", "Q5", "Q4_16", "Q2M_16", "IQ4", "Q7_16")
+)
 IQ4_VALUES = abi.IQ4_VALUES  # the signed bytes GGUF's IQ4_NL and IQ4_XS indices stand for
 # a block kind's flags: its packed scales are float16 values, or K-quant super-blocks
 LIN_HALF_SCALES, LIN_SUPER_SCALES = abi.HALF_SCALES, abi.SUPER_SCALES
@@ -144,7 +145,9 @@ def library_candidates() -> list[str]:
         except ValueError:
             continue
         if url.get("dir_info", {}).get("editable") and url.get("url", "").startswith("file://"):
-            dirs.append(os.path.join(urllib.parse.unquote(url["url"][len("file://"):]), "specdist", "models", "kernels"))
+            dirs.append(
+                os.path.join(urllib.parse.unquote(url["url"][len("file://") :]), "specdist", "models", "kernels")
+            )
     found = (_library_in(d) for d in dict.fromkeys(os.path.abspath(d) for d in dirs))
     return list(dict.fromkeys(p for p in found if p is not None))
 
@@ -162,8 +165,9 @@ def missing_cpu_features() -> list[str]:
     return [f for f in abi.CPU_FEATURES if f not in flags]
 
 
-_NOT_BUILT = ("the C kernels were not built with this install (no C compiler, or not x86-64); reinstall with one: "
-              "pip install .")
+_NOT_BUILT = (
+    "the C kernels were not built with this install (no C compiler, or not x86-64); reinstall with one: pip install ."
+)
 
 
 def _open() -> tuple[ctypes.CDLL | None, str]:
@@ -276,7 +280,7 @@ def embedded_digest(fd: int) -> str | None:
 
     names = content(names_index, 1 << 20)
     for index, (name, *_) in enumerate(sections):
-        if names[name:name + len(ABI_SECTION) + 1] == ABI_SECTION + b"\0":
+        if names[name : name + len(ABI_SECTION) + 1] == ABI_SECTION + b"\0":
             return content(index, 256).rstrip(b"\0").decode("ascii", "replace")
     return None
 
@@ -332,20 +336,97 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     f32, i32 = ctypes.c_float, ctypes.c_int
     # (q, B, Hq, T, hd, q strides x3, k cache, v cache, kv16, Hkv, S, L1, slots, qpos, window, scale, cap, out)
-    lib.specdist_attention.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, i64, ptr, ptr,
-                                       i64, f32, f32, ptr]
+    lib.specdist_attention.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        f32,
+        f32,
+        ptr,
+    ]
     lib.specdist_attention.restype = ctypes.c_int
     lib.specdist_rms_norm.argtypes = [ptr, i64, i64, ptr, f32, ptr]  # (x, M, D, w, eps, out)
     lib.specdist_rms_norm.restype = None
     # (q, k, v, B, T, Hq, Hkv, hd, strides q/k/v (request, token) x3, cos, sin, k cache, v cache, kv16, S, L1, slots,
     #  write_pos, qpos, window, scale, cap, out)
-    lib.specdist_rope_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                                            ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr, ptr, i64, f32, f32, ptr]
+    lib.specdist_rope_attention.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        f32,
+        f32,
+        ptr,
+    ]
     lib.specdist_rope_attention.restype = ctypes.c_int
     # (h, B, T, D, norm1, norm2, eps, q_norm, k_norm, qk_eps, lin[6], Hq, Hkv, hd, cos, sin, k cache, v cache, kv16,
     #  S, L1, slots, write_pos, qpos, window, scale, cap, scratch, part)
-    lib.specdist_decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, f32, ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr,
-                                         ptr, ptr, i32, i64, i64, ptr, ptr, ptr, i64, f32, f32, ptr, i32]
+    lib.specdist_decoder_layer.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        f32,
+        ptr,
+        ptr,
+        f32,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        f32,
+        f32,
+        ptr,
+        i32,
+    ]
     lib.specdist_decoder_layer.restype = ctypes.c_int
     return lib
 
@@ -378,15 +459,18 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     lo = elems[..., :16].reshape(-1, g, 8, 4, 4)  # [N/8, G, row, j, e]: element 4 j + e
     hi = elems[..., 16:].reshape(-1, g, 8, 4, 4)  # element 16 + 4 j + e
     packed = (lo | hi << 4).permute(0, 1, 3, 2, 4).reshape(-1, g, 128)  # byte 32 j + 4 row + e
-    return packed.contiguous(), packed_scales(scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16))
+    return packed.contiguous(), packed_scales(
+        scales.float().reshape(-1, 8, 2, g).permute(0, 3, 2, 1).reshape(-1, g, 16)
+    )
 
 
 def pack_super_scales(factors: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
     """K-quant scales in their file's form, as the kernels read them (the C file's ``block_scale``, mode
     ``SCALES_SUPER``): ``factors [N, G / 8, F]`` float32 (float16 values: a super-block's d, and -dmin where F = 2)
     and ``ints [N, G, P]`` int8 (each block's multipliers: Q4_K's sc and m, Q6_K's two scales per 16, Q2_K's two
-    scales and two mins). Scale vector ``j`` of block ``g`` is ``factors[:, g // 8, j * F // P] * ints[:, g, j]``. Returns
-    ``[ceil(N/8), G / 8, 32 F + 64 P]`` uint8: per group of 8 rows and super-block, the factors (float32, [F, 8 rows])
+    scales and two mins). Scale vector ``j`` of block ``g`` is ``factors[:, g // 8, j * F // P] * ints[:, g, j]``.
+    Returns ``[ceil(N/8), G / 8, 32 F + 64 P]`` uint8: per group of 8 rows and super-block, the factors (float32, [F, 8
+    rows])
     then the 8 blocks' multipliers ([block, P, 8 rows]); zero rows pad the last group."""
     n, sb, f = factors.shape
     p = ints.shape[2]
@@ -421,8 +505,8 @@ def pack_q2(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q5(codes: torch.Tensor) -> torch.Tensor:
-    """5-bit codes ``[N, G, 32]`` (0..31, element order) in :func:`block_mm`'s ``LIN_Q5`` layout: ``[ceil(N/8), G, 160]``
-    uint8, per block the low 4 bits as :func:`pack_q4` packs codes, then a vector of the high bits whose byte
+    """5-bit codes ``[N, G, 32]`` (0..31, element order) in :func:`block_mm`'s ``LIN_Q5`` layout: ``[ceil(N/8), G,
+    160]`` uint8, per block the low 4 bits as :func:`pack_q4` packs codes, then a vector of the high bits whose byte
     ``4 c + e`` holds element ``4 j + e`` of row ``c`` at bit ``j`` and element ``16 + 4 j + e`` at bit ``4 + j`` (the C
     file's ``q5_group``); zero rows pad the last group."""
     n, g, _ = codes.shape
@@ -505,24 +589,32 @@ def scales_kind(kind: int, scales: torch.Tensor | None, n: int, k: int) -> int:
     packed per block, ``[ceil(n/8), k / 256, ...]`` per super-block (the C code reads them unchecked)."""
     mode = SCALE_MODES.get(scales.dtype) if scales is not None else None
     if mode is None or not scales.is_contiguous():
-        raise ValueError(f"block kernel: scales must be contiguous float32, float16 or uint8 super-blocks, not "
-                         f"{None if scales is None else scales.dtype}")
+        raise ValueError(
+            f"block kernel: scales must be contiguous float32, float16 or uint8 super-blocks, not "
+            f"{None if scales is None else scales.dtype}"
+        )
     f, p = SUPER_LAYOUT[kind]
-    want = (-(-n // 8), k // (8 * GROUP) if mode == 2 else k // GROUP,
-            32 * f + 64 * p if mode == 2 else _SCALE_FLOATS[kind])
+    want = (
+        -(-n // 8),
+        k // (8 * GROUP) if mode == 2 else k // GROUP,
+        32 * f + 64 * p if mode == 2 else _SCALE_FLOATS[kind],
+    )
     if tuple(scales.shape) != want:
-        raise ValueError(f"block kernel: scales {tuple(scales.shape)} {scales.dtype} are not those of kind {kind} "
-                         f"for {n} rows of {k} inputs ({want})")
+        raise ValueError(
+            f"block kernel: scales {tuple(scales.shape)} {scales.dtype} are not those of kind {kind} "
+            f"for {n} rows of {k} inputs ({want})"
+        )
     return kind | _MODE_FLAGS[mode]
 
 
 def block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, n]`` float32, W's ``n`` rows in blocks of ``kind``: ``LIN_Q4`` (``w = d * c + m``),
-    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s codes;
-    ``LIN_Q5`` (``w = d * c + m``) on :func:`pack_q5`'s; ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on
+    ``LIN_Q4_16`` (``w = d * (c - 8)``, ``d`` per 16), ``LIN_IQ4`` (``w = d * IQ4_VALUES[c]``) on :func:`pack_q4`'s
+    codes; ``LIN_Q5`` (``w = d * c + m``) on :func:`pack_q5`'s; ``LIN_Q6_16`` (``w = d * (c - 32)``, ``d`` per 16) on
     :func:`pack_q6`'s; ``LIN_Q7_16`` (``w = d * (c - 64)``, ``d`` per 16) on :func:`pack_q7`'s; ``LIN_Q8``
-    (``w = d * c``) on :func:`pack_q8`'s; ``LIN_Q2M_16`` (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`'
-    layout for the kind (vectors a block: ``d`` / ``d``, ``m`` / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
+    (``w = d * c``) on :func:`pack_q8`'s; ``LIN_Q2M_16`` (``w = d * c + m``, both per 16) on :func:`pack_q2`'s. The
+    scales: :func:`pack_q8`'s or :func:`pack_scale_vectors`' layout for the kind (vectors a block: ``d`` / ``d``, ``m``
+    / each half's ``d`` / ``d_0, d_1, m_0, m_1``), or
     :func:`pack_super_scales`'."""
     if torch.compiler.is_compiling():
         return torch.ops.specdist.block_mm(x, codes, scales, n, kind)
@@ -538,8 +630,11 @@ def _block_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
         raise ValueError(f"block_mm: codes {tuple(codes.shape)} do not hold {n} rows of {k} inputs of kind {kind}")
     flagged = scales_kind(kind, scales, n, k)
     y = torch.empty(m, n, dtype=torch.float32)  # [M, N]
-    rc = library().specdist_block_mm(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), flagged, n,
-                                     y.data_ptr()) if m else 0
+    rc = (
+        library().specdist_block_mm(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), flagged, n, y.data_ptr())
+        if m
+        else 0
+    )
     if rc == -2:
         raise ValueError(f"block_mm: super-block scales need inputs in multiples of 256, not {k}")
     if rc:
@@ -574,19 +669,30 @@ def f32_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         lib = library()
-        fn = {torch.float32: lib.specdist_f32_mm, torch.bfloat16: lib.specdist_bf16_mm,
-              torch.float16: lib.specdist_f16_mm}[weight.dtype]
+        fn = {
+            torch.float32: lib.specdist_f32_mm,
+            torch.bfloat16: lib.specdist_bf16_mm,
+            torch.float16: lib.specdist_f16_mm,
+        }[weight.dtype]
         fn(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
     return y
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of each query over its own slot's keys, from the KV cache itself.
 
     ``q`` [B, Hq, T, hd] float32 (any strides, ``hd`` contiguous); ``k_cache`` / ``v_cache``
-    [slots, Hkv, L + 1, hd] float32 or float16 (:data:`KV_DTYPES`), contiguous; ``slots`` [B] and ``query_pos`` [B, T] int64: the query at
-    position p of request b sees keys ``max(0, p - window + 1) .. p`` of slot ``slots[b]``. Returns
+    [slots, Hkv, L + 1, hd] float32 or float16 (:data:`KV_DTYPES`), contiguous; ``slots`` [B] and ``query_pos`` [B, T]
+    int64: the query at position p of request b sees keys ``max(0, p - window + 1) .. p`` of slot ``slots[b]``. Returns
     ``[B, Hq, T, hd]`` (a view of a [B, T, Hq, hd] tensor). Each output row depends on its query and
     keys only (module doc), unlike a fused kernel's blocking."""
     if torch.compiler.is_compiling():
@@ -600,7 +706,9 @@ KV_DTYPES = (torch.float32, torch.float16)  # cache dtypes the attention kernels
 def _kv16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """1 for a float16 cache, 0 for float32; ValueError for anything else (or a mixed pair)."""
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_DTYPES:
-        raise ValueError(f"attention kernel: the KV cache must be float32 or float16, got {k_cache.dtype} / {v_cache.dtype}")
+        raise ValueError(
+            f"attention kernel: the KV cache must be float32 or float16, got {k_cache.dtype} / {v_cache.dtype}"
+        )
     return int(k_cache.dtype == torch.float16)
 
 
@@ -609,17 +717,33 @@ def _kv16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
 _checked: list = [None]
 
 
-def _check_cache_call(what: str, q_dtype: torch.dtype, q_hd: int, hq: int, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slots: torch.Tensor, bsz: int, t: int, query_pos: torch.Tensor,
-                      write_pos: torch.Tensor | None = None) -> None:
+def _check_cache_call(
+    what: str,
+    q_dtype: torch.dtype,
+    q_hd: int,
+    hq: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    bsz: int,
+    t: int,
+    query_pos: torch.Tensor,
+    write_pos: torch.Tensor | None = None,
+) -> None:
     """ValueError unless a kernel call's shapes agree and its indices lie inside the cache: ``slots`` [B] in
     [0, slots), ``query_pos`` (and ``write_pos``) [B, T] in [0, L + 1). The C code indexes with them unchecked.
     O(B * T), and once for the index tensors that every layer of a forward gets (kept by identity and version)."""
     if q_dtype != torch.float32:
         raise ValueError(f"{what}: queries must be float32, not {q_dtype}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{what}: k and v caches must be contiguous [slots, kv heads, length, head size] of one "
-                         f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        raise ValueError(
+            f"{what}: k and v caches must be contiguous [slots, kv heads, length, head size] of one "
+            f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     n_slots, hkv, l1, hd = k_cache.shape
     if q_hd != hd or hq % hkv:
         raise ValueError(f"{what}: {hq} query heads of {q_hd} do not fit a cache of {hkv} heads of {hd}")
@@ -640,8 +764,9 @@ def _check_cache_call(what: str, q_dtype: torch.dtype, q_hd: int, hq: int, k_cac
         if pos.shape != (bsz, t):
             raise ValueError(f"{what}: {name} {tuple(pos.shape)} for {bsz} requests of {t} tokens")
         if pos.numel() and not (0 <= int(pos.min()) and int(pos.max()) < l1):
-            raise ValueError(f"{what}: {name} from {int(pos.min())} to {int(pos.max())}, outside the cache's "
-                             f"positions 0..{l1 - 1}")
+            raise ValueError(
+                f"{what}: {name} from {int(pos.min())} to {int(pos.max())}, outside the cache's positions 0..{l1 - 1}"
+            )
     _checked[0] = (held, versions, n_slots, l1, bsz, t)
 
 
@@ -653,8 +778,10 @@ def _refuse_indices(what: str, slots: torch.Tensor, *positions: torch.Tensor) ->
     (index tensors edited in place since: under inference mode torch keeps no version to tell)."""
     _checked[0] = None  # that verdict no longer holds
     spans = ", ".join(f"{int(p.min())}..{int(p.max())}" for p in positions if p.numel())
-    raise ValueError(f"{what}: slots {slots.tolist()} or positions ({spans}) lie outside the cache (index tensors "
-                     "changed in place after they were checked?)")
+    raise ValueError(
+        f"{what}: slots {slots.tolist()} or positions ({spans}) lie outside the cache (index tensors "
+        "changed in place after they were checked?)"
+    )
 
 
 def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float, softcap: float) -> torch.Tensor:
@@ -666,9 +793,28 @@ def _attention(q, k_cache, v_cache, slots, query_pos, window: int, scale: float,
     slots, query_pos = _dense(slots, torch.int64), _dense(query_pos, torch.int64)
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)  # [B, T, Hq, hd]
     n_slots, hkv, l1, _ = k_cache.shape
-    rc = library().specdist_attention(q.data_ptr(), bsz, hq, t, hd, q.stride(0), q.stride(1), q.stride(2),
-                                      k_cache.data_ptr(), v_cache.data_ptr(), kv16, hkv, n_slots, l1, slots.data_ptr(),
-                                      query_pos.data_ptr(), window, scale, softcap, out.data_ptr())
+    rc = library().specdist_attention(
+        q.data_ptr(),
+        bsz,
+        hq,
+        t,
+        hd,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        kv16,
+        hkv,
+        n_slots,
+        l1,
+        slots.data_ptr(),
+        query_pos.data_ptr(),
+        window,
+        scale,
+        softcap,
+        out.data_ptr(),
+    )
     if rc == _BAD_INDEX:
         _refuse_indices("attention kernel", slots, query_pos)
     if rc:
@@ -692,9 +838,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return out
 
 
-def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
-                   query_pos: torch.Tensor, window: int | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """One layer's rotary embedding, cache write and :func:`attention`, in one call (the C file's doc).
 
     ``q`` [B, T, Hq, hd], ``k`` / ``v`` [B, T, Hkv, hd] (views of the fused projection: each token's heads
@@ -703,21 +861,26 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     (float32, or float16 rounded to nearest even);
     returns the attention output [B, T, Hq, hd]."""
     if torch.compiler.is_compiling():
-        return torch.ops.specdist.rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos,
-                                                 window or 0, scale, softcap or 0.0)
-    return _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window or 0, scale,
-                           softcap or 0.0)
+        return torch.ops.specdist.rope_attention(
+            q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window or 0, scale, softcap or 0.0
+        )
+    return _rope_attention(
+        q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window or 0, scale, softcap or 0.0
+    )
 
 
-def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window: int, scale: float,
-                    softcap: float) -> torch.Tensor:
+def _rope_attention(
+    q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window: int, scale: float, softcap: float
+) -> torch.Tensor:
     bsz, t, hq, hd = q.shape
     hkv = k.shape[2]
     _check_cache_call("rope_attention kernel", q.dtype, hd, hq, k_cache, v_cache, slots, bsz, t, query_pos, write_pos)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != torch.float32 or x.shape != (bsz, t, k_cache.shape[1], hd):
-            raise ValueError(f"rope_attention kernel: {name} {tuple(x.shape)} {x.dtype}; the cache wants float32 "
-                             f"{(bsz, t, k_cache.shape[1], hd)}")
+            raise ValueError(
+                f"rope_attention kernel: {name} {tuple(x.shape)} {x.dtype}; the cache wants float32 "
+                f"{(bsz, t, k_cache.shape[1], hd)}"
+            )
     for name, x in (("cos", cos), ("sin", sin)):
         if x.shape != (bsz, t, hd):
             raise ValueError(f"rope_attention kernel: {name} {tuple(x.shape)} for {(bsz, t, hd)}")
@@ -732,10 +895,35 @@ def _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query
     slots, write_pos, query_pos = (_dense(t, torch.int64) for t in (slots, write_pos, query_pos))
     out = torch.empty(bsz, t, hq, hd, dtype=torch.float32)
     rc = library().specdist_rope_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), bsz, t, hq, hkv, hd, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        kv16, k_cache.shape[0], k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(), window,
-        scale, softcap, out.data_ptr())
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        bsz,
+        t,
+        hq,
+        hkv,
+        hd,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        kv16,
+        k_cache.shape[0],
+        k_cache.shape[2],
+        slots.data_ptr(),
+        write_pos.data_ptr(),
+        query_pos.data_ptr(),
+        window,
+        scale,
+        softcap,
+        out.data_ptr(),
+    )
     if rc == _BAD_INDEX:
         _refuse_indices("rope_attention kernel", slots, query_pos, write_pos)
     if rc:
@@ -750,8 +938,13 @@ class BlockLinear(ctypes.Structure):
     ``n = 0``: no matmul (the k and v slots beside a fused q/k/v). A block kind carries its scales' flag
     (:func:`scales_kind`)."""
 
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("kind", ctypes.c_int64),
-                ("bias", ctypes.c_void_p)]
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("kind", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
 
 
 # (codes, scales, rows, kind, bias) of one matmul of a layer
@@ -769,50 +962,74 @@ class LayerWeights:
     ``(sum_over_ranks, o bias, down bias)``: :func:`decoder_layer` sums each projection's partial output over the ranks
     with ``sum_over_ranks`` (in place), adds the bias (or None), then the residual."""
 
-    def __init__(self, norm1: torch.Tensor, norm2: torch.Tensor, eps: float,
-                 linears: list[Matmul | list[Matmul]],
-                 qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                 reduce: tuple[Callable[[torch.Tensor], object], torch.Tensor | None, torch.Tensor | None] | None = None):
+    def __init__(
+        self,
+        norm1: torch.Tensor,
+        norm2: torch.Tensor,
+        eps: float,
+        linears: list[Matmul | list[Matmul]],
+        qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        reduce: tuple[Callable[[torch.Tensor], object], torch.Tensor | None, torch.Tensor | None] | None = None,
+    ):
         self.reduce = reduce
         self.norm1, self.norm2 = _dense(norm1, torch.float32), _dense(norm2, torch.float32)
         self.eps = float(eps)
         # Qwen3: the per-head RMS norms of queries and keys ([hd] weights each) and their eps, or None
-        self.qk_norms = None if qk_norms is None else (_dense(qk_norms[0], torch.float32),
-                                                       _dense(qk_norms[1], torch.float32), float(qk_norms[2]))
+        self.qk_norms = (
+            None
+            if qk_norms is None
+            else (_dense(qk_norms[0], torch.float32), _dense(qk_norms[1], torch.float32), float(qk_norms[2]))
+        )
         qkv = linears[0] if isinstance(linears[0], list) else [linears[0]]
         if len(qkv) not in (1, 3):
             raise ValueError(f"decoder_layer: {len(qkv)} q/k/v matmuls (one fused, or three)")
-        flat = [(c, s, n, k, _dense(b, torch.float32) if b is not None else None)
-                for c, s, n, k, b in qkv + list(linears[1:])]
+        flat = [
+            (c, s, n, k, _dense(b, torch.float32) if b is not None else None)
+            for c, s, n, k, b in qkv + list(linears[1:])
+        ]
         self.tensors = [t for lin in flat for t in (lin[0], lin[1], lin[4]) if t is not None]
         for t in self.tensors:
             if not t.is_contiguous():
                 raise ValueError("decoder_layer: block codes and scales must be contiguous")
-        slots = flat[:len(qkv)] + [None] * (3 - len(qkv)) + flat[len(qkv):]  # q (or qkv), k, v, o, gate_up, down
-        self.linears = (BlockLinear * 6)(*(
-            BlockLinear() if lin is None else  # n = 0: no such part
-            BlockLinear(lin[0].data_ptr(), lin[1].data_ptr() if lin[1] is not None else None, lin[2],
-                        int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1], lin[2], _inputs(lin)),
-                        lin[4].data_ptr() if lin[4] is not None else None) for lin in slots))
+        slots = flat[: len(qkv)] + [None] * (3 - len(qkv)) + flat[len(qkv) :]  # q (or qkv), k, v, o, gate_up, down
+        self.linears = (BlockLinear * 6)(
+            *(
+                BlockLinear()
+                if lin is None
+                # n = 0: no such part
+                else BlockLinear(
+                    lin[0].data_ptr(),
+                    lin[1].data_ptr() if lin[1] is not None else None,
+                    lin[2],
+                    int(lin[3]) if lin[3] in DENSE_KINDS else scales_kind(int(lin[3]), lin[1], lin[2], _inputs(lin)),
+                    lin[4].data_ptr() if lin[4] is not None else None,
+                )
+                for lin in slots
+            )
+        )
         self.dense = any(lin[3] in DENSE_KINDS for lin in flat)
         if self.norm1.dim() != 1 or self.norm2.shape != self.norm1.shape:
-            raise ValueError(f"decoder_layer: norm weights {tuple(self.norm1.shape)} and {tuple(self.norm2.shape)}; "
-                             "both must be [D]")
+            raise ValueError(
+                f"decoder_layer: norm weights {tuple(self.norm1.shape)} and {tuple(self.norm2.shape)}; both must be [D]"
+            )
         self.d = self.norm1.shape[0]
-        o, gate_up, down = flat[len(qkv):]
+        o, gate_up, down = flat[len(qkv) :]
         # the C code writes o's and down's rows into the residual [M, D] and splits gate_up's in two halves
         if o[2] != self.d or down[2] != self.d or gate_up[2] % 2:
-            raise ValueError(f"decoder_layer: W_o has {o[2]} rows, W_down {down[2]}, for a residual of {self.d}; "
-                             f"W_gate_up {gate_up[2]} (gate and up rows: an even number)")
-        self.nqkv, self.i = sum(lin[2] for lin in flat[:len(qkv)]), gate_up[2] // 2
+            raise ValueError(
+                f"decoder_layer: W_o has {o[2]} rows, W_down {down[2]}, for a residual of {self.d}; "
+                f"W_gate_up {gate_up[2]} (gate and up rows: an even number)"
+            )
+        self.nqkv, self.i = sum(lin[2] for lin in flat[: len(qkv)]), gate_up[2] // 2
         self.attn = _inputs(o)  # W_o's inputs: query heads x head size
         self.split = len(qkv) == 3
         for lin, k in zip(flat, [self.d] * len(qkv) + [self.attn, self.d, self.i]):
             codes, scales, n, kind, bias = lin
             rows = n if kind in DENSE_KINDS else -(-n // 8)
             if codes.shape[0] != rows or _inputs(lin) != k or (kind in DENSE_KINDS) != (scales is None):
-                raise ValueError(f"decoder_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of "
-                                 f"{k} inputs")
+                raise ValueError(
+                    f"decoder_layer: weights {tuple(codes.shape)} (kind {kind}) do not hold {n} rows of {k} inputs"
+                )
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"decoder_layer: a bias of shape {tuple(bias.shape)} for {n} output rows")
         if self.split and qkv[0][2] != self.attn:
@@ -833,10 +1050,21 @@ def _inputs(linear: tuple) -> int:
     return codes.shape[1] if kind in DENSE_KINDS else codes.shape[1] * GROUP
 
 
-def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, query_pos: torch.Tensor,
-                window: int | None, scale: float, softcap: float | None = None,
-                scratch: torch.Tensor | None = None) -> torch.Tensor:
+def decoder_layer(
+    h: torch.Tensor,
+    weights: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One Llama-style decoder layer on blocks in one call (the C file's ``specdist_decoder_layer``): RMS norm,
     the fused q/k/v matmul (then each head's q and k RMS-normed where ``weights.qk_norms``: Qwen3),
     :func:`rope_attention`, the output projection and its residual add, RMS norm,
@@ -867,11 +1095,36 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
 
     def run(part: int) -> None:
         rc = library().specdist_decoder_layer(
-            h.data_ptr(), bsz, t, d, weights.norm1.data_ptr(), weights.norm2.data_ptr(), weights.eps,
-            qn[0].data_ptr() if qn else None, qn[1].data_ptr() if qn else None, qn[2] if qn else 0.0,
-            weights.linears, hq, hkv, hd, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            kv16, k_cache.shape[0], k_cache.shape[2], slots.data_ptr(), write_pos.data_ptr(), query_pos.data_ptr(),
-            window or 0, scale, softcap or 0.0, scratch.data_ptr(), part)
+            h.data_ptr(),
+            bsz,
+            t,
+            d,
+            weights.norm1.data_ptr(),
+            weights.norm2.data_ptr(),
+            weights.eps,
+            qn[0].data_ptr() if qn else None,
+            qn[1].data_ptr() if qn else None,
+            qn[2] if qn else 0.0,
+            weights.linears,
+            hq,
+            hkv,
+            hd,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            kv16,
+            k_cache.shape[0],
+            k_cache.shape[2],
+            slots.data_ptr(),
+            write_pos.data_ptr(),
+            query_pos.data_ptr(),
+            window or 0,
+            scale,
+            softcap or 0.0,
+            scratch.data_ptr(),
+            part,
+        )
         if rc == _BAD_INDEX:
             _refuse_indices("decoder_layer", slots, query_pos, write_pos)
         if rc:
@@ -904,9 +1157,21 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("specdist::rope_attention", mutates_args=("k_cache", "v_cache"))
-def _rope_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor,
-                       query_pos: torch.Tensor, window: int, scale: float, softcap: float) -> torch.Tensor:
+def _rope_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    write_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
     return _rope_attention(q, k, v, cos, sin, k_cache, v_cache, slots, write_pos, query_pos, window, scale, softcap)
 
 
@@ -926,8 +1191,16 @@ def _(x, codes, scales, n, kind):
 
 
 @torch.library.custom_op("specdist::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  query_pos: torch.Tensor, window: int, scale: float, softcap: float) -> torch.Tensor:
+def _attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
     return _attention(q, k_cache, v_cache, slots, query_pos, window, scale, softcap).contiguous()
 
 

@@ -52,14 +52,25 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 def macros() -> list[tuple[str, str]]:
     """The ``-D`` macros the C file is compiled with (without the digest), in a fixed order."""
-    out = [("QK", str(GROUP)), ("LIN_HALF_SCALES", str(HALF_SCALES)), ("LIN_SUPER_SCALES", str(SUPER_SCALES)),
-           ("LAYER_WHOLE", str(LAYER_WHOLE)), ("LAYER_ATTENTION", str(LAYER_ATTENTION)),
-           ("LAYER_MLP", str(LAYER_MLP)), ("IQ4_VALUES", ",".join(map(str, IQ4_VALUES)))]
+    out = [
+        ("QK", str(GROUP)),
+        ("LIN_HALF_SCALES", str(HALF_SCALES)),
+        ("LIN_SUPER_SCALES", str(SUPER_SCALES)),
+        ("LAYER_WHOLE", str(LAYER_WHOLE)),
+        ("LAYER_ATTENTION", str(LAYER_ATTENTION)),
+        ("LAYER_MLP", str(LAYER_MLP)),
+        ("IQ4_VALUES", ",".join(map(str, IQ4_VALUES))),
+    ]
     for name, number in DENSE_KINDS:
         out.append((f"LIN_{name}", str(number)))
     for name, number, code_bytes, floats, per_block, tile in BLOCK_KINDS:
-        out += [(f"LIN_{name}", str(number)), (f"{name}_CODE_BYTES", str(code_bytes)),
-                (f"{name}_FLOATS", str(floats)), (f"{name}_PER_BLOCK", str(per_block)), (f"{name}_TILE", str(tile))]
+        out += [
+            (f"LIN_{name}", str(number)),
+            (f"{name}_CODE_BYTES", str(code_bytes)),
+            (f"{name}_FLOATS", str(floats)),
+            (f"{name}_PER_BLOCK", str(per_block)),
+            (f"{name}_TILE", str(tile)),
+        ]
     return out
 
 

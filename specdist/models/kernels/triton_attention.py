@@ -52,11 +52,36 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _rope_write_kernel(Q, K, V, COS, SIN, POS, SLOT, KC, VC,
-                       sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, s_cos, skc_r, skc_h, svc_r, svc_h,
-                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+def _rope_write_kernel(
+    Q,
+    K,
+    V,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    KC,
+    VC,
+    sq_n,
+    sq_h,
+    sk_n,
+    sk_h,
+    sv_n,
+    sv_h,
+    s_cos,
+    skc_r,
+    skc_h,
+    svc_r,
+    svc_h,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HD: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0)
     pos = tl.load(POS + row)
     slot = tl.load(SLOT + row).to(tl.int64)
@@ -91,9 +116,17 @@ def _rope_write_kernel(Q, K, V, COS, SIN, POS, SLOT, KC, VC,
     tl.store(VC + slot * svc_r + hk * svc_h + d, v.to(VC.dtype.element_ty), mask=vm)
 
 
-def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> None:
+def rope_and_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
     """Rotate ``q`` [N, Hq, hd] in place and write rotated ``k`` and ``v`` [N, Hkv, hd] into ``k_cache`` /
     ``v_cache`` [blocks, block_size, Hkv, hd] at rows ``slot_mapping`` [N]. ``cos`` / ``sin`` [L, rd] are the
     half-rotation tables whose two halves are equal (transformers' layout); ``positions`` [N] index them.
@@ -103,11 +136,36 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     half = cos.shape[-1] // 2
     kc = k_cache.view(-1, hkv, hd)  # [blocks * block_size, Hkv, hd]
     vc = v_cache.view(-1, hkv, hd)
-    _rope_write_kernel[(n,)](q, k, v, cos, sin, positions, slot_mapping, kc, vc,
-                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                             HQ=hq, HKV=hkv, HD=hd, HALF=half, BLOCK_HQ=_pow2(hq), BLOCK_HKV=_pow2(hkv),
-                             BLOCK_HALF=_pow2(half), BLOCK_D=_pow2(hd))
+    _rope_write_kernel[(n,)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        kc,
+        vc,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        kc.stride(0),
+        kc.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        HQ=hq,
+        HKV=hkv,
+        HD=hd,
+        HALF=half,
+        BLOCK_HQ=_pow2(hq),
+        BLOCK_HKV=_pow2(hkv),
+        BLOCK_HALF=_pow2(half),
+        BLOCK_D=_pow2(hd),
+    )
 
 
 @triton.jit
@@ -118,15 +176,32 @@ def _tanh(x):
     1.7e-7 absolute, 8e-6 on a score soft-capped at 50 as Gemma 2's are)."""
     a = tl.abs(x)
     z = x * x
-    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
-             - 3.33332819422e-1) * z * x + x
+    small = (
+        (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+        - 3.33332819422e-1
+    ) * z * x + x
     big = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * tl.minimum(a, 10.0)) + 1.0)  # tanh(10) is 1 in float32
     return tl.where(a < 0.625, small, tl.where(x < 0, -big, big))
 
 
 @triton.jit
-def _query_rows(Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G: tl.constexpr, HD: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, window):
+def _query_rows(
+    Q,
+    STARTS,
+    NNEW,
+    b,
+    h,
+    mb,
+    sq_n,
+    sq_h,
+    T,
+    G: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    window,
+):
     """A program's rows (token, query head of KV head ``h``'s group) ``mb * BLOCK_M ...`` of request ``b``: their
     queries [BLOCK_M, BLOCK_D], positions, flags, and the keys [lo, hi) they see between them (``lo`` on a
     BLOCK_N boundary; ``hi <= lo`` when no row is valid)."""
@@ -139,8 +214,11 @@ def _query_rows(Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G: tl.constexpr, HD: t
     d = tl.arange(0, BLOCK_D)
     qrow = (b * T + t).to(tl.int64)
     qhead = h * G + r % G
-    q = tl.load(Q + qrow[:, None] * sq_n + qhead[:, None] * sq_h + d[None, :],
-                mask=valid[:, None] & (d < HD)[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        Q + qrow[:, None] * sq_n + qhead[:, None] * sq_h + d[None, :],
+        mask=valid[:, None] & (d < HD)[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     t_first = (mb * BLOCK_M) // G
     hi = tl.where(t_first < n, start + tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, n - 1) + 1, 0)
     lo = tl.maximum(start + t_first - window + 1, 0)
@@ -149,9 +227,35 @@ def _query_rows(Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G: tl.constexpr, HD: t
 
 
 @triton.jit
-def _attend_keys(q, qpos, lo, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh, svb, svt, svh, scale, softcap,
-                 window, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, PIPELINE: tl.constexpr):
+def _attend_keys(
+    q,
+    qpos,
+    lo,
+    hi,
+    b,
+    h,
+    KC,
+    VC,
+    TABLE,
+    s_table,
+    skb,
+    skt,
+    skh,
+    svb,
+    svt,
+    svh,
+    scale,
+    softcap,
+    window,
+    HD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PIPELINE: tl.constexpr,
+):
     """The online softmax of the rows' queries ``q`` [BLOCK_M, BLOCK_D] over keys [lo, hi) of request ``b``, KV
     head ``h``: the running max and sum [BLOCK_M] and the unnormalised output [BLOCK_M, BLOCK_D] (float32)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -159,23 +263,104 @@ def _attend_keys(q, qpos, lo, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh, s
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if PIPELINE:
         for k0 in tl.range(lo, hi, BLOCK_N):  # pipelined by Triton: the next tiles load while this one computes
-            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, k0, qpos, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh,
-                                      svb, svt, svh, scale, softcap, window, HD, BLOCK_D, BS, BLOCK_N, SOFTCAP,
-                                      PRECISION)
+            m_i, l_i, acc = _key_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                k0,
+                qpos,
+                hi,
+                b,
+                h,
+                KC,
+                VC,
+                TABLE,
+                s_table,
+                skb,
+                skt,
+                skh,
+                svb,
+                svt,
+                svh,
+                scale,
+                softcap,
+                window,
+                HD,
+                BLOCK_D,
+                BS,
+                BLOCK_N,
+                SOFTCAP,
+                PRECISION,
+            )
     else:  # Triton's interpreter: its range() takes no tensor bounds (numpy 2 refuses int() of its scalars)
         k0 = lo
         while k0 < hi:
-            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, k0, qpos, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh,
-                                      svb, svt, svh, scale, softcap, window, HD, BLOCK_D, BS, BLOCK_N, SOFTCAP,
-                                      PRECISION)
+            m_i, l_i, acc = _key_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                k0,
+                qpos,
+                hi,
+                b,
+                h,
+                KC,
+                VC,
+                TABLE,
+                s_table,
+                skb,
+                skt,
+                skh,
+                svb,
+                svt,
+                svh,
+                scale,
+                softcap,
+                window,
+                HD,
+                BLOCK_D,
+                BS,
+                BLOCK_N,
+                SOFTCAP,
+                PRECISION,
+            )
             k0 += BLOCK_N
     return m_i, l_i, acc
 
 
 @triton.jit
-def _key_tile(q, m_i, l_i, acc, k0, qpos, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh, svb, svt, svh, scale,
-              softcap, window, HD: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-              SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _key_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k0,
+    qpos,
+    hi,
+    b,
+    h,
+    KC,
+    VC,
+    TABLE,
+    s_table,
+    skb,
+    skt,
+    skh,
+    svb,
+    svt,
+    svh,
+    scale,
+    softcap,
+    window,
+    HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One step of the online softmax: keys ``k0 ... k0 + BLOCK_N`` (those below ``hi``) read through the table."""
     kidx = k0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     kin = kidx < hi
@@ -201,48 +386,160 @@ def _key_tile(q, m_i, l_i, acc, k0, qpos, hi, b, h, KC, VC, TABLE, s_table, skb,
 
 
 @triton.jit(do_not_specialize=["s_table", "T", "window"])
-def _paged_attention_kernel(Q, KC, VC, O, TABLE, STARTS, NNEW,
-                            sq_n, sq_h, so_n, so_h, skb, skt, skh, svb, svt, svh, s_table,
-                            T, scale, softcap, window,
-                            G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                            PRECISION: tl.constexpr, PIPELINE: tl.constexpr):
+def _paged_attention_kernel(
+    Q,
+    KC,
+    VC,
+    O,
+    TABLE,
+    STARTS,
+    NNEW,
+    sq_n,
+    sq_h,
+    so_n,
+    so_h,
+    skb,
+    skt,
+    skh,
+    svb,
+    svt,
+    svh,
+    s_table,
+    T,
+    scale,
+    softcap,
+    window,
+    G: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PIPELINE: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
-    q, t, valid, qpos, qrow, qhead, lo, hi = _query_rows(Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G, HD, BLOCK_D,
-                                                         BLOCK_M, BLOCK_N, window)
-    m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh, svb, svt, svh, scale,
-                                 softcap, window, HD, BLOCK_M, BLOCK_D, BS, BLOCK_N, SOFTCAP, PRECISION, PIPELINE)
+    q, t, valid, qpos, qrow, qhead, lo, hi = _query_rows(
+        Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G, HD, BLOCK_D, BLOCK_M, BLOCK_N, window
+    )
+    m_i, l_i, acc = _attend_keys(
+        q,
+        qpos,
+        lo,
+        hi,
+        b,
+        h,
+        KC,
+        VC,
+        TABLE,
+        s_table,
+        skb,
+        skt,
+        skh,
+        svb,
+        svt,
+        svh,
+        scale,
+        softcap,
+        window,
+        HD,
+        BLOCK_M,
+        BLOCK_D,
+        BS,
+        BLOCK_N,
+        SOFTCAP,
+        PRECISION,
+        PIPELINE,
+    )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = tl.where(valid[:, None], o, 0.0)  # padded rows: zeros, so nothing downstream meets garbage
     d = tl.arange(0, BLOCK_D)
-    tl.store(O + qrow[:, None] * so_n + qhead[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty),
-             mask=(t < T)[:, None] & (d < HD)[None, :])
+    tl.store(
+        O + qrow[:, None] * so_n + qhead[:, None] * so_h + d[None, :],
+        o.to(O.dtype.element_ty),
+        mask=(t < T)[:, None] & (d < HD)[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["s_table", "T", "window", "splits"])
-def _paged_attention_split_kernel(Q, KC, VC, STATS, ACC, TABLE, STARTS, NNEW,
-                                  sq_n, sq_h, skb, skt, skh, svb, svt, svh, s_table,
-                                  T, scale, softcap, window, splits,
-                                  G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                                  PRECISION: tl.constexpr, PIPELINE: tl.constexpr):
+def _paged_attention_split_kernel(
+    Q,
+    KC,
+    VC,
+    STATS,
+    ACC,
+    TABLE,
+    STARTS,
+    NNEW,
+    sq_n,
+    sq_h,
+    skb,
+    skt,
+    skh,
+    svb,
+    svt,
+    svh,
+    s_table,
+    T,
+    scale,
+    softcap,
+    window,
+    splits,
+    G: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PIPELINE: tl.constexpr,
+):
     """Program (b, h, mb * splits + s): range s of the keys rows block mb sees, as (max, sum) into STATS [P, 2,
     BLOCK_M] and the unnormalised output into ACC [P, BLOCK_M, BLOCK_D] (float32), P = (b, h, mb, s) flattened."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2) // splits
     s = tl.program_id(2) % splits
-    q, t, valid, qpos, qrow, qhead, lo, hi = _query_rows(Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G, HD, BLOCK_D,
-                                                         BLOCK_M, BLOCK_N, window)
+    q, t, valid, qpos, qrow, qhead, lo, hi = _query_rows(
+        Q, STARTS, NNEW, b, h, mb, sq_n, sq_h, T, G, HD, BLOCK_D, BLOCK_M, BLOCK_N, window
+    )
     # the real length cut into `splits` equal ranges of whole tiles; those past it are empty (neutral partials)
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), splits), BLOCK_N) * BLOCK_N
     k_lo = lo + s * chunk
     k_hi = tl.minimum(k_lo + chunk, hi)
-    m_i, l_i, acc = _attend_keys(q, qpos, k_lo, k_hi, b, h, KC, VC, TABLE, s_table, skb, skt, skh, svb, svt, svh,
-                                 scale, softcap, window, HD, BLOCK_M, BLOCK_D, BS, BLOCK_N, SOFTCAP, PRECISION,
-                                 PIPELINE)
+    m_i, l_i, acc = _attend_keys(
+        q,
+        qpos,
+        k_lo,
+        k_hi,
+        b,
+        h,
+        KC,
+        VC,
+        TABLE,
+        s_table,
+        skb,
+        skt,
+        skh,
+        svb,
+        svt,
+        svh,
+        scale,
+        softcap,
+        window,
+        HD,
+        BLOCK_M,
+        BLOCK_D,
+        BS,
+        BLOCK_N,
+        SOFTCAP,
+        PRECISION,
+        PIPELINE,
+    )
     # padded rows: neutral partials (the reduce weighs their finite outputs by exp(-inf) = 0), so they give zeros
     m_i = tl.where(valid, m_i, float("-inf"))
     l_i = tl.where(valid, l_i, 0.0)
@@ -256,8 +553,19 @@ def _paged_attention_split_kernel(Q, KC, VC, STATS, ACC, TABLE, STARTS, NNEW,
 
 
 @triton.jit(do_not_specialize=["T", "splits"])
-def _split_reduce_kernel(STATS, ACC, O, so_n, so_h, T, splits, G: tl.constexpr, HD: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _split_reduce_kernel(
+    STATS,
+    ACC,
+    O,
+    so_n,
+    so_h,
+    T,
+    splits,
+    G: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Program (b, h, mb): the `splits` partials of rows block mb combined (the online softmax's rescaling) and
     normalised into O, as :func:`_paged_attention_kernel` writes it."""
     b = tl.program_id(0)
@@ -288,8 +596,11 @@ def _split_reduce_kernel(STATS, ACC, O, so_n, so_h, T, splits, G: tl.constexpr, 
     qrow = (b * T + t).to(tl.int64)
     qhead = h * G + r % G
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that saw no key (padded): 0
-    tl.store(O + qrow[:, None] * so_n + qhead[:, None] * so_h + d[None, :], o.to(O.dtype.element_ty),
-             mask=(t < T)[:, None] & (d < HD)[None, :])
+    tl.store(
+        O + qrow[:, None] * so_n + qhead[:, None] * so_h + d[None, :],
+        o.to(O.dtype.element_ty),
+        mask=(t < T)[:, None] & (d < HD)[None, :],
+    )
 
 
 @functools.cache
@@ -325,10 +636,19 @@ def tile_config(hd: int, dtype: torch.dtype, block_m: int) -> dict:
     return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                    starts: torch.Tensor, n_new: torch.Tensor, tokens_per_request: int, scale: float,
-                    window: int | None = None, softcap: float | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    starts: torch.Tensor,
+    n_new: torch.Tensor,
+    tokens_per_request: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """Attention of ``q`` [B * T, Hq, hd] (rows as in the module doc) over ``k_cache`` / ``v_cache``
     [blocks, block_size, Hkv, hd] through ``table`` [B, max_blocks] int32; request b's queries are at
     positions ``starts[b] + t`` for ``t < n_new[b]`` and see keys up to their own. -> [B * T, Hq, hd].
@@ -345,24 +665,82 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row_blocks = triton.cdiv(tokens_per_request * groups, block_m)
     if splits is None:
         splits = split_count(bsz * hkv * row_blocks, width * bs, _sm_count(q.device))
-    common = dict(G=groups, HD=hd, BLOCK_D=block_d, BS=bs, BLOCK_M=block_m, SOFTCAP=softcap is not None,
-                  PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding (tests compare)
-                  PIPELINE=not knobs.runtime.interpret, **tile_config(hd, q.dtype, block_m))
-    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-               v_cache.stride(2), table.stride(0))
+    common = dict(
+        G=groups,
+        HD=hd,
+        BLOCK_D=block_d,
+        BS=bs,
+        BLOCK_M=block_m,
+        SOFTCAP=softcap is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding (tests compare)
+        PIPELINE=not knobs.runtime.interpret,
+        **tile_config(hd, q.dtype, block_m),
+    )
+    strides = (
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        table.stride(0),
+    )
     win = NO_WINDOW if window is None else window
     if splits == 1:
         _paged_attention_kernel[(bsz, hkv, row_blocks)](
-            q, k_cache, v_cache, out, table, starts, n_new, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *strides, tokens_per_request, scale, softcap or 0.0, win, **common)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            table,
+            starts,
+            n_new,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *strides,
+            tokens_per_request,
+            scale,
+            softcap or 0.0,
+            win,
+            **common,
+        )
         return out
     programs = bsz * hkv * row_blocks * splits
     stats = torch.empty(programs, 2, block_m, dtype=torch.float32, device=q.device)  # running (max, sum) a range
     acc = torch.empty(programs, block_m, block_d, dtype=torch.float32, device=q.device)  # unnormalised outputs
     _paged_attention_split_kernel[(bsz, hkv, row_blocks * splits)](
-        q, k_cache, v_cache, stats, acc, table, starts, n_new, q.stride(0), q.stride(1), *strides,
-        tokens_per_request, scale, softcap or 0.0, win, splits, **common)
-    _split_reduce_kernel[(bsz, hkv, row_blocks)](stats, acc, out, out.stride(0), out.stride(1), tokens_per_request,
-                                                 splits, G=groups, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m,
-                                                 num_warps=8 if block_m * block_d > 4096 else 4)
+        q,
+        k_cache,
+        v_cache,
+        stats,
+        acc,
+        table,
+        starts,
+        n_new,
+        q.stride(0),
+        q.stride(1),
+        *strides,
+        tokens_per_request,
+        scale,
+        softcap or 0.0,
+        win,
+        splits,
+        **common,
+    )
+    _split_reduce_kernel[(bsz, hkv, row_blocks)](
+        stats,
+        acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        tokens_per_request,
+        splits,
+        G=groups,
+        HD=hd,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        num_warps=8 if block_m * block_d > 4096 else 4,
+    )
     return out

@@ -26,9 +26,25 @@ SILU_BLOCK = 1024  # elements of one row a silu_mul program takes
 
 
 @triton.jit
-def _add_rms_norm_kernel(H, A, W, WA, Y, H_OUT, s_h, s_a, s_y, s_o, eps, eps_a,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr, NORM_DELTA: tl.constexpr,
-                         OFFSET: tl.constexpr):
+def _add_rms_norm_kernel(
+    H,
+    A,
+    W,
+    WA,
+    Y,
+    H_OUT,
+    s_h,
+    s_a,
+    s_y,
+    s_o,
+    eps,
+    eps_a,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    NORM_DELTA: tl.constexpr,
+    OFFSET: tl.constexpr,
+):
     """Program r: row r. ``H_OUT = H + A`` (when HAS_DELTA; A normed by WA first when NORM_DELTA) and
     ``Y = (W + OFFSET) * s / sqrt(mean(s^2) + eps)`` of the sum ``s`` (else of ``H``)."""
     row = tl.program_id(0).to(tl.int64)
@@ -49,9 +65,14 @@ def _add_rms_norm_kernel(H, A, W, WA, Y, H_OUT, s_h, s_a, s_y, s_o, eps, eps_a,
     tl.store(Y + row * s_y + d, (x * inv * w).to(Y.dtype.element_ty), mask=m)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 delta_norm: tuple[torch.Tensor, float] | None = None,
-                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    delta_norm: tuple[torch.Tensor, float] | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, rms_norm(s) * (weight + offset))`` of ``s = h + delta`` (``h``, ``delta`` [..., D], rows with a
     contiguous last dimension); ``delta`` None: ``s = h``. ``delta_norm``: ``(weight, eps)`` of a norm applied to
     ``delta`` before the add (Gemma's post-attention and post-feedforward norms; the same ``offset``, its output
@@ -64,10 +85,26 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     a = delta.reshape(-1, dim) if delta is not None else x
     wa, eps_a = delta_norm if delta_norm is not None else (weight, eps)
     block = triton.next_power_of_2(dim)
-    _add_rms_norm_kernel[(x.shape[0],)](x, a, weight, wa, y, out, x.stride(0), a.stride(0), y.stride(0),
-                                        out.stride(0), eps, eps_a, D=dim, BLOCK_D=block,
-                                        HAS_DELTA=delta is not None, NORM_DELTA=delta_norm is not None,
-                                        OFFSET=float(offset), num_warps=min(16, max(4, block // 512)))
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x,
+        a,
+        weight,
+        wa,
+        y,
+        out,
+        x.stride(0),
+        a.stride(0),
+        y.stride(0),
+        out.stride(0),
+        eps,
+        eps_a,
+        D=dim,
+        BLOCK_D=block,
+        HAS_DELTA=delta is not None,
+        NORM_DELTA=delta_norm is not None,
+        OFFSET=float(offset),
+        num_warps=min(16, max(4, block // 512)),
+    )
     return out.view(h.shape), y.view(h.shape)
 
 
@@ -90,6 +127,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     x = gate_up.reshape(-1, two_f)  # [N, 2F]
     f = two_f // 2
     out = torch.empty(x.shape[0], f, dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(f, SILU_BLOCK))](x, out, x.stride(0), out.stride(0), f,
-                                                              BLOCK=SILU_BLOCK, num_warps=4)
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(f, SILU_BLOCK))](
+        x, out, x.stride(0), out.stride(0), f, BLOCK=SILU_BLOCK, num_warps=4
+    )
     return out.view(*gate_up.shape[:-1], f)

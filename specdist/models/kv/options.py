@@ -31,8 +31,14 @@ class KVOptions:
         """The options of an ``engine:`` config section (:class:`specdist.config.EngineConfig`) for a runner on
         ``device``; ``deferred``: a paged cache the caller plans, unless ``kv_cache_tokens`` sets its size."""
         paged = ec.paged(torch.device(device).type)
-        return cls("paged" if paged else "slots", ec.kv_block_size, ec.kv_cache_tokens, ec.gpu_memory_utilization,
-                   deferred and paged and ec.kv_cache_tokens is None, ec.attention_backend)
+        return cls(
+            "paged" if paged else "slots",
+            ec.kv_block_size,
+            ec.kv_cache_tokens,
+            ec.gpu_memory_utilization,
+            deferred and paged and ec.kv_cache_tokens is None,
+            ec.attention_backend,
+        )
 
     def paged(self, device: torch.device) -> bool:
         return self.kind == "paged" or (self.kind == "auto" and device.type == "cuda")

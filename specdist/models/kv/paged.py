@@ -77,8 +77,10 @@ class PagedKVCache:
         self.block_size = block_size
         self.max_blocks = -(-max_len // block_size)  # table width: blocks of the longest sequence
         if num_blocks < self.max_blocks + 1:
-            raise ValueError(f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of {max_len} "
-                             f"tokens and the scratch block: at least {self.max_blocks + 1} are needed")
+            raise ValueError(
+                f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of {max_len} "
+                f"tokens and the scratch block: at least {self.max_blocks + 1} are needed"
+            )
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -127,8 +129,10 @@ class PagedKVCache:
         if not self._free_slots:
             raise KVCacheFull("KV cache has no free slot")
         if not self.can_allocate(tokens):
-            raise KVCacheFull(f"KV cache has {self.num_blocks - 1 - self.committed_blocks} unreserved blocks of "
-                              f"{self.block_size} tokens; a sequence of {tokens} tokens needs more")
+            raise KVCacheFull(
+                f"KV cache has {self.num_blocks - 1 - self.committed_blocks} unreserved blocks of "
+                f"{self.block_size} tokens; a sequence of {tokens} tokens needs more"
+            )
         slot = self._free_slots.pop()
         self.lengths[slot] = 0
         self.reserved[slot] = self._blocks_of(tokens)
@@ -168,16 +172,22 @@ class PagedKVCache:
 
     def same_layout(self, other) -> bool:
         """Same layers, kv heads, head_dim, block size and length (slot counts, block counts and dtypes may differ)."""
-        return (isinstance(other, PagedKVCache) and len(other.k) == len(self.k) and other.block_size == self.block_size
-                and other.k[0].shape[2:] == self.k[0].shape[2:] and other.max_len == self.max_len)
+        return (
+            isinstance(other, PagedKVCache)
+            and len(other.k) == len(self.k)
+            and other.block_size == self.block_size
+            and other.k[0].shape[2:] == self.k[0].shape[2:]
+            and other.max_len == self.max_len
+        )
 
     def copy_prefix(self, src: "PagedKVCache", src_slot: int, dst_slot: int, length: int) -> None:
         """Fill empty ``dst_slot`` with the first ``length`` tokens of ``src_slot``. Within this cache the full
         blocks are shared and the last partial one copied; from another cache (a self draft taking its target's
         prompt K/V) every block is copied, converted to this cache's dtype."""
         if not self.same_layout(src):
-            raise ValueError("copy_prefix needs paged caches of the same layout (layers, kv heads, head_dim, "
-                             "block size, length)")
+            raise ValueError(
+                "copy_prefix needs paged caches of the same layout (layers, kv heads, head_dim, block size, length)"
+            )
         if not 0 <= length <= src.lengths[src_slot]:
             raise ValueError(f"slot {src_slot} holds {src.lengths[src_slot]} tokens, cannot copy {length}")
         if self.tables[dst_slot]:

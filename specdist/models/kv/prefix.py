@@ -50,10 +50,10 @@ class PrefixIndex:
 
     def add(self, key: int, tokens: Sequence[int]) -> None:
         if len(tokens) >= self.head:
-            self.groups.setdefault(tuple(tokens[:self.head]), {})[key] = tokens
+            self.groups.setdefault(tuple(tokens[: self.head]), {})[key] = tokens
 
     def remove(self, key: int, tokens: Sequence[int]) -> None:
-        head = tuple(tokens[:self.head])
+        head = tuple(tokens[: self.head])
         group = self.groups.get(head)
         if group is not None and group.pop(key, None) is not None and not group:
             del self.groups[head]
@@ -62,7 +62,7 @@ class PrefixIndex:
         """(length, key) of the longest common prefix of ``want`` with a list held, among those of
         at least ``head`` tokens; (0, -1) when none shares ``head``."""
         best, source = 0, -1
-        group = self.groups.get(tuple(want[:self.head])) if len(want) >= self.head else None
+        group = self.groups.get(tuple(want[: self.head])) if len(want) >= self.head else None
         for key, tokens in (group or {}).items():
             n = common_prefix(want, tokens)
             if n > best:
@@ -94,8 +94,14 @@ class PrefixCache:
     pass each request's tenant, and build the running requests' index per tenant (:meth:`key`).
     """
 
-    def __init__(self, cache: KVCache, enabled: bool = True, min_tokens: int = MIN_PREFIX_TOKENS,
-                 record: Callable[[tuple], None] | None = None, scope: str = "shared"):
+    def __init__(
+        self,
+        cache: KVCache,
+        enabled: bool = True,
+        min_tokens: int = MIN_PREFIX_TOKENS,
+        record: Callable[[tuple], None] | None = None,
+        scope: str = "shared",
+    ):
         self.cache = cache
         self.enabled = enabled
         self.min_tokens = min_tokens
@@ -143,8 +149,10 @@ class PrefixCache:
                 what = f"{self.cache.num_free + len(self.retained)} KV slots are free"
             else:
                 cache = cast(PagedKVCache, self.cache)
-                what = (f"{cache.num_blocks - 1 - cache.committed_blocks} KV blocks of {cache.block_size} tokens "
-                        f"are unreserved and {len(self.retained)} cached prefixes can be evicted")
+                what = (
+                    f"{cache.num_blocks - 1 - cache.committed_blocks} KV blocks of {cache.block_size} tokens "
+                    f"are unreserved and {len(self.retained)} cached prefixes can be evicted"
+                )
             raise ResourceExhausted(f"items[{n}]", f"{len(tokens)} requests need room; {what}")
 
     def fits(self, tokens: list[int | None]) -> int:
@@ -174,8 +182,9 @@ class PrefixCache:
         """The running requests' (slot, tokens held) indexed for :meth:`match` (build it once per call)."""
         return PrefixIndex(self.min_tokens, live)
 
-    def match(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
-              tenant: str = "") -> tuple[int, int, bool]:
+    def match(
+        self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (), tenant: str = ""
+    ) -> tuple[int, int, bool]:
         """The longest prefix of ``want`` held here of at least ``min_tokens`` tokens: (length, slot,
         whether the slot is retained); (0, -1, False) when there is none or reuse is off.
         ``live``: the running requests' (slot, tokens held), or their :meth:`live_index`."""
@@ -189,8 +198,13 @@ class PrefixCache:
             return running, running_slot, False
         return (kept, kept_slot, True) if kept else (0, -1, False)
 
-    def acquire(self, want: Sequence[int], live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
-                tokens: int | None = None, tenant: str = "") -> tuple[int, int]:
+    def acquire(
+        self,
+        want: Sequence[int],
+        live: PrefixIndex | Iterable[tuple[int, Sequence[int]]] = (),
+        tokens: int | None = None,
+        tenant: str = "",
+    ) -> tuple[int, int]:
         """A slot for a request whose prompt K/V are to be ``want`` (the prompt but its last
         token), and how many of ``want`` it holds already. ``live``: (slot, tokens held) of the
         running requests, whose prefixes may be copied (or their :meth:`live_index`). ``tokens``:

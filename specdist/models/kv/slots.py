@@ -104,7 +104,11 @@ class SlotKVCache:
 
     def same_layout(self, other: "SlotKVCache") -> bool:
         """Same layers, kv heads, length and head_dim (slot counts and dtypes may differ)."""
-        return isinstance(other, SlotKVCache) and len(other.k) == len(self.k) and other.k[0].shape[1:] == self.k[0].shape[1:]
+        return (
+            isinstance(other, SlotKVCache)
+            and len(other.k) == len(self.k)
+            and other.k[0].shape[1:] == self.k[0].shape[1:]
+        )
 
     def copy_prefix(self, src: "SlotKVCache", src_slot: int, dst_slot: int, length: int) -> None:
         """Fill ``dst_slot`` with the first ``length`` tokens of ``src_slot`` in ``src`` (same layout; converted
