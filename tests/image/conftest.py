@@ -1,9 +1,9 @@
 """The image tier: the container image helm/specdist runs, built by helm/image/build.sh and run without a Docker engine.
 
-Deselected unless asked for by marker (``python -m pytest -q -n 0 -m image tests/image``): the build takes minutes
-and needs root, buildah and mmdebstrap (Debian: ``apt-get install -y buildah mmdebstrap``). The image is built once
-per run (``image``); ``SPECDIST_TEST_IMAGE=<tag>`` runs the tests on an image already built instead (while
-iterating on the tests).
+Deselected unless asked for by marker (``python -m pytest -q -n 0 -m image tests/image``; ``OPT_IN`` in
+tests/conftest.py): the build takes minutes and needs root, buildah and mmdebstrap (Debian: ``apt-get install -y
+buildah mmdebstrap``). The image is built once per run (``image``); ``SPECDIST_TEST_IMAGE=<tag>`` runs the tests
+on an image already built instead (while iterating on the tests).
 
 A container here is ``buildah run`` (chroot isolation: no daemon, no OCI runtime) of a working container made from
 the image, started inside ``unshare --pid --fork --kill-child --mount-proc`` (its own PID namespace: stopping it
@@ -28,16 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "helm" / "image" / "build.sh"
 BUILDAH = ["buildah", "--storage-driver", "vfs"]
 TAG = "localhost/specdist:image-tier"  # what `image` builds
-
-
-def pytest_collection_modifyitems(config, items):
-    """The ``image`` tests run only when the marker expression names them (``-m image``)."""
-    if "image" in (config.getoption("markexpr") or ""):
-        return
-    skipped = [item for item in items if item.get_closest_marker("image") is not None]
-    if skipped:
-        config.hook.pytest_deselected(items=skipped)
-        items[:] = [item for item in items if item.get_closest_marker("image") is None]
 
 
 def _missing_tools() -> list[str]:
