@@ -32,6 +32,7 @@ mutual TLS only: a plaintext client, or one without a certificate of the deploym
 
 from __future__ import annotations
 
+import abc
 import os
 import socket
 import threading
@@ -163,7 +164,7 @@ def _draining_servicer(base: type, admit_rpc: str, what: str) -> type:
     return type(f"Draining{base.__name__}", (base,), {"draining": False, admit_rpc: admit})
 
 
-class _ActorBase:
+class _ActorBase(abc.ABC):
     role = "actor"
 
     def __init__(self, num_threads: int | None = 1, cpu: int | None = None):
@@ -234,8 +235,9 @@ class _ActorBase:
         left = len(self.worker.requests) if self.worker is not None else 0
         return {"drained": left == 0, "in_flight": left}
 
-    def _runner_profile(self):  # (caches by name, Profile) of what this process serves (role-specific)
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _runner_profile(self):
+        """The :class:`~specdist.models.memory_plan.Profile` of the passes this process serves (its role's)."""
 
     @_shippable_errors
     def measure_memory(self, utilization: float):
