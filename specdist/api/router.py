@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,7 +266,7 @@ def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
     return deco
 
 
-class Policy:
+class Policy(ABC):
     """Picks one of the trusted replicas (at least one) for a request."""
 
     name = ""
@@ -275,8 +276,9 @@ class Policy:
         self.block_size = block_size
         self.rng = random.Random(seed)
 
+    @abstractmethod
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
-        raise NotImplementedError
+        """The chosen replica's id."""
 
 
 @register("round-robin")

@@ -12,6 +12,7 @@ import pytest
 from specdist.api.router import (
     POLICIES,
     Pending,
+    Policy,
     ReplicaStats,
     Router,
     RouteRequest,
@@ -60,6 +61,17 @@ def test_the_registry_serves_every_configured_policy_and_speculative_is_the_defa
     assert load_config(None).router.policy == "speculative"
     for name in ROUTER_POLICIES:
         assert make_policy(RouterConfig(policy=name), BS).name == name
+
+
+def test_a_policy_without_choose_cannot_be_made():
+    """Policy is abstract: a policy class that forgot ``choose`` fails when made, not at its first request."""
+
+    class Forgetful(Policy):
+        pass
+
+    for cls in (Policy, Forgetful):
+        with pytest.raises(TypeError, match="abstract"):
+            cls(RouterConfig(), BS)
 
 
 @pytest.mark.parametrize(
