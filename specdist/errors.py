@@ -1,9 +1,9 @@
 """Errors specdist raises on purpose. Each names the field or setting that is wrong.
 
-Every error a server answers with carries an :class:`ErrorCode`: the :class:`FieldError`
-subclasses and the coordinator's refusals (:mod:`specdist.api.coordinator`) as a class attribute
-``code``, :class:`~specdist.transport.protocol.TransportError` per instance. Servers translate it in one place each
-(gRPC: :mod:`specdist.transport.grpc_status`, HTTP:
+Every error a server answers with carries an :class:`ErrorCode`: the :class:`FieldError` subclasses here as a
+class attribute ``code`` (the one place a class gets its code: the coordinator's refusals,
+:mod:`specdist.api.refusals`, subclass them), :class:`~specdist.transport.protocol.TransportError` per instance.
+Servers translate it in one place each (gRPC: :mod:`specdist.transport.grpc_status`, HTTP:
 :mod:`specdist.api.http_server`); code inside specdist decides on the code, never on message text.
 """
 
@@ -54,8 +54,8 @@ def code_of(e: BaseException) -> ErrorCode:
 
 
 class FieldError(SpecDistError):
-    """An error about one request field. ``field`` is its dotted name (e.g. ``params.top_p``);
-    ``code`` is the status servers answer it with.
+    """An error about one request field. ``field`` is its dotted name (e.g. ``params.top_p``), or "" when it
+    blames the request as a whole (a :class:`Refusal`); ``code`` is the status servers answer it with.
 
     A field named ``items[i]...`` blames item ``i`` of a batch call (:func:`blamed_item`); the
     other items can be retried without it when the code allows (a per-item refusal)."""
@@ -65,10 +65,10 @@ class FieldError(SpecDistError):
     def __init__(self, field: str, message: str):
         self.field = field
         self.message = message
-        super().__init__(f"{field}: {message}")
+        super().__init__(str(self))
 
     def __str__(self) -> str:  # KeyError subclasses would otherwise repr() the message
-        return f"{self.field}: {self.message}"
+        return f"{self.field}: {self.message}" if self.field else self.message
 
     def __reduce__(self):  # rebuild from (field, message) when Ray or pickle ships it
         return (type(self), (self.field, self.message))
@@ -114,6 +114,20 @@ class Unavailable(FieldError):
     """The receiver cannot serve now (a worker or the target group failed); retry later."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class Refusal:
+    """A request refused as a whole, before it runs (the coordinator's refusals): mixed in before the
+    :class:`FieldError` class of its code, it is that error built from its message alone (``field`` "", which
+    blames no item: :func:`blamed_item`), so ``str()`` is the message a client reads."""
+
+    message: str
+
+    def __init__(self, message: str):
+        super().__init__("", message)
+
+    def __reduce__(self):  # from its message, with what a subclass adds (e.g. the replica that refused)
+        return (type(self), (self.message,), self.__dict__)
 
 
 _ITEM = re.compile(r"items\[(\d+)\]")

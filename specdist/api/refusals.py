@@ -4,14 +4,15 @@ A failed request's final delta carries ``error`` (everything known, also logged 
 addresses, process ids, exception text) and ``message``, what the servers send to the client: a stable sentence
 naming the failure's class (``target unavailable (target rank 1 failed); retry later``, ``internal error: ...``)
 without addresses, process ids or exception text. Refusals (:class:`TargetDown`, :class:`EngineDown`) say as
-little.
+little. Each refusal is the :mod:`specdist.errors` class of its code (:class:`~specdist.errors.Unavailable`, ...)
+built from a message alone (:class:`~specdist.errors.Refusal`): errors.py alone gives a class its code.
 """
 
 from __future__ import annotations
 
 import re
 
-from specdist.errors import ErrorCode, InvalidArgument, SpecDistError
+from specdist.errors import AlreadyExists, InvalidArgument, Refusal, ResourceExhausted, Unavailable
 
 ENGINE_DOWN_MESSAGE = "the engine thread died; this server serves no more requests until it is restarted"
 INTERNAL_MESSAGE = "internal error"
@@ -20,10 +21,8 @@ TARGET_FAILED_MESSAGE = "internal error: the target failed the request"
 _TARGET_RANK = re.compile(r"\btarget rank (\d+)\b")  # how a deployment's diagnosis names a rank
 
 
-class Overloaded(SpecDistError):
+class Overloaded(Refusal, ResourceExhausted):
     """The server already holds ``max_queued`` requests."""
-
-    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class TenantQuotaExceeded(Overloaded):
@@ -33,28 +32,20 @@ class TenantQuotaExceeded(Overloaded):
     http_status = 429
 
 
-class ShuttingDown(SpecDistError):
+class ShuttingDown(Refusal, Unavailable):
     """The coordinator is draining or closed and takes no new requests."""
 
-    code = ErrorCode.UNAVAILABLE
 
-
-class TargetDown(SpecDistError):
+class TargetDown(Refusal, Unavailable):
     """The target failed and is being rebuilt; no new requests until it is back."""
 
-    code = ErrorCode.UNAVAILABLE
 
-
-class EngineDown(SpecDistError):
+class EngineDown(Refusal, Unavailable):
     """The engine thread died of an unexpected error; nothing more is served until a restart."""
 
-    code = ErrorCode.UNAVAILABLE
 
-
-class DuplicateRequestId(InvalidArgument):
-    """A live request already has this client-chosen id (an InvalidArgument answered ALREADY_EXISTS)."""
-
-    code = ErrorCode.ALREADY_EXISTS
+class DuplicateRequestId(AlreadyExists, InvalidArgument):
+    """A live request already has this client-chosen id: a bad ``request_id`` answered ALREADY_EXISTS."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id

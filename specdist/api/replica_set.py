@@ -44,7 +44,7 @@ from specdist.api.coordinator import (
 )
 from specdist.api.router import DEFAULT_KIND, RouteRequest, block_hashes, session_key
 from specdist.engine.prompts import encode_prompt
-from specdist.errors import ErrorCode, InvalidArgument, SpecDistError, code_of
+from specdist.errors import ErrorCode, InvalidArgument, Refusal, Unavailable, code_of
 from specdist.sampling_params import SamplingParams
 
 __all__ = ["Admitted", "FrontEngine", "FrontMetrics", "Refused", "ReplicaFront", "ReplicaTransport", "ReplicasDown"]
@@ -57,10 +57,8 @@ log = logging.getLogger(__name__)
 REPORT_OBSERVERS: list[Callable[[str, dict], None]] = []
 
 
-class ReplicasDown(SpecDistError):
-    """No replica could take or finish the request (UNAVAILABLE)."""
-
-    code = ErrorCode.UNAVAILABLE
+class ReplicasDown(Refusal, Unavailable):
+    """No replica could take or finish the request."""
 
 
 class ReplicaRefused(ReplicasDown):

@@ -5,14 +5,16 @@ scheduler decides on codes."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import pickle
+from pathlib import Path
 
 import grpc
 import pytest
 
 from specdist import errors
-from specdist.api import coordinator
+from specdist.api import refusals, replica_set
 from specdist.api.admission import bare_host, refusal_code
 from specdist.config import load_config
 from specdist.engine.prompts import EncodedPrompt
@@ -31,10 +33,14 @@ EXPECTED = {
     errors.NonFiniteLogits: (ErrorCode.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION, 400),
     errors.ResourceExhausted: (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
     errors.Unavailable: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
-    coordinator.DuplicateRequestId: (ErrorCode.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS, 409),
-    coordinator.Overloaded: (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
-    coordinator.ShuttingDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
-    coordinator.TargetDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
+    refusals.DuplicateRequestId: (ErrorCode.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS, 409),
+    refusals.Overloaded: (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    refusals.ShuttingDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
+    refusals.TargetDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
+    refusals.EngineDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
+    refusals.TenantQuotaExceeded: (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    replica_set.ReplicasDown: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
+    replica_set.ReplicaRefused: (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
 }
 
 
@@ -46,17 +52,17 @@ def _subclasses(cls: type) -> set[type]:
 
 
 def _instance(cls: type):
-    if issubclass(cls, coordinator.DuplicateRequestId):
+    if issubclass(cls, refusals.DuplicateRequestId):
         return cls("req-1")
-    if issubclass(cls, FieldError):
-        return cls("items[1].seq_len", "is 3")
-    return cls("no room")
+    if issubclass(cls, errors.Refusal):
+        return cls("no room")
+    return cls("items[1].seq_len", "is 3")
 
 
 # ---------------------------------------------------------------- codes
 def test_every_field_error_subclass_has_its_own_code() -> None:
     subclasses = _subclasses(FieldError)
-    assert subclasses >= {errors.InvalidArgument, errors.NotFound, coordinator.DuplicateRequestId}
+    assert subclasses >= {errors.InvalidArgument, errors.NotFound, refusals.DuplicateRequestId}
     for cls in subclasses:
         assert isinstance(cls.code, ErrorCode), cls
         assert cls.code != ErrorCode.INTERNAL, f"{cls.__name__} is answered INTERNAL"
@@ -71,7 +77,35 @@ def test_each_error_maps_to_its_grpc_and_http_status(cls) -> None:
     e = _instance(cls)
     assert code_of(e) == code and cls.code == code
     assert grpc_status(code) == status and grpc_status_of(e) == status
-    assert HTTP_STATUS[code] == http
+    assert getattr(cls, "http_status", HTTP_STATUS[code]) == http  # a tenant's quota: its own 429
+
+
+def test_only_the_errors_module_gives_a_class_its_code() -> None:
+    """A class's code is set in specdist/errors.py alone: a refusal elsewhere subclasses errors.py's class of its
+    code (errors.Refusal), so no second list of classes and codes grows beside it."""
+    root = Path(__file__).resolve().parents[2]
+    setting = []
+    for path in sorted(p for d in ("specdist", "cluster", "workers") for p in (root / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:  # code = ErrorCode.X (a dataclass's field named code is no class's code)
+                    value = getattr(stmt, "value", None)
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+                    if (
+                        any(isinstance(t, ast.Name) and t.id == "code" for t in targets)
+                        and isinstance(value, ast.Attribute)
+                        and getattr(value.value, "id", None) == "ErrorCode"
+                    ):
+                        setting.append(f"{path.relative_to(root)}:{node.name}")
+    assert setting and all(where.startswith("specdist/errors.py:") for where in setting), setting
+
+
+def test_a_refusal_is_its_message_and_blames_no_item() -> None:
+    e = refusals.TargetDown("target unavailable; retry later")
+    assert isinstance(e, errors.Unavailable) and e.field == "" and str(e) == "target unavailable; retry later"
+    assert blamed_item(e.field, 3) is None
+    back = pickle.loads(pickle.dumps(replica_set.ReplicaRefused("draining", "replica-2")))
+    assert (str(back), back.replica_id) == ("draining", "replica-2")
 
 
 def test_the_grpc_mapping_is_one_to_one_and_the_http_mapping_total() -> None:
@@ -265,7 +299,7 @@ class _RefusingCoordinator:
     "error, status, body",
     [
         (
-            coordinator.Overloaded("9 requests in the system"),
+            refusals.Overloaded("9 requests in the system"),
             503,
             {
                 "message": "9 requests in the system",
@@ -275,12 +309,12 @@ class _RefusingCoordinator:
             },
         ),
         (
-            coordinator.ShuttingDown("the server is shutting down"),
+            refusals.ShuttingDown("the server is shutting down"),
             503,
             {"message": "the server is shutting down", "type": "server_error", "param": None, "code": "unavailable"},
         ),
         (
-            coordinator.DuplicateRequestId("r"),
+            refusals.DuplicateRequestId("r"),
             409,
             {
                 "message": "request_id: 'r' is already in use by a running request",
@@ -318,8 +352,8 @@ def test_the_http_api_answers_a_refusal_with_its_status(error, status, body) -> 
 
 
 def test_refusals_keep_their_code_and_anything_else_is_internal() -> None:
-    assert refusal_code(coordinator.TargetDown("rebuilding"), "t") is ErrorCode.UNAVAILABLE
-    assert refusal_code(coordinator.DuplicateRequestId("r"), "t") is ErrorCode.ALREADY_EXISTS
+    assert refusal_code(refusals.TargetDown("rebuilding"), "t") is ErrorCode.UNAVAILABLE
+    assert refusal_code(refusals.DuplicateRequestId("r"), "t") is ErrorCode.ALREADY_EXISTS
     assert refusal_code(errors.InvalidArgument("prompt", "is empty"), "t") is ErrorCode.INVALID_ARGUMENT
     assert refusal_code(errors.NotFound("request_id", "gone"), "t") is ErrorCode.INTERNAL  # not a refusal
     assert refusal_code(KeyError("x"), "t") is ErrorCode.INTERNAL
