@@ -6,6 +6,8 @@ a new TLS handshake on each port then presents it (the server certificate a clie
 Its token file is rewritten without one tenant's token and with a new one: the removed token is refused (gRPC
 UNAUTHENTICATED, HTTP 401) and the new one accepted, without a restart; so is a replaced admin token (/metrics). A file
 that changes into one that cannot be used (a token too short, then no file) keeps the tokens in use and logs one line.
+A second server requires client certificates (mutual TLS): its client CA file replaced by another CA's, every port
+admits the new CA's clients and refuses the old CA's.
 The server checks the files at most every ``RELOAD_CHECK_S``, here 50 ms; the test polls for each outcome
 (``wait_until``), never sleeps.
 """
@@ -208,3 +210,91 @@ def test_a_token_removed_from_the_file_is_refused_and_a_new_one_accepted(server,
     assert "token 1 has 5 characters" in lines[0] and "No such file" in lines[1], lines
     assert all("\n" not in line and "--auth-token-file" in line for line in lines)
     assert not any(t in line for line in lines for t in (TOKEN_A, TOKEN_C, ADMIN_2))
+
+
+# ---------------------------------------------------------------- the client CA (mutual TLS) replaced
+@pytest.fixture(scope="module")
+def mtls_files(tmp_path_factory):
+    """Two CAs; the server's certificate from the first; a client certificate from each. The server is given
+    ``client_ca`` (the first CA's certificate, then the second's: a CA rotated under running servers)."""
+    d = tmp_path_factory.mktemp("mtls")
+    paths, cas = {}, {}
+    for name in ("ca1", "ca2"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cas[name] = (_cert(f"specdist {name}", key, _name(f"specdist {name}"), key, ca=True), key)
+        paths[name] = _write(d / f"{name}.pem", cas[name][0])
+    for who, ca in (("server", "ca1"), ("client1", "ca1"), ("client2", "ca2")):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _cert(who, key, cas[ca][0].subject, cas[ca][1], server=who == "server", client=who != "server")
+        paths[who] = _write(d / f"{who}.pem", cert)
+        paths[who + "_key"] = _write(d / f"{who}.key", key=key)
+    paths["client_ca"] = str(d / "client_ca.pem")
+    _replace(paths["client_ca"], open(paths["ca1"], "rb").read())
+    return paths
+
+
+@pytest.fixture(scope="module")
+def mtls_server(mtls_files, tiny_models):
+    patch = pytest.MonkeyPatch()
+    patch.setattr(security, "RELOAD_CHECK_S", 0.05)
+    lt = LoopThread()
+    engine = Engine.from_config(tiny_config(tiny_models, "none"))
+    f = mtls_files
+    sec = ServerSecurity.from_args(f["server"], f["server_key"], f["client_ca"])
+    serving = lt.run(
+        start_serving(
+            backend=Backend(engine),
+            host="127.0.0.1",
+            port=0,
+            drain_seconds=1,
+            security=sec,
+            http_port=0,
+            metrics_port=0,
+        )
+    )
+    yield serving
+    lt.run(serving.stop())
+    lt.close()
+    patch.undo()
+
+
+def _grpc_admits(server, files, client: str) -> bool:
+    """Whether a gRPC call with ``client``'s certificate gets through the handshake."""
+    with SpecDistClient(
+        server.address,
+        timeout=10,
+        root_certificates=open(files["ca1"], "rb").read(),
+        certificate_chain=open(files[client], "rb").read(),
+        private_key=open(files[client + "_key"], "rb").read(),
+    ) as c:
+        try:
+            c.server_info()
+        except RemoteError as e:
+            assert e.code == grpc.StatusCode.UNAVAILABLE, e  # refused in the handshake, nothing else
+            return False
+    return True
+
+
+def _https_admits(address: str, files, client: str, path: str) -> bool:
+    """Whether an HTTPS GET of ``path`` with ``client``'s certificate is answered 200."""
+    ctx = ssl.create_default_context(cafile=files["ca1"])
+    ctx.load_cert_chain(files[client], files[client + "_key"])
+    try:
+        with httpx.Client(verify=ctx, trust_env=False, timeout=10) as http:
+            return http.get(f"https://{address}{path}").status_code == 200
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):  # the handshake refused
+        return False
+
+
+def test_a_replaced_client_ca_admits_its_clients_and_refuses_the_old_ones(mtls_server, mtls_files):
+    s, f = mtls_server, mtls_files
+    https = ((s.http.address, "/v1/models"), (f"127.0.0.1:{s.metrics_port}", "/metrics"))
+
+    def admitted(client: str) -> tuple[bool, ...]:
+        return (_grpc_admits(s, f, client), *(_https_admits(a, f, client, p) for a, p in https))
+
+    assert admitted("client1") == (True, True, True)
+    assert admitted("client2") == (False, False, False)
+    _replace(f["client_ca"], open(f["ca2"], "rb").read())
+    wait_until("every port to admit the new CA's client", lambda: admitted("client2") == (True, True, True), LIMIT_S)
+    assert admitted("client1") == (False, False, False)  # the old CA's clients refused on every port
