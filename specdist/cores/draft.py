@@ -43,6 +43,7 @@ from specdist.transport.protocol import (
     Proposal,
     ProposeItem,
     StartItem,
+    call_local,
     now,
 )
 
@@ -285,12 +286,12 @@ def draft_hidden_layers(dc: DraftConfig, sources: ModelSources) -> tuple[tuple[i
     """The target layers whose hidden states the drafts of ``dc`` read and the values per position they make,
     without loading anything ((), 0 for the methods that read none, which use nothing of ``sources``): what a
     process that holds no draft (the coordinator, a target rank) needs to know of it. Worked out once per
-    ``sources`` (kept in ``sources.hidden``)."""
+    ``sources`` (kept in ``sources.draft_hidden_layers``)."""
     if dc.method == "none":
         return (), 0
-    if dc.method not in sources.hidden:
-        sources.hidden[dc.method] = proposer_class(dc.method).hidden_layers_of(dc, sources)
-    return sources.hidden[dc.method]
+    if dc.method not in sources.draft_hidden_layers:
+        sources.draft_hidden_layers[dc.method] = proposer_class(dc.method).hidden_layers_of(dc, sources)
+    return sources.draft_hidden_layers[dc.method]
 
 
 def build_drafter_core(
@@ -352,10 +353,10 @@ class LocalDrafter(LocalTransport):
         self.hidden_layers = core.hidden_layers
 
     def start(self, items: list[StartItem]) -> CallTiming:
-        return self._call(self.core.start, items)
+        return call_local(self.core.start, items)
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
-        return self._call(self.core.propose, items)
+        return call_local(self.core.propose, items)
 
     def close(self) -> None:
         close = getattr(self.core, "close", None)  # a DraftPipeline stops its preparation thread

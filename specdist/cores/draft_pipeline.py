@@ -235,10 +235,10 @@ class DraftPipeline:
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
         arrived = now()
         job, self._job = self._job, None
-        waited = hidden = 0.0
+        waited = hidden_s = 0.0
         runs: list[tuple[int, int, float]] = []  # (passes, rows, seconds) of each drafting run, for the cost fit
         if job is not None:
-            waited, hidden = self._await_preparation(job, items, arrived, runs)
+            waited, hidden_s = self._await_preparation(job, items, arrived, runs)
         prepared_for = set(job.request_ids) if job is not None else set()  # whatever became of them
         with self._lock:
             plan = self.core.validate_propose(items)
@@ -249,7 +249,7 @@ class DraftPipeline:
             draft_s = now() - t0
             self.counters.draft_s += draft_s
             self._schedule([(it.request_id, r, it.num_tokens) for it, (r, *_) in zip(items, plan) if it.num_tokens > 0])
-        return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden, runs=runs)
+        return out, CallTiming({"draft": draft_s + waited}, hidden_s=hidden_s, runs=runs)
 
     _holds = staticmethod(prepared_prefix_holds)
 
@@ -266,11 +266,11 @@ class DraftPipeline:
                 job.abort.add(it.request_id)
         job.done.wait()
         waited = max(0.0, job.finished - arrived)
-        hidden = max(0.0, min(job.finished, arrived) - job.started)
-        self.counters.hidden_s += hidden
+        hidden_s = max(0.0, min(job.finished, arrived) - job.started)
+        self.counters.hidden_s += hidden_s
         if not job.abort:  # a whole preparation: its cost, for the caller's draft-cost fit
             runs.append((job.passes, job.rows, job.finished - job.started))
-        return waited, hidden
+        return waited, hidden_s
 
     def _answer_from_preparations(
         self, items: list[ProposeItem], plan: list, prepared_for: set[str]

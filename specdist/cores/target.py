@@ -72,6 +72,7 @@ from specdist.transport.protocol import (
     StartItem,
     Verified,
     VerifyItem,
+    call_local,
     now,
 )
 from specdist.transport.wire import ONE_HOT, decode_distribution
@@ -84,7 +85,8 @@ class _TargetRequest:
     params: SamplingParams
     seed: int  # keys the target's uniforms (specdist.randomness.target_uniforms)
     coupling: str = "rejection"  # gumbel: its drafts are decided by specdist.cores.coupling (noise keyed by draft_seed)
-    hidden: bool = False  # its results carry the hidden states of runner.hidden_layers (StartItem.hidden_layers)
+    # its results carry the hidden states of runner.hidden_layers (StartItem.hidden_layers set)
+    returns_hidden: bool = False
     tenant: str = ""  # whose request it is (StartItem.tenant): prompt K/V are reused within its share (PrefixCache)
 
 
@@ -202,7 +204,7 @@ class VerifierCore:
             if wave_of[i] == len(waves):
                 waves.append([])
             waves[wave_of[i]].append((it, prompt))
-        hidden: dict[str, torch.Tensor] = {}
+        hidden_of: dict[str, torch.Tensor] = {}  # request id -> its prompt's hidden states
         for group in waves:
             todo = []
             for it, prompt in group:
@@ -210,7 +212,7 @@ class VerifierCore:
                 r = self.requests[it.request_id] = _TargetRequest(
                     slot, prompt, it.params, int(it.seed), it.coupling, bool(it.hidden_layers), it.tenant
                 )
-                if r.hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
+                if r.returns_hidden and held:  # its hidden states are computed, not only its K/V: the whole prompt
                     self.group.local(("rollback", slot, 0))
                     held = 0
                 if held < len(prompt) - 1:
@@ -220,12 +222,12 @@ class VerifierCore:
                     [r.slot for r, _, _ in todo], [r.seq[held:-1] for r, held, _ in todo], [0] * len(todo)
                 )
                 for row, (r, _, rid) in enumerate(todo):
-                    if r.hidden:
-                        hidden[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
+                    if r.returns_hidden:
+                        hidden_of[rid] = self.runner.last_hidden[row, : len(r.seq) - 1]  # [n - 1, nD]
             for it, prompt in group:
                 live(it.tenant).add(self.requests[it.request_id].slot, prompt[:-1])
         out = [
-            Prefilled(it.request_id, hidden.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
+            Prefilled(it.request_id, hidden_of.get(it.request_id, self._no_hidden()) if it.hidden_layers else None)
             for it in items
         ]
         return out, CallTiming({"prefill": now() - t0})
@@ -295,7 +297,7 @@ class VerifierCore:
             self.group.local(("rollback", r.slot, prev + n_acc[b]))  # last token + accepted drafts stay cached
             r.seq.extend(drafts[b][: n_acc[b]])
             r.seq.append(final[b])
-            kept = states[row[b], : n_acc[b] + 1] if r.hidden else None  # [n_acc + 1, nD]
+            kept = states[row[b], : n_acc[b] + 1] if r.returns_hidden else None  # [n_acc + 1, nD]
             out.append(Verified(it.request_id, n_acc[b], final[b], decision.logprobs.get(b), kept))
         return out, CallTiming({"forward": t1 - t0, "sampling": t2 - t1, "cache": now() - t2})
 
@@ -414,7 +416,7 @@ class LocalVerifier(LocalTransport):
         self.vocab_size = core.vocab_size
 
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
-        return self._call(self.core.prefill, items)
+        return call_local(self.core.prefill, items)
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        return self._call(self.core.verify, items)
+        return call_local(self.core.verify, items)

@@ -64,7 +64,7 @@ class DraftPool:
     def __init__(self, drafters: Sequence[Drafter], max_batch_size: int, call: Call):
         self.replicas = [Replica(d) for d in drafters]
         self.max_batch_size = max_batch_size  # requests each replica holds at most
-        self._call = call
+        self._call_isolating = call
         self._lock = threading.Lock()  # ejection runs on the propose threads and from replica_down's thread
         self._executor: ThreadPoolExecutor | None = None  # parallel calls when several replicas work
         self._probe_executor: ThreadPoolExecutor | None = None  # probes of ejected replicas
@@ -110,7 +110,7 @@ class DraftPool:
         transport call (:func:`~specdist.engine.calls.call_isolating`: results, failed items, timing, wall);
         a call that failed as a whole (no item blamed: the worker down, hung past its deadline, erroring)
         ejects the replica."""
-        out = self._call(getattr(self.replicas[i].drafter, method), items)
+        out = self._call_isolating(getattr(self.replicas[i].drafter, method), items)
         failed = out[1]
         if failed and len(failed) == len(items) and not per_item(failed.values()):
             self.eject(i, next(iter(failed.values())).describe())
@@ -209,7 +209,7 @@ class DraftPool:
         if rep.down:
             rep.orphans.add(ids, now())
         else:
-            rep.orphans.release(rep.drafter, ids, self._call)
+            rep.orphans.release(rep.drafter, ids, self._call_isolating)
 
     def release_requests(self, reqs) -> None:
         """Release the requests that hold state on a replica, one call per replica."""
@@ -228,7 +228,7 @@ class DraftPool:
         now, on every replica). An ejected replica's are its probe's (:meth:`probe`)."""
         for i, rep in enumerate(self.replicas):
             if force or (rep.ejected_at is None and i not in self.probes):
-                rep.orphans.retry(rep.drafter, self._call, force)
+                rep.orphans.retry(rep.drafter, self._call_isolating, force)
 
     def per_replica(self, counts: list[int]) -> dict[str, int]:
         """Per-replica counts as the scheduler reports them: "draft" (their sum) and, with several

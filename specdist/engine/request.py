@@ -119,7 +119,7 @@ class Request:
     num_accepted: int = 0  # of its drafter's last proposal, for the next ProposeItem
     new_tokens: list[int] = field(default_factory=list)  # target tokens since the last proposal
     # EAGLE-3 replicas: the target's hidden states since the last proposal ([m, nD] each), for the next ProposeItem
-    hidden: list = field(default_factory=list)
+    pending_hidden: list = field(default_factory=list)
     proposal: Proposal | None = None  # this step's, until verified
     full_accept: bool = False  # its last verified proposal was accepted whole (pipelined drafting's guess test)
     error: str | None = None  # with finish_reason "error": what failed

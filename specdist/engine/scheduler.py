@@ -126,9 +126,9 @@ class Scheduler:
         self.max_prefill_tokens = ec.max_prefill_tokens  # None: no bound
         self.stats = EngineStats()
         self._lock = threading.Lock()  # stats.calls: also counted on the propose threads (DraftPool.propose)
-        self._call = functools.partial(call_isolating, count=self._count_call)  # every transport call
+        self._call_isolating = functools.partial(call_isolating, count=self._count_call)  # every transport call
         self.pool = DraftPool(
-            drafters if config.draft.enabled else (), draft_max_batch_size or ec.max_batch_size, self._call
+            drafters if config.draft.enabled else (), draft_max_batch_size or ec.max_batch_size, self._call_isolating
         )
         self.k = config.draft.num_speculative_tokens if self.pool else 0
         # model-free drafts (lookups) under the adaptive rule are proposed first, as long as each request may
@@ -318,7 +318,7 @@ class Scheduler:
             self._propose(reqs, ks, costs)
 
         items = [VerifyItem(r.core_id, r.seq_len, r.proposal) for r in reqs]
-        results, failed, timing, wall = self._call(self.verifier.verify, items)
+        results, failed, timing, wall = self._call_isolating(self.verifier.verify, items)
         self._account(timing, wall, self.verifier.is_remote, main="verify")
         for i, (msg, code) in self._target_errors(failed, len(items)).items():
             self.output.fail(reqs[i], msg, code)
@@ -357,7 +357,7 @@ class Scheduler:
         r.full_accept = p is not None and n_acc == len(p)  # a pipelined drafter's guess is tested next
         r.new_tokens.append(next_token)  # emitted since the last proposal (several when it skipped steps)
         if hidden is not None and r.replica is not None:
-            r.hidden.append(hidden)
+            r.pending_hidden.append(hidden)
         r.proposal = None
         costs.acceptance.append(
             (r.acceptance, len(p) if p is not None else 0, n_acc, p.match_lengths if p is not None else None)
@@ -387,7 +387,9 @@ class Scheduler:
         results = self.pool.propose(
             {
                 i: [
-                    ProposeItem(r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len, hidden=_joined(r.hidden))
+                    ProposeItem(
+                        r.core_id, r.num_accepted, list(r.new_tokens), k, r.seq_len, hidden=_joined(r.pending_hidden)
+                    )
                     for r, k in w
                 ]
                 for i, w in work.items()
@@ -420,7 +422,7 @@ class Scheduler:
             if p.pipeline is not None and r.full_accept and len(r.new_tokens) == 1:
                 costs.guesses.append(p.pipeline == HIT)  # the guess of its bonus token was tested
             r.proposal = p
-            r.num_accepted, r.new_tokens, r.hidden = 0, [], []  # committed on the drafter
+            r.num_accepted, r.new_tokens, r.pending_hidden = 0, [], []  # committed on the drafter
             ntok += len(p)
         self.stats.draft_hidden_s += timing.hidden_s
         if ntok:
@@ -481,12 +483,12 @@ class Scheduler:
     def _prefill(self, new: list[Request]) -> tuple[list[Request], list[Request]]:
         """``verifier.prefill`` of the new requests: (prefilled, out of room (to requeue)); the others failed."""
         ok, requeue, errors, prefilled = self._start_on(
-            functools.partial(self._call, self.verifier.prefill), self._release_target, new, int
+            functools.partial(self._call_isolating, self.verifier.prefill), self._release_target, new, int
         )
         for r, p in zip(ok, prefilled):
             r.on_target = True
             self._target_live += 1
-            r.hidden = [p.hidden] if p.hidden is not None and r.replica is not None else []
+            r.pending_hidden = [p.hidden] if p.hidden is not None and r.replica is not None else []
         messages = self._target_errors({j: e for j, (_, e) in enumerate(errors)}, len(new))
         for j, (r, _) in enumerate(errors):
             self.output.fail(r, *messages[j])
@@ -598,19 +600,19 @@ class Scheduler:
         """Its drafter failed: release it there (best effort) and go on without drafts."""
         log.warning("request %s continues without drafts: %s", r.request_id, message)
         r.proposal = None
-        r.hidden = []
+        r.pending_hidden = []
         self.pool.release_requests([r])
         r.replica = None
 
     # ---------------------------------------------------------------- release
     def _release_target(self, ids: list[str]) -> None:
-        self._target_unreleased.release(self.verifier, ids, self._call)
+        self._target_unreleased.release(self.verifier, ids, self._call_isolating)
 
     def _retry_releases(self, force: bool = False) -> None:
         """Release again, one call per core, what failed releases left behind, where due (``force``:
         now, on every core)."""
         t0 = now()
-        self._target_unreleased.retry(self.verifier, self._call, force)
+        self._target_unreleased.retry(self.verifier, self._call_isolating, force)
         self.pool.retry_releases(force)
         self.stats.phase_s["cache"] += now() - t0
 

@@ -226,7 +226,7 @@ def read_eagle3_spec(path: str, target_config) -> Eagle3Spec:
             "the head has tie_word_embeddings = true; EAGLE-3 heads have their own "
             "lm_head over the draft vocabulary (tie_word_embeddings = false)",
         )
-    hidden = int(_require(cfg, "hidden_size"))
+    hidden_size = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     vocab = int(_require(cfg, "vocab_size"))
     draft_vocab = cfg.get("draft_vocab_size")
@@ -235,15 +235,15 @@ def read_eagle3_spec(path: str, target_config) -> Eagle3Spec:
         aux = DEFAULT_AUX_LAYERS(int(_text_config(target_config).num_hidden_layers))
     names = _tensor_names(path)
     return Eagle3Spec(
-        hidden_size=hidden,
-        target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        hidden_size=hidden_size,
+        target_hidden_size=int(cfg.get("target_hidden_size") or hidden_size),
         vocab_size=vocab,
         draft_vocab_size=vocab if draft_vocab is None else int(draft_vocab),
         aux_layers=tuple(aux),
         intermediate_size=int(_require(cfg, "intermediate_size")),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=int(cfg.get("head_dim") or hidden_size // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         own_embed="embed_tokens.weight" in names,

@@ -54,7 +54,7 @@ class ModelSources:
     _tokenizer_read: bool = field(default=False, repr=False)
     # draft.method -> (target layers whose states its drafts read, values per position): set by
     # specdist.cores.draft.draft_hidden_layers
-    hidden: dict = field(default_factory=dict, repr=False)
+    draft_hidden_layers: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, cfg: Config) -> "ModelSources":

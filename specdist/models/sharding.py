@@ -153,11 +153,13 @@ class VocabParallelLMHead(nn.Module):
     (gathered from every rank); the others return their local ``[..., V_r]``. ``blocks``: the rank's rows as
     GGUF blocks, bias included (:func:`shard_native_blocks`; ``weight`` is then None), or None."""
 
-    def __init__(self, hidden: int, vocab_sizes: list[int], rank: int, bias: bool, group=None, device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, vocab_sizes: list[int], rank: int, bias: bool, group=None, device=None, dtype=None
+    ):
         super().__init__()
         self.vocab_sizes, self.rank, self.group = list(vocab_sizes), rank, group
-        self.in_features, self.out_features = hidden, vocab_sizes[rank]
-        self.weight = nn.Parameter(torch.empty(vocab_sizes[rank], hidden, device=device, dtype=dtype))
+        self.in_features, self.out_features = hidden_size, vocab_sizes[rank]
+        self.weight = nn.Parameter(torch.empty(vocab_sizes[rank], hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(vocab_sizes[rank], device=device, dtype=dtype)) if bias else None
         self.blocks: nn.Module | None = None
 

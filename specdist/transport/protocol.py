@@ -255,9 +255,6 @@ class LocalTransport:
         self.core = core
         self.name = name
 
-    def _call(self, method, items: list):
-        return call_local(method, items)
-
     def release(self, request_ids: list[str]) -> None:
         self.core.release(request_ids)
 

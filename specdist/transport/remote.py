@@ -81,7 +81,7 @@ CHANNEL_OPTIONS = [  # besides the message limits (grpc_message_options)
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
-_HIDDEN = "hidden"  # CallTiming.hidden_s in the timing metadata (not a phase of the call)
+_HIDDEN_S = "hidden"  # CallTiming.hidden_s in the timing metadata (not a phase of the call)
 RUNS_METADATA_KEY = "specdist-draft-runs"  # CallTiming.runs: "passes:rows:seconds;..."
 
 
@@ -89,7 +89,7 @@ def timing_metadata(timing: CallTiming) -> tuple[tuple[str, str], ...]:
     """The trailing metadata a worker sends with a call's core timing."""
     phases = dict(timing.phases)
     if timing.hidden_s:
-        phases[_HIDDEN] = timing.hidden_s
+        phases[_HIDDEN_S] = timing.hidden_s
     out = ((TIMING_METADATA_KEY, ",".join(f"{k}={v:.9f}" for k, v in phases.items())),)
     if timing.runs:
         out += ((RUNS_METADATA_KEY, ";".join(f"{p}:{r}:{s:.9f}" for p, r, s in timing.runs)),)
@@ -102,12 +102,12 @@ def _timing_of(call) -> CallTiming:
         value = meta.get(TIMING_METADATA_KEY)
         if value is not None:
             phases = {k: float(v) for k, v in (kv.split("=") for kv in value.split(",") if kv)}
-            hidden = phases.pop(_HIDDEN, 0.0)
+            hidden_s = phases.pop(_HIDDEN_S, 0.0)
             runs = [
                 (int(p), int(r), float(s))
                 for p, r, s in (run.split(":") for run in meta.get(RUNS_METADATA_KEY, "").split(";") if run)
             ]
-            return CallTiming(phases, hidden_s=hidden, runs=runs)
+            return CallTiming(phases, hidden_s=hidden_s, runs=runs)
     except (ValueError, AttributeError):  # absent or malformed: the whole call counts as network
         pass
     return CallTiming()
@@ -190,7 +190,7 @@ class _Remote:
         size = max(1, tokens) if kind == "token" else 1
         return min(self.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * rate * size))
 
-    def _call(self, method: str, request, request_ids: list[str], tokens: int = 1):
+    def _rpc(self, method: str, request, request_ids: list[str], tokens: int = 1):
         """(response, core timing) of the stub's ``method``; gRPC errors as TransportError naming
         the blamed request."""
         t0 = time.perf_counter()
@@ -236,19 +236,19 @@ class RemoteVerifier(_Remote):
         super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def prefill(self, items: list[StartItem]) -> tuple[list[Prefilled], CallTiming]:
-        resp, timing = self._call(
+        resp, timing = self._rpc(
             "Prefill", start_items_to_proto(items, target_pb2.PrefillRequest), [it.request_id for it in items]
         )
         return prefilled_from_proto(resp, items), timing
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verified], CallTiming]:
-        resp, timing = self._call(
+        resp, timing = self._rpc(
             "Verify", verify_items_to_proto(items, self.vocab_size), [it.request_id for it in items]
         )
         return verified_from_proto(resp), timing
 
     def release(self, request_ids: list[str]) -> None:
-        self._call("Release", target_pb2.TargetReleaseRequest(request_ids=request_ids), request_ids)
+        self._rpc("Release", target_pb2.TargetReleaseRequest(request_ids=request_ids), request_ids)
 
 
 class RemoteDrafter(_Remote):
@@ -270,7 +270,7 @@ class RemoteDrafter(_Remote):
         super().__init__(address, timeout_s, secret, message_limit, tls)
 
     def start(self, items: list[StartItem]) -> CallTiming:
-        _, timing = self._call(
+        _, timing = self._rpc(
             "Start",
             start_items_to_proto(items, draft_pb2.StartRequest),
             [it.request_id for it in items],
@@ -279,8 +279,8 @@ class RemoteDrafter(_Remote):
         return timing
 
     def propose(self, items: list[ProposeItem]) -> tuple[list[Proposal], CallTiming]:
-        resp, timing = self._call("Propose", propose_items_to_proto(items), [it.request_id for it in items])
+        resp, timing = self._rpc("Propose", propose_items_to_proto(items), [it.request_id for it in items])
         return [proposal_from_proto(p) for p in resp.proposals], timing
 
     def release(self, request_ids: list[str]) -> None:
-        self._call("Release", draft_pb2.DraftReleaseRequest(request_ids=request_ids), request_ids)
+        self._rpc("Release", draft_pb2.DraftReleaseRequest(request_ids=request_ids), request_ids)
