@@ -7,6 +7,8 @@ conversion lives here, below both, as :mod:`specdist.logprobs` does for a token'
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 
 from specdist.errors import InvalidArgument
@@ -33,21 +35,10 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, field: str = "par
 
 
 def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
-    """Every field set explicitly (seed and logprobs only when set); floats travel as float32."""
-    msg = common_pb2.SamplingParams(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        max_tokens=sp.max_tokens,
-        stop=sp.stop,
-        stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos,
-    )
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    return msg
+    """Every field set explicitly (seed and logprobs only when set: None leaves them unset); floats travel as
+    float32. The message carries SamplingParams' own field names, one for one."""
+    values = {f.name: getattr(sp, f.name) for f in fields(sp)}
+    return common_pb2.SamplingParams(**{name: v for name, v in values.items() if v is not None})
 
 
 def _from_float32(x: float) -> float:

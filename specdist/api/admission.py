@@ -20,7 +20,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from specdist.config import PROMPT_CHARS_PER_TOKEN, Config
@@ -73,20 +73,16 @@ class Limits:
 
     @classmethod
     def of(cls, engine: ServedEngine) -> "Limits":
+        """The limits of the config's section (each field here is a key of it, by the same name), the context
+        bounds resolved against ``engine``."""
         c = engine.config.limits
         return cls(
-            max_message_bytes=c.max_message_bytes,
-            max_prompt_chars=prompt_chars_limit(c.max_prompt_chars, engine.max_model_len),
-            max_prompt_tokens=engine.max_model_len - 1 if c.max_prompt_tokens is None else c.max_prompt_tokens,
-            max_tokens=engine.max_model_len if c.max_tokens is None else c.max_tokens,
-            max_stop=c.max_stop,
-            max_stop_chars=c.max_stop_chars,
-            max_stop_token_ids=c.max_stop_token_ids,
-            max_request_id_chars=c.max_request_id_chars,
-            max_n=c.max_n,
-            speculative_stats=c.speculative_stats,
-            max_messages=c.max_messages,
-            max_logprob_entries=c.max_logprob_entries,
+            **{f.name: getattr(c, f.name) for f in fields(cls)}
+            | dict(
+                max_prompt_chars=prompt_chars_limit(c.max_prompt_chars, engine.max_model_len),
+                max_prompt_tokens=engine.max_model_len - 1 if c.max_prompt_tokens is None else c.max_prompt_tokens,
+                max_tokens=engine.max_model_len if c.max_tokens is None else c.max_tokens,
+            )
         )
 
 

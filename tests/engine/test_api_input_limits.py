@@ -15,6 +15,7 @@ request tests; a second one without a token checks that /openapi.json is then op
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -188,6 +189,17 @@ def test_http_serves_floats_float32_holds(srv):
 
 
 # ---------------------------------------------------------------- finding 7: max_prompt_chars follows max_model_len
+def test_limits_take_each_setting_of_the_config_section_by_its_name():
+    defaults = load_config(None).limits
+    section = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Limits)}  # each a key of the config
+    changed = {k: (not v) if isinstance(v, bool) else 40 if v is None else v - 1 for k, v in section.items()}
+    engine = SimpleNamespace(config=load_config({"limits": changed}), max_model_len=MAX_MODEL_LEN)
+    assert dataclasses.asdict(Limits.of(engine)) == changed
+    unset = SimpleNamespace(config=load_config(None), max_model_len=MAX_MODEL_LEN)
+    resolved = Limits.of(unset)
+    assert (resolved.max_prompt_tokens, resolved.max_tokens) == (MAX_MODEL_LEN - 1, MAX_MODEL_LEN)
+
+
 def test_max_prompt_chars_default_follows_max_model_len(srv):
     assert load_config(None).limits.max_prompt_chars is None  # null: derived from the served engine
     assert PROMPT_CHARS_PER_TOKEN >= 16  # generous: no real tokenizer averages that many characters a token

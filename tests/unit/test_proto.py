@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shutil
@@ -198,6 +199,17 @@ def test_round_trip_through_bytes():
     assert sampling_params_from_proto(wire) == sp  # 0.8 comes back as 0.8, not its float32 expansion
     unseeded = sampling_params_to_proto(SamplingParams())
     assert not unseeded.HasField("seed") and unseeded.HasField("temperature")
+
+
+def test_every_sampling_field_travels():
+    # one message for SamplingParams, field for field: each field off its default comes back as it was sent
+    sp = SamplingParams(
+        max_tokens=7, temperature=0.5, top_k=40, top_p=0.5, seed=3, stop=["END"], stop_token_ids=[2],
+        ignore_eos=True, logprobs=5,
+    )  # fmt: skip
+    assert all(getattr(sp, f.name) != f.default for f in dataclasses.fields(SamplingParams)), "set every field"
+    wire = common_pb2.SamplingParams.FromString(sampling_params_to_proto(sp).SerializeToString())
+    assert sampling_params_from_proto(wire) == sp
 
 
 @pytest.mark.parametrize(
