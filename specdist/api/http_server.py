@@ -105,8 +105,8 @@ from specdist.api.admission import (
     server_info,
 )
 from specdist.api.coordinator import Coordinator, Delta, RequestStream
+from specdist.engine.output_state import IncrementalDetokenizer
 from specdist.engine.request import RequestMetrics
-from specdist.engine.stopping import IncrementalDetokenizer
 from specdist.errors import ErrorCode, FieldError, InvalidArgument
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams

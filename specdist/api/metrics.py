@@ -59,7 +59,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from specdist.engine.output import PHASES, RequestFinished, StepEvent
+from specdist.engine.output_processor import PHASES, RequestFinished, StepEvent
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SPEEDUP_WINDOW = 64  # steps

@@ -209,8 +209,8 @@ class EngineLedger:
             return self.ledger.admit(route)
 
     def __call__(self, event) -> None:
-        """The engine's listener (:class:`~specdist.engine.output.StepEvent` / ``RequestFinished``)."""
-        from specdist.engine.output import RequestFinished
+        """The engine's listener (:class:`~specdist.engine.output_processor.StepEvent` / ``RequestFinished``)."""
+        from specdist.engine.output_processor import RequestFinished
 
         with self.lock:
             if isinstance(event, RequestFinished):

@@ -138,7 +138,7 @@ class Acceptance:
 
 @dataclass
 class StepCosts:
-    """What one step measured for the rule: its :class:`~specdist.engine.output.StepEvent` carries it
+    """What one step measured for the rule: its :class:`~specdist.engine.output_processor.StepEvent` carries it
     (``costs``), and :meth:`DraftLengthPolicy.observe` learns from it."""
 
     # each draft call's measured compute: (replica, passes, rows, seconds)
@@ -411,7 +411,7 @@ class DraftLengthPolicy:
 
     # ------------------------------------------------------------------ learning
     def observe(self, event) -> None:
-        """Learn from one step: its :class:`~specdist.engine.output.StepEvent` (``event.costs``: a
+        """Learn from one step: its :class:`~specdist.engine.output_processor.StepEvent` (``event.costs``: a
         :class:`StepCosts`; ``event.batch_size``), then set ``event.plain_step_s``, the predicted seconds
         of the same batch without drafts (with what was just learnt)."""
         c = event.costs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdist.engine.draft_length import Acceptance
-from specdist.engine.stopping import OutputState
+from specdist.engine.output_state import OutputState
 from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams

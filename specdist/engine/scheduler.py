@@ -18,7 +18,7 @@
    where the proposal carries one) and each proposal is cut to the chosen length;
 4. **verify**: one call for the whole batch; the verifier runs the target forward, the
    rejection sampler and the KV rollback, and returns accepted counts and next tokens;
-5. **output**: :class:`~specdist.engine.output.OutputProcessor` applies them (stop tokens / strings,
+5. **output**: :class:`~specdist.engine.output_processor.OutputProcessor` applies them (stop tokens / strings,
    ``max_tokens`` and the context limit cut the output; metrics, stats, step events); finished
    requests are released everywhere.
 
@@ -44,7 +44,7 @@ Timing (``stats.phase_s``): "prefill", "draft", "verify" (the target forward), "
 (logits processing and rejection sampling, inside the verifier), "cache" (rollback,
 releases), "output" (this process's bookkeeping) and, for remote transports, "network"
 (each call's wall time minus the compute its core reports). Step events: see
-:mod:`specdist.engine.output`.
+:mod:`specdist.engine.output_processor`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from specdist.config import Config
 from specdist.engine.calls import REFUSED_CODES, PendingReleases, call_isolating, per_item
 from specdist.engine.draft_length import DraftLengthPolicy, StepCosts
 from specdist.engine.draft_pool import DraftPool, Replica
-from specdist.engine.output import EngineStats, OutputProcessor, RequestFinished, StepEvent
+from specdist.engine.output_processor import EngineStats, OutputProcessor, RequestFinished, StepEvent
 from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.request import Request
 from specdist.errors import ErrorCode, InvalidArgument
@@ -100,7 +100,7 @@ class Scheduler:
     Holds the requests (``waiting``, ``running``), the target's transport and bookkeeping, the
     draft-length rule, the draft replicas (``pool``: :class:`~specdist.engine.draft_pool.DraftPool`)
     and what applies results to the requests (``output``:
-    :class:`~specdist.engine.output.OutputProcessor`, with ``stats`` and ``listeners``)."""
+    :class:`~specdist.engine.output_processor.OutputProcessor`, with ``stats`` and ``listeners``)."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from specdist.cores.draft import DrafterCore
 from specdist.cores.proposers.ngram import NgramProposer
 from specdist.cores.sampling import process_logits
 from specdist.cores.target import VerifierCore
-from specdist.engine.stopping import OutputState
+from specdist.engine.output_state import OutputState
 from specdist.models.loader import ModelSource, eos_token_ids, load_model
 from specdist.models.runner import CausalLMRunner
 from specdist.randomness import draft_seed

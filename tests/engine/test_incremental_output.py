@@ -1,6 +1,6 @@
 """Incremental host-side output work: the detokenizer, stop strings, and the n-gram index.
 
-:class:`~specdist.engine.stopping.OutputState` must give exactly what the straightforward
+:class:`~specdist.engine.output_state.OutputState` must give exactly what the straightforward
 algorithm gives (decode the whole output after every token, search the whole text for
 the earliest stop string) while decoding only a few tokens per token; NgramIndex must
 give exactly what a backward scan of the sequence gives. Checked on random token
@@ -19,7 +19,7 @@ import pytest
 from support.helpers import save_tiny_llama
 
 from specdist.cores.proposers.ngram import NgramIndex
-from specdist.engine.stopping import IncrementalDetokenizer, OutputState
+from specdist.engine.output_state import IncrementalDetokenizer, OutputState
 from specdist.sampling_params import SamplingParams
 
 CORPUS = [

@@ -11,7 +11,7 @@ from support.helpers import tiny_config
 
 from specdist.engine.draft_length import Acceptance, DraftLengthPolicy
 from specdist.engine.local import Engine
-from specdist.engine.output import StepEvent
+from specdist.engine.output_processor import StepEvent
 from specdist.sampling_params import SamplingParams
 
 

@@ -19,7 +19,7 @@ from specdist.api.metrics import FINISH_REASONS, Metrics
 from specdist.api.serving import ListenError, run_serve, start_serving
 from specdist.client import SpecDistClient
 from specdist.cores.target import LocalVerifier
-from specdist.engine.output import PHASES, RequestFinished, StepEvent
+from specdist.engine.output_processor import PHASES, RequestFinished, StepEvent
 from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.scheduler import Scheduler
 
@@ -201,7 +201,7 @@ def test_a_failing_listener_is_logged_and_the_step_goes_on(tiny_models, caplog) 
 
     seen: list = []
     eng.listeners += [broken, seen.append]
-    with caplog.at_level(logging.ERROR, logger="specdist.engine.output"):
+    with caplog.at_level(logging.ERROR, logger="specdist.engine.output_processor"):
         out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == expected.token_ids and out.finish_reason == "length"
     steps = [e for e in seen if isinstance(e, StepEvent)]

@@ -50,7 +50,7 @@ from specdist.api.coordinator import TargetDown
 from specdist.api.serving import Backend, start_serving, watch_deployment
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine
-from specdist.engine.output import StepEvent
+from specdist.engine.output_processor import StepEvent
 from specdist.errors import ErrorCode
 from specdist.transport import security
 from specdist.transport.grpc_host import LIVENESS

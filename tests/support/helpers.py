@@ -167,9 +167,9 @@ def healthy_replicas(engine) -> int:
 def set_scheduler_clock(monkeypatch, t: list[float]) -> None:
     """The scheduler's clock (its step timing, the draft pool's probes, the release retries) reads
     ``t[0]``, which the test advances: their schedules without sleeps."""
-    from specdist.engine import calls, draft_pool, output, scheduler
+    from specdist.engine import calls, draft_pool, output_processor, scheduler
 
-    for module in (scheduler, draft_pool, calls, output):
+    for module in (scheduler, draft_pool, calls, output_processor):
         monkeypatch.setattr(module, "now", lambda: t[0])
 
 

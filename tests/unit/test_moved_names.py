@@ -32,6 +32,8 @@ def test_a_moved_name_lives_in_one_place(module, name, old):
 RENAMED = [
     ("specdist.gc_freeze", "specdist.heap"),  # gc.freeze of a serving process's start-up objects
     ("specdist.cores.suffix_index", "specdist.cores.suffix"),  # the suffix index (proposers/suffix.py: the method)
+    ("specdist.engine.output_state", "specdist.engine.stopping"),  # a request's output: stops, incremental text
+    ("specdist.engine.output_processor", "specdist.engine.output"),  # a step's results onto the requests, events
 ]
 
 

@@ -248,7 +248,7 @@ def test_a_replica_s_step_time_leaves_its_engine_s_warm_up_out():
     first-call costs: its steps stood in the fit as the replica's step time (0.66 s against 0.18 s of the
     other replica in the live bench) and kept requests away from it."""
     from specdist.api.replica_stats import EngineLedger
-    from specdist.engine.output import StepEvent
+    from specdist.engine.output_processor import StepEvent
     from specdist.engine.request import RequestStep
 
     def event(seconds, *ids):

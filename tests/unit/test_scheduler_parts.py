@@ -1,6 +1,6 @@
 """The parts of the scheduler, driven without a model: the draft pool (specdist/engine/draft_pool.py:
 choice, ejection, probing, readmission, release retries), the pending releases of a core
-(specdist/engine/calls.py), the output processor (specdist/engine/output.py: stops, stats, events)
+(specdist/engine/calls.py), the output processor (specdist/engine/output_processor.py: stops, stats, events)
 and the engine as the holder of a scheduler (specdist/engine/base.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from specdist.config import load_config
 from specdist.engine.base import EngineBase, _OfScheduler
 from specdist.engine.calls import RELEASE_RETRY_FIRST_S, PendingReleases, call_isolating
 from specdist.engine.draft_pool import PROBE_FIRST_S, DraftPool
-from specdist.engine.output import EngineStats, OutputProcessor, RequestFinished
+from specdist.engine.output_processor import EngineStats, OutputProcessor, RequestFinished
 from specdist.engine.request import Request
 from specdist.engine.scheduler import Scheduler
 from specdist.errors import ErrorCode, InvalidArgument
@@ -250,7 +250,7 @@ def test_a_listener_that_raises_is_logged_and_the_others_still_hear(caplog) -> N
         raise RuntimeError("listener bug")
 
     proc.listeners.insert(0, broken)
-    with caplog.at_level(logging.ERROR, logger="specdist.engine.output"):
+    with caplog.at_level(logging.ERROR, logger="specdist.engine.output_processor"):
         proc.emit(RequestFinished("r", "stop", None))
     assert len(events) == 1 and "listener bug" in caplog.text
 

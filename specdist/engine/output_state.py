@@ -1,4 +1,4 @@
-"""Output assembly: stop tokens, stop strings, max_tokens, and incremental text.
+"""A request's output state: stop tokens, stop strings, max_tokens, and incremental text.
 
 Rules (applied token by token, in order):
 - a stop token (EOS unless ``ignore_eos``, or any of ``stop_token_ids``) ends the

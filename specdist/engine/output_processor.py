@@ -1,7 +1,7 @@
 """What a step's verification does to the requests' output, and who hears of it.
 
 :class:`OutputProcessor` applies the tokens the target emitted to a request: its output
-(:class:`~specdist.engine.stopping.OutputState`: stop tokens and strings, ``max_tokens``,
+(:class:`~specdist.engine.output_state.OutputState`: stop tokens and strings, ``max_tokens``,
 incremental text) and the context limit, its log-probabilities, its
 :class:`~specdist.engine.request.RequestMetrics` and the engine's :class:`EngineStats` (summed from
 the same :class:`~specdist.engine.request.RequestStep` records); it ends requests with an error, and
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdist.engine.draft_length import StepCosts
+from specdist.engine.output_state import OutputState
 from specdist.engine.request import Request, RequestMetrics, RequestStep
-from specdist.engine.stopping import OutputState
 from specdist.errors import ErrorCode, InvalidArgument
 from specdist.sampling_params import SamplingParams
 from specdist.transport.protocol import now
