@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from specdist.api.availability import Availability
 from specdist.api.engine_thread import STEP_FAILURES_NOT_READY, Delta, EngineThread, SchedulingTiming
-from specdist.api.live_requests import LiveRequests, RequestStream, scoped
+from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, RequestStream, scoped
 from specdist.api.metrics import Metrics
 from specdist.api.refusals import (
     ENGINE_DOWN_MESSAGE,
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 
-class Coordinator:
+class Coordinator(HoldsLiveRequests):
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
     def __init__(self, engine: Engine, max_queued: int = 256, tenant_quota: int | None = None):
@@ -94,24 +94,6 @@ class Coordinator:
         self.tokenizers = TokenizerPool(engine)
         self.timing = self.engine_thread.timing
         self.metrics = Metrics(engine, lambda: self.engine_thread.snapshot)  # Prometheus series of this engine
-
-    @property
-    def max_queued(self) -> int:
-        """Live requests the server holds at most (admission refuses one more: :class:`Overloaded`)."""
-        return self.live.max_queued
-
-    @max_queued.setter
-    def max_queued(self, n: int) -> None:
-        self.live.max_queued = n
-
-    @property
-    def tenant_quota(self) -> int | None:
-        """Live requests one tenant may hold (None: no quota; one more: :class:`TenantQuotaExceeded`)."""
-        return self.live.tenant_quota
-
-    @tenant_quota.setter
-    def tenant_quota(self, n: int | None) -> None:
-        self.live.tenant_quota = n
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -143,14 +125,6 @@ class Coordinator:
     def start_draining(self) -> None:
         """Refuse new requests from now on (ShuttingDown); running ones carry on."""
         self.availability.draining = True
-
-    async def drain(self, timeout: float) -> bool:
-        """Stop admitting, then wait up to ``timeout`` seconds for live requests to end."""
-        self.start_draining()
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self.live.streams and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
-        return not self.live.streams
 
     async def close(self) -> None:
         """Abort every request (their streams end with "abort"), stop the engine thread, join it."""

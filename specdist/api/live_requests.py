@@ -4,11 +4,13 @@ Admission: at most ``max_queued`` requests are live (running + waiting, and thos
 one more raises :class:`~specdist.api.refusals.Overloaded`. With a ``tenant_quota`` one tenant holds at most that
 many of them; one more of its requests raises :class:`~specdist.api.refusals.TenantQuotaExceeded` while other
 tenants are still admitted. A request's id is reserved from its admission until its final delta is dispatched
-(:class:`~specdist.api.refusals.DuplicateRequestId` meanwhile).
+(:class:`~specdist.api.refusals.DuplicateRequestId` meanwhile). The Coordinator and the front over Serve replicas
+(:class:`~specdist.api.replica_set.ReplicaFront`) both admit here (:class:`HoldsLiveRequests`).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import uuid
@@ -18,6 +20,14 @@ from specdist.api.engine_thread import Delta
 from specdist.api.refusals import ENGINE_DOWN_MESSAGE, DuplicateRequestId, Overloaded, TenantQuotaExceeded, engine_down
 from specdist.config import MAX_REQUEST_ID_LEN
 from specdist.errors import ErrorCode, InvalidArgument
+
+# each finish reason's total (any other, "error" included: requests_failed)
+_OUTCOMES = {
+    "stop": "requests_finished",
+    "length": "requests_finished",
+    "abort": "requests_cancelled",
+    None: "requests_cancelled",
+}
 
 
 def scoped(scope: str, request_id: str) -> str:
@@ -96,6 +106,7 @@ class LiveRequests:
             raise ValueError(f"tenant_quota must be >= 1, got {tenant_quota}")
         self.max_queued = max_queued
         self.tenant_quota = tenant_quota  # live requests one tenant may hold (None: no quota)
+        # by key; admission reads only a stream's tenant (the front over Serve replicas keeps its ReplicaStreams)
         self.streams: dict[str, RequestStream] = {}
         totals = ("requests_total", "requests_finished", "requests_cancelled", "requests_failed")
         self.totals = dict.fromkeys(totals, 0)
@@ -127,18 +138,26 @@ class LiveRequests:
         if added.cancelled() or added.exception() is not None:
             self.streams.pop(stream.key, None)
             return False
+        self.took()
+        return True
+
+    def took(self) -> None:
+        """Count a request whose stream goes to its caller now (one more active stream)."""
         self.totals["requests_total"] += 1
         self.active_streams += 1
-        return True
+
+    def ended(self, key: str, finish_reason: str | None) -> None:
+        """A request's life ended with ``finish_reason`` (None: cancelled without a final delta): forget its key,
+        count its outcome."""
+        self.streams.pop(key, None)
+        self.totals[_OUTCOMES.get(finish_reason, "requests_failed")] += 1
 
     def dispatch(self, deltas: list[Delta]) -> None:
         """Hand one pass's deltas to their streams; a final delta ends its request's life here."""
         for delta in deltas:
             stream = self.streams.get(delta.request_id)
             if delta.finished:
-                self.streams.pop(delta.request_id, None)
-                key = {"stop": "requests_finished", "length": "requests_finished", "abort": "requests_cancelled"}
-                self.totals[key.get(delta.finish_reason, "requests_failed")] += 1
+                self.ended(delta.request_id, delta.finish_reason)
             if stream is not None:
                 stream.deliver(delta)
 
@@ -160,3 +179,41 @@ class LiveRequests:
     def counts(self) -> dict[str, int]:
         """The totals since start, the active streams and the live requests."""
         return {**self.totals, "active_streams": self.active_streams, "live_requests": len(self.streams)}
+
+
+class HoldsLiveRequests(abc.ABC):
+    """What a front end that keeps its live requests in ``self.live`` (the Coordinator, the front over Serve
+    replicas) has of them: its admission bounds, read and set as its own attributes (the gRPC server sets the
+    tenant quota), and draining."""
+
+    live: LiveRequests
+
+    @abc.abstractmethod
+    def start_draining(self) -> None:
+        """Refuse new requests from now on (ShuttingDown); running ones carry on."""
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, then wait up to ``timeout`` seconds for live requests to end."""
+        self.start_draining()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.live.streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.live.streams
+
+    @property
+    def max_queued(self) -> int:
+        """Live requests the server holds at most (admission refuses one more: ``Overloaded``)."""
+        return self.live.max_queued
+
+    @max_queued.setter
+    def max_queued(self, n: int) -> None:
+        self.live.max_queued = n
+
+    @property
+    def tenant_quota(self) -> int | None:
+        """Live requests one tenant may hold (None: no quota; one more: ``TenantQuotaExceeded``)."""
+        return self.live.tenant_quota
+
+    @tenant_quota.setter
+    def tenant_quota(self, n: int | None) -> None:
+        self.live.tenant_quota = n

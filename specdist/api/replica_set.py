@@ -21,30 +21,20 @@ What this module imports of Ray: nothing (the transport is given); ``cluster/ser
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import time
-import uuid
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from specdist.api.coordinator import (
-    MAX_REQUEST_ID_LEN,
-    TOKENIZER_THREADS,
-    Delta,
-    DuplicateRequestId,
-    EncodedPrompt,
-    Overloaded,
-    ShuttingDown,
-    TenantQuotaExceeded,
-    scoped,
-)
+from specdist.api.engine_thread import Delta
+from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, scoped
+from specdist.api.refusals import ShuttingDown
 from specdist.api.router import DEFAULT_KIND, RouteRequest, block_hashes, session_key
-from specdist.engine.prompts import encode_prompt
-from specdist.errors import ErrorCode, InvalidArgument, Refusal, Unavailable, code_of
+from specdist.api.tokenizer_pool import TokenizerPool
+from specdist.engine.prompts import EncodedPrompt
+from specdist.errors import ErrorCode, Refusal, Unavailable, code_of
 from specdist.sampling_params import SamplingParams
 
 __all__ = ["Admitted", "FrontEngine", "FrontMetrics", "Refused", "ReplicaFront", "ReplicaTransport", "ReplicasDown"]
@@ -144,21 +134,18 @@ class _Traits:
 
 class ReplicaStream:
     """One request's deltas from its replica (an async iterator, like ``RequestStream``); ``close()`` cancels it
-    there unless it ended."""
+    there unless it ended. Made at admission (its id, room and tenant's place held while a replica is found);
+    ``call`` is the Serve call once a replica took it, ``reopen`` (until used) opens it on another one."""
 
-    def __init__(
-        self,
-        front: "ReplicaFront",
-        request_id: str,
-        key: str,
-        call: Any,
-        replica_id: str,
-        reopen: Callable[[], Any] | None,
-    ):
-        self.request_id, self.key, self.replica_id = request_id, key, replica_id
-        self._front, self._call, self._reopen = front, call, reopen
+    def __init__(self, front: "ReplicaFront", request_id: str, key: str, tenant: str = ""):
+        self.request_id, self.key, self.tenant = request_id, key, tenant  # tenant: the quota counts it
+        self._front = front
+        self.call: Any = None
+        self.replica_id = ""
+        self.reopen: Callable[[], Any] | None = None
         self._delivered = False  # a token reached the caller: no second replica
         self.done = self.closed = False
+        self._released = False  # the front was told it ended (once, whichever way it ends)
 
     def __aiter__(self) -> "ReplicaStream":
         return self
@@ -168,45 +155,17 @@ class ReplicaStream:
             raise StopAsyncIteration
         while True:
             try:
-                item = await self._call.__anext__()
+                item = await self.call.__anext__()
             except StopAsyncIteration:
-                return self._end(
-                    Delta(
-                        self.request_id,
-                        [],
-                        "",
-                        finish_reason="error",
-                        code=ErrorCode.UNAVAILABLE,
-                        error="the replica's stream ended early",
-                        message="the replica went away",
-                    )
-                )
+                return self._fail("the replica's stream ended early", "the replica went away")
             except Exception as e:  # noqa: BLE001  (the replica, or the call to it, failed)
                 why = self._front.transport.failure(e)
                 if why is None:
                     raise
-                if not self._delivered and self._reopen is not None:
-                    log.warning(
-                        "request %s: replica %s failed before its first token (%s); sent to another",
-                        self.request_id,
-                        self.replica_id,
-                        why,
-                    )
-                    self._front.tally["retried"] += 1
-                    reopen, self._reopen = self._reopen, None
-                    self._call, self.replica_id = await reopen()
+                if not self._delivered and self.reopen is not None:
+                    await self._send_elsewhere("failed", why)
                     continue
-                return self._end(
-                    Delta(
-                        self.request_id,
-                        [],
-                        "",
-                        finish_reason="error",
-                        code=ErrorCode.UNAVAILABLE,
-                        error=f"replica failed: {why}",
-                        message="the replica serving it failed",
-                    )
-                )
+                return self._fail(f"replica failed: {why}", "the replica serving it failed")
             if not isinstance(item, Delta):
                 continue  # (a second Admitted after a reopen is consumed by reopen itself)
             if (
@@ -214,18 +173,9 @@ class ReplicaStream:
                 and item.code == ErrorCode.UNAVAILABLE
                 and not item.token_ids
                 and not self._delivered
-                and self._reopen is not None
-            ):
-                # its replica's group went down before its first token (a target rank lost): once elsewhere
-                log.warning(
-                    "request %s: replica %s unavailable before its first token (%s); sent to another",
-                    self.request_id,
-                    self.replica_id,
-                    item.error,
-                )
-                self._front.tally["retried"] += 1
-                reopen, self._reopen = self._reopen, None
-                self._call, self.replica_id = await reopen()
+                and self.reopen is not None
+            ):  # its replica's group went down before its first token (a target rank lost): once elsewhere
+                await self._send_elsewhere("unavailable", item.error)
                 continue
             if item.token_ids:
                 self._delivered = True
@@ -233,10 +183,37 @@ class ReplicaStream:
                 return self._end(item)
             return item
 
+    async def _send_elsewhere(self, what: str, why: str | None) -> None:
+        """Open the request once more on another replica: this one ``what`` (failed, unavailable) before its
+        first token."""
+        log.warning(
+            "request %s: replica %s %s before its first token (%s); sent to another",
+            self.request_id,
+            self.replica_id,
+            what,
+            why,
+        )
+        self._front.tally["retried"] += 1
+        reopen, self.reopen = self.reopen, None
+        self.call, self.replica_id = await reopen()
+
+    def _fail(self, error: str, message: str) -> Delta:
+        """End the stream UNAVAILABLE: ``error`` for the logs, ``message`` for the client."""
+        return self._end(
+            Delta(
+                self.request_id, [], "", finish_reason="error", code=ErrorCode.UNAVAILABLE, error=error, message=message
+            )
+        )
+
     def _end(self, d: Delta) -> Delta:
         self.done = True
-        self._front.stream_closed(self.key, d)
+        self._release(d)
         return d
+
+    def _release(self, final: Delta | None) -> None:
+        if not self._released:
+            self._released = True
+            self._front.stream_closed(self.key, final)
 
     def close(self) -> None:
         """End the stream; a request still running is cancelled on its replica (its stream there closes and
@@ -246,14 +223,16 @@ class ReplicaStream:
         self.closed = True
         if not self.done:
             try:
-                self._call.cancel()
+                self.call.cancel()
             except Exception:  # noqa: BLE001  (already finished)
                 pass
-            self._front.stream_closed(self.key, None)
+            self._release(None)
 
 
-class ReplicaFront:
-    """A :class:`~specdist.api.coordinator.Coordinator`'s surface over replicas (module docstring)."""
+class ReplicaFront(HoldsLiveRequests):
+    """A :class:`~specdist.api.coordinator.Coordinator`'s surface over replicas (module docstring): its admission
+    (:class:`~specdist.api.live_requests.LiveRequests`) and tokenizer threads
+    (:class:`~specdist.api.tokenizer_pool.TokenizerPool`) are the coordinator's."""
 
     def __init__(
         self,
@@ -264,12 +243,8 @@ class ReplicaFront:
         metrics: Any = None,
         tenant_quota: int | None = None,
     ):
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
-        if tenant_quota is not None and tenant_quota < 1:
-            raise ValueError(f"tenant_quota must be >= 1, got {tenant_quota}")
-        self.engine, self.transport, self.max_queued = engine, transport, max_queued
-        self.tenant_quota = tenant_quota  # live requests one tenant may hold over all replicas (None: no quota)
+        self.live = LiveRequests(max_queued, tenant_quota)  # the tenant quota counts over all replicas
+        self.engine, self.transport = engine, transport
         cfg = engine.config
         self.block_size = cfg.engine.kv_block_size
         self.session_blocks = cfg.router.session_blocks
@@ -277,11 +252,9 @@ class ReplicaFront:
         self._replica_counters = counters or (lambda: {})
         self.metrics = metrics if metrics is not None else FrontMetrics(self)
         self.availability_listeners: list[Callable[[bool], None]] = []
-        self._live: dict[str, ReplicaStream] = {}
-        self._tenant_of: dict[str, str] = {}  # live request key -> its tenant (the quota counts them)
         self._draining = self._closed = False
-        self._encoder = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "specdist-tokenize")
-        self.tally: Tally[str] = Tally()  # requests_total / finished / cancelled / failed / retried
+        self.tokenizers = TokenizerPool(engine)
+        self.tally: Tally[str] = Tally()  # retried: requests sent to a second replica
         self.routed: Tally[str] = Tally()  # replica id -> requests it took
 
     # ------------------------------------------------------------ the Coordinator's surface
@@ -306,42 +279,26 @@ class ReplicaFront:
     def start_draining(self) -> None:
         self._draining = True
 
-    async def drain(self, timeout: float) -> bool:
-        self.start_draining()
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._live and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
-        return not self._live
-
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = self._draining = True
-        for s in list(self._live.values()):
-            if s is not None:  # (None: a request still being opened)
+        for s in list(self.live.streams.values()):
+            if s.call is not None:  # (None: a request still being opened)
                 s.close()
-        self._encoder.shutdown(wait=False, cancel_futures=True)
+        self.tokenizers.shutdown()
 
     def check_room(self, n: int = 1) -> None:
         self._check_serving()
-        if len(self._live) + n > self.max_queued:
-            raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
+        self.live.check_room(n)
 
     def _check_serving(self) -> None:
         if self._draining:
             raise ShuttingDown("the server is shutting down")
 
     async def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> EncodedPrompt:
-        arrival = time.perf_counter()
         self._check_serving()
-        eng = self.engine
-        text, ids = await asyncio.get_running_loop().run_in_executor(
-            self._encoder,
-            lambda: encode_prompt(
-                eng.tokenizer, prompt, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len, chat=chat
-            ),
-        )
-        return EncodedPrompt(text, ids, arrival)
+        return await self.tokenizers.encode(prompt, chat)
 
     def route(
         self,
@@ -386,50 +343,33 @@ class ReplicaFront:
             request_id = self._admissible(request_id, scope, tenant)
         key = scoped(scope, request_id)
         route = self.route(prompt, params, key, tenant, session, kind)
-        self._live[key] = None  # type: ignore[assignment]  (reserved across the awaits below)
-        self._tenant_of[key] = tenant
-        retried = False
+        stream = ReplicaStream(self, request_id, key, tenant)
+        self.live.streams[key] = stream  # type: ignore[assignment]  (reserved across the awaits below)
+
+        async def on_a_replica(avoid: str = "") -> tuple[Any, str]:
+            """(call, replica id) of the request opened on a replica the router chooses, ``avoid`` if it can."""
+            age_s = time.perf_counter() - prompt.arrival
+            call = self.transport.open(prompt, params, request_id, scope, tenant, route, age_s, avoid)
+            return call, await self._first_answer(call)
+
         try:
             try:
-                call, replica = await self._open_on_replica(prompt, params, request_id, scope, tenant, route)
+                stream.call, stream.replica_id = await on_a_replica()
+                stream.reopen = lambda: on_a_replica(avoid=stream.replica_id)
             except (ReplicaRefused, ReplicasDown) as e:
                 # that replica's group is down or draining (the router learns it at its next report): once more,
                 # elsewhere
-                retried = True
                 self.tally["retried"] += 1
-                call, replica = await self._open_on_replica(
-                    prompt, params, request_id, scope, tenant, route, avoid=getattr(e, "replica_id", "")
-                )
+                stream.call, stream.replica_id = await on_a_replica(avoid=getattr(e, "replica_id", ""))
         except BaseException:
-            self._live.pop(key, None)
-            self._tenant_of.pop(key, None)
+            self.live.streams.pop(key, None)
             raise
-
-        async def reopen() -> tuple[Any, str]:
-            return await self._open_on_replica(
-                prompt, params, request_id, scope, tenant, route, avoid=stream.replica_id
-            )
-
-        stream = ReplicaStream(self, request_id, key, call, replica, None if retried else reopen)
-        self._live[key] = stream
-        self.tally["requests_total"] += 1
+        self.live.took()
         return stream
 
-    async def _open_on_replica(
-        self,
-        prompt: EncodedPrompt,
-        params,
-        request_id: str,
-        scope: str,
-        tenant: str,
-        route: RouteRequest,
-        avoid: str = "",
-    ) -> tuple[Any, str]:
-        """Open the stream and read the replica's first answer: (call, replica id); its refusal raised (an
-        UNAVAILABLE one as :class:`ReplicaRefused`, naming the replica)."""
-        call = self.transport.open(
-            prompt, params, request_id, scope, tenant, route, time.perf_counter() - prompt.arrival, avoid
-        )
+    async def _first_answer(self, call: Any) -> str:
+        """Read a stream's first answer: the id of the replica that took it; its refusal raised (an UNAVAILABLE one
+        as :class:`ReplicaRefused`, naming the replica)."""
         try:
             first = await call.__anext__()
         except StopAsyncIteration:
@@ -445,45 +385,24 @@ class ReplicaFront:
             raise first.error
         assert isinstance(first, Admitted), first
         self.routed[first.replica_id] += 1
-        return call, first.replica_id
+        return first.replica_id
 
     def _admissible(self, request_id: str | None, scope: str = "", tenant: str = "") -> str:
         self._check_serving()
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-            raise InvalidArgument("request_id", f"must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
-        if scoped(scope, request_id) in self._live:
-            raise DuplicateRequestId(request_id)
-        if len(self._live) >= self.max_queued:
-            raise Overloaded(f"{len(self._live)} requests in the system (max_queued={self.max_queued}); retry later")
-        quota = self.tenant_quota
-        if quota is not None and sum(t == tenant for t in self._tenant_of.values()) >= quota:  # O(live)
-            raise TenantQuotaExceeded(
-                f"this tenant holds {quota} live requests (limits.max_queued_per_tenant={quota}); retry later"
-            )
-        return request_id
+        return self.live.admissible(request_id, scope, tenant)
 
     async def cancel(self, request_id: str, scope: str = "") -> bool:
         """Cancel a live request of ``scope`` on its replica; its stream ends with "abort"."""
-        s = self._live.get(scoped(scope, request_id))
-        if s is None:
+        s = self.live.streams.get(scoped(scope, request_id))
+        if s is None or s.call is None:  # (None: a request still being opened)
             return False
         s.close()
         return True
 
     def stream_closed(self, key: str, final: Delta | None) -> None:
-        self._tenant_of.pop(key, None)
-        if self._live.pop(key, None) is None:
-            return
-        if final is None:
-            self.tally["requests_cancelled"] += 1
-        elif final.finish_reason == "error":
-            self.tally["requests_failed"] += 1
-        elif final.finish_reason == "abort":
-            self.tally["requests_cancelled"] += 1
-        else:
-            self.tally["requests_finished"] += 1
+        """A stream ended (``final``: its last delta; None: cancelled): its request's life ends, counted."""
+        self.live.ended(key, final.finish_reason if final is not None else None)
+        self.live.active_streams -= 1
 
     def counters(self) -> dict[str, int]:
         """The replicas' gauges summed (as of their last reports) and this front's totals."""
@@ -495,12 +414,7 @@ class ReplicaFront:
             "queued": summed["queued"],
             "target_kv_slots_used": summed["target_kv_slots_used"],
             "draft_kv_slots_used": summed["draft_kv_slots_used"],
-            **{
-                k: self.tally[k]
-                for k in ("requests_total", "requests_finished", "requests_cancelled", "requests_failed")
-            },
-            "active_streams": len(self._live),
-            "live_requests": len(self._live),
+            **self.live.counts(),
         }
 
 
@@ -537,8 +451,8 @@ class FrontMetrics:
         totals = CounterMetricFamily(
             "specdist_front_requests", "Requests through this front, by outcome", labels=["outcome"]
         )
-        for k in ("requests_total", "requests_finished", "requests_cancelled", "requests_failed"):
-            totals.add_metric([k.removeprefix("requests_")], f.tally[k])
+        for k, n in f.live.totals.items():
+            totals.add_metric([k.removeprefix("requests_")], n)
         yield totals
         if self.reports is not None:
             gauges = {

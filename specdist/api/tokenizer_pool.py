@@ -12,20 +12,25 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from specdist.engine.prompts import EncodedPrompt, encode_prompt
 
-if TYPE_CHECKING:
-    from specdist.engine.local import Engine
-
 TOKENIZER_THREADS = 2  # prompts templated and tokenized at once
+
+
+class Tokenizing(Protocol):
+    """What the pool reads of an engine (an Engine, a RemoteEngine, the front's FrontEngine)."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
 
 
 class TokenizerPool:
     """Encodes prompts for ``engine`` (its tokenizer, vocabulary and context length) on its own threads."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Tokenizing):
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "specdist-tokenize")
 

@@ -94,7 +94,7 @@ def test_two_replicas_serve_the_same_tokens(local_ray, tiny_models):
             POLL_LIMIT_S,
             0.2,
         )
-        assert front.tally["requests_cancelled"] == 1
+        assert front.counters()["requests_cancelled"] == 1
     finally:
         if serving is not None:
             lt.run(serving.stop(drain_seconds=2), timeout=180)
@@ -276,7 +276,7 @@ def test_autoscaling_grows_with_a_queue_and_shrinks_when_idle(one_replica_cluste
             t.join(POLL_LIMIT_S)
         wait_until("idle: back to one replica", lambda: states() == {"RUNNING": 1}, 120, 0.5)
         assert results and all(r == ("length", 40) for r in results), results[:5]
-        assert front.tally["requests_total"] == front.tally["requests_finished"] == len(results)
+        assert front.counters()["requests_total"] == front.counters()["requests_finished"] == len(results)
     finally:
         stop.set()
         if serving is not None:

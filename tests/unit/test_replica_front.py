@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from specdist.api.coordinator import Delta, DuplicateRequestId, Overloaded, TargetDown, TenantQuotaExceeded
+from specdist.api.live_requests import LiveRequests
 from specdist.api.replica_set import Admitted, FrontEngine, Refused, ReplicaFront
 from specdist.api.router import RouteRequest, session_key
+from specdist.api.tokenizer_pool import TokenizerPool
 from specdist.config import load_config
 from specdist.errors import ErrorCode, InvalidArgument
 
@@ -84,7 +86,7 @@ def test_a_stream_runs_on_the_replica_that_admitted_it():
     rid, deltas = asyncio.run(go())
     assert rid == "A" and [d.token_ids for d in deltas] == [[1, 2], [3]]
     assert front.routed == {"A": 1} and front.counters()["live_requests"] == 0
-    assert front.tally["requests_finished"] == 1
+    assert front.counters()["requests_finished"] == 1
     body, _ = front.metrics.render()
     assert b'specdist_router_requests_total{policy="round-robin",replica="A"} 1.0' in body
     assert b"specdist_replicas 2.0" in body
@@ -128,7 +130,7 @@ def test_a_replica_failing_before_the_first_token_is_retried_once_after_never():
     front, t = _front([[Admitted("A"), _tok("r", [1]), ReplicaDied()], [Admitted("B")]])
     deltas = asyncio.run(go(front))
     assert deltas[-1].finish_reason == "error" and deltas[-1].code == ErrorCode.UNAVAILABLE
-    assert len(t.opened) == 1 and front.tally["requests_failed"] == 1
+    assert len(t.opened) == 1 and front.counters()["requests_failed"] == 1
 
 
 def test_cancel_cancels_the_replica_call_and_admission_bounds_hold():
@@ -145,7 +147,7 @@ def test_cancel_cancels_the_replica_call_and_admission_bounds_hold():
 
     s = asyncio.run(go())
     assert t.calls[0].cancelled and s.closed
-    assert front.counters()["live_requests"] == 0 and front.tally["requests_cancelled"] == 1
+    assert front.counters()["live_requests"] == 0 and front.counters()["requests_cancelled"] == 1
     assert len(t.opened) == 1  # the refused opens never reached a replica
 
 
@@ -225,3 +227,19 @@ def test_the_route_carries_the_request_s_kind_and_session_to_the_router():
     assert edit.session == session_key("acme", "s1", (), 2) and edit.prompt_tokens == 40
     assert plain.session == session_key("acme", None, plain.prompt_blocks, 2)  # no session: its first blocks
     assert RouteRequest.from_dict(edit.to_dict()) == edit  # (what the handle call carries to Serve's router)
+
+
+def test_the_front_admits_and_tokenizes_with_the_coordinators_parts():
+    """One admission and one tokenizer pool for the coordinator and the front: the same refusal, word for word."""
+    front, t = _front([], max_queued=3, tenant_quota=2)
+    assert isinstance(front.live, LiveRequests) and isinstance(front.tokenizers, TokenizerPool)
+    assert (front.max_queued, front.tenant_quota) == (3, 2)
+    one_group = LiveRequests()
+    for bad in ("", "x" * 1000):
+        with pytest.raises(InvalidArgument) as here:
+            asyncio.run(front.open([1], request_id=bad))
+        with pytest.raises(InvalidArgument) as there:
+            one_group.admissible(bad)
+        assert str(here.value) == str(there.value)
+    prompt = asyncio.run(front.encode([5, 6, 7]))
+    assert list(prompt.ids) == [5, 6, 7] and not t.opened
