@@ -10,7 +10,8 @@ by the engine's step events) and the simulated ones of ``specdist bench router -
 - the session keys its suffix index holds (the sessions it served, least recently used first out);
 - tokens a target step gave each kind of request, apart for requests whose session it held when they started;
 - its recent steps' seconds against the requests verifying in them (:func:`fit_steps`; the last steps at each
-  batch size), and a prefill token's seconds;
+  batch size), and a prefill token's seconds; when it last measured a step (an idle replica's figures age, and
+  the router trusts them less: :meth:`~specdist.api.router.SpeculativePolicy.costs`);
 - the requests it holds, queued or running, with the tokens each may still produce.
 
 Not thread-safe: the live replica calls it under its own lock (:class:`EngineLedger`).
@@ -19,6 +20,7 @@ Not thread-safe: the live replica calls it under its own lock (:class:`EngineLed
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,7 @@ class ReplicaLedger:
         # batch size for long (a full batch) still has the other sizes it ran, and the fit its slope
         self.recent_steps: dict[int, deque[float]] = {}
         self.prefill_s_per_token = 0.0
+        self.measured_at: float | None = None  # when the last step was measured (the caller's clock)
         self.requests: dict[str, _Held] = {}
         self._cache_view: frozenset[int] | None = frozenset()
 
@@ -113,8 +116,11 @@ class ReplicaLedger:
         got[0] += tokens
         got[1] += steps
 
-    def step(self, requests: int, seconds: float) -> None:
-        """A target step verified ``requests`` requests in ``seconds`` (prefill left out)."""
+    def step(self, requests: int, seconds: float, at: float | None = None) -> None:
+        """A target step verified ``requests`` requests in ``seconds`` (prefill left out), measured at ``at`` (on
+        the clock of :meth:`stats`' ``now``; None: untimed, the figures then never read as old)."""
+        if at is not None:
+            self.measured_at = at
         self.recent_steps.setdefault(int(requests), deque(maxlen=RECENT_STEPS)).append(float(seconds))
 
     def prefill(self, tokens: int, seconds: float) -> None:
@@ -161,6 +167,7 @@ class ReplicaLedger:
         tps = {k: t / s for (k, held), (t, s) in self.measured.items() if not held and s}
         held_tps = {k: t / s for (k, held), (t, s) in self.measured.items() if held and s}
         step_s, per_request = fit_steps((b, x) for b, xs in self.recent_steps.items() for x in xs)
+        age = 0.0 if self.measured_at is None else max(0.0, now - self.measured_at)
         return ReplicaStats(
             replica_id,
             now,
@@ -174,6 +181,7 @@ class ReplicaLedger:
             self.prefill_s_per_token,
             self._cache_view,
             frozenset(self.index),
+            age,
         )
 
 
@@ -229,7 +237,7 @@ class EngineLedger:
             if any(s.request_id in self.ledger.requests for s in event.requests):
                 # (a step only of requests not opened through the replica, its engine's warm-up, is left out: its
                 # first-call costs would stand in the fit as this replica's step time)
-                self.ledger.step(len(event.requests), max(0.0, event.step_s))
+                self.ledger.step(len(event.requests), max(0.0, event.step_s), time.time())
             for s in event.requests:
                 self.ledger.stepped(s.request_id, s.kept)
 

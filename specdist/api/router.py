@@ -14,7 +14,10 @@ latest report of each replica, adds the requests it sent since (a report lags), 
 - ``speculative``: the earliest expected finish of this request, :meth:`SpeculativePolicy.expected_finish`.
 
 A report older than ``router.stats_period_s`` is not trusted: that replica gets nothing until it reports
-again (unless no replica has a fresh report: then every replica is a candidate, in turn). The pure parts
+again (unless no replica has a fresh report: then every replica is a candidate, in turn). A replica's
+measurements (step time, prefill, tokens a step) are its own while younger than that period; past it they
+age toward the pool's (:meth:`SpeculativePolicy.costs`), so a replica that read slow once and then got
+nothing, measuring nothing more, is not avoided for ever. The pure parts
 here import nothing of Ray, so the same code decides on Serve (:mod:`specdist.api.serve_router`) and in
 the simulator.
 
@@ -37,6 +40,7 @@ from specdist.config import ROUTER_POLICIES, RouterConfig
 
 __all__ = [
     "POLICIES",
+    "Costs",
     "Pending",
     "ReplicaStats",
     "RouteRequest",
@@ -132,6 +136,34 @@ class Pending:
     kind: str = DEFAULT_KIND
 
 
+def _step_tokens(per_kind: dict[str, float], held_per_kind: dict[str, float], kind: str, held: bool) -> float:
+    """Tokens a step of a request of this kind (its session held or not): measured, else the mean over the kinds
+    measured, else :data:`PRIOR_TOKENS_PER_STEP`."""
+    if held and kind in held_per_kind:
+        return held_per_kind[kind]
+    if kind in per_kind:
+        return per_kind[kind]
+    if per_kind:
+        return sum(per_kind.values()) / len(per_kind)
+    return PRIOR_TOKENS_PER_STEP
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A replica's costs as the ``speculative`` policy takes them (:meth:`SpeculativePolicy.costs`): a target step's
+    seconds ``step_s`` + ``step_s_per_request`` x requests, a prompt token's prefill seconds, tokens a step by
+    kind (and by kind with the session held)."""
+
+    step_s: float = 0.0
+    step_s_per_request: float = 0.0
+    prefill_s_per_token: float = 0.0
+    tokens_per_step: dict[str, float] = field(default_factory=dict)
+    session_tokens_per_step: dict[str, float] = field(default_factory=dict)
+
+    def step_tokens(self, kind: str, held: bool = False) -> float:
+        return _step_tokens(self.tokens_per_step, self.session_tokens_per_step, kind, held)
+
+
 @dataclass(frozen=True)
 class ReplicaStats:
     """One replica's report, as of ``reported_at`` (seconds on the router's clock).
@@ -142,7 +174,8 @@ class ReplicaStats:
     ``step_s_per_request`` x requests (0 and 0 before any was measured); ``prefill_s_per_token``: seconds a
     prompt token's prefill adds to a step; ``cached_blocks``: block hashes (:func:`block_hashes`) its prefix cache
     holds;
-    ``sessions``: the session keys (:func:`session_key`) its suffix index holds."""
+    ``sessions``: the session keys (:func:`session_key`) its suffix index holds; ``measured_age_s``: seconds from
+    its last measured step to ``reported_at`` (an idle replica's measurements grow old; 0: fresh or unknown)."""
 
     replica_id: str
     reported_at: float
@@ -156,21 +189,25 @@ class ReplicaStats:
     prefill_s_per_token: float = 0.0
     cached_blocks: frozenset[int] = frozenset()
     sessions: frozenset[str] = frozenset()
+    measured_age_s: float = 0.0
 
     @property
     def load(self) -> int:
         return len(self.queued) + len(self.running)
 
     def step_tokens(self, kind: str, held: bool = False) -> float:
-        """Tokens a step of a request of this kind (its session held or not): measured, else this replica's
-        mean over the kinds it measured, else :data:`PRIOR_TOKENS_PER_STEP`."""
-        if held and kind in self.session_tokens_per_step:
-            return self.session_tokens_per_step[kind]
-        if kind in self.tokens_per_step:
-            return self.tokens_per_step[kind]
-        if self.tokens_per_step:
-            return sum(self.tokens_per_step.values()) / len(self.tokens_per_step)
-        return PRIOR_TOKENS_PER_STEP
+        """Tokens a step of a request of this kind (its session held or not), as this replica measured them."""
+        return _step_tokens(self.tokens_per_step, self.session_tokens_per_step, kind, held)
+
+    def costs(self) -> Costs:
+        """Its own measurements as :class:`Costs`."""
+        return Costs(
+            self.step_s,
+            self.step_s_per_request,
+            self.prefill_s_per_token,
+            self.tokens_per_step,
+            self.session_tokens_per_step,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``record_routing_stats`` (Serve sends it to every router)."""
@@ -191,6 +228,7 @@ class ReplicaStats:
             "prefill_s_per_token": self.prefill_s_per_token,
             "cached_blocks": sorted(self.cached_blocks),
             "sessions": sorted(self.sessions),
+            "measured_age_s": self.measured_age_s,
         }
 
     @classmethod
@@ -211,6 +249,7 @@ class ReplicaStats:
             float(d.get("prefill_s_per_token", 0.0)),
             frozenset(int(b) for b in d.get("cached_blocks", ())),
             frozenset(str(s) for s in d.get("sessions", ())),
+            float(d.get("measured_age_s", 0.0)),
         )
 
 
@@ -322,61 +361,107 @@ class PrefixPolicy(Policy):
 class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`)."""
 
-    def expected_finish(
-        self, request: RouteRequest, view: View, fit: tuple[float, float, float] | None = None
-    ) -> float:
+    def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
         slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
-        lacks.
+        lacks. ``costs``: the replica's costs (:meth:`costs`; default: its own measurements as reported).
 
         Steps before a slot: the replica's pending work in target steps (each queued or running request's
         remaining tokens over the tokens a step gives its kind there), laid on its ``max_batch_size`` slots:
         the running requests hold theirs, the queued ones (then those this router sent since the report)
         take the first slots to free, and this request the next (0 while a slot is free: a batch runs its
-        requests side by side). Step time with it: the measured fit at the batch it joins (the running, queued
+        requests side by side). Step time with it: the fit at the batch it joins (the running, queued
         and sent requests and itself, at most ``max_batch_size``; kept for its whole run: under load a slot
         that frees is taken again), so that requests sent between two reports do not all pile onto the
-        replica that reported the fastest steps. ``fit``: the (step_s, step_s_per_request, prefill_s_per_token)
-        to use where the replica measured no step (no prefill) yet (:meth:`choose`: the other replicas' mean;
-        the replicas run the same group), so that a replica is not free of cost, whatever it holds and
-        whatever it lacks of the prompt, for lack of a measurement. Its own
-        steps: its ``max_tokens`` over the tokens a step gives its kind there, more where the suffix index
-        holds its session (measured on such requests). Affinity is this term and the prefill: the replica
-        holding the session drafts better and prefills less."""
-        s = view.stats
-        step_s, per_request, prefill = s.step_s, s.step_s_per_request, s.prefill_s_per_token
-        if step_s <= 0 and per_request <= 0 and fit is not None:
-            step_s, per_request = fit[0], fit[1]
-        if prefill <= 0 and fit is not None:
-            prefill = fit[2]
-        slots = [p.remaining_tokens / s.step_tokens(p.kind) for p in s.running]
+        replica that reported the fastest steps. Its own steps: its ``max_tokens`` over the tokens a step
+        gives its kind there, more where the suffix index holds its session (measured on such requests).
+        Affinity is this term and the prefill: the replica holding the session drafts better and prefills
+        less."""
+        s, c = view.stats, costs or view.stats.costs()
+        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running]
         slots += [0.0] * max(0, s.max_batch_size - len(slots))
         heapq.heapify(slots)
         for p in [*s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
-            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / s.step_tokens(p.kind))
+            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / c.step_tokens(p.kind))
         wait = slots[0]
-        own = request.max_tokens / s.step_tokens(request.kind, held=view.holds_session(request))
+        own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
         uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
         batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
-        return (wait + own) * (step_s + per_request * batch) + uncached * prefill
+        return (wait + own) * (c.step_s + c.step_s_per_request * batch) + uncached * c.prefill_s_per_token
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
-        fit = self.measured_fit(replicas)
-        return min(replicas, key=lambda v: (self.expected_finish(request, v, fit), v.load, v.replica_id)).replica_id
+        costs = self.costs(replicas, now)
+        return min(
+            replicas, key=lambda v: (self.expected_finish(request, v, costs[v.replica_id]), v.load, v.replica_id)
+        ).replica_id
 
-    @staticmethod
-    def measured_fit(replicas: Sequence[View]) -> tuple[float, float, float] | None:
-        """The trusted replicas' mean step fit and prefill cost, over those that measured them (None: none did)."""
-        steps = [
-            (v.stats.step_s, v.stats.step_s_per_request)
+    def costs(self, replicas: Sequence[View], now: float) -> dict[str, Costs]:
+        """Each replica's costs: its measurements, trusted in full while younger than ``router.stats_period_s``
+        (P) and past that half as much every further P, the rest taken from the pool: the mean of the
+        replicas' measurements of the same thing (a step fit, a prefill cost, a kind's tokens a step), each
+        weighted by that same trust, relative to the freshest. A measurement's age: the replica's
+        ``measured_age_s`` and its report's age since.
+
+        The replicas run the same group, so what one measured stands for another's until that one measures
+        again: a replica without a step (prefill) measured yet takes the pool's rather than costing
+        nothing; and a replica whose first measurements read slow (a noisy step, a prefill with another
+        process on its core) and that then got nothing, so measured nothing more, comes back to the pool's
+        figures as it idles and gets a request once that makes it the earliest finish, instead of being
+        avoided for ever. A replica that stays busy measures all the time and keeps its own figures."""
+        period = self.config.stats_period_s
+        excess = {
+            v.replica_id: max(0.0, v.stats.measured_age_s + max(0.0, now - v.stats.reported_at) - period)
+            for v in replicas
+        }
+        least = min(excess.values(), default=0.0)
+        trust = {rid: 0.5 ** (x / period) for rid, x in excess.items()}
+        weight = {rid: 0.5 ** ((x - least) / period) for rid, x in excess.items()}  # (> 0 for the freshest)
+
+        def pooled(values: dict[str, Any]) -> Any:
+            """The trust-weighted mean of the replicas' values (a float or a tuple of floats); None: none."""
+            if not values:
+                return None
+            total = sum(weight[rid] for rid in values)
+            first = next(iter(values.values()))
+            if isinstance(first, tuple):
+                return tuple(sum(weight[rid] * x[i] for rid, x in values.items()) / total for i in range(len(first)))
+            return sum(weight[rid] * x for rid, x in values.items()) / total
+
+        def aged(rid: str, own: Any, pool: Any) -> Any:
+            """``own`` toward ``pool`` by the replica's trust (``own`` None: not measured, the pool's)."""
+            if own is None:
+                return pool
+            if pool is None:
+                return own
+            t = trust[rid]
+            if isinstance(own, tuple):
+                return tuple(t * a + (1 - t) * b for a, b in zip(own, pool))
+            return t * own + (1 - t) * pool
+
+        steps = {
+            v.replica_id: (v.stats.step_s, v.stats.step_s_per_request)
             for v in replicas
             if v.stats.step_s > 0 or v.stats.step_s_per_request > 0
-        ]
-        prefills = [v.stats.prefill_s_per_token for v in replicas if v.stats.prefill_s_per_token > 0]
-        if not steps and not prefills:
-            return None
-        n = max(1, len(steps))
-        return (sum(a for a, _ in steps) / n, sum(b for _, b in steps) / n, sum(prefills) / max(1, len(prefills)))
+        }
+        prefills = {v.replica_id: v.stats.prefill_s_per_token for v in replicas if v.stats.prefill_s_per_token > 0}
+        step_pool, prefill_pool = pooled(steps), pooled(prefills)
+
+        def per_kind(attr: str) -> dict[str, dict[str, float]]:
+            """Replica -> kind -> tokens a step, for the kinds it measured."""
+            own = {v.replica_id: getattr(v.stats, attr) for v in replicas}
+            kinds = {k for d in own.values() for k in d}
+            pool = {k: pooled({rid: d[k] for rid, d in own.items() if k in d}) for k in kinds}
+            return {rid: {k: aged(rid, x, pool[k]) for k, x in d.items()} for rid, d in own.items()}
+
+        tps, held_tps = per_kind("tokens_per_step"), per_kind("session_tokens_per_step")
+        out = {}
+        for v in replicas:
+            rid = v.replica_id
+            step = aged(rid, steps.get(rid), step_pool) or (0.0, 0.0)
+            out[rid] = Costs(
+                step[0], step[1], aged(rid, prefills.get(rid), prefill_pool) or 0.0, tps[rid], held_tps[rid]
+            )
+        return out
 
 
 def make_policy(config: RouterConfig, block_size: int, seed: int = 0) -> Policy:

@@ -109,7 +109,7 @@ class SimReplica:
         self.busy = False
         self.admitted: list[SimRequest] = []
 
-    def start_step(self) -> float:
+    def start_step(self, now: float) -> float:
         """Admit, draw this step's acceptances; the step's duration (its results apply at its end)."""
         m, ledger = self.m, self.ledger
         self.admitted = []
@@ -122,7 +122,7 @@ class SimReplica:
             r.held = ledger.admit(r.route)
             self.admitted.append(r)
         decode = m.step_base_s + m.verify_token_s * (m.k + 1) * len(self.running)
-        ledger.step(len(self.running), decode)
+        ledger.step(len(self.running), decode, now)
         return decode + m.prefill_token_s * prefill
 
     def end_step(self, now: float) -> list[SimRequest]:
@@ -287,7 +287,7 @@ def simulate(
             rep.waiting.append(r)
             if not rep.busy:
                 rep.busy = True
-                push(now + rep.start_step(), "step", rep.rid)
+                push(now + rep.start_step(now), "step", rep.rid)
         elif kind == "step":
             rep = reps[payload]
             for r in rep.end_step(now):
@@ -297,7 +297,7 @@ def simulate(
                     r.next_turn.arrival = now + r.pause
                     push(r.next_turn.arrival, "arrive", r.next_turn)
             if rep.waiting or rep.running:
-                push(now + rep.start_step(), "step", rep.rid)
+                push(now + rep.start_step(now), "step", rep.rid)
             else:
                 rep.busy = False
         else:

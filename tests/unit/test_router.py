@@ -263,6 +263,52 @@ def test_a_replica_s_step_time_leaves_its_engine_s_warm_up_out():
     assert s.step_s + s.step_s_per_request == pytest.approx(0.05) and s.running[0].remaining_tokens == 9
 
 
+def test_a_replica_that_read_slow_once_and_idled_gets_a_request_again():
+    """The live failure of issue 51's mixed bench: one replica's few first steps read slow (noise), the policy then
+    sent everything to the other, so it measured nothing more and its slow figures stood for ever (29 of 32
+    requests to one replica). Its figures now age toward the pool's while it idles: it gets a request within a
+    bounded number of choices, and, measuring fast steps then, its share of the load."""
+    from specdist.api.replica_stats import ReplicaLedger
+
+    period = 2.0
+    a, b = ReplicaLedger(64), ReplicaLedger(64)
+    for n in (1, 2, 3):  # a: 0.1 s a request in a step, measured at each batch it ran
+        a.step(n, 0.1 * n, at=0.0)
+    for _ in range(3):  # b: three slow first steps (10x a's), then nothing
+        b.step(1, 1.0, at=0.0)
+    for i in range(3):  # a holds three long requests throughout
+        a.admit(RouteRequest(f"long{i}", 16, 10_000))
+    r = Router(RouterConfig(policy="speculative", stats_period_s=period), BS)
+    chosen = []
+    for t in range(1, 40):  # a report from each replica and a (short) request each second
+        a.step(3, 0.3, at=float(t))
+        r.report(a.stats("a", float(t), 8))
+        r.report(b.stats("b", float(t), 8))
+        q = req(f"q{t}", max_tokens=50)
+        chosen.append(r.choose(q, t + 0.1))
+        r.done(chosen[-1], q.request_id)
+        if chosen[-1] == "b":
+            break
+    # while b's figures are younger than the period they are its own: a (with 3 requests) is still the faster
+    assert chosen[:2] == ["a", "a"]
+    # then they age: b gets a request within a few periods (its figures halve their weight every period)
+    assert chosen[-1] == "b" and len(chosen) <= 10, chosen
+    # b runs it and its steps are fast now (as a's): with a at three requests and b idle, the next goes to b at once
+    for _ in range(25):
+        b.step(1, 0.1, at=float(len(chosen)))
+    r.report(b.stats("b", float(len(chosen)), 8))
+    assert r.choose(req("next", max_tokens=50), len(chosen) + 0.1) == "b"
+    # a replica busy and measuring keeps its own figures: a slow one stays avoided
+    slow = ReplicaLedger(64)
+    for t in range(40):
+        slow.step(1, 1.0, at=float(t))
+    a.step(3, 0.3, at=39.0)
+    r2 = Router(RouterConfig(policy="speculative", stats_period_s=period), BS)
+    r2.report(a.stats("a", 39.0, 8))
+    r2.report(slow.stats("slow", 39.0, 8))
+    assert r2.choose(req("q", max_tokens=50), 39.1) == "a"
+
+
 def test_stale_replicas_are_avoided_until_they_report_again():
     r = router("speculative", stats("a", at=0.0), stats("b", at=0.0, running=busy(3)), stats_period_s=2.0)
     assert r.choose(req("q1"), 1.0) == "a"
@@ -311,6 +357,7 @@ def test_stats_round_trip_as_plain_data():
         cached_blocks=frozenset({5, 7}),
         sessions=frozenset({"k"}),
         session_tokens_per_step={"edit": 4.0},
+        measured_age_s=1.5,
     )
     d = json.loads(json.dumps(s.to_dict()))
     assert ReplicaStats.from_dict(d) == s
