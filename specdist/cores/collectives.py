@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from specdist.clock import now
 from specdist.errors import Unavailable
 from specdist.models.runner import CausalLMRunner
-from specdist.transport.protocol import now
 
 COLLECTIVE_FACTOR = 20.0  # a collective may wait this many times its forward's expected time
 SMALL_FORWARD_TOKENS = 8  # forwards of at most this many tokens cost about their fixed overhead

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdist.clock import now
 from specdist.config import DraftConfig
 from specdist.cores.proposers import proposer_class
 from specdist.cores.proposers.base import BuildContext, DraftRequest, Proposer
@@ -37,15 +38,7 @@ from specdist.models.kv.options import KVOptions
 from specdist.models.kv.prefix import PrefixCache
 from specdist.sampling_params import SamplingParams
 from specdist.transport.checks import ReleasedUnknown, check_prompt, check_request_ids, check_token_ids
-from specdist.transport.protocol import (
-    CallTiming,
-    LocalTransport,
-    Proposal,
-    ProposeItem,
-    StartItem,
-    call_local,
-    now,
-)
+from specdist.transport.protocol import CallTiming, LocalTransport, Proposal, ProposeItem, StartItem, call_local
 
 if TYPE_CHECKING:
     from specdist.models.metadata import ModelSources

@@ -97,10 +97,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdist.clock import now
 from specdist.config import PIPELINE_MISS
 from specdist.cores.draft import DrafterCore
 from specdist.cores.proposers.base import DraftRequest
-from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem, now
+from specdist.transport.protocol import HIT, MISS, CallTiming, Proposal, ProposeItem, StartItem
 
 log = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from specdist.clock import now
 from specdist.cores.collectives import Replicator
 from specdist.cores.verify_batch import VerifyBatch
 from specdist.errors import (
@@ -73,7 +74,6 @@ from specdist.transport.protocol import (
     Verified,
     VerifyItem,
     call_local,
-    now,
 )
 from specdist.transport.wire import ONE_HOT, decode_distribution
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from specdist.clock import now
 from specdist.engine.prompts import EncodedPrompt, encode_prompt
 from specdist.engine.request import Request, RequestOutput
 from specdist.engine.scheduler import Scheduler
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams
-from specdist.transport.protocol import now
 
 
 class _OfScheduler:

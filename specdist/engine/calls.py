@@ -15,8 +15,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdist.clock import now
 from specdist.errors import ErrorCode
-from specdist.transport.protocol import CallTiming, TransportError, now
+from specdist.transport.protocol import CallTiming, TransportError
 
 log = logging.getLogger(__name__)
 

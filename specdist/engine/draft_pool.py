@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from specdist.clock import now
 from specdist.engine.calls import Call, PendingReleases, per_item
-from specdist.transport.protocol import Drafter, ProposeItem, TransportError, now
+from specdist.transport.protocol import Drafter, ProposeItem, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specdist.clock import now
 from specdist.engine.draft_length import StepCosts
 from specdist.engine.output_state import OutputState
 from specdist.engine.request import Request, RequestMetrics, RequestStep
 from specdist.errors import ErrorCode, InvalidArgument
 from specdist.sampling_params import SamplingParams
-from specdist.transport.protocol import now
 
 log = logging.getLogger(__name__)
 

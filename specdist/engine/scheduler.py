@@ -60,6 +60,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specdist.clock import now
 from specdist.config import Config
 from specdist.engine.calls import REFUSED_CODES, PendingReleases, call_isolating, per_item
 from specdist.engine.draft_length import DraftLengthPolicy, StepCosts
@@ -80,7 +81,6 @@ from specdist.transport.protocol import (
     TransportError,
     Verifier,
     VerifyItem,
-    now,
 )
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ make on a call's items are :mod:`specdist.transport.checks`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -138,11 +137,6 @@ class Verified:
 
 
 HIT, MISS = "hit", "miss"  # Proposal.pipeline
-
-
-def now() -> float:
-    """The clock of every call and step timing (the cores' CallTiming, the scheduler's phases)."""
-    return time.perf_counter()
 
 
 @dataclass

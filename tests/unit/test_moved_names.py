@@ -19,6 +19,7 @@ MOVED = [
     ("specdist.models.kv.options", "ACTIVATION_MARGIN", "specdist.models.graphs"),
     ("specdist.cores.collectives", "CollectiveDeadline", "specdist.cores.target"),
     ("specdist.cores.collectives", "apply_op", "specdist.cores.target"),
+    ("specdist.clock", "now", "specdist.transport.protocol"),  # the system's clock, at the bottom of the layers
 ]
 
 

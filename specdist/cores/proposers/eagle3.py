@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdist.clock import now
 from specdist.cores.proposers.base import BuildContext, DraftRequest, register
 from specdist.cores.proposers.model import CATCH_UP_IN_PASS, Drafting, ModelProposer
 from specdist.errors import ConfigError, FailedPrecondition, InvalidArgument
 from specdist.models.eagle3 import Eagle3Head
-from specdist.transport.protocol import now
 
 
 @dataclass

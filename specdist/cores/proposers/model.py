@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specdist.clock import now
 from specdist.cores.coupling import gumbel_argmax, row_starts
 from specdist.cores.device_inputs import HostInputs
 from specdist.cores.proposers.base import BuildContext, Draft, DraftRequest, Proposer, register
@@ -34,7 +35,6 @@ from specdist.cores.sampling import SamplingRows, process_rows, sample_from
 from specdist.errors import ConfigError
 from specdist.models.runner import CausalLMRunner
 from specdist.randomness import draft_uniform
-from specdist.transport.protocol import now
 from specdist.transport.wire import fp16_exact
 
 # unseen tokens a draft pass feeds per row; more (a prompt's first draft) go through a forward first
