@@ -404,10 +404,12 @@ class SpeculativePolicy(Policy):
 
         The replicas run the same group, so what one measured stands for another's until that one measures
         again: a replica without a step (prefill) measured yet takes the pool's rather than costing
-        nothing; and a replica whose first measurements read slow (a noisy step, a prefill with another
-        process on its core) and that then got nothing, so measured nothing more, comes back to the pool's
-        figures as it idles and gets a request once that makes it the earliest finish, instead of being
-        avoided for ever. A replica that stays busy measures all the time and keeps its own figures."""
+        nothing, and one that has not run a kind yet takes what the others measured of that kind (not its
+        mean over the kinds it ran: a replica that ran only edits would take free writing for as fast); and
+        a replica whose first measurements read slow (a noisy step, a prefill with another process on its
+        core) and that then got nothing, so measured nothing more, comes back to the pool's figures as it
+        idles and gets a request once that makes it the earliest finish, instead of being avoided for ever.
+        A replica that stays busy measures all the time and keeps its own figures."""
         period = self.config.stats_period_s
         excess = {
             v.replica_id: max(0.0, v.stats.measured_age_s + max(0.0, now - v.stats.reported_at) - period)
@@ -447,11 +449,11 @@ class SpeculativePolicy(Policy):
         step_pool, prefill_pool = pooled(steps), pooled(prefills)
 
         def per_kind(attr: str) -> dict[str, dict[str, float]]:
-            """Replica -> kind -> tokens a step, for the kinds it measured."""
+            """Replica -> kind -> tokens a step, for every kind some replica measured."""
             own = {v.replica_id: getattr(v.stats, attr) for v in replicas}
             kinds = {k for d in own.values() for k in d}
             pool = {k: pooled({rid: d[k] for rid, d in own.items() if k in d}) for k in kinds}
-            return {rid: {k: aged(rid, x, pool[k]) for k, x in d.items()} for rid, d in own.items()}
+            return {rid: {k: aged(rid, d.get(k), pool[k]) for k in kinds} for rid, d in own.items()}
 
         tps, held_tps = per_kind("tokens_per_step"), per_kind("session_tokens_per_step")
         out = {}

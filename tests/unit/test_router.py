@@ -187,6 +187,19 @@ def test_speculative_reads_the_tokens_a_step_of_the_request_s_kind():
     assert router("speculative", a, b).choose(req(max_tokens=300, kind="edit"), 0.1) == "a"
 
 
+def test_a_kind_a_replica_has_not_run_costs_what_the_others_measured_of_it():
+    """a ran only edits (4 tokens a step): free writing is not as fast there as its edits, but as b measured it."""
+    q = req(max_tokens=300, kind="write")
+    a = stats("a", running=busy(2, kind="edit"), tokens_per_step={"edit": 4.0})
+    b = stats("b", running=busy(1, kind="edit"), tokens_per_step={"edit": 4.0, "write": 1.2})
+    assert router("speculative", a, b).choose(q, 0.1) == "b"  # (b: fewer requests, the same tokens a step)
+    views = {v.replica_id: v for v in router("speculative", a, b).trusted(0.1)}
+    costs = make_policy(RouterConfig(), BS).costs(list(views.values()), 0.1)
+    assert costs["a"].step_tokens("write") == pytest.approx(1.2) and costs["a"].step_tokens("edit") == 4.0
+    # a kind nobody measured: the mean over the kinds measured (a's own and those it took from the pool)
+    assert costs["a"].step_tokens("chat") == costs["b"].step_tokens("chat") == pytest.approx(2.6)
+
+
 def test_a_slot_free_costs_a_new_request_nothing_but_a_full_batch_makes_it_wait():
     q = req(max_tokens=100)
     pol = make_policy(RouterConfig(), BS)
