@@ -28,11 +28,12 @@ import threading
 import time
 from typing import Any
 
-from specdist.api.coordinator import Coordinator, EncodedPrompt
+from specdist.api.coordinator import Coordinator
 from specdist.api.replica_set import Admitted, FrontEngine, FrontMetrics, Refused, ReplicaFront, ReplicaReports
 from specdist.api.replica_stats import EngineLedger
 from specdist.api.router import RouteRequest
 from specdist.config import Config, ReplicasConfig, load_config
+from specdist.engine.prompts import EncodedPrompt
 from specdist.errors import SpecDistError
 from specdist.sampling_params import SamplingParams
 

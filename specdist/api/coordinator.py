@@ -1,12 +1,15 @@
-"""An asyncio front end over an :class:`~specdist.engine.local.Engine`: continuous batching for many streams.
+"""An asyncio front end over an engine (:class:`~specdist.api.admission.ServedEngine`: an in-process
+:class:`~specdist.engine.local.Engine` or a :class:`~specdist.engine.remote.RemoteEngine`): continuous batching for
+many streams.
 
 :class:`Coordinator` is the facade the servers (gRPC, HTTP, a Serve replica) call; its parts, one module each:
 
 - :mod:`specdist.api.engine_thread`: the one thread that touches the engine. The event loop never calls the
   engine; it queues commands (add, abort, a warm-up run) that run between steps, and receives each step's
-  :class:`Delta` objects and gauges. So requests join and leave the running batch between steps, and an aborted
-  request (``cancel()``, or a consumer that went away) frees its KV slots within one step. A failed step fails
-  its batch; an engine thread that dies ends every stream UNAVAILABLE and refuses new requests for good.
+  :class:`~specdist.api.engine_thread.Delta` objects and gauges. So requests join and leave the running batch
+  between steps, and an aborted request (``cancel()``, or a consumer that went away) frees its KV slots within one
+  step. A failed step fails its batch; an engine thread that dies ends every stream UNAVAILABLE and refuses new
+  requests for good.
 - :mod:`specdist.api.live_requests`: admission (``max_queued``, the tenant quota, unique ids within a caller's
   scope) and the streams (:class:`RequestStream`) of the live requests, with their totals.
 - :mod:`specdist.api.availability`: draining, the target's faults and the engine thread's health: what is
@@ -16,11 +19,11 @@
 - :mod:`specdist.api.refusals`: the refusals and what a client is told of a failure.
 
 Target faults: :meth:`Coordinator.target_down` (thread-safe, e.g. from a deployment's supervisor) ends every
-request with ``finish_reason="error"`` and the given reason, and refuses new ones with :class:`TargetDown`
-(gRPC UNAVAILABLE, HTTP 503) until :meth:`Coordinator.target_up`; :meth:`Coordinator.target_lost` (the
-supervisor gave up rebuilding the target group) refuses new requests for good. :meth:`Coordinator.call_soon`
-runs any function on the engine thread from any thread. ``close()`` aborts every request, stops the thread and
-joins it.
+request with ``finish_reason="error"`` and the given reason, and refuses new ones with
+:class:`~specdist.api.refusals.TargetDown` (gRPC UNAVAILABLE, HTTP 503) until :meth:`Coordinator.target_up`;
+:meth:`Coordinator.target_lost` (the supervisor gave up rebuilding the target group) refuses new requests for good.
+:meth:`Coordinator.call_soon` runs any function on the engine thread from any thread. ``close()`` aborts every
+request, stops the thread and joins it.
 
 ``metrics`` (:class:`~specdist.api.metrics.Metrics`): the engine's Prometheus series, from its
 step events (the warm-up request is not counted); its gauges read the last pass's snapshot.
@@ -31,56 +34,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from specdist.api.admission import ServedEngine
 from specdist.api.availability import Availability
-from specdist.api.engine_thread import STEP_FAILURES_NOT_READY, Delta, EngineThread, SchedulingTiming
+from specdist.api.engine_thread import EngineThread
 from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, RequestStream, scoped
 from specdist.api.metrics import Metrics
-from specdist.api.refusals import (
-    ENGINE_DOWN_MESSAGE,
-    DuplicateRequestId,
-    EngineDown,
-    Overloaded,
-    ShuttingDown,
-    TargetDown,
-    TenantQuotaExceeded,
-    target_unavailable_message,
-)
-from specdist.api.tokenizer_pool import TOKENIZER_THREADS, TokenizerPool
-from specdist.config import MAX_REQUEST_ID_LEN
+from specdist.api.refusals import EngineDown, ShuttingDown, target_unavailable_message
+from specdist.api.tokenizer_pool import TokenizerPool
 from specdist.engine.prompts import EncodedPrompt
 from specdist.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the coordinator drives any object with the engine API (Engine, RemoteEngine)
-    from specdist.engine.local import Engine
-
-# what the servers, a Serve replica's front and the tests take from here besides the Coordinator: the names its
-# API speaks in (its deltas and streams, its refusals, how ids are scoped, the prompt it takes)
-__all__ = [
-    "ENGINE_DOWN_MESSAGE",
-    "MAX_REQUEST_ID_LEN",
-    "STEP_FAILURES_NOT_READY",
-    "TOKENIZER_THREADS",
-    "Coordinator",
-    "Delta",
-    "DuplicateRequestId",
-    "EncodedPrompt",
-    "EngineDown",
-    "Overloaded",
-    "RequestStream",
-    "SchedulingTiming",
-    "ShuttingDown",
-    "TargetDown",
-    "TenantQuotaExceeded",
-    "scoped",
-]
 
 
 class Coordinator(HoldsLiveRequests):
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_queued: int = 256, tenant_quota: int | None = None):
+    def __init__(self, engine: ServedEngine, max_queued: int = 256, tenant_quota: int | None = None):
         self.live = LiveRequests(max_queued, tenant_quota)
         self.engine = engine
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)
@@ -145,7 +115,8 @@ class Coordinator(HoldsLiveRequests):
 
     @property
     def steps_failing(self) -> bool:
-        """Whether the last :data:`STEP_FAILURES_NOT_READY` steps or more failed, none succeeding since."""
+        """Whether the last :data:`~specdist.api.engine_thread.STEP_FAILURES_NOT_READY` steps or more failed, none
+        succeeding since."""
         return self.engine_thread.steps_failing
 
     @property
@@ -220,8 +191,8 @@ class Coordinator(HoldsLiveRequests):
 
         ``prompt``: text, token ids or (``chat``) a conversation, templated and tokenized here off
         the engine thread, or an :class:`EncodedPrompt` (:meth:`encode`: one prompt for several
-        requests). Raises :class:`Overloaded`, :class:`ShuttingDown`, :class:`TargetDown`,
-        :class:`EngineDown`, ``InvalidArgument`` (bad prompt, params or id; :class:`DuplicateRequestId`).
+        requests). Raises the refusals of :mod:`specdist.api.refusals` (``Overloaded``, ``ShuttingDown``,
+        ``TargetDown``, ``EngineDown``), ``InvalidArgument`` (bad prompt, params or id; ``DuplicateRequestId``).
         ``scope``: whose id it is (the caller, :func:`scoped`): ids are unique, and cancelled, within a scope, so
         a caller neither sees nor touches another's requests by their ids. ``tenant``: who the request belongs to
         (:func:`specdist.transport.security.tenant_of`): the cores share state only within a tenant. ``session``:

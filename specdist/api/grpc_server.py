@@ -54,7 +54,8 @@ from specdist.api.admission import (
     server_info,
 )
 from specdist.api.codecs import finish_reason_to_proto
-from specdist.api.coordinator import Coordinator, Delta
+from specdist.api.coordinator import Coordinator
+from specdist.api.engine_thread import Delta
 from specdist.config import tenant_scope_line
 from specdist.errors import ErrorCode, InvalidArgument, NotFound
 from specdist.sampling_proto import sampling_params_from_proto

@@ -104,7 +104,9 @@ from specdist.api.admission import (
     refusal_code,
     server_info,
 )
-from specdist.api.coordinator import Coordinator, Delta, RequestStream
+from specdist.api.coordinator import Coordinator
+from specdist.api.engine_thread import Delta
+from specdist.api.live_requests import RequestStream
 from specdist.engine.output_state import IncrementalDetokenizer
 from specdist.engine.request import RequestMetrics
 from specdist.errors import ErrorCode, FieldError, InvalidArgument

@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 from support.helpers import collect
 
-from specdist.api.coordinator import Coordinator, DuplicateRequestId, Overloaded, ShuttingDown
+from specdist.api.coordinator import Coordinator
+from specdist.api.refusals import DuplicateRequestId, Overloaded, ShuttingDown
 from specdist.engine.prompts import EncodedPrompt
 from specdist.errors import InvalidArgument
 from specdist.sampling_params import SamplingParams

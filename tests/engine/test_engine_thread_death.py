@@ -32,8 +32,8 @@ except ImportError:
 from support.helpers import serving_in_process
 from test_coordinator import FakeEngine, coordinator, engine_threads, params, run_async, wait_until
 
-from specdist.api.coordinator import ENGINE_DOWN_MESSAGE
 from specdist.api.grpc_server import SERVICE_NAME
+from specdist.api.refusals import ENGINE_DOWN_MESSAGE
 from specdist.client import RemoteError, SpecDistClient
 from specdist.errors import ErrorCode, code_of
 

@@ -249,7 +249,7 @@ def test_sixteen_concurrent_streams(srv, ref):
 
 def test_coordinator_streaming_api(srv, loop_thread, ref):
     """The asyncio API itself (``open`` and its stream): a full stream, an early close (aborts), a duplicate id."""
-    from specdist.api.coordinator import DuplicateRequestId
+    from specdist.api.refusals import DuplicateRequestId
     from specdist.errors import InvalidArgument
 
     coord = srv.coordinator

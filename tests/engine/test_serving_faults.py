@@ -46,7 +46,7 @@ from test_coordinator import FakeEngine, coordinator, params, run_async
 from test_engine_thread_death import DyingStep
 from test_security import pki  # noqa: F401 (the certificates fixture)
 
-from specdist.api.coordinator import TargetDown
+from specdist.api.refusals import TargetDown
 from specdist.api.serving import Backend, start_serving, watch_deployment
 from specdist.client import RemoteError, SpecDistClient
 from specdist.engine.local import Engine

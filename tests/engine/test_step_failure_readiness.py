@@ -25,7 +25,7 @@ from specdist.client import RemoteError, SpecDistClient
 from specdist.transport.grpc_host import LIVENESS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-FAILURES = 3  # specdist.api.coordinator.STEP_FAILURES_NOT_READY
+FAILURES = 3  # specdist.api.engine_thread.STEP_FAILURES_NOT_READY
 
 
 def test_repeated_step_failures_turn_readiness_off_until_a_step_succeeds(tiny_models):

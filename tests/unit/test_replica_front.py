@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from specdist.api.coordinator import Delta, DuplicateRequestId, Overloaded, TargetDown, TenantQuotaExceeded
+from specdist.api.engine_thread import Delta
 from specdist.api.live_requests import LiveRequests
+from specdist.api.refusals import DuplicateRequestId, Overloaded, TargetDown, TenantQuotaExceeded
 from specdist.api.replica_set import Admitted, FrontEngine, Refused, ReplicaFront
 from specdist.api.router import RouteRequest, session_key
 from specdist.api.tokenizer_pool import TokenizerPool
