@@ -436,7 +436,7 @@ class Deployment:
         # objects out of the garbage collector's walks, so that a full collection does not stall a step
         frozen = self._wait(
             "freeze",
-            {h.name: h.actor.freeze_heap.remote() for h in handles},
+            {h.name: h.actor.freeze_start_up_objects.remote() for h in handles},
             deadline,
             timeout_s,
             watch_followers=bool(targets),

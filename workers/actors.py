@@ -181,7 +181,7 @@ class _ActorBase(abc.ABC):
         self.draining = False
         self.warmup_s: float | None = None
         self.load_s: float | None = None
-        # objects freeze_heap() froze (0 before): counted once there, as gc.get_freeze_count() walks them all
+        # objects freeze_start_up_objects() froze (0 before): counted once there (gc.get_freeze_count() walks them)
         self.frozen_objects = 0
         self.memory_plan = ""  # its paged caches' plan, one line (GPUs: measure_memory / apply_memory_plan)
         self._planned: tuple | None = None  # (caches by name, measure, capture the graphs after) while deferred
@@ -272,7 +272,7 @@ class _ActorBase(abc.ABC):
             self.grpc.stop()
             self.grpc = None
 
-    def freeze_heap(self) -> int:
+    def freeze_start_up_objects(self) -> int:
         """Keep the objects alive after bring-up out of the garbage collector's walks (:mod:`specdist.gc_freeze`);
         the deployment calls it once the actor serves. Returns how many objects are frozen."""
         self.frozen_objects = gc_freeze.freeze()
