@@ -12,17 +12,13 @@ import sys
 
 import torch
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # relative to the largest output
+from support.kernel_checks import TOLERANCE, Report, within_tolerance
+
 DIMS = (32, 576, 2048)  # a tiny model's, the built-in SmolLM2-135M's, Llama 3.2 1B's
 SILU_WIDTHS = (64, 2816)  # one partial block; 2 full blocks and a partial one (a 1 B model's 5632 / 2)
 FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma2", "gemma3")
 # (request, new tokens) a step: a prefill, a ragged prefill + verification (padded rows), decodes, a verification
 SCHEDULE = [[(0, 9)], [(1, 5), (0, 3)], [(0, 1), (1, 1)], [(1, 4)], [(0, 1)]]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
-    err = (got.double() - want).abs().max().item()
-    return None if err <= TOLERANCE[dtype] * (1 + want.abs().max().item()) else f"max error {err:.3g}"
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, dim: int, with_delta: bool, gemma: bool = False) -> str | None:
@@ -56,7 +52,7 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, dim: int, with_delta: bo
             return "the residual sum is not torch's"
     if not with_delta and got_h.data_ptr() != h.data_ptr():
         return "without a delta the residual is not h itself"
-    return _close(got_y, norm(got_h.double(), w, 1e-6), dtype)
+    return within_tolerance(got_y, norm(got_h.double(), w, 1e-6), dtype)
 
 
 def check_silu_mul(device: str, dtype: torch.dtype, width: int) -> str | None:
@@ -66,7 +62,7 @@ def check_silu_mul(device: str, dtype: torch.dtype, width: int) -> str | None:
     torch.manual_seed(width)
     gate_up = torch.randn(3, 5, 2 * width, dtype=dtype, device=device) * 3
     gate, up = gate_up.double().chunk(2, -1)
-    return _close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
+    return within_tolerance(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
 
 
 def check_runner(device: str, family: str) -> str | None:
@@ -122,13 +118,7 @@ def check_runner(device: str, family: str) -> str | None:
 
 
 def main() -> int:
-    failed = 0
-
-    def report(what: str, why: str | None) -> None:
-        nonlocal failed
-        print(f"{what}: {why or 'ok'}")
-        failed += why is not None
-
+    report = Report()
     for dtype in (torch.float32, torch.float16):  # the interpreter has no bfloat16
         for dim in DIMS:
             for with_delta in (True, False):
@@ -141,7 +131,7 @@ def main() -> int:
             report(f"silu_mul {dtype} width {width}", check_silu_mul("cpu", dtype, width))
     for family in FAMILIES:
         report(f"runner {family}", check_runner("cpu", family))
-    return 1 if failed else 0
+    return report.exit_code()
 
 
 if __name__ == "__main__":

@@ -16,18 +16,18 @@ import triton.language as tl
 
 from specdist.models.backends.paged import paged_attention_reference, rope_and_write_reference
 from specdist.models.kernels.triton_attention import _tanh
+from support.kernel_checks import Report, within_tolerance
 
 ATTENTION_CASES = [(None, None), (5, None), (None, 4.0), (6, 3.0)]  # (window, softcap)
 # split-KV over long contexts: (window, softcap, splits; None: the launcher's choice, 2 for these shapes)
 SPLIT_CASES = [(None, None, None), (None, None, 3), (100, None, 5), (None, 30.0, 16), (100, 30.0, 3)]
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 TANH_ULPS = 2.5  # the kernels' tanh against float64, in float32 epsilons of the result (torch's CPU tanh: 0.5)
 
 
 def _compare(got, want, n_new, bsz: int, t_pad: int, dtype) -> str | None:
-    err = (got.float() - want.float()).abs().max().item()
-    if not err <= TOLERANCE[dtype] * (1 + want.float().abs().max().item()):
-        return f"max error {err:.3g}"
+    why = within_tolerance(got, want, dtype)
+    if why is not None:
+        return why
     padded = torch.arange(t_pad, device=got.device)[None, :] >= n_new[:, None].long()  # [B, T]
     if padded.any() and got.view(bsz, t_pad, -1)[padded].abs().max().item() != 0:
         return "padded rows are not zeros"
@@ -117,13 +117,7 @@ def check_rope(device: str, dtype: torch.dtype, rotary: int) -> str | None:
 
 
 def main() -> int:
-    failed = 0
-
-    def report(what: str, why: str | None) -> None:
-        nonlocal failed
-        print(f"{what}: {why or 'ok'}")
-        failed += why is not None
-
+    report = Report()
     report("tanh", check_tanh("cpu"))
     for dtype in (torch.float32, torch.float16):  # the interpreter has no bfloat16
         for window, softcap in ATTENTION_CASES:
@@ -138,7 +132,7 @@ def main() -> int:
         report(f"split-KV prefill {dtype} window 64 splits 3", check_split_attention("cpu", dtype, 64, None, 3, 20))
         for rotary in (32, 16):
             report(f"rope {dtype} rotary {rotary}", check_rope("cpu", dtype, rotary))
-    return 1 if failed else 0
+    return report.exit_code()
 
 
 if __name__ == "__main__":

@@ -13,13 +13,11 @@
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.kernel_checks import run_interpreted
 from support.layer_kernels_check import DIMS, FAMILIES, SILU_WIDTHS, check_add_rms_norm, check_runner, check_silu_mul
 from support.model_zoo import build_tiny
 from support.triton_launches import Recorder
@@ -29,7 +27,6 @@ from specdist.models.backends.paged import TritonPagedBackend
 from specdist.models.kv.options import KVOptions
 from specdist.models.runner import CausalLMRunner
 
-SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 _RMS_NORM = F.rms_norm  # torch's own (the tests wrap it while they count)
 _NO_WORK = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "detach")
 
@@ -174,16 +171,8 @@ def test_the_kernels_under_triton_s_interpreter_equal_float64_and_the_runners_tr
     phi3, qwen3, gemma2 and gemma3 runners on the Triton backend (the paged kernels and these, under the interpreter)
     against transformers' logits over a prefill, a
     ragged verification and decodes, and their greedy tokens against its generate."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run(
-        [sys.executable, os.path.join(SUPPORT, "layer_kernels_check.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert run.stdout.count(": ok") == 2 * (3 * len(DIMS) + len(SILU_WIDTHS)) + len(FAMILIES), run.stdout
+    out = run_interpreted("layer_kernels_check.py", timeout=600)
+    assert out.count(": ok") == 2 * (3 * len(DIMS) + len(SILU_WIDTHS)) + len(FAMILIES), out
 
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,14 +12,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from support import SUPPORT
 from support.helpers import devices, tiny_config
+from support.kernel_checks import run_interpreted
 from support.paged_kernels_check import (
     ATTENTION_CASES,
     SPLIT_CASES,
@@ -149,16 +145,8 @@ def test_the_kernels_under_triton_s_interpreter_equal_the_reference():
     split-KV over long contexts (ranges past the short rows' keys, a prefill of two row blocks); the soft-cap's
     tanh within 2.5 float32 epsilons of float64's; full and partial rotary. In a process of its own
     (tests/support/paged_kernels_check.py: the interpreter must be on before Triton is imported)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run(
-        [sys.executable, os.path.join(SUPPORT, "paged_kernels_check.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": ok") == 1 + 2 * (len(ATTENTION_CASES) + len(SPLIT_CASES) + 1 + 2), run.stdout
+    out = run_interpreted("paged_kernels_check.py", timeout=300)
+    assert out.count(": ok") == 1 + 2 * (len(ATTENTION_CASES) + len(SPLIT_CASES) + 1 + 2), out
 
 
 CUDA = devices()[1].marks
