@@ -568,3 +568,19 @@ def test_the_workload_files_are_what_their_generator_writes_and_turns_extend_the
             assert b.prompt[: len(a.prompt) + len(a.answer)] == a.prompt + a.answer
     kinds = [g[0].kind for g in load("mixed")]
     assert kinds.count("edit") == kinds.count("write") == len(kinds) // 2
+
+
+def test_the_hit_tokens_a_session_blind_router_can_reach():
+    """bench router's sessions reach (specdist.bench.router_affinity): a replica holds every turn it ran; a turn
+    hits the longest it extends, in whole blocks, its last token left out."""
+    from specdist.bench.router_affinity import hit_tokens, reach, session_lengths
+    from specdist.bench.router_live import LiveTurn, Plan
+
+    turns = [LiveTurn(f"s-t{k}", "s", "chat", "a b c d", 4) for k in range(3)]
+    sessions = session_lengths(Plan([turns, turns[:1]]), str.split)
+    assert sessions == [[(4, 8), (12, 16), (20, 24)], [(4, 8)]]
+    assert hit_tokens(sessions, [[0, 0, 0], [0]], 2) == 8 + 16  # each turn extends the last: prompt and output
+    assert hit_tokens(sessions, [[0, 1, 0], [0]], 2) == 8  # turn 2 where turn 0 ran: turn 0's 8 tokens
+    assert hit_tokens(sessions, [[0, 0, 0], [0]], 16) == 16  # whole blocks only (turn 1's 8: none)
+    r = reach(sessions, 2, 2, draws=400)
+    assert r["ceiling"] == 24 and r["rotate"] == 8 and r["rotate"] < r["random"] < r["ceiling"]
