@@ -27,24 +27,23 @@ import re
 import shlex
 
 import helm_python as helm
-import jsonschema
 import pytest
 import yaml
-from test_helm_chart import (
+from support.helm_chart import (
     CHART,
-    CRDS,
-    K8S_VERSION,
     NAMESPACE,
     RELEASE,
-    _chart,
-    _close,
+    chart,
     config_map,
     core_errors,
+    crd_errors,
+    lint,
     network_policy_problems,
     one,
     pod_security_problems,
     pod_template_object,
     render,
+    render_error,
 )
 
 from specdist import config as specdist_config
@@ -121,20 +120,6 @@ def as_raycluster(docs: list[dict]) -> list[dict]:
     return [d for d in docs if d["kind"] != "RayService"] + [rc, svc]
 
 
-@pytest.fixture(scope="module")
-def crd() -> jsonschema.Draft4Validator:
-    doc = yaml.load(
-        (CRDS / "ray.io_rayservices.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    )
-    assert doc["spec"]["names"]["kind"] == "RayService"
-    version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
-    return jsonschema.Draft4Validator(_close(version["schema"]["openAPIV3Schema"]))
-
-
-def crd_errors(validator, obj: dict) -> list[str]:
-    return [f"RayService {'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-
-
 def operator_rule_problems(rs: dict) -> list[str]:
     """The KubeRay operator's own checks of a RayService (ray-operator/controllers/ray/utils/validation.go,
     ValidateRayServiceSpec) and what it needs of the pods to deploy and route (common/pod.go, common/service.go)."""
@@ -193,23 +178,23 @@ def test_replicas_switch_between_the_raycluster_and_the_rayservice_form():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_rayservice_validates_against_kuberays_crd(case, crd):
+def test_rayservice_validates_against_kuberays_crd(case):
     docs = rendered(case)
-    assert crd_errors(crd, rayservice(docs)) == []
+    assert crd_errors(rayservice(docs)) == []
     assert operator_rule_problems(rayservice(docs)) == []
 
 
-def test_crd_and_operator_checks_catch_bad_objects(crd):
+def test_crd_and_operator_checks_catch_bad_objects():
     rs = rayservice(rendered("autoscaling"))
     bad = copy.deepcopy(rs)
     bad["spec"]["upgradeStrategy"]["typ"] = "NewCluster"  # misspelt: the API server would drop it
-    assert any("typ" in e for e in crd_errors(crd, bad))
+    assert any("typ" in e for e in crd_errors(bad))
     bad = copy.deepcopy(rs)
     bad["spec"]["serveConfigV2"] = serve_config(rs)  # must be a string
-    assert crd_errors(crd, bad)
+    assert crd_errors(bad)
     bad = copy.deepcopy(rs)
     bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 3  # a string
-    assert crd_errors(crd, bad)
+    assert crd_errors(bad)
     bad = copy.deepcopy(rs)
     bad["spec"]["rayClusterConfig"]["upgradeStrategy"] = {"type": "Recreate"}
     assert any("rayClusterConfig.upgradeStrategy" in e for e in operator_rule_problems(bad))
@@ -260,7 +245,7 @@ def test_network_policies_admit_the_operator_to_the_dashboard_and_the_serve_prox
     public policy admits the operator to those two ports and nobody else beyond the release; the rest is the
     RayCluster form's rule (every pod isolated, the deployment's pods admitted, the public ports open)."""
     docs = rendered(case)
-    values = _chart().values | {}
+    values = chart().values | {}
     public = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-public"))
     operator = [r for r in public["spec"]["ingress"] if {pt["port"] for pt in r.get("ports", [])} & {8265, 8000}]
     assert len(operator) == 1
@@ -407,7 +392,7 @@ def test_front_args_match_the_head_ports_secrets_and_service(case):
     args = app_args(rs)
     head = head_container(rs)
     ports = {pt["name"]: pt["containerPort"] for pt in head["ports"]}
-    values = _chart().values
+    values = chart().values
     assert args["grpc_port"] == ports["grpc"]
     assert args.get("http_port") == ports.get("http")
     assert args.get("metrics_port") == ports.get("http-metrics")
@@ -434,12 +419,12 @@ def test_a_config_change_upgrades_by_a_new_cluster():
 
 def test_lint_strict_passes_in_the_rayservice_form():
     for case in CASES:
-        report = helm.lint(CHART, copy.deepcopy(CASES[case]), strict=True, kube_version=f"v{K8S_VERSION}")
+        report = lint(CASES[case])
         assert report["errors"] == [], (case, report)
 
 
 def test_notes_name_the_rayservice():
-    out = _chart().render(copy.deepcopy(AUTOSCALING), name=RELEASE, namespace=NAMESPACE)["specdist/templates/NOTES.txt"]
+    out = chart().render(copy.deepcopy(AUTOSCALING), name=RELEASE, namespace=NAMESPACE)["specdist/templates/NOTES.txt"]
     assert f"specdist on RayService {RELEASE}: 1 to 4 Ray Serve replicas" in out
     assert f"get rayservice {RELEASE}" in out
 
@@ -475,11 +460,10 @@ BAD_VALUES = {
 @pytest.mark.parametrize("name", BAD_VALUES)
 def test_bad_values_fail_naming_the_value(name):
     values, says = BAD_VALUES[name]
-    with pytest.raises(helm.HelmError) as e:
-        render(values)
-    assert says in str(e.value), str(e.value)
-    if "schema" not in str(e.value):  # the templates' own checks: one line
-        assert len(str(e.value).strip().splitlines()) == 1, str(e.value)
+    message = render_error(values)
+    assert says in message, message
+    if "schema" not in message:  # the templates' own checks: one line
+        assert len(message.strip().splitlines()) == 1, message
 
 
 def test_http_on_port_8000_stays_valid_in_the_raycluster_form():
@@ -487,7 +471,7 @@ def test_http_on_port_8000_stays_valid_in_the_raycluster_form():
     assert one(render({"serve": {"http": {"enabled": True}}}), "RayCluster")
 
 
-def test_docs_commands_render_a_valid_rayservice(crd):
+def test_docs_commands_render_a_valid_rayservice():
     """The helm commands of docs/deployment.md's RayService section render a RayService that validates."""
     text = (CHART.parents[1] / "docs" / "deployment.md").read_text()
     start = text.index("### Replicas on Ray Serve (RayService)")
@@ -502,5 +486,5 @@ def test_docs_commands_render_a_valid_rayservice(crd):
     for argv in cmds:
         values = helm.parse_set_string(argv[argv.index("--set") + 1])
         rs = rayservice(render(values))
-        assert crd_errors(crd, rs) == [] and operator_rule_problems(rs) == []
+        assert crd_errors(rs) == [] and operator_rule_problems(rs) == []
         assert _load(app_args(rs)["config"]).cluster.replica_plan is not None
