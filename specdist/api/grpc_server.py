@@ -53,7 +53,7 @@ from specdist.api.admission import (
     request_stats,
     server_info,
 )
-from specdist.api.codecs import finish_reason_to_proto
+from specdist.api.codecs import finish_reason_to_proto, kind_argument
 from specdist.api.coordinator import Coordinator
 from specdist.api.engine_thread import Delta
 from specdist.config import tenant_scope_line
@@ -90,6 +90,8 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
             check_request(self.limits, prompt, params, request.request_id or None)
             if request.session_id:
                 check_session_id(self.limits, request.session_id)
+            if request.kind:  # (a label as a session id is: visible ASCII, bounded)
+                check_session_id(self.limits, request.kind, "kind")
             tenant = tenant_of(_authorization(context), self.tokens.now()[0])
             stream = await self.coordinator.open(
                 prompt,
@@ -99,6 +101,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
                 scope=caller(context, tenant),
                 tenant=tenant,
                 session=request.session_id or None,
+                **kind_argument(self.coordinator, request.kind or None),
             )
         except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback

@@ -104,6 +104,7 @@ from specdist.api.admission import (
     refusal_code,
     server_info,
 )
+from specdist.api.codecs import kind_argument
 from specdist.api.coordinator import Coordinator
 from specdist.api.engine_thread import Delta
 from specdist.api.live_requests import RequestStream
@@ -178,6 +179,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kind: str | None = None  # specdist's own: what sort of request (edit, chat, ...), read by the replicas' router
 
 
 class CompletionRequest(_Common):
@@ -265,6 +267,7 @@ class _Call:
     max_tokens_field: str = "max_tokens"
     stop_is_text: bool = False  # "stop": "x" rather than a list: its limit names "stop", not "stop[0]"
     session: str | None = None  # the OpenAI "user" field: the session the router keeps together
+    kind: str | None = None  # the request's kind, for the replicas' router (GenerateRequest.kind)
 
     @property
     def object(self) -> str:
@@ -296,11 +299,12 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
         prompt, given, max_tokens = _one_prompt(body.prompt), "max_tokens", body.max_tokens
-    if body.user:
-        try:
-            check_session_id(limits, body.user, "user")
-        except InvalidArgument as e:
-            raise _bad(e.field, e.message) from None
+    for name in ("user", "kind"):  # (a kind is a label as a session id is: visible ASCII, bounded)
+        if getattr(body, name):
+            try:
+                check_session_id(limits, getattr(body, name), name)
+            except InvalidArgument as e:
+                raise _bad(e.field, e.message) from None
     call = _Call(
         chat,
         prompt,
@@ -310,6 +314,7 @@ def _parse(body: _Common, chat: bool, limits: Limits) -> _Call:
         max_tokens_field=given,
         stop_is_text=isinstance(body.stop, str),
         session=body.user or None,
+        kind=body.kind or None,
     )
     if max_tokens is None:
         max_tokens = limits.max_tokens if chat else SamplingParams.max_tokens
@@ -617,7 +622,16 @@ class _OpenAIFrontEnd:
             prompt = await self.coordinator.encode(call.prompt, chat=call.chat)
             for i, params in enumerate(call.params):
                 rid = f"{call.response_id}-{i}"
-                streams.append(await self.coordinator.open(prompt, params, rid, tenant=tenant, session=call.session))
+                streams.append(
+                    await self.coordinator.open(
+                        prompt,
+                        params,
+                        rid,
+                        tenant=tenant,
+                        session=call.session,
+                        **kind_argument(self.coordinator, call.kind),
+                    )
+                )
         except Exception as e:  # each refusal has its code
             for s in streams:
                 s.close()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdist.v1 import common_pb2 as specdist_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdist/v1/specdist.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specdist.v1.TokenIdsH\x00\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specdist.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x12\n\nsession_id\x18\x06 \x01(\tB\x08\n\x06prompt\"\x98\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specdist.v1.FinishReason\x12\x1a\n\x10stop_reason_text\x18\x05 \x01(\tH\x00\x12\x1b\n\x11stop_reason_token\x18\x06 \x01(\x05H\x00\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.specdist.v1.RequestStats\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specdist.v1.TokenLogprobB\r\n\x0bstop_reason\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x16\n\x14GetServerInfoRequest\"\xf1\x04\n\nServerInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x16\n\x0e\x64raft_replicas\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x32\n\x08\x63ounters\x18\x08 \x01(\x0b\x32 .specdist.v1.ServerInfo.Counters\x12\x16\n\x0e\x64raft_pipeline\x18\t \x01(\x08\x12\x1b\n\x13\x64raft_pipeline_miss\x18\n \x01(\t\x12\x13\n\x0b\x63pu_kernels\x18\x0b \x01(\t\x12\x13\n\x0bmemory_plan\x18\x0c \x01(\t\x12\x10\n\x08replicas\x18\r \x01(\r\x12\x15\n\rrouter_policy\x18\x0e \x01(\t\x1a\xf8\x01\n\x08\x43ounters\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x1c\n\x14target_kv_slots_used\x18\x03 \x01(\r\x12\x1b\n\x13\x64raft_kv_slots_used\x18\x04 \x01(\r\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x07 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\t \x01(\r2\xe7\x01\n\nSpecDecode\x12I\n\x08Generate\x12\x1c.specdist.v1.GenerateRequest\x1a\x1d.specdist.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.specdist.v1.CancelRequest\x1a\x1b.specdist.v1.CancelResponse\x12K\n\rGetServerInfo\x12!.specdist.v1.GetServerInfoRequest\x1a\x17.specdist.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdist/v1/specdist.proto\x12\x0bspecdist.v1\x1a\x18specdist/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd7\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specdist.v1.TokenIdsH\x00\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.specdist.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x0c\n\x04kind\x18\x07 \x01(\tB\x08\n\x06prompt\"\x98\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specdist.v1.FinishReason\x12\x1a\n\x10stop_reason_text\x18\x05 \x01(\tH\x00\x12\x1b\n\x11stop_reason_token\x18\x06 \x01(\x05H\x00\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.specdist.v1.RequestStats\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specdist.v1.TokenLogprobB\r\n\x0bstop_reason\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x16\n\x14GetServerInfoRequest\"\xf1\x04\n\nServerInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x16\n\x0e\x64raft_replicas\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x32\n\x08\x63ounters\x18\x08 \x01(\x0b\x32 .specdist.v1.ServerInfo.Counters\x12\x16\n\x0e\x64raft_pipeline\x18\t \x01(\x08\x12\x1b\n\x13\x64raft_pipeline_miss\x18\n \x01(\t\x12\x13\n\x0b\x63pu_kernels\x18\x0b \x01(\t\x12\x13\n\x0bmemory_plan\x18\x0c \x01(\t\x12\x10\n\x08replicas\x18\r \x01(\r\x12\x15\n\rrouter_policy\x18\x0e \x01(\t\x1a\xf8\x01\n\x08\x43ounters\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x1c\n\x14target_kv_slots_used\x18\x03 \x01(\r\x12\x1b\n\x13\x64raft_kv_slots_used\x18\x04 \x01(\r\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12\x19\n\x11requests_finished\x18\x06 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x07 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\t \x01(\r2\xe7\x01\n\nSpecDecode\x12I\n\x08Generate\x12\x1c.specdist.v1.GenerateRequest\x1a\x1d.specdist.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.specdist.v1.CancelRequest\x1a\x1b.specdist.v1.CancelResponse\x12K\n\rGetServerInfo\x12!.specdist.v1.GetServerInfoRequest\x1a\x17.specdist.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=69
   _globals['_TOKENIDS']._serialized_end=92
   _globals['_GENERATEREQUEST']._serialized_start=95
-  _globals['_GENERATEREQUEST']._serialized_end=296
-  _globals['_GENERATERESPONSE']._serialized_start=299
-  _globals['_GENERATERESPONSE']._serialized_end=579
-  _globals['_CANCELREQUEST']._serialized_start=581
-  _globals['_CANCELREQUEST']._serialized_end=616
-  _globals['_CANCELRESPONSE']._serialized_start=618
-  _globals['_CANCELRESPONSE']._serialized_end=634
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=636
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=658
-  _globals['_SERVERINFO']._serialized_start=661
-  _globals['_SERVERINFO']._serialized_end=1286
-  _globals['_SERVERINFO_COUNTERS']._serialized_start=1038
-  _globals['_SERVERINFO_COUNTERS']._serialized_end=1286
-  _globals['_SPECDECODE']._serialized_start=1289
-  _globals['_SPECDECODE']._serialized_end=1520
+  _globals['_GENERATEREQUEST']._serialized_end=310
+  _globals['_GENERATERESPONSE']._serialized_start=313
+  _globals['_GENERATERESPONSE']._serialized_end=593
+  _globals['_CANCELREQUEST']._serialized_start=595
+  _globals['_CANCELREQUEST']._serialized_end=630
+  _globals['_CANCELRESPONSE']._serialized_start=632
+  _globals['_CANCELRESPONSE']._serialized_end=648
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=650
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=672
+  _globals['_SERVERINFO']._serialized_start=675
+  _globals['_SERVERINFO']._serialized_end=1300
+  _globals['_SERVERINFO_COUNTERS']._serialized_start=1052
+  _globals['_SERVERINFO_COUNTERS']._serialized_end=1300
+  _globals['_SPECDECODE']._serialized_start=1303
+  _globals['_SPECDECODE']._serialized_end=1534
 # @@protoc_insertion_point(module_scope)
