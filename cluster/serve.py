@@ -607,7 +607,7 @@ def build_app(args: dict) -> Any:
     deploy in one line."""
     from ray import serve
 
-    from specdist.api.serving import check_config
+    from specdist.api.preflight import check_config
     from specdist.models.metadata import resolve_sources
 
     args = dict(args)

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdist", description="Exact speculative decoding runtime", **fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from specdist.api.serving import add_serve_arguments, add_tls_arguments, default_config_help
+    from specdist.api.serve_args import add_serve_arguments, add_tls_arguments, default_config_help
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout", **fmt)
     gen.add_argument("prompt", help="the prompt text")
@@ -209,7 +209,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
-            from specdist.api.serving import run_serve
+            from specdist.api.serve_command import run_serve
 
             return run_serve(args)
         if args.command == "cost-model":
@@ -257,7 +257,9 @@ def _generate(args: argparse.Namespace) -> int:
     given = [f for f in ("tls_ca", "tls_cert", "tls_key", "auth_token_file") if getattr(args, f) is not None]
     if given:
         raise SpecDistError(f"--{given[0].replace('_', '-')} only applies with --server (a remote server)")
-    from specdist.api.serving import check_config, describe, shut_down, start_backend
+    from specdist.api.preflight import check_config
+    from specdist.api.serve_command import shut_down
+    from specdist.api.serving import describe, start_backend
     from specdist.config import load_config
     from specdist.sampling_params import SamplingParams
 
@@ -292,7 +294,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """``generate --server``: stream from a running server."""
     # before grpc loads: its C core would also log a failed TLS handshake on stderr, next to the error line
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from specdist.api.serving import run_remote_generate
+    from specdist.api.remote_generate import run_remote_generate
 
     return run_remote_generate(args.server, args.prompt, _sampling_kwargs(args), args.raw, _client_security(args))
 

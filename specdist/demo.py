@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from specdist.api.serving import shut_down, start_backend
+    from specdist.api.serve_command import shut_down
+    from specdist.api.serving import start_backend
 
     t0 = time.perf_counter()
     backend = start_backend(args.config, args.ray_address, log=_log)

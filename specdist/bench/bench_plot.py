@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from specdist.api.serving import MissingDependency
+from specdist.api.preflight import MissingDependency
 
 _MODES = {"concurrency": "concurrency (closed-loop clients)", "request_rate": "request rate, req/s (Poisson arrivals)"}
 _STYLES = ("-", "--", ":", "-.")

@@ -680,7 +680,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Level], list[str], list[s
 
         check_matplotlib()
     if args.config and args.protocol == "http":
-        from specdist.api.serving import check_http_dependencies
+        from specdist.api.preflight import check_http_dependencies
 
         check_http_dependencies()
     return levels, [v for v in VARIANTS if v in wanted], [http_base(u) for u in args.http]

@@ -20,11 +20,13 @@ import pytest
 import yaml
 from support.helpers import tiny_config
 
-import specdist.api.serving as serve_cli
+import specdist.api.preflight as preflight
+import specdist.api.serving as serving
 import specdist.client
 import specdist.models.loader as loader
 from specdist.cli import main
 from specdist.config import Config, load_config
+from specdist.errors import ListenError
 
 
 def _write_config(tmp_path, cfg: dict, name: str = "c.yaml") -> str:
@@ -67,7 +69,7 @@ def busy_port():
 
 
 def test_serve_on_busy_port_fails_before_loading(busy_port, monkeypatch, capsys):
-    monkeypatch.setattr(serve_cli, "start_backend", _never("start_backend"))
+    monkeypatch.setattr(serving, "start_backend", _never("start_backend"))
     with pytest.raises(SystemExit) as ei:
         main(["serve", "--port", str(busy_port)])
     assert ei.value.code == 2
@@ -94,18 +96,18 @@ def test_port_of_a_running_grpc_server_is_refused():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with pytest.raises(serve_cli.ListenError, match="in use"):
-            serve_cli.check_listen("127.0.0.1", port)
+        with pytest.raises(ListenError, match="in use"):
+            preflight.check_listen("127.0.0.1", port)
     finally:
         server.stop(0)
 
 
 def test_check_listen_accepts_a_free_port_and_rejects_bad_ones():
-    serve_cli.check_listen("127.0.0.1", 0)
-    with pytest.raises(serve_cli.ListenError, match=r"\[0, 65535\]"):
-        serve_cli.check_listen("127.0.0.1", 70000)
-    with pytest.raises(serve_cli.ListenError, match="cannot listen on no-such-host.invalid:1"):
-        serve_cli.check_listen("no-such-host.invalid", 1)
+    preflight.check_listen("127.0.0.1", 0)
+    with pytest.raises(ListenError, match=r"\[0, 65535\]"):
+        preflight.check_listen("127.0.0.1", 70000)
+    with pytest.raises(ListenError, match="cannot listen on no-such-host.invalid:1"):
+        preflight.check_listen("no-such-host.invalid", 1)
 
 
 class _FakeDeployment:
@@ -122,8 +124,8 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
     line too, and the backend (here a fake deployment) is still torn down and reported."""
     dep = _FakeDeployment()
     engine = SimpleNamespace(close=lambda: None)
-    monkeypatch.setattr(serve_cli, "check_listen", lambda host, port: None)
-    monkeypatch.setattr(serve_cli, "start_backend", lambda *a, **k: serve_cli.Backend(engine, deployment=dep))
+    monkeypatch.setattr(preflight, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(serving, "start_backend", lambda *a, **k: serving.Backend(engine, deployment=dep))
 
     async def fail_to_bind(*args, **kwargs):
         raise RuntimeError(
@@ -151,7 +153,7 @@ def test_serve_bind_failure_after_loading_is_one_line(monkeypatch, capsys):
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hello"], ["demo"]])
 def test_cluster_without_ray_names_the_extra(command, tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ModuleNotFoundError
-    monkeypatch.setattr(serve_cli, "check_listen", _never("check_listen"))  # the dependency check comes first
+    monkeypatch.setattr(preflight, "check_listen", _never("check_listen"))  # the dependency check comes first
     monkeypatch.setattr(loader, "load_model", _never("load_model"))
     monkeypatch.setattr(loader, "load_tokenizer", _never("load_tokenizer"))
     cfg = _cluster_config(tiny_models, tmp_path)
@@ -182,7 +184,7 @@ def test_a_draft_section_no_method_serves_is_one_line_before_anything_loads(
 ):
     """The draft methods check their names and settings (specdist.cores.proposers.check_draft) where load_config
     cannot: every command that serves a config calls them first, before the port, the models or Ray."""
-    monkeypatch.setattr(serve_cli, "check_listen", _never("check_listen"))
+    monkeypatch.setattr(preflight, "check_listen", _never("check_listen"))
     monkeypatch.setattr(loader, "load_model", _never("load_model"))
     monkeypatch.setattr(loader, "load_tokenizer", _never("load_tokenizer"))
     monkeypatch.setattr(loader, "resolve_model", _never("resolve_model"))
@@ -204,7 +206,7 @@ def test_tensor_parallel_needs_only_ray(tiny_models, tmp_path, monkeypatch):
     def start_backend(config, *args, **kwargs):
         raise BackendReached(config)
 
-    monkeypatch.setattr(serve_cli, "start_backend", start_backend)
+    monkeypatch.setattr(serving, "start_backend", start_backend)
     cfg = _cluster_config(tiny_models, tmp_path, tp=2)
     with pytest.raises(BackendReached):
         main(["serve", "--config", cfg, "--port", "0"])
@@ -242,7 +244,7 @@ def _fake_backend(monkeypatch, deployed: bool, **engine_kwargs):
         made["engine"] = _FakeEngine(cfg, **engine_kwargs)
         made["deployment"] = _FakeDeployment() if deployed else None
         made["ray_address"] = ray_address
-        made["backend"] = serve_cli.Backend(
+        made["backend"] = serving.Backend(
             made["engine"],
             deployment=made["deployment"],
             target_address="10.0.0.1:7000" if deployed else None,
@@ -250,8 +252,8 @@ def _fake_backend(monkeypatch, deployed: bool, **engine_kwargs):
         )
         return made["backend"]
 
-    monkeypatch.setattr(serve_cli, "start_backend", start_backend)
-    monkeypatch.setattr(serve_cli, "check_config", lambda cfg: None)
+    monkeypatch.setattr(serving, "start_backend", start_backend)
+    monkeypatch.setattr(preflight, "check_config", lambda cfg: None)
     return made
 
 
@@ -305,7 +307,7 @@ def test_generate_in_process_passes_raw_text_and_chat_flag(tiny_models, tmp_path
 )
 def test_bad_prompt_fails_before_loading_weights(prompt, needle, tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(loader, "load_model", _never("load_model"))
-    monkeypatch.setattr(serve_cli, "start_backend", _never("start_backend"))
+    monkeypatch.setattr(serving, "start_backend", _never("start_backend"))
     cfg = _write_config(tmp_path, tiny_config(tiny_models, "model", 3))
     with pytest.raises(SystemExit) as ei:
         main(["generate", "--config", cfg, "--raw", prompt])
@@ -421,7 +423,7 @@ def test_remote_generate_finished_request_exits_0(monkeypatch, capsys):
 
 def test_backend_close_reports_the_stopped_deployment(capsys):
     dep = _FakeDeployment(3, 1)
-    serve_cli.Backend(SimpleNamespace(close=lambda: None), deployment=dep).close_and_report()
+    serving.Backend(SimpleNamespace(close=lambda: None), deployment=dep).close_and_report()
     err = capsys.readouterr().err
     assert dep.stopped
     assert "[specdist] stopping the deployment" in err

@@ -16,12 +16,14 @@ from support.helpers import LoopThread, model_drafter, tiny_config
 
 from specdist import Engine, SamplingParams
 from specdist.api.metrics import FINISH_REASONS, Metrics
-from specdist.api.serving import ListenError, run_serve, start_serving
+from specdist.api.serve_command import run_serve
+from specdist.api.serving import start_serving
 from specdist.client import SpecDistClient
 from specdist.cores.target import LocalVerifier
 from specdist.engine.output_processor import PHASES, RequestFinished, StepEvent
 from specdist.engine.prompts import EncodedPrompt
 from specdist.engine.scheduler import Scheduler
+from specdist.errors import ListenError
 
 K = 3
 TIME_TOL = 1e-9  # histogram sums against the same floats summed in another order

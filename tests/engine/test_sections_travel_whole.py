@@ -20,7 +20,8 @@ import pytest
 from support.helpers import tiny_config
 
 from cluster.deployment import ClusterSpec, Deployment, _Handle
-from specdist.api import serving
+from specdist.api import serve_command
+from specdist.api.preflight import check_config
 from specdist.config import EngineConfig, load_config
 from specdist.cores import factory, proposers
 from specdist.engine.local import Engine
@@ -103,7 +104,7 @@ def test_a_new_engine_key_reaches_the_workers_factory_through_the_deployment(
     section whole to the workers, and hands it to the RemoteEngine over them."""
     cfg = with_new_key(load_config(tiny_config(tiny_models, method="model", max_batch_size=3)), "on the workers")
     dep = Deployment(ClusterSpec(tensor_parallel_size=1, num_draft_workers=1))
-    dep.config, dep.sources, dep.draft = cfg, resolve_sources(cfg), serving.check_config(cfg)
+    dep.config, dep.sources, dep.draft = cfg, resolve_sources(cfg), check_config(cfg)
     target, draft = TargetRankActor(0, 1, num_threads=None), DraftActor(0, num_threads=None)
     try:
         dep._load_call(_Handle("target rank 0", AsRay(target), "target"))  # noqa: SLF001 - the deployment's load
@@ -133,10 +134,10 @@ def test_serve_checks_the_draft_section_once(tiny_models, draft_checks, monkeypa
     async def serve(backend, args):
         served.append(backend.engine)
 
-    monkeypatch.setattr(serving, "_serve_until_signalled", serve)
+    monkeypatch.setattr(serve_command, "_serve_until_signalled", serve)
     args = argparse.Namespace(
         config=tiny_config(tiny_models, method="model"), host="127.0.0.1", port=0, max_queued=4, drain_seconds=0.0
     )
-    assert serving.run_serve(args) == 0
+    assert serve_command.run_serve(args) == 0
     assert isinstance(served[0], Engine) and served[0].draft_core.method == "model"
     assert draft_checks == ["model"]

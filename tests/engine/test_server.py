@@ -277,7 +277,7 @@ def test_coordinator_streaming_api(srv, loop_thread, ref):
 
 
 def test_remote_generate_cli(srv, ref, capsys):
-    from specdist.api.serving import run_remote_generate
+    from specdist.api.remote_generate import run_remote_generate
 
     assert run_remote_generate(srv.address, "a b", dict(max_tokens=8, temperature=0), raw=False) == 0
     out = capsys.readouterr()
@@ -507,7 +507,7 @@ def test_failed_step_fails_only_the_batch(srv, loop_thread, ref):
 
 
 def test_admission_and_graceful_stop(loop_thread, tiny_models, ref, capsys):
-    from specdist.api.serving import run_remote_generate
+    from specdist.api.remote_generate import run_remote_generate
 
     s = start_server(loop_thread, tiny_models, max_queued=2, drain_seconds=60)  # a deadline, not a wait
     try:

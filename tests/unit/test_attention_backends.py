@@ -190,7 +190,7 @@ def test_the_backend_is_chosen_by_name_from_the_config(tmp_path) -> None:
     from support.helpers import save_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from specdist.api.serving import check_config
+    from specdist.api.preflight import check_config
     from specdist.config import load_config
     from specdist.errors import ConfigError
     from specdist.models.kv.options import KVOptions

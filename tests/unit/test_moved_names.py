@@ -20,6 +20,14 @@ MOVED = [
     ("specdist.cores.collectives", "CollectiveDeadline", "specdist.cores.target"),
     ("specdist.cores.collectives", "apply_op", "specdist.cores.target"),
     ("specdist.clock", "now", "specdist.transport.protocol"),  # the system's clock, at the bottom of the layers
+    # api/serving.py was a catch-all: it keeps the serving assembly (Backend, start_backend, start_serving)
+    ("specdist.api.serve_args", "add_serve_arguments", "specdist.api.serving"),  # serve's flags
+    ("specdist.api.preflight", "check_listen", "specdist.api.serving"),  # what serve checks before loading
+    ("specdist.api.preflight", "check_config", "specdist.api.serving"),
+    ("specdist.api.preflight", "MissingDependency", "specdist.api.serving"),
+    ("specdist.api.serve_command", "run_serve", "specdist.api.serving"),  # the command: signals, drain, tear-down
+    ("specdist.api.serve_command", "shut_down", "specdist.api.serving"),
+    ("specdist.api.remote_generate", "run_remote_generate", "specdist.api.serving"),  # generate --server
 ]
 
 

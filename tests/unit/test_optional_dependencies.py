@@ -100,7 +100,7 @@ def test_the_watch_sees_an_import_from_specdist() -> None:
 
 def test_a_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path) -> None:
     """`specdist cost-model --plot` on the core install: one line naming the extra, not an ImportError."""
-    from specdist.api.serving import MissingDependency
+    from specdist.api.preflight import MissingDependency
     from specdist.bench.cost_plot import plot_speedup
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError

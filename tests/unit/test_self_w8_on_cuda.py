@@ -1,6 +1,6 @@
 """``self-w8`` drafting (and hybrid's, which drafts with the same int8 copy) is refused on CUDA when the config is
 checked, before any model loads: one line naming ``draft.method`` (specdist.models.quant.refuse_int8_on), from the
-serving assembly's check (specdist.api.serving.check_config) and from Engine.from_config. Runs on the CPU: CUDA is
+serving assembly's check (specdist.api.preflight.check_config) and from Engine.from_config. Runs on the CPU: CUDA is
 only named (or reported available), never used."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.helpers import tiny_config
 
-from specdist.api.serving import check_config
+from specdist.api.preflight import check_config
 from specdist.config import load_config
 from specdist.engine.local import Engine
 from specdist.errors import ConfigError
