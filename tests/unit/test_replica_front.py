@@ -82,12 +82,15 @@ def test_a_stream_runs_on_the_replica_that_admitted_it():
 
     async def go():
         s = await front.open([1, 2, 3], request_id="r")
-        return s.replica_id, await _drain(s)
+        deltas = await _drain(s)
+        s.close()  # after its end: nothing more is counted
+        return s.replica_id, deltas
 
     rid, deltas = asyncio.run(go())
     assert rid == "A" and [d.token_ids for d in deltas] == [[1, 2], [3]]
-    assert front.routed == {"A": 1} and front.counters()["live_requests"] == 0
-    assert front.counters()["requests_finished"] == 1
+    counts = front.counters()
+    assert front.routed == {"A": 1} and counts["live_requests"] == counts["active_streams"] == 0
+    assert (counts["requests_total"], counts["requests_finished"], counts["requests_cancelled"]) == (1, 1, 0)
     body, _ = front.metrics.render()
     assert b'specdist_router_requests_total{policy="round-robin",replica="A"} 1.0' in body
     assert b"specdist_replicas 2.0" in body
