@@ -1,4 +1,4 @@
-"""An asyncio front end over an engine (:class:`~specdist.api.admission.ServedEngine`: an in-process
+"""An asyncio front end over an engine (an :class:`~specdist.engine.base.EngineBase`: an in-process
 :class:`~specdist.engine.local.Engine` or a :class:`~specdist.engine.remote.RemoteEngine`): continuous batching for
 many streams.
 
@@ -36,13 +36,13 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specdist.api.admission import ServedEngine
 from specdist.api.availability import Availability
 from specdist.api.engine_thread import EngineThread
 from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, RequestStream, scoped
 from specdist.api.metrics import Metrics
 from specdist.api.refusals import EngineDown, ShuttingDown, target_unavailable_message
 from specdist.api.tokenizer_pool import TokenizerPool
+from specdist.engine.base import EngineBase
 from specdist.engine.prompts import EncodedPrompt
 from specdist.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ from specdist.sampling_params import SamplingParams
 class Coordinator(HoldsLiveRequests):
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
-    def __init__(self, engine: ServedEngine, max_queued: int = 256, tenant_quota: int | None = None):
+    def __init__(self, engine: EngineBase, max_queued: int = 256, tenant_quota: int | None = None):
         self.live = LiveRequests(max_queued, tenant_quota)
         self.engine = engine
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)

@@ -50,8 +50,8 @@ from specdist.errors import ErrorCode
 from specdist.logprobs import TokenLogprob
 from specdist.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the thread drives any object with the engine API (Engine, RemoteEngine)
-    from specdist.engine.local import Engine
+if TYPE_CHECKING:  # the thread drives an engine (Engine, RemoteEngine: EngineBase's API)
+    from specdist.engine.base import EngineBase
     from specdist.engine.request import Request, RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class EngineThread:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineBase,
         on_deltas: Callable[[list[Delta]], None],
         on_death: Callable[[str], None],
         on_availability: Callable[[], None],

@@ -1,12 +1,13 @@
 """The coordinator module is imported for the Coordinator alone: the names its API speaks in (deltas, streams,
 refusals, prompts, ids) come from the modules that define them, one import path each, and coordinator.py keeps no
-list of re-exports; the engine it serves is typed by what the servers read of it (ServedEngine)."""
+list of re-exports. The engine it drives is typed as what it is, an EngineBase (Engine, RemoteEngine), and every
+name the coordinator and its engine thread use of it is EngineBase's."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import typing
+import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,9 +26,27 @@ def test_the_coordinator_module_is_imported_for_the_coordinator_alone():
     assert not elsewhere, f"import these from where they are defined: {elsewhere}"
 
 
-def test_the_coordinator_re_exports_nothing_and_serves_a_served_engine():
-    from specdist.api.admission import ServedEngine
+def test_the_coordinator_re_exports_nothing_and_drives_an_engine_base():
     from specdist.api.coordinator import Coordinator
+    from specdist.api.engine_thread import EngineThread
+    from specdist.engine.base import EngineBase
+    from specdist.engine.local import Engine
+    from specdist.engine.remote import RemoteEngine
 
     assert not hasattr(importlib.import_module("specdist.api.coordinator"), "__all__")
-    assert typing.get_type_hints(Coordinator.__init__)["engine"] is ServedEngine
+    for cls in (Coordinator, EngineThread):  # (the annotations are strings: `from __future__ import annotations`)
+        assert inspect.signature(cls.__init__).parameters["engine"].annotation == "EngineBase"
+    assert issubclass(Engine, EngineBase) and issubclass(RemoteEngine, EngineBase)
+    used = set()  # self.engine.<name> in the modules that drive it
+    for module in ("coordinator", "engine_thread"):
+        tree = ast.parse((ROOT / "specdist" / "api" / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "engine"
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"
+            ):
+                used.add(node.attr)
+    assert used and not {n for n in used if not hasattr(EngineBase, n)}, sorted(used)
