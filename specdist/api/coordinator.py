@@ -186,6 +186,7 @@ class Coordinator(HoldsLiveRequests):
         scope: str = "",
         tenant: str = "",
         session: str | None = None,
+        kind: str | None = None,
     ) -> RequestStream:
         """Admit a request and return its stream (the caller must ``close()`` it or read it to the end).
 
@@ -196,8 +197,8 @@ class Coordinator(HoldsLiveRequests):
         ``scope``: whose id it is (the caller, :func:`scoped`): ids are unique, and cancelled, within a scope, so
         a caller neither sees nor touches another's requests by their ids. ``tenant``: who the request belongs to
         (:func:`specdist.transport.security.tenant_of`): the cores share state only within a tenant. ``session``:
-        the client's session id, which only a router over several groups uses (ReplicaFront.open): one group
-        holds every session already.
+        the client's session id, and ``kind``, what sort of request it is: only a router over several groups reads
+        them (ReplicaFront.open); one group holds every session already and has no replicas to choose by kind.
         """
         self.availability.check_serving()
         self.start()

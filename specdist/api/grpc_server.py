@@ -53,7 +53,7 @@ from specdist.api.admission import (
     request_stats,
     server_info,
 )
-from specdist.api.codecs import finish_reason_to_proto, kind_argument
+from specdist.api.codecs import finish_reason_to_proto
 from specdist.api.coordinator import Coordinator
 from specdist.api.engine_thread import Delta
 from specdist.config import tenant_scope_line
@@ -101,7 +101,7 @@ class SpecDecodeServicer(specdist_pb2_grpc.SpecDecodeServicer):
                 scope=caller(context, tenant),
                 tenant=tenant,
                 session=request.session_id or None,
-                **kind_argument(self.coordinator, request.kind or None),
+                kind=request.kind or None,
             )
         except Exception as e:  # each refusal has its code; INTERNAL: not the client's fault
             code = refusal_code(e, "Generate")  # INTERNAL: logged there, with its traceback

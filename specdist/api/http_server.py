@@ -104,7 +104,6 @@ from specdist.api.admission import (
     refusal_code,
     server_info,
 )
-from specdist.api.codecs import kind_argument
 from specdist.api.coordinator import Coordinator
 from specdist.api.engine_thread import Delta
 from specdist.api.live_requests import RequestStream
@@ -629,7 +628,7 @@ class _OpenAIFrontEnd:
                         rid,
                         tenant=tenant,
                         session=call.session,
-                        **kind_argument(self.coordinator, call.kind),
+                        kind=call.kind,
                     )
                 )
         except Exception as e:  # each refusal has its code

@@ -5,6 +5,7 @@ one-group coordinator, which has no router, is not handed one."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import grpc
 import pytest
@@ -14,7 +15,6 @@ try:  # the HTTP library the openai client is built on (httpx2 in recent release
 except ImportError:
     import httpx
 
-from specdist.api.codecs import kind_argument
 from specdist.api.coordinator import Coordinator
 from specdist.api.engine_thread import Delta
 from specdist.api.replica_set import Admitted, FrontEngine, ReplicaFront
@@ -61,11 +61,11 @@ def _front():
     return ReplicaFront(engine, t, max_queued=8), t
 
 
-def test_the_kind_is_a_keyword_only_for_a_backend_that_routes_by_it():
-    front, _ = _front()
-    assert kind_argument(front, "edit") == {"kind": "edit"}
-    assert kind_argument(front, None) == {}
-    assert kind_argument(object.__new__(Coordinator), "edit") == {}  # one group: no router to read it
+def test_both_backends_take_the_kind():
+    """The servers hand ``kind`` to whichever backend they serve: the replicas' front routes by it, one group's
+    coordinator takes it and has no replicas to choose among."""
+    for backend in (ReplicaFront, Coordinator):
+        assert inspect.signature(backend.open).parameters["kind"].default is None
 
 
 def test_grpc_kind_reaches_the_router_and_a_bad_one_is_invalid_argument():
