@@ -38,7 +38,7 @@ from typing import Any
 
 from specdist.api.availability import Availability
 from specdist.api.engine_thread import EngineThread
-from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, RequestStream, scoped
+from specdist.api.live_requests import HoldsLiveRequests, LiveRequests, RequestStream, TenantQuota, scoped
 from specdist.api.metrics import Metrics
 from specdist.api.refusals import EngineDown, ShuttingDown, target_unavailable_message
 from specdist.api.tokenizer_pool import TokenizerPool
@@ -50,7 +50,7 @@ from specdist.sampling_params import SamplingParams
 class Coordinator(HoldsLiveRequests):
     """Serves many concurrent generation streams from one engine (see the module docstring)."""
 
-    def __init__(self, engine: EngineBase, max_queued: int = 256, tenant_quota: int | None = None):
+    def __init__(self, engine: EngineBase, max_queued: int = 256, tenant_quota: TenantQuota = None):
         self.live = LiveRequests(max_queued, tenant_quota)
         self.engine = engine
         # limits.speculative_stats false: a step's tokens reach a stream one a delta (RequestStream.deliver)

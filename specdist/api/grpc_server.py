@@ -301,8 +301,12 @@ async def serve(
     line = tenant_scope_line(engine.config, len(token) if isinstance(token, tuple) else 1)
     if line is not None:
         print(f"[specdist] {line}", file=sys.stderr, flush=True)
-    tenants = len(token) if isinstance(token, tuple) else 1
-    quota = engine.config.limits.tenant_quota(max_queued, tenants)
+    tokens = security.tokens
+
+    def quota() -> int | None:  # by the tenants the token file holds now (re-read when it changes)
+        token = tokens.now()[0]
+        return engine.config.limits.tenant_quota(max_queued, len(token) if isinstance(token, tuple) else 1)
+
     if coordinator is None:
         coordinator = Coordinator(engine, max_queued=max_queued, tenant_quota=quota)
     else:  # the front over Serve replicas (specdist.api.replica_set.ReplicaFront): the same quota, over them all

@@ -96,16 +96,30 @@ class RequestStream:
         self._queue.put_nowait(delta)
 
 
+# live requests one tenant may hold: a number, None (no quota), or what a function says at each admission (the
+# server's default quota follows the tenants its token file holds, which is re-read when it changes)
+TenantQuota = int | None | Callable[[], int | None]
+
+
 class LiveRequests:
     """The streams of the live requests by key (module docstring), and the totals since start."""
 
-    def __init__(self, max_queued: int = 256, tenant_quota: int | None = None):
+    def __init__(self, max_queued: int = 256, tenant_quota: TenantQuota = None):
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
-        if tenant_quota is not None and tenant_quota < 1:
-            raise ValueError(f"tenant_quota must be >= 1, got {tenant_quota}")
         self.max_queued = max_queued
-        self.tenant_quota = tenant_quota  # live requests one tenant may hold (None: no quota)
+        self.tenant_quota = tenant_quota
+
+    @property
+    def tenant_quota(self) -> int | None:
+        """Live requests one tenant may hold now (None: no quota)."""
+        return self._quota() if callable(self._quota) else self._quota
+
+    @tenant_quota.setter
+    def tenant_quota(self, quota: TenantQuota) -> None:
+        if isinstance(quota, int) and quota < 1:
+            raise ValueError(f"tenant_quota must be >= 1, got {quota}")
+        self._quota = quota
         # by key; admission reads only a stream's tenant (the front over Serve replicas keeps its ReplicaStreams)
         self.streams: dict[str, RequestStream] = {}
         totals = ("requests_total", "requests_finished", "requests_cancelled", "requests_failed")
@@ -215,5 +229,5 @@ class HoldsLiveRequests(abc.ABC):
         return self.live.tenant_quota
 
     @tenant_quota.setter
-    def tenant_quota(self, n: int | None) -> None:
-        self.live.tenant_quota = n
+    def tenant_quota(self, quota: TenantQuota) -> None:
+        self.live.tenant_quota = quota

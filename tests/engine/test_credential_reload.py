@@ -298,3 +298,37 @@ def test_a_replaced_client_ca_admits_its_clients_and_refuses_the_old_ones(mtls_s
     _replace(f["client_ca"], open(f["ca2"], "rb").read())
     wait_until("every port to admit the new CA's client", lambda: admitted("client2") == (True, True, True), LIMIT_S)
     assert admitted("client1") == (False, False, False)  # the old CA's clients refused on every port
+
+
+# ---------------------------------------------------------------- the default tenant quota follows the token file
+def test_the_default_tenant_quota_follows_the_tenants_the_token_file_holds(tmp_path, tiny_models):
+    """With ``limits.max_queued_per_tenant`` unset, one tenant has no quota and several have half the places each
+    (``LimitsConfig.tenant_quota``): a second tenant's token added to the file gives the quota without a restart,
+    and taking it out again removes it."""
+    token_file = str(tmp_path / "token")
+    _replace(token_file, f"{TOKEN_A}\n".encode())
+    patch = pytest.MonkeyPatch()
+    patch.setattr(security, "RELOAD_CHECK_S", 0.05)
+    lt = LoopThread()
+    engine = Engine.from_config(tiny_config(tiny_models, "none"))
+    serving = lt.run(
+        start_serving(
+            backend=Backend(engine),
+            host="127.0.0.1",
+            port=0,
+            drain_seconds=1,
+            max_queued=8,
+            security=ServerSecurity.from_args(auth_token_file=token_file),
+        )
+    )
+    try:
+        coordinator = serving.server.coordinator
+        assert coordinator.tenant_quota is None  # one tenant: every place is its own
+        _replace(token_file, f"{TOKEN_A}\n{TOKEN_C}\n".encode())
+        wait_until("two tenants' quota (half of 8 places)", lambda: coordinator.tenant_quota == 4, LIMIT_S)
+        _replace(token_file, f"{TOKEN_C}\n".encode())
+        wait_until("one tenant again: no quota", lambda: coordinator.tenant_quota is None, LIMIT_S)
+    finally:
+        lt.run(serving.stop())
+        lt.close()
+        patch.undo()
