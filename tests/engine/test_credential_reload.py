@@ -14,6 +14,7 @@ The server checks the files at most every ``RELOAD_CHECK_S``, here 50 ms; the te
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -79,28 +80,37 @@ def _replace(path: str, data: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-@pytest.fixture(scope="module")
-def server(files, tiny_models):
+@contextlib.contextmanager
+def _serving(tiny_models, make_security, **ports):
+    """``start_serving`` over the tiny models, its files checked every 50 ms; ``make_security`` runs after that
+    patch, so the files it reads are watched at that interval."""
     patch = pytest.MonkeyPatch()
     patch.setattr(security, "RELOAD_CHECK_S", 0.05)
     lt = LoopThread()
     engine = Engine.from_config(tiny_config(tiny_models, "none"))
-    sec = ServerSecurity.from_args(files["cert"], files["key"], None, files["token"], files["admin"])
     serving = lt.run(
         start_serving(
-            backend=Backend(engine),
-            host="127.0.0.1",
-            port=0,
-            drain_seconds=1,
-            security=sec,
-            http_port=0,
-            metrics_port=0,
+            backend=Backend(engine), host="127.0.0.1", port=0, drain_seconds=1, security=make_security(), **ports
         )
     )
-    yield serving
-    lt.run(serving.stop())
-    lt.close()
-    patch.undo()
+    try:
+        yield serving
+    finally:
+        lt.run(serving.stop())
+        lt.close()
+        patch.undo()
+
+
+@pytest.fixture(scope="module")
+def server(files, tiny_models):
+    f = files
+    with _serving(
+        tiny_models,
+        lambda: ServerSecurity.from_args(f["cert"], f["key"], None, f["token"], f["admin"]),
+        http_port=0,
+        metrics_port=0,
+    ) as serving:
+        yield serving
 
 
 def _der(path: str) -> bytes:
@@ -235,27 +245,14 @@ def mtls_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtls_server(mtls_files, tiny_models):
-    patch = pytest.MonkeyPatch()
-    patch.setattr(security, "RELOAD_CHECK_S", 0.05)
-    lt = LoopThread()
-    engine = Engine.from_config(tiny_config(tiny_models, "none"))
     f = mtls_files
-    sec = ServerSecurity.from_args(f["server"], f["server_key"], f["client_ca"])
-    serving = lt.run(
-        start_serving(
-            backend=Backend(engine),
-            host="127.0.0.1",
-            port=0,
-            drain_seconds=1,
-            security=sec,
-            http_port=0,
-            metrics_port=0,
-        )
-    )
-    yield serving
-    lt.run(serving.stop())
-    lt.close()
-    patch.undo()
+    with _serving(
+        tiny_models,
+        lambda: ServerSecurity.from_args(f["server"], f["server_key"], f["client_ca"]),
+        http_port=0,
+        metrics_port=0,
+    ) as serving:
+        yield serving
 
 
 def _grpc_admits(server, files, client: str) -> bool:
@@ -307,28 +304,10 @@ def test_the_default_tenant_quota_follows_the_tenants_the_token_file_holds(tmp_p
     and taking it out again removes it."""
     token_file = str(tmp_path / "token")
     _replace(token_file, f"{TOKEN_A}\n".encode())
-    patch = pytest.MonkeyPatch()
-    patch.setattr(security, "RELOAD_CHECK_S", 0.05)
-    lt = LoopThread()
-    engine = Engine.from_config(tiny_config(tiny_models, "none"))
-    serving = lt.run(
-        start_serving(
-            backend=Backend(engine),
-            host="127.0.0.1",
-            port=0,
-            drain_seconds=1,
-            max_queued=8,
-            security=ServerSecurity.from_args(auth_token_file=token_file),
-        )
-    )
-    try:
+    with _serving(tiny_models, lambda: ServerSecurity.from_args(auth_token_file=token_file), max_queued=8) as serving:
         coordinator = serving.server.coordinator
         assert coordinator.tenant_quota is None  # one tenant: every place is its own
         _replace(token_file, f"{TOKEN_A}\n{TOKEN_C}\n".encode())
         wait_until("two tenants' quota (half of 8 places)", lambda: coordinator.tenant_quota == 4, LIMIT_S)
         _replace(token_file, f"{TOKEN_C}\n".encode())
         wait_until("one tenant again: no quota", lambda: coordinator.tenant_quota is None, LIMIT_S)
-    finally:
-        lt.run(serving.stop())
-        lt.close()
-        patch.undo()
