@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 from support.gtest import MAX_MODEL_LEN, VOCAB, Case, K, N, _prob_table, draft_stats, g_test_outputs, joint
-from support.helpers import devices, remote_engine_like, tiny_config
+from support.helpers import case_params, devices, remote_engine_like, tiny_config
 from support.rejection_law import one_step_distribution
 
 from specdist.cores.proposers.eagle3 import Eagle3Proposer
@@ -191,17 +191,7 @@ def _g_test(
     served = None
     if transport == "remote":  # the same cores behind their gRPC servicers: states and q on the wire
         eng, served = remote_engine_like(local)
-    params = [
-        SamplingParams(
-            max_tokens=case.max_tokens,
-            temperature=case.temperature,
-            top_k=case.top_k,
-            top_p=case.top_p,
-            seed=seed0 + i,
-            ignore_eos=True,
-        )
-        for i in range(n)
-    ]
+    params = case_params(case, n, seed0)
     try:
         outs = eng.generate([list(case.prompt)] * n, params)
     finally:

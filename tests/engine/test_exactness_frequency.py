@@ -61,7 +61,7 @@ from support.gtest import (  # noqa: F401  (constants used below)
     seq_index,
     speculative_law,
 )
-from support.helpers import frozen_adaptive_policy, sample_engine, tiny_config
+from support.helpers import case_params, frozen_adaptive_policy, sample_engine, tiny_config
 
 from specdist.engine.local import Engine
 from specdist.sampling_params import SamplingParams
@@ -235,17 +235,7 @@ def sample_suffix_engine(models: dict, case: Case, n: int, seed0: int, draft: di
     if draft.get("length_policy") == "adaptive":
         # deterministic choices: how much is drafted must not vary
         eng.scheduler.length_policy = frozen_adaptive_policy(K)
-    params = [
-        SamplingParams(
-            max_tokens=case.max_tokens,
-            temperature=case.temperature,
-            top_k=case.top_k,
-            top_p=case.top_p,
-            seed=seed0 + i,
-            ignore_eos=True,
-        )
-        for i in range(n)
-    ]
+    params = case_params(case, n, seed0)
     return eng.generate([list(case.prompt)] * n, params), eng
 
 

@@ -339,7 +339,6 @@ def sample_engine(
     (RemoteEngine, the same target and draft cores behind real servicers on 127.0.0.1). ``kv``: the
     KV cache (engine.kv_cache): slots, or paged (blocks of 4 tokens, the paged backend's torch form)."""
     from specdist.engine.local import Engine
-    from specdist.sampling_params import SamplingParams
     from support.gtest import BATCH, MAX_MODEL_LEN, K
 
     cfg = tiny_config(
@@ -353,17 +352,7 @@ def sample_engine(
     )
     cfg["sampling"] = {"coupling": case.coupling}
     if transport == "serve":
-        params = [
-            SamplingParams(
-                max_tokens=case.max_tokens,
-                temperature=case.temperature,
-                top_k=case.top_k,
-                top_p=case.top_p,
-                seed=seed0 + i,
-                ignore_eos=True,
-            )
-            for i in range(n)
-        ]
+        params = case_params(case, n, seed0)
         return sample_through_replicas(cfg, list(case.prompt), params)
     eng = Engine.from_config(cfg)
     served = None
@@ -371,7 +360,22 @@ def sample_engine(
         eng, served = remote_engine_like(eng)
     if setup is not None:
         setup(eng)
-    params = [
+    params = case_params(case, n, seed0)
+    # One call: requests join the running batch as others finish (continuous batching),
+    # so batches mix requests at different positions and draft lengths.
+    try:
+        return eng.generate([list(case.prompt)] * n, params)
+    finally:
+        if served is not None:
+            eng.close()
+            served.close()
+
+
+def case_params(case, n: int, seed0: int) -> list:
+    """A sampling case's ``n`` requests' parameters, seeds ``seed0`` on, run to ``max_tokens`` (EOS ignored)."""
+    from specdist.sampling_params import SamplingParams
+
+    return [
         SamplingParams(
             max_tokens=case.max_tokens,
             temperature=case.temperature,
@@ -382,14 +386,6 @@ def sample_engine(
         )
         for i in range(n)
     ]
-    # One call: requests join the running batch as others finish (continuous batching),
-    # so batches mix requests at different positions and draft lengths.
-    try:
-        return eng.generate([list(case.prompt)] * n, params)
-    finally:
-        if served is not None:
-            eng.close()
-            served.close()
 
 
 def sample_through_replicas(cfg: dict, prompt: list[int], params: list, replicas: int = 2, concurrency: int = 64):
