@@ -175,13 +175,14 @@ def build_requests(
     groups = load(workload)
     copies = copies or max(1, math.ceil(replicas / 2))
     turns = [t for g in groups for t in g]
-    mean_out = sum(t.output_tokens for t in turns) / len(turns)
+    # a request's target steps: its output over its kind's tokens a step (the mean of the ratios, not the ratio
+    # of the means: a workload of long low-acceptance and short high-acceptance requests costs the former's steps)
+    mean_steps = sum(t.output_tokens / model.expected_tokens(model.alpha[t.kind]) for t in turns) / len(turns)
     mean_prompt = sum(len(t.prompt) for t in turns) / len(turns)
-    e = sum(model.expected_tokens(model.alpha[t.kind]) for t in turns) / len(turns)
     b = model.max_batch_size
     full_step = model.step_base_s + model.verify_token_s * (model.k + 1) * b
     # a replica's requests a second at full batch: decode steps plus each request's prefill (no cache hits)
-    per_request_s = (mean_out / e) * full_step / b + mean_prompt * model.prefill_token_s
+    per_request_s = mean_steps * full_step / b + mean_prompt * model.prefill_token_s
     rate = load_factor * replicas / per_request_s / (len(turns) / len(groups))  # sessions (groups) a second
     order = random.Random(f"{seed}-order")
     arrivals = random.Random(f"{seed}-arrivals")
