@@ -33,7 +33,7 @@ import heapq
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdist.config import ROUTER_POLICIES, RouterConfig
@@ -54,6 +54,10 @@ __all__ = [
 DEFAULT_KIND = "default"
 # Tokens a step assumed for a kind a replica has not measured yet (and no other kind either): plain decoding.
 PRIOR_TOKENS_PER_STEP = 1.0
+# A target step's seconds for each request in it, assumed while no replica has measured a step (a cold start):
+# a step proportional to its batch, so that the requests' steps and their overlaps weigh before the first
+# measurement (with no cost at all, every replica ties and the first requests land by turn, long with long).
+PRIOR_STEP_S_PER_REQUEST = 0.01
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, scope: str = "") -> tuple[int, ...]:
@@ -362,32 +366,44 @@ class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`)."""
 
     def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
-        """Seconds until this request would finish on the replica: (the target steps before it gets a batch
-        slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
-        lacks. ``costs``: the replica's costs (:meth:`costs`; default: its own measurements as reported).
+        """Seconds until this request would finish on the replica, and the seconds it would add to the requests
+        already there: the cost of sending it there. ``costs``: the replica's costs (:meth:`costs`; default: its
+        own measurements as reported).
 
-        Steps before a slot: the replica's pending work in target steps (each queued or running request's
-        remaining tokens over the tokens a step gives its kind there), laid on its ``max_batch_size`` slots:
-        the running requests hold theirs, the queued ones (then those this router sent since the report)
-        take the first slots to free, and this request the next (0 while a slot is free: a batch runs its
-        requests side by side). Step time with it: the fit at the batch it joins (the running, queued
-        and sent requests and itself, at most ``max_batch_size``; kept for its whole run: under load a slot
-        that frees is taken again), so that requests sent between two reports do not all pile onto the
-        replica that reported the fastest steps. Its own steps: its ``max_tokens`` over the tokens a step
-        gives its kind there, more where the suffix index holds its session (measured on such requests).
-        Affinity is this term and the prefill: the replica holding the session drafts better and prefills
-        less."""
+        The replica's requests are laid on its ``max_batch_size`` slots in target steps (a request's remaining
+        tokens over the tokens a step gives its kind there): the running ones hold theirs from now, the queued
+        ones (then those this router sent since the report) take the first slots to free, and this request the
+        next. A step's seconds are ``step_s + step_s_per_request x requests`` in it, so this request's own
+        ``n`` steps cost ``n x (step_s + step_s_per_request)`` plus ``step_s_per_request`` for every step of
+        another request it overlaps, and each such overlap is a step's ``step_s_per_request`` it adds to that
+        request: a long low-acceptance request beside another long one costs both for their whole runs, beside
+        short edits only until those end. Its steps: its ``max_tokens`` over the tokens a step gives its kind
+        there, more where the suffix index holds its session (measured on such requests). The steps before
+        it gets a slot run a full batch. Affinity is that term and the prefill of the prompt's uncached part
+        (which also stalls the running requests for its length): the replica holding the session drafts better
+        and prefills less."""
         s, c = view.stats, costs or view.stats.costs()
-        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running]
-        slots += [0.0] * max(0, s.max_batch_size - len(slots))
+        batch = max(1, s.max_batch_size)
+        spans: list[tuple[float, float]] = []  # (first, end) target step of each request there, from now
+        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running[:batch]]
+        spans += [(0.0, end) for end in slots]
+        slots += [0.0] * (batch - len(slots))
         heapq.heapify(slots)
-        for p in [*s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
-            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / c.step_tokens(p.kind))
+        for p in [*s.running[batch:], *s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
+            start = heapq.heappop(slots)
+            end = start + p.remaining_tokens / c.step_tokens(p.kind)
+            spans.append((start, end))
+            heapq.heappush(slots, end)
         wait = slots[0]
         own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+        overlap = sum(max(0.0, min(end, wait + own) - max(first, wait)) for first, end in spans)
         uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
-        batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
-        return (wait + own) * (c.step_s + c.step_s_per_request * batch) + uncached * c.prefill_s_per_token
+        prefill = uncached * c.prefill_s_per_token
+        waiting = wait * (c.step_s + c.step_s_per_request * batch)
+        running = own * (c.step_s + c.step_s_per_request) + overlap * c.step_s_per_request
+        beside = sum(1 for first, end in spans if first <= wait < end)  # running as it is prefilled
+        added = overlap * c.step_s_per_request + prefill * beside
+        return waiting + running + prefill + added
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
         costs = self.costs(replicas, now)
@@ -459,7 +475,7 @@ class SpeculativePolicy(Policy):
         out = {}
         for v in replicas:
             rid = v.replica_id
-            step = aged(rid, steps.get(rid), step_pool) or (0.0, 0.0)
+            step = aged(rid, steps.get(rid), step_pool) or (0.0, PRIOR_STEP_S_PER_REQUEST)
             out[rid] = Costs(
                 step[0], step[1], aged(rid, prefills.get(rid), prefill_pool) or 0.0, tps[rid], held_tps[rid]
             )
@@ -479,14 +495,18 @@ class Router:
 
     ``report(stats)`` takes a replica's report (an older one than held is ignored); ``choose(request, now,
     candidates)`` picks among ``candidates`` (default: every replica that reported) and books the request
-    on the chosen replica; ``done(replica_id, request_id)`` when it ends. A booked request stays counted
-    until it ends or a report made after it was sent lists it or not (then the report speaks for it)."""
+    on the chosen replica; ``done(replica_id, request_id, now)`` when it ends. A booked request stays counted
+    until it ends or a report made after it was sent lists it or not (then the report speaks for it); a
+    request that ended is taken out of the replica's report until a report made after its end: a report lags,
+    and a closed-loop client's next request, sent the moment its last one ended, would otherwise see that
+    one still running where it ran, the very replica with a free slot."""
 
     def __init__(self, config: RouterConfig, block_size: int, seed: int = 0):
         self.config = config
         self.policy = make_policy(config, block_size, seed)
         self.stats: dict[str, ReplicaStats] = {}
         self.sent: dict[str, dict[str, tuple[float, RouteRequest]]] = {}  # replica -> request id -> (sent, req)
+        self.ended: dict[str, dict[str, float]] = {}  # replica -> request id -> when it ended (after its report)
         self.turn = 0  # round-robin over every candidate when none is trusted
 
     def report(self, stats: ReplicaStats) -> None:
@@ -498,11 +518,16 @@ class Router:
         if sent:  # the report speaks for what was sent before it was made
             for rid in [rid for rid, (t, _) in sent.items() if t <= stats.reported_at]:
                 del sent[rid]
+        ended = self.ended.get(stats.replica_id)
+        if ended:  # and for what ended before it was made
+            for rid in [rid for rid, t in ended.items() if t <= stats.reported_at]:
+                del ended[rid]
 
     def forget(self, replica_id: str) -> None:
         """A replica gone (dead, scaled down)."""
         self.stats.pop(replica_id, None)
         self.sent.pop(replica_id, None)
+        self.ended.pop(replica_id, None)
 
     def trusted(self, now: float, candidates: Iterable[str] | None = None) -> list[View]:
         ids = self.stats.keys() if candidates is None else candidates
@@ -510,6 +535,13 @@ class Router:
         for rid in ids:
             s = self.stats.get(rid)
             if s is not None and now - s.reported_at <= self.config.stats_period_s:
+                ended = self.ended.get(rid)
+                if ended:
+                    s = replace(
+                        s,
+                        queued=tuple(p for p in s.queued if p.request_id not in ended),
+                        running=tuple(p for p in s.running if p.request_id not in ended),
+                    )
                 out.append(View(s, tuple(r for _, r in self.sent.get(rid, {}).values())))
         return out
 
@@ -538,7 +570,11 @@ class Router:
                 sent.pop(request.request_id, None)
         self.sent.setdefault(replica_id, {})[request.request_id] = (now, request)
 
-    def done(self, replica_id: str, request_id: str) -> None:
-        """The request ended (or was never sent): counted nowhere any more."""
+    def done(self, replica_id: str, request_id: str, now: float | None = None) -> None:
+        """The request ended (or was never sent): counted nowhere any more. ``now``: when it ended; then the
+        replica's report, until one made after that, is read without it (None: the report stays as it is)."""
         for sent in self.sent.values():
             sent.pop(request_id, None)
+        held = self.stats.get(replica_id)
+        if now is not None and held is not None and held.reported_at < now:
+            self.ended.setdefault(replica_id, {})[request_id] = now

@@ -19,6 +19,7 @@ Serve; nothing else in ``specdist`` imports it.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -29,6 +30,7 @@ from specdist.config import RouterConfig, build_section
 __all__ = ["ROUTE_KWARG", "SpecdistRequestRouter"]
 
 ROUTE_KWARG = "specdist_route"  # the handle call's keyword argument carrying RouteRequest.to_dict()
+MAX_ROUTE_IDS = 65536  # requests in flight whose ids the router maps (far more than a deployment holds)
 
 
 class SpecdistRequestRouter(FIFOMixin, RequestRouter):
@@ -43,15 +45,22 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
         self.tenant = tenant  # the tenant of requests whose route names none (a one-tenant deployment)
         self.router = Router(cfg, block_size, seed)
         self.seen: dict[str, float] = {}  # replica id -> reported_at of the report taken
+        # Serve's request id -> the id the router knows it by (the route's: the key the replica reports it under)
+        self.route_ids: OrderedDict[str, str] = OrderedDict()
 
     def route_request(self, pending_request: PendingRequest | None) -> RouteRequest:
-        """The RouteRequest the caller attached; a session id from Serve's metadata when it has none."""
+        """The RouteRequest the caller attached (its id: the key its replica reports it under, so that the router
+        can read it out of a report once it ended); a session id from Serve's metadata when it has none."""
         meta = getattr(pending_request, "metadata", None)
-        request_id = getattr(meta, "internal_request_id", "") or str(id(pending_request))
+        internal = getattr(meta, "internal_request_id", "") or str(id(pending_request))
         d = (getattr(pending_request, "kwargs", None) or {}).get(ROUTE_KWARG)
         if d is None:
-            return RouteRequest(request_id, 0, 0)
-        req = RouteRequest.from_dict({**d, "request_id": request_id})
+            return RouteRequest(internal, 0, 0)
+        req = RouteRequest.from_dict({"request_id": internal, **d})
+        self.route_ids[internal] = req.request_id
+        self.route_ids.move_to_end(internal)
+        while len(self.route_ids) > MAX_ROUTE_IDS:  # (ids of requests whose end Serve never told: a replica died)
+            self.route_ids.popitem(last=False)
         sid = getattr(meta, "session_id", "")
         if not req.session and sid:  # scoped by tenant like every key (specdist.api.router.session_key)
             req = RouteRequest(
@@ -102,7 +111,8 @@ class SpecdistRequestRouter(FIFOMixin, RequestRouter):
         self.router.book(replica_id.to_full_id_str(), self.route_request(pending_request), time.time())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.router.done(replica_id.to_full_id_str(), internal_request_id)
+        request_id = self.route_ids.pop(internal_request_id, internal_request_id)
+        self.router.done(replica_id.to_full_id_str(), request_id, time.time())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new set of running replicas (with their latest reports: the controller asks each replica every

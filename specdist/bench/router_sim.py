@@ -293,7 +293,7 @@ def simulate(
             rep = reps[payload]
             for r in rep.end_step(now):
                 done.append(r)
-                router.done(rep.rid, r.rid)
+                router.done(rep.rid, r.rid, now)
                 if r.next_turn is not None:
                     r.next_turn.arrival = now + r.pause
                     push(r.next_turn.arrival, "arrive", r.next_turn)

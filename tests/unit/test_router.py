@@ -206,9 +206,65 @@ def test_a_slot_free_costs_a_new_request_nothing_but_a_full_batch_makes_it_wait(
     r = router("speculative", stats("a", running=busy(3, tokens=10_000)), stats("b", running=busy(4, tokens=10_000)))
     views = {v.replica_id: v for v in r.trusted(0.1)}
     fa, fb = pol.expected_finish(q, views["a"]), pol.expected_finish(q, views["b"])
-    # a has a free slot: 50 own steps at the step time of 4 requests; b's first slot frees after 5000 steps
-    assert fa == pytest.approx(50 * (0.01 + 0.004) + 16 * 0.0001)
-    assert fb == pytest.approx((5000 + 50) * (0.01 + 0.004) + 16 * 0.0001)
+    # a has a free slot: 50 own steps, each with the 3 running requests (0.01 + 4 x 0.001 s), and those 3 delayed
+    # 0.001 s a step for those 50 steps and by the 16-token prefill
+    prefill = 16 * 0.0001
+    assert fa == pytest.approx(50 * (0.01 + 0.004) + prefill + 3 * 50 * 0.001 + 3 * prefill)
+    # b's first slot frees after 5000 steps of a full batch, when its 4 requests all end: then it runs alone
+    wait = 5000 * (0.01 + 4 * 0.001)
+    assert fb == pytest.approx(wait + 50 * (0.01 + 0.001) + prefill)
+    assert fa < fb
+
+
+def test_a_long_request_goes_where_the_others_end_soon_not_beside_long_ones():
+    """Two replicas with two requests each (least-loaded cannot tell them apart): a's are short edits, b's long
+    free writing. A long request beside b's runs in a batch of three for its whole run and slows both of them;
+    beside a's, only until those end. (issue 51's mixed workload: its tail is free writing run beside free
+    writing.)"""
+    q = req(max_tokens=1000, kind="write")
+    kinds = {"edit": 4.0, "write": 1.2}
+    a = stats("a", running=busy(2, tokens=40, kind="edit"), tokens_per_step=kinds)
+    b = stats("b", running=busy(2, tokens=900, kind="write"), tokens_per_step=kinds)
+    r = router("speculative", b, a)
+    assert r.choose(q, 0.1) == "a"
+    # the step's slope is the whole difference: with steps that cost the same at any batch, a tie (by id: a)
+    flat = [stats(x.replica_id, running=x.running, tokens_per_step=kinds, step_s_per_request=0.0) for x in (b, a)]
+    views = {v.replica_id: v for v in router("speculative", *flat).trusted(0.1)}
+    pol = make_policy(RouterConfig(), BS)
+    assert pol.expected_finish(q, views["a"]) == pytest.approx(pol.expected_finish(q, views["b"]))
+
+
+def test_a_request_that_ended_is_not_counted_on_its_replica_until_the_next_report():
+    """A report lags: a closed-loop client sends its next request the moment its last one ended, and the report
+    still lists that one as running on the replica it ran on, the one with the free slot. The router knows it
+    ended (Serve's on_request_completed) and reads the report without it until one made after its end."""
+    a = stats("a", at=0.0, max_batch_size=2, running=busy(2, tokens=900, kind="write"))
+    b = stats("b", at=0.0, max_batch_size=2, running=(Pending("e1", 30), Pending("e2", 900)))
+    r = router("least-loaded", a, b)
+    r.done("b", "e1", now=0.2)
+    assert {v.replica_id: v.load for v in r.trusted(0.3)} == {"a": 2, "b": 1}
+    assert r.choose(req("next"), 0.3) == "b"
+    r.done("b", "next", now=0.35)
+    r.report(stats("b", at=0.1, max_batch_size=2, running=(Pending("e1", 10), Pending("e2", 880))))  # (before e1 ended)
+    assert {v.replica_id: v.load for v in r.trusted(0.4)}["b"] == 1
+    r.report(stats("b", at=0.5, max_batch_size=2, running=(Pending("e1", 30),)))  # made after it: it speaks for it
+    assert {v.replica_id: v.load for v in r.trusted(0.6)}["b"] == 1 and not r.ended.get("b")
+    r.done("b", "e9")  # without a time: nothing to read out of later reports
+    assert not r.ended.get("b")
+
+
+def test_before_any_step_is_measured_long_requests_do_not_land_together():
+    """A cold start: no replica has measured a step, so every expected finish was 0 and the ties went by load, which
+    alternates: every second request (in issue 51's mixed workload, every long one) on the same replica. Steps
+    are taken as proportional to their batch until measured, so the requests' lengths weigh from the first."""
+    fresh = [stats(x, step_s=0.0, step_s_per_request=0.0, prefill_s_per_token=0.0, tokens_per_step={}) for x in "ab"]
+    r = router("speculative", *fresh)
+    chosen = {}
+    for i in range(8):
+        kind, n = ("edit", 30) if i % 2 == 0 else ("write", 900)
+        chosen[f"{kind}{i}"] = r.choose(req(f"{kind}{i}", max_tokens=n, kind=kind), 0.1)
+    writes = [c for rid, c in chosen.items() if rid.startswith("write")]
+    assert sorted(writes) == ["a", "a", "b", "b"], chosen
 
 
 def test_a_replica_that_measured_no_step_yet_is_not_free():
@@ -422,11 +478,13 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
         assert {r.replica_id.unique_id for r in ranks[1]} == {"r1", "r3"}
         router.on_request_routed(pending, reps[1].replica_id, None)
         rid2 = reps[1].replica_id.to_full_id_str()
-        assert "i1" in router.router.sent[rid2]
+        # booked under the route's id (the key its replica reports it under), ended by Serve's id for it
+        assert q.request_id in router.router.sent[rid2]
         router.on_request_completed(reps[1].replica_id, "i1")
-        assert "i1" not in router.router.sent[rid2]
+        assert q.request_id not in router.router.sent[rid2] and q.request_id in router.router.ended[rid2]
+        assert not router.route_ids
         # what ReplicaFront's transport puts in the handle call (cluster.serve.ServeReplicas.open) reaches the policy:
-        # kind, session key and prompt blocks, under Serve's own request id
+        # kind, session key and prompt blocks, and its id
         sent = req(tokens=prompt, kind="edit", session="s1")
         call = PendingRequest(
             args=["prompt", None, "rid", "", "t", 0.0],
@@ -434,9 +492,10 @@ def test_the_serve_request_router_ranks_the_policy_s_choice_first():
             metadata=RequestMetadata(request_id="c", internal_request_id="i3"),
         )
         seen = router.route_request(call)
-        assert (seen.request_id, seen.kind, seen.session, seen.prompt_blocks) == ("i3", "edit", sent.session, blocks)
+        assert (seen.request_id, seen.kind, seen.session, seen.prompt_blocks) == ("q", "edit", sent.session, blocks)
         bare = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="b", internal_request_id="i2"))
         assert len((await router.choose_replicas(reps, bare))[0]) == 1  # no route: by load alone, still one
+        assert router.route_request(bare).request_id == "i2"  # (and known by Serve's id)
         with pytest.raises(ConfigError):
             router.initialize_state(router={"policy": "nope"})
 
@@ -475,7 +534,7 @@ def test_requests_arriving_together_through_serve_see_each_other():
         sent = {rid: set(v) for rid, v in router.router.sent.items()}
         router.on_request_routed(pending[0], reps[1].replica_id, None)  # q0 went to r2 after all
         moved = {rid: set(v) for rid, v in router.router.sent.items()}
-        assert "i0" in moved[reps[1].replica_id.to_full_id_str()] and sum(len(v) for v in moved.values()) == 4
+        assert "q0" in moved[reps[1].replica_id.to_full_id_str()] and sum(len(v) for v in moved.values()) == 4
         router.on_request_completed(reps[1].replica_id, "i0")
         assert sum(len(v) for v in router.router.sent.values()) == 3 and sum(len(v) for v in sent.values()) == 4
 
