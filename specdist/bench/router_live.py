@@ -161,9 +161,23 @@ async def run_clients(
     return done
 
 
-async def wait_reports(reports: Any, replicas: int, after: float, rounds: int) -> dict[str, int]:
-    """Each replica's ``prefix_reused_tokens`` once ``replicas`` replicas each reported ``rounds`` times after
-    ``after`` (``time.time()``): a report carries rank 0's answer to the question the report before it asked."""
+def reused_tokens(report: dict) -> int:
+    """A replica's report's ``prefix_reused_tokens`` (rank 0's prefix-cache hits so far)."""
+    return int((report.get("counters") or {}).get("prefix_reused_tokens", 0))
+
+
+def describe_costs(rid: str, report: dict) -> str:
+    """A replica's measured costs as its report gives them to the router (one line for the bench's log)."""
+    tps = ", ".join(f"{k} {v:.2f}" for k, v in sorted(report.get("tokens_per_step", {}).items()))
+    return (
+        f"{rid}: step {1000 * report.get('step_s', 0.0):.1f} ms + {1000 * report.get('step_s_per_request', 0.0):.1f}"
+        f" ms a request, prefill {1e6 * report.get('prefill_s_per_token', 0.0):.0f} us a token, tokens a step: {tps}"
+    )
+
+
+async def wait_reports(reports: Any, replicas: int, after: float, rounds: int) -> dict[str, dict]:
+    """Each replica's latest report once ``replicas`` replicas each reported ``rounds`` times after ``after``
+    (``time.time()``): a report carries rank 0's answer to the question the report before it asked."""
     seen: dict[str, set] = {}
     deadline = time.monotonic() + REPORT_WAIT_S
     while True:
@@ -172,10 +186,7 @@ async def wait_reports(reports: Any, replicas: int, after: float, rounds: int) -
                 seen.setdefault(rid, set()).add(r["reported_at"])
         ready = [rid for rid, ts in seen.items() if len(ts) >= rounds]
         if len(ready) >= replicas:
-            return {
-                rid: int((reports.reports[rid][1].get("counters") or {}).get("prefix_reused_tokens", 0))
-                for rid in ready
-            }
+            return {rid: reports.reports[rid][1] for rid in ready}
         if time.monotonic() > deadline:
             raise SpecDistError(
                 f"{len(ready)} of {replicas} replicas reported {rounds} times within {REPORT_WAIT_S:g}s"
@@ -220,7 +231,10 @@ def run_policy(
                 )
                 log(f"[{policy}] {len(done)} requests in {time.perf_counter() - t0:.1f}s")
                 after = await wait_reports(reports, replicas, time.time(), 2)
-                return done, sum(after.values()) - sum(before.get(rid, 0) for rid in after)
+                for rid, report in sorted(after.items()):
+                    log(f"[{policy}] {describe_costs(rid, report)}")
+                hits = sum(reused_tokens(r) for r in after.values())
+                return done, hits - sum(reused_tokens(before[rid]) for rid in after if rid in before)
             finally:
                 await front.close()
 

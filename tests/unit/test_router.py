@@ -656,3 +656,16 @@ def test_the_hit_tokens_a_session_blind_router_can_reach():
     assert hit_tokens(sessions, [[0, 0, 0], [0]], 16) == 16  # whole blocks only (turn 1's 8: none)
     r = reach(sessions, 2, 2, draws=400)
     assert r["ceiling"] == 24 and r["rotate"] == 8 and r["rotate"] < r["random"] < r["ceiling"]
+
+
+def test_the_live_bench_logs_each_replica_s_measured_costs():
+    """bench router (live) logs what each replica reported to the router after a policy's run: the step fit, the
+    prefill cost and the tokens a step by kind (the figures a simulator's cost model is checked against)."""
+    from specdist.bench.router_live import describe_costs, reused_tokens
+
+    report = stats("x", step_s=0.0183, step_s_per_request=0.0069, prefill_s_per_token=0.0019).to_dict()
+    report["tokens_per_step"] = {"write": 1.164, "edit": 1.1}
+    assert describe_costs("r1", report) == (
+        "r1: step 18.3 ms + 6.9 ms a request, prefill 1900 us a token, tokens a step: edit 1.10, write 1.16"
+    )
+    assert reused_tokens({**report, "counters": {"prefix_reused_tokens": 48}}) == 48 and reused_tokens(report) == 0
