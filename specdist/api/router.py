@@ -55,8 +55,8 @@ DEFAULT_KIND = "default"
 # Tokens a step assumed for a kind a replica has not measured yet (and no other kind either): plain decoding.
 PRIOR_TOKENS_PER_STEP = 1.0
 # A target step's seconds for each request in it, assumed while no replica has measured a step (a cold start):
-# a step proportional to its batch, so that the requests' steps and their overlaps weigh before the first
-# measurement (with no cost at all, every replica ties and the first requests land by turn, long with long).
+# a step proportional to its batch, so that the requests' steps weigh before the first measurement (with no cost
+# at all, every expected finish is 0 and the ties go by load, blind to a full batch of long requests).
 PRIOR_STEP_S_PER_REQUEST = 0.01
 
 
@@ -366,44 +366,32 @@ class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`)."""
 
     def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
-        """Seconds until this request would finish on the replica, and the seconds it would add to the requests
-        already there: the cost of sending it there. ``costs``: the replica's costs (:meth:`costs`; default: its
-        own measurements as reported).
+        """Seconds until this request would finish on the replica: (the target steps before it gets a batch
+        slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
+        lacks. ``costs``: the replica's costs (:meth:`costs`; default: its own measurements as reported).
 
-        The replica's requests are laid on its ``max_batch_size`` slots in target steps (a request's remaining
-        tokens over the tokens a step gives its kind there): the running ones hold theirs from now, the queued
-        ones (then those this router sent since the report) take the first slots to free, and this request the
-        next. A step's seconds are ``step_s + step_s_per_request x requests`` in it, so this request's own
-        ``n`` steps cost ``n x (step_s + step_s_per_request)`` plus ``step_s_per_request`` for every step of
-        another request it overlaps, and each such overlap is a step's ``step_s_per_request`` it adds to that
-        request: a long low-acceptance request beside another long one costs both for their whole runs, beside
-        short edits only until those end. Its steps: its ``max_tokens`` over the tokens a step gives its kind
-        there, more where the suffix index holds its session (measured on such requests). The steps before
-        it gets a slot run a full batch. Affinity is that term and the prefill of the prompt's uncached part
-        (which also stalls the running requests for its length): the replica holding the session drafts better
-        and prefills less."""
+        Steps before a slot: the replica's pending work in target steps (each queued or running request's
+        remaining tokens over the tokens a step gives its kind there), laid on its ``max_batch_size`` slots:
+        the running requests hold theirs, the queued ones (then those this router sent since the report)
+        take the first slots to free, and this request the next (0 while a slot is free: a batch runs its
+        requests side by side). Step time with it: the fit at the batch it joins (the running, queued
+        and sent requests and itself, at most ``max_batch_size``; kept for its whole run: under load a slot
+        that frees is taken again), so that requests sent between two reports do not all pile onto the
+        replica that reported the fastest steps. Its own steps: its ``max_tokens`` over the tokens a step
+        gives its kind there, more where the suffix index holds its session (measured on such requests).
+        Affinity is this term and the prefill: the replica holding the session drafts better and prefills
+        less."""
         s, c = view.stats, costs or view.stats.costs()
-        batch = max(1, s.max_batch_size)
-        spans: list[tuple[float, float]] = []  # (first, end) target step of each request there, from now
-        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running[:batch]]
-        spans += [(0.0, end) for end in slots]
-        slots += [0.0] * (batch - len(slots))
+        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running]
+        slots += [0.0] * max(0, s.max_batch_size - len(slots))
         heapq.heapify(slots)
-        for p in [*s.running[batch:], *s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
-            start = heapq.heappop(slots)
-            end = start + p.remaining_tokens / c.step_tokens(p.kind)
-            spans.append((start, end))
-            heapq.heappush(slots, end)
+        for p in [*s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
+            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / c.step_tokens(p.kind))
         wait = slots[0]
         own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
-        overlap = sum(max(0.0, min(end, wait + own) - max(first, wait)) for first, end in spans)
         uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
-        prefill = uncached * c.prefill_s_per_token
-        waiting = wait * (c.step_s + c.step_s_per_request * batch)
-        running = own * (c.step_s + c.step_s_per_request) + overlap * c.step_s_per_request
-        beside = sum(1 for first, end in spans if first <= wait < end)  # running as it is prefilled
-        added = overlap * c.step_s_per_request + prefill * beside
-        return waiting + running + prefill + added
+        batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
+        return (wait + own) * (c.step_s + c.step_s_per_request * batch) + uncached * c.prefill_s_per_token
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
         costs = self.costs(replicas, now)
