@@ -10,7 +10,10 @@ and ``least-loaded`` (those in the run).
 
 ``--simulate N``: N simulated replicas (:mod:`specdist.bench.router_sim`) on a simulated clock, the router of
 :mod:`specdist.api.router` deciding; the ``router:`` section of ``--config`` (if given) sets everything but the
-policy. Without it: the real replicas of ``--config`` (``cluster.replicas``) on Ray Serve, brought up afresh for
+policy; ``--cost-model``: the replicas' costs (``gpu``: an 8 B target on an H100-class GPU, assumed; ``cpu``: the
+live replicas of configs/replicas.yaml as measured); sessions arrive at ``--load`` of the estimated capacity, or,
+with ``--clients C``, as the live bench sends them (C closed-loop clients, ``--requests``, ``--output-scale``).
+Without it: the real replicas of ``--config`` (``cluster.replicas``) on Ray Serve, brought up afresh for
 each policy, ``--requests`` requests of the workload sent by ``--clients`` clients through the replicas' front
 (:mod:`specdist.bench.router_live`; a local Ray cluster unless ``--ray-address``).
 
@@ -52,11 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="sessions")
     p.add_argument("--simulate", type=int, default=None, metavar="N", help="N simulated replicas")
     p.add_argument("--load", type=float, default=0.7, help="offered load, a share of the estimated capacity")
+    p.add_argument(
+        "--cost-model", choices=("gpu", "cpu"), default="gpu", help="the simulated replicas' costs (with --simulate)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    live = p.add_argument_group("real replicas (without --simulate)")
+    live = p.add_argument_group("real replicas (without --simulate; with it and --clients, the same closed loop)")
     live.add_argument("--requests", type=int, default=32, help="the workload's first N requests (whole sessions)")
     live.add_argument(
-        "--clients", type=int, default=4, help="concurrent clients, each sending a session's turns in turn"
+        "--clients",
+        type=int,
+        default=None,
+        help="concurrent clients, each sending a session's turns in turn (default 4; with --simulate: open loop)",
     )
     live.add_argument(
         "--output-scale",
@@ -101,28 +110,46 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     from specdist.config import load_config
 
+    check_counts(args)
     if args.simulate is None:
         return run_live(args, policies)
     if args.simulate < 1:
         raise SpecDistError(f"--simulate must be >= 1, got {args.simulate}")
     if not 0 < args.load <= 4:
         raise SpecDistError(f"--load must be in (0, 4], got {args.load}")
-    from specdist.bench.router_sim import simulate
+    from specdist.bench.router_sim import COST_MODELS, simulate
 
     router_cfg = load_config(args.config).router
+    closed = {"clients": args.clients, "requests": args.requests, "output_scale": args.output_scale}
     results = [
-        simulate(p, args.workload, args.simulate, seed=args.seed, load_factor=args.load, router_config=router_cfg)
+        simulate(
+            p,
+            args.workload,
+            args.simulate,
+            seed=args.seed,
+            load_factor=args.load,
+            model=COST_MODELS[args.cost_model],
+            router_config=router_cfg,
+            **(closed if args.clients is not None else {}),
+        )
         for p in policies
     ]
+    arrivals = (
+        f"{args.clients} clients, output scale {args.output_scale:g}"
+        if args.clients is not None
+        else f"load {args.load:g}"
+    )
     header = (
-        f"workload {args.workload}, {args.simulate} simulated replicas, {results[0].requests} requests, "
-        f"load {args.load:g}, seed {args.seed}"
+        f"workload {args.workload}, {args.simulate} simulated replicas ({args.cost_model} costs), "
+        f"{results[0].requests} requests, {arrivals}, seed {args.seed}"
     )
     settings = {
         "workload": args.workload,
         "replicas": args.simulate,
         "policies": policies,
-        "load": args.load,
+        "cost_model": args.cost_model,
+        "load": args.load if args.clients is None else None,
+        **({k: v for k, v in closed.items()} if args.clients is not None else {}),
         "seed": args.seed,
         "config": args.config,
         "router": {
@@ -135,6 +162,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    for flag, v, least in (
+        ("--requests", args.requests, 1),
+        ("--clients", args.clients, 1),
+        ("--max-text-words", args.max_text_words, 0),
+    ):
+        if v is not None and v < least:
+            raise SpecDistError(f"{flag} must be >= {least}, got {v}")
+    if not args.output_scale > 0:
+        raise SpecDistError(f"--output-scale must be > 0, got {args.output_scale}")
+
+
 def run_live(args: argparse.Namespace, policies: list[str]) -> int:
     """Each policy on the real replicas of ``--config`` (:mod:`specdist.bench.router_live`)."""
     from specdist.bench.router_live import run_policy
@@ -142,15 +181,7 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
 
     if args.config is None:
         raise SpecDistError("bench router: give --config with cluster.replicas (real replicas) or --simulate N")
-    for flag, v, least in (
-        ("--requests", args.requests, 1),
-        ("--clients", args.clients, 1),
-        ("--max-text-words", args.max_text_words, 0),
-    ):
-        if v < least:
-            raise SpecDistError(f"{flag} must be >= {least}, got {v}")
-    if not args.output_scale > 0:
-        raise SpecDistError(f"--output-scale must be > 0, got {args.output_scale}")
+    args.clients = 4 if args.clients is None else args.clients
     cfg = load_config(args.config)
     if not cfg.cluster.enabled or cfg.cluster.replicas is None:
         raise SpecDistError(

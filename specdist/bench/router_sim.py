@@ -34,7 +34,7 @@ import math
 import random
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdist.api.replica_stats import ReplicaLedger
 from specdist.api.router import (
@@ -72,6 +72,28 @@ class SimModel:
 
     def expected_tokens(self, alpha: float) -> float:
         return expected_tokens(alpha, self.k)
+
+
+# The cost models ``bench router --simulate N --cost-model`` offers. ``gpu``: :class:`SimModel`'s defaults.
+# ``cpu``: a replica of configs/replicas.yaml on one core of the 2-core development VM, as its replicas reported
+# their costs in the live mixed bench (docs/performance.md, "Router (real replicas)"): a step 22 ms + 7 ms a
+# request, prefill 1.9 ms a token, tokens a step 1.2 (edits), 1.12 (free writing) and about 1.1 (chat), batches
+# of at most 8. Suffix drafting proposes only where the text matches, a few tokens a step on average: taken as
+# one draft a step (k = 1), so tokens a step are 1 + alpha (its acceptance column is not the live one). Its
+# session alphas are the plain ones: the live sessions bench measured tokens a step 1.00-1.01x with the session
+# held.
+COST_MODELS: dict[str, SimModel] = {
+    "gpu": SimModel(),
+    "cpu": SimModel(
+        step_base_s=0.022,
+        verify_token_s=0.0035,
+        prefill_token_s=0.0019,
+        k=1,
+        alpha={"chat": 0.1, "edit": 0.2, "write": 0.12},
+        session_alpha={"chat": 0.1, "edit": 0.2, "write": 0.12},
+        max_batch_size=8,
+    ),
+}
 
 
 @dataclass
@@ -174,6 +196,9 @@ def build_requests(
     """The workload's first turns (later turns hang off them), with arrival times, for N replicas."""
     groups = load(workload)
     copies = copies or max(1, math.ceil(replicas / 2))
+    keyed = [(c, gi) for c in range(copies) for gi in range(len(groups))]
+    random.Random(f"{seed}-order").shuffle(keyed)
+    firsts = chains(groups, keyed, model, seed, session_blocks)
     turns = [t for g in groups for t in g]
     # a request's target steps: its output over its kind's tokens a step (the mean of the ratios, not the ratio
     # of the means: a workload of long low-acceptance and short high-acceptance requests costs the former's steps)
@@ -184,15 +209,43 @@ def build_requests(
     # a replica's requests a second at full batch: decode steps plus each request's prefill (no cache hits)
     per_request_s = mean_steps * full_step / b + mean_prompt * model.prefill_token_s
     rate = load_factor * replicas / per_request_s / (len(turns) / len(groups))  # sessions (groups) a second
-    order = random.Random(f"{seed}-order")
     arrivals = random.Random(f"{seed}-arrivals")
-    firsts: list[SimRequest] = []
     t = 0.0
-    keyed = [(c, gi) for c in range(copies) for gi in range(len(groups))]
-    order.shuffle(keyed)
+    for r in firsts:
+        t += arrivals.expovariate(rate)
+        r.arrival = t
+    return firsts
+
+
+def closed_loop_requests(
+    workload: str, model: SimModel, seed: int, session_blocks: int, requests: int, output_scale: float
+) -> list[SimRequest]:
+    """The live bench's requests (:func:`specdist.bench.router_live.plan`): the workload's first ``requests`` requests
+    in file order (whole sessions, the last one cut short), each asking for ``max(1, round(output_tokens x
+    output_scale))`` tokens and making that many (``ignore_eos``), its next turn sent the moment it ends."""
+    groups: list[list[Turn]] = []
+    n = 0
+    for group in load(workload):
+        if n >= requests:
+            break
+        cut = [replace(t, output_tokens=max(1, round(t.output_tokens * output_scale))) for t in group[: requests - n]]
+        groups.append([replace(t, max_tokens=t.output_tokens) for t in cut])
+        n += len(cut)
+    heads = chains(groups, [(0, gi) for gi in range(len(groups))], model, seed, session_blocks)
+    for r in heads:
+        while r is not None:
+            r.pause, r = 0.0, r.next_turn
+    return heads
+
+
+def chains(
+    groups: list[list[Turn]], keyed: list[tuple[int, int]], model: SimModel, seed: int, session_blocks: int
+) -> list[SimRequest]:
+    """Each (copy, group)'s turns as requests chained by ``next_turn``, in ``keyed``'s order (their heads); copy c's
+    words map to token ids of its own (no copy hits another's cache)."""
+    firsts: list[SimRequest] = []
     vocab: dict[tuple[int, str], int] = {}
     for c, gi in keyed:
-        t += arrivals.expovariate(rate)
         chain: list[SimRequest] = []
         pauses = random.Random(f"{seed}-pause-{c}-{gi}")
         for turn in groups[gi]:
@@ -216,7 +269,6 @@ def build_requests(
             if chain:
                 chain[-1].next_turn = r
             chain.append(r)
-        chain[0].arrival = t
         firsts.append(chain[0])
     return firsts
 
@@ -256,12 +308,24 @@ def simulate(
     load_factor: float = 0.7,
     model: SimModel | None = None,
     router_config: RouterConfig | None = None,
+    clients: int | None = None,
+    requests: int = 32,
+    output_scale: float = 0.1,
 ) -> PolicyResult:
-    """One workload through N simulated replicas routed by ``policy``."""
+    """One workload through N simulated replicas routed by ``policy``: sessions arriving at Poisson times at
+    ``load_factor`` of the estimated capacity (open loop), or with ``clients``, as the live bench sends them (closed
+    loop, :func:`closed_loop_requests`): each client sends a session's turns one after the other and takes the next
+    session when its last one ended."""
     m = model or SimModel()
     base = router_config or RouterConfig()
     cfg = RouterConfig(policy, base.imbalance_threshold, base.stats_period_s, base.session_blocks)
-    firsts = build_requests(workload, replicas, m, load_factor, seed, cfg.session_blocks)
+    if clients is None:
+        firsts = build_requests(workload, replicas, m, load_factor, seed, cfg.session_blocks)
+        queue: list[SimRequest] = []
+    else:
+        queue = closed_loop_requests(workload, m, seed, cfg.session_blocks, requests, output_scale)[::-1]
+        firsts = queue[-clients:][::-1]  # (the first clients' sessions start at 0)
+        del queue[-clients:]
     router = Router(cfg, m.block_size, seed)
     reps = {f"r{i:03d}": SimReplica(f"r{i:03d}", m) for i in range(replicas)}
     events: list = []
@@ -278,7 +342,7 @@ def simulate(
     for r in firsts:
         push(r.arrival, "arrive", r)
     done: list[SimRequest] = []
-    open_requests = sum(1 + _later(r) for r in firsts)
+    open_requests = sum(1 + _later(r) for r in [*firsts, *queue])
     while events and len(done) < open_requests:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
@@ -297,6 +361,9 @@ def simulate(
                 if r.next_turn is not None:
                     r.next_turn.arrival = now + r.pause
                     push(r.next_turn.arrival, "arrive", r.next_turn)
+                elif queue:  # (closed loop: this client's session ended, it takes the next)
+                    queue[-1].arrival = now
+                    push(now, "arrive", queue.pop())
             if rep.waiting or rep.running:
                 push(now + rep.start_step(now), "step", rep.rid)
             else:
