@@ -58,6 +58,7 @@ class _Held:
     held: bool  # the suffix index held its session when it started
     emitted: int = 0
     running: bool = False
+    admitted_at: float | None = None  # when it was admitted (the clock of stats' now; None: untimed)
 
 
 class ReplicaLedger:
@@ -97,9 +98,10 @@ class ReplicaLedger:
             n += 1
         return n
 
-    def admit(self, route: RouteRequest) -> bool:
-        """A request starts here (queued): its prompt's blocks enter the cache and its session the index. Whether
-        the index held its session already (its drafts then come from that session's earlier turns)."""
+    def admit(self, route: RouteRequest, at: float | None = None) -> bool:
+        """A request starts here (queued) at ``at`` (the clock of :meth:`stats`' ``now``; None: untimed, reported
+        as age 0): its prompt's blocks enter the cache and its session the index. Whether the index held its
+        session already (its drafts then come from that session's earlier turns)."""
         held = bool(route.session) and route.session in self.index
         self.remember(route.prompt_blocks)
         if route.session and self.index_sessions:
@@ -107,7 +109,7 @@ class ReplicaLedger:
             self.index.move_to_end(route.session)
             while len(self.index) > self.index_sessions:
                 self.index.popitem(last=False)
-        self.requests[route.request_id] = _Held(route, held)
+        self.requests[route.request_id] = _Held(route, held, admitted_at=at)
         return held
 
     def tokens(self, kind: str, held: bool, tokens: int, steps: int = 1) -> None:
@@ -159,7 +161,8 @@ class ReplicaLedger:
         if queued is None or running is None:
             q, r = [], []
             for rid, h in self.requests.items():
-                p = Pending(rid, max(0, h.route.max_tokens - h.emitted), h.route.kind)
+                age = 0.0 if h.admitted_at is None else max(0.0, now - h.admitted_at)
+                p = Pending(rid, max(0, h.route.max_tokens - h.emitted), h.route.kind, age)
                 (r if h.running else q).append(p)
             queued, running = q, r
         if self._cache_view is None:
@@ -214,7 +217,7 @@ class EngineLedger:
             uncached = len(prompt_ids) - self.ledger.cached_blocks(blocks) * self.block_size
             self._prefill_tokens += max(1, uncached)
             self._prompts[key] = (list(prompt_ids), scope)
-            return self.ledger.admit(route)
+            return self.ledger.admit(route, time.time())
 
     def __call__(self, event) -> None:
         """The engine's listener (:class:`~specdist.engine.output_processor.StepEvent` / ``RequestFinished``)."""

@@ -11,7 +11,8 @@ latest report of each replica, adds the requests it sent since (a report lags), 
 - ``least-loaded``: power of two choices: two replicas drawn (seeded), the one with fewer requests;
 - ``prefix``: the longest cached prefix of the prompt (ties: fewer requests); by load alone while the
   load is imbalanced past ``router.imbalance_threshold`` (SGLang's cache-aware router);
-- ``speculative``: the earliest expected finish of this request, :meth:`SpeculativePolicy.expected_finish`.
+- ``speculative``: the earliest expected finish of this request (:meth:`SpeculativePolicy.expected_finish`), plus
+  how far sending it there would push the latest expected end of any request (:meth:`SpeculativePolicy.tail`).
 
 A report older than ``router.stats_period_s`` is not trusted: that replica gets nothing until it reports
 again (unless no replica has a fresh report: then every replica is a candidate, in turn). A replica's
@@ -133,11 +134,13 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Pending:
-    """A request queued or running on a replica: tokens it may still produce, and its kind."""
+    """A request queued or running on a replica: tokens it may still produce, its kind, and its age (seconds since
+    the replica took it, as of the report)."""
 
     request_id: str
     remaining_tokens: int
     kind: str = DEFAULT_KIND
+    age_s: float = 0.0
 
 
 def _step_tokens(per_kind: dict[str, float], held_per_kind: dict[str, float], kind: str, held: bool) -> float:
@@ -217,7 +220,7 @@ class ReplicaStats:
         """Plain data for ``record_routing_stats`` (Serve sends it to every router)."""
 
         def pend(p: Pending) -> list:
-            return [p.request_id, p.remaining_tokens, p.kind]
+            return [p.request_id, p.remaining_tokens, p.kind, p.age_s]
 
         return {
             "replica_id": self.replica_id,
@@ -238,7 +241,7 @@ class ReplicaStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any], replica_id: str | None = None) -> ReplicaStats:
         def pend(items) -> tuple[Pending, ...]:
-            return tuple(Pending(str(r), int(n), str(k)) for r, n, k in items)
+            return tuple(Pending(str(x[0]), int(x[1]), str(x[2]), float(x[3]) if len(x) > 3 else 0.0) for x in items)
 
         return cls(
             replica_id if replica_id is not None else str(d["replica_id"]),
@@ -363,7 +366,8 @@ class PrefixPolicy(Policy):
 
 @register("speculative")
 class SpeculativePolicy(Policy):
-    """The earliest expected finish of this request (:meth:`expected_finish`)."""
+    """The earliest expected finish of this request (:meth:`expected_finish`), kept from pushing back the latest
+    expected end in the cluster (:meth:`tail`): :meth:`choose`."""
 
     def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
@@ -381,23 +385,70 @@ class SpeculativePolicy(Policy):
         gives its kind there, more where the suffix index holds its session (measured on such requests).
         Affinity is this term and the prefill: the replica holding the session drafts better and prefills
         less."""
-        s, c = view.stats, costs or view.stats.costs()
-        slots = [p.remaining_tokens / c.step_tokens(p.kind) for p in s.running]
-        slots += [0.0] * max(0, s.max_batch_size - len(slots))
+        c = costs or view.stats.costs()
+        wait, _ = self.laid_out(view, c)
+        own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+        return (wait + own) * self.step_s(view, c, joining=True) + self.prefill_s(request, view, c)
+
+    @staticmethod
+    def laid_out(view: View, c: Costs) -> tuple[float, list[tuple[float, float]]]:
+        """The replica's requests on its ``max_batch_size`` slots, in target steps from now: the steps until a slot
+        is free for one more, and each request's (age in seconds, target steps until it ends). The running ones
+        hold their slots, the queued ones (then those this router sent since the report, of age 0) take the first
+        slots to free."""
+        s = view.stats
+        ends = [(p.age_s, p.remaining_tokens / c.step_tokens(p.kind)) for p in s.running]
+        slots = [steps for _, steps in ends] + [0.0] * max(0, s.max_batch_size - len(s.running))
         heapq.heapify(slots)
         for p in [*s.queued, *(Pending(r.request_id, r.max_tokens, r.kind) for r in view.sent)]:
-            heapq.heappush(slots, heapq.heappop(slots) + p.remaining_tokens / c.step_tokens(p.kind))
-        wait = slots[0]
-        own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+            end = heapq.heappop(slots) + p.remaining_tokens / c.step_tokens(p.kind)
+            ends.append((p.age_s, end))
+            heapq.heappush(slots, end)
+        return slots[0], ends
+
+    @staticmethod
+    def step_s(view: View, c: Costs, joining: bool) -> float:
+        """A step's seconds at the batch the replica runs (its running, queued and sent requests, at most
+        ``max_batch_size``), with one more request if ``joining``."""
+        s = view.stats
+        n = len(s.running) + len(s.queued) + len(view.sent) + int(joining)
+        return c.step_s + c.step_s_per_request * min(max(1, s.max_batch_size), max(1, n))
+
+    def prefill_s(self, request: RouteRequest, view: View, c: Costs) -> float:
+        """The prefill of the part of the prompt the replica's cache lacks."""
         uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
-        batch = min(max(1, s.max_batch_size), len(s.running) + len(s.queued) + len(view.sent) + 1)
-        return (wait + own) * (c.step_s + c.step_s_per_request * batch) + uncached * c.prefill_s_per_token
+        return uncached * c.prefill_s_per_token
+
+    def tail(self, request: RouteRequest, view: View, costs: Costs | None = None) -> tuple[float, float]:
+        """The latest expected end to end of the replica's requests (each one's age + its steps until it ends x
+        the step time), as it is and with this request sent there: (with it, without it). With it, each step of
+        theirs that this request shares (until it ends) is one request longer, and this prompt's prefill comes
+        before them all; and this request's own finish counts."""
+        c = costs or view.stats.costs()
+        wait, ends = self.laid_out(view, c)
+        before = self.step_s(view, c, joining=False)
+        extra = self.step_s(view, c, joining=True) - before
+        prefill = self.prefill_s(request, view, c)
+        own = wait + request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+        without = max((age + steps * before for age, steps in ends), default=0.0)
+        with_it = max((age + steps * before + min(steps, own) * extra + prefill for age, steps in ends), default=0.0)
+        return max(with_it, self.expected_finish(request, view, c)), without
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
+        """The least of: this request's expected finish there + the latest expected end of any request in the
+        cluster once it is sent there. The second term is the same wherever the request leaves the cluster's
+        latest end where it is (then the earliest finish decides), and grows by as much as a replica would push
+        it: a request is not sent beside the one most at risk of being the tail (an old, long, slow-drafting
+        request) unless it saves itself more there than it costs that one. (Ties: fewer requests, then the id.)"""
         costs = self.costs(replicas, now)
-        return min(
-            replicas, key=lambda v: (self.expected_finish(request, v, costs[v.replica_id]), v.load, v.replica_id)
-        ).replica_id
+        rows = []
+        for v in replicas:
+            c = costs[v.replica_id]
+            with_it, without = self.tail(request, v, c)
+            rows.append((v, self.expected_finish(request, v, c), with_it, without))
+        latest = max(without for *_, without in rows)
+        v, *_ = min(rows, key=lambda r: (r[1] + max(r[2], latest), r[0].load, r[0].replica_id))
+        return v.replica_id
 
     def costs(self, replicas: Sequence[View], now: float) -> dict[str, Costs]:
         """Each replica's costs: its measurements, trusted in full while younger than ``router.stats_period_s``

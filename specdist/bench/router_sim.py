@@ -176,7 +176,7 @@ class SimReplica:
 
     def stats(self, now: float) -> ReplicaStats:
         def pend(rs) -> tuple[Pending, ...]:
-            return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind) for r in rs)
+            return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind, now - r.arrival) for r in rs)
 
         self.ledger.prefill_s_per_token = self.m.prefill_token_s  # (the model's, known exactly here)
         return self.ledger.stats(

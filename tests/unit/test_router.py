@@ -211,6 +211,47 @@ def test_a_slot_free_costs_a_new_request_nothing_but_a_full_batch_makes_it_wait(
     assert fb == pytest.approx((5000 + 50) * (0.01 + 0.004) + 16 * 0.0001)
 
 
+def test_a_request_is_not_sent_beside_the_one_most_at_risk_of_being_the_tail():
+    """speculative weighs, beside this request's own expected finish, how far it would push back the latest expected
+    end in the cluster (each request's age + its remaining steps): a replica whose request is old and long is
+    avoided unless this request saves itself more there than it costs that one (its share of the steps they
+    share, and its prefill before them). The mixed workload's p99 is such requests (docs/performance.md)."""
+    old = (Pending("old", 400, "default", 30.0),)  # 200 steps left, 30 s in already: the cluster's latest end
+    young = (Pending("young", 400, "default", 0.0),)
+    q = req("q", max_tokens=100)
+    # equal own finishes (one request each): by expected finish alone a tie, broken by the id (a); now b
+    r = router("speculative", stats("a", running=old), stats("b", running=young))
+    assert r.choose(q, 0.1, book=False) == "b"
+    views = {v.replica_id: v for v in r.trusted(0.1)}
+    pol = r.policy
+    assert pol.expected_finish(q, views["a"]) == pytest.approx(pol.expected_finish(q, views["b"]))
+    with_a, without_a = pol.tail(q, views["a"])
+    assert without_a == pytest.approx(30 + 200 * 0.011)
+    assert with_a == pytest.approx(without_a + 50 * 0.001 + 16 * 0.0001)  # 50 shared steps + the prefill
+    # q finishes 0.05 s sooner beside the old request than beside b's two, but costs the old one 0.05 s + a 0.04 s
+    # prefill: b
+    long_prompt = req("q2", tokens=range(400), max_tokens=100)
+    two = (Pending("y1", 10), Pending("y2", 10))
+    r2 = router("speculative", stats("a", running=old), stats("b", running=two))
+    views2 = {v.replica_id: v for v in r2.trusted(0.1)}
+    assert r2.policy.expected_finish(long_prompt, views2["a"]) < r2.policy.expected_finish(long_prompt, views2["b"])
+    assert r2.choose(long_prompt, 0.1) == "b"
+
+
+def test_replicas_report_their_requests_ages():
+    from specdist.api.replica_stats import ReplicaLedger
+
+    ledger = ReplicaLedger(64)
+    ledger.admit(RouteRequest("q1", 16, 100), at=10.0)
+    ledger.admit(RouteRequest("q2", 16, 100))  # untimed: age 0
+    s = ledger.stats("r", 12.5, 4)
+    assert {p.request_id: p.age_s for p in s.queued} == {"q1": 2.5, "q2": 0.0}
+    d = json.loads(json.dumps(s.to_dict()))
+    assert ReplicaStats.from_dict(d) == s
+    d["queued"] = [p[:3] for p in d["queued"]]  # a report without ages (an older replica): age 0
+    assert [p.age_s for p in ReplicaStats.from_dict(d).queued] == [0.0, 0.0]
+
+
 def test_a_request_that_ended_is_not_counted_on_its_replica_until_the_next_report():
     """A report lags: a closed-loop client sends its next request the moment its last one ended, and the report
     still lists that one as running on the replica it ran on, the one with the free slot. The router knows it
