@@ -688,19 +688,18 @@ def test_the_closed_loop_simulation_sends_the_live_bench_s_requests():
 
 
 def test_mixed_closed_loop_on_the_live_replicas_costs():
-    """Issue 51's mixed bench as the live bench sends it (4 closed-loop clients, 32 requests, outputs at 0.1), on
-    replicas costing what the live ones measured (``--cost-model cpu``). With as many replicas as clients the
-    earliest expected finish gives each request a replica of its own, where least-loaded's two random draws
-    now and then put two on one: e2e p99 <= 0.9x, output tokens/s >= 0.95x (20 of 20 seeds in
-    docs/performance.md; ``prefix``, falling back to the fewest requests, does the same). On two replicas
-    the two draws are both replicas, least-loaded is the exact balance, and nothing is left to win."""
+    """Issue 51's mixed bench as the live bench sends it (closed-loop clients, 32 requests, outputs at 0.1), on
+    replicas costing what the live ones measured (``--cost-model cpu``): e2e p99 <= 0.9x least-loaded's, output
+    tokens/s >= 0.95x. On two replicas with 8 clients (four requests a replica) by the tail term: least-loaded's
+    two draws are both replicas, the exact balance by count, and what is left is whom a request is sent beside
+    (18 of 20 seeds in docs/performance.md). On four replicas with 4 clients by full information: each request
+    gets a replica of its own, where two random draws now and then put two on one."""
     from specdist.bench.router_sim import COST_MODELS, simulate
 
     cpu = COST_MODELS["cpu"]
-    spec, ll = (simulate(p, "mixed", 4, model=cpu, clients=4) for p in ("speculative", "least-loaded"))
-    assert spec.e2e_p99 <= 0.9 * ll.e2e_p99 and spec.tokens_per_s >= 0.95 * ll.tokens_per_s
-    spec2, ll2 = (simulate(p, "mixed", 2, model=cpu, clients=4) for p in ("speculative", "least-loaded"))
-    assert spec2.tokens_per_s >= 0.95 * ll2.tokens_per_s and spec2.e2e_p99 <= 1.05 * ll2.e2e_p99
+    for replicas, clients in ((2, 8), (4, 4)):
+        spec, ll = (simulate(p, "mixed", replicas, model=cpu, clients=clients) for p in ("speculative", "least-loaded"))
+        assert spec.e2e_p99 <= 0.9 * ll.e2e_p99 and spec.tokens_per_s >= 0.95 * ll.tokens_per_s, (replicas, clients)
 
 
 def test_the_workload_files_are_what_their_generator_writes_and_turns_extend_the_last():
