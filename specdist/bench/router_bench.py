@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": policies,
         "cost_model": args.cost_model,
         "load": args.load if args.clients is None else None,
-        **({k: v for k, v in closed.items()} if args.clients is not None else {}),
+        **(closed if args.clients is not None else {}),
         "seed": args.seed,
         "config": args.config,
         "router": {

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from specdist.bench.router_sim import PolicyResult, percentile
-from specdist.bench.router_workloads import load
+from specdist.bench.router_workloads import first_requests
 from specdist.errors import SpecDistError
 
 REPORT_WAIT_S = 120.0  # the longest wait for the replicas' routing reports (before and after a run)
@@ -78,19 +78,15 @@ def plan(workload: str, requests: int, output_scale: float, max_words: int = 0) 
     """The workload's first ``requests`` requests, grouped by session (module docstring); ``max_words``: each
     request's new text cut to its first that many words (0: whole)."""
     groups: list[list[LiveTurn]] = []
-    n = 0
-    for gi, group in enumerate(load(workload)):
-        if n >= requests:
-            break
+    for gi, group in enumerate(first_requests(workload, requests, output_scale)):
         turns, prev = [], None
-        for t in group[: requests - n]:
+        for t in group:
             new = t.prompt if prev is None else t.prompt[len(prev.prompt) + len(prev.answer) :]
             new = new[:max_words] if max_words else new
             rid = f"{t.session or f'r{gi:04d}'}-t{t.turn}"
-            turns.append(LiveTurn(rid, t.session, t.kind, " ".join(new), max(1, round(t.output_tokens * output_scale))))
+            turns.append(LiveTurn(rid, t.session, t.kind, " ".join(new), t.max_tokens))
             prev = t
         groups.append(turns)
-        n += len(turns)
     return Plan(groups)
 
 

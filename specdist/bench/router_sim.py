@@ -34,7 +34,7 @@ import math
 import random
 import zlib
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from specdist.api.replica_stats import ReplicaLedger
 from specdist.api.router import (
@@ -45,7 +45,7 @@ from specdist.api.router import (
     block_hashes,
     session_key,
 )
-from specdist.bench.router_workloads import Turn, load
+from specdist.bench.router_workloads import Turn, first_requests, load
 from specdist.config import RouterConfig
 from specdist.engine.cost_model import expected_tokens
 
@@ -223,14 +223,7 @@ def closed_loop_requests(
     """The live bench's requests (:func:`specdist.bench.router_live.plan`): the workload's first ``requests`` requests
     in file order (whole sessions, the last one cut short), each asking for ``max(1, round(output_tokens x
     output_scale))`` tokens and making that many (``ignore_eos``), its next turn sent the moment it ends."""
-    groups: list[list[Turn]] = []
-    n = 0
-    for group in load(workload):
-        if n >= requests:
-            break
-        cut = [replace(t, output_tokens=max(1, round(t.output_tokens * output_scale))) for t in group[: requests - n]]
-        groups.append([replace(t, max_tokens=t.output_tokens) for t in cut])
-        n += len(cut)
+    groups = first_requests(workload, requests, output_scale)
     heads = chains(groups, [(0, gi) for gi in range(len(groups))], model, seed, session_blocks)
     for r in heads:
         while r is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -65,6 +65,24 @@ def load(name: str) -> list[list[Turn]]:
         prompt = user if not turns else turns[-1].prompt + turns[-1].answer + user
         answer = tuple(d["answer"].split())
         turns.append(Turn(prompt, len(answer), d["max_tokens"], d["kind"], d["session"], d["turn"], answer))
+    return groups
+
+
+def first_requests(name: str, requests: int, output_scale: float) -> list[list[Turn]]:
+    """The workload's first ``requests`` requests in the file's order, grouped by session (the last session cut
+    short), as the bench router sends them: each asks for ``max(1, round(output_tokens x output_scale))`` tokens
+    and makes that many (``ignore_eos``), so its ``output_tokens`` and ``max_tokens`` are both that."""
+    groups: list[list[Turn]] = []
+    n = 0
+    for group in load(name):
+        if n >= requests:
+            break
+        cut = []
+        for t in group[: requests - n]:
+            tokens = max(1, round(t.output_tokens * output_scale))
+            cut.append(replace(t, output_tokens=tokens, max_tokens=tokens))
+        groups.append(cut)
+        n += len(cut)
     return groups
 
 
