@@ -385,10 +385,7 @@ class SpeculativePolicy(Policy):
         gives its kind there, more where the suffix index holds its session (measured on such requests).
         Affinity is this term and the prefill: the replica holding the session drafts better and prefills
         less."""
-        c = costs or view.stats.costs()
-        wait, _ = self.laid_out(view, c)
-        own = request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
-        return (wait + own) * self.step_s(view, c, joining=True) + self.prefill_s(request, view, c)
+        return self.price(request, view, costs or view.stats.costs())[0]
 
     @staticmethod
     def laid_out(view: View, c: Costs) -> tuple[float, list[tuple[float, float]]]:
@@ -414,25 +411,27 @@ class SpeculativePolicy(Policy):
         n = len(s.running) + len(s.queued) + len(view.sent) + int(joining)
         return c.step_s + c.step_s_per_request * min(max(1, s.max_batch_size), max(1, n))
 
-    def prefill_s(self, request: RouteRequest, view: View, c: Costs) -> float:
-        """The prefill of the part of the prompt the replica's cache lacks."""
-        uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
-        return uncached * c.prefill_s_per_token
-
     def tail(self, request: RouteRequest, view: View, costs: Costs | None = None) -> tuple[float, float]:
         """The latest expected end to end of the replica's requests (each one's age + its steps until it ends x
         the step time), as it is and with this request sent there: (with it, without it). With it, each step of
         theirs that this request shares (until it ends) is one request longer, and this prompt's prefill comes
         before them all; and this request's own finish counts."""
-        c = costs or view.stats.costs()
+        return self.price(request, view, costs or view.stats.costs())[1:]
+
+    def price(self, request: RouteRequest, view: View, c: Costs) -> tuple[float, float, float]:
+        """(:meth:`expected_finish`, :meth:`tail` with it, :meth:`tail` without it), the replica's requests laid
+        out once."""
         wait, ends = self.laid_out(view, c)
-        before = self.step_s(view, c, joining=False)
-        extra = self.step_s(view, c, joining=True) - before
-        prefill = self.prefill_s(request, view, c)
-        own = wait + request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+        before, after = self.step_s(view, c, joining=False), self.step_s(view, c, joining=True)
+        uncached = max(0, request.prompt_tokens - view.cached_blocks(request) * self.block_size)
+        prefill = uncached * c.prefill_s_per_token
+        until = wait + request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
+        finish = until * after + prefill
         without = max((age + steps * before for age, steps in ends), default=0.0)
-        with_it = max((age + steps * before + min(steps, own) * extra + prefill for age, steps in ends), default=0.0)
-        return max(with_it, self.expected_finish(request, view, c)), without
+        with_it = max(
+            (age + steps * before + min(steps, until) * (after - before) + prefill for age, steps in ends), default=0.0
+        )
+        return finish, max(with_it, finish), without
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
         """The least of: this request's expected finish there + the latest expected end of any request in the
@@ -441,11 +440,7 @@ class SpeculativePolicy(Policy):
         it: a request is not sent beside the one most at risk of being the tail (an old, long, slow-drafting
         request) unless it saves itself more there than it costs that one. (Ties: fewer requests, then the id.)"""
         costs = self.costs(replicas, now)
-        rows = []
-        for v in replicas:
-            c = costs[v.replica_id]
-            with_it, without = self.tail(request, v, c)
-            rows.append((v, self.expected_finish(request, v, c), with_it, without))
+        rows = [(v, *self.price(request, v, costs[v.replica_id])) for v in replicas]
         latest = max(without for *_, without in rows)
         v, *_ = min(rows, key=lambda r: (r[1] + max(r[2], latest), r[0].load, r[0].replica_id))
         return v.replica_id
