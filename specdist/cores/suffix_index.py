@@ -40,11 +40,15 @@ continuation. ``count(child) <= count(node)`` always holds.
   ``cache_requests`` of them, or ``cache_tokens`` of their tokens, the oldest is evicted by
   decrementing exactly the counts its insertion added (O(len * D)), pruning nodes whose count
   reaches 0 (a bound in requests alone let long requests hold gigabytes). The live sequences of
-  the core are held in addition. With one index a tenant (:class:`SuffixIndexes`) the bounds are one
-  budget for all the indexes together: the least recently used tenant's oldest sequence goes first. Node count <= sum
-  over held sequences of len * D (repeated text shares nodes, and a pruned node's id is reused). A node is an id into
-  lists of ints (one ``{token: child}`` dict more where it branches), so the garbage collector has no object
-  per node to walk. Its memory and times per token: docs/performance.md, "Figures moved from docstrings".
+  the core are held in addition. A new sequence that begins with a cached one (a conversation's next
+  turn: the last prompt, its answer, a new question) **supersedes** it: that text is all in the new one,
+  and counted twice, after k turns the session's first answer would weigh k times against its latest.
+  With one index a tenant (:class:`SuffixIndexes`) the bounds are one budget for all the indexes
+  together: the least recently used tenant's oldest sequence goes first. Node count <= sum over held
+  sequences of len * D (repeated text shares nodes, and a pruned node's id is reused). A node is an id
+  into lists of ints (one ``{token: child}`` dict more where it branches), so the garbage collector has
+  no object per node to walk. Its memory and times per token: docs/performance.md, "Figures moved from
+  docstrings".
 
 Exactness: the draft is a function of committed tokens only (this request's and others'),
 fixed before the target verifies it; ``q`` is one-hot on it, accepted with probability
@@ -77,6 +81,7 @@ class SuffixSettings:
 
 
 ROOT = 0  # the root's node id: the empty string
+HEAD = 16  # a cached sequence is found again by its first HEAD tokens (SuffixIndex.supersede)
 _NONE = -1  # no node
 
 
@@ -131,6 +136,7 @@ class SuffixIndex:
         self.num_nodes = 0  # nodes below the root
         self.live = 0  # live sequences held
         self.cached: deque[array] = deque()  # finished sequences, oldest first
+        self.by_head: dict[bytes, list[array]] = {}  # cached sequences of >= HEAD tokens by their first HEAD tokens
 
     @property
     def root(self) -> int:
@@ -149,11 +155,44 @@ class SuffixIndex:
 
     # ------------------------------------------------------------ insertion
     def start(self, tokens=()) -> SuffixState:
-        """A new live sequence holding ``tokens``. O(len * D)."""
+        """A new live sequence holding ``tokens``, which supersedes every cached sequence it begins with
+        (:meth:`supersede`). O(len * D)."""
+        st = self._begin(tokens)  # first: the superseded sequences' nodes are then still counted, not pruned
+        self.supersede(tokens)
+        return st
+
+    def _begin(self, tokens) -> SuffixState:
         st = SuffixState()
         self.live += 1
         self.extend(st, tokens)
         return st
+
+    def supersede(self, tokens) -> int:
+        """Evict each cached sequence (of at least ``HEAD`` tokens) that ``tokens`` begins with; how many.
+
+        Such a prompt was built on that request (a conversation's next turn: the last prompt, its answer, the new
+        question), so all of its text is in the new sequence: kept as well, every turn of a session would count
+        its earlier turns again, and the index would weigh a conversation's first answer k times after k turns,
+        drafting the old answers' continuations with a confidence no recurrence earned. O(candidates x HEAD)."""
+        if not self.cached or len(tokens) < HEAD:
+            return 0
+        seq = array("q", tokens)
+        found = [c for c in self.by_head.get(seq[:HEAD].tobytes(), ()) if len(c) <= len(seq) and seq[: len(c)] == c]
+        for c in found:
+            self.cached.remove(c)
+            self._unlist(c)
+            self.cached_tokens -= len(c)
+            self._remove(c)
+        return len(found)
+
+    def _unlist(self, tokens: array) -> None:
+        """Take a cached sequence out of ``by_head``."""
+        if len(tokens) >= HEAD:
+            key = tokens[:HEAD].tobytes()
+            same = self.by_head[key]
+            same.remove(tokens)
+            if not same:
+                del self.by_head[key]
 
     def _new(self, t: int) -> int:
         """A node labelled ``t`` with count 0 and no children (not yet linked to a parent)."""
@@ -218,13 +257,15 @@ class SuffixIndex:
         st.active = []
         self.live -= 1
         self.cached.append(st.tokens)
+        if len(st.tokens) >= HEAD:
+            self.by_head.setdefault(st.tokens[:HEAD].tobytes(), []).append(st.tokens)
         self.cached_tokens += len(st.tokens)
         while self.cached and (len(self.cached) > self.cache_requests or self.cached_tokens > self.cache_tokens):
             self._evict_oldest()
 
     def add(self, tokens) -> None:
-        """Insert a finished sequence (start + finish)."""
-        self.finish(self.start(tokens))
+        """Insert a finished sequence (begun and finished: it supersedes nothing, an equal one counts twice)."""
+        self.finish(self._begin(tokens))
 
     def forget_finished(self) -> None:
         """Remove every cached finished sequence; live sequences keep their counts and states."""
@@ -234,6 +275,7 @@ class SuffixIndex:
     def _evict_oldest(self) -> int:
         """Evict the oldest cached sequence; its length."""
         tokens = self.cached.popleft()
+        self._unlist(tokens)
         self.cached_tokens -= len(tokens)
         self._remove(tokens)
         return len(tokens)

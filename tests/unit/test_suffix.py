@@ -190,6 +190,50 @@ def test_eviction_restores_counts_exactly_and_holds_the_bound():
     assert not empty.cached
 
 
+def test_a_conversations_next_turn_supersedes_its_last_turn():
+    """A prompt that begins with a cached sequence (the last turn's prompt and answer, then a new question)
+    evicts it: the session's text is counted once, as the live sequence holds it, so an earlier answer does not
+    outweigh the latest one; a cached sequence the prompt does not begin with, or one shorter than HEAD, stays;
+    ``add`` supersedes nothing (two equal finished requests are a recurrence)."""
+    from specdist.cores.suffix_index import HEAD
+
+    rng = random.Random(11)
+    depth, marker = 6, 99
+    other = [rng.randrange(8) for _ in range(40)]  # another session's turn: begins differently
+    short = [3, 1, 4]  # shorter than HEAD: never looked up again
+    idx = SuffixIndex(depth, cache_requests=50)
+    for s in (other, short):
+        idx.add(s)
+    # turn 0: a question and the answer [5, 6, 7]; turn 1: that, a new question and the answer [5, 6, 1]
+    turn0 = [rng.randrange(8) for _ in range(HEAD + 4)] + [marker] + [5, 6, 7]
+    st = idx.start(turn0)
+    idx.finish(st)
+    turn1 = turn0 + [rng.randrange(8) for _ in range(10)] + [marker] + [5, 6, 1]
+    st = idx.start(turn1)
+    assert [list(c) for c in idx.cached] == [other, short]  # turn 0 superseded; the others kept
+    idx.finish(st)
+    assert dump(idx) == substring_counts([other, short, turn1], depth)
+    # turn 2 asks again: after the marker, 5 6 continues with 7 once and with 1 once (kept, turn 0 would make it
+    # 7 twice against 1 once), a tie, read as the smaller token
+    turn2 = turn1 + [rng.randrange(8) for _ in range(10)] + [marker, 5, 6]
+    st = idx.start(turn2)
+    assert [list(c) for c in idx.cached] == [other, short]
+    assert idx.lookup(st, 1, 0.0, 4.0).tokens == [1]
+    # a prompt that differs from a cached sequence in one token does not supersede it
+    idx.finish(st)
+    near = list(turn2)
+    near[HEAD + 2] = 7 - near[HEAD + 2]
+    idx.finish(idx.start(near + [0]))
+    assert len(idx.cached) == 4 and dump(idx) == substring_counts([other, short, turn2, near + [0]], depth)
+    # add(): an equal finished sequence counts twice
+    idx.add(turn2)
+    assert len(idx.cached) == 5 and dump(idx) == substring_counts([other, short, turn2, near + [0], turn2], depth)
+    # eviction of the oldest keeps the lookup table in step: superseding after it finds what is left
+    idx.evict_oldest()
+    idx.start(turn2 + [2])
+    assert [list(c) for c in idx.cached] == [short, near + [0]] and sum(len(v) for v in idx.by_head.values()) == 1
+
+
 def test_nodes_are_not_objects_the_garbage_collector_walks():
     """Nodes are ids into lists of ints: inserting tens of thousands of nodes adds no tracked object
     (a full collection in a serving process would otherwise walk every node)."""
