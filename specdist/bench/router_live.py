@@ -90,6 +90,16 @@ def plan(workload: str, requests: int, output_scale: float, max_words: int = 0) 
     return Plan(groups)
 
 
+def request_seed(rid: str, salt: str = "") -> int:
+    """A request's sampling seed, from its id (and ``salt``): the same on any replica and under any policy."""
+    return zlib.crc32((salt + rid).encode()) & 0x7FFFFFFF
+
+
+def extend_prompt(tokenizer: Any, ids: list[int], text: str) -> list[int]:
+    """A session's next prompt: the ids so far (the last prompt and its output) and the new text's."""
+    return ids + list(tokenizer.encode((" " if ids else "") + text, add_special_tokens=False))
+
+
 async def run_clients(
     front: Any, tokenizer: Any, p: Plan, clients: int, temperature: float, max_model_len: int
 ) -> list[LiveResult]:
@@ -101,10 +111,7 @@ async def run_clients(
 
     async def one(turn: LiveTurn, ids: list[int]) -> tuple[LiveResult, list[int]]:
         params = SamplingParams(
-            temperature=temperature,
-            max_tokens=turn.max_tokens,
-            ignore_eos=True,
-            seed=zlib.crc32(turn.rid.encode()) & 0x7FFFFFFF,
+            temperature=temperature, max_tokens=turn.max_tokens, ignore_eos=True, seed=request_seed(turn.rid)
         )
         sent = time.perf_counter()
         stream = await front.open(ids, params, request_id=turn.rid, session=turn.session, kind=turn.kind)
@@ -144,8 +151,7 @@ async def run_clients(
             group = queue.pop()
             ids: list[int] = []
             for turn in group:
-                new = tokenizer.encode((" " if ids else "") + turn.text, add_special_tokens=False)
-                ids = ids + list(new)
+                ids = extend_prompt(tokenizer, ids, turn.text)
                 if len(ids) + turn.max_tokens > max_model_len:
                     p.skipped += [t.rid for t in group[group.index(turn) :]]
                     break
