@@ -11,8 +11,12 @@ its own drafter, under two placements of the turns:
 
 With the Gumbel coupling (``draft.coupling: gumbel``, the default) a seeded request's tokens do not depend on its
 drafts, so both placements emit the same tokens and differ only in how many target steps those took: a ratio of
-one run is the drafting's alone. ``--seeds S`` repeats it with S seed sets (the requests' seeds salted) and
-prints each ratio and their mean. The engines step one after another (a step is a batch of the requests on it).
+one run is the drafting's alone (with ``draft.length_policy: adaptive`` the draft lengths follow the measured step
+times, so a rerun of one seed set differs a little: run nothing else beside it). ``--seeds S`` repeats it with S
+seed sets (the requests' seeds salted) and prints each ratio and their mean. The engines step one after another
+(a step is a batch of the requests on it). ``--retokenize``: each client sends an answer back as its text encoded
+again, as a chat client over HTTP does (sampled ids often differ from their text's encoding in a token or two),
+not as the ids it got.
 """
 
 from __future__ import annotations
@@ -71,9 +75,12 @@ def placement(name: str, engines: int) -> Callable[[str | None], int]:
     raise ValueError(f"unknown placement {name!r} (expected one of: {', '.join(PLACEMENTS)})")
 
 
-def run(engines: list[Any], p: Plan, clients: int, temperature: float, salt: str, place: str) -> Drafting:
+def run(
+    engines: list[Any], p: Plan, clients: int, temperature: float, salt: str, place: str, retokenize: bool = False
+) -> Drafting:
     """The plan's requests through ``engines`` by placement ``place``: ``clients`` closed-loop clients, each sending
-    a session's turns one after another. The drafters start empty."""
+    a session's turns one after another. The drafters start empty. ``retokenize``: a client sends each answer back
+    as its text encoded again (as a chat client over HTTP does), not as the ids it got."""
     from specdist.sampling_params import SamplingParams
 
     for e in engines:
@@ -117,8 +124,10 @@ def run(engines: list[Any], p: Plan, clients: int, temperature: float, salt: str
             m = o.metrics
             out.steps, out.emitted = out.steps + m.steps, out.emitted + m.emitted
             out.drafted, out.accepted = out.drafted + m.drafted, out.accepted + m.accepted
-            out.tokens[o.request_id] = list(o.token_ids)
-            c[1], c[2] = c[1] + 1, c[2] + list(o.token_ids)
+            out.tokens[o.request_id] = answer = list(o.token_ids)
+            if retokenize:
+                answer = list(tokenizer.encode(tokenizer.decode(answer), add_special_tokens=False))
+            c[1], c[2] = c[1] + 1, c[2] + answer
             if not send(c):
                 live.remove(c)
                 take_session()
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seeds", type=int, default=10, help="seed sets (the requests' seeds salted)")
+    ap.add_argument("--retokenize", action="store_true", help="clients send answers back as text (encoded again)")
     args = ap.parse_args(argv)
     with open(args.config, encoding="utf-8") as f:
         raw = yaml.safe_load(f)
@@ -151,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         Engine.from_config(cfg, tokenizer=first.tokenizer, target=model) for _ in range(args.engines - 1)
     ]
     p = plan(args.workload, args.requests, args.output_scale)
-    print(f"{args.workload}: {args.requests} requests, {args.engines} engines, {args.clients} clients")
+    print(
+        f"{args.workload}: {args.requests} requests, {args.engines} engines, {args.clients} clients"
+        + (", answers sent back re-tokenized" if args.retokenize else "")
+    )
     ratios = []
     for s in range(args.seeds):
-        held, rr = (run(engines, p, args.clients, args.temperature, f"s{s}", n) for n in PLACEMENTS)
+        held, rr = (run(engines, p, args.clients, args.temperature, f"s{s}", n, args.retokenize) for n in PLACEMENTS)
         if held.tokens != rr.tokens:  # the coupling makes the tokens the drafts' business no more
             raise SystemExit("the placements emitted different tokens: is draft.coupling gumbel?")
         ratios.append(held.tokens_per_step / rr.tokens_per_step)

@@ -173,8 +173,12 @@ class SuffixIndex:
         Such a prompt was built on that request (a conversation's next turn: the last prompt, its answer, the new
         question), so all of its text is in the new sequence: kept as well, every turn of a session would count
         its earlier turns again, and the index would weigh a conversation's first answer k times after k turns,
-        drafting the old answers' continuations with a confidence no recurrence earned. O(the lengths of the cached
-        sequences that begin with the same HEAD tokens) to find them, O(len x D) each to evict."""
+        drafting the old answers' continuations with a confidence no recurrence earned. Only an exact continuation:
+        where the client sent the answer back as text, encoded again (sampled ids often differ from their text's
+        encoding), the old sequence stays, its answer in the model's own tokens, which drafts the next answer
+        better than the prompt's copy (superseding on the old prompt alone drew 1.3% fewer tokens a step there:
+        docs/performance.md). O(the lengths of the cached sequences that begin with the same HEAD tokens) to find
+        them, O(len x D) each to evict."""
         if not self.cached or len(tokens) < HEAD:
             return 0
         seq = array("q", tokens)

@@ -19,10 +19,12 @@ def test_placements_choose_as_documented():
         placement("random", 3)
 
 
-def test_both_placements_emit_the_same_tokens_and_count_every_step(tiny_models):
+@pytest.mark.parametrize("retokenize", [False, True])
+def test_both_placements_emit_the_same_tokens_and_count_every_step(tiny_models, retokenize):
     """With the Gumbel coupling the tokens do not depend on the drafts: held and round robin give every request
-    the same output, so their tokens a step differ by the drafting alone; every session's turns stay on one
-    engine when held and move when not; the steps counted are the requests' own."""
+    the same output, so their tokens a step differ by the drafting alone (answers sent back as ids or as text
+    encoded again); every session's turns stay on one engine when held and move when not; the steps counted are
+    the requests' own."""
     cfg = tiny_config(tiny_models, method="suffix", k=3, max_model_len=128)
     first = Engine.from_config(cfg)
     engines = [first, Engine.from_config(cfg, tokenizer=first.tokenizer, target=first.target_core.runner.model)]
@@ -32,7 +34,7 @@ def test_both_placements_emit_the_same_tokens_and_count_every_step(tiny_models):
         for s in range(3)
     ]
     p = Plan(groups)
-    held, rr = (run(engines, p, 2, 0.8, "x", n) for n in PLACEMENTS)
+    held, rr = (run(engines, p, 2, 0.8, "x", n, retokenize) for n in PLACEMENTS)
     assert sorted(held.tokens) == sorted(rr.tokens) == sorted(t.rid for g in groups for t in g)
     assert held.tokens == rr.tokens and all(len(v) == 6 for v in held.tokens.values())
     for g in groups:

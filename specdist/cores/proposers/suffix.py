@@ -1,6 +1,6 @@
 """SuffixDecoding (``draft.method: suffix``): the most frequent continuation of the longest suffix of the
 sequence that occurred before in any sequence of this drafter, live or recently finished
-(:class:`specdist.cores.suffix.SuffixIndex`); q is one-hot.
+(:class:`specdist.cores.suffix_index.SuffixIndex`); q is one-hot.
 
 The indexes are one a tenant unless ``draft.suffix_scope`` is ``shared``
 (:class:`specdist.cores.suffix.SuffixIndexes`). Each token carries the length of the match it was read after
