@@ -158,7 +158,7 @@ class SuffixIndex:
         """A new live sequence holding ``tokens``, which supersedes every cached sequence it begins with
         (:meth:`supersede`). O(len * D)."""
         st = self._begin(tokens)  # first: the superseded sequences' nodes are then still counted, not pruned
-        self.supersede(tokens)
+        self.supersede(st.tokens)  # (the array: ``tokens`` may have been an iterator)
         return st
 
     def _begin(self, tokens) -> SuffixState:
@@ -181,7 +181,7 @@ class SuffixIndex:
         them, O(len x D) each to evict."""
         if not self.cached or len(tokens) < HEAD:
             return 0
-        seq = array("q", tokens)
+        seq = tokens if isinstance(tokens, array) else array("q", tokens)
         found = [c for c in self.by_head.get(seq[:HEAD].tobytes(), ()) if len(c) <= len(seq) and seq[: len(c)] == c]
         for c in found:
             self.cached.remove(c)

@@ -209,7 +209,7 @@ def test_a_conversations_next_turn_supersedes_its_last_turn():
     st = idx.start(turn0)
     idx.finish(st)
     turn1 = turn0 + [rng.randrange(8) for _ in range(10)] + [marker] + [5, 6, 1]
-    st = idx.start(turn1)
+    st = idx.start(iter(turn1))  # (any iterable)
     assert [list(c) for c in idx.cached] == [other, short]  # turn 0 superseded; the others kept
     idx.finish(st)
     assert dump(idx) == substring_counts([other, short, turn1], depth)
