@@ -6,8 +6,8 @@ A replica is a continuously batched speculative engine whose costs follow :class
 - a step admits waiting requests (first come, up to ``max_batch_size`` running) and prefills the part of
   their prompts its prefix cache lacks; every running request verifies k drafts; the step lasts
   ``step_base_s + verify_token_s x (k + 1) x verifying requests + prefill_token_s x prefill tokens``;
-- a request's drafts are accepted one by one with its kind's probability (``alpha``), higher
-  (``session_alpha``) when the replica's suffix index held its session when it started: it verifies,
+- a request's drafts are accepted one by one with its kind's probability (``alpha``; ``session_alpha``
+  when the replica's suffix index held its session when it started, the same by default): it verifies,
   emits the accepted drafts and one token of the target's, and an admitted request emits its first token
   at the end of its prefill step;
 - the prefix cache keeps ``cache_blocks`` blocks (least recently used out): a prompt's blocks from its
@@ -54,15 +54,18 @@ from specdist.engine.cost_model import expected_tokens
 class SimModel:
     """The simulated replicas' costs. The step costs are of the order of an 8 B target in bfloat16 on one
     H100-class GPU (assumed; the measured figures are in docs/performance.md); the acceptances (alpha 0.8
-    for code editing, 0.35 for chat) give the tokens a step at k = 4 that the task suite measured there;
-    ``session_alpha`` (a session's earlier turns in the suffix index) is an assumption of this model."""
+    for code editing, 0.35 for chat) give the tokens a step at k = 4 that the task suite measured there.
+    ``session_alpha``, a kind's acceptance where the replica's suffix index held the session, is the plain one:
+    measured, holding a session drafts its turns no better (its next prompt carries all of its text:
+    ``python -m specdist.bench.router_drafting``, docs/performance.md); a workload whose prompts leave out the
+    session's earlier answers may set it higher."""
 
     step_base_s: float = 0.012
     verify_token_s: float = 0.00006
     prefill_token_s: float = 0.00004
     k: int = 4
     alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.35, "edit": 0.8, "write": 0.3})
-    session_alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.5, "edit": 0.92, "write": 0.35})
+    session_alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.35, "edit": 0.8, "write": 0.3})
     max_batch_size: int = 16
     block_size: int = 16
     cache_blocks: int = 8192

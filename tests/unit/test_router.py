@@ -178,6 +178,26 @@ def test_speculative_prefers_the_replica_holding_the_session_and_its_prefix():
     assert router("speculative", idle, full).choose(req("q2", tokens=prompt, max_tokens=200, kind="edit"), 0.1) == "a"
 
 
+def test_a_cached_prefix_is_worth_its_prefill_to_each_request_it_would_have_delayed():
+    """speculative prices affinity by what the replica's prefix cache saves the whole batch: without the cache
+    hit, this request's prefill would have lengthened a step for each of the replica's requests. Here the holder
+    of the prompt's prefix runs three more requests than the other replica: by this request's own finish and the
+    tail alone the other one wins; with the saving to the three, the holder."""
+    prompt = list(range(1200))  # 75 blocks of 16: 1200 x 0.0001 s = 120 ms of prefill saved
+    q = req(tokens=prompt, max_tokens=20)
+    holder = stats("b", running=busy(4, tokens=20), cached_blocks=frozenset(q.prompt_blocks))
+    r = router("speculative", stats("a", running=busy(1, tokens=20)), holder)
+    views = {v.replica_id: v for v in r.trusted(0.1)}
+    pol = r.policy
+    a_key = pol.expected_finish(q, views["a"]) + max(pol.tail(q, views["a"]))
+    b_key = pol.expected_finish(q, views["b"]) + max(pol.tail(q, views["b"]))
+    assert a_key < b_key  # the rule before the saving: a
+    assert pol.saved(q, views["a"]) == 0.0
+    assert pol.saved(q, views["b"]) == pytest.approx(4 * 1200 * 0.0001)  # four requests, 1200 cached tokens each
+    assert b_key - pol.saved(q, views["b"]) < a_key
+    assert r.choose(q, 0.1) == "b"
+
+
 def test_speculative_reads_the_tokens_a_step_of_the_request_s_kind():
     q = req(max_tokens=300, kind="write")
     # both run two requests; b's drafts suit free writing far better, a's suit edits
