@@ -446,10 +446,9 @@ class SpeculativePolicy(Policy):
         earliest finish decides), and grows by as much as a replica would push it: a request is not sent beside
         the one most at risk of being the tail (an old, long, slow-drafting request) unless it saves itself more
         there than it costs that one. The saving makes affinity worth what a cached prefix spares the whole
-        batch, not this request alone: on a GPU a prefill is short beside a step's queueing, and counted for one
-        request only, affinity gave way to balance (simulated sessions at 8 and 32 replicas: prefix-cache hit
-        tokens 2.1x and 5.8x round-robin's, TTFT p50 0.88x and 0.90x; with it 3.6x and 12.3x, 0.66x and 0.62x).
-        Without cache hits it is 0 everywhere. (Ties: fewer requests, then the id.)"""
+        batch, not this request alone: on a GPU a prefill is short beside a busier replica's wait, and counted
+        for one request only, affinity gave way to balance (docs/performance.md, "Router (simulated)"). Without
+        cache hits it is 0 everywhere. (Ties: fewer requests, then the id.)"""
         costs = self.costs(replicas, now)
         rows = [(v, *self.price(request, v, costs[v.replica_id])) for v in replicas]
         latest = max(without for _, _, _, without, _ in rows)
