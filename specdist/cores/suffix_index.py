@@ -176,9 +176,9 @@ class SuffixIndex:
         drafting the old answers' continuations with a confidence no recurrence earned. Only an exact continuation:
         where the client sent the answer back as text, encoded again (sampled ids often differ from their text's
         encoding), the old sequence stays, its answer in the model's own tokens, which drafts the next answer
-        better than the prompt's copy (superseding on the old prompt alone drew 1.3% fewer tokens a step there:
-        docs/performance.md). O(the lengths of the cached sequences that begin with the same HEAD tokens) to find
-        them, O(len x D) each to evict."""
+        better than the prompt's copy (superseding on the old prompt alone was measured worse: docs/performance.md,
+        "Does holding a session draft it better?"). O(the lengths of the cached sequences that begin with the same
+        HEAD tokens) to find them, O(len x D) each to evict."""
         if not self.cached or len(tokens) < HEAD:
             return 0
         seq = tokens if isinstance(tokens, array) else array("q", tokens)
