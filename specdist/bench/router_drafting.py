@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from specdist.bench.router_live import Plan, extend_prompt, plan, request_seed
+from specdist.bench.router_live import LiveTurn, Plan, extend_prompt, plan, request_seed
 
 PLACEMENTS = ("held", "round-robin")
 
@@ -75,6 +75,16 @@ def placement(name: str, engines: int) -> Callable[[str | None], int]:
     raise ValueError(f"unknown placement {name!r} (expected one of: {', '.join(PLACEMENTS)})")
 
 
+@dataclass
+class Client:
+    """A closed-loop client: its session's turns, the next one's index, the ids sent so far, its request."""
+
+    turns: list[LiveTurn]
+    next: int = 0
+    ids: list[int] = field(default_factory=list)
+    request: Any = None
+
+
 def run(
     engines: list[Any], p: Plan, clients: int, temperature: float, salt: str, place: str, retokenize: bool = False
 ) -> Drafting:
@@ -84,31 +94,31 @@ def run(
     from specdist.sampling_params import SamplingParams
 
     for e in engines:
-        e.draft_core.proposer.forget_finished()
+        e.draft_core.forget_finished()
     choose = placement(place, len(engines))
     tokenizer, max_model_len = engines[0].tokenizer, engines[0].max_model_len
     queue = list(reversed(p.groups))
     out = Drafting()
-    live: list[list] = []  # per client: [its session's turns, the next turn's index, ids so far, request]
+    live: list[Client] = []
 
-    def send(c: list) -> bool:
-        turns, k, ids = c[0], c[1], c[2]
-        if k >= len(turns):
+    def send(c: Client) -> bool:
+        """Send the client's next turn; False: its session is over (or the turn would not fit)."""
+        if c.next >= len(c.turns):
             return False
-        t = turns[k]
-        ids = extend_prompt(tokenizer, ids, t.text)
+        t = c.turns[c.next]
+        ids = extend_prompt(tokenizer, c.ids, t.text)
         if len(ids) + t.max_tokens > max_model_len:
             return False
         params = SamplingParams(
             temperature=temperature, max_tokens=t.max_tokens, ignore_eos=True, seed=request_seed(t.rid, salt)
         )
         i = out.engine_of[t.rid] = choose(t.session)
-        c[2], c[3] = ids, engines[i].add_request(ids, params, request_id=t.rid)
+        c.ids, c.request = ids, engines[i].add_request(ids, params, request_id=t.rid)
         return True
 
     def take_session() -> None:
         while queue:
-            c = [queue.pop(), 0, [], None]
+            c = Client(queue.pop())
             if send(c):
                 live.append(c)
                 return
@@ -119,15 +129,15 @@ def run(
         for e in engines:
             if e.scheduler.has_unfinished():
                 e.step()
-        for c in [c for c in live if c[3].finished]:
-            o = c[3].to_output()
+        for c in [c for c in live if c.request.finished]:
+            o = c.request.to_output()
             m = o.metrics
             out.steps, out.emitted = out.steps + m.steps, out.emitted + m.emitted
             out.drafted, out.accepted = out.drafted + m.drafted, out.accepted + m.accepted
             out.tokens[o.request_id] = answer = list(o.token_ids)
             if retokenize:
                 answer = list(tokenizer.encode(tokenizer.decode(answer), add_special_tokens=False))
-            c[1], c[2] = c[1] + 1, c[2] + answer
+            c.next, c.ids = c.next + 1, c.ids + answer
             if not send(c):
                 live.remove(c)
                 take_session()
@@ -151,10 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=10, help="seed sets (the requests' seeds salted)")
     ap.add_argument("--retokenize", action="store_true", help="clients send answers back as text (encoded again)")
     args = ap.parse_args(argv)
+    for name in ("requests", "engines", "clients", "seeds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
     with open(args.config, encoding="utf-8") as f:
         raw = yaml.safe_load(f)
-    raw.pop("cluster", None), raw.pop("router", None)
+    raw.pop("cluster", None)  # one process: no Ray, no router
+    raw.pop("router", None)
     cfg = load_config(raw)
+    if cfg.draft.method not in ("suffix", "hybrid"):
+        raise SystemExit(f"{args.config}: draft.method is {cfg.draft.method!r}; this compares suffix drafting")
     first = Engine.from_config(cfg)
     model = first.target_core.runner.model  # one set of weights; each engine its own KV cache and drafter
     engines = [first] + [

@@ -43,3 +43,14 @@ def test_both_placements_emit_the_same_tokens_and_count_every_step(tiny_models, 
     for d in (held, rr):
         assert d.emitted == 9 * 6 and 9 <= d.steps <= d.emitted and d.accepted <= d.drafted
         assert d.tokens_per_step == d.emitted / d.steps
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    from specdist.bench.router_drafting import main
+
+    with pytest.raises(SystemExit, match="--engines must be >= 1, got 0"):
+        main(["--config", "configs/replicas.yaml", "--engines", "0"])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("draft:\n  method: ngram\n")
+    with pytest.raises(SystemExit, match="draft.method is 'ngram'; this compares suffix drafting"):
+        main(["--config", str(cfg)])
