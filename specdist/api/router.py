@@ -12,7 +12,8 @@ latest report of each replica, adds the requests it sent since (a report lags), 
 - ``prefix``: the longest cached prefix of the prompt (ties: fewer requests); by load alone while the
   load is imbalanced past ``router.imbalance_threshold`` (SGLang's cache-aware router);
 - ``speculative``: the earliest expected finish of this request (:meth:`SpeculativePolicy.expected_finish`), plus
-  how far sending it there would push the latest expected end of any request (:meth:`SpeculativePolicy.tail`).
+  how far sending it there would push the latest expected end of any request (:meth:`SpeculativePolicy.tail`),
+  less what the replica's prefix cache saves its other requests (:meth:`SpeculativePolicy.saved`).
 
 A report older than ``router.stats_period_s`` is not trusted: that replica gets nothing until it reports
 again (unless no replica has a fresh report: then every replica is a candidate, in turn). A replica's
@@ -35,7 +36,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from specdist.config import ROUTER_POLICIES, RouterConfig
 
@@ -364,10 +365,20 @@ class PrefixPolicy(Policy):
         return min(replicas, key=lambda v: (-v.cached_blocks(request), v.load, v.replica_id)).replica_id
 
 
+class Price(NamedTuple):
+    """What sending a request to a replica costs, in seconds (:meth:`SpeculativePolicy.price`)."""
+
+    finish: float  # its expected finish there
+    with_it: float  # the latest expected end of the replica's requests with it sent there (its own included)
+    without: float  # ... as the replica is
+    saved: float  # what the replica's prefix cache saves its other requests on this one
+
+
 @register("speculative")
 class SpeculativePolicy(Policy):
     """The earliest expected finish of this request (:meth:`expected_finish`), kept from pushing back the latest
-    expected end in the cluster (:meth:`tail`): :meth:`choose`."""
+    expected end in the cluster (:meth:`tail`), affinity worth what a cached prefix saves the batch (:meth:`saved`):
+    :meth:`choose`."""
 
     def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
@@ -383,9 +394,9 @@ class SpeculativePolicy(Policy):
         that frees is taken again), so that requests sent between two reports do not all pile onto the
         replica that reported the fastest steps. Its own steps: its ``max_tokens`` over the tokens a step
         gives its kind there, more where the suffix index holds its session (measured on such requests).
-        Affinity is this term and the prefill: the replica holding the session drafts better and prefills
-        less."""
-        return self.price(request, view, costs or view.stats.costs())[0]
+        Affinity is this term and the prefill (the replica holding the session drafts better and prefills less),
+        and in :meth:`choose` what the cached prefix saves the replica's other requests (:meth:`saved`)."""
+        return self.price(request, view, costs or view.stats.costs()).finish
 
     @staticmethod
     def laid_out(view: View, c: Costs) -> tuple[float, list[tuple[float, float]]]:
@@ -416,17 +427,18 @@ class SpeculativePolicy(Policy):
         the step time), as it is and with this request sent there: (with it, without it). With it, each step of
         theirs that this request shares (until it ends) is one request longer, and this prompt's prefill comes
         before them all; and this request's own finish counts."""
-        return self.price(request, view, costs or view.stats.costs())[1:3]
+        p = self.price(request, view, costs or view.stats.costs())
+        return p.with_it, p.without
 
     def saved(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
         """Seconds the replica's prefix cache saves its other requests on this one: each of them would wait
         through the prefill of the prompt's cached part, so that part's prefill time once for each (the saving
         to this request itself is in :meth:`expected_finish`)."""
-        return self.price(request, view, costs or view.stats.costs())[3]
+        return self.price(request, view, costs or view.stats.costs()).saved
 
-    def price(self, request: RouteRequest, view: View, c: Costs) -> tuple[float, float, float, float]:
-        """(:meth:`expected_finish`, :meth:`tail` with it, :meth:`tail` without it, :meth:`saved`), the replica's
-        requests laid out once."""
+    def price(self, request: RouteRequest, view: View, c: Costs) -> Price:
+        """:meth:`expected_finish`, :meth:`tail` (with it, without it) and :meth:`saved`, the replica's requests laid
+        out once."""
         wait, ends = self.laid_out(view, c)
         before, after = self.step_s(view, c, joining=False), self.step_s(view, c, joining=True)
         cached = min(request.prompt_tokens, view.cached_blocks(request) * self.block_size)
@@ -437,7 +449,7 @@ class SpeculativePolicy(Policy):
         with_it = max(
             (age + steps * before + min(steps, until) * (after - before) + prefill for age, steps in ends), default=0.0
         )
-        return finish, max(with_it, finish), without, cached * c.prefill_s_per_token * len(ends)
+        return Price(finish, max(with_it, finish), without, cached * c.prefill_s_per_token * len(ends))
 
     def choose(self, request: RouteRequest, replicas: Sequence[View], now: float) -> str:
         """The least of: this request's expected finish there - what the replica's prefix cache saves its other
@@ -450,9 +462,11 @@ class SpeculativePolicy(Policy):
         for one request only, affinity gave way to balance (docs/performance.md, "Router (simulated)"). Without
         cache hits it is 0 everywhere. (Ties: fewer requests, then the id.)"""
         costs = self.costs(replicas, now)
-        rows = [(v, *self.price(request, v, costs[v.replica_id])) for v in replicas]
-        latest = max(without for _, _, _, without, _ in rows)
-        v, *_ = min(rows, key=lambda r: (r[1] - r[4] + max(r[2], latest), r[0].load, r[0].replica_id))
+        rows = [(v, self.price(request, v, costs[v.replica_id])) for v in replicas]
+        latest = max(p.without for _, p in rows)
+        v, _ = min(
+            rows, key=lambda r: (r[1].finish - r[1].saved + max(r[1].with_it, latest), r[0].load, r[0].replica_id)
+        )
         return v.replica_id
 
     def costs(self, replicas: Sequence[View], now: float) -> dict[str, Costs]:
