@@ -65,7 +65,7 @@ class SimModel:
     prefill_token_s: float = 0.00004
     k: int = 4
     alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.35, "edit": 0.8, "write": 0.3})
-    session_alpha: dict[str, float] = field(default_factory=lambda: {"chat": 0.35, "edit": 0.8, "write": 0.3})
+    session_alpha: dict[str, float] | None = None  # None: alpha
     max_batch_size: int = 16
     block_size: int = 16
     cache_blocks: int = 8192
@@ -82,9 +82,7 @@ class SimModel:
 # their costs in the live mixed bench (docs/performance.md, "Router (real replicas)"): a step 22 ms + 7 ms a
 # request, prefill 1.9 ms a token, tokens a step 1.2 (edits), 1.12 (free writing) and about 1.1 (chat), batches
 # of at most 8. Suffix drafting proposes only where the text matches, a few tokens a step on average: taken as
-# one draft a step (k = 1), so tokens a step are 1 + alpha (its acceptance column is not the live one). Its
-# session alphas are the plain ones: the live sessions bench measured tokens a step 1.00-1.01x with the session
-# held.
+# one draft a step (k = 1), so tokens a step are 1 + alpha (its acceptance column is not the live one).
 COST_MODELS: dict[str, SimModel] = {
     "gpu": SimModel(),
     "cpu": SimModel(
@@ -93,7 +91,6 @@ COST_MODELS: dict[str, SimModel] = {
         prefill_token_s=0.0019,
         k=1,
         alpha={"chat": 0.1, "edit": 0.2, "write": 0.12},
-        session_alpha={"chat": 0.1, "edit": 0.2, "write": 0.12},
         max_batch_size=8,
     ),
 }
@@ -154,7 +151,7 @@ class SimReplica:
         """Apply the step's tokens; the requests that ended."""
         m, done = self.m, []
         for r in self.running:
-            alpha = (m.session_alpha if r.held else m.alpha)[r.turn.kind]
+            alpha = (m.session_alpha if r.held and m.session_alpha is not None else m.alpha)[r.turn.kind]
             acc = 0
             while acc < m.k and r.rng.random() < alpha:
                 acc += 1
