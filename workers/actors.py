@@ -267,6 +267,27 @@ class _ActorBase(abc.ABC):
         self.memory_plan = plan.line()
         return self.memory_plan
 
+    def _start_grpc(
+        self, servicer: type, admit_rpc: str, draft_tokens: int, pb2, pb2_grpc, host, port, secret, tls
+    ) -> str:
+        """Serve ``servicer`` (its ``admit_rpc`` answers UNAVAILABLE while draining; messages sized for
+        ``draft_tokens`` drafts) + health on ``host:port`` (0 = a free port; host ``node``: this node's IP); returns
+        the "host:port" others dial. ``secret``: required of every caller (the deployment's worker secret);
+        ``tls``: the deployment's mutual TLS (a WorkerTLS), else plaintext. ``pb2`` / ``pb2_grpc``: the service's
+        generated modules (its one service is the one served)."""
+        self._require("loaded", "warm")
+        cls = _draining_servicer(servicer, admit_rpc, self.role)
+        self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, draft_tokens))
+        (service,) = pb2.DESCRIPTOR.services_by_name
+        add = getattr(pb2_grpc, f"add_{service}Servicer_to_server")
+        host = _bind_host(host)
+        self.grpc = _serve(
+            self.servicer, pb2.DESCRIPTOR.services_by_name[service].full_name, add, host, port, secret, tls
+        )
+        self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
+        self.state = "serving"
+        return self.grpc_address
+
     def _stop_grpc(self) -> None:
         if self.grpc is not None:
             self.grpc.stop()
@@ -423,29 +444,14 @@ class TargetRankActor(_ActorBase):
     # ------------------------------------------------------------ serving
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None, tls=None) -> str:
-        """Rank 0: serve TargetWorker + health on ``host:port`` (0 = a free port; host ``node``: this
-        node's IP); returns the "host:port" others dial. ``secret``: required of every caller (the
-        deployment's worker secret); ``tls``: the deployment's mutual TLS (a WorkerTLS), else plaintext."""
+        """Rank 0: serve TargetWorker + health (:meth:`_start_grpc`); ranks > 0 run :meth:`run_follower`."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 serves gRPC; ranks > 0 run run_follower()")
-        self._require("loaded", "warm")
         from workers.target_worker import TargetServicer
 
-        cls = _draining_servicer(TargetServicer, "Prefill", "target")
-        self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.max_draft_tokens))
-        host = _bind_host(host)
-        self.grpc = _serve(
-            self.servicer,
-            target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name,
-            target_pb2_grpc.add_TargetWorkerServicer_to_server,
-            host,
-            port,
-            secret,
-            tls,
+        return self._start_grpc(
+            TargetServicer, "Prefill", self.max_draft_tokens, target_pb2, target_pb2_grpc, host, port, secret, tls
         )
-        self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
-        self.state = "serving"
-        return self.grpc_address
 
     @_shippable_errors
     def run_follower(self) -> int:
@@ -591,27 +597,10 @@ class DraftActor(_ActorBase):
 
     @_shippable_errors
     def start_grpc(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None, tls=None) -> str:
-        """Serve DraftWorker + health on ``host:port`` (0 = a free port; host ``node``: this node's
-        IP); returns the "host:port" others dial. ``secret``: required of every caller (the
-        deployment's worker secret); ``tls``: the deployment's mutual TLS (a WorkerTLS), else plaintext."""
-        self._require("loaded", "warm")
+        """Serve DraftWorker + health (:meth:`_start_grpc`)."""
         from workers.draft_worker import DraftServicer
 
-        cls = _draining_servicer(DraftServicer, "Start", "draft")
-        self.servicer = cls(self.worker, self.executor, core_message_limit(self.worker, self.k))
-        host = _bind_host(host)
-        self.grpc = _serve(
-            self.servicer,
-            draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name,
-            draft_pb2_grpc.add_DraftWorkerServicer_to_server,
-            host,
-            port,
-            secret,
-            tls,
-        )
-        self.grpc_address = f"{_reachable_host(host)}:{self.grpc.port}"
-        self.state = "serving"
-        return self.grpc_address
+        return self._start_grpc(DraftServicer, "Start", self.k, draft_pb2, draft_pb2_grpc, host, port, secret, tls)
 
     def health(self) -> dict:
         out = self._base_health()
