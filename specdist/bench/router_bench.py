@@ -17,16 +17,24 @@ Without it: the real replicas of ``--config`` (``cluster.replicas``) on Ray Serv
 each policy, ``--requests`` requests of the workload sent by ``--clients`` clients through the replicas' front
 (:mod:`specdist.bench.router_live`; a local Ray cluster unless ``--ray-address``).
 
-``--json PATH`` writes ``{"schema": "specdist.bench.router/1", "settings": {...}, "results": [PolicyResult
-as a dict], "ratios": {"round-robin": {policy: {metric: ratio}}, "least-loaded": {...}}}`` (a metric not
-measured, or whose reference is 0: null).
+``--rounds R``: the whole comparison R times, each round side by side (live: the policies run in the given order
+in even rounds and reversed in odd ones, so that neither always runs first on a drifting machine; simulated: seeds
+``--seed`` + 0 ... R - 1), then each ratio's median and range over the rounds: one p99 of 32 requests is one
+request, so a verdict on a ratio wants several rounds.
+
+``--json PATH`` writes ``{"schema": "specdist.bench.router/2", "settings": {...}, "rounds": [{"order":
+[policy ...], "results": [PolicyResult as a dict], "ratios": {"round-robin": {policy: {metric: ratio}},
+"least-loaded": {...}}}], "median_ratios": {base: {policy: {metric: [median, min, max]}}}}`` (a metric not
+measured, or whose reference is 0: null; ``median_ratios`` over the rounds where it was measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from typing import NamedTuple
 
 from specdist.config import ROUTER_POLICIES
 from specdist.errors import SpecDistError
@@ -41,6 +49,7 @@ METRICS = (
     "e2e_p99",
     "tokens_per_s",
 )
+BASES = ("round-robin", "least-loaded")  # the policies every other is compared with
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cost-model", choices=("gpu", "cpu"), default="gpu", help="the simulated replicas' costs (with --simulate)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the comparison this many times (live: alternating the policies' order; simulated: seeds --seed "
+        "onwards) and print each ratio's median over the rounds",
+    )
     live = p.add_argument_group("real replicas (without --simulate; with it and --clients, the same closed loop)")
     live.add_argument("--requests", type=int, default=32, help="the workload's first N requests (whole sessions)")
     live.add_argument(
@@ -121,28 +137,32 @@ def run(args: argparse.Namespace) -> int:
 
     router_cfg = load_config(args.config).router
     closed = {"clients": args.clients, "requests": args.requests, "output_scale": args.output_scale}
-    results = [
-        simulate(
-            p,
-            args.workload,
-            args.simulate,
-            seed=args.seed,
-            load_factor=args.load,
-            model=COST_MODELS[args.cost_model],
-            router_config=router_cfg,
-            **(closed if args.clients is not None else {}),
-        )
-        for p in policies
-    ]
     arrivals = (
         f"{args.clients} clients, output scale {args.output_scale:g}"
         if args.clients is not None
         else f"load {args.load:g}"
     )
-    header = (
-        f"workload {args.workload}, {args.simulate} simulated replicas ({args.cost_model} costs), "
-        f"{results[0].requests} requests, {arrivals}, seed {args.seed}"
-    )
+    rounds = []
+    for i in range(args.rounds):
+        seed = args.seed + i
+        results = [
+            simulate(
+                p,
+                args.workload,
+                args.simulate,
+                seed=seed,
+                load_factor=args.load,
+                model=COST_MODELS[args.cost_model],
+                router_config=router_cfg,
+                **(closed if args.clients is not None else {}),
+            )
+            for p in policies
+        ]
+        header = (
+            f"workload {args.workload}, {args.simulate} simulated replicas ({args.cost_model} costs), "
+            f"{results[0].requests} requests, {arrivals}, seed {seed}"
+        )
+        rounds.append(Round(header, policies, results))
     settings = {
         "workload": args.workload,
         "replicas": args.simulate,
@@ -151,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         "load": args.load if args.clients is None else None,
         **(closed if args.clients is not None else {}),
         "seed": args.seed,
+        "rounds": args.rounds,
         "config": args.config,
         "router": {
             "stats_period_s": router_cfg.stats_period_s,
@@ -158,12 +179,13 @@ def run(args: argparse.Namespace) -> int:
             "imbalance_threshold": vars(router_cfg.imbalance_threshold),
         },
     }
-    report(results, header, settings, args.json)
+    report(rounds, settings, args.json)
     return 0
 
 
 def check_counts(args: argparse.Namespace) -> None:
     for flag, v, least in (
+        ("--rounds", args.rounds, 1),
         ("--requests", args.requests, 1),
         ("--clients", args.clients, 1),
         ("--max-text-words", args.max_text_words, 0),
@@ -188,27 +210,32 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
             f"{args.config}: bench router on real replicas needs cluster.enabled and cluster.replicas (or --simulate N)"
         )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    results, skipped = [], []
-    for p in policies:  # (each policy's replicas on a local Ray cluster of their own, unless --ray-address)
-        r, skipped = run_policy(
-            p,
-            cfg.to_dict(),
-            args.workload,
-            args.requests,
-            args.clients,
-            args.output_scale,
-            args.temperature,
-            args.ray_address,
-            log,
-            args.max_text_words,
+    rounds, skipped = [], []
+    for i in range(args.rounds):
+        order = policies if i % 2 == 0 else policies[::-1]
+        results = {}
+        for p in order:  # (each policy's replicas on a local Ray cluster of their own, unless --ray-address)
+            if args.rounds > 1:
+                log(f"[bench router] round {i + 1} of {args.rounds}: {p}")
+            results[p], skipped = run_policy(
+                p,
+                cfg.to_dict(),
+                args.workload,
+                args.requests,
+                args.clients,
+                args.output_scale,
+                args.temperature,
+                args.ray_address,
+                log,
+                args.max_text_words,
+            )
+        header = (
+            f"workload {args.workload}, {cfg.cluster.replica_plan.min} replicas of {args.config}, "
+            f"{results[policies[0]].requests} requests ({len(skipped)} turns too long for engine.max_model_len left "
+            f"out), {args.clients} clients, output scale {args.output_scale:g}, temperature {args.temperature:g}"
+            + (f", texts cut to {args.max_text_words} words" if args.max_text_words else "")
         )
-        results.append(r)
-    header = (
-        f"workload {args.workload}, {cfg.cluster.replica_plan.min} replicas of {args.config}, "
-        f"{results[0].requests} requests ({len(skipped)} turns too long for engine.max_model_len left out), "
-        f"{args.clients} clients, output scale {args.output_scale:g}, temperature {args.temperature:g}"
-        + (f", texts cut to {args.max_text_words} words" if args.max_text_words else "")
-    )
+        rounds.append(Round(header, order, [results[p] for p in policies]))
     settings = {
         "workload": args.workload,
         "replicas": cfg.cluster.replica_plan.min,
@@ -219,6 +246,7 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
         "output_scale": args.output_scale,
         "temperature": args.temperature,
         "max_text_words": args.max_text_words,
+        "rounds": args.rounds,
         "skipped": skipped,
         "router": {
             "stats_period_s": cfg.router.stats_period_s,
@@ -226,39 +254,90 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
             "imbalance_threshold": vars(cfg.router.imbalance_threshold),
         },
     }
-    report(results, header, settings, args.json)
+    report(rounds, settings, args.json)
     return 0
 
 
-def report(results: list, header: str, settings: dict, json_path: str | None) -> None:
-    """Print the policies' figures and their ratios to round-robin and least-loaded; ``--json`` too."""
-    print(header)
+class Round(NamedTuple):
+    """One side-by-side comparison: its header line, the order the policies ran in, their results (in
+    ``--policies`` order)."""
+
+    header: str
+    order: list[str]
+    results: list
+
+
+def median_ratios(rounds: list[Round]) -> dict[str, dict[str, dict[str, list[float] | None]]]:
+    """base -> policy -> metric -> [median, min, max] of that ratio over the rounds that measured it (None: none)."""
+    out: dict[str, dict[str, dict[str, list[float] | None]]] = {}
+    for base in BASES:
+        tables = [ratios(r.results, base) for r in rounds]
+        if not tables[0]:
+            continue
+        out[base] = {}
+        for policy in tables[0]:
+            if policy == base:
+                continue
+            row = {}
+            for m in METRICS:
+                xs = [t[policy][m] for t in tables if t[policy][m] is not None]
+                row[m] = [statistics.median(xs), min(xs), max(xs)] if xs else None
+            out[base][policy] = row
+    return out
+
+
+def report(rounds: list[Round], settings: dict, json_path: str | None) -> None:
+    """Print each round's figures and their ratios to round-robin and least-loaded, then (more than one round) each
+    ratio's median and range over the rounds; ``--json`` too."""
+    for i, rnd in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1} of {len(rounds)} (policies run in the order {', '.join(rnd.order)})")
+        print_round(rnd)
+    medians = median_ratios(rounds)
+    if len(rounds) > 1:
+        for base, table in medians.items():
+            print(f"ratios to {base} over {len(rounds)} rounds: median (min-max)")
+            for policy, row in table.items():
+                cells = (f"{m}=-" if v is None else f"{m}={v[0]:.2f}x ({v[1]:.2f}-{v[2]:.2f})" for m, v in row.items())
+                print(f"  {policy:<13} " + " ".join(cells))
+    if json_path:
+        doc = {
+            "schema": "specdist.bench.router/2",
+            "settings": settings,
+            "rounds": [
+                {
+                    "order": r.order,
+                    "results": [x.to_dict() for x in r.results],
+                    "ratios": {base: ratios(r.results, base) for base in BASES},
+                }
+                for r in rounds
+            ],
+            "median_ratios": medians,
+        }
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+        print(f"json: {json_path}", file=sys.stderr)
+
+
+def print_round(rnd: Round) -> None:
+    """One round: its header, each policy's figures, and their ratios to round-robin and least-loaded."""
+    print(rnd.header)
     print(
         f"{'policy':<13} {'tok/step':>8} {'accept':>7} {'hit tokens':>11} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'e2e p50':>8} {'e2e p99':>8} {'tok/s':>9}"
     )
-    for r in results:
+    for r in rnd.results:
         hits = "-" if r.prefix_hit_tokens is None else f"{r.prefix_hit_tokens:d}"
         print(
             f"{r.policy:<13} {r.tokens_per_step:>8.2f} {r.acceptance:>7.1%} {hits:>11} "
             f"{r.ttft_p50 * 1e3:>7.0f}ms {r.ttft_p99 * 1e3:>7.0f}ms {r.e2e_p50:>7.2f}s {r.e2e_p99:>7.2f}s "
             f"{r.tokens_per_s:>9.1f}"
         )
-    all_ratios = {base: ratios(results, base) for base in ("round-robin", "least-loaded")}
-    for base, table in all_ratios.items():
+    for base in BASES:
+        table = ratios(rnd.results, base)
         if not table:
             continue
         print(f"ratios to {base}:")
         for policy, row in table.items():
             if policy != base:
                 print(f"  {policy:<13} " + " ".join(f"{m}={'-' if v is None else f'{v:.2f}x'}" for m, v in row.items()))
-    if json_path:
-        doc = {
-            "schema": "specdist.bench.router/1",
-            "settings": settings,
-            "results": [r.to_dict() for r in results],
-            "ratios": all_ratios,
-        }
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, allow_nan=False)
-        print(f"json: {json_path}", file=sys.stderr)

@@ -93,9 +93,10 @@ def test_bench_router_on_two_replicas_prints_each_policy_and_its_ratios(local_ra
 
     doc = json.loads(out_json.read_text())
     assert doc["settings"]["replicas"] == 2 and doc["settings"]["skipped"] == []
-    results = doc["results"]
+    assert doc["settings"]["rounds"] == 1 and len(doc["rounds"]) == 1
+    results = doc["rounds"][0]["results"]
     assert [r["policy"] for r in results] == list(POLICIES)
     # every policy ran the same requests: the same prompts (seeded outputs, the same on any replica)
     assert len({(r["requests"], r["output_tokens"], r["prompt_tokens"]) for r in results}) == 1, results
     assert all(r["requests"] == 6 and r["prefix_hit_tokens"] >= 0 and sum(r["choices"].values()) == 6 for r in results)
-    assert set(doc["ratios"]["round-robin"]["speculative"]) == set(METRICS)
+    assert set(doc["rounds"][0]["ratios"]["round-robin"]["speculative"]) == set(METRICS)

@@ -659,9 +659,76 @@ def test_bench_router_cli(tmp_path, capsys):
         == 0
     )
     doc = json.loads(out.read_text())
-    assert [r["policy"] for r in doc["results"]] == ["speculative", "least-loaded"]
-    assert doc["ratios"]["least-loaded"]["speculative"]["tokens_per_s"] > 0
-    assert "ratios to least-loaded" in capsys.readouterr().out
+    assert doc["schema"] == "specdist.bench.router/2" and len(doc["rounds"]) == 1
+    assert [r["policy"] for r in doc["rounds"][0]["results"]] == ["speculative", "least-loaded"]
+    assert doc["rounds"][0]["ratios"]["least-loaded"]["speculative"]["tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "ratios to least-loaded:" in printed and "rounds" not in printed  # (one round: no medians)
+
+
+def test_bench_router_rounds_print_each_ratio_s_median_over_the_rounds(tmp_path, capsys):
+    """``--rounds 3`` on the simulator: seeds 5, 6, 7, each round as a run of its own seed prints it, and the
+    medians (min-max) are those of the three rounds' ratios."""
+    from specdist.cli import main
+
+    argv = ["bench", "router", "--simulate", "2", "--workload", "mixed", "--policies", "speculative,least-loaded"]
+    argv += ["--clients", "4", "--cost-model", "cpu", "--seed", "5"]
+    out = tmp_path / "r.json"
+    assert main([*argv, "--rounds", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rounds"] == 3 and len(doc["rounds"]) == 3
+    p99 = []
+    for i, seed in enumerate((5, 6, 7)):
+        assert f"round {i + 1} of 3" in printed and f"seed {seed}" in printed
+        alone = tmp_path / f"seed{seed}.json"
+        assert main([*argv[:-1], str(seed), "--json", str(alone)]) == 0
+        one = json.loads(alone.read_text())["rounds"][0]
+        assert one["results"] == doc["rounds"][i]["results"]  # a round is its seed's run
+        p99.append(one["ratios"]["least-loaded"]["speculative"]["e2e_p99"])
+    assert len(set(p99)) > 1, p99  # (the seeds differ: the median below is not any one round's by chance)
+    median, lo, hi = doc["median_ratios"]["least-loaded"]["speculative"]["e2e_p99"]
+    assert (median, lo, hi) == (sorted(p99)[1], min(p99), max(p99))
+    assert "ratios to least-loaded over 3 rounds: median (min-max)" in printed
+    assert f"e2e_p99={median:.2f}x ({lo:.2f}-{hi:.2f})" in printed
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--rounds", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--rounds" in err and "Traceback" not in err
+
+
+def test_bench_router_live_rounds_alternate_the_policies_order(tmp_path, monkeypatch, capsys):
+    """On real replicas, round 1 runs the policies in the order given and round 2 in reverse (neither always first
+    on a drifting machine); each round's results are listed in the given order. (run_policy stubbed: this checks
+    the order and the bookkeeping, not the replicas, which tests/distributed/test_bench_router_live.py runs.)"""
+    import yaml
+
+    from specdist.bench import router_live
+    from specdist.bench.router_sim import PolicyResult
+    from specdist.cli import main
+
+    ran = []
+
+    def run_policy(policy, *args, **kwargs):
+        ran.append(policy)
+        e2e = {"speculative": 2.0, "least-loaded": 4.0}[policy] * len(ran)  # round 1: 0.5x, round 2: 1.5x
+        r = PolicyResult(policy, 8, 80, 1.0, 0.5, 0, 100, 0.1, 0.2, e2e, e2e, 10.0, 8.0, {"a": 8})
+        return r, []
+
+    monkeypatch.setattr(router_live, "run_policy", run_policy)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"cluster": {"enabled": True, "replicas": 2}}))
+    out = tmp_path / "r.json"
+    argv = ["bench", "router", "--config", str(cfg), "--policies", "speculative,least-loaded", "--rounds", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert ran == ["speculative", "least-loaded", "least-loaded", "speculative"]
+    doc = json.loads(out.read_text())
+    assert [r["order"] for r in doc["rounds"]] == [["speculative", "least-loaded"], ["least-loaded", "speculative"]]
+    assert all([x["policy"] for x in r["results"]] == ["speculative", "least-loaded"] for r in doc["rounds"])
+    # round 1: 2 / 8 = 0.25x; round 2: 2 x 4 / (4 x 3) = 0.67x; the median of two: their mean
+    assert doc["median_ratios"]["least-loaded"]["speculative"]["e2e_p99"] == pytest.approx([11 / 24, 0.25, 2 / 3])
+    assert "policies run in the order least-loaded, speculative" in capsys.readouterr().out
 
 
 def test_bench_router_cli_simulates_the_live_bench_s_closed_loop_with_a_cost_model(tmp_path, capsys):
