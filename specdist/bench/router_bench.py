@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             f"{results[0].requests} requests, {arrivals}, seed {seed}"
         )
         rounds.append(Round(header, policies, results))
+        print_round(rounds[-1], i, args.rounds)
     settings = {
         "workload": args.workload,
         "replicas": args.simulate,
@@ -236,6 +237,7 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
             + (f", texts cut to {args.max_text_words} words" if args.max_text_words else "")
         )
         rounds.append(Round(header, order, [results[p] for p in policies]))
+        print_round(rounds[-1], i, args.rounds)  # (as it ends: a long run cut short keeps what it measured)
     settings = {
         "workload": args.workload,
         "replicas": cfg.cluster.replica_plan.min,
@@ -287,12 +289,8 @@ def median_ratios(rounds: list[Round]) -> dict[str, dict[str, dict[str, list[flo
 
 
 def report(rounds: list[Round], settings: dict, json_path: str | None) -> None:
-    """Print each round's figures and their ratios to round-robin and least-loaded, then (more than one round) each
-    ratio's median and range over the rounds; ``--json`` too."""
-    for i, rnd in enumerate(rounds):
-        if len(rounds) > 1:
-            print(f"round {i + 1} of {len(rounds)} (policies run in the order {', '.join(rnd.order)})")
-        print_round(rnd)
+    """After the rounds (each printed as it ended: :func:`print_round`): each ratio's median and range over them
+    (more than one round); ``--json`` too."""
     medians = median_ratios(rounds)
     if len(rounds) > 1:
         for base, table in medians.items():
@@ -319,8 +317,11 @@ def report(rounds: list[Round], settings: dict, json_path: str | None) -> None:
         print(f"json: {json_path}", file=sys.stderr)
 
 
-def print_round(rnd: Round) -> None:
-    """One round: its header, each policy's figures, and their ratios to round-robin and least-loaded."""
+def print_round(rnd: Round, i: int, n: int) -> None:
+    """Round ``i`` (from 0) of ``n``: its header, each policy's figures, and their ratios to round-robin and
+    least-loaded."""
+    if n > 1:
+        print(f"round {i + 1} of {n} (policies run in the order {', '.join(rnd.order)})")
     print(rnd.header)
     print(
         f"{'policy':<13} {'tok/step':>8} {'accept':>7} {'hit tokens':>11} {'TTFT p50':>9} {'TTFT p99':>9} "
@@ -341,3 +342,4 @@ def print_round(rnd: Round) -> None:
         for policy, row in table.items():
             if policy != base:
                 print(f"  {policy:<13} " + " ".join(f"{m}={'-' if v is None else f'{v:.2f}x'}" for m, v in row.items()))
+    sys.stdout.flush()
