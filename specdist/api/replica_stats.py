@@ -59,6 +59,7 @@ class _Held:
     emitted: int = 0
     running: bool = False
     admitted_at: float | None = None  # when it was admitted (the clock of stats' now; None: untimed)
+    prefill_tokens: int = 0  # its prompt's uncached tokens (reported until its first step)
 
 
 class ReplicaLedger:
@@ -98,10 +99,11 @@ class ReplicaLedger:
             n += 1
         return n
 
-    def admit(self, route: RouteRequest, at: float | None = None) -> bool:
+    def admit(self, route: RouteRequest, at: float | None = None, prefill_tokens: int = 0) -> bool:
         """A request starts here (queued) at ``at`` (the clock of :meth:`stats`' ``now``; None: untimed, reported
-        as age 0): its prompt's blocks enter the cache and its session the index. Whether the index held its
-        session already (its drafts then come from that session's earlier turns)."""
+        as age 0), ``prefill_tokens`` of its prompt not cached: its prompt's blocks enter the cache and its session
+        the index. Whether the index held its session already (its drafts then come from that session's earlier
+        turns)."""
         held = bool(route.session) and route.session in self.index
         self.remember(route.prompt_blocks)
         if route.session and self.index_sessions:
@@ -109,7 +111,7 @@ class ReplicaLedger:
             self.index.move_to_end(route.session)
             while len(self.index) > self.index_sessions:
                 self.index.popitem(last=False)
-        self.requests[route.request_id] = _Held(route, held, admitted_at=at)
+        self.requests[route.request_id] = _Held(route, held, admitted_at=at, prefill_tokens=max(0, prefill_tokens))
         return held
 
     def tokens(self, kind: str, held: bool, tokens: int, steps: int = 1) -> None:
@@ -162,7 +164,8 @@ class ReplicaLedger:
             q, r = [], []
             for rid, h in self.requests.items():
                 age = 0.0 if h.admitted_at is None else max(0.0, now - h.admitted_at)
-                p = Pending(rid, max(0, h.route.max_tokens - h.emitted), h.route.kind, age)
+                owed = 0 if h.running else h.prefill_tokens
+                p = Pending(rid, max(0, h.route.max_tokens - h.emitted), h.route.kind, age, owed)
                 (r if h.running else q).append(p)
             queued, running = q, r
         if self._cache_view is None:
@@ -214,10 +217,10 @@ class EngineLedger:
         blocks = block_hashes(prompt_ids, self.block_size, scope)
         route = RouteRequest(key, len(prompt_ids), max_tokens, blocks, kind or DEFAULT_KIND, session)
         with self.lock:
-            uncached = len(prompt_ids) - self.ledger.cached_blocks(blocks) * self.block_size
-            self._prefill_tokens += max(1, uncached)
+            uncached = max(1, len(prompt_ids) - self.ledger.cached_blocks(blocks) * self.block_size)
+            self._prefill_tokens += uncached
             self._prompts[key] = (list(prompt_ids), scope)
-            return self.ledger.admit(route, time.time())
+            return self.ledger.admit(route, time.time(), uncached)
 
     def __call__(self, event) -> None:
         """The engine's listener (:class:`~specdist.engine.output_processor.StepEvent` / ``RequestFinished``)."""

@@ -60,6 +60,12 @@ PRIOR_TOKENS_PER_STEP = 1.0
 # a step proportional to its batch, so that the requests' steps weigh before the first measurement (with no cost
 # at all, every expected finish is 0 and the ties go by load, blind to a full batch of long requests).
 PRIOR_STEP_S_PER_REQUEST = 0.01
+# A prompt token's prefill seconds, assumed while no replica has measured a prefill (a cold start): what a verified
+# token costs in a step (a request verifies about k + 1 = 5 tokens a step); measured, a prompt token cost 0.13 of a
+# request's share of a step in the GPU cost model and 0.27 on the live CPU replicas. At none, the live bench's first
+# burst sent its two long prompts to one replica (the second waited 2.5 s for the first's prefill,
+# docs/performance.md); the first measurement replaces it.
+PRIOR_PREFILL_S_PER_TOKEN = PRIOR_STEP_S_PER_REQUEST / 5
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, scope: str = "") -> tuple[int, ...]:
@@ -135,13 +141,15 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Pending:
-    """A request queued or running on a replica: tokens it may still produce, its kind, and its age (seconds since
-    the replica took it, as of the report)."""
+    """A request queued or running on a replica: tokens it may still produce, its kind, its age (seconds since
+    the replica took it, as of the report) and the prompt tokens it has still to prefill (its uncached part until
+    its first step, then 0)."""
 
     request_id: str
     remaining_tokens: int
     kind: str = DEFAULT_KIND
     age_s: float = 0.0
+    prefill_tokens: int = 0
 
 
 def _step_tokens(per_kind: dict[str, float], held_per_kind: dict[str, float], kind: str, held: bool) -> float:
@@ -221,7 +229,7 @@ class ReplicaStats:
         """Plain data for ``record_routing_stats`` (Serve sends it to every router)."""
 
         def pend(p: Pending) -> list:
-            return [p.request_id, p.remaining_tokens, p.kind, p.age_s]
+            return [p.request_id, p.remaining_tokens, p.kind, p.age_s, p.prefill_tokens]
 
         return {
             "replica_id": self.replica_id,
@@ -242,7 +250,16 @@ class ReplicaStats:
     @classmethod
     def from_dict(cls, d: dict[str, Any], replica_id: str | None = None) -> ReplicaStats:
         def pend(items) -> tuple[Pending, ...]:
-            return tuple(Pending(str(x[0]), int(x[1]), str(x[2]), float(x[3]) if len(x) > 3 else 0.0) for x in items)
+            return tuple(
+                Pending(
+                    str(x[0]),
+                    int(x[1]),
+                    str(x[2]),
+                    float(x[3]) if len(x) > 3 else 0.0,
+                    int(x[4]) if len(x) > 4 else 0,
+                )
+                for x in items
+            )
 
         return cls(
             replica_id if replica_id is not None else str(d["replica_id"]),
@@ -383,7 +400,8 @@ class SpeculativePolicy(Policy):
     def expected_finish(self, request: RouteRequest, view: View, costs: Costs | None = None) -> float:
         """Seconds until this request would finish on the replica: (the target steps before it gets a batch
         slot + its own steps) x the replica's step time with it + the prefill of this prompt's part its cache
-        lacks. ``costs``: the replica's costs (:meth:`costs`; default: its own measurements as reported).
+        lacks + the prefill the replica still owes (:meth:`owed_prefill`). ``costs``: the replica's costs
+        (:meth:`costs`; default: its own measurements as reported).
 
         Steps before a slot: the replica's pending work in target steps (each queued or running request's
         remaining tokens over the tokens a step gives its kind there), laid on its ``max_batch_size`` slots:
@@ -424,9 +442,9 @@ class SpeculativePolicy(Policy):
 
     def tail(self, request: RouteRequest, view: View, costs: Costs | None = None) -> tuple[float, float]:
         """The latest expected end to end of the replica's requests (each one's age + its steps until it ends x
-        the step time), as it is and with this request sent there: (with it, without it). With it, each step of
-        theirs that this request shares (until it ends) is one request longer, and this prompt's prefill comes
-        before them all; and this request's own finish counts."""
+        the step time + the prefill the replica owes), as it is and with this request sent there: (with it,
+        without it). With it, each step of theirs that this request shares (until it ends) is one request longer,
+        and this prompt's prefill comes before them all; and this request's own finish counts."""
         p = self.price(request, view, costs or view.stats.costs())
         return p.with_it, p.without
 
@@ -436,6 +454,17 @@ class SpeculativePolicy(Policy):
         to this request itself is in :meth:`expected_finish`)."""
         return self.price(request, view, costs or view.stats.costs()).saved
 
+    def owed_prefill(self, view: View, c: Costs) -> float:
+        """Seconds of prefill the replica still owes its requests (the uncached prompts of those that have not
+        stepped yet, less the time since they came, and of those this router sent since the report): its steps
+        wait for them, and so does a request sent there now."""
+        s = view.stats
+        owed = sum(max(0.0, p.prefill_tokens * c.prefill_s_per_token - p.age_s) for p in (*s.queued, *s.running))
+        for r in view.sent:
+            cached = cached_prefix_blocks(r.prompt_blocks, s.cached_blocks) * self.block_size
+            owed += max(0, r.prompt_tokens - cached) * c.prefill_s_per_token
+        return owed
+
     def price(self, request: RouteRequest, view: View, c: Costs) -> Price:
         """:meth:`expected_finish`, :meth:`tail` (with it, without it) and :meth:`saved`, the replica's requests laid
         out once."""
@@ -443,11 +472,13 @@ class SpeculativePolicy(Policy):
         before, after = self.step_s(view, c, joining=False), self.step_s(view, c, joining=True)
         cached = min(request.prompt_tokens, view.cached_blocks(request) * self.block_size)
         prefill = (request.prompt_tokens - cached) * c.prefill_s_per_token
+        owed = self.owed_prefill(view, c)
         until = wait + request.max_tokens / c.step_tokens(request.kind, held=view.holds_session(request))
-        finish = until * after + prefill
-        without = max((age + steps * before for age, steps in ends), default=0.0)
+        finish = until * after + prefill + owed
+        without = max((age + steps * before + owed for age, steps in ends), default=0.0)
         with_it = max(
-            (age + steps * before + min(steps, until) * (after - before) + prefill for age, steps in ends), default=0.0
+            (age + steps * before + min(steps, until) * (after - before) + prefill + owed for age, steps in ends),
+            default=0.0,
         )
         return Price(finish, max(with_it, finish), without, cached * c.prefill_s_per_token * len(ends))
 
@@ -534,9 +565,8 @@ class SpeculativePolicy(Policy):
         for v in replicas:
             rid = v.replica_id
             step = aged(rid, steps.get(rid), step_pool) or (0.0, PRIOR_STEP_S_PER_REQUEST)
-            out[rid] = Costs(
-                step[0], step[1], aged(rid, prefills.get(rid), prefill_pool) or 0.0, tps[rid], held_tps[rid]
-            )
+            prefill = aged(rid, prefills.get(rid), prefill_pool) or PRIOR_PREFILL_S_PER_TOKEN
+            out[rid] = Costs(step[0], step[1], prefill, tps[rid], held_tps[rid])
         return out
 
 

@@ -175,13 +175,20 @@ class SimReplica:
         return done
 
     def stats(self, now: float) -> ReplicaStats:
-        def pend(rs) -> tuple[Pending, ...]:
-            return tuple(Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind, now - r.arrival) for r in rs)
+        bs = self.m.block_size
+
+        def pend(rs, owed) -> tuple[Pending, ...]:
+            return tuple(
+                Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind, now - r.arrival, owed(r)) for r in rs
+            )
+
+        def uncached(r: SimRequest) -> int:  # (as admission will find it)
+            return len(r.tokens) - min(self.ledger.cached_blocks(r.route.prompt_blocks) * bs, len(r.tokens) - 1)
 
         self.ledger.prefill_s_per_token = self.m.prefill_token_s  # (the model's, known exactly here)
-        return self.ledger.stats(
-            self.rid, now, self.m.max_batch_size, pend(self.waiting), pend([*self.running, *self.admitted])
-        )
+        queued = pend(self.waiting, uncached)
+        running = pend(self.running, lambda r: 0) + pend(self.admitted, lambda r: len(r.tokens) - r.hit_tokens)
+        return self.ledger.stats(self.rid, now, self.m.max_batch_size, queued, running)
 
 
 def build_requests(

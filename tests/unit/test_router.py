@@ -258,6 +258,79 @@ def test_a_request_is_not_sent_beside_the_one_most_at_risk_of_being_the_tail():
     assert r2.choose(long_prompt, 0.1) == "b"
 
 
+def test_a_prefill_a_replica_still_owes_delays_a_request_sent_there():
+    """A replica's requests that have not stepped yet owe their uncached prompts' prefill (reported as each one's
+    ``prefill_tokens``, less the time since it came; requests sent since the report: their prompts): a request
+    sent there waits for it, and so do the steps of the requests there. Without it, speculative sent new requests
+    onto a replica busy prefilling a long prompt (its TTFT p99 1.3-1.7x least-loaded's, docs/performance.md)."""
+    q = req("q", max_tokens=100)
+    owing = (Pending("long-prompt", 100, "default", 0.0, 2000),)  # 2000 tokens at 0.1 ms: 0.2 s owed
+    two = (Pending("r1", 100), Pending("r2", 100))
+    r = router("speculative", stats("a", queued=owing), stats("b", running=two))
+    views = {v.replica_id: v for v in r.trusted(0.1)}
+    pol = r.policy
+    lighter = 50 * (0.01 + 0.002) + 16 * 0.0001  # q's 50 steps beside one request, and its own prefill
+    assert pol.expected_finish(q, views["a"]) == pytest.approx(lighter + 0.2)
+    assert pol.expected_finish(q, views["b"]) == pytest.approx(50 * (0.01 + 0.003) + 16 * 0.0001)
+    assert r.choose(q, 0.1, book=False) == "b"
+    # the same replica, its long prompt prefilled (it stepped once): a, beside one request rather than two
+    stepped = (Pending("long-prompt", 99, "default", 0.0, 0),)
+    r2 = router("speculative", stats("a", running=stepped), stats("b", running=two))
+    assert r2.choose(q, 0.1, book=False) == "a"
+    # what is owed shrinks by the time since the request came (its prefill under way)
+    half = (Pending("long-prompt", 100, "default", 0.15, 2000),)
+    r3 = router("speculative", stats("a", queued=half), stats("b", running=two))
+    assert r3.policy.owed_prefill(r3.trusted(0.1)[0], r3.trusted(0.1)[0].stats.costs()) == pytest.approx(0.05)
+    # a request sent since the report owes its prompt's uncached part: the next request waits for it too
+    r4 = router("speculative", stats("a"), stats("b"))
+    assert r4.choose(req("big", tokens=range(1000, 3000)), 0.1) == "a"  # (a tie: the id)
+    va = next(v for v in r4.trusted(0.1) if v.replica_id == "a")
+    assert r4.policy.owed_prefill(va, va.stats.costs()) == pytest.approx(0.2)
+
+
+def test_at_a_cold_start_long_prompts_arriving_together_are_prefilled_apart():
+    """Before any replica measured a prefill, a prompt token is taken to cost PRIOR_PREFILL_S_PER_TOKEN: the live
+    bench's first four requests (two long prompts, two short, sent together) went two long to one replica at no
+    cost, and the second waited 2.5 s for the first's prefill."""
+    cold = dict(tokens_per_step={}, step_s=0.0, step_s_per_request=0.0, prefill_s_per_token=0.0)
+    r = router("speculative", stats("a", **cold), stats("b", **cold))
+    burst = [("long1", 573), ("short1", 105), ("long2", 547), ("short2", 67)]  # (prompts sharing no prefix)
+    chosen = {
+        rid: r.choose(req(rid, tokens=range(i * 1000, i * 1000 + n), max_tokens=30), 0.1)
+        for i, (rid, n) in enumerate(burst)
+    }
+    assert chosen["long1"] != chosen["long2"] and chosen["short1"] != chosen["short2"], chosen
+
+
+def test_replicas_report_what_prefill_their_requests_still_owe():
+    from specdist.api.replica_stats import ReplicaLedger
+
+    ledger = ReplicaLedger(64)
+    ledger.admit(RouteRequest("q1", 300, 100), at=1.0, prefill_tokens=300)
+    ledger.admit(RouteRequest("q2", 300, 100), at=1.0, prefill_tokens=44)  # (its first 256 tokens cached)
+    assert {p.request_id: p.prefill_tokens for p in ledger.stats("r", 2.0, 4).queued} == {"q1": 300, "q2": 44}
+    ledger.stepped("q1", 1)  # prefilled: it owes nothing more
+    s = ledger.stats("r", 2.0, 4)
+    assert [(p.request_id, p.prefill_tokens) for p in s.running] == [("q1", 0)]
+    assert ReplicaStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    d = s.to_dict()
+    d["queued"] = [p[:4] for p in d["queued"]]  # a report without it (an older replica): nothing owed
+    assert [p.prefill_tokens for p in ReplicaStats.from_dict(d).queued] == [0]
+
+    # a live replica's ledger: the prompt's part its prefix cache lacks, until the engine stepped it
+    from specdist.api.replica_stats import EngineLedger
+    from specdist.engine.output_processor import StepEvent
+    from specdist.engine.request import RequestStep
+
+    live = EngineLedger(64, BS)
+    live.admit("k1", list(range(10)), 5)
+    assert [p.prefill_tokens for p in live.stats("r", 0.0, 8).queued] == [10]
+    live(StepEvent(1, {"prefill": 0.01}, 0.02, 0.0, [RequestStep("k1", None, 0, 0, 1, 1)]))
+    live.admit("k2", list(range(10)), 5)  # the same prompt: its two whole blocks cached by k1's admission
+    s = live.stats("r", 0.0, 8)
+    assert [(p.request_id, p.prefill_tokens) for p in (*s.running, *s.queued)] == [("k1", 0), ("k2", 2)]
+
+
 def test_replicas_report_their_requests_ages():
     from specdist.api.replica_stats import ReplicaLedger
 
