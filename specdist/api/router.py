@@ -61,10 +61,10 @@ PRIOR_TOKENS_PER_STEP = 1.0
 # at all, every expected finish is 0 and the ties go by load, blind to a full batch of long requests).
 PRIOR_STEP_S_PER_REQUEST = 0.01
 # A prompt token's prefill seconds, assumed while no replica has measured a prefill (a cold start): what a verified
-# token costs in a step (a request verifies about k + 1 = 5 tokens a step); measured, a prompt token cost 0.13 of a
-# request's share of a step in the GPU cost model and 0.27 on the live CPU replicas. At none, the live bench's first
-# burst sent its two long prompts to one replica (the second waited 2.5 s for the first's prefill,
-# docs/performance.md); the first measurement replaces it.
+# token costs in a step (a request verifies about k + 1 = 5 tokens a step). A prompt token costs 0.27 of a request's
+# share of a step on the live CPU replicas (measured) and 0.13 in the simulator's GPU cost model (assumed). At none,
+# the live bench's first burst sent its two long prompts to one replica (the second waited 2.5 s for the first's
+# prefill, docs/performance.md); the first measurement replaces it.
 PRIOR_PREFILL_S_PER_TOKEN = PRIOR_STEP_S_PER_REQUEST / 5
 
 
