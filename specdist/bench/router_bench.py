@@ -174,14 +174,19 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "rounds": args.rounds,
         "config": args.config,
-        "router": {
-            "stats_period_s": router_cfg.stats_period_s,
-            "session_blocks": router_cfg.session_blocks,
-            "imbalance_threshold": vars(router_cfg.imbalance_threshold),
-        },
+        "router": router_settings(router_cfg),
     }
     report(rounds, settings, args.json)
     return 0
+
+
+def router_settings(router_cfg) -> dict:
+    """The ``router:`` settings a run records (all but the policy, which each result names)."""
+    return {
+        "stats_period_s": router_cfg.stats_period_s,
+        "session_blocks": router_cfg.session_blocks,
+        "imbalance_threshold": vars(router_cfg.imbalance_threshold),
+    }
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -250,11 +255,7 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
         "max_text_words": args.max_text_words,
         "rounds": args.rounds,
         "skipped": skipped,
-        "router": {
-            "stats_period_s": cfg.router.stats_period_s,
-            "session_blocks": cfg.router.session_blocks,
-            "imbalance_threshold": vars(cfg.router.imbalance_threshold),
-        },
+        "router": router_settings(cfg.router),
     }
     report(rounds, settings, args.json)
     return 0

@@ -131,6 +131,10 @@ class SimReplica:
         self.busy = False
         self.admitted: list[SimRequest] = []
 
+    def cached_tokens(self, r: SimRequest) -> int:
+        """The prompt tokens of ``r`` its prefix cache holds now (at least one token is always computed)."""
+        return min(self.ledger.cached_blocks(r.route.prompt_blocks) * self.m.block_size, len(r.tokens) - 1)
+
     def start_step(self, now: float) -> float:
         """Admit, draw this step's acceptances; the step's duration (its results apply at its end)."""
         m, ledger = self.m, self.ledger
@@ -138,8 +142,7 @@ class SimReplica:
         prefill = 0
         while self.waiting and len(self.running) + len(self.admitted) < m.max_batch_size:
             r = self.waiting.popleft()
-            n = ledger.cached_blocks(r.route.prompt_blocks)
-            r.hit_tokens = min(n * m.block_size, len(r.tokens) - 1)
+            r.hit_tokens = self.cached_tokens(r)
             prefill += len(r.tokens) - r.hit_tokens
             r.held = ledger.admit(r.route)
             self.admitted.append(r)
@@ -175,18 +178,13 @@ class SimReplica:
         return done
 
     def stats(self, now: float) -> ReplicaStats:
-        bs = self.m.block_size
-
         def pend(rs, owed) -> tuple[Pending, ...]:
             return tuple(
                 Pending(r.rid, r.route.max_tokens - r.emitted, r.turn.kind, now - r.arrival, owed(r)) for r in rs
             )
 
-        def uncached(r: SimRequest) -> int:  # (as admission will find it)
-            return len(r.tokens) - min(self.ledger.cached_blocks(r.route.prompt_blocks) * bs, len(r.tokens) - 1)
-
         self.ledger.prefill_s_per_token = self.m.prefill_token_s  # (the model's, known exactly here)
-        queued = pend(self.waiting, uncached)
+        queued = pend(self.waiting, lambda r: len(r.tokens) - self.cached_tokens(r))
         running = pend(self.running, lambda r: 0) + pend(self.admitted, lambda r: len(r.tokens) - r.hit_tokens)
         return self.ledger.stats(self.rid, now, self.m.max_batch_size, queued, running)
 
