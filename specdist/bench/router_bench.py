@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="W",
         help="cut each request's new text to its first W words (default 0: whole)",
     )
+    live.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="W",
+        help="real replicas: first send about W of the workload's next requests through the same router, not measured",
+    )
     live.add_argument("--temperature", type=float, default=0.8, help="seeded sampling (the seed from the request id)")
     live.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
@@ -131,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         return run_live(args, policies)
     if args.simulate < 1:
         raise SpecDistError(f"--simulate must be >= 1, got {args.simulate}")
+    if args.warmup:
+        raise SpecDistError("--warmup is for real replicas (the simulated ones have no first-call costs)")
     if not 0 < args.load <= 4:
         raise SpecDistError(f"--load must be in (0, 4], got {args.load}")
     from specdist.bench.router_sim import COST_MODELS, simulate
@@ -195,6 +204,7 @@ def check_counts(args: argparse.Namespace) -> None:
         ("--requests", args.requests, 1),
         ("--clients", args.clients, 1),
         ("--max-text-words", args.max_text_words, 0),
+        ("--warmup", args.warmup, 0),
     ):
         if v is not None and v < least:
             raise SpecDistError(f"{flag} must be >= {least}, got {v}")
@@ -234,12 +244,14 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
                 args.ray_address,
                 log,
                 args.max_text_words,
+                args.warmup,
             )
         header = (
             f"workload {args.workload}, {cfg.cluster.replica_plan.min} replicas of {args.config}, "
             f"{results[policies[0]].requests} requests ({len(skipped)} turns too long for engine.max_model_len left "
             f"out), {args.clients} clients, output scale {args.output_scale:g}, temperature {args.temperature:g}"
             + (f", texts cut to {args.max_text_words} words" if args.max_text_words else "")
+            + (f", after a warm-up of about {args.warmup} requests" if args.warmup else "")
         )
         rounds.append(Round(header, order, [results[p] for p in policies]))
         print_round(rounds[-1], i, args.rounds)  # (as it ends: a long run cut short keeps what it measured)
@@ -253,6 +265,7 @@ def run_live(args: argparse.Namespace, policies: list[str]) -> int:
         "output_scale": args.output_scale,
         "temperature": args.temperature,
         "max_text_words": args.max_text_words,
+        "warmup": args.warmup,
         "rounds": args.rounds,
         "skipped": skipped,
         "router": router_settings(cfg.router),

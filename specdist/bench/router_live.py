@@ -16,7 +16,10 @@ The workload (:mod:`specdist.bench.router_workloads`) is cut to its first ``--re
   and sending a session's turns one after the other (a closed loop, no think time); sessions carry their id as
   the request's session (``ReplicaFront.open(session=...)``: the router's affinity key) and every request its
   workload kind (``open(kind=...)``: ``edit``, ``write``, ``chat``; the replicas measure tokens a step per kind,
-  which the ``speculative`` policy reads), as the simulator's requests carry theirs.
+  which the ``speculative`` policy reads), as the simulator's requests carry theirs;
+- with ``--warmup W``, W requests after the measured ones (:func:`warmup_plan`) go first through the same router
+  and clients, unmeasured: a steady state (replicas past their first-call costs, the router on measured costs)
+  rather than a cold start.
 
 Measured per request on the client side: TTFT and end to end from just before ``open`` to its first token and
 its end; from the final delta's :class:`~specdist.engine.request.RequestMetrics`: verification steps, tokens
@@ -88,6 +91,22 @@ def plan(workload: str, requests: int, output_scale: float, max_words: int = 0) 
             prev = t
         groups.append(turns)
     return Plan(groups)
+
+
+def warmup_plan(workload: str, requests: int, warmup: int, output_scale: float, max_words: int = 0) -> Plan:
+    """The requests a warm-up sends before the measured ``requests``: the workload's next ``warmup`` requests
+    after the sessions the measured ones belong to (the measured cut's session is skipped, not finished; the
+    warm-up's last session is cut short; fewer where the workload ends), so that no warm-up turn extends a
+    measured session and the measured requests are the same with or without it. What it is for: the replicas'
+    first-call costs paid and each replica's step, prefill and tokens a step by kind measured before the run,
+    so the run's first requests are routed on measurements (steady state), not on the router's cold-start
+    priors, under every policy alike."""
+    if warmup <= 0:
+        return Plan([])
+    measured = len(plan(workload, requests, output_scale, max_words).groups)
+    whole = plan(workload, 1 << 30, output_scale, max_words).groups[:measured]  # (the cut session whole)
+    skip = sum(len(g) for g in whole)
+    return Plan(plan(workload, skip + warmup, output_scale, max_words).groups[measured:])
 
 
 def request_seed(rid: str, salt: str = "") -> int:
@@ -207,9 +226,11 @@ def run_policy(
     ray_address: str | None,
     log: Callable[[str], None],
     max_words: int = 0,
+    warmup: int = 0,
 ) -> tuple[PolicyResult, list[str]]:
     """Bring ``config``'s replicas up with ``policy``, run the cut workload through them, take them down:
-    the policy's figures and the turns not sent."""
+    the policy's figures and the turns not sent. ``warmup``: first run about that many requests
+    (:func:`warmup_plan`) through the same router and clients, not measured."""
     from specdist.api.serving import start_backend
     from specdist.bench.cluster_bench import apply_overrides
     from specdist.config import load_config
@@ -223,9 +244,16 @@ def run_policy(
     try:
         front, reports = backend.replicas.front, backend.replicas.reports
         p = plan(workload, requests, output_scale, max_words)
+        warm = warmup_plan(workload, requests, warmup, output_scale, max_words)
 
         async def drive() -> tuple[list[LiveResult], int]:
             try:
+                if warm.groups:
+                    await wait_reports(reports, replicas, time.time(), 1)
+                    w = await run_clients(
+                        front, front.engine.tokenizer, warm, clients, temperature, cfg.engine.max_model_len
+                    )
+                    log(f"[{policy}] warm-up: {len(w)} requests, not measured")
                 before = await wait_reports(reports, replicas, time.time(), 2)
                 t0 = time.perf_counter()
                 done = await run_clients(

@@ -53,16 +53,24 @@ def test_bench_router_on_two_replicas_prints_each_policy_and_its_ratios(local_ra
                 "0.03",
                 "--max-text-words",
                 "6",
+                "--warmup",
+                "2",
                 "--json",
                 str(out_json),
             ]
         )
         == 0
     )
-    out = [line for line in capsys.readouterr().out.splitlines() if "(raylet)" not in line]  # (Ray's own lines)
+    printed = capsys.readouterr()
+    # the warm-up ran on each policy's replicas and is not among the 6 measured requests (asserted below)
+    assert re.findall(r"\[(\S+)\] warm-up: (\d+) requests, not measured", printed.err) == [
+        (p, "2") for p in POLICIES
+    ], printed.err
+    out = [line for line in printed.out.splitlines() if "(raylet)" not in line]  # (Ray's own lines)
     out = out[next(i for i, line in enumerate(out) if line.startswith("workload ")) :]
 
     assert re.match(r"workload sessions, 2 replicas of .*, 6 requests \(0 turns too long", out[0]), out[0]
+    assert out[0].endswith("after a warm-up of about 2 requests"), out[0]
     assert out[1].split() == [
         "policy",
         "tok/step",

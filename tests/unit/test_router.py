@@ -847,6 +847,64 @@ def test_the_closed_loop_simulation_sends_the_live_bench_s_requests():
     assert four.seconds < one.seconds and four == simulate("least-loaded", "mixed", 2, model=m, clients=4, requests=12)
 
 
+def test_the_live_bench_s_warm_up_is_the_next_whole_sessions_and_leaves_the_measured_requests_as_they_are():
+    """``--warmup W`` sends about W of the workload's requests that follow the measured ones, each session from its
+    first turn (the measured cut's session is skipped, never finished), and the measured plan does not change."""
+    from specdist.bench.router_live import plan, warmup_plan
+
+    assert warmup_plan("mixed", 32, 0, 0.1).groups == []
+    for workload, requests in (("mixed", 32), ("sessions", 20), ("chat", 9)):
+        measured = plan(workload, requests, 0.1)
+        warm = warmup_plan(workload, requests, 8, 0.1)
+        warm_turns = [t for g in warm.groups for t in g]
+        assert len(warm_turns) == 8, (workload, len(warm_turns))
+        assert plan(workload, requests, 0.1) == measured
+        measured_ids = {t.rid for g in measured.groups for t in g}
+        assert not measured_ids & {t.rid for t in warm_turns}
+        assert all(g[0].rid.endswith("-t0") for g in warm.groups)  # (each from its first turn: a whole prompt)
+        sessions = {t.session for g in measured.groups for t in g if t.session}
+        assert not sessions & {t.session for t in warm_turns if t.session}
+        after = [t for g in plan(workload, 1000, 0.1).groups[len(measured.groups) :] for t in g]
+        assert warm_turns == after[:8]  # (the next sessions' requests, in file order)
+    # the 20th request cuts a session short (so the case above is the skip) and the 6th one a session longer than
+    # two warm-up requests: those still come, from the sessions after it
+    assert len(plan("sessions", 20, 0.1).groups[-1]) < len(plan("sessions", 40, 0.1).groups[-2])
+    assert [len(g) for g in plan("sessions", 6, 0.1).groups] == [5, 1]
+    assert [t.rid for g in warmup_plan("sessions", 6, 2, 0.1).groups for t in g] == [
+        t.rid for g in plan("sessions", 100, 0.1).groups[2:] for t in g
+    ][:2]
+
+
+def test_bench_router_warm_up_is_counted_and_for_real_replicas(tmp_path, monkeypatch, capsys):
+    """``--warmup W`` reaches each policy's live run and the recorded settings; a negative count, or one with
+    ``--simulate`` (simulated replicas have no first-call costs), is a one-line error."""
+    import yaml
+
+    from specdist.bench import router_live
+    from specdist.bench.router_sim import PolicyResult
+    from specdist.cli import main
+
+    warmups = []
+
+    def run_policy(policy, *args, **kwargs):
+        warmups.append(args[-1])
+        return PolicyResult(policy, 8, 80, 1.0, 0.5, 0, 100, 0.1, 0.2, 1.0, 2.0, 10.0, 8.0, {"a": 8}), []
+
+    monkeypatch.setattr(router_live, "run_policy", run_policy)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"cluster": {"enabled": True, "replicas": 2}}))
+    out = tmp_path / "r.json"
+    argv = ["bench", "router", "--config", str(cfg), "--policies", "speculative,least-loaded"]
+    assert main([*argv, "--warmup", "8", "--json", str(out)]) == 0
+    assert warmups == [8, 8] and json.loads(out.read_text())["settings"]["warmup"] == 8
+    assert "after a warm-up of about 8 requests" in capsys.readouterr().out
+    for bad in (["--warmup", "-1"], ["--simulate", "2", "--warmup", "4"]):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "--warmup" in err and "Traceback" not in err, err
+
+
 def test_mixed_closed_loop_on_the_live_replicas_costs():
     """Issue 51's mixed bench as the live bench sends it (closed-loop clients, 32 requests, outputs at 0.1), on
     replicas costing what the live ones measured (``--cost-model cpu``): e2e p99 <= 0.9x least-loaded's, output
